@@ -1,0 +1,32 @@
+"""Make PyTorch code adapt to the memory it has.
+
+An out-of-memory error becomes a smaller batch instead of a crash: decorate a
+function with :func:`batch`, or wrap a block in :func:`attempts`.
+"""
+
+from koila_retry._cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
+from koila_retry._detect import is_oom
+from koila_retry._engine import Attempt, OOMEvent, Stats
+from koila_retry._frontends import Batched, attempts, batch
+from koila_retry._memory import free_memory, release
+from koila_retry._version import __version__
+from koila_retry.exceptions import BatchSizeExhausted
+
+__all__ = [
+    "Attempt",
+    "BatchSizeExhausted",
+    "Batched",
+    "CacheInfo",
+    "GlobalCache",
+    "NoCache",
+    "OOMEvent",
+    "SizeCache",
+    "StackMemoryCache",
+    "Stats",
+    "__version__",
+    "attempts",
+    "batch",
+    "free_memory",
+    "is_oom",
+    "release",
+]

@@ -1,0 +1,55 @@
+"""The command line: ``python -m koila_retry demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from koila_retry._version import __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv (sequence of str, optional): the arguments; default ``sys.argv[1:]``.
+
+    Returns:
+        int: the exit status.
+    """
+    parser = argparse.ArgumentParser(prog="python -m koila_retry", description="koila-retry: OOM becomes a smaller batch.")
+    parser.add_argument("--version", action="version", version=f"koila-retry {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser("demo", help="train a small model in a simulated device that is too small for its batch")
+    demo.add_argument("--memory", default="48MiB", help="the simulated device's memory (default: 48MiB)")
+    demo.add_argument("--initial", type=int, default=8192, help="the batch size to start from (default: 8192)")
+    demo.add_argument("--epochs", type=int, default=3, help="how many epochs to train (default: 3)")
+    demo.add_argument("-v", "--verbose", action="store_true", help="also show koila_retry's log")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from koila_retry._demo import run_demo
+        from koila_retry._units import parse_bytes
+
+        if args.verbose:
+            logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        try:
+            parse_bytes(args.memory)
+            if args.initial < 1 or args.epochs < 1:
+                raise ValueError(f"--initial and --epochs must be >= 1, got {args.initial} and {args.epochs}")
+        except (TypeError, ValueError) as exc:
+            parser.error(str(exc))
+        from koila_retry.exceptions import BatchSizeExhausted
+
+        try:
+            run_demo(limit=args.memory, initial=args.initial, epochs=args.epochs)
+        except BatchSizeExhausted as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The retry engine that every front end drives.
+
+A :class:`Controller` holds one wrapper's policy, cache and statistics; each call
+gets a :class:`Attempt`, which is both the iterator over attempts and the context
+manager of the current attempt::
+
+    for attempt in controller.start(function, caller, device):
+        with attempt:
+            result = work(attempt.batch_size)
+
+``__exit__`` only classifies the error and records the failed size: it runs while
+the exception, and through its traceback every frame and tensor of the failed
+attempt, is still alive. Memory is released in ``__next__``, after the ``with``
+statement has dropped the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+
+import torch
+
+from koila_retry import _memory, _tracking
+from koila_retry._cache import SizeCache
+from koila_retry._counter import Counter
+from koila_retry._detect import is_oom
+from koila_retry._units import format_bytes
+from koila_retry.exceptions import BatchSizeExhausted
+
+__all__ = ["DEFAULT_INITIAL", "Controller", "OOMEvent", "Attempt", "Stats", "next_batch_size"]
+
+DEFAULT_INITIAL = 512
+
+logger = logging.getLogger("koila_retry")
+
+
+@dataclass(frozen=True)
+class OOMEvent:
+    """What an ``on_oom`` hook is told about one out-of-memory failure.
+
+    It never holds the exception: an exception's traceback would keep the failed
+    attempt's tensors alive.
+
+    Attributes:
+        function (str): the qualified name of the decorated function or block.
+        batch_size (int): the size that ran out of memory.
+        next_batch_size (int or None): the size tried next, ``None`` if the call
+            gives up and raises :class:`BatchSizeExhausted`.
+        attempt (int): the number of the failed attempt within the call, from 1.
+        device (torch.device): the device the call runs on.
+        free_bytes (int): free memory on the device after releasing the failed
+            attempt's memory.
+        seconds (float): time spent in the failed attempt and the release.
+        where (str): the file, line and function where the error was raised.
+
+    .. versionadded:: 0.1.0
+    """
+
+    function: str
+    batch_size: int
+    next_batch_size: int | None
+    attempt: int
+    device: torch.device
+    free_bytes: int
+    seconds: float
+    where: str
+
+
+OnOOM = Callable[[OOMEvent], object]
+
+
+class Stats:
+    """Counters of one decorated function, updated as it is called.
+
+    Attributes:
+        calls (int): calls started.
+        ooms (int): out-of-memory failures recovered from or given up on.
+        exhausted (int): calls that raised :class:`BatchSizeExhausted`.
+        batch_size (int): the size of the latest attempt.
+        seconds_lost (float): time spent in failed attempts and in releasing
+            their memory.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self._calls = Counter()
+        self._lock = threading.Lock()
+        self.batch_size = batch_size
+        self.ooms = 0
+        self.exhausted = 0
+        self.seconds_lost = 0.0
+
+    @property
+    def calls(self) -> int:
+        return self._calls.value
+
+    def record_oom(self, seconds: float, next_size: int | None) -> None:
+        """Count one out-of-memory failure and the time it cost."""
+        with self._lock:
+            self.ooms += 1
+            self.seconds_lost += seconds
+            if next_size is None:
+                self.exhausted += 1
+            else:
+                self.batch_size = next_size
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the counters as a dict, the failure counters read consistently."""
+        with self._lock:
+            return {
+                "calls": self.calls,
+                "ooms": self.ooms,
+                "exhausted": self.exhausted,
+                "batch_size": self.batch_size,
+                "seconds_lost": self.seconds_lost,
+            }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in self.as_dict().items())
+        return f"Stats({fields})"
+
+
+def next_batch_size(failed: int, minimum: int) -> int | None:
+    """Return the size to try after ``failed`` ran out of memory, or ``None``.
+
+    The next size is the largest power of two strictly below ``failed`` (500 →
+    256, 256 → 128), raised to ``minimum`` if it falls below it. ``None`` means
+    ``failed`` was already the minimum: there is nothing smaller to try.
+
+    Args:
+        failed (int): the size that ran out of memory.
+        minimum (int): the smallest size allowed.
+
+    Returns:
+        int or None: the next size, or ``None`` when the schedule is exhausted.
+    """
+    if failed <= minimum:
+        return None
+    return max(1 << ((failed - 1).bit_length() - 1), minimum)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class Controller:
+    """The retry policy, cache and statistics of one decorated function or block.
+
+    Args:
+        name (str): how logs, events and errors name the function.
+        initial (int): the first size to try when the cache knows none.
+        minimum (int): the smallest size to try.
+        cache (SizeCache): where sizes that worked are remembered.
+        max_attempts (int, optional): the most attempts one call may make.
+        on_oom (callable, optional): called with an :class:`OOMEvent` after each
+            out-of-memory failure, once its memory has been released.
+
+    Raises:
+        TypeError: if a size is not an int, ``cache`` is not a cache or
+            ``on_oom`` is not callable.
+        ValueError: if a size is below 1 or ``minimum`` exceeds ``initial``.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        initial: int,
+        minimum: int = 1,
+        cache: SizeCache,
+        max_attempts: int | None = None,
+        on_oom: OnOOM | None = None,
+    ) -> None:
+        self.initial = _positive_int("initial", initial)
+        self.minimum = _positive_int("minimum", minimum)
+        if minimum > initial:
+            raise ValueError(f"minimum ({minimum}) must not exceed initial ({initial})")
+        if max_attempts is not None:
+            _positive_int("max_attempts", max_attempts)
+        if not isinstance(cache, SizeCache):
+            raise TypeError(
+                "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or "
+                f"another SizeCache), got {type(cache).__name__}"
+            )
+        if on_oom is not None and not callable(on_oom):
+            raise TypeError(f"on_oom must be callable, got {type(on_oom).__name__} {on_oom!r}")
+        self.name = name
+        self.max_attempts = max_attempts
+        self.cache = cache
+        self.on_oom = on_oom
+        self.stats = Stats(batch_size=initial)
+        self._count_call = self.stats._calls.increment
+
+    def start(self, function: object, caller: FrameType | None, device: torch.device) -> Attempt:
+        """Begin one call: look up the starting size and return its attempts.
+
+        Args:
+            function (object): what the cache key names (a function or code object).
+            caller (FrameType or None): the frame that made the call.
+            device (torch.device): the device the call runs on.
+
+        Returns:
+            Attempt: the iterator of attempts.
+        """
+        key = self.cache.key(function, caller, device)
+        cached = self.cache.lookup(key) if key is not None else None
+        if cached is None:
+            size = self.initial
+        else:  # another wrapper sharing the cache may have stored a size out of our range
+            size = cached if self.minimum <= cached <= self.initial else min(max(cached, self.minimum), self.initial)
+        self._count_call()
+        self.stats.batch_size = size
+        return Attempt(self, key, size, cached, device)
+
+    def next_size(self, failed: int, attempt: int) -> int | None:
+        """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
+        if self.max_attempts is not None and attempt >= self.max_attempts:
+            return None
+        return next_batch_size(failed, self.minimum)
+
+
+_READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
+
+
+class Attempt:
+    """The attempts of one call: iterate it, and run each attempt's body in ``with``.
+
+    The iterator and the current attempt are one object, so a call allocates one.
+
+    .. versionadded:: 0.1.0
+
+    Attributes:
+        batch_size (int): the size the current attempt must use.
+        number (int): the current attempt's number, from 1.
+    """
+
+    __slots__ = ("_cached", "_controller", "_device", "_failure", "_key", "_started", "_state", "batch_size", "number")
+
+    def __init__(
+        self, controller: Controller, key: Hashable | None, size: int, cached: int | None, device: torch.device
+    ) -> None:
+        self._controller = controller
+        self._key = key
+        self._cached = cached
+        self._device = device
+        self._state = _READY
+        self._failure: _Failure | None = None  # made on the first failure: none on the happy path
+        self.batch_size = size
+        self.number = 0
+
+    @property
+    def stats(self) -> Stats:
+        """The statistics of the controller this run belongs to."""
+        return self._controller.stats
+
+    def __iter__(self) -> Iterator[Attempt]:
+        # A generator, so that ending the loop costs no StopIteration raised in Python.
+        self.number = 1
+        yield self
+        while self._state == _FAILED:
+            yield self._recover()
+        if self._state != _SUCCEEDED:
+            raise RuntimeError("each attempt must run its body inside `with attempt:`")
+
+    def __enter__(self) -> Attempt:
+        self._state = _RUNNING
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            self._state = _SUCCEEDED
+            if self._key is not None and self._cached != self.batch_size:
+                self._controller.cache[self._key] = self.batch_size
+            return False
+        if not is_oom(exc):
+            self._state = _READY  # the error propagates untouched and ends the run
+            return False
+        # Still inside exception handling: record plain values only, release nothing.
+        failure = self._failure
+        if failure is None:
+            failure = self._failure = _Failure()
+        failure.seconds += time.perf_counter() - self._started
+        failure.where = _where(tb)
+        failure.next_size = self._controller.next_size(self.batch_size, self.number)
+        if failure.next_size is None:
+            failure.final_oom = _detached(exc)
+        self._state = _FAILED
+        return True
+
+    def _recover(self) -> Attempt:
+        controller, failed, failure = self._controller, self.batch_size, self._failure
+        if failure is None:  # pragma: no cover - __exit__ sets both together
+            raise RuntimeError("an attempt was marked failed without a recorded failure")
+        next_size = failure.next_size
+        started = time.perf_counter()
+        _memory.release(self._device)
+        failure.seconds += time.perf_counter() - started
+        free = _memory.free_memory(self._device)
+        failure.tried.append(failed)
+        controller.stats.record_oom(failure.seconds, next_size)
+        event = OOMEvent(
+            function=controller.name,
+            batch_size=failed,
+            next_batch_size=next_size,
+            attempt=self.number,
+            device=self._device,
+            free_bytes=free,
+            seconds=failure.seconds,
+            where=failure.where,
+        )
+        failure.seconds = 0.0
+        if next_size is None:
+            logger.info("%s: out of memory at batch size %d; giving up", controller.name, failed)
+        else:
+            logger.info(
+                "%s: out of memory at batch size %d (%s), retrying at %d with %s free on %s",
+                controller.name,
+                failed,
+                failure.where,
+                next_size,
+                format_bytes(free),
+                self._device,
+            )
+        if controller.on_oom is not None:
+            controller.on_oom(event)
+        if next_size is None:
+            cause, failure.final_oom = failure.final_oom, None
+            raise BatchSizeExhausted(
+                self._exhausted_message(failure, free), batch_size=failed, attempts=self.number
+            ) from cause
+        self.batch_size = next_size
+        self.number += 1
+        self._state = _READY
+        return self
+
+    def _exhausted_message(self, failure: _Failure, free: int) -> str:
+        controller, failed = self._controller, self.batch_size
+        tried = " -> ".join(str(size) for size in failure.tried)
+        if failed > controller.minimum:
+            reason = f"gave up after max_attempts={controller.max_attempts} attempts"
+        else:
+            reason = f"batch size {failed} is the minimum"
+        return (
+            f"{controller.name}: out of memory at every batch size tried ({tried}); {reason}. "
+            f"The last error was raised at {failure.where}. {_memory_summary(self._device, free)}"
+        )
+
+
+class _Failure:
+    """What a call keeps of its failed attempts: plain values, never the exception.
+
+    The one exception kept, ``final_oom``, is the cause of the coming
+    :class:`BatchSizeExhausted`, stripped of its traceback first.
+    """
+
+    __slots__ = ("final_oom", "next_size", "seconds", "tried", "where")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.where = ""
+        self.next_size: int | None = None
+        self.final_oom: BaseException | None = None
+        self.tried: list[int] = []
+
+
+def _memory_summary(device: torch.device, free: int) -> str:
+    parts = [f"{format_bytes(free)} free on {device}"]
+    simulated = _tracking.simulated.free()
+    if simulated is not None:
+        parts.append("(a simulated device)")
+    elif device.type not in ("cpu", "meta") and torch.accelerator.is_available():
+        allocated = torch.accelerator.memory_allocated(device)
+        reserved = torch.accelerator.memory_reserved(device)
+        parts.append(
+            f"with {format_bytes(allocated)} allocated by tensors and {format_bytes(reserved)} "
+            "reserved by PyTorch's caching allocator"
+        )
+    return " ".join(parts) + "."
+
+
+def _where(tb: TracebackType | None) -> str:
+    if tb is None:
+        return "an unknown place"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+
+
+def _detached(exc: BaseException) -> BaseException:
+    # The cause of BatchSizeExhausted must not pin the failed attempt: drop the
+    # traceback (frames, and through them tensors) and the chained exceptions,
+    # whose tracebacks would do the same.
+    exc.__traceback__ = None
+    exc.__context__ = None
+    exc.__cause__ = None
+    return exc

@@ -1,0 +1,173 @@
+"""Free memory per device, and releasing memory after a failed attempt."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Union
+
+import psutil
+import torch
+
+from koila_retry import _tracking
+
+try:
+    import resource
+except ImportError:  # Windows has no address-space limit to respect
+    resource = None  # type: ignore[assignment]
+
+DeviceLike = Union[torch.device, str, int, None]
+
+_CPU = torch.device("cpu")
+_PROCESS = psutil.Process()
+
+# Free-memory readings reused for cache keys. Reading system memory costs ~80 us, far
+# more than a cached call may, so a reading is reused for a short while and forgotten
+# whenever memory is released.
+FREE_MEMORY_TTL = 1.0
+_free_readings: dict[torch.device, tuple[float, int]] = {}
+
+
+def resolve_device(device: DeviceLike = None) -> torch.device:
+    """Turn a device argument into a ``torch.device`` with an index.
+
+    ``None`` means the current accelerator device (``torch.accelerator``) when one
+    is available, else the CPU. An int is an index of the current accelerator.
+
+    Args:
+        device (torch.device, str, int or None): the device to resolve.
+
+    Returns:
+        torch.device: the device, with an index for accelerators.
+
+    Raises:
+        ValueError: if ``device`` is not a device PyTorch knows, or is an
+            accelerator index while no accelerator is available.
+    """
+    if device is None:
+        if not torch.accelerator.is_available():
+            return _CPU
+        return _indexed(torch.accelerator.current_accelerator())
+    if isinstance(device, torch.device):
+        resolved = device
+    elif isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(
+            f"device must be a torch.device, a str such as 'cuda:1', an int index or None, "
+            f"got {type(device).__name__} {device!r}"
+        )
+    elif isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device index must be >= 0, got {device}")
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise ValueError(f"device index {device} given, but no accelerator is available")
+        resolved = torch.device(accelerator.type, device)
+    else:
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"{device!r} is not a device PyTorch knows: {exc}") from None
+    return _indexed(resolved)
+
+
+def _indexed(device: torch.device | None) -> torch.device:
+    if device is None:
+        return _CPU
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == device.type:
+            return torch.device(device.type, torch.accelerator.current_device_index())
+    return torch.device(device.type, 0)
+
+
+def free_memory(device: DeviceLike = None) -> int:
+    """Return how many bytes this process can still allocate on a device.
+
+    On CUDA and other accelerators: the device's free memory plus what PyTorch's
+    caching allocator holds reserved but unallocated (blocks it can reuse without
+    asking the driver). On the CPU: the memory the operating system reports
+    available, capped by what is left of the process's ``RLIMIT_AS`` address-space
+    limit. Inside :func:`koila_retry.testing.simulated_device`, the simulated
+    device's free bytes, whatever ``device`` says.
+
+    Args:
+        device (torch.device, str, int or None): the device; ``None`` means the
+            current accelerator device, or the CPU when there is none.
+
+    Returns:
+        int: free bytes, never negative.
+
+    Raises:
+        ValueError: if ``device`` is not a device PyTorch knows, or is of a type
+            this process has no accelerator for.
+    """
+    simulated = _tracking.simulated.free()
+    if simulated is not None:
+        return simulated
+    return _device_free(resolve_device(device))
+
+
+def _device_free(device: torch.device) -> int:
+    if device.type == "cpu":
+        return _cpu_free()
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != device.type:
+        raise ValueError(f"cannot read free memory of {device}: this process has no {device.type} device")
+    free, _total = torch.accelerator.get_memory_info(device)
+    reusable = torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device)
+    return max(free + reusable, 0)
+
+
+def _cpu_free() -> int:
+    available: int = psutil.virtual_memory().available
+    if resource is not None:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            available = min(available, soft - _PROCESS.memory_info().vms)
+    return max(available, 0)
+
+
+def recent_free_memory(device: torch.device) -> int:
+    """Return the device's free bytes, reusing a reading younger than ``FREE_MEMORY_TTL``."""
+    if _tracking.simulated.active:
+        return _tracking.simulated.active[-1]()
+    now = time.monotonic()
+    reading = _free_readings.get(device)
+    if reading is not None and now < reading[0]:
+        return reading[1]
+    free = _device_free(device)
+    _free_readings[device] = (now + FREE_MEMORY_TTL, free)
+    return free
+
+
+def forget_free_memory() -> None:
+    """Drop every reused free-memory reading, so the next one is fresh."""
+    _free_readings.clear()
+
+
+def release(device: DeviceLike = None) -> None:
+    """Give memory that nothing references any more back to the device.
+
+    Runs a full garbage collection (tensors held only by reference cycles, such
+    as frames of a failed attempt, are freed) and empties the caching allocator
+    of the device's backend, so other processes and differently sized blocks can
+    use the memory. Call it after leaving an ``except`` block: inside one, the
+    traceback still holds the failed frames and their tensors.
+
+    Args:
+        device (torch.device, str, int or None): the device whose cache to empty;
+            ``None`` means the current accelerator device, if any.
+
+    Raises:
+        ValueError: if ``device`` is not a device PyTorch knows.
+    """
+    resolved = resolve_device(device)
+    gc.collect()
+    if resolved.type not in ("cpu", "meta") and torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == resolved.type:
+            with torch.accelerator.device_index(resolved.index):
+                torch.accelerator.empty_cache()
+    forget_free_memory()

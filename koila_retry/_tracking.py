@@ -1,0 +1,114 @@
+"""Live-storage accounting: the bytes of tensor storages alive at each moment.
+
+One dispatch mode counts every storage created while it is active and forgets it
+when the storage is freed. ``koila_retry.testing.simulated_device`` enforces a limit
+on top of it; the estimator reuses it on fake tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Called with (bytes about to become live, bytes live now) before new storages are
+# counted; raising refuses the allocation.
+AllocationCheck = Callable[[int, int], None]
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Count the bytes of storages that operators create while the mode is active.
+
+    Storages are deduplicated (views and in-place results add nothing) and
+    forgotten through a weak reference when PyTorch frees them. Meta tensors and
+    tensors without a storage are not counted.
+
+    Args:
+        check (callable, optional): called as ``check(new_bytes, live_bytes)``
+            after each operator that created storages, before they are counted.
+            If it raises, the new storages are dropped and the exception
+            propagates from the operator, like a failed allocation.
+    """
+
+    def __init__(self, check: AllocationCheck | None = None) -> None:
+        super().__init__()
+        self._check = check
+        self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        """Set the peak to the bytes live now."""
+        self.peak = self.live
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        fresh = self._fresh_storages(out)
+        if not fresh:
+            return out
+        new_bytes = sum(storage.nbytes() for storage in fresh)
+        if self._check is not None:
+            try:
+                self._check(new_bytes, self.live)
+            except BaseException:
+                # Like a failed allocation, the refused result must not outlive the
+                # error: neither this frame nor the list may keep it.
+                del out, fresh
+                raise
+        for storage in fresh:
+            self._add(storage)
+        return out
+
+    def _fresh_storages(self, out: Any) -> list[torch.UntypedStorage]:
+        fresh: dict[int, torch.UntypedStorage] = {}
+        for leaf in tree_flatten(out)[0]:
+            if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+                continue
+            try:
+                storage = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # sparse, nested and other storage-less layouts
+            key = id(storage)
+            if key not in self._storages and key not in fresh:
+                fresh[key] = storage
+        return list(fresh.values())
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+
+        def forget(_: object) -> None:
+            with self._lock:
+                if self._storages.pop(key, None) is not None:
+                    self.live -= nbytes
+
+        with self._lock:
+            self._storages[key] = weakref.ref(storage, forget)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+
+class _SimulatedRegistry:
+    """The simulated devices active in this process, innermost last."""
+
+    def __init__(self) -> None:
+        self.active: list[Callable[[], int]] = []
+
+    def free(self) -> int | None:
+        return self.active[-1]() if self.active else None
+
+
+# ``free_memory`` reports the innermost simulated device's free bytes while one is
+# active, so caches and the estimator see the memory the test simulates.
+simulated = _SimulatedRegistry()

@@ -1,0 +1,73 @@
+"""Parse and format byte counts ("512MiB", 2.00 GiB)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str) -> int:
+    """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` to bytes.
+
+    Binary units (KiB, MiB, GiB, TiB and the bare K, M, G, T) are powers of 1024;
+    decimal units (KB, MB, GB, TB) are powers of 1000.
+
+    Args:
+        value (int or str): a non-negative number of bytes, or a number followed
+            by a unit.
+
+    Returns:
+        int: the number of bytes.
+
+    Raises:
+        TypeError: if ``value`` is neither an int nor a str.
+        ValueError: if ``value`` is negative or not a size this function knows.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a memory size must be an int or a str like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a memory size must be >= 0 bytes, got {value}")
+        return value
+    match = _PATTERN.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a memory size; use a number of bytes or a number "
+            "with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(count: int | float) -> str:
+    """Format a byte count the way PyTorch's OOM messages do (``"2.00 GiB"``).
+
+    Args:
+        count (int or float): a number of bytes; negative counts keep their sign.
+
+    Returns:
+        str: the count in the largest binary unit that keeps it at or above 1.
+    """
+    size = float(count)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{int(size)} bytes" if unit == "bytes" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size:.2f} TiB"

@@ -1,0 +1,264 @@
+"""Out-of-memory errors on demand, for this project's tests and yours.
+
+* :func:`simulated_device` gives a block of code a memory limit. Real models run
+  forward and backward for real on the CPU, every storage they create is counted,
+  and an allocation past the limit raises a genuine ``torch.OutOfMemoryError``
+  with the CUDA message, deterministically, on any machine.
+* :func:`oom_above` and :func:`oom_for` raise realistic out-of-memory errors at
+  chosen batch sizes or calls, for unit tests that need no tensors.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from types import TracebackType
+
+import torch
+
+from koila_retry._tracking import LiveStorageTracker, simulated
+from koila_retry._units import format_bytes, parse_bytes
+
+__all__ = ["OOMInjector", "SimulatedDevice", "make_oom", "oom_above", "oom_for", "simulated_device"]
+
+_KINDS = ("cuda", "cpu", "mps")
+
+
+def make_oom(kind: str = "cuda", nbytes: int = 2**31) -> RuntimeError:
+    """Return an out-of-memory error as PyTorch raises it on a kind of device.
+
+    Args:
+        kind (str): ``"cuda"`` for the caching allocator's
+            ``torch.OutOfMemoryError``; ``"cpu"`` for the CPU allocator's plain
+            ``RuntimeError`` (Linux message); ``"mps"`` for Apple's.
+        nbytes (int): the size of the allocation that failed.
+
+    Returns:
+        RuntimeError: the error, not raised.
+
+    Raises:
+        ValueError: if ``kind`` is not one of the kinds above.
+    """
+    if kind == "cuda":
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. GPU 0 has a total capacity of "
+            "79.25 GiB of which 1.06 GiB is free. Of the allocated memory 76.73 GiB is allocated by "
+            "PyTorch, and 723.41 MiB is reserved by PyTorch but unallocated."
+        )
+    if kind == "cpu":
+        return RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            f"you tried to allocate {nbytes} bytes. Error code 12 (Cannot allocate memory)"
+        )
+    if kind == "mps":
+        return RuntimeError(
+            "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.23 GB, max allowed: "
+            f"18.13 GB). Tried to allocate {format_bytes(nbytes)} on private pool."
+        )
+    raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+
+
+class SimulatedDevice:
+    """A memory limit on the tensors a block of code creates; see :func:`simulated_device`.
+
+    Attributes:
+        limit (int): the limit in bytes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._tracker: LiveStorageTracker | None = None
+        self._peak = 0
+
+    @property
+    def live(self) -> int:
+        """Bytes of storages created inside the block that are still alive."""
+        return self._tracker.live if self._tracker is not None else 0
+
+    @property
+    def peak(self) -> int:
+        """The most bytes that were alive at once since entering (or :meth:`reset_peak`)."""
+        return self._tracker.peak if self._tracker is not None else self._peak
+
+    @property
+    def free(self) -> int:
+        """Bytes that can still be allocated before the limit."""
+        return max(self.limit - self.live, 0)
+
+    def reset_peak(self) -> None:
+        """Make the peak the bytes alive now."""
+        if self._tracker is not None:
+            self._tracker.reset_peak()
+
+    def _check(self, new_bytes: int, live: int) -> None:
+        if live + new_bytes > self.limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {format_bytes(new_bytes)}. Simulated device has a "
+                f"total capacity of {format_bytes(self.limit)} of which {format_bytes(self.limit - live)} "
+                f"is free. {format_bytes(live)} is allocated by tensors created under "
+                "koila_retry.testing.simulated_device."
+            )
+
+    def __enter__(self) -> SimulatedDevice:
+        if self._tracker is not None:
+            raise RuntimeError("this simulated device is already active; make a new one to nest")
+        self._tracker = LiveStorageTracker(check=self._check)
+        self._tracker.__enter__()
+        simulated.active.append(lambda: self.free)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        tracker, self._tracker = self._tracker, None
+        simulated.active.pop()
+        if tracker is not None:
+            self._peak = tracker.peak
+            tracker.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return (
+            f"SimulatedDevice(limit={format_bytes(self.limit)}, live={format_bytes(self.live)}, "
+            f"peak={format_bytes(self.peak)})"
+        )
+
+
+def simulated_device(limit: int | str) -> SimulatedDevice:
+    """Limit the memory of the tensors created inside a ``with`` block.
+
+    Inside the block, every storage an operator creates (forward, backward,
+    optimizer steps, factory functions) counts against ``limit`` until it is
+    freed; views and in-place results count nothing extra. An operator that
+    would go past the limit raises ``torch.OutOfMemoryError`` with a CUDA-style
+    message, and its result is dropped, as if the allocation had failed.
+    Tensors created before the block, or in other threads, do not count.
+    While the block is active, :func:`koila_retry.free_memory` reports the
+    simulated free memory.
+
+    Args:
+        limit (int or str): bytes, or a size such as ``"512MiB"`` or ``"2GB"``.
+
+    Returns:
+        SimulatedDevice: a context manager with ``live``, ``peak``, ``free``
+        and ``limit``.
+
+    Raises:
+        TypeError: if ``limit`` is neither an int nor a str.
+        ValueError: if ``limit`` is negative or not a size.
+
+    Example::
+
+        >>> import torch
+        >>> from koila_retry.testing import simulated_device
+        >>> with simulated_device("1MiB") as device:
+        ...     small = torch.zeros(1024)  # 4 KiB
+        ...     device.live
+        4096
+        >>> with simulated_device("1MiB"):
+        ...     torch.zeros(1024, 1024)  # 4 MiB
+        Traceback (most recent call last):
+        ...
+        torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 MiB. ...
+    """
+    return SimulatedDevice(parse_bytes(limit))
+
+
+class OOMInjector:
+    """A callable that raises an out-of-memory error on chosen calls.
+
+    Call it inside the code under test, with the batch size if it decides by
+    size. ``calls`` counts the calls and ``raised`` the errors raised.
+    """
+
+    def __init__(self, *, above: int | None = None, on_calls: frozenset[int] | None = None, kind: str) -> None:
+        make_oom(kind)  # validates kind
+        self._above = above
+        self._on_calls = on_calls
+        self._kind = kind
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.raised = 0
+
+    def __call__(self, batch_size: int | None = None) -> None:
+        """Count a call, and raise an out-of-memory error if this call is chosen.
+
+        Args:
+            batch_size (int, optional): the size in use; required by
+                :func:`oom_above` injectors.
+
+        Raises:
+            RuntimeError: the out-of-memory error (``torch.OutOfMemoryError``
+                for ``kind="cuda"``), when this call is chosen.
+            TypeError: if an :func:`oom_above` injector is called without a size.
+        """
+        with self._lock:
+            self.calls += 1
+            if self._above is not None:
+                if batch_size is None:
+                    raise TypeError("an oom_above() injector must be called with the batch size")
+                fail = batch_size > self._above
+            else:
+                fail = self._on_calls is not None and self.calls in self._on_calls
+            if fail:
+                self.raised += 1
+        if fail:
+            raise make_oom(self._kind)
+
+
+def oom_above(limit: int, *, kind: str = "cuda") -> OOMInjector:
+    """Return an injector that raises out-of-memory errors for sizes above ``limit``.
+
+    Args:
+        limit (int): the largest batch size that "fits".
+        kind (str): the kind of error, as in :func:`make_oom`.
+
+    Returns:
+        OOMInjector: call it as ``inject(batch_size)``.
+
+    Raises:
+        ValueError: if ``limit`` is negative or ``kind`` unknown.
+
+    Example::
+
+        >>> import koila_retry as koila
+        >>> from koila_retry.testing import oom_above
+        >>> fits = oom_above(100)
+        >>> @koila.batch(initial=1000)
+        ... def run(batch_size):
+        ...     fits(batch_size)
+        ...     return batch_size
+        >>> run()
+        64
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be an int >= 0, got {limit!r}")
+    return OOMInjector(above=limit, kind=kind)
+
+
+def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
+    """Return an injector that raises out-of-memory errors on chosen calls.
+
+    Args:
+        calls (int or iterable of int): an int ``n`` fails the first ``n`` calls;
+            an iterable gives the numbers of the calls to fail, counting from 1.
+        kind (str): the kind of error, as in :func:`make_oom`.
+
+    Returns:
+        OOMInjector: call it as ``inject()``.
+
+    Raises:
+        ValueError: if a count or call number is below the allowed range, or
+            ``kind`` is unknown.
+    """
+    if isinstance(calls, int) and not isinstance(calls, bool):
+        if calls < 0:
+            raise ValueError(f"calls must be >= 0, got {calls}")
+        chosen = frozenset(range(1, calls + 1))
+    else:
+        chosen = frozenset(calls)
+        bad = sorted(number for number in chosen if isinstance(number, bool) or not isinstance(number, int) or number < 1)
+        if bad:
+            raise ValueError(f"call numbers count from 1, got {bad}")
+    return OOMInjector(on_calls=chosen, kind=kind)
