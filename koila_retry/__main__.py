@@ -19,7 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         int: the exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m koila_retry", description="koila-retry: OOM becomes a smaller batch.")
+    parser = argparse.ArgumentParser(
+        prog="python -m koila_retry", description="koila-retry: OOM becomes a smaller batch."
+    )
     parser.add_argument("--version", action="version", version=f"koila-retry {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser("demo", help="train a small model in a simulated device that is too small for its batch")

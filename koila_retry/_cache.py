@@ -79,10 +79,11 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         try:
             size = self._sizes[key]
         except KeyError:
-            size = self._fallback(key)
-            if size is None:
+            fallback = self._fallback(key)
+            if fallback is None:
                 self._misses.increment()
                 return None
+            self[key] = size = fallback  # later calls find it directly
         self._hits.increment()
         self._recent = (key, size)
         return size
@@ -94,7 +95,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     def cache_info(self) -> CacheInfo:
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
-            return CacheInfo(self._hits.value, self._misses.value, self._sizes.maxsize, len(self._sizes))
+            return CacheInfo(self._hits.value, self._misses.value, int(self._sizes.maxsize), len(self._sizes))
 
     def cache_clear(self) -> None:
         """Forget every size and reset the hit and miss counts."""
@@ -197,7 +198,7 @@ class StackMemoryCache(SizeCache):
             return None
         head, bucket, tail = key[:2], key[2], key[3:]
         for more in range(1, self.fallback_buckets + 1):
-            size = self._sizes.get(head + (bucket + more,) + tail)
+            size = self._sizes.get((*head, bucket + more, *tail))
             if size is not None:
                 return size
         return None

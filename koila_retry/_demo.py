@@ -45,7 +45,7 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
             x, y = data[start : start + batch_size], targets[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             total += loss.item() * len(x)
         return total / rows

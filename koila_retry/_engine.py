@@ -32,7 +32,7 @@ from koila_retry._detect import is_oom
 from koila_retry._units import format_bytes
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["DEFAULT_INITIAL", "Controller", "OOMEvent", "Attempt", "Stats", "next_batch_size"]
+__all__ = ["DEFAULT_INITIAL", "Attempt", "Controller", "OOMEvent", "Stats", "next_batch_size"]
 
 DEFAULT_INITIAL = 512
 
@@ -308,7 +308,7 @@ class Attempt:
         started = time.perf_counter()
         _memory.release(self._device)
         failure.seconds += time.perf_counter() - started
-        free = _memory.free_memory(self._device)
+        free = _memory.recent_free_memory(self._device)  # fresh: release() forgot the old reading
         failure.tried.append(failed)
         controller.stats.record_oom(failure.seconds, next_size)
         event = OOMEvent(

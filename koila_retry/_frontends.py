@@ -11,7 +11,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 import torch
 
 from koila_retry._cache import CacheInfo, SizeCache, StackMemoryCache
-from koila_retry._engine import DEFAULT_INITIAL, Controller, OnOOM, Attempt, Stats
+from koila_retry._engine import DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
 from koila_retry._memory import DeviceLike, resolve_device
 
 __all__ = ["Batched", "attempts", "batch"]
@@ -154,6 +154,10 @@ def batch(
     with the largest power of two below the failed size, down to ``minimum``.
     The size that worked is remembered in ``cache``, so the next call from the
     same place starts there. ``async def`` functions work too.
+
+    The function must be safe to run again: if it calls ``backward()``, it should
+    zero the gradients first (``optimizer.zero_grad()``), because a backward that
+    ran out of memory half-way may already have written some of them.
 
     Use it bare (``@koila.batch``) or called (``@koila.batch(initial=256)``).
 

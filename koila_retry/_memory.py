@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Union
 
 import psutil
 import torch
@@ -16,9 +15,10 @@ try:
 except ImportError:  # Windows has no address-space limit to respect
     resource = None  # type: ignore[assignment]
 
-DeviceLike = Union[torch.device, str, int, None]
+DeviceLike = torch.device | str | int | None
 
 _CPU = torch.device("cpu")
+UNLIMITED = 2**63 - 1  # what free_memory reports for the meta device
 _PROCESS = psutil.Process()
 
 # Free-memory readings reused for cache keys. Reading system memory costs ~80 us, far
@@ -89,8 +89,9 @@ def free_memory(device: DeviceLike = None) -> int:
     caching allocator holds reserved but unallocated (blocks it can reuse without
     asking the driver). On the CPU: the memory the operating system reports
     available, capped by what is left of the process's ``RLIMIT_AS`` address-space
-    limit. Inside :func:`koila_retry.testing.simulated_device`, the simulated
-    device's free bytes, whatever ``device`` says.
+    limit. On the meta device, which stores no data, ``2**63 - 1``. Inside
+    :func:`koila_retry.testing.simulated_device`, the simulated device's free
+    bytes, whatever ``device`` says.
 
     Args:
         device (torch.device, str, int or None): the device; ``None`` means the
@@ -112,6 +113,8 @@ def free_memory(device: DeviceLike = None) -> int:
 def _device_free(device: torch.device) -> int:
     if device.type == "cpu":
         return _cpu_free()
+    if device.type == "meta":
+        return UNLIMITED  # meta tensors have shapes and no data
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None or accelerator.type != device.type:
         raise ValueError(f"cannot read free memory of {device}: this process has no {device.type} device")
@@ -130,14 +133,22 @@ def _cpu_free() -> int:
 
 
 def recent_free_memory(device: torch.device) -> int:
-    """Return the device's free bytes, reusing a reading younger than ``FREE_MEMORY_TTL``."""
+    """Return the device's free bytes, reusing a reading younger than ``FREE_MEMORY_TTL``.
+
+    Never raises: a device whose memory cannot be read (a backend without
+    ``torch.accelerator`` support) reads as ``-1``, so that a cache key or a log
+    line cannot break the user's call.
+    """
     if _tracking.simulated.active:
         return _tracking.simulated.active[-1]()
     now = time.monotonic()
     reading = _free_readings.get(device)
     if reading is not None and now < reading[0]:
         return reading[1]
-    free = _device_free(device)
+    try:
+        free = _device_free(device)
+    except (ValueError, RuntimeError):
+        free = -1
     _free_readings[device] = (now + FREE_MEMORY_TTL, free)
     return free
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 AllocationCheck = Callable[[int, int], None]
 
 
-class LiveStorageTracker(TorchDispatchMode):
+class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Count the bytes of storages that operators create while the mode is active.
 
     Storages are deduplicated (views and in-place results add nothing) and
@@ -36,7 +36,7 @@ class LiveStorageTracker(TorchDispatchMode):
     """
 
     def __init__(self, check: AllocationCheck | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._check = check
         self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()

@@ -105,7 +105,7 @@ class SimulatedDevice:
         if self._tracker is not None:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
         self._tracker = LiveStorageTracker(check=self._check)
-        self._tracker.__enter__()
+        self._tracker.__enter__()  # type: ignore[no-untyped-call]
         simulated.active.append(lambda: self.free)
         return self
 
@@ -116,7 +116,7 @@ class SimulatedDevice:
         simulated.active.pop()
         if tracker is not None:
             self._peak = tracker.peak
-            tracker.__exit__(exc_type, exc, tb)
+            tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         return (
@@ -252,13 +252,15 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
-    if isinstance(calls, int) and not isinstance(calls, bool):
+    if isinstance(calls, bool):
+        raise TypeError(f"calls must be an int or an iterable of ints, got {calls!r}")
+    if isinstance(calls, int):
         if calls < 0:
             raise ValueError(f"calls must be >= 0, got {calls}")
         chosen = frozenset(range(1, calls + 1))
     else:
         chosen = frozenset(calls)
-        bad = sorted(number for number in chosen if isinstance(number, bool) or not isinstance(number, int) or number < 1)
+        bad = [number for number in chosen if isinstance(number, bool) or not isinstance(number, int) or number < 1]
         if bad:
-            raise ValueError(f"call numbers count from 1, got {bad}")
+            raise ValueError(f"call numbers are ints counting from 1, got {sorted(bad, key=repr)}")
     return OOMInjector(on_calls=chosen, kind=kind)

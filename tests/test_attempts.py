@@ -1,0 +1,125 @@
+"""koila.attempts: retrying a block with smaller sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import koila_retry as koila
+from koila_retry.testing import make_oom, oom_above, simulated_device
+
+
+def test_block_retries_with_smaller_sizes_until_it_fits() -> None:
+    fits = oom_above(100)
+    tried: list[int] = []
+    for attempt in koila.attempts(initial=1000):
+        with attempt:
+            tried.append(attempt.batch_size)
+            fits(attempt.batch_size)
+    assert tried == [1000, 512, 256, 128, 64]
+    assert attempt.batch_size == 64
+    assert attempt.number == 5
+    assert attempt.stats.ooms == 4
+
+
+def test_success_ends_the_loop_at_once() -> None:
+    bodies = 0
+    for attempt in koila.attempts(initial=32):
+        with attempt:
+            bodies += 1
+    assert bodies == 1
+    assert attempt.batch_size == 32
+
+
+def test_exhaustion_raises_from_the_loop() -> None:
+    tried: list[int] = []
+    with pytest.raises(koila.BatchSizeExhausted, match=r"out of memory at every batch size tried \(4 -> 2 -> 1\)"):
+        for attempt in koila.attempts(initial=4):
+            with attempt:
+                tried.append(attempt.batch_size)
+                raise make_oom()
+    assert tried == [4, 2, 1]
+
+
+def test_other_errors_propagate_unchanged() -> None:
+    error = ValueError("not memory")
+    with pytest.raises(ValueError, match="not memory") as excinfo:
+        for attempt in koila.attempts(initial=4):
+            with attempt:
+                raise error
+    assert excinfo.value is error
+
+
+def test_iterating_without_with_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="inside `with attempt:`"):
+        for _attempt in koila.attempts(initial=4):
+            pass
+
+
+def _run_block(tried: list[int]) -> int:
+    fits = oom_above(10)
+    for attempt in koila.attempts(initial=64):
+        with attempt:
+            tried.append(attempt.batch_size)
+            fits(attempt.batch_size)
+    return attempt.batch_size
+
+
+def test_same_block_starts_from_the_cached_size() -> None:
+    tried: list[int] = []
+    assert _run_block(tried) == 8
+    assert tried == [64, 32, 16, 8]
+    assert _run_block(tried) == 8
+    assert tried[4:] == [8]
+
+
+def test_different_blocks_do_not_share_sizes() -> None:
+    sizes = []
+    for limit in (10, 1000):
+        fits = oom_above(limit)
+        for attempt in koila.attempts(initial=64):
+            with attempt:
+                fits(attempt.batch_size)
+        sizes.append(attempt.batch_size)
+    # One loop, two runs from the same line: the second starts where the first settled.
+    assert sizes == [8, 8]
+
+    fits = oom_above(1000)
+    for attempt in koila.attempts(initial=64):  # another line, another block
+        with attempt:
+            fits(attempt.batch_size)
+    assert attempt.batch_size == 64
+
+
+def test_explicit_cache_and_hook() -> None:
+    events: list[koila.OOMEvent] = []
+    cache = koila.GlobalCache()
+    fits = oom_above(3)
+    for attempt in koila.attempts(initial=16, cache=cache, on_oom=events.append):
+        with attempt:
+            fits(attempt.batch_size)
+    assert [e.batch_size for e in events] == [16, 8, 4]
+    assert events[0].function.startswith("block at ")
+    assert list(cache.values()) == [2]
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="initial must be >= 1, got 0"):
+        koila.attempts(initial=0)
+    with pytest.raises(TypeError, match="on_oom must be callable"):
+        koila.attempts(on_oom=5)  # type: ignore[arg-type]
+
+
+def test_inference_block_under_a_simulated_device() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 8))
+    data = torch.randn(2048, 128)
+    with torch.no_grad():
+        expected = model(data)
+    with simulated_device("2MiB"):
+        for attempt in koila.attempts(initial=2048):
+            with attempt, torch.no_grad():
+                outputs = torch.cat([model(chunk) for chunk in data.split(attempt.batch_size)])
+    assert attempt.batch_size < 2048
+    torch.testing.assert_close(outputs, expected)

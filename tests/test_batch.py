@@ -1,0 +1,481 @@
+"""@koila.batch: injection, signatures, methods, async, hooks, logs, stats, errors, real models."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import sys
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import koila_retry as koila
+from koila_retry.testing import make_oom, oom_above, simulated_device
+
+
+def test_bare_and_called_forms() -> None:
+    @koila.batch
+    def bare(batch_size: int) -> int:
+        return batch_size
+
+    @koila.batch()
+    def called(batch_size: int) -> int:
+        return batch_size
+
+    @koila.batch(initial=64)
+    def configured(batch_size: int) -> int:
+        return batch_size
+
+    assert bare() == 512
+    assert called() == 512
+    assert configured() == 64
+
+
+def test_size_goes_first_and_arguments_pass_through() -> None:
+    @koila.batch(initial=8)
+    def collect(batch_size: int, a: int, b: int = 0, *, c: int = 0) -> tuple[int, int, int, int]:
+        return batch_size, a, b, c
+
+    assert collect(1, 2, c=3) == (8, 1, 2, 3)
+    assert collect(a=5) == (8, 5, 0, 0)
+
+
+def test_param_injects_a_keyword() -> None:
+    @koila.batch(initial=16, param="chunk")
+    def run(data: list[int], *, chunk: int) -> tuple[list[int], int]:
+        return data, chunk
+
+    assert run([1, 2]) == ([1, 2], 16)
+    assert list(inspect.signature(run).parameters) == ["data"]
+
+
+def test_signature_and_metadata_omit_the_injected_parameter() -> None:
+    def evaluate(batch_size: int, model: nn.Module, data: torch.Tensor) -> torch.Tensor:
+        """Evaluate in batches."""
+        return data
+
+    wrapped = koila.batch(evaluate)
+    assert list(inspect.signature(wrapped).parameters) == ["model", "data"]
+    assert wrapped.__name__ == "evaluate"
+    assert wrapped.__doc__ == "Evaluate in batches."
+    assert wrapped.__wrapped__ is evaluate  # type: ignore[attr-defined]
+
+
+def test_caller_passing_the_size_gets_a_type_error() -> None:
+    @koila.batch(initial=4)
+    def run(batch_size: int, x: int) -> int:
+        return batch_size + x
+
+    with pytest.raises(TypeError, match="gets 'batch_size' from @koila.batch"):
+        run(1, 2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="gets 'batch_size' from @koila.batch"):
+        run(2, batch_size=3)  # type: ignore[call-arg]
+
+
+def test_caller_passing_a_named_size_gets_a_type_error() -> None:
+    @koila.batch(param="bs")
+    def run(x: int, bs: int = 1) -> int:
+        return x + bs
+
+    with pytest.raises(TypeError, match="gets 'bs' from @koila.batch"):
+        run(1, bs=2)
+
+
+class Evaluator:
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    @koila.batch(initial=32)
+    def evaluate(self, batch_size: int, x: int) -> int:
+        return self.offset + batch_size + x
+
+    @classmethod
+    @koila.batch(initial=16)
+    def build(cls, batch_size: int) -> tuple[type, int]:
+        return cls, batch_size
+
+    @staticmethod
+    @koila.batch(initial=8)
+    def helper(batch_size: int, x: int) -> int:
+        return batch_size * x
+
+
+def test_methods_get_the_size_after_self() -> None:
+    assert Evaluator(100).evaluate(1) == 133
+    assert list(inspect.signature(Evaluator.evaluate).parameters) == ["self", "x"]
+    assert list(inspect.signature(Evaluator(0).evaluate).parameters) == ["x"]
+
+
+def test_classmethods_and_staticmethods() -> None:
+    assert Evaluator.build() == (Evaluator, 16)
+    assert Evaluator.helper(2) == 16
+
+
+def test_method_recovers_from_oom() -> None:
+    fits = oom_above(10)
+
+    class Model:
+        @koila.batch(initial=100)
+        def run(self, batch_size: int) -> int:
+            fits(batch_size)
+            return batch_size
+
+    assert Model().run() == 8
+
+
+def test_async_function() -> None:
+    fits = oom_above(20)
+    tried: list[int] = []
+
+    @koila.batch(initial=128)
+    async def fetch(batch_size: int, delay: float) -> int:
+        tried.append(batch_size)
+        await asyncio.sleep(delay)
+        fits(batch_size)
+        return batch_size
+
+    assert inspect.iscoroutinefunction(fetch)
+    assert asyncio.run(fetch(0)) == 16
+    assert tried == [128, 64, 32, 16]
+    assert asyncio.run(fetch(0)) == 16  # the cache carries over
+    assert tried[-1] == 16 and len(tried) == 5
+
+
+def test_sequence_of_sizes_and_stats() -> None:
+    tried: list[int] = []
+    fits = oom_above(100)
+
+    @koila.batch(initial=1000)
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    def call_site() -> int:
+        return run()
+
+    assert call_site() == 64
+    assert tried == [1000, 512, 256, 128, 64]
+    assert run.stats.calls == 1
+    assert run.stats.ooms == 4
+    assert run.stats.batch_size == 64
+    assert run.stats.seconds_lost > 0
+    assert run.stats.exhausted == 0
+    assert call_site() == 64  # same call site: starts at the size that worked
+    assert tried[5:] == [64]
+    assert run.stats.as_dict()["calls"] == 2
+
+
+def test_real_model_settles_on_largest_power_of_two_that_fits() -> None:
+    torch.manual_seed(0)
+    tried: list[int] = []
+    with simulated_device("24MiB") as device:
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(8 * 16 * 16, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+        @koila.batch(initial=1024)
+        def train_step(batch_size: int) -> float:
+            tried.append(batch_size)
+            x = torch.randn(batch_size, 3, 16, 16)
+            y = torch.randint(0, 10, (batch_size,))
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss.item()
+
+        train_step()
+        settled = train_step.stats.batch_size
+        assert tried == [1024, 512, 256, 128][: len(tried)]
+        assert tried[-1] == settled
+        assert len(tried) > 1  # 1024 must not fit in 24 MiB
+        # The settled size fits and twice that size does not: it is the largest power of two.
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(torch.OutOfMemoryError):
+            x = torch.randn(settled * 2, 3, 16, 16)
+            nn.functional.cross_entropy(model(x), torch.zeros(settled * 2, dtype=torch.long)).backward()
+        assert device.peak <= device.limit
+
+
+def test_model_on_parameters_keeps_weights_after_failed_attempts() -> None:
+    # A failed attempt must not leave the model half-updated: nothing here steps before the OOM.
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with simulated_device("1MiB"):
+
+        @koila.batch(initial=4096)
+        def forward(batch_size: int) -> torch.Tensor:
+            with torch.no_grad():
+                return model(torch.ones(batch_size, 64)).sum()
+
+        forward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+
+
+def test_on_oom_hook_gets_events_without_the_exception() -> None:
+    events: list[koila.OOMEvent] = []
+    fits = oom_above(300)
+
+    @koila.batch(initial=1000, on_oom=events.append)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    run()
+    assert [(e.batch_size, e.next_batch_size, e.attempt) for e in events] == [(1000, 512, 1), (512, 256, 2)]
+    event = events[0]
+    assert event.function.endswith("test_on_oom_hook_gets_events_without_the_exception.<locals>.run")
+    assert event.device == torch.device("cpu")
+    assert event.free_bytes > 0
+    assert event.seconds >= 0
+    assert "koila_retry/testing.py" in event.where  # the injector raised it
+    assert not any(isinstance(value, BaseException) for value in vars(event).values())
+
+
+def test_on_oom_hook_sees_the_final_failure() -> None:
+    events: list[koila.OOMEvent] = []
+
+    @koila.batch(initial=2, on_oom=events.append)
+    def run(batch_size: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        run()
+    assert [e.next_batch_size for e in events] == [1, None]
+
+
+def test_each_reduction_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    fits = oom_above(200)
+
+    @koila.batch(initial=1000)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    with caplog.at_level(logging.INFO, logger="koila_retry"):
+        run()
+    reductions = [r for r in caplog.records if r.name == "koila_retry"]
+    assert [r.levelno for r in reductions] == [logging.INFO] * 3
+    assert "out of memory at batch size 1000" in reductions[0].getMessage()
+    assert "retrying at 512" in reductions[0].getMessage()
+    assert "retrying at 128" in reductions[2].getMessage()
+
+
+def test_exhaustion_raises_from_the_last_oom() -> None:
+    @koila.batch(initial=4)
+    def run(batch_size: int) -> None:
+        raise make_oom("cpu")
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        run()
+    error = excinfo.value
+    assert isinstance(error, torch.OutOfMemoryError)  # existing handlers still catch it
+    assert error.batch_size == 1
+    assert error.attempts == 3
+    assert isinstance(error.__cause__, RuntimeError)
+    assert "DefaultCPUAllocator" in str(error.__cause__)
+    message = str(error)
+    assert "4 -> 2 -> 1" in message
+    assert "batch size 1 is the minimum" in message
+    assert "test_batch.py" in message  # where the last error was raised
+    assert "free on cpu" in message
+    assert run.stats.exhausted == 1
+
+
+def test_exhaustion_with_minimum() -> None:
+    @koila.batch(initial=100, minimum=30)
+    def run(batch_size: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted, match=r"100 -> 64 -> 32 -> 30\); batch size 30 is the minimum"):
+        run()
+
+
+def test_exhaustion_message_for_max_attempts() -> None:
+    @koila.batch(initial=100, max_attempts=2)
+    def run(batch_size: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted, match="gave up after max_attempts=2 attempts"):
+        run()
+
+
+def test_batch_size_exhausted_pickles() -> None:
+    import pickle
+
+    error = koila.BatchSizeExhausted("nothing fits", batch_size=2, attempts=5)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.batch_size, copy.attempts) == (koila.BatchSizeExhausted, "nothing fits", 2, 5)
+
+
+def _raise_value_error() -> None:
+    raise ValueError("bad input")
+
+
+@pytest.mark.parametrize("error", [ValueError("bad input"), KeyboardInterrupt(), SystemExit(3)])
+def test_other_exceptions_pass_through_untouched(error: BaseException) -> None:
+    calls: list[int] = []
+
+    @koila.batch(initial=64)
+    def run(batch_size: int) -> None:
+        calls.append(batch_size)
+        raise error
+
+    with pytest.raises(type(error)) as excinfo:
+        run()
+    assert excinfo.value is error
+    assert calls == [64]  # no retry
+    assert run.stats.ooms == 0
+    # The original traceback is intact: it still reaches the line that raised.
+    frames = [frame.name for frame in traceback.extract_tb(excinfo.value.__traceback__)]
+    assert frames[-1] == "run"
+
+
+def test_pass_through_keeps_the_deepest_frame() -> None:
+    @koila.batch(initial=8)
+    def run(batch_size: int) -> None:
+        _raise_value_error()
+
+    with pytest.raises(ValueError, match="bad input") as excinfo:
+        run()
+    assert traceback.extract_tb(excinfo.value.__traceback__)[-1].name == "_raise_value_error"
+
+
+def test_non_oom_after_an_oom_passes_through() -> None:
+    calls: list[int] = []
+
+    @koila.batch(initial=8)
+    def run(batch_size: int) -> None:
+        calls.append(batch_size)
+        if batch_size == 8:
+            raise make_oom()
+        raise ValueError("later failure")
+
+    with pytest.raises(ValueError, match="later failure"):
+        run()
+    assert calls == [8, 4]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"initial": 0}, ValueError, "initial must be >= 1, got 0"),
+        ({"initial": -5}, ValueError, "initial must be >= 1, got -5"),
+        ({"initial": 2.5}, TypeError, "initial must be an int, got float 2.5"),
+        ({"initial": True}, TypeError, "initial must be an int, got bool True"),
+        ({"minimum": 0}, ValueError, "minimum must be >= 1, got 0"),
+        ({"initial": 8, "minimum": 16}, ValueError, r"minimum \(16\) must not exceed initial \(8\)"),
+        ({"max_attempts": 0}, ValueError, "max_attempts must be >= 1, got 0"),
+        ({"on_oom": "print"}, TypeError, "on_oom must be callable, got str 'print'"),
+        ({"cache": {}}, TypeError, "cache must be a koila_retry cache"),
+        ({"device": 3.5}, TypeError, "device must be a torch.device"),
+        ({"device": "nonsense"}, ValueError, "'nonsense' is not a device PyTorch knows"),
+    ],
+)
+def test_bad_options(options: dict[str, object], error: type[Exception], message: str) -> None:
+    def run(batch_size: int) -> int:
+        return batch_size
+
+    with pytest.raises(error, match=message):
+        koila.batch(**options)(run)  # type: ignore[call-overload]
+
+
+def test_function_without_a_parameter_to_inject_into() -> None:
+    def nothing() -> None:
+        pass
+
+    def only_keywords(*, size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"nothing\(\) has no first positional parameter"):
+        koila.batch(nothing)
+    with pytest.raises(TypeError, match=r"only_keywords\(\) has no first positional parameter"):
+        koila.batch(only_keywords)
+    with pytest.raises(TypeError, match=r"has no parameter 'bs' that can be passed by keyword"):
+        koila.batch(param="bs")(nothing)
+
+
+def test_positional_only_parameter_cannot_be_named() -> None:
+    def run(bs: int, /) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="has no parameter 'bs'"):
+        koila.batch(param="bs")(run)
+
+
+def test_not_a_callable() -> None:
+    with pytest.raises(TypeError, match="decorates a callable, got int 3"):
+        koila.batch(3)  # type: ignore[call-overload]
+
+
+def test_explicit_device_is_used() -> None:
+    events: list[koila.OOMEvent] = []
+    fits = oom_above(1)
+
+    @koila.batch(initial=4, device="cpu", on_oom=events.append)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    run()
+    assert {e.device for e in events} == {torch.device("cpu")}
+
+
+def test_device_is_taken_from_tensor_arguments() -> None:
+    events: list[koila.OOMEvent] = []
+    fits = oom_above(1)
+
+    @koila.batch(initial=4, on_oom=events.append)
+    def run(batch_size: int, model: object, data: torch.Tensor) -> int:
+        fits(batch_size)
+        return batch_size
+
+    run(object(), torch.zeros(2, device="meta"))
+    assert {e.device for e in events} == {torch.device("meta")}
+
+
+def test_nested_decorated_functions_compose() -> None:
+    # An inner function that cannot fit even at its minimum raises BatchSizeExhausted, an OOM:
+    # the outer function then shrinks its own size.
+    outer_sizes: list[int] = []
+
+    @koila.batch(initial=4, cache=koila.NoCache())
+    def inner(batch_size: int, outer_size: int) -> int:
+        if outer_size * batch_size > 8:
+            raise make_oom()
+        return batch_size
+
+    @koila.batch(initial=64, cache=koila.NoCache())
+    def outer(batch_size: int) -> tuple[int, int]:
+        outer_sizes.append(batch_size)
+        return batch_size, inner(batch_size)
+
+    assert outer() == (8, 1)
+    assert outer_sizes == [64, 32, 16, 8]
+
+
+def test_recursion_limit_is_not_touched() -> None:
+    # The wrapper adds a fixed number of frames, whatever the number of retries.
+    depth: list[int] = []
+
+    @koila.batch(initial=1024, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        frame, count = sys._getframe(), 0
+        while frame is not None:
+            frame, count = frame.f_back, count + 1
+        depth.append(count)
+        if batch_size > 1:
+            raise make_oom()
+
+    run()
+    assert len(set(depth)) == 1

@@ -1,0 +1,135 @@
+"""Memory hygiene: a failed attempt leaves nothing alive when the retry starts (DESIGN rule 1)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import koila_retry as koila
+from koila_retry.testing import make_oom, simulated_device
+
+
+def test_tensor_of_failed_attempt_is_dead_when_retry_starts() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    @koila.batch(initial=4, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        activations = torch.ones(batch_size, 1024)
+        refs.append(weakref.ref(activations))
+        if batch_size > 1:
+            raise make_oom()
+        return batch_size
+
+    assert run() == 1
+    assert alive_at_start == [False, False, False]
+    assert all(ref() is None for ref in refs[:-1])
+
+
+def test_tensor_in_a_reference_cycle_is_dead_when_retry_starts() -> None:
+    # A tensor reachable only through a cycle needs the garbage collector, not just refcounts.
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    class Node:
+        pass
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        node = Node()
+        node.self = node  # type: ignore[attr-defined]
+        node.tensor = torch.ones(batch_size, 256)  # type: ignore[attr-defined]
+        refs.append(weakref.ref(node.tensor))  # type: ignore[attr-defined]
+        if batch_size > 1:
+            raise make_oom()
+
+    gc.disable()  # make sure it is the library's collection that frees the cycle
+    try:
+        run()
+    finally:
+        gc.enable()
+    assert alive_at_start == [False, False]
+
+
+def test_real_model_activations_are_freed_before_the_retry() -> None:
+    torch.manual_seed(0)
+    live_at_start: list[int] = []
+    with simulated_device("6MiB") as device:
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+        baseline = device.live
+
+        @koila.batch(initial=2048, cache=koila.NoCache())
+        def step(batch_size: int) -> int:
+            # A backward that failed half-way may have written some gradients: a train
+            # step starts by dropping them, as the docs of koila.batch ask.
+            model.zero_grad(set_to_none=True)
+            live_at_start.append(device.live)
+            out = model(torch.randn(batch_size, 256))
+            out.sum().backward()
+            return batch_size
+
+        step()
+    # Each retry starts with only the model: the failed attempt's activations are gone.
+    assert len(live_at_start) > 1
+    assert live_at_start == [baseline] * len(live_at_start)
+
+
+def test_exhausted_error_does_not_pin_the_failed_attempt() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        activations = torch.ones(batch_size, 1024)
+        refs.append(weakref.ref(activations))
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        run()
+    cause = excinfo.value.__cause__
+    assert cause is not None
+    assert cause.__traceback__ is None
+    assert cause.__context__ is None
+    # While the caller holds the error, the failed attempts' tensors are already gone.
+    assert [ref() for ref in refs] == [None, None]
+
+
+def test_nothing_keeps_the_exception_after_recovery() -> None:
+    errors: list[weakref.ref[BaseException]] = []
+
+    class TrackedOOM(torch.OutOfMemoryError):
+        pass
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        if batch_size > 1:
+            error = TrackedOOM("CUDA out of memory. Tried to allocate 1.00 GiB.")
+            errors.append(weakref.ref(error))
+            raise error
+        return batch_size
+
+    run()
+    assert len(errors) == 1
+    assert errors[0]() is None  # neither stats, cache, events nor logs keep it
+
+
+def test_attempts_block_frees_what_a_helper_allocated() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    def work(size: int) -> None:
+        activations = torch.ones(size, 1024)
+        refs.append(weakref.ref(activations))
+        if size > 1:
+            raise make_oom()
+
+    for attempt in koila.attempts(initial=4, cache=koila.NoCache()):
+        with attempt:
+            alive_at_start.append(any(ref() is not None for ref in refs))
+            work(attempt.batch_size)
+    assert alive_at_start == [False, False, False]

@@ -1,0 +1,291 @@
+"""Tests for free memory, device resolution and release (koila_retry._memory)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import types
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import koila_retry as koila
+from koila_retry import _memory
+
+MiB = 2**20
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="written for a machine without accelerator")
+
+
+# ---------------------------------------------------------------------------
+# free_memory on the CPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
+def test_free_memory_is_a_positive_int_not_above_available_memory(device: object) -> None:
+    before = psutil.virtual_memory().available
+    free = koila.free_memory(device)  # type: ignore[arg-type]
+    after = psutil.virtual_memory().available
+    assert type(free) is int
+    assert free > 0
+    # Other processes allocate meanwhile: allow what the readings around it differ by, and 64 MiB.
+    assert free <= max(before, after) + 64 * MiB
+
+
+class _FakeProcess:
+    def __init__(self, vms: int) -> None:
+        self.vms = vms
+
+    def memory_info(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(vms=self.vms)
+
+
+@pytest.fixture
+def fake_system(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Fix available memory, the address-space limit and the process size that _cpu_free reads."""
+    assert _memory.resource is not None
+    system = {"available": 8 * 2**30, "soft": _memory.resource.RLIM_INFINITY, "vms": 3 * 2**30}
+    monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=system["available"]))
+    monkeypatch.setattr(
+        _memory.resource,
+        "getrlimit",
+        lambda which: (system["soft"], _memory.resource.RLIM_INFINITY),
+    )
+    process = _FakeProcess(system["vms"])
+    monkeypatch.setattr(_memory, "_PROCESS", process)
+    yield system
+
+
+def test_cpu_free_memory_is_available_memory_without_a_limit(fake_system: dict[str, int]) -> None:
+    assert koila.free_memory("cpu") == 8 * 2**30
+
+
+def test_cpu_free_memory_is_capped_by_what_is_left_of_rlimit_as(fake_system: dict[str, int]) -> None:
+    fake_system["soft"] = fake_system["vms"] + 512 * MiB
+    assert koila.free_memory("cpu") == 512 * MiB
+
+
+def test_cpu_free_memory_is_never_negative(fake_system: dict[str, int]) -> None:
+    fake_system["soft"] = fake_system["vms"] - MiB
+    assert koila.free_memory("cpu") == 0
+
+
+def test_rlimit_larger_than_available_memory_changes_nothing(fake_system: dict[str, int]) -> None:
+    fake_system["soft"] = fake_system["vms"] + 64 * 2**30
+    assert koila.free_memory("cpu") == 8 * 2**30
+
+
+@pytest.mark.slow
+def test_free_memory_respects_a_real_rlimit_as_in_a_subprocess() -> None:
+    script = """
+import json, resource, psutil
+import torch
+import koila_retry as koila
+vms = psutil.Process().memory_info().vms
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (vms + 512 * 2**20, hard))
+free = koila.free_memory("cpu")
+try:
+    torch.empty(2**30, dtype=torch.uint8)
+    error = None
+except RuntimeError as exc:
+    error = [type(exc).__name__, koila.is_oom(exc)]
+print(json.dumps({"free": free, "default": koila.free_memory(), "error": error}))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0 < report["free"] <= 512 * MiB
+    assert 0 < report["default"] <= 512 * MiB
+    # The real CPU allocator fails past the limit, with an error koila recognises.
+    assert report["error"] == ["RuntimeError", True]
+
+
+# ---------------------------------------------------------------------------
+# resolve_device
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
+def test_resolve_device_gives_the_cpu_here(device: object) -> None:
+    assert _memory.resolve_device(device) == torch.device("cpu")  # type: ignore[arg-type]
+
+
+def test_resolve_device_adds_index_zero_to_accelerator_types() -> None:
+    assert _memory.resolve_device("cuda") == torch.device("cuda", 0)
+    assert _memory.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert _memory.resolve_device(torch.device("meta")) == torch.device("meta")
+
+
+@pytest.mark.parametrize("device", ["gpu:x", "nonsense", "cuda:-1", ""])
+def test_resolve_device_rejects_unknown_strings(device: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        _memory.resolve_device(device)
+    assert repr(device) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("device", [3.5, True, [0], b"cpu"])
+def test_resolve_device_rejects_other_types(device: object) -> None:
+    with pytest.raises(TypeError) as excinfo:
+        _memory.resolve_device(device)  # type: ignore[arg-type]
+    assert repr(device) in str(excinfo.value)
+
+
+def test_resolve_device_rejects_negative_indices() -> None:
+    with pytest.raises(ValueError, match=r"got -1$"):
+        _memory.resolve_device(-1)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_resolve_device_rejects_an_index_without_accelerator(index: int) -> None:
+    with pytest.raises(ValueError, match=rf"index {index} given, but no accelerator"):
+        _memory.resolve_device(index)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0), "mps", "xpu"])
+def test_free_memory_of_a_missing_accelerator_is_a_value_error(device: object) -> None:
+    with pytest.raises(ValueError, match=r"this process has no \w+ device"):
+        koila.free_memory(device)  # type: ignore[arg-type]
+
+
+def test_free_memory_rejects_bad_devices() -> None:
+    with pytest.raises(ValueError, match="'gpu:x'"):
+        koila.free_memory("gpu:x")
+    with pytest.raises(TypeError, match="3.5"):
+        koila.free_memory(3.5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# release
+# ---------------------------------------------------------------------------
+
+
+class _Node:
+    other: _Node
+    tensor: torch.Tensor
+
+
+def _cycle_holding_a_tensor() -> weakref.ref[torch.Tensor]:
+    first, second = _Node(), _Node()
+    first.other, second.other = second, first
+    first.tensor = torch.zeros(1024)
+    return weakref.ref(first.tensor)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda"])
+def test_release_collects_reference_cycles(device: object) -> None:
+    was_enabled = gc.isenabled()
+    gc.disable()  # so that nothing but release() collects the cycle
+    try:
+        tensor = _cycle_holding_a_tensor()
+        assert tensor() is not None  # only the cycle keeps it alive
+        koila.release(device)  # type: ignore[arg-type]
+        assert tensor() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_release_forgets_cached_free_memory_readings() -> None:
+    _memory.recent_free_memory(torch.device("cpu"))
+    _memory.recent_free_memory(torch.device("meta"))  # a reading per device, even a bogus one
+    assert _memory._free_readings
+    koila.release()
+    assert _memory._free_readings == {}
+
+
+def test_release_rejects_bad_devices() -> None:
+    with pytest.raises(ValueError, match="'gpu:x'"):
+        koila.release("gpu:x")
+
+
+# ---------------------------------------------------------------------------
+# recent_free_memory: a fake timer
+# ---------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(_memory, "time", types.SimpleNamespace(monotonic=fake.monotonic))
+    return fake
+
+
+@pytest.fixture
+def readings(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """Record each real read; the n-th read of any device returns n MiB."""
+    calls: list[torch.device] = []
+
+    def device_free(device: torch.device) -> int:
+        calls.append(device)
+        return len(calls) * MiB
+
+    monkeypatch.setattr(_memory, "_device_free", device_free)
+    return calls
+
+
+def test_recent_free_memory_reuses_a_reading_within_the_ttl(clock: _Clock, readings: list[torch.device]) -> None:
+    cpu = torch.device("cpu")
+    assert _memory.recent_free_memory(cpu) == MiB
+    assert readings == [cpu]
+    clock.now += _memory.FREE_MEMORY_TTL / 2
+    assert _memory.recent_free_memory(cpu) == MiB
+    assert readings == [cpu]
+
+
+def test_recent_free_memory_reads_again_after_the_ttl(clock: _Clock, readings: list[torch.device]) -> None:
+    cpu = torch.device("cpu")
+    assert _memory.recent_free_memory(cpu) == MiB
+    clock.now += _memory.FREE_MEMORY_TTL * 1.01
+    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    assert len(readings) == 2
+    clock.now += _memory.FREE_MEMORY_TTL / 2  # the TTL counts from the new reading
+    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    assert len(readings) == 2
+
+
+def test_recent_free_memory_keeps_one_reading_per_device(clock: _Clock, readings: list[torch.device]) -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert _memory.recent_free_memory(cpu) == MiB
+    assert _memory.recent_free_memory(meta) == 2 * MiB
+    assert _memory.recent_free_memory(cpu) == MiB
+    assert _memory.recent_free_memory(meta) == 2 * MiB
+    assert readings == [cpu, meta]
+
+
+def test_forgetting_readings_makes_the_next_one_fresh(clock: _Clock, readings: list[torch.device]) -> None:
+    cpu = torch.device("cpu")
+    assert _memory.recent_free_memory(cpu) == MiB
+    _memory.forget_free_memory()
+    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    koila.release()
+    assert _memory.recent_free_memory(cpu) == 3 * MiB
+    assert len(readings) == 3
+
+
+def test_recent_free_memory_reports_an_active_simulated_device(clock: _Clock, readings: list[torch.device]) -> None:
+    from koila_retry.testing import simulated_device
+
+    with simulated_device("3MiB"):
+        assert _memory.recent_free_memory(torch.device("cpu")) == 3 * MiB
+    assert readings == []

@@ -1,0 +1,82 @@
+"""The real CPU allocator under RLIMIT_AS: recovery from the genuine RuntimeError."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+resource = pytest.importorskip("resource")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, resource, weakref
+    import psutil, torch
+    import koila_retry as koila
+
+    torch.set_num_threads(1)  # no new threads (and their stacks) under the limit
+    limit = psutil.Process().memory_info().vms + 384 * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    # The genuine error, checked directly first.
+    try:
+        torch.ones(2**18, 1024)  # 1 GiB
+        direct = None
+    except RuntimeError as exc:
+        direct = {"type": type(exc).__name__, "message": str(exc)[:300], "is_oom": koila.is_oom(exc)}
+
+    tried, refs, alive = [], [], []
+
+    @koila.batch(initial=2**18)  # 1 GiB of float32 rows of 1024
+    def run(batch_size):
+        alive.append(sum(ref() is not None for ref in refs))
+        tried.append(batch_size)
+        first = torch.ones(batch_size // 4, 1024)  # fits for longer than the second
+        refs.append(weakref.ref(first))
+        second = torch.ones(batch_size, 1024)  # fails in the CPU allocator when too big
+        return float(first.sum() + second.sum())
+
+    total = run()
+    print(json.dumps({
+        "direct": direct, "tried": tried, "alive": alive, "total": total,
+        "ooms": run.stats.ooms, "free": koila.free_memory("cpu"),
+    }))
+    """
+)
+
+
+@pytest.mark.slow
+def test_batch_recovers_from_the_real_cpu_allocator() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+
+    direct = result["direct"]
+    assert direct is not None, "a 1 GiB tensor should not fit in a 384 MiB address-space budget"
+    assert direct["type"] == "RuntimeError"  # the CPU allocator raises a plain RuntimeError
+    assert "DefaultCPUAllocator: can't allocate memory" in direct["message"]
+    assert direct["is_oom"] is True
+
+    tried = result["tried"]
+    assert tried[0] == 2**18
+    assert len(tried) >= 2
+    assert all(later * 2 == earlier for earlier, later in zip(tried, tried[1:]))
+    assert result["ooms"] == len(tried) - 1
+    settled = tried[-1]
+    assert result["total"] == settled // 4 * 1024 + settled * 1024
+    # Each retry started with the failed attempt's tensors freed.
+    assert result["alive"] == [0] * len(tried)
+    assert len(tried) > 2  # some attempt failed after allocating `first`: its freeing is tested
+    assert 0 < result["free"] <= 384 * 2**20

@@ -1,0 +1,116 @@
+"""The size schedule: powers of two after an OOM, never below the minimum, always ending."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import koila_retry as koila
+from koila_retry import _memory
+from koila_retry._engine import next_batch_size
+from koila_retry.testing import oom_above
+
+# The same patch holds for every example, so a function-scoped fixture is safe here.
+properties = settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(autouse=True)
+def _no_release(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Skip the full garbage collection after each OOM: these tests are about sizes only."""
+    monkeypatch.setattr(_memory, "release", lambda device=None: None)
+    yield
+
+
+def schedule(initial: int, minimum: int) -> list[int]:
+    """Every size tried when nothing fits, by running the engine."""
+    tried: list[int] = []
+
+    @koila.batch(initial=initial, minimum=minimum, cache=koila.NoCache())
+    def never_fits(batch_size: int) -> None:
+        tried.append(batch_size)
+        raise koila.testing.make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        never_fits()
+    return tried
+
+
+@pytest.mark.parametrize(
+    ("failed", "expected"),
+    [(500, 256), (512, 256), (513, 512), (256, 128), (3, 2), (2, 1), (1000, 512), (1025, 1024)],
+)
+def test_next_size_is_largest_power_of_two_below(failed: int, expected: int) -> None:
+    assert next_batch_size(failed, 1) == expected
+
+
+def test_next_size_respects_minimum() -> None:
+    assert next_batch_size(64, 48) == 48
+    assert next_batch_size(48, 48) is None
+    assert next_batch_size(1, 1) is None
+
+
+def test_schedule_from_500() -> None:
+    assert schedule(500, 1) == [500, 256, 128, 64, 32, 16, 8, 4, 2, 1]
+
+
+def test_schedule_stops_at_minimum() -> None:
+    assert schedule(500, 100) == [500, 256, 128, 100]
+
+
+@properties
+@given(initial=st.integers(1, 2**20), minimum=st.integers(1, 2**20))
+def test_schedule_properties(initial: int, minimum: int) -> None:
+    if minimum > initial:
+        initial, minimum = minimum, initial
+    tried = schedule(initial, minimum)
+    assert tried[0] == initial
+    assert tried[-1] == minimum
+    assert all(later < earlier for earlier, later in zip(tried, tried[1:]))  # strictly decreasing
+    assert all(size >= minimum for size in tried)
+    # After the first OOM, every size is a power of two, or the minimum it was raised to.
+    assert all(size & (size - 1) == 0 or size == minimum for size in tried[1:])
+    assert len(tried) <= initial.bit_length() + 1  # terminates quickly
+
+
+@properties
+@given(initial=st.integers(1, 2**16), fits=st.integers(0, 2**16), minimum=st.integers(1, 64))
+def test_settles_on_largest_power_of_two_that_fits(initial: int, fits: int, minimum: int) -> None:
+    minimum = min(minimum, initial)
+    inject = oom_above(fits)
+
+    @koila.batch(initial=initial, minimum=minimum, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        inject(batch_size)
+        return batch_size
+
+    if fits < minimum:
+        with pytest.raises(koila.BatchSizeExhausted):
+            run()
+        return
+    size = run()
+    if initial <= fits:
+        assert size == initial
+    else:
+        assert size <= fits
+        assert size == minimum or size * 2 > fits or size * 2 >= initial
+        assert size & (size - 1) == 0 or size == minimum
+
+
+@properties
+@given(max_attempts=st.integers(1, 12))
+def test_max_attempts_bounds_the_attempts(max_attempts: int) -> None:
+    calls: list[int] = []
+
+    @koila.batch(initial=4096, max_attempts=max_attempts, cache=koila.NoCache())
+    def never_fits(batch_size: int) -> None:
+        calls.append(batch_size)
+        raise koila.testing.make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        never_fits()
+    assert len(calls) == max_attempts
+    assert excinfo.value.attempts == max_attempts
+    assert excinfo.value.batch_size == calls[-1]
