@@ -43,12 +43,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--initial and --epochs must be >= 1, got {args.initial} and {args.epochs}")
         except (TypeError, ValueError) as exc:
             parser.error(str(exc))
+        import torch
+
         from koila_retry.exceptions import BatchSizeExhausted
 
         try:
             run_demo(limit=args.memory, initial=args.initial, epochs=args.epochs)
         except BatchSizeExhausted as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except torch.OutOfMemoryError:
+            # Raised outside any retry: building the model itself did not fit.
+            print(f"error: the demo's model does not fit in --memory {args.memory}; try 16MiB or more", file=sys.stderr)
             return 1
     return 0
 

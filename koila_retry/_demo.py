@@ -33,9 +33,10 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
     targets = (data[:, :classes] * 3).argmax(dim=1)
 
     def narrate(event: OOMEvent) -> None:
+        then = "giving up" if event.next_batch_size is None else f"trying {event.next_batch_size}"
         print_(
             f"  out of memory at batch size {event.batch_size:5d}; "
-            f"released, {format_bytes(event.free_bytes)} free; trying {event.next_batch_size}"
+            f"released, {format_bytes(event.free_bytes)} free; {then}"
         )
 
     @batch(initial=initial, on_oom=narrate)

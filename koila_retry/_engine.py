@@ -17,6 +17,7 @@ statement has dropped the exception.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -54,9 +55,10 @@ class OOMEvent:
         attempt (int): the number of the failed attempt within the call, from 1.
         device (torch.device): the device the call runs on.
         free_bytes (int): free memory on the device after releasing the failed
-            attempt's memory.
+            attempt's memory; ``-1`` if the device's memory cannot be read.
         seconds (float): time spent in the failed attempt and the release.
-        where (str): the file, line and function where the error was raised.
+        where (str): the file, line and function where the error was raised:
+            the deepest frame outside koila_retry and PyTorch.
 
     .. versionadded:: 0.1.0
     """
@@ -235,7 +237,8 @@ _READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
 class Attempt:
     """The attempts of one call: iterate it, and run each attempt's body in ``with``.
 
-    The iterator and the current attempt are one object, so a call allocates one.
+    The iterable and the current attempt are one object: a call makes this object
+    and the generator that iterates it, nothing per attempt.
 
     .. versionadded:: 0.1.0
 
@@ -331,7 +334,7 @@ class Attempt:
                 failed,
                 failure.where,
                 next_size,
-                format_bytes(free),
+                _free_text(free),
                 self._device,
             )
         if controller.on_oom is not None:
@@ -376,12 +379,16 @@ class _Failure:
         self.tried: list[int] = []
 
 
+def _free_text(free: int) -> str:
+    return "unknown memory" if free < 0 else format_bytes(free)
+
+
 def _memory_summary(device: torch.device, free: int) -> str:
-    parts = [f"{format_bytes(free)} free on {device}"]
+    parts = [f"{_free_text(free)} free on {device}"]
     simulated = _tracking.simulated.free()
     if simulated is not None:
         parts.append("(a simulated device)")
-    elif device.type not in ("cpu", "meta") and torch.accelerator.is_available():
+    elif _memory.on_accelerator(device):
         allocated = torch.accelerator.memory_allocated(device)
         reserved = torch.accelerator.memory_reserved(device)
         parts.append(
@@ -391,13 +398,20 @@ def _memory_summary(device: torch.device, free: int) -> str:
     return " ".join(parts) + "."
 
 
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
 def _where(tb: TracebackType | None) -> str:
-    if tb is None:
-        return "an unknown place"
-    while tb.tb_next is not None:
+    # The deepest frame of the user's own code: an OOM surfaces inside PyTorch (or the
+    # simulated device's check), but the line worth naming is the one that called it.
+    deepest = users = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+        if not code.co_filename.startswith(_LIBRARY_DIRS):
+            users = deepest
         tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+    return users or deepest or "an unknown place"
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -347,6 +347,9 @@ def attempts(
     """
     caller = sys._getframe(1)
     code = caller.f_code
+    # Names the block for the cache as cheaply as a function is named: strings cache their
+    # hashes, a code object would be rehashed on every use.
+    block = (code.co_filename, code.co_firstlineno, code.co_name)
     controller = Controller(
         name=f"block at {code.co_filename}:{caller.f_lineno} in {code.co_name}",
         initial=initial,
@@ -355,4 +358,4 @@ def attempts(
         max_attempts=max_attempts,
         on_oom=on_oom,
     )
-    return controller.start(code, caller, resolve_device(device))
+    return controller.start(block, caller, resolve_device(device))

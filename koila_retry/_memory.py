@@ -75,11 +75,17 @@ def _indexed(device: torch.device | None) -> torch.device:
         return _CPU
     if device.type in ("cpu", "meta") or device.index is not None:
         return device
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is not None and accelerator.type == device.type:
-            return torch.device(device.type, torch.accelerator.current_device_index())
+    if on_accelerator(device):
+        return torch.device(device.type, torch.accelerator.current_device_index())
     return torch.device(device.type, 0)
+
+
+def on_accelerator(device: torch.device) -> bool:
+    """Return whether ``device`` is of this process's accelerator type (CUDA, XPU, MPS ...)."""
+    if not torch.accelerator.is_available():
+        return False
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == device.type
 
 
 def free_memory(device: DeviceLike = None) -> int:
@@ -115,8 +121,7 @@ def _device_free(device: torch.device) -> int:
         return _cpu_free()
     if device.type == "meta":
         return UNLIMITED  # meta tensors have shapes and no data
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is None or accelerator.type != device.type:
+    if not on_accelerator(device):
         raise ValueError(f"cannot read free memory of {device}: this process has no {device.type} device")
     free, _total = torch.accelerator.get_memory_info(device)
     reusable = torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device)
@@ -176,9 +181,7 @@ def release(device: DeviceLike = None) -> None:
     """
     resolved = resolve_device(device)
     gc.collect()
-    if resolved.type not in ("cpu", "meta") and torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is not None and accelerator.type == resolved.type:
-            with torch.accelerator.device_index(resolved.index):
-                torch.accelerator.empty_cache()
+    if on_accelerator(resolved):
+        with torch.accelerator.device_index(resolved.index):
+            torch.accelerator.empty_cache()
     forget_free_memory()

@@ -7,6 +7,7 @@ on top of it; the estimator reuses it on fake tensors.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        fresh = self._fresh_storages(out)
+        fresh = self._fresh_storages(out, (args, kwargs))
         if not fresh:
             return out
         new_bytes = sum(storage.nbytes() for storage in fresh)
@@ -71,17 +72,14 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._add(storage)
         return out
 
-    def _fresh_storages(self, out: Any) -> list[torch.UntypedStorage]:
+    def _fresh_storages(self, out: Any, inputs: Any) -> list[torch.UntypedStorage]:
+        # A result sharing an input's storage (a view, an in-place result) allocated
+        # nothing, even when that input was made before the mode and is not tracked.
+        seen = {id(storage) for storage in _storages(inputs)}
         fresh: dict[int, torch.UntypedStorage] = {}
-        for leaf in tree_flatten(out)[0]:
-            if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
-                continue
-            try:
-                storage = leaf.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue  # sparse, nested and other storage-less layouts
+        for storage in _storages(out):
             key = id(storage)
-            if key not in self._storages and key not in fresh:
+            if key not in self._storages and key not in seen and key not in fresh:
                 fresh[key] = storage
         return list(fresh.values())
 
@@ -97,6 +95,16 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._storages[key] = weakref.ref(storage, forget)
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+
+
+def _storages(tree: Any) -> list[torch.UntypedStorage]:
+    storages = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            # Sparse, nested and other layouts have no single storage to count.
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                storages.append(leaf.untyped_storage())
+    return storages
 
 
 class _SimulatedRegistry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -53,7 +54,8 @@ def parse_bytes(value: int | str) -> int:
             f"cannot read {value!r} as a memory size; use a number of bytes or a number "
             "with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    # Exact arithmetic: "2.01 KB" is 2010 bytes, where floats give 2009.99...
+    return int(Fraction(match.group(1)) * _UNITS[unit])
 
 
 def format_bytes(count: int | float) -> str:

@@ -249,6 +249,7 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         OOMInjector: call it as ``inject()``.
 
     Raises:
+        TypeError: if ``calls`` is a bool.
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """

@@ -141,7 +141,7 @@ def test_async_function() -> None:
     assert asyncio.run(fetch(0)) == 16
     assert tried == [128, 64, 32, 16]
     assert asyncio.run(fetch(0)) == 16  # the cache carries over
-    assert tried[-1] == 16 and len(tried) == 5
+    assert tried[4:] == [16]
 
 
 def test_sequence_of_sizes_and_stats() -> None:
@@ -238,7 +238,7 @@ def test_on_oom_hook_gets_events_without_the_exception() -> None:
     assert event.device == torch.device("cpu")
     assert event.free_bytes > 0
     assert event.seconds >= 0
-    assert "koila_retry/testing.py" in event.where  # the injector raised it
+    assert "test_batch.py" in event.where  # the line that called the injector, not the injector
     assert not any(isinstance(value, BaseException) for value in vars(event).values())
 
 

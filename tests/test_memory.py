@@ -9,7 +9,6 @@ import subprocess
 import sys
 import types
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -50,7 +49,7 @@ class _FakeProcess:
 
 
 @pytest.fixture
-def fake_system(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+def fake_system(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Fix available memory, the address-space limit and the process size that _cpu_free reads."""
     assert _memory.resource is not None
     system = {"available": 8 * 2**30, "soft": _memory.resource.RLIM_INFINITY, "vms": 3 * 2**30}
@@ -62,7 +61,7 @@ def fake_system(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     )
     process = _FakeProcess(system["vms"])
     monkeypatch.setattr(_memory, "_PROCESS", process)
-    yield system
+    return system
 
 
 def test_cpu_free_memory_is_available_memory_without_a_limit(fake_system: dict[str, int]) -> None:
@@ -289,3 +288,12 @@ def test_recent_free_memory_reports_an_active_simulated_device(clock: _Clock, re
     with simulated_device("3MiB"):
         assert _memory.recent_free_memory(torch.device("cpu")) == 3 * MiB
     assert readings == []
+
+
+def test_free_memory_of_the_meta_device_is_unlimited() -> None:
+    assert koila.free_memory("meta") == _memory.UNLIMITED == 2**63 - 1
+
+
+def test_recent_free_memory_of_an_unreadable_device_is_minus_one() -> None:
+    assert _memory.recent_free_memory(torch.device("cuda", 0)) == -1
+    assert _memory._free_readings[torch.device("cuda", 0)][1] == -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_batch_recovers_from_the_real_cpu_allocator() -> None:
     tried = result["tried"]
     assert tried[0] == 2**18
     assert len(tried) >= 2
-    assert all(later * 2 == earlier for earlier, later in zip(tried, tried[1:]))
+    assert all(later * 2 == earlier for earlier, later in itertools.pairwise(tried))
     assert result["ooms"] == len(tried) - 1
     settled = tried[-1]
     assert result["total"] == settled // 4 * 1024 + settled * 1024

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,10 +18,9 @@ properties = settings(max_examples=60, suppress_health_check=[HealthCheck.functi
 
 
 @pytest.fixture(autouse=True)
-def _no_release(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _no_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """Skip the full garbage collection after each OOM: these tests are about sizes only."""
     monkeypatch.setattr(_memory, "release", lambda device=None: None)
-    yield
 
 
 def schedule(initial: int, minimum: int) -> list[int]:
@@ -68,7 +67,7 @@ def test_schedule_properties(initial: int, minimum: int) -> None:
     tried = schedule(initial, minimum)
     assert tried[0] == initial
     assert tried[-1] == minimum
-    assert all(later < earlier for earlier, later in zip(tried, tried[1:]))  # strictly decreasing
+    assert all(later < earlier for earlier, later in itertools.pairwise(tried))  # strictly decreasing
     assert all(size >= minimum for size in tried)
     # After the first OOM, every size is a power of two, or the minimum it was raised to.
     assert all(size & (size - 1) == 0 or size == minimum for size in tried[1:])

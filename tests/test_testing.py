@@ -148,12 +148,6 @@ def test_tensors_created_in_other_threads_are_not_counted() -> None:
     assert made[0].shape == FOUR_MIB_TENSOR
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LiveStorageTracker counts the whole storage of a tensor created before the block as soon as an "
-    "operator inside the block returns a view of it or modifies it in place (the storage is not known, so "
-    "it looks fresh)",
-)
 @pytest.mark.parametrize(
     "operation",
     [
@@ -163,6 +157,7 @@ def test_tensors_created_in_other_threads_are_not_counted() -> None:
     ],
 )
 def test_views_and_in_place_ops_of_tensors_from_before_the_block_count_nothing(operation: object) -> None:
+    """Regression: the tracker counted the whole storage of a pre-block tensor viewed or modified in the block."""
     before = torch.zeros(*FOUR_MIB_TENSOR)
     with simulated_device("100MiB") as device:
         result = operation(before)  # type: ignore[operator]
@@ -170,13 +165,8 @@ def test_views_and_in_place_ops_of_tensors_from_before_the_block_count_nothing(o
     assert result is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a module built before the block has its weight counted by the forward pass (aten.t returns a view "
-    "of the weight, whose storage the tracker has not seen), so 'tensors created before the block do not count' "
-    "does not hold for models",
-)
 def test_forward_of_a_model_built_before_the_block_counts_only_new_storages() -> None:
+    """Regression: aten.t returns a view of the weight, and the tracker counted the weight's storage."""
     linear = nn.Linear(256, 256)
     with simulated_device("100MiB") as device:
         x = torch.zeros(1, 256)

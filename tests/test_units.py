@@ -131,22 +131,14 @@ def test_whole_binary_sizes_are_exact(n: int, unit: str) -> None:
     assert parse_bytes(f"{n} {unit}") == n * factor
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_bytes goes through float(): integers above 2**53 lose their last digits "
-    "('9007199254740993' -> 9007199254740992)",
-)
 def test_large_integer_strings_are_exact() -> None:
+    """Regression: parse_bytes went through float(), and '9007199254740993' gave 9007199254740992."""
     assert parse_bytes(str(2**53 + 1)) == 2**53 + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_bytes truncates float(number) * unit: '2.01 KB' is 2010 bytes exactly but 2.01 * 1000 "
-    "== 2009.9999999999998, so it returns 2009",
-)
 @pytest.mark.parametrize(("text", "expected"), [("2.01 KB", 2010), ("4.02 KB", 4020), ("8.03 KB", 8030)])
 def test_decimal_sizes_that_are_whole_bytes_are_exact(text: str, expected: int) -> None:
+    """Regression: int(2.01 * 1000) is 2009, because 2.01 * 1000 == 2009.9999999999998."""
     assert parse_bytes(text) == expected
 
 
