@@ -180,7 +180,11 @@ class StackMemoryCache(SizeCache):
         # File, function name and bytecode offset of each frame: the strings cache their
         # hashes (hashing a code object rehashes its bytecode on every call), and the
         # offset is read directly where f_lineno searches the line table.
-        parts: tuple[object, ...] = (function, device, free_memory_bucket(recent_free_memory(device)))
+        bucket = recent_free_memory(device).bit_length()  # free_memory_bucket, inlined
+        if self.depth == 1 and caller is not None:  # the default, spelled out: no loop, one tuple
+            code = caller.f_code
+            return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)
+        parts: tuple[object, ...] = (function, device, bucket)
         frame, remaining = caller, self.depth
         while frame is not None and remaining:
             code = frame.f_code

@@ -1,12 +1,20 @@
 """The retry engine that every front end drives.
 
 A :class:`Controller` holds one wrapper's policy, cache and statistics; each call
-gets a :class:`Attempt`, which is both the iterator over attempts and the context
-manager of the current attempt::
+gets an :class:`Attempt`, the context manager of the current attempt. Front ends
+drive it in one of two equivalent ways::
 
-    for attempt in controller.start(function, caller, device):
+    for attempt in controller.start(function, caller, device):   # blocks
         with attempt:
             result = work(attempt.batch_size)
+
+    attempt = controller.start(function, caller, device)         # functions
+    while True:
+        with attempt:
+            return work(attempt.batch_size)
+        attempt.retry()
+
+The second saves a generator on every call of a decorated function.
 
 ``__exit__`` only classifies the error and records the failed size: it runs while
 the exception, and through its traceback every frame and tensor of the failed
@@ -259,7 +267,7 @@ class Attempt:
         self._state = _READY
         self._failure: _Failure | None = None  # made on the first failure: none on the happy path
         self.batch_size = size
-        self.number = 0
+        self.number = 1
 
     @property
     def stats(self) -> Stats:
@@ -268,10 +276,9 @@ class Attempt:
 
     def __iter__(self) -> Iterator[Attempt]:
         # A generator, so that ending the loop costs no StopIteration raised in Python.
-        self.number = 1
         yield self
         while self._state == _FAILED:
-            yield self._recover()
+            yield self.retry()
         if self._state != _SUCCEEDED:
             raise RuntimeError("each attempt must run its body inside `with attempt:`")
 
@@ -303,10 +310,23 @@ class Attempt:
         self._state = _FAILED
         return True
 
-    def _recover(self) -> Attempt:
+    def retry(self) -> Attempt:
+        """Release the failed attempt's memory and move on to the next size.
+
+        Call it after a ``with attempt:`` block swallowed an out-of-memory error,
+        outside any ``except`` block.
+
+        Returns:
+            Attempt: this object, with ``batch_size`` and ``number`` advanced.
+
+        Raises:
+            BatchSizeExhausted: if there is no smaller size, or ``max_attempts``
+                attempts were made; raised from the last out-of-memory error.
+            RuntimeError: if the last attempt did not fail with an out-of-memory error.
+        """
         controller, failed, failure = self._controller, self.batch_size, self._failure
-        if failure is None:  # pragma: no cover - __exit__ sets both together
-            raise RuntimeError("an attempt was marked failed without a recorded failure")
+        if self._state != _FAILED or failure is None:
+            raise RuntimeError("retry() follows an attempt that ran out of memory inside `with attempt:`")
         next_size = failure.next_size
         started = time.perf_counter()
         _memory.release(self._device)

@@ -45,9 +45,7 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
             accelerator index while no accelerator is available.
     """
     if device is None:
-        if not torch.accelerator.is_available():
-            return _CPU
-        return _indexed(torch.accelerator.current_accelerator())
+        return default_device()
     if isinstance(device, torch.device):
         resolved = device
     elif isinstance(device, bool) or not isinstance(device, (str, int)):
@@ -68,6 +66,26 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
         except RuntimeError as exc:
             raise ValueError(f"{device!r} is not a device PyTorch knows: {exc}") from None
     return _indexed(resolved)
+
+
+_accelerator_type: str | None = None
+_accelerator_known = False
+
+
+def default_device() -> torch.device:
+    """Return the current accelerator device, or the CPU when there is none.
+
+    Whether there is an accelerator is asked once per process; which device is
+    current (``torch.cuda.set_device``) is asked on every call.
+    """
+    global _accelerator_type, _accelerator_known
+    if not _accelerator_known:
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        _accelerator_type = None if accelerator is None else accelerator.type
+        _accelerator_known = True
+    if _accelerator_type is None:
+        return _CPU
+    return torch.device(_accelerator_type, torch.accelerator.current_device_index())
 
 
 def _indexed(device: torch.device | None) -> torch.device:

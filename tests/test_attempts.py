@@ -123,3 +123,19 @@ def test_inference_block_under_a_simulated_device() -> None:
                 outputs = torch.cat([model(chunk) for chunk in data.split(attempt.batch_size)])
     assert attempt.batch_size < 2048
     torch.testing.assert_close(outputs, expected)
+
+
+def test_retry_without_a_failed_attempt_is_an_error() -> None:
+    for attempt in koila.attempts(initial=4):
+        with attempt:
+            pass
+    with pytest.raises(RuntimeError, match="retry\\(\\) follows an attempt that ran out of memory"):
+        attempt.retry()
+
+
+def test_retry_moves_to_the_next_size() -> None:
+    attempt = next(iter(koila.attempts(initial=100, cache=koila.NoCache())))
+    with attempt:
+        raise make_oom()
+    assert attempt.retry() is attempt
+    assert (attempt.batch_size, attempt.number) == (64, 2)
