@@ -220,7 +220,7 @@ class Controller:
             device (torch.device): the device the call runs on.
 
         Returns:
-            Attempt: the iterator of attempts.
+            Attempt: the first attempt, which is also the iterable of all of them.
         """
         key = self.cache.key(function, caller, device)
         cached = self.cache.lookup(key) if key is not None else None
@@ -245,8 +245,8 @@ _READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
 class Attempt:
     """The attempts of one call: iterate it, and run each attempt's body in ``with``.
 
-    The iterable and the current attempt are one object: a call makes this object
-    and the generator that iterates it, nothing per attempt.
+    The iterable and the current attempt are one object, made once per call;
+    nothing is made per attempt until one fails.
 
     .. versionadded:: 0.1.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -473,9 +474,8 @@ def test_oom_for_rejects_unknown_kinds() -> None:
         oom_for(1, kind="tpu")
 
 
-def test_injectors_count_exactly_under_threads() -> None:
-    threads, per_thread = 8, 100
-    inject = oom_above(50)
+def _hammer(inject: Callable[[int], None], threads: int = 8, per_thread: int = 100) -> int:
+    """Call ``inject(call_number)`` from several threads at once; return the OOMs they saw."""
     start = threading.Barrier(threads)
     oom_counts = [0] * threads
 
@@ -483,7 +483,7 @@ def test_injectors_count_exactly_under_threads() -> None:
         start.wait()
         for call in range(per_thread):
             try:
-                inject(call)  # sizes 0..99: 49 of them (51..99) are above 50
+                inject(call)
             except torch.OutOfMemoryError:
                 oom_counts[index] += 1
 
@@ -492,31 +492,21 @@ def test_injectors_count_exactly_under_threads() -> None:
         worker.start()
     for worker in workers:
         worker.join()
-    assert inject.calls == threads * per_thread == 800
-    assert inject.raised == sum(oom_counts) == threads * 49
+    return sum(oom_counts)
+
+
+def test_injectors_count_exactly_under_threads() -> None:
+    inject = oom_above(50)
+    seen = _hammer(inject)  # sizes 0..99 in each thread: 49 of them (51..99) are above 50
+    assert inject.calls == 800
+    assert inject.raised == seen == 8 * 49
 
 
 def test_oom_for_counts_exactly_under_threads() -> None:
-    threads, per_thread = 8, 100
     inject = oom_for(range(1, 801, 2))  # every odd call
-    start = threading.Barrier(threads)
-    oom_counts = [0] * threads
-
-    def hammer(index: int) -> None:
-        start.wait()
-        for _ in range(per_thread):
-            try:
-                inject()
-            except torch.OutOfMemoryError:
-                oom_counts[index] += 1
-
-    workers = [threading.Thread(target=hammer, args=(i,)) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    seen = _hammer(lambda call: inject())
     assert inject.calls == 800
-    assert inject.raised == sum(oom_counts) == 400
+    assert inject.raised == seen == 400
 
 
 # ---------------------------------------------------------------------------
