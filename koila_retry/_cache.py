@@ -130,16 +130,6 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         return f"{type(self).__name__}(maxsize={maxsize}, currsize={currsize}, hits={hits}, misses={misses})"
 
 
-def free_memory_bucket(free_bytes: int) -> int:
-    """Return the power-of-two bucket of a free-memory reading (its bit length).
-
-    Readings within a factor of two of each other usually share a bucket, so
-    small fluctuations do not defeat the cache while a device with twice the
-    free memory gets a fresh start.
-    """
-    return free_bytes.bit_length()
-
-
 class StackMemoryCache(SizeCache):
     """Remember sizes per call site and per free-memory level (the default cache).
 
@@ -180,7 +170,9 @@ class StackMemoryCache(SizeCache):
         # File, function name and bytecode offset of each frame: the strings cache their
         # hashes (hashing a code object rehashes its bytecode on every call), and the
         # offset is read directly where f_lineno searches the line table.
-        bucket = recent_free_memory(device).bit_length()  # free_memory_bucket, inlined
+        # Power-of-two buckets: readings within a factor of two usually share one, so small
+        # fluctuations keep the cache warm while twice the memory gets a fresh start.
+        bucket = recent_free_memory(device).bit_length()
         if self.depth == 1 and caller is not None:  # the default, spelled out: no loop, one tuple
             code = caller.f_code
             return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)

@@ -245,10 +245,11 @@ def test_stack_memory_cache_falls_back_to_the_size_at_more_free_memory() -> None
     assert run.cache_info().hits == 1
 
 
-def test_free_memory_bucket_is_the_bit_length() -> None:
-    assert _cache.free_memory_bucket(0) == 0
-    assert _cache.free_memory_bucket(2**30) == _cache.free_memory_bucket(2**31 - 1) == 31
-    assert _cache.free_memory_bucket(2**31) == 32
+@pytest.mark.parametrize(("free", "bucket"), [(0, 0), (2**30, 31), (2**31 - 1, 31), (2**31, 32)])
+def test_free_memory_bucket_is_the_bit_length(monkeypatch: pytest.MonkeyPatch, free: int, bucket: int) -> None:
+    monkeypatch.setattr(_cache, "recent_free_memory", lambda device: free)
+    key = koila.StackMemoryCache().key(test_free_memory_bucket_is_the_bit_length, sys._getframe(0), CPU)
+    assert key[2] == bucket
 
 
 def test_free_memory_is_read_at_most_once_per_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
