@@ -1,22 +1,27 @@
 """Make PyTorch code adapt to the memory it has.
 
 An out-of-memory error becomes a smaller batch instead of a crash: decorate a
-function with :func:`batch`, or wrap a block in :func:`attempts`.
+function with :func:`batch`, wrap a block in :func:`attempts`, or run over rows
+in chunks that resume where they failed with :func:`chunked` and :func:`range`.
 """
 
 from koila_retry._cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
+from koila_retry._chunked import chunked, range
 from koila_retry._detect import is_oom
+from koila_retry._disk import DiskCache
 from koila_retry._engine import Attempt, OOMEvent, Stats
 from koila_retry._frontends import Batched, attempts, batch
 from koila_retry._memory import free_memory, release
 from koila_retry._version import __version__
-from koila_retry.exceptions import BatchSizeExhausted
+from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning
 
 __all__ = [
     "Attempt",
     "BatchSizeExhausted",
     "Batched",
+    "CacheFileWarning",
     "CacheInfo",
+    "DiskCache",
     "GlobalCache",
     "NoCache",
     "OOMEvent",
@@ -26,7 +31,9 @@ __all__ = [
     "__version__",
     "attempts",
     "batch",
+    "chunked",
     "free_memory",
     "is_oom",
+    "range",
     "release",
 ]

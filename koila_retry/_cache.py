@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, MutableMapping
 from types import FrameType
@@ -14,7 +16,40 @@ import torch
 from koila_retry._counter import Counter
 from koila_retry._memory import recent_free_memory
 
-__all__ = ["CacheInfo", "GlobalCache", "NoCache", "SizeCache", "StackMemoryCache"]
+__all__ = ["CacheInfo", "GlobalCache", "Growth", "NoCache", "SizeCache", "StackMemoryCache", "function_identity"]
+
+
+def function_identity(function: object) -> tuple[str, int, str]:
+    """Name a callable by where it is defined, without keeping it alive.
+
+    A key that held the callable itself would keep a model, or a lambda's
+    captured tensors, alive for as long as the key is cached.
+
+    Args:
+        function (object): a function, method, ``functools.partial``, module or
+            other callable; a tuple is taken to be a description already.
+
+    Returns:
+        Hashable: ``(filename, first line, qualified name)``; for callables
+        without Python code, ``(module, 0, qualified name of their type)``.
+    """
+    if isinstance(function, tuple):
+        return function
+    while True:  # look through bound methods and partials to the function that runs
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif isinstance(function, types.MethodType):
+            function = function.__func__
+        else:
+            break
+    code = getattr(function, "__code__", None)
+    if code is None:  # an object: name it by its forward (modules) or __call__
+        kind = type(function)
+        method = getattr(kind, "forward", None) or kind.__call__
+        code = getattr(method, "__code__", None)
+        if code is None:
+            return (kind.__module__, 0, kind.__qualname__)
+    return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
 
 
 class CacheInfo(NamedTuple):
@@ -24,6 +59,17 @@ class CacheInfo(NamedTuple):
     misses: int
     maxsize: int
     currsize: int
+
+
+class Growth:
+    """How close a key is to growing back: successes in a row, and how many are due."""
+
+    __slots__ = ("probing", "streak", "wait")
+
+    def __init__(self, wait: int) -> None:
+        self.streak = 0
+        self.wait = wait
+        self.probing = False
 
 
 class SizeCache(MutableMapping[Hashable, int], ABC):
@@ -52,16 +98,25 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         self._hits = Counter()
         self._misses = Counter()
         self._recent: tuple[Hashable, int] | None = None
+        # Kept beside the sizes, so growing back follows a key for as long as its size
+        # is remembered (``attempts`` makes a controller per run; the cache outlives it).
+        self._growth: cachetools.LRUCache[Hashable, Growth] = cachetools.LRUCache(maxsize)
 
     @abstractmethod
-    def key(self, function: object, caller: FrameType | None, device: torch.device) -> Hashable | None:
+    def key(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> Hashable | None:
         """Return the key for one call, or ``None`` to neither look up nor store.
 
         Args:
-            function (object): identifies the decorated function or block (a
-                function or a code object).
+            function (object): identifies the decorated function or block: a
+                function, or a hashable description of it such as
+                ``(filename, first line, qualified name)``.
             caller (FrameType or None): the frame that made the call.
             device (torch.device): the device the call runs on.
+            sample (Hashable, optional): the shape and dtype of one sample of
+                the inputs, from front ends that see them (:func:`chunked`);
+                ``None`` otherwise.
 
         Returns:
             Hashable or None: the key.
@@ -102,6 +157,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         with self._lock:
             self._recent = None
             self._sizes.clear()
+            self._growth.clear()
             self._hits, self._misses = Counter(), Counter()
 
     def __getitem__(self, key: Hashable) -> int:
@@ -166,17 +222,21 @@ class StackMemoryCache(SizeCache):
         self.depth = depth
         self.fallback_buckets = fallback_buckets
 
-    def key(self, function: object, caller: FrameType | None, device: torch.device) -> Hashable:
+    def key(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> Hashable:
         # File, function name and bytecode offset of each frame: the strings cache their
         # hashes (hashing a code object rehashes its bytecode on every call), and the
         # offset is read directly where f_lineno searches the line table.
         # Power-of-two buckets: readings within a factor of two usually share one, so small
         # fluctuations keep the cache warm while twice the memory gets a fresh start.
         bucket = recent_free_memory(device).bit_length()
-        if self.depth == 1 and caller is not None:  # the default, spelled out: no loop, one tuple
+        if self.depth == 1 and caller is not None and sample is None:  # the default, spelled out
             code = caller.f_code
             return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)
         parts: tuple[object, ...] = (function, device, bucket)
+        if sample is not None:
+            parts += (sample,)
         frame, remaining = caller, self.depth
         while frame is not None and remaining:
             code = frame.f_code
@@ -209,7 +269,9 @@ class GlobalCache(SizeCache):
     .. versionadded:: 0.1.0
     """
 
-    def key(self, function: object, caller: FrameType | None, device: torch.device) -> Hashable:
+    def key(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> Hashable:
         return function
 
 
@@ -219,7 +281,7 @@ class NoCache(SizeCache):
     .. versionadded:: 0.1.0
     """
 
-    def key(self, function: object, caller: FrameType | None, device: torch.device) -> None:
+    def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> None:
         return None
 
     def __setitem__(self, key: Hashable, size: int) -> None:

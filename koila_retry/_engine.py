@@ -35,15 +35,16 @@ from types import FrameType, TracebackType
 import torch
 
 from koila_retry import _memory, _tracking
-from koila_retry._cache import SizeCache
+from koila_retry._cache import Growth, SizeCache
 from koila_retry._counter import Counter
 from koila_retry._detect import is_oom
 from koila_retry._units import format_bytes
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["DEFAULT_INITIAL", "Attempt", "Controller", "OOMEvent", "Stats", "next_batch_size"]
+__all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_INITIAL", "Attempt", "Controller", "OOMEvent", "Stats", "next_batch_size"]
 
 DEFAULT_INITIAL = 512
+DEFAULT_GROW_AFTER = 50
 
 logger = logging.getLogger("koila_retry")
 
@@ -171,14 +172,21 @@ class Controller:
         initial (int): the first size to try when the cache knows none.
         minimum (int): the smallest size to try.
         cache (SizeCache): where sizes that worked are remembered.
-        max_attempts (int, optional): the most attempts one call may make.
+        max_attempts (int, optional): the most attempts one call (or one step
+            of a run of steps, such as a chunk) may make.
         on_oom (callable, optional): called with an :class:`OOMEvent` after each
             out-of-memory failure, once its memory has been released.
+        grow (bool): whether to try the next power of two up, never above
+            ``initial``, once ``grow_after`` calls in a row succeeded at a
+            reduced size. Default: ``False``.
+        grow_after (int): successes in a row before growing; doubled each time
+            a probe at the larger size runs out of memory. Default: 50.
 
     Raises:
-        TypeError: if a size is not an int, ``cache`` is not a cache or
-            ``on_oom`` is not callable.
-        ValueError: if a size is below 1 or ``minimum`` exceeds ``initial``.
+        TypeError: if a size is not an int, ``cache`` is not a cache, ``grow``
+            is not a bool or ``on_oom`` is not callable.
+        ValueError: if a size or ``grow_after`` is below 1, or ``minimum``
+            exceeds ``initial``.
     """
 
     def __init__(
@@ -190,6 +198,8 @@ class Controller:
         cache: SizeCache,
         max_attempts: int | None = None,
         on_oom: OnOOM | None = None,
+        grow: bool = False,
+        grow_after: int = DEFAULT_GROW_AFTER,
     ) -> None:
         self.initial = _positive_int("initial", initial)
         self.minimum = _positive_int("minimum", minimum)
@@ -204,6 +214,10 @@ class Controller:
             )
         if on_oom is not None and not callable(on_oom):
             raise TypeError(f"on_oom must be callable, got {type(on_oom).__name__} {on_oom!r}")
+        if not isinstance(grow, bool):
+            raise TypeError(f"grow must be a bool, got {type(grow).__name__} {grow!r}")
+        self.grow_after = _positive_int("grow_after", grow_after)
+        self.grow = grow
         self.name = name
         self.max_attempts = max_attempts
         self.cache = cache
@@ -211,23 +225,29 @@ class Controller:
         self.stats = Stats(batch_size=initial)
         self._count_call = self.stats._calls.increment
 
-    def start(self, function: object, caller: FrameType | None, device: torch.device) -> Attempt:
+    def start(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
 
         Args:
-            function (object): what the cache key names (a function or code object).
+            function (object): what the cache key names (a function or a
+                description of one).
             caller (FrameType or None): the frame that made the call.
             device (torch.device): the device the call runs on.
+            sample (Hashable, optional): the shape of one input sample, for the key.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
         """
-        key = self.cache.key(function, caller, device)
+        key = self.cache.key(function, caller, device, sample)
         cached = self.cache.lookup(key) if key is not None else None
         if cached is None:
             size = self.initial
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= self.initial else min(max(cached, self.minimum), self.initial)
+        if self.grow:
+            size = self.grown(key, size)
         self._count_call()
         self.stats.batch_size = size
         return Attempt(self, key, size, cached, device)
@@ -237,6 +257,42 @@ class Controller:
         if self.max_attempts is not None and attempt >= self.max_attempts:
             return None
         return next_batch_size(failed, self.minimum)
+
+    def grown(self, key: Hashable, size: int) -> int:
+        """Return the size to start a call or step at: ``size``, or the probe above it when due."""
+        if size >= self.initial:
+            return size
+        with self.cache._lock:
+            growth = self.cache._growth.get(key)
+            if growth is None or growth.streak < growth.wait:
+                return size
+            growth.streak, growth.probing = 0, True
+            wait = growth.wait
+        probe = min(1 << size.bit_length(), self.initial)
+        logger.info("%s: %d calls in a row succeeded at batch size %d; trying %d", self.name, wait, size, probe)
+        return probe
+
+    def succeeded(self, key: Hashable, size: int) -> None:
+        """Count a success at ``size`` towards growing back."""
+        with self.cache._lock:
+            if size >= self.initial:
+                self.cache._growth.pop(key, None)
+                return
+            growth = self.cache._growth.get(key)
+            if growth is None:
+                growth = self.cache._growth[key] = Growth(self.grow_after)
+            elif growth.probing:  # the larger size fits: wait the usual time before the next
+                growth.probing, growth.wait, growth.streak = False, self.grow_after, 0
+            growth.streak += 1
+
+    def failed(self, key: Hashable) -> None:
+        """Restart the count towards growing; after a failed probe, wait twice as long."""
+        with self.cache._lock:
+            growth = self.cache._growth.get(key)
+            if growth is not None:
+                if growth.probing:
+                    growth.probing, growth.wait = False, growth.wait * 2
+                growth.streak = 0
 
 
 _READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
@@ -255,7 +311,18 @@ class Attempt:
         number (int): the current attempt's number, from 1.
     """
 
-    __slots__ = ("_cached", "_controller", "_device", "_failure", "_key", "_started", "_state", "batch_size", "number")
+    __slots__ = (
+        "_cached",
+        "_controller",
+        "_device",
+        "_failure",
+        "_key",
+        "_rows",
+        "_started",
+        "_state",
+        "batch_size",
+        "number",
+    )
 
     def __init__(
         self, controller: Controller, key: Hashable | None, size: int, cached: int | None, device: torch.device
@@ -266,6 +333,7 @@ class Attempt:
         self._device = device
         self._state = _READY
         self._failure: _Failure | None = None  # made on the first failure: none on the happy path
+        self._rows: int | None = None
         self.batch_size = size
         self.number = 1
 
@@ -292,8 +360,11 @@ class Attempt:
     ) -> bool:
         if exc is None:
             self._state = _SUCCEEDED
+            controller = self._controller
             if self._key is not None and self._cached != self.batch_size:
-                self._controller.cache[self._key] = self.batch_size
+                controller.cache[self._key] = self._cached = self.batch_size
+            if controller.grow:
+                controller.succeeded(self._key, self.batch_size)
             return False
         if not is_oom(exc):
             self._state = _READY  # the error propagates untouched and ends the run
@@ -304,6 +375,8 @@ class Attempt:
             failure = self._failure = _Failure()
         failure.seconds += time.perf_counter() - self._started
         failure.where = _where(tb)
+        if self._rows is not None:  # a short last step failed: go on below what it tried
+            self.batch_size, self._rows = min(self.batch_size, self._rows), None
         failure.next_size = self._controller.next_size(self.batch_size, self.number)
         if failure.next_size is None:
             failure.final_oom = _detached(exc)
@@ -334,6 +407,8 @@ class Attempt:
         free = _memory.recent_free_memory(self._device)  # fresh: release() forgot the old reading
         failure.tried.append(failed)
         controller.stats.record_oom(failure.seconds, next_size)
+        if controller.grow:
+            controller.failed(self._key)
         event = OOMEvent(
             function=controller.name,
             batch_size=failed,
@@ -367,6 +442,41 @@ class Attempt:
         self.batch_size = next_size
         self.number += 1
         self._state = _READY
+        return self
+
+    def narrow(self, rows: int) -> None:
+        """Use only ``rows`` (fewer than ``batch_size``) in the coming attempt.
+
+        For the last, shorter step of a run of steps: if it runs out of memory,
+        the next size is below ``rows``; if it succeeds, ``batch_size`` is what
+        the cache remembers.
+        """
+        self._rows = rows
+
+    def next_step(self) -> Attempt:
+        """Move on to the next step of a run of steps, after this step succeeded.
+
+        A run of steps (the chunks of :func:`chunked`) is one call of the engine
+        whose every step is retried on its own: the next step starts at the
+        size the last one succeeded at, or, when growing back is due, the probe
+        above it.
+
+        Returns:
+            Attempt: this object, ready for the next step's first attempt.
+
+        Raises:
+            RuntimeError: if the current step has not succeeded.
+        """
+        if self._state != _SUCCEEDED:
+            raise RuntimeError("next_step() follows a step that succeeded inside `with attempt:`")
+        controller = self._controller
+        self._rows = None
+        self._state = _READY
+        self.number = 1
+        if self._failure is not None:
+            self._failure.tried.clear()
+        if controller.grow:
+            self.batch_size = controller.stats.batch_size = controller.grown(self._key, self.batch_size)
         return self
 
     def _exhausted_message(self, failure: _Failure, free: int) -> str:
@@ -424,14 +534,18 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.
 def _where(tb: TracebackType | None) -> str:
     # The deepest frame of the user's own code: an OOM surfaces inside PyTorch (or the
     # simulated device's check), but the line worth naming is the one that called it.
-    deepest = users = None
+    # Without one (``chunked(model, x)`` calls the model from here), the deepest frame
+    # outside koila_retry: PyTorch's line says more than the simulated device's check.
+    deepest = users = outside_koila = None
     while tb is not None:
         code = tb.tb_frame.f_code
         deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         if not code.co_filename.startswith(_LIBRARY_DIRS):
             users = deepest
+        if not code.co_filename.startswith(_LIBRARY_DIRS[0]):
+            outside_koila = deepest
         tb = tb.tb_next
-    return users or deepest or "an unknown place"
+    return users or outside_koila or deepest or "an unknown place"
 
 
 def _detached(exc: BaseException) -> BaseException:

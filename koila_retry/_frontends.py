@@ -11,7 +11,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 import torch
 
 from koila_retry._cache import CacheInfo, SizeCache, StackMemoryCache
-from koila_retry._engine import DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
+from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
 from koila_retry._memory import DeviceLike, default_device, resolve_device
 
 __all__ = ["Batched", "attempts", "batch"]
@@ -123,6 +123,8 @@ def batch(
     on_oom: OnOOM | None = ...,
     param: None = ...,
     device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
 ) -> Callable[[Callable[Concatenate[int, P], R]], Batched[P, R]]: ...
 
 
@@ -136,6 +138,8 @@ def batch(
     on_oom: OnOOM | None = ...,
     param: str,
     device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
 ) -> Callable[[Callable[..., R]], Batched[..., R]]: ...
 
 
@@ -150,6 +154,8 @@ def batch(
     on_oom: OnOOM | None = None,
     param: str | None = None,
     device: DeviceLike = None,
+    grow: bool = False,
+    grow_after: int = DEFAULT_GROW_AFTER,
 ) -> Any:
     """Call a function with the largest batch size that fits, shrinking it on OOM.
 
@@ -181,6 +187,11 @@ def batch(
         device (torch.device, str or int, optional): the device whose memory
             the call uses. Default: the device of the first tensor argument,
             else the current accelerator, else the CPU.
+        grow (bool): after a reduction, try the next power of two up (never
+            above ``initial``) once ``grow_after`` calls in a row succeeded;
+            see :ref:`growing-back`. Default: ``False``.
+        grow_after (int): successful calls in a row before growing; doubled
+            after each probe that runs out of memory. Default: 50.
 
     Returns:
         Batched: the wrapped function, with ``stats``, ``cache_info()`` and
@@ -189,7 +200,8 @@ def batch(
     Raises:
         TypeError: if the function has no parameter to inject into, or an
             option has the wrong type.
-        ValueError: if ``initial``, ``minimum`` or ``max_attempts`` is out of range.
+        ValueError: if ``initial``, ``minimum``, ``max_attempts`` or
+            ``grow_after`` is out of range.
 
     Example::
 
@@ -217,6 +229,8 @@ def batch(
             on_oom=on_oom,
             param=param,
             device=device,
+            grow=grow,
+            grow_after=grow_after,
         )
 
     if fn is None:
@@ -234,6 +248,8 @@ def _batched(
     on_oom: OnOOM | None,
     param: str | None,
     device: DeviceLike,
+    grow: bool,
+    grow_after: int,
 ) -> Any:
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
@@ -245,6 +261,8 @@ def _batched(
         cache=StackMemoryCache() if cache is None else cache,
         max_attempts=max_attempts,
         on_oom=on_oom,
+        grow=grow,
+        grow_after=grow_after,
     )
     fixed_device = None if device is None else resolve_device(device)
     start = controller.start
@@ -306,6 +324,8 @@ def attempts(
     max_attempts: int | None = None,
     on_oom: OnOOM | None = None,
     device: DeviceLike = None,
+    grow: bool = False,
+    grow_after: int = DEFAULT_GROW_AFTER,
 ) -> Attempt:
     """Retry a block of code with smaller batch sizes until it fits in memory.
 
@@ -328,6 +348,10 @@ def attempts(
             out-of-memory failure.
         device (torch.device, str or int, optional): the device whose memory the
             block uses. Default: the current accelerator, else the CPU.
+        grow (bool): after a reduction, try the next power of two up once
+            ``grow_after`` runs of the block in a row succeeded; see
+            :ref:`growing-back`. Default: ``False``.
+        grow_after (int): successful runs in a row before growing. Default: 50.
 
     Returns:
         Attempt: an iterator over the attempts of the block; each attempt is
@@ -335,7 +359,8 @@ def attempts(
 
     Raises:
         TypeError: if an option has the wrong type.
-        ValueError: if ``initial``, ``minimum`` or ``max_attempts`` is out of range.
+        ValueError: if ``initial``, ``minimum``, ``max_attempts`` or
+            ``grow_after`` is out of range.
         BatchSizeExhausted: from the loop, when even ``minimum`` runs out of memory.
 
     Example::
@@ -363,5 +388,7 @@ def attempts(
         cache=_attempts_cache if cache is None else cache,
         max_attempts=max_attempts,
         on_oom=on_oom,
+        grow=grow,
+        grow_after=grow_after,
     )
     return controller.start(block, caller, resolve_device(device))

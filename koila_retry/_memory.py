@@ -163,7 +163,7 @@ def recent_free_memory(device: torch.device) -> int:
     line cannot break the user's call.
     """
     if _tracking.simulated.active:
-        return _tracking.simulated.active[-1]()
+        return _tracking.simulated.active[-1].free
     now = time.monotonic()
     reading = _free_readings.get(device)
     if reading is not None and now < reading[0]:
@@ -174,6 +174,36 @@ def recent_free_memory(device: torch.device) -> int:
         free = -1
     _free_readings[device] = (now + FREE_MEMORY_TTL, free)
     return free
+
+
+_descriptions: dict[torch.device, str] = {}
+
+
+def describe_device(device: torch.device) -> str:
+    """Name a device by its kind, model and total memory, the same in every run.
+
+    A size that fits one device fits another of the same model and memory, so
+    keys that outlive the process (:class:`DiskCache`) use this and not the
+    device's index. Inside a simulated device, its limit stands for the memory.
+    Never raises: what cannot be read is left out.
+    """
+    limit = _tracking.simulated.limit()
+    if limit is not None:
+        return f"simulated {limit}"
+    description = _descriptions.get(device)
+    if description is None:
+        description = _descriptions[device] = _describe(device)
+    return description
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cpu":
+        return f"cpu {psutil.virtual_memory().total}"
+    try:
+        properties = getattr(torch, device.type).get_device_properties(device.index or 0)
+        return f"{device.type} {properties.name} {properties.total_memory}"
+    except (AttributeError, RuntimeError, AssertionError, ValueError):
+        return device.type
 
 
 def forget_free_memory() -> None:

@@ -11,7 +11,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,14 +107,27 @@ def _storages(tree: Any) -> list[torch.UntypedStorage]:
     return storages
 
 
+class Simulated(Protocol):
+    """What the registry needs of a simulated device."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...
+
+
 class _SimulatedRegistry:
     """The simulated devices active in this process, innermost last."""
 
     def __init__(self) -> None:
-        self.active: list[Callable[[], int]] = []
+        self.active: list[Simulated] = []
 
     def free(self) -> int | None:
-        return self.active[-1]() if self.active else None
+        return self.active[-1].free if self.active else None
+
+    def limit(self) -> int | None:
+        return self.active[-1].limit if self.active else None
 
 
 # ``free_memory`` reports the innermost simulated device's free bytes while one is

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchSizeExhausted"]
+__all__ = ["BatchSizeExhausted", "CacheFileWarning"]
 
 
 class BatchSizeExhausted(torch.OutOfMemoryError):
@@ -39,3 +39,14 @@ class BatchSizeExhausted(torch.OutOfMemoryError):
 
 def _rebuild(cls: type[BatchSizeExhausted], message: str, batch_size: int, attempts: int) -> BatchSizeExhausted:
     return cls(message, batch_size=batch_size, attempts=attempts)
+
+
+class CacheFileWarning(UserWarning):
+    """Warned when a :class:`DiskCache` file cannot be read or written.
+
+    The cache then keeps sizes in memory only; the job goes on. Filter it like
+    any warning, e.g. ``warnings.simplefilter("error", koila.CacheFileWarning)``
+    to make it fatal in CI.
+
+    .. versionadded:: 0.1.0
+    """

@@ -106,7 +106,7 @@ class SimulatedDevice:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
         self._tracker = LiveStorageTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
-        simulated.active.append(lambda: self.free)
+        simulated.active.append(self)
         return self
 
     def __exit__(

@@ -1,0 +1,606 @@
+"""The front ends that cover rows or indices in chunks: ``chunked`` and ``range``.
+
+A pass over ``[start, stop)`` is one call of the engine, and each chunk one step
+of it: a chunk that runs out of memory is retried on its own at the next smaller
+size, starting at its own first row, so finished chunks are neither recomputed
+nor dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar, cast, overload
+
+import torch
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
+from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
+from koila_retry._frontends import Batched
+from koila_retry._memory import DeviceLike, default_device, resolve_device
+from koila_retry.exceptions import BatchSizeExhausted
+
+__all__ = ["chunked", "range"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Passes started by ``koila.chunked(fn, x)`` and ``koila.range(fn, 0, n)`` share one
+# cache; keys hold the function's place in the code and the call site.
+_calls_cache = StackMemoryCache()
+
+_TensorBase = torch._C.TensorBase
+
+
+class _Options:
+    """What every pass of one ``chunked`` or ``range`` call or decorator is told."""
+
+    def __init__(
+        self,
+        *,
+        front_end: str,
+        initial: int,
+        minimum: int,
+        cache: SizeCache | None,
+        progress: bool,
+        max_attempts: int | None,
+        on_oom: OnOOM | None,
+        device: DeviceLike,
+        grow: bool,
+        grow_after: int,
+    ) -> None:
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
+        self.front_end = front_end
+        self.progress = progress
+        self.device = None if device is None else resolve_device(device)
+        self.cache = cache
+        self._settings: dict[str, Any] = {
+            "initial": initial,
+            "minimum": minimum,
+            "max_attempts": max_attempts,
+            "on_oom": on_oom,
+            "grow": grow,
+            "grow_after": grow_after,
+        }
+
+    def controller(self, fn: object, *, decorated: bool) -> Controller:
+        """Make the controller of one call, or of a decorated function (with a cache of its own)."""
+        if not callable(fn):
+            raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}")
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        cache = self.cache if self.cache is not None else StackMemoryCache() if decorated else _calls_cache
+        return Controller(name=name, cache=cache, **self._settings)
+
+
+def _cover(
+    attempt: Attempt,
+    start: int,
+    stop: int,
+    work: Callable[[int, int], None],
+    progress: str | None,
+    unit: tuple[str, str],
+) -> None:
+    """Run ``work(begin, end)`` over ``[start, stop)``, each chunk retried alone on OOM.
+
+    ``progress`` names the bar to show, if any; ``unit`` names what is covered
+    and what a chunk of it is called (``("row", "chunk")``).
+    """
+    bar = _progress_bar(stop - start, unit[0], progress) if progress is not None else None
+    begin = start
+    try:
+        while begin < stop:
+            while True:  # the engine's idiom, as in @batch: retry() decides, or raises
+                rows = min(attempt.batch_size, stop - begin)
+                if rows < attempt.batch_size:
+                    attempt.narrow(rows)
+                with attempt:
+                    work(begin, begin + rows)
+                    break
+                attempt.retry()
+            begin += rows
+            if bar is not None:
+                bar.update(rows)
+                bar.set_postfix({unit[1]: attempt.batch_size})
+            if begin < stop:
+                attempt.next_step()
+    except BatchSizeExhausted as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"{begin - start} of {stop - start} {unit[0]}s were finished before it gave up.")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(total: int, unit: str, name: str) -> Any:
+    try:
+        tqdm = importlib.import_module("tqdm.auto").tqdm  # an optional extra
+    except ImportError:
+        raise ImportError(
+            "progress=True shows a tqdm progress bar, and tqdm is not installed; "
+            "install it with: pip install 'koila-retry[progress]'"
+        ) from None
+    return tqdm(total=total, unit=unit, desc=name)
+
+
+@overload
+def chunked(fn: Callable[P, R], /) -> Batched[P, R]: ...
+
+
+@overload
+def chunked(
+    fn: Callable[..., R],
+    first: Any,
+    /,
+    *args: Any,
+    initial: int = ...,
+    dim: int = ...,
+    minimum: int = ...,
+    cache: SizeCache | None = ...,
+    progress: bool = ...,
+    out: Any = ...,
+    max_attempts: int | None = ...,
+    on_oom: OnOOM | None = ...,
+    device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
+) -> R: ...
+
+
+@overload
+def chunked(
+    *,
+    initial: int = ...,
+    dim: int = ...,
+    minimum: int = ...,
+    cache: SizeCache | None = ...,
+    progress: bool = ...,
+    max_attempts: int | None = ...,
+    on_oom: OnOOM | None = ...,
+    device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
+) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
+
+
+def chunked(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *args: Any,
+    initial: int = DEFAULT_INITIAL,
+    dim: int = 0,
+    minimum: int = 1,
+    cache: SizeCache | None = None,
+    progress: bool = False,
+    out: Any = None,
+    max_attempts: int | None = None,
+    on_oom: OnOOM | None = None,
+    device: DeviceLike = None,
+    grow: bool = False,
+    grow_after: int = DEFAULT_GROW_AFTER,
+) -> Any:
+    """Apply a function to its tensor arguments in chunks of rows, and join the results.
+
+    Every tensor argument is split along ``dim`` into chunks of the current size
+    (the last chunk takes what remains), ``fn`` is called on each chunk with the
+    other arguments passed as they are, and the results are concatenated along
+    ``dim``. ``fn`` may return a tensor, or a tuple, list, dict or nested mix of
+    tensors: the result has the same structure; or ``None`` throughout, and so
+    does the result. If a chunk runs out of memory, its memory is released and
+    it is tried again from its first row at the next smaller power of two:
+    finished chunks are kept, never recomputed. The size that worked is
+    remembered for the next call. A result of a single chunk is returned as
+    ``fn`` returned it.
+
+    Called with a function and no other positional argument, or with options
+    only, it is a decorator: ``@koila.chunked(initial=4096)`` makes ``encode(x)``
+    run in chunks. The decorated function also has ``stats``, ``cache_info()``
+    and ``cache_clear()``.
+
+    Args:
+        fn (callable): the function to apply to each chunk.
+        *args: the arguments of ``fn``: tensors, all with the same size along
+            ``dim``, are split; anything else is passed to every call.
+        initial (int): the first chunk size to try. Default: 512.
+        dim (int): the dimension to split and join along. Default: 0.
+        minimum (int): the smallest chunk size to try. Default: 1.
+        cache (SizeCache, optional): where sizes that worked are kept; keys
+            include the shape and dtype of one sample. Default: one
+            :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls
+            (a new one per decorated function).
+        progress (bool): show a tqdm progress bar over the rows, with the
+            current chunk size. Needs ``pip install 'koila-retry[progress]'``.
+            Default: ``False``.
+        out (tensor or structure of tensors, optional): where to write the
+            results instead of concatenating them: the same structure as
+            ``fn``'s result, each tensor with the full number of rows along
+            ``dim``. Saves the copy that joining costs. Not for decorators.
+        max_attempts (int, optional): the most attempts one chunk may make.
+        on_oom (callable, optional): called with an :class:`OOMEvent` after each
+            out-of-memory failure.
+        device (torch.device, str or int, optional): the device whose memory
+            the chunks use. Default: the device of the first tensor argument.
+        grow (bool): after a reduction, try the next power of two up once
+            ``grow_after`` chunks in a row succeeded; see :ref:`growing-back`.
+            Default: ``False``.
+        grow_after (int): successful chunks in a row before growing. Default: 50.
+
+    Returns:
+        The joined results (or ``out``); or, used as a decorator, the decorated
+        function.
+
+    Raises:
+        ValueError: if there is no tensor argument, tensors differ in size
+            along ``dim``, ``dim`` is out of range for an argument or a result,
+            ``out`` does not match, or an option is out of range.
+        TypeError: if ``fn`` is not callable, it returns something other than
+            tensors (or ``None``), or an option has the wrong type.
+        BatchSizeExhausted: if a chunk runs out of memory at ``minimum``; rows
+            before it are finished (and written to ``out``, if given).
+
+    Example::
+
+        >>> import torch, koila_retry as koila
+        >>> x = torch.arange(10.0).reshape(5, 2)
+        >>> koila.chunked(lambda rows: rows * 2, x, initial=2)
+        tensor([[ 0.,  2.],
+                [ 4.,  6.],
+                [ 8., 10.],
+                [12., 14.],
+                [16., 18.]])
+
+    .. versionadded:: 0.1.0
+    """
+    options = _Options(
+        front_end="koila.chunked",
+        initial=initial,
+        minimum=minimum,
+        cache=cache,
+        progress=progress,
+        max_attempts=max_attempts,
+        on_oom=on_oom,
+        device=device,
+        grow=grow,
+        grow_after=grow_after,
+    )
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    if fn is not None and args:
+        controller = options.controller(fn, decorated=False)
+        return _run_chunked(controller, fn, args, {}, dim, options, out, sys._getframe(1))
+    if out is not None:
+        raise TypeError("out= is given per call: koila.chunked(fn, x, out=buffer), not to a decorator")
+
+    def decorate(function: Callable[P, R]) -> Batched[P, R]:
+        controller = options.controller(function, decorated=True)
+        getframe = sys._getframe
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return _run_chunked(controller, function, args, kwargs, dim, options, None, getframe(1))
+
+        return cast(Batched[P, R], _with_controller(wrapper, controller))
+
+    return decorate if fn is None else decorate(fn)
+
+
+def _run_chunked(
+    controller: Controller,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dim: int,
+    options: _Options,
+    out: Any,
+    caller: Any,
+) -> Any:
+    split = _Split(args, kwargs, dim)
+    results = _Results(dim, split.rows, out)
+
+    def work(begin: int, end: int) -> None:
+        chunk_args, chunk_kwargs = split.chunk(begin, end)
+        results.add(begin, end, fn(*chunk_args, **chunk_kwargs))
+
+    if split.rows == 0:
+        if out is None:  # one call on the empty input gives the result its structure
+            work(0, 0)
+    else:
+        attempt = controller.start(function_identity(fn), caller, options.device or split.device, split.sample)
+        _cover(attempt, 0, split.rows, work, controller.name if options.progress else None, ("row", "chunk"))
+    return results.finish()
+
+
+class _Split:
+    """The tensor arguments of one call, checked, and their slices."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        self.args, self.kwargs, self.dim = args, kwargs, dim
+        labelled: list[tuple[str, int | str, Any]] = [
+            (f"argument {i}", i, value) for i, value in enumerate(args) if isinstance(value, _TensorBase)
+        ]
+        labelled += [
+            (f"argument {name!r}", name, value) for name, value in kwargs.items() if isinstance(value, _TensorBase)
+        ]
+        if not labelled:
+            raise ValueError(
+                "koila.chunked splits tensor arguments along dim, and none of the arguments is a tensor "
+                f"(got {[type(value).__name__ for value in (*args, *kwargs.values())]})"
+            )
+        sizes = []
+        for label, _, tensor in labelled:
+            if not -tensor.dim() <= dim < tensor.dim():
+                allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
+                raise ValueError(
+                    f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
+                )
+            sizes.append((label, tensor.size(dim)))
+        first_label, self.rows = sizes[0]
+        for label, size in sizes[1:]:
+            if size != self.rows:
+                raise ValueError(
+                    f"every tensor argument must have the same size along dim {dim}: {first_label} has "
+                    f"{self.rows}, {label} has {size}"
+                )
+        self.positions = [where for _, where, _ in labelled if isinstance(where, int)]
+        self.names = [where for _, where, _ in labelled if isinstance(where, str)]
+        self.device = labelled[0][2].device
+        self.sample = tuple(
+            (tuple(size for axis, size in enumerate(tensor.shape) if axis != dim % tensor.dim()), str(tensor.dtype))
+            for _, _, tensor in labelled
+        )
+
+    def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
+        args, kwargs, dim = list(self.args), dict(self.kwargs), self.dim
+        for position in self.positions:
+            args[position] = args[position].narrow(dim, begin, end - begin)
+        for name in self.names:
+            kwargs[name] = kwargs[name].narrow(dim, begin, end - begin)
+        return args, kwargs
+
+
+class _Results:
+    """The results of the chunks: checked as they come, joined (or written to ``out``) at the end."""
+
+    def __init__(self, dim: int, rows: int, out: Any) -> None:
+        self.dim, self.rows, self.out = dim, rows, out
+        self.spec: TreeSpec | None = None
+        self.parts: list[list[torch.Tensor]] = []
+        self.single: Any = None
+        self.none = False
+        if out is not None:
+            self.out_leaves, self.out_spec = tree_flatten(out)
+            for path, leaf in tree_flatten_with_path(out)[0]:
+                where = f"out{keystr(path)}"
+                if not isinstance(leaf, _TensorBase):
+                    raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
+                if not -leaf.dim() <= dim < leaf.dim() or leaf.size(dim) != rows:
+                    raise ValueError(
+                        f"{where} has shape {tuple(leaf.shape)}; it needs {rows} rows along dim {dim}, "
+                        "one per input row"
+                    )
+
+    def add(self, begin: int, end: int, result: Any) -> None:
+        if result is None and (self.spec is None or self.none) and self.out is None:
+            self.none = True
+            self.spec = tree_flatten(None)[1]
+            return
+        leaves, spec = tree_flatten(result)
+        if self.spec is None:
+            self._check_first(result, leaves)
+            self.spec = spec
+        elif spec != self.spec or self.none:
+            raise ValueError(
+                f"fn returned results of different structures for different chunks: {self.spec} and then {spec}"
+            )
+        if self.out is not None:
+            if spec != self.out_spec:
+                raise ValueError(f"fn's result has the structure {spec}, and out has {self.out_spec}")
+            for target, leaf in zip(self.out_leaves, leaves, strict=True):
+                if leaf.size(self.dim) != end - begin:
+                    raise ValueError(
+                        f"fn returned {leaf.size(self.dim)} rows along dim {self.dim} for a chunk of "
+                        f"{end - begin}; out= needs one result row per input row"
+                    )
+                target.narrow(self.dim, begin, end - begin).copy_(leaf)
+            return
+        if not self.parts:
+            self.single = result
+        self.parts.append(leaves)
+
+    def _check_first(self, result: Any, leaves: list[Any]) -> None:
+        for path, leaf in tree_flatten_with_path(result)[0]:
+            where = f"the result{keystr(path)}"
+            if not isinstance(leaf, _TensorBase):
+                raise TypeError(
+                    f"fn returned {type(leaf).__name__} at {where}; koila.chunked joins results along dim "
+                    f"{self.dim}, so fn must return tensors (or a tuple, list or dict of them), or None"
+                )
+            if not -leaf.dim() <= self.dim < leaf.dim():
+                raise ValueError(
+                    f"fn returned a tensor of shape {tuple(leaf.shape)} at {where}, which has no dim "
+                    f"{self.dim} to join chunks along"
+                )
+
+    def finish(self) -> Any:
+        if self.out is not None:
+            return self.out
+        if self.none:
+            return None
+        if len(self.parts) == 1:
+            return self.single
+        joined = [torch.cat(column, dim=self.dim) for column in zip(*self.parts, strict=True)]
+        self.parts.clear()
+        return tree_unflatten(joined, cast(TreeSpec, self.spec))
+
+
+@overload
+def range(fn: Callable[P, R], /) -> Batched[P, list[R]]: ...
+
+
+@overload
+def range(
+    fn: Callable[[int, int], R],
+    start: int,
+    stop: int,
+    /,
+    *,
+    initial: int = ...,
+    minimum: int = ...,
+    cache: SizeCache | None = ...,
+    progress: bool = ...,
+    max_attempts: int | None = ...,
+    on_oom: OnOOM | None = ...,
+    device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
+) -> list[R]: ...
+
+
+@overload
+def range(
+    *,
+    initial: int = ...,
+    minimum: int = ...,
+    cache: SizeCache | None = ...,
+    progress: bool = ...,
+    max_attempts: int | None = ...,
+    on_oom: OnOOM | None = ...,
+    device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
+) -> Callable[[Callable[P, R]], Batched[P, list[R]]]: ...
+
+
+def range(
+    fn: Callable[..., Any] | None = None,
+    start: int | None = None,
+    stop: int | None = None,
+    /,
+    *,
+    initial: int = DEFAULT_INITIAL,
+    minimum: int = 1,
+    cache: SizeCache | None = None,
+    progress: bool = False,
+    max_attempts: int | None = None,
+    on_oom: OnOOM | None = None,
+    device: DeviceLike = None,
+    grow: bool = False,
+    grow_after: int = DEFAULT_GROW_AFTER,
+) -> Any:
+    """Call ``fn(begin, end)`` over consecutive index ranges that cover ``[start, stop)`` once.
+
+    Each range holds the current size of indices (the last takes what
+    remains). If a call runs out of memory, its memory is released and the same
+    range is started again, from ``begin``, at the next smaller power of two:
+    ranges that finished are never run again. The size that worked is
+    remembered for the next call.
+
+    Called with a function only, or with options only, it is a decorator:
+    ``@koila.range(initial=4096)`` makes ``process(0, n)`` run in ranges;
+    further arguments of the decorated function are passed to every call, after
+    ``begin`` and ``end``.
+
+    Args:
+        fn (callable): called as ``fn(begin, end)`` for each range.
+        start (int): the first index.
+        stop (int): one past the last index; at least ``start``.
+        initial (int): the first range size to try. Default: 512.
+        minimum (int): the smallest range size to try. Default: 1.
+        cache (SizeCache, optional): where sizes that worked are kept.
+            Default: one :class:`StackMemoryCache` shared by ``chunked`` and
+            ``range`` calls (a new one per decorated function).
+        progress (bool): show a tqdm progress bar over the indices. Needs
+            ``pip install 'koila-retry[progress]'``. Default: ``False``.
+        max_attempts (int, optional): the most attempts one range may make.
+        on_oom (callable, optional): called with an :class:`OOMEvent` after each
+            out-of-memory failure.
+        device (torch.device, str or int, optional): the device whose memory
+            the calls use. Default: the current accelerator, else the CPU.
+        grow (bool): after a reduction, try the next power of two up once
+            ``grow_after`` ranges in a row succeeded; see :ref:`growing-back`.
+            Default: ``False``.
+        grow_after (int): successful ranges in a row before growing. Default: 50.
+
+    Returns:
+        list: what ``fn`` returned for each range, in order; or, used as a
+        decorator, the decorated function.
+
+    Raises:
+        TypeError: if ``fn`` is not callable, or ``start``, ``stop`` or an
+            option has the wrong type.
+        ValueError: if ``stop`` is below ``start``, or an option is out of range.
+        BatchSizeExhausted: if a range runs out of memory at ``minimum``.
+
+    Example::
+
+        >>> import koila_retry as koila
+        >>> koila.range(lambda begin, end: (begin, end), 0, 10, initial=4)
+        [(0, 4), (4, 8), (8, 10)]
+
+    .. versionadded:: 0.1.0
+    """
+    options = _Options(
+        front_end="koila.range",
+        initial=initial,
+        minimum=minimum,
+        cache=cache,
+        progress=progress,
+        max_attempts=max_attempts,
+        on_oom=on_oom,
+        device=device,
+        grow=grow,
+        grow_after=grow_after,
+    )
+    if fn is not None and (start is not None or stop is not None):
+        controller = options.controller(fn, decorated=False)
+        return _run_range(controller, fn, start, stop, (), {}, options, sys._getframe(1))
+
+    def decorate(function: Callable[P, R]) -> Batched[P, list[R]]:
+        controller = options.controller(function, decorated=True)
+        getframe = sys._getframe
+
+        @functools.wraps(function)
+        def wrapper(start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
+            return _run_range(controller, function, start, stop, args, kwargs, options, getframe(1))
+
+        return cast(Batched[P, list[R]], _with_controller(wrapper, controller))
+
+    return decorate if fn is None else decorate(fn)
+
+
+def _run_range(
+    controller: Controller,
+    fn: Callable[..., Any],
+    start: Any,
+    stop: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: _Options,
+    caller: Any,
+) -> list[Any]:
+    for name, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if stop < start:
+        raise ValueError(f"stop ({stop}) must be at least start ({start})")
+    results: list[Any] = []
+    if stop == start:
+        return results
+    attempt = controller.start(function_identity(fn), caller, options.device or default_device())
+
+    def work(begin: int, end: int) -> None:
+        results.append(fn(begin, end, *args, **kwargs))
+
+    _cover(attempt, start, stop, work, controller.name if options.progress else None, ("index", "range"))
+    return results
+
+
+def _with_controller(wrapper: Any, controller: Controller) -> Any:
+    wrapper.stats = controller.stats
+    wrapper.cache_info = controller.cache.cache_info
+    wrapper.cache_clear = controller.cache.cache_clear
+    return wrapper

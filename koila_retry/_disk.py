@@ -1,0 +1,189 @@
+"""A size cache kept in a JSON file, so that the next run starts at the size that worked."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Hashable, Iterator
+from types import FrameType
+from typing import IO, Any
+
+import torch
+
+from koila_retry._cache import SizeCache, function_identity
+from koila_retry._memory import describe_device
+from koila_retry.exceptions import CacheFileWarning
+
+try:
+    import fcntl
+except ImportError:  # Windows: writes stay atomic, but two writers may drop each other's new sizes
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["DiskCache"]
+
+_FORMAT = "koila-retry size cache"
+_VERSION = 1
+
+
+class DiskCache(SizeCache):
+    """Remember sizes in a JSON file, across runs and processes.
+
+    The key is the function's qualified name and where it is defined, the
+    device's kind, model and total memory, and the shape and dtype of one
+    sample of the inputs when the front end sees them (:func:`chunked`). So a
+    second run of the same script on the same kind of device starts at the size
+    that worked, and a run on a different device starts afresh.
+
+    The file is read when the cache is made and rewritten whenever a new size
+    is stored: merged with what other processes wrote meanwhile (under a lock
+    file, ``<path>.lock``, where the platform has ``fcntl``), written to a
+    temporary file beside it and renamed over it, so readers never see half a
+    file. A file that cannot be read, is not valid JSON or is not a koila-retry
+    cache is ignored with a :class:`CacheFileWarning` and never overwritten
+    (the path might name a file of yours); a file that cannot be written is
+    warned about once. Either way, sizes are then kept in memory only: the
+    cache never breaks the job it serves.
+
+    Args:
+        path (str or os.PathLike): the JSON file. Its folder is made if missing.
+        maxsize (int): how many keys to keep, in memory and in the file; the
+            least recently stored go first.
+
+    Raises:
+        TypeError: if ``path`` is not a str or path.
+        ValueError: if ``maxsize`` is not a positive int.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, path: str | os.PathLike[str], maxsize: int = 256) -> None:
+        super().__init__(maxsize)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        self._writable = True
+        stored = self._read()
+        if stored is not None:
+            for key, size in list(stored.items())[-maxsize:]:
+                self._sizes[key] = size
+
+    def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> str:
+        filename, line, qualname = function_identity(function)
+        key = f"{qualname} ({filename}:{line}) on {describe_device(device)}"
+        return key if sample is None else f"{key} for samples {sample}"
+
+    def __setitem__(self, key: Hashable, size: int) -> None:
+        super().__setitem__(key, size)
+        if self._writable and isinstance(key, str):
+            with self._lock:
+                self._write(key, size)
+
+    def _read(self) -> dict[str, int] | None:
+        """Return the sizes in the file; ``{}`` if there is none; ``None`` if it is not ours."""
+        try:
+            with open(self.path, encoding="utf-8") as file:
+                text = file.read()
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError) as exc:
+            self._refuse(f"cannot be read ({exc})")
+            return None
+        if not text.strip():
+            return {}  # an empty file, as `touch` leaves it: nothing stored yet
+        try:
+            content = json.loads(text)
+        except ValueError as exc:
+            self._refuse(f"is not valid JSON ({exc})")
+            return None
+        sizes = _sizes_of(content)
+        if sizes is None:
+            self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})")
+            return None
+        return sizes
+
+    def _refuse(self, reason: str) -> None:
+        self._writable = False
+        warnings.warn(
+            f"koila_retry: ignoring the size cache file {self.path}: it {reason}. It will not be "
+            "overwritten; sizes are kept in memory only. Delete the file, or give DiskCache another path.",
+            CacheFileWarning,
+            stacklevel=4,
+        )
+
+    def _write(self, key: str, size: int) -> None:
+        try:
+            folder = os.path.dirname(self.path)
+            os.makedirs(folder, exist_ok=True)
+            with _locked(self.path + ".lock"):
+                stored = self._read()  # other processes may have stored sizes since we last looked
+                if stored is None:
+                    return
+                stored.pop(key, None)  # re-inserted last: the most recently stored go last
+                stored[key] = size
+                entries = list(stored.items())[-int(self._sizes.maxsize) :]
+                content = {"format": _FORMAT, "version": _VERSION, "sizes": dict(entries)}
+                with tempfile.NamedTemporaryFile(
+                    "w",
+                    encoding="utf-8",
+                    dir=folder,
+                    prefix=os.path.basename(self.path) + ".",
+                    suffix=".tmp",
+                    delete=False,
+                ) as temporary:
+                    try:
+                        json.dump(content, temporary, indent=1, sort_keys=False)
+                        temporary.flush()
+                        os.fsync(temporary.fileno())
+                    except BaseException:
+                        _remove(temporary)
+                        raise
+                try:
+                    os.replace(temporary.name, self.path)
+                except BaseException:
+                    _remove(temporary)
+                    raise
+        except OSError as exc:
+            self._writable = False
+            warnings.warn(
+                f"koila_retry: cannot write the size cache file {self.path} ({exc}); sizes are kept in "
+                "memory only from now on.",
+                CacheFileWarning,
+                stacklevel=4,
+            )
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, path={self.path!r})"
+
+
+def _sizes_of(content: Any) -> dict[str, int] | None:
+    if not isinstance(content, dict) or content.get("format") != _FORMAT or content.get("version") != _VERSION:
+        return None
+    sizes = content.get("sizes")
+    if not isinstance(sizes, dict):
+        return None
+    return {
+        key: size
+        for key, size in sizes.items()
+        if isinstance(key, str) and isinstance(size, int) and not isinstance(size, bool) and size >= 1
+    }
+
+
+def _remove(temporary: IO[str]) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(temporary.name)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
