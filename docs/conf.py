@@ -35,9 +35,10 @@ exclude_patterns = ["_build"]
 nitpicky = True
 nitpick_ignore_regex = [
     # Words of the docstrings' "Args:" types that napoleon turns into references:
-    # "int, optional", "callable", "iterable of int", "sequence of str".
-    ("py:class", r"optional|callable|iterable|sequence"),
-    ("py:(class|exc|func|obj|data)", r"(torch|collections\.abc|abc|types|typing|functools)\..+"),
+    # "int, optional", "callable", "iterable of int", "sequence of str",
+    # "tensor or structure of tensors".
+    ("py:class", r"optional|callable|iterable|sequence|tensors?|structure"),
+    ("py:(class|exc|func|obj|data)", r"(torch|collections\.abc|abc|types|typing|functools|os)\..+"),
     ("py:class", r"FrameType|Hashable"),
 ]
 

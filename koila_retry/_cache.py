@@ -43,7 +43,11 @@ def function_identity(function: object) -> tuple[str, int, str]:
         else:
             break
     code = getattr(function, "__code__", None)
-    if code is None:  # an object: name it by its forward (modules) or __call__
+    if code is None:
+        qualname = getattr(function, "__qualname__", None)
+        if isinstance(qualname, str):  # a builtin such as torch.sin, or a class
+            return (str(getattr(function, "__module__", None)), 0, qualname)
+        # An object: name it by its forward (modules) or __call__.
         kind = type(function)
         method = getattr(kind, "forward", None) or kind.__call__
         code = getattr(method, "__code__", None)
@@ -64,12 +68,11 @@ class CacheInfo(NamedTuple):
 class Growth:
     """How close a key is to growing back: successes in a row, and how many are due."""
 
-    __slots__ = ("probing", "streak", "wait")
+    __slots__ = ("streak", "wait")
 
     def __init__(self, wait: int) -> None:
         self.streak = 0
         self.wait = wait
-        self.probing = False
 
 
 class SizeCache(MutableMapping[Hashable, int], ABC):
@@ -97,7 +100,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         self._lock = threading.Lock()
         self._hits = Counter()
         self._misses = Counter()
-        self._recent: tuple[Hashable, int] | None = None
+        self._recent: tuple[Hashable, int | None] | None = None
         # Kept beside the sizes, so growing back follows a key for as long as its size
         # is remembered (``attempts`` makes a controller per run; the cache outlives it).
         self._growth: cachetools.LRUCache[Hashable, Growth] = cachetools.LRUCache(maxsize)
@@ -127,9 +130,14 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         # A loop calls from the same place again and again: answer a repeat of the
         # latest key without the LRU's bookkeeping. One tuple, replaced whole, so a
         # racing thread sees either the old pair or the new one.
+        # Misses are remembered too: a function that never runs out of memory stores
+        # nothing (see Attempt.__exit__), and is asked about on every call.
         recent = self._recent
         if recent is not None and recent[0] == key:
-            self._hits.increment()
+            if recent[1] is None:
+                self._misses.increment()
+            else:
+                self._hits.increment()
             return recent[1]
         try:
             size = self._sizes[key]
@@ -137,6 +145,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             fallback = self._fallback(key)
             if fallback is None:
                 self._misses.increment()
+                self._recent = (key, None)
                 return None
             self[key] = size = fallback  # later calls find it directly
         self._hits.increment()

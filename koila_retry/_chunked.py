@@ -12,7 +12,7 @@ import functools
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar, cast, overload
+from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -33,6 +33,7 @@ R = TypeVar("R")
 _calls_cache = StackMemoryCache()
 
 _TensorBase = torch._C.TensorBase
+_NONE_SPEC = tree_flatten(None)[1]
 
 
 class _Options:
@@ -55,7 +56,7 @@ class _Options:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
-        self.progress = progress
+        self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
         self.device = None if device is None else resolve_device(device)
         self.cache = cache
         self._settings: dict[str, Any] = {
@@ -81,15 +82,17 @@ def _cover(
     start: int,
     stop: int,
     work: Callable[[int, int], None],
-    progress: str | None,
-    unit: tuple[str, str],
+    tqdm: Callable[..., Any] | None,
+    name: str,
+    unit: tuple[str, str, str],
 ) -> None:
     """Run ``work(begin, end)`` over ``[start, stop)``, each chunk retried alone on OOM.
 
-    ``progress`` names the bar to show, if any; ``unit`` names what is covered
-    and what a chunk of it is called (``("row", "chunk")``).
+    ``tqdm`` makes the progress bar named ``name``, if one is wanted; ``unit`` names what is covered,
+    in the singular and plural, and what a chunk of it is called
+    (``("row", "rows", "chunk")``).
     """
-    bar = _progress_bar(stop - start, unit[0], progress) if progress is not None else None
+    bar = None if tqdm is None else tqdm(total=stop - start, unit=unit[0], desc=name)
     begin = start
     try:
         while begin < stop:
@@ -103,28 +106,28 @@ def _cover(
                 attempt.retry()
             begin += rows
             if bar is not None:
+                bar.set_postfix({unit[2]: attempt.batch_size}, refresh=False)
                 bar.update(rows)
-                bar.set_postfix({unit[1]: attempt.batch_size})
             if begin < stop:
                 attempt.next_step()
     except BatchSizeExhausted as exc:
         if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"{begin - start} of {stop - start} {unit[0]}s were finished before it gave up.")
+            exc.add_note(f"{begin - start} of {stop - start} {unit[1]} were finished before it gave up.")
         raise
     finally:
         if bar is not None:
             bar.close()
 
 
-def _progress_bar(total: int, unit: str, name: str) -> Any:
+def _tqdm() -> Callable[..., Any]:
     try:
-        tqdm = importlib.import_module("tqdm.auto").tqdm  # an optional extra
+        tqdm: Callable[..., Any] = importlib.import_module("tqdm.auto").tqdm  # an optional extra
     except ImportError:
         raise ImportError(
             "progress=True shows a tqdm progress bar, and tqdm is not installed; "
             "install it with: pip install 'koila-retry[progress]'"
         ) from None
-    return tqdm(total=total, unit=unit, desc=name)
+    return tqdm
 
 
 @overload
@@ -310,7 +313,7 @@ def _run_chunked(
             work(0, 0)
     else:
         attempt = controller.start(function_identity(fn), caller, options.device or split.device, split.sample)
-        _cover(attempt, 0, split.rows, work, controller.name if options.progress else None, ("row", "chunk"))
+        _cover(attempt, 0, split.rows, work, options.tqdm, controller.name, ("row", "rows", "chunk"))
     return results.finish()
 
 
@@ -354,11 +357,13 @@ class _Split:
         )
 
     def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs, dim = list(self.args), dict(self.kwargs), self.dim
+        args, kwargs, dim = list(self.args), self.kwargs, self.dim
         for position in self.positions:
             args[position] = args[position].narrow(dim, begin, end - begin)
-        for name in self.names:
-            kwargs[name] = kwargs[name].narrow(dim, begin, end - begin)
+        if self.names:
+            kwargs = dict(kwargs)
+            for name in self.names:
+                kwargs[name] = kwargs[name].narrow(dim, begin, end - begin)
         return args, kwargs
 
 
@@ -371,6 +376,8 @@ class _Results:
         self.parts: list[list[torch.Tensor]] = []
         self.single: Any = None
         self.none = False
+        self.joins_tensors = False
+        self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
         if out is not None:
             self.out_leaves, self.out_spec = tree_flatten(out)
             for path, leaf in tree_flatten_with_path(out)[0]:
@@ -384,34 +391,46 @@ class _Results:
                     )
 
     def add(self, begin: int, end: int, result: Any) -> None:
-        if result is None and (self.spec is None or self.none) and self.out is None:
-            self.none = True
-            self.spec = tree_flatten(None)[1]
+        if type(result) is torch.Tensor and self.joins_tensors and result.dim() >= self.least_dims:
+            self.parts.append([result])  # the usual case, checked and kept without flattening
+            return
+        if result is None and self.out is None:
+            if self.spec is not None and not self.none:
+                self._changed(self.spec, _NONE_SPEC)
+            self.none, self.spec = True, _NONE_SPEC
             return
         leaves, spec = tree_flatten(result)
         if self.spec is None:
-            self._check_first(result, leaves)
             self.spec = spec
         elif spec != self.spec or self.none:
-            raise ValueError(
-                f"fn returned results of different structures for different chunks: {self.spec} and then {spec}"
-            )
+            self._changed(self.spec, spec)
+        dim = self.dim
+        for leaf in leaves:  # every chunk's: a short last chunk is where squeeze() bites
+            if not isinstance(leaf, _TensorBase) or not -leaf.dim() <= dim < leaf.dim():
+                self._explain(result)
         if self.out is not None:
             if spec != self.out_spec:
                 raise ValueError(f"fn's result has the structure {spec}, and out has {self.out_spec}")
             for target, leaf in zip(self.out_leaves, leaves, strict=True):
-                if leaf.size(self.dim) != end - begin:
+                if leaf.size(dim) != end - begin:
                     raise ValueError(
-                        f"fn returned {leaf.size(self.dim)} rows along dim {self.dim} for a chunk of "
+                        f"fn returned {leaf.size(dim)} rows along dim {dim} for a chunk of "
                         f"{end - begin}; out= needs one result row per input row"
                     )
-                target.narrow(self.dim, begin, end - begin).copy_(leaf)
+                target.narrow(dim, begin, end - begin).copy_(leaf)
             return
         if not self.parts:
             self.single = result
+            # From now on a plain tensor with a dim to join along needs no other check.
+            self.joins_tensors = type(result) is torch.Tensor
         self.parts.append(leaves)
 
-    def _check_first(self, result: Any, leaves: list[Any]) -> None:
+    @staticmethod
+    def _changed(before: TreeSpec, after: TreeSpec) -> NoReturn:
+        raise ValueError(f"fn returned results of different structures for different chunks: {before} and then {after}")
+
+    def _explain(self, result: Any) -> None:
+        """Raise the error that names the leaf of ``result`` that cannot be joined."""
         for path, leaf in tree_flatten_with_path(result)[0]:
             where = f"the result{keystr(path)}"
             if not isinstance(leaf, _TensorBase):
@@ -595,7 +614,7 @@ def _run_range(
     def work(begin: int, end: int) -> None:
         results.append(fn(begin, end, *args, **kwargs))
 
-    _cover(attempt, start, stop, work, controller.name if options.progress else None, ("index", "range"))
+    _cover(attempt, start, stop, work, options.tqdm, controller.name, ("index", "indices", "range"))
     return results
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from types import FrameType
 from typing import IO, Any
 
@@ -65,6 +65,7 @@ class DiskCache(SizeCache):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._writable = True
+        self._dropped_warned = False
         stored = self._read()
         if stored is not None:
             for key, size in list(stored.items())[-maxsize:]:
@@ -77,9 +78,18 @@ class DiskCache(SizeCache):
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         super().__setitem__(key, size)
-        if self._writable and isinstance(key, str):
-            with self._lock:
-                self._write(key, size)
+        if isinstance(key, str):
+            self._update(lambda sizes: _store(sizes, key, size))
+
+    def __delitem__(self, key: Hashable) -> None:
+        super().__delitem__(key)
+        if isinstance(key, str):
+            self._update(lambda sizes: sizes.pop(key, None))
+
+    def cache_clear(self) -> None:
+        """Forget every size, in memory and in the file, and reset the hit and miss counts."""
+        super().cache_clear()
+        self._update(lambda sizes: sizes.clear())
 
     def _read(self) -> dict[str, int] | None:
         """Return the sizes in the file; ``{}`` if there is none; ``None`` if it is not ours."""
@@ -98,10 +108,23 @@ class DiskCache(SizeCache):
         except ValueError as exc:
             self._refuse(f"is not valid JSON ({exc})")
             return None
-        sizes = _sizes_of(content)
-        if sizes is None:
+        if not _is_ours(content):
             self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})")
             return None
+        entries = content["sizes"]
+        sizes = {
+            key: size
+            for key, size in entries.items()
+            if isinstance(key, str) and type(size) is int and size >= 1  # bools are ints, and no sizes
+        }
+        if len(sizes) < len(entries) and not self._dropped_warned:
+            self._dropped_warned = True  # once: the next write leaves them out of the file
+            warnings.warn(
+                f"koila_retry: dropping {len(entries) - len(sizes)} entries of the size cache file {self.path} "
+                "that are not sizes (ints >= 1).",
+                CacheFileWarning,
+                stacklevel=4,
+            )
         return sizes
 
     def _refuse(self, reason: str) -> None:
@@ -113,7 +136,14 @@ class DiskCache(SizeCache):
             stacklevel=4,
         )
 
-    def _write(self, key: str, size: int) -> None:
+    def _update(self, change: Callable[[dict[str, int]], object]) -> None:
+        """Apply ``change`` to the sizes in the file, merged with what other processes wrote."""
+        if not self._writable:
+            return
+        with self._lock:
+            self._write(change)
+
+    def _write(self, change: Callable[[dict[str, int]], object]) -> None:
         try:
             folder = os.path.dirname(self.path)
             os.makedirs(folder, exist_ok=True)
@@ -121,8 +151,7 @@ class DiskCache(SizeCache):
                 stored = self._read()  # other processes may have stored sizes since we last looked
                 if stored is None:
                     return
-                stored.pop(key, None)  # re-inserted last: the most recently stored go last
-                stored[key] = size
+                change(stored)
                 entries = list(stored.items())[-int(self._sizes.maxsize) :]
                 content = {"format": _FORMAT, "version": _VERSION, "sizes": dict(entries)}
                 with tempfile.NamedTemporaryFile(
@@ -158,17 +187,19 @@ class DiskCache(SizeCache):
         return f"{super().__repr__()[:-1]}, path={self.path!r})"
 
 
-def _sizes_of(content: Any) -> dict[str, int] | None:
-    if not isinstance(content, dict) or content.get("format") != _FORMAT or content.get("version") != _VERSION:
-        return None
-    sizes = content.get("sizes")
-    if not isinstance(sizes, dict):
-        return None
-    return {
-        key: size
-        for key, size in sizes.items()
-        if isinstance(key, str) and isinstance(size, int) and not isinstance(size, bool) and size >= 1
-    }
+def _is_ours(content: Any) -> bool:
+    return (
+        isinstance(content, dict)
+        and content.get("format") == _FORMAT
+        and type(content.get("version")) is int  # True and 1.0 equal 1, and are not our version
+        and content["version"] == _VERSION
+        and isinstance(content.get("sizes"), dict)
+    )
+
+
+def _store(sizes: dict[str, int], key: str, size: int) -> None:
+    sizes.pop(key, None)  # re-inserted last: the most recently stored go last, and stay longest
+    sizes[key] = size
 
 
 def _remove(temporary: IO[str]) -> None:

@@ -240,15 +240,19 @@ class Controller:
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
         """
-        key = self.cache.key(function, caller, device, sample)
-        cached = self.cache.lookup(key) if key is not None else None
+        cache = self.cache
+        # Without a sample, the three-argument call that caches written before ``sample`` expect.
+        key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
+        cached = cache.lookup(key) if key is not None else None
         if cached is None:
-            size = self.initial
+            # Nothing stored: a success at ``initial`` has nothing to store either (see
+            # Attempt._remember), so the attempt is told that it is already there.
+            size = cached = self.initial
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= self.initial else min(max(cached, self.minimum), self.initial)
-        if self.grow:
-            size = self.grown(key, size)
         self._count_call()
+        if self.grow:
+            return Attempt(self, key, size, cached, device)._grow()
         self.stats.batch_size = size
         return Attempt(self, key, size, cached, device)
 
@@ -266,14 +270,14 @@ class Controller:
             growth = self.cache._growth.get(key)
             if growth is None or growth.streak < growth.wait:
                 return size
-            growth.streak, growth.probing = 0, True
+            growth.streak = 0
             wait = growth.wait
         probe = min(1 << size.bit_length(), self.initial)
-        logger.info("%s: %d calls in a row succeeded at batch size %d; trying %d", self.name, wait, size, probe)
+        logger.info("%s: succeeded %d times in a row at batch size %d; trying %d", self.name, wait, size, probe)
         return probe
 
-    def succeeded(self, key: Hashable, size: int) -> None:
-        """Count a success at ``size`` towards growing back."""
+    def succeeded(self, key: Hashable, size: int, *, probe: bool) -> None:
+        """Count a success at ``size`` towards growing back; a probe that fits resets the wait."""
         with self.cache._lock:
             if size >= self.initial:
                 self.cache._growth.pop(key, None)
@@ -281,18 +285,25 @@ class Controller:
             growth = self.cache._growth.get(key)
             if growth is None:
                 growth = self.cache._growth[key] = Growth(self.grow_after)
-            elif growth.probing:  # the larger size fits: wait the usual time before the next
-                growth.probing, growth.wait, growth.streak = False, self.grow_after, 0
+            elif probe:
+                growth.wait, growth.streak = self.grow_after, 0
             growth.streak += 1
 
-    def failed(self, key: Hashable) -> None:
+    def failed(self, key: Hashable, *, probe: bool) -> None:
         """Restart the count towards growing; after a failed probe, wait twice as long."""
         with self.cache._lock:
             growth = self.cache._growth.get(key)
             if growth is not None:
-                if growth.probing:
-                    growth.probing, growth.wait = False, growth.wait * 2
+                if probe:
+                    growth.wait *= 2
                 growth.streak = 0
+
+    def inconclusive(self, key: Hashable) -> None:
+        """Undo a probe that ran on too few rows to prove the size: probe again next time."""
+        with self.cache._lock:
+            growth = self.cache._growth.get(key)
+            if growth is not None:
+                growth.streak = growth.wait
 
 
 _READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
@@ -317,6 +328,7 @@ class Attempt:
         "_device",
         "_failure",
         "_key",
+        "_probe_from",
         "_rows",
         "_started",
         "_state",
@@ -325,7 +337,7 @@ class Attempt:
     )
 
     def __init__(
-        self, controller: Controller, key: Hashable | None, size: int, cached: int | None, device: torch.device
+        self, controller: Controller, key: Hashable | None, size: int, cached: int, device: torch.device
     ) -> None:
         self._controller = controller
         self._key = key
@@ -334,6 +346,7 @@ class Attempt:
         self._state = _READY
         self._failure: _Failure | None = None  # made on the first failure: none on the happy path
         self._rows: int | None = None
+        self._probe_from: int | None = None  # the size a growth probe started from
         self.batch_size = size
         self.number = 1
 
@@ -361,10 +374,15 @@ class Attempt:
         if exc is None:
             self._state = _SUCCEEDED
             controller = self._controller
-            if self._key is not None and self._cached != self.batch_size:
-                controller.cache[self._key] = self._cached = self.batch_size
-            if controller.grow:
-                controller.succeeded(self._key, self.batch_size)
+            if self._rows is None:
+                if self._key is not None and self._cached != self.batch_size:
+                    self._remember(controller)
+                if controller.grow:
+                    controller.succeeded(self._key, self.batch_size, probe=self._probe_from is not None)
+            elif self._probe_from is not None:
+                # A short last step proves nothing about its full size: neither store it
+                # nor take it as a probe that fitted.
+                controller.inconclusive(self._key)
             return False
         if not is_oom(exc):
             self._state = _READY  # the error propagates untouched and ends the run
@@ -377,7 +395,12 @@ class Attempt:
         failure.where = _where(tb)
         if self._rows is not None:  # a short last step failed: go on below what it tried
             self.batch_size, self._rows = min(self.batch_size, self._rows), None
-        failure.next_size = self._controller.next_size(self.batch_size, self.number)
+        probe_from, self._probe_from = self._probe_from, None
+        failure.probe = probe_from is not None and self.batch_size > probe_from
+        if failure.probe:  # back to the size that fitted, whatever max_attempts says
+            failure.next_size = probe_from
+        else:
+            failure.next_size = self._controller.next_size(self.batch_size, self.number)
         if failure.next_size is None:
             failure.final_oom = _detached(exc)
         self._state = _FAILED
@@ -408,7 +431,7 @@ class Attempt:
         failure.tried.append(failed)
         controller.stats.record_oom(failure.seconds, next_size)
         if controller.grow:
-            controller.failed(self._key)
+            controller.failed(self._key, probe=failure.probe)
         event = OOMEvent(
             function=controller.name,
             batch_size=failed,
@@ -444,12 +467,30 @@ class Attempt:
         self._state = _READY
         return self
 
+    def _remember(self, controller: Controller) -> None:
+        # Only a size below ``initial`` says something about memory: one equal to it says
+        # only what was asked for, and stored, it would hold back a later call that asks
+        # for more (a larger ``initial`` at the same call site, or in the next run with
+        # a DiskCache). Reaching ``initial`` again lifts the limit that was stored.
+        size = self.batch_size
+        if size < controller.initial:
+            controller.cache[self._key] = self._cached = size
+        else:
+            controller.cache.pop(self._key, None)
+            self._cached = size
+
     def narrow(self, rows: int) -> None:
         """Use only ``rows`` (fewer than ``batch_size``) in the coming attempt.
 
-        For the last, shorter step of a run of steps: if it runs out of memory,
-        the next size is below ``rows``; if it succeeds, ``batch_size`` is what
-        the cache remembers.
+        For the last, shorter step of a run of steps, such as the remainder of
+        a dataset: if it runs out of memory, the next size is below ``rows``
+        (not below ``batch_size``); if it succeeds, nothing is stored in the
+        cache, because fewer rows prove nothing about ``batch_size``.
+
+        Args:
+            rows (int): the rows the coming attempt uses.
+
+        .. versionadded:: 0.1.0
         """
         self._rows = rows
 
@@ -466,6 +507,8 @@ class Attempt:
 
         Raises:
             RuntimeError: if the current step has not succeeded.
+
+        .. versionadded:: 0.1.0
         """
         if self._state != _SUCCEEDED:
             raise RuntimeError("next_step() follows a step that succeeded inside `with attempt:`")
@@ -475,8 +518,12 @@ class Attempt:
         self.number = 1
         if self._failure is not None:
             self._failure.tried.clear()
-        if controller.grow:
-            self.batch_size = controller.stats.batch_size = controller.grown(self._key, self.batch_size)
+        return self._grow() if controller.grow else self
+
+    def _grow(self) -> Attempt:
+        size = self._controller.grown(self._key, self.batch_size)
+        self._probe_from = self.batch_size if size != self.batch_size else None
+        self.batch_size = self._controller.stats.batch_size = size
         return self
 
     def _exhausted_message(self, failure: _Failure, free: int) -> str:
@@ -484,8 +531,10 @@ class Attempt:
         tried = " -> ".join(str(size) for size in failure.tried)
         if failed > controller.minimum:
             reason = f"gave up after max_attempts={controller.max_attempts} attempts"
-        else:
+        elif failed == controller.minimum:
             reason = f"batch size {failed} is the minimum"
+        else:  # a short last chunk, already below the minimum
+            reason = f"nothing below batch size {failed} is allowed (minimum={controller.minimum})"
         return (
             f"{controller.name}: out of memory at every batch size tried ({tried}); {reason}. "
             f"The last error was raised at {failure.where}. {_memory_summary(self._device, free)}"
@@ -499,9 +548,10 @@ class _Failure:
     :class:`BatchSizeExhausted`, stripped of its traceback first.
     """
 
-    __slots__ = ("final_oom", "next_size", "seconds", "tried", "where")
+    __slots__ = ("final_oom", "next_size", "probe", "seconds", "tried", "where")
 
     def __init__(self) -> None:
+        self.probe = False
         self.seconds = 0.0
         self.where = ""
         self.next_size: int | None = None
@@ -528,24 +578,28 @@ def _memory_summary(device: torch.device, free: int) -> str:
     return " ".join(parts) + "."
 
 
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+_KOILA_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_LIBRARY_DIRS = (_KOILA_DIR, _TORCH_DIR)
 
 
 def _where(tb: TracebackType | None) -> str:
     # The deepest frame of the user's own code: an OOM surfaces inside PyTorch (or the
     # simulated device's check), but the line worth naming is the one that called it.
-    # Without one (``chunked(model, x)`` calls the model from here), the deepest frame
-    # outside koila_retry: PyTorch's line says more than the simulated device's check.
-    deepest = users = outside_koila = None
+    # Without one (``chunked(model, x)`` calls the model from here), the deepest frame of
+    # PyTorch's public modules (the layer that allocated), not of its machinery
+    # (``torch/_dynamo``, ``torch/utils``) or of koila_retry.
+    deepest = users = torch_public = None
     while tb is not None:
         code = tb.tb_frame.f_code
         deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
-        if not code.co_filename.startswith(_LIBRARY_DIRS):
+        filename = code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS):
             users = deepest
-        if not code.co_filename.startswith(_LIBRARY_DIRS[0]):
-            outside_koila = deepest
+        elif filename.startswith(_TORCH_DIR) and not filename[len(_TORCH_DIR) + 1 :].startswith(("_", "utils")):
+            torch_public = deepest
         tb = tb.tb_next
-    return users or outside_koila or deepest or "an unknown place"
+    return users or torch_public or deepest or "an unknown place"
 
 
 def _detached(exc: BaseException) -> BaseException:

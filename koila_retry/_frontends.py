@@ -378,11 +378,13 @@ def attempts(
     """
     caller = sys._getframe(1)
     code = caller.f_code
-    # Names the block for the cache as cheaply as a function is named: strings cache their
-    # hashes, a code object would be rehashed on every use.
-    block = (code.co_filename, code.co_firstlineno, code.co_name)
+    line = caller.f_lineno
+    # Names the block for the cache as a function is named, by file, line and name: strings
+    # cache their hashes, where a code object would be rehashed on every use. The line is
+    # the block's own, so two blocks in one function have keys of their own in every cache.
+    block = (code.co_filename, line, getattr(code, "co_qualname", code.co_name))
     controller = Controller(
-        name=f"block at {code.co_filename}:{caller.f_lineno} in {code.co_name}",
+        name=f"block at {code.co_filename}:{line} in {code.co_name}",
         initial=initial,
         minimum=minimum,
         cache=_attempts_cache if cache is None else cache,

@@ -139,3 +139,58 @@ def test_retry_moves_to_the_next_size() -> None:
         raise make_oom()
     assert attempt.retry() is attempt
     assert (attempt.batch_size, attempt.number) == (64, 2)
+
+
+def test_next_step_requires_a_step_that_succeeded() -> None:
+    attempt = koila.attempts(initial=8, cache=koila.NoCache())
+    with pytest.raises(RuntimeError, match="next_step\\(\\) follows a step that succeeded"):
+        attempt.next_step()
+
+
+def test_steps_keep_the_reduced_size_and_count_attempts_per_step() -> None:
+    attempt = koila.attempts(initial=8, cache=koila.NoCache(), max_attempts=2)
+    with attempt:
+        raise make_oom()
+    attempt.retry()
+    with attempt:
+        pass
+    assert (attempt.batch_size, attempt.number) == (4, 2)
+    attempt.next_step()
+    assert (attempt.batch_size, attempt.number) == (4, 1)
+    # A fresh step may again make max_attempts=2 attempts: one failure is retried.
+    with attempt:
+        raise make_oom()
+    attempt.retry()
+    assert (attempt.batch_size, attempt.number) == (2, 2)
+
+
+def test_a_narrowed_step_that_fails_continues_below_the_rows_it_tried() -> None:
+    events: list[koila.OOMEvent] = []
+    attempt = koila.attempts(initial=256, cache=koila.NoCache(), on_oom=events.append)
+    attempt.narrow(100)
+    with attempt:
+        raise make_oom()
+    attempt.retry()
+    assert attempt.batch_size == 64
+    assert (events[0].batch_size, events[0].next_batch_size) == (100, 64)
+
+
+def test_a_narrowed_step_that_succeeds_stores_nothing() -> None:
+    # Fewer rows than the size in force prove neither that size nor a smaller one.
+    cache = koila.GlobalCache()
+    attempt = koila.attempts(initial=256, cache=cache)
+    attempt.narrow(100)
+    with attempt:
+        pass
+    assert len(cache) == 0
+    attempt = koila.attempts(initial=256, cache=cache)
+    with attempt:
+        raise make_oom()
+    attempt.retry()
+    with attempt:  # a whole step at 128: stored
+        pass
+    attempt.next_step()
+    attempt.narrow(10)
+    with attempt:
+        pass
+    assert list(cache.values()) == [128]

@@ -2,29 +2,47 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 import koila_retry as koila
 from koila_retry import _cache, _memory
-from koila_retry.testing import oom_above, simulated_device
+from koila_retry.testing import make_oom, oom_above, simulated_device
 
 CPU = torch.device("cpu")
 CACHES: dict[str, Callable[..., koila.SizeCache]] = {
     "StackMemoryCache": koila.StackMemoryCache,
     "GlobalCache": koila.GlobalCache,
     "NoCache": koila.NoCache,
+    "DiskCache": koila.DiskCache,  # needs a path: make caches with the make_cache fixture
 }
-REMEMBERING = {"StackMemoryCache", "GlobalCache"}
+REMEMBERING = {"StackMemoryCache", "GlobalCache", "DiskCache"}
 
 
 @pytest.fixture(params=sorted(CACHES))
 def cache_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def make_cache(cache_name: str, tmp_path: Path) -> Callable[..., koila.SizeCache]:
+    """Make a cache of the kind under test; a DiskCache gets a fresh file of its own."""
+    if cache_name == "DiskCache":
+        return functools.partial(koila.DiskCache, tmp_path / "sizes.json")
+    return CACHES[cache_name]
+
+
+def _some_key(cache_name: str, *parts: object) -> object:
+    # DiskCache's keys are strings (what its key() makes, and what JSON can hold); a key of
+    # another type would be kept in memory only, so the contract gives it string keys.
+    return " ".join(map(str, parts)) if cache_name == "DiskCache" else parts
 
 
 def _key(cache: koila.SizeCache, function: object) -> object:
@@ -34,8 +52,8 @@ def _key(cache: koila.SizeCache, function: object) -> object:
 # -- the contract ----------------------------------------------------------------------
 
 
-def test_contract_lookup_after_store(cache_name: str) -> None:
-    cache = CACHES[cache_name]()
+def test_contract_lookup_after_store(cache_name: str, make_cache: Callable[..., koila.SizeCache]) -> None:
+    cache = make_cache()
     key = _key(cache, test_contract_lookup_after_store)
     if cache_name not in REMEMBERING:
         assert key is None  # the engine neither looks up nor stores
@@ -53,12 +71,15 @@ def test_contract_lookup_after_store(cache_name: str) -> None:
     assert cache.lookup(key) is None
 
 
-def test_contract_cache_info_and_clear(cache_name: str) -> None:
-    cache = CACHES[cache_name](maxsize=8)
+def test_contract_cache_info_and_clear(cache_name: str, make_cache: Callable[..., koila.SizeCache]) -> None:
+    cache = make_cache(maxsize=8)
     assert cache.cache_info() == koila.CacheInfo(hits=0, misses=0, maxsize=8, currsize=0)
+
+    fits = oom_above(16)
 
     @koila.batch(initial=32, cache=cache)
     def run(batch_size: int) -> int:
+        fits(batch_size)
         return batch_size
 
     for _ in range(3):
@@ -73,11 +94,13 @@ def test_contract_cache_info_and_clear(cache_name: str) -> None:
     assert cache.cache_info() == koila.CacheInfo(hits=0, misses=0, maxsize=8, currsize=0)
 
 
-def test_contract_second_call_starts_at_the_size_that_worked(cache_name: str) -> None:
+def test_contract_second_call_starts_at_the_size_that_worked(
+    cache_name: str, make_cache: Callable[..., koila.SizeCache]
+) -> None:
     tried: list[int] = []
     fits = oom_above(40)
 
-    @koila.batch(initial=256, cache=CACHES[cache_name]())
+    @koila.batch(initial=256, cache=make_cache())
     def run(batch_size: int) -> int:
         tried.append(batch_size)
         fits(batch_size)
@@ -93,24 +116,27 @@ def test_contract_second_call_starts_at_the_size_that_worked(cache_name: str) ->
     assert tried == ([32] if cache_name in REMEMBERING else [256, 128, 64, 32])
 
 
-def test_contract_bounded(cache_name: str) -> None:
-    cache = CACHES[cache_name](maxsize=2)
+def test_contract_bounded(cache_name: str, make_cache: Callable[..., koila.SizeCache]) -> None:
+    cache = make_cache(maxsize=2)
     for number in range(5):
-        cache[("key", number)] = number
+        cache[_some_key(cache_name, "key", number)] = number + 1  # sizes are >= 1
     assert len(cache) <= 2
     if cache_name in REMEMBERING:
-        assert sorted(cache) == [("key", 3), ("key", 4)]  # least recently used went first
+        # least recently used went first
+        assert sorted(cache) == [_some_key(cache_name, "key", 3), _some_key(cache_name, "key", 4)]
 
 
-def test_contract_threads(cache_name: str) -> None:
-    cache = CACHES[cache_name](maxsize=16)
+def test_contract_threads(cache_name: str, make_cache: Callable[..., koila.SizeCache], tmp_path: Path) -> None:
+    cache = make_cache(maxsize=16)
     errors: list[BaseException] = []
+    # Each store into a DiskCache rewrites (and fsyncs) its file: fewer rounds keep it quick.
+    rounds = 20 if cache_name == "DiskCache" else 300
 
     def hammer(offset: int) -> None:
         try:
-            for number in range(300):
-                key = ("key", (number + offset) % 40)
-                cache[key] = number
+            for number in range(rounds):
+                key = _some_key(cache_name, "key", (number + offset) % 40)
+                cache[key] = number + 1  # sizes are >= 1
                 cache.lookup(key)
                 cache.cache_info()
         except BaseException as exc:  # pragma: no cover - only on failure
@@ -125,12 +151,16 @@ def test_contract_threads(cache_name: str) -> None:
     assert len(cache) <= 16
     info = cache.cache_info()
     if cache_name in REMEMBERING:
-        assert info.hits + info.misses == 6 * 300
+        assert info.hits + info.misses == 6 * rounds
+    if cache_name == "DiskCache":  # and the file is whole, bounded like the memory
+        content = json.loads((tmp_path / "sizes.json").read_text(encoding="utf-8"))
+        assert 1 <= len(content["sizes"]) <= 16
+        assert set(content["sizes"]) <= {_some_key(cache_name, "key", number) for number in range(40)}
 
 
-def test_contract_bad_maxsize(cache_name: str) -> None:
+def test_contract_bad_maxsize(make_cache: Callable[..., koila.SizeCache]) -> None:
     with pytest.raises(ValueError, match="maxsize must be an int >= 1, got 0"):
-        CACHES[cache_name](maxsize=0)
+        make_cache(maxsize=0)
 
 
 # -- what each cache remembers ------------------------------------------------------------
@@ -282,3 +312,70 @@ def test_repr_names_the_counts() -> None:
     cache["f"] = 2
     cache.lookup("f")
     assert repr(cache) == "GlobalCache(maxsize=4, currsize=1, hits=1, misses=0)"
+
+
+def test_a_cache_written_before_sample_existed_still_works_for_batch() -> None:
+    """Custom caches with the three-argument ``key`` of the first release keep working."""
+
+    class PerFunction(koila.SizeCache):
+        def key(self, function: object, caller: object, device: torch.device) -> object:  # type: ignore[override]
+            return function
+
+    cache = PerFunction()
+
+    @koila.batch(initial=64, cache=cache)
+    def run(batch_size: int) -> int:
+        if batch_size > 16:
+            raise make_oom()
+        return batch_size
+
+    assert run() == 16
+    assert list(cache.values()) == [16]
+
+
+def test_contract_a_size_equal_to_initial_is_not_stored(
+    cache_name: str, make_cache: Callable[..., koila.SizeCache]
+) -> None:
+    """A call that never ran out of memory says nothing about memory: nothing is stored."""
+    cache = make_cache()
+
+    @koila.batch(initial=32, cache=cache)
+    def run(batch_size: int) -> int:
+        return batch_size
+
+    for _ in range(3):
+        assert run() == 32
+    assert len(cache) == 0
+    assert cache.cache_info().misses == (3 if cache_name in REMEMBERING else 0)  # NoCache never looks
+
+
+def test_contract_growing_back_to_initial_lifts_the_stored_limit(
+    cache_name: str, make_cache: Callable[..., koila.SizeCache]
+) -> None:
+    """Once a call succeeds at ``initial`` again, the smaller size stored before is dropped."""
+    cache = make_cache()
+    limit = [16]
+
+    @koila.batch(initial=32, cache=cache, grow=True, grow_after=1)
+    def run(batch_size: int) -> int:
+        if batch_size > limit[0]:
+            raise make_oom()
+        return batch_size
+
+    sizes, stored = [], []
+    for call in range(3):  # one line, so that StackMemoryCache gives every call one key
+        limit[0] = 16 if call == 0 else 32
+        sizes.append(run())
+        stored.append(len(cache))
+    # The first call reduces to 16 and stores it; the second probes 32 (grow_after=1), which
+    # fits: 16 is forgotten, and the third call starts at 32 with nothing stored.
+    assert sizes == [16, 32, 32]
+    assert stored == ([1, 0, 0] if cache_name in REMEMBERING else [0, 0, 0])
+
+
+def test_a_larger_initial_at_the_same_call_site_is_not_held_back() -> None:
+    """A size stored because it was ``initial`` would cap a later call that asks for more."""
+    sizes = []
+    for initial in (32, 256):
+        sizes.append(koila.range(lambda begin, end: end - begin, 0, 1000, initial=initial)[0])
+    assert sizes == [32, 256]

@@ -1,0 +1,1501 @@
+"""koila.chunked and koila.range: chunks that resume where they failed, never losing finished work."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import koila_retry as koila
+from koila_retry import _memory
+from koila_retry.testing import make_oom, oom_above, oom_for, simulated_device
+
+# The same patch holds for every example, so a function-scoped fixture is safe here.
+properties = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+KINDS = ("cuda", "cpu", "mps")
+
+
+@pytest.fixture
+def fast_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip the full garbage collection after each OOM (the engine calls ``_memory.release``)."""
+    monkeypatch.setattr(_memory, "release", lambda device=None: None)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def indexed(n: int, dim: int = 0) -> torch.Tensor:
+    """Rows along ``dim`` whose first entry is the row's index: a chunk says where it starts."""
+    rows = torch.arange(n, dtype=torch.float64)
+    base = torch.stack([rows, rows * 0.5 - 3, -rows], dim=1)  # (n, 3)
+    return base if dim in (0, -2) else base.t()
+
+
+def first_row(chunk: torch.Tensor, dim: int) -> int:
+    return int(chunk.select(dim, 0)[0])
+
+
+def row_indices(chunk: torch.Tensor, dim: int) -> torch.Tensor:
+    return chunk.movedim(dim, 0)[:, 0]
+
+
+def pure(x: torch.Tensor, dim: int, structure: str) -> Any:
+    """A row-wise function whose results do not depend on how rows are chunked."""
+    other = 1 if dim in (0, -2) else 0
+    y = x * 2 + 1
+    if structure == "tensor":
+        return y
+    if structure == "tuple":
+        return y, x.sum(dim=other, keepdim=True)
+    return {"y": y, "nested": (x - 1, [x.neg()])}
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    """Both structures match, leaf for leaf, bit for bit."""
+    actual_leaves, actual_spec = torch.utils._pytree.tree_flatten(actual)
+    expected_leaves, expected_spec = torch.utils._pytree.tree_flatten(expected)
+    assert actual_spec == expected_spec
+    for got, want in zip(actual_leaves, expected_leaves, strict=True):
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def next_size(failed: int, minimum: int) -> int | None:
+    """The specification of the schedule, written independently of the engine."""
+    if failed <= minimum:
+        return None
+    power = 1
+    while power * 2 < failed:
+        power *= 2
+    return max(power, minimum)
+
+
+def predicted(
+    n: int, initial: int, minimum: int, fails: Callable[[int, int], bool], max_attempts: int | None = None
+) -> tuple[list[tuple[int, int, bool]], bool]:
+    """The calls the spec predicts: ``(begin, end, failed)`` each, and whether it gives up."""
+    size, begin, number = initial, 0, 1
+    calls: list[tuple[int, int, bool]] = []
+    while begin < n:
+        rows = min(size, n - begin)
+        failed = fails(len(calls) + 1, rows)
+        calls.append((begin, begin + rows, failed))
+        if not failed:
+            begin, number = begin + rows, 1
+            continue
+        following = None if max_attempts is not None and number >= max_attempts else next_size(rows, minimum)
+        if following is None:
+            return calls, True
+        size, number = following, number + 1
+    return calls, False
+
+
+def is_power_of_two(size: int) -> bool:
+    return size > 0 and size & (size - 1) == 0
+
+
+def check_calls(calls: list[tuple[int, int, bool]], start: int, stop: int, initial: int, minimum: int) -> int:
+    """Check the properties every pass has, whatever failed; return where finished rows end."""
+    done = start
+    for i, (begin, end, failed) in enumerate(calls):
+        assert begin == done, "each call starts at the first row not yet finished"
+        assert begin < end <= stop
+        if failed:
+            if i + 1 < len(calls):
+                assert calls[i + 1][0] == begin, "a failed chunk is retried from its own first row"
+                assert calls[i + 1][1] - calls[i + 1][0] < end - begin, "and with fewer rows"
+        else:
+            done = end
+        if end < stop:  # a chunk that is not the last: a size from the schedule
+            size = end - begin
+            assert size in (initial, minimum) or is_power_of_two(size)
+    sizes = [end - begin for begin, end, _ in calls]
+    assert sizes == sorted(sizes, reverse=True), "without grow=True sizes never grow"
+    return done
+
+
+@st.composite
+def schedules(draw: st.DrawFn, max_rows: int = 300) -> dict[str, Any]:
+    initial = draw(st.integers(1, 16) | st.integers(1, 512))  # small sizes make many chunks
+    return {
+        "n": draw(st.integers(0, max_rows)),
+        "initial": initial,
+        "minimum": draw(st.integers(1, initial)),
+        "max_attempts": draw(st.none() | st.integers(1, 4)),
+        "kind": draw(st.sampled_from(KINDS)),
+    }
+
+
+class Recorder:
+    """``fn`` for chunked: records every call as ``(begin, end, failed)``, injects OOMs."""
+
+    def __init__(self, dim: int, structure: str, inject: Callable[[int, int], None]) -> None:
+        self.dim, self.structure, self.inject = dim, structure, inject
+        self.calls: list[tuple[int, int, bool]] = []
+        self.empty_calls = 0
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        rows = x.size(self.dim)
+        if rows == 0:
+            self.empty_calls += 1
+            return pure(x, self.dim, self.structure)
+        begin = first_row(x, self.dim)
+        assert torch.equal(row_indices(x, self.dim), torch.arange(begin, begin + rows, dtype=torch.float64))
+        self.calls.append((begin, begin + rows, True))
+        self.inject(len(self.calls), rows)
+        self.calls[-1] = (begin, begin + rows, False)
+        return pure(x, self.dim, self.structure)
+
+
+def call_injector(failing: frozenset[int], kind: str) -> Callable[[int, int], None]:
+    inject = oom_for(failing, kind=kind)
+    return lambda number, rows: inject()
+
+
+def threshold_injector(first: int, then: int, switch: int, kind: str) -> Callable[[int, int], None]:
+    early, late = oom_above(first, kind=kind), oom_above(then, kind=kind)
+    return lambda number, rows: (early if number <= switch else late)(rows)
+
+
+# --------------------------------------------------------------------------- 1. properties
+
+
+def run_chunked_property(
+    params: dict[str, Any],
+    fails: Callable[[int, int], bool],
+    inject: Callable[[int, int], None],
+    dim: int,
+    structure: str,
+    decorated: bool,
+) -> None:
+    n, initial, minimum, max_attempts = params["n"], params["initial"], params["minimum"], params["max_attempts"]
+    x = indexed(n, dim)
+    fn = Recorder(dim, structure, inject)
+    options: dict[str, Any] = {
+        "initial": initial,
+        "minimum": minimum,
+        "max_attempts": max_attempts,
+        "dim": dim,
+        "cache": koila.NoCache(),
+    }
+    wrapped = koila.chunked(**options)(fn) if decorated else None
+    expected_calls, exhausted = predicted(n, initial, minimum, fails, max_attempts)
+
+    def run() -> Any:
+        return wrapped(x) if wrapped is not None else koila.chunked(fn, x, **options)
+
+    if exhausted:
+        with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+            run()
+        done = check_calls(fn.calls, 0, n, initial, minimum)
+        assert done < n
+        assert excinfo.value.batch_size == fn.calls[-1][1] - fn.calls[-1][0]
+        if sys.version_info >= (3, 11):
+            assert excinfo.value.__notes__ == [f"{done} of {n} rows were finished before it gave up."]
+    else:
+        result = run()
+        assert check_calls(fn.calls, 0, n, initial, minimum) == n
+        assert_same(result, pure(x, dim, structure))
+    assert fn.calls == expected_calls
+    assert fn.empty_calls == (1 if n == 0 else 0)
+    if wrapped is not None:
+        failures = sum(failed for _, _, failed in fn.calls)
+        assert wrapped.stats.ooms == failures
+        assert wrapped.stats.exhausted == int(exhausted)
+        assert wrapped.stats.calls == (0 if n == 0 else 1)
+
+
+@pytest.mark.usefixtures("fast_release")
+@properties
+@given(
+    params=schedules(),
+    failing=st.frozensets(st.integers(1, 12) | st.integers(1, 40), max_size=12),
+    dim=st.sampled_from([0, 1, -1]),
+    structure=st.sampled_from(["tensor", "tuple", "dict"]),
+    decorated=st.booleans(),
+)
+def test_chunked_property_failing_calls(
+    params: dict[str, Any], failing: frozenset[int], dim: int, structure: str, decorated: bool
+) -> None:
+    """OOMs on chosen calls: same result as one call, rows tiled once, failed chunks resumed in place."""
+    run_chunked_property(
+        params,
+        lambda number, rows: number in failing,
+        call_injector(failing, params["kind"]),
+        dim,
+        structure,
+        decorated,
+    )
+
+
+@pytest.mark.usefixtures("fast_release")
+@properties
+@given(
+    params=schedules(),
+    first=st.integers(0, 600),
+    then=st.integers(0, 600),
+    switch=st.integers(0, 30),
+    structure=st.sampled_from(["tensor", "tuple", "dict"]),
+)
+def test_chunked_property_threshold_that_changes(
+    params: dict[str, Any], first: int, then: int, switch: int, structure: str
+) -> None:
+    """Memory that fits ``first`` rows, then ``then`` rows after call ``switch``."""
+    run_chunked_property(
+        params,
+        lambda number, rows: rows > (first if number <= switch else then),
+        threshold_injector(first, then, switch, params["kind"]),
+        0,
+        structure,
+        False,
+    )
+
+
+@pytest.mark.usefixtures("fast_release")
+@properties
+@given(
+    n=st.integers(1, 300),
+    initial=st.integers(1, 512),
+    grow_after=st.integers(1, 3),
+    fits=st.integers(1, 600),
+    failing=st.frozensets(st.integers(1, 60), max_size=10),
+)
+def test_chunked_property_grow(n: int, initial: int, grow_after: int, fits: int, failing: frozenset[int]) -> None:
+    """grow=True: still tiled once and correct; sizes climb by doubling, never above initial."""
+    by_call, by_size = oom_for(failing), oom_above(fits)
+
+    def inject(number: int, rows: int) -> None:
+        by_call()
+        by_size(rows)
+
+    fn = Recorder(0, "tensor", inject)
+    x = indexed(n)
+    try:
+        result = koila.chunked(fn, x, initial=initial, grow=True, grow_after=grow_after, cache=koila.NoCache())
+    except koila.BatchSizeExhausted:
+        assert fn.calls[-1][2], "it gives up only on a failure"
+        assert fn.calls[-1][1] - fn.calls[-1][0] == 1
+        finished = fn.calls[-1][0]
+    else:
+        assert_same(result, pure(x, 0, "tensor"))
+        finished = n
+    successes = [(b, e) for b, e, failed in fn.calls if not failed]
+    assert [b for b, _ in successes] == [0, *(e for _, e in successes[:-1])][: len(successes)]
+    assert (successes[-1][1] if successes else 0) == finished
+    for (begin, end, failed), (next_begin, next_end, _) in zip(fn.calls, fn.calls[1:]):
+        size, next_rows = end - begin, next_end - next_begin
+        assert size <= initial
+        if failed:
+            assert next_begin == begin
+            assert next_rows < size
+        elif next_rows > size:  # growing: the next power of two up, capped at initial (and the rows left)
+            assert next_rows == min(1 << size.bit_length(), initial, n - next_begin)
+
+
+@st.composite
+def spans(draw: st.DrawFn) -> tuple[int, int]:
+    start = draw(st.integers(-300, 300))
+    return start, start + draw(st.integers(0, 300))
+
+
+@pytest.mark.usefixtures("fast_release")
+@properties
+@given(
+    params=schedules(),
+    span=spans(),
+    failing=st.frozensets(st.integers(1, 40), max_size=12),
+    threshold=st.none() | st.integers(0, 600),
+    decorated=st.booleans(),
+)
+def test_range_property(
+    params: dict[str, Any], span: tuple[int, int], failing: frozenset[int], threshold: int | None, decorated: bool
+) -> None:
+    """fn(begin, end) covers [start, stop) once, in order; results are the successful calls' results."""
+    start, stop = span
+    initial, minimum, max_attempts = params["initial"], params["minimum"], params["max_attempts"]
+    by_call = oom_for(failing, kind=params["kind"])
+    by_size = oom_above(threshold if threshold is not None else 10**9, kind=params["kind"])
+    calls: list[tuple[int, int, bool]] = []
+
+    def fn(begin: int, end: int) -> tuple[int, int]:
+        calls.append((begin, end, True))
+        by_call()
+        by_size(end - begin)
+        calls[-1] = (begin, end, False)
+        return begin, end
+
+    def fails(number: int, rows: int) -> bool:
+        return number in failing or (threshold is not None and rows > threshold)
+
+    options: dict[str, Any] = {
+        "initial": initial,
+        "minimum": minimum,
+        "max_attempts": max_attempts,
+        "cache": koila.NoCache(),
+    }
+    wrapped = koila.range(**options)(fn) if decorated else None
+
+    def run() -> list[Any]:
+        return wrapped(start, stop) if wrapped is not None else koila.range(fn, start, stop, **options)
+
+    expected_calls, exhausted = predicted(stop - start, initial, minimum, fails, max_attempts)
+    if exhausted:
+        with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+            run()
+        finished = check_calls(calls, start, stop, initial, minimum)
+        assert finished < stop
+        if sys.version_info >= (3, 11):
+            (note,) = excinfo.value.__notes__
+            assert note.startswith(f"{finished - start} of {stop - start} ")
+    else:
+        results = run()
+        assert check_calls(calls, start, stop, initial, minimum) == stop
+        assert results == [(begin, end) for begin, end, failed in calls if not failed]
+    assert calls == [(start + b, start + e, failed) for b, e, failed in expected_calls]
+    if wrapped is not None:
+        assert wrapped.stats.ooms == sum(failed for _, _, failed in calls)
+
+
+# --------------------------------------------------------------------------- 2. a real model
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16)).eval()
+
+
+def test_real_model_far_bigger_than_fits_matches_unconstrained_run() -> None:
+    """Under a 1 MiB simulated device, 4096 rows in chunks give the unconstrained result."""
+    model = mlp()
+    x = torch.randn(4096, 64)
+    with torch.no_grad():
+        expected = model(x)
+    events: list[koila.OOMEvent] = []
+    with torch.no_grad(), simulated_device("1MiB") as device:
+        result = koila.chunked(model, x, initial=4096, cache=koila.NoCache(), on_oom=events.append)
+    assert [event.batch_size for event in events] == [4096, 2048, 1024, 512]
+    assert [event.next_batch_size for event in events] == [2048, 1024, 512, 256]
+    assert device.peak <= device.limit
+    assert result.shape == (4096, 16)
+    assert torch.allclose(result, expected, atol=1e-6)
+
+
+def test_real_model_decorator_counts_ooms() -> None:
+    model = mlp()
+    x = torch.randn(3000, 64)
+    with torch.no_grad():
+        expected = model(x)
+
+    @koila.chunked(initial=2048, cache=koila.NoCache())
+    @torch.no_grad()
+    def embed(rows: torch.Tensor) -> torch.Tensor:
+        return model(rows)
+
+    with simulated_device("1MiB"):
+        result = embed(x)
+    assert embed.stats.ooms >= 2
+    assert embed.stats.batch_size == 256
+    assert torch.allclose(result, expected, atol=1e-6)
+
+
+def test_real_model_writes_into_preallocated_out() -> None:
+    model = mlp()
+    x = torch.randn(4096, 64)
+    with torch.no_grad():
+        expected = model(x)
+    out = torch.full((4096, 16), float("nan"))
+    events: list[koila.OOMEvent] = []
+    with torch.no_grad(), simulated_device("1MiB"):
+        result = koila.chunked(model, x, initial=4096, out=out, cache=koila.NoCache(), on_oom=events.append)
+    assert result is out
+    assert len(events) >= 2
+    assert not out.isnan().any()
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- 3. result structures
+
+Pair = namedtuple("Pair", ["double", "square"])
+
+
+@pytest.mark.parametrize(
+    ("build", "kind"),
+    [
+        (lambda r: r * 2, torch.Tensor),
+        (lambda r: (r * 2, r.sum(1)), tuple),
+        (lambda r: [r * 2, r.sum(1)], list),
+        (lambda r: {"double": r * 2, "sum": r.sum(1)}, dict),
+        (lambda r: {"a": (r * 2, {"b": [r.sum(1)]}), "c": r[:, :1]}, dict),
+        (lambda r: Pair(r * 2, r * r), Pair),
+    ],
+    ids=["tensor", "tuple", "list", "dict", "nested", "namedtuple"],
+)
+def test_structures_are_joined_leaf_by_leaf(build: Callable[[torch.Tensor], Any], kind: type) -> None:
+    x = torch.arange(30.0).reshape(10, 3)
+    result = koila.chunked(build, x, initial=4)
+    assert type(result) is kind
+    assert_same(result, build(x))
+
+
+def test_none_from_every_chunk_gives_none() -> None:
+    seen: list[int] = []
+    assert koila.chunked(lambda r: seen.append(len(r)), torch.zeros(10, 2), initial=4) is None
+    assert seen == [4, 4, 2]
+
+
+@pytest.mark.parametrize("dim", [1, -1, 2, -2])
+def test_split_and_join_along_other_dims(dim: int) -> None:
+    x = torch.arange(2 * 9 * 5.0).reshape(2, 9, 5)
+    sizes: list[int] = []
+
+    def fn(chunk: torch.Tensor) -> torch.Tensor:
+        sizes.append(chunk.size(dim))
+        return chunk.cumsum(0) + 1
+
+    result = koila.chunked(fn, x, initial=2, dim=dim)
+    assert torch.equal(result, x.cumsum(0) + 1)
+    total = x.size(dim)
+    assert sizes == [2] * (total // 2) + [1] * (total % 2)
+
+
+def test_non_tensor_arguments_reach_every_call_unchanged() -> None:
+    config = {"scale": 3}
+    items = [torch.ones(1)]  # a list of tensors is not a tensor argument: passed as is
+    seen: list[tuple[object, object, float]] = []
+
+    def fn(rows: torch.Tensor, cfg: dict[str, int], extra: list[torch.Tensor], offset: float) -> torch.Tensor:
+        seen.append((cfg, extra, offset))
+        return rows * cfg["scale"] + offset
+
+    x = torch.arange(10.0)
+    result = koila.chunked(fn, x, config, items, 0.5, initial=4)
+    assert torch.equal(result, x * 3 + 0.5)
+    assert len(seen) == 3
+    assert all(cfg is config and extra is items and offset == 0.5 for cfg, extra, offset in seen)
+
+
+def test_every_tensor_argument_is_split_alike() -> None:
+    x, y = torch.arange(10.0), torch.arange(10.0) * 10
+    pairs: list[tuple[list[float], list[float]]] = []
+
+    def fn(a: torch.Tensor, label: str, b: torch.Tensor) -> torch.Tensor:
+        pairs.append((a.tolist(), b.tolist()))
+        return a + b
+
+    assert torch.equal(koila.chunked(fn, x, "label", y, initial=4), x + y)
+    assert pairs[1] == ([4.0, 5.0, 6.0, 7.0], [40.0, 50.0, 60.0, 70.0])
+
+
+def test_keyword_tensors_are_split_in_the_decorator_form() -> None:
+    seen: list[tuple[int, int, float]] = []
+
+    @koila.chunked(initial=4)
+    def masked(x: torch.Tensor, *, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        seen.append((len(x), len(mask), fill))
+        return torch.where(mask, x, torch.full_like(x, fill))
+
+    x = torch.arange(10.0)
+    mask = x % 3 == 0
+    result = masked(x, mask=mask, fill=-1.0)
+    assert torch.equal(result, torch.where(mask, x, torch.full_like(x, -1.0)))
+    assert seen == [(4, 4, -1.0), (4, 4, -1.0), (2, 2, -1.0)]
+
+
+def test_chunks_are_views_of_the_input_rows() -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    chunks: list[torch.Tensor] = []
+    koila.chunked(lambda r: chunks.append(r), x, initial=4)
+    assert [c.tolist() for c in chunks] == [x[0:4].tolist(), x[4:8].tolist(), x[8:10].tolist()]
+    assert all(c.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for c in chunks)
+
+
+def test_a_single_chunk_result_is_returned_as_fn_returned_it() -> None:
+    """The docstring: a result of a single chunk is returned as fn returned it."""
+    returned: list[Any] = []
+
+    def fn(rows: torch.Tensor) -> list[torch.Tensor]:
+        result = [rows * 2]
+        returned.append(result)
+        return result
+
+    result = koila.chunked(fn, torch.arange(8.0), initial=8)
+    assert result is returned[0]
+    tensor_out = torch.arange(3.0)
+    assert koila.chunked(lambda rows: tensor_out, torch.zeros(3), initial=8) is tensor_out
+
+
+def test_a_failed_single_chunk_is_retried_as_two_and_joined(fast_release: None) -> None:
+    inject = oom_for(1)
+    returned: list[torch.Tensor] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        inject()
+        returned.append(rows + 1)
+        return returned[-1]
+
+    # 8 rows at 16 fails as a short chunk of 8; the retry at 4 needs two chunks.
+    result = koila.chunked(fn, torch.arange(8.0), initial=16, cache=koila.NoCache())
+    assert torch.equal(result, torch.arange(8.0) + 1)
+    assert len(returned) == 2
+
+
+def test_docstring_examples() -> None:
+    x = torch.arange(10.0).reshape(5, 2)
+    assert torch.equal(koila.chunked(lambda rows: rows * 2, x, initial=2), x * 2)
+    assert koila.range(lambda begin, end: (begin, end), 0, 10, initial=4) == [(0, 4), (4, 8), (8, 10)]
+
+
+# --------------------------------------------------------------------------- 4. errors
+
+
+def test_tensors_of_different_sizes_name_both_arguments() -> None:
+    calls: list[int] = []
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return a
+
+    with pytest.raises(ValueError, match=r"same size along dim 0: argument 0 has 10, argument 2 has 7"):
+        koila.chunked(fn, torch.zeros(10), "x", torch.zeros(7))
+    assert calls == []
+
+
+def test_keyword_tensor_of_different_size_is_named() -> None:
+    @koila.chunked
+    def fn(a: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return a
+
+    with pytest.raises(ValueError, match=r"argument 0 has 10, argument 'mask' has 9"):
+        fn(torch.zeros(10), mask=torch.zeros(9))
+
+
+def test_no_tensor_argument() -> None:
+    with pytest.raises(ValueError, match=r"none of the arguments is a tensor \(got \['list', 'int'\]\)"):
+        koila.chunked(lambda a, b: a, [1, 2], 3)
+
+
+@pytest.mark.parametrize("dim", [2, -3, 5])
+def test_dim_out_of_range_for_an_input(dim: int) -> None:
+    with pytest.raises(
+        ValueError, match=rf"dim {dim} is out of range for argument 0 of shape \(4, 3\); allowed: \[-2, 1\]"
+    ):
+        koila.chunked(lambda r: r, torch.zeros(4, 3), dim=dim)
+
+
+def test_zero_dim_tensor_argument_cannot_be_split() -> None:
+    with pytest.raises(ValueError, match=r"argument 1 of shape \(\); allowed: none: it is 0-dimensional"):
+        koila.chunked(lambda r, t: r * t, torch.zeros(4), torch.tensor(2.0))
+
+
+def test_dim_out_of_range_for_a_result() -> None:
+    with pytest.raises(ValueError, match=r"shape \(4,\) at the result\['sum'\], which has no dim 1"):
+        koila.chunked(lambda r: {"sum": r.sum(1)}, torch.zeros(4, 3), dim=1)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda r: 3, r"fn returned int at the result; koila.chunked joins results along dim 0"),
+        (lambda r: {"name": "alice", "x": r}, r"fn returned str at the result\['name'\]"),
+        (lambda r: (r, [r, 1.5]), r"fn returned float at the result\[1\]\[1\]"),
+        (lambda r: r.tolist(), r"fn returned float at the result\[0\]"),
+    ],
+    ids=["int", "dict-str", "nested-float", "list-of-floats"],
+)
+def test_non_tensor_result_names_the_type_and_place(build: Callable[[torch.Tensor], Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        koila.chunked(build, torch.arange(4.0), initial=2)
+
+
+def test_zero_dim_result() -> None:
+    with pytest.raises(ValueError, match=r"fn returned a tensor of shape \(\) at the result, which has no dim 0"):
+        koila.chunked(lambda r: r.sum(), torch.arange(4.0), initial=2)
+
+
+def test_zero_dim_result_from_a_later_chunk() -> None:
+    # Squeezing a 1-row last chunk is the classic way to get there.
+    with pytest.raises(ValueError, match=r"shape \(\) at the result, which has no dim 0"):
+        koila.chunked(lambda r: r.squeeze(), torch.arange(5.0).reshape(5, 1), initial=4)
+
+
+def test_zero_dim_result_from_a_later_chunk_with_out() -> None:
+    with pytest.raises(ValueError, match=r"no dim 0"):
+        koila.chunked(lambda r: r.squeeze(), torch.arange(5.0).reshape(5, 1), initial=4, out=torch.empty(5))
+
+
+def test_non_tensor_result_from_a_later_chunk_names_the_place() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"a": rows} if next(calls) == 0 else {"a": 3}
+
+    with pytest.raises(TypeError, match=r"fn returned int at the result\['a'\]"):
+        koila.chunked(fn, torch.arange(5.0), initial=4)
+
+
+@pytest.mark.parametrize(
+    "results",
+    [
+        [lambda r: (r, r), lambda r: {"a": r}],
+        [lambda r: None, lambda r: r],
+        [lambda r: None, lambda r: (r,)],
+        [lambda r: (r, r), lambda r: (r, r, r)],
+        [lambda r: {"a": r}, lambda r: {"b": r}],
+    ],
+    ids=["tuple-then-dict", "none-then-tensor", "none-then-tuple", "pair-then-triple", "other-keys"],
+)
+def test_structure_changing_between_chunks(results: list[Callable[[torch.Tensor], Any]]) -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> Any:
+        return results[min(next(calls), 1)](rows)
+
+    with pytest.raises(ValueError, match="fn returned results of different structures for different chunks"):
+        koila.chunked(fn, torch.arange(6.0), initial=2)
+
+
+def test_none_after_a_tensor_is_a_structure_change() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> torch.Tensor | None:
+        return rows if next(calls) == 0 else None
+
+    with pytest.raises(ValueError, match="fn returned results of different structures for different chunks"):
+        koila.chunked(fn, torch.arange(6.0), initial=2)
+
+
+def test_out_with_wrong_rows() -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError, match=r"out has shape \(5, 2\); it needs 10 rows along dim 0, one per input row"):
+        koila.chunked(lambda r: calls.append(1), torch.zeros(10, 2), out=torch.zeros(5, 2))
+    assert calls == []
+
+
+def test_out_without_the_dim() -> None:
+    with pytest.raises(ValueError, match=r"out\[1\] has shape \(10,\); it needs 10 rows along dim 1"):
+        koila.chunked(lambda r: r, torch.zeros(4, 10), dim=1, out=(torch.zeros(4, 10), torch.zeros(10)))
+
+
+def test_out_holding_a_non_tensor() -> None:
+    with pytest.raises(TypeError, match=r"out must hold tensors, got int at out\['b'\]"):
+        koila.chunked(lambda r: r, torch.zeros(4), out={"a": torch.zeros(4), "b": 3})
+
+
+def test_out_with_a_different_structure() -> None:
+    with pytest.raises(ValueError, match=r"(?s)fn's result has the structure TreeSpec\(tuple.*, and out has \*"):
+        koila.chunked(lambda r: (r, r), torch.zeros(4), out=torch.zeros(4))
+
+
+def test_out_when_fn_returns_other_row_counts() -> None:
+    with pytest.raises(ValueError, match=r"fn returned 1 rows along dim 0 for a chunk of 2; out= needs one"):
+        koila.chunked(lambda r: r[:1], torch.zeros(4), initial=2, out=torch.zeros(4))
+
+
+def test_out_given_to_the_decorator_factory() -> None:
+    with pytest.raises(TypeError, match=r"out= is given per call: koila.chunked\(fn, x, out=buffer\)"):
+        koila.chunked(out=torch.zeros(3))
+    with pytest.raises(TypeError, match="out= is given per call"):
+        koila.chunked(lambda r: r, out=torch.zeros(3))
+
+
+@pytest.mark.parametrize(("initial", "message"), [(0, "initial must be >= 1, got 0"), (-4, "initial must be >= 1")])
+def test_initial_below_one(initial: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        koila.chunked(lambda r: r, torch.zeros(4), initial=initial)
+    with pytest.raises(ValueError, match=message):
+        koila.chunked(initial=initial)(lambda r: r)
+    with pytest.raises(ValueError, match=message):
+        koila.range(lambda b, e: None, 0, 4, initial=initial)
+
+
+def test_initial_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="initial must be an int, got float 4.0"):
+        koila.chunked(lambda r: r, torch.zeros(4), initial=4.0)  # type: ignore[arg-type]
+
+
+def test_minimum_above_initial() -> None:
+    with pytest.raises(ValueError, match=r"minimum \(8\) must not exceed initial \(4\)"):
+        koila.chunked(lambda r: r, torch.zeros(4), initial=4, minimum=8)
+
+
+@pytest.mark.parametrize(("dim", "shown"), [(True, "bool True"), (False, "bool False"), (1.0, "float 1.0")])
+def test_dim_must_be_an_int(dim: object, shown: str) -> None:
+    with pytest.raises(TypeError, match=f"dim must be an int, got {shown}"):
+        koila.chunked(lambda r: r, torch.zeros(4, 4), dim=dim)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=f"dim must be an int, got {shown}"):
+        koila.chunked(dim=dim)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("progress", [1, "yes", None])
+def test_progress_must_be_a_bool(progress: object) -> None:
+    with pytest.raises(TypeError, match=f"progress must be a bool, got {type(progress).__name__}"):
+        koila.chunked(lambda r: r, torch.zeros(4), progress=progress)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="progress must be a bool"):
+        koila.range(lambda b, e: None, 0, 4, progress=progress)  # type: ignore[arg-type]
+
+
+def test_fn_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="koila.chunked needs a callable, got int 3"):
+        koila.chunked(3, torch.zeros(4))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="koila.chunked needs a callable, got str 'f'"):
+        koila.chunked("f")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="koila.range needs a callable, got int 3"):
+        koila.range(3, 0, 4)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(("start", "stop"), [(5, 2), (5, 4), (-3, -4)])
+def test_range_stop_below_start(start: int, stop: int) -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError, match=rf"stop \({stop}\) must be at least start \({start}\)"):
+        koila.range(lambda b, e: calls.append(b), start, stop)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "message"),
+    [
+        (0.0, 4, "start must be an int, got float 0.0"),
+        (0, "4", "stop must be an int, got str '4'"),
+        (0, None, "stop must be an int, got NoneType None"),
+        (True, 4, "start must be an int, got bool True"),
+        (0, False, "stop must be an int, got bool False"),
+    ],
+)
+def test_range_bounds_must_be_ints(start: object, stop: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        koila.range(lambda b, e: None, start, stop)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=message):
+        koila.range(lambda b, e: None)(start, stop)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- 5. empty input
+
+
+def test_empty_input_calls_fn_once_for_the_structure() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        seen.append(tuple(rows.shape))
+        return {"emb": rows @ torch.ones(3, 5), "pair": (rows, rows[:, 0])}
+
+    result = koila.chunked(fn, torch.zeros(0, 3))
+    assert seen == [(0, 3)]
+    assert result["emb"].shape == (0, 5)
+    assert result["pair"][0].shape == (0, 3)
+    assert result["pair"][1].shape == (0,)
+
+
+def test_empty_input_along_dim_1() -> None:
+    result = koila.chunked(lambda r: r * 2, torch.zeros(4, 0), dim=1)
+    assert result.shape == (4, 0)
+
+
+def test_empty_input_with_out_does_not_call_fn() -> None:
+    calls: list[int] = []
+    out = torch.zeros(0, 5)
+    assert koila.chunked(lambda r: calls.append(1), torch.zeros(0, 3), out=out) is out
+    assert calls == []
+
+
+def test_empty_input_in_the_decorator_form_counts_no_call() -> None:
+    @koila.chunked
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return rows + 1
+
+    assert fn(torch.zeros(0, 2)).shape == (0, 2)
+    assert fn.stats.calls == 0
+
+
+def test_empty_range_calls_nothing() -> None:
+    calls: list[int] = []
+    assert koila.range(lambda b, e: calls.append(b), 7, 7) == []
+    assert koila.range(lambda b, e: calls.append(b), -3, -3, initial=1) == []
+    assert calls == []
+
+
+# --------------------------------------------------------------------------- 6. decorator forms
+
+
+def test_bare_chunked_decorator() -> None:
+    sizes: list[int] = []
+
+    @koila.chunked
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        return rows * 2
+
+    x = torch.arange(1100.0)
+    assert torch.equal(double(x), x * 2)
+    assert sizes == [512, 512, 76]  # the default initial size
+
+
+def test_called_chunked_decorator() -> None:
+    sizes: list[int] = []
+
+    @koila.chunked(initial=3, dim=1)
+    def double(cols: torch.Tensor) -> torch.Tensor:
+        sizes.append(cols.size(1))
+        return cols * 2
+
+    x = torch.arange(14.0).reshape(2, 7)
+    assert torch.equal(double(x), x * 2)
+    assert sizes == [3, 3, 1]
+
+
+def test_bare_range_decorator() -> None:
+    @koila.range
+    def span(begin: int, end: int) -> tuple[int, int]:
+        return begin, end
+
+    assert span(0, 1030) == [(0, 512), (512, 1024), (1024, 1030)]
+
+
+def test_called_range_decorator_passes_extra_arguments_after_begin_and_end() -> None:
+    seen: list[tuple[int, int, object, int]] = []
+    data = object()
+
+    @koila.range(initial=4)
+    def process(begin: int, end: int, source: object, *, scale: int = 1) -> int:
+        seen.append((begin, end, source, scale))
+        return (end - begin) * scale
+
+    assert process(-2, 7, data, scale=10) == [40, 40, 10]
+    assert seen == [(-2, 2, data, 10), (2, 6, data, 10), (6, 7, data, 10)]
+
+
+def test_decorated_functions_keep_name_doc_and_wrapped() -> None:
+    def encode(rows: torch.Tensor) -> torch.Tensor:
+        """Encode rows."""
+        return rows
+
+    def process(begin: int, end: int) -> None:
+        """Process a range."""
+
+    for wrapped, original in ((koila.chunked(encode), encode), (koila.range(initial=2)(process), process)):
+        assert wrapped.__name__ == original.__name__
+        assert wrapped.__doc__ == original.__doc__
+        assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+
+
+def test_stats_cache_info_and_cache_clear(fast_release: None) -> None:
+    fits = oom_above(16)
+    sizes: list[int] = []
+
+    @koila.chunked(initial=64)
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        fits(len(rows))
+        return rows * 2
+
+    x = torch.arange(100.0)
+    for _ in range(2):
+        assert torch.equal(double(x), x * 2)
+    # The second pass starts at the 16 that worked.
+    assert sizes == [64, 32] + [16] * 6 + [4] + [16] * 6 + [4]
+    assert isinstance(double.stats, koila.Stats)
+    assert double.stats.calls == 2
+    assert double.stats.ooms == 2
+    assert double.stats.exhausted == 0
+    assert double.stats.batch_size == 16
+    info = double.cache_info()
+    assert (info.hits, info.misses, info.currsize) == (1, 1, 1)
+    double.cache_clear()
+    assert double.cache_info() == koila.CacheInfo(0, 0, info.maxsize, 0)
+    sizes.clear()
+    double(x)
+    assert sizes[:3] == [64, 32, 16]  # forgotten: back to the initial size
+
+
+def test_range_decorator_has_stats_and_cache(fast_release: None) -> None:
+    fits = oom_above(8)
+
+    @koila.range(initial=32)
+    def run(begin: int, end: int) -> int:
+        fits(end - begin)
+        return end - begin
+
+    for _ in range(2):
+        assert run(0, 20) == [8, 8, 4]
+    assert run.stats.calls == 2
+    assert run.stats.ooms == 2  # 20 as a short chunk, then 16: the second pass starts at 8
+    assert run.cache_info().currsize == 1
+    run.cache_clear()
+    assert run.cache_info().currsize == 0
+
+
+def test_second_call_from_the_same_line_starts_at_the_reduced_size(fast_release: None) -> None:
+    fits = oom_above(32)
+    attempts: list[list[int]] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        attempts[-1].append(len(rows))
+        fits(len(rows))
+        return rows
+
+    x = torch.arange(100.0)
+    for _ in range(2):
+        attempts.append([])
+        koila.chunked(fn, x, initial=128)
+    assert attempts[0] == [100, 64, 32, 32, 32, 4]  # 100 rows fail as a short chunk, then 64
+    assert attempts[1] == [32, 32, 32, 4]
+
+
+def test_range_call_form_remembers_the_size(fast_release: None) -> None:
+    fits = oom_above(10)
+    attempts: list[list[int]] = []
+
+    def fn(begin: int, end: int) -> None:
+        attempts[-1].append(end - begin)
+        fits(end - begin)
+
+    for _ in range(2):
+        attempts.append([])
+        koila.range(fn, 0, 40, initial=64)
+    assert attempts[0] == [40, 32, 16, 8, 8, 8, 8, 8]
+    assert attempts[1] == [8] * 5
+
+
+def test_another_call_site_or_sample_shape_starts_afresh(fast_release: None) -> None:
+    fits = oom_above(16)
+    sizes: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        fits(len(rows))
+        return rows
+
+    koila.chunked(fn, torch.zeros(40, 3), initial=32)
+    sizes.clear()
+    koila.chunked(fn, torch.zeros(40, 3), initial=32)  # another line
+    assert sizes[0] == 32
+    sizes.clear()
+    for shape in ((40, 3), (40, 7)):  # the same line, another shape of a sample
+        koila.chunked(fn, torch.zeros(shape), initial=32)
+        assert sizes[0] == 32
+        sizes.clear()
+
+
+def test_nocache_always_starts_at_initial(fast_release: None) -> None:
+    fits = oom_above(16)
+    sizes: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        fits(len(rows))
+        return rows
+
+    first_sizes = []
+    for _ in range(3):
+        sizes.clear()
+        koila.chunked(fn, torch.zeros(40), initial=64, cache=koila.NoCache())
+        first_sizes.append(sizes[0])
+    assert first_sizes == [40, 40, 40]
+
+
+# --------------------------------------------------------------------------- 7. errors that are not OOMs
+
+
+@pytest.mark.parametrize("error", [ValueError("bad row"), KeyboardInterrupt(), MemoryError("python's own")])
+def test_other_errors_propagate_unchanged_from_chunked(error: BaseException) -> None:
+    calls: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise error
+        return rows
+
+    with pytest.raises(type(error)) as excinfo:
+        koila.chunked(fn, torch.zeros(20), initial=4, cache=koila.NoCache())
+    assert excinfo.value is error
+    assert calls == [4, 4, 4]  # not retried, not resumed
+    assert excinfo.traceback[-1].name == "fn"
+
+
+@pytest.mark.parametrize("error", [ValueError("bad index"), KeyboardInterrupt()])
+def test_other_errors_propagate_unchanged_from_range(error: BaseException) -> None:
+    calls: list[int] = []
+
+    def fn(begin: int, end: int) -> None:
+        calls.append(begin)
+        if begin == 8:
+            raise error
+
+    with pytest.raises(type(error)) as excinfo:
+        koila.range(fn, 0, 20, initial=4, cache=koila.NoCache())
+    assert excinfo.value is error
+    assert calls == [0, 4, 8]
+
+
+def test_error_after_an_oom_is_not_swallowed(fast_release: None) -> None:
+    error = RuntimeError("CUDA error: device-side assert triggered")
+    calls: list[int] = []
+
+    @koila.chunked(initial=8, cache=koila.NoCache())
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise make_oom()
+        if len(calls) == 3:
+            raise error
+        return rows
+
+    with pytest.raises(RuntimeError) as excinfo:
+        fn(torch.zeros(32))
+    assert excinfo.value is error
+    assert calls == [8, 8, 4]
+    assert fn.stats.ooms == 1
+    assert fn.stats.exhausted == 0
+
+
+def test_batch_size_exhausted_is_an_out_of_memory_error_from_the_last_oom(fast_release: None) -> None:
+    last: list[BaseException] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        last[:] = [make_oom("cpu")]
+        raise last[0]
+
+    with pytest.raises(torch.OutOfMemoryError) as excinfo:
+        koila.chunked(fn, torch.zeros(10), initial=4, cache=koila.NoCache())
+    assert isinstance(excinfo.value, koila.BatchSizeExhausted)
+    assert excinfo.value.__cause__ is last[0]
+    assert excinfo.value.batch_size == 1
+    assert excinfo.value.attempts == 3
+    assert "(4 -> 2 -> 1); batch size 1 is the minimum" in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------- 8. memory hygiene
+
+
+def test_tensor_of_a_failed_chunk_is_dead_when_its_retry_starts() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+    inject = oom_for({2, 3})  # the second chunk fails twice
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        activations = torch.ones(len(rows), 1024)
+        refs.append(weakref.ref(activations))
+        inject()
+        return rows * 2
+
+    x = torch.arange(16.0)
+    assert torch.equal(koila.chunked(fn, x, initial=4, cache=koila.NoCache()), x * 2)
+    # 0-4, then 4-8 and 4-6 fail, then twelve chunks of one row.
+    assert alive_at_start == [False] * 15
+
+
+def test_tensor_in_a_cycle_is_collected_before_the_retry() -> None:
+    """Only the library's gc.collect() frees a cycle: checks release() runs before a chunk's retry."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+    inject = oom_for({2})
+
+    class Node:
+        pass
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        node = Node()
+        node.self = node  # type: ignore[attr-defined]
+        node.tensor = torch.ones(len(rows), 256)  # type: ignore[attr-defined]
+        if len(alive_at_start) == 2:
+            refs.append(weakref.ref(node.tensor))  # type: ignore[attr-defined]
+        inject()
+        return rows
+
+    gc.collect()
+    gc.disable()
+    try:
+        koila.range(lambda b, e: fn(torch.zeros(e - b)), 0, 12, initial=4, cache=koila.NoCache())
+    finally:
+        gc.enable()
+    # 0-4, 4-8 fails (its tensor sits in a cycle), then 4-6, 6-8, 8-10, 10-12.
+    assert len(refs) == 1
+    assert alive_at_start == [False] * 6
+
+
+def test_live_memory_at_a_retry_is_what_it_was_before_the_failed_chunk() -> None:
+    live_at_start: list[int] = []
+    inject = oom_for({3, 4})
+    x = torch.randn(64, 32)
+    with simulated_device("64MiB") as device:
+
+        def fn(rows: torch.Tensor) -> torch.Tensor:
+            live_at_start.append(device.live)
+            hidden = torch.relu(rows @ torch.ones(32, 1024))
+            inject()
+            return hidden[:, :4]
+
+        koila.chunked(fn, x, initial=16, cache=koila.NoCache())
+    # Calls: 0-16, 16-32, 32-48 F, 32-40 F, 32-36, ...: each retry starts where the failure did.
+    assert live_at_start[3] == live_at_start[2]
+    assert live_at_start[4] == live_at_start[2]
+    assert live_at_start[2] > live_at_start[0]  # finished results are kept, not dropped
+
+
+def test_exhausted_chunked_does_not_pin_the_failed_chunks() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        activations = torch.ones(len(rows), 1024)
+        refs.append(weakref.ref(activations))
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        koila.chunked(fn, torch.zeros(10), initial=2, cache=koila.NoCache())
+    cause = excinfo.value.__cause__
+    assert cause is not None
+    assert cause.__traceback__ is None
+    assert [ref() for ref in refs] == [None, None]
+
+
+# --------------------------------------------------------------------------- 9. progress
+
+
+class FakeBar:
+    """Records what chunked tells a tqdm bar."""
+
+    bars: ClassVar[list[FakeBar]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.updates: list[int] = []
+        self.postfixes: list[dict[str, Any]] = []
+        self.closed = False
+        FakeBar.bars.append(self)
+
+    def update(self, n: int = 1) -> None:
+        assert not self.closed
+        # The chunk size is set before the rows are counted, so no redraw pairs the new
+        # row count with the old chunk size.
+        assert len(self.postfixes) == len(self.updates) + 1
+        self.updates.append(n)
+
+    def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kwargs: Any) -> None:
+        self.postfixes.append({**(ordered_dict or {}), **kwargs})
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_tqdm(monkeypatch: pytest.MonkeyPatch) -> list[FakeBar]:
+    import tqdm.auto
+
+    FakeBar.bars = []
+    monkeypatch.setattr(tqdm.auto, "tqdm", FakeBar)
+    return FakeBar.bars
+
+
+def test_progress_bar_over_rows_shows_the_chunk_size(fake_tqdm: list[FakeBar], fast_release: None) -> None:
+    fits = oom_above(128)
+
+    def embed(rows: torch.Tensor) -> torch.Tensor:
+        fits(len(rows))
+        return rows
+
+    koila.chunked(embed, torch.zeros(1000), initial=256, progress=True, cache=koila.NoCache())
+    (bar,) = fake_tqdm
+    assert bar.kwargs["total"] == 1000
+    assert bar.kwargs["unit"] == "row"
+    assert "embed" in bar.kwargs["desc"]
+    assert bar.updates == [128] * 7 + [104]
+    assert sum(bar.updates) == 1000
+    assert bar.postfixes == [{"chunk": 128}] * 8
+    assert bar.closed
+
+
+def test_progress_bar_over_a_range(fake_tqdm: list[FakeBar]) -> None:
+    koila.range(lambda b, e: None, 10, 25, initial=4, progress=True)
+    (bar,) = fake_tqdm
+    assert bar.kwargs["total"] == 15
+    assert bar.kwargs["unit"] == "index"
+    assert bar.updates == [4, 4, 4, 3]
+    assert bar.postfixes == [{"range": 4}] * 4
+    assert bar.closed
+
+
+def test_progress_bar_postfix_follows_reductions(fake_tqdm: list[FakeBar], fast_release: None) -> None:
+    inject = oom_for({3})
+    koila.chunked(lambda r: (inject(), r)[1], torch.zeros(40), initial=16, progress=True, cache=koila.NoCache())
+    (bar,) = fake_tqdm
+    assert bar.updates == [16, 16, 4, 4]
+    assert [p["chunk"] for p in bar.postfixes] == [16, 16, 4, 4]  # 8 rows failed as a short chunk: 4 next
+
+
+def test_progress_bar_is_closed_when_fn_raises(fake_tqdm: list[FakeBar]) -> None:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        if rows[0] >= 8:
+            raise ValueError("broken row")
+        return rows
+
+    with pytest.raises(ValueError, match="broken row"):
+        koila.chunked(fn, torch.arange(20.0), initial=4, progress=True)
+    (bar,) = fake_tqdm
+    assert bar.updates == [4, 4]
+    assert bar.closed
+
+
+def test_progress_bar_is_closed_when_exhausted(fake_tqdm: list[FakeBar], fast_release: None) -> None:
+    def fn(begin: int, end: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        koila.range(fn, 0, 10, initial=2, progress=True, cache=koila.NoCache())
+    (bar,) = fake_tqdm
+    assert bar.updates == []
+    assert bar.closed
+
+
+def test_progress_with_real_tqdm_writes_a_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        return rows * 2
+
+    koila.chunked(double, torch.zeros(300), initial=128, progress=True)
+    err = capsys.readouterr().err
+    assert "300/300" in err
+    assert "chunk=128" in err
+    assert "double" in err
+
+
+@pytest.mark.parametrize("front_end", ["chunked", "range"])
+def test_progress_without_tqdm_says_what_to_install(monkeypatch: pytest.MonkeyPatch, front_end: str) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    calls: list[int] = []
+    with pytest.raises(ImportError, match=r"pip install 'koila-retry\[progress\]'"):
+        if front_end == "chunked":
+            koila.chunked(lambda r: calls.append(1), torch.zeros(4), progress=True)
+        else:
+            koila.range(lambda b, e: calls.append(1), 0, 4, progress=True)
+    assert calls == []
+
+
+# --------------------------------------------------------------------------- 10. max_attempts, on_oom, notes
+
+
+def test_max_attempts_applies_to_each_chunk(fast_release: None) -> None:
+    inject = oom_for({1, 3, 6})
+    sizes: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        inject()
+        return rows
+
+    x = torch.arange(16.0)
+    # Three failures in the whole pass, but never two in one chunk: max_attempts=2 is enough.
+    assert torch.equal(koila.chunked(fn, x, initial=8, max_attempts=2, cache=koila.NoCache()), x)
+    assert sizes == [8, 4, 4, 2, 2, 2] + [1] * 8
+
+
+def test_max_attempts_exhausts_one_chunk(fast_release: None) -> None:
+    inject = oom_for({2, 3})
+
+    def fn(begin: int, end: int) -> None:
+        inject()
+
+    with pytest.raises(koila.BatchSizeExhausted, match="gave up after max_attempts=2 attempts") as excinfo:
+        koila.range(fn, 0, 100, initial=16, max_attempts=2, cache=koila.NoCache())
+    assert excinfo.value.attempts == 2
+    assert excinfo.value.batch_size == 8
+
+
+def test_on_oom_events_report_the_rows_of_a_short_last_chunk(fast_release: None) -> None:
+    events: list[koila.OOMEvent] = []
+    sizes: list[int] = []
+
+    def encode(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        if len(rows) == 232:
+            raise make_oom()
+        return rows
+
+    koila.chunked(encode, torch.zeros(1000), initial=256, on_oom=events.append, cache=koila.NoCache())
+    assert sizes == [256, 256, 256, 232, 128, 104]
+    (event,) = events
+    assert event.batch_size == 232
+    assert event.next_batch_size == 128
+    assert event.attempt == 1
+    assert event.function.endswith("encode")
+    assert event.device == torch.device("cpu")
+    assert __file__ in event.where
+    assert "in encode" in event.where
+
+
+def test_on_oom_events_count_attempts_per_chunk(fast_release: None) -> None:
+    events: list[koila.OOMEvent] = []
+    inject = oom_for({2, 3, 6})
+    koila.range(lambda b, e: inject(), 0, 32, initial=8, on_oom=events.append, cache=koila.NoCache())
+    assert [(e.batch_size, e.next_batch_size, e.attempt) for e in events] == [(8, 4, 1), (4, 2, 2), (2, 1, 1)]
+
+
+def test_final_event_has_no_next_size(fast_release: None) -> None:
+    events: list[koila.OOMEvent] = []
+
+    def never_fits(rows: torch.Tensor) -> torch.Tensor:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        koila.chunked(never_fits, torch.zeros(3), initial=2, on_oom=events.append)
+    assert [(e.batch_size, e.next_batch_size) for e in events] == [(2, 1), (1, None)]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
+def test_exhausted_notes_say_how_many_rows_were_finished(fast_release: None) -> None:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        if rows[0] >= 768:
+            raise make_oom()
+        return rows
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        koila.chunked(fn, torch.arange(1000.0), initial=256, cache=koila.NoCache())
+    assert excinfo.value.__notes__ == ["768 of 1000 rows were finished before it gave up."]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
+def test_range_exhausted_notes_spell_indices(fast_release: None) -> None:
+    def fn(begin: int, end: int) -> None:
+        if begin >= 4:
+            raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        koila.range(fn, 0, 10, initial=4, cache=koila.NoCache())
+    (note,) = excinfo.value.__notes__
+    assert note.startswith("4 of 10 ")
+    assert "indexs" not in note
+
+
+def test_exhausted_leaves_finished_rows_in_out(fast_release: None) -> None:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        if rows[0] >= 4:
+            raise make_oom()
+        return rows * 10
+
+    out = torch.full((10,), -1.0)
+    with pytest.raises(koila.BatchSizeExhausted):
+        koila.chunked(fn, torch.arange(10.0), initial=4, out=out, cache=koila.NoCache())
+    assert out.tolist() == [0.0, 10.0, 20.0, 30.0] + [-1.0] * 6
+
+
+def test_exhausted_message_for_a_short_chunk_below_the_minimum(fast_release: None) -> None:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        koila.chunked(fn, torch.zeros(10), initial=64, minimum=32, cache=koila.NoCache())
+    assert excinfo.value.batch_size == 10
+    assert "batch size 10 is the minimum" not in str(excinfo.value)
+    assert "32" in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------- 11. growing back within a pass
+
+
+def grow_sizes(n: int, initial: int, grow_after: int, fits: Callable[[int], None]) -> list[int]:
+    sizes: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(rows))
+        fits(len(rows))
+        return rows
+
+    x = torch.arange(float(n))
+    assert torch.equal(
+        koila.chunked(fn, x, initial=initial, grow=True, grow_after=grow_after, cache=koila.NoCache()), x
+    )
+    return sizes
+
+
+def test_grow_doubles_after_grow_after_successes(fast_release: None) -> None:
+    inject = oom_for({1})  # memory is short once, then plentiful
+    sizes = grow_sizes(64 * 4, 64, 2, lambda rows: inject())
+    assert sizes == [64, 32, 32, 64, 64, 64]
+
+
+def test_grow_climbs_one_power_of_two_at_a_time(fast_release: None) -> None:
+    inject = oom_for({1, 2, 3})  # 64 -> 32 -> 16 -> 8, then everything fits
+    sizes = grow_sizes(8 * 3 + 16 * 3 + 32 * 3 + 64 * 2, 64, 3, lambda rows: inject())
+    assert sizes == [64, 32, 16, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64]
+
+
+def test_failed_probe_halves_again_and_doubles_the_wait(fast_release: None) -> None:
+    sizes = grow_sizes(32 * 14 + 10, 64, 2, oom_above(32))
+    f = 64  # a failed probe
+    assert sizes == [f, 32, 32, f, 32, 32, 32, 32, f, 32, 32, 32, 32, 32, 32, 32, 32, 10]
+
+
+def test_grow_never_goes_above_initial(fast_release: None) -> None:
+    inject = oom_for({1})
+    sizes = grow_sizes(48 + 32 * 2 + 48 * 2, 48, 2, lambda rows: inject())
+    assert sizes == [48, 32, 32, 48, 48, 48]
+
+
+def test_without_grow_the_reduced_size_stays(fast_release: None) -> None:
+    inject = oom_for({1})
+    sizes: list[int] = []
+    koila.chunked(
+        lambda r: (sizes.append(len(r)), inject(), r)[2],
+        torch.zeros(200),
+        initial=64,
+        grow_after=1,
+        cache=koila.NoCache(),
+    )
+    assert sizes == [64] + [32] * 6 + [8]
+
+
+def test_grow_in_range(fast_release: None) -> None:
+    inject = oom_for({1})
+    calls: list[tuple[int, int]] = []
+
+    def fn(begin: int, end: int) -> None:
+        calls.append((begin, end))
+        inject()
+
+    koila.range(fn, 5, 5 + 16 * 3 + 8, initial=16, grow=True, grow_after=2, cache=koila.NoCache())
+    assert calls == [(5, 21), (5, 13), (13, 21), (21, 37), (37, 53), (53, 61)]
+
+
+def test_a_probe_on_a_short_last_chunk_proves_nothing(fast_release: None) -> None:
+    fits = oom_above(32)
+    passes: list[list[int]] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        passes[-1].append(len(rows))
+        fits(len(rows))
+        return rows
+
+    cache = koila.StackMemoryCache()
+    for _ in range(4):
+        passes.append([])
+        koila.chunked(fn, torch.zeros(74), initial=64, grow=True, grow_after=2, cache=cache)
+    # The probe of pass 1 ran on the 10 rows left: the cache keeps the size proven by
+    # whole chunks, and the probe, still due, runs first in pass 2. It fails, so the wait
+    # doubles to 4: pass 3 runs at 32 throughout, its own probe again lands on 10 rows,
+    # and pass 4 probes first once more.
+    assert passes == [[64, 32, 32, 10], [64, 32, 32, 10], [32, 32, 10], [64, 32, 32, 10]]
+    assert list(cache.values()) == [32]
+
+
+def test_an_oom_inside_a_model_is_placed_at_the_layer_not_in_pytorch_machinery() -> None:
+    """chunked(model, x) calls the model from koila_retry: the event names the torch.nn line."""
+    model = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 4)).eval()
+    events: list[koila.OOMEvent] = []
+    inputs = torch.randn(2048, 8)
+    with torch.no_grad(), simulated_device("1MiB"):
+        koila.chunked(model, inputs, initial=2048, cache=koila.NoCache(), on_oom=events.append)
+    assert events
+    where = events[0].where
+    assert f"{os.sep}torch{os.sep}nn{os.sep}" in where, where

@@ -1,0 +1,652 @@
+"""DiskCache: sizes that outlive the process, a file that never breaks the job, and its keys."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import koila_retry as koila
+from koila_retry import _disk
+from koila_retry._cache import function_identity
+from koila_retry._memory import describe_device
+from koila_retry.testing import oom_above, simulated_device
+
+ROOT = str(Path(koila.__file__).resolve().parent.parent)
+CPU = torch.device("cpu")
+FORMAT = "koila-retry size cache"
+
+
+def _content(path: Path) -> dict[str, Any]:
+    content = json.loads(path.read_text(encoding="utf-8"))
+    assert isinstance(content, dict)
+    return content
+
+
+def _sizes(path: Path) -> dict[str, int]:
+    content = _content(path)
+    assert content["format"] == FORMAT
+    assert content["version"] == 1
+    sizes = content["sizes"]
+    assert isinstance(sizes, dict)
+    return sizes
+
+
+def _leftovers(folder: Path, name: str) -> list[str]:
+    """Files in ``folder`` other than the cache file and its lock file."""
+    return sorted(set(os.listdir(folder)) - {name, name + ".lock"})
+
+
+def _run_scripts(script: Path, *runs: tuple[object, ...]) -> list[dict[str, Any]]:
+    """Run ``script`` once per tuple of arguments, all at once, and return what each printed last."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ROOT},  # the koila_retry under test, wherever it is
+        )
+        for args in runs
+    ]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=120)
+            assert process.returncode == 0, stderr
+            result = json.loads(stdout.strip().splitlines()[-1])
+            assert isinstance(result, dict)
+            results.append(result)
+    finally:
+        for process in processes:
+            if process.poll() is None:  # another one failed: do not leave this one behind
+                process.kill()
+                process.wait()
+    return results
+
+
+@contextlib.contextmanager
+def no_warnings() -> Iterator[None]:
+    """Turn every warning inside the block into an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+# -- a second process starts at the size that worked -------------------------------------------
+
+SECOND_RUN_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import torch
+    import koila_retry as koila
+    from koila_retry.testing import oom_above
+
+    warnings.simplefilter("error", koila.CacheFileWarning)
+    path, features = sys.argv[1], int(sys.argv[2])
+    cache = koila.DiskCache(path)
+    fits = oom_above(64)
+    batches, chunks = [], []
+
+    @koila.batch(initial=512, cache=cache)
+    def evaluate(batch_size):
+        batches.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    def encode(rows):
+        chunks.append(rows.shape[0])
+        fits(rows.shape[0])
+        return rows * 2
+
+    evaluate()
+    x = torch.arange(1000.0).unsqueeze(1).expand(1000, features).contiguous()
+    assert torch.equal(koila.chunked(encode, x, initial=512, cache=cache), x * 2)
+    print(json.dumps({"batches": batches, "chunks": chunks, "ooms": fits.raised}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_process_starts_at_the_size_that_worked(tmp_path: Path) -> None:
+    script = tmp_path / "evaluate.py"
+    script.write_text(SECOND_RUN_SCRIPT, encoding="utf-8")
+    path = tmp_path / "cache" / "sizes.json"
+
+    (first,) = _run_scripts(script, (path, 8))
+    assert first["batches"] == [512, 256, 128, 64]
+    assert first["chunks"][:4] == [512, 256, 128, 64]
+    assert first["ooms"] == 6
+    stored = _sizes(path)
+    assert sorted(stored.values()) == [64, 64]
+    assert any(key.startswith(f"evaluate ({script}:") for key in stored)
+    assert any(key.startswith(f"encode ({script}:") for key in stored)
+
+    # Both read the file when they start (the second stores nothing new, so they may run at once).
+    second, third = _run_scripts(script, (path, 8), (path, 16))
+    # The same script again: both start at 64, and nothing runs out of memory.
+    assert second["batches"] == [64]
+    assert second["chunks"] == [64] * 15 + [1000 - 15 * 64]
+    assert second["ooms"] == 0
+    # Another feature dimension: chunked's key holds the per-sample shape, so it starts
+    # afresh; batch sees no inputs, its key is the same and it starts at 64.
+    assert third["batches"] == [64]
+    assert third["chunks"][:4] == [512, 256, 128, 64]
+    assert third["ooms"] == 3
+    final = _sizes(path)
+    assert sorted(final.values()) == [64, 64, 64]
+    assert {key: final[key] for key in stored} == stored
+    assert _leftovers(path.parent, path.name) == []
+
+
+CONCURRENT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, warnings
+    import koila_retry as koila
+
+    warnings.simplefilter("error", koila.CacheFileWarning)
+    path, name, barrier = sys.argv[1:4]
+    open(os.path.join(barrier, name), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(barrier)) < 2:  # both processes have imported torch: start together
+        if time.monotonic() > deadline:
+            sys.exit("the other process never came")
+        time.sleep(0.001)
+    cache = koila.DiskCache(path)
+    for number in range(50):
+        cache[f"{name} key {number}"] = number + 1
+    print("{}")
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_writing_at_once_leave_a_valid_file(tmp_path: Path) -> None:
+    script = tmp_path / "write.py"
+    script.write_text(CONCURRENT_SCRIPT, encoding="utf-8")
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    path = tmp_path / "sizes.json"
+    assert _run_scripts(script, (path, "first", barrier), (path, "second", barrier)) == [{}, {}]
+
+    content = _content(path)
+    assert set(content) == {"format", "version", "sizes"}
+    sizes = _sizes(path)
+    assert all(isinstance(size, int) and size >= 1 for size in sizes.values())
+    assert _leftovers(tmp_path, path.name) == ["barrier", "write.py"]
+    if _disk.fcntl is not None:  # with the lock, each writer merges what the other wrote
+        expected = {f"{name} key {number}": number + 1 for name in ("first", "second") for number in range(50)}
+        assert sizes == expected
+
+
+# -- files that are not ours, or not readable ---------------------------------------------------
+
+NOT_OURS = {
+    "invalid JSON": (b'{"format": "koila-retry size cache", "version": 1, "sizes": {"a": 1', "is not valid JSON"),
+    "foreign JSON": (b'{"theme": "dark", "font size": 12}\n', "is not a koila-retry size cache"),
+    "JSON list": (b"[1, 2, 3]", "is not a koila-retry size cache"),
+    "another version": (
+        b'{"format": "koila-retry size cache", "version": 2, "sizes": {"a": 1}}',
+        "is not a koila-retry size cache",
+    ),
+    "version true": (  # True == 1 in Python, and is still not our version
+        b'{"format": "koila-retry size cache", "version": true, "sizes": {"a": 1}}',
+        "is not a koila-retry size cache",
+    ),
+    "version 1.0": (
+        b'{"format": "koila-retry size cache", "version": 1.0, "sizes": {"a": 1}}',
+        "is not a koila-retry size cache",
+    ),
+    "sizes not a mapping": (
+        b'{"format": "koila-retry size cache", "version": 1, "sizes": [["a", 1]]}',
+        "is not a koila-retry size cache",
+    ),
+    "not text": (b"\xff\xfe\x00binary\x80", "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_OURS))
+def test_a_file_that_is_not_ours_is_ignored_with_a_warning_and_never_overwritten(tmp_path: Path, kind: str) -> None:
+    data, reason = NOT_OURS[kind]
+    path = tmp_path / "sizes.json"
+    path.write_bytes(data)
+    with pytest.warns(koila.CacheFileWarning, match=reason) as record:
+        cache = koila.DiskCache(path)
+    assert len(record) == 1
+    assert str(path) in str(record[0].message)
+    assert record[0].filename == __file__  # points at the line that made the cache
+    assert len(cache) == 0
+
+    fits = oom_above(16)
+
+    @koila.batch(initial=128, cache=cache)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    with no_warnings():  # warned once, when the cache was made
+        assert run() == 16
+        cache["another"] = 3
+        assert run() == 16  # remembered in memory
+    assert fits.raised == 3
+    assert cache["another"] == 3
+    assert path.read_bytes() == data
+    assert _leftovers(tmp_path, path.name) == []
+
+
+def test_a_file_spoilt_after_the_cache_was_made_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["first"] = 8
+    assert _sizes(path) == {"first": 8}
+    path.write_text("this is someone's notes", encoding="utf-8")
+    with pytest.warns(koila.CacheFileWarning, match="is not valid JSON"):
+        cache["second"] = 4
+    assert path.read_text(encoding="utf-8") == "this is someone's notes"
+    assert (cache["first"], cache["second"]) == (8, 4)
+
+
+@pytest.mark.parametrize("text", ["", "  \n"], ids=["empty", "blank"])
+def test_an_empty_file_is_an_empty_cache(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "sizes.json"
+    path.write_text(text, encoding="utf-8")
+    with no_warnings():
+        cache = koila.DiskCache(path)
+        assert len(cache) == 0
+        cache["key"] = 32
+    assert _sizes(path) == {"key": 32}
+
+
+def test_bad_entries_are_dropped_and_good_ones_kept(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    sizes = {
+        "good": 32,
+        "float": 1.5,
+        "string": "64",
+        "bool": True,
+        "zero": 0,
+        "negative": -4,
+        "null": None,
+        "list": [8],
+        "also good": 7,
+    }
+    path.write_text(json.dumps({"format": FORMAT, "version": 1, "sizes": sizes}), encoding="utf-8")
+    with pytest.warns(koila.CacheFileWarning, match="dropping 7 entries"):
+        cache = koila.DiskCache(path)
+    assert dict(cache.items()) == {"good": 32, "also good": 7}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the write drops them from the file without a second warning
+        cache["new"] = 16
+    assert _sizes(path) == {"good": 32, "also good": 7, "new": 16}
+
+
+def test_a_folder_at_the_path_is_warned_about(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    path.mkdir()
+    with pytest.warns(koila.CacheFileWarning, match="cannot be read"):
+        cache = koila.DiskCache(path)
+    cache["key"] = 2
+    assert cache["key"] == 2
+    assert path.is_dir()
+
+
+# -- a place that cannot be written --------------------------------------------------------------
+
+
+def _keeps_working_without_warning(cache: koila.DiskCache) -> None:
+    fits = oom_above(4)
+
+    @koila.batch(initial=16, cache=cache)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    with no_warnings():  # warned once: later stores say nothing more
+        cache["second"] = 2
+        assert run() == 4
+        assert run() == 4
+    assert fits.raised == 2  # the second call started at the remembered size
+    assert cache["second"] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_a_read_only_folder_warns_once_and_keeps_sizes_in_memory(tmp_path: Path) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    path = folder / "sizes.json"
+    try:
+        if os.geteuid() == 0 and os.access(folder, os.W_OK):
+            pytest.skip("root ignores folder permissions")
+        cache = koila.DiskCache(path)  # nothing to read: no warning yet
+        with pytest.warns(koila.CacheFileWarning, match="cannot write the size cache file") as record:
+            cache["first"] = 8
+        assert len(record) == 1
+        assert str(path) in str(record[0].message)
+        _keeps_working_without_warning(cache)
+        assert cache["first"] == 8
+        assert os.listdir(folder) == []
+    finally:
+        folder.chmod(0o700)
+
+
+def test_a_path_below_a_file_warns_once_and_keeps_sizes_in_memory(tmp_path: Path) -> None:
+    # Unusable even for root: the folder would have to be where a file is. Reading it
+    # already fails (not a directory), so the warning comes when the cache is made.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder", encoding="utf-8")
+    path = blocker / "sizes.json"
+    with pytest.warns(koila.CacheFileWarning, match="cannot be read") as record:
+        cache = koila.DiskCache(path)
+    assert len(record) == 1
+    assert str(path) in str(record[0].message)
+    _keeps_working_without_warning(cache)
+    assert blocker.read_text(encoding="utf-8") == "a file, not a folder"
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def test_the_file_is_ours_and_written_without_temporary_files_left(tmp_path: Path) -> None:
+    path = tmp_path / "made" / "on" / "demand" / "sizes.json"
+    cache = koila.DiskCache(path)
+    assert not path.parent.exists()  # nothing stored, nothing written
+    for number in range(10):
+        cache[f"key {number}"] = number + 1
+    assert _content(path) == {
+        "format": FORMAT,
+        "version": 1,
+        "sizes": {f"key {number}": number + 1 for number in range(10)},
+    }
+    assert _leftovers(path.parent, path.name) == []
+    assert dict(koila.DiskCache(path).items()) == dict(cache.items())  # a new cache reads it back
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["kept"] = 8
+    before = path.read_bytes()
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_disk.os, failing, full_disk)
+    with pytest.warns(koila.CacheFileWarning, match="No space left on device") as record:
+        cache["lost"] = 4
+    assert len(record) == 1
+    with no_warnings():  # warned once: from now on sizes stay in memory, quietly
+        cache["quiet"] = 2
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path, path.name) == []
+    assert (cache["lost"], cache["quiet"]) == (4, 2)  # still in memory
+
+
+def test_a_cached_call_does_not_rewrite_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    fits = oom_above(8)
+
+    @koila.batch(initial=64, cache=koila.DiskCache(path))
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    assert run() == 8
+    written = os.stat(path)
+    for _ in range(10):
+        assert run() == 8
+    after = os.stat(path)
+    # Each write renames a new file over the old one: a new inode.
+    assert (after.st_ino, after.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+
+
+def test_non_string_keys_stay_in_memory(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache[("a", "tuple")] = 4
+    assert cache[("a", "tuple")] == 4
+    assert not path.exists()
+
+
+def test_the_user_folder_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache = koila.DiskCache("~/koila/sizes.json")
+    assert cache.path == str(tmp_path / "koila" / "sizes.json")
+    cache["key"] = 2
+    assert _sizes(tmp_path / "koila" / "sizes.json") == {"key": 2}
+
+
+def test_a_relative_path_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cache = koila.DiskCache("sizes.json")
+    monkeypatch.chdir("/")
+    cache["key"] = 2
+    assert _sizes(tmp_path / "sizes.json") == {"key": 2}
+
+
+@pytest.mark.parametrize("path", [123, None, b"sizes.json", ["sizes.json"]], ids=repr)
+def test_a_path_of_the_wrong_type_is_refused(path: object) -> None:
+    with pytest.raises(TypeError, match=f"path must be a str or os.PathLike, got {type(path).__name__}"):
+        koila.DiskCache(path)  # type: ignore[arg-type]
+
+
+def test_maxsize_bounds_memory_and_file_keeping_the_most_recently_stored(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path, maxsize=3)
+    for number in range(5):
+        cache[f"k{number}"] = number + 1
+    assert sorted(cache) == ["k2", "k3", "k4"]
+    assert list(_sizes(path)) == ["k2", "k3", "k4"]
+    cache["k2"] = 30  # stored again: now the most recent
+    cache["k5"] = 6
+    assert sorted(cache) == ["k2", "k4", "k5"]  # k3 was the least recently stored
+    assert _sizes(path) == {"k4": 5, "k2": 30, "k5": 6}
+    # A smaller cache on the same file reads the most recently stored.
+    assert dict(koila.DiskCache(path, maxsize=2).items()) == {"k2": 30, "k5": 6}
+
+
+def test_maxsize_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="maxsize must be an int >= 1, got 0"):
+        koila.DiskCache(tmp_path / "sizes.json", maxsize=0)
+
+
+def test_cache_clear_forgets_the_sizes_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["old"] = 8
+    cache.cache_clear()
+    cache["new"] = 4
+    assert dict(koila.DiskCache(path).items()) == {"new": 4}
+
+
+def test_a_deleted_key_is_deleted_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["old"] = 8
+    cache["kept"] = 4
+    del cache["old"]
+    cache["new"] = 2
+    assert dict(koila.DiskCache(path).items()) == {"kept": 4, "new": 2}
+
+
+def test_repr_names_the_path(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json", maxsize=4)
+    cache["key"] = 2
+    path = str(tmp_path / "sizes.json")
+    assert repr(cache) == f"DiskCache(maxsize=4, currsize=1, hits=0, misses=0, path={path!r})"
+
+
+# -- the key ------------------------------------------------------------------------------------
+
+
+def evaluate(batch_size: int) -> int:
+    return batch_size
+
+
+class Model:
+    def evaluate(self, batch_size: int) -> int:
+        return batch_size
+
+
+class Encoder(nn.Module):
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+
+class Scorer:
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+
+def _where(function: Any) -> tuple[str, int]:
+    return function.__code__.co_filename, function.__code__.co_firstlineno
+
+
+def test_key_names_the_function_its_place_and_the_device(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    key = cache.key(evaluate, sys._getframe(0), CPU)
+    filename, line = _where(evaluate)
+    assert isinstance(key, str)
+    assert key.startswith(f"evaluate ({filename}:{line})")
+    assert describe_device(CPU) in key
+    assert "samples" not in key
+    # The calling frame plays no part: a key must mean the same in the next run.
+    assert cache.key(evaluate, None, CPU) == key
+
+
+def test_key_holds_the_sample_when_given(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    narrow = (((8,), "torch.float32"),)
+    wide = (((16,), "torch.float32"),)
+    key = cache.key(evaluate, None, CPU, narrow)
+    assert str(narrow) in key
+    assert key.startswith(cache.key(evaluate, None, CPU))
+    assert cache.key(evaluate, None, CPU, wide) != key
+    assert cache.key(evaluate, None, CPU, (((8,), "torch.float16"),)) != key
+
+
+def test_chunked_keys_the_sample_shape_and_dtype(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+
+    fits = oom_above(2)  # every pass reduces from 4 to 2, and stores 2 under its key
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        fits(len(rows))
+        return rows * 2
+
+    koila.chunked(double, torch.ones(10, 3, 2), initial=4, cache=cache)
+    koila.chunked(double, torch.ones(20, 3, 2), initial=4, cache=cache)  # other rows, same samples
+    koila.chunked(double, torch.ones(10, 5, 2), initial=4, cache=cache)
+    koila.chunked(double, torch.ones(10, 3, 2, dtype=torch.float64), initial=4, cache=cache)
+    keys = list(cache)
+    assert len(keys) == 3
+    assert all(key.startswith("test_chunked_keys_the_sample_shape_and_dtype.<locals>.double (") for key in keys)
+    assert "(3, 2)" in keys[0]
+    assert "(5, 2)" in keys[1]
+    assert "torch.float64" in keys[2]
+
+
+def test_another_device_description_is_another_key(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    outside = cache.key(evaluate, None, CPU)
+    with simulated_device("1MiB"):
+        inside = cache.key(evaluate, None, CPU)
+        assert describe_device(CPU) in inside
+    assert inside != outside
+    assert f"simulated {2**20}" in inside
+    assert cache.key(evaluate, None, torch.device("meta")) != outside
+
+
+def test_sizes_are_kept_per_device_description(tmp_path: Path) -> None:
+    tried: list[int] = []
+    limit = [64]
+
+    @koila.batch(initial=256, cache=koila.DiskCache(tmp_path / "sizes.json"))
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        oom_above(limit[0])(batch_size)
+        return batch_size
+
+    assert run() == 64
+    with simulated_device("1GiB"):  # "another device": starts afresh
+        limit[0] = 256
+        assert run() == 256
+    limit[0] = 64
+    assert run() == 64
+    assert tried == [256, 128, 64, 256, 64]
+
+
+def test_function_identity_sees_through_bound_methods_and_partials() -> None:
+    method = Model().evaluate
+    expected = (*_where(Model.evaluate), "Model.evaluate")
+    assert function_identity(method) == expected
+    assert function_identity(functools.partial(method)) == expected
+    assert function_identity(functools.partial(functools.partial(evaluate, 1))) == (*_where(evaluate), "evaluate")
+
+
+def test_function_identity_of_modules_lambdas_and_callable_objects() -> None:
+    assert function_identity(Encoder()) == (*_where(Encoder.forward), "Encoder.forward")
+    assert function_identity(Scorer()) == (*_where(Scorer.__call__), "Scorer.__call__")
+    square = lambda rows: rows**2  # noqa: E731
+    assert function_identity(square) == (
+        __file__,
+        square.__code__.co_firstlineno,
+        "test_function_identity_of_modules_lambdas_and_callable_objects.<locals>.<lambda>",
+    )
+    assert function_identity(("file.py", 3, "block")) == ("file.py", 3, "block")  # a description already
+
+
+def test_function_identity_tells_builtins_apart() -> None:
+    assert function_identity(torch.sin) != function_identity(torch.cos)
+
+
+def test_two_attempts_blocks_in_one_function_have_their_own_sizes(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    fits = oom_above(4)
+    for attempt in koila.attempts(initial=64, cache=cache):
+        with attempt:
+            fits(attempt.batch_size)
+    for other in koila.attempts(initial=64, cache=cache):
+        with other:
+            pass
+    assert (attempt.batch_size, other.batch_size) == (4, 64)
+
+
+def _lambda_holding_a_tensor() -> tuple[Any, weakref.ref[torch.Tensor]]:
+    big = torch.zeros(2**16)
+    fits = oom_above(2)  # so that chunked reduces, and stores a size under the lambda's key
+    return (lambda rows: fits(len(rows)) or rows + big.sum()), weakref.ref(big)
+
+
+def test_a_key_holds_no_reference_to_the_callable(tmp_path: Path) -> None:
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    shift, tensor_ref = _lambda_holding_a_tensor()
+    function_ref = weakref.ref(shift)
+    key = cache.key(shift, None, CPU)
+    identity = function_identity(shift)
+    out = koila.chunked(shift, torch.ones(8, 2), initial=4, cache=cache)
+    assert torch.equal(out, torch.ones(8, 2))
+    assert tensor_ref() is not None  # the lambda holds it ...
+    del shift  # no collection needed: nothing, not even a reference cycle, holds it
+    assert function_ref() is None  # ... and nothing holds the lambda
+    assert tensor_ref() is None
+    assert "<lambda>" in key
+    assert identity[2].endswith("<lambda>")
+    assert len(cache) == 1
