@@ -62,6 +62,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+from overhead import print_rst  # the script's own folder is on sys.path
 
 import koila_retry as koila
 from koila_retry.testing import make_oom
@@ -104,16 +105,6 @@ def print_text(header: list[str], table: list[list[str]]) -> None:
         print("  ".join(cells).rstrip())
         if number == 0:
             print("  ".join("-" * width for width in widths))
-
-
-def print_rst(header: list[str], table: list[list[str]], title: str) -> None:
-    print(f".. list-table:: {title}")
-    print("   :header-rows: 1")
-    print()
-    for line in [header, *table]:
-        print(f"   * - {line[0]}")
-        for cell in line[1:]:
-            print(f"     - {cell}" if cell else "     -")
 
 
 # Part 1: rows recomputed after an out-of-memory error mid-way ------------------------------------

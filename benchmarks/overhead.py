@@ -180,8 +180,9 @@ def print_text(header: list[str], table: list[list[str]]) -> None:
             print("  ".join("-" * width for width in widths))
 
 
-def print_rst(header: list[str], table: list[list[str]]) -> None:
-    print(".. list-table::")
+def print_rst(header: list[str], table: list[list[str]], title: str = "") -> None:
+    """Print a table as a reStructuredText list-table (benchmarks/chunked.py uses it too)."""
+    print(f".. list-table:: {title}".rstrip())
     print("   :header-rows: 1")
     print()
     for line in [header, *table]:
