@@ -474,10 +474,10 @@ class Attempt:
         # a DiskCache). Reaching ``initial`` again lifts the limit that was stored.
         size = self.batch_size
         if size < controller.initial:
-            controller.cache[self._key] = self._cached = size
-        else:
+            controller.cache[self._key] = size
+        elif self._cached < size:  # not a larger size, stored by a wrapper with a larger initial
             controller.cache.pop(self._key, None)
-            self._cached = size
+        self._cached = size
 
     def narrow(self, rows: int) -> None:
         """Use only ``rows`` (fewer than ``batch_size``) in the coming attempt.
