@@ -1,10 +1,13 @@
 """Make PyTorch code adapt to the memory it has.
 
 An out-of-memory error becomes a smaller batch instead of a crash: decorate a
-function with :func:`batch`, wrap a block in :func:`attempts`, or run over rows
-in chunks that resume where they failed with :func:`chunked` and :func:`range`.
+function with :func:`batch`, wrap a block in :func:`attempts`, run over rows
+in chunks that resume where they failed with :func:`chunked` and :func:`range`,
+or split a training step into micro-batches with the full batch's gradient with
+:func:`accumulate`.
 """
 
+from koila_retry._accumulate import accumulate
 from koila_retry._cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
 from koila_retry._chunked import chunked, range
 from koila_retry._detect import is_oom
@@ -29,6 +32,7 @@ __all__ = [
     "StackMemoryCache",
     "Stats",
     "__version__",
+    "accumulate",
     "attempts",
     "batch",
     "chunked",

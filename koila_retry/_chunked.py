@@ -301,7 +301,7 @@ def _run_chunked(
     out: Any,
     caller: Any,
 ) -> Any:
-    split = _Split(args, kwargs, dim)
+    split = _Split(args, kwargs, dim, "koila.chunked")
     results = _Results(dim, split.rows, out)
 
     def work(begin: int, end: int) -> None:
@@ -318,19 +318,27 @@ def _run_chunked(
 
 
 class _Split:
-    """The tensor arguments of one call, checked, and their slices."""
+    """The tensor arguments of one call, checked, and their slices.
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+    ``front_end`` names the caller in errors; ``names`` are the function's positional
+    parameters, when known, to name arguments by.
+    """
+
+    def __init__(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, front_end: str, names: tuple[str, ...] = ()
+    ) -> None:
         self.args, self.kwargs, self.dim = args, kwargs, dim
         labelled: list[tuple[str, int | str, Any]] = [
-            (f"argument {i}", i, value) for i, value in enumerate(args) if isinstance(value, _TensorBase)
+            (f"argument {names[i]!r}" if i < len(names) else f"argument {i}", i, value)
+            for i, value in enumerate(args)
+            if isinstance(value, _TensorBase)
         ]
         labelled += [
             (f"argument {name!r}", name, value) for name, value in kwargs.items() if isinstance(value, _TensorBase)
         ]
         if not labelled:
             raise ValueError(
-                "koila.chunked splits tensor arguments along dim, and none of the arguments is a tensor "
+                f"{front_end} splits tensor arguments along dim, and none of the arguments is a tensor "
                 f"(got {[type(value).__name__ for value in (*args, *kwargs.values())]})"
             )
         sizes = []

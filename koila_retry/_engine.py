@@ -169,7 +169,8 @@ class Controller:
 
     Args:
         name (str): how logs, events and errors name the function.
-        initial (int): the first size to try when the cache knows none.
+        initial (int or None): the first size to try when the cache knows none;
+            ``None`` lets each call bring its own: the rows it was given.
         minimum (int): the smallest size to try.
         cache (SizeCache): where sizes that worked are remembered.
         max_attempts (int, optional): the most attempts one call (or one step
@@ -193,7 +194,7 @@ class Controller:
         self,
         *,
         name: str,
-        initial: int,
+        initial: int | None,
         minimum: int = 1,
         cache: SizeCache,
         max_attempts: int | None = None,
@@ -201,9 +202,9 @@ class Controller:
         grow: bool = False,
         grow_after: int = DEFAULT_GROW_AFTER,
     ) -> None:
-        self.initial = _positive_int("initial", initial)
+        self.initial = None if initial is None else _positive_int("initial", initial)
         self.minimum = _positive_int("minimum", minimum)
-        if minimum > initial:
+        if initial is not None and minimum > initial:
             raise ValueError(f"minimum ({minimum}) must not exceed initial ({initial})")
         if max_attempts is not None:
             _positive_int("max_attempts", max_attempts)
@@ -222,11 +223,16 @@ class Controller:
         self.max_attempts = max_attempts
         self.cache = cache
         self.on_oom = on_oom
-        self.stats = Stats(batch_size=initial)
+        self.stats = Stats(batch_size=0 if initial is None else initial)
         self._count_call = self.stats._calls.increment
 
     def start(
-        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+        self,
+        function: object,
+        caller: FrameType | None,
+        device: torch.device,
+        sample: Hashable = None,
+        rows: int = 0,
     ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
 
@@ -236,6 +242,8 @@ class Controller:
             caller (FrameType or None): the frame that made the call.
             device (torch.device): the device the call runs on.
             sample (Hashable, optional): the shape of one input sample, for the key.
+            rows (int): the rows the call was given; its first size when the
+                controller has no ``initial``.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
@@ -244,17 +252,22 @@ class Controller:
         # Without a sample, the three-argument call that caches written before ``sample`` expect.
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
         cached = cache.lookup(key) if key is not None else None
+        initial = self.initial
+        if initial is None:
+            # Above a stored size, the call's rows are its ceiling; a stored size above the
+            # rows stays the ceiling, so that the front end runs the rows as a short step.
+            initial = max(rows, self.minimum) if cached is None else max(rows, cached, self.minimum)
         if cached is None:
             # Nothing stored: a success at ``initial`` has nothing to store either (see
             # Attempt._remember), so the attempt is told that it is already there.
-            size = cached = self.initial
+            size = cached = initial
         else:  # another wrapper sharing the cache may have stored a size out of our range
-            size = cached if self.minimum <= cached <= self.initial else min(max(cached, self.minimum), self.initial)
+            size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()
         if self.grow:
-            return Attempt(self, key, size, cached, device)._grow()
+            return Attempt(self, key, size, cached, device, initial)._grow()
         self.stats.batch_size = size
-        return Attempt(self, key, size, cached, device)
+        return Attempt(self, key, size, cached, device, initial)
 
     def next_size(self, failed: int, attempt: int) -> int | None:
         """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
@@ -262,9 +275,9 @@ class Controller:
             return None
         return next_batch_size(failed, self.minimum)
 
-    def grown(self, key: Hashable, size: int) -> int:
+    def grown(self, key: Hashable, size: int, initial: int) -> int:
         """Return the size to start a call or step at: ``size``, or the probe above it when due."""
-        if size >= self.initial:
+        if size >= initial:
             return size
         with self.cache._lock:
             growth = self.cache._growth.get(key)
@@ -272,14 +285,14 @@ class Controller:
                 return size
             growth.streak = 0
             wait = growth.wait
-        probe = min(1 << size.bit_length(), self.initial)
+        probe = min(1 << size.bit_length(), initial)
         logger.info("%s: succeeded %d times in a row at batch size %d; trying %d", self.name, wait, size, probe)
         return probe
 
-    def succeeded(self, key: Hashable, size: int, *, probe: bool) -> None:
+    def succeeded(self, key: Hashable, size: int, initial: int, *, probe: bool) -> None:
         """Count a success at ``size`` towards growing back; a probe that fits resets the wait."""
         with self.cache._lock:
-            if size >= self.initial:
+            if size >= initial:
                 self.cache._growth.pop(key, None)
                 return
             growth = self.cache._growth.get(key)
@@ -327,6 +340,7 @@ class Attempt:
         "_controller",
         "_device",
         "_failure",
+        "_initial",
         "_key",
         "_probe_from",
         "_rows",
@@ -337,9 +351,16 @@ class Attempt:
     )
 
     def __init__(
-        self, controller: Controller, key: Hashable | None, size: int, cached: int, device: torch.device
+        self,
+        controller: Controller,
+        key: Hashable | None,
+        size: int,
+        cached: int,
+        device: torch.device,
+        initial: int,
     ) -> None:
         self._controller = controller
+        self._initial = initial
         self._key = key
         self._cached = cached
         self._device = device
@@ -378,7 +399,7 @@ class Attempt:
                 if self._key is not None and self._cached != self.batch_size:
                     self._remember(controller)
                 if controller.grow:
-                    controller.succeeded(self._key, self.batch_size, probe=self._probe_from is not None)
+                    controller.succeeded(self._key, self.batch_size, self._initial, probe=self._probe_from is not None)
             elif self._probe_from is not None:
                 # A short last step proves nothing about its full size: neither store it
                 # nor take it as a probe that fitted.
@@ -473,7 +494,7 @@ class Attempt:
         # for more (a larger ``initial`` at the same call site, or in the next run with
         # a DiskCache). Reaching ``initial`` again lifts the limit that was stored.
         size = self.batch_size
-        if size < controller.initial:
+        if size < self._initial:
             controller.cache[self._key] = size
         elif self._cached < size:  # not a larger size, stored by a wrapper with a larger initial
             controller.cache.pop(self._key, None)
@@ -521,7 +542,7 @@ class Attempt:
         return self._grow() if controller.grow else self
 
     def _grow(self) -> Attempt:
-        size = self._controller.grown(self._key, self.batch_size)
+        size = self._controller.grown(self._key, self.batch_size, self._initial)
         self._probe_from = self.batch_size if size != self.batch_size else None
         self.batch_size = self._controller.stats.batch_size = size
         return self

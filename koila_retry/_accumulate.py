@@ -1,0 +1,494 @@
+"""The front end that splits a training step into micro-batches: ``accumulate``.
+
+A step is one call of the engine, and the whole step is the attempt: an
+out-of-memory error in any micro-batch throws away the gradients the step had
+written so far and runs the step again at the next smaller size. Gradients that
+were there before the step are set aside by reference while it runs and added
+back when it is over, so they are never written by a step that fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, ParamSpec, TypeVar, cast, overload
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
+from koila_retry._chunked import _Split, _with_controller
+from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
+from koila_retry._frontends import Batched
+from koila_retry._memory import DeviceLike, resolve_device
+
+__all__ = ["accumulate"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_TensorBase = torch._C.TensorBase
+_REDUCTIONS = ("mean", "sum")
+# The autograd node that writes a leaf's ``.grad``; it has no public name to import.
+_AccumulateGrad = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
+
+_LOSS, _JOIN, _WEIGH = "loss", "join", "weigh"  # what becomes of each leaf of a result
+_LEAF_SPEC = tree_flatten(0)[1]
+
+
+@overload
+def accumulate(fn: Callable[P, R], /) -> Batched[P, R]: ...
+
+
+@overload
+def accumulate(
+    *,
+    initial: int | None = ...,
+    minimum: int = ...,
+    dim: int = ...,
+    reduction: str = ...,
+    scaler: Any = ...,
+    cache: SizeCache | None = ...,
+    max_attempts: int | None = ...,
+    on_oom: OnOOM | None = ...,
+    device: DeviceLike = ...,
+    grow: bool = ...,
+    grow_after: int = ...,
+) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
+
+
+def accumulate(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    initial: int | None = None,
+    minimum: int = 1,
+    dim: int = 0,
+    reduction: str = "mean",
+    scaler: Any = None,
+    cache: SizeCache | None = None,
+    max_attempts: int | None = None,
+    on_oom: OnOOM | None = None,
+    device: DeviceLike = None,
+    grow: bool = False,
+    grow_after: int = DEFAULT_GROW_AFTER,
+) -> Any:
+    """Run a training step over a batch, split into micro-batches when it does not fit.
+
+    The decorated function takes a batch (tensor arguments, all with the same
+    size along ``dim``, and any other arguments) and returns the loss of what it
+    was given: a scalar tensor, or a tuple or list whose first item is the loss,
+    or a dict whose ``"loss"`` entry is. Calling it runs the step and calls
+    ``backward()``: if the whole batch fits, with one forward and one backward.
+    If not, the tensor arguments are split into micro-batches of a power of two
+    rows (the last takes the remainder), and each micro-batch's loss is weighted
+    by its share of the rows (``reduction="mean"``) or not at all (``"sum"``)
+    before its backward, so that the gradients add up to the full batch's. An
+    out-of-memory error in any micro-batch discards what the step wrote and runs
+    it again at the next smaller size. Gradients that were there before the call
+    are set aside while it runs (by reference, not copied) and added back at the
+    end, so the optimizer sees them plus the full-batch gradient, and a call
+    that fails leaves them as they were.
+
+    The call returns the full-batch loss, detached: the weighted sum of the
+    micro-batches' losses. Other items of a tuple, list or dict result are
+    combined too, and detached: tensors with a ``dim`` are concatenated along
+    it; numbers and 0-dimensional tensors are weighted like the loss.
+
+    Under ``torch.no_grad()``, or when nothing in the loss needs a gradient, no
+    backward runs: the call only computes the loss, in micro-batches if needed.
+
+    BatchNorm layers in training mode see each micro-batch's statistics instead
+    of the batch's, so a split step differs from the full step when they take
+    part: a :class:`UserWarning` says so, once. See :doc:`accumulate`.
+
+    Use it bare (``@koila.accumulate``) or called
+    (``@koila.accumulate(initial=64)``).
+
+    Args:
+        fn (callable): the step, when used bare.
+        initial (int, optional): the first micro-batch size to try. Default:
+            ``None``, the whole batch.
+        minimum (int): the smallest micro-batch size to try. Default: 1.
+        dim (int): the dimension of the tensor arguments that holds the rows.
+            Default: 0.
+        reduction (str): ``"mean"`` if the loss is a mean over the rows,
+            ``"sum"`` if it is a sum. Default: ``"mean"``.
+        scaler (torch.amp.GradScaler, optional): for mixed precision: each
+            backward runs on ``scaler.scale(loss)``. You still call
+            ``scaler.step(optimizer)`` and ``scaler.update()``.
+        cache (SizeCache, optional): where sizes that worked are kept; keys
+            include the shape and dtype of one sample. Default: a new
+            :class:`StackMemoryCache` for this function.
+        max_attempts (int, optional): the most attempts one call may make.
+        on_oom (callable, optional): called with an :class:`OOMEvent` after each
+            out-of-memory failure.
+        device (torch.device, str or int, optional): the device whose memory
+            the step uses. Default: the device of the first tensor argument.
+        grow (bool): after a reduction, try the next power of two up once
+            ``grow_after`` calls in a row succeeded; see :ref:`growing-back`.
+            Default: ``False``.
+        grow_after (int): successful calls in a row before growing. Default: 50.
+
+    Returns:
+        Batched: the wrapped step, with ``stats`` (``stats.batch_size`` is the
+        micro-batch size), ``cache_info()`` and ``cache_clear()``.
+
+    Raises:
+        TypeError: if the step is not callable or is a coroutine function, or
+            an option has the wrong type. When called: if the step returns no
+            loss, or other results that cannot be combined.
+        ValueError: if an option is out of range. When called: if the batch
+            has no rows, tensor arguments differ in size along ``dim``, or the
+            loss is not a scalar.
+        RuntimeError: when called, if the loss needs no gradient while grad
+            mode is on and a module the step uses has parameters that do.
+        BatchSizeExhausted: when called, if the step runs out of memory even at
+            ``minimum`` rows per micro-batch.
+
+    Errors raised when called leave every ``.grad`` as it was before the call.
+
+    Example::
+
+        >>> import torch, koila_retry as koila
+        >>> model = torch.nn.Linear(3, 1)
+        >>> @koila.accumulate(initial=2)  # micro-batches of 2, 2 and 1 rows
+        ... def step(x, y):
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 1)
+        >>> loss = step(x, y)
+        >>> split = model.weight.grad.clone()
+        >>> model.zero_grad()
+        >>> torch.nn.functional.mse_loss(model(x), y).backward()
+        >>> torch.allclose(split, model.weight.grad, atol=1e-6)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
+    fixed_device = None if device is None else resolve_device(device)
+
+    def decorate(function: Callable[P, R]) -> Batched[P, R]:
+        if not callable(function):
+            raise TypeError(f"@koila.accumulate decorates a callable, got {type(function).__name__} {function!r}")
+        if inspect.iscoroutinefunction(function):
+            raise TypeError("@koila.accumulate runs backward() itself and cannot wrap an async function")
+        name = getattr(function, "__qualname__", None) or type(function).__qualname__
+        controller = Controller(
+            name=name,
+            initial=initial,
+            minimum=minimum,
+            cache=StackMemoryCache() if cache is None else cache,
+            max_attempts=max_attempts,
+            on_oom=on_oom,
+            grow=grow,
+            grow_after=grow_after,
+        )
+        step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device)
+        getframe = sys._getframe
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return step(args, kwargs, getframe(1))
+
+        return cast(Batched[P, R], _with_controller(wrapper, controller))
+
+    return decorate if fn is None else decorate(fn)
+
+
+class _Accumulator:
+    """One decorated step: runs calls of it, whole or in micro-batches."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        controller: Controller,
+        dim: int,
+        mean: bool,
+        scaler: Any,
+        device: torch.device | None,
+    ) -> None:
+        self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
+        self.scaler, self.device = scaler, device
+        self.identity = function_identity(fn)
+        self.names = _positional_names(fn)
+        self.warned_batchnorm = False
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
+        split = _Split(args, kwargs, self.dim, "koila.accumulate", self.names)
+        rows = split.rows
+        if rows == 0:
+            raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
+        attempt = self.controller.start(self.identity, caller, self.device or split.device, split.sample, rows)
+        gradients = _Gradients()
+        try:
+            while True:
+                size = attempt.batch_size
+                if size > rows:  # the whole batch, in one piece: fewer rows than the size proves
+                    attempt.narrow(rows)
+                with attempt:
+                    results = self._run(split, min(size, rows), gradients)
+                    break
+                gradients.discard()
+                attempt.retry()
+            result = results.finish()
+        except BaseException:
+            gradients.discard()
+            gradients.restore()
+            raise
+        gradients.restore()
+        if results.batchnorm is not None and not self.warned_batchnorm:
+            self.warned_batchnorm = True
+            warnings.warn(
+                f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
+                f"{results.size} rows while a {results.batchnorm} in training mode took part: it normalises "
+                "each micro-batch with that micro-batch's statistics and updates its running statistics "
+                "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
+                "LayerNorm, or keep the whole batch with initial=<batch size>. This warning is shown once.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return result
+
+    def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
+        """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
+        rows, scale = split.rows, self.scaler.scale if self.scaler is not None else None
+        results = _Results(self, rows, size)
+        if size >= rows:  # the happy path: the batch as given, one forward, one backward
+            result = self.fn(*split.args, **split.kwargs)
+            loss = results.add(result, rows, 1.0)
+            if self._needs_backward(loss, split):
+                gradients.collect(loss)
+                (loss if scale is None else scale(loss)).backward()
+            return results
+        watch = None if self.warned_batchnorm else register_module_forward_pre_hook(results.watch)
+        try:
+            backward: bool | None = None
+            for begin in range(0, rows, size):
+                end = min(begin + size, rows)
+                chunk_args, chunk_kwargs = split.chunk(begin, end)
+                result = self.fn(*chunk_args, **chunk_kwargs)
+                weight = (end - begin) / rows if self.mean else 1.0
+                loss = results.add(result, end - begin, weight)
+                if backward is None:
+                    backward = self._needs_backward(loss, split)
+                if backward:
+                    gradients.collect(loss)
+                    weighted = loss * weight if weight != 1.0 else loss
+                    (weighted if scale is None else scale(weighted)).backward()
+                    del weighted
+                del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
+        finally:
+            if watch is not None:
+                watch.remove()
+        return results
+
+    def _needs_backward(self, loss: torch.Tensor, split: _Split) -> bool:
+        if loss.requires_grad:
+            return True
+        if torch.is_grad_enabled():
+            owner = _module_with_trainable_parameters(self.fn, split.args, split.kwargs)
+            if owner is not None:
+                raise RuntimeError(
+                    f"{self.controller.name} returned a loss that does not require grad, while grad mode is "
+                    f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
+                    "computed under torch.no_grad()? Return the loss tensor itself"
+                )
+        return False
+
+
+class _Gradients:
+    """The leaves one step writes gradients to, and the gradients they had before it."""
+
+    __slots__ = ("aside", "leaves")
+
+    def __init__(self) -> None:
+        self.leaves: dict[int, torch.Tensor] = {}
+        self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def collect(self, loss: torch.Tensor) -> None:
+        """Find the leaves ``loss.backward()`` will write, and set aside the gradients they hold."""
+        leaves, aside = self.leaves, self.aside
+        if loss.grad_fn is None:  # the loss is itself a leaf
+            found = [loss]
+        else:
+            # The graph's nodes are not kept past the walk: after a backward that failed
+            # half-way, those not yet run still hold their saved tensors.
+            found, seen, stack = [], set(), [loss.grad_fn]
+            while stack:
+                for node, _ in stack.pop().next_functions:
+                    if node is None or node in seen:
+                        continue
+                    seen.add(node)
+                    if type(node) is _AccumulateGrad:
+                        found.append(node.variable)  # type: ignore[attr-defined]
+                    else:
+                        stack.append(node)
+            del seen, stack
+        for leaf in found:
+            if id(leaf) not in leaves:
+                leaves[id(leaf)] = leaf
+                if leaf.grad is not None:
+                    aside.append((leaf, leaf.grad))
+                    leaf.grad = None
+
+    def discard(self) -> None:
+        """Forget every gradient the step wrote."""
+        for leaf in self.leaves.values():
+            leaf.grad = None
+
+    def restore(self) -> None:
+        """Give back the gradients set aside, with what the step wrote added to them in place."""
+        for leaf, before in self.aside:
+            written = leaf.grad
+            if written is not None:
+                with torch.no_grad():
+                    if written.layout == before.layout:
+                        before.add_(written)
+                    else:  # a dense step gradient onto a sparse one: no in-place sum exists
+                        before = before + written
+            leaf.grad = before
+        self.aside.clear()
+
+
+class _Results:
+    """The results of a step's micro-batches: checked as they come, combined at the end."""
+
+    def __init__(self, step: _Accumulator, rows: int, size: int) -> None:
+        self.step, self.rows, self.size = step, rows, size
+        self.spec: TreeSpec | None = None
+        self.kinds: list[str] = []
+        self.columns: list[list[Any]] = []
+        self.batchnorm: str | None = None  # the kind of BatchNorm in training mode a split step ran
+
+    def watch(self, module: torch.nn.Module, args: object) -> None:
+        if self.batchnorm is None and module.training and isinstance(module, _BatchNorm):
+            self.batchnorm = type(module).__name__
+
+    def add(self, result: Any, rows: int, weight: float) -> torch.Tensor:
+        """Check one micro-batch's result, keep its parts, and return its loss."""
+        loss = _loss_of(result, self.step.controller.name)
+        if loss is result:  # the usual case, kept without flattening
+            leaves, spec, kinds = [result], _LEAF_SPEC, [_LOSS]
+        else:
+            leaves, spec = tree_flatten(result)
+            kinds = [self._kind(leaf, loss, result) for leaf in leaves]
+        if self.spec is None:
+            self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
+        elif spec != self.spec or kinds != self.kinds:
+            raise ValueError(
+                f"{self.step.controller.name} returned results of different structures for different "
+                f"micro-batches: {self.spec} and then {spec}"
+            )
+        for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
+            if kind == _JOIN:
+                column.append(leaf.detach())
+            else:
+                column.append((leaf.detach() if isinstance(leaf, _TensorBase) else leaf, weight))
+        return loss
+
+    def _kind(self, leaf: Any, loss: torch.Tensor, result: Any) -> str:
+        if leaf is loss:
+            return _LOSS
+        if isinstance(leaf, _TensorBase):
+            if leaf.dim() == 0:
+                return _WEIGH
+            if -leaf.dim() <= self.step.dim < leaf.dim():
+                return _JOIN
+        elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+            return _WEIGH
+        where = next(f"the result{keystr(path)}" for path, value in tree_flatten_with_path(result)[0] if value is leaf)
+        raise TypeError(
+            f"{self.step.controller.name} returned {_describe(leaf)} at {where}; besides the loss, "
+            f"koila.accumulate combines tensors with a dim {self.step.dim} (concatenated along it) and numbers "
+            "or 0-dimensional tensors (weighted like the loss)"
+        )
+
+    def finish(self) -> Any:
+        combined = []
+        for kind, column in zip(self.kinds, self.columns, strict=True):
+            if kind == _JOIN:
+                combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
+            else:  # the loss and other numbers: sum(value * weight), no weight of 1.0 applied
+                total = None
+                for value, weight in column:
+                    part = value if weight == 1.0 else value * weight
+                    total = part if total is None else total + part
+                combined.append(total)
+        self.columns.clear()
+        return tree_unflatten(combined, cast(TreeSpec, self.spec))
+
+
+def _loss_of(result: Any, name: str) -> torch.Tensor:
+    """Return the loss in a step's result, or raise the error that says what is missing."""
+    if isinstance(result, (tuple, list)):
+        loss = result[0] if result else None
+    elif isinstance(result, dict):
+        loss = result.get("loss")
+    else:
+        loss = result
+    if not isinstance(loss, _TensorBase):
+        raise TypeError(
+            f"{name} returned {_describe(result)}; @koila.accumulate needs the loss: a scalar tensor, a tuple "
+            "or list whose first item is one, or a dict with a 'loss' entry"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{name} returned a loss of shape {tuple(loss.shape)}; it must be a scalar: reduce it with "
+            ".mean() or .sum() (and say which with reduction=)"
+        )
+    return cast(torch.Tensor, loss)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, _TensorBase):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)}"
+    return "None" if value is None else f"{type(value).__name__} {value!r}"[:200]
+
+
+def _positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(parameter.name for parameter in parameters if parameter.kind in positional)
+
+
+def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Name a module the step can reach that has parameters requiring grad, if there is one.
+
+    Looked at: the step itself and what it is bound to, its arguments, the variables
+    it closes over and the globals it names. Only asked when the loss needs no grad.
+    """
+    candidates: list[tuple[str, Any]] = [("the step", fn), ("self", getattr(fn, "__self__", None))]
+    candidates += [(f"argument {i}", value) for i, value in enumerate(args)]
+    candidates += [(f"argument {name!r}", value) for name, value in kwargs.items()]
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                candidates.append((repr(name), cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+        globals_ = getattr(fn, "__globals__", {})
+        candidates += [(repr(name), globals_[name]) for name in code.co_names if name in globals_]
+    for label, value in candidates:
+        if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
+            return f"the module {label} ({type(value).__name__})"
+    return None
