@@ -15,13 +15,14 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, ParamSpec, TypeVar, cast, overload
+from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._chunked import _Split, _with_controller
@@ -38,6 +39,9 @@ _TensorBase = torch._C.TensorBase
 _REDUCTIONS = ("mean", "sum")
 # The autograd node that writes a leaf's ``.grad``; it has no public name to import.
 _AccumulateGrad = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
+# Reentrant checkpointing runs a backward of its own inside this node, writing gradients
+# of leaves that the graph around it does not lead to.
+_ReentrantCheckpoint = CheckpointFunction._backward_cls
 
 _LOSS, _JOIN, _WEIGH = "loss", "join", "weigh"  # what becomes of each leaf of a result
 _LEAF_SPEC = tree_flatten(0)[1]
@@ -225,6 +229,7 @@ class _Accumulator:
         self.identity = function_identity(fn)
         self.names = _positional_names(fn)
         self.warned_batchnorm = False
+        self.warned_checkpoint = False
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
         split = _Split(args, kwargs, self.dim, "koila.accumulate", self.names)
@@ -249,6 +254,16 @@ class _Accumulator:
             gradients.restore()
             raise
         gradients.restore()
+        if gradients.hidden and not self.warned_checkpoint:
+            self.warned_checkpoint = True
+            warnings.warn(
+                f"{self.controller.name} checkpoints a function that is not a module with "
+                "torch.utils.checkpoint(use_reentrant=True): the gradients its own backward writes cannot be "
+                "found, so an out-of-memory error part-way through a step could leave some of them written "
+                "twice. Use use_reentrant=False, or checkpoint a module. This warning is shown once.",
+                UserWarning,
+                stacklevel=3,
+            )
         if results.batchnorm is not None and not self.warned_batchnorm:
             self.warned_batchnorm = True
             warnings.warn(
@@ -256,7 +271,8 @@ class _Accumulator:
                 f"{results.size} rows while a {results.batchnorm} in training mode took part: it normalises "
                 "each micro-batch with that micro-batch's statistics and updates its running statistics "
                 "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
-                "LayerNorm, or keep the whole batch with initial=<batch size>. This warning is shown once.",
+                "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
+                "instead. This warning is shown once.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -266,38 +282,49 @@ class _Accumulator:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
         rows, scale = split.rows, self.scaler.scale if self.scaler is not None else None
         results = _Results(self, rows, size)
+        # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
+        # through by every micro-batch, and again by a retry: that graph must outlive each
+        # backward. It is freed with the arguments, as usual.
+        args, kwargs = split.args, split.kwargs
+        retain = any(args[i].grad_fn is not None for i in split.positions) or any(
+            kwargs[name].grad_fn is not None for name in split.names
+        )
         if size >= rows:  # the happy path: the batch as given, one forward, one backward
-            result = self.fn(*split.args, **split.kwargs)
-            loss = results.add(result, rows, 1.0)
-            if self._needs_backward(loss, split):
+            result = self.fn(*args, **kwargs)
+            loss = results.add(result, 1.0)
+            if loss.requires_grad:
                 gradients.collect(loss)
-                (loss if scale is None else scale(loss)).backward()
+                (loss if scale is None else scale(loss)).backward(retain_graph=retain)
+            else:
+                self._check_no_grad_wanted(split)
             return results
+        # A global hook slows every module call down, so it watches the first micro-batch only.
         watch = None if self.warned_batchnorm else register_module_forward_pre_hook(results.watch)
+        backward = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
         try:
-            backward: bool | None = None
-            for begin in range(0, rows, size):
-                end = min(begin + size, rows)
-                chunk_args, chunk_kwargs = split.chunk(begin, end)
+            for chunk_args, chunk_kwargs, chunk_rows in split.pieces(size):
                 result = self.fn(*chunk_args, **chunk_kwargs)
-                weight = (end - begin) / rows if self.mean else 1.0
-                loss = results.add(result, end - begin, weight)
-                if backward is None:
-                    backward = self._needs_backward(loss, split)
-                if backward:
+                if watch is not None:
+                    watch.remove()
+                    watch = None
+                weight = chunk_rows / rows if self.mean else 1.0
+                loss = results.add(result, weight)
+                if loss.requires_grad:  # one that needs none (no rows counted, say) adds nothing
+                    backward = True
                     gradients.collect(loss)
                     weighted = loss * weight if weight != 1.0 else loss
-                    (weighted if scale is None else scale(weighted)).backward()
+                    (weighted if scale is None else scale(weighted)).backward(retain_graph=retain)
                     del weighted
                 del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
         finally:
             if watch is not None:
                 watch.remove()
+        if not backward:
+            self._check_no_grad_wanted(split)
         return results
 
-    def _needs_backward(self, loss: torch.Tensor, split: _Split) -> bool:
-        if loss.requires_grad:
-            return True
+    def _check_no_grad_wanted(self, split: _Split) -> None:
+        """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
         if torch.is_grad_enabled():
             owner = _module_with_trainable_parameters(self.fn, split.args, split.kwargs)
             if owner is not None:
@@ -306,17 +333,17 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
-        return False
 
 
 class _Gradients:
     """The leaves one step writes gradients to, and the gradients they had before it."""
 
-    __slots__ = ("aside", "leaves")
+    __slots__ = ("aside", "hidden", "leaves")
 
     def __init__(self) -> None:
         self.leaves: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hidden = False  # whether a backward may write leaves the walk cannot find
 
     def collect(self, loss: torch.Tensor) -> None:
         """Find the leaves ``loss.backward()`` will write, and set aside the gradients they hold."""
@@ -334,8 +361,10 @@ class _Gradients:
                     seen.add(node)
                     if type(node) is _AccumulateGrad:
                         found.append(node.variable)  # type: ignore[attr-defined]
-                    else:
-                        stack.append(node)
+                        continue
+                    if type(node) is _ReentrantCheckpoint:
+                        found += self._checkpointed(node)
+                    stack.append(node)
             del seen, stack
         for leaf in found:
             if id(leaf) not in leaves:
@@ -343,6 +372,15 @@ class _Gradients:
                 if leaf.grad is not None:
                     aside.append((leaf, leaf.grad))
                     leaf.grad = None
+
+    def _checkpointed(self, node: Any) -> list[torch.Tensor]:
+        """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
+        function = getattr(node, "run_function", None)
+        owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return [parameter for parameter in owner.parameters() if parameter.requires_grad]
+        self.hidden = True
+        return []
 
     def discard(self) -> None:
         """Forget every gradient the step wrote."""
@@ -355,9 +393,9 @@ class _Gradients:
             written = leaf.grad
             if written is not None:
                 with torch.no_grad():
-                    if written.layout == before.layout:
+                    if before.layout == torch.strided or written.layout == before.layout:
                         before.add_(written)
-                    else:  # a dense step gradient onto a sparse one: no in-place sum exists
+                    else:  # a dense step gradient onto a sparse one: as autograd does, a new sum
                         before = before + written
             leaf.grad = before
         self.aside.clear()
@@ -365,6 +403,8 @@ class _Gradients:
 
 class _Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
+
+    __slots__ = ("batchnorm", "columns", "kinds", "rows", "size", "spec", "step")
 
     def __init__(self, step: _Accumulator, rows: int, size: int) -> None:
         self.step, self.rows, self.size = step, rows, size
@@ -377,27 +417,34 @@ class _Results:
         if self.batchnorm is None and module.training and isinstance(module, _BatchNorm):
             self.batchnorm = type(module).__name__
 
-    def add(self, result: Any, rows: int, weight: float) -> torch.Tensor:
+    def add(self, result: Any, weight: float) -> torch.Tensor:
         """Check one micro-batch's result, keep its parts, and return its loss."""
         loss = _loss_of(result, self.step.controller.name)
         if loss is result:  # the usual case, kept without flattening
-            leaves, spec, kinds = [result], _LEAF_SPEC, [_LOSS]
-        else:
-            leaves, spec = tree_flatten(result)
-            kinds = [self._kind(leaf, loss, result) for leaf in leaves]
+            if self.spec is None:
+                self.spec, self.kinds, self.columns = _LEAF_SPEC, [_LOSS], [[]]
+            elif self.spec is not _LEAF_SPEC:
+                self._changed(_LEAF_SPEC)
+            self.columns[0].append((loss.detach(), weight))
+            return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
+        leaves, spec = tree_flatten(result)
+        kinds = [self._kind(leaf, loss, result) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
         elif spec != self.spec or kinds != self.kinds:
-            raise ValueError(
-                f"{self.step.controller.name} returned results of different structures for different "
-                f"micro-batches: {self.spec} and then {spec}"
-            )
+            self._changed(spec)
         for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
             if kind == _JOIN:
                 column.append(leaf.detach())
             else:
                 column.append((leaf.detach() if isinstance(leaf, _TensorBase) else leaf, weight))
         return loss
+
+    def _changed(self, spec: TreeSpec) -> NoReturn:
+        raise ValueError(
+            f"{self.step.controller.name} returned results of different structures for different "
+            f"micro-batches: {self.spec} and then {spec}"
+        )
 
     def _kind(self, leaf: Any, loss: torch.Tensor, result: Any) -> str:
         if leaf is loss:
@@ -417,16 +464,26 @@ class _Results:
         )
 
     def finish(self) -> Any:
+        if self.spec is _LEAF_SPEC and len(self.columns[0]) == 1:  # one loss, as it came
+            return self.columns[0][0][0]
         combined = []
         for kind, column in zip(self.kinds, self.columns, strict=True):
             if kind == _JOIN:
                 combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
-            else:  # the loss and other numbers: sum(value * weight), no weight of 1.0 applied
-                total = None
-                for value, weight in column:
-                    part = value if weight == 1.0 else value * weight
-                    total = part if total is None else total + part
-                combined.append(total)
+            elif isinstance(column[0][0], _TensorBase):  # sum(value * weight) in a few operations
+                values = torch.stack([value for value, _ in column])
+                if all(weight == 1.0 for _, weight in column):
+                    combined.append(values.sum(0))
+                    continue
+                # A count's weighted sum is a fraction; a half-precision loss is summed in float32,
+                # so that its weights are not rounded to bf16.
+                dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+                exact = torch.promote_types(dtype, torch.float32)
+                weights = torch.tensor([weight for _, weight in column], dtype=torch.float64)
+                total = torch.tensordot(weights.to(values.device, exact), values.to(exact), dims=1)
+                combined.append(total.to(dtype))
+            else:
+                combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
         self.columns.clear()
         return tree_unflatten(combined, cast(TreeSpec, self.spec))
 

@@ -8,10 +8,11 @@ nor dropped.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
@@ -324,45 +325,70 @@ class _Split:
     parameters, when known, to name arguments by.
     """
 
+    __slots__ = ("args", "device", "dim", "kwargs", "names", "positions", "rows", "sample")
+
     def __init__(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, front_end: str, names: tuple[str, ...] = ()
     ) -> None:
         self.args, self.kwargs, self.dim = args, kwargs, dim
-        labelled: list[tuple[str, int | str, Any]] = [
-            (f"argument {names[i]!r}" if i < len(names) else f"argument {i}", i, value)
-            for i, value in enumerate(args)
-            if isinstance(value, _TensorBase)
-        ]
-        labelled += [
-            (f"argument {name!r}", name, value) for name, value in kwargs.items() if isinstance(value, _TensorBase)
-        ]
-        if not labelled:
+        # Every call pays for this: labels for errors are made only when one is raised.
+        self.positions = [i for i, value in enumerate(args) if isinstance(value, _TensorBase)]
+        self.names = [name for name, value in kwargs.items() if isinstance(value, _TensorBase)] if kwargs else []
+        tensors = [args[i] for i in self.positions] + [kwargs[name] for name in self.names]
+        if not tensors:
             raise ValueError(
                 f"{front_end} splits tensor arguments along dim, and none of the arguments is a tensor "
                 f"(got {[type(value).__name__ for value in (*args, *kwargs.values())]})"
             )
-        sizes = []
-        for label, _, tensor in labelled:
+        sample = []
+        rows = -1
+        for tensor in tensors:
+            shape = tensor.shape
+            axis = dim + len(shape) if dim < 0 else dim
+            if not 0 <= axis < len(shape) or (rows != shape[axis] and rows != -1):
+                self._refuse(tensors, names)
+            rows = shape[axis]
+            sample.append((tuple(shape[:axis] + shape[axis + 1 :]), str(tensor.dtype)))
+        self.rows = rows
+        self.device = tensors[0].device
+        self.sample = tuple(sample)
+
+    def _refuse(self, tensors: list[Any], names: tuple[str, ...]) -> NoReturn:
+        """Raise the error that names the argument whose shape does not fit."""
+        labels = [f"argument {names[i]!r}" if i < len(names) else f"argument {i}" for i in self.positions]
+        labels += [f"argument {name!r}" for name in self.names]
+        dim, first = self.dim, None
+        for label, tensor in zip(labels, tensors, strict=True):
             if not -tensor.dim() <= dim < tensor.dim():
                 allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
                 raise ValueError(
                     f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
                 )
-            sizes.append((label, tensor.size(dim)))
-        first_label, self.rows = sizes[0]
-        for label, size in sizes[1:]:
-            if size != self.rows:
+            if first is None:
+                first = label, tensor.size(dim)
+            elif tensor.size(dim) != first[1]:
                 raise ValueError(
-                    f"every tensor argument must have the same size along dim {dim}: {first_label} has "
-                    f"{self.rows}, {label} has {size}"
+                    f"every tensor argument must have the same size along dim {dim}: {first[0]} has "
+                    f"{first[1]}, {label} has {tensor.size(dim)}"
                 )
-        self.positions = [where for _, where, _ in labelled if isinstance(where, int)]
-        self.names = [where for _, where, _ in labelled if isinstance(where, str)]
-        self.device = labelled[0][2].device
-        self.sample = tuple(
-            (tuple(size for axis, size in enumerate(tensor.shape) if axis != dim % tensor.dim()), str(tensor.dtype))
-            for _, _, tensor in labelled
-        )
+        raise AssertionError("unreachable: the shapes were refused for a reason")
+
+    def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
+        """Yield the arguments of each chunk of ``size`` rows (the last takes the rest), and its rows."""
+        args, kwargs, dim = self.args, self.kwargs, self.dim
+        # One split() per tensor makes every chunk's view at once, where narrow() makes one.
+        columns = [args[position].split(size, dim) for position in self.positions]
+        named = [kwargs[name].split(size, dim) for name in self.names]
+        for index, begin in enumerate(builtins.range(0, self.rows, size)):
+            chunk_args = list(args)
+            for position, column in zip(self.positions, columns, strict=True):
+                chunk_args[position] = column[index]
+            chunk_kwargs = kwargs
+            if named:
+                chunk_kwargs = dict(kwargs)
+                for name, column in zip(self.names, named, strict=True):
+                    chunk_kwargs[name] = column[index]
+            yield chunk_args, chunk_kwargs, min(size, self.rows - begin)
 
     def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs, dim = list(self.args), self.kwargs, self.dim

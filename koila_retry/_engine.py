@@ -285,7 +285,11 @@ class Controller:
                 return size
             growth.streak = 0
             wait = growth.wait
-        probe = min(1 << size.bit_length(), initial)
+        probe = 1 << size.bit_length()
+        if self.initial is not None:
+            probe = min(probe, initial)
+        # Without an initial of its own, the call's rows are no cap: a probe above them runs
+        # them as a short step, which proves nothing about the probe (and lifts nothing).
         logger.info("%s: succeeded %d times in a row at batch size %d; trying %d", self.name, wait, size, probe)
         return probe
 

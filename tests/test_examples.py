@@ -54,3 +54,30 @@ def test_embed_large_tensor_resumes_mid_way_and_matches() -> None:
     assert "Written: 20000 rows" in written
     assert "the result is the buffer: True" in written
     assert "Both match an unconstrained run" in written
+
+
+@pytest.mark.slow
+def test_train_with_accumulation_settles_and_matches() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_with_accumulation.py"), "--epochs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stderr
+    output = completed.stdout
+    # The whole batch of 256 does not fit: the first step runs out of memory and runs again smaller.
+    assert re.search(r"step 1: out of memory at 256 rows at a time", output), output
+    settled = re.search(r"Settled on micro-batches of (\d+) rows: (\d+) out-of-memory error", output)
+    assert settled is not None, output
+    assert int(settled.group(1)) < 256
+    assert int(settled.group(2)) >= 1
+    # The split steps still train: the loss goes down from the first epoch to the last.
+    losses = re.search(r"Mean loss per epoch: ([\d.]+) in the first, ([\d.]+) in the last", output)
+    assert losses is not None, output
+    assert float(losses.group(2)) < float(losses.group(1))
+    # And they take the full batch's steps: the weights are those of plain full-batch training.
+    assert "Losses match the whole batches' at every step: True" in output
+    assert "Parameters match an unconstrained run: True" in output

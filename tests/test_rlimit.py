@@ -81,3 +81,56 @@ def test_batch_recovers_from_the_real_cpu_allocator() -> None:
     assert result["alive"] == [0] * len(tried)
     assert len(tried) > 2  # some attempt failed after allocating `first`: its freeing is tested
     assert 0 < result["free"] <= 384 * 2**20
+
+
+ACCUMULATE_SCRIPT = textwrap.dedent(
+    """
+    import json, resource
+    import psutil, torch
+    import koila_retry as koila
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 1))
+    x, y = torch.randn(3000, 64), torch.randn(3000, 1)
+
+    torch.nn.functional.mse_loss(model(x), y).backward()  # the full batch, without a limit
+    expected = [p.grad.clone() + 1 for p in model.parameters()]
+    before = [torch.ones_like(p) for p in model.parameters()]  # gradients already there
+    for p, grad in zip(model.parameters(), before):
+        p.grad = grad
+
+    # The whole batch's activations (about 3 x 94 MiB) do not fit in 160 MiB more.
+    limit = psutil.Process().memory_info().vms + 160 * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    @koila.accumulate
+    def step(x, y):
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    loss = step(x, y)
+    errors = [float(((p.grad - e).abs().max() / e.abs().max())) for p, e in zip(model.parameters(), expected)]
+    print(json.dumps({
+        "size": step.stats.batch_size, "ooms": step.stats.ooms, "error": max(errors),
+        "same_tensors": all(p.grad is g for p, g in zip(model.parameters(), before)),
+    }))
+    """
+)
+
+
+@pytest.mark.slow
+def test_accumulate_splits_after_the_real_cpu_allocator_fails() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", ACCUMULATE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["ooms"] >= 1
+    assert result["size"] < 3000
+    # The split step's gradient, added to the gradients that were there, is the full batch's.
+    assert result["error"] < 1e-4
+    assert result["same_tensors"] is True

@@ -1,0 +1,1388 @@
+"""koila.accumulate: a training step split into micro-batches gives the full batch's gradient."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from collections import namedtuple
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry.testing import make_oom, simulated_device
+
+# float64 throughout: a split step and the full one differ only by summation order.
+DTYPE = torch.float64
+RTOL, ATOL = 1e-5, 1e-10
+# Inside a simulated device the cache key's free-memory bucket is the simulated one: a roomy
+# limit pins it, so that calls from one line share a key whatever the machine's free memory.
+ROOMY = "1000MiB"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def data(n: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=generator, dtype=DTYPE)
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=4, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.lstm = nn.LSTM(3, 5, batch_first=batch_first)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(12, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(dim=1))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 1))
+
+
+# Each model, tiny, and a batch of n inputs for it.
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor]]] = {
+    "mlp": (mlp, lambda n: data(n, 6)),
+    "cnn": (cnn, lambda n: data(n, 2, 4, 4)),
+    "transformer": (Transformer, lambda n: data(n, 3, 4)),
+    "lstm": (Recurrent, lambda n: data(n, 4, 3)),
+    "embedding": (Embedder, lambda n: torch.randint(0, 12, (n, 3), generator=torch.Generator().manual_seed(0))),
+}
+
+
+def build(name: str, n: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    make_model, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    return make_model().double(), make_inputs(n), data(n, 1, seed=1)
+
+
+def full_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean"
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The plain step on the whole batch: its loss and every parameter's gradient; grads left as found."""
+    saved = [p.grad for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    loss = F.mse_loss(model(x), y, reduction=reduction)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # every model here uses all its parameters
+    for p, grad in zip(model.parameters(), saved):
+        p.grad = grad
+    return loss.detach(), grads
+
+
+def assert_grads(model: nn.Module, expected: list[torch.Tensor], *, rtol: float = RTOL, atol: float = ATOL) -> None:
+    for (name, p), want in zip(model.named_parameters(), expected, strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Snapshot:
+    """Every parameter's ``.grad``: the tensor object and a copy of its values (or None)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.objects = [p.grad for p in self.params]
+        self.values = [None if g is None else g.clone() for g in self.objects]
+
+    def assert_unchanged(self) -> None:
+        for p, obj, value in zip(self.params, self.objects, self.values, strict=True):
+            if obj is None:
+                assert p.grad is None
+            else:
+                assert p.grad is obj, "the same tensor object"
+                assert torch.equal(p.grad, value)
+
+    def assert_added(self, step_grads: list[torch.Tensor]) -> None:
+        """Each grad is the one from before (same object) plus the step's, added once."""
+        for p, obj, value, step in zip(self.params, self.objects, self.values, step_grads, strict=True):
+            if obj is None:
+                torch.testing.assert_close(p.grad, step, rtol=RTOL, atol=ATOL)
+            else:
+                assert p.grad is obj, "the same tensor object"
+                torch.testing.assert_close(p.grad, value + step, rtol=RTOL, atol=ATOL)
+
+
+def give_grads(model: nn.Module, which: Callable[[int], bool] = lambda i: True) -> None:
+    """Set known nonzero ``.grad`` values on the parameters ``which`` picks (by index); None on the rest."""
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, 0.25 * (i + 1)) + data(p.numel(), seed=100 + i).view_as(p) if which(i) else None
+
+
+def peak_bytes(run: Callable[[], object]) -> int:
+    """The most bytes ``run`` had alive at once, measured on a simulated device with room to spare."""
+    with simulated_device("1GiB") as device:
+        run()
+    return device.peak
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise make_oom()
+
+
+class Inject(nn.Module):
+    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls.
+
+    ``at`` picks the numbers of the forward calls (from 0, counted once ``armed``) that fail,
+    and only while the micro-batch has more than ``above`` rows, so a retry at a smaller
+    size can succeed.
+    """
+
+    def __init__(self, where: str, at: Callable[[int], bool], above: int = 4) -> None:
+        super().__init__()
+        self.where, self.at, self.above = where, at, above
+        self.armed = False
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return x
+        call = len(self.rows)
+        self.rows.append(x.shape[0])
+        if self.at(call) and x.shape[0] > self.above:
+            if self.where == "forward":
+                raise make_oom()
+            return _OOMInBackward.apply(x)
+        return x
+
+
+def injected_mlp(inject: Inject) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), inject, nn.Linear(8, 1)).double()
+
+
+# --------------------------------------------------------------------------- 1. gradients equal the full step's
+
+
+@pytest.mark.parametrize(("n", "initial", "sizes"), [(1000, 512, [512, 488]), (9, 8, [8, 1])])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_split_step_matches_full_step(name: str, reduction: str, n: int, initial: int, sizes: list[int]) -> None:
+    model, x, y = build(name, n)
+    expected_loss, expected_grads = full_step(model, x, y, reduction)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=initial, reduction=reduction)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return F.mse_loss(model(x), y, reduction=reduction)
+
+    loss = step(x, y)
+    assert seen == sizes, "split into powers of two, the last taking the remainder"
+    assert step.stats.batch_size == initial
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
+def test_split_along_dim_1_matches_full_step() -> None:
+    """A sequence-first LSTM: rows along dim 1, and the other arguments split along it too."""
+    torch.manual_seed(0)
+    model = Recurrent(batch_first=False).double()
+    x, y = data(13, 4, 3).transpose(0, 1), data(13, 1, seed=1).t()  # (seq, batch, 3) and (1, batch)
+    expected_loss, expected_grads = full_step(model, x, y.t())
+
+    @koila.accumulate(initial=4, dim=1)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert x.shape[1] == y.shape[1] <= 4
+        return F.mse_loss(model(x), y.t())
+
+    torch.testing.assert_close(step(x, y), expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
+def test_non_tensor_arguments_reach_every_micro_batch_unchanged() -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, expected_grads = full_step(model, x, y)
+    scales: list[object] = []
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, scale: float, *, y: torch.Tensor) -> torch.Tensor:
+        scales.append(scale)
+        return F.mse_loss(model(x), y) * scale
+
+    loss = step(x, 3.0, y=y)  # y, a keyword tensor, is split as well
+    assert scales == [3.0, 3.0, 3.0]
+    torch.testing.assert_close(loss, expected_loss * 3, rtol=RTOL, atol=ATOL)
+    assert_grads(model, [g * 3 for g in expected_grads])
+
+
+# --------------------------------------------------------------------------- 2. split by a real OOM
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_split_forced_by_real_oom_matches_full_step(name: str) -> None:
+    model, x, y = build(name, 256)
+    expected_loss, expected_grads = full_step(model, x, y)
+    # Room for about half the whole step: the whole batch runs out of memory, a part fits.
+    limit = int(peak_bytes(lambda: full_step(model, x, y)) * 0.6)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with simulated_device(limit):
+        loss = step(x, y)
+    assert step.stats.ooms >= 1
+    assert step.stats.batch_size < 256
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
+# --------------------------------------------------------------------------- 3. OOM in micro-batch k
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("k", [0, 1, 2], ids=["first", "second", "last"])
+def test_oom_in_micro_batch_k_discards_the_step_and_adds_grads_once(where: str, k: int) -> None:
+    inject = Inject(where, at=lambda call: call == k)
+    model = injected_mlp(inject)
+    x, y = data(40, 6), data(40, 1, seed=1)
+    expected_loss, expected_grads = full_step(model, x, y)
+    inject.armed = True
+    # Grads on the first layer and None on the last: a backward that fails half-way has
+    # already written the last layer's.
+    give_grads(model, lambda i: i < 2)
+    before = Snapshot(model)
+
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=16, on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    loss = step(x, y)
+    assert inject.rows == [16, 16, 8][: k + 1] + [8] * 5, "the whole step again, at the next size"
+    assert [(event.batch_size, event.next_batch_size) for event in events] == [(16, 8)]
+    assert step.stats.ooms == 1
+    assert step.stats.batch_size == 8
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    before.assert_added(expected_grads)
+
+
+class Routed(nn.Module):
+    """A shared layer, and an expert only for the rows whose first input is above 1 (a mixture of experts)."""
+
+    def __init__(self, inject: Inject) -> None:
+        super().__init__()
+        self.shared, self.expert, self.inject = nn.Linear(6, 1), nn.Linear(6, 1), inject
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inject(self.shared(x))
+        routed = x[:, 0] > 1
+        if routed.any():  # rows no expert serves leave it out of the graph
+            out = out + routed.unsqueeze(1) * self.expert(x)
+        return out
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
+def test_parameter_reached_only_by_a_later_micro_batch(before: bool) -> None:
+    """The expert's grads are written first by micro-batch 1; micro-batch 2 runs out of memory."""
+    inject = Inject("forward", at=lambda call: call == 2)
+    torch.manual_seed(0)
+    model = Routed(inject).double()
+    x, y = data(24, 6), data(24, 1, seed=1)
+    x[:, 0] = -5.0
+    x[9:12, 0] = 5.0  # routed rows, in the second micro-batch of 8 only
+    expected_loss, expected_grads = full_step(model, x, y)  # the expert included
+    inject.armed = True
+    give_grads(model, lambda i: before)
+    snapshot = Snapshot(model)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    loss = step(x, y)
+    assert inject.rows == [8, 8, 8] + [4] * 6
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    snapshot.assert_added(expected_grads)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_checkpointed_module_grads_are_discarded_on_oom(where: str, reentrant: bool) -> None:
+    """Reentrant checkpointing writes its module's grads in a backward of its own, out of the graph's sight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 1)).double()
+    stem, block, head = model
+    x, y = data(40, 6), data(40, 1, seed=1)
+    expected_loss, expected_grads = full_step(model, x, y)
+    give_grads(model, lambda i: i % 2 == 0)
+    snapshot = Snapshot(model)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        fail = len(calls) == 2
+        h = stem(x)
+        if fail and where == "inside":  # runs after the checkpoint's backward wrote the block's grads
+            h = _OOMInBackward.apply(h)
+        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
+        if fail and where == "after":  # runs before it: only micro-batch 0 wrote the block's grads
+            h = _OOMInBackward.apply(h)
+        return F.mse_loss(head(h), y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = step(x, y)
+    assert calls == [16, 16] + [8] * 5
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    snapshot.assert_added(expected_grads)
+
+
+def test_checkpointed_function_that_is_not_a_module_warns_once() -> None:
+    torch.manual_seed(0)
+    stem, block = nn.Linear(6, 6).double(), nn.Linear(6, 1).double()
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda h: block(h), stem(x), use_reentrant=True).pow(2).mean()
+
+    def twice() -> None:
+        for _ in range(2):
+            step(data(8, 6))
+
+    caught = recorded(twice)
+    assert len(caught) == 1
+    assert "use_reentrant" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+# --------------------------------------------------------------------------- 4. training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_training_loop_under_memory_limit_matches_plain_loop(optimizer: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+    reference, start = copy.deepcopy(model), copy.deepcopy(model)
+    batches = [(data(128, 6, seed=i), data(128, 1, seed=1000 + i)) for i in range(50)]
+
+    def make(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.Adam(params, lr=0.01)
+
+    plain = make(reference.parameters())
+    for x, y in batches:
+        plain.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        plain.step()
+
+    opt = make(model.parameters())
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    limit = int(peak_bytes(lambda: full_step(model, *batches[0])) * 0.6)
+    with simulated_device(limit):
+        for x, y in batches:
+            opt.zero_grad()
+            step(x, y)
+            opt.step()
+    assert step.stats.ooms == 1, "every step after the first starts at the remembered size"
+    assert step.stats.batch_size < 128
+    assert step.stats.calls == 50
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(model[0].weight, start[0].weight), "it trained"
+
+
+# --------------------------------------------------------------------------- 5. BatchNorm
+
+
+def batchnorm_step(norm: nn.Module, initial: int | None) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), norm, nn.Linear(4, 1)).double()
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    return step, data(12, 6)
+
+
+def recorded(run: Callable[[], object]) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d(4), nn.SyncBatchNorm(4)], ids=["BatchNorm1d", "SyncBatchNorm"])
+def test_batchnorm_in_a_split_step_warns_once_at_the_caller(norm: nn.Module) -> None:
+    step, x = batchnorm_step(norm, initial=4)  # micro-batches of 4 rows: BatchNorm can train on them
+
+    def three_calls() -> None:
+        for _ in range(3):
+            step(x)
+
+    caught = recorded(three_calls)
+    assert len(caught) == 1
+    assert type(norm).__name__ in str(caught[0].message)
+    assert caught[0].filename == __file__
+    # Once per decorated function: another one warns on its own.
+    other, _ = batchnorm_step(nn.BatchNorm1d(4), initial=4)
+    assert len(recorded(lambda: other(x))) == 1
+
+
+def test_batchnorm_in_a_split_caused_by_oom_warns() -> None:
+    inject = Inject("forward", at=lambda call: True)  # every micro-batch of more than 4 rows runs out of memory
+    inject.armed = True
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), inject, nn.Linear(4, 1)).double()
+
+    @koila.accumulate
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    caught = recorded(lambda: step(data(12, 6)))
+    assert inject.rows == [12, 8, 4, 4, 4]
+    assert len(caught) == 1
+    assert "BatchNorm1d" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    ("norm", "initial", "train"),
+    [
+        (nn.BatchNorm1d(4), None, True),  # the batch fits: no split
+        (nn.BatchNorm1d(4), 12, True),  # initial is the whole batch
+        (nn.BatchNorm1d(4), 4, False),  # split, in eval mode
+        (nn.GroupNorm(2, 4), 4, True),
+        (nn.LayerNorm(4), 4, True),
+    ],
+    ids=["fits", "initial-is-batch", "eval", "GroupNorm", "LayerNorm"],
+)
+def test_no_batchnorm_warning_without_a_split_training_batchnorm(
+    norm: nn.Module, initial: int | None, train: bool
+) -> None:
+    step, x = batchnorm_step(norm, initial)
+    norm.train(train)
+
+    def twice() -> None:
+        step(x)
+        step(x)
+
+    assert recorded(twice) == []
+
+
+# --------------------------------------------------------------------------- 6. errors
+
+
+def test_tensors_of_different_sizes_are_named_before_anything_runs() -> None:
+    model, x, y = build("mlp", 10)
+    give_grads(model)
+    before = Snapshot(model)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.mse_loss(model(x), y)
+
+    with pytest.raises(ValueError) as positional:
+        step(x, y[:9])
+    with pytest.raises(ValueError) as keyword:
+        step(x, y=y[:9])
+    for excinfo in (positional, keyword):
+        assert "'y'" in str(excinfo.value)
+        assert "10" in str(excinfo.value)
+        assert "9" in str(excinfo.value)
+    assert calls == []
+    before.assert_unchanged()
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        lambda loss: None,
+        lambda loss: loss.item(),
+        lambda loss: (),
+        lambda loss: [],
+        lambda loss: {"logits": loss},
+        lambda loss: {"Loss": loss},
+    ],
+    ids=["None", "item", "empty-tuple", "empty-list", "dict-without-loss", "dict-wrong-key"],
+)
+@pytest.mark.parametrize("initial", [None, 4])
+def test_result_without_a_loss_is_a_type_error(result: Callable[[torch.Tensor], Any], initial: int | None) -> None:
+    model, x, y = build("mlp", 10)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return result(F.mse_loss(model(x), y))
+
+    with pytest.raises(TypeError) as excinfo:
+        step(x, y)
+    assert "loss" in str(excinfo.value)
+    assert "step" in str(excinfo.value), "names the function"
+    before.assert_unchanged()
+
+
+def test_non_scalar_loss_names_its_shape() -> None:
+    model, x, y = build("mlp", 10)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y, reduction="none")
+
+    with pytest.raises(ValueError) as excinfo:
+        step(x, y)
+    assert "(10, 1)" in str(excinfo.value)
+    before.assert_unchanged()
+
+
+@pytest.mark.parametrize("initial", [None, 4])
+def test_detached_loss_names_the_module(initial: int | None) -> None:
+    model, x, y = build("mlp", 10)
+    give_grads(model, lambda i: i % 2 == 0)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y).detach()
+
+    with pytest.raises(RuntimeError) as excinfo:
+        step(x, y)
+    assert "'model'" in str(excinfo.value)
+    assert "Sequential" in str(excinfo.value)
+    before.assert_unchanged()
+
+
+def test_detached_loss_with_the_model_passed_as_an_argument() -> None:
+    model, x, y = build("mlp", 10)
+
+    @koila.accumulate
+    def step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y).detach()
+
+    with pytest.raises(RuntimeError) as excinfo:
+        step(model, x, y)
+    assert "Sequential" in str(excinfo.value)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# Results that are fine for 8 rows and wrong for fewer: only the last micro-batch (4 rows) is bad.
+LATE_FAILURES: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception], str]] = {
+    "non-scalar": (lambda loss: loss.expand(2), ValueError, "(2,)"),
+    "no-loss": (lambda loss: None, TypeError, "None"),
+    "other-structure": (lambda loss: (loss, 1.0), ValueError, "different structures"),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(LATE_FAILURES))
+def test_bad_result_in_a_later_micro_batch_leaves_grads_as_they_were(failure: str) -> None:
+    make_bad, error, shown = LATE_FAILURES[failure]
+    model, x, y = build("mlp", 20)
+    give_grads(model, lambda i: i < 2)  # and None on the last layer, which the earlier micro-batches wrote
+    before = Snapshot(model)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        seen.append(x.shape[0])
+        loss = F.mse_loss(model(x), y)
+        return loss if x.shape[0] >= 8 else make_bad(loss)
+
+    with pytest.raises(error) as excinfo:
+        step(x, y)
+    assert shown in str(excinfo.value)
+    assert seen == [8, 8, 4]
+    before.assert_unchanged()
+
+
+def sum_over_labelled_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    if not labelled.any():  # a common guard: no labelled rows, nothing to learn, a constant zero loss
+        return x.new_zeros(())
+    return F.mse_loss(model(x[labelled]), y[labelled], reduction="sum")
+
+
+@pytest.mark.parametrize("unlabelled", ["first", "last"])
+def test_micro_batch_whose_loss_needs_no_grad_is_skipped(unlabelled: str) -> None:
+    """Only some micro-batches' losses need a gradient: the step works split as it does whole."""
+    model, x, y = build("mlp", 8)
+    labelled = torch.arange(8) >= 4 if unlabelled == "first" else torch.arange(8) < 4
+    sum_over_labelled_rows(model, x, y, labelled).backward()  # the unsplit step works
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    @koila.accumulate(initial=4, reduction="sum")
+    def step(x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+        return sum_over_labelled_rows(model, x, y, labelled)
+
+    step(x, y, labelled)
+    assert_grads(model, expected)
+
+
+class Trainer:
+    """Holds the model as an attribute, where accumulate does not look for modules that want a gradient."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @koila.accumulate(initial=4, reduction="sum")
+    def step(self, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+        return sum_over_labelled_rows(self.model, x, y, labelled)
+
+
+def test_gradients_of_later_micro_batches_are_not_silently_dropped() -> None:
+    """Micro-batch 0's loss needs no grad, and nothing tells that the model wants one: later ones still count."""
+    model, x, y = build("mlp", 8)
+    labelled = torch.arange(8) >= 4  # micro-batch 0 (rows 0-3) has no labelled row
+    _, expected = full_step(model, x[4:], y[4:], "sum")
+    Trainer(model).step(x, y, labelled)
+    assert all(p.grad is not None for p in model.parameters()), "the step's gradient was dropped"
+    assert_grads(model, expected)
+
+
+class StepFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised", [StepFailed("micro-batch 2"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("initial", [8, 16])
+def test_other_exception_in_micro_batch_2_propagates_and_leaves_grads(raised: BaseException, initial: int) -> None:
+    model, x, y = build("mlp", 20)
+    give_grads(model, lambda i: i != 1)
+    before = Snapshot(model)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if len(calls) == 2:
+            raise raised
+        return F.mse_loss(model(x), y)
+
+    with pytest.raises(type(raised)) as excinfo:
+        step(x, y)
+    assert excinfo.value is raised
+    assert len(calls) == 2
+    assert step.stats.ooms == 0
+    before.assert_unchanged()
+
+
+@pytest.mark.parametrize(
+    ("options", "tried"),
+    [
+        ({"minimum": 8}, [40, 32, 16, 8]),
+        ({"initial": 16, "minimum": 8}, [16, 8]),
+        ({"max_attempts": 2}, [40, 32]),
+    ],
+)
+def test_batch_size_exhausted_leaves_grads_as_they_were(options: dict[str, Any], tried: list[int]) -> None:
+    # Every backward of more than 4 rows fails, after writing the last layer's grads.
+    inject = Inject("backward", at=lambda call: True, above=4)
+    model = injected_mlp(inject)
+    x, y = data(40, 6), data(40, 1, seed=1)
+    give_grads(model, lambda i: i in (0, 3))
+    before = Snapshot(model)
+    inject.armed = True
+
+    @koila.accumulate(**options)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        step(x, y)
+    assert excinfo.value.batch_size == tried[-1]
+    assert step.stats.exhausted == 1
+    assert inject.rows == tried, "each attempt fails in the backward of its first micro-batch"
+    before.assert_unchanged()
+
+
+async def _coroutine(x: torch.Tensor) -> torch.Tensor:
+    return x.sum()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "shown"),
+    [
+        ({"reduction": "avg"}, ValueError, "'avg'"),
+        ({"reduction": "Mean"}, ValueError, "'Mean'"),
+        ({"dim": "0"}, TypeError, "dim"),
+        ({"dim": True}, TypeError, "dim"),
+        ({"scaler": object()}, TypeError, "scaler"),
+        ({"initial": 0}, ValueError, "initial"),
+        ({"initial": -4}, ValueError, "initial"),
+        ({"minimum": 0}, ValueError, "minimum"),
+        ({"initial": 4, "minimum": 8}, ValueError, "minimum"),
+    ],
+)
+def test_bad_options(options: dict[str, Any], error: type[Exception], shown: str) -> None:
+    with pytest.raises(error) as excinfo:
+        koila.accumulate(**options)(lambda x: x.sum())
+    assert shown in str(excinfo.value)
+
+
+def test_async_function_is_refused() -> None:
+    with pytest.raises(TypeError) as excinfo:
+        koila.accumulate(_coroutine)
+    assert "async" in str(excinfo.value)
+
+
+def test_batch_of_zero_rows() -> None:
+    model, x, y = build("mlp", 10)
+    calls: list[int] = []
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.mse_loss(model(x), y)
+
+    with pytest.raises(ValueError) as excinfo:
+        step(x[:0], y[:0])
+    assert "0 rows" in str(excinfo.value)
+    assert calls == []
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- 7. no backward needed
+
+
+def test_no_grad_caller_gets_the_loss_and_no_grads() -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, _ = full_step(model, x, y)
+    give_grads(model, lambda i: i < 2)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with torch.no_grad():
+        loss = step(x, y)
+    assert step.stats.batch_size == 8
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    before.assert_unchanged()
+
+
+def test_no_grad_caller_split_by_real_oom() -> None:
+    model, x, y = build("mlp", 2000)
+    expected_loss, _ = full_step(model, x, y)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with torch.no_grad():
+        limit = int(peak_bytes(lambda: step.__wrapped__(x, y)) * 0.6)  # type: ignore[attr-defined]
+        with simulated_device(limit):
+            loss = step(x, y)
+    assert step.stats.ooms >= 1
+    assert step.stats.batch_size < 2000
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("initial", [None, 8])
+def test_frozen_model_with_grad_mode_on(initial: int | None) -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, _ = full_step(model, x, y)
+    model.requires_grad_(False)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    loss = step(x, y)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- 8. other results
+
+Output = namedtuple("Output", ["loss", "logits"])
+
+
+@pytest.mark.parametrize(
+    ("pack", "kind"),
+    [
+        (lambda loss, logits: (loss, logits), tuple),
+        (lambda loss, logits: [loss, logits], list),
+        (lambda loss, logits: Output(loss, logits), Output),
+    ],
+    ids=["tuple", "list", "namedtuple"],
+)
+@pytest.mark.parametrize("initial", [None, 8])
+def test_sequence_result_joins_the_logits(
+    pack: Callable[[torch.Tensor, torch.Tensor], Any], kind: type, initial: int | None
+) -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, expected_grads = full_step(model, x, y)
+    with torch.no_grad():
+        expected_logits = model(x)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits = model(x)
+        return pack(F.mse_loss(logits, y), logits)
+
+    result = step(x, y)
+    assert type(result) is kind
+    loss, logits = result
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(logits, expected_logits, rtol=RTOL, atol=ATOL)
+    assert not logits.requires_grad
+    assert not loss.requires_grad
+    assert_grads(model, expected_grads)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_dict_result_weighs_numbers_like_the_loss(reduction: str) -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, expected_grads = full_step(model, x, y, reduction)
+    parts: list[tuple[int, int]] = []  # (rows, correct) of each micro-batch
+
+    def correct_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((logits > 0) == (y > 0)).sum()
+
+    @koila.accumulate(initial=8, reduction=reduction)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        logits = model(x)
+        correct = correct_of(logits, y)
+        parts.append((x.shape[0], int(correct)))
+        # acc is a mean over rows and correct a count: each adds up like the loss for one reduction
+        acc = correct.double() / x.shape[0] if reduction == "mean" else correct.double()
+        return {
+            "loss": F.mse_loss(logits, y, reduction=reduction),
+            "logits": logits,
+            "correct": int(correct),
+            "acc": acc,
+        }
+
+    result = step(x, y)
+    assert list(result) == ["loss", "logits", "correct", "acc"]
+    assert [rows for rows, _ in parts] == [8, 8, 4]
+    with torch.no_grad():
+        logits = model(x)
+    total = int(correct_of(logits, y))
+    torch.testing.assert_close(result["loss"], expected_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(result["logits"], logits, rtol=RTOL, atol=ATOL)
+    if reduction == "mean":
+        assert result["correct"] == pytest.approx(sum(c * rows / 20 for rows, c in parts))
+        torch.testing.assert_close(result["acc"], torch.tensor(total / 20, dtype=DTYPE))
+    else:
+        assert result["correct"] == total
+        assert type(result["correct"]) is int
+        torch.testing.assert_close(result["acc"], torch.tensor(float(total), dtype=DTYPE))
+    assert result["acc"].dim() == 0
+    assert not result["acc"].requires_grad
+    assert_grads(model, expected_grads)
+
+
+def test_zero_dim_tensor_with_grad_is_weighted_and_detached() -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, _ = full_step(model, x, y)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = F.mse_loss(model(x), y)
+        return loss, loss * 2  # a second number that needs grad, never backpropagated
+
+    loss, twice = step(x, y)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(twice, expected_loss * 2, rtol=RTOL, atol=ATOL)
+    assert not twice.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"name": "mlp"}, "['name']"),
+        ({"flag": True}, "['flag']"),
+        ({"nested": {"deep": "x"}}, "['nested']['deep']"),
+    ],
+)
+@pytest.mark.parametrize("initial", [None, 8])
+def test_result_entry_that_cannot_be_combined_is_named(extra: dict[str, Any], where: str, initial: int | None) -> None:
+    model, x, y = build("mlp", 20)
+    give_grads(model, lambda i: i < 2)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        return {"loss": F.mse_loss(model(x), y), **extra}
+
+    with pytest.raises(TypeError) as excinfo:
+        step(x, y)
+    assert where in str(excinfo.value)
+    before.assert_unchanged()
+
+
+# --------------------------------------------------------------------------- 9. mixed precision
+
+
+def test_grad_scaler_with_autocast_matches_the_unsplit_amp_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    reference = copy.deepcopy(model)
+    x, y = data(40, 6).float(), data(40, 1, seed=1).float()
+
+    ref_opt, ref_scaler = torch.optim.SGD(reference.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    assert ref_scaler.is_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = F.mse_loss(reference(x), y)
+    ref_scaler.scale(ref_loss).backward()
+    ref_scaler.unscale_(ref_opt)
+
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+
+    @koila.accumulate(initial=16, scaler=scaler)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = step(x, y)
+    assert step.stats.batch_size == 16
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=2e-2, atol=1e-3)
+    # The grads hold the scale until unscale_: far larger than the unscaled ones.
+    assert model[0].weight.grad.abs().max() > 1000 * reference[0].weight.grad.abs().max()
+    scaler.unscale_(opt)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3)
+    scaler.step(opt)
+    scaler.update()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+class TimesScaler:
+    """A stand-in for GradScaler: counts its calls and scales by 1024."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return loss * 1024
+
+
+@pytest.mark.parametrize(("initial", "backwards"), [(None, 1), (8, 3)])
+def test_every_backward_goes_through_the_scaler(initial: int | None, backwards: int) -> None:
+    model, x, y = build("mlp", 20)
+    expected_loss, expected_grads = full_step(model, x, y)
+    scaler = TimesScaler()
+
+    @koila.accumulate(initial=initial, scaler=scaler)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    loss = step(x, y)
+    assert scaler.calls == backwards
+    assert step.stats.batch_size == (20 if initial is None else 8)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)  # the loss, not the scaled loss
+    assert_grads(model, [g * 1024 for g in expected_grads])
+
+
+# --------------------------------------------------------------------------- 10. grads from before the call
+
+
+@pytest.mark.parametrize("initial", [None, 8])
+def test_grads_from_before_are_kept_by_identity_and_summed(initial: int | None) -> None:
+    model, x, y = build("mlp", 20)
+    _, expected_grads = full_step(model, x, y)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    step(x, y)
+    before.assert_added(expected_grads)
+
+
+class WithSpare(nn.Module):
+    """A block with a layer its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare, self.idle = mlp(), nn.Linear(6, 1), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "reentrant-checkpoint"])
+@pytest.mark.parametrize("initial", [None, 8])
+def test_parameter_the_step_does_not_use_keeps_its_grad(initial: int | None, checkpointed: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), WithSpare()).double()
+    stem, block = model
+    x, y = data(20, 6), data(20, 1, seed=1)
+    block.spare.weight.grad = data(6, seed=5).view(1, 6)
+    grad, value = block.spare.weight.grad, block.spare.weight.grad.clone()
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if checkpointed:  # a reentrant checkpoint's own backward may write any of its module's parameters
+            return F.mse_loss(torch.utils.checkpoint.checkpoint(block, stem(x), use_reentrant=True), y)
+        return F.mse_loss(model(x), y)
+
+    step(x, y)
+    assert block.spare.weight.grad is grad
+    assert torch.equal(block.spare.weight.grad, value)
+    assert block.spare.bias.grad is None
+    assert block.idle.weight.grad is None
+    assert block.body[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_inputs_that_require_grad_get_the_full_batch_gradient(reduction: str) -> None:
+    model, x, y = build("mlp", 20)
+    x_full = x.clone().requires_grad_(True)
+    F.mse_loss(model(x_full), y, reduction=reduction).backward()
+    model.zero_grad(set_to_none=True)
+    x.requires_grad_(True)
+
+    @koila.accumulate(initial=8, reduction=reduction)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y, reduction=reduction)
+
+    step(x, y)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, x_full.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("oom", [False, True], ids=["no-oom", "oom-in-micro-batch-1"])
+def test_argument_made_by_a_graph_outside_the_step(oom: bool) -> None:
+    """``step(encoder(x), y)``: every micro-batch, and a retry, backpropagates into the encoder."""
+    inject = Inject("backward", at=lambda call: call == 1)
+    torch.manual_seed(0)
+    encoder, head = nn.Sequential(nn.Linear(6, 8), nn.Tanh()).double(), nn.Sequential(inject, nn.Linear(8, 1)).double()
+    model = nn.Sequential(encoder, head)
+    x, y = data(40, 6), data(40, 1, seed=1)
+    expected_loss, expected_grads = full_step(model, x, y)
+    inject.armed = oom
+
+    @koila.accumulate(initial=16)
+    def step(features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(head(features), y)
+
+    loss = step(encoder(x), y)
+    assert step.stats.ooms == int(oom)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
+def test_dense_grad_from_before_keeps_its_identity_under_a_sparse_step_grad() -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 3, sparse=True).double()
+    tokens = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(0))
+    embedding(tokens).sum().backward()
+    step_grad = embedding.weight.grad.to_dense()
+    embedding.weight.grad = torch.ones(10, 3, dtype=DTYPE)  # dense, as plain PyTorch keeps it
+    grad = embedding.weight.grad
+
+    @koila.accumulate(initial=4, reduction="sum")
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens).sum()
+
+    step(tokens)
+    torch.testing.assert_close(embedding.weight.grad.to_dense(), 1 + step_grad)
+    assert embedding.weight.grad is grad, "plain loss.backward() adds a sparse grad into a dense one in place"
+
+
+def test_sparse_grads_are_summed_in_place() -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 3, sparse=True).double()
+    tokens = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(0))
+    weights = data(12, 3)
+    embedding(tokens).mul(weights).sum().backward()
+    grad, step_grad = embedding.weight.grad, embedding.weight.grad.to_dense().clone()
+
+    @koila.accumulate(initial=4, reduction="sum")
+    def step(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens).mul(weights).sum()
+
+    step(tokens, weights)
+    assert embedding.weight.grad is grad
+    torch.testing.assert_close(embedding.weight.grad.to_dense(), 2 * step_grad, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- 11. the cache
+
+
+class Budget:
+    """A fake device: micro-batches of more than ``rows`` run out of memory in forward."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.seen: list[int] = []
+
+    def __call__(self, x: torch.Tensor) -> None:
+        self.seen.append(x.shape[0])
+        if x.shape[0] > self.rows:
+            raise make_oom()
+
+    def take(self) -> list[int]:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+def budget_step(budget: Budget, **options: Any) -> tuple[Any, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 1).double()
+
+    @koila.accumulate(**options)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        budget(x)
+        return F.mse_loss(model(x.flatten(1)[:, :6]), y)
+
+    return step, model
+
+
+def test_second_call_starts_at_the_remembered_size() -> None:
+    budget = Budget(16)
+    step, _ = budget_step(budget)
+    x, y = data(64, 6), data(64, 1, seed=1)
+    seen = []
+    with simulated_device(ROOMY):
+        for _ in range(3):
+            step(x, y)  # one call site
+            seen.append(budget.take())
+    assert seen == [[64, 32, 16, 16, 16, 16], [16] * 4, [16] * 4]
+    assert step.stats.ooms == 2
+    assert step.cache_info().hits == 2
+
+
+def test_another_sample_shape_does_not_reuse_the_size() -> None:
+    budget = Budget(16)
+    step, _ = budget_step(budget)
+    y = data(64, 1, seed=1)
+    seen = []
+    with simulated_device(ROOMY):
+        for length in (2, 3, 2):
+            step(data(64, length, 6), y)
+            seen.append(budget.take())
+    # Sequences of 3 are another key: they start from the whole batch again.
+    assert seen == [[64, 32, 16, 16, 16, 16], [64, 32, 16, 16, 16, 16], [16] * 4]
+    info = step.cache_info()
+    assert (info.hits, info.misses, info.currsize) == (1, 2, 2)
+
+
+def test_cache_clear_forgets_the_size() -> None:
+    budget = Budget(16)
+    step, _ = budget_step(budget)
+    x, y = data(64, 6), data(64, 1, seed=1)
+    seen = []
+    with simulated_device(ROOMY):
+        for clear in (False, True, False):
+            if clear:
+                step.cache_clear()
+            step(x, y)
+            seen.append(budget.take())
+    assert seen == [[64, 32, 16, 16, 16, 16], [64, 32, 16, 16, 16, 16], [16] * 4]
+
+
+def test_smaller_batch_runs_whole_and_stores_nothing() -> None:
+    budget = Budget(32)
+    step, _ = budget_step(budget)
+    seen = []
+    with simulated_device(ROOMY):
+        for rows in (128, 20, 128, 40):
+            step(data(rows, 6), data(rows, 1, seed=1))
+            seen.append(budget.take())
+    assert seen == [
+        [128, 64, 32, 32, 32, 32],
+        [20],  # fewer rows than the remembered 32: the whole batch
+        [32, 32, 32, 32],  # 32 is still the size: the 20 rows proved nothing about it
+        [32, 8],  # more rows than 32 start at 32, the last micro-batch takes the rest
+    ]
+    assert step.cache_info().currsize == 1
+
+
+def test_smaller_batch_that_runs_out_of_memory_goes_below_its_own_rows() -> None:
+    budget = Budget(64)
+    step, _ = budget_step(budget)
+    seen = []
+    with simulated_device(ROOMY):
+        for rows in (128, 20):
+            if rows == 20:
+                budget.rows = 16  # less memory than when 64 was remembered
+            step(data(rows, 6), data(rows, 1, seed=1))
+            seen.append(budget.take())
+    # 20 rows fail whole: the next size is 16, below 20, not 32 (below the remembered 64)
+    assert seen == [[128, 64, 64], [20, 16, 4]]
+
+
+def test_split_step_after_cached_size_matches_full_step() -> None:
+    budget = Budget(16)
+    step, model = budget_step(budget)
+    x, y = data(50, 6), data(50, 1, seed=1)
+    with simulated_device(ROOMY):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step(x, y)  # the second time from the remembered size
+    assert budget.take() == [50, 32, 16, 16, 16, 2, 16, 16, 16, 2]
+    _, expected_grads = full_step(model, x, y)
+    assert_grads(model, expected_grads)
+
+
+# --------------------------------------------------------------------------- 12. memory hygiene
+
+
+class Watched(nn.Module):
+    """Records, at the start of each forward, whether a tensor made by an earlier forward is alive.
+
+    Watched: the hidden activation and the output (which the step returns beside the loss).
+    Forward call number ``fail_on`` (from 1) runs out of memory once its activation exists.
+    """
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(6, 16), nn.Linear(16, 1)
+        self.fail_on = fail_on
+        self.calls = 0
+        self.made: list[weakref.ref[torch.Tensor]] = []
+        self.alive: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.alive.append(any(ref() is not None for ref in self.made))
+        self.calls += 1
+        h = torch.tanh(self.hidden(x))
+        self.made.append(weakref.ref(h))
+        if self.calls == self.fail_on:
+            raise make_oom()
+        out = self.out(h)
+        self.made.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("fail_on", [1, 2])
+def test_failed_attempt_is_freed_before_the_retry_runs(fail_on: int) -> None:
+    torch.manual_seed(0)
+    model = Watched(fail_on).double()
+    x, y = data(32, 6), data(32, 1, seed=1)
+
+    @koila.accumulate(initial=16)
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(x)
+        return F.mse_loss(logits, y), logits
+
+    _, logits = step(x, y)
+    assert step.stats.ooms == 1
+    assert logits.shape == (32, 1)
+    retry_starts = fail_on  # the retry's first forward comes right after the failed one
+    assert len(model.alive) == fail_on + 4
+    assert model.alive[retry_starts] is False, "the failed attempt's activation is dead when the retry begins"
+    assert not any(model.alive), "no micro-batch's activations outlive it"
+
+
+def test_real_oom_attempt_is_freed_before_the_retry_runs() -> None:
+    torch.manual_seed(0)
+    model = Watched(fail_on=0).double()
+    x, y = data(256, 6), data(256, 1, seed=1)
+    limit = int(peak_bytes(lambda: full_step(model, x, y)) * 0.6)
+    model.made.clear()
+    model.alive.clear()
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with simulated_device(limit):
+        step(x, y)
+    assert step.stats.ooms >= 1
+    assert not any(model.alive)
+
+
+# --------------------------------------------------------------------------- 13. property
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), initial=st.integers(1, 16), reduction=st.sampled_from(["mean", "sum"]))
+def test_property_split_step_equals_full_step(n: int, initial: int, reduction: str) -> None:
+    torch.manual_seed(n)
+    model = nn.Linear(3, 2).double()
+    x, y = data(n, 3, seed=n), data(n, 2, seed=n + 1)
+    expected_loss, expected_grads = full_step(model, x, y, reduction)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=initial, reduction=reduction)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return F.mse_loss(model(x), y, reduction=reduction)
+
+    loss = step(x, y)
+    assert sum(seen) == n
+    assert seen[:-1] == [initial] * (len(seen) - 1)
+    assert 0 < seen[-1] <= initial
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
+# --------------------------------------------------------------------------- 14. growing back
+
+
+def test_grow_tries_the_next_power_of_two_after_grow_after_calls() -> None:
+    budget = Budget(16)
+    step, _ = budget_step(budget, grow=True, grow_after=3)
+    x, y = data(64, 6), data(64, 1, seed=1)
+    seen, sizes = [], []
+    with simulated_device(ROOMY):
+        for call in range(5):
+            if call == 3:
+                budget.rows = 64  # memory freed: the probe will fit
+            step(x, y)
+            seen.append(budget.take())
+            sizes.append(step.stats.batch_size)
+    assert seen == [[64, 32, 16, 16, 16, 16], [16] * 4, [16] * 4, [32, 32], [32, 32]]
+    assert sizes == [16, 16, 16, 32, 32]
