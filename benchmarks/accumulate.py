@@ -80,11 +80,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import torch
-from overhead import print_rst  # the script's own folder is on sys.path
+from common import duration, percent, print_rst, version_of  # the script's own folder is on sys.path
 from torch import nn
 from torch.nn import functional
 
@@ -101,27 +100,6 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 PLAIN = "plain step"
 HAND = "hand loop, weighted by rows"
 KOILA = "@koila.accumulate"
-
-
-def version_of(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def duration(seconds: float) -> str:
-    micro = seconds * 1e6
-    if abs(micro) >= 1000:
-        return f"{micro / 1000:.2f} ms"
-    return f"{micro:.1f} us"
-
-
-def percent(ratio: float) -> str:
-    change = (ratio - 1) * 100
-    if abs(change) >= 100:
-        return f"{ratio:,.1f}x"
-    return f"{change:+.2f}%"
 
 
 def print_text(header: list[str], table: list[list[str]]) -> None:

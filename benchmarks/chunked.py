@@ -58,11 +58,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import torch
-from overhead import print_rst  # the script's own folder is on sys.path
+from common import duration, percent, print_rst, version_of  # the script's own folder is on sys.path
 
 import koila_retry as koila
 from koila_retry.testing import make_oom
@@ -80,20 +79,6 @@ CHUNKS = 32  # chunks per pass for koila and the hand loop
 HAND = "hand loop + torch.cat"
 CHUNKED = "koila.chunked(fn, x, initial={c})"
 BLOCK_SECONDS = 0.03  # about how long one block of passes of koila or the hand loop takes
-
-
-def version_of(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def duration(seconds: float) -> str:
-    micro = seconds * 1e6
-    if abs(micro) >= 1000:
-        return f"{micro / 1000:.2f} ms"
-    return f"{micro:.1f} us"
 
 
 def print_text(header: list[str], table: list[list[str]]) -> None:
@@ -487,13 +472,6 @@ def paired(candidate: Candidate, base: Candidate) -> tuple[float, float]:
     added = statistics.median(t - b for t, b in zip(candidate.times, base.times))
     ratio = statistics.median(t / b for t, b in zip(candidate.times, base.times))
     return added, ratio
-
-
-def percent(ratio: float) -> str:
-    change = (ratio - 1) * 100
-    if abs(change) >= 100:
-        return f"{ratio:,.1f}x"
-    return f"{change:+.2f}%"
 
 
 def overhead_rows(candidates: list[Candidate]) -> tuple[list[str], list[list[str]]]:

@@ -39,11 +39,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from itertools import repeat
 from typing import Any
 
 import torch
+from common import print_rst, version_of  # the script's own folder is on sys.path
 
 import koila_retry as koila
 
@@ -81,13 +81,6 @@ def time_per_call(call: Callable[..., Any], args: tuple[Any, ...], calls: int) -
     for _ in repeat(None, calls):
         call(*args)
     return (time.perf_counter() - start) / calls
-
-
-def version_of(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def build(args: argparse.Namespace) -> tuple[list[Candidate], list[str]]:
@@ -178,17 +171,6 @@ def print_text(header: list[str], table: list[list[str]]) -> None:
         print("  ".join(cells))
         if number == 0:
             print("  ".join("-" * width for width in widths))
-
-
-def print_rst(header: list[str], table: list[list[str]], title: str = "") -> None:
-    """Print a table as a reStructuredText list-table (benchmarks/chunked.py uses it too)."""
-    print(f".. list-table:: {title}".rstrip())
-    print("   :header-rows: 1")
-    print()
-    for line in [header, *table]:
-        print(f"   * - {line[0]}")
-        for cell in line[1:]:
-            print(f"     - {cell}" if cell else "     -")
 
 
 def main(argv: list[str] | None = None) -> int:

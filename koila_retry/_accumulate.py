@@ -18,9 +18,6 @@ from types import FrameType
 from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.autograd.graph import get_gradient_edge
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
@@ -37,8 +34,22 @@ R = TypeVar("R")
 
 _TensorBase = torch._C.TensorBase
 _REDUCTIONS = ("mean", "sum")
-# The autograd node that writes a leaf's ``.grad``; it has no public name to import.
-_AccumulateGrad = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
+# The autograd node that writes a leaf's ``.grad``.
+_AccumulateGrad = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009 (not in the stubs)
+# The backward nodes of batch normalisation; those of training mode save ``training=True``,
+# or always train (``WithUpdate``). Found in the graph, they cost nothing to watch for.
+_BatchNormNodes = frozenset(
+    getattr(torch._C._functions, name)
+    for name in (
+        "NativeBatchNormBackward0",
+        "NativeBatchNormLegitBackward0",
+        "NativeBatchNormLegitBackward1",
+        "CudnnBatchNormBackward0",
+        "MiopenBatchNormBackward0",
+        "BatchNormWithUpdateBackward0",
+    )
+    if hasattr(torch._C._functions, name)
+)
 # Reentrant checkpointing runs a backward of its own inside this node, writing gradients
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
@@ -264,11 +275,11 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=3,
             )
-        if results.batchnorm is not None and not self.warned_batchnorm:
+        if gradients.batchnorm and results.size < rows and not self.warned_batchnorm:
             self.warned_batchnorm = True
             warnings.warn(
                 f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
-                f"{results.size} rows while a {results.batchnorm} in training mode took part: it normalises "
+                f"{results.size} rows while a BatchNorm layer in training mode took part: it normalises "
                 "each micro-batch with that micro-batch's statistics and updates its running statistics "
                 "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
                 "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
@@ -298,27 +309,18 @@ class _Accumulator:
             else:
                 self._check_no_grad_wanted(split)
             return results
-        # A global hook slows every module call down, so it watches the first micro-batch only.
-        watch = None if self.warned_batchnorm else register_module_forward_pre_hook(results.watch)
         backward = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
-        try:
-            for chunk_args, chunk_kwargs, chunk_rows in split.pieces(size):
-                result = self.fn(*chunk_args, **chunk_kwargs)
-                if watch is not None:
-                    watch.remove()
-                    watch = None
-                weight = chunk_rows / rows if self.mean else 1.0
-                loss = results.add(result, weight)
-                if loss.requires_grad:  # one that needs none (no rows counted, say) adds nothing
-                    backward = True
-                    gradients.collect(loss)
-                    weighted = loss * weight if weight != 1.0 else loss
-                    (weighted if scale is None else scale(weighted)).backward(retain_graph=retain)
-                    del weighted
-                del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
-        finally:
-            if watch is not None:
-                watch.remove()
+        for chunk_args, chunk_kwargs, chunk_rows in split.pieces(size):
+            result = self.fn(*chunk_args, **chunk_kwargs)
+            weight = chunk_rows / rows if self.mean else 1.0
+            loss = results.add(result, weight)
+            if loss.requires_grad:  # one that needs none (no rows counted, say) adds nothing
+                backward = True
+                gradients.collect(loss)
+                weighted = loss * weight if weight != 1.0 else loss
+                (weighted if scale is None else scale(weighted)).backward(retain_graph=retain)
+                del weighted
+            del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
         if not backward:
             self._check_no_grad_wanted(split)
         return results
@@ -338,12 +340,13 @@ class _Accumulator:
 class _Gradients:
     """The leaves one step writes gradients to, and the gradients they had before it."""
 
-    __slots__ = ("aside", "hidden", "leaves")
+    __slots__ = ("aside", "batchnorm", "hidden", "leaves")
 
     def __init__(self) -> None:
         self.leaves: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.hidden = False  # whether a backward may write leaves the walk cannot find
+        self.batchnorm = False  # whether a batch normalisation in training mode took part
 
     def collect(self, loss: torch.Tensor) -> None:
         """Find the leaves ``loss.backward()`` will write, and set aside the gradients they hold."""
@@ -359,10 +362,13 @@ class _Gradients:
                     if node is None or node in seen:
                         continue
                     seen.add(node)
-                    if type(node) is _AccumulateGrad:
+                    kind = type(node)
+                    if kind is _AccumulateGrad:
                         found.append(node.variable)  # type: ignore[attr-defined]
                         continue
-                    if type(node) is _ReentrantCheckpoint:
+                    if kind in _BatchNormNodes:
+                        self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                    elif kind is _ReentrantCheckpoint:
                         found += self._checkpointed(node)
                     stack.append(node)
             del seen, stack
@@ -404,18 +410,13 @@ class _Gradients:
 class _Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("batchnorm", "columns", "kinds", "rows", "size", "spec", "step")
+    __slots__ = ("columns", "kinds", "rows", "size", "spec", "step")
 
     def __init__(self, step: _Accumulator, rows: int, size: int) -> None:
         self.step, self.rows, self.size = step, rows, size
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
-        self.batchnorm: str | None = None  # the kind of BatchNorm in training mode a split step ran
-
-    def watch(self, module: torch.nn.Module, args: object) -> None:
-        if self.batchnorm is None and module.training and isinstance(module, _BatchNorm):
-            self.batchnorm = type(module).__name__
 
     def add(self, result: Any, weight: float) -> torch.Tensor:
         """Check one micro-batch's result, keep its parts, and return its loss."""

@@ -198,12 +198,8 @@ def injected_mlp(inject: Inject) -> nn.Module:
 # --------------------------------------------------------------------------- 1. gradients equal the full step's
 
 
-@pytest.mark.parametrize(("n", "initial", "sizes"), [(1000, 512, [512, 488]), (9, 8, [8, 1])])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_split_step_matches_full_step(name: str, reduction: str, n: int, initial: int, sizes: list[int]) -> None:
-    model, x, y = build(name, n)
-    expected_loss, expected_grads = full_step(model, x, y, reduction)
+def recording_step(model: nn.Module, initial: int, reduction: str) -> tuple[Any, list[int]]:
+    """Return a mean-squared-error step split at ``initial`` rows, and the rows of its every forward."""
     seen: list[int] = []
 
     @koila.accumulate(initial=initial, reduction=reduction)
@@ -211,6 +207,16 @@ def test_split_step_matches_full_step(name: str, reduction: str, n: int, initial
         seen.append(x.shape[0])
         return F.mse_loss(model(x), y, reduction=reduction)
 
+    return step, seen
+
+
+@pytest.mark.parametrize(("n", "initial", "sizes"), [(1000, 512, [512, 488]), (9, 8, [8, 1])])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_split_step_matches_full_step(name: str, reduction: str, n: int, initial: int, sizes: list[int]) -> None:
+    model, x, y = build(name, n)
+    expected_loss, expected_grads = full_step(model, x, y, reduction)
+    step, seen = recording_step(model, initial, reduction)
     loss = step(x, y)
     assert seen == sizes, "split into powers of two, the last taking the remainder"
     assert step.stats.batch_size == initial
@@ -467,7 +473,7 @@ def test_batchnorm_in_a_split_step_warns_once_at_the_caller(norm: nn.Module) -> 
 
     caught = recorded(three_calls)
     assert len(caught) == 1
-    assert type(norm).__name__ in str(caught[0].message)
+    assert "BatchNorm layer in training mode" in str(caught[0].message)
     assert caught[0].filename == __file__
     # Once per decorated function: another one warns on its own.
     other, _ = batchnorm_step(nn.BatchNorm1d(4), initial=4)
@@ -487,8 +493,39 @@ def test_batchnorm_in_a_split_caused_by_oom_warns() -> None:
     caught = recorded(lambda: step(data(12, 6)))
     assert inject.rows == [12, 8, 4, 4, 4]
     assert len(caught) == 1
-    assert "BatchNorm1d" in str(caught[0].message)
+    assert "BatchNorm layer in training mode" in str(caught[0].message)
     assert caught[0].filename == __file__
+
+
+class RoutedNorm(nn.Module):
+    """A BatchNorm only for the rows whose first input is above 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.norm = nn.Linear(6, 1), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = x[:, 0] > 1
+        out = self.shared(x)
+        if routed.any():
+            out = out + routed.unsqueeze(1) * self.norm(x).sum(dim=1, keepdim=True)
+        return out
+
+
+def test_batchnorm_only_in_a_later_micro_batch_warns() -> None:
+    torch.manual_seed(0)
+    model = RoutedNorm().double()
+    x = data(12, 6)
+    x[:, 0] = -5.0
+    x[4:8, 0] = 5.0  # routed rows: the second micro-batch of 4, all of it
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    caught = recorded(lambda: step(x))
+    assert model.norm.num_batches_tracked.item() == 1, "the BatchNorm trained on one micro-batch"
+    assert len(caught) == 1
 
 
 @pytest.mark.parametrize(
@@ -1354,13 +1391,7 @@ def test_property_split_step_equals_full_step(n: int, initial: int, reduction: s
     model = nn.Linear(3, 2).double()
     x, y = data(n, 3, seed=n), data(n, 2, seed=n + 1)
     expected_loss, expected_grads = full_step(model, x, y, reduction)
-    seen: list[int] = []
-
-    @koila.accumulate(initial=initial, reduction=reduction)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return F.mse_loss(model(x), y, reduction=reduction)
-
+    step, seen = recording_step(model, initial, reduction)
     loss = step(x, y)
     assert sum(seen) == n
     assert seen[:-1] == [initial] * (len(seen) - 1)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,17 +53,23 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_batch_recovers_from_the_real_cpu_allocator() -> None:
+def run_limited(script: str) -> dict[str, Any]:
+    """Run a script that limits its own address space; return the JSON of its last line."""
     completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=240,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     assert completed.returncode == 0, completed.stderr
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow
+def test_batch_recovers_from_the_real_cpu_allocator() -> None:
+    result = run_limited(SCRIPT)
 
     direct = result["direct"]
     assert direct is not None, "a 1 GiB tensor should not fit in a 384 MiB address-space budget"
@@ -120,15 +127,7 @@ ACCUMULATE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_accumulate_splits_after_the_real_cpu_allocator_fails() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-c", ACCUMULATE_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert completed.returncode == 0, completed.stderr
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    result = run_limited(ACCUMULATE_SCRIPT)
     assert result["ooms"] >= 1
     assert result["size"] < 3000
     # The split step's gradient, added to the gradients that were there, is the full batch's.

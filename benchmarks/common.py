@@ -1,0 +1,40 @@
+"""What the benchmark scripts share: versions of peers, and how numbers and tables are printed."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+
+def version_of(distribution: str) -> str:
+    """Return the installed version of a distribution, or say that it is not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def duration(seconds: float) -> str:
+    """Format a time per call or step in microseconds or milliseconds."""
+    micro = seconds * 1e6
+    if abs(micro) >= 1000:
+        return f"{micro / 1000:.2f} ms"
+    return f"{micro:.1f} us"
+
+
+def percent(ratio: float) -> str:
+    """Format a ratio to a baseline as a change in percent, or as a factor when it is large."""
+    change = (ratio - 1) * 100
+    if abs(change) >= 100:
+        return f"{ratio:,.1f}x"
+    return f"{change:+.2f}%"
+
+
+def print_rst(header: list[str], table: list[list[str]], title: str = "") -> None:
+    """Print a table as a reStructuredText list-table, for docs/performance.rst."""
+    print(f".. list-table:: {title}".rstrip())
+    print("   :header-rows: 1")
+    print()
+    for line in [header, *table]:
+        print(f"   * - {line[0]}")
+        for cell in line[1:]:
+            print(f"     - {cell}" if cell else "     -")
