@@ -22,9 +22,9 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
-from koila_retry._chunked import _Split, _with_controller
+from koila_retry._chunked import _Split
 from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
-from koila_retry._frontends import Batched
+from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, resolve_device
 
 __all__ = ["accumulate"]
@@ -32,7 +32,6 @@ __all__ = ["accumulate"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_TensorBase = torch._C.TensorBase
 _REDUCTIONS = ("mean", "sum")
 # The autograd node that writes a leaf's ``.grad``.
 _AccumulateGrad = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009 (not in the stubs)
@@ -292,7 +291,7 @@ class _Accumulator:
     def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
         rows, scale = split.rows, self.scaler.scale if self.scaler is not None else None
-        results = _Results(self, rows, size)
+        results = _Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each
         # backward. It is freed with the arguments, as usual.
@@ -410,10 +409,10 @@ class _Gradients:
 class _Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "kinds", "rows", "size", "spec", "step")
+    __slots__ = ("columns", "kinds", "size", "spec", "step")
 
-    def __init__(self, step: _Accumulator, rows: int, size: int) -> None:
-        self.step, self.rows, self.size = step, rows, size
+    def __init__(self, step: _Accumulator, size: int) -> None:
+        self.step, self.size = step, size
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []

@@ -20,7 +20,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
-from koila_retry._frontends import Batched
+from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, default_device, resolve_device
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -33,7 +33,6 @@ R = TypeVar("R")
 # cache; keys hold the function's place in the code and the call site.
 _calls_cache = StackMemoryCache()
 
-_TensorBase = torch._C.TensorBase
 _NONE_SPEC = tree_flatten(None)[1]
 
 
@@ -357,21 +356,19 @@ class _Split:
         """Raise the error that names the argument whose shape does not fit."""
         labels = [f"argument {names[i]!r}" if i < len(names) else f"argument {i}" for i in self.positions]
         labels += [f"argument {name!r}" for name in self.names]
-        dim, first = self.dim, None
+        dim = self.dim
         for label, tensor in zip(labels, tensors, strict=True):
             if not -tensor.dim() <= dim < tensor.dim():
                 allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
                 raise ValueError(
                     f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
                 )
-            if first is None:
-                first = label, tensor.size(dim)
-            elif tensor.size(dim) != first[1]:
-                raise ValueError(
-                    f"every tensor argument must have the same size along dim {dim}: {first[0]} has "
-                    f"{first[1]}, {label} has {tensor.size(dim)}"
-                )
-        raise AssertionError("unreachable: the shapes were refused for a reason")
+        # Every dim is in range, so the sizes differ: name the first that differs from the first.
+        rows = tensors[0].size(dim)
+        label, size = next((label, t.size(dim)) for label, t in zip(labels, tensors) if t.size(dim) != rows)
+        raise ValueError(
+            f"every tensor argument must have the same size along dim {dim}: {labels[0]} has {rows}, {label} has {size}"
+        )
 
     def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
         """Yield the arguments of each chunk of ``size`` rows (the last takes the rest), and its rows."""
@@ -650,10 +647,3 @@ def _run_range(
 
     _cover(attempt, start, stop, work, options.tqdm, controller.name, ("index", "indices", "range"))
     return results
-
-
-def _with_controller(wrapper: Any, controller: Controller) -> Any:
-    wrapper.stats = controller.stats
-    wrapper.cache_info = controller.cache.cache_info
-    wrapper.cache_clear = controller.cache.cache_clear
-    return wrapper

@@ -306,6 +306,11 @@ def _batched(
 
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
+    return _with_controller(wrapper, controller)
+
+
+def _with_controller(wrapper: Any, controller: Controller) -> Any:
+    """Give a wrapper its controller's ``stats``, ``cache_info()`` and ``cache_clear()``."""
     wrapper.stats = controller.stats
     wrapper.cache_info = controller.cache.cache_info
     wrapper.cache_clear = controller.cache.cache_clear
