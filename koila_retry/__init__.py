@@ -4,7 +4,8 @@ An out-of-memory error becomes a smaller batch instead of a crash: decorate a
 function with :func:`batch`, wrap a block in :func:`attempts`, run over rows
 in chunks that resume where they failed with :func:`chunked` and :func:`range`,
 or split a training step into micro-batches with the full batch's gradient with
-:func:`accumulate`.
+:func:`accumulate`. Estimate the memory a call needs at any batch size without
+running it, with :func:`estimate` and :func:`suggest_batch_size`.
 """
 
 from koila_retry._accumulate import accumulate
@@ -13,6 +14,7 @@ from koila_retry._chunked import chunked, range
 from koila_retry._detect import is_oom
 from koila_retry._disk import DiskCache
 from koila_retry._engine import Attempt, OOMEvent, Stats
+from koila_retry._estimate import MemoryEstimate, estimate, suggest_batch_size
 from koila_retry._frontends import Batched, attempts, batch
 from koila_retry._memory import free_memory, release
 from koila_retry._version import __version__
@@ -26,6 +28,7 @@ __all__ = [
     "CacheInfo",
     "DiskCache",
     "GlobalCache",
+    "MemoryEstimate",
     "NoCache",
     "OOMEvent",
     "SizeCache",
@@ -36,8 +39,10 @@ __all__ = [
     "attempts",
     "batch",
     "chunked",
+    "estimate",
     "free_memory",
     "is_oom",
     "range",
     "release",
+    "suggest_batch_size",
 ]

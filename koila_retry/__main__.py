@@ -1,4 +1,4 @@
-"""The command line: ``python -m koila_retry demo``."""
+"""The command line: ``python -m koila_retry demo`` and ``python -m koila_retry estimate``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from koila_retry import _cli_estimate
 from koila_retry._version import __version__
 
 
@@ -29,7 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--initial", type=int, default=8192, help="the batch size to start from (default: 8192)")
     demo.add_argument("--epochs", type=int, default=3, help="how many epochs to train (default: 3)")
     demo.add_argument("-v", "--verbose", action="store_true", help="also show koila_retry's log")
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate a model's peak memory at every batch size, and the largest that fits, without running it",
+        description="Build a model on the meta device and estimate the peak memory of its training step (or "
+        "forward pass) at every batch size, without data and without allocating it. Exit status: 0 if some batch "
+        "size fits, 1 if none does or the model failed, 2 for usage errors.",
+        epilog="example: python -m koila_retry estimate torchvision.models:resnet50 --input 3x224x224 --memory 24GiB",
+    )
+    _cli_estimate.configure(estimate)
     args = parser.parse_args(argv)
+
+    if args.command == "estimate":
+        return _cli_estimate.run(args, estimate)
 
     if args.command == "demo":
         from koila_retry._demo import run_demo

@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
+from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._chunked import _Split
 from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
+from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
 from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, resolve_device
 
@@ -64,7 +65,7 @@ def accumulate(fn: Callable[P, R], /) -> Batched[P, R]: ...
 @overload
 def accumulate(
     *,
-    initial: int | None = ...,
+    initial: int | Literal["auto"] | None = ...,
     minimum: int = ...,
     dim: int = ...,
     reduction: str = ...,
@@ -82,7 +83,7 @@ def accumulate(
     fn: Callable[..., Any] | None = None,
     /,
     *,
-    initial: int | None = None,
+    initial: int | Literal["auto"] | None = None,
     minimum: int = 1,
     dim: int = 0,
     reduction: str = "mean",
@@ -128,8 +129,11 @@ def accumulate(
 
     Args:
         fn (callable): the step, when used bare.
-        initial (int, optional): the first micro-batch size to try. Default:
-            ``None``, the whole batch.
+        initial (int, str or None): the first micro-batch size to try.
+            ``"auto"``: the size :func:`suggest_batch_size` finds for the step
+            (forward and backward) in the device's free memory, estimated once
+            per input signature; the whole batch if it fits. Default: ``None``,
+            the whole batch.
         minimum (int): the smallest micro-batch size to try. Default: 1.
         dim (int): the dimension of the tensor arguments that holds the rows.
             Default: 0.
@@ -193,6 +197,7 @@ def accumulate(
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
     fixed_device = None if device is None else resolve_device(device)
+    check_auto(initial)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
@@ -202,7 +207,7 @@ def accumulate(
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
         controller = Controller(
             name=name,
-            initial=initial,
+            initial=None if initial == AUTO else cast("int | None", initial),
             minimum=minimum,
             cache=StackMemoryCache() if cache is None else cache,
             max_attempts=max_attempts,
@@ -210,7 +215,7 @@ def accumulate(
             grow=grow,
             grow_after=grow_after,
         )
-        step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device)
+        step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device, initial == AUTO)
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -233,9 +238,10 @@ class _Accumulator:
         mean: bool,
         scaler: Any,
         device: torch.device | None,
+        auto: bool = False,
     ) -> None:
         self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
-        self.scaler, self.device = scaler, device
+        self.scaler, self.device, self.auto = scaler, device, auto
         self.identity = function_identity(fn)
         self.names = _positional_names(fn)
         self.warned_batchnorm = False
@@ -246,7 +252,9 @@ class _Accumulator:
         rows = split.rows
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
-        attempt = self.controller.start(self.identity, caller, self.device or split.device, split.sample, rows)
+        device = self.device or split.device
+        first = functools.partial(self._estimated, split, device) if self.auto else None
+        attempt = self.controller.start(self.identity, caller, device, split.sample, rows, first)
         gradients = _Gradients()
         try:
             while True:
@@ -287,6 +295,25 @@ class _Accumulator:
                 stacklevel=3,
             )
         return result
+
+    def _estimated(self, split: _Split, device: torch.device) -> int:
+        """Return the first micro-batch size the memory estimate suggests (``initial="auto"``)."""
+        name = self.controller.name
+
+        def step(*args: Any, **kwargs: Any) -> None:
+            # What one micro-batch does here: the forward, then backward with the
+            # gradients there were set aside, then added back.
+            loss = _loss_of(self.fn(*args, **kwargs), name)
+            if loss.requires_grad:
+                gradients = _Gradients()
+                gradients.collect(loss)
+                torch.autograd.backward(loss)
+                gradients.restore()
+
+        def make() -> MemoryEstimate:
+            return estimate(step, *split.args, dim=self.dim, device=device, **split.kwargs)
+
+        return auto_first((self.identity, split.sample, device), split.rows, make, device, name)
 
     def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""

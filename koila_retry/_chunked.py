@@ -13,13 +13,14 @@ import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, ParamSpec, TypeVar, cast, overload
+from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
+from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
 from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, default_device, resolve_device
 from koila_retry.exceptions import BatchSizeExhausted
@@ -43,7 +44,7 @@ class _Options:
         self,
         *,
         front_end: str,
-        initial: int,
+        initial: int | str,
         minimum: int,
         cache: SizeCache | None,
         progress: bool,
@@ -56,11 +57,18 @@ class _Options:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
+        check_auto(initial)
+        self.auto = initial == AUTO
+        if self.auto and front_end == "koila.range":
+            raise ValueError(
+                "koila.range has no inputs to estimate memory from: initial='auto' is for koila.chunked "
+                "and koila.accumulate; give koila.range an int"
+            )
         self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
         self.device = None if device is None else resolve_device(device)
         self.cache = cache
         self._settings: dict[str, Any] = {
-            "initial": initial,
+            "initial": None if self.auto else initial,
             "minimum": minimum,
             "max_attempts": max_attempts,
             "on_oom": on_oom,
@@ -140,7 +148,7 @@ def chunked(
     first: Any,
     /,
     *args: Any,
-    initial: int = ...,
+    initial: int | Literal["auto"] = ...,
     dim: int = ...,
     minimum: int = ...,
     cache: SizeCache | None = ...,
@@ -157,7 +165,7 @@ def chunked(
 @overload
 def chunked(
     *,
-    initial: int = ...,
+    initial: int | Literal["auto"] = ...,
     dim: int = ...,
     minimum: int = ...,
     cache: SizeCache | None = ...,
@@ -174,7 +182,7 @@ def chunked(
     fn: Callable[..., Any] | None = None,
     /,
     *args: Any,
-    initial: int = DEFAULT_INITIAL,
+    initial: int | Literal["auto"] = DEFAULT_INITIAL,
     dim: int = 0,
     minimum: int = 1,
     cache: SizeCache | None = None,
@@ -208,7 +216,10 @@ def chunked(
         fn (callable): the function to apply to each chunk.
         *args: the arguments of ``fn``: tensors, all with the same size along
             ``dim``, are split; anything else is passed to every call.
-        initial (int): the first chunk size to try. Default: 512.
+        initial (int or str): the first chunk size to try. ``"auto"``: the
+            largest power of two whose estimated memory (:func:`estimate`) fits
+            in the device's free memory, all the rows if they fit, estimated once
+            per input signature. Default: 512.
         dim (int): the dimension to split and join along. Default: 0.
         minimum (int): the smallest chunk size to try. Default: 1.
         cache (SizeCache, optional): where sizes that worked are kept; keys
@@ -312,7 +323,18 @@ def _run_chunked(
         if out is None:  # one call on the empty input gives the result its structure
             work(0, 0)
     else:
-        attempt = controller.start(function_identity(fn), caller, options.device or split.device, split.sample)
+        device = options.device or split.device
+        identity = function_identity(fn)
+        if options.auto:
+
+            def make() -> MemoryEstimate:
+                return estimate(fn, *args, dim=dim, device=device, **kwargs)
+
+            key = (identity, split.sample, device)
+            first = functools.partial(auto_first, key, split.rows, make, device, controller.name)
+            attempt = controller.start(identity, caller, device, split.sample, split.rows, first)
+        else:
+            attempt = controller.start(identity, caller, device, split.sample)
         _cover(attempt, 0, split.rows, work, options.tqdm, controller.name, ("row", "rows", "chunk"))
     return results.finish()
 

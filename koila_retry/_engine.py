@@ -233,6 +233,7 @@ class Controller:
         device: torch.device,
         sample: Hashable = None,
         rows: int = 0,
+        first: Callable[[], int] | None = None,
     ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
 
@@ -244,6 +245,9 @@ class Controller:
             sample (Hashable, optional): the shape of one input sample, for the key.
             rows (int): the rows the call was given; its first size when the
                 controller has no ``initial``.
+            first (callable, optional): asked for the first size when the cache
+                knows none (an estimate's suggestion); kept within
+                ``[minimum, initial]``.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
@@ -261,6 +265,8 @@ class Controller:
             # Nothing stored: a success at ``initial`` has nothing to store either (see
             # Attempt._remember), so the attempt is told that it is already there.
             size = cached = initial
+            if first is not None:
+                size = min(max(first(), self.minimum), initial)
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()

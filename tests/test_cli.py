@@ -6,12 +6,15 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import koila_retry as koila
 from koila_retry import __main__ as cli
+from koila_retry import _units as koila_units
 from koila_retry._demo import run_demo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +160,396 @@ def test_run_demo_in_process_returns_the_settled_power_of_two() -> None:
     assert all(f"at batch size {settled} " in line for line in epochs)
     assert any("out of memory at batch size" in line for line in lines)
     assert "straight from the cache" in epochs[1]
+
+
+# --- python -m koila_retry estimate ------------------------------------------------------
+
+MODELS = """
+import torch
+from torch import nn
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.conv(x).relu().mean((2, 3)))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(100, 32)
+        self.linear = nn.Linear(8, 32)
+
+    def forward(self, ids, features):
+        return self.embedding(ids).mean(1) + self.linear(features), ids
+
+
+def broken():
+    raise ValueError("no weights here")
+
+
+def not_a_model():
+    return 42
+
+
+def frozen():
+    return nn.Linear(4, 4).requires_grad_(False)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x)[x.nonzero()[:, 0]]
+
+
+settings = {"not": "callable"}
+"""
+
+ROW = re.compile(r"^ *(\d+) +(\d+(?:\.\d+)? (?:bytes|KiB|MiB|GiB|TiB))(.*)$", re.MULTILINE)
+LARGEST = re.compile(r"^largest batch size that fits in (.+) \(with a (\d+)% margin\): (\d+)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def models_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "koila_cli_models.py").write_text(MODELS)
+    yield folder
+    sys.modules.pop("koila_cli_models", None)
+
+
+@pytest.fixture
+def models(models_folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder of the test factories, importable as ``koila_cli_models``."""
+    monkeypatch.syspath_prepend(str(models_folder))
+    return models_folder
+
+
+def estimate_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = cli.main(["estimate", *args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def table(out: str) -> dict[int, tuple[int, str]]:
+    """Return the rows of the table: batch size -> (peak in bytes, give or take rounding; marker)."""
+    rows = {}
+    for size, peak, rest in ROW.findall(out):
+        number, unit = peak.split()
+        scale = 1 if unit == "bytes" else koila_units.parse_bytes(f"1{unit}")
+        marker = next((marker for marker in ("fits, the largest", "fits") if rest.endswith(marker)), "")
+        rows[int(size)] = (round(float(number) * scale), marker)
+    return rows
+
+
+def largest(out: str) -> int:
+    found = LARGEST.findall(out)
+    assert len(found) == 1, out
+    return int(found[0][2])
+
+
+def test_estimate_prints_a_header_a_table_and_the_largest_size_that_fits(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = estimate_cli(capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "64MiB")
+    assert status == 0, err
+    assert err == ""
+    header = out.splitlines()[0]
+    for part in ("SmallCNN", "618 parameters", "float32", "mode train", "optimizer adamw", "3x32x32", "device cpu"):
+        assert part in header
+    assert "budget 64.00 MiB" in header
+    assert re.search(r"^batch size +peak +parameters +gradients +optimizer state +activations +temporaries$", out, re.M)
+    rows = table(out)
+    best = largest(out)
+    assert "in 64.00 MiB (with a 10% margin)" in out
+    assert re.search(r"^the estimate took \d+\.\d\d s", out, re.MULTILINE)
+    assert is_power_of_two(best)
+    assert list(rows) == [2**power for power in range(len(rows))]  # 1, 2, 4, ... with no gap
+    assert max(rows) == max(64, 2 * best)
+    # The sizes marked as fitting are those up to the largest, whose peak plus the margin fits.
+    assert [size for size, (_, marker) in rows.items() if marker.startswith("fits")] == [s for s in rows if s <= best]
+    assert rows[best][1] == "fits, the largest"
+    assert rows[best][0] * 1.1 <= koila_units.parse_bytes("64MiB") * 1.01
+    assert rows[2 * best][0] * 1.1 > koila_units.parse_bytes("64MiB") * 0.99
+    peaks = [peak for peak, _ in rows.values()]
+    assert peaks == sorted(peaks)
+
+
+def test_more_memory_fits_a_larger_batch(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    answers = []
+    for memory in ("16MiB", "256MiB", "4GiB"):
+        status, out, _ = estimate_cli(capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", memory)
+        assert status == 0
+        answers.append(largest(out))
+    assert answers == sorted(answers)
+    assert answers[0] < answers[-1]
+    # A larger margin never fits more.
+    _, out, _ = estimate_cli(
+        capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "256MiB", "--margin", "1.5"
+    )
+    assert largest(out) <= answers[1]
+    assert "(with a 150% margin)" in out
+
+
+def test_inference_needs_less_than_training(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peaks = {}
+    for mode in ("train", "infer"):
+        status, out, _ = estimate_cli(
+            capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "1GiB", "--mode", mode
+        )
+        assert status == 0
+        assert f"mode {mode}" in out.splitlines()[0]
+        peaks[mode] = table(out)
+    assert "optimizer none" in out.splitlines()[0]
+    for size in (1, 8, 64):
+        assert peaks["infer"][size][0] < peaks["train"][size][0]
+    # No gradients and no optimizer state without training.
+    infer_row = next(line for line in out.splitlines() if re.match(r"^ +64 ", line))
+    assert infer_row.split()[5:9] == ["0", "bytes", "0", "bytes"]
+
+
+def test_an_optimizer_with_state_needs_more_than_plain_sgd(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peaks = {}
+    for optimizer in ("sgd", "adam"):
+        status, out, _ = estimate_cli(
+            capsys, "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB", "--optimizer", optimizer
+        )
+        assert status == 0
+        peaks[optimizer] = table(out)[1][0]
+    assert peaks["sgd"] < peaks["adam"]
+
+
+def test_several_inputs_with_their_dtypes_from_a_file_path(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = f"{models / 'koila_cli_models.py'}:TwoInputs"
+    args = ["--input", "16", "--input", "8", "--memory", "1GiB", "--dtype", "bfloat16"]
+    status, out, err = estimate_cli(capsys, target, *args, "--input-dtype", "int64", "--input-dtype", "bfloat16")
+    assert status == 0, err
+    header = out.splitlines()[0]
+    assert "TwoInputs" in header
+    assert "bfloat16)" in header
+    assert "input 16 int64, 8 bfloat16" in header
+    assert largest(out) >= 64
+    # Token ids fed as floats fail inside the model: a one-line error.
+    status, out, err = estimate_cli(capsys, target, *args, "--input-dtype", "float32")
+    assert status == 1
+    assert err.startswith("error: the estimate failed: ")
+    assert err.count("\n") == 1
+
+
+def test_a_long_table_shows_1_to_64_and_the_sizes_near_the_largest(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = estimate_cli(capsys, "koila_cli_models:mlp", "--input", "64", "--memory", "4GiB")
+    assert status == 0
+    rows = table(out)
+    best = largest(out)
+    assert best >= 2**20
+    assert len(rows) <= 20
+    assert [size for size in rows if size <= 64] == [1, 2, 4, 8, 16, 32, 64]
+    assert max(rows) == 2 * best
+    assert re.search(r"^ +\.\.\.$", out, re.MULTILINE)
+
+
+def test_device_rounds_while_memory_sets_the_budget(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = estimate_cli(
+        capsys, "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB", "--device", "cuda:0"
+    )
+    assert status == 0, err
+    assert "device cuda:0, budget 1.00 GiB (--memory)" in out
+    # The caching allocator's blocks of 512 bytes: 65536 + 1024 + 10240 + 512 bytes of parameters, not 76840.
+    assert re.search(r"^ +1 +\S+ \S+ +75\.50 KiB ", out, re.MULTILINE)
+    _, out, _ = estimate_cli(capsys, "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB")
+    assert re.search(r"^ +1 +\S+ \S+ +75\.04 KiB ", out, re.MULTILINE)
+
+
+def test_without_memory_or_device_the_budget_is_the_cpus_free_memory(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = estimate_cli(capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32")
+    assert status == 0
+    assert "the CPU's free memory now" in out.splitlines()[0]
+
+
+def test_when_not_even_a_batch_of_1_fits_the_status_is_1(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = estimate_cli(capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "1KiB")
+    assert status == 1
+    assert err == ""
+    assert re.search(
+        r"^not even a batch size of 1 fits in 1\.00 KiB \(with a 10% margin\): its estimated peak is .+$",
+        out,
+        re.MULTILINE,
+    )
+    assert not LARGEST.search(out)
+    assert max(table(out)) == 64
+    assert not any(marker for _, marker in table(out).values())
+
+
+def test_plot_writes_a_png(models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "peak.png"
+    status, out, err = estimate_cli(
+        capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "64MiB", "--plot", str(png)
+    )
+    assert status == 0, err
+    assert out.splitlines()[-1] == f"wrote {png}"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert png.stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an import finds: not installed
+    png = tmp_path / "peak.png"
+    status, out, err = estimate_cli(
+        capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "64MiB", "--plot", str(png)
+    )
+    assert status == 2
+    assert err == "error: --plot needs matplotlib: pip install koila-retry[plot]\n"
+    assert out == ""
+    assert not png.exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "code", "shown"),
+    [
+        ("koila_cli_no_such_module:make", [], 2, "no module named 'koila_cli_no_such_module'"),
+        ("koila_cli_models:nothing", [], 2, "koila_cli_models has no attribute 'nothing'"),
+        ("koila_cli_models:settings", [], 2, "koila_cli_models:settings is a dict, not a callable"),
+        ("no/such/file.py:make", [], 2, "no file 'no/such/file.py'"),
+        ("koila_cli_models:broken", [], 1, "koila_cli_models:broken() raised ValueError: no weights here"),
+        ("koila_cli_models:not_a_model", [], 1, "returned an object of type int, not a torch.nn.Module"),
+        ("koila_cli_models:frozen", [], 1, "nothing to train; try --mode infer"),
+        ("koila_cli_models:mlp", ["--input", "3x3"], 1, "the estimate failed: RuntimeError: "),
+        ("koila_cli_models:DataDependent", ["--input", "4"], 1, "the estimate failed: NotImplementedError: "),
+        ("koila_cli_models:mlp", ["--device", "bogus"], 2, "--device: 'bogus' is not a device"),
+        ("koila_cli_models:mlp", ["--memory", "1GiB", "--plot", "/no/such/folder/x.png"], 2, "--plot: no folder"),
+    ],
+    ids=[
+        "no-module",
+        "no-attribute",
+        "not-callable",
+        "no-file",
+        "factory-raises",
+        "not-a-module",
+        "nothing-to-train",
+        "wrong-shape",
+        "data-dependent",
+        "bad-device",
+        "no-plot-folder",
+    ],
+)
+def test_estimate_errors_are_one_line(
+    target: str, args: list[str], code: int, shown: str, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if "--input" not in args:
+        args = [*args, "--input", "64"]
+    status, out, err = estimate_cli(capsys, target, *args)
+    assert status == code
+    assert err.startswith("error: ")
+    assert err.count("\n") == 1
+    assert shown in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the free memory of a CUDA device there is")
+def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = estimate_cli(capsys, "koila_cli_models:mlp", "--input", "64", "--device", "cuda")
+    assert status == 2
+    assert err.startswith("error: cannot read free memory of cuda:0")
+    assert err.rstrip().endswith("give the budget with --memory")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["koila_cli_models", "--input", "64"], "argument MODULE:FACTORY: give a module"),
+        (["koila_cli_models:", "--input", "64"], "'koila_cli_models:'"),
+        (["koila_cli_models:1x", "--input", "64"], "FACTORY must be a Python name"),
+        (["koila_cli_models:mlp"], "the following arguments are required: --input"),
+        (["koila_cli_models:mlp", "--input", "3x0x224"], "argument --input: give the shape of one sample"),
+        (["koila_cli_models:mlp", "--input", "abc"], "'abc'"),
+        (["koila_cli_models:mlp", "--input", "-1"], "'-1'"),
+        (["koila_cli_models:mlp", "--input", "64", "--memory", "24XB"], "argument --memory: cannot read '24XB'"),
+        (["koila_cli_models:mlp", "--input", "64", "--dtype", "float64"], "argument --dtype: invalid choice"),
+        (["koila_cli_models:mlp", "--input", "64", "--optimizer", "lion"], "argument --optimizer: invalid choice"),
+        (["koila_cli_models:mlp", "--input", "64", "--mode", "eval"], "argument --mode: invalid choice"),
+        (["koila_cli_models:mlp", "--input", "64", "--input-dtype", "int8"], "argument --input-dtype: invalid"),
+        (["koila_cli_models:mlp", "--input", "64", "--margin", "-0.1"], "argument --margin: give a fraction"),
+        (
+            ["koila_cli_models:mlp", "--input", "64", "--input-dtype", "int64", "--input-dtype", "float32"],
+            "--input-dtype is given 2 times for 1 inputs",
+        ),
+    ],
+    ids=[
+        "no-colon",
+        "no-factory",
+        "factory-not-a-name",
+        "no-input",
+        "zero-size",
+        "letters",
+        "negative",
+        "memory-unit",
+        "dtype",
+        "optimizer",
+        "mode",
+        "input-dtype",
+        "margin",
+        "input-dtype-count",
+    ],
+)
+def test_bad_estimate_arguments_exit_2(
+    args: list[str], shown: str, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["estimate", *args])
+    captured = capsys.readouterr()
+    assert excinfo.value.code == 2
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("usage: python -m koila_retry estimate")
+    errors = [line for line in lines if line.startswith("python -m koila_retry estimate: error: ")]
+    assert len(errors) == 1
+    assert shown in errors[0]
+    assert "Traceback" not in captured.err
+
+
+def test_help_lists_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["--help"])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ +demo +", out, re.MULTILINE)
+    assert re.search(r"^ +estimate +", out, re.MULTILINE)
+
+
+def test_estimate_in_a_subprocess_imports_from_the_current_directory(models_folder: Path) -> None:
+    path = os.pathsep.join(filter(None, [str(REPO), str(models_folder), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "koila_retry", "estimate", "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=models_folder,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith("model Sequential (19.21 K parameters, float32), mode train, optimizer adamw")
+    assert "in 1.00 GiB (with a 10% margin): " in result.stdout.splitlines()[-1]
+    assert largest(result.stdout) > 64

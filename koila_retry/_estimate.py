@@ -1,0 +1,1168 @@
+"""Peak memory of a call, estimated without data: ``estimate`` and ``suggest_batch_size``.
+
+The call runs for real, operator by operator, on meta tensors (shapes and no
+data) at a few batch sizes, while a dispatch mode counts the bytes their storages
+would hold. The user's modules and optimizers are pointed at meta copies of their
+tensors for the duration and given their own back afterwards, so nothing they own
+is read as data or written. (PyTorch's ``FakeTensorMode`` does the same job with
+fake CPU tensors at three times the cost per operator, and fake CUDA tensors abort
+the process in autograd on a machine without CUDA.)
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import itertools
+import math
+import os
+import sys
+import time
+import types
+import warnings
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from cachetools import LRUCache
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils.module_tracker import ModuleTracker
+
+from koila_retry._memory import DeviceLike, free_memory, resolve_device
+from koila_retry._tracking import LiveStorageTracker
+from koila_retry._units import format_bytes, parse_bytes
+from koila_retry._workspace import onednn_convolution_workspace
+from koila_retry.exceptions import BatchSizeExhausted
+
+__all__ = ["MemoryEstimate", "estimate", "suggest_batch_size"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "inputs", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer step")
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes, and rounds
+# allocations above 1 MiB up to whole 2 MiB pieces of its segments.
+_CUDA_BLOCK = 512
+_CUDA_SMALL = 1 << 20
+_CUDA_LARGE_ROUND = 2 << 20
+
+# Nothing larger is ever suggested: past this the estimate says more about the fit than the model.
+_LARGEST = 1 << 40
+# Fake runs cost the same at any batch size; this keeps shapes far from 32-bit limits.
+_LARGEST_RUN = 1 << 20
+DEFAULT_MARGIN = 0.1
+
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_GLOBAL = frozenset({"Global"})  # what torch's ModuleTracker calls being in no module
+
+# Bytes an operator holds during its call beyond its arguments and results.
+Workspace = Callable[[Any, tuple[Any, ...], Any], int]
+
+
+class _Moment(NamedTuple):
+    """One moment of a run: the bytes alive, where the call was, and what they were."""
+
+    total: int  # bytes alive (as the device's allocator rounds them), with operators' workspaces
+    raw: int  # the same before rounding: these grow exactly linearly with the batch
+    phase: str
+    modules: frozenset[str]
+    parts: tuple[int, ...]  # bytes by category, in the order of CATEGORIES
+    raw_parts: tuple[int, ...]
+
+
+class _Run(NamedTuple):
+    """Every moment of one run, at one batch size."""
+
+    batch_size: int
+    moments: list[_Moment]
+
+    def phase_peaks(self) -> dict[str, _Moment]:
+        peaks: dict[str, _Moment] = {}
+        for moment in self.moments:
+            best = peaks.get(moment.phase)
+            if best is None or moment.total > best.total:
+                peaks[moment.phase] = moment
+        return peaks
+
+    def module_peaks(self) -> dict[tuple[str, str], int]:
+        peaks: dict[tuple[str, str], int] = {}
+        for moment in self.moments:
+            direction = "backward" if moment.phase == "backward" else "forward"
+            for name in moment.modules:
+                key = (name, direction)
+                if moment.total > peaks.get(key, -1):
+                    peaks[key] = moment.total
+        return peaks
+
+    def aligned(self, other: _Run) -> bool:
+        """Return whether both runs went through the same moments, in the same places."""
+        if len(self.moments) != len(other.moments):
+            return False
+        return all(
+            mine.phase == theirs.phase and mine.modules == theirs.modules
+            for mine, theirs in zip(self.moments, other.moments, strict=True)
+        )
+
+
+class _Line(NamedTuple):
+    """Bytes alive at one moment of the call, as ``intercept + slope * batch_size``."""
+
+    slope: float
+    intercept: float
+    phase: str
+    parts: tuple[tuple[float, float], ...]  # (slope, intercept) per category
+
+    def at(self, batch_size: float) -> float:
+        return self.intercept + self.slope * batch_size
+
+
+def _through(small: int, large: int, low: float, high: float, *, slope: float | None = None) -> tuple[float, float]:
+    """Return (slope, intercept) of the line through two values, or with ``slope`` through the second."""
+    if slope is None:
+        slope = (high - low) / (large - small)
+    return slope, high - slope * large
+
+
+def _joining(small: int, large: int, first: _Moment, second: _Moment) -> _Line:
+    """Return the line of one moment's bytes through two runs.
+
+    Its slope is that of the bytes before rounding, which grow exactly linearly; it
+    passes through the rounded bytes at the larger size. (Rounded bytes alone can
+    hide growth: 8 and 16 rows of a small layer are one 512-byte block each.)
+    """
+    slope, intercept = _through(small, large, first.raw, second.raw)
+    slope, intercept = _through(small, large, first.total, second.total, slope=slope)
+    parts = tuple(
+        _through(small, large, 0, rounded, slope=_through(small, large, low, high)[0])
+        for low, high, rounded in zip(first.raw_parts, second.raw_parts, second.parts, strict=True)
+    )
+    return _Line(slope, intercept, first.phase, parts)
+
+
+def _envelope(lines: Iterable[_Line], low: float) -> list[_Line]:
+    """Return the lines that are the highest somewhere from batch size ``low`` up, by slope."""
+    steepest: dict[float, _Line] = {}
+    for line in lines:
+        kept = steepest.get(line.slope)
+        if kept is None or line.intercept > kept.intercept:
+            steepest[line.slope] = line
+    hull: list[_Line] = []
+    for line in sorted(steepest.values()):
+        # The last line is never above both neighbours once the new one crosses the one before it first.
+        while len(hull) >= 2:
+            first, last = hull[-2], hull[-1]
+            if (line.intercept - first.intercept) * (last.slope - first.slope) >= (last.intercept - first.intercept) * (
+                line.slope - first.slope
+            ):
+                hull.pop()
+            else:
+                break
+        hull.append(line)
+    while len(hull) >= 2 and hull[1].at(low) >= hull[0].at(low):
+        hull.pop(0)
+    return hull
+
+
+class _Segment(NamedTuple):
+    """The lines that hold between two batch sizes run at (from 1 for the first, with no end for the last)."""
+
+    low: float
+    high: float
+    lines: list[_Line]
+    modules: dict[tuple[str, str], list[_Line]]
+
+    def covers(self, batch_size: int) -> bool:
+        return self.low <= batch_size <= self.high
+
+
+def _model(runs: list[_Run]) -> list[_Segment]:
+    """Return, between each two sizes run at, the lines whose highest is the peak.
+
+    Where two runs went through the same moments, each moment's bytes are exactly a
+    line through them, which holds at every size that takes the same path through
+    the call. Between two runs that took different paths, each phase's peak is
+    taken as the straight line joining them.
+    """
+    segments = []
+    for index, (small, large) in enumerate(itertools.pairwise(runs)):
+        a, b = small.batch_size, large.batch_size
+        low, high = small.phase_peaks(), large.phase_peaks()
+        lines = [_joining(a, b, low[phase], high[phase]) for phase in low if phase in high]
+        modules: dict[tuple[str, str], list[_Line]] = defaultdict(list)
+        low_modules, high_modules = small.module_peaks(), large.module_peaks()
+        for key, value in low_modules.items():
+            if key in high_modules:
+                modules[key].append(_Line(*_through(a, b, value, high_modules[key]), key[1], ()))
+        if small.aligned(large):
+            for first, second in zip(small.moments, large.moments, strict=True):
+                line = _joining(a, b, first, second)
+                lines.append(line)
+                direction = "backward" if first.phase == "backward" else "forward"
+                for name in first.modules:
+                    modules[(name, direction)].append(line)
+        start = 1.0 if index == 0 else float(a)
+        end = math.inf if index == len(runs) - 2 else float(b)
+        enveloped = {key: _envelope(found, start) for key, found in sorted(modules.items())}
+        segments.append(_Segment(start, end, _envelope(lines, start), enveloped))
+    return segments
+
+
+class MemoryEstimate:
+    """The estimated peak memory of a call, as a function of its batch size.
+
+    Made by :func:`estimate`. The model: the bytes alive at any one moment of the
+    call grow linearly with the batch size (for a call that takes the same path
+    through its code at every size), so the peak, the largest of them, is the
+    highest of a set of lines, and convex. Two runs that took the same path
+    give every moment's line exactly. Where runs took different paths, the straight
+    line joining two sizes' peaks, which is never below a convex curve between
+    them, stands in. So at small batch sizes the optimizer step, which hardly
+    depends on the batch, can set the peak, and at large ones the forward or
+    backward pass does.
+
+    Attributes:
+        device (torch.device): the device the estimate is for.
+        sizes (tuple of int): the batch sizes the call was run at.
+        measured (dict): the peak bytes measured at each of them.
+        resident (int): bytes of the counted tensors (parameters, buffers,
+            gradients, optimizer state) that already exist on ``device``; they
+            are part of every peak, and not of the device's free memory.
+        seconds (float): how long the estimate took.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, device: torch.device, runs: list[_Run], resident: int, seconds: float) -> None:
+        self.device = device
+        self.sizes = tuple(run.batch_size for run in runs)
+        self.resident = resident
+        self.seconds = seconds
+        self.measured = {run.batch_size: max(moment.total for moment in run.moments) for run in runs}
+        self._segments = _model(runs)
+
+    def _highest(self, batch_size: int) -> _Line:
+        _check_batch_size(batch_size)
+        lines = (line for segment in self._segments if segment.covers(batch_size) for line in segment.lines)
+        return max(lines, key=lambda line: line.at(batch_size))
+
+    @property
+    def fixed(self) -> int:
+        """int: bytes of the peak that do not depend on the batch size, at large sizes."""
+        return max(round(self._segments[-1].lines[-1].intercept), 0)
+
+    @property
+    def per_sample(self) -> int:
+        """int: bytes the peak grows by per sample, at large sizes."""
+        return max(math.ceil(self._segments[-1].lines[-1].slope), 0)
+
+    def peak(self, batch_size: int) -> int:
+        """Return the estimated peak bytes of the call at ``batch_size``.
+
+        Args:
+            batch_size (int): the rows along ``dim``; at least 1.
+
+        Returns:
+            int: the most bytes the call holds at once, everything counted.
+        """
+        return max(math.ceil(self._highest(batch_size).at(batch_size)), 0)
+
+    def phase(self, batch_size: int) -> str:
+        """Return the phase of the call in which its peak falls at ``batch_size``.
+
+        Args:
+            batch_size (int): the rows along ``dim``.
+
+        Returns:
+            str: ``"forward"`` (which includes whatever runs outside backward and
+            the optimizer step), ``"backward"`` or ``"optimizer step"``.
+        """
+        return self._highest(batch_size).phase
+
+    def breakdown(self, batch_size: int) -> dict[str, int]:
+        """Return the bytes held at the peak, by what they are.
+
+        Args:
+            batch_size (int): the rows along ``dim``.
+
+        Returns:
+            dict: bytes of ``"parameters"`` (buffers included),
+            ``"gradients"``, ``"optimizer state"``, ``"inputs"``, ``"activations"``
+            (made by the forward pass) and ``"temporaries"`` (made by backward or
+            the optimizer step, neither gradients nor state, and operators'
+            workspaces); they add up to :meth:`peak`, give or take rounding.
+        """
+        parts = self._highest(batch_size).parts
+        return {
+            category: max(round(intercept + slope * batch_size), 0)
+            for category, (slope, intercept) in zip(CATEGORIES, parts, strict=True)
+        }
+
+    def module_peaks(self, batch_size: int) -> dict[str, tuple[int, int]]:
+        """Return the peak bytes held while each module ran, forward and backward.
+
+        Args:
+            batch_size (int): the rows along ``dim``.
+
+        Returns:
+            dict: per module name (its type, then the path
+            of attribute names, as ``"Sequential.0"``), the most bytes alive
+            while its forward ran and while its backward ran (0 if it had none).
+        """
+        _check_batch_size(batch_size)
+        highest: dict[tuple[str, str], float] = {}
+        for segment in self._segments:
+            if segment.covers(batch_size):
+                for key, lines in segment.modules.items():
+                    highest[key] = max(highest.get(key, 0.0), *(line.at(batch_size) for line in lines))
+        peaks: dict[str, tuple[int, int]] = {}
+        for (name, direction), value in highest.items():
+            forward, backward = peaks.get(name, (0, 0))
+            bytes_ = max(math.ceil(value), 0)
+            peaks[name] = (bytes_, backward) if direction == "forward" else (forward, bytes_)
+        return peaks
+
+    def fits(self, batch_size: int, budget: int | str, *, margin: float = 0.1) -> bool:
+        """Return whether the peak at ``batch_size``, plus ``margin``, fits in ``budget`` bytes.
+
+        Args:
+            batch_size (int): the rows along ``dim``.
+            budget (int or str): bytes available to the call, everything counted
+                (``"80GiB"`` for a whole card).
+            margin (float): the fraction of the peak kept free for what is not
+                modelled. Default: 0.1.
+
+        Returns:
+            bool: ``peak(batch_size) * (1 + margin) <= budget``.
+        """
+        return self.peak(batch_size) * (1 + _check_margin(margin)) <= parse_bytes(budget)
+
+    def largest_fitting(self, budget: int | str, *, margin: float = 0.1, maximum: int | None = None) -> int | None:
+        """Return the largest power of two whose peak, plus ``margin``, fits in ``budget``.
+
+        Args:
+            budget (int or str): bytes available to the call, everything counted.
+            margin (float): the fraction of the peak kept free. Default: 0.1.
+            maximum (int, optional): no larger size is returned.
+
+        Returns:
+            int or None: the batch size, or ``None`` if even 1 does not fit.
+        """
+        limit = parse_bytes(budget)
+        factor = 1 + _check_margin(margin)
+        ceiling = _LARGEST if maximum is None else _check_batch_size(maximum, "maximum")
+        size, best = 1, None
+        while size <= ceiling and self.peak(size) * factor <= limit:
+            best, size = size, size * 2
+        return best
+
+    def describe(self, batch_size: int) -> str:
+        """Return one line: the peak at ``batch_size`` and what it is made of."""
+        parts = ", ".join(
+            f"{category} {format_bytes(value)}" for category, value in self.breakdown(batch_size).items() if value
+        )
+        return (
+            f"estimated peak {format_bytes(self.peak(batch_size))} at batch size {batch_size} "
+            f"(during the {self.phase(batch_size)}: {parts})"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryEstimate(device={str(self.device)!r}, fixed={format_bytes(self.fixed)}, "
+            f"per_sample={format_bytes(self.per_sample)}, sizes={self.sizes})"
+        )
+
+
+def _check_batch_size(value: object, name: str = "batch_size") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _check_margin(margin: object) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise TypeError(f"margin must be a number, a fraction of the peak like 0.1, got {margin!r}")
+    if not 0 <= margin < 10:
+        raise ValueError(f"margin must be a number in [0, 10), a fraction of the peak, got {margin!r}")
+    return float(margin)
+
+
+def estimate(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    dim: int = 0,
+    sizes: Iterable[int] | None = None,
+    device: DeviceLike = None,
+    **kwargs: Any,
+) -> MemoryEstimate:
+    """Estimate the peak memory of ``fn(*args, **kwargs)`` at any batch size, without running it.
+
+    ``fn`` runs on meta tensors (shapes, no data) at a few batch sizes: the
+    example arguments' tensors are remade with that many rows along ``dim``, and
+    the modules and optimizers ``fn`` reaches (as arguments, through its closure,
+    the globals it names, its defaults or the object it is bound to) are pointed
+    at meta copies of their parameters, buffers, gradients and state for the run.
+    They get their own back afterwards, untouched: nothing is read as data or
+    written. ``fn`` may be a forward pass or a whole training step, with
+    ``backward()`` and ``optimizer.step()``. Models built on the meta device work
+    the same way. Its Python side effects do happen: what it appends to a list,
+    it appends; a value it reads with ``.item()`` reads as a placeholder (see
+    :doc:`/estimate`).
+
+    Args:
+        fn (callable): the call to estimate.
+        *args: its positional arguments; every tensor among them (and inside
+            lists, tuples and dicts) is a batch with the same rows along ``dim``.
+        dim (int): the batch dimension. Default: 0.
+        sizes (iterable of int, optional): the batch sizes to run at, at least
+            two. Default: the example's rows (at least 2) and twice that; if the
+            call takes different paths through its code at those two, also 1, a
+            size at which the bytes that grow with the batch dwarf the rest, and
+            twice that.
+        device (torch.device, str, int or None): the device the estimate is for.
+            On CUDA, each allocation is rounded as the caching allocator rounds
+            it. Default: the device of the first tensor argument.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        MemoryEstimate: ``peak(batch_size)``, its breakdown and its fit.
+
+    Raises:
+        ValueError: if no argument is a tensor, the tensors disagree on their
+            rows, or ``dim`` or ``sizes`` is out of range.
+        Exception: what ``fn`` raised on meta tensors, with a note that says so.
+
+    .. versionadded:: 0.1.0
+    """
+    # Dispatch modes import torch._dynamo the first time they run (seconds): not the estimate's time.
+    importlib.import_module("torch._dynamo")
+    started = time.perf_counter()
+    if not callable(fn):
+        raise TypeError(f"koila.estimate needs a callable, got {type(fn).__name__} {fn!r}")
+    batch = _Batch(args, kwargs, dim)
+    chosen = _sizes(sizes)
+    target = resolve_device(device) if device is not None else batch.device
+    owned = _Owned((fn, args, kwargs))
+    round_bytes = _cuda_rounding if target.type == "cuda" else None
+    # cuDNN's workspaces on CUDA are not modelled (the margin is for them); oneDNN's are.
+    workspace = onednn_convolution_workspace if target.type == "cpu" else None
+
+    def run(size: int) -> _Run:
+        return _run(fn, batch, owned, size, round_bytes, workspace)
+
+    # A collection during a run was seen to fire the weak-reference callbacks of meta
+    # storages still in use (PyTorch keeps their Python objects alive for them, and a
+    # collection of an earlier run's garbage can clear the references): none runs.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if chosen is None:
+            base = max(batch.rows, 2)
+            runs = [run(base), run(2 * base)]
+            if not runs[0].aligned(runs[1]):
+                # The call takes another path at another size (a loop over chunks of its
+                # own, say): the peak is measured at 1, and far out too, where it grows
+                # at its final rate.
+                one = run(1)
+                large = _large_size(one, runs[0])
+                runs = [one, *runs, run(large), run(2 * large)]
+        else:
+            runs = [run(size) for size in chosen]
+    finally:
+        if collecting:
+            gc.enable()
+    resident = owned.resident(target, round_bytes)
+    return MemoryEstimate(target, runs, resident, time.perf_counter() - started)
+
+
+def suggest_batch_size(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    dim: int = 0,
+    device: DeviceLike = None,
+    budget: int | str | None = None,
+    margin: float = DEFAULT_MARGIN,
+    maximum: int | None = None,
+    sizes: Iterable[int] | None = None,
+    **kwargs: Any,
+) -> int:
+    """Return the largest power of two whose estimated peak fits in the memory there is.
+
+    Args:
+        fn (callable): the call, as for :func:`estimate`.
+        *args: its positional arguments, as for :func:`estimate`.
+        dim (int): the batch dimension. Default: 0.
+        device (torch.device, str, int or None): as for :func:`estimate`.
+        budget (int or str, optional): bytes available to the call, everything
+            counted (``"80GiB"`` for a whole card). Default: the device's free
+            memory (:func:`free_memory`) plus what of the call's parameters,
+            gradients and optimizer state already lies on it.
+        margin (float): the fraction of the peak kept free for what the
+            estimate does not model. Default: 0.1.
+        maximum (int, optional): no larger size is suggested.
+        sizes (iterable of int, optional): as for :func:`estimate`.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        int: the batch size.
+
+    Raises:
+        BatchSizeExhausted: if even a batch of 1 does not fit; the message
+            holds the estimate.
+        ValueError: if ``budget``, ``margin`` or ``maximum`` is out of range, or
+            no budget is given for an estimate on the meta device.
+
+    .. versionadded:: 0.1.0
+    """
+    _check_margin(margin)
+    if maximum is not None:
+        _check_batch_size(maximum, "maximum")
+    limit = None if budget is None else parse_bytes(budget)  # refused before the estimate, not after
+    found = estimate(fn, *args, dim=dim, sizes=sizes, device=device, **kwargs)
+    if limit is None and found.device.type == "meta":
+        raise ValueError(
+            "the estimate is for the meta device (the inputs are meta tensors), which has no memory to fit in: "
+            "pass budget= (like '80GiB') or the device= it is for"
+        )
+    available = free_memory(found.device) + found.resident if limit is None else limit
+    size = found.largest_fitting(available, margin=margin, maximum=maximum)
+    if size is None:
+        raise BatchSizeExhausted(
+            f"even a batch of 1 does not fit: {found.describe(1)}, plus a margin of {margin:.0%}, "
+            f"and {format_bytes(available)} are available on {found.device}",
+            batch_size=1,
+            attempts=0,
+        )
+    return size
+
+
+# --- the batch -------------------------------------------------------------------
+
+
+class _Batch:
+    """The example arguments, with the tensors that are the batch found and checked."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+        leaves, self.spec = tree_flatten_with_path((args, kwargs))
+        self.leaves = [leaf for _, leaf in leaves]
+        self.positions = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
+        if not self.positions:
+            raise ValueError(
+                "koila.estimate remakes the tensor arguments with other batch sizes, and none of the "
+                f"arguments is a tensor (got {[type(leaf).__name__ for leaf in self.leaves]})"
+            )
+        self.dim, rows, first = dim, -1, ""
+        for position in self.positions:
+            tensor, label = self.leaves[position], _label(leaves[position][0])
+            if not -tensor.dim() <= dim < tensor.dim():
+                allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
+                raise ValueError(
+                    f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
+                )
+            if rows == -1:
+                rows, first = tensor.size(dim), label
+            elif tensor.size(dim) != rows:
+                raise ValueError(
+                    f"every tensor argument must have the same size along dim {dim}: {first} has {rows}, "
+                    f"{label} has {tensor.size(dim)}"
+                )
+        if rows == 0:
+            raise ValueError(f"the example arguments have 0 rows along dim {dim}: nothing to scale from")
+        self.rows = rows
+        self.device: torch.device = self.leaves[self.positions[0]].device
+
+    def remade(self, batch_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Return the arguments with every tensor a fresh meta one of ``batch_size`` rows."""
+        leaves = list(self.leaves)
+        for position in self.positions:
+            tensor = leaves[position]
+            shape = list(tensor.shape)
+            shape[self.dim] = batch_size
+            leaves[position] = torch.empty(shape, dtype=tensor.dtype, device=_META, requires_grad=tensor.requires_grad)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+def _label(path: tuple[Any, ...]) -> str:
+    # The path starts with (args, kwargs): 0 is a positional argument, 1 a keyword one.
+    where, rest = path[0].idx, keystr(path[1:])
+    return f"argument {rest[1:-1]}" if where == 0 and len(path) == 2 else f"argument {rest}"
+
+
+def _sizes(sizes: Iterable[int] | None) -> list[int] | None:
+    if sizes is None:
+        return None
+    if isinstance(sizes, (int, str)):
+        raise TypeError(f"sizes must be an iterable of batch sizes, like (1, 64, 128), got {sizes!r}")
+    chosen = sorted({_check_batch_size(size, "every size") for size in sizes})
+    if len(chosen) < 2:
+        raise ValueError(f"sizes must hold at least two different batch sizes, got {chosen}")
+    return chosen
+
+
+def _large_size(one: _Run, base: _Run) -> int:
+    """Return a power of two at which the bytes that grow with the batch dwarf the rest."""
+    fixed = max(moment.total for moment in one.moments)
+    low, high = one.phase_peaks(), base.phase_peaks()
+    growth = max(high[phase].total - low[phase].total for phase in low if phase in high) / (base.batch_size - 1)
+    wanted = 8 * fixed / growth if growth > 0 else 0
+    large = 1 << max(math.ceil(math.log2(max(wanted, 1))), 0)
+    return min(max(large, 4 * base.batch_size), max(_LARGEST_RUN, 4 * base.batch_size))
+
+
+def _cuda_rounding(nbytes: int) -> int:
+    if nbytes == 0:
+        return 0
+    rounded = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    if rounded > _CUDA_SMALL:
+        rounded = -(-rounded // _CUDA_LARGE_ROUND) * _CUDA_LARGE_ROUND
+    return rounded
+
+
+# --- what the call owns ------------------------------------------------------------
+
+
+class _Owned:
+    """The modules, optimizers and other training state a call can reach, and how to lend them meta tensors."""
+
+    def __init__(self, roots: Iterable[Any]) -> None:
+        modules: dict[int, torch.nn.Module] = {}
+        optimizers: dict[int, torch.optim.Optimizer] = {}
+        others: dict[int, object] = {}
+        for value in _reachable(roots):
+            if isinstance(value, torch.nn.Module):
+                for module in value.modules():
+                    modules.setdefault(id(module), module)
+            elif isinstance(value, torch.optim.Optimizer):
+                optimizers.setdefault(id(value), value)
+            else:
+                others.setdefault(id(value), value)
+        self.modules = list(modules.values())
+        self.optimizers = list(optimizers.values())
+        self.others = list(others.values())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every tensor the modules and optimizers hold, with its category."""
+        for module in self.modules:
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is not None:
+                    yield "parameters", tensor
+                    if tensor.grad is not None:
+                        yield "gradients", tensor.grad
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    yield "parameters", parameter
+                    if parameter.grad is not None:
+                        yield "gradients", parameter.grad
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        yield "optimizer state", value
+
+    def resident(self, device: torch.device, round_bytes: Callable[[int], int] | None) -> int:
+        """Return the bytes of the tensors held that lie on ``device`` now."""
+        seen: set[int] = set()
+        total = 0
+        for _, tensor in self.tensors():
+            if _same_device(tensor.device, device) and tensor.layout == torch.strided:
+                storage = tensor.untyped_storage()
+                if id(storage) not in seen:
+                    seen.add(id(storage))
+                    total += round_bytes(storage.nbytes()) if round_bytes else storage.nbytes()
+        return total
+
+    def lend(self, recorder: _Recorder) -> Callable[[], None]:
+        """Point every module and optimizer at meta copies of its tensors; return what undoes it.
+
+        Must run under ``recorder``, which counts the copies.
+        """
+        fakes: dict[int, torch.Tensor] = {}
+        undo: list[Callable[[], None]] = []
+
+        def fake_of(tensor: torch.Tensor, category: str) -> torch.Tensor:
+            fake = fakes.get(id(tensor))
+            if fake is None:
+                recorder.category = category
+                fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=_META)
+                if isinstance(tensor, torch.nn.Parameter):
+                    fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                elif tensor.requires_grad:
+                    fake.requires_grad_(True)
+                grad = tensor.grad if tensor.is_leaf else None
+                if grad is not None and grad.layout == torch.strided:
+                    fake.grad = fake_of(grad, "gradients")
+                fakes[id(tensor)] = fake
+            return fake
+
+        try:
+            # Their attributes are put back as they were: a scheduler's epoch, a scaler's scale.
+            undo += [_restorer(other) for other in self.others]
+            for module in self.modules:
+                undo.append(_restorer(module))
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None:
+                            table[name] = fake_of(tensor, "parameters")  # type: ignore[assignment]
+            for optimizer in self.optimizers:
+                undo.append(_restorer(optimizer))
+                groups = list(optimizer.param_groups)
+                saved_groups = [dict(group) for group in groups]
+
+                def put_back(optimizer: Any = optimizer, groups: Any = groups, saved: Any = saved_groups) -> None:
+                    optimizer.param_groups[:] = groups
+                    for group, before in zip(groups, saved, strict=True):
+                        group.clear()
+                        group.update(before)
+
+                undo.append(put_back)
+                for group in groups:
+                    group["params"] = [fake_of(parameter, "parameters") for parameter in group["params"]]
+                state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+                for parameter, values in optimizer.state.items():
+                    state[fake_of(parameter, "parameters")] = {
+                        key: fake_of(value, "optimizer state") if isinstance(value, torch.Tensor) else value
+                        for key, value in values.items()
+                    }
+                optimizer.state = state
+        except BaseException:
+            _undo(undo)
+            raise
+        finally:
+            fakes.clear()  # the copies live as long as their owners hold them, as the real ones do
+        return functools.partial(_undo, undo)
+
+    def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the gradients and optimizer state the run holds now (after ``lend``)."""
+        for category, tensor in self.tensors():
+            if category != "parameters":
+                yield category, tensor
+
+
+def _same_device(device: torch.device, target: torch.device) -> bool:
+    if device.type != target.type:
+        return False
+    return device.index is None or target.index is None or device.index == target.index
+
+
+def _restorer(owner: Any) -> Callable[[], None]:
+    """Snapshot an object's attributes (and its parameter and buffer tables); return what restores them."""
+    saved = dict(vars(owner))
+    tables = [(table, dict(table)) for table in (saved.get("_parameters"), saved.get("_buffers")) if table is not None]
+
+    def restore() -> None:
+        attributes = vars(owner)
+        for name in [name for name in attributes if name not in saved]:
+            del attributes[name]
+        attributes.update(saved)
+        for table, before in tables:
+            table.clear()
+            table.update(before)
+
+    return restore
+
+
+def _undo(undo: list[Callable[[], None]]) -> None:
+    for step in reversed(undo):
+        step()
+
+
+def _reachable(roots: Iterable[Any]) -> Iterator[Any]:
+    """Yield the modules, optimizers and other stateful objects reachable from ``roots``."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(root, 0) for root in roots]
+    while stack:
+        value, depth = stack.pop()
+        if id(value) in seen or depth > 6:
+            continue
+        seen.add(id(value))
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+            yield value
+            continue
+        if _stateful(value):
+            yield value  # a learning-rate scheduler or a gradient scaler, say; its optimizer is reached through it
+        stack.extend((child, depth + 1) for child in _children(value))
+
+
+def _stateful(value: object) -> bool:
+    """Return whether ``value`` keeps training state of its own (it saves and loads a ``state_dict``)."""
+    return (
+        not isinstance(value, type)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+        and isinstance(getattr(value, "__dict__", None), dict)
+    )
+
+
+_LEAVES = (types.ModuleType, type, torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype)
+
+
+def _children(value: Any) -> list[Any]:
+    if isinstance(value, _LEAVES):
+        return []
+    if isinstance(value, types.MethodType):
+        return [value.__self__, value.__func__]
+    if isinstance(value, types.FunctionType):
+        children: list[Any] = list(value.__defaults__ or ()) + list((value.__kwdefaults__ or {}).values())
+        for cell in value.__closure__ or ():
+            try:
+                children.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        names = value.__globals__
+        children += [names[name] for name in _global_names(value.__code__) if name in names]
+        return children
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)[:1000]
+    if isinstance(value, Mapping):
+        return list(value.values())[:1000]
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        call = vars(type(value)).get("__call__")  # a callable object's own code names globals too
+        return [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
+    return []
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+# --- one run on meta tensors ------------------------------------------------------
+
+
+class _Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
+    """Count live storages, by phase and category, with the peaks of each phase and module.
+
+    Every storage made is logged with the event clock at which it was made and
+    freed, so the bytes alive at a phase's peak can be told apart, by category,
+    after the run: whether a storage became a gradient or optimizer state is known
+    only later.
+    """
+
+    def __init__(self, round_bytes: Callable[[int], int] | None, workspace: Workspace | None) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.workspace = workspace
+        self.category = "inputs"
+        self.running = False
+        self.in_step = 0
+        self.clock = 0
+        self.entries: list[list[Any]] = []  # [bytes, category, made at, freed at or None, bytes unrounded]
+        self.index: dict[int, int] = {}  # id of a live storage -> its entry
+        self.observed: list[tuple[int, int, str, frozenset[str]]] = []  # (clock, transient bytes, phase, modules)
+        self.modules: ModuleTracker | None = None
+        self.reclassify: Callable[[], None] | None = None
+        self._callback_queued = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is _LOCAL_SCALAR:
+            return self._placeholder(args[0].dtype)
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and device != _META:
+            # A tensor asked for on another device (x.to("cuda"), .cpu(), device="cpu")
+            # is made on the meta device too: everything stays shapes without data.
+            kwargs = {**kwargs, "device": _META}
+        seen: set[int] = set()
+        args = _on_meta(args, seen, func)
+        if kwargs:
+            kwargs = _on_meta(kwargs, seen, func)
+        out = func(*args, **kwargs)
+        fresh = False
+        for tensor in _tensors(out):
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key not in seen and key not in self._storages:
+                seen.add(key)
+                self._add(storage)
+                fresh = True
+        if self.running:
+            transient = self.workspace(func, args, out) if self.workspace is not None else 0
+            if fresh or transient:
+                self._observe(transient)
+        return out
+
+    def _placeholder(self, dtype: torch.dtype) -> Any:
+        # Meta tensors hold no values. An optimizer reads its step count (1 keeps the
+        # bias corrections finite); elsewhere 0 and False keep checks for infinities
+        # (a gradient scaler's, say) from skipping the step.
+        if dtype == torch.bool:
+            return False
+        if dtype.is_floating_point or dtype.is_complex:
+            return 1.0 if self.in_step else 0.0
+        return 1
+
+    def phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "optimizer step" if self.in_step else "forward"
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, raw = id(storage), storage.nbytes()
+        nbytes = raw if self.round_bytes is None else self.round_bytes(raw)
+        if self.running:
+            phase = self.phase()
+            category = "activations" if phase == "forward" else "temporaries"
+            if phase == "backward" and not self._callback_queued and self.reclassify is not None:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        else:
+            category = self.category
+        self.clock += 1
+        index = len(self.entries)
+        self.entries.append([nbytes, category, self.clock, None, raw])
+        self.index[key] = index
+        entries, table = self.entries, self.index
+
+        def forget(_: object) -> None:
+            if self._storages.pop(key, None) is not None:
+                if table.get(key) == index:
+                    del table[key]
+                self.clock += 1
+                entries[index][3] = self.clock
+                self.live -= nbytes
+
+        self._storages[key] = weakref.ref(storage, forget)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        if self.reclassify is not None:
+            self.reclassify()
+
+    def _observe(self, transient: int) -> None:
+        parents = self.modules.parents if self.modules is not None else ()
+        self.observed.append((self.clock, transient, self.phase(), frozenset(parents) - _GLOBAL))
+
+    def mark(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Give the storages of these tensors, where logged and alive, their category."""
+        for category, tensor in tensors:
+            try:
+                key = id(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            index = self.index.get(key)
+            if index is not None:
+                self.entries[index][1] = category
+
+    def start(self) -> None:
+        """End the set-up: what is alive now is the start of the forward phase."""
+        self.running = True
+        self._observe(0)
+
+    def moments(self) -> list[_Moment]:
+        """Return every moment observed, with the bytes alive by their final category."""
+        slot = {category: index for index, category in enumerate(CATEGORIES)}
+        changes: list[tuple[int, int, int, int]] = []  # (clock, category, bytes, bytes unrounded)
+        for nbytes, category, made, freed, raw in self.entries:
+            changes.append((made, slot[category], nbytes, raw))
+            if freed is not None:
+                changes.append((freed, slot[category], -nbytes, -raw))
+        changes.sort(key=lambda change: change[0])
+        parts, raw_parts, moments, position = [0] * len(CATEGORIES), [0] * len(CATEGORIES), [], 0
+        temporaries = slot["temporaries"]
+        for clock, transient, phase, modules in self.observed:
+            while position < len(changes) and changes[position][0] <= clock:
+                _, category, nbytes, raw = changes[position]
+                parts[category] += nbytes
+                raw_parts[category] += raw
+                position += 1
+            now, raw_now = list(parts), list(raw_parts)
+            now[temporaries] += transient
+            raw_now[temporaries] += transient
+            moments.append(_Moment(sum(now), sum(raw_now), phase, modules, tuple(now), tuple(raw_now)))
+        return moments
+
+
+_META = torch.device("meta")
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Yield the tensors of an operator's arguments or result (flat, or in lists and tuples)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list)):
+                yield from _tensors(item)
+    elif isinstance(tree, dict):
+        yield from _tensors(list(tree.values()))
+
+
+def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
+    """Return an operator's arguments with every tensor on the meta device; note their storages.
+
+    A real tensor the call reaches some other way than through a module or optimizer
+    it can see (a constant in a closure, say) is read through a meta copy: its values
+    are never written, and its memory is not counted.
+    """
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type == "meta":
+            seen.add(id(tree.untyped_storage()))
+            return tree
+        if tree.requires_grad:
+            raise RuntimeError(
+                f"koila.estimate: {func} was given a real tensor of shape {tuple(tree.shape)} that requires grad, "
+                "which the call reached some way other than through a module or optimizer it can see (as an "
+                "argument, in its closure, in a global it names, or bound as self), so autograd would write to "
+                "it. Pass that module, or a function that closes over it"
+            )
+        copy = torch.empty_strided(tree.size(), tree.stride(), dtype=tree.dtype, device=_META)
+        seen.add(id(copy.untyped_storage()))
+        return copy
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_on_meta(item, seen, func) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _on_meta(value, seen, func) for key, value in tree.items()}
+    return tree
+
+
+def _run(
+    fn: Callable[..., Any],
+    batch: _Batch,
+    owned: _Owned,
+    batch_size: int,
+    round_bytes: Callable[[int], int] | None,
+    workspace: Workspace | None,
+) -> _Run:
+    recorder = _Recorder(round_bytes, workspace)
+    rng = torch.get_rng_state()
+    handles: list[Any] = []
+    undo: Callable[[], None] | None = None
+    with _META, recorder:
+        try:
+            undo = owned.lend(recorder)
+            recorder.category = "inputs"
+            args, kwargs = batch.remade(batch_size)
+            recorder.mark(owned.gradients_and_state())
+
+            def reclassify() -> None:
+                recorder.mark(owned.gradients_and_state())
+
+            def entered_step(*_: Any) -> None:
+                recorder.in_step += 1
+                reclassify()
+
+            def left_step(*_: Any) -> None:
+                recorder.in_step -= 1
+                reclassify()
+
+            recorder.reclassify = reclassify
+            handles.append(register_optimizer_step_pre_hook(entered_step))
+            handles.append(register_optimizer_step_post_hook(left_step))
+            with ModuleTracker() as modules:
+                recorder.modules = modules
+                recorder.start()
+                try:
+                    fn(*args, **kwargs)
+                except Exception as error:
+                    if sys.version_info >= (3, 11):
+                        error.add_note(
+                            f"(raised while koila.estimate ran the call on meta tensors, which have shapes and no "
+                            f"values, with a batch of {batch_size})"
+                        )
+                    raise
+                finally:
+                    recorder.modules = None
+            reclassify()
+            del args, kwargs
+            moments = recorder.moments()
+        finally:
+            for handle in handles:
+                handle.remove()
+            if undo is not None:
+                undo()
+            recorder.reclassify = None
+            torch.set_rng_state(rng)
+    return _Run(batch_size, moments)
+
+
+# --- initial="auto" -----------------------------------------------------------------
+
+# Per function, input signature and device: the largest power of two that fits, and
+# the largest batch of any size that does. An estimate costs once per signature.
+_suggestions: LRUCache[Hashable, tuple[int, int]] = LRUCache(maxsize=256)
+
+AUTO = "auto"
+
+
+def check_auto(initial: object) -> None:
+    """Refuse a string ``initial`` other than ``"auto"``."""
+    if isinstance(initial, str) and initial != AUTO:
+        raise ValueError(f"initial must be an int >= 1, None or 'auto', got {initial!r}")
+
+
+def auto_first(key: Hashable, rows: int, make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> int:
+    """Return the first size for ``initial="auto"``: the whole batch if it fits, else a power of two.
+
+    Args:
+        key (Hashable): the function, its input signature and the device.
+        rows (int): the rows of this call.
+        make (callable): makes the estimate, the first time ``key`` is seen.
+        device (torch.device): the device the call runs on.
+        name (str): the function's name, for the warning when no estimate can be made.
+
+    Returns:
+        int: the size to start at.
+    """
+    limits = _suggestions.get(key)
+    if limits is None:
+        limits = _limits(make, device, name)
+        _suggestions[key] = limits
+    power, whole = limits
+    return rows if rows <= whole else power
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _levels_to_caller() -> int:
+    """Return the ``stacklevel`` of the first frame outside this package, for a warning raised from here."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _limits(make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> tuple[int, int]:
+    failure = None
+    try:
+        found = make()
+    except Exception as error:
+        failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if failure is not None:  # warned outside the handler, so that the error is gone
+        warnings.warn(
+            f"initial='auto' could not estimate the memory of {name} ({failure}); it starts from the "
+            "whole batch and halves on out-of-memory errors",
+            UserWarning,
+            stacklevel=_levels_to_caller(),
+        )
+        return _LARGEST, _LARGEST
+    budget = free_memory(device) + found.resident
+    power = found.largest_fitting(budget, margin=DEFAULT_MARGIN) or 1
+    low, high = power, 2 * power  # the largest batch of any size that fits lies between
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if found.fits(middle, budget, margin=DEFAULT_MARGIN) else (low, middle)
+    return power, low
