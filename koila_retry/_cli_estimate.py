@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from koila_retry._estimate import MemoryEstimate, estimate
 from koila_retry._memory import free_memory, resolve_device
@@ -214,6 +215,9 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
         ]
         step = _step(model, args.mode, args.optimizer)
         try:
+            if args.mode == "train":
+                # Every step after the first holds the optimizer's state from its start: estimate one of those.
+                _warm_up(step, inputs)
             found = estimate(step, *inputs, device=device)
         except Exception as exc:
             raise Failure(
@@ -379,7 +383,27 @@ def _step(model: nn.Module, mode: str, optimizer: str) -> Callable[..., None]:
         _loss(out).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
+    train.parameters = params  # type: ignore[attr-defined]
     return train
+
+
+class _NoValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Answer reads of a meta tensor's value (an optimizer's step count) with 1 instead of an error."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _warm_up(step: Callable[..., None], inputs: list[torch.Tensor]) -> None:
+    """Run one training step on the meta model, so that its optimizer's state exists (as meta tensors)."""
+    with _NoValues():  # type: ignore[no-untyped-call]
+        step(*inputs)
+    for parameter in step.parameters:  # type: ignore[attr-defined]
+        parameter.grad = None
 
 
 def _loss(out: Any) -> torch.Tensor:

@@ -330,6 +330,23 @@ def test_an_optimizer_with_state_needs_more_than_plain_sgd(models: Path, capsys:
     assert peaks["sgd"] < peaks["adam"]
 
 
+def test_training_is_estimated_with_the_optimizer_state_of_a_later_step(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Adam's state exists from the start of every step after the first: it is part of the peak at any size."""
+    params = 64 * 256 + 256 + 256 * 10 + 10
+    status, out, _ = estimate_cli(
+        capsys, "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB", "--optimizer", "adam"
+    )
+    assert status == 0
+    state = re.compile(r"^ +(\d+) +\S+ \S+ +\S+ \S+ +\S+ \S+ +(\S+ \S+) ", re.MULTILINE)
+    columns = {int(size): value for size, value in state.findall(out)}
+    assert len(columns) >= 7
+    for size, value in columns.items():  # exp_avg and exp_avg_sq, at every batch size, peak in any phase
+        number, unit = value.split()
+        assert float(number) * koila_units.parse_bytes(f"1{unit}") >= 2 * 4 * params * 0.99, (size, out)
+
+
 def test_several_inputs_with_their_dtypes_from_a_file_path(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = f"{models / 'koila_cli_models.py'}:TwoInputs"
     args = ["--input", "16", "--input", "8", "--memory", "1GiB", "--dtype", "bfloat16"]
