@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import sys
+import threading
 import time
 import types
 import warnings
@@ -1103,6 +1104,7 @@ def _run(
 # Per function, input signature and device: the largest power of two that fits, and
 # the largest batch of any size that does. An estimate costs once per signature.
 _suggestions: LRUCache[Hashable, tuple[int, int]] = LRUCache(maxsize=256)
+_suggestions_lock = threading.Lock()
 
 AUTO = "auto"
 
@@ -1126,10 +1128,12 @@ def auto_first(key: Hashable, rows: int, make: Callable[[], MemoryEstimate], dev
     Returns:
         int: the size to start at.
     """
-    limits = _suggestions.get(key)
-    if limits is None:
+    with _suggestions_lock:
+        limits = _suggestions.get(key)
+    if limits is None:  # two threads may both estimate; the cache itself stays whole
         limits = _limits(make, device, name)
-        _suggestions[key] = limits
+        with _suggestions_lock:
+            _suggestions[key] = limits
     power, whole = limits
     return rows if rows <= whole else power
 
