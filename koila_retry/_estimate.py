@@ -42,7 +42,6 @@ from koila_retry.exceptions import BatchSizeExhausted
 __all__ = ["MemoryEstimate", "estimate", "suggest_batch_size"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "inputs", "activations", "temporaries")
-PHASES = ("forward", "backward", "optimizer step")
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes, and rounds
 # allocations above 1 MiB up to whole 2 MiB pieces of its segments.
@@ -943,7 +942,6 @@ class _Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
 
         self._storages[key] = weakref.ref(storage, forget)
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
 
     def _after_backward(self) -> None:
         self._callback_queued = False
