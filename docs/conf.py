@@ -39,7 +39,7 @@ nitpick_ignore_regex = [
     # "tensor or structure of tensors".
     ("py:class", r"optional|callable|iterable|sequence|tensors?|structure"),
     ("py:(class|exc|func|obj|data)", r"(torch|collections\.abc|abc|types|typing|functools|os)\..+"),
-    ("py:class", r"FrameType|Hashable"),
+    ("py:class", r"FrameType|Hashable|ProcessGroup|DistributedDataParallel"),
 ]
 
 # autodoc: the docstrings carry the types in their Args sections, so signatures show

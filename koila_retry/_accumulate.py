@@ -9,6 +9,7 @@ back when it is over, so they are never written by a step that fails.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._chunked import _Split
+from koila_retry._distributed import GradientSync, ddp_modules
 from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
 from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
 from koila_retry._frontends import Batched, _TensorBase, _with_controller
@@ -76,6 +78,9 @@ def accumulate(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
+    ddp: Any = ...,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
 
 
@@ -94,6 +99,9 @@ def accumulate(
     device: DeviceLike = None,
     grow: bool = False,
     grow_after: int = DEFAULT_GROW_AFTER,
+    sync: bool | None = None,
+    group: Any = None,
+    ddp: Any = None,
 ) -> Any:
     """Run a training step over a batch, split into micro-batches when it does not fit.
 
@@ -154,6 +162,18 @@ def accumulate(
             ``grow_after`` calls in a row succeeded; see :ref:`growing-back`.
             Default: ``False``.
         grow_after (int): successful calls in a row before growing. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on the micro-batch size of every step; every rank must then
+            make each call. ``None`` agrees when a process group of more than
+            one rank is initialized; see :doc:`distributed`. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: those
+            of ``ddp``, else all.
+        ddp (DistributedDataParallel or list, optional): the DDP module the
+            step trains, or a list of them. Their micro-batches run under
+            ``no_sync()`` and the gradients are averaged across ranks once
+            per step, after the ranks agreed that it succeeded everywhere.
+            Default: the DDP modules the step reaches (through its
+            arguments, closure, globals or ``self``), found at its first call.
 
     Returns:
         Batched: the wrapped step, with ``stats`` (``stats.batch_size`` is the
@@ -163,9 +183,11 @@ def accumulate(
         TypeError: if the step is not callable or is a coroutine function, or
             an option has the wrong type. When called: if the step returns no
             loss, or other results that cannot be combined.
-        ValueError: if an option is out of range. When called: if the batch
-            has no rows, tensor arguments differ in size along ``dim``, or the
-            loss is not a scalar.
+        ValueError: if an option is out of range, or ``ddp`` is given with
+            ``sync=False``. When called: if the batch has no rows, tensor
+            arguments differ in size along ``dim``, or the loss is not a scalar.
+        NotImplementedError: when called, if ranks agree and the step
+            reaches an FSDP or tensor-parallel module.
         RuntimeError: when called, if the loss needs no gradient while grad
             mode is on and a module the step uses has parameters that do.
         BatchSizeExhausted: when called, if the step runs out of memory even at
@@ -198,6 +220,14 @@ def accumulate(
         raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
     fixed_device = None if device is None else resolve_device(device)
     check_auto(initial)
+    ddp_modules = _ddp_modules(ddp)
+    if ddp_modules and sync is False:
+        raise ValueError(
+            "ddp= averages gradients after the ranks agree on the step, and sync=False turns agreement off: "
+            "drop one of them"
+        )
+    if ddp_modules and group is None:
+        group = ddp_modules[0].process_group
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
@@ -214,8 +244,11 @@ def accumulate(
             on_oom=on_oom,
             grow=grow,
             grow_after=grow_after,
+            sync=sync,
+            group=group,
         )
         step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device, initial == AUTO)
+        step.ddp = ddp_modules
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -246,6 +279,8 @@ class _Accumulator:
         self.names = _positional_names(fn)
         self.warned_batchnorm = False
         self.warned_checkpoint = False
+        self.warned_comm_hook = False
+        self.ddp: list[Any] = []  # given by ddp=; else found by the controller
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
         split = _Split(args, kwargs, self.dim, "koila.accumulate", self.names)
@@ -255,18 +290,39 @@ class _Accumulator:
         device = self.device or split.device
         first = functools.partial(self._estimated, split, device) if self.auto else None
         attempt = self.controller.start(self.identity, caller, device, split.sample, rows, first)
+        sync = None
+        if attempt._agreement is not None:
+            self.controller.reach((self.fn, split.args, split.kwargs))
+            sync = self._gradient_sync()
+        if sync is not None:
+            sync.before_step()
         gradients = _Gradients()
+        results: _Results | None = None
         try:
             while True:
                 size = attempt.batch_size
                 if size > rows:  # the whole batch, in one piece: fewer rows than the size proves
                     attempt.narrow(rows)
                 with attempt:
-                    results = self._run(split, min(size, rows), gradients)
+                    if sync is None:
+                        results = self._run(split, min(size, rows), gradients)
+                    else:
+                        with sync.no_sync():
+                            results = self._run(split, min(size, rows), gradients)
+                        sync.prepare(gradients.leaves)
+                # Whether every rank used every parameter rides on the agreement: usually
+                # yes, and then which ones each rank used need not be exchanged.
+                if attempt.succeeded(sync is None or sync.used_everything()):
                     break
+                results = None
+                if sync is not None:
+                    sync.forget()
                 gradients.discard()
                 attempt.retry()
-            result = results.finish()
+            if sync is not None:
+                sync.reduce(used_everywhere=attempt.unanimous)
+            finished = cast(_Results, results)  # set by the attempt that succeeded
+            result = finished.finish()
         except BaseException:
             gradients.discard()
             gradients.restore()
@@ -282,11 +338,11 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=3,
             )
-        if gradients.batchnorm and results.size < rows and not self.warned_batchnorm:
+        if gradients.batchnorm and finished.size < rows and not self.warned_batchnorm:
             self.warned_batchnorm = True
             warnings.warn(
                 f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
-                f"{results.size} rows while a BatchNorm layer in training mode took part: it normalises "
+                f"{finished.size} rows while a BatchNorm layer in training mode took part: it normalises "
                 "each micro-batch with that micro-batch's statistics and updates its running statistics "
                 "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
                 "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
@@ -295,6 +351,22 @@ class _Accumulator:
                 stacklevel=3,
             )
         return result
+
+    def _gradient_sync(self) -> GradientSync | None:
+        """Return what averages the step's DDP gradients, if it trains a DDP module with grad on."""
+        modules = self.ddp or self.controller.ddp_modules
+        if not modules or not torch.is_grad_enabled():
+            return None
+        if not self.warned_comm_hook and any(getattr(module, "_comm_hooks", None) for module in modules):
+            self.warned_comm_hook = True
+            warnings.warn(
+                f"{self.controller.name} trains a DistributedDataParallel module with a communication hook: "
+                "koila.accumulate averages the gradients with a plain all-reduce once the ranks agree that the "
+                "step succeeded, and the hook is not called. This warning is shown once.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return GradientSync(modules)
 
     def _estimated(self, split: _Split, device: torch.device) -> int:
         """Return the first micro-batch size the memory estimate suggests (``initial="auto"``)."""
@@ -311,7 +383,10 @@ class _Accumulator:
                 gradients.restore()
 
         def make() -> MemoryEstimate:
-            return estimate(step, *split.args, dim=self.dim, device=device, **split.kwargs)
+            # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
+            modules = self.ddp or ddp_modules((self.fn, split.args, split.kwargs))
+            with GradientSync(modules).silent() if modules else contextlib.nullcontext():
+                return estimate(step, *split.args, dim=self.dim, device=device, **split.kwargs)
 
         return auto_first((self.identity, split.sample, device), split.rows, make, device, name)
 
@@ -576,3 +651,18 @@ def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: di
         if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
             return f"the module {label} ({type(value).__name__})"
     return None
+
+
+def _ddp_modules(ddp: Any) -> list[Any]:
+    """Check ``ddp=``: a ``DistributedDataParallel`` module, or a list or tuple of them."""
+    if ddp is None:
+        return []
+    modules = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    parallel = torch.nn.parallel.DistributedDataParallel
+    for module in modules:
+        if not isinstance(module, parallel):
+            raise TypeError(
+                f"ddp must be a torch.nn.parallel.DistributedDataParallel module (the wrapped model) or a list "
+                f"of them, got {type(module).__name__}"
+            )
+    return modules

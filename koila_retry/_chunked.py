@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from koila_retry import _distributed
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
 from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
@@ -53,6 +54,8 @@ class _Options:
         device: DeviceLike,
         grow: bool,
         grow_after: int,
+        sync: bool | None,
+        group: Any,
     ) -> None:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
@@ -74,6 +77,8 @@ class _Options:
             "on_oom": on_oom,
             "grow": grow,
             "grow_after": grow_after,
+            "sync": sync,
+            "group": group,
         }
 
     def controller(self, fn: object, *, decorated: bool) -> Controller:
@@ -89,15 +94,19 @@ def _cover(
     attempt: Attempt,
     start: int,
     stop: int,
-    work: Callable[[int, int], None],
+    work: Callable[[int, int], Any],
+    keep: Callable[[int, int, Any], None],
     tqdm: Callable[..., Any] | None,
     name: str,
     unit: tuple[str, str, str],
 ) -> None:
     """Run ``work(begin, end)`` over ``[start, stop)``, each chunk retried alone on OOM.
 
-    ``tqdm`` makes the progress bar named ``name``, if one is wanted; ``unit`` names what is covered,
-    in the singular and plural, and what a chunk of it is called
+    ``keep(begin, end, result)`` takes each chunk's result once the chunk
+    succeeded (on every rank, when ranks agree: a chunk another rank failed is
+    run again, and its first result dropped). ``tqdm`` makes the progress bar
+    named ``name``, if one is wanted; ``unit`` names what is covered, in the
+    singular and plural, and what a chunk of it is called
     (``("row", "rows", "chunk")``).
     """
     bar = None if tqdm is None else tqdm(total=stop - start, unit=unit[0], desc=name)
@@ -109,9 +118,13 @@ def _cover(
                 if rows < attempt.batch_size:
                     attempt.narrow(rows)
                 with attempt:
-                    work(begin, begin + rows)
+                    result = work(begin, begin + rows)
+                if attempt.succeeded():
                     break
+                result = None
                 attempt.retry()
+            keep(begin, begin + rows, result)
+            result = None
             begin += rows
             if bar is not None:
                 bar.set_postfix({unit[2]: attempt.batch_size}, refresh=False)
@@ -159,6 +172,8 @@ def chunked(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> R: ...
 
 
@@ -175,6 +190,8 @@ def chunked(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
 
 
@@ -193,6 +210,8 @@ def chunked(
     device: DeviceLike = None,
     grow: bool = False,
     grow_after: int = DEFAULT_GROW_AFTER,
+    sync: bool | None = None,
+    group: Any = None,
 ) -> Any:
     """Apply a function to its tensor arguments in chunks of rows, and join the results.
 
@@ -242,6 +261,12 @@ def chunked(
             ``grow_after`` chunks in a row succeeded; see :ref:`growing-back`.
             Default: ``False``.
         grow_after (int): successful chunks in a row before growing. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on every chunk size, so that they run the same chunks and
+            finish together; every rank must then make the call, over as many
+            rows. ``None`` agrees when a process group of more than one rank
+            is initialized; see :doc:`distributed`. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: all.
 
     Returns:
         The joined results (or ``out``); or, used as a decorator, the decorated
@@ -280,6 +305,8 @@ def chunked(
         device=device,
         grow=grow,
         grow_after=grow_after,
+        sync=sync,
+        group=group,
     )
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
@@ -315,13 +342,14 @@ def _run_chunked(
     split = _Split(args, kwargs, dim, "koila.chunked")
     results = _Results(dim, split.rows, out)
 
-    def work(begin: int, end: int) -> None:
+    def work(begin: int, end: int) -> Any:
         chunk_args, chunk_kwargs = split.chunk(begin, end)
-        results.add(begin, end, fn(*chunk_args, **chunk_kwargs))
+        return fn(*chunk_args, **chunk_kwargs)
 
     if split.rows == 0:
+        _agree_on_nothing(controller)
         if out is None:  # one call on the empty input gives the result its structure
-            work(0, 0)
+            results.add(0, 0, work(0, 0))
     else:
         device = options.device or split.device
         identity = function_identity(fn)
@@ -332,10 +360,12 @@ def _run_chunked(
 
             key = (identity, split.sample, device)
             first = functools.partial(auto_first, key, split.rows, make, device, controller.name)
-            attempt = controller.start(identity, caller, device, split.sample, split.rows, first)
+            attempt = controller.start(identity, caller, device, split.sample, split.rows, first, span=split.rows)
         else:
-            attempt = controller.start(identity, caller, device, split.sample)
-        _cover(attempt, 0, split.rows, work, options.tqdm, controller.name, ("row", "rows", "chunk"))
+            attempt = controller.start(identity, caller, device, split.sample, span=split.rows)
+        if attempt._agreement is not None:
+            controller.reach((fn, args, kwargs))
+        _cover(attempt, 0, split.rows, work, results.add, options.tqdm, controller.name, ("row", "rows", "chunk"))
     return results.finish()
 
 
@@ -529,6 +559,8 @@ def range(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> list[R]: ...
 
 
@@ -544,6 +576,8 @@ def range(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> Callable[[Callable[P, R]], Batched[P, list[R]]]: ...
 
 
@@ -562,6 +596,8 @@ def range(
     device: DeviceLike = None,
     grow: bool = False,
     grow_after: int = DEFAULT_GROW_AFTER,
+    sync: bool | None = None,
+    group: Any = None,
 ) -> Any:
     """Call ``fn(begin, end)`` over consecutive index ranges that cover ``[start, stop)`` once.
 
@@ -596,6 +632,12 @@ def range(
             ``grow_after`` ranges in a row succeeded; see :ref:`growing-back`.
             Default: ``False``.
         grow_after (int): successful ranges in a row before growing. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on every range size, so that they run the same ranges and
+            finish together; every rank must then make the call, over as many
+            indices. ``None`` agrees when a process group of more than one rank
+            is initialized; see :doc:`distributed`. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: all.
 
     Returns:
         list: what ``fn`` returned for each range, in order; or, used as a
@@ -626,6 +668,8 @@ def range(
         device=device,
         grow=grow,
         grow_after=grow_after,
+        sync=sync,
+        group=group,
     )
     if fn is not None and (start is not None or stop is not None):
         controller = options.controller(fn, decorated=False)
@@ -661,11 +705,25 @@ def _run_range(
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
     results: list[Any] = []
     if stop == start:
+        _agree_on_nothing(controller)
         return results
-    attempt = controller.start(function_identity(fn), caller, options.device or default_device())
+    attempt = controller.start(function_identity(fn), caller, options.device or default_device(), span=stop - start)
+    if attempt._agreement is not None:
+        controller.reach((fn, args, kwargs))
 
-    def work(begin: int, end: int) -> None:
-        results.append(fn(begin, end, *args, **kwargs))
+    def work(begin: int, end: int) -> Any:
+        return fn(begin, end, *args, **kwargs)
 
-    _cover(attempt, start, stop, work, options.tqdm, controller.name, ("index", "indices", "range"))
+    def keep(begin: int, end: int, result: Any) -> None:
+        results.append(result)
+
+    _cover(attempt, start, stop, work, keep, options.tqdm, controller.name, ("index", "indices", "range"))
     return results
+
+
+def _agree_on_nothing(controller: Controller) -> None:
+    """Take part, with nothing to cover, in the check that every rank covers as much."""
+    if controller.sync is not False:
+        agreement = _distributed.agreement(controller.sync, controller.group)
+        if agreement is not None:
+            agreement.start(0, span=0)

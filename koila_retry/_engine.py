@@ -11,10 +11,16 @@ drive it in one of two equivalent ways::
     attempt = controller.start(function, caller, device)         # functions
     while True:
         with attempt:
-            return work(attempt.batch_size)
+            result = work(attempt.batch_size)
+        if attempt.succeeded():
+            return result
+        result = None
         attempt.retry()
 
 The second saves a generator on every call of a decorated function.
+``succeeded()`` is where the ranks of a distributed job agree, after every
+attempt (see :mod:`koila_retry._distributed`): a rank whose attempt worked
+still retries if another rank's did not, so it drops its result first.
 
 ``__exit__`` only classifies the error and records the failed size: it runs while
 the exception, and through its traceback every frame and tensor of the failed
@@ -28,13 +34,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
+from typing import Any, cast
 
 import torch
 
-from koila_retry import _memory, _tracking
+from koila_retry import _distributed, _memory, _tracking
 from koila_retry._cache import Growth, SizeCache
 from koila_retry._counter import Counter
 from koila_retry._detect import is_oom
@@ -47,6 +55,9 @@ DEFAULT_INITIAL = 512
 DEFAULT_GROW_AFTER = 50
 
 logger = logging.getLogger("koila_retry")
+# torch.distributed's record of the default process group, when this torch has the layout
+# that _distributed reads: whether it is None decides, on every call, that nothing agrees.
+_WORLD: Any = _distributed._world if _distributed._FAST else None
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,11 @@ class OOMEvent:
             attempt's memory; ``-1`` if the device's memory cannot be read.
         seconds (float): time spent in the failed attempt and the release.
         where (str): the file, line and function where the error was raised:
-            the deepest frame outside koila_retry and PyTorch.
+            the deepest frame outside koila_retry and PyTorch; for a rank that
+            retries because another rank ran out of memory, ``"rank 1"``.
+        rank (int or None): when ranks agree (see :doc:`distributed`), the
+            rank that ran out of memory, the lowest if several did; ``None``
+            in a process that agrees with no other.
 
     .. versionadded:: 0.1.0
     """
@@ -80,6 +95,7 @@ class OOMEvent:
     free_bytes: int
     seconds: float
     where: str
+    rank: int | None = None
 
 
 OnOOM = Callable[[OOMEvent], object]
@@ -182,10 +198,15 @@ class Controller:
             reduced size. Default: ``False``.
         grow_after (int): successes in a row before growing; doubled each time
             a probe at the larger size runs out of memory. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on every size; ``None`` when a process group of more than
+            one rank is initialized. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: all.
 
     Raises:
         TypeError: if a size is not an int, ``cache`` is not a cache, ``grow``
-            is not a bool or ``on_oom`` is not callable.
+            is not a bool, ``on_oom`` is not callable, ``sync`` is not a bool
+            or ``None``, or ``group`` is not a process group.
         ValueError: if a size or ``grow_after`` is below 1, or ``minimum``
             exceeds ``initial``.
     """
@@ -201,7 +222,11 @@ class Controller:
         on_oom: OnOOM | None = None,
         grow: bool = False,
         grow_after: int = DEFAULT_GROW_AFTER,
+        sync: bool | None = None,
+        group: Any = None,
     ) -> None:
+        _distributed.check_sync(sync)
+        _distributed.check_group(group)
         self.initial = None if initial is None else _positive_int("initial", initial)
         self.minimum = _positive_int("minimum", minimum)
         if initial is not None and minimum > initial:
@@ -225,6 +250,14 @@ class Controller:
         self.on_oom = on_oom
         self.stats = Stats(batch_size=0 if initial is None else initial)
         self._count_call = self.stats._calls.increment
+        self.sync = sync
+        self.group = group
+        self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
+
+    @property
+    def ddp_modules(self) -> list[Any]:
+        """The ``DistributedDataParallel`` modules the first agreeing call reached, still alive."""
+        return [module for module in (ref() for ref in self._ddp or ()) if module is not None]
 
     def start(
         self,
@@ -234,6 +267,7 @@ class Controller:
         sample: Hashable = None,
         rows: int = 0,
         first: Callable[[], int] | None = None,
+        span: int | None = None,
     ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
 
@@ -248,10 +282,20 @@ class Controller:
             first (callable, optional): asked for the first size when the cache
                 knows none (an estimate's suggestion); kept within
                 ``[minimum, initial]``.
+            span (int, optional): the rows or indices a run of steps covers;
+                ranks that agree must have the same.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
+
+        Raises:
+            ValueError: if ranks agree and their spans differ.
         """
+        sync = self.sync
+        if sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None):
+            agreement = None  # the usual case, decided without a call: it costs every call
+        else:
+            agreement = _distributed.agreement(sync, self.group)
         cache = self.cache
         # Without a sample, the three-argument call that caches written before ``sample`` expect.
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
@@ -270,10 +314,31 @@ class Controller:
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()
+        if agreement is not None:
+            attempt = Attempt(self, key, size, cached, device, initial, agreement)
+            if self.grow:
+                attempt._grow()
+            return attempt._agree_on_start(span)
         if self.grow:
             return Attempt(self, key, size, cached, device, initial)._grow()
         self.stats.batch_size = size
         return Attempt(self, key, size, cached, device, initial)
+
+    def reach(self, roots: Iterable[Any]) -> None:
+        """Look, once, at the modules a call that agrees across ranks reaches from ``roots``.
+
+        Front ends call it after :meth:`start` when the attempt agrees, before
+        the first attempt: every rank does, so an error here is raised on every
+        rank at once.
+
+        Args:
+            roots (iterable): the function, its arguments and what else the call reaches.
+
+        Raises:
+            NotImplementedError: if the call reaches an FSDP or tensor-parallel module.
+        """
+        if self._ddp is None:
+            self._ddp = [weakref.ref(module) for module in _distributed.supported_modules(roots, self.name)]
 
     def next_size(self, failed: int, attempt: int) -> int | None:
         """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
@@ -329,7 +394,8 @@ class Controller:
                 growth.streak = growth.wait
 
 
-_READY, _RUNNING, _SUCCEEDED, _FAILED = range(4)
+# _PENDING: the body succeeded here, and the ranks have yet to agree that it did everywhere.
+_READY, _RUNNING, _SUCCEEDED, _FAILED, _PENDING = range(5)
 
 
 class Attempt:
@@ -343,9 +409,12 @@ class Attempt:
     Attributes:
         batch_size (int): the size the current attempt must use.
         number (int): the current attempt's number, from 1.
+        unanimous (bool): after :meth:`succeeded` with agreement across ranks,
+            whether every rank's ``vote`` was yes.
     """
 
     __slots__ = (
+        "_agreement",
         "_cached",
         "_controller",
         "_device",
@@ -358,6 +427,7 @@ class Attempt:
         "_state",
         "batch_size",
         "number",
+        "unanimous",
     )
 
     def __init__(
@@ -368,8 +438,10 @@ class Attempt:
         cached: int,
         device: torch.device,
         initial: int,
+        agreement: _distributed.Agreement | None = None,
     ) -> None:
         self._controller = controller
+        self._agreement = agreement
         self._initial = initial
         self._key = key
         self._cached = cached
@@ -380,6 +452,7 @@ class Attempt:
         self._probe_from: int | None = None  # the size a growth probe started from
         self.batch_size = size
         self.number = 1
+        self.unanimous = True  # see succeeded(vote=)
 
     @property
     def stats(self) -> Stats:
@@ -389,10 +462,8 @@ class Attempt:
     def __iter__(self) -> Iterator[Attempt]:
         # A generator, so that ending the loop costs no StopIteration raised in Python.
         yield self
-        while self._state == _FAILED:
+        while not self.succeeded():
             yield self.retry()
-        if self._state != _SUCCEEDED:
-            raise RuntimeError("each attempt must run its body inside `with attempt:`")
 
     def __enter__(self) -> Attempt:
         self._state = _RUNNING
@@ -403,45 +474,106 @@ class Attempt:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         if exc is None:
-            self._state = _SUCCEEDED
-            controller = self._controller
-            if self._rows is None:
-                if self._key is not None and self._cached != self.batch_size:
-                    self._remember(controller)
-                if controller.grow:
-                    controller.succeeded(self._key, self.batch_size, self._initial, probe=self._probe_from is not None)
-            elif self._probe_from is not None:
-                # A short last step proves nothing about its full size: neither store it
-                # nor take it as a probe that fitted.
-                controller.inconclusive(self._key)
+            if self._agreement is not None:
+                self._state = _PENDING  # a success here is kept only if every rank had one
+            else:
+                self._succeed()
             return False
         if not is_oom(exc):
             self._state = _READY  # the error propagates untouched and ends the run
             return False
         # Still inside exception handling: record plain values only, release nothing.
+        failure = self._fail(_where(tb))
+        if failure.next_size is None:
+            failure.final_oom = _detached(exc)
+        return True
+
+    def _succeed(self) -> None:
+        self._state = _SUCCEEDED
+        controller = self._controller
+        if self._rows is None:
+            if self._key is not None and self._cached != self.batch_size:
+                self._remember(controller)
+            if controller.grow:
+                controller.succeeded(self._key, self.batch_size, self._initial, probe=self._probe_from is not None)
+        elif self._probe_from is not None:
+            # A short last step proves nothing about its full size: neither store it
+            # nor take it as a probe that fitted.
+            controller.inconclusive(self._key)
+
+    def _fail(self, where: str) -> _Failure:
+        """Record that the current attempt failed at ``where``, and the size to try next."""
         failure = self._failure
         if failure is None:
             failure = self._failure = _Failure()
         failure.seconds += time.perf_counter() - self._started
-        failure.where = _where(tb)
+        failure.where = where
+        failure.rank = None
+        failure.next_size = self._next_after_failure()
         if self._rows is not None:  # a short last step failed: go on below what it tried
             self.batch_size, self._rows = min(self.batch_size, self._rows), None
-        probe_from, self._probe_from = self._probe_from, None
-        failure.probe = probe_from is not None and self.batch_size > probe_from
-        if failure.probe:  # back to the size that fitted, whatever max_attempts says
-            failure.next_size = probe_from
-        else:
-            failure.next_size = self._controller.next_size(self.batch_size, self.number)
-        if failure.next_size is None:
-            failure.final_oom = _detached(exc)
+        failure.probe = self._probe_from is not None and self.batch_size > self._probe_from
+        self._probe_from = None
         self._state = _FAILED
-        return True
+        return failure
+
+    def _next_after_failure(self) -> int | None:
+        size = self.batch_size if self._rows is None else min(self.batch_size, self._rows)
+        if self._probe_from is not None and size > self._probe_from:
+            return self._probe_from  # back to the size that fitted, whatever max_attempts says
+        return self._controller.next_size(size, self.number)
+
+    def succeeded(self, vote: bool = True) -> bool:
+        """Return whether the attempt that just ran succeeded (on every rank, when ranks agree).
+
+        Call it after the ``with attempt:`` block. Without agreement across
+        ranks it only reads the outcome. With it, it is the collective every
+        rank makes after each attempt: if any rank ran out of memory, every
+        rank's attempt counts as failed, and :meth:`retry` then moves all of
+        them to the same size.
+
+        Args:
+            vote (bool): a yes or no of the front end's, which the ranks
+                exchange in the same collective; whether every rank said yes
+                is then in ``unanimous``. Default: ``True``.
+
+        Returns:
+            bool: ``True`` if the attempt succeeded; ``False`` if it must be
+            retried with :meth:`retry`.
+
+        Raises:
+            RuntimeError: if no attempt ran inside ``with attempt:``.
+
+        .. versionadded:: 0.1.0
+        """
+        state = self._state
+        if state == _SUCCEEDED:
+            return True
+        if state != _FAILED and state != _PENDING:
+            raise RuntimeError("each attempt must run its body inside `with attempt:`")
+        agreement = self._agreement
+        if agreement is None:
+            return False
+        failed = state == _FAILED
+        failure = self._failure
+        failing, next_size, self.unanimous = agreement.after(
+            failed, failure.next_size if failed and failure is not None else None, vote
+        )
+        if failing is None:
+            self._succeed()
+            return True
+        if not failed:
+            failure = self._fail(f"rank {failing}")
+        failure = cast(_Failure, failure)
+        failure.rank = failing
+        failure.next_size = next_size
+        return False
 
     def retry(self) -> Attempt:
         """Release the failed attempt's memory and move on to the next size.
 
-        Call it after a ``with attempt:`` block swallowed an out-of-memory error,
-        outside any ``except`` block.
+        Call it when :meth:`succeeded` returned ``False``, outside any ``except``
+        block.
 
         Returns:
             Attempt: this object, with ``batch_size`` and ``number`` advanced.
@@ -472,6 +604,7 @@ class Attempt:
             free_bytes=free,
             seconds=failure.seconds,
             where=failure.where,
+            rank=failure.rank,
         )
         failure.seconds = 0.0
         if next_size is None:
@@ -549,7 +682,18 @@ class Attempt:
         self.number = 1
         if self._failure is not None:
             self._failure.tried.clear()
-        return self._grow() if controller.grow else self
+        if not controller.grow:
+            return self  # the ranks agreed on the size that succeeded: it is the same everywhere
+        self._grow()
+        return self if self._agreement is None else self._agree_on_start()
+
+    def _agree_on_start(self, span: int | None = None) -> Attempt:
+        """Start at the smallest of the ranks' sizes; a probe only if every rank was due one."""
+        agreed = cast(_distributed.Agreement, self._agreement).start(self.batch_size, span)
+        if self._probe_from is not None and agreed <= self._probe_from:
+            self._probe_from = None
+        self.batch_size = self._controller.stats.batch_size = agreed
+        return self
 
     def _grow(self) -> Attempt:
         size = self._controller.grown(self._key, self.batch_size, self._initial)
@@ -566,9 +710,14 @@ class Attempt:
             reason = f"batch size {failed} is the minimum"
         else:  # a short last chunk, already below the minimum
             reason = f"nothing below batch size {failed} is allowed (minimum={controller.minimum})"
+        agreement = self._agreement
+        if agreement is not None and failure.rank is not None and failure.rank != agreement.rank:
+            last = f"Rank {failure.rank} of {agreement.world_size} ran out of memory, and every rank gives up with it."
+        else:
+            last = f"The last error was raised at {failure.where}."
         return (
             f"{controller.name}: out of memory at every batch size tried ({tried}); {reason}. "
-            f"The last error was raised at {failure.where}. {_memory_summary(self._device, free)}"
+            f"{last} {_memory_summary(self._device, free)}"
         )
 
 
@@ -579,9 +728,10 @@ class _Failure:
     :class:`BatchSizeExhausted`, stripped of its traceback first.
     """
 
-    __slots__ = ("final_oom", "next_size", "probe", "seconds", "tried", "where")
+    __slots__ = ("final_oom", "next_size", "probe", "rank", "seconds", "tried", "where")
 
     def __init__(self) -> None:
+        self.rank: int | None = None  # when ranks agree: the lowest that failed
         self.probe = False
         self.seconds = 0.0
         self.where = ""

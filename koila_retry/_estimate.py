@@ -635,7 +635,7 @@ class _Owned:
         modules: dict[int, torch.nn.Module] = {}
         optimizers: dict[int, torch.optim.Optimizer] = {}
         others: dict[int, object] = {}
-        for value in _reachable(roots):
+        for value in reachable(roots):
             if isinstance(value, torch.nn.Module):
                 for module in value.modules():
                     modules.setdefault(id(module), module)
@@ -773,7 +773,7 @@ def _undo(undo: list[Callable[[], None]]) -> None:
         step()
 
 
-def _reachable(roots: Iterable[Any]) -> Iterator[Any]:
+def reachable(roots: Iterable[Any]) -> Iterator[Any]:
     """Yield the modules, optimizers and other stateful objects reachable from ``roots``."""
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(root, 0) for root in roots]

@@ -125,6 +125,8 @@ def batch(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> Callable[[Callable[Concatenate[int, P], R]], Batched[P, R]]: ...
 
 
@@ -140,6 +142,8 @@ def batch(
     device: DeviceLike = ...,
     grow: bool = ...,
     grow_after: int = ...,
+    sync: bool | None = ...,
+    group: Any = ...,
 ) -> Callable[[Callable[..., R]], Batched[..., R]]: ...
 
 
@@ -156,6 +160,8 @@ def batch(
     device: DeviceLike = None,
     grow: bool = False,
     grow_after: int = DEFAULT_GROW_AFTER,
+    sync: bool | None = None,
+    group: Any = None,
 ) -> Any:
     """Call a function with the largest batch size that fits, shrinking it on OOM.
 
@@ -192,6 +198,12 @@ def batch(
             see :ref:`growing-back`. Default: ``False``.
         grow_after (int): successful calls in a row before growing; doubled
             after each probe that runs out of memory. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on every size, so that they try the same sizes and return
+            together; every rank must then make each call. ``None`` agrees
+            when a process group of more than one rank is initialized; see
+            :doc:`distributed`. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: all.
 
     Returns:
         Batched: the wrapped function, with ``stats``, ``cache_info()`` and
@@ -231,6 +243,8 @@ def batch(
             device=device,
             grow=grow,
             grow_after=grow_after,
+            sync=sync,
+            group=group,
         )
 
     if fn is None:
@@ -250,6 +264,8 @@ def _batched(
     device: DeviceLike,
     grow: bool,
     grow_after: int,
+    sync: bool | None,
+    group: Any,
 ) -> Any:
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
@@ -263,6 +279,8 @@ def _batched(
         on_oom=on_oom,
         grow=grow,
         grow_after=grow_after,
+        sync=sync,
+        group=group,
     )
     fixed_device = None if device is None else resolve_device(device)
     start = controller.start
@@ -278,14 +296,20 @@ def _batched(
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse()
             attempt = start(fn, getframe(1), fixed_device or _device_of(args, kwargs))
+            if attempt._agreement is not None:
+                controller.reach((fn, args, kwargs))
             while True:
                 with attempt:
                     if position == 0:
-                        return await fn(attempt.batch_size, *args, **kwargs)
-                    if position == 1:
-                        return await fn(args[0], attempt.batch_size, *args[1:], **kwargs)
-                    return await fn(*args, **kwargs, **{name: attempt.batch_size})
-                attempt.retry()  # reached only when the block swallowed an OOM
+                        result = await fn(attempt.batch_size, *args, **kwargs)
+                    elif position == 1:
+                        result = await fn(args[0], attempt.batch_size, *args[1:], **kwargs)
+                    else:
+                        result = await fn(*args, **kwargs, **{name: attempt.batch_size})
+                if attempt.succeeded():
+                    return result
+                result = None  # this rank's result of an attempt another rank failed
+                attempt.retry()
 
         wrapper: Any = async_wrapper
     else:
@@ -295,6 +319,8 @@ def _batched(
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse()
             attempt = start(fn, getframe(1), fixed_device or _device_of(args, kwargs))
+            if attempt._agreement is not None:
+                return _agreed_call(controller, attempt, fn, position, name, args, kwargs)
             while True:
                 with attempt:
                     if position == 0:
@@ -307,6 +333,32 @@ def _batched(
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
     return _with_controller(wrapper, controller)
+
+
+def _agreed_call(
+    controller: Controller,
+    attempt: Attempt,
+    fn: Callable[..., Any],
+    position: int | None,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the attempts of a call whose ranks agree: a success counts once every rank had one."""
+    controller.reach((fn, args, kwargs))
+    while True:
+        with attempt:
+            size = attempt.batch_size
+            if position == 0:
+                result = fn(size, *args, **kwargs)
+            elif position == 1:
+                result = fn(args[0], size, *args[1:], **kwargs)
+            else:
+                result = fn(*args, **kwargs, **{name: size})
+        if attempt.succeeded():
+            return result
+        result = None  # this rank's result of an attempt another rank failed: freed before the release
+        attempt.retry()
 
 
 def _with_controller(wrapper: Any, controller: Controller) -> Any:
@@ -331,6 +383,8 @@ def attempts(
     device: DeviceLike = None,
     grow: bool = False,
     grow_after: int = DEFAULT_GROW_AFTER,
+    sync: bool | None = None,
+    group: Any = None,
 ) -> Attempt:
     """Retry a block of code with smaller batch sizes until it fits in memory.
 
@@ -357,6 +411,12 @@ def attempts(
             ``grow_after`` runs of the block in a row succeeded; see
             :ref:`growing-back`. Default: ``False``.
         grow_after (int): successful runs in a row before growing. Default: 50.
+        sync (bool or None): whether the ranks of a ``torch.distributed`` job
+            agree on every size; every rank must then run the block, and run
+            the loop to its end (no ``break``). ``None`` agrees when a process
+            group of more than one rank is initialized; see
+            :doc:`distributed`. Default: ``None``.
+        group (ProcessGroup, optional): the ranks that agree. Default: all.
 
     Returns:
         Attempt: an iterator over the attempts of the block; each attempt is
@@ -397,5 +457,10 @@ def attempts(
         on_oom=on_oom,
         grow=grow,
         grow_after=grow_after,
+        sync=sync,
+        group=group,
     )
-    return controller.start(block, caller, resolve_device(device))
+    attempt = controller.start(block, caller, resolve_device(device))
+    if attempt._agreement is not None:  # the block's modules are those its function's variables hold
+        controller.reach(caller.f_locals.values())
+    return attempt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,38 @@ def test_train_with_accumulation_settles_and_matches() -> None:
     # And they take the full batch's steps: the weights are those of plain full-batch training.
     assert "Losses match the whole batches' at every step: True" in output
     assert "Parameters match an unconstrained run: True" in output
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_ddp_train_ranks_agree_and_stay_identical() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run"),
+            *("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"),
+            str(ROOT / "examples" / "ddp_train.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,  # a rank left waiting in a collective fails the test instead of hanging it
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    output = completed.stdout
+    # Rank 1, with less simulated memory, cannot run its whole batch of 512 rows at once.
+    assert "rank 1 ran out of memory at 512 rows per micro-batch" in output, output
+    # Every step, both ranks ran the same micro-batch size.
+    steps = re.findall(r"step \d+: micro-batch size rank 0: (\d+), rank 1: (\d+) \(of 512 rows\)", output)
+    assert len(steps) == 4, output
+    assert all(rank0 == rank1 for rank0, rank1 in steps), output
+    settled = re.search(r"Settled on micro-batches of rank 0: (\d+), rank 1: (\d+) rows", output)
+    assert settled is not None, output
+    assert settled.group(1) == settled.group(2)
+    assert 1 <= int(settled.group(1)) < 512
+    assert "Parameters identical on all ranks: True." in output

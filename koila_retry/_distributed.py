@@ -1,0 +1,506 @@
+"""Agreement across the ranks of a ``torch.distributed`` job.
+
+Every collective here runs outside any ``except`` block, on a tensor made
+before the attempt it concerns, so that a rank that just ran out of memory
+neither keeps the failed attempt's tensors alive while it waits nor needs
+fresh memory to take part.
+
+A call agrees twice over: on the size to start at (the smallest over the
+ranks) before the first attempt, and, after every attempt, on whether any
+rank ran out of memory and on the size all of them try next. Ranks therefore
+always try the same size and leave the retry loop together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["Agreement", "GradientSync", "agreement", "check_group", "check_sync", "ddp_modules", "supported_modules"]
+
+_AVAILABLE = torch.distributed.is_available()
+if _AVAILABLE:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+_CPU = torch.device("cpu")
+_NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value is above it
+
+
+# dist.is_initialized() and dist.group.WORLD read a property through a metaclass (~0.3 us),
+# which every call of a decorated function would pay; the attribute behind them is read
+# directly when torch has it.
+_world = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
+_FAST = _world is not None and hasattr(_world, "_default_pg")
+
+
+def check_sync(sync: object) -> None:
+    """Refuse a ``sync`` option that is not ``None`` or a bool."""
+    if sync is not None and not isinstance(sync, bool):
+        raise TypeError(f"sync must be True, False or None (agree when a process group is running), got {sync!r}")
+
+
+def _outside(group: object) -> bool:
+    """Return whether ``group`` is what ``dist.new_group()`` gives a rank it left out."""
+    return _AVAILABLE and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+def check_group(group: object) -> None:
+    """Refuse a ``group`` option that is not ``None`` or a process group."""
+    if group is not None and not _outside(group) and not (_AVAILABLE and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"group must be a torch.distributed process group (from dist.new_group()) or None, "
+            f"got {type(group).__name__} {group!r}"
+        )
+
+
+def agreement(sync: bool | None, group: Any) -> Agreement | None:
+    """Return the agreement one call needs, or ``None`` if it runs alone.
+
+    Args:
+        sync (bool or None): ``None`` agrees when the default process group is
+            initialized with more than one rank; ``True`` always (and needs a
+            process group); ``False`` never.
+        group (ProcessGroup or None): the ranks that agree. Default: all.
+
+    Returns:
+        Agreement or None: the agreement, or ``None`` if there is nothing to agree with.
+
+    Raises:
+        RuntimeError: if ``sync=True`` and no process group is initialized, or
+            this process is not a member of ``group``.
+    """
+    # A rank that dist.new_group() left out holds GroupMember.NON_GROUP_MEMBER: with
+    # sync=None it runs alone.
+    default = _world._default_pg if _FAST else dist.group.WORLD if _AVAILABLE else None  # type: ignore[union-attr]
+    if default is None:
+        if sync:
+            raise RuntimeError(
+                "sync=True needs torch.distributed: call torch.distributed.init_process_group() first "
+                "(torchrun sets up what it needs), or pass sync=None to agree only when it is running"
+            )
+        return None
+    if group is not None and _outside(group):  # dist.new_group() left this rank out: it runs alone
+        if sync:
+            raise RuntimeError(
+                f"sync=True with a group that this rank (global rank {dist.get_rank()}) is not a member of: "
+                "nothing to agree with. Pass sync=None to run alone on the ranks outside the group"
+            )
+        return None
+    key = default if group is None else group
+    made = _agreements.get(key)
+    if made is None:
+        if len(_agreements) >= 8:  # groups destroyed and made again: keep only the recent ones
+            _agreements.clear()
+        made = _agreements[key] = Agreement(group)
+    if sync is None and made.world_size < 2:
+        return None
+    return made
+
+
+# One agreement per process group, made at its first call (~10 us) and reused: calls of one
+# process do not overlap in a group, whose collectives must be issued in one order anyway.
+_agreements: dict[Any, Agreement] = {}
+
+
+class Agreement:
+    """The collectives of one call: agreeing on sizes across the ranks of ``group``.
+
+    Args:
+        group (ProcessGroup or None): the ranks that agree; ``None`` for all.
+    """
+
+    __slots__ = ("_buffer", "_cells", "group", "rank", "world_size")
+
+    def __init__(self, group: Any) -> None:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise RuntimeError(f"this process (global rank {dist.get_rank()}) is not a member of the group {group!r}")
+        self.group = group
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        # Made now, before any attempt: after an OOM there may be no memory for it. Always
+        # reduced whole, so that no exchange slices it (slicing costs more than the fills).
+        self._buffer = torch.zeros(3, dtype=torch.int64, device=backend_device(group))
+        self._cells = [self._buffer[index] for index in range(3)]
+
+    def _minimum(self, first: int, second: int = _NEUTRAL, third: int = _NEUTRAL) -> list[int]:
+        cells = self._cells
+        cells[0].fill_(first)
+        cells[1].fill_(second)
+        cells[2].fill_(third)
+        dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self.group)
+        return self._buffer.tolist()
+
+    def start(self, size: int, span: int | None = None) -> int:
+        """Return the smallest of the ranks' starting sizes.
+
+        Args:
+            size (int): this rank's starting size.
+            span (int, optional): the rows or indices a run of steps covers,
+                which must be the same on every rank.
+
+        Returns:
+            int: the size every rank starts at.
+
+        Raises:
+            ValueError: on every rank, if the ranks' spans differ.
+        """
+        if span is None:
+            return self._minimum(size)[0]
+        agreed, fewest, most = self._minimum(size, span, -span)
+        if fewest != -most:
+            raise ValueError(
+                f"ranks agreeing on a chunk size must cover the same number of rows or indices, so that "
+                f"they run the same chunks: this rank has {span}, and the ranks have from {fewest} to {-most}. "
+                "Pad the inputs to the same length (DistributedSampler does, unless drop_last=True), or "
+                "pass sync=False to let each rank choose alone"
+            )
+        return agreed
+
+    def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
+        """Exchange the outcome of an attempt.
+
+        Args:
+            failed (bool): whether this rank ran out of memory.
+            next_size (int or None): if it did, the size it tries next;
+                ``None`` if it has none left.
+            vote (bool): a question of the front end's, answered by every rank
+                in the same exchange (whether it used every parameter, say).
+
+        Returns:
+            tuple: the lowest rank that ran out of memory (``None`` if none
+            did); the size every rank tries next: the smallest that the ranks
+            that failed chose (``None`` if one of them had none left); and
+            whether every rank voted yes.
+        """
+        # A rank whose attempt worked says nothing about the next size: fewer rows of its
+        # own (a short last micro-batch) must not hold back the ranks that failed.
+        proposal = (next_size or 0) if failed else _NEUTRAL
+        failing, agreed, votes = self._minimum(self.rank if failed else self.world_size, proposal, int(vote))
+        return (None if failing >= self.world_size else failing), (agreed or None), votes == 1
+
+
+def backend_device(group: Any) -> torch.device:
+    """Return the device a collective of ``group``'s backend takes its tensors on."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or backend == "mpi":  # "cpu:gloo,cuda:nccl" too: the CPU is the cheaper
+        return _CPU
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return _CPU
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+# --- what may take part ------------------------------------------------------------
+
+
+def _modules(roots: Iterable[Any]) -> Iterator[torch.nn.Module]:
+    """Yield every module reachable from ``roots``, and the modules inside them."""
+    from koila_retry._estimate import reachable
+
+    for value in reachable(roots):
+        if isinstance(value, torch.nn.Module):
+            yield from value.modules()
+
+
+def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
+    """Return the ``DistributedDataParallel`` modules reachable from ``roots``, each once."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = {id(module): module for module in _modules(roots) if isinstance(module, DistributedDataParallel)}
+    return list(found.values())
+
+
+def supported_modules(roots: Iterable[Any], front_end: str) -> list[DistributedDataParallel]:
+    """Return the DDP modules reachable from ``roots``; refuse the parallelisms that could hang.
+
+    FSDP (both versions) and tensor parallelism communicate inside the forward
+    and backward: a rank that runs out of memory there leaves the others
+    waiting in a collective that it never joins, whatever the retry loop agrees.
+
+    Args:
+        roots (iterable): the function, its arguments and what else the call reaches.
+        front_end (str): how errors name the caller.
+
+    Returns:
+        list: the ``DistributedDataParallel`` modules found, each once.
+
+    Raises:
+        NotImplementedError: if a module is sharded with FSDP or has DTensor
+            parameters (tensor parallelism).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    roots = list(roots)
+    for module in _modules(roots):
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            raise NotImplementedError(
+                f"{front_end} found {type(module).__name__} (FSDP), which is not supported yet: FSDP gathers "
+                "and scatters parameters inside the forward and backward, so a rank that runs out of memory "
+                "there would leave the others waiting in a collective. Use DistributedDataParallel, or pass "
+                "sync=False and choose the size yourself"
+            )
+        if any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
+            raise NotImplementedError(
+                f"{front_end} found DTensor parameters in {type(module).__name__} (tensor or sequence "
+                "parallelism), which is not supported yet: its layers communicate inside the forward and "
+                "backward, so a rank that runs out of memory there would leave the others waiting in a "
+                "collective. Pass sync=False and choose the size yourself"
+            )
+    return ddp_modules(roots)
+
+
+# --- gradients of DDP modules -------------------------------------------------------
+
+
+class GradientSync:
+    """Average the gradients of DDP modules once per step, after the ranks agreed on it.
+
+    DDP all-reduces gradients inside ``backward()``. A rank that runs out of
+    memory in that backward never joins the all-reduce, and the others wait
+    for it forever. So every micro-batch runs under ``no_sync()``, and the
+    gradients the step wrote are all-reduced here once the ranks agreed that
+    the step succeeded everywhere. What the all-reduce needs (bucket buffers,
+    gradients for parameters another rank used) is made inside the attempt, so
+    that running out of memory for it is one more out-of-memory error of the
+    attempt, agreed on like any other.
+
+    Args:
+        modules (list): the ``DistributedDataParallel`` modules of the step.
+    """
+
+    def __init__(self, modules: list[DistributedDataParallel]) -> None:
+        self.modules = modules
+        self._refs = [weakref.ref(module) for module in modules]
+        self._parts: list[_ModuleGradients] = []
+
+    def before_step(self) -> None:
+        """Make, on every rank at once, the collectives DDP makes at the start of a forward.
+
+        A step's first forward would make them: rebuilding the gradient buckets
+        (once, after the first backward DDP synchronised) and broadcasting the
+        buffers from rank 0 (``broadcast_buffers=True``, at every step of a
+        hand-written loop). A rank that ran out of memory before its first
+        forward would never join them, so they are made here, between the
+        agreement on the starting size and the first attempt, and
+        :meth:`no_sync` keeps the forwards from making them again.
+        """
+        for module in self.modules:
+            # Private parts of DDP, each used only if this torch has it.
+            rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
+            if torch.is_grad_enabled() and callable(rebuild):
+                rebuild()  # a no-op unless DDP is due to rebuild
+            syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
+            sync_buffers = getattr(module, "_sync_buffers", None)
+            if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
+                sync_buffers()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Run the block without any of DDP's own communication.
+
+        Besides ``no_sync()`` (no gradient all-reduce in the backward), the
+        forward must not broadcast buffers: :meth:`before_step` did. Afterwards
+        DDP is left as after a step it synchronised itself: its next forward
+        outside koila broadcasts the buffers.
+        """
+        with contextlib.ExitStack() as stack:
+            for module in self.modules:
+                stack.enter_context(module.no_sync())
+                module.require_forward_param_sync = False
+                stack.callback(setattr, module, "require_forward_param_sync", True)
+            yield
+
+    @contextlib.contextmanager
+    def silent(self) -> Iterator[None]:
+        """Run the block with every DDP module calling the module it wraps directly.
+
+        For the memory estimate of ``initial="auto"``, which only some ranks
+        may run (those whose cache knows no size): DDP's forward makes
+        collectives, which the other ranks would never join.
+        """
+        with contextlib.ExitStack() as stack:
+            for module in self.modules:
+                attributes = vars(module)
+                if "forward" not in attributes:
+                    attributes["forward"] = module.module.forward
+                    stack.callback(attributes.pop, "forward", None)
+            yield
+
+    def prepare(self, written: dict[int, torch.Tensor]) -> None:
+        """Make what the all-reduce needs; ``written`` holds the leaves the step wrote, by id."""
+        self._parts = [_ModuleGradients(module, written) for module in self.modules]
+
+    def used_everything(self) -> bool:
+        """Return whether this rank's step wrote a gradient for every parameter (after :meth:`prepare`)."""
+        return all(all(part.mine) for part in self._parts)
+
+    def reduce(self, used_everywhere: bool = False) -> None:
+        """All-reduce and average the step's gradients; every rank must call it.
+
+        Args:
+            used_everywhere (bool): whether the ranks agreed that every rank
+                used every parameter: then which ones each used need not be
+                exchanged.
+        """
+        parts, self._parts = self._parts, []
+        for part in parts:
+            part.reduce(used_everywhere)
+
+    def forget(self) -> None:
+        """Drop what :meth:`prepare` made, after an attempt that failed on some rank."""
+        self._parts = []
+
+
+_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+# From this size up a gradient is all-reduced in place: copying it into a bucket and back
+# costs more than the latency of a collective of its own.
+_ALONE_BYTES = 1024 * 1024
+
+
+class _ModuleGradients:
+    """One DDP module's gradients of one step, and what to all-reduce them in.
+
+    Large parameters (``_ALONE_BYTES`` and up) are all-reduced in place, each on
+    its own and all at once, so their gradients are neither copied into a bucket
+    nor back; small ones share buckets, so that they take few collectives. Which
+    is which depends only on the parameters, so every rank issues the same
+    collectives in the same order.
+    """
+
+    def __init__(self, module: DistributedDataParallel, written: dict[int, torch.Tensor]) -> None:
+        self.group = module.process_group
+        self.world_size = dist.get_world_size(self.group)
+        ignored: set[str] = getattr(module, "parameters_to_ignore", set())
+        self.parameters = [
+            parameter
+            for name, parameter in module.module.named_parameters()
+            if parameter.requires_grad and name not in ignored
+        ]
+        for parameter in self.parameters:
+            if parameter.grad is not None and parameter.grad.layout != torch.strided:
+                raise NotImplementedError(
+                    f"koila.accumulate with DistributedDataParallel all-reduces dense gradients; a parameter of "
+                    f"shape {tuple(parameter.shape)} has a {parameter.grad.layout} gradient (sparse embeddings "
+                    "are not supported yet)"
+                )
+        device = backend_device(self.group)
+        self.used = torch.tensor(
+            [1 if id(parameter) in written and parameter.grad is not None else 0 for parameter in self.parameters],
+            dtype=torch.int32,
+            device=device,
+        )
+        self.mine = self.used.tolist()
+        self.alone = {
+            id(parameter)
+            for parameter in self.parameters
+            if parameter.is_contiguous() and parameter.numel() * parameter.element_size() >= _ALONE_BYTES
+        }
+        cap = int(getattr(module, "bucket_bytes_cap", _BUCKET_BYTES)) or _BUCKET_BYTES
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        largest: dict[tuple[torch.device, torch.dtype], int] = {}
+        for parameter in self.parameters:
+            if id(parameter) not in self.alone:
+                kind, numel = (parameter.device, parameter.dtype), parameter.numel()
+                sizes[kind] = sizes.get(kind, 0) + numel
+                largest[kind] = max(largest.get(kind, 0), numel)
+        self.buffers = {
+            kind: torch.empty(min(numel, max(cap // kind[1].itemsize, largest[kind])), dtype=kind[1], device=kind[0])
+            for kind, numel in sizes.items()
+        }
+        # Made now, not after the agreement, when there might be no memory for them: a zero
+        # gradient for a parameter this rank did not use, where it needs one (it has none,
+        # or is all-reduced in place), and a contiguous copy of a gradient to all-reduce in
+        # place that is not contiguous.
+        self.spare: dict[int, torch.Tensor] = {}
+        for parameter, mine in zip(self.parameters, self.mine, strict=True):
+            grad, alone = parameter.grad, id(parameter) in self.alone
+            if not mine and (grad is None or alone):
+                self.spare[id(parameter)] = torch.zeros(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+            elif mine and alone and grad is not None and not grad.is_contiguous():
+                self.spare[id(parameter)] = grad.contiguous()
+
+    def reduce(self, used_everywhere: bool) -> None:
+        if used_everywhere:
+            anywhere = self.mine
+        else:
+            dist.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group)
+            anywhere = self.used.tolist()
+        pending: list[tuple[Any, torch.nn.Parameter, int, torch.Tensor]] = []
+        buckets: dict[tuple[torch.device, torch.dtype], list[tuple[torch.nn.Parameter, int]]] = {}
+        filled: dict[tuple[torch.device, torch.dtype], int] = {}
+        for parameter, mine, used in zip(self.parameters, self.mine, anywhere, strict=True):
+            if not used:  # as with DDP: a parameter no rank used keeps its gradient, or None
+                continue
+            if id(parameter) in self.alone:
+                gradient = self.spare.get(id(parameter))
+                if gradient is None:
+                    gradient = cast(torch.Tensor, parameter.grad)  # mine, and contiguous
+                work = dist.all_reduce(gradient, group=self.group, async_op=True)
+                pending.append((work, parameter, mine, gradient))
+                continue
+            kind, numel = (parameter.device, parameter.dtype), parameter.numel()
+            buffer = self.buffers[kind]
+            bucket = buckets.setdefault(kind, [])
+            if filled.get(kind, 0) + numel > buffer.numel():
+                self._reduce_bucket(buffer, bucket)
+                bucket.clear()
+                filled[kind] = 0
+            bucket.append((parameter, mine))
+            filled[kind] = filled.get(kind, 0) + numel
+        for kind, bucket in buckets.items():
+            if bucket:
+                self._reduce_bucket(self.buffers[kind], bucket)
+        for work, parameter, mine, gradient in pending:
+            work.wait()
+            gradient.div_(self.world_size)
+            self._settle(parameter, mine, gradient)
+        self.buffers.clear()
+        self.spare.clear()
+
+    def _settle(self, parameter: torch.nn.Parameter, mine: int, average: torch.Tensor) -> None:
+        """Give ``parameter`` the averaged gradient of the step."""
+        grad = parameter.grad
+        if mine:
+            grad = cast(torch.Tensor, grad)  # mine: the step wrote it
+            if average is not grad:
+                grad.copy_(average.view_as(grad))
+        elif grad is None:
+            spare = self.spare[id(parameter)]
+            if average is not spare:
+                spare.copy_(average.view_as(spare))
+            parameter.grad = spare
+        else:  # a gradient from before the step, which the step's graph did not reach
+            with torch.no_grad():
+                grad.add_(average.view_as(grad))
+
+    def _reduce_bucket(self, buffer: torch.Tensor, bucket: list[tuple[torch.nn.Parameter, int]]) -> None:
+        offset = 0
+        for parameter, mine in bucket:
+            numel = parameter.numel()
+            share = parameter.grad if mine else self.spare.get(id(parameter))
+            target = buffer[offset : offset + numel]
+            if share is None:
+                target.zero_()
+            else:
+                target.view_as(parameter).copy_(share)
+            offset += numel
+        flat = buffer[:offset]
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.world_size)
+        offset = 0
+        for parameter, mine in bucket:
+            numel = parameter.numel()
+            self._settle(parameter, mine, flat[offset : offset + numel])
+            offset += numel

@@ -1,0 +1,1027 @@
+"""The ranks' side of test_distributed.py: scenarios that every rank of a spawned gloo group runs in turn.
+
+A scenario is a function of ``(rank, world)`` that every rank calls; what it returns (plain values and
+tensors) is saved with ``torch.save`` for the tests to compare across ranks. Scenarios that must raise
+catch the error and return its type and message; an error that escapes a scenario is saved with its
+traceback, and the ranks go on with the next scenario.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import copy
+import gc
+import os
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import koila_retry as koila
+from koila_retry import _distributed
+from koila_retry.testing import make_oom, simulated_device
+
+DTYPE = torch.float64
+KIB = 1024
+
+# The groups of processes, by name: how many ranks, and how long a collective may wait before it raises.
+# "crash" runs the scenarios where a regression would kill or hang a rank (DDP collectives out of step):
+# apart, with a short timeout, so that the other groups still run.
+GROUPS = {"two": (2, 30), "three": (3, 30), "crash": (2, 10)}
+
+Scenario = Callable[[int, int], Any]
+SCENARIOS: dict[str, tuple[Scenario, tuple[str, ...]]] = {}
+
+
+def scenario(*groups: str) -> Callable[[Scenario], Scenario]:
+    """Register a scenario, run by the named groups, in the order of definition."""
+
+    def register(function: Scenario) -> Scenario:
+        SCENARIOS[function.__name__] = (function, groups)
+        return function
+
+    return register
+
+
+def names_for(group: str) -> list[str]:
+    return [name for name, (_, groups) in SCENARIOS.items() if group in groups]
+
+
+def main(rank: int, group: str, port: int, directory: str) -> None:
+    """The body of one spawned rank: join the group, run every scenario, save what each gave."""
+    torch.set_num_threads(1)
+    world, timeout = GROUPS[group]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
+    try:
+        for name in names_for(group):
+            # Every retry runs a full garbage collection; with torch imported, one takes ~0.1 s. Objects
+            # made before the scenario are kept out of them (the scenario's own are collected as usual).
+            gc.collect()
+            gc.freeze()
+            started = time.perf_counter()
+            try:
+                outcome: dict[str, Any] = {"value": SCENARIOS[name][0](rank, world)}
+            except Exception as exc:  # saved for the test, which shows the traceback
+                outcome = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            outcome["seconds"] = time.perf_counter() - started
+            path = os.path.join(directory, f"{name}.{rank}.pt")
+            torch.save(outcome, path + ".part")
+            os.replace(path + ".part", path)
+            dist.barrier()  # the next scenario starts together on every rank
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def data(n: int, *shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def caught(run: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``run``; return what it returned, or the type and message of what it raised."""
+    try:
+        return {"returned": run()}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "attributes": dict(vars(exc))}
+
+
+def event_dict(event: koila.OOMEvent) -> dict[str, Any]:
+    return {
+        "batch_size": event.batch_size,
+        "next_batch_size": event.next_batch_size,
+        "attempt": event.attempt,
+        "where": event.where,
+        "rank": event.rank,
+    }
+
+
+class Fixed(koila.GlobalCache):
+    """One key for every call: a cache that can be filled before the first call."""
+
+    def key(self, *args: Any, **kwargs: Any) -> str:
+        return "key"
+
+
+def grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def full_grads(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradient of ``loss(copy)`` for a fresh copy of ``model``, with no gradients before."""
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    loss(reference).backward()
+    return grads(reference)
+
+
+def mean_of(many: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Average lists of gradients, a None counting as zeros; None where every one is None."""
+    averaged: list[torch.Tensor | None] = []
+    for column in zip(*many, strict=True):
+        present = [g for g in column if g is not None]
+        averaged.append(None if not present else sum(present) / len(column))
+    return averaged
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise make_oom()
+
+
+class Inject(nn.Module):
+    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[int, str] = {}
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = len(self.rows)
+        self.rows.append(x.shape[0])
+        where = self.failures.get(call)
+        if where == "forward":
+            raise make_oom()
+        if where == "backward":
+            return _OOMInBackward.apply(x)
+        return x
+
+
+def injected_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Inject(), nn.Linear(8, 1)).to(DTYPE)
+
+
+def global_batch(world: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of the whole job: ``rows`` rows for each rank, rank r's from ``r * rows``."""
+    return data(world * rows, 6, seed=seed), data(world * rows, 1, seed=seed + 1)
+
+
+def local(tensor: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    return tensor[rank * rows : (rank + 1) * rows]
+
+
+def sizes_tried(events: list[koila.OOMEvent], stats: koila.Stats) -> list[int]:
+    return [event.batch_size for event in events] + [stats.batch_size]
+
+
+# --------------------------------------------------------------------------- 1. batch, attempts, chunked, range
+
+# The largest size that fits on each rank where a scenario fails above a size (different on each rank).
+FITS = {0: 16, 1: 4, 2: 8}
+
+
+@scenario("two", "three")
+def batch_simulated(rank: int, world: int) -> dict[str, Any]:
+    # 2 KiB a row: on rank 0 sizes up to 128 fit, rank 1 32, rank 2 64.
+    x = data(1000, 256, seed=rank)
+    limit = {0: 400 * KIB, 1: 100 * KIB, 2: 200 * KIB}[rank]
+    seen: list[int] = []
+
+    @koila.batch(initial=512, cache=koila.NoCache())
+    def total(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        seen.append(batch_size)
+        # Slices, not x.split(): under a simulated device, split() would import torch._dynamo (seconds).
+        return torch.stack([x[i : i + batch_size].exp().sum() for i in range(0, len(x), batch_size)]).sum()
+
+    with simulated_device(limit):
+        result = total(x)
+    return {
+        "seen": seen,
+        "size": total.stats.batch_size,
+        "ooms": total.stats.ooms,
+        "result": result,
+        "expected": x.exp().sum(),
+    }
+
+
+@scenario("two", "three")
+def batch_async(rank: int, world: int) -> dict[str, Any]:
+    seen: list[int] = []
+
+    @koila.batch(initial=64, cache=koila.NoCache())
+    async def double(batch_size: int, value: int) -> int:
+        seen.append(batch_size)
+        await asyncio.sleep(0)
+        if batch_size > FITS[rank]:
+            raise make_oom()
+        return 2 * value + batch_size
+
+    result = asyncio.run(double(rank))
+    return {"seen": seen, "result": result, "size": double.stats.batch_size}
+
+
+@scenario("two", "three")
+def attempts_injected(rank: int, world: int) -> dict[str, Any]:
+    x = data(100, 3, seed=rank)
+    seen: list[int] = []
+    for attempt in koila.attempts(initial=64, cache=koila.NoCache()):
+        with attempt:
+            seen.append(attempt.batch_size)
+            if attempt.batch_size > FITS[rank]:
+                raise make_oom()
+            value = torch.stack([chunk.square().sum() for chunk in x.split(attempt.batch_size)]).sum()
+    return {
+        "seen": seen,
+        "size": attempt.batch_size,
+        "ooms": attempt.stats.ooms,
+        "result": value,
+        "expected": x.square().sum(),
+    }
+
+
+@scenario("two", "three")
+def chunked_injected(rank: int, world: int) -> dict[str, Any]:
+    # Chunks above FITS * 4 rows fail on each rank; the last rank also fails its 4th call, a later chunk.
+    x = data(200, 5, seed=rank)
+    rows: list[int] = []
+
+    @koila.chunked(initial=64, cache=koila.NoCache())
+    def twice_exp(x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        if x.shape[0] > 4 * FITS[rank] or (rank == world - 1 and len(rows) == 4):
+            raise make_oom()
+        return x.exp() * 2
+
+    result = twice_exp(x)
+    return {"rows": rows, "size": twice_exp.stats.batch_size, "result": result, "expected": x.exp() * 2}
+
+
+@scenario("two", "three")
+def range_injected(rank: int, world: int) -> dict[str, Any]:
+    spans: list[tuple[int, int]] = []
+
+    def squares(begin: int, end: int) -> list[int]:
+        spans.append((begin, end))
+        if end - begin > FITS[rank]:
+            raise make_oom()
+        return [i * i for i in range(begin, end)]
+
+    result = koila.range(squares, 0, 50, initial=32, cache=koila.NoCache())
+    return {
+        "spans": spans,
+        "result": [value for part in result for value in part],
+        "expected": [i * i for i in range(50)],
+    }
+
+
+@scenario("two")
+def batch_grow(rank: int, world: int) -> dict[str, Any]:
+    # Growing back is agreed too: every rank probes, and falls back, together.
+    seen: list[int] = []
+
+    @koila.batch(initial=64, grow=True, grow_after=1)
+    def run(batch_size: int) -> int:
+        seen.append(batch_size)
+        if batch_size > FITS[rank]:
+            raise make_oom()
+        return batch_size
+
+    return {"results": [run() for _ in range(4)], "seen": seen}
+
+
+# --------------------------------------------------------------------------- 2. accumulate with DDP
+
+
+def _accumulate_ddp(
+    rank: int,
+    world: int,
+    *,
+    failures: dict[int, dict[int, str]],
+    initial: int | None,
+    passed: bool,
+    rows: int = 12,
+) -> dict[str, Any]:
+    """One step of a DDP model, with OOMs injected per rank (``failures[rank][forward call] = where``)."""
+    model = injected_mlp()
+    x_all, y_all = global_batch(world, rows)
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    with torch.no_grad():
+        expected_loss = F.mse_loss(copy.deepcopy(model)(x), y)
+    ddp = DDP(model)
+    model[2].failures = failures.get(rank, {})
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=events.append, ddp=ddp if passed else None)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    loss = step(x, y)
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "loss": loss,
+        "expected_loss": expected_loss,
+        "size": step.stats.batch_size,
+        "ooms": step.stats.ooms,
+        "tried": sizes_tried(events, step.stats),
+        "events": [event_dict(event) for event in events],
+        "rows": model[2].rows,
+    }
+
+
+@scenario("two", "three")
+def accumulate_forward_first(rank: int, world: int) -> dict[str, Any]:
+    # The last rank fails the whole batch's forward; the DDP module is found through the closure.
+    return _accumulate_ddp(rank, world, failures={world - 1: {0: "forward"}}, initial=None, passed=False)
+
+
+@scenario("two", "three")
+def accumulate_forward_later(rank: int, world: int) -> dict[str, Any]:
+    # Micro-batches of 4 (calls 0, 1, 2): rank 0 fails the third one's forward.
+    return _accumulate_ddp(rank, world, failures={0: {2: "forward"}}, initial=4, passed=True)
+
+
+@scenario("two", "three")
+def accumulate_backward_first(rank: int, world: int) -> dict[str, Any]:
+    return _accumulate_ddp(rank, world, failures={1: {0: "backward"}}, initial=None, passed=False)
+
+
+@scenario("two", "three")
+def accumulate_backward_later(rank: int, world: int) -> dict[str, Any]:
+    # The last micro-batch's backward: the one DDP would all-reduce in without no_sync().
+    return _accumulate_ddp(rank, world, failures={world - 1: {2: "backward"}}, initial=4, passed=True)
+
+
+def _wide() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 1)).to(DTYPE)
+
+
+def _peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor, size: int, *, backward: bool = True) -> int:
+    """The peak bytes of a step of ``size`` rows per micro-batch (or of one forward only), on a copy."""
+    probe = copy.deepcopy(model)
+    with simulated_device("1GiB") as device:
+        if backward:
+            step = koila.accumulate(initial=size, minimum=size, sync=False, cache=koila.NoCache())(
+                lambda a, b: F.mse_loss(probe(a), b)
+            )
+            step(x, y)
+        else:
+            loss = F.mse_loss(probe(x[:size]), y[:size])
+            del loss
+    return device.peak
+
+
+@scenario("two", "three")
+def accumulate_simulated(rank: int, world: int) -> dict[str, Any]:
+    """Each rank gets a memory limit that fits a different micro-batch size (16, 4 and 8 rows of 32)."""
+    rows = 32
+    model = _wide()
+    x_all, y_all = data(world * rows, 4, seed=5), data(world * rows, 1, seed=6)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    fits = FITS[rank]
+    limit = (_peak(model, x, y, fits) + _peak(model, x, y, 2 * fits)) // 2
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    ddp = DDP(model)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    with simulated_device(limit):
+        step(x, y)
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "size": step.stats.batch_size,
+        "tried": sizes_tried(events, step.stats),
+    }
+
+
+@scenario("two", "three")
+def accumulate_simulated_backward(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's limit fits the forward of all 32 rows, not their backward; 16 rows fit whole."""
+    rows = 32
+    model = _wide()
+    x_all, y_all = data(world * rows, 4, seed=7), data(world * rows, 1, seed=8)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    forward, whole, half = _peak(model, x, y, rows, backward=False), _peak(model, x, y, rows), _peak(model, x, y, 16)
+    limit = (forward + whole) // 2 if rank == 1 else 1 << 30
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    ddp = DDP(model)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    with simulated_device(limit):
+        step(x, y)
+    return {
+        "peaks": (forward, half, whole, limit),
+        "grads": grads(model),
+        "expected": expected,
+        "size": step.stats.batch_size,
+        "tried": sizes_tried(events, step.stats),
+        "events": [event_dict(event) for event in events],
+    }
+
+
+@scenario("two")
+def accumulate_two_ddp_modules(rank: int, world: int) -> dict[str, Any]:
+    """A step that trains two DDP modules; passed as a list, then found."""
+    rows = 8
+    torch.manual_seed(1)
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Inject()).to(DTYPE)
+    head = nn.Linear(8, 1).to(DTYPE)
+    x_all, y_all = global_batch(world, rows, seed=20)
+    expected = full_grads(nn.Sequential(encoder, head), lambda m: F.mse_loss(m(x_all), y_all))
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    ddp_encoder, ddp_head = DDP(encoder), DDP(head)
+    # Rank 1 fails the whole batch's backward in both calls (forward calls 0 and 3).
+    encoder[2].failures = {0: "backward", 3: "backward"} if rank == 1 else {}
+    results = {}
+    for passed in (True, False):
+        encoder.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+
+        @koila.accumulate(cache=koila.NoCache(), ddp=[ddp_encoder, ddp_head] if passed else None)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(ddp_head(ddp_encoder(x)), y)
+
+        step(x, y)
+        results["passed" if passed else "found"] = {
+            "grads": grads(nn.Sequential(encoder, head)),
+            "size": step.stats.batch_size,
+        }
+    results["expected"] = expected
+    return results
+
+
+# --------------------------------------------------------------------------- 3. gradients from before the call
+
+
+@scenario("two", "three")
+def accumulate_twice(rank: int, world: int) -> dict[str, Any]:
+    """Two calls without zero_grad: the gradients are the sum of both full-batch gradients."""
+    rows = 8
+    model = injected_mlp()
+    first, second = global_batch(world, rows, seed=10), global_batch(world, rows, seed=12)
+    expected_first = full_grads(model, lambda m: F.mse_loss(m(first[0]), first[1]))
+    expected_second = full_grads(model, lambda m: F.mse_loss(m(second[0]), second[1]))
+    ddp = DDP(model)
+    # Forward calls: 0 is the first call's whole batch (fails on rank 1), 1 and 2 its micro-batches of 4;
+    # 3 is the second call's whole batch, 4 and 5 its micro-batches, after rank 0's backward fails at 3.
+    model[2].failures = {1: {0: "forward"}, 0: {3: "backward"}}.get(rank, {})
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    step(local(first[0], rank, rows), local(first[1], rank, rows))
+    after_first = grads(model)
+    step(local(second[0], rank, rows), local(second[1], rank, rows))
+    return {
+        "after_first": after_first,
+        "expected_first": expected_first,
+        "grads": grads(model),
+        "expected": [a + b for a, b in zip(expected_first, expected_second, strict=True)],
+        "rows": model[2].rows,
+    }
+
+
+# --------------------------------------------------------------------------- 4. parameters some ranks do not use
+
+
+class Branchy(nn.Module):
+    """``extra`` takes part only when asked (on rank 0); ``never`` never does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.trunk = nn.Linear(6, 8)
+        self.inject = Inject()
+        self.main = nn.Linear(8, 1)
+        self.extra = nn.Linear(8, 2)
+        self.never = nn.Linear(8, 1)
+        self.to(DTYPE)
+
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        h = self.inject(torch.tanh(self.trunk(x)))
+        out = self.main(h)
+        return out + self.extra(h).sum(dim=1, keepdim=True) if extra else out
+
+
+def _unused(rank: int, world: int, **ddp_options: Any) -> dict[str, Any]:
+    rows = 8
+    model = Branchy()
+    batches = [global_batch(world, rows, seed=30), global_batch(world, rows, seed=32)]
+    # What DDP averages: each rank's gradient of its own loss (rank 0 uses ``extra``), zeros where unused.
+    per_call = [
+        mean_of(
+            [
+                full_grads(
+                    model,
+                    lambda m, r=r, b=b: F.mse_loss(m(local(b[0], r, rows), r == 0), local(b[1], r, rows)),
+                )
+                for r in range(world)
+            ]
+        )
+        for b in batches
+    ]
+    ddp = DDP(model, find_unused_parameters=True, **ddp_options)
+    model.inject.failures = {1: {0: "forward"}, 0: {3: "backward"}}.get(rank, {})
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x, rank == 0), y)
+
+    after = []
+    for x_all, y_all in batches:
+        step(local(x_all, rank, rows), local(y_all, rank, rows))
+        after.append(grads(model))
+    names = [name for name, _ in model.named_parameters()]
+    # No zero_grad() between the calls: after each, the sum of the averages so far.
+    expected = [per_call[0], [_add(a, b) for a, b in zip(*per_call, strict=True)]]
+    return {"names": names, "after": after, "expected": expected, "rows": model.inject.rows}
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return a if b is None else b if a is None else a + b
+
+
+@scenario("two", "three")
+def accumulate_unused_parameters(rank: int, world: int) -> dict[str, Any]:
+    return _unused(rank, world)
+
+
+@scenario("two")
+def accumulate_unused_parameters_small_buckets(rank: int, world: int) -> dict[str, Any]:
+    # Buckets of 13 float64 values, and gradients of 128 bytes and up all-reduced in place, each alone
+    # (from 1 MiB up, usually): the weights of trunk and extra (used on rank 0 only) go alone, the rest
+    # share buckets, and more than one bucket is used.
+    alone = _distributed._ALONE_BYTES
+    _distributed._ALONE_BYTES = 128
+    try:
+        return _unused(rank, world, bucket_cap_mb=0.0001)
+    finally:
+        _distributed._ALONE_BYTES = alone
+
+
+# --------------------------------------------------------------------------- 5. different cached sizes at the start
+
+
+@scenario("two", "three")
+def cached_sizes_differ(rank: int, world: int) -> dict[str, Any]:
+    """Each rank's cache holds its own size; with agreement on, the first attempt is the smallest."""
+    shared = koila.GlobalCache()
+
+    def run(batch_size: int) -> int:
+        seen.append(batch_size)
+        if batch_size > FITS[rank]:
+            raise make_oom()
+        return batch_size
+
+    seen: list[int] = []
+    alone = koila.batch(initial=64, cache=shared, sync=False)(run)()  # fills the cache with this rank's size
+    seen_alone, seen = seen, []
+    agreed = koila.batch(initial=64, cache=shared)(run)()
+
+    # chunked and accumulate, from a cache filled by hand with a size for each rank
+    rows: list[int] = []
+
+    def halve(x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return x / 2
+
+    cache = Fixed()
+    cache["key"] = FITS[rank]
+    x = data(20, 3, seed=rank)
+    halved = koila.chunked(halve, x, initial=32, cache=cache)
+
+    model = injected_mlp()
+    x_all, y_all = global_batch(world, 12, seed=40)
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    ddp = DDP(model)
+    cache = Fixed()
+    cache["key"] = {0: 8, 1: 2, 2: 4}[rank]
+
+    @koila.accumulate(cache=cache)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    step(local(x_all, rank, 12), local(y_all, rank, 12))
+    return {
+        "alone": alone,
+        "seen_alone": seen_alone,
+        "agreed": agreed,
+        "seen_agreed": seen,
+        "chunk_rows": rows,
+        "halved": halved,
+        "expected_halved": x / 2,
+        "micro_batch_rows": model[2].rows,
+        "grads": grads(model),
+        "expected": expected,
+    }
+
+
+# --------------------------------------------------------------------------- 6. exhausted on every rank
+
+
+@scenario("two", "three")
+def exhausted_everywhere(rank: int, world: int) -> dict[str, Any]:
+    """The last rank fits nothing, not even the minimum: every rank raises BatchSizeExhausted."""
+    seen: list[int] = []
+
+    @koila.batch(initial=16, minimum=4, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        seen.append(batch_size)
+        if rank == world - 1:
+            raise make_oom()
+        return batch_size
+
+    batch = caught(run)
+
+    model = injected_mlp()
+    ddp = DDP(model)
+    # Rank 0 fails every forward of 6 rows or more: 12 -> 8 -> 6 (the minimum), then gives up.
+    model[2].failures = dict.fromkeys(range(10), "forward") if rank == 0 else {}
+    x_all, y_all = global_batch(world, 12, seed=50)
+
+    @koila.accumulate(minimum=6, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    accumulate = caught(lambda: step(local(x_all, rank, 12), local(y_all, rank, 12)))
+    return {"batch": batch, "seen": seen, "accumulate": accumulate, "grads": grads(model), "rows": model[2].rows}
+
+
+# --------------------------------------------------------------------------- 7. different spans
+
+
+@scenario("two", "three")
+def spans_differ(rank: int, world: int) -> dict[str, Any]:
+    """chunked and range over different numbers of rows or indices: a ValueError on every rank."""
+    calls: list[int] = []
+
+    def ones(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return x + 1
+
+    rows = caught(lambda: koila.chunked(ones, torch.zeros(10 + rank, 2), initial=4, cache=koila.NoCache()))
+    # one rank with no rows at all
+    empty = caught(lambda: koila.chunked(ones, torch.zeros(0 if rank == 0 else 4, 2), initial=4))
+    indices = caught(lambda: koila.range(lambda b, e: e - b, 0, 10 * (rank + 1), initial=4, cache=koila.NoCache()))
+    # ... and afterwards, the ranks still agree
+    same = koila.chunked(ones, torch.zeros(6, 2), initial=4, cache=koila.NoCache())
+    return {"rows": rows, "empty": empty, "indices": indices, "calls": calls, "same": same}
+
+
+# --------------------------------------------------------------------------- 8. sync=False makes no collective call
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "new_group",
+)
+
+
+@contextlib.contextmanager
+def counted_collectives() -> Iterator[collections.Counter[str]]:
+    """Count the calls of torch.distributed's collectives (in both of the modules that name them)."""
+    counts: collections.Counter[str] = collections.Counter()
+    modules = (dist, dist.distributed_c10d)
+    saved = [
+        (module, name, getattr(module, name)) for module in modules for name in _COLLECTIVES if hasattr(module, name)
+    ]
+    for module, name, original in saved:
+
+        def counting(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(module, name, counting)
+    try:
+        yield counts
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _every_front_end(sync: bool | None, calls: int) -> dict[str, dict[str, int]]:
+    """Run each front end ``calls`` times with ``sync``, each call running out of memory once."""
+    counts: dict[str, dict[str, int]] = {}
+    model = injected_mlp()
+    x, y = data(8, 6, seed=60), data(8, 1, seed=61)
+
+    def front_end(name: str, run: Callable[[Callable[[], None]], None]) -> None:
+        with counted_collectives() as counted:
+            for _ in range(calls):
+                failed = [False]
+
+                def fail_once(failed: list[bool] = failed) -> None:
+                    if not failed[0]:
+                        failed[0] = True
+                        raise make_oom()
+
+                run(fail_once)
+        counts[name] = dict(counted)
+
+    def batch(fail: Callable[[], None]) -> None:
+        koila.batch(initial=8, cache=koila.NoCache(), sync=sync)(lambda size: fail())()
+
+    def attempts(fail: Callable[[], None]) -> None:
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache(), sync=sync):
+            with attempt:
+                fail()
+
+    def chunked(fail: Callable[[], None]) -> None:
+        def part(x: torch.Tensor) -> torch.Tensor:
+            fail()
+            return x
+
+        koila.chunked(part, x, initial=4, cache=koila.NoCache(), sync=sync)
+
+    def range_(fail: Callable[[], None]) -> None:
+        koila.range(lambda b, e: fail(), 0, 8, initial=4, cache=koila.NoCache(), sync=sync)
+
+    def accumulate(fail: Callable[[], None]) -> None:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            fail()
+            return F.mse_loss(model(x), y)
+
+        koila.accumulate(cache=koila.NoCache(), sync=sync)(step)(x, y)
+
+    for name, run in (("batch", batch), ("attempts", attempts), ("chunked", chunked), ("range", range_)):
+        front_end(name, run)
+    front_end("accumulate", accumulate)
+    return counts
+
+
+@scenario("two", "three")
+def sync_false_makes_no_collective_call(rank: int, world: int) -> dict[str, Any]:
+    # Every rank makes a different number of calls: a collective would be left unmatched.
+    return {"false": _every_front_end(False, calls=rank + 1), "none": _every_front_end(None, calls=1)}
+
+
+# --------------------------------------------------------------------------- 9. memory of a discarded attempt
+
+
+@scenario("two")
+def discarded_attempt_is_released(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 succeeds and drops its result because rank 1 failed: the result is gone before the retry."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    batch_dead: list[list[bool]] = []
+
+    @koila.batch(initial=16, cache=koila.NoCache())
+    def ones(batch_size: int) -> torch.Tensor:
+        batch_dead.append([ref() is None for ref in refs])
+        result = torch.ones(batch_size, 1000)
+        refs.append(weakref.ref(result))
+        if rank == 1 and batch_size > 8:
+            raise make_oom()
+        return result
+
+    ones()
+
+    chunk_refs: list[weakref.ref[torch.Tensor]] = []
+    chunked_dead: list[list[bool]] = []
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        chunked_dead.append([ref() is None for ref in chunk_refs])
+        result = x * 2
+        chunk_refs.append(weakref.ref(result))
+        if rank == 1 and len(chunk_refs) == 2:  # the second chunk
+            raise make_oom()
+        return result
+
+    koila.chunked(doubled, data(16, 100, seed=70), initial=4, cache=koila.NoCache())
+
+    # accumulate: the gradients that the discarded step wrote
+    model = injected_mlp()
+    ddp = DDP(model)
+    model[2].failures = {2: "backward"} if rank == 1 else {}
+    x, y = local(global_batch(world, 12)[0], rank, 12), local(global_batch(world, 12)[1], rank, 12)
+    grad_refs: list[weakref.ref[torch.Tensor]] = []
+    accumulate_dead: list[list[bool]] = []
+
+    @koila.accumulate(initial=4, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        call = len(model[2].rows)
+        if call in (0, 3):  # the first micro-batch of each attempt
+            accumulate_dead.append([ref() is None for ref in grad_refs])
+        if call == 2:  # the last micro-batch of the first attempt: earlier ones wrote the gradients
+            grad_refs.extend(weakref.ref(p.grad) for p in model.parameters())
+        return F.mse_loss(ddp(x), y)
+
+    step(x, y)
+    return {
+        "batch_dead": batch_dead,
+        "chunked_dead": chunked_dead,
+        "accumulate_dead": accumulate_dead,
+        "rows": model[2].rows,
+    }
+
+
+# --------------------------------------------------------------------------- 10. on_oom events
+
+
+@scenario("two", "three")
+def events_name_the_failing_rank(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 1 and up fail sizes above 8: the others are told that rank 1 did."""
+    events: list[koila.OOMEvent] = []
+
+    @koila.batch(initial=16, cache=koila.NoCache(), on_oom=events.append)
+    def run(batch_size: int) -> int:
+        if rank >= 1 and batch_size > 8:
+            raise make_oom()
+        return batch_size
+
+    result = run()
+    return {"result": result, "events": [event_dict(e) for e in events], "ooms": run.stats.ooms}
+
+
+# --------------------------------------------------------------------------- 11. FSDP and tensor parallelism
+
+
+@scenario("two")
+def sharded_modules_are_refused(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = data(4, 6, seed=80), data(4, 1, seed=81)
+
+    fsdp2 = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1)).to(DTYPE)
+    fully_shard(fsdp2, mesh=mesh)
+    fsdp1 = FullyShardedDataParallel(nn.Linear(6, 1).to(DTYPE), device_id=torch.device("cpu"))
+    parallel = nn.Linear(6, 1).to(DTYPE)
+    parallel.weight = nn.Parameter(distribute_tensor(parallel.weight.detach(), mesh, [Shard(0)]))
+
+    outcomes: dict[str, dict[str, Any]] = {}
+    for name, module in (("fsdp2", fsdp2), ("fsdp1", fsdp1), ("dtensor", parallel)):
+
+        @koila.batch(initial=4, cache=koila.NoCache())
+        def predict(batch_size: int, x: torch.Tensor, module: nn.Module = module) -> torch.Tensor:
+            return module(x[:batch_size])
+
+        @koila.accumulate(cache=koila.NoCache())
+        def step(x: torch.Tensor, y: torch.Tensor, module: nn.Module = module) -> torch.Tensor:
+            return F.mse_loss(module(x), y)
+
+        outcomes[f"batch {name}"] = caught(lambda predict=predict: predict(x))
+        outcomes[f"accumulate {name}"] = caught(lambda step=step: step(x, y))
+    # a module handed over as an argument is reached too
+    outcomes["chunked fsdp2"] = caught(lambda: koila.chunked(fsdp2, x, initial=2, cache=koila.NoCache()))
+    return outcomes
+
+
+# --------------------------------------------------------------------------- options
+
+
+@scenario("two")
+def ddp_with_sync_false(rank: int, world: int) -> dict[str, Any]:
+    ddp = DDP(nn.Linear(2, 1))
+    return caught(lambda: koila.accumulate(ddp=ddp, sync=False)(lambda x: ddp(x).sum()))
+
+
+@scenario("three")
+def group_of_some_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0 and 1 agree in their own group; rank 2, not a member, runs alone, or refuses sync=True."""
+    group = dist.new_group([0, 1])
+    seen: list[int] = []
+
+    def run(batch_size: int) -> int:
+        seen.append(batch_size)
+        if batch_size > FITS[rank]:
+            raise make_oom()
+        return batch_size
+
+    result = caught(lambda: koila.batch(initial=64, cache=koila.NoCache(), group=group)(run)())
+    seen_first = list(seen)
+    forced = None
+    if rank == 2:  # the members make no second call: this one must not wait for them
+        forced = caught(lambda: koila.batch(initial=64, cache=koila.NoCache(), group=group, sync=True)(run)())
+    return {"group": repr(group), "result": result, "seen": seen_first, "forced": forced}
+
+
+# --------------------------------------------------------------------------- found while building it
+
+
+@scenario("two")
+def accumulate_fewer_rows_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has 12 rows and fails micro-batches above 4; rank 1 has 2 rows, under initial=8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    ddp = DDP(model)
+    rows = 12 if rank == 0 else 2
+    x, y = data(rows, 3, seed=90 + rank), data(rows, 1, seed=92 + rank)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=8, minimum=2, cache=koila.NoCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        if rank == 0 and x.shape[0] > 4:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    return {"outcome": caught(lambda: step(x, y)), "seen": seen, "size": step.stats.batch_size}
+
+
+@scenario("crash")
+def ddp_buffers_first_forward(rank: int, world: int) -> dict[str, Any]:
+    """A DDP model with buffers; rank 1 runs out of memory before its first forward (moving the batch, say).
+
+    The DDP module has a group of its own with a short timeout, so that a collective left waiting fails
+    quickly and leaves the default group, which the next scenarios use, as it was.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 1)).to(DTYPE)
+    model.register_buffer("scale", torch.ones(1, dtype=DTYPE))  # any buffer: DDP broadcasts them
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    ddp = DDP(model, process_group=group)
+    x, y = data(8, 3, seed=95 + rank), data(8, 1, seed=97 + rank)
+    calls: list[int] = []
+
+    @koila.accumulate(cache=koila.NoCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if rank == 1 and len(calls) == 1:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    return {"outcome": caught(lambda: step(x, y)), "calls": calls, "grads": grads(model)}
+
+
+@scenario("crash")
+def auto_estimate_with_ddp(rank: int, world: int) -> dict[str, Any]:
+    """initial="auto" with a DDP step, when only rank 0's cache has no size: only rank 0 estimates."""
+    rows = 12
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    x_all, y_all = global_batch(world, rows, seed=99)
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    ddp = DDP(model)
+    cache = Fixed()
+    if rank == 1:
+        cache["key"] = 6
+
+    @koila.accumulate(initial="auto", cache=cache)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    outcome = caught(lambda: step(local(x_all, rank, rows), local(y_all, rank, rows)))
+    return {"outcome": outcome, "size": step.stats.batch_size, "grads": grads(model), "expected": expected}
+
+
+@scenario("two")
+def ddp_buffers_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
+    """Buffers that differ between the ranks before a step: the step sees rank 0's, as DDP's broadcast gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    model.register_buffer("scale", torch.ones(1, dtype=DTYPE))
+    ddp = DDP(model)
+    with torch.no_grad():  # after DDP's broadcast at construction: the ranks now differ
+        model.scale.fill_(rank + 2)
+    seen: list[float] = []
+
+    @koila.accumulate(initial=4, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(float(model.scale))
+        return F.mse_loss(ddp(x) * model.scale, y)
+
+    step(data(8, 3, seed=101 + rank), data(8, 1, seed=103 + rank))
+    return {"seen": seen}

@@ -1,0 +1,547 @@
+"""Ranks of a torch.distributed job agree on every size: real gloo processes on 127.0.0.1 (issue 6).
+
+Spawning processes costs seconds, so each group of processes (two ranks, three ranks, and two more for
+the scenarios where a regression would kill a rank) runs every scenario of ``tests/_ranks.py`` in turn, each rank saving
+what it saw; each test below checks one scenario. A group that has not finished within ``DEADLINE``
+seconds is killed, and the scenarios it did not finish fail with a message saying that the ranks hung.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import _ranks
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import koila_retry as koila
+
+DEADLINE = 120.0  # seconds a group of processes may take for all its scenarios
+RTOL, ATOL = 1e-7, 1e-12  # float64; a split step sums in another order than the full one
+# The groups of processes (tests/_ranks.py GROUPS), for the scenarios that two and three ranks run.
+WORLDS = ["two", "three"]
+
+
+# --------------------------------------------------------------------------- spawning
+
+
+def _free_port() -> int:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        return int(listener.getsockname()[1])
+
+
+class Group:
+    """One spawned group of ranks, run to its end (or killed at the deadline), and what each rank saved."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name, self.directory = name, directory
+        self.world = _ranks.GROUPS[name][0]
+        self.problem: str | None = None
+        context = mp.start_processes(
+            _ranks.main,
+            args=(name, _free_port(), str(directory)),
+            nprocs=self.world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + DEADLINE
+        try:
+            while not context.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    self.problem = (
+                        f"the ranks hung: the {self.world} processes of group {name!r} had not finished "
+                        f"after {DEADLINE:.0f} s, and were killed"
+                    )
+                    break
+        except Exception as exc:  # a rank raised or died: join() ended the others
+            self.problem = f"a rank of group {name!r} failed: {exc}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+
+    def outcomes(self, scenario: str) -> list[dict[str, Any]]:
+        """What each rank saved for ``scenario``: ``value``, or ``error`` and ``traceback``."""
+        assert scenario in _ranks.names_for(self.name), f"group {self.name!r} does not run {scenario!r}"
+        saved = []
+        for rank in range(self.world):
+            path = self.directory / f"{scenario}.{rank}.pt"
+            if not path.exists():
+                pytest.fail(f"rank {rank} saved nothing for {scenario!r}: {self.problem or 'the scenario did not run'}")
+            saved.append(torch.load(path, weights_only=False))
+        return saved
+
+    def __getitem__(self, scenario: str) -> list[Any]:
+        """What each rank's ``scenario`` returned, by rank; fails the test if one raised."""
+        values = []
+        for rank, outcome in enumerate(self.outcomes(scenario)):
+            if "error" in outcome:
+                pytest.fail(f"{scenario!r} raised on rank {rank}:\n{outcome['traceback']}")
+            values.append(outcome["value"])
+        return values
+
+
+class Groups:
+    """The groups of this module's tests, each spawned when a test first needs it."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._groups: dict[str, Group] = {}
+
+    def __call__(self, name: str) -> Group:
+        if name not in self._groups:
+            self._groups[name] = Group(name, self._factory.mktemp(f"ranks-{name}"))
+        return self._groups[name]
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory: pytest.TempPathFactory) -> Groups:
+    return Groups(tmp_path_factory)
+
+
+# --------------------------------------------------------------------------- assertions
+
+
+def same_on_every_rank(values: list[Any], key: str) -> Any:
+    """Assert that every rank has the same ``values[rank][key]``, and return it."""
+    first = values[0][key]
+    for rank, value in enumerate(values):
+        assert value[key] == first, f"{key} on rank {rank} differs from rank 0's: {value[key]!r} != {first!r}"
+    return first
+
+
+def assert_grads(actual: list[torch.Tensor | None], expected: list[torch.Tensor | None], where: str = "") -> None:
+    assert len(actual) == len(expected), where
+    for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        if want is None:
+            assert got is None, f"{where}parameter {index} has a gradient; expected None"
+        else:
+            assert got is not None, f"{where}parameter {index} has no gradient"
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{where}param {i}: {m}")
+
+
+def assert_error(caught: dict[str, Any], kind: type[BaseException], *fragments: str) -> None:
+    assert caught.get("type") == kind.__name__, f"expected {kind.__name__}, got {caught}"
+    for fragment in fragments:
+        assert fragment in caught["message"]
+
+
+def test_every_group_finishes(groups: Groups) -> None:
+    for name in WORLDS:
+        problem = groups(name).problem
+        assert problem is None, problem
+
+
+# --------------------------------------------------------------------------- 1. batch, attempts, chunked, range
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_batch_ranks_with_different_limits_try_the_same_sizes(groups: Groups, group: str) -> None:
+    # Simulated devices that fit 128, 32 and 64 rows: every rank goes down to 32 together.
+    values = groups(group)["batch_simulated"]
+    assert same_on_every_rank(values, "seen") == [512, 256, 128, 64, 32]
+    assert same_on_every_rank(values, "size") == 32
+    assert same_on_every_rank(values, "ooms") == 4  # a rank that fitted counts the attempts it retried
+    for value in values:
+        torch.testing.assert_close(value["result"], value["expected"])
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_async_batch_ranks_agree(groups: Groups, group: str) -> None:
+    values = groups(group)["batch_async"]
+    assert same_on_every_rank(values, "seen") == [64, 32, 16, 8, 4]
+    assert same_on_every_rank(values, "size") == 4
+    assert [value["result"] for value in values] == [2 * rank + 4 for rank in range(len(values))]
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_attempts_ranks_agree(groups: Groups, group: str) -> None:
+    values = groups(group)["attempts_injected"]
+    assert same_on_every_rank(values, "seen") == [64, 32, 16, 8, 4]
+    assert same_on_every_rank(values, "size") == 4
+    assert same_on_every_rank(values, "ooms") == 4
+    for value in values:
+        torch.testing.assert_close(value["result"], value["expected"])
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_chunked_ranks_run_the_same_chunks(groups: Groups, group: str) -> None:
+    # Rank 1 fits 16 rows; the last rank also fails its 4th call (rows 16-32), so the rest go by 8.
+    values = groups(group)["chunked_injected"]
+    assert same_on_every_rank(values, "rows") == [64, 32, 16, 16] + [8] * 23
+    assert same_on_every_rank(values, "size") == 8
+    for value in values:
+        torch.testing.assert_close(value["result"], value["expected"])
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_range_ranks_run_the_same_ranges(groups: Groups, group: str) -> None:
+    values = groups(group)["range_injected"]
+    spans = same_on_every_rank(values, "spans")
+    assert spans[:4] == [(0, 32), (0, 16), (0, 8), (0, 4)]
+    assert all(end - begin == 4 for begin, end in spans[4:-1])
+    assert spans[-1] == (48, 50)
+    for value in values:
+        assert value["result"] == value["expected"]
+
+
+def test_growing_back_is_agreed(groups: Groups) -> None:
+    values = groups("two")["batch_grow"]
+    # Probes at 8 fail on rank 1, on both ranks at once; each call returns at the size that fits both.
+    assert same_on_every_rank(values, "seen") == [64, 32, 16, 8, 4, 8, 4, 4, 8, 4]
+    assert same_on_every_rank(values, "results") == [4, 4, 4, 4]
+
+
+# --------------------------------------------------------------------------- 2. accumulate with DDP
+
+ACCUMULATE = {
+    # scenario: the sizes tried, and the rank that runs out of memory (in forward or backward)
+    "accumulate_forward_first": ([12, 8], "last", "forward"),
+    "accumulate_forward_later": ([4, 2], 0, "forward"),
+    "accumulate_backward_first": ([12, 8], 1, "backward"),
+    "accumulate_backward_later": ([4, 2], "last", "backward"),
+}
+
+
+@pytest.mark.parametrize("scenario", list(ACCUMULATE))
+@pytest.mark.parametrize("group", WORLDS)
+def test_accumulate_with_ddp_gives_the_full_batch_gradient_on_every_rank(
+    groups: Groups, group: str, scenario: str
+) -> None:
+    values = groups(group)[scenario]
+    tried, failing, phase = ACCUMULATE[scenario]
+    failing = len(values) - 1 if failing == "last" else failing
+    assert same_on_every_rank(values, "tried") == tried
+    assert same_on_every_rank(values, "size") == tried[-1]
+    assert same_on_every_rank(values, "ooms") == 1
+    for rank, value in enumerate(values):
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+        torch.testing.assert_close(value["loss"], value["expected_loss"])  # this rank's own loss
+        (event,) = value["events"]
+        assert event["rank"] == failing
+        if rank == failing:
+            assert event["where"].endswith(f"in {phase}"), event["where"]
+        else:
+            assert event["where"] == f"rank {failing}"
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_accumulate_ranks_with_different_memory_limits(groups: Groups, group: str) -> None:
+    # Simulated devices fitting micro-batches of 16, 4 and 8 of 32 rows: all settle on 4.
+    values = groups(group)["accumulate_simulated"]
+    assert same_on_every_rank(values, "tried") == [32, 16, 8, 4]
+    for rank, value in enumerate(values):
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_accumulate_simulated_oom_in_the_backward(groups: Groups, group: str) -> None:
+    values = groups(group)["accumulate_simulated_backward"]
+    forward, half, whole, limit = values[1]["peaks"]
+    assert forward < limit < whole, "rank 1's limit fits the forward of 32 rows, not their backward"
+    assert half < limit, "rank 1's limit fits a whole step of 16 rows"
+    assert same_on_every_rank(values, "tried") == [32, 16]
+    (event,) = values[1]["events"]
+    assert "backward" in event["where"]
+    for rank, value in enumerate(values):
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+def test_accumulate_with_two_ddp_modules(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["accumulate_two_ddp_modules"]):
+        for how in ("passed", "found"):
+            assert value[how]["size"] == 4
+            assert_grads(value[how]["grads"], value["expected"], f"rank {rank}, ddp {how}: ")
+
+
+# --------------------------------------------------------------------------- 3. gradients from before the call
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_accumulate_twice_adds_both_full_batch_gradients(groups: Groups, group: str) -> None:
+    values = groups(group)["accumulate_twice"]
+    # Forward calls: 8 rows (rank 1 fails), 4 + 4; then 8 rows (rank 0's backward fails), 4 + 4.
+    assert same_on_every_rank(values, "rows") == [8, 4, 4, 8, 4, 4]
+    for rank, value in enumerate(values):
+        assert_grads(value["after_first"], value["expected_first"], f"rank {rank}, first call: ")
+        assert_grads(value["grads"], value["expected"], f"rank {rank}, second call: ")
+
+
+# --------------------------------------------------------------------------- 4. unused parameters
+
+
+@pytest.mark.parametrize(
+    ("group", "scenario"),
+    [
+        ("two", "accumulate_unused_parameters"),
+        ("three", "accumulate_unused_parameters"),
+        ("two", "accumulate_unused_parameters_small_buckets"),
+    ],
+)
+def test_parameters_used_on_some_ranks_or_none(groups: Groups, group: str, scenario: str) -> None:
+    values = groups(group)[scenario]
+    for rank, value in enumerate(values):
+        names = value["names"]
+        for call, (after, expected) in enumerate(zip(value["after"], value["expected"], strict=True)):
+            assert_grads(after, expected, f"rank {rank}, after call {call + 1}: ")
+            grads = dict(zip(names, after, strict=True))
+            assert grads["never.weight"] is None
+            assert grads["never.bias"] is None
+            assert grads["extra.weight"] is not None  # used on rank 0 only, averaged everywhere
+
+
+# --------------------------------------------------------------------------- 5. different cached sizes
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_different_cached_sizes_agree_on_the_smallest_before_the_first_attempt(groups: Groups, group: str) -> None:
+    values = groups(group)["cached_sizes_differ"]
+    fits = [_ranks.FITS[rank] for rank in range(len(values))]
+    assert [value["alone"] for value in values] == fits  # sync=False: each rank alone, cached apart
+    assert same_on_every_rank(values, "seen_agreed") == [min(fits)]  # the first attempt is the smallest
+    assert same_on_every_rank(values, "agreed") == min(fits)
+    assert same_on_every_rank(values, "chunk_rows") == [4] * 5  # caches filled with 16, 4 (and 8)
+    assert same_on_every_rank(values, "micro_batch_rows") == [2] * 6  # caches filled with 8, 2 (and 4)
+    for rank, value in enumerate(values):
+        torch.testing.assert_close(value["halved"], value["expected_halved"])
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+# --------------------------------------------------------------------------- 6. exhausted on every rank
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_one_rank_exhausted_exhausts_every_rank(groups: Groups, group: str) -> None:
+    values = groups(group)["exhausted_everywhere"]
+    world = len(values)
+    assert same_on_every_rank(values, "seen") == [16, 8, 4]
+    for rank, value in enumerate(values):
+        batch = value["batch"]
+        assert_error(batch, koila.BatchSizeExhausted, "(16 -> 8 -> 4)", "batch size 4 is the minimum")
+        assert batch["attributes"] == {"batch_size": 4, "attempts": 3}
+        if rank == world - 1:
+            assert "The last error was raised at" in batch["message"]
+        else:
+            assert f"Rank {world - 1} of {world} ran out of memory" in batch["message"]
+        # accumulate: rank 0 fails 12, 8 and 6 rows; every rank gives up, its gradients untouched
+        accumulate = value["accumulate"]
+        assert_error(accumulate, koila.BatchSizeExhausted, "(12 -> 8 -> 6)")
+        if rank != 0:
+            assert f"Rank 0 of {world} ran out of memory" in accumulate["message"]
+        assert value["grads"] == [None] * 4
+
+
+# --------------------------------------------------------------------------- 7. different spans
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_different_numbers_of_rows_raise_on_every_rank(groups: Groups, group: str) -> None:
+    for rank, value in enumerate(groups(group)["spans_differ"]):
+        assert_error(value["rows"], ValueError, "same number of rows or indices", f"this rank has {10 + rank}")
+        assert_error(value["empty"], ValueError, "same number of rows or indices")
+        assert_error(value["indices"], ValueError, "same number of rows or indices")
+        # the function ran only for the call after them, which still agrees: 6 rows in chunks of 4 and 2
+        assert value["calls"] == [4, 2]
+        torch.testing.assert_close(value["same"], torch.ones(6, 2))
+
+
+# --------------------------------------------------------------------------- 8. sync=False makes no collective call
+
+FRONT_ENDS = ["batch", "attempts", "chunked", "range", "accumulate"]
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_sync_false_makes_no_collective_call(groups: Groups, group: str) -> None:
+    for rank, value in enumerate(groups(group)["sync_false_makes_no_collective_call"]):
+        assert value["false"] == {name: {} for name in FRONT_ENDS}, f"rank {rank}"
+        for name in FRONT_ENDS:  # the control: the same calls, agreeing, all-reduce and nothing else
+            counts = value["none"][name]
+            assert set(counts) == {"all_reduce"}, (rank, name, counts)
+            assert counts["all_reduce"] >= 2, (rank, name, counts)  # the start, and after each attempt
+
+
+# --------------------------------------------------------------------------- 9. memory of a discarded attempt
+
+
+def test_a_discarded_successful_attempt_is_released_before_the_retry(groups: Groups) -> None:
+    values = groups("two")["discarded_attempt_is_released"]
+    for rank, value in enumerate(values):  # rank 0 succeeded and retried; rank 1 failed
+        assert value["batch_dead"] == [[], [True]], f"rank {rank}"
+        # chunked: the first chunk's result is kept; the second's, dropped, is dead at the retry
+        assert value["chunked_dead"][2] == [False, True], f"rank {rank}"
+        # accumulate: the gradients written by the discarded step are dead when the retry starts
+        assert value["accumulate_dead"] == [[], [True] * 4], f"rank {rank}"
+    assert same_on_every_rank(values, "rows") == [4, 4, 4, 2, 2, 2, 2, 2, 2]
+
+
+# --------------------------------------------------------------------------- 10. on_oom events
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_events_name_the_lowest_rank_that_failed(groups: Groups, group: str) -> None:
+    values = groups(group)["events_name_the_failing_rank"]
+    for rank, value in enumerate(values):  # ranks 1 and up failed 16
+        assert value["result"] == 8
+        assert value["ooms"] == 1
+        (event,) = value["events"]
+        assert (event["batch_size"], event["next_batch_size"], event["attempt"], event["rank"]) == (16, 8, 1, 1)
+        if rank == 0:
+            assert event["where"] == "rank 1"
+        else:
+            assert "_ranks.py" in event["where"]
+            assert event["where"].endswith("in run")
+
+
+# --------------------------------------------------------------------------- 11. FSDP and tensor parallelism
+
+
+def test_sharded_modules_are_refused_on_every_rank(groups: Groups) -> None:
+    for value in groups("two")["sharded_modules_are_refused"]:
+        assert sorted(value) == sorted(
+            [f"{front} {kind}" for front in ("batch", "accumulate") for kind in ("fsdp2", "fsdp1", "dtensor")]
+            + ["chunked fsdp2"]
+        )
+        for name, caught in value.items():
+            kind = name.split()[1]
+            assert_error(caught, NotImplementedError, "not supported yet", "DTensor" if kind == "dtensor" else "FSDP")
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_ddp_with_sync_false_is_refused(groups: Groups) -> None:
+    for value in groups("two")["ddp_with_sync_false"]:
+        assert_error(value, ValueError, "sync=False")
+
+
+def test_a_group_of_some_ranks_agrees_among_them(groups: Groups) -> None:
+    values = groups("three")["group_of_some_ranks"][:2]
+    for value in values:
+        assert value["result"] == {"returned": 4}
+    assert same_on_every_rank(values, "seen") == [64, 32, 16, 8, 4]
+
+
+def test_a_rank_outside_the_group_runs_alone_or_refuses_sync_true(groups: Groups) -> None:
+    outside = groups("three")["group_of_some_ranks"][2]
+    assert outside["result"] == {"returned": 8}  # sync=None: not a member, so it runs alone
+    assert_error(outside["forced"], RuntimeError, "not a member")
+
+
+# --------------------------------------------------------------------------- found while building it
+
+
+def test_accumulate_rank_with_fewer_rows_does_not_exhaust_the_others(groups: Groups) -> None:
+    values = groups("two")["accumulate_fewer_rows_on_one_rank"]
+    for value in values:
+        assert value["outcome"].get("type") is None, value["outcome"]
+    assert values[0]["seen"][:2] == [8, 4]
+    assert same_on_every_rank(values, "size") == 4
+
+
+def test_accumulate_oom_before_the_first_forward_of_a_ddp_model_with_buffers(groups: Groups) -> None:
+    values = groups("crash")["ddp_buffers_first_forward"]
+    for value in values:
+        assert value["outcome"].get("type") is None, value["outcome"]
+    for rank, value in enumerate(values):
+        assert_grads(value["grads"], values[0]["grads"], f"rank {rank}: ")
+
+
+def test_accumulate_auto_with_ddp_when_only_one_rank_estimates(groups: Groups) -> None:
+    values = groups("crash")["auto_estimate_with_ddp"]
+    for value in values:
+        assert value["outcome"].get("type") is None, value["outcome"]
+    assert same_on_every_rank(values, "size") == 6
+    for rank, value in enumerate(values):
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+# --------------------------------------------------------------------------- one process, no process group
+
+
+def _batch(**options: Any) -> Any:
+    return koila.batch(initial=4, cache=koila.NoCache(), **options)(lambda size: size)()
+
+
+def _attempts(**options: Any) -> Any:
+    for attempt in koila.attempts(initial=4, cache=koila.NoCache(), **options):
+        with attempt:
+            size = attempt.batch_size
+    return size
+
+
+def _chunked(**options: Any) -> Any:
+    return koila.chunked(lambda x: x + 1, torch.zeros(4, 2), initial=2, cache=koila.NoCache(), **options)
+
+
+def _range(**options: Any) -> Any:
+    return koila.range(lambda b, e: e - b, 0, 4, initial=2, cache=koila.NoCache(), **options)
+
+
+def _accumulate(**options: Any) -> Any:
+    model = nn.Linear(2, 1)
+    step = koila.accumulate(cache=koila.NoCache(), **options)(lambda x: model(x).sum())
+    return step(torch.ones(4, 2))
+
+
+CALLS = {"batch": _batch, "attempts": _attempts, "chunked": _chunked, "range": _range, "accumulate": _accumulate}
+
+
+@pytest.mark.parametrize("front_end", list(CALLS))
+def test_sync_true_without_a_process_group_is_refused(front_end: str) -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"sync=True needs torch\.distributed: call .*init_process_group"):
+        CALLS[front_end](sync=True)
+
+
+@pytest.mark.parametrize("sync", [None, False])
+@pytest.mark.parametrize("front_end", list(CALLS))
+def test_without_a_process_group_sync_none_and_false_run_alone(front_end: str, sync: bool | None) -> None:
+    expected = {"batch": 4, "attempts": 4, "range": [2, 2]}
+    result = CALLS[front_end](sync=sync)
+    if front_end in expected:
+        assert result == expected[front_end]
+    elif front_end == "chunked":
+        torch.testing.assert_close(result, torch.ones(4, 2))
+    else:
+        assert result.requires_grad is False
+
+
+DECORATORS = {
+    "batch": lambda **options: koila.batch(**options)(lambda size: size),
+    "attempts": lambda **options: koila.attempts(**options),
+    "chunked": lambda **options: koila.chunked(**options)(lambda x: x),
+    "range": lambda **options: koila.range(**options)(lambda begin, end: end - begin),
+    "accumulate": lambda **options: koila.accumulate(**options)(lambda x: x.sum()),
+}
+
+
+@pytest.mark.parametrize("sync", ["yes", 1, 0, torch.tensor(True)])
+@pytest.mark.parametrize("front_end", list(DECORATORS))
+def test_sync_that_is_not_a_bool_is_refused_when_decorating(front_end: str, sync: object) -> None:
+    with pytest.raises(TypeError, match="sync must be True, False or None"):
+        DECORATORS[front_end](sync=sync)
+
+
+@pytest.mark.parametrize("group", ["all", 0, object()])
+@pytest.mark.parametrize("front_end", list(DECORATORS))
+def test_group_that_is_not_a_process_group_is_refused_when_decorating(front_end: str, group: object) -> None:
+    with pytest.raises(TypeError, match="group must be a torch.distributed process group"):
+        DECORATORS[front_end](group=group)
+
+
+@pytest.mark.parametrize("ddp", [nn.Linear(2, 1), [nn.Linear(2, 1)], "model"])
+def test_ddp_that_is_not_a_ddp_module_is_refused(ddp: object) -> None:
+    with pytest.raises(TypeError, match="ddp must be a torch.nn.parallel.DistributedDataParallel module"):
+        koila.accumulate(ddp=ddp)
+
+
+def test_accumulate_broadcasts_ddp_buffers_from_rank_zero_before_the_step(groups: Groups) -> None:
+    for value in groups("two")["ddp_buffers_from_rank_zero"]:
+        assert value["seen"] == [2.0, 2.0]  # two micro-batches of 4 rows, both with rank 0's buffer
