@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from common import duration, percent, print_rst, version_of  # the script's own folder is on sys.path
+from common import duration, percent, print_rst, print_text, version_of  # the script's own folder is on sys.path
 from torch import nn
 from torch.nn import functional
 
@@ -100,15 +100,6 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 PLAIN = "plain step"
 HAND = "hand loop, weighted by rows"
 KOILA = "@koila.accumulate"
-
-
-def print_text(header: list[str], table: list[list[str]]) -> None:
-    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
-    for number, line in enumerate([header, *table]):
-        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))]
-        print("  ".join(cells).rstrip())
-        if number == 0:
-            print("  ".join("-" * width for width in widths))
 
 
 # The models -----------------------------------------------------------------------------------

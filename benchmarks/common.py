@@ -38,3 +38,13 @@ def print_rst(header: list[str], table: list[list[str]], title: str = "") -> Non
         print(f"   * - {line[0]}")
         for cell in line[1:]:
             print(f"     - {cell}" if cell else "     -")
+
+
+def print_text(header: list[str], table: list[list[str]]) -> None:
+    """Print a table as aligned text: the first two columns to the left, the rest to the right."""
+    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
+    for number, line in enumerate([header, *table]):
+        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))]
+        print("  ".join(cells).rstrip())
+        if number == 0:
+            print("  ".join("-" * width for width in widths))

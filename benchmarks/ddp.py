@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import duration, percent, print_rst  # the script's own folder is on sys.path
+from common import duration, percent, print_rst, print_text  # the script's own folder is on sys.path
 from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
@@ -77,15 +77,6 @@ TARGET = 1.05  # koila / hand loop, per step
 BLOCK_SECONDS = 0.25  # about how long one block of steps takes
 HAND = "hand loop, no_sync() but the last"
 KOILA = "@koila.accumulate"
-
-
-def print_text(header: list[str], table: list[list[str]]) -> None:
-    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
-    for number, line in enumerate([header, *table]):
-        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))]
-        print("  ".join(cells).rstrip())
-        if number == 0:
-            print("  ".join("-" * width for width in widths))
 
 
 @dataclass

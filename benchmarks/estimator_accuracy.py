@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from common import percent, print_rst, version_of  # the script's own folder is on sys.path
+from common import percent, print_rst, print_text, version_of  # the script's own folder is on sys.path
 from torch import nn
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -532,15 +532,6 @@ class Summary:
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / MIB:,.1f}"
-
-
-def print_text(header: list[str], table: list[list[str]]) -> None:
-    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
-    for number, line in enumerate([header, *table]):
-        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))]
-        print("  ".join(cells).rstrip())
-        if number == 0:
-            print("  ".join("-" * width for width in widths))
 
 
 def detail_table(rows: list[Row], every_row: bool = False) -> tuple[list[str], list[list[str]]]:

@@ -395,6 +395,17 @@ def accumulate_simulated(rank: int, world: int) -> dict[str, Any]:
     fits = FITS[rank]
     limit = (_peak(model, x, y, fits) + _peak(model, x, y, 2 * fits)) // 2
     expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    step, events = _step_under(model, x, y, limit)
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "size": step.stats.batch_size,
+        "tried": sizes_tried(events, step.stats),
+    }
+
+
+def _step_under(model: nn.Module, x: torch.Tensor, y: torch.Tensor, limit: int) -> tuple[Any, list[koila.OOMEvent]]:
+    """Run one accumulate step of ``model`` in DDP under a simulated device of ``limit`` bytes."""
     ddp = DDP(model)
     events: list[koila.OOMEvent] = []
 
@@ -404,12 +415,7 @@ def accumulate_simulated(rank: int, world: int) -> dict[str, Any]:
 
     with simulated_device(limit):
         step(x, y)
-    return {
-        "grads": grads(model),
-        "expected": expected,
-        "size": step.stats.batch_size,
-        "tried": sizes_tried(events, step.stats),
-    }
+    return step, events
 
 
 @scenario("two", "three")
@@ -422,15 +428,7 @@ def accumulate_simulated_backward(rank: int, world: int) -> dict[str, Any]:
     forward, whole, half = _peak(model, x, y, rows, backward=False), _peak(model, x, y, rows), _peak(model, x, y, 16)
     limit = (forward + whole) // 2 if rank == 1 else 1 << 30
     expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
-    ddp = DDP(model)
-    events: list[koila.OOMEvent] = []
-
-    @koila.accumulate(cache=koila.NoCache(), on_oom=events.append)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(ddp(x), y)
-
-    with simulated_device(limit):
-        step(x, y)
+    step, events = _step_under(model, x, y, limit)
     return {
         "peaks": (forward, half, whole, limit),
         "grads": grads(model),
