@@ -14,7 +14,6 @@ always try the same size and leave the retry loop together.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -77,8 +76,6 @@ def agreement(sync: bool | None, group: Any) -> Agreement | None:
         RuntimeError: if ``sync=True`` and no process group is initialized, or
             this process is not a member of ``group``.
     """
-    # A rank that dist.new_group() left out holds GroupMember.NON_GROUP_MEMBER: with
-    # sync=None it runs alone.
     default = _world._default_pg if _FAST else dist.group.WORLD if _AVAILABLE else None  # type: ignore[union-attr]
     if default is None:
         if sync:
@@ -111,7 +108,9 @@ _agreements: dict[Any, Agreement] = {}
 
 
 class Agreement:
-    """The collectives of one call: agreeing on sizes across the ranks of ``group``.
+    """The collectives that agree on sizes across the ranks of ``group``.
+
+    One per process group, made at its first call and reused by every call after it.
 
     Args:
         group (ProcessGroup or None): the ranks that agree; ``None`` for all.
@@ -282,7 +281,6 @@ class GradientSync:
 
     def __init__(self, modules: list[DistributedDataParallel]) -> None:
         self.modules = modules
-        self._refs = [weakref.ref(module) for module in modules]
         self._parts: list[_ModuleGradients] = []
 
     def before_step(self) -> None:
