@@ -83,7 +83,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from common import duration, percent, print_rst, print_text, version_of  # the script's own folder is on sys.path
+from common import (  # the script's own folder is on sys.path
+    add_run_flags,
+    duration,
+    percent,
+    print_rst,
+    print_text,
+    settle_rounds,
+    version_of,
+)
 from torch import nn
 from torch.nn import functional
 
@@ -453,14 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         help="wall: time.perf_counter (default); cpu: time.thread_time, the CPU time of the thread that runs the "
         "steps, which other jobs on a busy machine do not inflate",
     )
-    parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
-    parser.add_argument("--no-peers", action="store_true", help="leave accelerate out")
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    add_run_flags(parser, no_peers="leave accelerate out")
     args = parser.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 4 if args.quick else 30
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+    settle_rounds(parser, args)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     began = time.perf_counter()

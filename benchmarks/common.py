@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from importlib import metadata
 
 
@@ -48,3 +49,18 @@ def print_text(header: list[str], table: list[list[str]]) -> None:
         print("  ".join(cells).rstrip())
         if number == 0:
             print("  ".join("-" * width for width in widths))
+
+
+def add_run_flags(parser: argparse.ArgumentParser, *, no_peers: str) -> None:
+    """Add the flags a timed benchmark shares: ``--quick``, ``--no-peers`` (helped by ``no_peers``), ``--rst``."""
+    parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
+    parser.add_argument("--no-peers", action="store_true", help=no_peers)
+    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+
+
+def settle_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Default ``--rounds`` to 30 (4 with ``--quick``), and refuse fewer than 1."""
+    if args.rounds is None:
+        args.rounds = 4 if args.quick else 30
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")

@@ -63,7 +63,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import duration, percent, print_rst, print_text  # the script's own folder is on sys.path
+from common import (  # the script's own folder is on sys.path
+    add_run_flags,
+    duration,
+    percent,
+    print_rst,
+    print_text,
+    settle_rounds,
+)
 from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
@@ -308,14 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, help="rounds (default 30; 4 with --quick)")
     parser.add_argument("--rows", type=int, default=ROWS, help="rows per rank and step (default %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
-    parser.add_argument("--no-peers", action="store_true", help="accepted for tox -e bench; there is no peer here")
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    add_run_flags(parser, no_peers="accepted for tox -e bench; there is no peer here")
     args = parser.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 4 if args.quick else 30
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+    settle_rounds(parser, args)
     if args.rows < max(SPLITS) or args.rows % max(SPLITS):
         parser.error(f"--rows must be a multiple of {max(SPLITS)}")
     print(f"Python {platform.python_version()} on {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
