@@ -220,14 +220,14 @@ def accumulate(
         raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
     fixed_device = None if device is None else resolve_device(device)
     check_auto(initial)
-    ddp_modules = _ddp_modules(ddp)
-    if ddp_modules and sync is False:
+    given = _given_ddp(ddp)
+    if given and sync is False:
         raise ValueError(
             "ddp= averages gradients after the ranks agree on the step, and sync=False turns agreement off: "
             "drop one of them"
         )
-    if ddp_modules and group is None:
-        group = ddp_modules[0].process_group
+    if given and group is None:
+        group = given[0].process_group
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
@@ -248,7 +248,7 @@ def accumulate(
             group=group,
         )
         step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device, initial == AUTO)
-        step.ddp = ddp_modules
+        step.ddp = given
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -653,7 +653,7 @@ def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: di
     return None
 
 
-def _ddp_modules(ddp: Any) -> list[Any]:
+def _given_ddp(ddp: Any) -> list[Any]:
     """Check ``ddp=``: a ``DistributedDataParallel`` module, or a list or tuple of them."""
     if ddp is None:
         return []
