@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _layers import OOMInBackward
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -137,18 +138,6 @@ def mean_of(many: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
     return averaged
 
 
-class _OOMInBackward(torch.autograd.Function):
-    """The identity, whose backward runs out of memory."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise make_oom()
-
-
 class Inject(nn.Module):
     """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
 
@@ -164,7 +153,7 @@ class Inject(nn.Module):
         if where == "forward":
             raise make_oom()
         if where == "backward":
-            return _OOMInBackward.apply(x)
+            return OOMInBackward.apply(x)
         return x
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _layers import OOMInBackward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -152,18 +153,6 @@ def peak_bytes(run: Callable[[], object]) -> int:
     return device.peak
 
 
-class _OOMInBackward(torch.autograd.Function):
-    """The identity, whose backward runs out of memory."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise make_oom()
-
-
 class Inject(nn.Module):
     """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls.
 
@@ -186,7 +175,7 @@ class Inject(nn.Module):
         if self.at(call) and x.shape[0] > self.above:
             if self.where == "forward":
                 raise make_oom()
-            return _OOMInBackward.apply(x)
+            return OOMInBackward.apply(x)
         return x
 
 
@@ -368,10 +357,10 @@ def test_checkpointed_module_grads_are_discarded_on_oom(where: str, reentrant: b
         fail = len(calls) == 2
         h = stem(x)
         if fail and where == "inside":  # runs after the checkpoint's backward wrote the block's grads
-            h = _OOMInBackward.apply(h)
+            h = OOMInBackward.apply(h)
         h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
         if fail and where == "after":  # runs before it: only micro-batch 0 wrote the block's grads
-            h = _OOMInBackward.apply(h)
+            h = OOMInBackward.apply(h)
         return F.mse_loss(head(h), y)
 
     with warnings.catch_warnings():
