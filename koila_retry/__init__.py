@@ -17,6 +17,9 @@ from koila_retry._engine import Attempt, OOMEvent, Stats
 from koila_retry._estimate import MemoryEstimate, estimate, suggest_batch_size
 from koila_retry._frontends import Batched, attempts, batch
 from koila_retry._memory import free_memory, release
+from koila_retry._offload import Offload, offload
+from koila_retry._profile import LineRow, MemoryProfile, ModuleRow, profile
+from koila_retry._report import MemoryReport, ReportRow, report
 from koila_retry._version import __version__
 from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning
 
@@ -28,9 +31,15 @@ __all__ = [
     "CacheInfo",
     "DiskCache",
     "GlobalCache",
+    "LineRow",
     "MemoryEstimate",
+    "MemoryProfile",
+    "MemoryReport",
+    "ModuleRow",
     "NoCache",
     "OOMEvent",
+    "Offload",
+    "ReportRow",
     "SizeCache",
     "StackMemoryCache",
     "Stats",
@@ -42,7 +51,10 @@ __all__ = [
     "estimate",
     "free_memory",
     "is_oom",
+    "offload",
+    "profile",
     "range",
     "release",
+    "report",
     "suggest_batch_size",
 ]

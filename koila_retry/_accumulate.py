@@ -26,7 +26,7 @@ from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._chunked import _Split
 from koila_retry._distributed import GradientSync, ddp_modules
 from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
-from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
+from koila_retry._estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
 from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, resolve_device
 
@@ -288,7 +288,7 @@ class _Accumulator:
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
-        first = functools.partial(self._estimated, split, device) if self.auto else None
+        first = self._estimated(split, device) if self.auto else None
         attempt = self.controller.start(self.identity, caller, device, split.sample, rows, first)
         sync = None
         if attempt._agreement is not None:
@@ -368,8 +368,8 @@ class _Accumulator:
             )
         return GradientSync(modules)
 
-    def _estimated(self, split: _Split, device: torch.device) -> int:
-        """Return the first micro-batch size the memory estimate suggests (``initial="auto"``)."""
+    def _estimated(self, split: _Split, device: torch.device) -> AutoFirst:
+        """Return what asks the memory estimate for the first micro-batch size (``initial="auto"``)."""
         name = self.controller.name
 
         def step(*args: Any, **kwargs: Any) -> None:
@@ -388,7 +388,7 @@ class _Accumulator:
             with GradientSync(modules).silent() if modules else contextlib.nullcontext():
                 return estimate(step, *split.args, dim=self.dim, device=device, **split.kwargs)
 
-        return auto_first((self.identity, split.sample, device), split.rows, make, device, name)
+        return AutoFirst((self.identity, split.sample, device), split.rows, make, device, name)
 
     def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
@@ -436,6 +436,13 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
+
+
+def gradients_aside(value: object) -> dict[int, torch.Tensor]:
+    """Return the gradients a step in progress set aside, by the ``id`` of their leaf, if ``value`` holds them."""
+    if not isinstance(value, _Gradients):
+        return {}
+    return {id(leaf): gradient for leaf, gradient in value.aside}
 
 
 class _Gradients:

@@ -21,7 +21,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 from koila_retry import _distributed
 from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
 from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
-from koila_retry._estimate import AUTO, MemoryEstimate, auto_first, check_auto, estimate
+from koila_retry._estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
 from koila_retry._frontends import Batched, _TensorBase, _with_controller
 from koila_retry._memory import DeviceLike, default_device, resolve_device
 from koila_retry.exceptions import BatchSizeExhausted
@@ -359,7 +359,7 @@ def _run_chunked(
                 return estimate(fn, *args, dim=dim, device=device, **kwargs)
 
             key = (identity, split.sample, device)
-            first = functools.partial(auto_first, key, split.rows, make, device, controller.name)
+            first = AutoFirst(key, split.rows, make, device, controller.name)
             attempt = controller.start(identity, caller, device, split.sample, split.rows, first, span=split.rows)
         else:
             attempt = controller.start(identity, caller, device, split.sample, span=split.rows)

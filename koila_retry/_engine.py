@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -42,7 +43,7 @@ from typing import Any, cast
 
 import torch
 
-from koila_retry import _distributed, _memory, _tracking
+from koila_retry import _distributed, _memory, _report, _tracking
 from koila_retry._cache import Growth, SizeCache
 from koila_retry._counter import Counter
 from koila_retry._detect import is_oom
@@ -314,15 +315,17 @@ class Controller:
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()
+        attempt = Attempt(self, key, size, cached, device, initial, agreement)
+        if first is not None:
+            attempt._estimated = getattr(first, "figures", None)
         if agreement is not None:
-            attempt = Attempt(self, key, size, cached, device, initial, agreement)
             if self.grow:
                 attempt._grow()
             return attempt._agree_on_start(span)
         if self.grow:
-            return Attempt(self, key, size, cached, device, initial)._grow()
+            return attempt._grow()
         self.stats.batch_size = size
-        return Attempt(self, key, size, cached, device, initial)
+        return attempt
 
     def reach(self, roots: Iterable[Any]) -> None:
         """Look, once, at the modules a call that agrees across ranks reaches from ``roots``.
@@ -418,6 +421,7 @@ class Attempt:
         "_cached",
         "_controller",
         "_device",
+        "_estimated",
         "_failure",
         "_initial",
         "_key",
@@ -448,6 +452,7 @@ class Attempt:
         self._device = device
         self._state = _READY
         self._failure: _Failure | None = None  # made on the first failure: none on the happy path
+        self._estimated: Callable[[], tuple[int, int] | None] | None = None  # initial="auto": the estimate's figures
         self._rows: int | None = None
         self._probe_from: int | None = None  # the size a growth probe started from
         self.batch_size = size
@@ -717,8 +722,26 @@ class Attempt:
             last = f"The last error was raised at {failure.where}."
         return (
             f"{controller.name}: out of memory at every batch size tried ({tried}); {reason}. "
-            f"{last} {_memory_summary(self._device, free)}"
+            f"{last} {_memory_summary(self._device, free)}{self._explanation()}"
         )
+
+    def _explanation(self) -> str:
+        """Say what holds the memory and what one sample needs; paid for only when a call gives up."""
+        parts = []
+        try:
+            held = _report.explain(self._device, sys._getframe(3))
+        except Exception:  # a diagnosis must never hide the error it explains
+            held = ""
+        if held:
+            parts.append(held)
+        figures = self._estimated() if self._estimated is not None else None
+        if figures is not None:
+            per_sample, fixed = figures
+            parts.append(
+                f"The estimate (initial='auto') puts one sample at {format_bytes(per_sample)} on top of "
+                f"{format_bytes(fixed)} that do not depend on the batch size."
+            )
+        return "".join(f" {part}" for part in parts)
 
 
 class _Failure:

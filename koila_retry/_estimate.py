@@ -1022,7 +1022,8 @@ def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
             return tree
         if tree.requires_grad:
             raise RuntimeError(
-                f"koila.estimate: {func} was given a real tensor of shape {tuple(tree.shape)} that requires grad, "
+                f"running the call on meta tensors, {func} was given a real tensor of shape {tuple(tree.shape)} "
+                "that requires grad, "
                 "which the call reached some way other than through a module or optimizer it can see (as an "
                 "argument, in its closure, in a global it names, or bound as self), so autograd would write to "
                 "it. Pass that module, or a function that closes over it"
@@ -1099,9 +1100,16 @@ def _run(
 
 # --- initial="auto" -----------------------------------------------------------------
 
+
 # Per function, input signature and device: the largest power of two that fits, and
 # the largest batch of any size that does. An estimate costs once per signature.
-_suggestions: LRUCache[Hashable, tuple[int, int]] = LRUCache(maxsize=256)
+class _Suggestion(NamedTuple):
+    power: int
+    whole: int
+    figures: tuple[int, int] | None  # the estimate's per-sample and fixed bytes; None if it failed
+
+
+_suggestions: LRUCache[Hashable, _Suggestion] = LRUCache(maxsize=256)
 _suggestions_lock = threading.Lock()
 
 AUTO = "auto"
@@ -1127,13 +1135,32 @@ def auto_first(key: Hashable, rows: int, make: Callable[[], MemoryEstimate], dev
         int: the size to start at.
     """
     with _suggestions_lock:
-        limits = _suggestions.get(key)
-    if limits is None:  # two threads may both estimate; the cache itself stays whole
-        limits = _limits(make, device, name)
+        suggestion = _suggestions.get(key)
+    if suggestion is None:  # two threads may both estimate; the cache itself stays whole
+        suggestion = _suggest(make, device, name)
         with _suggestions_lock:
-            _suggestions[key] = limits
-    power, whole = limits
-    return rows if rows <= whole else power
+            _suggestions[key] = suggestion
+    return rows if rows <= suggestion.whole else suggestion.power
+
+
+class AutoFirst:
+    """The first size of an ``initial="auto"`` call (see :func:`auto_first`), and the estimate behind it."""
+
+    __slots__ = ("_device", "_key", "_make", "_name", "_rows")
+
+    def __init__(
+        self, key: Hashable, rows: int, make: Callable[[], MemoryEstimate], device: torch.device, name: str
+    ) -> None:
+        self._key, self._rows, self._make, self._device, self._name = key, rows, make, device, name
+
+    def __call__(self) -> int:
+        return auto_first(self._key, self._rows, self._make, self._device, self._name)
+
+    def figures(self) -> tuple[int, int] | None:
+        """Return the estimate's per-sample and fixed bytes, if one was made for this call's inputs."""
+        with _suggestions_lock:
+            suggestion = _suggestions.get(self._key)
+        return None if suggestion is None else suggestion.figures
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -1147,7 +1174,7 @@ def _levels_to_caller() -> int:
     return level
 
 
-def _limits(make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> tuple[int, int]:
+def _suggest(make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> _Suggestion:
     failure = None
     try:
         found = make()
@@ -1160,11 +1187,11 @@ def _limits(make: Callable[[], MemoryEstimate], device: torch.device, name: str)
             UserWarning,
             stacklevel=_levels_to_caller(),
         )
-        return _LARGEST, _LARGEST
+        return _Suggestion(_LARGEST, _LARGEST, None)
     budget = free_memory(device) + found.resident
     power = found.largest_fitting(budget, margin=DEFAULT_MARGIN) or 1
     low, high = power, 2 * power  # the largest batch of any size that fits lies between
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if found.fits(middle, budget, margin=DEFAULT_MARGIN) else (low, middle)
-    return power, low
+    return _Suggestion(power, low, (found.per_sample, found.fixed))

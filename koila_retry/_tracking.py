@@ -48,6 +48,12 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Set the peak to the bytes live now."""
         self.peak = self.live
 
+    def live_storages(self) -> list[torch.UntypedStorage]:
+        """Return the storages counted and still alive."""
+        with self._lock:
+            references = list(self._storages.values())
+        return [storage for storage in (reference() for reference in references) if storage is not None]
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -116,6 +122,11 @@ class Simulated(Protocol):
     @property
     def free(self) -> int: ...
 
+    @property
+    def live(self) -> int: ...
+
+    def live_storages(self) -> list[torch.UntypedStorage]: ...
+
 
 class _SimulatedRegistry:
     """The simulated devices active in this process, innermost last."""
@@ -128,6 +139,9 @@ class _SimulatedRegistry:
 
     def limit(self) -> int | None:
         return self.active[-1].limit if self.active else None
+
+    def device(self) -> Simulated | None:
+        return self.active[-1] if self.active else None
 
 
 # ``free_memory`` reports the innermost simulated device's free bytes while one is

@@ -87,6 +87,16 @@ class SimulatedDevice:
         """Bytes that can still be allocated before the limit."""
         return max(self.limit - self.live, 0)
 
+    def live_storages(self) -> list[torch.UntypedStorage]:
+        """Return the storages created inside the block that are still alive.
+
+        Returns:
+            list of torch.UntypedStorage: each once, however many tensors view it.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._tracker.live_storages() if self._tracker is not None else []
+
     def reset_peak(self) -> None:
         """Make the peak the bytes alive now."""
         if self._tracker is not None:

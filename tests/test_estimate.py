@@ -986,7 +986,7 @@ def test_chunked_auto_starts_at_a_size_that_fits(estimates: list[Callable[..., A
         out = koila.chunked(encode, inputs, initial="auto", on_oom=events.append)
     assert len(events) <= 1
     assert len(estimates) == 1
-    ((power, whole),) = _estimate._suggestions.values()
+    ((power, whole, _),) = _estimate._suggestions.values()
     assert power <= whole < 8192
     assert seen[0] == power, "the first chunk is the suggested size"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-10)
@@ -1037,7 +1037,7 @@ def test_chunked_auto_runs_whole_rows_that_fit_between_two_powers_of_two(estimat
 
         out = koila.chunked(encode, inputs, initial="auto")
     assert seen == [300]
-    ((power, whole),) = _estimate._suggestions.values()
+    ((power, whole, _),) = _estimate._suggestions.values()
     assert power == 256
     assert whole == max(size for size in range(256, 512) if found.fits(size, budget))
     assert whole >= 300

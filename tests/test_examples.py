@@ -31,6 +31,26 @@ def test_evaluate_in_batches_settles_and_matches() -> None:
 
 
 @pytest.mark.slow
+def test_profile_model_explains_the_memory() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "profile_model.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    assert re.search(r"^head\.weight +parameter +\[8192, 512\] +float32 +16\.00 MiB$", out, re.MULTILINE)
+    assert re.search(r"^head \(Linear\) +1 +8\.00 MiB", out, re.MULTILINE)  # its output: 256 x 8192 floats
+    assert re.search(r"^profile_model\.py:\d+ +1 +8\.00 MiB +\+8\.00 MiB +loss = ", out, re.MULTILINE)
+    assert "batch size 1 is the minimum" in out
+    assert "head.weight.grad (gradient) 16.00 MiB" in out
+    assert "The estimate (initial='auto') puts one sample at" in out
+
+
+@pytest.mark.slow
 def test_embed_large_tensor_resumes_mid_way_and_matches() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     completed = subprocess.run(

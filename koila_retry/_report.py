@@ -1,0 +1,515 @@
+"""What occupies a device's memory, storage by storage, named from the model and optimizer."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Iterator
+from types import FrameType
+from typing import Any, NamedTuple
+
+import torch
+
+from koila_retry import _memory, _tracking
+from koila_retry._estimate import reachable
+from koila_retry._memory import DeviceLike
+from koila_retry._table import html_table, text_table
+from koila_retry._units import format_bytes
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+# When one storage has names of several kinds, the row shows the first kind here.
+_KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor")
+_HEADERS = ("name", "kind", "shape", "dtype", "bytes")
+_NUMERIC = frozenset({"bytes"})
+
+
+class ReportRow(NamedTuple):
+    """One storage in a :class:`MemoryReport`: every name it has, and its bytes.
+
+    Attributes:
+        names (tuple of str): every name of a tensor on the storage, as reached
+            from the model and optimizer (tied weights have several); a tensor
+            no name reaches is described by its shape and dtype.
+        kind (str): ``"parameter"``, ``"buffer"``, ``"gradient"``,
+            ``"optimizer state"``, ``"tensor"`` (found, not named) or
+            ``"no tensor"`` (storages a simulated device counts that no Python
+            tensor holds; see :func:`report`).
+        shape (tuple of int or None): the shape of the first named tensor.
+        dtype (str or None): its dtype, as ``"float32"``.
+        nbytes (int): the bytes of the storage, counted once however many
+            tensors share it.
+        views (tuple of str): the other tensors on the storage that no name
+            reaches (views or aliases of it), as ``"float32[10, 4]"``.
+    """
+
+    names: tuple[str, ...]
+    kind: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    views: tuple[str, ...]
+
+
+class MemoryReport:
+    """The tensors alive on a device, one row per storage, largest first; see :func:`report`.
+
+    Attributes:
+        device (torch.device): the device reported on.
+        rows (list of ReportRow): the ``top`` largest storages.
+        total (int): the bytes of every storage found, the rows not shown included.
+        storages (int): how many storages were found.
+        allocated (int or None): on an accelerator, the bytes PyTorch's caching
+            allocator has handed out to tensors (``torch.accelerator.memory_allocated``).
+        reserved (int or None): on an accelerator, the bytes the allocator holds
+            (``memory_reserved``); the rest of it is cached, free for PyTorch's next tensors.
+        simulated (tuple of int or None): inside
+            :func:`koila_retry.testing.simulated_device`, its ``(live, limit)`` bytes.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        rows: list[ReportRow],
+        total: int,
+        storages: int,
+        allocated: int | None,
+        reserved: int | None,
+        simulated: tuple[int, int] | None,
+    ) -> None:
+        self.device = device
+        self.rows = rows
+        self.total = total
+        self.storages = storages
+        self.allocated = allocated
+        self.reserved = reserved
+        self.simulated = simulated
+
+    @property
+    def omitted(self) -> int:
+        """int: the bytes of the storages found but not in :attr:`rows`."""
+        return self.total - sum(row.nbytes for row in self.rows)
+
+    def notes(self) -> list[str]:
+        """Return the lines that explain the totals: rows left out, and the allocator's own figures.
+
+        Returns:
+            list of str: one sentence per line.
+        """
+        lines = []
+        hidden = self.storages - len(self.rows)
+        if hidden > 0:
+            lines.append(
+                f"{hidden} smaller storage{'s' if hidden > 1 else ''} not shown: {format_bytes(self.omitted)}."
+            )
+        if self.allocated is not None and self.reserved is not None:
+            unseen = self.allocated - self.total
+            cached = format_bytes(self.reserved - self.allocated)
+            lines.append(
+                f"PyTorch's allocator: {format_bytes(self.allocated)} allocated, "
+                f"{format_bytes(self.reserved)} reserved ({cached} of it cached for reuse)."
+            )
+            if unseen > 0:
+                lines.append(
+                    f"{format_bytes(unseen)} allocated are in no tensor Python can reach: tensors autograd saved for "
+                    "backward, tensors only C++ holds, and each block's rounding up to 512 bytes."
+                )
+        if self.simulated is not None:
+            live, limit = self.simulated
+            lines.append(
+                f"Simulated device: {format_bytes(live)} of {format_bytes(limit)} in use, counting only the tensors "
+                "made inside it."
+            )
+        return lines
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        cells: list[tuple[str, ...]] = []
+        for row in self.rows:
+            shape = "" if row.shape is None else str(list(row.shape))
+            cells.append((", ".join(row.names), row.kind, shape, row.dtype or "", format_bytes(row.nbytes)))
+            cells += [(f"  view of {row.names[0]}: {view}", "view", "", "", "") for view in row.views]
+        return cells
+
+    def _title(self) -> str:
+        plural = "" if self.storages == 1 else "s"
+        return f"Memory on {self.device}: {format_bytes(self.total)} in {self.storages} storage{plural}"
+
+    def __str__(self) -> str:
+        return text_table(_HEADERS, self._cells(), numeric=_NUMERIC, title=self._title(), footer=self.notes())
+
+    def _repr_html_(self) -> str:
+        return html_table(_HEADERS, self._cells(), numeric=_NUMERIC, title=self._title(), footer=self.notes())
+
+    def __repr__(self) -> str:
+        return f"MemoryReport(device={str(self.device)!r}, total={self.total}, storages={self.storages})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as plain values (for JSON, logs and programs).
+
+        Returns:
+            dict: ``device`` (str), ``total``, ``storages``, ``omitted``,
+            ``allocated``, ``reserved``, ``simulated`` (a dict of ``live`` and
+            ``limit``, or ``None``) and ``rows``, a list of dicts with the
+            fields of :class:`ReportRow` (tuples as lists).
+        """
+        return {
+            "device": str(self.device),
+            "total": self.total,
+            "storages": self.storages,
+            "omitted": self.omitted,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "simulated": None if self.simulated is None else dict(zip(("live", "limit"), self.simulated, strict=True)),
+            "rows": [
+                {
+                    "names": list(row.names),
+                    "kind": row.kind,
+                    "shape": None if row.shape is None else list(row.shape),
+                    "dtype": row.dtype,
+                    "nbytes": row.nbytes,
+                    "views": list(row.views),
+                }
+                for row in self.rows
+            ],
+        }
+
+    def summary(self, top: int = 5) -> str:
+        """Return the largest storages and the total in one sentence, for an error message.
+
+        Args:
+            top (int): how many storages to name. Default: 5.
+
+        Returns:
+            str: like ``"Largest on cpu (12.00 MiB in 9 storages): fc.weight (parameter) 4.00 MiB, ..."``.
+        """
+        named = [f"{', '.join(row.names)} {_what(row)} {format_bytes(row.nbytes)}" for row in self.rows[:top]]
+        rest = self.total - sum(row.nbytes for row in self.rows[:top])
+        if self.storages > top:
+            named.append(f"{self.storages - top} more {format_bytes(rest)}")
+        plural = "" if self.storages == 1 else "s"
+        found = f"{format_bytes(self.total)} in {self.storages} storage{plural}"
+        return f"Largest on {self.device} ({found}): {'; '.join(named) or 'nothing'}."
+
+
+def report(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: DeviceLike = None,
+    top: int = 20,
+) -> MemoryReport:
+    """Return what occupies a device's memory: every tensor alive on it, named where possible.
+
+    Tensors are found through the garbage collector's list of objects (no
+    collection is run, and nothing is freed or moved) and deduplicated by
+    storage: a storage's bytes count once, however many tensors view it. They
+    are named from ``model`` (``layer.weight``, ``layer.weight.grad``,
+    ``norm.running_mean``) and ``optimizer``
+    (``optimizer.state[layer.weight].exp_avg``); a weight tied to two layers is
+    listed under both names; a tensor that views a named storage is shown as a
+    view of it; the rest by shape and dtype. Tensors that autograd saved for
+    backward, made inside PyTorch's C++ code, are invisible to Python: on an
+    accelerator the allocator's own figures are given beside the total, with the
+    difference. Inside :func:`koila_retry.testing.simulated_device` every tensor
+    passes through Python and is found; the storages it counts that no tensor
+    holds (a bare ``untyped_storage()``, say) make a row of their own.
+
+    Args:
+        model (torch.nn.Module, optional): names parameters, buffers and gradients.
+        optimizer (torch.optim.Optimizer, optional): names its state, and any
+            parameter ``model`` does not.
+        device (torch.device, str, int or None): the device to report on.
+            Default: ``model``'s device, else the current accelerator, else the CPU.
+        top (int): how many of the largest storages make rows; the totals
+            count them all. Default: 20.
+
+    Returns:
+        MemoryReport: printable as a table, with ``rows`` and ``to_dict()``.
+
+    Raises:
+        TypeError: if ``model``, ``optimizer`` or ``top`` has the wrong type.
+        ValueError: if ``top`` is below 1, or ``device`` is not a device.
+
+    Example::
+
+        >>> import torch, koila_retry as koila
+        >>> model = torch.nn.Linear(256, 256)
+        >>> print(koila.report(model, device="cpu", top=1))  # doctest: +SKIP
+        Memory on cpu: 257.00 KiB in 2 storages
+        ...
+
+    .. versionadded:: 0.1.0
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__} {model!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise TypeError(f"top must be an int, got {type(top).__name__} {top!r}")
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    if device is None and model is not None:
+        target = next((t.device for t in (*model.parameters(), *model.buffers())), None)
+        resolved = _memory.resolve_device(target)
+    else:
+        resolved = _memory.resolve_device(device)
+    modules = [("", model)] if model is not None else []
+    optimizers = [("optimizer", optimizer)] if optimizer is not None else []
+    return build(resolved, modules, optimizers, top)
+
+
+def build(
+    device: torch.device,
+    modules: list[tuple[str, torch.nn.Module]],
+    optimizers: list[tuple[str, torch.optim.Optimizer]],
+    top: int,
+    tensors: Iterable[tuple[str, torch.Tensor]] = (),
+    aside: dict[int, torch.Tensor] | None = None,
+) -> MemoryReport:
+    """Return the report of ``device``, naming tensors from modules and optimizers under prefixes.
+
+    Args:
+        device (torch.device): the device, with an index for accelerators.
+        modules (list): ``(prefix, module)``; names are ``prefix.name`` (or ``name``
+            for an empty prefix).
+        optimizers (list): ``(prefix, optimizer)``; state is ``prefix.state[...]``.
+        top (int): how many storages make rows.
+        tensors (iterable): ``(name, tensor)`` for other tensors with a name
+            (variables), used where no module or optimizer names them.
+        aside (dict, optional): the gradients of parameters (by ``id``) that a
+            step in progress set aside, named as those parameters' gradients.
+
+    Returns:
+        MemoryReport: the report.
+    """
+    found = _Found(device)
+    known: dict[int, str] = {}  # id of a parameter -> its first name, for the optimizer's state
+    aside = aside or {}
+    for prefix, module in modules:
+        for name, kind, tensor in _module_tensors(prefix, module, aside):
+            known.setdefault(id(tensor), name)
+            found.add(name, kind, tensor)
+    for prefix, optimizer in optimizers:
+        for name, kind, tensor in _optimizer_tensors(prefix, optimizer, known, aside):
+            found.add(name, kind, tensor)
+    for name, tensor in tensors:
+        found.add(name, "tensor", tensor, unless_named=True)
+    found.scan()
+    simulated = found.unreachable()
+    allocated = reserved = None
+    if _memory.on_accelerator(device):
+        allocated = torch.accelerator.memory_allocated(device)
+        reserved = torch.accelerator.memory_reserved(device)
+    rows = sorted(found.rows(), key=lambda row: -row.nbytes)
+    total = sum(row.nbytes for row in rows)
+    return MemoryReport(device, rows[:top], total, len(rows), allocated, reserved, simulated)
+
+
+def _gradient(parameter: torch.Tensor, aside: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    # While koila.accumulate runs a step, the gradients from before it are set aside.
+    return parameter.grad if parameter.grad is not None else aside.get(id(parameter))
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _module_tensors(
+    prefix: str, module: torch.nn.Module, aside: dict[int, torch.Tensor]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    # Duplicates kept: a weight tied to two layers is named by both.
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        yield _joined(prefix, name), "parameter", parameter
+        gradient = _gradient(parameter, aside)
+        if gradient is not None:
+            yield _joined(prefix, f"{name}.grad"), "gradient", gradient
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        yield _joined(prefix, name), "buffer", buffer
+
+
+def _optimizer_tensors(
+    prefix: str, optimizer: torch.optim.Optimizer, known: dict[int, str], aside: dict[int, torch.Tensor]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, parameter in enumerate(group["params"]):
+            name = known.get(id(parameter))
+            if name is None:
+                name = f"{prefix}.param_groups[{group_index}]['params'][{index}]"
+                yield name, "parameter", parameter
+                gradient = _gradient(parameter, aside)
+                if gradient is not None:
+                    yield f"{name}.grad", "gradient", gradient
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield f"{prefix}.state[{name}].{key}", "optimizer state", value
+
+
+class _Storage:
+    """A storage being described: its names, its kind and the tensors that view it."""
+
+    __slots__ = ("dtype", "kind", "names", "nbytes", "shape", "views")
+
+    def __init__(self, nbytes: int, kind: str, tensor: torch.Tensor | None, name: str = "") -> None:
+        self.nbytes = nbytes
+        self.kind = kind
+        self.names: list[str] = [name] if name else []
+        self.views: list[str] = []
+        self.shape = None if tensor is None else tuple(tensor.shape)
+        self.dtype = None if tensor is None else _dtype_name(tensor.dtype)
+
+
+class _Found:
+    """The storages on one device, by the address of their storage object in C++."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.storages: dict[int, _Storage] = {}
+        self.named: set[int] = set()  # ids of the named tensors, not listed again as views
+
+    def _storage_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        device = tensor.device
+        if device.type != self.device.type or (device.index is not None and device.index != self.device.index):
+            return None
+        if tensor.layout != torch.strided or device.type == "meta":
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # subclasses and wrappers without one
+            return None
+        return storage._cdata, storage.nbytes()
+
+    def add(self, name: str, kind: str, tensor: torch.Tensor, *, unless_named: bool = False) -> None:
+        """Add a named tensor; with ``unless_named``, only if its storage has no name yet."""
+        found = self._storage_of(tensor)
+        if found is None:
+            return
+        key, nbytes = found
+        entry = self.storages.get(key)
+        if unless_named and entry is not None:
+            return
+        self.named.add(id(tensor))
+        if entry is None:
+            entry = self.storages[key] = _Storage(nbytes, kind, tensor)
+        elif _KINDS.index(kind) < _KINDS.index(entry.kind):
+            entry.kind = kind
+        if name not in entry.names:
+            entry.names.append(name)
+
+    def scan(self) -> None:
+        """Add every other tensor alive on the device, found without running a collection."""
+        unnamed: dict[int, list[torch.Tensor]] = {}
+        for value in gc.get_objects():
+            # ``type`` rather than ``isinstance``: a proxy's ``__class__`` could run code.
+            if not issubclass(type(value), torch.Tensor) or id(value) in self.named:
+                continue
+            found = self._storage_of(value)
+            if found is None:
+                continue
+            key, nbytes = found
+            entry = self.storages.get(key)
+            if entry is not None and entry.names:
+                entry.views.append(_describe(value))
+            else:
+                unnamed.setdefault(key, []).append(value)
+        for key, tensors in unnamed.items():
+            nbytes = tensors[0].untyped_storage().nbytes()
+            # The tensor that spans the whole storage is its base; the others view it.
+            tensors.sort(key=lambda tensor: (not _covers(tensor, nbytes), -tensor.numel()))
+            base = tensors[0]
+            graph = base.grad_fn
+            name = "tensor" if graph is None else f"tensor ({type(graph).__name__} keeps its autograd graph)"
+            entry = self.storages[key] = _Storage(nbytes, "tensor", base, name)
+            entry.views += [_describe(tensor) for tensor in tensors[1:]]
+        unnamed.clear()
+
+    def unreachable(self) -> tuple[int, int] | None:
+        """Add what a simulated device counts that Python cannot reach; return its ``(live, limit)``."""
+        device = _tracking.simulated.device()
+        if device is None or self.device.type != "cpu":
+            return None
+        hidden = [storage for storage in device.live_storages() if storage._cdata not in self.storages]
+        if hidden:
+            nbytes = sum(storage.nbytes() for storage in hidden)
+            name = f"{len(hidden)} storage{'s' if len(hidden) > 1 else ''} no Python tensor holds"
+            self.storages[-1] = _Storage(nbytes, _KINDS[-1], None, name)
+        return device.live, device.limit
+
+    def rows(self) -> Iterable[ReportRow]:
+        for entry in self.storages.values():
+            yield ReportRow(tuple(entry.names), entry.kind, entry.shape, entry.dtype, entry.nbytes, tuple(entry.views))
+
+
+def _what(row: ReportRow) -> str:
+    if row.kind == "tensor" and row.shape is not None:
+        return f"{row.dtype}{list(row.shape)}"
+    return f"({row.kind})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _covers(tensor: torch.Tensor, nbytes: int) -> bool:
+    return tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == nbytes
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{_dtype_name(tensor.dtype)}{list(tensor.shape)}"
+
+
+# --- the report in BatchSizeExhausted's message ----------------------------------------
+
+
+def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
+    """Return the largest storages on ``device``, named from what the failing call's frames hold.
+
+    The modules and optimizers are found from the locals of ``frame`` and the
+    frames above it, up to the first outside this package (the caller of the
+    front end). Used only when a call gives up, so its cost (a scan of the
+    garbage collector's objects) is paid only then.
+
+    Args:
+        device (torch.device): the device that ran out of memory.
+        frame (FrameType or None): the frame to start from.
+        top (int): how many storages to name.
+
+    Returns:
+        str: one sentence, or an empty string if no report could be made.
+    """
+    modules: dict[int, tuple[str, torch.nn.Module]] = {}
+    optimizers: dict[int, tuple[str, torch.optim.Optimizer]] = {}
+    from koila_retry._accumulate import gradients_aside  # imported here: it imports the engine, which imports this
+
+    roots: list[Any] = []
+    variables: list[tuple[str, torch.Tensor]] = []
+    aside: dict[int, torch.Tensor] = {}
+    while frame is not None:
+        for name, value in frame.f_locals.items():
+            aside.update(gradients_aside(value))
+            if isinstance(value, torch.Tensor):
+                variables.append((name, value))
+            elif isinstance(value, torch.nn.Module):
+                modules.setdefault(id(value), (name, value))
+            elif isinstance(value, torch.optim.Optimizer):
+                optimizers.setdefault(id(value), (name, value))
+            roots.append(value)
+        if not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+            break
+        frame = frame.f_back
+    frame = None
+    for value in reachable(roots):
+        if isinstance(value, torch.nn.Module):
+            modules.setdefault(id(value), (type(value).__name__, value))
+        elif isinstance(value, torch.optim.Optimizer):
+            optimizers.setdefault(id(value), ("optimizer", value))
+    roots.clear()
+    inner = {id(child) for _, module in modules.values() for child in module.modules() if child is not module}
+    tops = [entry for key, entry in modules.items() if key not in inner]
+    named = [("" if len(tops) == 1 else prefix, module) for prefix, module in tops]
+    opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in optimizers.values()]
+    try:
+        return build(device, named, opts, top, variables, aside).summary(top)
+    finally:
+        variables.clear()
+        aside.clear()

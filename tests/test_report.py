@@ -1,0 +1,312 @@
+"""koila.report: tensors named from the model and optimizer, counted once per storage."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import torch
+
+import koila_retry as koila
+from koila_retry._units import format_bytes
+from koila_retry.testing import simulated_device
+
+
+class Tied(torch.nn.Module):
+    """An embedding whose weight the output layer shares, and a normalisation with buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 50)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.embed(tokens)))
+
+
+def _trained() -> tuple[Tied, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randint(0, 50, (8,))).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _row(found: koila.MemoryReport, name: str) -> koila._report.ReportRow:
+    rows = [row for row in found.rows if name in row.names]
+    assert len(rows) == 1, f"{name} is in {len(rows)} rows of\n{found}"
+    return rows[0]
+
+
+def _unique_storages(*tensors: torch.Tensor) -> int:
+    storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
+
+
+def test_every_name_appears_and_shared_storage_counts_once() -> None:
+    model, optimizer = _trained()
+    view = model.out.bias[:10]
+    plain = torch.ones(333)
+
+    found = koila.report(model, optimizer, top=10_000)
+
+    tied = _row(found, "embed.weight")
+    assert tied.names == ("embed.weight", "out.weight")
+    assert (tied.kind, tied.shape, tied.dtype, tied.nbytes) == ("parameter", (50, 16), "float32", 50 * 16 * 4)
+    assert _row(found, "embed.weight.grad").names == ("embed.weight.grad", "out.weight.grad")
+    assert _row(found, "norm.running_mean").kind == "buffer"
+    assert _row(found, "norm.num_batches_tracked").dtype == "int64"
+    assert _row(found, "out.bias").views == ("float32[10]",)
+    for parameter in ("embed.weight", "norm.weight", "norm.bias", "out.bias"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _row(found, f"optimizer.state[{parameter}].{key}").kind == "optimizer state"
+    plain_rows = [row for row in found.rows if row.kind == "tensor" and row.shape == (333,)]
+    assert [row.nbytes for row in plain_rows] == [333 * 4]
+
+    named = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    named += [value for state in optimizer.state.values() for value in state.values()]
+    # Adam's step counts live on the CPU as tensors too: all of it is on this device.
+    assert sum(row.nbytes for row in found.rows if row.kind != "tensor") == _unique_storages(*named)
+    assert found.total == sum(row.nbytes for row in found.rows) + found.omitted
+    assert found.storages >= len(found.rows)
+    del view, plain
+
+
+def test_totals_equal_the_sum_of_unique_storages_with_nothing_else_alive() -> None:
+    model, optimizer = _trained()
+    found = koila.report(model, optimizer, top=10_000)
+    named = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    named += [value for state in optimizer.state.values() for value in state.values()]
+    ours = {row.names for row in found.rows if row.kind != "tensor"}
+    assert sum(row.nbytes for row in found.rows if row.names in ours) == _unique_storages(*named)
+    assert found.omitted == 0
+    assert found.total == sum(row.nbytes for row in found.rows)
+
+
+def test_rows_are_the_largest_first_and_top_limits_them() -> None:
+    model, optimizer = _trained()
+    found = koila.report(model, optimizer, top=3)
+    assert len(found.rows) == 3
+    sizes = [row.nbytes for row in found.rows]
+    assert sizes == sorted(sizes, reverse=True)
+    everything = koila.report(model, optimizer, top=10_000)
+    assert found.total == everything.total
+    assert found.omitted == everything.total - sum(sizes)
+    assert f"{everything.storages - 3} smaller storages not shown" in str(found)
+
+
+def test_a_parameter_outside_the_model_is_named_from_the_optimizer() -> None:
+    model, _ = _trained()
+    extra = torch.nn.Parameter(torch.zeros(7, 3))
+    optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [extra], "momentum": 0.9}], lr=0.1)
+    extra.grad = torch.ones(7, 3)
+    optimizer.step()
+    found = koila.report(model, optimizer, top=10_000)
+    name = "optimizer.param_groups[1]['params'][0]"
+    assert _row(found, name).kind == "parameter"
+    assert _row(found, f"{name}.grad").kind == "gradient"
+    assert _row(found, f"optimizer.state[{name}].momentum_buffer").nbytes == 7 * 3 * 4
+
+
+def test_a_tensor_that_keeps_its_graph_says_so() -> None:
+    model, _ = _trained()
+    kept = model(torch.randint(0, 50, (8,)))  # as if appended to a list of outputs
+    found = koila.report(model, top=10_000)
+    rows = [row for row in found.rows if row.shape == (8, 50) and row.kind == "tensor"]
+    assert len(rows) == 1
+    assert rows[0].names == ("tensor (AddmmBackward0 keeps its autograd graph)",)
+    del kept
+
+
+def test_unnamed_tensors_sharing_a_storage_make_one_row_under_their_base() -> None:
+    base = torch.zeros(1000, 3)
+    column = base[:, 1]
+    row = base[5]
+    found = koila.report(top=10_000)
+    rows = [entry for entry in found.rows if entry.shape == (1000, 3) and entry.kind == "tensor"]
+    assert len(rows) == 1
+    assert sorted(rows[0].views) == ["float32[1000]", "float32[3]"]
+    assert rows[0].nbytes == 12_000
+    del column, row
+
+
+def test_tensors_on_another_device_are_not_counted() -> None:
+    model = torch.nn.Linear(4, 4).to("meta")
+    found = koila.report(model, device="meta")
+    assert found.rows == []
+    assert found.total == 0
+    assert str(found).startswith("Memory on meta: 0 bytes in 0 storages")
+
+
+def test_storages_no_tensor_holds_are_shown_inside_a_simulated_device() -> None:
+    with simulated_device("1GiB") as device:
+        source = torch.randn(64, 256, requires_grad=True)
+        # Under the device's dispatch mode even the mean and deviation layer_norm saves are tensors.
+        out = torch.nn.functional.layer_norm(source, (256,))
+        bare = torch.zeros(1000).untyped_storage()
+        found = koila.report(device="cpu", top=10_000)
+        live = device.live
+    (hidden,) = [row for row in found.rows if row.kind == "no tensor"]
+    assert (hidden.names, hidden.nbytes) == (("1 storage no Python tensor holds",), 4000)
+    assert sum(row.nbytes for row in found.rows if row.shape == (64, 1)) == 2 * 64 * 4
+    assert found.simulated == (live, 1024**3)
+    assert live == 2 * 64 * 256 * 4 + 2 * 64 * 4 + 4000
+    assert "Simulated device: " in str(found)
+    del out, bare
+
+
+def test_output_forms_agree() -> None:
+    model, optimizer = _trained()
+    found = koila.report(model, optimizer, top=5)
+    text = str(found)
+    lines = text.splitlines()
+    assert lines[0].startswith("Memory on cpu: ")
+    header = lines[1]
+    assert header.split() == ["name", "kind", "shape", "dtype", "bytes"]
+    # Aligned: every table line is as wide as its separator, the byte column right-aligned.
+    width = len(lines[2])
+    assert all(len(line) == width for line in lines[3:8] if "view of" not in line)
+    assert "embed.weight, out.weight" in text
+    html = found._repr_html_()
+    assert html.count("<tr>") == len(found.rows) + sum(len(row.views) for row in found.rows) + 1
+    assert "embed.weight, out.weight" in html
+    data = json.loads(json.dumps(found.to_dict()))
+    assert data["total"] == found.total
+    assert data["rows"][0]["names"] == list(found.rows[0].names)
+    assert data["device"] == "cpu"
+    assert repr(found).startswith("MemoryReport(device='cpu', total=")
+
+
+def test_html_escapes_names() -> None:
+    model = torch.nn.ModuleDict({"<b>": torch.nn.Linear(2, 2)})
+    html = koila.report(model, top=10_000)._repr_html_()
+    assert "&lt;b&gt;.weight" in html
+    assert "<b>.weight" not in html
+
+
+def test_the_report_keeps_no_tensor_alive() -> None:
+    tensor = torch.ones(100)
+    reference = weakref.ref(tensor)
+    found = koila.report(top=10_000)
+    del tensor
+    assert reference() is None
+    assert found.total > 0
+
+
+def test_the_default_device_is_the_models() -> None:
+    model = torch.nn.Linear(3, 3)
+    assert koila.report(model).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"model": "model"}, TypeError, "model must be a torch.nn.Module or None, got str 'model'"),
+        ({"optimizer": torch.nn.Linear(1, 1)}, TypeError, "optimizer must be a torch.optim.Optimizer or None"),
+        ({"top": 0}, ValueError, "top must be >= 1, got 0"),
+        ({"top": 2.5}, TypeError, "top must be an int, got float 2.5"),
+        ({"device": "nowhere"}, (ValueError, RuntimeError), "nowhere"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        koila.report(**kwargs)  # type: ignore[arg-type]
+
+
+# --- the report in BatchSizeExhausted's message ----------------------------------------
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+
+
+def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estimate() -> None:
+    from koila_retry import _estimate
+
+    with simulated_device("33MiB"):  # 16 MiB of weights, 16 MiB of gradients: a sample more does not fit
+        model = _mlp()
+
+        @koila.accumulate(initial="auto")
+        def step(inputs: torch.Tensor) -> torch.Tensor:
+            return model(inputs).square().mean()
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            step(torch.randn(64, 1024))
+    message = str(caught.value)
+    assert "Largest on cpu (" in message
+    assert "0.weight (parameter) 8.00 MiB; 2.weight (parameter) 8.00 MiB;" in message
+    ((_, _, figures),) = _estimate._suggestions.values()
+    assert figures is not None
+    per_sample, fixed = figures
+    # One sample's activations: at least the hidden layer's output and the ReLU's, in float32.
+    assert per_sample >= 2 * 2048 * 4
+    assert (
+        f"The estimate (initial='auto') puts one sample at {format_bytes(per_sample)} on top of "
+        f"{format_bytes(fixed)} that do not depend on the batch size." in message
+    )
+
+
+def test_an_exhausted_call_names_models_from_the_callers_variables() -> None:
+    with simulated_device("20MiB"):
+        encoder, decoder = _mlp(), torch.nn.Linear(1024, 8)
+
+        @koila.batch(initial=8)
+        def run(batch_size: int, data: torch.Tensor) -> torch.Tensor:
+            return decoder(encoder(data[:batch_size].repeat(2000, 1)))
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            run(torch.randn(8, 1024))
+    message = str(caught.value)
+    assert "encoder.0.weight (parameter) 8.00 MiB; encoder.2.weight (parameter) 8.00 MiB;" in message
+    assert "decoder.weight (parameter) 32.00 KiB" in message
+    assert "The estimate" not in message  # no initial="auto", no estimate
+
+
+def test_an_exhausted_block_names_what_its_frame_holds() -> None:
+    with simulated_device("20MiB"):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            for attempt in koila.attempts(initial=4, cache=koila.NoCache()):
+                with attempt:
+                    model(torch.randn(attempt.batch_size * 4000, 1024)).sum().backward()
+                    optimizer.step()
+    assert "0.weight (parameter) 8.00 MiB" in str(caught.value)
+
+
+def test_a_failing_diagnosis_does_not_hide_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from koila_retry import _report
+
+    def broken(*_: object, **__: object) -> str:
+        raise RuntimeError("the report is broken")
+
+    monkeypatch.setattr(_report, "explain", broken)
+
+    @koila.batch(initial=2)
+    def run(batch_size: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with pytest.raises(koila.BatchSizeExhausted, match="out of memory at every batch size tried") as caught:
+        run()
+    assert "Largest on" not in str(caught.value)
+    assert "the report is broken" not in str(caught.value)
+
+
+def test_gradients_a_step_set_aside_are_named_as_gradients() -> None:
+    with simulated_device("45MiB"):  # weights and their gradients: 32 MiB; another 16 MiB does not fit
+        model = _mlp()
+        model(torch.randn(2, 1024)).sum().backward()
+
+        @koila.accumulate(initial=4)
+        def step(inputs: torch.Tensor) -> torch.Tensor:
+            return model(inputs).square().mean()
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            step(torch.randn(4, 1024))
+        assert model[0].weight.grad is not None  # given back after the failure
+    assert "0.weight.grad (gradient) 8.00 MiB" in str(caught.value)
+    assert "tensor float32[2048, 1024]" not in str(caught.value)
