@@ -12,6 +12,7 @@ import torch
 
 from koila_retry._cache import CacheInfo, SizeCache, StackMemoryCache
 from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
+from koila_retry._frames import frame_locals
 from koila_retry._memory import DeviceLike, default_device, resolve_device
 
 __all__ = ["Batched", "attempts", "batch"]
@@ -462,5 +463,5 @@ def attempts(
     )
     attempt = controller.start(block, caller, resolve_device(device))
     if attempt._agreement is not None:  # the block's modules are those its function's variables hold
-        controller.reach(caller.f_locals.values())
+        controller.reach(value for _, value in frame_locals(caller))
     return attempt

@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from koila_retry._estimate import _META, _global_names, _Owned, _Recorder, _same_device, _tensors, reachable
 from koila_retry._memory import DeviceLike, resolve_device
 from koila_retry._table import html_table, text_table
+from koila_retry._tracking import LiveStorageTracker
 from koila_retry._units import format_bytes
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
@@ -256,22 +257,14 @@ class _Counter(_Recorder):  # type: ignore[no-untyped-call]
         return out
 
     def _add(self, storage: torch.UntypedStorage) -> None:
-        key, nbytes = id(storage), storage.nbytes()
+        # The plain count of live bytes: not the estimator's log of categories and moments.
+        LiveStorageTracker._add(self, storage)
 
-        def forget(_: object) -> None:
-            with self._lock:
-                if self._storages.pop(key, None) is not None:
-                    self.live -= nbytes
-
-        with self._lock:
-            self._storages[key] = weakref.ref(storage, forget)
-            self.live += nbytes
-            live = self.live
-            if live > self.peak:
-                self.peak = live
-            for scope in self.scopes:
-                if live > scope.high:
-                    scope.high = live
+    def _rose(self, live: int) -> None:
+        super()._rose(live)
+        for scope in self.scopes:
+            if live > scope.high:
+                scope.high = live
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of tensors made before the call, once each."""

@@ -12,6 +12,7 @@ import torch
 
 from koila_retry import _memory, _tracking
 from koila_retry._estimate import reachable
+from koila_retry._frames import frame_locals
 from koila_retry._memory import DeviceLike
 from koila_retry._table import html_table, text_table
 from koila_retry._units import format_bytes
@@ -485,7 +486,7 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     variables: list[tuple[str, torch.Tensor]] = []
     aside: dict[int, torch.Tensor] = {}
     while frame is not None:
-        for name, value in frame.f_locals.items():
+        for name, value in frame_locals(frame):
             aside.update(gradients_aside(value))
             if isinstance(value, torch.Tensor):
                 variables.append((name, value))

@@ -100,7 +100,12 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         with self._lock:
             self._storages[key] = weakref.ref(storage, forget)
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            self._rose(self.live)
+
+    def _rose(self, live: int) -> None:
+        """Note that the bytes alive rose to ``live``; called with the lock held."""
+        if live > self.peak:
+            self.peak = live
 
 
 def _storages(tree: Any) -> list[torch.UntypedStorage]:

@@ -14,17 +14,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_evaluate_in_batches_settles_and_matches() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` with the package importable; return it once it ended with status 0."""
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "evaluate_in_batches.py")],
+        [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
         text=True,
         timeout=240,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert completed.returncode == 0, completed.stderr
+    return completed
+
+
+@pytest.mark.slow
+def test_evaluate_in_batches_settles_and_matches() -> None:
+    completed = _run_example("evaluate_in_batches.py")
     assert "out of memory, retrying at" in completed.stdout
     assert "Settled on batch size" in completed.stdout
     assert "Outputs match an unconstrained run" in completed.stdout
@@ -32,16 +37,7 @@ def test_evaluate_in_batches_settles_and_matches() -> None:
 
 @pytest.mark.slow
 def test_profile_model_explains_the_memory() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "profile_model.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert completed.returncode == 0, completed.stderr
-    out = completed.stdout
+    out = _run_example("profile_model.py").stdout
     assert re.search(r"^head\.weight +parameter +\[8192, 512\] +float32 +16\.00 MiB$", out, re.MULTILINE)
     assert re.search(r"^head \(Linear\) +1 +8\.00 MiB", out, re.MULTILINE)  # its output: 256 x 8192 floats
     assert re.search(r"^profile_model\.py:\d+ +1 +8\.00 MiB +\+8\.00 MiB +loss = ", out, re.MULTILINE)
@@ -52,19 +48,7 @@ def test_profile_model_explains_the_memory() -> None:
 
 @pytest.mark.slow
 def test_embed_large_tensor_resumes_mid_way_and_matches() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "embed_large_tensor.py"),
-            *("--rows", "20000", "--memory", "4.5MiB", "--initial", "1024"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = _run_example("embed_large_tensor.py", "--rows", "20000", "--memory", "4.5MiB", "--initial", "1024")
     joined, written = completed.stdout.split("Writing into a preallocated buffer with out=:")
     # The joined pass runs out of memory part-way, as the results pile up, and goes on
     # from the failed chunk's first row at half the size.
@@ -79,15 +63,7 @@ def test_embed_large_tensor_resumes_mid_way_and_matches() -> None:
 
 @pytest.mark.slow
 def test_train_with_accumulation_settles_and_matches() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_with_accumulation.py"), "--epochs", "3"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = _run_example("train_with_accumulation.py", "--epochs", "3")
     output = completed.stdout
     # The whole batch of 256 does not fit: the first step runs out of memory and runs again smaller.
     assert re.search(r"step 1: out of memory at 256 rows at a time", output), output

@@ -310,3 +310,40 @@ def test_gradients_a_step_set_aside_are_named_as_gradients() -> None:
         assert model[0].weight.grad is not None  # given back after the failure
     assert "0.weight.grad (gradient) 8.00 MiB" in str(caught.value)
     assert "tensor float32[2048, 1024]" not in str(caught.value)
+
+
+def test_the_callers_variables_are_not_kept_after_the_error() -> None:
+    # Reading a running frame's variables must leave no copy behind that outlives a `del`.
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int, data: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    big = torch.zeros(1000)
+    reference = weakref.ref(big)
+    with pytest.raises(koila.BatchSizeExhausted) as caught:
+        run(big)
+    assert "big float32[1000]" in str(caught.value)
+    del caught, big  # the error's traceback holds the wrapper's frame, and through it the arguments
+    assert reference() is None
+
+
+def test_on_an_accelerator_the_allocators_figures_stand_beside_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No accelerator here: the report is told the CPU is one, with the allocator's figures made up.
+    from koila_retry import _memory
+
+    model = torch.nn.Linear(64, 64)
+    total = koila.report(model, top=10_000).total
+    monkeypatch.setattr(_memory, "on_accelerator", lambda device: True)
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda device: total + 3 * 2**20)
+    monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda device: total + 10 * 2**20)
+    found = koila.report(model, top=10_000)
+    assert (found.allocated, found.reserved) == (total + 3 * 2**20, total + 10 * 2**20)
+    notes = found.notes()
+    assert notes[-2].startswith("PyTorch's allocator: ")
+    assert notes[-2].endswith("reserved (7.00 MiB of it cached for reuse).")
+    assert notes[-1] == (
+        "3.00 MiB allocated are in no tensor Python can reach: tensors autograd saved for backward, "
+        "tensors only C++ holds, and each block's rounding up to 512 bytes."
+    )
+    assert notes[-1] in str(found)
+    assert found.to_dict()["allocated"] == total + 3 * 2**20
