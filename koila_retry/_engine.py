@@ -729,6 +729,7 @@ class Attempt:
         """Say what holds the memory and what one sample needs; paid for only when a call gives up."""
         parts = []
         try:
+            # Frames up from retry()'s caller (past this method and _exhausted_message) hold the call's model.
             held = _report.explain(self._device, sys._getframe(3))
         except Exception:  # a diagnosis must never hide the error it explains
             held = ""
