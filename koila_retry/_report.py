@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from koila_retry import _memory, _tracking
-from koila_retry._estimate import reachable
+from koila_retry._estimate import _same_device, reachable
 from koila_retry._frames import frame_locals
 from koila_retry._memory import DeviceLike
 from koila_retry._table import html_table, text_table
@@ -369,10 +369,7 @@ class _Found:
         self.named: set[int] = set()  # ids of the named tensors, not listed again as views
 
     def _storage_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        device = tensor.device
-        if device.type != self.device.type or (device.index is not None and device.index != self.device.index):
-            return None
-        if tensor.layout != torch.strided or device.type == "meta":
+        if not _same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
             return None
         try:
             storage = tensor.untyped_storage()
