@@ -7,7 +7,8 @@ loop so that the cache answers every call after the first; and, when they are
 installed, the same function under toma's ``@toma.batch(initial_batchsize=...)`` and
 accelerate's ``find_executable_batch_size(starting_batch_size=...)``. The koila rows
 are measured twice: with a tensor argument (the device comes from the tensor) and
-with a plain int (the device is resolved through ``torch.accelerator``).
+with a plain int (the device is resolved through ``torch.accelerator``). The stand-ins
+in ``koila_retry.compat`` for toma's and accelerate's decorators are timed too.
 
 The candidates are interleaved: every round times a block of calls of each, in an
 order rotated from round to round, so that machine noise falls on all of them alike.
@@ -97,6 +98,17 @@ def build(args: argparse.Namespace) -> tuple[list[Candidate], list[str]]:
             wrapped = koila.batch(initial=INITIAL, cache=cache)(f)
             name = f"koila.batch, {cache_name}, {argument}"
             candidates.append(Candidate(name, wrapped, (value,), args.calls, cache=cache))
+
+    # The stand-ins for the peers run on the same engine; one wrapper layer more.
+    from koila_retry.compat.accelerate import find_executable_batch_size as compat_find
+    from koila_retry.compat.toma import toma as compat_toma
+
+    compat = [
+        ("koila_retry.compat.toma toma.batch", compat_toma.batch(initial_batchsize=INITIAL)(f)),
+        ("koila_retry.compat.accelerate find_executable_batch_size", compat_find(starting_batch_size=INITIAL)(f)),
+    ]
+    for name, wrapped in compat:
+        candidates.append(Candidate(name, wrapped, (tensor,), args.calls))
 
     notes: list[str] = []
     if args.no_peers:

@@ -27,7 +27,8 @@ def function_identity(function: object) -> tuple[str, int, str]:
 
     Args:
         function (object): a function, method, ``functools.partial``, module or
-            other callable; a tuple is taken to be a description already.
+            other callable, seen through ``functools.wraps`` decorators; a tuple
+            is taken to be a description already.
 
     Returns:
         Hashable: ``(filename, first line, qualified name)``; for callables
@@ -35,11 +36,15 @@ def function_identity(function: object) -> tuple[str, int, str]:
     """
     if isinstance(function, tuple):
         return function
-    while True:  # look through bound methods and partials to the function that runs
+    for _ in range(100):  # look through methods, partials and decorators to the function that runs
         if isinstance(function, functools.partial):
             function = function.func
         elif isinstance(function, types.MethodType):
             function = function.__func__
+        elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
+            # functools.wraps decorators: every @torch.no_grad() function runs the same wrapper,
+            # whose code would name them all alike (and give them one size in a GlobalCache).
+            function = wrapped
         else:
             break
     code = getattr(function, "__code__", None)

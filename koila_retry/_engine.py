@@ -203,11 +203,16 @@ class Controller:
             agree on every size; ``None`` when a process group of more than
             one rank is initialized. Default: ``None``.
         group (ProcessGroup, optional): the ranks that agree. Default: all.
+        schedule (callable, optional): called with the size that failed, returns
+            the size to try next (at least ``minimum``, below the failed size),
+            or ``None`` to give up. Default: the largest power of two below
+            the failed size (:func:`next_batch_size`). The compatibility layers
+            use it to keep the schedules of the libraries they stand in for.
 
     Raises:
         TypeError: if a size is not an int, ``cache`` is not a cache, ``grow``
-            is not a bool, ``on_oom`` is not callable, ``sync`` is not a bool
-            or ``None``, or ``group`` is not a process group.
+            is not a bool, ``on_oom`` or ``schedule`` is not callable, ``sync``
+            is not a bool or ``None``, or ``group`` is not a process group.
         ValueError: if a size or ``grow_after`` is below 1, or ``minimum``
             exceeds ``initial``.
     """
@@ -225,6 +230,7 @@ class Controller:
         grow_after: int = DEFAULT_GROW_AFTER,
         sync: bool | None = None,
         group: Any = None,
+        schedule: Callable[[int], int | None] | None = None,
     ) -> None:
         _distributed.check_sync(sync)
         _distributed.check_group(group)
@@ -243,6 +249,9 @@ class Controller:
             raise TypeError(f"on_oom must be callable, got {type(on_oom).__name__} {on_oom!r}")
         if not isinstance(grow, bool):
             raise TypeError(f"grow must be a bool, got {type(grow).__name__} {grow!r}")
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be callable, got {type(schedule).__name__} {schedule!r}")
+        self.schedule = schedule
         self.grow_after = _positive_int("grow_after", grow_after)
         self.grow = grow
         self.name = name
@@ -347,7 +356,20 @@ class Controller:
         """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
         if self.max_attempts is not None and attempt >= self.max_attempts:
             return None
-        return next_batch_size(failed, self.minimum)
+        if self.schedule is None:
+            return next_batch_size(failed, self.minimum)
+        if failed <= self.minimum:
+            return None
+        size = self.schedule(failed)
+        if size is None:
+            return None
+        if isinstance(size, bool) or not isinstance(size, int) or not self.minimum <= size < failed:
+            # An endless loop (a size that does not shrink) or a size no call can use.
+            raise ValueError(
+                f"{self.name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
+                f"it must return an int from {self.minimum} (the minimum) to {failed - 1}, or None to give up"
+            )
+        return size
 
     def grown(self, key: Hashable, size: int, initial: int) -> int:
         """Return the size to start a call or step at: ``size``, or the probe above it when due."""
@@ -799,12 +821,20 @@ def _where(tb: TracebackType | None) -> str:
         code = tb.tb_frame.f_code
         deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         filename = code.co_filename
-        if not filename.startswith(_LIBRARY_DIRS):
+        # Code that torch.compile generated (FX graphs, inductor's kernels) is not the user's.
+        if not filename.startswith(_LIBRARY_DIRS) and not _generated(filename):
             users = deepest
         elif filename.startswith(_TORCH_DIR) and not filename[len(_TORCH_DIR) + 1 :].startswith(("_", "utils")):
             torch_public = deepest
         tb = tb.tb_next
     return users or torch_public or deepest or "an unknown place"
+
+
+def _generated(filename: str) -> bool:
+    if filename.startswith("<eval_with_key>") or "torchinductor_" in filename:  # FX graphs, inductor's default
+        return True
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return cache is not None and cache != "" and filename.startswith(cache)
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -267,6 +267,7 @@ def _batched(
     grow_after: int,
     sync: bool | None,
     group: Any,
+    schedule: Callable[[int], int | None] | None = None,
 ) -> Any:
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
@@ -282,6 +283,7 @@ def _batched(
         grow_after=grow_after,
         sync=sync,
         group=group,
+        schedule=schedule,
     )
     fixed_device = None if device is None else resolve_device(device)
     start = controller.start
@@ -321,7 +323,7 @@ def _batched(
                 raise injection.refuse()
             attempt = start(fn, getframe(1), fixed_device or _device_of(args, kwargs))
             if attempt._agreement is not None:
-                return _agreed_call(controller, attempt, fn, position, name, args, kwargs)
+                return _run_attempts(controller, attempt, fn, position, name, args, kwargs)
             while True:
                 with attempt:
                     if position == 0:
@@ -336,7 +338,7 @@ def _batched(
     return _with_controller(wrapper, controller)
 
 
-def _agreed_call(
+def _run_attempts(
     controller: Controller,
     attempt: Attempt,
     fn: Callable[..., Any],
@@ -345,8 +347,9 @@ def _agreed_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """Run the attempts of a call whose ranks agree: a success counts once every rank had one."""
-    controller.reach((fn, args, kwargs))
+    """Run a call's attempts until one fits; when ranks agree, a success counts once every rank had one."""
+    if attempt._agreement is not None:
+        controller.reach((fn, args, kwargs))
     while True:
         with attempt:
             size = attempt.batch_size

@@ -205,6 +205,24 @@ def batch_simulated(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@scenario("two")
+def accelerate_compat(rank: int, world: int) -> dict[str, Any]:
+    # accelerate's own decorator would leave rank 0 at 128 and rank 1 at 92, and the
+    # ranks' collectives out of step; on the engine both take the 90% steps together.
+    from koila_retry.compat.accelerate import find_executable_batch_size
+
+    seen: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=128)
+    def train(batch_size: int) -> int:
+        seen.append(batch_size)
+        if rank == 1 and batch_size > 100:
+            raise make_oom()
+        return batch_size
+
+    return {"seen": seen, "size": train()}
+
+
 @scenario("two", "three")
 def batch_async(rank: int, world: int) -> dict[str, Any]:
     seen: list[int] = []

@@ -601,6 +601,22 @@ def test_function_identity_sees_through_bound_methods_and_partials() -> None:
     assert function_identity(functools.partial(functools.partial(evaluate, 1))) == (*_where(evaluate), "evaluate")
 
 
+def test_function_identity_sees_through_decorators_that_wrap() -> None:
+    # Every @torch.no_grad() function runs one wrapper: named by it, unrelated functions
+    # would share one size in a GlobalCache, and one entry in a DiskCache.
+    @torch.no_grad()
+    def first(rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    @torch.no_grad()
+    def second(rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    assert function_identity(first) == (*_where(first.__wrapped__), first.__wrapped__.__qualname__)
+    assert function_identity(first) != function_identity(second)
+    assert function_identity(functools.partial(first)) == function_identity(first)
+
+
 def test_function_identity_of_modules_lambdas_and_callable_objects() -> None:
     assert function_identity(Encoder()) == (*_where(Encoder.forward), "Encoder.forward")
     assert function_identity(Scorer()) == (*_where(Scorer.__call__), "Scorer.__call__")

@@ -153,6 +153,12 @@ def test_batch_ranks_with_different_limits_try_the_same_sizes(groups: Groups, gr
         torch.testing.assert_close(value["result"], value["expected"])
 
 
+def test_accelerate_compat_ranks_agree(groups: Groups) -> None:
+    values = groups("two")["accelerate_compat"]
+    assert same_on_every_rank(values, "seen") == [128, 115, 103, 92]
+    assert same_on_every_rank(values, "size") == 92
+
+
 @pytest.mark.parametrize("group", WORLDS)
 def test_async_batch_ranks_agree(groups: Groups, group: str) -> None:
     values = groups(group)["batch_async"]

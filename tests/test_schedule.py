@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import koila_retry as koila
 from koila_retry import _memory
-from koila_retry._engine import next_batch_size
+from koila_retry._engine import Controller, next_batch_size
 from koila_retry.testing import oom_above
 
 # The same patch holds for every example, so a function-scoped fixture is safe here.
@@ -113,3 +113,56 @@ def test_max_attempts_bounds_the_attempts(max_attempts: int) -> None:
     assert len(calls) == max_attempts
     assert excinfo.value.attempts == max_attempts
     assert excinfo.value.batch_size == calls[-1]
+
+
+# --------------------------------------------------------------------------- a schedule of the caller's
+
+
+def run_with_schedule(schedule: object, initial: int = 100, minimum: int = 1, fits: int = 0) -> list[int]:
+    """Every size a call of the engine tries with ``schedule``, until one fits or it gives up."""
+    controller = Controller(
+        name="f",
+        initial=initial,
+        minimum=minimum,
+        cache=koila.NoCache(),
+        schedule=schedule,  # type: ignore[arg-type]
+    )
+    tried: list[int] = []
+    for attempt in controller.start("f", None, _memory.resolve_device("cpu")):
+        with attempt:
+            tried.append(attempt.batch_size)
+            if attempt.batch_size > fits:
+                raise koila.testing.make_oom()
+    return tried
+
+
+def test_a_schedule_decides_every_next_size() -> None:
+    assert run_with_schedule(lambda failed: failed // 2, fits=10) == [100, 50, 25, 12, 6]
+
+
+def test_a_schedule_is_not_asked_at_the_minimum() -> None:
+    asked: list[int] = []
+
+    def halve(failed: int) -> int:
+        asked.append(failed)
+        return max(failed // 2, 1)
+
+    with pytest.raises(koila.BatchSizeExhausted, match=r"\(100 -> 50 -> 25 -> 12\)"):
+        run_with_schedule(halve, minimum=12)
+    assert asked == [100, 50, 25]
+
+
+def test_a_schedule_that_returns_none_gives_up() -> None:
+    with pytest.raises(koila.BatchSizeExhausted, match=r"\(100\)"):
+        run_with_schedule(lambda failed: None)
+
+
+@pytest.mark.parametrize("returned", [100, 101, 0, -3, 7.5, True, "50"])
+def test_a_schedule_must_shrink_within_the_range(returned: object) -> None:
+    with pytest.raises(ValueError, match=rf"the schedule returned {returned!r} after batch size 100 .* from 1"):
+        run_with_schedule(lambda failed: returned)
+
+
+def test_a_schedule_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="schedule must be callable, got int 3"):
+        run_with_schedule(3)
