@@ -72,6 +72,7 @@ def accumulate(
     dim: int = ...,
     reduction: str = ...,
     scaler: Any = ...,
+    backward: Callable[..., Any] | None = ...,
     cache: SizeCache | None = ...,
     max_attempts: int | None = ...,
     on_oom: OnOOM | None = ...,
@@ -93,6 +94,7 @@ def accumulate(
     dim: int = 0,
     reduction: str = "mean",
     scaler: Any = None,
+    backward: Callable[..., Any] | None = None,
     cache: SizeCache | None = None,
     max_attempts: int | None = None,
     on_oom: OnOOM | None = None,
@@ -108,17 +110,18 @@ def accumulate(
     The decorated function takes a batch (tensor arguments, all with the same
     size along ``dim``, and any other arguments) and returns the loss of what it
     was given: a scalar tensor, or a tuple or list whose first item is the loss,
-    or a dict whose ``"loss"`` entry is. Calling it runs the step and calls
-    ``backward()``: if the whole batch fits, with one forward and one backward.
-    If not, the tensor arguments are split into micro-batches of a power of two
-    rows (the last takes the remainder), and each micro-batch's loss is weighted
-    by its share of the rows (``reduction="mean"``) or not at all (``"sum"``)
-    before its backward, so that the gradients add up to the full batch's. An
-    out-of-memory error in any micro-batch discards what the step wrote and runs
-    it again at the next smaller size. Gradients that were there before the call
-    are set aside while it runs (by reference, not copied) and added back at the
-    end, so the optimizer sees them plus the full-batch gradient, and a call
-    that fails leaves them as they were.
+    or a dict whose ``"loss"`` entry is. Calling it runs the step and its
+    backward pass: ``loss.backward()``, or ``backward(loss)`` with a training
+    engine's ``backward=``. If the whole batch fits, that is one forward and one
+    backward. If not, the tensor arguments are split into micro-batches of a
+    power of two rows (the last takes the remainder), and each micro-batch's
+    loss is weighted by its share of the rows (``reduction="mean"``) or not at
+    all (``"sum"``) before its backward, so that the gradients add up to the
+    full batch's. An out-of-memory error in any micro-batch discards what the
+    step wrote and runs it again at the next smaller size. Gradients that were
+    there before the call are set aside while it runs (by reference, not
+    copied) and added back at the end, so the optimizer sees them plus the
+    full-batch gradient, and a call that fails leaves them as they were.
 
     The call returns the full-batch loss, detached: the weighted sum of the
     micro-batches' losses. Other items of a tuple, list or dict result are
@@ -150,6 +153,17 @@ def accumulate(
         scaler (torch.amp.GradScaler, optional): for mixed precision: each
             backward runs on ``scaler.scale(loss)``. You still call
             ``scaler.step(optimizer)`` and ``scaler.update()``.
+        backward (callable, optional): what runs the backward pass of a
+            loss, for a training engine that wants its own:
+            ``accelerator.backward`` (accelerate) or ``fabric.backward``
+            (Lightning Fabric). Each backward of the step is then
+            ``backward(weighted_loss)``, with ``retain_graph=True`` added when
+            a tensor argument carries a graph from before the call. What the
+            engine does besides is its own: accelerate divides the loss by its
+            ``gradient_accumulation_steps``, and mixed precision scales it, so
+            pass no ``scaler`` with it. The ``initial="auto"`` estimate runs a
+            plain backward. Default: ``None``, ``loss.backward()``. See
+            :doc:`accumulate`.
         cache (SizeCache, optional): where sizes that worked are kept; keys
             include the shape and dtype of one sample. Default: a new
             :class:`StackMemoryCache` for this function.
@@ -183,9 +197,10 @@ def accumulate(
         TypeError: if the step is not callable or is a coroutine function, or
             an option has the wrong type. When called: if the step returns no
             loss, or other results that cannot be combined.
-        ValueError: if an option is out of range, or ``ddp`` is given with
-            ``sync=False``. When called: if the batch has no rows, tensor
-            arguments differ in size along ``dim``, or the loss is not a scalar.
+        ValueError: if an option is out of range, ``ddp`` is given with
+            ``sync=False``, or ``backward`` with ``scaler``. When called: if
+            the batch has no rows, tensor arguments differ in size along
+            ``dim``, or the loss is not a scalar.
         NotImplementedError: when called, if ranks agree and the step
             reaches an FSDP or tensor-parallel module.
         RuntimeError: when called, if the loss needs no gradient while grad
@@ -218,6 +233,18 @@ def accumulate(
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
+    if backward is not None and not callable(backward):
+        raise TypeError(
+            "backward must be a callable that runs the backward pass of a loss, such as accelerator.backward "
+            f"or fabric.backward, got {type(backward).__name__} {backward!r:.200}"
+        )
+    if backward is not None and scaler is not None:
+        raise ValueError(
+            "backward= and scaler= both scale the loss: a training engine's backward does its own loss scaling "
+            "(accelerate's or Lightning Fabric's mixed precision), so pass one of them: backward= with the "
+            "engine, or scaler= with a plain torch.amp.GradScaler"
+        )
+    run_backward = _backward_of(backward, scaler)
     fixed_device = None if device is None else resolve_device(device)
     check_auto(initial)
     given = _given_ddp(ddp)
@@ -247,7 +274,7 @@ def accumulate(
             sync=sync,
             group=group,
         )
-        step = _Accumulator(function, controller, dim, reduction == "mean", scaler, fixed_device, initial == AUTO)
+        step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, fixed_device, initial == AUTO)
         step.ddp = given
         getframe = sys._getframe
 
@@ -269,12 +296,12 @@ class _Accumulator:
         controller: Controller,
         dim: int,
         mean: bool,
-        scaler: Any,
+        backward: _Backward,
         device: torch.device | None,
         auto: bool = False,
     ) -> None:
         self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
-        self.scaler, self.device, self.auto = scaler, device, auto
+        self.backward, self.device, self.auto = backward, device, auto
         self.identity = function_identity(fn)
         self.names = _positional_names(fn)
         self.warned_batchnorm = False
@@ -379,6 +406,10 @@ class _Accumulator:
             if loss.requires_grad:
                 gradients = _Gradients()
                 gradients.collect(loss)
+                # A plain backward, never a scaler's or an engine's ``backward=``: they would
+                # run on meta tensors and keep state made from them (a GradScaler makes its
+                # scale on the loss's device, lazily), and an engine's may count micro-steps
+                # or communicate. Scaling a scalar loss adds nothing to the peak.
                 torch.autograd.backward(loss)
                 gradients.restore()
 
@@ -392,7 +423,7 @@ class _Accumulator:
 
     def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
-        rows, scale = split.rows, self.scaler.scale if self.scaler is not None else None
+        rows, backward = split.rows, self.backward
         results = _Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each
@@ -406,23 +437,23 @@ class _Accumulator:
             loss = results.add(result, 1.0)
             if loss.requires_grad:
                 gradients.collect(loss)
-                (loss if scale is None else scale(loss)).backward(retain_graph=retain)
+                backward(loss, retain)
             else:
                 self._check_no_grad_wanted(split)
             return results
-        backward = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
+        backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
         for chunk_args, chunk_kwargs, chunk_rows in split.pieces(size):
             result = self.fn(*chunk_args, **chunk_kwargs)
             weight = chunk_rows / rows if self.mean else 1.0
             loss = results.add(result, weight)
             if loss.requires_grad:  # one that needs none (no rows counted, say) adds nothing
-                backward = True
+                backed = True
                 gradients.collect(loss)
                 weighted = loss * weight if weight != 1.0 else loss
-                (weighted if scale is None else scale(weighted)).backward(retain_graph=retain)
+                backward(weighted, retain)
                 del weighted
             del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
-        if not backward:
+        if not backed:
             self._check_no_grad_wanted(split)
         return results
 
@@ -436,6 +467,36 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
+
+
+# Runs the backward pass of a (weighted) loss; the flag says whether to retain the graph.
+_Backward = Callable[[torch.Tensor, bool], None]
+
+
+def _backward_of(engine: Callable[..., Any] | None, scaler: Any) -> _Backward:
+    """Return what runs each backward of a step, chosen once, when it is decorated."""
+    if engine is not None:
+
+        def engine_backward(loss: torch.Tensor, retain: bool) -> None:
+            # The keyword only when it is needed: the engines pass it on to Tensor.backward.
+            if retain:
+                engine(loss, retain_graph=True)
+            else:
+                engine(loss)
+
+        return engine_backward
+    if scaler is not None:
+        scale = scaler.scale
+
+        def scaled_backward(loss: torch.Tensor, retain: bool) -> None:
+            scale(loss).backward(retain_graph=retain)
+
+        return scaled_backward
+
+    def plain_backward(loss: torch.Tensor, retain: bool) -> None:
+        loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+    return plain_backward
 
 
 def gradients_aside(value: object) -> dict[int, torch.Tensor]:
