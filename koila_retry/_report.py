@@ -9,6 +9,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from koila_retry import _memory, _tracking
 from koila_retry._estimate import _same_device, reachable
@@ -369,6 +370,9 @@ class _Found:
         self.named: set[int] = set()  # ids of the named tensors, not listed again as views
 
     def _storage_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        # Fake tensors hold no memory; torch.compile leaves some behind, with symbolic sizes.
+        if issubclass(type(tensor), FakeTensor):
+            return None
         if not _same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
             return None
         try:

@@ -60,6 +60,19 @@ def make_oom(kind: str = "cuda", nbytes: int = 2**31) -> RuntimeError:
     raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
 
 
+class _DeviceTracker(LiveStorageTracker):  # type: ignore[no-untyped-call]
+    """The simulated device's accounting, which lets ``torch.compile`` work under it."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo refuses to compile under a dispatch mode that does not ignore its
+        # internals, runs the model eagerly, and marks its forward as never to be compiled
+        # again, outside the block too. With this, the mode is off while Dynamo compiles
+        # and on while the graph runs, so a graph's operators count against the limit
+        # (with "eager" and "aot_eager"; inductor's kernels allocate past the dispatcher).
+        return True
+
+
 class SimulatedDevice:
     """A memory limit on the tensors a block of code creates; see :func:`simulated_device`.
 
@@ -114,7 +127,7 @@ class SimulatedDevice:
     def __enter__(self) -> SimulatedDevice:
         if self._tracker is not None:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
-        self._tracker = LiveStorageTracker(check=self._check)
+        self._tracker = _DeviceTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
         simulated.active.append(self)
         return self

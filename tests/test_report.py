@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import koila_retry as koila
 from koila_retry._units import format_bytes
@@ -347,3 +348,12 @@ def test_on_an_accelerator_the_allocators_figures_stand_beside_the_total(monkeyp
     )
     assert notes[-1] in str(found)
     assert found.to_dict()["allocated"] == total + 3 * 2**20
+
+
+def test_fake_tensors_left_alive_are_not_memory() -> None:
+    # torch.compile leaves fake tensors behind, some with symbolic sizes that cannot be read.
+    with FakeTensorMode():
+        fake = torch.empty(123, 457)
+    found = koila.report(device="cpu", top=10_000)
+    assert all(row.shape != (123, 457) for row in found.rows)
+    del fake
