@@ -371,6 +371,13 @@ def _run_chunked(
     _run_steps(func, 0, tensor.size(dim), step, work, roots, cache_type, context, caller, tensor.device, _ROWS)
 
 
+def _execute_context(cache_type: object, context: Hashable, caller: FrameType) -> Hashable:
+    """Check a ``toma.execute`` form's cache type; return its context: given, else the caller's stack."""
+    if cache_type is not None:
+        _check_cache_type(cache_type, "cache_type")
+    return _stack(caller) if context is None else _context_key(context, "context")
+
+
 class _Decorator:
     """What a ``toma.batch``/``range``/``chunked`` decorator was given, checked once.
 
@@ -924,9 +931,7 @@ class toma(metaclass=_Namespace):
             .. versionadded:: 0.1.0
             """
             size = _size(initial_batchsize, "initial_batchsize")
-            if cache_type is not None:
-                _check_cache_type(cache_type, "cache_type")
-            where = _stack(sys._getframe(1)) if context is None else _context_key(context, "context")
+            where = _execute_context(cache_type, context, sys._getframe(1))
 
             def run(func: Callable[[int], R]) -> R:
                 return _run_batch(func, size, (), {}, cache_type, where, sys._getframe(1))
@@ -964,9 +969,7 @@ class toma(metaclass=_Namespace):
             """
             step = _size(initial_step, "initial_step")
             begin, stop = _bound(start, "start"), _bound(end, "end")
-            if cache_type is not None:
-                _check_cache_type(cache_type, "cache_type")
-            where = _stack(sys._getframe(1)) if context is None else _context_key(context, "context")
+            where = _execute_context(cache_type, context, sys._getframe(1))
 
             def run(func: Callable[[int, int], object]) -> None:
                 _run_range(func, begin, stop, step, (), {}, cache_type, where, sys._getframe(1))
@@ -1006,9 +1009,7 @@ class toma(metaclass=_Namespace):
             """
             step = _size(initial_step, "initial_step")
             chunks, dim = _dimension(tensor, 0 if dimension is None else dimension, "dimension")
-            if cache_type is not None:
-                _check_cache_type(cache_type, "cache_type")
-            where = _stack(sys._getframe(1)) if context is None else _context_key(context, "context")
+            where = _execute_context(cache_type, context, sys._getframe(1))
 
             def run(func: Callable[[torch.Tensor, int, int], object]) -> None:
                 _run_chunked(func, chunks, dim, step, (), {}, cache_type, where, sys._getframe(1))
