@@ -121,6 +121,9 @@ def worker(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         train(rank, world_size)
+        # Leave together: a rank that tears down its gloo connections while another is
+        # still finishing its last collective can make that rank's process abort at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
