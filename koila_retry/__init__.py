@@ -8,18 +8,18 @@ or split a training step into micro-batches with the full batch's gradient with
 running it, with :func:`estimate` and :func:`suggest_batch_size`.
 """
 
-from koila_retry._accumulate import accumulate
-from koila_retry._cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
-from koila_retry._chunked import chunked, range
-from koila_retry._detect import is_oom
-from koila_retry._disk import DiskCache
-from koila_retry._engine import Attempt, OOMEvent, Stats
-from koila_retry._estimate import MemoryEstimate, estimate, suggest_batch_size
-from koila_retry._frontends import Batched, attempts, batch
-from koila_retry._memory import free_memory, release
-from koila_retry._offload import Offload, offload
-from koila_retry._profile import LineRow, MemoryProfile, ModuleRow, profile
-from koila_retry._report import MemoryReport, ReportRow, report
+from koila_retry._core.cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
+from koila_retry._core.detect import is_oom
+from koila_retry._core.disk import DiskCache
+from koila_retry._core.engine import Attempt, OOMEvent, Stats
+from koila_retry._core.memory import free_memory, release
+from koila_retry._diagnostics.offload import Offload, offload
+from koila_retry._diagnostics.profile import LineRow, MemoryProfile, ModuleRow, profile
+from koila_retry._diagnostics.report import MemoryReport, ReportRow, report
+from koila_retry._estimation.estimate import MemoryEstimate, estimate, suggest_batch_size
+from koila_retry._frontends.accumulate import accumulate
+from koila_retry._frontends.batch import Batched, attempts, batch
+from koila_retry._frontends.chunked import chunked, range
 from koila_retry._version import __version__
 from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning
 

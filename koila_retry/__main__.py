@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from koila_retry import _cli_estimate
+from koila_retry._cli import estimate as estimate_command
 from koila_retry._version import __version__
 
 
@@ -38,15 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "size fits, 1 if none does or the model failed, 2 for usage errors.",
         epilog="example: python -m koila_retry estimate torchvision.models:resnet50 --input 3x224x224 --memory 24GiB",
     )
-    _cli_estimate.configure(estimate)
+    estimate_command.configure(estimate)
     args = parser.parse_args(argv)
 
     if args.command == "estimate":
-        return _cli_estimate.run(args, estimate)
+        return estimate_command.run(args, estimate)
 
     if args.command == "demo":
-        from koila_retry._demo import run_demo
-        from koila_retry._units import parse_bytes
+        from koila_retry._cli.demo import run_demo
+        from koila_retry._common.units import parse_bytes
 
         if args.verbose:
             logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -18,8 +18,8 @@ from types import TracebackType
 
 import torch
 
-from koila_retry._tracking import LiveStorageTracker, simulated
-from koila_retry._units import format_bytes, parse_bytes
+from koila_retry._common.tracking import LiveStorageTracker, simulated
+from koila_retry._common.units import format_bytes, parse_bytes
 
 __all__ = ["OOMInjector", "SimulatedDevice", "make_oom", "oom_above", "oom_for", "simulated_device"]
 

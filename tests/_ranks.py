@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import koila_retry as koila
-from koila_retry import _distributed
+from koila_retry._core import distributed
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -579,12 +579,12 @@ def accumulate_unused_parameters_small_buckets(rank: int, world: int) -> dict[st
     # Buckets of 13 float64 values, and gradients of 128 bytes and up all-reduced in place, each alone
     # (from 1 MiB up, usually): the weights of trunk and extra (used on rank 0 only) go alone, the rest
     # share buckets, and more than one bucket is used.
-    alone = _distributed._ALONE_BYTES
-    _distributed._ALONE_BYTES = 128
+    alone = distributed._ALONE_BYTES
+    distributed._ALONE_BYTES = 128
     try:
         return _unused(rank, world, bucket_cap_mb=0.0001)
     finally:
-        _distributed._ALONE_BYTES = alone
+        distributed._ALONE_BYTES = alone
 
 
 # --------------------------------------------------------------------------- 5. different cached sizes at the start

@@ -8,14 +8,16 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from koila_retry import _chunked, _estimate, _frontends, _memory, _tracking
+from koila_retry._common import tracking
+from koila_retry._core import memory
+from koila_retry._estimation import estimate
+from koila_retry._frontends import batch, chunked
 
 # Tests never time themselves: these machines are shared and noisy, and a deadline that
 # a loaded machine misses fails a test that proved what it should. Every settings object
 # a test module makes inherits this profile.
 settings.register_profile("koila", deadline=None)
 settings.load_profile("koila")
-
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -35,15 +37,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _reset_global_state() -> Iterator[None]:
     """Clear the caches and readings that outlive a call, before and after each test."""
-    _frontends._attempts_cache.cache_clear()
-    _chunked._calls_cache.cache_clear()
-    _memory.forget_free_memory()
-    _estimate._suggestions.clear()
+    batch._attempts_cache.cache_clear()
+    chunked._calls_cache.cache_clear()
+    memory.forget_free_memory()
+    estimate._suggestions.clear()
     yield
-    _frontends._attempts_cache.cache_clear()
-    _chunked._calls_cache.cache_clear()
-    _memory.forget_free_memory()
-    _estimate._suggestions.clear()
-    leaked = list(_tracking.simulated.active)
-    _tracking.simulated.active.clear()
+    batch._attempts_cache.cache_clear()
+    chunked._calls_cache.cache_clear()
+    memory.forget_free_memory()
+    estimate._suggestions.clear()
+    leaked = list(tracking.simulated.active)
+    tracking.simulated.active.clear()
     assert not leaked, "a test left a simulated device active"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import koila_retry as koila
-from koila_retry import _cache, _memory
+from koila_retry._core import cache, memory
 from koila_retry.testing import make_oom, oom_above, simulated_device
 
 CPU = torch.device("cpu")
@@ -277,7 +277,7 @@ def test_stack_memory_cache_falls_back_to_the_size_at_more_free_memory() -> None
 
 @pytest.mark.parametrize(("free", "bucket"), [(0, 0), (2**30, 31), (2**31 - 1, 31), (2**31, 32)])
 def test_free_memory_bucket_is_the_bit_length(monkeypatch: pytest.MonkeyPatch, free: int, bucket: int) -> None:
-    monkeypatch.setattr(_cache, "recent_free_memory", lambda device: free)
+    monkeypatch.setattr(cache, "recent_free_memory", lambda device: free)
     key = koila.StackMemoryCache().key(test_free_memory_bucket_is_the_bit_length, sys._getframe(0), CPU)
     assert key[2] == bucket
 
@@ -285,8 +285,8 @@ def test_free_memory_bucket_is_the_bit_length(monkeypatch: pytest.MonkeyPatch, f
 def test_free_memory_is_read_at_most_once_per_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
     readings: list[int] = []
     now = [1000.0]
-    monkeypatch.setattr(_memory.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(_memory, "_device_free", lambda device: readings.append(1) or 2**30)
+    monkeypatch.setattr(memory.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(memory, "_device_free", lambda device: readings.append(1) or 2**30)
 
     @koila.batch(initial=8)
     def run(batch_size: int) -> int:
@@ -295,7 +295,7 @@ def test_free_memory_is_read_at_most_once_per_ttl(monkeypatch: pytest.MonkeyPatc
     for _ in range(100):
         run()
     assert len(readings) == 1
-    now[0] += _memory.FREE_MEMORY_TTL + 0.01
+    now[0] += memory.FREE_MEMORY_TTL + 0.01
     run()
     assert len(readings) == 2
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import koila_retry as koila
-from koila_retry import _memory
+from koila_retry._core import memory
 from koila_retry.testing import make_oom, oom_above, oom_for, simulated_device
 
 # The same patch holds for every example, so a function-scoped fixture is safe here.
@@ -28,8 +28,8 @@ KINDS = ("cuda", "cpu", "mps")
 
 @pytest.fixture
 def fast_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Skip the full garbage collection after each OOM (the engine calls ``_memory.release``)."""
-    monkeypatch.setattr(_memory, "release", lambda device=None: None)
+    """Skip the full garbage collection after each OOM (the engine calls ``memory.release``)."""
+    monkeypatch.setattr(memory, "release", lambda device=None: None)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -30,9 +30,9 @@ from torch import nn
 
 import koila_retry as koila
 import koila_retry.compat.toma as ct
-from koila_retry import _memory
-from koila_retry._cache import function_identity
-from koila_retry._memory import default_device
+from koila_retry._core import memory
+from koila_retry._core.cache import function_identity
+from koila_retry._core.memory import default_device
 from koila_retry.compat.toma import batchsize_cache
 from koila_retry.testing import make_oom, simulated_device
 
@@ -78,7 +78,7 @@ def _reset_compat() -> Iterator[None]:
 def _fast_release(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Skip the engine's full garbage collection after each OOM (~0.1 s), unless a test asks for it."""
     if "real_release" not in request.fixturenames:
-        monkeypatch.setattr(_memory, "release", lambda device=None: None)
+        monkeypatch.setattr(memory, "release", lambda device=None: None)
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import koila_retry as koila
-from koila_retry import _disk
-from koila_retry._cache import function_identity
-from koila_retry._memory import describe_device
+from koila_retry._core import disk
+from koila_retry._core.cache import function_identity
+from koila_retry._core.memory import describe_device
 from koila_retry.testing import oom_above, simulated_device
 
 ROOT = str(Path(koila.__file__).resolve().parent.parent)
@@ -187,7 +187,7 @@ def test_two_processes_writing_at_once_leave_a_valid_file(tmp_path: Path) -> Non
     sizes = _sizes(path)
     assert all(isinstance(size, int) and size >= 1 for size in sizes.values())
     assert _leftovers(tmp_path, path.name) == ["barrier", "write.py"]
-    if _disk.fcntl is not None:  # with the lock, each writer merges what the other wrote
+    if disk.fcntl is not None:  # with the lock, each writer merges what the other wrote
         expected = {f"{name} key {number}": number + 1 for name in ("first", "second") for number in range(50)}
         assert sizes == expected
 
@@ -387,7 +387,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(
     def full_disk(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_disk.os, failing, full_disk)
+    monkeypatch.setattr(disk.os, failing, full_disk)
     with pytest.warns(koila.CacheFileWarning, match="No space left on device") as record:
         cache["lost"] = 4
     assert len(record) == 1

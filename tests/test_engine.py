@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from koila_retry import NoCache, StackMemoryCache
-from koila_retry._engine import Attempt, Controller
+from koila_retry._core.engine import Attempt, Controller
 from koila_retry.testing import make_oom
 
 CPU = torch.device("cpu")

@@ -22,10 +22,11 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import koila_retry as koila
-from koila_retry import _accumulate, _chunked, _estimate
-from koila_retry._estimate import _cuda_rounding
-from koila_retry._tracking import LiveStorageTracker
-from koila_retry._units import format_bytes
+from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._common.units import format_bytes
+from koila_retry._estimation import estimate
+from koila_retry._estimation.estimate import _cuda_rounding
+from koila_retry._frontends import accumulate, chunked
 from koila_retry.testing import simulated_device
 
 MiB = 2**20
@@ -860,15 +861,15 @@ def test_bad_suggest_options_are_named(options: dict[str, Any], error: type[Exce
 def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
     """The functions initial="auto" estimated, one entry per estimate."""
     seen: list[Callable[..., Any]] = []
-    real = _estimate.estimate
+    real = estimate.estimate
 
     def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
         seen.append(fn)
         return real(fn, *args, **kwargs)
 
     # Both front ends imported the function by name.
-    monkeypatch.setattr(_accumulate, "estimate", counting)
-    monkeypatch.setattr(_chunked, "estimate", counting)
+    monkeypatch.setattr(accumulate, "estimate", counting)
+    monkeypatch.setattr(chunked, "estimate", counting)
     return seen
 
 
@@ -920,7 +921,7 @@ def test_accumulate_auto_starts_at_a_size_that_fits(estimates: list[Callable[...
     assert sizes[0] < 4096
     assert sizes[1] == sizes[2] == sizes[0]
     assert len(estimates) == 1
-    assert len(_estimate._suggestions) == 1
+    assert len(estimate._suggestions) == 1
     for got, want in zip(gradients, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-10)
 
@@ -957,7 +958,7 @@ def test_accumulate_auto_estimates_once_per_sample_shape(estimates: list[Callabl
             step(torch.randn(rows, features))
         step(torch.randn(8, 2, 4))
     assert len(estimates) == 2
-    assert len(_estimate._suggestions) == 2
+    assert len(estimate._suggestions) == 2
 
 
 def test_chunked_auto_starts_at_a_size_that_fits(estimates: list[Callable[..., Any]]) -> None:
@@ -986,7 +987,7 @@ def test_chunked_auto_starts_at_a_size_that_fits(estimates: list[Callable[..., A
         out = koila.chunked(encode, inputs, initial="auto", on_oom=events.append)
     assert len(events) <= 1
     assert len(estimates) == 1
-    ((power, whole, _),) = _estimate._suggestions.values()
+    ((power, whole, _),) = estimate._suggestions.values()
     assert power <= whole < 8192
     assert seen[0] == power, "the first chunk is the suggested size"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-10)
@@ -1037,7 +1038,7 @@ def test_chunked_auto_runs_whole_rows_that_fit_between_two_powers_of_two(estimat
 
         out = koila.chunked(encode, inputs, initial="auto")
     assert seen == [300]
-    ((power, whole, _),) = _estimate._suggestions.values()
+    ((power, whole, _),) = estimate._suggestions.values()
     assert power == 256
     assert whole == max(size for size in range(256, 512) if found.fits(size, budget))
     assert whole >= 300

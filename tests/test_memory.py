@@ -1,4 +1,4 @@
-"""Tests for free memory, device resolution and release (koila_retry._memory)."""
+"""Tests for free memory, device resolution and release (koila_retry._core.memory)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import koila_retry as koila
-from koila_retry import _memory
+from koila_retry._core import memory
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -51,16 +51,16 @@ class _FakeProcess:
 @pytest.fixture
 def fake_system(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Fix available memory, the address-space limit and the process size that _cpu_free reads."""
-    assert _memory.resource is not None
-    system = {"available": 8 * 2**30, "soft": _memory.resource.RLIM_INFINITY, "vms": 3 * 2**30}
-    monkeypatch.setattr(_memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=system["available"]))
+    assert memory.resource is not None
+    system = {"available": 8 * 2**30, "soft": memory.resource.RLIM_INFINITY, "vms": 3 * 2**30}
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=system["available"]))
     monkeypatch.setattr(
-        _memory.resource,
+        memory.resource,
         "getrlimit",
-        lambda which: (system["soft"], _memory.resource.RLIM_INFINITY),
+        lambda which: (system["soft"], memory.resource.RLIM_INFINITY),
     )
     process = _FakeProcess(system["vms"])
-    monkeypatch.setattr(_memory, "_PROCESS", process)
+    monkeypatch.setattr(memory, "_PROCESS", process)
     return system
 
 
@@ -119,38 +119,38 @@ print(json.dumps({"free": free, "default": koila.free_memory(), "error": error})
 
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
 def test_resolve_device_gives_the_cpu_here(device: object) -> None:
-    assert _memory.resolve_device(device) == torch.device("cpu")  # type: ignore[arg-type]
+    assert memory.resolve_device(device) == torch.device("cpu")  # type: ignore[arg-type]
 
 
 def test_resolve_device_adds_index_zero_to_accelerator_types() -> None:
-    assert _memory.resolve_device("cuda") == torch.device("cuda", 0)
-    assert _memory.resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert _memory.resolve_device(torch.device("meta")) == torch.device("meta")
+    assert memory.resolve_device("cuda") == torch.device("cuda", 0)
+    assert memory.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert memory.resolve_device(torch.device("meta")) == torch.device("meta")
 
 
 @pytest.mark.parametrize("device", ["gpu:x", "nonsense", "cuda:-1", ""])
 def test_resolve_device_rejects_unknown_strings(device: str) -> None:
     with pytest.raises(ValueError) as excinfo:
-        _memory.resolve_device(device)
+        memory.resolve_device(device)
     assert repr(device) in str(excinfo.value)
 
 
 @pytest.mark.parametrize("device", [3.5, True, [0], b"cpu"])
 def test_resolve_device_rejects_other_types(device: object) -> None:
     with pytest.raises(TypeError) as excinfo:
-        _memory.resolve_device(device)  # type: ignore[arg-type]
+        memory.resolve_device(device)  # type: ignore[arg-type]
     assert repr(device) in str(excinfo.value)
 
 
 def test_resolve_device_rejects_negative_indices() -> None:
     with pytest.raises(ValueError, match=r"got -1$"):
-        _memory.resolve_device(-1)
+        memory.resolve_device(-1)
 
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_resolve_device_rejects_an_index_without_accelerator(index: int) -> None:
     with pytest.raises(ValueError, match=rf"index {index} given, but no accelerator"):
-        _memory.resolve_device(index)
+        memory.resolve_device(index)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0), "mps", "xpu"])
@@ -198,11 +198,11 @@ def test_release_collects_reference_cycles(device: object) -> None:
 
 
 def test_release_forgets_cached_free_memory_readings() -> None:
-    _memory.recent_free_memory(torch.device("cpu"))
-    _memory.recent_free_memory(torch.device("meta"))  # a reading per device, even a bogus one
-    assert _memory._free_readings
+    memory.recent_free_memory(torch.device("cpu"))
+    memory.recent_free_memory(torch.device("meta"))  # a reading per device, even a bogus one
+    assert memory._free_readings
     koila.release()
-    assert _memory._free_readings == {}
+    assert memory._free_readings == {}
 
 
 def test_release_rejects_bad_devices() -> None:
@@ -226,7 +226,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     fake = _Clock()
-    monkeypatch.setattr(_memory, "time", types.SimpleNamespace(monotonic=fake.monotonic))
+    monkeypatch.setattr(memory, "time", types.SimpleNamespace(monotonic=fake.monotonic))
     return fake
 
 
@@ -239,46 +239,46 @@ def readings(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
         calls.append(device)
         return len(calls) * MiB
 
-    monkeypatch.setattr(_memory, "_device_free", device_free)
+    monkeypatch.setattr(memory, "_device_free", device_free)
     return calls
 
 
 def test_recent_free_memory_reuses_a_reading_within_the_ttl(clock: _Clock, readings: list[torch.device]) -> None:
     cpu = torch.device("cpu")
-    assert _memory.recent_free_memory(cpu) == MiB
+    assert memory.recent_free_memory(cpu) == MiB
     assert readings == [cpu]
-    clock.now += _memory.FREE_MEMORY_TTL / 2
-    assert _memory.recent_free_memory(cpu) == MiB
+    clock.now += memory.FREE_MEMORY_TTL / 2
+    assert memory.recent_free_memory(cpu) == MiB
     assert readings == [cpu]
 
 
 def test_recent_free_memory_reads_again_after_the_ttl(clock: _Clock, readings: list[torch.device]) -> None:
     cpu = torch.device("cpu")
-    assert _memory.recent_free_memory(cpu) == MiB
-    clock.now += _memory.FREE_MEMORY_TTL * 1.01
-    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    assert memory.recent_free_memory(cpu) == MiB
+    clock.now += memory.FREE_MEMORY_TTL * 1.01
+    assert memory.recent_free_memory(cpu) == 2 * MiB
     assert len(readings) == 2
-    clock.now += _memory.FREE_MEMORY_TTL / 2  # the TTL counts from the new reading
-    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    clock.now += memory.FREE_MEMORY_TTL / 2  # the TTL counts from the new reading
+    assert memory.recent_free_memory(cpu) == 2 * MiB
     assert len(readings) == 2
 
 
 def test_recent_free_memory_keeps_one_reading_per_device(clock: _Clock, readings: list[torch.device]) -> None:
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    assert _memory.recent_free_memory(cpu) == MiB
-    assert _memory.recent_free_memory(meta) == 2 * MiB
-    assert _memory.recent_free_memory(cpu) == MiB
-    assert _memory.recent_free_memory(meta) == 2 * MiB
+    assert memory.recent_free_memory(cpu) == MiB
+    assert memory.recent_free_memory(meta) == 2 * MiB
+    assert memory.recent_free_memory(cpu) == MiB
+    assert memory.recent_free_memory(meta) == 2 * MiB
     assert readings == [cpu, meta]
 
 
 def test_forgetting_readings_makes_the_next_one_fresh(clock: _Clock, readings: list[torch.device]) -> None:
     cpu = torch.device("cpu")
-    assert _memory.recent_free_memory(cpu) == MiB
-    _memory.forget_free_memory()
-    assert _memory.recent_free_memory(cpu) == 2 * MiB
+    assert memory.recent_free_memory(cpu) == MiB
+    memory.forget_free_memory()
+    assert memory.recent_free_memory(cpu) == 2 * MiB
     koila.release()
-    assert _memory.recent_free_memory(cpu) == 3 * MiB
+    assert memory.recent_free_memory(cpu) == 3 * MiB
     assert len(readings) == 3
 
 
@@ -286,14 +286,14 @@ def test_recent_free_memory_reports_an_active_simulated_device(clock: _Clock, re
     from koila_retry.testing import simulated_device
 
     with simulated_device("3MiB"):
-        assert _memory.recent_free_memory(torch.device("cpu")) == 3 * MiB
+        assert memory.recent_free_memory(torch.device("cpu")) == 3 * MiB
     assert readings == []
 
 
 def test_free_memory_of_the_meta_device_is_unlimited() -> None:
-    assert koila.free_memory("meta") == _memory.UNLIMITED == 2**63 - 1
+    assert koila.free_memory("meta") == memory.UNLIMITED == 2**63 - 1
 
 
 def test_recent_free_memory_of_an_unreadable_device_is_minus_one() -> None:
-    assert _memory.recent_free_memory(torch.device("cuda", 0)) == -1
-    assert _memory._free_readings[torch.device("cuda", 0)][1] == -1
+    assert memory.recent_free_memory(torch.device("cuda", 0)) == -1
+    assert memory._free_readings[torch.device("cuda", 0)][1] == -1

@@ -1,4 +1,4 @@
-"""Tests for lending a model's memory to the CPU and back (koila_retry._offload)."""
+"""Tests for lending a model's memory to the CPU and back (koila_retry._diagnostics.offload)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import koila_retry as koila
-from koila_retry import _offload
+from koila_retry._diagnostics import offload
 from koila_retry.testing import make_oom, simulated_device
 
 
@@ -105,7 +105,7 @@ def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 class FailingCopy:
-    """Stand in for _offload._copy_storage: copy for real, and raise on chosen calls."""
+    """Stand in for offload._copy_storage: copy for real, and raise on chosen calls."""
 
     def __init__(self, fail_on: set[int], error: BaseException | None = None, *, after_copy: bool = False) -> None:
         self.fail_on = fail_on
@@ -113,7 +113,7 @@ class FailingCopy:
         self.error = error
         self.after_copy = after_copy  # fail with the copy made, as a failed copy_ would
         self.copies: list[weakref.ref[torch.UntypedStorage]] = []
-        self.real = _offload._copy_storage
+        self.real = offload._copy_storage
 
     def __call__(self, storage: torch.UntypedStorage, device: torch.device, *, pin: bool) -> torch.UntypedStorage:
         self.calls += 1
@@ -133,7 +133,7 @@ class FailingCopy:
 def failing_copy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FailingCopy]:
     def install(fail_on: set[int], error: BaseException | None = None, *, after_copy: bool = False) -> FailingCopy:
         fake = FailingCopy(fail_on, error, after_copy=after_copy)
-        monkeypatch.setattr(_offload, "_copy_storage", fake)
+        monkeypatch.setattr(offload, "_copy_storage", fake)
         return fake
 
     return install
@@ -434,12 +434,12 @@ def test_a_copy_that_fails_after_allocating_is_freed_while_the_error_is_handled(
 
 
 class FailingPoint:
-    """Stand in for _offload._point: point tensors for real, and raise on one call."""
+    """Stand in for offload._point: point tensors for real, and raise on one call."""
 
     def __init__(self, fail_on: int) -> None:
         self.fail_on = fail_on
         self.calls = 0
-        self.real = _offload._point
+        self.real = offload._point
 
     def __call__(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> None:
         self.calls += 1
@@ -458,7 +458,7 @@ def test_a_failure_while_pointing_tensors_at_the_copies_puts_back_those_already_
         lent.__enter__()
     before = snapshot(held(model, optimizer))
     failing = FailingPoint(7)
-    monkeypatch.setattr(_offload, "_point", failing)
+    monkeypatch.setattr(offload, "_point", failing)
     with pytest.raises(RuntimeError, match="cannot point this tensor"):
         lent.restore() if back else lent.__enter__()
     assert failing.calls > failing.fail_on  # the 6 tensors moved were pointed back
@@ -479,7 +479,7 @@ def test_a_failure_while_moving_back_keeps_the_values_on_the_cpu_and_restore_tri
 
     with pytest.raises(torch.OutOfMemoryError) as info, koila.offload(model, optimizer) as lent:
         during = snapshot(held(model, optimizer))
-        monkeypatch.setattr(_offload, "_copy_storage", failing)
+        monkeypatch.setattr(offload, "_copy_storage", failing)
 
     assert failing.calls == failing_call
     assert len(failing.copies) == failing_call - 1
@@ -494,7 +494,7 @@ def test_a_failure_while_moving_back_keeps_the_values_on_the_cpu_and_restore_tri
     model.eval()
     assert model(torch.randn(2, 6)).shape == (2, 3)
 
-    monkeypatch.setattr(_offload, "_copy_storage", failing.real)
+    monkeypatch.setattr(offload, "_copy_storage", failing.real)
     lent.restore()
     assert not lent.offloaded
     assert_as_before(held(model, optimizer), before)
@@ -531,7 +531,7 @@ def test_an_error_in_the_block_and_a_failure_on_the_way_back_raise_the_failure(
     model = nn.Linear(3, 3)
     body = ValueError("from the body")
     with pytest.raises(torch.OutOfMemoryError) as info, koila.offload(model) as lent:
-        monkeypatch.setattr(_offload, "_copy_storage", FailingCopy({1}))
+        monkeypatch.setattr(offload, "_copy_storage", FailingCopy({1}))
         raise body
     assert info.value.__context__ is body
     assert lent.offloaded

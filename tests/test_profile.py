@@ -23,7 +23,7 @@ from torch.nn.modules import module as module_registry
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 import koila_retry as koila
-from koila_retry._profile import LineRow, ModuleRow
+from koila_retry._diagnostics.profile import LineRow, ModuleRow
 
 KiB, MiB = 2**10, 2**20
 FLOAT = 4  # bytes per float32

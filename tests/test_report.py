@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import koila_retry as koila
-from koila_retry._units import format_bytes
+from koila_retry._common.units import format_bytes
 from koila_retry.testing import simulated_device
 
 
@@ -226,7 +226,7 @@ def _mlp() -> torch.nn.Module:
 
 
 def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estimate() -> None:
-    from koila_retry import _estimate
+    from koila_retry._estimation import estimate
 
     with simulated_device("33MiB"):  # 16 MiB of weights, 16 MiB of gradients: a sample more does not fit
         model = _mlp()
@@ -240,7 +240,7 @@ def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estim
     message = str(caught.value)
     assert "Largest on cpu (" in message
     assert "0.weight (parameter) 8.00 MiB; 2.weight (parameter) 8.00 MiB;" in message
-    ((_, _, figures),) = _estimate._suggestions.values()
+    ((_, _, figures),) = estimate._suggestions.values()
     assert figures is not None
     per_sample, fixed = figures
     # One sample's activations: at least the hidden layer's output and the ReLU's, in float32.
@@ -280,12 +280,12 @@ def test_an_exhausted_block_names_what_its_frame_holds() -> None:
 
 
 def test_a_failing_diagnosis_does_not_hide_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from koila_retry import _report
+    from koila_retry._diagnostics import report
 
     def broken(*_: object, **__: object) -> str:
         raise RuntimeError("the report is broken")
 
-    monkeypatch.setattr(_report, "explain", broken)
+    monkeypatch.setattr(report, "explain", broken)
 
     @koila.batch(initial=2)
     def run(batch_size: int) -> None:
@@ -330,11 +330,11 @@ def test_the_callers_variables_are_not_kept_after_the_error() -> None:
 
 def test_on_an_accelerator_the_allocators_figures_stand_beside_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
     # No accelerator here: the report is told the CPU is one, with the allocator's figures made up.
-    from koila_retry import _memory
+    from koila_retry._core import memory
 
     model = torch.nn.Linear(64, 64)
     total = koila.report(model, top=10_000).total
-    monkeypatch.setattr(_memory, "on_accelerator", lambda device: True)
+    monkeypatch.setattr(memory, "on_accelerator", lambda device: True)
     monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda device: total + 3 * 2**20)
     monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda device: total + 10 * 2**20)
     found = koila.report(model, top=10_000)

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import koila_retry as koila
-from koila_retry import _memory
-from koila_retry._engine import Controller, next_batch_size
+from koila_retry._core import memory
+from koila_retry._core.engine import Controller, next_batch_size
 from koila_retry.testing import oom_above
 
 # The same patch holds for every example, so a function-scoped fixture is safe here.
@@ -20,7 +20,7 @@ properties = settings(max_examples=60, suppress_health_check=[HealthCheck.functi
 @pytest.fixture(autouse=True)
 def _no_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """Skip the full garbage collection after each OOM: these tests are about sizes only."""
-    monkeypatch.setattr(_memory, "release", lambda device=None: None)
+    monkeypatch.setattr(memory, "release", lambda device=None: None)
 
 
 def schedule(initial: int, minimum: int) -> list[int]:
@@ -128,7 +128,7 @@ def run_with_schedule(schedule: object, initial: int = 100, minimum: int = 1, fi
         schedule=schedule,  # type: ignore[arg-type]
     )
     tried: list[int] = []
-    for attempt in controller.start("f", None, _memory.resolve_device("cpu")):
+    for attempt in controller.start("f", None, memory.resolve_device("cpu")):
         with attempt:
             tried.append(attempt.batch_size)
             if attempt.batch_size > fits:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import koila_retry as koila
-from koila_retry import _tracking
+from koila_retry._common import tracking
 from koila_retry.testing import OOMInjector, SimulatedDevice, make_oom, oom_above, oom_for, simulated_device
 
 MiB = 2**20
@@ -238,7 +238,7 @@ def test_free_memory_reports_the_simulated_device_while_it_is_active() -> None:
         assert koila.free_memory(torch.device("cuda")) == 6 * MiB  # "whatever device says"
         del tensor
         assert koila.free_memory() == 10 * MiB
-    assert _tracking.simulated.active == []
+    assert tracking.simulated.active == []
     real = koila.free_memory()
     assert isinstance(real, int)
     assert real > 10 * MiB  # the machine's memory again, not the simulated 10 MiB
@@ -264,10 +264,10 @@ def test_re_entering_an_active_device_raises_runtime_error() -> None:
     with device:
         with pytest.raises(RuntimeError, match="already active"), device:
             pass
-        assert len(_tracking.simulated.active) == 1
+        assert len(tracking.simulated.active) == 1
         tensor = torch.zeros(1024)
         assert device.live == 4096  # the failed re-entry did not disturb the active device
-    assert _tracking.simulated.active == []
+    assert tracking.simulated.active == []
     assert tensor.numel() == 1024
 
 
@@ -275,7 +275,7 @@ def test_device_is_deactivated_when_the_block_raises() -> None:
     device = simulated_device("1MiB")
     with pytest.raises(torch.OutOfMemoryError), device:
         torch.zeros(*FOUR_MIB_TENSOR)
-    assert _tracking.simulated.active == []
+    assert tracking.simulated.active == []
     tensor = torch.zeros(*FOUR_MIB_TENSOR)  # no limit any more
     assert tensor.numel() == 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""Tests for parse_bytes and format_bytes (koila_retry._units)."""
+"""Tests for parse_bytes and format_bytes (koila_retry._common.units)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from koila_retry._units import format_bytes, parse_bytes
+from koila_retry._common.units import format_bytes, parse_bytes
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 

@@ -26,11 +26,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any, overload
 
-from koila_retry._cache import GlobalCache
-from koila_retry._detect import is_oom
-from koila_retry._engine import DEFAULT_GROW_AFTER, OnOOM, Stats
-from koila_retry._frontends import _batched
-from koila_retry._memory import DeviceLike, release
+from koila_retry._core.cache import GlobalCache
+from koila_retry._core.detect import is_oom
+from koila_retry._core.engine import DEFAULT_GROW_AFTER, OnOOM, Stats
+from koila_retry._core.memory import DeviceLike, release
+from koila_retry._frontends.batch import _batched
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"]

@@ -119,12 +119,12 @@ from typing import Any, Concatenate, ParamSpec, SupportsIndex, TypeVar, cast, ov
 import cachetools
 import torch
 
-from koila_retry._cache import SizeCache, function_identity
-from koila_retry._chunked import _agree_on_nothing, _cover
-from koila_retry._detect import is_oom
-from koila_retry._engine import Attempt, Controller
-from koila_retry._frontends import _device_of, _run_attempts
-from koila_retry._memory import default_device
+from koila_retry._core.cache import SizeCache, function_identity
+from koila_retry._core.detect import is_oom
+from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.memory import default_device
+from koila_retry._frontends.batch import _device_of, _run_attempts
+from koila_retry._frontends.chunked import _agree_on_nothing, _cover
 from koila_retry.compat.toma.batchsize_cache import (
     GlobalBatchsizeCache,
     NoBatchsizeCache,

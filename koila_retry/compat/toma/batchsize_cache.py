@@ -17,8 +17,8 @@ from types import FrameType
 
 import torch
 
-from koila_retry._cache import GlobalCache, NoCache, StackMemoryCache
-from koila_retry._memory import recent_free_memory
+from koila_retry._core.cache import GlobalCache, NoCache, StackMemoryCache
+from koila_retry._core.memory import recent_free_memory
 
 __all__ = ["GlobalBatchsizeCache", "NoBatchsizeCache", "StacktraceMemoryBatchsizeCache"]
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from koila_retry._engine import OOMEvent
-from koila_retry._frontends import batch
-from koila_retry._units import format_bytes
+from koila_retry._common.units import format_bytes
+from koila_retry._core.engine import OOMEvent
+from koila_retry._frontends.batch import batch
 from koila_retry.testing import simulated_device
 
 

@@ -18,12 +18,12 @@ from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from koila_retry import _distributed
-from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
-from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
-from koila_retry._estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends import Batched, _TensorBase, _with_controller
-from koila_retry._memory import DeviceLike, default_device, resolve_device
+from koila_retry._core import distributed
+from koila_retry._core.cache import SizeCache, StackMemoryCache, function_identity
+from koila_retry._core.engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
+from koila_retry._core.memory import DeviceLike, default_device, resolve_device
+from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
+from koila_retry._frontends.batch import Batched, _TensorBase, _with_controller
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["chunked", "range"]
@@ -724,6 +724,6 @@ def _run_range(
 def _agree_on_nothing(controller: Controller) -> None:
     """Take part, with nothing to cover, in the check that every rank covers as much."""
     if controller.sync is not False:
-        agreement = _distributed.agreement(controller.sync, controller.group)
+        agreement = distributed.agreement(controller.sync, controller.group)
         if agreement is not None:
             agreement.start(0, span=0)

@@ -205,7 +205,7 @@ def backend_device(group: Any) -> torch.device:
 
 def _modules(roots: Iterable[Any]) -> Iterator[torch.nn.Module]:
     """Yield every module reachable from ``roots``, and the modules inside them."""
-    from koila_retry._estimate import reachable
+    from koila_retry._estimation.estimate import reachable
 
     for value in reachable(roots):
         if isinstance(value, torch.nn.Module):

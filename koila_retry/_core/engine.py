@@ -19,7 +19,7 @@ drive it in one of two equivalent ways::
 
 The second saves a generator on every call of a decorated function.
 ``succeeded()`` is where the ranks of a distributed job agree, after every
-attempt (see :mod:`koila_retry._distributed`): a rank whose attempt worked
+attempt (see :mod:`koila_retry._core.distributed`): a rank whose attempt worked
 still retries if another rank's did not, so it drops its result first.
 
 ``__exit__`` only classifies the error and records the failed size: it runs while
@@ -31,7 +31,6 @@ statement has dropped the exception.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -43,11 +42,14 @@ from typing import Any, cast
 
 import torch
 
-from koila_retry import _distributed, _memory, _report, _tracking
-from koila_retry._cache import Growth, SizeCache
-from koila_retry._counter import Counter
-from koila_retry._detect import is_oom
-from koila_retry._units import format_bytes
+from koila_retry._common import tracking
+from koila_retry._common.counter import Counter
+from koila_retry._common.places import where
+from koila_retry._common.units import format_bytes
+from koila_retry._core import distributed, memory
+from koila_retry._core.cache import Growth, SizeCache
+from koila_retry._core.detect import is_oom
+from koila_retry._diagnostics import report
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_INITIAL", "Attempt", "Controller", "OOMEvent", "Stats", "next_batch_size"]
@@ -57,8 +59,8 @@ DEFAULT_GROW_AFTER = 50
 
 logger = logging.getLogger("koila_retry")
 # torch.distributed's record of the default process group, when this torch has the layout
-# that _distributed reads: whether it is None decides, on every call, that nothing agrees.
-_WORLD: Any = _distributed._world if _distributed._FAST else None
+# that distributed reads: whether it is None decides, on every call, that nothing agrees.
+_WORLD: Any = distributed._world if distributed._FAST else None
 
 
 @dataclass(frozen=True)
@@ -232,8 +234,8 @@ class Controller:
         group: Any = None,
         schedule: Callable[[int], int | None] | None = None,
     ) -> None:
-        _distributed.check_sync(sync)
-        _distributed.check_group(group)
+        distributed.check_sync(sync)
+        distributed.check_group(group)
         self.initial = None if initial is None else _positive_int("initial", initial)
         self.minimum = _positive_int("minimum", minimum)
         if initial is not None and minimum > initial:
@@ -305,7 +307,7 @@ class Controller:
         if sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None):
             agreement = None  # the usual case, decided without a call: it costs every call
         else:
-            agreement = _distributed.agreement(sync, self.group)
+            agreement = distributed.agreement(sync, self.group)
         cache = self.cache
         # Without a sample, the three-argument call that caches written before ``sample`` expect.
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
@@ -350,7 +352,7 @@ class Controller:
             NotImplementedError: if the call reaches an FSDP or tensor-parallel module.
         """
         if self._ddp is None:
-            self._ddp = [weakref.ref(module) for module in _distributed.supported_modules(roots, self.name)]
+            self._ddp = [weakref.ref(module) for module in distributed.supported_modules(roots, self.name)]
 
     def next_size(self, failed: int, attempt: int) -> int | None:
         """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
@@ -464,7 +466,7 @@ class Attempt:
         cached: int,
         device: torch.device,
         initial: int,
-        agreement: _distributed.Agreement | None = None,
+        agreement: distributed.Agreement | None = None,
     ) -> None:
         self._controller = controller
         self._agreement = agreement
@@ -510,7 +512,7 @@ class Attempt:
             self._state = _READY  # the error propagates untouched and ends the run
             return False
         # Still inside exception handling: record plain values only, release nothing.
-        failure = self._fail(_where(tb))
+        failure = self._fail(where(tb))
         if failure.next_size is None:
             failure.final_oom = _detached(exc)
         return True
@@ -615,9 +617,9 @@ class Attempt:
             raise RuntimeError("retry() follows an attempt that ran out of memory inside `with attempt:`")
         next_size = failure.next_size
         started = time.perf_counter()
-        _memory.release(self._device)
+        memory.release(self._device)
         failure.seconds += time.perf_counter() - started
-        free = _memory.recent_free_memory(self._device)  # fresh: release() forgot the old reading
+        free = memory.recent_free_memory(self._device)  # fresh: release() forgot the old reading
         failure.tried.append(failed)
         controller.stats.record_oom(failure.seconds, next_size)
         if controller.grow:
@@ -716,7 +718,7 @@ class Attempt:
 
     def _agree_on_start(self, span: int | None = None) -> Attempt:
         """Start at the smallest of the ranks' sizes; a probe only if every rank was due one."""
-        agreed = cast(_distributed.Agreement, self._agreement).start(self.batch_size, span)
+        agreed = cast(distributed.Agreement, self._agreement).start(self.batch_size, span)
         if self._probe_from is not None and agreed <= self._probe_from:
             self._probe_from = None
         self.batch_size = self._controller.stats.batch_size = agreed
@@ -752,7 +754,7 @@ class Attempt:
         parts = []
         try:
             # Frames up from retry()'s caller (past this method and _exhausted_message) hold the call's model.
-            held = _report.explain(self._device, sys._getframe(3))
+            held = report.explain(self._device, sys._getframe(3))
         except Exception:  # a diagnosis must never hide the error it explains
             held = ""
         if held:
@@ -792,10 +794,10 @@ def _free_text(free: int) -> str:
 
 def _memory_summary(device: torch.device, free: int) -> str:
     parts = [f"{_free_text(free)} free on {device}"]
-    simulated = _tracking.simulated.free()
+    simulated = tracking.simulated.free()
     if simulated is not None:
         parts.append("(a simulated device)")
-    elif _memory.on_accelerator(device):
+    elif memory.on_accelerator(device):
         allocated = torch.accelerator.memory_allocated(device)
         reserved = torch.accelerator.memory_reserved(device)
         parts.append(
@@ -803,38 +805,6 @@ def _memory_summary(device: torch.device, free: int) -> str:
             "reserved by PyTorch's caching allocator"
         )
     return " ".join(parts) + "."
-
-
-_KOILA_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_LIBRARY_DIRS = (_KOILA_DIR, _TORCH_DIR)
-
-
-def _where(tb: TracebackType | None) -> str:
-    # The deepest frame of the user's own code: an OOM surfaces inside PyTorch (or the
-    # simulated device's check), but the line worth naming is the one that called it.
-    # Without one (``chunked(model, x)`` calls the model from here), the deepest frame of
-    # PyTorch's public modules (the layer that allocated), not of its machinery
-    # (``torch/_dynamo``, ``torch/utils``) or of koila_retry.
-    deepest = users = torch_public = None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
-        filename = code.co_filename
-        # Code that torch.compile generated (FX graphs, inductor's kernels) is not the user's.
-        if not filename.startswith(_LIBRARY_DIRS) and not _generated(filename):
-            users = deepest
-        elif filename.startswith(_TORCH_DIR) and not filename[len(_TORCH_DIR) + 1 :].startswith(("_", "utils")):
-            torch_public = deepest
-        tb = tb.tb_next
-    return users or torch_public or deepest or "an unknown place"
-
-
-def _generated(filename: str) -> bool:
-    if filename.startswith("<eval_with_key>") or "torchinductor_" in filename:  # FX graphs, inductor's default
-        return True
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return cache is not None and cache != "" and filename.startswith(cache)
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from koila_retry._estimate import MemoryEstimate, estimate
-from koila_retry._memory import free_memory, resolve_device
-from koila_retry._units import format_bytes, parse_bytes
+from koila_retry._common.units import format_bytes, parse_bytes
+from koila_retry._core.memory import free_memory, resolve_device
+from koila_retry._estimation.estimate import MemoryEstimate, estimate
 
 __all__ = ["configure", "run"]
 

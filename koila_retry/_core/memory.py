@@ -8,7 +8,7 @@ import time
 import psutil
 import torch
 
-from koila_retry import _tracking
+from koila_retry._common import tracking
 
 try:
     import resource
@@ -128,7 +128,7 @@ def free_memory(device: DeviceLike = None) -> int:
         ValueError: if ``device`` is not a device PyTorch knows, or is of a type
             this process has no accelerator for.
     """
-    simulated = _tracking.simulated.free()
+    simulated = tracking.simulated.free()
     if simulated is not None:
         return simulated
     return _device_free(resolve_device(device))
@@ -162,8 +162,8 @@ def recent_free_memory(device: torch.device) -> int:
     ``torch.accelerator`` support) reads as ``-1``, so that a cache key or a log
     line cannot break the user's call.
     """
-    if _tracking.simulated.active:
-        return _tracking.simulated.active[-1].free
+    if tracking.simulated.active:
+        return tracking.simulated.active[-1].free
     now = time.monotonic()
     reading = _free_readings.get(device)
     if reading is not None and now < reading[0]:
@@ -187,7 +187,7 @@ def describe_device(device: torch.device) -> str:
     device's index. Inside a simulated device, its limit stands for the memory.
     Never raises: what cannot be read is left out.
     """
-    limit = _tracking.simulated.limit()
+    limit = tracking.simulated.limit()
     if limit is not None:
         return f"simulated {limit}"
     description = _descriptions.get(device)

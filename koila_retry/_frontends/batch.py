@@ -10,10 +10,10 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 import torch
 
-from koila_retry._cache import CacheInfo, SizeCache, StackMemoryCache
-from koila_retry._engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
-from koila_retry._frames import frame_locals
-from koila_retry._memory import DeviceLike, default_device, resolve_device
+from koila_retry._common.walk import frame_locals
+from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache
+from koila_retry._core.engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
+from koila_retry._core.memory import DeviceLike, default_device, resolve_device
 
 __all__ = ["Batched", "attempts", "batch"]
 

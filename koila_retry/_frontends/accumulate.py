@@ -22,13 +22,13 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
-from koila_retry._cache import SizeCache, StackMemoryCache, function_identity
-from koila_retry._chunked import _Split
-from koila_retry._distributed import GradientSync, ddp_modules
-from koila_retry._engine import DEFAULT_GROW_AFTER, Controller, OnOOM
-from koila_retry._estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends import Batched, _TensorBase, _with_controller
-from koila_retry._memory import DeviceLike, resolve_device
+from koila_retry._core.cache import SizeCache, StackMemoryCache, function_identity
+from koila_retry._core.distributed import GradientSync, ddp_modules
+from koila_retry._core.engine import DEFAULT_GROW_AFTER, Controller, OnOOM
+from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
+from koila_retry._frontends.batch import Batched, _TensorBase, _with_controller
+from koila_retry._frontends.chunked import _Split
 
 __all__ = ["accumulate"]
 

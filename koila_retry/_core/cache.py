@@ -13,8 +13,8 @@ from typing import NamedTuple
 import cachetools
 import torch
 
-from koila_retry._counter import Counter
-from koila_retry._memory import recent_free_memory
+from koila_retry._common.counter import Counter
+from koila_retry._core.memory import recent_free_memory
 
 __all__ = ["CacheInfo", "GlobalCache", "Growth", "NoCache", "SizeCache", "StackMemoryCache", "function_identity"]
 

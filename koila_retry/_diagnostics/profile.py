@@ -32,11 +32,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from koila_retry._estimate import _META, _global_names, _Owned, _Recorder, _same_device, _tensors, reachable
-from koila_retry._memory import DeviceLike, resolve_device
-from koila_retry._table import html_table, text_table
-from koila_retry._tracking import LiveStorageTracker
-from koila_retry._units import format_bytes
+from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._common.units import format_bytes
+from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._diagnostics.table import html_table, text_table
+from koila_retry._estimation.estimate import _META, _global_names, _Owned, _Recorder, _same_device, _tensors, reachable
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
@@ -11,14 +10,14 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from koila_retry import _memory, _tracking
-from koila_retry._estimate import _same_device, reachable
-from koila_retry._frames import frame_locals
-from koila_retry._memory import DeviceLike
-from koila_retry._table import html_table, text_table
-from koila_retry._units import format_bytes
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+from koila_retry._common import tracking
+from koila_retry._common.places import is_ours
+from koila_retry._common.units import format_bytes
+from koila_retry._common.walk import frame_locals
+from koila_retry._core import memory
+from koila_retry._core.memory import DeviceLike
+from koila_retry._diagnostics.table import html_table, text_table
+from koila_retry._estimation.estimate import _same_device, reachable
 
 # When one storage has names of several kinds, the row shows the first kind here.
 _KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor")
@@ -253,9 +252,9 @@ def report(
         raise ValueError(f"top must be >= 1, got {top}")
     if device is None and model is not None:
         target = next((t.device for t in (*model.parameters(), *model.buffers())), None)
-        resolved = _memory.resolve_device(target)
+        resolved = memory.resolve_device(target)
     else:
-        resolved = _memory.resolve_device(device)
+        resolved = memory.resolve_device(device)
     modules = [("", model)] if model is not None else []
     optimizers = [("optimizer", optimizer)] if optimizer is not None else []
     return build(resolved, modules, optimizers, top)
@@ -300,7 +299,7 @@ def build(
     found.scan()
     simulated = found.unreachable()
     allocated = reserved = None
-    if _memory.on_accelerator(device):
+    if memory.on_accelerator(device):
         allocated = torch.accelerator.memory_allocated(device)
         reserved = torch.accelerator.memory_reserved(device)
     rows = sorted(found.rows(), key=lambda row: -row.nbytes)
@@ -427,7 +426,7 @@ class _Found:
 
     def unreachable(self) -> tuple[int, int] | None:
         """Add what a simulated device counts that Python cannot reach; return its ``(live, limit)``."""
-        device = _tracking.simulated.device()
+        device = tracking.simulated.device()
         if device is None or self.device.type != "cpu":
             return None
         hidden = [storage for storage in device.live_storages() if storage._cdata not in self.storages]
@@ -481,7 +480,9 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     """
     modules: dict[int, tuple[str, torch.nn.Module]] = {}
     optimizers: dict[int, tuple[str, torch.optim.Optimizer]] = {}
-    from koila_retry._accumulate import gradients_aside  # imported here: it imports the engine, which imports this
+    from koila_retry._frontends.accumulate import (
+        gradients_aside,  # imported here: it imports the engine, which imports this
+    )
 
     roots: list[Any] = []
     variables: list[tuple[str, torch.Tensor]] = []
@@ -496,7 +497,7 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
             elif isinstance(value, torch.optim.Optimizer):
                 optimizers.setdefault(id(value), (name, value))
             roots.append(value)
-        if not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        if not is_ours(frame.f_code.co_filename):
             break
         frame = frame.f_back
     frame = None

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from koila_retry._memory import forget_free_memory, on_accelerator
-from koila_retry._units import format_bytes
+from koila_retry._common.units import format_bytes
+from koila_retry._core.memory import forget_free_memory, on_accelerator
 
 __all__ = ["Offload", "offload"]
 

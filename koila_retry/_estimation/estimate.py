@@ -16,7 +16,6 @@ import gc
 import importlib
 import itertools
 import math
-import os
 import sys
 import threading
 import time
@@ -33,10 +32,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from torch.utils.module_tracker import ModuleTracker
 
-from koila_retry._memory import DeviceLike, free_memory, resolve_device
-from koila_retry._tracking import LiveStorageTracker
-from koila_retry._units import format_bytes, parse_bytes
-from koila_retry._workspace import onednn_convolution_workspace
+from koila_retry._common.places import levels_to_caller
+from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._common.units import format_bytes, parse_bytes
+from koila_retry._core.memory import DeviceLike, free_memory, resolve_device
+from koila_retry._estimation.workspace import onednn_convolution_workspace
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["MemoryEstimate", "estimate", "suggest_batch_size"]
@@ -1163,17 +1163,6 @@ class AutoFirst:
         return None if suggestion is None else suggestion.figures
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _levels_to_caller() -> int:
-    """Return the ``stacklevel`` of the first frame outside this package, for a warning raised from here."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _suggest(make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> _Suggestion:
     failure = None
     try:
@@ -1185,7 +1174,7 @@ def _suggest(make: Callable[[], MemoryEstimate], device: torch.device, name: str
             f"initial='auto' could not estimate the memory of {name} ({failure}); it starts from the "
             "whole batch and halves on out-of-memory errors",
             UserWarning,
-            stacklevel=_levels_to_caller(),
+            stacklevel=levels_to_caller(),
         )
         return _Suggestion(_LARGEST, _LARGEST, None)
     budget = free_memory(device) + found.resident

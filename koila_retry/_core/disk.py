@@ -13,8 +13,8 @@ from typing import IO, Any
 
 import torch
 
-from koila_retry._cache import SizeCache, function_identity
-from koila_retry._memory import describe_device
+from koila_retry._core.cache import SizeCache, function_identity
+from koila_retry._core.memory import describe_device
 from koila_retry.exceptions import CacheFileWarning
 
 try:

@@ -1,0 +1,1 @@
+"""Estimating peak memory on meta tensors, without running the call on real data."""
