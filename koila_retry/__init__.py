@@ -11,8 +11,10 @@ running it, with :func:`estimate` and :func:`suggest_batch_size`.
 from koila_retry._core.cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
 from koila_retry._core.detect import is_oom
 from koila_retry._core.disk import DiskCache
-from koila_retry._core.engine import Attempt, OOMEvent, Stats
+from koila_retry._core.engine import Attempt
 from koila_retry._core.memory import free_memory, release
+from koila_retry._core.policy import Options, powers_of_two, scaled
+from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry._diagnostics.offload import Offload, offload
 from koila_retry._diagnostics.profile import LineRow, MemoryProfile, ModuleRow, profile
 from koila_retry._diagnostics.report import MemoryReport, ReportRow, report
@@ -39,6 +41,7 @@ __all__ = [
     "NoCache",
     "OOMEvent",
     "Offload",
+    "Options",
     "ReportRow",
     "SizeCache",
     "StackMemoryCache",
@@ -52,9 +55,11 @@ __all__ = [
     "free_memory",
     "is_oom",
     "offload",
+    "powers_of_two",
     "profile",
     "range",
     "release",
     "report",
+    "scaled",
     "suggest_batch_size",
 ]

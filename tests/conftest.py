@@ -37,13 +37,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _reset_global_state() -> Iterator[None]:
     """Clear the caches and readings that outlive a call, before and after each test."""
-    batch._attempts_cache.cache_clear()
-    chunked._calls_cache.cache_clear()
+    batch.attempts_cache.cache_clear()
+    chunked.calls_cache.cache_clear()
     memory.forget_free_memory()
     estimate._suggestions.clear()
     yield
-    batch._attempts_cache.cache_clear()
-    chunked._calls_cache.cache_clear()
+    batch.attempts_cache.cache_clear()
+    chunked.calls_cache.cache_clear()
     memory.forget_free_memory()
     estimate._suggestions.clear()
     leaked = list(tracking.simulated.active)

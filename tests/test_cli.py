@@ -14,8 +14,8 @@ import torch
 
 import koila_retry as koila
 from koila_retry import __main__ as cli
-from koila_retry._common import units as koila_units
 from koila_retry._cli.demo import run_demo
+from koila_retry._common import units as koila_units
 
 REPO = Path(__file__).resolve().parents[1]
 

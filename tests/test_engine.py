@@ -9,6 +9,7 @@ import torch
 
 from koila_retry import NoCache, StackMemoryCache
 from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.policy import Policy
 from koila_retry.testing import make_oom
 
 CPU = torch.device("cpu")
@@ -37,20 +38,20 @@ def run(controller: Controller, rows: int, fits: int) -> int:
 
 
 def test_without_initial_a_call_starts_at_its_rows() -> None:
-    controller = Controller(name="step", initial=None, cache=StackMemoryCache())
+    controller = Controller("step", Policy(initial=None, cache=StackMemoryCache()))
     assert controller.stats.batch_size == 0  # no attempt yet
     assert start(controller, 1000).batch_size == 1000
     assert start(controller, 7).batch_size == 7
 
 
 def test_without_initial_a_call_below_minimum_starts_at_minimum() -> None:
-    controller = Controller(name="step", initial=None, minimum=16, cache=StackMemoryCache())
+    controller = Controller("step", Policy(initial=None, minimum=16, cache=StackMemoryCache()))
     assert start(controller, 5).batch_size == 16
 
 
 def test_success_at_the_rows_stores_nothing() -> None:
     cache = StackMemoryCache()
-    controller = Controller(name="step", initial=None, cache=cache)
+    controller = Controller("step", Policy(initial=None, cache=cache))
     for _ in range(2):
         assert run(controller, 1000, fits=1000) == 1000
     assert cache.cache_info().currsize == 0
@@ -58,7 +59,7 @@ def test_success_at_the_rows_stores_nothing() -> None:
 
 def test_a_reduced_size_is_stored_and_used_by_larger_and_smaller_calls() -> None:
     cache = StackMemoryCache()
-    controller = Controller(name="step", initial=None, cache=cache)
+    controller = Controller("step", Policy(initial=None, cache=cache))
     assert run(controller, 1000, fits=600) == 512
     assert cache.cache_info().currsize == 1
     ooms = controller.stats.ooms
@@ -72,7 +73,7 @@ def test_a_reduced_size_is_stored_and_used_by_larger_and_smaller_calls() -> None
 
 
 def test_a_short_call_that_fails_goes_below_its_rows() -> None:
-    controller = Controller(name="step", initial=None, cache=StackMemoryCache())
+    controller = Controller("step", Policy(initial=None, cache=StackMemoryCache()))
     assert run(controller, 1000, fits=600) == 512
     assert run(controller, 300, fits=200) == 128  # 300 fails, so 256 is next, which fails too
     assert start(controller, 1000).batch_size == 128
@@ -80,7 +81,7 @@ def test_a_short_call_that_fails_goes_below_its_rows() -> None:
 
 def test_growing_back_lifts_the_stored_size_when_a_probe_covers_the_whole_call() -> None:
     cache = StackMemoryCache()
-    controller = Controller(name="step", initial=None, cache=cache, grow=True, grow_after=2)
+    controller = Controller("step", Policy(initial=None, cache=cache, grow=True, grow_after=2))
     assert run(controller, 512, fits=300) == 256  # the first success at 256
     assert run(controller, 512, fits=1000) == 256  # the second: growing is due
     # The probe is 512, the call's rows: the whole batch fits, so the stored limit is lifted
@@ -92,7 +93,7 @@ def test_growing_back_lifts_the_stored_size_when_a_probe_covers_the_whole_call()
 
 def test_a_probe_above_a_calls_rows_proves_nothing_and_keeps_the_stored_size() -> None:
     cache = StackMemoryCache()
-    controller = Controller(name="step", initial=None, cache=cache, grow=True, grow_after=1)
+    controller = Controller("step", Policy(initial=None, cache=cache, grow=True, grow_after=1))
     assert run(controller, 256, fits=100) == 64
     # The probe (128) is above this short call's 100 rows: they run whole, which says
     # nothing about 128 rows, so 64 stays stored and the probe is made again.
@@ -105,6 +106,6 @@ def test_a_probe_above_a_calls_rows_proves_nothing_and_keeps_the_stored_size() -
 
 
 def test_initial_none_skips_the_minimum_check_that_an_int_initial_gets() -> None:
-    Controller(name="step", initial=None, minimum=64, cache=NoCache())
+    Controller("step", Policy(initial=None, minimum=64, cache=NoCache()))
     with pytest.raises(ValueError, match=r"minimum \(64\) must not exceed initial \(8\)"):
-        Controller(name="step", initial=8, minimum=64, cache=NoCache())
+        Controller("step", Policy(initial=8, minimum=64, cache=NoCache()))

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import koila_retry as koila
 from koila_retry._core import memory
-from koila_retry._core.engine import Controller, next_batch_size
+from koila_retry._core.engine import Controller
+from koila_retry._core.policy import Policy
 from koila_retry.testing import oom_above
 
 # The same patch holds for every example, so a function-scoped fixture is safe here.
@@ -35,6 +36,11 @@ def schedule(initial: int, minimum: int) -> list[int]:
     with pytest.raises(koila.BatchSizeExhausted):
         never_fits()
     return tried
+
+
+def next_batch_size(failed: int, minimum: int) -> int | None:
+    """The size the default policy tries after ``failed`` ran out of memory."""
+    return Policy(initial=None, minimum=minimum).next_size(failed, 1, "f")
 
 
 @pytest.mark.parametrize(
@@ -120,13 +126,8 @@ def test_max_attempts_bounds_the_attempts(max_attempts: int) -> None:
 
 def run_with_schedule(schedule: object, initial: int = 100, minimum: int = 1, fits: int = 0) -> list[int]:
     """Every size a call of the engine tries with ``schedule``, until one fits or it gives up."""
-    controller = Controller(
-        name="f",
-        initial=initial,
-        minimum=minimum,
-        cache=koila.NoCache(),
-        schedule=schedule,  # type: ignore[arg-type]
-    )
+    policy = Policy(initial=initial, minimum=minimum, cache=koila.NoCache(), schedule=schedule)  # type: ignore[arg-type]
+    controller = Controller("f", policy)
     tried: list[int] = []
     for attempt in controller.start("f", None, memory.resolve_device("cpu")):
         with attempt:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from koila_retry._common.units import format_bytes
-from koila_retry._core.engine import OOMEvent
+from koila_retry._core.stats import OOMEvent
 from koila_retry._frontends.batch import batch
 from koila_retry.testing import simulated_device
 

@@ -73,3 +73,15 @@ def format_bytes(count: int | float) -> str:
             return f"{int(size)} bytes" if unit == "bytes" else f"{size:.2f} {unit}"
         size /= 1024
     return f"{size:.2f} TiB"
+
+
+def format_free(count: int) -> str:
+    """Format a reading of free memory, where ``-1`` means it could not be read.
+
+    Args:
+        count (int): free bytes, or ``-1``.
+
+    Returns:
+        str: ``"2.00 GiB"``, or ``"unknown memory"``.
+    """
+    return "unknown memory" if count < 0 else format_bytes(count)

@@ -71,13 +71,72 @@ class CacheInfo(NamedTuple):
 
 
 class Growth:
-    """How close a key is to growing back: successes in a row, and how many are due."""
+    """When the sizes of one cache grow back: each key's successes in a row, and how many it waits for.
 
-    __slots__ = ("streak", "wait")
+    A cache owns one, beside its sizes, so growing back follows a key for as long as
+    its size is remembered (``attempts`` makes a controller per run; the cache
+    outlives it). Every method takes the lock: it is asked only by calls that grow.
 
-    def __init__(self, wait: int) -> None:
-        self.streak = 0
-        self.wait = wait
+    Args:
+        maxsize (int): how many keys to follow; the least recently used go first.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self._lock = threading.Lock()
+        # key -> [successes in a row, successes to wait for]
+        self._keys: cachetools.LRUCache[Hashable, list[int]] = cachetools.LRUCache(maxsize)
+
+    def due(self, key: Hashable) -> int | None:
+        """Return how long ``key`` waited if it is due to grow, restarting its count; else ``None``."""
+        with self._lock:
+            counts = self._keys.get(key)
+            if counts is None or counts[0] < counts[1]:
+                return None
+            counts[0] = 0
+            return counts[1]
+
+    def succeeded(self, key: Hashable, *, reduced: bool, wait: int, probe: bool) -> None:
+        """Count a success of ``key``; one at the full size forgets it, a probe that fits restarts the wait.
+
+        Args:
+            key (Hashable): the call's key.
+            reduced (bool): whether the size was below the call's initial size.
+            wait (int): the successes in a row to wait for, for a key seen first.
+            probe (bool): whether the success was at a probe above the size that fitted.
+        """
+        with self._lock:
+            if not reduced:
+                self._keys.pop(key, None)
+                return
+            counts = self._keys.get(key)
+            if counts is None:
+                counts = self._keys[key] = [0, wait]
+            elif probe:
+                counts[0], counts[1] = 0, wait
+            counts[0] += 1
+
+    def failed(self, key: Hashable, *, probe: bool) -> None:
+        """Restart the count of ``key``; after a failed probe, wait twice as long."""
+        with self._lock:
+            counts = self._keys.get(key)
+            if counts is not None:
+                if probe:
+                    counts[1] *= 2
+                counts[0] = 0
+
+    def inconclusive(self, key: Hashable) -> None:
+        """Undo a probe that ran on too few rows to prove its size: ``key`` is due again."""
+        with self._lock:
+            counts = self._keys.get(key)
+            if counts is not None:
+                counts[0] = counts[1]
+
+    def clear(self) -> None:
+        """Forget every key."""
+        with self._lock:
+            self._keys.clear()
 
 
 class SizeCache(MutableMapping[Hashable, int], ABC):
@@ -106,9 +165,8 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         self._hits = Counter()
         self._misses = Counter()
         self._recent: tuple[Hashable, int | None] | None = None
-        # Kept beside the sizes, so growing back follows a key for as long as its size
-        # is remembered (``attempts`` makes a controller per run; the cache outlives it).
-        self._growth: cachetools.LRUCache[Hashable, Growth] = cachetools.LRUCache(maxsize)
+        #: When the sizes kept here grow back (see :class:`Growth`).
+        self.growth = Growth(maxsize)
 
     @abstractmethod
     def key(
@@ -171,7 +229,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         with self._lock:
             self._recent = None
             self._sizes.clear()
-            self._growth.clear()
+            self.growth.clear()
             self._hits, self._misses = Counter(), Counter()
 
     def __getitem__(self, key: Hashable) -> int:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from koila_retry._common.walk import reachable
+
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -36,8 +38,8 @@ _NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value i
 # dist.is_initialized() and dist.group.WORLD read a property through a metaclass (~0.3 us),
 # which every call of a decorated function would pay; the attribute behind them is read
 # directly when torch has it.
-_world = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
-_FAST = _world is not None and hasattr(_world, "_default_pg")
+world = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
+FAST = world is not None and hasattr(world, "_default_pg")
 
 
 def check_sync(sync: object) -> None:
@@ -76,7 +78,7 @@ def agreement(sync: bool | None, group: Any) -> Agreement | None:
         RuntimeError: if ``sync=True`` and no process group is initialized, or
             this process is not a member of ``group``.
     """
-    default = _world._default_pg if _FAST else dist.group.WORLD if _AVAILABLE else None  # type: ignore[union-attr]
+    default = world._default_pg if FAST else dist.group.WORLD if _AVAILABLE else None  # type: ignore[union-attr]
     if default is None:
         if sync:
             raise RuntimeError(
@@ -205,8 +207,6 @@ def backend_device(group: Any) -> torch.device:
 
 def _modules(roots: Iterable[Any]) -> Iterator[torch.nn.Module]:
     """Yield every module reachable from ``roots``, and the modules inside them."""
-    from koila_retry._estimation.estimate import reachable
-
     for value in reachable(roots):
         if isinstance(value, torch.nn.Module):
             yield from value.modules()

@@ -1,269 +1,152 @@
-"""The retry engine that every front end drives.
+"""The retry engine: the one attempt loop that every front end hands its work to.
 
-A :class:`Controller` holds one wrapper's policy, cache and statistics; each call
-gets an :class:`Attempt`, the context manager of the current attempt. Front ends
-drive it in one of two equivalent ways::
+A :class:`Controller` holds one wrapper's policy, cache and statistics. A call
+begins with :meth:`Controller.start`, which looks up the starting size (and, when
+ranks agree, agrees on it) and returns an :class:`Attempt`. Then one of three
+drivers runs it:
 
-    for attempt in controller.start(function, caller, device):   # blocks
+- :meth:`Controller.run` runs ``work(size)`` until an attempt succeeds: the
+  attempt loop, written once for plain calls;
+- :meth:`Controller.run_async` is the same loop for coroutines;
+- :meth:`Controller.cover` covers ``[start, stop)`` in steps, each step run
+  by :meth:`Controller.run` and resumed where it failed.
+
+:class:`Attempt` is also the engine's own public iterator, for blocks::
+
+    for attempt in koila.attempts():
         with attempt:
-            result = work(attempt.batch_size)
+            ...
 
-    attempt = controller.start(function, caller, device)         # functions
-    while True:
-        with attempt:
-            result = work(attempt.batch_size)
-        if attempt.succeeded():
-            return result
-        result = None
-        attempt.retry()
-
-The second saves a generator on every call of a decorated function.
-``succeeded()`` is where the ranks of a distributed job agree, after every
-attempt (see :mod:`koila_retry._core.distributed`): a rank whose attempt worked
-still retries if another rank's did not, so it drops its result first.
-
-``__exit__`` only classifies the error and records the failed size: it runs while
-the exception, and through its traceback every frame and tensor of the failed
-attempt, is still alive. Memory is released in ``__next__``, after the ``with``
-statement has dropped the exception.
+Inside the ``except`` clause (or ``__exit__``) the engine only classifies the
+error and records the failed size: the exception, and through its traceback
+every frame and tensor of the failed attempt, is still alive there. Memory is
+released in :meth:`Attempt.retry`, after the handler has dropped the exception.
+When ranks agree (see :mod:`koila_retry._core.distributed`), they exchange the
+outcome of every attempt in :meth:`Attempt.succeeded`: a rank whose attempt
+worked still retries if another rank's did not, and drops its result first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
-from koila_retry._common import tracking
-from koila_retry._common.counter import Counter
 from koila_retry._common.places import where
-from koila_retry._common.units import format_bytes
+from koila_retry._common.units import format_free
 from koila_retry._core import distributed, memory
-from koila_retry._core.cache import Growth, SizeCache
+from koila_retry._core.cache import SizeCache, StackMemoryCache
 from koila_retry._core.detect import is_oom
-from koila_retry._diagnostics import report
+from koila_retry._core.policy import Policy
+from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_INITIAL", "Attempt", "Controller", "OOMEvent", "Stats", "next_batch_size"]
+__all__ = ["ROWS", "Attempt", "Controller", "Exhaustion", "Explain"]
 
-DEFAULT_INITIAL = 512
-DEFAULT_GROW_AFTER = 50
+R = TypeVar("R")
 
 logger = logging.getLogger("koila_retry")
 # torch.distributed's record of the default process group, when this torch has the layout
 # that distributed reads: whether it is None decides, on every call, that nothing agrees.
-_WORLD: Any = distributed._world if distributed._FAST else None
+_WORLD: Any = distributed.world if distributed.FAST else None
+
+#: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
+ROWS = ("row", "rows", "chunk")
 
 
 @dataclass(frozen=True)
-class OOMEvent:
-    """What an ``on_oom`` hook is told about one out-of-memory failure.
+class Exhaustion:
+    """What a call that gives up knows: the facts an :data:`Explain` turns into its message.
 
-    It never holds the exception: an exception's traceback would keep the failed
-    attempt's tensors alive.
+    Plain values only: no exception, no tensor.
 
     Attributes:
-        function (str): the qualified name of the decorated function or block.
-        batch_size (int): the size that ran out of memory.
-        next_batch_size (int or None): the size tried next, ``None`` if the call
-            gives up and raises :class:`BatchSizeExhausted`.
-        attempt (int): the number of the failed attempt within the call, from 1.
-        device (torch.device): the device the call runs on.
-        free_bytes (int): free memory on the device after releasing the failed
-            attempt's memory; ``-1`` if the device's memory cannot be read.
-        seconds (float): time spent in the failed attempt and the release.
-        where (str): the file, line and function where the error was raised:
-            the deepest frame outside koila_retry and PyTorch; for a rank that
-            retries because another rank ran out of memory, ``"rank 1"``.
-        rank (int or None): when ranks agree (see :doc:`distributed`), the
-            rank that ran out of memory, the lowest if several did; ``None``
-            in a process that agrees with no other.
-
-    .. versionadded:: 0.1.0
+        name (str): the function or block.
+        tried (tuple of int): the sizes tried, in order; the last failed last.
+        minimum (int): the policy's minimum.
+        max_attempts (int or None): the policy's bound on attempts.
+        where (str): where the last error was raised.
+        failing_rank (int or None): when ranks agree, the rank that ran out of memory.
+        rank (int or None): this process's rank, when ranks agree.
+        world_size (int or None): how many ranks agree.
+        device (torch.device): the device.
+        free_bytes (int): its free memory after the release; -1 if unknown.
+        figures (tuple or None): an ``initial="auto"`` estimate's per-sample and fixed bytes.
+        frame (FrameType or None): the engine's frame; the ones above it hold the call's objects.
     """
 
-    function: str
-    batch_size: int
-    next_batch_size: int | None
-    attempt: int
+    name: str
+    tried: tuple[int, ...]
+    minimum: int
+    max_attempts: int | None
+    where: str
+    failing_rank: int | None
+    rank: int | None
+    world_size: int | None
     device: torch.device
     free_bytes: int
-    seconds: float
-    where: str
-    rank: int | None = None
+    figures: tuple[int, int] | None
+    frame: FrameType | None
 
 
-OnOOM = Callable[[OOMEvent], object]
+#: Builds the message of :class:`BatchSizeExhausted` from what a call that gives up knows.
+Explain = Callable[[Exhaustion], str]
 
 
-class Stats:
-    """Counters of one decorated function, updated as it is called.
-
-    Attributes:
-        calls (int): calls started.
-        ooms (int): out-of-memory failures recovered from or given up on.
-        exhausted (int): calls that raised :class:`BatchSizeExhausted`.
-        batch_size (int): the size of the latest attempt.
-        seconds_lost (float): time spent in failed attempts and in releasing
-            their memory.
-
-    .. versionadded:: 0.1.0
-    """
-
-    def __init__(self, batch_size: int) -> None:
-        self._calls = Counter()
-        self._lock = threading.Lock()
-        self.batch_size = batch_size
-        self.ooms = 0
-        self.exhausted = 0
-        self.seconds_lost = 0.0
-
-    @property
-    def calls(self) -> int:
-        return self._calls.value
-
-    def record_oom(self, seconds: float, next_size: int | None) -> None:
-        """Count one out-of-memory failure and the time it cost."""
-        with self._lock:
-            self.ooms += 1
-            self.seconds_lost += seconds
-            if next_size is None:
-                self.exhausted += 1
-            else:
-                self.batch_size = next_size
-
-    def as_dict(self) -> dict[str, float]:
-        """Return the counters as a dict, the failure counters read consistently."""
-        with self._lock:
-            return {
-                "calls": self.calls,
-                "ooms": self.ooms,
-                "exhausted": self.exhausted,
-                "batch_size": self.batch_size,
-                "seconds_lost": self.seconds_lost,
-            }
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={value!r}" for name, value in self.as_dict().items())
-        return f"Stats({fields})"
+def _plain_message(exhaustion: Exhaustion) -> str:
+    tried = " -> ".join(str(size) for size in exhaustion.tried)
+    return f"{exhaustion.name}: out of memory at every batch size tried ({tried}); last raised at {exhaustion.where}."
 
 
-def next_batch_size(failed: int, minimum: int) -> int | None:
-    """Return the size to try after ``failed`` ran out of memory, or ``None``.
-
-    The next size is the largest power of two strictly below ``failed`` (500 →
-    256, 256 → 128), raised to ``minimum`` if it falls below it. ``None`` means
-    ``failed`` was already the minimum: there is nothing smaller to try.
-
-    Args:
-        failed (int): the size that ran out of memory.
-        minimum (int): the smallest size allowed.
-
-    Returns:
-        int or None: the next size, or ``None`` when the schedule is exhausted.
-    """
-    if failed <= minimum:
-        return None
-    return max(1 << ((failed - 1).bit_length() - 1), minimum)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+def _step(work: Callable[[int, int], R], begin: int, rows: int) -> R:
+    return work(begin, begin + rows)
 
 
 class Controller:
-    """The retry policy, cache and statistics of one decorated function or block.
+    """The policy, cache and statistics of one decorated function or block, and its attempt loop.
 
     Args:
         name (str): how logs, events and errors name the function.
-        initial (int or None): the first size to try when the cache knows none;
-            ``None`` lets each call bring its own: the rows it was given.
-        minimum (int): the smallest size to try.
-        cache (SizeCache): where sizes that worked are remembered.
-        max_attempts (int, optional): the most attempts one call (or one step
-            of a run of steps, such as a chunk) may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure, once its memory has been released.
-        grow (bool): whether to try the next power of two up, never above
-            ``initial``, once ``grow_after`` calls in a row succeeded at a
-            reduced size. Default: ``False``.
-        grow_after (int): successes in a row before growing; doubled each time
-            a probe at the larger size runs out of memory. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on every size; ``None`` when a process group of more than
-            one rank is initialized. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: all.
-        schedule (callable, optional): called with the size that failed, returns
-            the size to try next (at least ``minimum``, below the failed size),
-            or ``None`` to give up. Default: the largest power of two below
-            the failed size (:func:`next_batch_size`). The compatibility layers
-            use it to keep the schedules of the libraries they stand in for.
-
-    Raises:
-        TypeError: if a size is not an int, ``cache`` is not a cache, ``grow``
-            is not a bool, ``on_oom`` or ``schedule`` is not callable, ``sync``
-            is not a bool or ``None``, or ``group`` is not a process group.
-        ValueError: if a size or ``grow_after`` is below 1, or ``minimum``
-            exceeds ``initial``.
+        policy (Policy): the checked options.
+        default_cache (SizeCache, optional): the cache when the policy names
+            none. Default: a new :class:`StackMemoryCache`.
+        explain (callable, optional): builds the message of a call that gives
+            up. Default: one line with the sizes tried.
+        keep_last (bool): store the size of every success, the initial size
+            too (toma's caches do); by default only sizes below the initial
+            one are stored, since only they say something about memory.
     """
 
     def __init__(
         self,
-        *,
         name: str,
-        initial: int | None,
-        minimum: int = 1,
-        cache: SizeCache,
-        max_attempts: int | None = None,
-        on_oom: OnOOM | None = None,
-        grow: bool = False,
-        grow_after: int = DEFAULT_GROW_AFTER,
-        sync: bool | None = None,
-        group: Any = None,
-        schedule: Callable[[int], int | None] | None = None,
+        policy: Policy,
+        *,
+        default_cache: SizeCache | None = None,
+        explain: Explain | None = None,
+        keep_last: bool = False,
     ) -> None:
-        distributed.check_sync(sync)
-        distributed.check_group(group)
-        self.initial = None if initial is None else _positive_int("initial", initial)
-        self.minimum = _positive_int("minimum", minimum)
-        if initial is not None and minimum > initial:
-            raise ValueError(f"minimum ({minimum}) must not exceed initial ({initial})")
-        if max_attempts is not None:
-            _positive_int("max_attempts", max_attempts)
-        if not isinstance(cache, SizeCache):
-            raise TypeError(
-                "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or "
-                f"another SizeCache), got {type(cache).__name__}"
-            )
-        if on_oom is not None and not callable(on_oom):
-            raise TypeError(f"on_oom must be callable, got {type(on_oom).__name__} {on_oom!r}")
-        if not isinstance(grow, bool):
-            raise TypeError(f"grow must be a bool, got {type(grow).__name__} {grow!r}")
-        if schedule is not None and not callable(schedule):
-            raise TypeError(f"schedule must be callable, got {type(schedule).__name__} {schedule!r}")
-        self.schedule = schedule
-        self.grow_after = _positive_int("grow_after", grow_after)
-        self.grow = grow
         self.name = name
-        self.max_attempts = max_attempts
-        self.cache = cache
-        self.on_oom = on_oom
-        self.stats = Stats(batch_size=0 if initial is None else initial)
-        self._count_call = self.stats._calls.increment
-        self.sync = sync
-        self.group = group
+        self.policy = policy
+        self.initial = policy.initial
+        self.minimum = policy.minimum
+        self.grow = policy.grow
+        self.sync = policy.sync
+        if policy.cache is not None:
+            default_cache = policy.cache
+        self.cache: SizeCache = StackMemoryCache() if default_cache is None else default_cache
+        self.explain = explain or _plain_message
+        self.keep_last = keep_last
+        self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
+        self._count_call = self.stats.calls_counter.increment
         self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
 
     @property
@@ -280,8 +163,12 @@ class Controller:
         rows: int = 0,
         first: Callable[[], int] | None = None,
         span: int | None = None,
+        roots: Iterable[Any] = (),
     ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
+
+        When ranks agree, they agree here on the starting size, and the call's
+        modules are looked at (see :meth:`reach`).
 
         Args:
             function (object): what the cache key names (a function or a
@@ -290,24 +177,51 @@ class Controller:
             device (torch.device): the device the call runs on.
             sample (Hashable, optional): the shape of one input sample, for the key.
             rows (int): the rows the call was given; its first size when the
-                controller has no ``initial``.
+                policy has no ``initial``.
             first (callable, optional): asked for the first size when the cache
                 knows none (an estimate's suggestion); kept within
                 ``[minimum, initial]``.
             span (int, optional): the rows or indices a run of steps covers;
                 ranks that agree must have the same.
+            roots (iterable): what the call reaches (the function, its
+                arguments), looked at only when ranks agree.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
 
         Raises:
             ValueError: if ranks agree and their spans differ.
+            NotImplementedError: if ranks agree and the call reaches an FSDP
+                or tensor-parallel module.
         """
         sync = self.sync
         if sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None):
             agreement = None  # the usual case, decided without a call: it costs every call
         else:
-            agreement = distributed.agreement(sync, self.group)
+            agreement = distributed.agreement(sync, self.policy.group)
+        key, size, cached, initial = self._look_up(function, caller, device, sample, rows, first)
+        attempt = Attempt(self, key, size, cached, device, initial, agreement)
+        if first is not None:
+            attempt._estimated = getattr(first, "figures", None)
+        if agreement is not None:
+            self.reach(roots)
+            if self.grow:
+                attempt._grow()
+            return attempt._agree_on_start(span)
+        if self.grow:
+            return attempt._grow()
+        return attempt
+
+    def _look_up(
+        self,
+        function: object,
+        caller: FrameType | None,
+        device: torch.device,
+        sample: Hashable,
+        rows: int,
+        first: Callable[[], int] | None,
+    ) -> tuple[Hashable | None, int, int, int]:
+        """Count a call and find its key, its first size, what the cache holds for it, and its ceiling."""
         cache = self.cache
         # Without a sample, the three-argument call that caches written before ``sample`` expect.
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
@@ -319,31 +233,224 @@ class Controller:
             initial = max(rows, self.minimum) if cached is None else max(rows, cached, self.minimum)
         if cached is None:
             # Nothing stored: a success at ``initial`` has nothing to store either (see
-            # Attempt._remember), so the attempt is told that it is already there.
+            # Attempt._succeed), so the attempt is told that it is already there.
             size = cached = initial
+            if self.keep_last:
+                cached = 0  # except for a cache that keeps every success: it stores this one
             if first is not None:
                 size = min(max(first(), self.minimum), initial)
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()
-        attempt = Attempt(self, key, size, cached, device, initial, agreement)
-        if first is not None:
-            attempt._estimated = getattr(first, "figures", None)
-        if agreement is not None:
-            if self.grow:
-                attempt._grow()
-            return attempt._agree_on_start(span)
-        if self.grow:
-            return attempt._grow()
         self.stats.batch_size = size
-        return attempt
+        return key, size, cached, initial
+
+    def call(
+        self,
+        function: object,
+        caller: FrameType | None,
+        device: torch.device,
+        work: Callable[[int], R],
+        roots: Iterable[Any] = (),
+        rows: int = 0,
+    ) -> R:
+        """Run one call of ``work(size)``: :meth:`start`, then :meth:`run`.
+
+        The common case, where no rank agrees, nothing grows and the first size
+        is the one stored, runs its first attempt without making an
+        :class:`Attempt`, which is made only if that attempt fails; the loop of
+        :meth:`run` then takes over. This is the whole cost of a decorated
+        function's call when nothing fails.
+
+        Args:
+            function (object): what the cache key names.
+            caller (FrameType or None): the frame that made the call.
+            device (torch.device): the device the call runs on.
+            work (callable): runs one attempt at the size it is given.
+            roots (iterable): what the call reaches, looked at when ranks agree.
+            rows (int): the call's own first size, when the policy has no ``initial``.
+
+        Returns:
+            What the attempt that succeeded returned.
+
+        Raises:
+            BatchSizeExhausted: if the smallest size runs out of memory too.
+        """
+        sync = self.sync
+        if self.grow or not (sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None)):
+            return self.run(self.start(function, caller, device, rows=rows, roots=roots), work)
+        key, size, cached, initial = self._look_up(function, caller, device, None, rows, None)
+        if cached != size:  # a success would store its size: the attempt keeps track
+            return self.run(Attempt(self, key, size, cached, device, initial), work)
+        started = time.perf_counter()
+        try:
+            return work(size)
+        except BaseException as exc:
+            attempt = Attempt(self, key, size, cached, device, initial)
+            attempt._started = started
+            if not attempt._record(exc):
+                raise
+        attempt.retry()  # outside the handler: the failed frames are gone
+        return self.run(attempt, work)
+
+    def run(
+        self,
+        attempt: Attempt,
+        work: Callable[[int], R],
+        *,
+        rows: int | None = None,
+        vote: Callable[[], bool] | None = None,
+        undo: Callable[[], None] | None = None,
+    ) -> R:
+        """Run ``work(size)`` at the attempt's size until it succeeds; return its result.
+
+        The attempt loop: each out-of-memory error is recorded inside the
+        handler, and outside it the failed attempt's memory is released and the
+        next size tried (:meth:`Attempt.retry`), or the call gives up. Any other
+        error propagates untouched.
+
+        Args:
+            attempt (Attempt): from :meth:`start`.
+            work (callable): runs one attempt at the size it is given.
+            rows (int, optional): the most rows an attempt can use; a larger
+                size runs them as a short step (see :meth:`Attempt.narrow`).
+            vote (callable, optional): asked after each attempt, when ranks
+                agree; whether every rank said yes is then in
+                ``attempt.unanimous``.
+            undo (callable, optional): called after an attempt that failed (on
+                any rank), before its memory is released.
+
+        Returns:
+            What the attempt that succeeded returned.
+
+        Raises:
+            BatchSizeExhausted: if the smallest size runs out of memory too.
+        """
+        while True:
+            size = attempt.batch_size
+            if rows is not None and rows < size:
+                attempt.narrow(rows)
+                size = rows
+            attempt._started = time.perf_counter()
+            try:
+                result = work(size)
+            except BaseException as exc:
+                if not attempt._record(exc):
+                    raise
+            else:
+                if attempt._agreement is None:
+                    attempt._succeed()
+                    return result
+                attempt._state = _PENDING
+            # Outside the handler: the exception and the failed frames are gone.
+            if attempt.succeeded(True if vote is None else vote()):
+                return result
+            result = cast(R, None)  # this rank's result of an attempt another rank failed
+            if undo is not None:
+                undo()
+            attempt.retry()
+
+    async def run_async(self, attempt: Attempt, work: Callable[[int], Awaitable[R]]) -> R:
+        """Await ``work(size)`` until an attempt succeeds: :meth:`run` for coroutines.
+
+        Args:
+            attempt (Attempt): from :meth:`start`.
+            work (callable): returns the awaitable of one attempt at the size it is given.
+
+        Returns:
+            What the attempt that succeeded returned.
+
+        Raises:
+            BatchSizeExhausted: if the smallest size runs out of memory too.
+        """
+        while True:
+            attempt._started = time.perf_counter()
+            try:
+                result = await work(attempt.batch_size)
+            except BaseException as exc:
+                if not attempt._record(exc):
+                    raise
+            else:
+                if attempt._agreement is None:
+                    attempt._succeed()
+                    return result
+                attempt._state = _PENDING
+            if attempt.succeeded():
+                return result
+            result = cast(R, None)
+            attempt.retry()
+
+    def cover(
+        self,
+        attempt: Attempt | None,
+        start: int,
+        stop: int,
+        work: Callable[[int, int], R],
+        keep: Callable[[int, int, R], None],
+        *,
+        progress: Callable[..., Any] | None = None,
+        unit: tuple[str, str, str] = ROWS,
+    ) -> None:
+        """Run ``work(begin, end)`` over ``[start, stop)`` in steps, each retried alone.
+
+        A step that runs out of memory is run again from its own first row at
+        the next size; finished steps are kept, never run again. Each step's
+        result goes to ``keep(begin, end, result)`` once it succeeded (on every
+        rank, when ranks agree).
+
+        Args:
+            attempt (Attempt or None): from :meth:`start`; ``None`` when there
+                is nothing to cover (``start == stop``): the call still takes
+                part in the ranks' check that they cover as much.
+            start (int): the first row or index.
+            stop (int): one past the last.
+            work (callable): runs one step over ``[begin, end)``.
+            keep (callable): takes a finished step's result.
+            progress (callable, optional): makes a tqdm progress bar.
+            unit (tuple of str): what is covered, in the singular and plural,
+                and what a step of it is called.
+
+        Raises:
+            BatchSizeExhausted: if a step runs out of memory at the smallest
+                size; a note says how much was finished before it.
+        """
+        if attempt is None:
+            self.agree_on_nothing()
+            return
+        bar = None if progress is None else progress(total=stop - start, unit=unit[0], desc=self.name)
+        begin = start
+        try:
+            while begin < stop:
+                result = self.run(attempt, functools.partial(_step, work, begin), rows=stop - begin)
+                rows = min(attempt.batch_size, stop - begin)
+                keep(begin, begin + rows, result)
+                del result
+                begin += rows
+                if bar is not None:
+                    bar.set_postfix({unit[2]: attempt.batch_size}, refresh=False)
+                    bar.update(rows)
+                if begin < stop:
+                    attempt.next_step()
+        except BatchSizeExhausted as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"{begin - start} of {stop - start} {unit[1]} were finished before it gave up.")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def agree_on_nothing(self) -> None:
+        """Take part, with nothing to cover, in the ranks' check that they cover as much."""
+        if self.sync is not False:
+            agreement = distributed.agreement(self.sync, self.policy.group)
+            if agreement is not None:
+                agreement.start(0, span=0)
 
     def reach(self, roots: Iterable[Any]) -> None:
         """Look, once, at the modules a call that agrees across ranks reaches from ``roots``.
 
-        Front ends call it after :meth:`start` when the attempt agrees, before
-        the first attempt: every rank does, so an error here is raised on every
-        rank at once.
+        Every rank does, before the first attempt, so an error here is raised
+        on every rank at once.
 
         Args:
             roots (iterable): the function, its arguments and what else the call reaches.
@@ -356,33 +463,15 @@ class Controller:
 
     def next_size(self, failed: int, attempt: int) -> int | None:
         """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
-        if self.max_attempts is not None and attempt >= self.max_attempts:
-            return None
-        if self.schedule is None:
-            return next_batch_size(failed, self.minimum)
-        if failed <= self.minimum:
-            return None
-        size = self.schedule(failed)
-        if size is None:
-            return None
-        if isinstance(size, bool) or not isinstance(size, int) or not self.minimum <= size < failed:
-            # An endless loop (a size that does not shrink) or a size no call can use.
-            raise ValueError(
-                f"{self.name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
-                f"it must return an int from {self.minimum} (the minimum) to {failed - 1}, or None to give up"
-            )
-        return size
+        return self.policy.next_size(failed, attempt, self.name)
 
     def grown(self, key: Hashable, size: int, initial: int) -> int:
         """Return the size to start a call or step at: ``size``, or the probe above it when due."""
         if size >= initial:
             return size
-        with self.cache._lock:
-            growth = self.cache._growth.get(key)
-            if growth is None or growth.streak < growth.wait:
-                return size
-            growth.streak = 0
-            wait = growth.wait
+        wait = self.cache.growth.due(key)
+        if wait is None:
+            return size
         probe = 1 << size.bit_length()
         if self.initial is not None:
             probe = min(probe, initial)
@@ -390,35 +479,6 @@ class Controller:
         # them as a short step, which proves nothing about the probe (and lifts nothing).
         logger.info("%s: succeeded %d times in a row at batch size %d; trying %d", self.name, wait, size, probe)
         return probe
-
-    def succeeded(self, key: Hashable, size: int, initial: int, *, probe: bool) -> None:
-        """Count a success at ``size`` towards growing back; a probe that fits resets the wait."""
-        with self.cache._lock:
-            if size >= initial:
-                self.cache._growth.pop(key, None)
-                return
-            growth = self.cache._growth.get(key)
-            if growth is None:
-                growth = self.cache._growth[key] = Growth(self.grow_after)
-            elif probe:
-                growth.wait, growth.streak = self.grow_after, 0
-            growth.streak += 1
-
-    def failed(self, key: Hashable, *, probe: bool) -> None:
-        """Restart the count towards growing; after a failed probe, wait twice as long."""
-        with self.cache._lock:
-            growth = self.cache._growth.get(key)
-            if growth is not None:
-                if probe:
-                    growth.wait *= 2
-                growth.streak = 0
-
-    def inconclusive(self, key: Hashable) -> None:
-        """Undo a probe that ran on too few rows to prove the size: probe again next time."""
-        with self.cache._lock:
-            growth = self.cache._growth.get(key)
-            if growth is not None:
-                growth.streak = growth.wait
 
 
 # _PENDING: the body succeeded here, and the ranks have yet to agree that it did everywhere.
@@ -494,7 +554,17 @@ class Attempt:
         while not self.succeeded():
             yield self.retry()
 
+    @property
+    def agrees(self) -> bool:
+        """Whether the ranks of a distributed job agree on this call's sizes."""
+        return self._agreement is not None
+
     def __enter__(self) -> Attempt:
+        if self._state == _RUNNING:
+            raise RuntimeError(
+                f"{self._controller.name}: `with attempt:` is already running this attempt; an attempt's body "
+                "runs in one `with` block at a time"
+            )
         self._state = _RUNNING
         self._started = time.perf_counter()
         return self
@@ -508,11 +578,18 @@ class Attempt:
             else:
                 self._succeed()
             return False
+        return self._record(exc)
+
+    def _record(self, exc: BaseException) -> bool:
+        """Record a failed attempt's error; return whether it was out of memory (and is swallowed).
+
+        Called while the exception is being handled: it records plain values
+        only and releases nothing.
+        """
         if not is_oom(exc):
             self._state = _READY  # the error propagates untouched and ends the run
             return False
-        # Still inside exception handling: record plain values only, release nothing.
-        failure = self._fail(where(tb))
+        failure = self._fail(where(exc.__traceback__))
         if failure.next_size is None:
             failure.final_oom = _detached(exc)
         return True
@@ -520,15 +597,21 @@ class Attempt:
     def _succeed(self) -> None:
         self._state = _SUCCEEDED
         controller = self._controller
-        if self._rows is None:
+        # A cache that keeps every success keeps the size of a short last step too, as toma's do.
+        if self._rows is None or controller.keep_last:
             if self._key is not None and self._cached != self.batch_size:
                 self._remember(controller)
             if controller.grow:
-                controller.succeeded(self._key, self.batch_size, self._initial, probe=self._probe_from is not None)
+                controller.cache.growth.succeeded(
+                    self._key,
+                    reduced=self.batch_size < self._initial,
+                    wait=controller.policy.grow_after,
+                    probe=self._probe_from is not None,
+                )
         elif self._probe_from is not None:
             # A short last step proves nothing about its full size: neither store it
             # nor take it as a probe that fitted.
-            controller.inconclusive(self._key)
+            controller.cache.growth.inconclusive(self._key)
 
     def _fail(self, where: str) -> _Failure:
         """Record that the current attempt failed at ``where``, and the size to try next."""
@@ -623,7 +706,7 @@ class Attempt:
         failure.tried.append(failed)
         controller.stats.record_oom(failure.seconds, next_size)
         if controller.grow:
-            controller.failed(self._key, probe=failure.probe)
+            controller.cache.growth.failed(self._key, probe=failure.probe)
         event = OOMEvent(
             function=controller.name,
             batch_size=failed,
@@ -645,11 +728,11 @@ class Attempt:
                 failed,
                 failure.where,
                 next_size,
-                _free_text(free),
+                format_free(free),
                 self._device,
             )
-        if controller.on_oom is not None:
-            controller.on_oom(event)
+        if controller.policy.on_oom is not None:
+            controller.policy.on_oom(event)
         if next_size is None:
             cause, failure.final_oom = failure.final_oom, None
             raise BatchSizeExhausted(
@@ -666,7 +749,7 @@ class Attempt:
         # for more (a larger ``initial`` at the same call site, or in the next run with
         # a DiskCache). Reaching ``initial`` again lifts the limit that was stored.
         size = self.batch_size
-        if size < self._initial:
+        if size < self._initial or controller.keep_last:
             controller.cache[self._key] = size
         elif self._cached < size:  # not a larger size, stored by a wrapper with a larger initial
             controller.cache.pop(self._key, None)
@@ -731,42 +814,25 @@ class Attempt:
         return self
 
     def _exhausted_message(self, failure: _Failure, free: int) -> str:
-        controller, failed = self._controller, self.batch_size
-        tried = " -> ".join(str(size) for size in failure.tried)
-        if failed > controller.minimum:
-            reason = f"gave up after max_attempts={controller.max_attempts} attempts"
-        elif failed == controller.minimum:
-            reason = f"batch size {failed} is the minimum"
-        else:  # a short last chunk, already below the minimum
-            reason = f"nothing below batch size {failed} is allowed (minimum={controller.minimum})"
-        agreement = self._agreement
-        if agreement is not None and failure.rank is not None and failure.rank != agreement.rank:
-            last = f"Rank {failure.rank} of {agreement.world_size} ran out of memory, and every rank gives up with it."
-        else:
-            last = f"The last error was raised at {failure.where}."
-        return (
-            f"{controller.name}: out of memory at every batch size tried ({tried}); {reason}. "
-            f"{last} {_memory_summary(self._device, free)}{self._explanation()}"
-        )
-
-    def _explanation(self) -> str:
-        """Say what holds the memory and what one sample needs; paid for only when a call gives up."""
-        parts = []
-        try:
-            # Frames up from retry()'s caller (past this method and _exhausted_message) hold the call's model.
-            held = report.explain(self._device, sys._getframe(3))
-        except Exception:  # a diagnosis must never hide the error it explains
-            held = ""
-        if held:
-            parts.append(held)
+        controller, agreement = self._controller, self._agreement
         figures = self._estimated() if self._estimated is not None else None
-        if figures is not None:
-            per_sample, fixed = figures
-            parts.append(
-                f"The estimate (initial='auto') puts one sample at {format_bytes(per_sample)} on top of "
-                f"{format_bytes(fixed)} that do not depend on the batch size."
+        return controller.explain(
+            Exhaustion(
+                name=controller.name,
+                tried=tuple(failure.tried),
+                minimum=controller.minimum,
+                max_attempts=controller.policy.max_attempts,
+                where=failure.where,
+                failing_rank=failure.rank,
+                rank=None if agreement is None else agreement.rank,
+                world_size=None if agreement is None else agreement.world_size,
+                device=self._device,
+                free_bytes=free,
+                figures=figures,
+                # retry()'s caller: the frames above it hold the call's model.
+                frame=sys._getframe(2),
             )
-        return "".join(f" {part}" for part in parts)
+        )
 
 
 class _Failure:
@@ -786,25 +852,6 @@ class _Failure:
         self.next_size: int | None = None
         self.final_oom: BaseException | None = None
         self.tried: list[int] = []
-
-
-def _free_text(free: int) -> str:
-    return "unknown memory" if free < 0 else format_bytes(free)
-
-
-def _memory_summary(device: torch.device, free: int) -> str:
-    parts = [f"{_free_text(free)} free on {device}"]
-    simulated = tracking.simulated.free()
-    if simulated is not None:
-        parts.append("(a simulated device)")
-    elif memory.on_accelerator(device):
-        allocated = torch.accelerator.memory_allocated(device)
-        reserved = torch.accelerator.memory_reserved(device)
-        parts.append(
-            f"with {format_bytes(allocated)} allocated by tensors and {format_bytes(reserved)} "
-            "reserved by PyTorch's caching allocator"
-        )
-    return " ".join(parts) + "."
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -32,11 +32,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from koila_retry._common.tensors import same_device, tensors_in
 from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes
+from koila_retry._common.walk import call_references, reachable
 from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._diagnostics.table import html_table, text_table
-from koila_retry._estimation.estimate import _META, _global_names, _Owned, _Recorder, _same_device, _tensors, reachable
+from koila_retry._estimation.estimate import META, Owned, Recorder
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
 
@@ -215,7 +217,7 @@ class _Scope:
         self.high = start
 
 
-class _Counter(_Recorder):  # type: ignore[no-untyped-call]
+class _Counter(Recorder):  # type: ignore[no-untyped-call]
     """Count the bytes of storages alive on one device, for the scopes open now.
 
     The real run and the run on meta tensors share this class; they differ only
@@ -242,15 +244,15 @@ class _Counter(_Recorder):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         # A result sharing an input's storage (a view, an in-place result) allocated nothing.
         seen: set[int] | None = None
-        for tensor in _tensors(out):
-            if not _same_device(tensor.device, self.device):
+        for tensor in tensors_in(out):
+            if not same_device(tensor.device, self.device):
                 continue
             storage = _storage(tensor)
             if storage is None or id(storage) in self._storages:
                 continue
             key = id(storage)
             if seen is None:
-                seen = {id(found) for found in map(_storage, _tensors([args, kwargs or {}])) if found is not None}
+                seen = {id(found) for found in map(_storage, tensors_in([args, kwargs or {}])) if found is not None}
             if key not in seen:
                 seen.add(key)
                 self._add(storage)
@@ -269,7 +271,7 @@ class _Counter(_Recorder):  # type: ignore[no-untyped-call]
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of tensors made before the call, once each."""
         for tensor in tensors:
-            if not self.fake and not _same_device(tensor.device, self.device):
+            if not self.fake and not same_device(tensor.device, self.device):
                 continue
             storage = _storage(tensor)
             if storage is not None and id(storage) not in self._storages:
@@ -408,23 +410,16 @@ class _Names:
 def _bindings(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:
     """Return the names the call's own code gives the objects it holds directly, by their id."""
     names: dict[int, str] = {}
-    target: Any = fn.func if isinstance(fn, functools.partial) else fn
-    owner = getattr(target, "__self__", None)
-    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-        for name, value in vars(owner).items():
-            names.setdefault(id(value), name)
-        for name, value in getattr(owner, "_modules", {}).items():
-            names.setdefault(id(value), name)
-    target = getattr(target, "__func__", target)
-    if isinstance(target, types.FunctionType):
-        for name, cell in zip(target.__code__.co_freevars, target.__closure__ or (), strict=False):
-            try:
-                names.setdefault(id(cell.cell_contents), name)
-            except ValueError:  # an empty cell
-                continue
-        for name in sorted(_global_names(target.__code__)):
-            if name in target.__globals__:
-                names.setdefault(id(target.__globals__[name]), name)
+    for label, value in call_references(fn, args, kwargs):
+        if label == "self":
+            if isinstance(getattr(value, "__dict__", None), dict):
+                for name, attribute in vars(value).items():
+                    names.setdefault(id(attribute), name)
+                for name, module in getattr(value, "_modules", {}).items():
+                    names.setdefault(id(module), name)
+        elif label.startswith("'"):
+            # A variable it closes over or a global it names, labelled by the repr of its name (an identifier).
+            names.setdefault(id(value), label[1:-1])
     try:
         bound = inspect.signature(fn).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
@@ -681,7 +676,7 @@ def _watched(fn: Callable[..., Any], watch: Any) -> frozenset[types.CodeType]:
 # --- the run -------------------------------------------------------------------------
 
 
-def _default_device(args: tuple[Any, ...], kwargs: dict[str, Any], owned: _Owned) -> torch.device:
+def _default_device(args: tuple[Any, ...], kwargs: dict[str, Any], owned: Owned) -> torch.device:
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
@@ -702,12 +697,12 @@ def _remade_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         if storage is not None:
             shared = storages.get(id(storage))
             if shared is None:
-                shared = torch.UntypedStorage(storage.nbytes(), device=_META)  # type: ignore[no-untyped-call]
+                shared = torch.UntypedStorage(storage.nbytes(), device=META)  # type: ignore[no-untyped-call]
                 storages[id(storage)] = shared
-            meta = torch.empty(0, dtype=leaf.dtype, device=_META)
+            meta = torch.empty(0, dtype=leaf.dtype, device=META)
             meta.set_(shared, leaf.storage_offset(), leaf.size(), leaf.stride())
         else:
-            meta = torch.empty_like(leaf, device=_META)
+            meta = torch.empty_like(leaf, device=META)
         leaves[index] = meta.requires_grad_(leaf.requires_grad)
     remade_args, remade_kwargs = tree_unflatten(leaves, spec)
     return remade_args, remade_kwargs
@@ -762,7 +757,7 @@ def _run(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    owned: _Owned,
+    owned: Owned,
     counter: _Counter,
     attach: Callable[[], list[RemovableHandle]],
     tracer: Callable[..., Any] | None,
@@ -778,7 +773,7 @@ def _run(
     meta_args, meta_kwargs = _remade_on_meta(args, kwargs)
     rng = torch.get_rng_state()
     undo: Callable[[], None] | None = None
-    with _META, counter:
+    with META, counter:
         try:
             undo = owned.lend(counter)
             counter.adopt(_argument_tensors(meta_args, meta_kwargs))
@@ -904,7 +899,7 @@ def profile(
     codes = _watched(fn, watch) if by == "line" else frozenset()
     # Dispatch modes import torch._dynamo the first time they run, making tensors of its own: not the call's.
     importlib.import_module("torch._dynamo")
-    owned = _Owned((fn, args, kwargs))
+    owned = Owned((fn, args, kwargs))
     target = resolve_device(device) if device is not None else _default_device(args, kwargs, owned)
     counter = _Counter(target, fake)
     modules: _ModuleProfiler | None = None

@@ -5,19 +5,19 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from koila_retry._common import tracking
 from koila_retry._common.places import is_ours
+from koila_retry._common.tensors import same_device
 from koila_retry._common.units import format_bytes
-from koila_retry._common.walk import frame_locals
+from koila_retry._common.walk import frame_locals, reachable
 from koila_retry._core import memory
 from koila_retry._core.memory import DeviceLike
 from koila_retry._diagnostics.table import html_table, text_table
-from koila_retry._estimation.estimate import _same_device, reachable
 
 # When one storage has names of several kinds, the row shows the first kind here.
 _KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor")
@@ -372,7 +372,7 @@ class _Found:
         # Fake tensors hold no memory; torch.compile leaves some behind, with symbolic sizes.
         if issubclass(type(tensor), FakeTensor):
             return None
-        if not _same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
+        if not same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
             return None
         try:
             storage = tensor.untyped_storage()
@@ -462,6 +462,23 @@ def _describe(tensor: torch.Tensor) -> str:
 # --- the report in BatchSizeExhausted's message ----------------------------------------
 
 
+@runtime_checkable
+class HoldsGradients(Protocol):
+    """What holds the gradients a step in progress set aside (``koila.accumulate``'s, while it runs one).
+
+    A protocol, so that the report names them without importing the front end that
+    sets them aside (which imports the engine, which imports the report).
+    """
+
+    def gradients_aside(self) -> dict[int, torch.Tensor]:
+        """Return the gradients set aside, by the ``id`` of the parameter (or other leaf) they belong to.
+
+        Returns:
+            dict[int, torch.Tensor]: each gradient, keyed by ``id()`` of its parameter.
+        """
+        ...
+
+
 def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     """Return the largest storages on ``device``, named from what the failing call's frames hold.
 
@@ -480,16 +497,15 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     """
     modules: dict[int, tuple[str, torch.nn.Module]] = {}
     optimizers: dict[int, tuple[str, torch.optim.Optimizer]] = {}
-    from koila_retry._frontends.accumulate import (
-        gradients_aside,  # imported here: it imports the engine, which imports this
-    )
-
     roots: list[Any] = []
     variables: list[tuple[str, torch.Tensor]] = []
     aside: dict[int, torch.Tensor] = {}
     while frame is not None:
         for name, value in frame_locals(frame):
-            aside.update(gradients_aside(value))
+            if isinstance(value, HoldsGradients):
+                held = value.gradients_aside()
+                if isinstance(held, dict):  # a mock, say, claims to have every method
+                    aside.update(held)
             if isinstance(value, torch.Tensor):
                 variables.append((name, value))
             elif isinstance(value, torch.nn.Module):

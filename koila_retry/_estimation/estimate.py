@@ -19,11 +19,10 @@ import math
 import sys
 import threading
 import time
-import types
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -33,8 +32,10 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.tensors import same_device, tensors_in
 from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes, parse_bytes
+from koila_retry._common.walk import reachable
 from koila_retry._core.memory import DeviceLike, free_memory, resolve_device
 from koila_retry._estimation.workspace import onednn_convolution_workspace
 from koila_retry.exceptions import BatchSizeExhausted
@@ -445,7 +446,7 @@ def estimate(
     batch = _Batch(args, kwargs, dim)
     chosen = _sizes(sizes)
     target = resolve_device(device) if device is not None else batch.device
-    owned = _Owned((fn, args, kwargs))
+    owned = Owned((fn, args, kwargs))
     round_bytes = _cuda_rounding if target.type == "cuda" else None
     # cuDNN's workspaces on CUDA are not modelled (the margin is for them); oneDNN's are.
     workspace = onednn_convolution_workspace if target.type == "cpu" else None
@@ -584,7 +585,7 @@ class _Batch:
             tensor = leaves[position]
             shape = list(tensor.shape)
             shape[self.dim] = batch_size
-            leaves[position] = torch.empty(shape, dtype=tensor.dtype, device=_META, requires_grad=tensor.requires_grad)
+            leaves[position] = torch.empty(shape, dtype=tensor.dtype, device=META, requires_grad=tensor.requires_grad)
         args, kwargs = tree_unflatten(leaves, self.spec)
         return args, kwargs
 
@@ -628,7 +629,7 @@ def _cuda_rounding(nbytes: int) -> int:
 # --- what the call owns ------------------------------------------------------------
 
 
-class _Owned:
+class Owned:
     """The modules, optimizers and other training state a call can reach, and how to lend them meta tensors."""
 
     def __init__(self, roots: Iterable[Any]) -> None:
@@ -671,14 +672,14 @@ class _Owned:
         seen: set[int] = set()
         total = 0
         for _, tensor in self.tensors():
-            if _same_device(tensor.device, device) and tensor.layout == torch.strided:
+            if same_device(tensor.device, device) and tensor.layout == torch.strided:
                 storage = tensor.untyped_storage()
                 if id(storage) not in seen:
                     seen.add(id(storage))
                     total += round_bytes(storage.nbytes()) if round_bytes else storage.nbytes()
         return total
 
-    def lend(self, recorder: _Recorder) -> Callable[[], None]:
+    def lend(self, recorder: Recorder) -> Callable[[], None]:
         """Point every module and optimizer at meta copies of its tensors; return what undoes it.
 
         Must run under ``recorder``, which counts the copies.
@@ -690,7 +691,7 @@ class _Owned:
             fake = fakes.get(id(tensor))
             if fake is None:
                 recorder.category = category
-                fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=_META)
+                fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
                 if isinstance(tensor, torch.nn.Parameter):
                     fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
                 elif tensor.requires_grad:
@@ -745,12 +746,6 @@ class _Owned:
                 yield category, tensor
 
 
-def _same_device(device: torch.device, target: torch.device) -> bool:
-    if device.type != target.type:
-        return False
-    return device.index is None or target.index is None or device.index == target.index
-
-
 def _restorer(owner: Any) -> Callable[[], None]:
     """Snapshot an object's attributes (and its parameter and buffer tables); return what restores them."""
     saved = dict(vars(owner))
@@ -773,76 +768,10 @@ def _undo(undo: list[Callable[[], None]]) -> None:
         step()
 
 
-def reachable(roots: Iterable[Any]) -> Iterator[Any]:
-    """Yield the modules, optimizers and other stateful objects reachable from ``roots``."""
-    seen: set[int] = set()
-    stack: list[tuple[Any, int]] = [(root, 0) for root in roots]
-    while stack:
-        value, depth = stack.pop()
-        if id(value) in seen or depth > 6:
-            continue
-        seen.add(id(value))
-        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
-            yield value
-            continue
-        if _stateful(value):
-            yield value  # a learning-rate scheduler or a gradient scaler, say; its optimizer is reached through it
-        stack.extend((child, depth + 1) for child in _children(value))
-
-
-def _stateful(value: object) -> bool:
-    """Return whether ``value`` keeps training state of its own (it saves and loads a ``state_dict``)."""
-    return (
-        not isinstance(value, type)
-        and callable(getattr(value, "state_dict", None))
-        and callable(getattr(value, "load_state_dict", None))
-        and isinstance(getattr(value, "__dict__", None), dict)
-    )
-
-
-_LEAVES = (types.ModuleType, type, torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype)
-
-
-def _children(value: Any) -> list[Any]:
-    if isinstance(value, _LEAVES):
-        return []
-    if isinstance(value, types.MethodType):
-        return [value.__self__, value.__func__]
-    if isinstance(value, types.FunctionType):
-        children: list[Any] = list(value.__defaults__ or ()) + list((value.__kwdefaults__ or {}).values())
-        for cell in value.__closure__ or ():
-            try:
-                children.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        names = value.__globals__
-        children += [names[name] for name in _global_names(value.__code__) if name in names]
-        return children
-    if isinstance(value, functools.partial):
-        return [value.func, *value.args, *value.keywords.values()]
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return list(value)[:1000]
-    if isinstance(value, Mapping):
-        return list(value.values())[:1000]
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        call = vars(type(value)).get("__call__")  # a callable object's own code names globals too
-        return [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
-    return []
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= _global_names(constant)
-    return names
-
-
 # --- one run on meta tensors ------------------------------------------------------
 
 
-class _Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
+class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
     """Count live storages, by phase and category, with the peaks of each phase and module.
 
     Every storage made is logged with the event clock at which it was made and
@@ -877,17 +806,17 @@ class _Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             return self._placeholder(args[0].dtype)
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if device is not None and device != _META:
+        if device is not None and device != META:
             # A tensor asked for on another device (x.to("cuda"), .cpu(), device="cpu")
             # is made on the meta device too: everything stays shapes without data.
-            kwargs = {**kwargs, "device": _META}
+            kwargs = {**kwargs, "device": META}
         seen: set[int] = set()
         args = _on_meta(args, seen, func)
         if kwargs:
             kwargs = _on_meta(kwargs, seen, func)
         out = func(*args, **kwargs)
         fresh = False
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             storage = tensor.untyped_storage()
             key = id(storage)
             if key not in seen and key not in self._storages:
@@ -992,21 +921,7 @@ class _Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         return moments
 
 
-_META = torch.device("meta")
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """Yield the tensors of an operator's arguments or result (flat, or in lists and tuples)."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for item in tree:
-            if isinstance(item, torch.Tensor):
-                yield item
-            elif isinstance(item, (tuple, list)):
-                yield from _tensors(item)
-    elif isinstance(tree, dict):
-        yield from _tensors(list(tree.values()))
+META = torch.device("meta")
 
 
 def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
@@ -1028,7 +943,7 @@ def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
                 "argument, in its closure, in a global it names, or bound as self), so autograd would write to "
                 "it. Pass that module, or a function that closes over it"
             )
-        copy = torch.empty_strided(tree.size(), tree.stride(), dtype=tree.dtype, device=_META)
+        copy = torch.empty_strided(tree.size(), tree.stride(), dtype=tree.dtype, device=META)
         seen.add(id(copy.untyped_storage()))
         return copy
     if isinstance(tree, (tuple, list)):
@@ -1041,16 +956,16 @@ def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
 def _run(
     fn: Callable[..., Any],
     batch: _Batch,
-    owned: _Owned,
+    owned: Owned,
     batch_size: int,
     round_bytes: Callable[[int], int] | None,
     workspace: Workspace | None,
 ) -> _Run:
-    recorder = _Recorder(round_bytes, workspace)
+    recorder = Recorder(round_bytes, workspace)
     rng = torch.get_rng_state()
     handles: list[Any] = []
     undo: Callable[[], None] | None = None
-    with _META, recorder:
+    with META, recorder:
         try:
             undo = owned.lend(recorder)
             recorder.category = "inputs"

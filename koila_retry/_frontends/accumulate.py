@@ -16,19 +16,25 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
-from koila_retry._core.cache import SizeCache, StackMemoryCache, function_identity
+from koila_retry._common.tensors import TensorBase
+from koila_retry._common.walk import call_references
+from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules
-from koila_retry._core.engine import DEFAULT_GROW_AFTER, Controller, OnOOM
-from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._core.engine import Controller
+from koila_retry._core.policy import Options, Policy
+from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends.batch import Batched, _TensorBase, _with_controller
-from koila_retry._frontends.chunked import _Split
+from koila_retry._frontends.arguments import Split
+from koila_retry._frontends.batch import Batched, with_controller
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["accumulate"]
 
@@ -68,20 +74,12 @@ def accumulate(fn: Callable[P, R], /) -> Batched[P, R]: ...
 def accumulate(
     *,
     initial: int | Literal["auto"] | None = ...,
-    minimum: int = ...,
     dim: int = ...,
     reduction: str = ...,
     scaler: Any = ...,
     backward: Callable[..., Any] | None = ...,
-    cache: SizeCache | None = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
     ddp: Any = ...,
+    **options: Unpack[Options],
 ) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
 
 
@@ -90,20 +88,12 @@ def accumulate(
     /,
     *,
     initial: int | Literal["auto"] | None = None,
-    minimum: int = 1,
     dim: int = 0,
     reduction: str = "mean",
     scaler: Any = None,
     backward: Callable[..., Any] | None = None,
-    cache: SizeCache | None = None,
-    max_attempts: int | None = None,
-    on_oom: OnOOM | None = None,
-    device: DeviceLike = None,
-    grow: bool = False,
-    grow_after: int = DEFAULT_GROW_AFTER,
-    sync: bool | None = None,
-    group: Any = None,
     ddp: Any = None,
+    **options: Unpack[Options],
 ) -> Any:
     """Run a training step over a batch, split into micro-batches when it does not fit.
 
@@ -145,7 +135,6 @@ def accumulate(
             (forward and backward) in the device's free memory, estimated once
             per input signature; the whole batch if it fits. Default: ``None``,
             the whole batch.
-        minimum (int): the smallest micro-batch size to try. Default: 1.
         dim (int): the dimension of the tensor arguments that holds the rows.
             Default: 0.
         reduction (str): ``"mean"`` if the loss is a mean over the rows,
@@ -164,30 +153,20 @@ def accumulate(
             pass no ``scaler`` with it. The ``initial="auto"`` estimate runs a
             plain backward. Default: ``None``, ``loss.backward()``. See
             :doc:`accumulate`.
-        cache (SizeCache, optional): where sizes that worked are kept; keys
-            include the shape and dtype of one sample. Default: a new
-            :class:`StackMemoryCache` for this function.
-        max_attempts (int, optional): the most attempts one call may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure.
-        device (torch.device, str or int, optional): the device whose memory
-            the step uses. Default: the device of the first tensor argument.
-        grow (bool): after a reduction, try the next power of two up once
-            ``grow_after`` calls in a row succeeded; see :ref:`growing-back`.
-            Default: ``False``.
-        grow_after (int): successful calls in a row before growing. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on the micro-batch size of every step; every rank must then
-            make each call. ``None`` agrees when a process group of more than
-            one rank is initialized; see :doc:`distributed`. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: those
-            of ``ddp``, else all.
         ddp (DistributedDataParallel or list, optional): the DDP module the
             step trains, or a list of them. Their micro-batches run under
             ``no_sync()`` and the gradients are averaged across ranks once
             per step, after the ranks agreed that it succeeded everywhere.
             Default: the DDP modules the step reaches (through its
             arguments, closure, globals or ``self``), found at its first call.
+        **options: the options every front end takes, the sizes being those
+            of micro-batches: ``minimum``, ``cache`` (keys include the shape and
+            dtype of one sample; default: a new :class:`StackMemoryCache` for
+            this function), ``max_attempts``, ``on_oom``, ``schedule``,
+            ``device`` (default: the device of the first tensor argument),
+            ``grow``, ``grow_after``, ``sync`` (every rank must then make each
+            call) and ``group`` (default: the process group of ``ddp``, else
+            all); see :ref:`options`.
 
     Returns:
         Batched: the wrapped step, with ``stats`` (``stats.batch_size`` is the
@@ -245,16 +224,16 @@ def accumulate(
             "engine, or scaler= with a plain torch.amp.GradScaler"
         )
     run_backward = _backward_of(backward, scaler)
-    fixed_device = None if device is None else resolve_device(device)
     check_auto(initial)
     given = _given_ddp(ddp)
-    if given and sync is False:
+    if given and options.get("sync") is False:
         raise ValueError(
             "ddp= averages gradients after the ranks agree on the step, and sync=False turns agreement off: "
             "drop one of them"
         )
-    if given and group is None:
-        group = given[0].process_group
+    if given and options.get("group") is None:
+        options["group"] = given[0].process_group
+    policy = Policy.of("koila.accumulate", None if initial == AUTO else cast("int | None", initial), options)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
@@ -262,19 +241,9 @@ def accumulate(
         if inspect.iscoroutinefunction(function):
             raise TypeError("@koila.accumulate runs backward() itself and cannot wrap an async function")
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
-        controller = Controller(
-            name=name,
-            initial=None if initial == AUTO else cast("int | None", initial),
-            minimum=minimum,
-            cache=StackMemoryCache() if cache is None else cache,
-            max_attempts=max_attempts,
-            on_oom=on_oom,
-            grow=grow,
-            grow_after=grow_after,
-            sync=sync,
-            group=group,
-        )
-        step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, fixed_device, initial == AUTO)
+        controller = Controller(name, policy, explain=exhausted.message)
+        auto = initial == AUTO
+        step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
         step.ddp = given
         getframe = sys._getframe
 
@@ -282,7 +251,7 @@ def accumulate(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return step(args, kwargs, getframe(1))
 
-        return cast(Batched[P, R], _with_controller(wrapper, controller))
+        return cast(Batched[P, R], with_controller(wrapper, controller))
 
     return decorate if fn is None else decorate(fn)
 
@@ -310,45 +279,40 @@ class _Accumulator:
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
-        split = _Split(args, kwargs, self.dim, "koila.accumulate", self.names)
+        split = Split(args, kwargs, self.dim, "koila.accumulate", self.names)
         rows = split.rows
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
         first = self._estimated(split, device) if self.auto else None
-        attempt = self.controller.start(self.identity, caller, device, split.sample, rows, first)
-        sync = None
-        if attempt._agreement is not None:
-            self.controller.reach((self.fn, split.args, split.kwargs))
-            sync = self._gradient_sync()
+        attempt = self.controller.start(
+            self.identity, caller, device, split.sample, rows, first, roots=(self.fn, split.args, split.kwargs)
+        )
+        sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
             sync.before_step()
         gradients = _Gradients()
-        results: _Results | None = None
+
+        def work(size: int) -> _Results:
+            if sync is None:
+                return self._run(split, size, gradients)
+            with sync.no_sync():
+                results = self._run(split, size, gradients)
+            sync.prepare(gradients.leaves)
+            return results
+
+        def undo() -> None:
+            if sync is not None:
+                sync.forget()
+            gradients.discard()
+
+        # Whether every rank used every parameter rides on the agreement: usually yes, and
+        # then which ones each rank used need not be exchanged.
+        vote = None if sync is None else sync.used_everything
         try:
-            while True:
-                size = attempt.batch_size
-                if size > rows:  # the whole batch, in one piece: fewer rows than the size proves
-                    attempt.narrow(rows)
-                with attempt:
-                    if sync is None:
-                        results = self._run(split, min(size, rows), gradients)
-                    else:
-                        with sync.no_sync():
-                            results = self._run(split, min(size, rows), gradients)
-                        sync.prepare(gradients.leaves)
-                # Whether every rank used every parameter rides on the agreement: usually
-                # yes, and then which ones each rank used need not be exchanged.
-                if attempt.succeeded(sync is None or sync.used_everything()):
-                    break
-                results = None
-                if sync is not None:
-                    sync.forget()
-                gradients.discard()
-                attempt.retry()
+            finished = self.controller.run(attempt, work, rows=rows, vote=vote, undo=undo)
             if sync is not None:
                 sync.reduce(used_everywhere=attempt.unanimous)
-            finished = cast(_Results, results)  # set by the attempt that succeeded
             result = finished.finish()
         except BaseException:
             gradients.discard()
@@ -395,7 +359,7 @@ class _Accumulator:
             )
         return GradientSync(modules)
 
-    def _estimated(self, split: _Split, device: torch.device) -> AutoFirst:
+    def _estimated(self, split: Split, device: torch.device) -> AutoFirst:
         """Return what asks the memory estimate for the first micro-batch size (``initial="auto"``)."""
         name = self.controller.name
 
@@ -421,7 +385,7 @@ class _Accumulator:
 
         return AutoFirst((self.identity, split.sample, device), split.rows, make, device, name)
 
-    def _run(self, split: _Split, size: int, gradients: _Gradients) -> _Results:
+    def _run(self, split: Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
         rows, backward = split.rows, self.backward
         results = _Results(self, size)
@@ -457,7 +421,7 @@ class _Accumulator:
             self._check_no_grad_wanted(split)
         return results
 
-    def _check_no_grad_wanted(self, split: _Split) -> None:
+    def _check_no_grad_wanted(self, split: Split) -> None:
         """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
         if torch.is_grad_enabled():
             owner = _module_with_trainable_parameters(self.fn, split.args, split.kwargs)
@@ -497,13 +461,6 @@ def _backward_of(engine: Callable[..., Any] | None, scaler: Any) -> _Backward:
         loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
     return plain_backward
-
-
-def gradients_aside(value: object) -> dict[int, torch.Tensor]:
-    """Return the gradients a step in progress set aside, by the ``id`` of their leaf, if ``value`` holds them."""
-    if not isinstance(value, _Gradients):
-        return {}
-    return {id(leaf): gradient for leaf, gradient in value.aside}
 
 
 class _Gradients:
@@ -557,6 +514,14 @@ class _Gradients:
         self.hidden = True
         return []
 
+    def gradients_aside(self) -> dict[int, torch.Tensor]:
+        """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
+
+        :func:`koila.report <koila_retry.report>` names them as the gradients of
+        their parameters when a step gives up.
+        """
+        return {id(leaf): gradient for leaf, gradient in self.aside}
+
     def discard(self) -> None:
         """Forget every gradient the step wrote."""
         for leaf in self.leaves.values():
@@ -607,7 +572,7 @@ class _Results:
             if kind == _JOIN:
                 column.append(leaf.detach())
             else:
-                column.append((leaf.detach() if isinstance(leaf, _TensorBase) else leaf, weight))
+                column.append((leaf.detach() if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
 
     def _changed(self, spec: TreeSpec) -> NoReturn:
@@ -619,7 +584,7 @@ class _Results:
     def _kind(self, leaf: Any, loss: torch.Tensor, result: Any) -> str:
         if leaf is loss:
             return _LOSS
-        if isinstance(leaf, _TensorBase):
+        if isinstance(leaf, TensorBase):
             if leaf.dim() == 0:
                 return _WEIGH
             if -leaf.dim() <= self.step.dim < leaf.dim():
@@ -640,7 +605,7 @@ class _Results:
         for kind, column in zip(self.kinds, self.columns, strict=True):
             if kind == _JOIN:
                 combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
-            elif isinstance(column[0][0], _TensorBase):  # sum(value * weight) in a few operations
+            elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
                 values = torch.stack([value for value, _ in column])
                 if all(weight == 1.0 for _, weight in column):
                     combined.append(values.sum(0))
@@ -666,7 +631,7 @@ def _loss_of(result: Any, name: str) -> torch.Tensor:
         loss = result.get("loss")
     else:
         loss = result
-    if not isinstance(loss, _TensorBase):
+    if not isinstance(loss, TensorBase):
         raise TypeError(
             f"{name} returned {_describe(result)}; @koila.accumulate needs the loss: a scalar tensor, a tuple "
             "or list whose first item is one, or a dict with a 'loss' entry"
@@ -680,7 +645,7 @@ def _loss_of(result: Any, name: str) -> torch.Tensor:
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, _TensorBase):
+    if isinstance(value, TensorBase):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, dict):
         return f"a dict with keys {list(value)}"
@@ -702,20 +667,7 @@ def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: di
     Looked at: the step itself and what it is bound to, its arguments, the variables
     it closes over and the globals it names. Only asked when the loss needs no grad.
     """
-    candidates: list[tuple[str, Any]] = [("the step", fn), ("self", getattr(fn, "__self__", None))]
-    candidates += [(f"argument {i}", value) for i, value in enumerate(args)]
-    candidates += [(f"argument {name!r}", value) for name, value in kwargs.items()]
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        cells = getattr(fn, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars, cells, strict=False):
-            try:
-                candidates.append((repr(name), cell.cell_contents))
-            except ValueError:  # an empty cell
-                continue
-        globals_ = getattr(fn, "__globals__", {})
-        candidates += [(repr(name), globals_[name]) for name in code.co_names if name in globals_]
-    for label, value in candidates:
+    for label, value in call_references(fn, args, kwargs):
         if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
             return f"the module {label} ({type(value).__name__})"
     return None

@@ -1,4 +1,4 @@
-"""The front ends: ``batch`` and ``attempts``. Each drives the engine's Controller."""
+"""The front ends ``batch`` and ``attempts``: a call, or a block, whose every attempt the engine runs."""
 
 from __future__ import annotations
 
@@ -6,16 +6,21 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
-import torch
-
+from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import frame_locals
-from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache
-from koila_retry._core.engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM, Stats
-from koila_retry._core.memory import DeviceLike, default_device, resolve_device
+from koila_retry._core.cache import CacheInfo, StackMemoryCache
+from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.memory import default_device, resolve_device
+from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
+from koila_retry._core.stats import Stats
+from koila_retry._diagnostics import exhausted
 
-__all__ = ["Batched", "attempts", "batch"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["Batched", "attempts", "batch", "batched", "device_of", "with_controller"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -94,18 +99,14 @@ def _is_method(fn: Callable[..., Any], params: list[inspect.Parameter]) -> bool:
     return bool(owner) and owner != "<locals>" and bool(params) and params[0].name in ("self", "cls")
 
 
-# isinstance against torch.Tensor goes through its metaclass's __instancecheck__ (about
-# 0.3 us for each non-tensor argument); its C base class answers the same question directly.
-_TensorBase = torch._C.TensorBase
-
-
-def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+def device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Return the device of the first tensor argument, else the default device."""
     for value in args:
-        if isinstance(value, _TensorBase):
+        if isinstance(value, TensorBase):
             return value.device
     if kwargs:
         for value in kwargs.values():
-            if isinstance(value, _TensorBase):
+            if isinstance(value, TensorBase):
                 return value.device
     return default_device()
 
@@ -116,35 +117,13 @@ def batch(fn: Callable[Concatenate[int, P], R], /) -> Batched[P, R]: ...
 
 @overload
 def batch(
-    *,
-    initial: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    param: None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    *, initial: int = ..., param: None = ..., **options: Unpack[Options]
 ) -> Callable[[Callable[Concatenate[int, P], R]], Batched[P, R]]: ...
 
 
 @overload
 def batch(
-    *,
-    initial: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    param: str,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    *, initial: int = ..., param: str, **options: Unpack[Options]
 ) -> Callable[[Callable[..., R]], Batched[..., R]]: ...
 
 
@@ -153,16 +132,8 @@ def batch(
     /,
     *,
     initial: int = DEFAULT_INITIAL,
-    minimum: int = 1,
-    cache: SizeCache | None = None,
-    max_attempts: int | None = None,
-    on_oom: OnOOM | None = None,
     param: str | None = None,
-    device: DeviceLike = None,
-    grow: bool = False,
-    grow_after: int = DEFAULT_GROW_AFTER,
-    sync: bool | None = None,
-    group: Any = None,
+    **options: Unpack[Options],
 ) -> Any:
     """Call a function with the largest batch size that fits, shrinking it on OOM.
 
@@ -183,28 +154,14 @@ def batch(
     Args:
         fn (callable): the function, when used bare.
         initial (int): the first size to try. Default: 512.
-        minimum (int): the smallest size to try. Default: 1.
-        cache (SizeCache, optional): where sizes that worked are kept. Default:
-            a new :class:`StackMemoryCache` for this function.
-        max_attempts (int, optional): the most attempts one call may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure.
         param (str, optional): inject the size as this keyword argument instead
             of the first positional one.
-        device (torch.device, str or int, optional): the device whose memory
-            the call uses. Default: the device of the first tensor argument,
-            else the current accelerator, else the CPU.
-        grow (bool): after a reduction, try the next power of two up (never
-            above ``initial``) once ``grow_after`` calls in a row succeeded;
-            see :ref:`growing-back`. Default: ``False``.
-        grow_after (int): successful calls in a row before growing; doubled
-            after each probe that runs out of memory. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on every size, so that they try the same sizes and return
-            together; every rank must then make each call. ``None`` agrees
-            when a process group of more than one rank is initialized; see
-            :doc:`distributed`. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: all.
+        **options: the options every front end takes: ``minimum``, ``cache``
+            (default: a new :class:`StackMemoryCache` for this function),
+            ``max_attempts``, ``on_oom``, ``schedule``, ``device`` (default: the
+            device of the first tensor argument, else the current accelerator,
+            else the CPU), ``grow``, ``grow_after``, ``sync`` and ``group``; see
+            :ref:`options`.
 
     Returns:
         Batched: the wrapped function, with ``stats``, ``cache_info()`` and
@@ -212,9 +169,8 @@ def batch(
 
     Raises:
         TypeError: if the function has no parameter to inject into, or an
-            option has the wrong type.
-        ValueError: if ``initial``, ``minimum``, ``max_attempts`` or
-            ``grow_after`` is out of range.
+            option is unknown or has the wrong type.
+        ValueError: if an option is out of range.
 
     Example::
 
@@ -231,62 +187,37 @@ def batch(
 
     .. versionadded:: 0.1.0
     """
+    policy = Policy.of("koila.batch", initial, options)
 
     def decorate(function: Callable[..., Any]) -> Any:
-        return _batched(
-            function,
-            initial=initial,
-            minimum=minimum,
-            cache=cache,
-            max_attempts=max_attempts,
-            on_oom=on_oom,
-            param=param,
-            device=device,
-            grow=grow,
-            grow_after=grow_after,
-            sync=sync,
-            group=group,
-        )
+        return batched(function, policy, param)
 
     if fn is None:
         return decorate
     return decorate(fn)
 
 
-def _batched(
-    fn: Callable[..., Any],
-    *,
-    initial: int,
-    minimum: int,
-    cache: SizeCache | None,
-    max_attempts: int | None,
-    on_oom: OnOOM | None,
-    param: str | None,
-    device: DeviceLike,
-    grow: bool,
-    grow_after: int,
-    sync: bool | None,
-    group: Any,
-    schedule: Callable[[int], int | None] | None = None,
-) -> Any:
+def batched(fn: Callable[..., Any], policy: Policy, param: str | None = None, *, keep_last: bool = False) -> Any:
+    """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected.
+
+    Args:
+        fn (callable): the function that takes the batch size.
+        policy (Policy): the checked options.
+        param (str, optional): the keyword parameter the size goes to.
+        keep_last (bool): store every success's size (see :class:`Controller`).
+
+    Returns:
+        Batched: the wrapper.
+
+    Raises:
+        TypeError: if ``fn`` is not callable or has no parameter for the size.
+    """
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
     injection = _Injection(fn, param)
-    controller = Controller(
-        name=injection.function_name,
-        initial=initial,
-        minimum=minimum,
-        cache=StackMemoryCache() if cache is None else cache,
-        max_attempts=max_attempts,
-        on_oom=on_oom,
-        grow=grow,
-        grow_after=grow_after,
-        sync=sync,
-        group=group,
-        schedule=schedule,
-    )
-    fixed_device = None if device is None else resolve_device(device)
-    start = controller.start
+    controller = Controller(injection.function_name, policy, explain=exhausted.message, keep_last=keep_last)
+    fixed_device = policy.device
+    start, call = controller.start, controller.call
     getframe = sys._getframe
     name, position, max_args = injection.name, injection.position, injection.max_args
 
@@ -298,21 +229,12 @@ def _batched(
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse()
-            attempt = start(fn, getframe(1), fixed_device or _device_of(args, kwargs))
-            if attempt._agreement is not None:
-                controller.reach((fn, args, kwargs))
-            while True:
-                with attempt:
-                    if position == 0:
-                        result = await fn(attempt.batch_size, *args, **kwargs)
-                    elif position == 1:
-                        result = await fn(args[0], attempt.batch_size, *args[1:], **kwargs)
-                    else:
-                        result = await fn(*args, **kwargs, **{name: attempt.batch_size})
-                if attempt.succeeded():
-                    return result
-                result = None  # this rank's result of an attempt another rank failed
-                attempt.retry()
+            attempt = start(fn, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs))
+            if position == 0:
+                return await controller.run_async(attempt, lambda size: fn(size, *args, **kwargs))
+            if position == 1:
+                return await controller.run_async(attempt, lambda size: fn(args[0], size, *args[1:], **kwargs))
+            return await controller.run_async(attempt, lambda size: fn(*args, **kwargs, **{name: size}))
 
         wrapper: Any = async_wrapper
     else:
@@ -321,51 +243,21 @@ def _batched(
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse()
-            attempt = start(fn, getframe(1), fixed_device or _device_of(args, kwargs))
-            if attempt._agreement is not None:
-                return _run_attempts(controller, attempt, fn, position, name, args, kwargs)
-            while True:
-                with attempt:
-                    if position == 0:
-                        return fn(attempt.batch_size, *args, **kwargs)
-                    if position == 1:
-                        return fn(args[0], attempt.batch_size, *args[1:], **kwargs)
-                    return fn(*args, **kwargs, **{name: attempt.batch_size})
-                attempt.retry()  # reached only when the block swallowed an OOM
+            device = fixed_device or device_of(args, kwargs)
+            if position == 0:
+                return call(fn, getframe(1), device, lambda size: fn(size, *args, **kwargs), (fn, args, kwargs))
+            if position == 1:
+                work = lambda size: fn(args[0], size, *args[1:], **kwargs)  # noqa: E731
+            else:
+                work = lambda size: fn(*args, **kwargs, **{name: size})  # noqa: E731
+            return call(fn, getframe(1), device, work, (fn, args, kwargs))
 
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
-    return _with_controller(wrapper, controller)
+    return with_controller(wrapper, controller)
 
 
-def _run_attempts(
-    controller: Controller,
-    attempt: Attempt,
-    fn: Callable[..., Any],
-    position: int | None,
-    name: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """Run a call's attempts until one fits; when ranks agree, a success counts once every rank had one."""
-    if attempt._agreement is not None:
-        controller.reach((fn, args, kwargs))
-    while True:
-        with attempt:
-            size = attempt.batch_size
-            if position == 0:
-                result = fn(size, *args, **kwargs)
-            elif position == 1:
-                result = fn(args[0], size, *args[1:], **kwargs)
-            else:
-                result = fn(*args, **kwargs, **{name: size})
-        if attempt.succeeded():
-            return result
-        result = None  # this rank's result of an attempt another rank failed: freed before the release
-        attempt.retry()
-
-
-def _with_controller(wrapper: Any, controller: Controller) -> Any:
+def with_controller(wrapper: Any, controller: Controller) -> Any:
     """Give a wrapper its controller's ``stats``, ``cache_info()`` and ``cache_clear()``."""
     wrapper.stats = controller.stats
     wrapper.cache_info = controller.cache.cache_info
@@ -374,22 +266,10 @@ def _with_controller(wrapper: Any, controller: Controller) -> Any:
 
 
 # Blocks under ``attempts`` share one cache; keys hold the block's code and line.
-_attempts_cache = StackMemoryCache()
+attempts_cache = StackMemoryCache()
 
 
-def attempts(
-    *,
-    initial: int = DEFAULT_INITIAL,
-    minimum: int = 1,
-    cache: SizeCache | None = None,
-    max_attempts: int | None = None,
-    on_oom: OnOOM | None = None,
-    device: DeviceLike = None,
-    grow: bool = False,
-    grow_after: int = DEFAULT_GROW_AFTER,
-    sync: bool | None = None,
-    group: Any = None,
-) -> Attempt:
+def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> Attempt:
     """Retry a block of code with smaller batch sizes until it fits in memory.
 
     A ``with`` block cannot run itself again, so the retry loop is a ``for``
@@ -400,36 +280,25 @@ def attempts(
     error propagates unchanged. Locals the block assigned before failing are
     still bound in your frame: rebind or delete them if they hold large tensors.
 
+    When the ranks of a ``torch.distributed`` job agree (see :doc:`distributed`),
+    every rank must run the block, and run the loop to its end (no ``break``).
+
     Args:
         initial (int): the first size to try. Default: 512.
-        minimum (int): the smallest size to try. Default: 1.
-        cache (SizeCache, optional): where sizes that worked are kept. Default:
-            one :class:`StackMemoryCache` shared by all blocks, keyed by the
-            block's place in the code.
-        max_attempts (int, optional): the most attempts the block may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure.
-        device (torch.device, str or int, optional): the device whose memory the
-            block uses. Default: the current accelerator, else the CPU.
-        grow (bool): after a reduction, try the next power of two up once
-            ``grow_after`` runs of the block in a row succeeded; see
-            :ref:`growing-back`. Default: ``False``.
-        grow_after (int): successful runs in a row before growing. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on every size; every rank must then run the block, and run
-            the loop to its end (no ``break``). ``None`` agrees when a process
-            group of more than one rank is initialized; see
-            :doc:`distributed`. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: all.
+        **options: the options every front end takes: ``minimum``, ``cache``
+            (default: one :class:`StackMemoryCache` shared by all blocks, keyed
+            by the block's place in the code), ``max_attempts``, ``on_oom``,
+            ``schedule``, ``device`` (default: the current accelerator, else the
+            CPU), ``grow``, ``grow_after``, ``sync`` and ``group``; see
+            :ref:`options`.
 
     Returns:
         Attempt: an iterator over the attempts of the block; each attempt is
         that same object, a context manager with ``batch_size`` and ``number``.
 
     Raises:
-        TypeError: if an option has the wrong type.
-        ValueError: if ``initial``, ``minimum``, ``max_attempts`` or
-            ``grow_after`` is out of range.
+        TypeError: if an option is unknown or has the wrong type.
+        ValueError: if an option is out of range.
         BatchSizeExhausted: from the loop, when even ``minimum`` runs out of memory.
 
     Example::
@@ -452,19 +321,13 @@ def attempts(
     # cache their hashes, where a code object would be rehashed on every use. The line is
     # the block's own, so two blocks in one function have keys of their own in every cache.
     block = (code.co_filename, line, getattr(code, "co_qualname", code.co_name))
+    policy = Policy.of("koila.attempts", initial, options)
     controller = Controller(
-        name=f"block at {code.co_filename}:{line} in {code.co_name}",
-        initial=initial,
-        minimum=minimum,
-        cache=_attempts_cache if cache is None else cache,
-        max_attempts=max_attempts,
-        on_oom=on_oom,
-        grow=grow,
-        grow_after=grow_after,
-        sync=sync,
-        group=group,
+        f"block at {code.co_filename}:{line} in {code.co_name}",
+        policy,
+        default_cache=attempts_cache,
+        explain=exhausted.message,
     )
-    attempt = controller.start(block, caller, resolve_device(device))
-    if attempt._agreement is not None:  # the block's modules are those its function's variables hold
-        controller.reach(value for _, value in frame_locals(caller))
-    return attempt
+    # The block's modules are those its function's variables hold.
+    roots = (value for _, value in frame_locals(caller))
+    return controller.start(block, caller, policy.device or resolve_device(None), roots=roots)

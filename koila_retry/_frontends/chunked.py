@@ -8,23 +8,27 @@ nor dropped.
 
 from __future__ import annotations
 
-import builtins
 import functools
 import importlib
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from koila_retry._core import distributed
-from koila_retry._core.cache import SizeCache, StackMemoryCache, function_identity
-from koila_retry._core.engine import DEFAULT_GROW_AFTER, DEFAULT_INITIAL, Attempt, Controller, OnOOM
-from koila_retry._core.memory import DeviceLike, default_device, resolve_device
+from koila_retry._common.tensors import TensorBase
+from koila_retry._core.cache import StackMemoryCache, function_identity
+from koila_retry._core.engine import Controller
+from koila_retry._core.memory import default_device
+from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
+from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends.batch import Batched, _TensorBase, _with_controller
-from koila_retry.exceptions import BatchSizeExhausted
+from koila_retry._frontends.arguments import Split
+from koila_retry._frontends.batch import Batched, with_controller
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["chunked", "range"]
 
@@ -33,30 +37,15 @@ R = TypeVar("R")
 
 # Passes started by ``koila.chunked(fn, x)`` and ``koila.range(fn, 0, n)`` share one
 # cache; keys hold the function's place in the code and the call site.
-_calls_cache = StackMemoryCache()
+calls_cache = StackMemoryCache()
 
 _NONE_SPEC = tree_flatten(None)[1]
 
 
-class _Options:
-    """What every pass of one ``chunked`` or ``range`` call or decorator is told."""
+class _Pass:
+    """What every pass of one ``chunked`` or ``range`` call or decorator is told: its policy and its own options."""
 
-    def __init__(
-        self,
-        *,
-        front_end: str,
-        initial: int | str,
-        minimum: int,
-        cache: SizeCache | None,
-        progress: bool,
-        max_attempts: int | None,
-        on_oom: OnOOM | None,
-        device: DeviceLike,
-        grow: bool,
-        grow_after: int,
-        sync: bool | None,
-        group: Any,
-    ) -> None:
+    def __init__(self, front_end: str, initial: int | str, progress: bool, options: Options) -> None:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
@@ -67,77 +56,17 @@ class _Options:
                 "koila.range has no inputs to estimate memory from: initial='auto' is for koila.chunked "
                 "and koila.accumulate; give koila.range an int"
             )
+        self.policy = Policy.of(front_end, None if self.auto else cast("int | None", initial), options)
         self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
-        self.device = None if device is None else resolve_device(device)
-        self.cache = cache
-        self._settings: dict[str, Any] = {
-            "initial": None if self.auto else initial,
-            "minimum": minimum,
-            "max_attempts": max_attempts,
-            "on_oom": on_oom,
-            "grow": grow,
-            "grow_after": grow_after,
-            "sync": sync,
-            "group": group,
-        }
+        self.device = self.policy.device
 
     def controller(self, fn: object, *, decorated: bool) -> Controller:
         """Make the controller of one call, or of a decorated function (with a cache of its own)."""
         if not callable(fn):
             raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}")
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        cache = self.cache if self.cache is not None else StackMemoryCache() if decorated else _calls_cache
-        return Controller(name=name, cache=cache, **self._settings)
-
-
-def _cover(
-    attempt: Attempt,
-    start: int,
-    stop: int,
-    work: Callable[[int, int], Any],
-    keep: Callable[[int, int, Any], None],
-    tqdm: Callable[..., Any] | None,
-    name: str,
-    unit: tuple[str, str, str],
-) -> None:
-    """Run ``work(begin, end)`` over ``[start, stop)``, each chunk retried alone on OOM.
-
-    ``keep(begin, end, result)`` takes each chunk's result once the chunk
-    succeeded (on every rank, when ranks agree: a chunk another rank failed is
-    run again, and its first result dropped). ``tqdm`` makes the progress bar
-    named ``name``, if one is wanted; ``unit`` names what is covered, in the
-    singular and plural, and what a chunk of it is called
-    (``("row", "rows", "chunk")``).
-    """
-    bar = None if tqdm is None else tqdm(total=stop - start, unit=unit[0], desc=name)
-    begin = start
-    try:
-        while begin < stop:
-            while True:  # the engine's idiom, as in @batch: retry() decides, or raises
-                rows = min(attempt.batch_size, stop - begin)
-                if rows < attempt.batch_size:
-                    attempt.narrow(rows)
-                with attempt:
-                    result = work(begin, begin + rows)
-                if attempt.succeeded():
-                    break
-                result = None
-                attempt.retry()
-            keep(begin, begin + rows, result)
-            result = None
-            begin += rows
-            if bar is not None:
-                bar.set_postfix({unit[2]: attempt.batch_size}, refresh=False)
-                bar.update(rows)
-            if begin < stop:
-                attempt.next_step()
-    except BatchSizeExhausted as exc:
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"{begin - start} of {stop - start} {unit[1]} were finished before it gave up.")
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
+        default = StackMemoryCache() if decorated else calls_cache
+        return Controller(name, self.policy, default_cache=default, explain=exhausted.message)
 
 
 def _tqdm() -> Callable[..., Any]:
@@ -163,17 +92,9 @@ def chunked(
     *args: Any,
     initial: int | Literal["auto"] = ...,
     dim: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
     progress: bool = ...,
     out: Any = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    **options: Unpack[Options],
 ) -> R: ...
 
 
@@ -182,16 +103,8 @@ def chunked(
     *,
     initial: int | Literal["auto"] = ...,
     dim: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
     progress: bool = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    **options: Unpack[Options],
 ) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
 
 
@@ -201,17 +114,9 @@ def chunked(
     *args: Any,
     initial: int | Literal["auto"] = DEFAULT_INITIAL,
     dim: int = 0,
-    minimum: int = 1,
-    cache: SizeCache | None = None,
     progress: bool = False,
     out: Any = None,
-    max_attempts: int | None = None,
-    on_oom: OnOOM | None = None,
-    device: DeviceLike = None,
-    grow: bool = False,
-    grow_after: int = DEFAULT_GROW_AFTER,
-    sync: bool | None = None,
-    group: Any = None,
+    **options: Unpack[Options],
 ) -> Any:
     """Apply a function to its tensor arguments in chunks of rows, and join the results.
 
@@ -240,11 +145,6 @@ def chunked(
             in the device's free memory, all the rows if they fit, estimated once
             per input signature. Default: 512.
         dim (int): the dimension to split and join along. Default: 0.
-        minimum (int): the smallest chunk size to try. Default: 1.
-        cache (SizeCache, optional): where sizes that worked are kept; keys
-            include the shape and dtype of one sample. Default: one
-            :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls
-            (a new one per decorated function).
         progress (bool): show a tqdm progress bar over the rows, with the
             current chunk size. Needs ``pip install 'koila-retry[progress]'``.
             Default: ``False``.
@@ -252,21 +152,15 @@ def chunked(
             results instead of concatenating them: the same structure as
             ``fn``'s result, each tensor with the full number of rows along
             ``dim``. Saves the copy that joining costs. Not for decorators.
-        max_attempts (int, optional): the most attempts one chunk may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure.
-        device (torch.device, str or int, optional): the device whose memory
-            the chunks use. Default: the device of the first tensor argument.
-        grow (bool): after a reduction, try the next power of two up once
-            ``grow_after`` chunks in a row succeeded; see :ref:`growing-back`.
-            Default: ``False``.
-        grow_after (int): successful chunks in a row before growing. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on every chunk size, so that they run the same chunks and
-            finish together; every rank must then make the call, over as many
-            rows. ``None`` agrees when a process group of more than one rank
-            is initialized; see :doc:`distributed`. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: all.
+        **options: the options every front end takes, each chunk being one
+            step: ``minimum``, ``cache`` (keys include the shape and dtype of
+            one sample; default: one :class:`StackMemoryCache` shared by
+            ``chunked`` and ``range`` calls, a new one per decorated function),
+            ``max_attempts`` (per chunk), ``on_oom``, ``schedule``, ``device``
+            (default: the device of the first tensor argument), ``grow`` and
+            ``grow_after`` (counting chunks), ``sync`` (every rank must then
+            make the call, over as many rows) and ``group``; see
+            :ref:`options`.
 
     Returns:
         The joined results (or ``out``); or, used as a decorator, the decorated
@@ -294,37 +188,24 @@ def chunked(
 
     .. versionadded:: 0.1.0
     """
-    options = _Options(
-        front_end="koila.chunked",
-        initial=initial,
-        minimum=minimum,
-        cache=cache,
-        progress=progress,
-        max_attempts=max_attempts,
-        on_oom=on_oom,
-        device=device,
-        grow=grow,
-        grow_after=grow_after,
-        sync=sync,
-        group=group,
-    )
+    chunks = _Pass("koila.chunked", initial, progress, options)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if fn is not None and args:
-        controller = options.controller(fn, decorated=False)
-        return _run_chunked(controller, fn, args, {}, dim, options, out, sys._getframe(1))
+        controller = chunks.controller(fn, decorated=False)
+        return _run_chunked(controller, fn, args, {}, dim, chunks, out, sys._getframe(1))
     if out is not None:
         raise TypeError("out= is given per call: koila.chunked(fn, x, out=buffer), not to a decorator")
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
-        controller = options.controller(function, decorated=True)
+        controller = chunks.controller(function, decorated=True)
         getframe = sys._getframe
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return _run_chunked(controller, function, args, kwargs, dim, options, None, getframe(1))
+            return _run_chunked(controller, function, args, kwargs, dim, chunks, None, getframe(1))
 
-        return cast(Batched[P, R], _with_controller(wrapper, controller))
+        return cast(Batched[P, R], with_controller(wrapper, controller))
 
     return decorate if fn is None else decorate(fn)
 
@@ -335,11 +216,11 @@ def _run_chunked(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dim: int,
-    options: _Options,
+    chunks: _Pass,
     out: Any,
     caller: Any,
 ) -> Any:
-    split = _Split(args, kwargs, dim, "koila.chunked")
+    split = Split(args, kwargs, dim, "koila.chunked")
     results = _Results(dim, split.rows, out)
 
     def work(begin: int, end: int) -> Any:
@@ -347,107 +228,24 @@ def _run_chunked(
         return fn(*chunk_args, **chunk_kwargs)
 
     if split.rows == 0:
-        _agree_on_nothing(controller)
+        controller.cover(None, 0, 0, work, results.add)
         if out is None:  # one call on the empty input gives the result its structure
             results.add(0, 0, work(0, 0))
     else:
-        device = options.device or split.device
+        device = chunks.device or split.device
         identity = function_identity(fn)
-        if options.auto:
+        first = None
+        if chunks.auto:
 
             def make() -> MemoryEstimate:
                 return estimate(fn, *args, dim=dim, device=device, **kwargs)
 
-            key = (identity, split.sample, device)
-            first = AutoFirst(key, split.rows, make, device, controller.name)
-            attempt = controller.start(identity, caller, device, split.sample, split.rows, first, span=split.rows)
-        else:
-            attempt = controller.start(identity, caller, device, split.sample, span=split.rows)
-        if attempt._agreement is not None:
-            controller.reach((fn, args, kwargs))
-        _cover(attempt, 0, split.rows, work, results.add, options.tqdm, controller.name, ("row", "rows", "chunk"))
-    return results.finish()
-
-
-class _Split:
-    """The tensor arguments of one call, checked, and their slices.
-
-    ``front_end`` names the caller in errors; ``names`` are the function's positional
-    parameters, when known, to name arguments by.
-    """
-
-    __slots__ = ("args", "device", "dim", "kwargs", "names", "positions", "rows", "sample")
-
-    def __init__(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, front_end: str, names: tuple[str, ...] = ()
-    ) -> None:
-        self.args, self.kwargs, self.dim = args, kwargs, dim
-        # Every call pays for this: labels for errors are made only when one is raised.
-        self.positions = [i for i, value in enumerate(args) if isinstance(value, _TensorBase)]
-        self.names = [name for name, value in kwargs.items() if isinstance(value, _TensorBase)] if kwargs else []
-        tensors = [args[i] for i in self.positions] + [kwargs[name] for name in self.names]
-        if not tensors:
-            raise ValueError(
-                f"{front_end} splits tensor arguments along dim, and none of the arguments is a tensor "
-                f"(got {[type(value).__name__ for value in (*args, *kwargs.values())]})"
-            )
-        sample = []
-        rows = -1
-        for tensor in tensors:
-            shape = tensor.shape
-            axis = dim + len(shape) if dim < 0 else dim
-            if not 0 <= axis < len(shape) or (rows != shape[axis] and rows != -1):
-                self._refuse(tensors, names)
-            rows = shape[axis]
-            sample.append((tuple(shape[:axis] + shape[axis + 1 :]), str(tensor.dtype)))
-        self.rows = rows
-        self.device = tensors[0].device
-        self.sample = tuple(sample)
-
-    def _refuse(self, tensors: list[Any], names: tuple[str, ...]) -> NoReturn:
-        """Raise the error that names the argument whose shape does not fit."""
-        labels = [f"argument {names[i]!r}" if i < len(names) else f"argument {i}" for i in self.positions]
-        labels += [f"argument {name!r}" for name in self.names]
-        dim = self.dim
-        for label, tensor in zip(labels, tensors, strict=True):
-            if not -tensor.dim() <= dim < tensor.dim():
-                allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
-                raise ValueError(
-                    f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
-                )
-        # Every dim is in range, so the sizes differ: name the first that differs from the first.
-        rows = tensors[0].size(dim)
-        label, size = next((label, t.size(dim)) for label, t in zip(labels, tensors) if t.size(dim) != rows)
-        raise ValueError(
-            f"every tensor argument must have the same size along dim {dim}: {labels[0]} has {rows}, {label} has {size}"
+            first = AutoFirst((identity, split.sample, device), split.rows, make, device, controller.name)
+        attempt = controller.start(
+            identity, caller, device, split.sample, split.rows, first, span=split.rows, roots=(fn, args, kwargs)
         )
-
-    def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
-        """Yield the arguments of each chunk of ``size`` rows (the last takes the rest), and its rows."""
-        args, kwargs, dim = self.args, self.kwargs, self.dim
-        # One split() per tensor makes every chunk's view at once, where narrow() makes one.
-        columns = [args[position].split(size, dim) for position in self.positions]
-        named = [kwargs[name].split(size, dim) for name in self.names]
-        for index, begin in enumerate(builtins.range(0, self.rows, size)):
-            chunk_args = list(args)
-            for position, column in zip(self.positions, columns, strict=True):
-                chunk_args[position] = column[index]
-            chunk_kwargs = kwargs
-            if named:
-                chunk_kwargs = dict(kwargs)
-                for name, column in zip(self.names, named, strict=True):
-                    chunk_kwargs[name] = column[index]
-            yield chunk_args, chunk_kwargs, min(size, self.rows - begin)
-
-    def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs, dim = list(self.args), self.kwargs, self.dim
-        for position in self.positions:
-            args[position] = args[position].narrow(dim, begin, end - begin)
-        if self.names:
-            kwargs = dict(kwargs)
-            for name in self.names:
-                kwargs[name] = kwargs[name].narrow(dim, begin, end - begin)
-        return args, kwargs
+        controller.cover(attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
+    return results.finish()
 
 
 class _Results:
@@ -465,7 +263,7 @@ class _Results:
             self.out_leaves, self.out_spec = tree_flatten(out)
             for path, leaf in tree_flatten_with_path(out)[0]:
                 where = f"out{keystr(path)}"
-                if not isinstance(leaf, _TensorBase):
+                if not isinstance(leaf, TensorBase):
                     raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
                 if not -leaf.dim() <= dim < leaf.dim() or leaf.size(dim) != rows:
                     raise ValueError(
@@ -489,7 +287,7 @@ class _Results:
             self._changed(self.spec, spec)
         dim = self.dim
         for leaf in leaves:  # every chunk's: a short last chunk is where squeeze() bites
-            if not isinstance(leaf, _TensorBase) or not -leaf.dim() <= dim < leaf.dim():
+            if not isinstance(leaf, TensorBase) or not -leaf.dim() <= dim < leaf.dim():
                 self._explain(result)
         if self.out is not None:
             if spec != self.out_spec:
@@ -516,7 +314,7 @@ class _Results:
         """Raise the error that names the leaf of ``result`` that cannot be joined."""
         for path, leaf in tree_flatten_with_path(result)[0]:
             where = f"the result{keystr(path)}"
-            if not isinstance(leaf, _TensorBase):
+            if not isinstance(leaf, TensorBase):
                 raise TypeError(
                     f"fn returned {type(leaf).__name__} at {where}; koila.chunked joins results along dim "
                     f"{self.dim}, so fn must return tensors (or a tuple, list or dict of them), or None"
@@ -551,16 +349,8 @@ def range(
     /,
     *,
     initial: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
     progress: bool = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    **options: Unpack[Options],
 ) -> list[R]: ...
 
 
@@ -568,16 +358,8 @@ def range(
 def range(
     *,
     initial: int = ...,
-    minimum: int = ...,
-    cache: SizeCache | None = ...,
     progress: bool = ...,
-    max_attempts: int | None = ...,
-    on_oom: OnOOM | None = ...,
-    device: DeviceLike = ...,
-    grow: bool = ...,
-    grow_after: int = ...,
-    sync: bool | None = ...,
-    group: Any = ...,
+    **options: Unpack[Options],
 ) -> Callable[[Callable[P, R]], Batched[P, list[R]]]: ...
 
 
@@ -588,16 +370,8 @@ def range(
     /,
     *,
     initial: int = DEFAULT_INITIAL,
-    minimum: int = 1,
-    cache: SizeCache | None = None,
     progress: bool = False,
-    max_attempts: int | None = None,
-    on_oom: OnOOM | None = None,
-    device: DeviceLike = None,
-    grow: bool = False,
-    grow_after: int = DEFAULT_GROW_AFTER,
-    sync: bool | None = None,
-    group: Any = None,
+    **options: Unpack[Options],
 ) -> Any:
     """Call ``fn(begin, end)`` over consecutive index ranges that cover ``[start, stop)`` once.
 
@@ -617,27 +391,16 @@ def range(
         start (int): the first index.
         stop (int): one past the last index; at least ``start``.
         initial (int): the first range size to try. Default: 512.
-        minimum (int): the smallest range size to try. Default: 1.
-        cache (SizeCache, optional): where sizes that worked are kept.
-            Default: one :class:`StackMemoryCache` shared by ``chunked`` and
-            ``range`` calls (a new one per decorated function).
         progress (bool): show a tqdm progress bar over the indices. Needs
             ``pip install 'koila-retry[progress]'``. Default: ``False``.
-        max_attempts (int, optional): the most attempts one range may make.
-        on_oom (callable, optional): called with an :class:`OOMEvent` after each
-            out-of-memory failure.
-        device (torch.device, str or int, optional): the device whose memory
-            the calls use. Default: the current accelerator, else the CPU.
-        grow (bool): after a reduction, try the next power of two up once
-            ``grow_after`` ranges in a row succeeded; see :ref:`growing-back`.
-            Default: ``False``.
-        grow_after (int): successful ranges in a row before growing. Default: 50.
-        sync (bool or None): whether the ranks of a ``torch.distributed`` job
-            agree on every range size, so that they run the same ranges and
-            finish together; every rank must then make the call, over as many
-            indices. ``None`` agrees when a process group of more than one rank
-            is initialized; see :doc:`distributed`. Default: ``None``.
-        group (ProcessGroup, optional): the ranks that agree. Default: all.
+        **options: the options every front end takes, each range being one
+            step: ``minimum``, ``cache`` (default: one :class:`StackMemoryCache`
+            shared by ``chunked`` and ``range`` calls, a new one per decorated
+            function), ``max_attempts`` (per range), ``on_oom``, ``schedule``,
+            ``device`` (default: the current accelerator, else the CPU),
+            ``grow`` and ``grow_after`` (counting ranges), ``sync`` (every rank
+            must then make the call, over as many indices) and ``group``; see
+            :ref:`options`.
 
     Returns:
         list: what ``fn`` returned for each range, in order; or, used as a
@@ -657,33 +420,20 @@ def range(
 
     .. versionadded:: 0.1.0
     """
-    options = _Options(
-        front_end="koila.range",
-        initial=initial,
-        minimum=minimum,
-        cache=cache,
-        progress=progress,
-        max_attempts=max_attempts,
-        on_oom=on_oom,
-        device=device,
-        grow=grow,
-        grow_after=grow_after,
-        sync=sync,
-        group=group,
-    )
+    ranges = _Pass("koila.range", initial, progress, options)
     if fn is not None and (start is not None or stop is not None):
-        controller = options.controller(fn, decorated=False)
-        return _run_range(controller, fn, start, stop, (), {}, options, sys._getframe(1))
+        controller = ranges.controller(fn, decorated=False)
+        return _run_range(controller, fn, start, stop, (), {}, ranges, sys._getframe(1))
 
     def decorate(function: Callable[P, R]) -> Batched[P, list[R]]:
-        controller = options.controller(function, decorated=True)
+        controller = ranges.controller(function, decorated=True)
         getframe = sys._getframe
 
         @functools.wraps(function)
         def wrapper(start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
-            return _run_range(controller, function, start, stop, args, kwargs, options, getframe(1))
+            return _run_range(controller, function, start, stop, args, kwargs, ranges, getframe(1))
 
-        return cast(Batched[P, list[R]], _with_controller(wrapper, controller))
+        return cast(Batched[P, list[R]], with_controller(wrapper, controller))
 
     return decorate if fn is None else decorate(fn)
 
@@ -695,7 +445,7 @@ def _run_range(
     stop: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    options: _Options,
+    ranges: _Pass,
     caller: Any,
 ) -> list[Any]:
     for name, value in (("start", start), ("stop", stop)):
@@ -704,12 +454,6 @@ def _run_range(
     if stop < start:
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
     results: list[Any] = []
-    if stop == start:
-        _agree_on_nothing(controller)
-        return results
-    attempt = controller.start(function_identity(fn), caller, options.device or default_device(), span=stop - start)
-    if attempt._agreement is not None:
-        controller.reach((fn, args, kwargs))
 
     def work(begin: int, end: int) -> Any:
         return fn(begin, end, *args, **kwargs)
@@ -717,13 +461,10 @@ def _run_range(
     def keep(begin: int, end: int, result: Any) -> None:
         results.append(result)
 
-    _cover(attempt, start, stop, work, keep, options.tqdm, controller.name, ("index", "indices", "range"))
+    if stop == start:
+        controller.cover(None, start, stop, work, keep)
+        return results
+    device = ranges.device or default_device()
+    attempt = controller.start(function_identity(fn), caller, device, span=stop - start, roots=(fn, args, kwargs))
+    controller.cover(attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
     return results
-
-
-def _agree_on_nothing(controller: Controller) -> None:
-    """Take part, with nothing to cover, in the check that every rank covers as much."""
-    if controller.sync is not False:
-        agreement = distributed.agreement(controller.sync, controller.group)
-        if agreement is not None:
-            agreement.start(0, span=0)

@@ -28,9 +28,10 @@ from typing import Any, overload
 
 from koila_retry._core.cache import GlobalCache
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import DEFAULT_GROW_AFTER, OnOOM, Stats
 from koila_retry._core.memory import DeviceLike, release
-from koila_retry._frontends.batch import _batched
+from koila_retry._core.policy import scaled
+from koila_retry._core.stats import OnOOM, Stats
+from koila_retry._frontends.batch import batch
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
@@ -152,32 +153,25 @@ def find_executable_batch_size(
             "reduce_batch_size_fn must be callable (with no arguments), got "
             f"{type(reduce_batch_size_fn).__name__} {reduce_batch_size_fn!r}"
         )
-    schedule = _tenth_less if reduce_batch_size_fn is None else _asking(reduce_batch_size_fn)
+    schedule = scaled(0.9) if reduce_batch_size_fn is None else _asking(reduce_batch_size_fn)
     try:  # accelerate's guard against passing the batch size counts every parameter
         parameters = list(inspect.signature(function).parameters)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {function!r} to pass it the batch size: {exc}") from None
     name = getattr(function, "__name__", repr(function))
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
-    batched = (
-        None
-        if starting_batch_size == 0
-        else _batched(
-            function,
+    batched = None
+    if starting_batch_size != 0:
+        # accelerate keeps one size per decorated function, and takes 90% of the one that failed.
+        batched = batch(
             initial=starting_batch_size,
-            minimum=1,
-            cache=GlobalCache(),  # accelerate keeps one size per decorated function
-            max_attempts=None,
+            cache=GlobalCache(),
+            schedule=schedule,
             on_oom=on_oom,
-            param=None,
             device=device,
-            grow=False,
-            grow_after=DEFAULT_GROW_AFTER,
             sync=sync,
             group=group,
-            schedule=schedule,
-        )
-    )
+        )(function)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -203,11 +197,6 @@ def find_executable_batch_size(
     else:
         wrapped.stats, wrapped.cache_info, wrapped.cache_clear = batched.stats, batched.cache_info, batched.cache_clear
     return wrapped
-
-
-def _tenth_less(failed: int) -> int | None:
-    """Return accelerate's next size, 90% of the one that failed, rounded down; ``None`` at 0."""
-    return int(failed * 0.9) or None
 
 
 def _asking(reduce_batch_size_fn: Callable[[], int]) -> Callable[[int], int | None]:

@@ -29,77 +29,8 @@ Example::
     >>> total(torch.ones(100))
     tensor(100.)
 
-Differences from toma
----------------------
-
-Bugs fixed:
-
-1. ``toma.chunked(dimension=d)`` chunks along ``d``; toma ignores it (its
-   wrapper passes on only the per-call ``toma_dimension``).
-2. The called forms ``toma.batch(context=...)`` and ``toma.chunked(context=...)``
-   keep their context; toma drops it on the way to the decorator.
-3. Per-call overrides and contexts count whenever they are not ``None``; toma
-   tests them with ``or``, so ``toma_initial_batchsize=0`` or
-   ``toma_initial_step=0`` silently becomes the decorator's size, and a falsy
-   context (``0``, ``""``, ``()``) silently becomes the decorator's, or the
-   function.
-4. ``explicit.chunked(func, tensor, step, *args)`` passes ``args`` to ``func``
-   after ``(chunk, start, end)``; toma passes them twice and raises TypeError.
-5. A missing initial size raises TypeError naming the parameters that can give
-   it; toma calls ``func(None)``. A size that is not an int, or is below 1,
-   raises TypeError or ValueError naming the value, and a ``dimension`` out of
-   range for the tensor raises IndexError naming it.
-6. ``toma.explicit``, ``toma.GlobalBatchsizeCache``, ``toma.NoBatchsizeCache``,
-   ``toma.StacktraceMemoryBatchsizeCache`` and ``toma.DEFAULT_CACHE_TYPE``, which
-   toma's README uses, exist; and setting ``DEFAULT_CACHE_TYPE`` (on ``toma`` or
-   on this module) changes the cache of later calls that name none, where toma
-   reads it once, when its functions are defined.
-7. A short last range or chunk that runs out of memory is retried at half the
-   rows that failed; toma halves its step and reruns the same rows, failing
-   alike, until the step falls below their count.
-8. A failed attempt's memory is released after leaving the ``except`` block;
-   toma collects inside it, while the traceback still holds the attempt's
-   frames, so tensors in reference cycles survive into the retry (which can run
-   out of memory again) and the device cache is emptied before anything is
-   freed. Nothing is collected or inspected when nothing fails (toma runs
-   ``gc.collect()`` twice and ``inspect.stack()`` on every call). Out-of-memory
-   errors are those of :func:`koila_retry.is_oom` (every
-   ``torch.OutOfMemoryError``, MPS, XPU, the CPU allocator on Linux and
-   Windows, cuDNN and cuBLAS), where toma knows CUDA's, one cuDNN message and
-   the CPU allocator's on Linux.
-
-Other differences:
-
-9. Giving up at size 1 raises :class:`koila_retry.BatchSizeExhausted` (a
-   ``torch.OutOfMemoryError``, so existing handlers still catch it) from the
-   last out-of-memory error, stripped of its traceback; toma re-raises that
-   error, whose traceback holds the failed attempt's frames and tensors.
-10. The free-memory levels of :class:`StacktraceMemoryBatchsizeCache` are
-    power-of-two buckets of the free memory of the call's device (the device of
-    the first tensor argument, or the chunked tensor's); toma's are 256 MiB
-    steps of free CPU RAM and of CUDA device 0's memory.
-11. ``cache_type`` must be a koila_retry cache class (the three here, or another
-    :class:`koila_retry.SizeCache` subclass); toma's own classes, instances and
-    other objects raise TypeError.
-12. A function used as a context (the default) is named by where it is
-    defined, seen through ``functools.wraps`` decorators such as
-    ``@torch.no_grad()``, so the registry does not keep it alive: closures made
-    by one ``def`` share a cache, where toma keeps each function object, and
-    its cache, alive.
-13. Only sizes that succeeded are stored: a call that gives up, or fails with
-    another error, leaves the cache as its last success left it; toma keeps
-    the size it halved to although nothing succeeded at it.
-14. Call stacks (the default cache's keys, and the context of the
-    ``toma.execute`` forms) keep every frame; toma leaves out the outermost, so
-    at a script's top level its calls from different lines share a size, and
-    ``toma.execute`` there falls back to the function as context (a new cache
-    for every ``def`` run).
-15. ``end <= start`` runs nothing, as in toma; ``range`` and ``chunked`` return
-    ``None``, as in toma.
-16. Not provided: ``toma.cpu_memory``, ``toma.torch_cuda_memory``,
-    ``toma.stacktrace`` and the ``Batchsize``/``BatchsizeCache`` internals; use
-    ``resource.setrlimit``, :func:`koila_retry.free_memory` and
-    :func:`koila_retry.release`.
+The differences from toma, each with its reason (toma's bugs fixed, giving up,
+free-memory levels, cache types), are listed in :ref:`differences-from-toma`.
 
 .. versionadded:: 0.1.0
 """
@@ -121,10 +52,11 @@ import torch
 
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.engine import Controller
 from koila_retry._core.memory import default_device
-from koila_retry._frontends.batch import _device_of, _run_attempts
-from koila_retry._frontends.chunked import _agree_on_nothing, _cover
+from koila_retry._core.policy import Policy, scaled
+from koila_retry._diagnostics import exhausted
+from koila_retry._frontends.batch import device_of
 from koila_retry.compat.toma.batchsize_cache import (
     GlobalBatchsizeCache,
     NoBatchsizeCache,
@@ -157,8 +89,8 @@ _INDICES = ("index", "indices", "range")
 _ROWS = ("row", "rows", "chunk")
 
 
-def _halve(failed: int) -> int:
-    return failed // 2
+# toma halves the size that failed, and keeps the size of every success.
+_POLICY = Policy(initial=None, schedule=scaled(0.5))
 
 
 class _Context:
@@ -173,7 +105,7 @@ class _Context:
     def controller(self, name: str) -> Controller:
         controller = self.controllers.get(name)
         if controller is None:  # two threads may both make one: either serves
-            controller = Controller(name=name, initial=None, minimum=1, cache=self.cache, schedule=_halve)
+            controller = Controller(name, _POLICY, default_cache=self.cache, explain=exhausted.message, keep_last=True)
             self.controllers[name] = controller
         return controller
 
@@ -279,15 +211,6 @@ def _name(func: object) -> str:
     return name if isinstance(name, str) else type(func).__qualname__
 
 
-def _keep(cache: SizeCache, attempt: Attempt) -> None:
-    # toma remembers the size of the last success, even the initial size of a first call
-    # that fitted at once; the engine stores only sizes below the call's initial.
-    key, size = attempt._key, attempt.batch_size
-    recent = cache._recent  # what the lookup of this call found, usually: no second lookup
-    if key is not None and (recent is None or recent[1] != size or recent[0] != key) and cache.get(key) != size:
-        cache[key] = size
-
-
 def _ignore(begin: int, end: int, result: object) -> None:
     """Drop a range's result: toma's ranges return nothing."""
 
@@ -302,10 +225,8 @@ def _run_batch(
     caller: FrameType | None,
 ) -> R:
     controller = _context_for(cache_type, context).controller(_name(func))
-    attempt = controller.start(context, caller, _device_of(args, kwargs), rows=size)
-    result: R = _run_attempts(controller, attempt, func, 0, "", args, kwargs)
-    _keep(controller.cache, attempt)
-    return result
+    work: Callable[[int], R] = lambda batch_size: func(batch_size, *args, **kwargs)  # noqa: E731
+    return controller.call(context, caller, device_of(args, kwargs), work, (func, args, kwargs), rows=size)
 
 
 def _run_steps(
@@ -323,13 +244,10 @@ def _run_steps(
 ) -> None:
     controller = _context_for(cache_type, context).controller(_name(func))
     if end <= start:  # toma runs nothing, and so do we
-        _agree_on_nothing(controller)
+        controller.cover(None, start, end, work, _ignore)
         return
-    attempt = controller.start(context, caller, device, rows=step, span=end - start)
-    if attempt._agreement is not None:
-        controller.reach(roots)
-    _cover(attempt, start, end, work, _ignore, None, controller.name, unit)
-    _keep(controller.cache, attempt)
+    attempt = controller.start(context, caller, device, rows=step, span=end - start, roots=roots)
+    controller.cover(attempt, start, end, work, _ignore, unit=unit)
 
 
 def _run_range(

@@ -1,0 +1,238 @@
+"""The options every front end takes, checked once, and the schedules of sizes after a failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import torch
+
+from koila_retry._core import distributed
+from koila_retry._core.cache import SizeCache
+from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._core.stats import OnOOM
+
+__all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_INITIAL", "Options", "Policy", "Schedule", "powers_of_two", "scaled"]
+
+DEFAULT_INITIAL = 512
+DEFAULT_GROW_AFTER = 50
+
+#: A schedule: given the size that ran out of memory, the size to try next, or ``None`` to give up.
+Schedule = Callable[[int], "int | None"]
+
+
+def powers_of_two(failed: int) -> int | None:
+    """Return the largest power of two below ``failed``: the default schedule.
+
+    500 → 256, 512 → 256, 513 → 512; ``None`` after 1, below which there is
+    nothing to try.
+
+    Args:
+        failed (int): the size that ran out of memory.
+
+    Returns:
+        int or None: the next size, or ``None`` to give up.
+
+    Example::
+
+        >>> import koila_retry as koila
+        >>> [koila.powers_of_two(size) for size in (500, 512, 513, 1)]
+        [256, 256, 512, None]
+
+    .. versionadded:: 0.1.0
+    """
+    return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
+
+
+class scaled:  # named like a function: a strategy, called like the schedules it stands beside
+    """A schedule that multiplies the size that failed by ``factor``, rounded down.
+
+    ``scaled(0.5)`` halves (toma's schedule), ``scaled(0.9)`` takes 90%
+    (accelerate's). When the product rounds down to 0, it gives up.
+
+    Args:
+        factor (float): strictly between 0 and 1.
+
+    Raises:
+        TypeError: if ``factor`` is not a number.
+        ValueError: if ``factor`` is not strictly between 0 and 1.
+
+    Example::
+
+        >>> import koila_retry as koila
+        >>> schedule = koila.scaled(0.9)
+        >>> schedule(128), schedule(1)
+        (115, None)
+
+    .. versionadded:: 0.1.0
+    """
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"factor must be a number, got {type(factor).__name__} {factor!r}")
+        if not 0 < factor < 1:
+            raise ValueError(f"factor must be strictly between 0 and 1, got {factor}")
+        self.factor = float(factor)
+
+    def __call__(self, failed: int) -> int | None:
+        return int(failed * self.factor) or None
+
+    def __repr__(self) -> str:
+        return f"scaled({self.factor})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, scaled) and other.factor == self.factor
+
+    def __hash__(self) -> int:
+        return hash((scaled, self.factor))
+
+
+class Options(TypedDict, total=False):
+    """The keyword options every front end takes; :ref:`options` describes each.
+
+    .. versionadded:: 0.1.0
+    """
+
+    minimum: int
+    cache: SizeCache | None
+    max_attempts: int | None
+    on_oom: OnOOM | None
+    device: DeviceLike
+    grow: bool
+    grow_after: int
+    sync: bool | None
+    group: Any
+    schedule: Schedule
+
+
+_NAMES = frozenset(Options.__annotations__)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The options of one front end, checked once: what the engine needs to run its calls.
+
+    Front ends make it with :meth:`of`, from the ``initial`` they take and
+    the shared :class:`Options`.
+
+    Attributes:
+        initial (int or None): the first size; ``None`` lets each call bring
+            its own (the rows it was given).
+        minimum (int): the smallest size to try.
+        cache (SizeCache or None): where sizes are kept; ``None`` for the front
+            end's default.
+        max_attempts (int or None): the most attempts of a call, or of a step.
+        on_oom (callable or None): told of every out-of-memory failure.
+        device (torch.device or None): the device the calls use, when fixed.
+        grow (bool): whether to grow back after a reduction.
+        grow_after (int): successes in a row before growing.
+        sync (bool or None): whether the ranks agree; ``None``: when a group runs.
+        group (ProcessGroup or None): the ranks that agree.
+        schedule (callable): the size after one that failed.
+    """
+
+    initial: int | None
+    minimum: int = 1
+    cache: SizeCache | None = None
+    max_attempts: int | None = None
+    on_oom: OnOOM | None = None
+    device: torch.device | None = None
+    grow: bool = False
+    grow_after: int = DEFAULT_GROW_AFTER
+    sync: bool | None = None
+    group: Any = None
+    schedule: Schedule = powers_of_two
+
+    @classmethod
+    def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any]) -> Policy:
+        """Check a front end's options and return them as a policy.
+
+        Args:
+            front_end (str): how errors name the front end (``"koila.batch"``).
+            initial (int or None): the first size, or ``None`` for the rows of each call.
+            options (Mapping): the keyword options the caller gave (see :class:`Options`).
+
+        Returns:
+            Policy: the checked options.
+
+        Raises:
+            TypeError: if an option is unknown or has the wrong type.
+            ValueError: if an option is out of range.
+        """
+        unknown = sorted(set(options) - _NAMES)
+        if unknown:
+            raise TypeError(
+                f"{front_end}() got an unexpected keyword argument {unknown[0]!r}; "
+                f"its options are initial and {', '.join(sorted(_NAMES))}"
+            )
+        return cls(initial=initial, **options)
+
+    def __post_init__(self) -> None:
+        distributed.check_sync(self.sync)
+        distributed.check_group(self.group)
+        if self.initial is not None:
+            _positive_int("initial", self.initial)
+        _positive_int("minimum", self.minimum)
+        if self.initial is not None and self.minimum > self.initial:
+            raise ValueError(f"minimum ({self.minimum}) must not exceed initial ({self.initial})")
+        if self.max_attempts is not None:
+            _positive_int("max_attempts", self.max_attempts)
+        if self.cache is not None and not isinstance(self.cache, SizeCache):
+            raise TypeError(
+                "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or "
+                f"another SizeCache), got {type(self.cache).__name__}"
+            )
+        if self.on_oom is not None and not callable(self.on_oom):
+            raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
+        if not isinstance(self.grow, bool):
+            raise TypeError(f"grow must be a bool, got {type(self.grow).__name__} {self.grow!r}")
+        _positive_int("grow_after", self.grow_after)
+        if not callable(self.schedule):
+            raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
+        if self.device is not None and not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", resolve_device(self.device))
+
+    def next_size(self, failed: int, attempt: int, name: str) -> int | None:
+        """Return the size to try after ``failed`` ran out of memory on attempt ``attempt``, or ``None``.
+
+        The schedule proposes; the policy keeps it within bounds: never below
+        ``minimum`` (a proposal below is raised to it), nothing after
+        ``minimum`` or after ``max_attempts`` attempts.
+
+        Args:
+            failed (int): the size that ran out of memory.
+            attempt (int): the number of the attempt that failed, from 1.
+            name (str): how an error names the function.
+
+        Returns:
+            int or None: the next size, or ``None`` to give up.
+
+        Raises:
+            ValueError: if the schedule returns a size that does not shrink, or is not a size.
+        """
+        if self.max_attempts is not None and attempt >= self.max_attempts:
+            return None
+        if failed <= self.minimum:
+            return None
+        size = self.schedule(failed)
+        if size is None:
+            return None
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < failed:
+            # An endless loop (a size that does not shrink) or a size no call can use.
+            raise ValueError(
+                f"{name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
+                f"it must return an int from 1 to {failed - 1} (raised to the minimum, {self.minimum}, "
+                "if below it), or None to give up"
+            )
+        return max(size, self.minimum)

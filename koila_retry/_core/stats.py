@@ -1,0 +1,106 @@
+"""What a wrapper tells those who watch it: an event per out-of-memory failure, and counters."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from koila_retry._common.counter import Counter
+
+__all__ = ["OOMEvent", "OnOOM", "Stats"]
+
+
+@dataclass(frozen=True)
+class OOMEvent:
+    """What an ``on_oom`` hook is told about one out-of-memory failure.
+
+    It never holds the exception: an exception's traceback would keep the failed
+    attempt's tensors alive.
+
+    Attributes:
+        function (str): the qualified name of the decorated function or block.
+        batch_size (int): the size that ran out of memory.
+        next_batch_size (int or None): the size tried next, ``None`` if the call
+            gives up and raises :class:`BatchSizeExhausted`.
+        attempt (int): the number of the failed attempt within the call, from 1.
+        device (torch.device): the device the call runs on.
+        free_bytes (int): free memory on the device after releasing the failed
+            attempt's memory; ``-1`` if the device's memory cannot be read.
+        seconds (float): time spent in the failed attempt and the release.
+        where (str): the file, line and function where the error was raised:
+            the deepest frame outside koila_retry and PyTorch; for a rank that
+            retries because another rank ran out of memory, ``"rank 1"``.
+        rank (int or None): when ranks agree (see :doc:`distributed`), the
+            rank that ran out of memory, the lowest if several did; ``None``
+            in a process that agrees with no other.
+
+    .. versionadded:: 0.1.0
+    """
+
+    function: str
+    batch_size: int
+    next_batch_size: int | None
+    attempt: int
+    device: torch.device
+    free_bytes: int
+    seconds: float
+    where: str
+    rank: int | None = None
+
+
+OnOOM = Callable[[OOMEvent], object]
+
+
+class Stats:
+    """Counters of one decorated function, updated as it is called.
+
+    Attributes:
+        calls (int): calls started.
+        ooms (int): out-of-memory failures recovered from or given up on.
+        exhausted (int): calls that raised :class:`BatchSizeExhausted`.
+        batch_size (int): the size of the latest attempt.
+        seconds_lost (float): time spent in failed attempts and in releasing
+            their memory.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self.calls_counter = Counter()
+        self._lock = threading.Lock()
+        self.batch_size = batch_size
+        self.ooms = 0
+        self.exhausted = 0
+        self.seconds_lost = 0.0
+
+    @property
+    def calls(self) -> int:
+        return self.calls_counter.value
+
+    def record_oom(self, seconds: float, next_size: int | None) -> None:
+        """Count one out-of-memory failure and the time it cost."""
+        with self._lock:
+            self.ooms += 1
+            self.seconds_lost += seconds
+            if next_size is None:
+                self.exhausted += 1
+            else:
+                self.batch_size = next_size
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the counters as a dict, the failure counters read consistently."""
+        with self._lock:
+            return {
+                "calls": self.calls,
+                "ooms": self.ooms,
+                "exhausted": self.exhausted,
+                "batch_size": self.batch_size,
+                "seconds_lost": self.seconds_lost,
+            }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in self.as_dict().items())
+        return f"Stats({fields})"
