@@ -14,7 +14,8 @@ an out-of-memory error on one rank never leaves the other waiting in an all-redu
 At the end, the parameters of both ranks are gathered and compared: they must be
 identical, as in any DDP training.
 
-With koila-retry installed (``pip install -e .`` in a clone), run::
+With koila-retry installed from a clone, as the README says
+(``pip install -c constraints.txt '.[progress,plot]'``), run::
 
     torchrun --nproc_per_node=2 examples/ddp_train.py
 

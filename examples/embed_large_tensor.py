@@ -12,10 +12,11 @@ are compared with a plain loop that had all the memory it wanted.
 The model and the inputs are made before the simulated device, so its limit is the
 memory left for the pass itself: each chunk's activations, and the results.
 
-With koila-retry installed (``pip install -e .`` in a clone), run::
+With koila-retry installed from a clone, as the README says
+(``pip install -c constraints.txt '.[progress,plot]'``), run::
 
     python examples/embed_large_tensor.py
-    python examples/embed_large_tensor.py --progress   # needs: pip install 'koila-retry[progress]'
+    python examples/embed_large_tensor.py --progress   # a progress bar: the progress extra
     python examples/embed_large_tensor.py --rows 20000 --memory 4.5MiB --initial 1024
 """
 
@@ -67,9 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         "--memory", default="36MiB", help="the simulated memory left for the pass (default: %(default)s)"
     )
     parser.add_argument("--initial", type=int, default=8192, help="the first chunk size (default: %(default)s)")
-    parser.add_argument(
-        "--progress", action="store_true", help="show a progress bar; needs pip install 'koila-retry[progress]'"
-    )
+    parser.add_argument("--progress", action="store_true", help="show a progress bar; needs tqdm (the progress extra)")
     args = parser.parse_args(argv)
 
     # The first simulated device of a process makes PyTorch import its compiler stack, which

@@ -6,7 +6,8 @@ The first batch size does not fit, so koila-retry releases the failed attempt's
 memory and tries the next smaller power of two until one fits. The outputs are then
 compared with a run that had all the memory it wanted.
 
-With koila-retry installed (``pip install -e .`` in a clone), run::
+With koila-retry installed from a clone, as the README says
+(``pip install -c constraints.txt '.[progress,plot]'``), run::
 
     python examples/evaluate_in_batches.py
 """

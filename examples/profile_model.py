@@ -10,7 +10,8 @@ Four looks at one small classifier on a simulated device the size of a small GPU
 4. The ``BatchSizeExhausted`` error of a step that cannot fit at any batch size: its
    message names what holds the memory and what one sample needs.
 
-With koila-retry installed (``pip install -e .`` in a clone), run::
+With koila-retry installed from a clone, as the README says
+(``pip install -c constraints.txt '.[progress,plot]'``), run::
 
     python examples/profile_model.py
 """

@@ -18,7 +18,8 @@ The model and the data are made before the simulated device, so its limit is the
 for the training itself: the batch, its activations, the gradients and the optimizer's
 momentum.
 
-With koila-retry installed (``pip install -e .`` in a clone), run::
+With koila-retry installed from a clone, as the README says
+(``pip install -c constraints.txt '.[progress,plot]'``), run::
 
     python examples/train_with_accumulation.py
     python examples/train_with_accumulation.py --memory 3MiB --batch 512 --epochs 10

@@ -8,6 +8,18 @@ or split a training step into micro-batches with the full batch's gradient with
 running it, with :func:`estimate` and :func:`suggest_batch_size`.
 """
 
+import typing as _typing
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # Imported without numpy, torch warns "Failed to initialize NumPy" (pytorch#115638), though it
+    # needs numpy only to convert tensors to and from arrays, which koila-retry never does. That
+    # warning, and only it, is kept out of the first import of torch, when this is the first.
+    _warnings.filterwarnings(
+        "ignore", message="Failed to initialize NumPy: No module named 'numpy'", category=UserWarning
+    )
+    import torch as _torch  # noqa: F401
+
 from koila_retry._core.cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
 from koila_retry._core.detect import is_oom
 from koila_retry._core.disk import DiskCache
@@ -62,4 +74,22 @@ __all__ = [
     "report",
     "scaled",
     "suggest_batch_size",
+    "testing",
 ]
+
+if _typing.TYPE_CHECKING:
+    from koila_retry import testing
+else:
+    # Submodules loaded when first used: ``koila.testing`` works without ``import koila_retry.testing``,
+    # and ``import koila_retry`` does not pay for it.
+    _LAZY = frozenset({"testing"})
+
+    def __getattr__(name: str) -> object:
+        if name in _LAZY:
+            import importlib
+
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})

@@ -1,14 +1,25 @@
-"""The command line: ``python -m koila_retry demo`` and ``python -m koila_retry estimate``."""
+"""The command line: ``koila-retry demo`` and ``koila-retry estimate``, or ``python -m koila_retry ...``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from koila_retry._cli import estimate as estimate_command
 from koila_retry._version import __version__
+
+
+def _prog() -> str:
+    """Return how the command was invoked, for its usage lines: ``koila-retry`` or ``python -m koila_retry``."""
+    # The console script runs with argv[0] the script's path (koila-retry.exe on Windows); under
+    # ``-m``, this file's path.
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if name.lower().removesuffix(".exe") == "koila-retry":
+        return "koila-retry"
+    return "python -m koila_retry"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,9 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         int: the exit status.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m koila_retry", description="koila-retry: OOM becomes a smaller batch."
-    )
+    prog = _prog()
+    parser = argparse.ArgumentParser(prog=prog, description="koila-retry: OOM becomes a smaller batch.")
     parser.add_argument("--version", action="version", version=f"koila-retry {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser("demo", help="train a small model in a simulated device that is too small for its batch")
@@ -36,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Build a model on the meta device and estimate the peak memory of its training step (or "
         "forward pass) at every batch size, without data and without allocating it. Exit status: 0 if some batch "
         "size fits, 1 if none does or the model failed, 2 for usage errors.",
-        epilog="example: python -m koila_retry estimate torchvision.models:resnet50 --input 3x224x224 --memory 24GiB",
+        epilog=f"example: {prog} estimate torchvision.models:resnet50 --input 3x224x224 --memory 24GiB",
     )
     estimate_command.configure(estimate)
     args = parser.parse_args(argv)

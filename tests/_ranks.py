@@ -675,6 +675,77 @@ def exhausted_everywhere(rank: int, world: int) -> dict[str, Any]:
     return {"batch": batch, "seen": seen, "accumulate": accumulate, "grads": grads(model), "rows": model[2].rows}
 
 
+def _batch_fitting(minimum: int, fits: int) -> dict[str, Any]:
+    """koila.batch from 32 with ``minimum``, running out of memory above ``fits``."""
+    seen: list[int] = []
+
+    @koila.batch(initial=32, minimum=minimum, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        seen.append(batch_size)
+        if batch_size > fits:
+            raise make_oom()
+        return batch_size
+
+    return {"outcome": caught(run), "seen": seen}
+
+
+def _accumulate_fitting(rank: int, world: int, minimum: int, fits: int) -> dict[str, Any]:
+    """koila.accumulate of a DDP step over 12 rows a rank with ``minimum``, out of memory above ``fits`` rows."""
+    model = injected_mlp()
+    ddp = DDP(model)
+    x_all, y_all = global_batch(world, 12, seed=110)
+    rows: list[int] = []
+
+    @koila.accumulate(minimum=minimum, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        if x.shape[0] > fits:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    return {
+        "outcome": caught(lambda: step(local(x_all, rank, 12), local(y_all, rank, 12))),
+        "rows": rows,
+        "grads": grads(model),
+        "expected": full_grads(model, lambda m: F.mse_loss(m(x_all), y_all)),
+    }
+
+
+@scenario("two", "three")
+def minimums_differ(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has minimum=6, the others minimum=1; the last rank runs out of memory above 6, then above 2."""
+    minimum = 6 if rank == 0 else 1
+    everything = 1 << 20
+    outcome = {
+        "batch fits 6": _batch_fitting(minimum, 6 if rank == world - 1 else everything),
+        "batch fits 2": _batch_fitting(minimum, 2 if rank == world - 1 else everything),
+        # The rank with the largest minimum fails at it: every rank gives up, as with one minimum.
+        "batch largest fails": _batch_fitting(minimum, 0 if rank == 0 else everything),
+        "accumulate fits 6": _accumulate_fitting(rank, world, minimum, 6 if rank == world - 1 else everything),
+        "accumulate fits 2": _accumulate_fitting(rank, world, minimum, 2 if rank == world - 1 else everything),
+    }
+
+    # accumulate's size is the rows when no initial is given: the others' 2 rows do not take rank 0 below 6.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).to(DTYPE)
+    rows: list[int] = []
+
+    @koila.accumulate(minimum=minimum, cache=koila.NoCache())
+    def short(x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return model(x).sum()
+
+    outcome["accumulate rows"] = {
+        "outcome": caught(lambda: short(data(12 if rank == 0 else 2, 3, seed=120))),
+        "rows": rows,
+    }
+
+    # An initial below another rank's minimum leaves no size that suits every rank: refused on every rank.
+    refused = koila.batch(initial=32 if rank == 0 else 4, minimum=minimum, cache=koila.NoCache())(lambda size: size)
+    outcome["initial below"] = caught(refused)
+    return outcome
+
+
 # --------------------------------------------------------------------------- 7. different spans
 
 

@@ -57,6 +57,37 @@ def test_iterating_without_with_is_an_error() -> None:
             pass
 
 
+def test_entering_an_attempt_inside_its_own_block_is_an_error() -> None:
+    tried: list[int] = []
+    with pytest.raises(RuntimeError, match=r"attempt 1 \(batch size 8\) is already inside `with attempt:`"):
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+            with attempt:
+                tried.append(attempt.batch_size)
+                with attempt:  # once, an OOM here was swallowed by the inner block and the outer one "succeeded"
+                    raise make_oom()
+    assert tried == [8]
+    assert attempt.stats.ooms == 0
+
+
+def test_entering_an_attempt_again_after_its_block_is_an_error() -> None:
+    tried: list[int] = []
+    with pytest.raises(RuntimeError, match=r"attempt 1 \(batch size 8\) already ran its block, which ran out of"):
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+            with attempt:
+                tried.append(attempt.batch_size)
+                raise make_oom()
+            with attempt:  # once, this block's success hid the first one's OOM: size 8 "fitted"
+                tried.append(attempt.batch_size)
+    assert tried == [8]
+
+    with pytest.raises(RuntimeError, match=r"already ran its block, which succeeded"):
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+            with attempt:
+                pass
+            with attempt:
+                pass
+
+
 def _run_block(tried: list[int]) -> int:
     fits = oom_above(10)
     for attempt in koila.attempts(initial=64):

@@ -126,6 +126,146 @@ def test_method_recovers_from_oom() -> None:
     assert Model().run() == 8
 
 
+class Renamed:
+    """Methods whose first parameter is not called self."""
+
+    @koila.batch(initial=32)
+    def run(this, batch_size: int, x: int) -> tuple[object, int, int]:
+        return this, batch_size, x
+
+    @koila.batch(initial=8)
+    async def fetch(this, batch_size: int) -> tuple[object, int]:
+        return this, batch_size
+
+
+class Subclass(Renamed):
+    def run(self, x: int) -> tuple[object, int, int]:
+        return super().run(x + 1)  # type: ignore[no-any-return]
+
+
+def test_a_method_gets_the_size_after_its_instance_whatever_its_first_parameter_is_called() -> None:
+    model = Renamed()
+    assert model.run(1) == (model, 32, 1)
+    assert Subclass().run(1)[1:] == (32, 2)
+    assert asyncio.run(model.fetch()) == (model, 8)
+    assert inspect.iscoroutinefunction(model.fetch)
+    assert list(inspect.signature(model.run).parameters) == ["x"]
+
+
+def test_a_method_looked_up_on_its_class_takes_the_instance_first() -> None:
+    model = Renamed()
+    assert Renamed.run(model, 1) == (model, 32, 1)
+    assert list(inspect.signature(Renamed.run).parameters) == ["this", "x"]
+
+
+def test_a_decorated_function_attached_to_a_class_later_is_bound_as_a_method() -> None:
+    fits = oom_above(4)
+
+    def run(self: object, batch_size: int, x: int) -> tuple[object, int, int]:
+        fits(batch_size)
+        return self, batch_size, x
+
+    class Model:
+        pass
+
+    Model.run = koila.batch(initial=16)(run)  # type: ignore[attr-defined]
+    model = Model()
+    assert model.run(2) == (model, 4, 2)  # type: ignore[attr-defined]
+    assert model.run.stats.ooms == 2  # type: ignore[attr-defined]
+
+
+def test_binding_decides_where_the_size_goes_not_parameter_names() -> None:
+    def pair(first: object, second: object) -> tuple[object, object]:
+        return first, second
+
+    wrapped = koila.batch(initial=8)(pair)
+
+    class Holder:
+        method = wrapped
+
+    holder = Holder()
+    assert wrapped("plain") == (8, "plain")  # called as it is: the size goes first
+    assert holder.method() == (holder, 8)  # bound: after the instance
+
+
+def test_classmethods_and_staticmethods_under_the_decorator() -> None:
+    class Factory:
+        @koila.batch(initial=16)
+        @classmethod
+        def build(klass, batch_size: int) -> tuple[type, int]:
+            return klass, batch_size
+
+        @koila.batch(initial=4)
+        @staticmethod
+        def helper(batch_size: int, x: int) -> tuple[int, int]:
+            return batch_size, x
+
+    assert Factory.build() == (Factory, 16)
+    assert Factory().build() == (Factory, 16)
+    assert Factory.helper(2) == (4, 2)
+    assert Factory().helper(3) == (4, 3)
+    assert Factory().build.stats.calls == 2
+
+
+def test_the_bound_form_shares_the_stats_and_the_cache() -> None:
+    fits = oom_above(2)
+
+    class Model:
+        @koila.batch(initial=8)
+        def run(self, batch_size: int) -> int:
+            fits(batch_size)
+            return batch_size
+
+    model = Model()
+    assert model.run() == 2
+    assert model.run.stats is Model.run.stats is Model.__dict__["run"].stats
+    assert (model.run.stats.calls, model.run.stats.ooms) == (1, 2)
+    assert model.run.cache_info().currsize == 1
+    model.run.cache_clear()
+    assert Model.__dict__["run"].cache_info().currsize == 0
+
+
+def test_a_method_without_a_parameter_after_its_instance_is_refused_when_bound() -> None:
+    class Model:
+        @koila.batch(initial=8)
+        def run(self) -> object:
+            return self
+
+    with pytest.raises(TypeError, match=r"run\(\) is called through an instance .* no second positional parameter"):
+        Model().run()
+
+
+def test_a_method_under_a_simulated_device_settles_on_a_size_that_fits() -> None:
+    torch.manual_seed(0)
+
+    class Scorer:
+        def __init__(self) -> None:
+            self.model = nn.Linear(256, 1024)
+
+        @koila.batch(initial=1024, cache=koila.NoCache())
+        def score(me, batch_size: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():  # each part's output: batch_size x 1024 floats, 4 MiB at 1024 rows
+                return sum(me.model(part).sum() for part in data.split(batch_size))
+
+    scorer = Scorer()
+    data = torch.randn(1024, 256)
+    with simulated_device("3MiB"):
+        total = scorer.score(data)
+    assert torch.allclose(total, scorer.model(data).sum(), rtol=1e-4)
+    assert (scorer.score.stats.ooms, scorer.score.stats.batch_size) == (1, 512)
+
+
+def test_a_module_level_wrapper_pickles_by_name() -> None:
+    import pickle
+
+    assert pickle.loads(pickle.dumps(picklable)) is picklable
+
+
+@koila.batch(initial=2)
+def picklable(batch_size: int) -> int:
+    return batch_size
+
+
 def test_async_function() -> None:
     fits = oom_above(20)
     tried: list[int] = []

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
+import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -379,3 +383,125 @@ def test_a_larger_initial_at_the_same_call_site_is_not_held_back() -> None:
     for initial in (32, 256):
         sizes.append(koila.range(lambda begin, end: end - begin, 0, 1000, initial=initial)[0])
     assert sizes == [32, 256]
+
+
+# -- what comes out of a cache, and what goes in -------------------------------------------------
+
+
+class Answers(koila.GlobalCache):
+    """A cache that keeps its sizes elsewhere, and answers ``value`` for every key."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+
+    def lookup(self, key: object) -> Any:
+        return self.value
+
+
+@pytest.mark.parametrize("value", [2.5, True, "x", 0, -3, 1.0, [4]], ids=repr)
+def test_a_looked_up_value_that_is_not_a_size_is_ignored_with_one_warning(value: object) -> None:
+    tried: list[object] = []
+    fits = oom_above(4)
+
+    @koila.batch(initial=8, cache=Answers(value))
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    with pytest.warns(UserWarning, match="a batch size is an int >= 1") as record:
+        assert [run(), run()] == [4, 4]
+    assert tried == [8, 4, 8, 4]  # every call starts as if nothing were stored
+    assert all(type(size) is int for size in tried)
+    assert len(record) == 1  # once per cache: the second call says nothing
+    message = str(record[0].message)
+    assert repr(value) in message
+    assert repr(run.__wrapped__) in message  # type: ignore[attr-defined]  # the key: GlobalCache's is the function
+    assert record[0].filename == __file__  # the line that called
+
+
+def test_a_looked_up_int_subclass_is_its_number() -> None:
+    class Size(enum.IntEnum):
+        SMALL = 2
+
+    tried: list[object] = []
+
+    @koila.batch(initial=8, cache=Answers(Size.SMALL))
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        return batch_size
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run() == 2
+    assert type(tried[0]) is int
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (2.5, TypeError, "a batch size must be an int, got float 2.5 for key 'k'"),
+        (True, TypeError, "a batch size must be an int, got bool True for key 'k'"),
+        ("x", TypeError, "a batch size must be an int, got str 'x' for key 'k'"),
+        (None, TypeError, "a batch size must be an int, got NoneType None for key 'k'"),
+        (0, ValueError, "a batch size must be >= 1, got 0 for key 'k'"),
+        (-3, ValueError, "a batch size must be >= 1, got -3 for key 'k'"),
+    ],
+    ids=repr,
+)
+def test_storing_what_is_not_a_size_is_refused(
+    cache_name: str, make_cache: Callable[..., koila.SizeCache], value: object, error: type[Exception], message: str
+) -> None:
+    cache = make_cache()
+    if cache_name not in REMEMBERING:
+        cache["k"] = value  # type: ignore[assignment]  # NoCache keeps nothing, whatever it is given
+        assert len(cache) == 0
+        return
+    with pytest.raises(error, match=re.escape(message)):
+        cache["k"] = value  # type: ignore[assignment]
+    assert "k" not in cache
+
+
+def test_an_int_subclass_is_stored_as_its_number() -> None:
+    class Size(enum.IntEnum):
+        SMALL = 2
+
+    cache = koila.GlobalCache()
+    cache["k"] = Size.SMALL
+    assert type(cache["k"]) is int
+    assert cache["k"] == 2
+
+
+def test_contract_pop_and_popitem(cache_name: str, make_cache: Callable[..., koila.SizeCache]) -> None:
+    cache = make_cache()
+    if cache_name not in REMEMBERING:
+        return
+    first, second = _some_key(cache_name, "first"), _some_key(cache_name, "second")
+    cache[first], cache[second] = 4, 2
+    assert cache.pop(first) == 4
+    assert cache.pop(first, None) is None
+    with pytest.raises(KeyError):
+        cache.pop(first)
+    assert cache.popitem() == (second, 2)
+    with pytest.raises(KeyError, match="is empty"):
+        cache.popitem()
+    assert cache.lookup(first) is None  # a size popped is not remembered as the latest either
+
+
+def test_contract_reading_a_key_keeps_it_and_looking_does_not(
+    cache_name: str, make_cache: Callable[..., koila.SizeCache]
+) -> None:
+    if cache_name not in REMEMBERING:
+        return
+    a, b, c, d = (_some_key(cache_name, name) for name in "abcd")
+    cache = make_cache(maxsize=2)
+    cache[a], cache[b] = 1, 2
+    assert cache[a] == 1  # used: now b is the least recently used
+    cache[c] = 3
+    assert sorted(cache) == sorted([a, c])
+    assert b not in cache
+    assert a in cache  # looking is not using: a stays the least recently used
+    assert dict(cache.items()) == {a: 1, c: 3}
+    cache[d] = 4
+    assert sorted(cache) == sorted([c, d])

@@ -471,7 +471,7 @@ def test_split_and_join_along_other_dims(dim: int) -> None:
 
 def test_non_tensor_arguments_reach_every_call_unchanged() -> None:
     config = {"scale": 3}
-    items = [torch.ones(1)]  # a list of tensors is not a tensor argument: passed as is
+    items = [torch.ones(1)]  # one row broadcasts: the list passes as it is
     seen: list[tuple[object, object, float]] = []
 
     def fn(rows: torch.Tensor, cfg: dict[str, int], extra: list[torch.Tensor], offset: float) -> torch.Tensor:
@@ -566,7 +566,7 @@ def test_tensors_of_different_sizes_name_both_arguments() -> None:
         calls.append(1)
         return a
 
-    with pytest.raises(ValueError, match=r"same size along dim 0: argument 0 has 10, argument 2 has 7"):
+    with pytest.raises(ValueError, match=r"same size along dim 0 .*: the tensor a has 10, the tensor args\[2\] has 7"):
         koila.chunked(fn, torch.zeros(10), "x", torch.zeros(7))
     assert calls == []
 
@@ -576,7 +576,7 @@ def test_keyword_tensor_of_different_size_is_named() -> None:
     def fn(a: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
         return a
 
-    with pytest.raises(ValueError, match=r"argument 0 has 10, argument 'mask' has 9"):
+    with pytest.raises(ValueError, match=r"the tensor a has 10, the tensor mask has 9"):
         fn(torch.zeros(10), mask=torch.zeros(9))
 
 
@@ -588,14 +588,27 @@ def test_no_tensor_argument() -> None:
 @pytest.mark.parametrize("dim", [2, -3, 5])
 def test_dim_out_of_range_for_an_input(dim: int) -> None:
     with pytest.raises(
-        ValueError, match=rf"dim {dim} is out of range for argument 0 of shape \(4, 3\); allowed: \[-2, 1\]"
+        ValueError, match=rf"dim {dim} is out of range for the tensor r of shape \(4, 3\); allowed: \[-2, 1\]"
     ):
         koila.chunked(lambda r: r, torch.zeros(4, 3), dim=dim)
 
 
-def test_zero_dim_tensor_argument_cannot_be_split() -> None:
-    with pytest.raises(ValueError, match=r"argument 1 of shape \(\); allowed: none: it is 0-dimensional"):
-        koila.chunked(lambda r, t: r * t, torch.zeros(4), torch.tensor(2.0))
+def test_zero_dim_tensor_argument_passes_whole() -> None:
+    scale = torch.tensor(2.0)
+    seen: list[torch.Tensor] = []
+
+    def fn(r: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return r * t
+
+    assert torch.equal(koila.chunked(fn, torch.arange(4.0), scale, initial=2), torch.arange(4.0) * 2)
+    assert len(seen) == 2
+    assert all(t is scale for t in seen)
+
+
+def test_only_zero_dim_tensors_have_no_rows() -> None:
+    with pytest.raises(ValueError, match=r"along dim 0, and every tensor is 0-dimensional \(got \['Tensor'\]\)"):
+        koila.chunked(lambda t: t, torch.tensor(2.0))
 
 
 def test_dim_out_of_range_for_a_result() -> None:
@@ -606,16 +619,33 @@ def test_dim_out_of_range_for_a_result() -> None:
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda r: 3, r"fn returned int at the result; koila.chunked joins results along dim 0"),
-        (lambda r: {"name": "alice", "x": r}, r"fn returned str at the result\['name'\]"),
-        (lambda r: (r, [r, 1.5]), r"fn returned float at the result\[1\]\[1\]"),
-        (lambda r: r.tolist(), r"fn returned float at the result\[0\]"),
+        (lambda r: 3, r"fn returned int at the result for the chunk from row 0; koila.chunked joins tensors"),
+        (lambda r: r.tolist(), r"fn returned float at the result\[0\] for the chunk from row 0"),
+        (lambda r: {"name": "alice"}, r"fn returned str at the result\['name'\]"),
     ],
-    ids=["int", "dict-str", "nested-float", "list-of-floats"],
+    ids=["int", "list-of-floats", "dict-str"],
 )
-def test_non_tensor_result_names_the_type_and_place(build: Callable[[torch.Tensor], Any], message: str) -> None:
+def test_a_result_without_a_tensor_names_the_type_and_place(build: Callable[[torch.Tensor], Any], message: str) -> None:
     with pytest.raises(TypeError, match=message):
         koila.chunked(build, torch.arange(4.0), initial=2)
+
+
+def test_other_objects_beside_tensors_come_back_as_none_with_a_warning() -> None:
+    class Cache:  # stands in for a model's key-value cache
+        pass
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"logits": rows * 2, "past_key_values": Cache(), "extra": (rows, [rows, 1.5])}
+
+    with pytest.warns(UserWarning, match=r"the result\['past_key_values'\] \(Cache\), the result\['extra'\]\[1\]\[1\]"):
+        result = koila.chunked(fn, torch.arange(4.0), initial=2)
+    assert result["past_key_values"] is None
+    assert result["extra"][1][1] is None
+    assert torch.equal(result["logits"], torch.arange(4.0) * 2)
+    assert torch.equal(result["extra"][1][0], torch.arange(4.0))
+    # Rows that fit in one chunk come back as fn returned them.
+    whole = koila.chunked(fn, torch.arange(4.0), initial=4)
+    assert isinstance(whole["past_key_values"], Cache)
 
 
 def test_zero_dim_result() -> None:
@@ -640,7 +670,7 @@ def test_non_tensor_result_from_a_later_chunk_names_the_place() -> None:
     def fn(rows: torch.Tensor) -> dict[str, Any]:
         return {"a": rows} if next(calls) == 0 else {"a": 3}
 
-    with pytest.raises(TypeError, match=r"fn returned int at the result\['a'\]"):
+    with pytest.raises(TypeError, match=r"fn returned int at the result\['a'\] for the chunk from row 4"):
         koila.chunked(fn, torch.arange(5.0), initial=4)
 
 
@@ -697,9 +727,88 @@ def test_out_with_a_different_structure() -> None:
         koila.chunked(lambda r: (r, r), torch.zeros(4), out=torch.zeros(4))
 
 
-def test_out_when_fn_returns_other_row_counts() -> None:
-    with pytest.raises(ValueError, match=r"fn returned 1 rows along dim 0 for a chunk of 2; out= needs one"):
-        koila.chunked(lambda r: r[:1], torch.zeros(4), initial=2, out=torch.zeros(4))
+@pytest.mark.parametrize("out", [None, torch.zeros(4)], ids=["joined", "out"])
+def test_a_result_with_other_rows_than_its_chunk_is_refused(out: torch.Tensor | None) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"shape \(1,\) .* at the result for rows 0 to 2: it has 1 rows along dim 0, and koila.chunked needs "
+        r"one result row per input row, 2 here",
+    ):
+        koila.chunked(lambda r: r[:1], torch.zeros(4), initial=2, out=out)
+
+
+def test_a_later_chunk_with_other_rows_is_refused_too() -> None:
+    with pytest.raises(ValueError, match=r"\['b'\] for rows 2 to 4: it has 3 rows"):
+        koila.chunked(lambda r: {"a": r, "b": torch.zeros(2 if r[0] == 0 else 3)}, torch.arange(4), initial=2)
+
+
+def test_out_of_another_shape_is_a_value_error_before_torch_sees_it() -> None:
+    with pytest.raises(ValueError, match=r"at the result for rows 0 to 2, and out needs the shape \(2, 3\) and"):
+        koila.chunked(lambda r: r.repeat(1, 2), torch.zeros(4, 2), initial=2, out=torch.zeros(4, 3))
+
+
+def test_out_is_not_filled_by_broadcasting() -> None:
+    out = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match=r"shape \(2, 1\) .* out needs the shape \(2, 3\)"):
+        koila.chunked(lambda r: r, torch.ones(4, 1), initial=2, out=out)
+    assert not out.any()
+
+
+def test_out_takes_dtypes_that_cast_safely_and_refuses_others() -> None:
+    wide = koila.chunked(lambda r: r * 2, torch.arange(4.0), initial=2, out=torch.zeros(4, dtype=torch.float64))
+    assert wide.dtype == torch.float64
+    assert wide.tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(
+        ValueError, match=r"dtype torch.float32 .* out needs the dtype it can be cast to \(2,\) and torch.int64"
+    ):
+        koila.chunked(lambda r: r * 2, torch.arange(4.0), initial=2, out=torch.zeros(4, dtype=torch.long))
+
+
+def test_chunks_of_another_dtype_than_the_first_are_refused() -> None:
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return rows.double() if rows[0] > 0 else rows
+
+    with pytest.raises(ValueError, match=r"dtype torch.float64 .* the result of the first chunk needs"):
+        koila.chunked(fn, torch.arange(4.0), initial=2)
+
+
+def test_the_result_is_written_as_the_chunks_come_so_the_end_needs_no_second_copy() -> None:
+    """Ten chunks of 1 MiB results on a 12 MiB device: joining them at the end would need 20 MiB."""
+    x = torch.arange(10 * 2**18, dtype=torch.float32).reshape(10, 2**18)  # 1 MiB a row, made outside
+    calls: list[int] = []
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2
+
+    with simulated_device("12MiB") as device:
+        result = koila.chunked(double, x, initial=1, cache=koila.NoCache())
+        peak = device.peak
+    assert calls == [1] * 10  # no chunk failed, none was run again
+    assert torch.equal(result, x * 2)
+    assert peak <= 11 * 2**20  # the result and one chunk's
+
+
+def test_a_result_that_cannot_be_allocated_is_said_after_the_first_chunk() -> None:
+    x = torch.zeros(10, 2**18)  # 1 MiB a row
+    calls: list[int] = []
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2
+
+    with simulated_device("6MiB"), pytest.raises(torch.OutOfMemoryError) as info:
+        koila.chunked(double, x, initial=2, cache=koila.NoCache())
+    assert calls == [2]
+    message = str(info.value)
+    assert "koila.chunked cannot allocate its result: 10 rows (10.00 MiB on cpu)" in message
+    assert "Pass out= a tensor with room for every row, on the CPU" in message
+    assert not isinstance(info.value, koila.BatchSizeExhausted)
+    # With out= on the host, the same pass runs.
+    out = torch.empty(10, 2**18)
+    with simulated_device("6MiB"):
+        koila.chunked(double, x, initial=2, cache=koila.NoCache(), out=out)
+    assert torch.equal(out, x * 2)
 
 
 def test_out_given_to_the_decorator_factory() -> None:
@@ -1499,3 +1608,23 @@ def test_an_oom_inside_a_model_is_placed_at_the_layer_not_in_pytorch_machinery()
     assert events
     where = events[0].where
     assert f"{os.sep}torch{os.sep}nn{os.sep}" in where, where
+
+
+def test_keyword_tensors_in_the_call_form_are_split_and_options_stay_options() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def encode(input_ids: torch.Tensor, attention_mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        seen.append((len(input_ids), len(attention_mask)))
+        return input_ids * attention_mask * scale
+
+    ids, mask = torch.arange(10.0), torch.ones(10)
+    result = koila.chunked(encode, input_ids=ids, attention_mask=mask, scale=2.0, initial=4, cache=koila.NoCache())
+    assert torch.equal(result, ids * 2)
+    assert seen == [(4, 4), (4, 4), (2, 2)]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
+        koila.chunked(minimun=4)  # no function: a misspelt option is still refused
+
+
+def test_range_call_form_passes_keywords_to_every_call() -> None:
+    calls = koila.range(lambda begin, end, tag: (begin, end, tag), 0, 5, initial=2, tag="x")
+    assert calls == [(0, 2, "x"), (2, 4, "x"), (4, 5, "x")]

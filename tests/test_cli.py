@@ -73,6 +73,27 @@ def test_demo_settles_and_later_epochs_come_from_the_cache(demo: subprocess.Comp
     assert "straight from the cache" in epochs[1][2]
 
 
+def test_the_readmes_first_command_prints_no_warning_without_numpy(tmp_path: Path) -> None:
+    """Without numpy, importing torch warned "Failed to initialize NumPy" before the demo's first line (issue 18).
+
+    The base install has no numpy: a module named numpy that cannot be imported stands in for
+    its absence, and ``-W error`` turns any warning into a failure.
+    """
+    (tmp_path / "numpy.py").write_text('raise ModuleNotFoundError("No module named \'numpy\'", name="numpy")\n')
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "koila_retry", "demo"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "PYTHONWARNINGS": "error"},
+        cwd=tmp_path,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "Cache: 2 hits" in result.stdout
+
+
 def test_demo_with_too_little_memory_for_the_model_reports_an_error_without_traceback() -> None:
     """Regression: building the model raised torch.OutOfMemoryError, which main() let through as a traceback."""
     result = run_cli("demo", "--memory", "1KiB")
@@ -434,7 +455,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "64MiB", "--plot", str(png)
     )
     assert status == 2
-    assert err == "error: --plot needs matplotlib: pip install koila-retry[plot]\n"
+    assert err == "error: --plot needs matplotlib: pip install matplotlib (koila-retry's plot extra)\n"
     assert out == ""
     assert not png.exists()
 
@@ -552,6 +573,32 @@ def test_help_lists_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert re.search(r"^ +demo +", out, re.MULTILINE)
     assert re.search(r"^ +estimate +", out, re.MULTILINE)
+
+
+def test_usage_names_the_command_as_it_was_invoked(tmp_path: Path) -> None:
+    """``koila-retry --help`` said ``usage: python -m koila_retry`` (issue 18)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # What pip writes for the console script of setup.py: a file named koila-retry that calls main().
+    assert "koila-retry=koila_retry.__main__:main" in (REPO / "setup.py").read_text(encoding="utf-8")
+    script = tmp_path / "koila-retry"
+    script.write_text("import sys\nfrom koila_retry.__main__ import main\nsys.exit(main())\n")
+    for command, prog in (([str(script)], "koila-retry"), (["-m", "koila_retry"], "python -m koila_retry")):
+        for args, usage in ((["--help"], f"usage: {prog} "), (["estimate", "--help"], f"usage: {prog} estimate ")):
+            shown = subprocess.run(
+                [sys.executable, *command, *args], capture_output=True, text=True, env=env, timeout=240, check=False
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert shown.stdout.startswith(usage), shown.stdout
+        wrong = subprocess.run(
+            [sys.executable, *command, "demo", "--memory", "notasize"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+            check=False,
+        )
+        assert wrong.returncode == 2
+        assert wrong.stderr.splitlines()[-1].startswith(f"{prog}: error: cannot read 'notasize'"), wrong.stderr
 
 
 def test_estimate_in_a_subprocess_imports_from_the_current_directory(models_folder: Path) -> None:

@@ -203,6 +203,34 @@ def test_more_out_of_memory_errors_are_recognised_than_by_accelerate() -> None:
     assert not compat.should_reduce_batch_size(ValueError("out of memory."))
 
 
+# accelerate's device types (its test_utils's torch_device), out-of-tree backends, and Gaudi.
+BACKEND_MESSAGES = [
+    *(
+        f"{device.upper()} out of memory. Tried to allocate 2.00 GiB."
+        for device in ("cuda", "hip", "xpu", "npu", "mlu", "musa", "sdaa", "hpu", "neuron", "mps", "cpu")
+    ),
+    "CPU out of memory.",  # what accelerate's own tests raise without a GPU
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::1073741824 (1024)MB",
+]
+
+
+@pytest.mark.parametrize("message", BACKEND_MESSAGES)
+def test_every_backend_message_accelerate_recognises_is_recognised(message: str) -> None:
+    original = pytest.importorskip("accelerate.utils.memory")
+    assert original.should_reduce_batch_size(RuntimeError(message))
+    assert compat.should_reduce_batch_size(RuntimeError(message))
+    tried: list[int] = []
+
+    def train(batch_size: int) -> int:
+        tried.append(batch_size)
+        if batch_size > 10:
+            raise RuntimeError(message)
+        return batch_size
+
+    assert compat.find_executable_batch_size(train, starting_batch_size=12)() == 10
+    assert tried == [12, 10]
+
+
 def test_a_method_receives_the_size_after_self() -> None:
     class Trainer:
         @compat.find_executable_batch_size(starting_batch_size=16)

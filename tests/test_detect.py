@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
 
 import koila_retry as koila
+from koila_retry._core.detect import MAX_CAUSES
+from koila_retry.testing import make_oom, simulated_device
 
 # Messages as PyTorch and its backends print them (see FACTS.md), one per failure mode.
 OOM_ERRORS = {
@@ -41,6 +48,13 @@ OOM_ERRORS = {
         "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
     ),
     "cudnn alloc": RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    "hip kernel launch": RuntimeError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported"),
+    # Out-of-tree backends, and what accelerate's own tests raise on a machine without a GPU.
+    "ascend npu": RuntimeError("NPU out of memory. Tried to allocate 20.00 MiB (NPU 0; 60.97 GiB total capacity)"),
+    "cambricon mlu": RuntimeError("MLU out of memory. Tried to allocate 2.00 GiB (MLU 0; 31.88 GiB total capacity)"),
+    "moore threads musa": RuntimeError("MUSA out of memory. Tried to allocate 1.00 GiB."),
+    "accelerate's fake cpu": RuntimeError("CPU out of memory."),
+    "intel gaudi": RuntimeError("FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::1073741824 (1024)MB"),
     "batch size exhausted": koila.BatchSizeExhausted("nothing fits", batch_size=1, attempts=3),
 }
 
@@ -53,6 +67,10 @@ NOT_OOM_ERRORS = {
     "system exit": SystemExit(1),
     "runtime error without args": RuntimeError(),
     "runtime error with non-str arg": RuntimeError(42),
+    # accelerate counts any " out of memory." in a RuntimeError; a device name in capitals is asked for here.
+    "a sentence that is no device's": RuntimeError("the data loader's worker ran out of memory."),
+    "device message in a ValueError": ValueError("NPU out of memory."),
+    "gaudi message in a ValueError": ValueError("FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed"),
 }
 
 
@@ -83,3 +101,123 @@ def test_subclass_of_runtime_error_with_oom_message_counts() -> None:
 def test_non_exception_is_rejected() -> None:
     with pytest.raises(TypeError, match="takes an exception, got str"):
         koila.is_oom("CUDA out of memory")  # type: ignore[arg-type]
+
+
+# --- errors chained to an out-of-memory error -------------------------------------------
+
+
+def _raise_from(cause: BaseException | None, error: BaseException) -> BaseException:
+    """Return ``error`` as Python leaves it after ``raise error from cause``."""
+    try:
+        raise error from cause
+    except BaseException as raised:  # KeyboardInterrupt is one of the cases
+        return raised
+
+
+def _raise_while_handling(handled: BaseException, error: BaseException) -> BaseException:
+    """Return ``error`` as Python leaves it when raised inside ``except`` of ``handled``."""
+    try:
+        try:
+            raise handled
+        except BaseException:
+            raise error  # noqa: B904 - an implicit context is what is tested
+    except BaseException as raised:
+        return raised
+
+
+def test_an_error_raised_from_an_oom_is_oom() -> None:
+    wrapped = _raise_from(make_oom(), RuntimeError("forward failed"))
+    assert koila.is_oom(wrapped)
+    assert koila.is_oom(_raise_from(wrapped, ValueError("step 3 failed")))  # two links
+    assert koila.is_oom(_raise_from(make_oom("cpu"), ValueError("could not run the model")))
+
+
+def test_an_error_raised_while_handling_an_oom_is_not_oom() -> None:
+    # Logging the OOM failed: that failure is a different one, and retrying would hide it.
+    during = _raise_while_handling(make_oom(), RuntimeError("could not write the log"))
+    assert during.__context__ is not None
+    assert koila.is_oom(during.__context__)
+    assert not koila.is_oom(during)
+    # ``from None`` leaves the context in place, and suppressed; still no OOM.
+    suppressed = _raise_from(None, ValueError("no model"))
+    assert suppressed.__suppress_context__
+    assert not koila.is_oom(_raise_while_handling(make_oom(), suppressed))
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(1), GeneratorExit()], ids=type)
+def test_an_interrupt_raised_from_an_oom_is_not_oom(error: BaseException) -> None:
+    assert not koila.is_oom(_raise_from(make_oom(), error))
+
+
+def test_a_cycle_of_causes_ends() -> None:
+    first, second = RuntimeError("first"), RuntimeError("second")
+    first.__cause__, second.__cause__ = second, first
+    assert not koila.is_oom(first)
+    first.__cause__ = first
+    assert not koila.is_oom(first)
+
+
+def test_causes_are_followed_to_a_bounded_depth() -> None:
+    def chain(links: int) -> BaseException:
+        error: BaseException = make_oom()
+        for index in range(links):
+            error = _raise_from(error, RuntimeError(f"wrapper {index}"))
+        return error
+
+    assert koila.is_oom(chain(MAX_CAUSES))
+    assert not koila.is_oom(chain(MAX_CAUSES + 1))
+
+
+@given(st.lists(st.sampled_from(["cause", "context"]), max_size=8))
+def test_only_explicit_causes_lead_to_an_oom(links: list[str]) -> None:
+    error: BaseException = make_oom()
+    for index, link in enumerate(links):
+        wrapper = RuntimeError(f"wrapper {index}")
+        error = _raise_from(error, wrapper) if link == "cause" else _raise_while_handling(error, wrapper)
+    assert koila.is_oom(error) == all(link == "cause" for link in links)
+
+
+def test_batch_retries_a_real_oom_the_user_wrapped() -> None:
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1))
+    inputs = torch.randn(256, 64)
+    sizes: list[int] = []
+
+    @koila.batch(initial=256, cache=koila.NoCache())
+    def predict(batch_size: int) -> int:
+        sizes.append(batch_size)
+        try:
+            with torch.no_grad():
+                for start in range(0, len(inputs), batch_size):
+                    model(inputs[start : start + batch_size])
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError(f"forward failed at batch size {batch_size}") from error
+        return batch_size
+
+    with simulated_device("1MiB"):
+        fitted = predict()
+    assert fitted < 256
+    assert sizes[-1] == fitted
+    assert len(sizes) > 1
+
+
+def test_giving_up_on_a_wrapped_oom_keeps_the_oom_without_its_frames() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        activations = torch.ones(batch_size, 1024)
+        refs.append(weakref.ref(activations))
+        try:
+            raise make_oom()
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError("forward failed") from error
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        run()
+    wrapper = excinfo.value.__cause__
+    assert isinstance(wrapper, RuntimeError)
+    assert str(wrapper) == "forward failed"
+    assert isinstance(wrapper.__cause__, torch.OutOfMemoryError)
+    assert (wrapper.__traceback__, wrapper.__cause__.__traceback__) == (None, None)
+    assert (wrapper.__context__, wrapper.__cause__.__context__) == (None, None)
+    assert [ref() for ref in refs] == [None, None]

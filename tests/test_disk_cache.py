@@ -6,14 +6,16 @@ import contextlib
 import functools
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from koila_retry.testing import oom_above, simulated_device
 ROOT = str(Path(koila.__file__).resolve().parent.parent)
 CPU = torch.device("cpu")
 FORMAT = "koila-retry size cache"
+T = TypeVar("T")
 
 
 def _content(path: Path) -> dict[str, Any]:
@@ -215,6 +218,10 @@ NOT_OURS = {
         "is not a koila-retry size cache",
     ),
     "not text": (b"\xff\xfe\x00binary\x80", "cannot be read"),
+    "nested too deeply": (
+        b"[" * 100_000 + b"]" * 100_000,
+        r"is not valid JSON \(nested deeper than Python.s parser goes\)",
+    ),
 }
 
 
@@ -296,7 +303,7 @@ def test_bad_entries_are_dropped_and_good_ones_kept(tmp_path: Path) -> None:
 def test_a_folder_at_the_path_is_warned_about(tmp_path: Path) -> None:
     path = tmp_path / "sizes.json"
     path.mkdir()
-    with pytest.warns(koila.CacheFileWarning, match="cannot be read"):
+    with pytest.warns(koila.CacheFileWarning, match="is a folder, not a regular file"):
         cache = koila.DiskCache(path)
     cache["key"] = 2
     assert cache["key"] == 2
@@ -481,7 +488,9 @@ def test_a_deleted_key_is_deleted_from_the_file(tmp_path: Path) -> None:
     cache = koila.DiskCache(path)
     cache["old"] = 8
     cache["kept"] = 4
+    cache["popped"] = 1
     del cache["old"]
+    assert cache.pop("popped") == 1
     cache["new"] = 2
     assert dict(koila.DiskCache(path).items()) == {"kept": 4, "new": 2}
 
@@ -491,6 +500,149 @@ def test_repr_names_the_path(tmp_path: Path) -> None:
     cache["key"] = 2
     path = str(tmp_path / "sizes.json")
     assert repr(cache) == f"DiskCache(maxsize=4, currsize=1, hits=0, misses=0, path={path!r})"
+
+
+# -- links and special files ----------------------------------------------------------------------
+
+
+def _reducing(cache: koila.SizeCache) -> Callable[[], int]:
+    """A function that runs out of memory above 16 rows, from 128."""
+    fits = oom_above(16)
+
+    @koila.batch(initial=128, cache=cache)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    return run
+
+
+def _without_hanging(work: Callable[[], T], fifo: Path) -> T:
+    """Return ``work()``, run in a thread; fail if it waits on ``fifo`` for a writer instead."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            results.append(work())
+        except BaseException as exc:  # pragma: no cover - only on failure
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(60)  # a guard against hanging for ever, not a measure of speed
+    if thread.is_alive():  # pragma: no cover - only on failure
+        # Opening a FIFO for reading waits for a writer: be one, so that the thread ends.
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join()
+        pytest.fail(f"DiskCache waited for a writer to the FIFO {fifo}")
+    if errors:  # pragma: no cover - only on failure
+        raise errors[0]
+    return results[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="symbolic links")
+@pytest.mark.parametrize("existing", [True, False], ids=["target", "dangling"])
+def test_a_symlink_is_followed_and_its_target_replaced(tmp_path: Path, existing: bool) -> None:
+    shared = tmp_path / "shared"
+    target = shared / "sizes.json"
+    if existing:
+        koila.DiskCache(target)["stored elsewhere"] = 8
+        target.chmod(0o644)  # readable by the others who share it
+    link = tmp_path / "sizes.json"
+    link.symlink_to(target)
+    with no_warnings():
+        cache = koila.DiskCache(link)
+        assert dict(cache.items()) == ({"stored elsewhere": 8} if existing else {})
+        assert _reducing(cache)() == 16
+    assert link.is_symlink()
+    assert os.readlink(link) == str(target)
+    assert list(_sizes(target))[-1].startswith("_reducing.<locals>.run (")
+    assert list(_sizes(target).values()) == ([8, 16] if existing else [16])
+    assert sorted(os.listdir(tmp_path)) == ["shared", "sizes.json"]  # nothing written beside the link
+    assert _leftovers(shared, target.name) == []
+    if existing:
+        assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_is_never_opened_nor_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "sizes.json"
+    os.mkfifo(fifo)
+    with pytest.warns(koila.CacheFileWarning, match=r"is a FIFO \(named pipe\), not a regular file") as record:
+        cache = _without_hanging(lambda: koila.DiskCache(fifo), fifo)
+    assert len(record) == 1
+    run = _reducing(cache)
+    with no_warnings():
+        assert run() == 16
+        assert run() == 16  # remembered in memory
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert os.listdir(tmp_path) == ["sizes.json"]
+
+
+def _device_node(tmp_path: Path) -> Path:
+    """Return a character device to give DiskCache, where no mistake of the cache could do harm."""
+    null = os.stat("/dev/null") if os.path.exists("/dev/null") else None
+    if null is None or not stat.S_ISCHR(null.st_mode):
+        pytest.skip("no /dev/null")
+    node = tmp_path / "sizes.json"
+    with contextlib.suppress(AttributeError, OSError):  # mknod needs root (or CAP_MKNOD)
+        os.mknod(node, stat.S_IFCHR | 0o600, null.st_rdev)  # the null device, in a folder of ours
+        return node
+    if os.geteuid() == 0:
+        pytest.skip("no device node can be made here, and /dev/null itself would be at risk as root")
+    return Path("/dev/null")  # not root: nothing in /dev can be replaced or made, whatever the cache tried
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX devices")
+def test_a_device_node_is_never_replaced(tmp_path: Path) -> None:
+    node = _device_node(tmp_path)
+    device = os.stat(node).st_rdev
+    with pytest.warns(koila.CacheFileWarning, match="is a character device, not a regular file"):
+        cache = koila.DiskCache(node)
+    run = _reducing(cache)
+    with no_warnings():
+        assert run() == 16
+        assert run() == 16  # remembered in memory
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+    assert os.stat(node).st_rdev == device
+    if node.parent == tmp_path:
+        assert os.listdir(tmp_path) == [node.name]  # no lock file, no temporary file
+
+
+@pytest.mark.parametrize("spoil", ["nested too deeply", "FIFO", "unexpected error"])
+def test_a_file_spoilt_after_the_cache_was_made_never_costs_a_call_its_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spoil: str
+) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["first"] = 8
+    if spoil == "nested too deeply":
+        path.write_bytes(NOT_OURS[spoil][0])
+        reason = r"is not valid JSON \(nested deeper than Python.s parser goes\)"
+    elif spoil == "FIFO":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("POSIX FIFOs")
+        path.unlink()
+        os.mkfifo(path)
+        reason = r"is a FIFO \(named pipe\)"
+    else:
+
+        def unexpected(*args: object) -> None:
+            raise RuntimeError("an error nobody expected")
+
+        monkeypatch.setattr(disk, "_store", unexpected)
+        reason = "cannot write the size cache file .*RuntimeError: an error nobody expected"
+    before = os.lstat(path)
+    run = _reducing(cache)
+    with pytest.warns(koila.CacheFileWarning, match=reason) as record:
+        assert _without_hanging(run, path) == 16  # the call that stores its size returns it
+    assert len(record) == 1
+    with no_warnings():
+        assert run() == 16  # remembered in memory, without another warning
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_size) == (before.st_ino, before.st_mode, before.st_size)
+    assert cache["first"] == 8
 
 
 # -- the key ------------------------------------------------------------------------------------

@@ -861,15 +861,15 @@ def test_bad_suggest_options_are_named(options: dict[str, Any], error: type[Exce
 def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
     """The functions initial="auto" estimated, one entry per estimate."""
     seen: list[Callable[..., Any]] = []
-    real = estimate.estimate
+    real = estimate.estimate_batch
 
     def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
         seen.append(fn)
         return real(fn, *args, **kwargs)
 
     # Both front ends imported the function by name.
-    monkeypatch.setattr(accumulate, "estimate", counting)
-    monkeypatch.setattr(chunked, "estimate", counting)
+    monkeypatch.setattr(accumulate, "estimate_batch", counting)
+    monkeypatch.setattr(chunked, "estimate_batch", counting)
     return seen
 
 
@@ -1128,11 +1128,11 @@ def takes_two(a: torch.Tensor, b: torch.Tensor | None = None) -> None:
     ("call", "error", "shown"),
     [
         (lambda: koila.estimate(takes_two, 3), ValueError, "none of the arguments is a tensor"),
-        (lambda: koila.estimate(takes_two, torch.ones(3, 2), b=torch.ones(4, 2)), ValueError, "argument ['b'] has 4"),
-        (lambda: koila.estimate(takes_two, torch.ones(3, 2), torch.ones(4, 2)), ValueError, "argument 0 has 3"),
+        (lambda: koila.estimate(takes_two, torch.ones(3, 2), b=torch.ones(4, 2)), ValueError, "tensor b has 4"),
+        (lambda: koila.estimate(takes_two, torch.ones(3, 2), torch.ones(4, 2)), ValueError, "tensor a has 3"),
         (lambda: koila.estimate(takes_two, torch.ones(3, 2), dim=2), ValueError, "dim 2 is out of range"),
         (lambda: koila.estimate(takes_two, torch.ones(3, 2), dim=-3), ValueError, "allowed: [-2, 1]"),
-        (lambda: koila.estimate(takes_two, torch.tensor(1.0)), ValueError, "0-dimensional"),
+        (lambda: koila.estimate(takes_two, torch.tensor(1.0)), ValueError, "every tensor is 0-dimensional"),
         (lambda: koila.estimate(takes_two, torch.ones(0, 2)), ValueError, "0 rows"),
         (lambda: koila.estimate(takes_two, torch.ones(3, 2), sizes=[4]), ValueError, "at least two"),
         (lambda: koila.estimate(takes_two, torch.ones(3, 2), sizes=[4, 4]), ValueError, "at least two"),
@@ -1149,10 +1149,9 @@ def test_bad_arguments_are_named(call: Callable[[], object], error: type[Excepti
 
 
 def test_rows_are_compared_inside_containers() -> None:
-    with pytest.raises(ValueError, match="every tensor argument must have the same size") as info:
+    with pytest.raises(ValueError, match="every tensor that is split must have the same size") as info:
         koila.estimate(takes_two, [torch.ones(3, 2), {"k": torch.ones(5, 2)}])
-    assert "argument [0][0] has 3" in str(info.value)
-    assert "argument [0][1]['k'] has 5" in str(info.value)
+    assert "the tensor a[0] has 3, the tensor a[1]['k'] has 5" in str(info.value)
 
 
 def test_real_tensor_requiring_grad_reached_outside_a_module_is_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -25,6 +26,30 @@ def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
     assert completed.returncode == 0, completed.stderr
     return completed
+
+
+def _readme_install_line() -> str:
+    """The install part of the README's set-up command, ``pip install ... && python -m koila_retry demo``."""
+    readme = (ROOT / "README.rst").read_text(encoding="utf-8")
+    found = re.findall(r"^ +(pip install .+?) && python -m koila_retry demo$", readme, re.MULTILINE)
+    assert len(found) == 1, found
+    return str(found[0])
+
+
+def test_the_readme_installs_what_its_examples_use_with_the_constraints() -> None:
+    install = _readme_install_line()
+    # progress=True and --plot need the extras; the constraints pin the CPU build of torch.
+    assert install == "pip install -c constraints.txt '.[progress,plot]'"
+    # The README's and the quickstart's Install sections give the same line.
+    assert (ROOT / "README.rst").read_text(encoding="utf-8").count(install) == 2
+    assert install in (ROOT / "docs" / "quickstart.rst").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in (ROOT / "examples").glob("*.py")))
+def test_every_example_gives_the_readmes_install_line(script: str) -> None:
+    docstring = ast.get_docstring(ast.parse((ROOT / "examples" / script).read_text(encoding="utf-8")))
+    assert docstring is not None, f"examples/{script} has no docstring"
+    assert f"``{_readme_install_line()}``" in docstring
 
 
 @pytest.mark.slow
@@ -113,3 +138,18 @@ def test_ddp_train_ranks_agree_and_stay_identical() -> None:
     assert settled.group(1) == settled.group(2)
     assert 1 <= int(settled.group(1)) < 512
     assert "Parameters identical on all ranks: True." in output
+
+
+@pytest.mark.slow
+def test_finetune_transformer_weighs_tokens_and_matches() -> None:
+    pytest.importorskip("transformers")
+    completed = _run_example("finetune_transformer.py", "--steps", "4")
+    output = completed.stdout
+    # The padded batches do not fit whole: steps run in micro-batches.
+    sizes = [int(size) for size in re.findall(r"micro-batches of (\d+) rows", output)]
+    assert len(sizes) == 4, output
+    assert min(sizes) < 32, output
+    assert re.search(r"[1-9]\d* out-of-memory errors over 4 steps", output), output
+    # With weight=, each split step is the whole batch's token mean, and training follows it.
+    assert "Losses match the whole batches' at every step: True" in output
+    assert "Parameters match whole-batch training: True" in output

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -167,3 +169,46 @@ def test_a_schedule_must_shrink_within_the_range(returned: object) -> None:
 def test_a_schedule_must_be_callable() -> None:
     with pytest.raises(TypeError, match="schedule must be callable, got int 3"):
         run_with_schedule(3)
+
+
+# --------------------------------------------------------------------------- initial=None
+
+
+@pytest.mark.parametrize("front_end", [koila.batch, koila.attempts])
+def test_initial_none_is_refused_where_the_rows_are_unknown(front_end: Any) -> None:
+    name = front_end.__name__
+    with pytest.raises(TypeError, match=rf"koila.{name}\(\) got initial=None: .* koila.{name} is not given"):
+        front_end(initial=None)
+
+
+def test_initial_none_runs_every_index_of_a_range_at_once() -> None:
+    spans: list[tuple[int, int]] = []
+
+    def span(begin: int, end: int) -> int:
+        spans.append((begin, end))
+        fits(end - begin)
+        return end - begin
+
+    fits = oom_above(1000)
+    assert koila.range(span, 0, 1000, initial=None) == [1000]
+    fits = oom_above(300)
+    assert koila.range(span, 0, 1000, initial=None, cache=koila.NoCache()) == [256, 256, 256, 232]
+    assert spans[1:3] == [(0, 1000), (0, 512)]  # then 256 from the start of the range that failed
+
+
+def test_initial_none_runs_every_row_of_a_chunked_call_at_once() -> None:
+    sizes: list[int] = []
+
+    @koila.chunked(initial=None)
+    def double(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(x))
+        return x * 2
+
+    assert torch.equal(double(torch.ones(1000)), torch.full((1000,), 2.0))
+    assert sizes == [1000]
+
+
+def test_policy_of_takes_none_only_from_front_ends_that_know_the_rows() -> None:
+    assert Policy.of("koila.chunked", None, {}, rows=True).initial is None
+    with pytest.raises(TypeError, match=r"koila.x\(\) got initial=None"):
+        Policy.of("koila.x", None, {})

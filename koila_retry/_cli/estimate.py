@@ -44,7 +44,7 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
-PLOT_MISSING = "--plot needs matplotlib: pip install koila-retry[plot]"
+PLOT_MISSING = "--plot needs matplotlib: pip install matplotlib (koila-retry's plot extra)"
 
 _META = torch.device("meta")
 

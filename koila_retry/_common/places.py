@@ -1,23 +1,47 @@
-"""Where code lives: this package, PyTorch, code that ``torch.compile`` generated, and the user's."""
+"""Where code lives: this package, PyTorch, other libraries, code that ``torch.compile`` generated, and the user's."""
 
 from __future__ import annotations
 
 import os
+import site
 import sys
-from types import TracebackType
+import sysconfig
+from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["PACKAGE_DIR", "TORCH_DIR", "is_ours", "levels_to_caller", "where"]
+__all__ = ["PACKAGE_DIR", "TORCH_DIR", "is_ours", "is_users", "levels_to_caller", "where"]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_LIBRARY_DIRS = (PACKAGE_DIR + os.sep, TORCH_DIR + os.sep)
+# The command line's programs use the library as a user's code does: the demo's training
+# loop is named where a failure happened, as a user's would be.
+_APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAGE_DIR, "__main__.py"))
+# Inside PyTorch, the machinery between the user's call and the layer that allocated.
+_TORCH_MACHINERY = ("_", "utils", "autograd")
+
+
+def _installed() -> tuple[str, ...]:
+    """Return the folders of the standard library and of installed packages, each ending in a separator."""
+    paths = sysconfig.get_paths()
+    folders = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib") if name in paths}
+    folders.update(getattr(site, "getsitepackages", list)())
+    return tuple(sorted(os.path.abspath(folder) + os.sep for folder in folders if folder))
+
+
+_INSTALLED = _installed()
+_USER, _TORCH, _LIBRARY = "user", "torch", "library"
 
 
 def is_ours(filename: str) -> bool:
-    """Return whether ``filename`` is a module of this package (any of its subpackages)."""
-    return os.path.abspath(filename).startswith(PACKAGE_DIR + os.sep)
+    """Return whether ``filename`` is a module of this library (any subpackage but the command line's)."""
+    path = os.path.abspath(filename)
+    return path.startswith(PACKAGE_DIR + os.sep) and not path.startswith(_APPLICATIONS)
+
+
+def is_users(filename: str) -> bool:
+    """Return whether ``filename`` is the user's code: not a library's (this one, PyTorch, installed ones, Python's)."""
+    return _kind(filename) is _USER
 
 
 def levels_to_caller() -> int:
@@ -32,11 +56,15 @@ def where(tb: TracebackType | None) -> str:
     """Return ``"file:line in function"`` of the frame of a traceback worth naming.
 
     An out-of-memory error surfaces inside PyTorch (or the simulated device's
-    check), but the line worth naming is the user's that called it: the deepest
-    frame of the user's own code. Without one (``chunked(model, x)`` calls the
-    model from this package), the deepest frame of PyTorch's public modules (the
-    layer that allocated), not of its machinery (``torch/_dynamo``,
-    ``torch/utils``) or of this package.
+    check), but the line worth naming is the user's: the deepest frame of the
+    traceback that is neither this library's, nor PyTorch's, nor another
+    installed package's or the standard library's, nor code that
+    ``torch.compile`` generated. Without one, the deepest frame of PyTorch's
+    public modules (the layer that allocated, when ``chunked(model, x)`` calls
+    the model from this package), not of its machinery (``torch/_dynamo``,
+    ``torch/utils``, ``torch/autograd``). Without that either (``accumulate``
+    runs ``backward()`` for the user), the user's line that called into the
+    library: the first user's frame above the traceback's.
 
     Args:
         tb (TracebackType or None): the traceback, from its outermost frame.
@@ -45,17 +73,39 @@ def where(tb: TracebackType | None) -> str:
         str: the place, or ``"an unknown place"``.
     """
     deepest = users = torch_public = None
+    outermost = tb.tb_frame if tb is not None else None
     while tb is not None:
         code = tb.tb_frame.f_code
         deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
-        filename = code.co_filename
-        # Code that torch.compile generated (FX graphs, inductor's kernels) is not the user's.
-        if not filename.startswith(_LIBRARY_DIRS) and not _generated(filename):
+        kind = _kind(code.co_filename)
+        if kind is _USER:
             users = deepest
-        elif filename.startswith(_LIBRARY_DIRS[1]) and not filename[len(TORCH_DIR) + 1 :].startswith(("_", "utils")):
+        elif kind is _TORCH:
             torch_public = deepest
         tb = tb.tb_next
-    return users or torch_public or deepest or "an unknown place"
+    return users or torch_public or _callers(outermost) or deepest or "an unknown place"
+
+
+def _callers(frame: FrameType | None) -> str | None:
+    """Return the place of the first user's frame above ``frame``."""
+    frame = frame.f_back if frame is not None else None
+    while frame is not None:
+        code = frame.f_code
+        if _kind(code.co_filename) is _USER:
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def _kind(filename: str) -> str:
+    """Say whose code ``filename`` is: the user's, PyTorch's public modules', or a library's."""
+    if filename.startswith(PACKAGE_DIR + os.sep):
+        return _USER if filename.startswith(_APPLICATIONS) else _LIBRARY
+    if filename.startswith(TORCH_DIR + os.sep):
+        return _LIBRARY if filename[len(TORCH_DIR) + 1 :].startswith(_TORCH_MACHINERY) else _TORCH
+    if filename.startswith((*_INSTALLED, "<frozen ")) or _generated(filename):
+        return _LIBRARY
+    return _USER
 
 
 def _generated(filename: str) -> bool:

@@ -5,18 +5,30 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, MutableMapping
+from collections import OrderedDict
+from collections.abc import Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 from types import FrameType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import cachetools
 import torch
 
 from koila_retry._common.counter import Counter
+from koila_retry._common.places import levels_to_caller
 from koila_retry._core.memory import recent_free_memory
 
-__all__ = ["CacheInfo", "GlobalCache", "Growth", "NoCache", "SizeCache", "StackMemoryCache", "function_identity"]
+__all__ = [
+    "CacheInfo",
+    "GlobalCache",
+    "Growth",
+    "NoCache",
+    "SizeCache",
+    "StackMemoryCache",
+    "checked_size",
+    "function_identity",
+]
 
 
 def function_identity(function: object) -> tuple[str, int, str]:
@@ -59,6 +71,9 @@ def function_identity(function: object) -> tuple[str, int, str]:
         if code is None:
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
+
+
+_MISSING: Any = object()  # pop's default when none is given
 
 
 class CacheInfo(NamedTuple):
@@ -146,6 +161,11 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     least-recently-used cache of at most ``maxsize`` entries. One cache may be
     shared by several decorated functions: keys include the function.
 
+    Reads take no lock, so a cached call stays cheap; stores, deletions and
+    evictions take one. No operation fails because another thread changed the
+    cache meanwhile: ``pop(key, default)`` is atomic, and iteration and the
+    ``keys()``, ``items()`` and ``values()`` views are snapshots.
+
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
 
@@ -155,16 +175,24 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     .. versionadded:: 0.1.0
     """
 
+    _warned_size = False  # whether checked_size warned about a value of this cache
+
     def __init__(self, maxsize: int = 256) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
             raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        self._sizes: cachetools.LRUCache[Hashable, int] = cachetools.LRUCache(maxsize)
-        # Reads take no lock (a lock costs more than the rest of a cached call);
-        # writes, rare, do. cachetools' LRU survives a read racing a write.
+        self._maxsize = maxsize
+        # Readers (every cached call) take no lock, so they never add or remove a key: they
+        # read ``_sizes`` and move a key to the end of ``_order``, each one C call, atomic
+        # under the GIL. Writers, rare (after an OOM), hold the lock and change both, and
+        # evict with ``popitem``, which no reader's move can interrupt (iterating could).
+        self._sizes: dict[Hashable, int] = {}
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._hits = Counter()
         self._misses = Counter()
-        self._recent: tuple[Hashable, int | None] | None = None
+        # The latest key looked up and its size, in a one-item list that writers replace
+        # whole after every change (see lookup).
+        self._recent: list[tuple[Hashable, int | None] | None] = [None]
         #: When the sizes kept here grow back (see :class:`Growth`).
         self.growth = Growth(maxsize)
 
@@ -192,27 +220,35 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         """Return the size stored under ``key``, counting a hit or a miss."""
         # A loop calls from the same place again and again: answer a repeat of the
         # latest key without the LRU's bookkeeping. One tuple, replaced whole, so a
-        # racing thread sees either the old pair or the new one.
+        # racing thread sees either the old pair or the new one. It goes into the list
+        # read first: a writer that changed a size since then has put a new list in its
+        # place, so a pair read before the change is never remembered after it.
         # Misses are remembered too: a function that never runs out of memory stores
         # nothing (see Attempt.__exit__), and is asked about on every call.
-        recent = self._recent
+        remembered = self._recent
+        recent = remembered[0]
         if recent is not None and recent[0] == key:
             if recent[1] is None:
                 self._misses.increment()
             else:
                 self._hits.increment()
             return recent[1]
-        try:
-            size = self._sizes[key]
-        except KeyError:
-            fallback = self._fallback(key)
-            if fallback is None:
+        size = self._sizes.get(key)
+        if size is None:
+            size = self._fallback(key)
+            if size is None:
                 self._misses.increment()
-                self._recent = (key, None)
+                remembered[0] = (key, None)
                 return None
-            self[key] = size = fallback  # later calls find it directly
+            self[key] = size  # later calls find it directly
+        else:
+            # try/except, not contextlib.suppress: making its context manager would double a lookup's cost.
+            try:  # noqa: SIM105
+                self._order.move_to_end(key)  # most recently used
+            except KeyError:
+                pass  # a writer removed it meanwhile
         self._hits.increment()
-        self._recent = (key, size)
+        remembered[0] = (key, size)
         return size
 
     def _fallback(self, key: Hashable) -> int | None:
@@ -222,33 +258,97 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     def cache_info(self) -> CacheInfo:
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
-            return CacheInfo(self._hits.value, self._misses.value, int(self._sizes.maxsize), len(self._sizes))
+            return CacheInfo(self._hits.value, self._misses.value, self._maxsize, len(self._sizes))
 
     def cache_clear(self) -> None:
         """Forget every size and reset the hit and miss counts."""
         with self._lock:
-            self._recent = None
             self._sizes.clear()
+            self._order.clear()
+            self._recent = [None]
             self.growth.clear()
             self._hits, self._misses = Counter(), Counter()
 
     def __getitem__(self, key: Hashable) -> int:
-        return self._sizes[key]
+        size = self._sizes[key]
+        try:  # noqa: SIM105 (as in lookup)
+            self._order.move_to_end(key)  # most recently used
+        except KeyError:
+            pass  # a writer removed it meanwhile
+        return size
 
     def __setitem__(self, key: Hashable, size: int) -> None:
+        if type(size) is not int:
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"a batch size must be an int, got {type(size).__name__} {size!r} for key {key!r}")
+            size = int(size)  # an int subclass, such as an IntEnum member: keep the number
+        if size < 1:
+            raise ValueError(f"a batch size must be >= 1, got {size} for key {key!r}")
         with self._lock:
-            self._recent = None  # the insertion may evict the remembered key
-            self._sizes[key] = size
-            self._recent = (key, size)
+            sizes, order = self._sizes, self._order
+            if key in sizes:
+                order.move_to_end(key)
+            else:
+                while len(sizes) >= self._maxsize:
+                    del sizes[order.popitem(last=False)[0]]
+                order[key] = None
+            sizes[key] = size
+            self._recent = [(key, size)]  # after the change: the insertion may have evicted the last key
 
     def __delitem__(self, key: Hashable) -> None:
+        if self._discard(key) is None:
+            raise KeyError(key)
+
+    def pop(self, key: Hashable, default: Any = _MISSING, /) -> Any:
+        """Remove ``key`` and return its size; if it is missing, return ``default`` or raise KeyError.
+
+        Atomic: two threads popping one key never both find it, and neither raises.
+        """
+        size = self._discard(key)
+        if size is not None:
+            return size
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+
+    def _discard(self, key: Hashable) -> int | None:
+        """Remove ``key``; return its size, or ``None`` if it was not stored."""
         with self._lock:
-            self._recent = None
-            del self._sizes[key]
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                del self._order[key]
+            self._recent = [None]
+            return size
+
+    def popitem(self) -> tuple[Hashable, int]:
+        """Remove and return the earliest stored key and its size; raise KeyError if empty."""
+        while True:
+            with self._lock:
+                if not self._sizes:
+                    raise KeyError(f"{type(self).__name__} is empty")
+                key = next(iter(self._sizes))
+            size = self._discard(key)  # again through the hook that subclasses extend
+            if size is not None:
+                return key, size
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes  # looking is not using: the LRU order stays
+
+    def _snapshot(self) -> dict[Hashable, int]:
+        with self._lock:
+            return dict(self._sizes)
 
     def __iter__(self) -> Iterator[Hashable]:
-        with self._lock:
-            return iter(list(self._sizes))
+        return iter(self._snapshot())
+
+    def keys(self) -> KeysView[Hashable]:
+        return self._snapshot().keys()
+
+    def items(self) -> ItemsView[Hashable, int]:
+        return self._snapshot().items()
+
+    def values(self) -> ValuesView[int]:
+        return self._snapshot().values()
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -256,6 +356,35 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     def __repr__(self) -> str:
         hits, misses, maxsize, currsize = self.cache_info()
         return f"{type(self).__name__}(maxsize={maxsize}, currsize={currsize}, hits={hits}, misses={misses})"
+
+
+def checked_size(cache: SizeCache, key: Hashable, size: object) -> int | None:
+    """Return ``size`` if it can be a batch size (an int >= 1), else ``None``, warning once per cache.
+
+    The engine checks what a cache's :meth:`~SizeCache.lookup` returns with this
+    before using it: a subclass may keep sizes anywhere, and a corrupt value must
+    cost a call its cached start, never the call itself.
+
+    Args:
+        cache (SizeCache): the cache ``size`` came from.
+        key (Hashable): the key it was found under, named in the warning.
+        size (object): what the cache returned.
+
+    Returns:
+        int or None: the size, or ``None`` to start as if nothing were stored.
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+        return int(size)  # an int subclass too, such as an IntEnum member
+    if not cache._warned_size:  # a cache that returns junk for every key would warn on every call
+        cache._warned_size = True
+        warnings.warn(
+            f"koila_retry: ignoring {size!r} ({type(size).__name__}), returned by {type(cache).__name__} for the "
+            f"key {key!r}: a batch size is an int >= 1. The call starts as if nothing were stored; further values "
+            "of this cache that are not sizes are ignored without a warning.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
+    return None
 
 
 class StackMemoryCache(SizeCache):
@@ -326,7 +455,7 @@ class StackMemoryCache(SizeCache):
             return None
         head, bucket, tail = key[:2], key[2], key[3:]
         for more in range(1, self.fallback_buckets + 1):
-            size = self._sizes.get((*head, bucket + more, *tail))
+            size = self.get((*head, bucket + more, *tail))
             if size is not None:
                 return size
         return None

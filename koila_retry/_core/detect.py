@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # The plain-RuntimeError messages PyTorch and its backends raise when memory runs out.
@@ -14,11 +16,21 @@ OOM_MESSAGES: tuple[str, ...] = (
     "DefaultCPUAllocator: not enough memory",  # Windows
     "MPS backend out of memory",
     "CUDA error: out of memory",  # kernel-launch path, outside the caching allocator
+    "HIP error: out of memory",  # the same on ROCm
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     # cuDNN reports a workspace it could not allocate as "not supported".
     "CUDNN_STATUS_NOT_SUPPORTED",
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",  # Intel Gaudi (HPU)
 )
+
+# Out-of-tree backends copy the caching allocator's sentence with their own device name:
+# "NPU out of memory." (Ascend), "MLU out of memory." (Cambricon), "MUSA out of memory.".
+# The name must be a word in capitals, so "the worker ran out of memory." is not one.
+OOM_PATTERN = re.compile(r"\b[A-Z][A-Z0-9]* out of memory\.")
+
+# How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also loop.
+MAX_CAUSES = 32
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -26,10 +38,20 @@ def is_oom(exc: BaseException) -> bool:
 
     ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU, and :class:`BatchSizeExhausted`)
     always counts. A plain ``RuntimeError`` counts when its message is one of the
-    out-of-memory messages PyTorch raises as text: the CPU allocator on Linux and
-    Windows, MPS, ``CUDA error: out of memory``, cuBLAS and cuDNN allocation
-    failures. Nothing else does, ``KeyboardInterrupt`` and Python's own
+    out-of-memory messages PyTorch and its backends raise as text: the CPU
+    allocator on Linux and Windows, MPS, ``CUDA error: out of memory``, cuBLAS and
+    cuDNN allocation failures, Gaudi's device-memory allocation failure, and a
+    device name in capitals followed by ``out of memory.`` (``NPU out of
+    memory.``). Nothing else does, ``KeyboardInterrupt`` and Python's own
     ``MemoryError`` included.
+
+    An error raised *from* an out-of-memory error (``raise RuntimeError("forward
+    failed") from error``) counts too: its ``__cause__`` is followed, through up
+    to 32 links (a loop of causes ends there). An error that was merely raised *while handling*
+    one (its ``__context__``, such as a failure in an ``except`` block that logs
+    the out-of-memory error) is a different failure, and does not count. Neither
+    do ``KeyboardInterrupt``, ``SystemExit`` and the other exceptions that are not
+    an ``Exception``, whatever their cause.
 
     Args:
         exc (BaseException): the exception to classify.
@@ -52,7 +74,22 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, BaseException):
         raise TypeError(f"is_oom() takes an exception, got {type(exc).__name__} {exc!r}")
-    if not isinstance(exc, RuntimeError):
+    if not isinstance(exc, Exception):
+        return False  # an interrupt or an exit is never retried, whatever it was raised from
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and len(seen) <= MAX_CAUSES and id(link) not in seen:
+        if _says_out_of_memory(link):
+            return True
+        seen.add(id(link))
+        link = link.__cause__
+    return False
+
+
+def _says_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if not isinstance(exc, RuntimeError) or not exc.args or not isinstance(exc.args[0], str):
         return False
-    message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else ""
-    return any(text in message for text in OOM_MESSAGES)
+    message = exc.args[0]
+    return any(text in message for text in OOM_MESSAGES) or OOM_PATTERN.search(message) is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable, Hashable, Iterator
@@ -13,6 +14,7 @@ from typing import IO, Any
 
 import torch
 
+from koila_retry._common.places import levels_to_caller
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.memory import describe_device
 from koila_retry.exceptions import CacheFileWarning
@@ -26,6 +28,16 @@ __all__ = ["DiskCache"]
 
 _FORMAT = "koila-retry size cache"
 _VERSION = 1
+# Opening a FIFO for reading waits for a writer; without blocking it returns at once, and
+# the descriptor's type is checked before anything is read. (Windows has no FIFOs.)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_SPECIAL = (
+    (stat.S_ISDIR, "folder"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
 
 
 class DiskCache(SizeCache):
@@ -41,11 +53,15 @@ class DiskCache(SizeCache):
     is stored: merged with what other processes wrote meanwhile (under a lock
     file, ``<path>.lock``, where the platform has ``fcntl``), written to a
     temporary file beside it and renamed over it, so readers never see half a
-    file. A file that cannot be read, is not valid JSON or is not a koila-retry
-    cache is ignored with a :class:`CacheFileWarning` and never overwritten
-    (the path might name a file of yours); a file that cannot be written is
-    warned about once. Either way, sizes are then kept in memory only: the
-    cache never breaks the job it serves.
+    file. A symbolic link is followed: its target is the file read and
+    replaced (keeping its permissions), with the lock file beside it. Only a
+    regular file is read or replaced: a folder, FIFO, device
+    or socket at the path, a file that cannot be read, is not valid JSON or is
+    not a koila-retry cache is ignored with a :class:`CacheFileWarning` and never
+    overwritten (the path might name a file of yours); a file that cannot be
+    written is warned about once. Either way, sizes are then kept in memory
+    only: the cache never breaks the job it serves, and never costs a call
+    that succeeded its result.
 
     Args:
         path (str or os.PathLike): the JSON file. Its folder is made if missing.
@@ -66,10 +82,10 @@ class DiskCache(SizeCache):
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._writable = True
         self._dropped_warned = False
-        stored = self._read()
+        stored = self._read(self.path)
         if stored is not None:
             for key, size in list(stored.items())[-maxsize:]:
-                self._sizes[key] = size
+                SizeCache.__setitem__(self, key, size)  # in memory: the file has it already
 
     def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> str:
         filename, line, qualname = function_identity(function)
@@ -81,25 +97,33 @@ class DiskCache(SizeCache):
         if isinstance(key, str):
             self._update(lambda sizes: _store(sizes, key, size))
 
-    def __delitem__(self, key: Hashable) -> None:
-        super().__delitem__(key)
-        if isinstance(key, str):
+    def _discard(self, key: Hashable) -> int | None:
+        size = super()._discard(key)  # del, pop and popitem all come here
+        if size is not None and isinstance(key, str):
             self._update(lambda sizes: sizes.pop(key, None))
+        return size
 
     def cache_clear(self) -> None:
         """Forget every size, in memory and in the file, and reset the hit and miss counts."""
         super().cache_clear()
         self._update(lambda sizes: sizes.clear())
 
-    def _read(self) -> dict[str, int] | None:
-        """Return the sizes in the file; ``{}`` if there is none; ``None`` if it is not ours."""
+    def _read(self, path: str) -> dict[str, int] | None:
+        """Return the sizes in the file at ``path``; ``{}`` if there is none; ``None`` if it is not ours."""
         try:
-            with open(self.path, encoding="utf-8") as file:
-                text = file.read()
+            # Only a regular file is opened: opening a device may act on it (a tape rewinds).
+            kind = _special(os.stat(path).st_mode)
+            if kind is None:
+                with open(os.open(path, os.O_RDONLY | _NONBLOCK), encoding="utf-8") as file:
+                    kind = _special(os.fstat(file.fileno()).st_mode)  # in case one took its place since
+                    text = "" if kind is not None else file.read()
         except FileNotFoundError:
             return {}
         except (OSError, UnicodeDecodeError) as exc:
             self._refuse(f"cannot be read ({exc})")
+            return None
+        if kind is not None:
+            self._refuse(f"is a {kind}, not a regular file")
             return None
         if not text.strip():
             return {}  # an empty file, as `touch` leaves it: nothing stored yet
@@ -107,6 +131,9 @@ class DiskCache(SizeCache):
             content = json.loads(text)
         except ValueError as exc:
             self._refuse(f"is not valid JSON ({exc})")
+            return None
+        except RecursionError:
+            self._refuse("is not valid JSON (nested deeper than Python's parser goes)")
             return None
         if not _is_ours(content):
             self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})")
@@ -123,7 +150,7 @@ class DiskCache(SizeCache):
                 f"koila_retry: dropping {len(entries) - len(sizes)} entries of the size cache file {self.path} "
                 "that are not sizes (ints >= 1).",
                 CacheFileWarning,
-                stacklevel=4,
+                stacklevel=levels_to_caller(),
             )
         return sizes
 
@@ -133,7 +160,7 @@ class DiskCache(SizeCache):
             f"koila_retry: ignoring the size cache file {self.path}: it {reason}. It will not be "
             "overwritten; sizes are kept in memory only. Delete the file, or give DiskCache another path.",
             CacheFileWarning,
-            stacklevel=4,
+            stacklevel=levels_to_caller(),
         )
 
     def _update(self, change: Callable[[dict[str, int]], object]) -> None:
@@ -141,19 +168,30 @@ class DiskCache(SizeCache):
         if not self._writable:
             return
         with self._lock:
-            self._write(change)
+            try:
+                self._write(change)
+            except Warning:
+                raise  # a CacheFileWarning that the user's filter made an error: as they asked
+            except Exception as exc:  # whatever the file does, the call that stores a size keeps its result
+                self._cannot_write(exc)
 
     def _write(self, change: Callable[[dict[str, int]], object]) -> None:
         try:
-            folder = os.path.dirname(self.path)
+            # A symbolic link is followed: replacing the link itself would leave its target,
+            # the file that others read, as it was.
+            target = os.path.realpath(self.path)
+            folder = os.path.dirname(target)
             os.makedirs(folder, exist_ok=True)
-            with _locked(self.path + ".lock"):
-                stored = self._read()  # other processes may have stored sizes since we last looked
+            with _locked(target + ".lock"):
+                stored = self._read(target)  # other processes may have stored sizes since we last looked
                 if stored is None:
                     return
                 change(stored)
-                entries = list(stored.items())[-int(self._sizes.maxsize) :]
+                entries = list(stored.items())[-self._maxsize :]
                 content = {"format": _FORMAT, "version": _VERSION, "sizes": dict(entries)}
+                mode = None
+                with contextlib.suppress(FileNotFoundError):
+                    mode = stat.S_IMODE(os.stat(target).st_mode)
                 with tempfile.NamedTemporaryFile(
                     "w",
                     encoding="utf-8",
@@ -166,22 +204,27 @@ class DiskCache(SizeCache):
                         json.dump(content, temporary, indent=1, sort_keys=False)
                         temporary.flush()
                         os.fsync(temporary.fileno())
+                        if mode is not None:  # a file others share stays as readable as it was
+                            os.chmod(temporary.name, mode)
                     except BaseException:
                         _remove(temporary)
                         raise
                 try:
-                    os.replace(temporary.name, self.path)
+                    os.replace(temporary.name, target)
                 except BaseException:
                     _remove(temporary)
                     raise
         except OSError as exc:
-            self._writable = False
-            warnings.warn(
-                f"koila_retry: cannot write the size cache file {self.path} ({exc}); sizes are kept in "
-                "memory only from now on.",
-                CacheFileWarning,
-                stacklevel=4,
-            )
+            self._cannot_write(exc)
+
+    def _cannot_write(self, exc: Exception) -> None:
+        self._writable = False
+        warnings.warn(
+            f"koila_retry: cannot write the size cache file {self.path} ({type(exc).__name__}: {exc}); sizes "
+            "are kept in memory only from now on.",
+            CacheFileWarning,
+            stacklevel=levels_to_caller(),
+        )
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, path={self.path!r})"
@@ -195,6 +238,13 @@ def _is_ours(content: Any) -> bool:
         and content["version"] == _VERSION
         and isinstance(content.get("sizes"), dict)
     )
+
+
+def _special(mode: int) -> str | None:
+    """Name the kind of a file that is not a regular file; ``None`` for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _SPECIAL if test(mode)), "special file")
 
 
 def _store(sizes: dict[str, int], key: str, size: int) -> None:

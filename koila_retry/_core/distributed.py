@@ -5,10 +5,12 @@ before the attempt it concerns, so that a rank that just ran out of memory
 neither keeps the failed attempt's tensors alive while it waits nor needs
 fresh memory to take part.
 
-A call agrees twice over: on the size to start at (the smallest over the
-ranks) before the first attempt, and, after every attempt, on whether any
-rank ran out of memory and on the size all of them try next. Ranks therefore
-always try the same size and leave the retry loop together.
+A call agrees twice over: before the first attempt, on the size to start at
+(the smallest over the ranks) and on the floor (the largest of the ranks'
+minimums, below which no rank goes), and, after every attempt, on whether
+any rank ran out of memory and on the size all of them try next (which each
+rank that failed chooses above the floor). Ranks therefore always try the
+same size and leave the retry loop together.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Agreement:
         group (ProcessGroup or None): the ranks that agree; ``None`` for all.
     """
 
-    __slots__ = ("_buffer", "_cells", "group", "rank", "world_size")
+    __slots__ = ("_after", "_start", "group", "rank", "world_size")
 
     def __init__(self, group: Any) -> None:
         rank = dist.get_rank(group)
@@ -127,44 +129,62 @@ class Agreement:
         self.group = group
         self.rank = rank
         self.world_size = dist.get_world_size(group)
-        # Made now, before any attempt: after an OOM there may be no memory for it. Always
-        # reduced whole, so that no exchange slices it (slicing costs more than the fills).
-        self._buffer = torch.zeros(3, dtype=torch.int64, device=backend_device(group))
-        self._cells = [self._buffer[index] for index in range(3)]
+        # Made now, before any attempt: after an OOM there may be no memory for them. Each is
+        # always reduced whole, so that no exchange slices it (slicing costs more than the fills).
+        device = backend_device(group)
+        self._start = _Exchange(5, device)
+        self._after = _Exchange(3, device)
 
-    def _minimum(self, first: int, second: int = _NEUTRAL, third: int = _NEUTRAL) -> list[int]:
-        cells = self._cells
-        cells[0].fill_(first)
-        cells[1].fill_(second)
-        cells[2].fill_(third)
-        dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self.group)
-        return self._buffer.tolist()
+    def _minimum(self, exchange: _Exchange, *values: int) -> list[int]:
+        for cell, value in zip(exchange.cells, values, strict=True):
+            cell.fill_(value)
+        dist.all_reduce(exchange.buffer, op=dist.ReduceOp.MIN, group=self.group)
+        return exchange.buffer.tolist()
 
-    def start(self, size: int, span: int | None = None) -> int:
-        """Return the smallest of the ranks' starting sizes.
+    def start(
+        self, size: int, span: int | None = None, minimum: int = 1, initial: int | None = None
+    ) -> tuple[int, int]:
+        """Agree on the size to start at and on the smallest size any rank may try.
+
+        One collective carries all of it: the smallest of the ranks' starting
+        sizes, the largest of their minimums (the floor below which no rank
+        goes, so that no rank tries a size another rank's ``minimum`` forbids),
+        the smallest of their initial sizes, and the spans.
 
         Args:
             size (int): this rank's starting size.
             span (int, optional): the rows or indices a run of steps covers,
                 which must be the same on every rank.
+            minimum (int): this rank's ``minimum``.
+            initial (int, optional): this rank's ``initial``, if it has one:
+                no rank's minimum may exceed it.
 
         Returns:
-            int: the size every rank starts at.
+            tuple: the size every rank starts at (never below the floor), and the floor.
 
         Raises:
-            ValueError: on every rank, if the ranks' spans differ.
+            ValueError: on every rank, if the ranks' spans differ, or one rank's
+                minimum exceeds another rank's initial.
         """
-        if span is None:
-            return self._minimum(size)[0]
-        agreed, fewest, most = self._minimum(size, span, -span)
-        if fewest != -most:
+        ceiling = _NEUTRAL if initial is None else initial
+        spans = (_NEUTRAL, _NEUTRAL) if span is None else (span, -span)
+        agreed, fewest, most, floor, lowest = self._minimum(self._start, size, *spans, -minimum, ceiling)
+        floor = -floor
+        if span is not None and fewest != -most:
             raise ValueError(
                 f"ranks agreeing on a chunk size must cover the same number of rows or indices, so that "
                 f"they run the same chunks: this rank has {span}, and the ranks have from {fewest} to {-most}. "
                 "Pad the inputs to the same length (DistributedSampler does, unless drop_last=True), or "
                 "pass sync=False to let each rank choose alone"
             )
-        return agreed
+        if floor > lowest:
+            raise ValueError(
+                f"ranks agreeing on a batch size must allow a size that suits every rank: the largest minimum "
+                f"of the ranks ({floor}) exceeds their smallest initial ({lowest}); this rank has "
+                f"minimum={minimum} and initial={initial}. Give every rank the same minimum and initial, or "
+                "pass sync=False to let each rank choose alone"
+            )
+        return max(agreed, floor), floor
 
     def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
         """Exchange the outcome of an attempt.
@@ -185,8 +205,20 @@ class Agreement:
         # A rank whose attempt worked says nothing about the next size: fewer rows of its
         # own (a short last micro-batch) must not hold back the ranks that failed.
         proposal = (next_size or 0) if failed else _NEUTRAL
-        failing, agreed, votes = self._minimum(self.rank if failed else self.world_size, proposal, int(vote))
+        failing, agreed, votes = self._minimum(
+            self._after, self.rank if failed else self.world_size, proposal, int(vote)
+        )
         return (None if failing >= self.world_size else failing), (agreed or None), votes == 1
+
+
+class _Exchange:
+    """A tensor that one collective reduces whole, and a view of each of its cells to fill."""
+
+    __slots__ = ("buffer", "cells")
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self.cells = [self.buffer[index] for index in range(size)]
 
 
 def backend_device(group: Any) -> torch.device:

@@ -43,7 +43,7 @@ import torch
 from koila_retry._common.places import where
 from koila_retry._common.units import format_free
 from koila_retry._core import distributed, memory
-from koila_retry._core.cache import SizeCache, StackMemoryCache
+from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Policy
 from koila_retry._core.stats import OOMEvent, Stats
@@ -57,6 +57,8 @@ logger = logging.getLogger("koila_retry")
 # torch.distributed's record of the default process group, when this torch has the layout
 # that distributed reads: whether it is None decides, on every call, that nothing agrees.
 _WORLD: Any = distributed.world if distributed.FAST else None
+# The most keys a controller remembers the bytes of one sample for (see Controller.proven).
+_PROVEN = 1024
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
@@ -71,7 +73,8 @@ class Exhaustion:
     Attributes:
         name (str): the function or block.
         tried (tuple of int): the sizes tried, in order; the last failed last.
-        minimum (int): the policy's minimum.
+        minimum (int): the smallest size allowed: the policy's minimum or, when
+            ranks agree, the largest of theirs.
         max_attempts (int or None): the policy's bound on attempts.
         where (str): where the last error was raised.
         failing_rank (int or None): when ranks agree, the rank that ran out of memory.
@@ -148,6 +151,10 @@ class Controller:
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
         self._count_call = self.stats.calls_counter.increment
         self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
+        # The bytes of one sample each stored size was proven on, for keys that group samples
+        # of several sizes (see start's per_sample). Only ever read whole or written under
+        # the cache's writes, which are rare.
+        self.proven: dict[Hashable, int] = {}
 
     @property
     def ddp_modules(self) -> list[Any]:
@@ -164,6 +171,7 @@ class Controller:
         first: Callable[[], int] | None = None,
         span: int | None = None,
         roots: Iterable[Any] = (),
+        per_sample: int = 0,
     ) -> Attempt:
         """Begin one call: look up the starting size and return its attempts.
 
@@ -185,6 +193,9 @@ class Controller:
                 ranks that agree must have the same.
             roots (iterable): what the call reaches (the function, its
                 arguments), looked at only when ranks agree.
+            per_sample (int): the bytes of one sample, when ``sample`` names a
+                class of sizes rather than one: a stored size proven on smaller
+                samples of the class is scaled down to as many bytes of samples.
 
         Returns:
             Attempt: the first attempt, which is also the iterable of all of them.
@@ -199,8 +210,9 @@ class Controller:
             agreement = None  # the usual case, decided without a call: it costs every call
         else:
             agreement = distributed.agreement(sync, self.policy.group)
-        key, size, cached, initial = self._look_up(function, caller, device, sample, rows, first)
-        attempt = Attempt(self, key, size, cached, device, initial, agreement)
+        key, size, cached, initial = self._look_up(function, caller, device, sample, rows, first, per_sample)
+        attempt = Attempt(self, key, size, cached, device, initial, agreement, roots)
+        attempt._per_sample = per_sample
         if first is not None:
             attempt._estimated = getattr(first, "figures", None)
         if agreement is not None:
@@ -220,12 +232,21 @@ class Controller:
         sample: Hashable,
         rows: int,
         first: Callable[[], int] | None,
+        per_sample: int = 0,
     ) -> tuple[Hashable | None, int, int, int]:
         """Count a call and find its key, its first size, what the cache holds for it, and its ceiling."""
         cache = self.cache
         # Without a sample, the three-argument call that caches written before ``sample`` expect.
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
         cached = cache.lookup(key) if key is not None else None
+        if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
+            cached = checked_size(cache, key, cached)
+        if cached is not None and per_sample:
+            proven = self.proven.get(key)
+            if proven is not None and per_sample > proven:
+                # Proven on smaller samples of the same class (a shorter padding, say): as
+                # many bytes of samples, never as many rows of larger ones.
+                cached = max(cached * proven // per_sample, 1)
         initial = self.initial
         if initial is None:
             # Above a stored size, the call's rows are its ceiling; a stored size above the
@@ -279,14 +300,14 @@ class Controller:
         sync = self.sync
         if self.grow or not (sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None)):
             return self.run(self.start(function, caller, device, rows=rows, roots=roots), work)
-        key, size, cached, initial = self._look_up(function, caller, device, None, rows, None)
+        key, size, cached, initial = self._look_up(function, caller, device, None, rows, None, 0)
         if cached != size:  # a success would store its size: the attempt keeps track
-            return self.run(Attempt(self, key, size, cached, device, initial), work)
+            return self.run(Attempt(self, key, size, cached, device, initial, roots=roots), work)
         started = time.perf_counter()
         try:
             return work(size)
         except BaseException as exc:
-            attempt = Attempt(self, key, size, cached, device, initial)
+            attempt = Attempt(self, key, size, cached, device, initial, roots=roots)
             attempt._started = started
             if not attempt._record(exc):
                 raise
@@ -461,9 +482,12 @@ class Controller:
         if self._ddp is None:
             self._ddp = [weakref.ref(module) for module in distributed.supported_modules(roots, self.name)]
 
-    def next_size(self, failed: int, attempt: int) -> int | None:
-        """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``."""
-        return self.policy.next_size(failed, attempt, self.name)
+    def next_size(self, failed: int, attempt: int, minimum: int | None = None) -> int | None:
+        """Return the size after ``failed`` failed on attempt ``attempt``, or ``None``.
+
+        ``minimum``, when given, replaces the policy's (the ranks' agreed floor).
+        """
+        return self.policy.next_size(failed, attempt, self.name, minimum)
 
     def grown(self, key: Hashable, size: int, initial: int) -> int:
         """Return the size to start a call or step at: ``size``, or the probe above it when due."""
@@ -502,13 +526,16 @@ class Attempt:
 
     __slots__ = (
         "_agreement",
+        "_arguments",
         "_cached",
         "_controller",
         "_device",
         "_estimated",
         "_failure",
+        "_floor",
         "_initial",
         "_key",
+        "_per_sample",
         "_probe_from",
         "_rows",
         "_started",
@@ -527,9 +554,12 @@ class Attempt:
         device: torch.device,
         initial: int,
         agreement: distributed.Agreement | None = None,
+        roots: Iterable[Any] = (),
     ) -> None:
         self._controller = controller
         self._agreement = agreement
+        # A front end's (function, args, kwargs): looked at only when an attempt fails.
+        self._arguments = roots if isinstance(roots, tuple) else None
         self._initial = initial
         self._key = key
         self._cached = cached
@@ -539,6 +569,8 @@ class Attempt:
         self._estimated: Callable[[], tuple[int, int] | None] | None = None  # initial="auto": the estimate's figures
         self._rows: int | None = None
         self._probe_from: int | None = None  # the size a growth probe started from
+        self._floor = controller.minimum  # when ranks agree: the largest of their minimums
+        self._per_sample = 0  # the bytes of one sample, when the key names a class of sizes
         self.batch_size = size
         self.number = 1
         self.unanimous = True  # see succeeded(vote=)
@@ -560,10 +592,18 @@ class Attempt:
         return self._agreement is not None
 
     def __enter__(self) -> Attempt:
-        if self._state == _RUNNING:
+        state = self._state
+        if state != _READY:
+            # A second block would hide the outcome of the first: an OOM could count as a success.
+            done = {
+                _RUNNING: "is already inside `with attempt:`",
+                _FAILED: "already ran its block, which ran out of memory",
+                _SUCCEEDED: "already ran its block, which succeeded",
+                _PENDING: "already ran its block, whose outcome the ranks have yet to agree on",
+            }[state]
             raise RuntimeError(
-                f"{self._controller.name}: `with attempt:` is already running this attempt; an attempt's body "
-                "runs in one `with` block at a time"
+                f"{self._controller.name}: attempt {self.number} (batch size {self.batch_size}) {done}; each "
+                "attempt runs its body in one `with attempt:` block, entered once per turn of the loop"
             )
         self._state = _RUNNING
         self._started = time.perf_counter()
@@ -622,6 +662,11 @@ class Attempt:
         failure.where = where
         failure.rank = None
         failure.next_size = self._next_after_failure()
+        failure.reused = None
+        if failure.next_size is not None and self._arguments is not None:
+            failure.reused = _iterator_among(self._arguments)
+            if failure.reused is not None:
+                failure.next_size = None  # a retry would see only what the failed attempt left of it
         if self._rows is not None:  # a short last step failed: go on below what it tried
             self.batch_size, self._rows = min(self.batch_size, self._rows), None
         failure.probe = self._probe_from is not None and self.batch_size > self._probe_from
@@ -633,7 +678,7 @@ class Attempt:
         size = self.batch_size if self._rows is None else min(self.batch_size, self._rows)
         if self._probe_from is not None and size > self._probe_from:
             return self._probe_from  # back to the size that fitted, whatever max_attempts says
-        return self._controller.next_size(size, self.number)
+        return self._controller.next_size(size, self.number, self._floor)
 
     def succeeded(self, vote: bool = True) -> bool:
         """Return whether the attempt that just ran succeeded (on every rank, when ranks agree).
@@ -694,13 +739,20 @@ class Attempt:
             BatchSizeExhausted: if there is no smaller size, or ``max_attempts``
                 attempts were made; raised from the last out-of-memory error.
             RuntimeError: if the last attempt did not fail with an out-of-memory error.
+            TypeError: if an argument of the call is an iterator, which the
+                failed attempt may have consumed in part.
         """
         controller, failed, failure = self._controller, self.batch_size, self._failure
         if self._state != _FAILED or failure is None:
             raise RuntimeError("retry() follows an attempt that ran out of memory inside `with attempt:`")
-        next_size = failure.next_size
+        next_size = None if failure.reused is not None else failure.next_size
         started = time.perf_counter()
-        memory.release(self._device)
+        if next_size is None:
+            # Nothing runs after giving up, and what the attempt left in cycles is young:
+            # a full collection would cost what the whole process holds.
+            memory.release_young(self._device)
+        else:
+            memory.release(self._device)
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(self._device)  # fresh: release() forgot the old reading
         failure.tried.append(failed)
@@ -735,6 +787,13 @@ class Attempt:
             controller.policy.on_oom(event)
         if next_size is None:
             cause, failure.final_oom = failure.final_oom, None
+            if failure.reused is not None:
+                raise TypeError(
+                    f"{controller.name}: out of memory at batch size {failed}, and the call cannot be retried: "
+                    f"{failure.reused} is an iterator, which the failed attempt may have consumed in part, so a "
+                    "retry would see only the rest. Pass a list, a tuple or another collection that can be "
+                    "iterated again (list(...) of the iterator), or make the iterator inside the function"
+                ) from cause
             raise BatchSizeExhausted(
                 self._exhausted_message(failure, free), batch_size=failed, attempts=self.number
             ) from cause
@@ -751,8 +810,13 @@ class Attempt:
         size = self.batch_size
         if size < self._initial or controller.keep_last:
             controller.cache[self._key] = size
+            if self._per_sample:
+                if len(controller.proven) >= _PROVEN:
+                    controller.proven.clear()  # as many keys as a cache holds: forget, rather than grow
+                controller.proven[self._key] = self._per_sample
         elif self._cached < size:  # not a larger size, stored by a wrapper with a larger initial
             controller.cache.pop(self._key, None)
+            controller.proven.pop(self._key, None)
         self._cached = size
 
     def narrow(self, rows: int) -> None:
@@ -800,11 +864,17 @@ class Attempt:
         return self if self._agreement is None else self._agree_on_start()
 
     def _agree_on_start(self, span: int | None = None) -> Attempt:
-        """Start at the smallest of the ranks' sizes; a probe only if every rank was due one."""
-        agreed = cast(distributed.Agreement, self._agreement).start(self.batch_size, span)
+        """Start at the smallest of the ranks' sizes; a probe only if every rank was due one.
+
+        No rank goes below the largest of the ranks' minimums: it is the floor of every later size.
+        """
+        controller = self._controller
+        agreed, self._floor = cast(distributed.Agreement, self._agreement).start(
+            self.batch_size, span, controller.minimum, controller.initial
+        )
         if self._probe_from is not None and agreed <= self._probe_from:
             self._probe_from = None
-        self.batch_size = self._controller.stats.batch_size = agreed
+        self.batch_size = controller.stats.batch_size = agreed
         return self
 
     def _grow(self) -> Attempt:
@@ -820,7 +890,7 @@ class Attempt:
             Exhaustion(
                 name=controller.name,
                 tried=tuple(failure.tried),
-                minimum=controller.minimum,
+                minimum=self._floor,
                 max_attempts=controller.policy.max_attempts,
                 where=failure.where,
                 failing_rank=failure.rank,
@@ -842,7 +912,7 @@ class _Failure:
     :class:`BatchSizeExhausted`, stripped of its traceback first.
     """
 
-    __slots__ = ("final_oom", "next_size", "probe", "rank", "seconds", "tried", "where")
+    __slots__ = ("final_oom", "next_size", "probe", "rank", "reused", "seconds", "tried", "where")
 
     def __init__(self) -> None:
         self.rank: int | None = None  # when ranks agree: the lowest that failed
@@ -852,13 +922,35 @@ class _Failure:
         self.next_size: int | None = None
         self.final_oom: BaseException | None = None
         self.tried: list[int] = []
+        self.reused: str | None = None  # an iterator argument, which a retry would reuse
+
+
+def _iterator_among(roots: tuple[Any, ...]) -> str | None:
+    """Name the first iterator among a call's arguments (the tuples and dicts in its roots)."""
+    # Tensors, lists and data loaders are iterated afresh by each attempt; an iterator
+    # (a generator, iter(...), a file) goes on from where the failed attempt stopped.
+    for root in roots:
+        if isinstance(root, (tuple, list)):
+            for index, value in enumerate(root):
+                if isinstance(value, Iterator):
+                    return f"argument {index} ({type(value).__name__})"
+        elif isinstance(root, dict):
+            for name, value in root.items():
+                if isinstance(value, Iterator):
+                    return f"keyword argument {name!r} ({type(value).__name__})"
+    return None
 
 
 def _detached(exc: BaseException) -> BaseException:
     # The cause of BatchSizeExhausted must not pin the failed attempt: drop the
-    # traceback (frames, and through them tensors) and the chained exceptions,
-    # whose tracebacks would do the same.
-    exc.__traceback__ = None
-    exc.__context__ = None
-    exc.__cause__ = None
+    # traceback (frames, and through them tensors) of the error and of every error
+    # it was raised from, and the errors they were raised while handling. The
+    # explicit causes stay: they hold the out-of-memory error a wrapper was raised from.
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link.__context__ = None
+        link = link.__cause__
     return exc

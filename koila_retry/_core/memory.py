@@ -227,9 +227,30 @@ def release(device: DeviceLike = None) -> None:
     Raises:
         ValueError: if ``device`` is not a device PyTorch knows.
     """
-    resolved = resolve_device(device)
-    gc.collect()
-    if on_accelerator(resolved):
-        with torch.accelerator.device_index(resolved.index):
+    _release(resolve_device(device), 2)
+
+
+def release_young(device: DeviceLike = None) -> None:
+    """Release memory as :func:`release` does, collecting the young generations of objects only.
+
+    For a call that gives up. The reference cycles a failed attempt leaves (its
+    frames and the error's traceback) are made when it fails, so they are young;
+    collecting them costs time in proportion to what was made since the last
+    collection, where a full collection costs it in proportion to every object
+    of the process (a tenth of a second with torch and a few libraries imported).
+
+    Args:
+        device (torch.device, str, int or None): as for :func:`release`.
+
+    Raises:
+        ValueError: if ``device`` is not a device PyTorch knows.
+    """
+    _release(resolve_device(device), 1)
+
+
+def _release(device: torch.device, generation: int) -> None:
+    gc.collect(generation)
+    if on_accelerator(device):
+        with torch.accelerator.device_index(device.index):
             torch.accelerator.empty_cache()
     forget_free_memory()

@@ -155,19 +155,22 @@ class Policy:
     schedule: Schedule = powers_of_two
 
     @classmethod
-    def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any]) -> Policy:
+    def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any], *, rows: bool = False) -> Policy:
         """Check a front end's options and return them as a policy.
 
         Args:
             front_end (str): how errors name the front end (``"koila.batch"``).
-            initial (int or None): the first size, or ``None`` for the rows of each call.
+            initial (int or None): the first size, or ``None`` for all the rows of each call.
             options (Mapping): the keyword options the caller gave (see :class:`Options`).
+            rows (bool): whether each call of the front end knows its rows (or
+                indices), so that ``initial=None`` can mean all of them at once.
 
         Returns:
             Policy: the checked options.
 
         Raises:
-            TypeError: if an option is unknown or has the wrong type.
+            TypeError: if an option is unknown or has the wrong type, or
+                ``initial`` is ``None`` and ``rows`` is false.
             ValueError: if an option is out of range.
         """
         unknown = sorted(set(options) - _NAMES)
@@ -175,6 +178,12 @@ class Policy:
             raise TypeError(
                 f"{front_end}() got an unexpected keyword argument {unknown[0]!r}; "
                 f"its options are initial and {', '.join(sorted(_NAMES))}"
+            )
+        if initial is None and not rows:
+            raise TypeError(
+                f"{front_end}() got initial=None: initial must be an int (default {DEFAULT_INITIAL}). None means "
+                f"all the rows at once, for the front ends that are given them (koila.chunked, koila.range and "
+                f"koila.accumulate); {front_end} is not given its rows"
             )
         return cls(initial=initial, **options)
 
@@ -203,7 +212,7 @@ class Policy:
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))
 
-    def next_size(self, failed: int, attempt: int, name: str) -> int | None:
+    def next_size(self, failed: int, attempt: int, name: str, minimum: int | None = None) -> int | None:
         """Return the size to try after ``failed`` ran out of memory on attempt ``attempt``, or ``None``.
 
         The schedule proposes; the policy keeps it within bounds: never below
@@ -214,6 +223,8 @@ class Policy:
             failed (int): the size that ran out of memory.
             attempt (int): the number of the attempt that failed, from 1.
             name (str): how an error names the function.
+            minimum (int, optional): the smallest size, in place of the
+                policy's ``minimum`` (ranks that agree use the largest of theirs).
 
         Returns:
             int or None: the next size, or ``None`` to give up.
@@ -221,9 +232,11 @@ class Policy:
         Raises:
             ValueError: if the schedule returns a size that does not shrink, or is not a size.
         """
+        if minimum is None:
+            minimum = self.minimum
         if self.max_attempts is not None and attempt >= self.max_attempts:
             return None
-        if failed <= self.minimum:
+        if failed <= minimum:
             return None
         size = self.schedule(failed)
         if size is None:
@@ -232,7 +245,7 @@ class Policy:
             # An endless loop (a size that does not shrink) or a size no call can use.
             raise ValueError(
                 f"{name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
-                f"it must return an int from 1 to {failed - 1} (raised to the minimum, {self.minimum}, "
+                f"it must return an int from 1 to {failed - 1} (raised to the minimum, {minimum}, "
                 "if below it), or None to give up"
             )
-        return max(size, self.minimum)
+        return max(size, minimum)

@@ -31,8 +31,11 @@ class OOMEvent:
             attempt's memory; ``-1`` if the device's memory cannot be read.
         seconds (float): time spent in the failed attempt and the release.
         where (str): the file, line and function where the error was raised:
-            the deepest frame outside koila_retry and PyTorch; for a rank that
-            retries because another rank ran out of memory, ``"rank 1"``.
+            the deepest frame of the user's code (outside koila_retry, PyTorch,
+            other installed packages and the standard library); without one, the
+            PyTorch layer that allocated, or else the user's line that called
+            into the library (see :doc:`diagnostics`); for a rank that retries
+            because another rank ran out of memory, ``"rank 1"``.
         rank (int or None): when ranks agree (see :doc:`distributed`), the
             rank that ran out of memory, the lowest if several did; ``None``
             in a process that agrees with no other.

@@ -11,16 +11,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from koila_retry._common import tracking
-from koila_retry._common.places import is_ours
+from koila_retry._common.places import is_ours, is_users
 from koila_retry._common.tensors import same_device
 from koila_retry._common.units import format_bytes
-from koila_retry._common.walk import frame_locals, reachable
+from koila_retry._common.walk import frame_locals, reachable, references
 from koila_retry._core import memory
 from koila_retry._core.memory import DeviceLike
 from koila_retry._diagnostics.table import html_table, text_table
 
 # When one storage has names of several kinds, the row shows the first kind here.
-_KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor")
+_KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor", "not reached")
 _HEADERS = ("name", "kind", "shape", "dtype", "bytes")
 _NUMERIC = frozenset({"bytes"})
 
@@ -35,7 +35,9 @@ class ReportRow(NamedTuple):
         kind (str): ``"parameter"``, ``"buffer"``, ``"gradient"``,
             ``"optimizer state"``, ``"tensor"`` (found, not named) or
             ``"no tensor"`` (storages a simulated device counts that no Python
-            tensor holds; see :func:`report`).
+            tensor holds; see :func:`report`). In the message of a call that
+            gave up, ``"not reached"``: the storages a simulated device counts
+            that the call does not reach.
         shape (tuple of int or None): the shape of the first named tensor.
         dtype (str or None): its dtype, as ``"float32"``.
         nbytes (int): the bytes of the storage, counted once however many
@@ -185,7 +187,10 @@ class MemoryReport:
         Returns:
             str: like ``"Largest on cpu (12.00 MiB in 9 storages): fc.weight (parameter) 4.00 MiB, ..."``.
         """
-        named = [f"{', '.join(row.names)} {_what(row)} {format_bytes(row.nbytes)}" for row in self.rows[:top]]
+        named = [
+            " ".join(filter(None, (", ".join(row.names), _what(row), format_bytes(row.nbytes))))
+            for row in self.rows[:top]
+        ]
         rest = self.total - sum(row.nbytes for row in self.rows[:top])
         if self.storages > top:
             named.append(f"{self.storages - top} more {format_bytes(rest)}")
@@ -267,6 +272,8 @@ def build(
     top: int,
     tensors: Iterable[tuple[str, torch.Tensor]] = (),
     aside: dict[int, torch.Tensor] | None = None,
+    *,
+    scan: bool = True,
 ) -> MemoryReport:
     """Return the report of ``device``, naming tensors from modules and optimizers under prefixes.
 
@@ -280,6 +287,11 @@ def build(
             (variables), used where no module or optimizer names them.
         aside (dict, optional): the gradients of parameters (by ``id``) that a
             step in progress set aside, named as those parameters' gradients.
+        scan (bool): whether to add every other tensor alive on the device, from
+            the garbage collector's objects (a time proportional to all the
+            objects of the process). Without it, only the tensors given are
+            found, and a simulated device's other storages make one row,
+            ``"not reached"``. Default: ``True``.
 
     Returns:
         MemoryReport: the report.
@@ -296,8 +308,9 @@ def build(
             found.add(name, kind, tensor)
     for name, tensor in tensors:
         found.add(name, "tensor", tensor, unless_named=True)
-    found.scan()
-    simulated = found.unreachable()
+    if scan:
+        found.scan()
+    simulated = found.unreachable("no tensor" if scan else "not reached")
     allocated = reserved = None
     if memory.on_accelerator(device):
         allocated = torch.accelerator.memory_allocated(device)
@@ -424,16 +437,17 @@ class _Found:
             entry.views += [_describe(tensor) for tensor in tensors[1:]]
         unnamed.clear()
 
-    def unreachable(self) -> tuple[int, int] | None:
-        """Add what a simulated device counts that Python cannot reach; return its ``(live, limit)``."""
+    def unreachable(self, kind: str) -> tuple[int, int] | None:
+        """Add what a simulated device counts that was not found, as ``kind``; return its ``(live, limit)``."""
         device = tracking.simulated.device()
         if device is None or self.device.type != "cpu":
             return None
         hidden = [storage for storage in device.live_storages() if storage._cdata not in self.storages]
         if hidden:
             nbytes = sum(storage.nbytes() for storage in hidden)
-            name = f"{len(hidden)} storage{'s' if len(hidden) > 1 else ''} no Python tensor holds"
-            self.storages[-1] = _Storage(nbytes, _KINDS[-1], None, name)
+            plural = "s" if len(hidden) > 1 else ""
+            holds = "no Python tensor holds" if kind == "no tensor" else "the call does not reach"
+            self.storages[-1] = _Storage(nbytes, kind, None, f"{len(hidden)} storage{plural} {holds}")
         return device.live, device.limit
 
     def rows(self) -> Iterable[ReportRow]:
@@ -444,7 +458,7 @@ class _Found:
 def _what(row: ReportRow) -> str:
     if row.kind == "tensor" and row.shape is not None:
         return f"{row.dtype}{list(row.shape)}"
-    return f"({row.kind})"
+    return "" if row.kind == "not reached" else f"({row.kind})"  # its name says it
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -482,10 +496,15 @@ class HoldsGradients(Protocol):
 def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     """Return the largest storages on ``device``, named from what the failing call's frames hold.
 
-    The modules and optimizers are found from the locals of ``frame`` and the
-    frames above it, up to the first outside this package (the caller of the
-    front end). Used only when a call gives up, so its cost (a scan of the
-    garbage collector's objects) is paid only then.
+    The modules and optimizers are found from the locals of ``frame``, of the
+    frames of this package above it, and of the user's frames above those (the
+    caller of the front end and its callers, but not the frames of other
+    libraries such as a test runner), and the tensors from those locals and
+    the containers and objects they hold. Nothing else is looked at: the time
+    a call takes to give up depends on what the user's code holds, not on how
+    many objects the process has (:func:`report` scans them all). Inside a
+    simulated device, the storages it counts that the call does not reach
+    make one row.
 
     Args:
         device (torch.device): the device that ran out of memory.
@@ -499,8 +518,13 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     optimizers: dict[int, tuple[str, torch.optim.Optimizer]] = {}
     roots: list[Any] = []
     variables: list[tuple[str, torch.Tensor]] = []
+    contents: list[tuple[str, torch.Tensor]] = []  # named after a variable holding them; other names come first
     aside: dict[int, torch.Tensor] = {}
     while frame is not None:
+        ours = is_ours(frame.f_code.co_filename)
+        if not ours and not is_users(frame.f_code.co_filename):
+            frame = frame.f_back
+            continue
         for name, value in frame_locals(frame):
             if isinstance(value, HoldsGradients):
                 held = value.gradients_aside()
@@ -508,15 +532,17 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
                     aside.update(held)
             if isinstance(value, torch.Tensor):
                 variables.append((name, value))
-            elif isinstance(value, torch.nn.Module):
+            else:  # the names of this package's own variables would mean nothing to the user
+                contents += [("tensor" if ours else label, tensor) for label, tensor in _held(name, value)]
+            if isinstance(value, torch.nn.Module):
                 modules.setdefault(id(value), (name, value))
             elif isinstance(value, torch.optim.Optimizer):
                 optimizers.setdefault(id(value), (name, value))
             roots.append(value)
-        if not is_ours(frame.f_code.co_filename):
-            break
         frame = frame.f_back
     frame = None
+    variables += contents
+    contents.clear()
     for value in reachable(roots):
         if isinstance(value, torch.nn.Module):
             modules.setdefault(id(value), (type(value).__name__, value))
@@ -528,7 +554,18 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     named = [("" if len(tops) == 1 else prefix, module) for prefix, module in tops]
     opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in optimizers.values()]
     try:
-        return build(device, named, opts, top, variables, aside).summary(top)
+        return build(device, named, opts, top, variables, aside, scan=False).summary(top)
     finally:
         variables.clear()
         aside.clear()
+
+
+def _held(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """Return the tensors a variable holds directly: its items, or its attributes, named after it."""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return []  # named from their parameters and state instead
+    return [
+        (f"{name}{label}" if label.startswith("[") else f"{name}.{label}", child)
+        for label, child in references(value)
+        if isinstance(child, torch.Tensor)
+    ]

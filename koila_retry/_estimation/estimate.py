@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 from cachetools import LRUCache
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from torch.utils.module_tracker import ModuleTracker
 
+from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import same_device, tensors_in
 from koila_retry._common.tracking import LiveStorageTracker
@@ -40,7 +40,7 @@ from koila_retry._core.memory import DeviceLike, free_memory, resolve_device
 from koila_retry._estimation.workspace import onednn_convolution_workspace
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["MemoryEstimate", "estimate", "suggest_batch_size"]
+__all__ = ["MemoryEstimate", "estimate", "estimate_batch", "suggest_batch_size"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "inputs", "activations", "temporaries")
 
@@ -415,8 +415,9 @@ def estimate(
 
     Args:
         fn (callable): the call to estimate.
-        *args: its positional arguments; every tensor among them (and inside
-            lists, tuples and dicts) is a batch with the same rows along ``dim``.
+        *args: its positional arguments; the tensors among them (and inside
+            dicts, lists, tuples and dataclasses) with rows along ``dim`` are
+            the batch, remade at each size; see :ref:`batches`.
         dim (int): the batch dimension. Default: 0.
         sizes (iterable of int, optional): the batch sizes to run at, at least
             two. Default: the example's rows (at least 2) and twice that; if the
@@ -438,15 +439,36 @@ def estimate(
 
     .. versionadded:: 0.1.0
     """
+    if not callable(fn):
+        raise TypeError(f"koila.estimate needs a callable, got {type(fn).__name__} {fn!r}")
+    return estimate_batch(fn, Split(args, kwargs, dim, "koila.estimate", fn), sizes=sizes, device=device)
+
+
+def estimate_batch(
+    fn: Callable[..., Any], batch: Split, *, sizes: Iterable[int] | None = None, device: DeviceLike = None
+) -> MemoryEstimate:
+    """Estimate the peak memory of ``fn`` on the arguments ``batch`` holds, at any batch size.
+
+    Args:
+        fn (callable): the call to estimate.
+        batch (Split): its arguments, with the tensors that hold the rows found.
+        sizes (iterable of int, optional): as for :func:`estimate`.
+        device (torch.device, str, int or None): as for :func:`estimate`.
+
+    Returns:
+        MemoryEstimate: the estimate.
+
+    Raises:
+        ValueError: if the arguments have 0 rows, or ``sizes`` is out of range.
+    """
     # Dispatch modes import torch._dynamo the first time they run (seconds): not the estimate's time.
     importlib.import_module("torch._dynamo")
     started = time.perf_counter()
-    if not callable(fn):
-        raise TypeError(f"koila.estimate needs a callable, got {type(fn).__name__} {fn!r}")
-    batch = _Batch(args, kwargs, dim)
+    if batch.rows == 0:
+        raise ValueError(f"the example arguments have 0 rows along dim {batch.dim}: nothing to scale from")
     chosen = _sizes(sizes)
     target = resolve_device(device) if device is not None else batch.device
-    owned = Owned((fn, args, kwargs))
+    owned = Owned((fn, batch.args, batch.kwargs))
     round_bytes = _cuda_rounding if target.type == "cuda" else None
     # cuDNN's workspaces on CUDA are not modelled (the margin is for them); oneDNN's are.
     workspace = onednn_convolution_workspace if target.type == "cpu" else None
@@ -542,58 +564,6 @@ def suggest_batch_size(
 
 
 # --- the batch -------------------------------------------------------------------
-
-
-class _Batch:
-    """The example arguments, with the tensors that are the batch found and checked."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
-        leaves, self.spec = tree_flatten_with_path((args, kwargs))
-        self.leaves = [leaf for _, leaf in leaves]
-        self.positions = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
-        if not self.positions:
-            raise ValueError(
-                "koila.estimate remakes the tensor arguments with other batch sizes, and none of the "
-                f"arguments is a tensor (got {[type(leaf).__name__ for leaf in self.leaves]})"
-            )
-        self.dim, rows, first = dim, -1, ""
-        for position in self.positions:
-            tensor, label = self.leaves[position], _label(leaves[position][0])
-            if not -tensor.dim() <= dim < tensor.dim():
-                allowed = f"[{-tensor.dim()}, {tensor.dim() - 1}]" if tensor.dim() else "none: it is 0-dimensional"
-                raise ValueError(
-                    f"dim {dim} is out of range for {label} of shape {tuple(tensor.shape)}; allowed: {allowed}"
-                )
-            if rows == -1:
-                rows, first = tensor.size(dim), label
-            elif tensor.size(dim) != rows:
-                raise ValueError(
-                    f"every tensor argument must have the same size along dim {dim}: {first} has {rows}, "
-                    f"{label} has {tensor.size(dim)}"
-                )
-        if rows == 0:
-            raise ValueError(f"the example arguments have 0 rows along dim {dim}: nothing to scale from")
-        self.rows = rows
-        self.device: torch.device = self.leaves[self.positions[0]].device
-
-    def remade(self, batch_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Return the arguments with every tensor a fresh meta one of ``batch_size`` rows."""
-        leaves = list(self.leaves)
-        for position in self.positions:
-            tensor = leaves[position]
-            shape = list(tensor.shape)
-            shape[self.dim] = batch_size
-            leaves[position] = torch.empty(shape, dtype=tensor.dtype, device=META, requires_grad=tensor.requires_grad)
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        return args, kwargs
-
-
-def _label(path: tuple[Any, ...]) -> str:
-    # The path starts with (args, kwargs): 0 is a positional argument, 1 a keyword one.
-    where, rest = path[0].idx, keystr(path[1:])
-    return f"argument {rest[1:-1]}" if where == 0 and len(path) == 2 else f"argument {rest}"
 
 
 def _sizes(sizes: Iterable[int] | None) -> list[int] | None:
@@ -953,9 +923,13 @@ def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
     return tree
 
 
+def _on_meta_device(tensor: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return torch.empty(shape, dtype=tensor.dtype, device=META, requires_grad=tensor.requires_grad)
+
+
 def _run(
     fn: Callable[..., Any],
-    batch: _Batch,
+    batch: Split,
     owned: Owned,
     batch_size: int,
     round_bytes: Callable[[int], int] | None,
@@ -969,7 +943,7 @@ def _run(
         try:
             undo = owned.lend(recorder)
             recorder.category = "inputs"
-            args, kwargs = batch.remade(batch_size)
+            args, kwargs = batch.resized(batch_size, _on_meta_device)
             recorder.mark(owned.gradients_and_state())
 
             def reclassify() -> None:

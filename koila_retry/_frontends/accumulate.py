@@ -9,12 +9,14 @@ back when it is over, so they are never written by a step that fails.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import inspect
+import math
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
@@ -22,6 +24,8 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
+from koila_retry._common.batches import Split
+from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
@@ -29,9 +33,8 @@ from koila_retry._core.distributed import GradientSync, ddp_modules
 from koila_retry._core.engine import Controller
 from koila_retry._core.policy import Options, Policy
 from koila_retry._diagnostics import exhausted
-from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends.arguments import Split
-from koila_retry._frontends.batch import Batched, with_controller
+from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
+from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -62,7 +65,7 @@ _BatchNormNodes = frozenset(
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
 
-_LOSS, _JOIN, _WEIGH = "loss", "join", "weigh"  # what becomes of each leaf of a result
+_LOSS, _JOIN, _WEIGH, _DROP = "loss", "join", "weigh", "drop"  # what becomes of each leaf of a result
 _LEAF_SPEC = tree_flatten(0)[1]
 
 
@@ -76,6 +79,7 @@ def accumulate(
     initial: int | Literal["auto"] | None = ...,
     dim: int = ...,
     reduction: str = ...,
+    weight: Callable[..., Any] | None = ...,
     scaler: Any = ...,
     backward: Callable[..., Any] | None = ...,
     ddp: Any = ...,
@@ -90,6 +94,7 @@ def accumulate(
     initial: int | Literal["auto"] | None = None,
     dim: int = 0,
     reduction: str = "mean",
+    weight: Callable[..., Any] | None = None,
     scaler: Any = None,
     backward: Callable[..., Any] | None = None,
     ddp: Any = None,
@@ -139,6 +144,15 @@ def accumulate(
             Default: 0.
         reduction (str): ``"mean"`` if the loss is a mean over the rows,
             ``"sum"`` if it is a sum. Default: ``"mean"``.
+        weight (callable, optional): for a loss that is a mean over items
+            other than rows (tokens that are not padding, valid pixels):
+            called with a micro-batch's arguments, exactly as the step gets
+            them, it returns how many items that micro-batch's loss averages
+            over (an int, a float or a 0-dimensional tensor). Each
+            micro-batch's loss is then weighted by its count over the whole
+            batch's, so the gradient and the returned loss are the full
+            batch's mean over those items. Not called when the whole batch
+            runs at once. Default: ``None``, weights by rows.
         scaler (torch.amp.GradScaler, optional): for mixed precision: each
             backward runs on ``scaler.scale(loss)``. You still call
             ``scaler.step(optimizer)`` and ``scaler.update()``.
@@ -208,6 +222,16 @@ def accumulate(
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if weight is not None and not callable(weight):
+        raise TypeError(
+            "weight must be a callable that takes a micro-batch's arguments and returns how many items its "
+            f"loss averages over, got {type(weight).__name__} {weight!r:.200}"
+        )
+    if weight is not None and reduction == "sum":
+        raise ValueError(
+            "weight= weighs micro-batches whose loss is a mean over items, and reduction='sum' adds them "
+            "unweighted: drop one of them"
+        )
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
@@ -233,17 +257,19 @@ def accumulate(
         )
     if given and options.get("group") is None:
         options["group"] = given[0].process_group
-    policy = Policy.of("koila.accumulate", None if initial == AUTO else cast("int | None", initial), options)
+    policy = Policy.of("koila.accumulate", None if initial == AUTO else cast("int | None", initial), options, rows=True)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
             raise TypeError(f"@koila.accumulate decorates a callable, got {type(function).__name__} {function!r}")
         if inspect.iscoroutinefunction(function):
             raise TypeError("@koila.accumulate runs backward() itself and cannot wrap an async function")
+        refuse_generator(function, "@koila.accumulate")
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
         controller = Controller(name, policy, explain=exhausted.message)
         auto = initial == AUTO
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
+        step.weight = weight
         step.ddp = given
         getframe = sys._getframe
 
@@ -272,21 +298,30 @@ class _Accumulator:
         self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
         self.backward, self.device, self.auto = backward, device, auto
         self.identity = function_identity(fn)
-        self.names = _positional_names(fn)
         self.warned_batchnorm = False
         self.warned_checkpoint = False
         self.warned_comm_hook = False
+        self.warned_ignored = False
+        self.warned_dropped = False
+        self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
-        split = Split(args, kwargs, self.dim, "koila.accumulate", self.names)
+        split = Split(args, kwargs, self.dim, "koila.accumulate", self.fn)
         rows = split.rows
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
         first = self._estimated(split, device) if self.auto else None
         attempt = self.controller.start(
-            self.identity, caller, device, split.sample, rows, first, roots=(self.fn, split.args, split.kwargs)
+            self.identity,
+            caller,
+            device,
+            split.sample,
+            rows,
+            first,
+            roots=(self.fn, split.args, split.kwargs),
+            per_sample=split.per_sample,
         )
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
@@ -381,7 +416,7 @@ class _Accumulator:
             # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
             modules = self.ddp or ddp_modules((self.fn, split.args, split.kwargs))
             with GradientSync(modules).silent() if modules else contextlib.nullcontext():
-                return estimate(step, *split.args, dim=self.dim, device=device, **split.kwargs)
+                return estimate_batch(step, split, device=device)
 
         return AutoFirst((self.identity, split.sample, device), split.rows, make, device, name)
 
@@ -392,12 +427,9 @@ class _Accumulator:
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each
         # backward. It is freed with the arguments, as usual.
-        args, kwargs = split.args, split.kwargs
-        retain = any(args[i].grad_fn is not None for i in split.positions) or any(
-            kwargs[name].grad_fn is not None for name in split.names
-        )
+        retain = any(tensor.grad_fn is not None for tensor in split.tensors)
         if size >= rows:  # the happy path: the batch as given, one forward, one backward
-            result = self.fn(*args, **kwargs)
+            result = self.fn(*split.args, **split.kwargs)
             loss = results.add(result, 1.0)
             if loss.requires_grad:
                 gradients.collect(loss)
@@ -405,12 +437,13 @@ class _Accumulator:
             else:
                 self._check_no_grad_wanted(split)
             return results
+        weights = self._weights(split, size)
         backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
-        for chunk_args, chunk_kwargs, chunk_rows in split.pieces(size):
+        for (chunk_args, chunk_kwargs, _), weight in zip(split.pieces(size), weights, strict=True):
             result = self.fn(*chunk_args, **chunk_kwargs)
-            weight = chunk_rows / rows if self.mean else 1.0
             loss = results.add(result, weight)
-            if loss.requires_grad:  # one that needs none (no rows counted, say) adds nothing
+            # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
+            if loss.requires_grad and weight != 0.0:
                 backed = True
                 gradients.collect(loss)
                 weighted = loss * weight if weight != 1.0 else loss
@@ -420,6 +453,31 @@ class _Accumulator:
         if not backed:
             self._check_no_grad_wanted(split)
         return results
+
+    def _weights(self, split: Split, size: int) -> list[float]:
+        """Return each micro-batch's weight: its share of the items ``weight=`` counts, or of the rows."""
+        rows = split.rows
+        if self.weight is None:
+            if self.mean and not self.warned_ignored and _ignores_labels(split):
+                self.warned_ignored = True
+                warnings.warn(
+                    f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
+                    "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
+                    "row counts as many items. For a loss that is a mean over tokens, pass weight=, such as "
+                    "weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal language model "
+                    "(see the docs: Training Hugging Face models). This warning is shown once.",
+                    UserWarning,
+                    stacklevel=levels_to_caller(),
+                )
+            return [min(size, rows - begin) / rows if self.mean else 1.0 for begin in builtins.range(0, rows, size)]
+        counts = [_count(self.weight(*args, **kwargs), self.controller.name) for args, kwargs, _ in split.pieces(size)]
+        total = math.fsum(counts)
+        if total == 0:
+            raise ValueError(
+                f"weight= counted 0 items in the whole batch of {self.controller.name}: the mean loss over them "
+                "is undefined"
+            )
+        return [count / total for count in counts]
 
     def _check_no_grad_wanted(self, split: Split) -> None:
         """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
@@ -566,9 +624,13 @@ class _Results:
         kinds = [self._kind(leaf, loss, result) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
+            if _DROP in kinds:
+                self._dropping(result, kinds)
         elif spec != self.spec or kinds != self.kinds:
             self._changed(spec)
         for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
+            if kind == _DROP:
+                continue
             if kind == _JOIN:
                 column.append(leaf.detach())
             else:
@@ -584,25 +646,50 @@ class _Results:
     def _kind(self, leaf: Any, loss: torch.Tensor, result: Any) -> str:
         if leaf is loss:
             return _LOSS
-        if isinstance(leaf, TensorBase):
-            if leaf.dim() == 0:
-                return _WEIGH
-            if -leaf.dim() <= self.step.dim < leaf.dim():
-                return _JOIN
-        elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        if not isinstance(leaf, TensorBase):
+            return _WEIGH if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) else _DROP
+        if leaf.dim() == 0:
             return _WEIGH
+        if -leaf.dim() <= self.step.dim < leaf.dim():
+            return _JOIN
         where = next(f"the result{keystr(path)}" for path, value in tree_flatten_with_path(result)[0] if value is leaf)
-        raise TypeError(
-            f"{self.step.controller.name} returned {_describe(leaf)} at {where}; besides the loss, "
-            f"koila.accumulate combines tensors with a dim {self.step.dim} (concatenated along it) and numbers "
-            "or 0-dimensional tensors (weighted like the loss)"
+        raise ValueError(
+            f"{self.step.controller.name} returned {_describe(leaf)} at {where}, which has no dim "
+            f"{self.step.dim}; besides the loss, koila.accumulate combines tensors with a dim {self.step.dim} "
+            "(concatenated along it) and numbers or 0-dimensional tensors (weighted like the loss)"
+        )
+
+    def _dropping(self, result: Any, kinds: list[str]) -> None:
+        """Warn, once per step, that the leaves of ``result`` that cannot be combined come back as ``None``."""
+        step = self.step
+        if step.warned_dropped:
+            return
+        step.warned_dropped = True
+        paths = tree_flatten_with_path(result)[0]
+        dropped = [
+            f"the result{keystr(path)} ({type(leaf).__name__})"
+            for (path, leaf), kind in zip(paths, kinds, strict=True)
+            if kind == _DROP
+        ]
+        warnings.warn(
+            f"{step.controller.name} returned {', '.join(dropped)}: koila.accumulate combines tensors and "
+            "numbers across micro-batches, and returns other objects (a model's key-value cache, strings, "
+            "flags) as None, split or not. This warning is shown once.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
         )
 
     def finish(self) -> Any:
         if self.spec is _LEAF_SPEC and len(self.columns[0]) == 1:  # one loss, as it came
             return self.columns[0][0][0]
-        combined = []
+        combined: list[Any] = []
         for kind, column in zip(self.kinds, self.columns, strict=True):
+            if kind == _DROP:
+                combined.append(None)
+                continue
+            if kind != _JOIN:
+                # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
+                column = [entry for entry in column if entry[1] != 0.0]
             if kind == _JOIN:
                 combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
             elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
@@ -644,21 +731,33 @@ def _loss_of(result: Any, name: str) -> torch.Tensor:
     return cast(torch.Tensor, loss)
 
 
+def _count(value: Any, name: str) -> float:
+    """Return what ``weight=`` returned as a number of items, or raise the error that says why not."""
+    if isinstance(value, TensorBase) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"weight= returned {_describe(value)} for a micro-batch of {name}; it must return how many items "
+            "the micro-batch's loss averages over: a number >= 0 (an int, a float or a one-element tensor)"
+        )
+    return float(value)
+
+
+def _ignores_labels(split: Split) -> bool:
+    """Return whether a dict in the batch holds ``labels`` with ignored entries (-100), as HF's losses skip."""
+    for value in (*split.args, *split.kwargs.values()):
+        labels = value.get("labels") if isinstance(value, Mapping) else None
+        if isinstance(labels, TensorBase) and not labels.is_floating_point() and bool((labels == -100).any()):
+            return True
+    return False
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, TensorBase):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, dict):
         return f"a dict with keys {list(value)}"
     return "None" if value is None else f"{type(value).__name__} {value!r}"[:200]
-
-
-def _positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(parameter.name for parameter in parameters if parameter.kind in positional)
 
 
 def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

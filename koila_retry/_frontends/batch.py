@@ -6,6 +6,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
+from types import MethodType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from koila_retry._common.tensors import TensorBase
@@ -20,7 +21,18 @@ from koila_retry._diagnostics import exhausted
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Batched", "attempts", "batch", "batched", "device_of", "with_controller"]
+__all__ = [
+    "Batched",
+    "Bindable",
+    "attempts",
+    "batch",
+    "batched",
+    "bindable",
+    "device_of",
+    "refuse_generator",
+    "unwrap_binding",
+    "with_controller",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -44,13 +56,14 @@ class Batched(Protocol[P, R_co]):
 
 
 class _Injection:
-    """Where the batch size goes in the wrapped function's arguments."""
+    """Where the batch size goes in the wrapped function's arguments, called one way.
 
-    def __init__(self, fn: Callable[..., Any], param: str | None) -> None:
-        try:
-            signature = inspect.signature(fn)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"cannot read the signature of {fn!r} to inject the batch size: {exc}") from None
+    ``after`` is how many positional arguments come before the size: 0 for a plain
+    call, 1 for a method's (after the object it is bound to).
+    """
+
+    def __init__(self, fn: Callable[..., Any], param: str | None, after: int) -> None:
+        signature = _signature(fn)
         params = list(signature.parameters.values())
         name = getattr(fn, "__qualname__", repr(fn))
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -68,14 +81,19 @@ class _Injection:
                 )
             self.position: int | None = None
         else:
-            self.position = 1 if _is_method(fn, params) else 0
-            if len(params) <= self.position or params[self.position].kind not in positional:
-                where = "second (after self)" if self.position else "first"
+            self.position = after
+            if len(params) <= after or params[after].kind not in positional:
+                if after:
+                    raise TypeError(
+                        f"{name}() is called through an instance (or its class), so the batch size goes after "
+                        "the object it is bound to, and it has no second positional parameter to receive it; "
+                        "add one, make it a staticmethod, or name a keyword parameter with param=..."
+                    )
                 raise TypeError(
-                    f"{name}() has no {where} positional parameter to receive the batch size; "
+                    f"{name}() has no first positional parameter to receive the batch size; "
                     "add one, or name a keyword parameter with param=..."
                 )
-            target = params[self.position]
+            target = params[after]
         self.name = target.name
         self.function_name = name
         rest = [p for p in params if p is not target]
@@ -91,12 +109,100 @@ class _Injection:
         )
 
 
-def _is_method(fn: Callable[..., Any], params: list[inspect.Parameter]) -> bool:
-    # Defined directly in a class body ("Model.evaluate", not "outer.<locals>.evaluate")
-    # with a self/cls first parameter: Python binds that first, the size comes second.
-    qualname = getattr(fn, "__qualname__", "")
-    owner = qualname.rpartition(".")[0].rpartition(".")[2]
-    return bool(owner) and owner != "<locals>" and bool(params) and params[0].name in ("self", "cls")
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cannot read the signature of {fn!r} to inject the batch size: {exc}") from None
+
+
+# How a wrapper binds when it is looked up on a class or an instance.
+_METHOD, _CLASSMETHOD, _STATICMETHOD = "method", "classmethod", "staticmethod"
+
+
+class Bindable:
+    """A wrapper that learns from binding whether its function is called as a method.
+
+    Called as it is, it runs its plain form. Looked up on an instance, it is bound
+    as a function is, and its method form runs with the instance first; looked up
+    on the class, it is the method form itself, which takes the instance as its
+    first argument, as a :class:`functools.partialmethod` does. One that wrapped a
+    ``classmethod`` binds to the class; one that wrapped a ``staticmethod`` never
+    binds. Made by :func:`bindable`; both forms share its attributes (``stats``,
+    ``cache_info()``, ``cache_clear()``).
+    """
+
+    _method: Callable[..., Any]
+    _binding: str
+    __qualname__: str
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        binding = self._binding
+        if binding is _METHOD:
+            return self._method if instance is None else MethodType(self._method, instance)
+        if binding is _CLASSMETHOD:
+            return MethodType(self._method, type(instance) if owner is None else owner)
+        return self
+
+    def __reduce__(self) -> str:
+        # Pickled by name, as the function it stands for was (multiprocessing's spawn needs it).
+        return self.__qualname__
+
+    def __repr__(self) -> str:
+        return f"<koila_retry wrapper of {getattr(self, '__wrapped__', None)!r}>"
+
+
+def unwrap_binding(fn: Any) -> tuple[Any, str]:
+    """Return the function a ``staticmethod`` or ``classmethod`` holds, and how it binds."""
+    if isinstance(fn, staticmethod):
+        return fn.__func__, _STATICMETHOD
+    if isinstance(fn, classmethod):
+        return fn.__func__, _CLASSMETHOD
+    return fn, _METHOD
+
+
+def bindable(
+    fn: Callable[..., Any], plain: Callable[..., Any], method: Callable[..., Any], binding: str = _METHOD
+) -> Any:
+    """Return a :class:`Bindable` that runs ``plain`` when called, and ``method`` when bound.
+
+    Args:
+        fn (callable): the wrapped function, whose name and metadata it takes.
+        plain (callable): the plain form, a ``functools.wraps`` wrapper of ``fn``.
+        method (callable): the method form, which takes the bound object first.
+        binding (str): how it binds, from :func:`unwrap_binding`.
+
+    Returns:
+        Bindable: the wrapper, with ``plain``'s attributes.
+    """
+    # A class of its own, whose __call__ is the plain form itself: calling the wrapper then
+    # costs about what calling a function does, where a __call__ that forwarded would add
+    # a Python frame to every call.
+    kind = type("Bindable", (Bindable,), {"__slots__": (), "__call__": staticmethod(plain)})
+    wrapper = kind()
+    functools.update_wrapper(wrapper, fn)
+    vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
+    wrapper._method, wrapper._binding = method, binding
+    if inspect.iscoroutinefunction(plain):
+        # inspect.iscoroutinefunction() takes an object with a function's attributes for one.
+        wrapper.__code__, wrapper.__defaults__, wrapper.__kwdefaults__ = plain.__code__, None, None
+    return wrapper
+
+
+def refuse_generator(fn: Callable[..., Any], front_end: str) -> None:
+    """Refuse a generator or async generator function, whose work runs after the call returns.
+
+    Raises:
+        TypeError: if ``fn`` is one.
+    """
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"{front_end} cannot retry {name}(): it is a generator function, whose body runs while the "
+            "caller iterates, after the call has returned, where an out-of-memory error cannot be retried. "
+            "Decorate a function that returns the results instead (a list of them, say), or one that "
+            "consumes the generator"
+        )
 
 
 def device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -138,8 +244,10 @@ def batch(
     """Call a function with the largest batch size that fits, shrinking it on OOM.
 
     The decorated function receives the batch size as its first positional
-    parameter (the second for methods, after ``self``; or the keyword parameter
-    named by ``param``), and callers call it without one. If it runs out of
+    parameter (or the keyword parameter named by ``param``), and callers call it
+    without one. Called as a method, bound to an instance (or looked up on its
+    class), it receives the size after the instance, whatever its first
+    parameter is called: the wrapper binds as a function does. If it runs out of
     memory, the memory of the failed attempt is released and it is called again
     with the largest power of two below the failed size, down to ``minimum``.
     The size that worked is remembered in ``cache``, so the next call from the
@@ -147,12 +255,15 @@ def batch(
 
     The function must be safe to run again: if it calls ``backward()``, it should
     zero the gradients first (``optimizer.zero_grad()``), because a backward that
-    ran out of memory half-way may already have written some of them.
+    ran out of memory half-way may already have written some of them. A call
+    whose argument is an iterator, which the failed attempt may have consumed in
+    part, is not retried: it raises ``TypeError``.
 
     Use it bare (``@koila.batch``) or called (``@koila.batch(initial=256)``).
 
     Args:
-        fn (callable): the function, when used bare.
+        fn (callable): the function, when used bare; or a ``staticmethod`` or
+            ``classmethod`` of one.
         initial (int): the first size to try. Default: 512.
         param (str, optional): inject the size as this keyword argument instead
             of the first positional one.
@@ -168,8 +279,10 @@ def batch(
         ``cache_clear()``.
 
     Raises:
-        TypeError: if the function has no parameter to inject into, or an
-            option is unknown or has the wrong type.
+        TypeError: if the function has no parameter to inject into, is a
+            generator function, or an option is unknown or has the wrong type
+            (``initial=None`` too). When called: if an attempt ran out of memory
+            and an argument is an iterator.
         ValueError: if an option is out of range.
 
     Example::
@@ -197,11 +310,15 @@ def batch(
     return decorate(fn)
 
 
-def batched(fn: Callable[..., Any], policy: Policy, param: str | None = None, *, keep_last: bool = False) -> Any:
+def batched(fn: Any, policy: Policy, param: str | None = None, *, keep_last: bool = False) -> Any:
     """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected.
 
+    Called as it is, the wrapper injects the size first (or as ``param``); bound
+    to an instance, after the instance (see :class:`Bindable`).
+
     Args:
-        fn (callable): the function that takes the batch size.
+        fn (callable): the function that takes the batch size, or a
+            ``staticmethod`` or ``classmethod`` of one.
         policy (Policy): the checked options.
         param (str, optional): the keyword parameter the size goes to.
         keep_last (bool): store every success's size (see :class:`Controller`).
@@ -210,13 +327,29 @@ def batched(fn: Callable[..., Any], policy: Policy, param: str | None = None, *,
         Batched: the wrapper.
 
     Raises:
-        TypeError: if ``fn`` is not callable or has no parameter for the size.
+        TypeError: if ``fn`` is not callable, is a generator function, or has
+            no parameter for the size.
     """
+    fn, binding = unwrap_binding(fn)
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
-    injection = _Injection(fn, param)
+    refuse_generator(fn, "@koila.batch")
+    injection = _Injection(fn, param, 0)
     controller = Controller(injection.function_name, policy, explain=exhausted.message, keep_last=keep_last)
-    fixed_device = policy.device
+    plain = _wrapper(fn, injection, controller, policy.device)
+    if param is not None or binding is _STATICMETHOD:
+        method = plain  # by keyword, the size goes to one place, bound or not; a staticmethod never binds
+    else:
+        try:
+            method = _wrapper(fn, _Injection(fn, None, 1), controller, policy.device)
+        except TypeError as exc:
+            # Too few parameters to be a method: an error if it is ever called as one.
+            method = _refusing(fn, str(exc), controller)
+    return bindable(fn, plain, method, binding)
+
+
+def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controller, fixed_device: Any) -> Any:
+    """Return the function that runs a call of ``fn`` in ``controller``, with the size injected."""
     start, call = controller.start, controller.call
     getframe = sys._getframe
     name, position, max_args = injection.name, injection.position, injection.max_args
@@ -257,6 +390,16 @@ def batched(fn: Callable[..., Any], policy: Policy, param: str | None = None, *,
     return with_controller(wrapper, controller)
 
 
+def _refusing(fn: Callable[..., Any], message: str, controller: Controller) -> Any:
+    """Return a method form that raises ``TypeError(message)`` when called."""
+
+    @functools.wraps(fn)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError(message)
+
+    return with_controller(refuse, controller)
+
+
 def with_controller(wrapper: Any, controller: Controller) -> Any:
     """Give a wrapper its controller's ``stats``, ``cache_info()`` and ``cache_clear()``."""
     wrapper.stats = controller.stats
@@ -280,6 +423,9 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     error propagates unchanged. Locals the block assigned before failing are
     still bound in your frame: rebind or delete them if they hold large tensors.
 
+    Each turn of the loop enters ``with attempt:`` once: entering it again,
+    inside the block or after it, raises ``RuntimeError``.
+
     When the ranks of a ``torch.distributed`` job agree (see :doc:`distributed`),
     every rank must run the block, and run the loop to its end (no ``break``).
 
@@ -297,9 +443,10 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
         that same object, a context manager with ``batch_size`` and ``number``.
 
     Raises:
-        TypeError: if an option is unknown or has the wrong type.
+        TypeError: if an option is unknown or has the wrong type (``initial=None`` too).
         ValueError: if an option is out of range.
         BatchSizeExhausted: from the loop, when even ``minimum`` runs out of memory.
+        RuntimeError: from the loop, if an attempt's ``with`` block is entered twice.
 
     Example::
 

@@ -10,22 +10,28 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import sys
+import warnings
 from collections.abc import Callable
+from types import MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from koila_retry._common.batches import Split
+from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import TensorBase
+from koila_retry._common.units import format_bytes
 from koila_retry._core.cache import StackMemoryCache, function_identity
+from koila_retry._core.detect import is_oom
 from koila_retry._core.engine import Controller
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._diagnostics import exhausted
-from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate
-from koila_retry._frontends.arguments import Split
-from koila_retry._frontends.batch import Batched, with_controller
+from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
+from koila_retry._frontends.batch import Batched, bindable, refuse_generator, unwrap_binding, with_controller
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -42,10 +48,21 @@ calls_cache = StackMemoryCache()
 _NONE_SPEC = tree_flatten(None)[1]
 
 
+# The keywords of a call form that are options; every other keyword is the function's.
+_OPTIONS = frozenset(Options.__annotations__)
+
+
+def _arguments_of_fn(fn: object, options: dict[str, Any]) -> dict[str, Any]:
+    """Take the keywords that are not options out of a call form's, as the function's own."""
+    if fn is None or options.keys() <= _OPTIONS:
+        return {}
+    return {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
+
+
 class _Pass:
     """What every pass of one ``chunked`` or ``range`` call or decorator is told: its policy and its own options."""
 
-    def __init__(self, front_end: str, initial: int | str, progress: bool, options: Options) -> None:
+    def __init__(self, front_end: str, initial: int | str | None, progress: bool, options: Options) -> None:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
@@ -56,7 +73,7 @@ class _Pass:
                 "koila.range has no inputs to estimate memory from: initial='auto' is for koila.chunked "
                 "and koila.accumulate; give koila.range an int"
             )
-        self.policy = Policy.of(front_end, None if self.auto else cast("int | None", initial), options)
+        self.policy = Policy.of(front_end, None if self.auto else cast("int | None", initial), options, rows=True)
         self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
         self.device = self.policy.device
 
@@ -64,6 +81,7 @@ class _Pass:
         """Make the controller of one call, or of a decorated function (with a cache of its own)."""
         if not callable(fn):
             raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}")
+        refuse_generator(fn, self.front_end)
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         default = StackMemoryCache() if decorated else calls_cache
         return Controller(name, self.policy, default_cache=default, explain=exhausted.message)
@@ -90,7 +108,7 @@ def chunked(
     first: Any,
     /,
     *args: Any,
-    initial: int | Literal["auto"] = ...,
+    initial: int | Literal["auto"] | None = ...,
     dim: int = ...,
     progress: bool = ...,
     out: Any = ...,
@@ -101,22 +119,35 @@ def chunked(
 @overload
 def chunked(
     *,
-    initial: int | Literal["auto"] = ...,
+    initial: int | Literal["auto"] | None = ...,
     dim: int = ...,
     progress: bool = ...,
     **options: Unpack[Options],
 ) -> Callable[[Callable[P, R]], Batched[P, R]]: ...
 
 
+@overload
+def chunked(
+    fn: Callable[..., R],
+    /,
+    *args: Any,
+    initial: int | Literal["auto"] | None = ...,
+    dim: int = ...,
+    progress: bool = ...,
+    out: Any = ...,
+    **kwargs: Any,
+) -> R: ...
+
+
 def chunked(
     fn: Callable[..., Any] | None = None,
     /,
     *args: Any,
-    initial: int | Literal["auto"] = DEFAULT_INITIAL,
+    initial: int | Literal["auto"] | None = DEFAULT_INITIAL,
     dim: int = 0,
     progress: bool = False,
     out: Any = None,
-    **options: Unpack[Options],
+    **options: Any,
 ) -> Any:
     """Apply a function to its tensor arguments in chunks of rows, and join the results.
 
@@ -139,8 +170,11 @@ def chunked(
     Args:
         fn (callable): the function to apply to each chunk.
         *args: the arguments of ``fn``: tensors, all with the same size along
-            ``dim``, are split; anything else is passed to every call.
-        initial (int or str): the first chunk size to try. ``"auto"``: the
+            ``dim``, are split, also inside dicts, lists, tuples and
+            dataclasses; anything else is passed to every call (see
+            :ref:`batches`).
+        initial (int, str or None): the first chunk size to try. ``None``:
+            all the rows at once. ``"auto"``: the
             largest power of two whose estimated memory (:func:`estimate`) fits
             in the device's free memory, all the rows if they fit, estimated once
             per input signature. Default: 512.
@@ -160,7 +194,9 @@ def chunked(
             (default: the device of the first tensor argument), ``grow`` and
             ``grow_after`` (counting chunks), ``sync`` (every rank must then
             make the call, over as many rows) and ``group``; see
-            :ref:`options`.
+            :ref:`options`. In the call form, every other keyword argument
+            is ``fn``'s, split like ``args``:
+            ``koila.chunked(model, input_ids=ids, attention_mask=mask)``.
 
     Returns:
         The joined results (or ``out``); or, used as a decorator, the decorated
@@ -188,12 +224,13 @@ def chunked(
 
     .. versionadded:: 0.1.0
     """
-    chunks = _Pass("koila.chunked", initial, progress, options)
+    given = _arguments_of_fn(fn, options)
+    chunks = _Pass("koila.chunked", initial, progress, cast(Options, options))
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
-    if fn is not None and args:
+    if fn is not None and (args or given):
         controller = chunks.controller(fn, decorated=False)
-        return _run_chunked(controller, fn, args, {}, dim, chunks, out, sys._getframe(1))
+        return _run_chunked(controller, fn, args, given, dim, chunks, out, sys._getframe(1))
     if out is not None:
         raise TypeError("out= is given per call: koila.chunked(fn, x, out=buffer), not to a decorator")
 
@@ -220,7 +257,7 @@ def _run_chunked(
     out: Any,
     caller: Any,
 ) -> Any:
-    split = Split(args, kwargs, dim, "koila.chunked")
+    split = Split(args, kwargs, dim, "koila.chunked", fn)
     results = _Results(dim, split.rows, out)
 
     def work(begin: int, end: int) -> Any:
@@ -238,29 +275,44 @@ def _run_chunked(
         if chunks.auto:
 
             def make() -> MemoryEstimate:
-                return estimate(fn, *args, dim=dim, device=device, **kwargs)
+                return estimate_batch(fn, split, device=device)
 
             first = AutoFirst((identity, split.sample, device), split.rows, make, device, controller.name)
         attempt = controller.start(
-            identity, caller, device, split.sample, split.rows, first, span=split.rows, roots=(fn, args, kwargs)
+            identity,
+            caller,
+            device,
+            split.sample,
+            split.rows,
+            first,
+            span=split.rows,
+            roots=(fn, args, kwargs),
+            per_sample=split.per_sample,
         )
         controller.cover(attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
     return results.finish()
 
 
 class _Results:
-    """The results of the chunks: checked as they come, joined (or written to ``out``) at the end."""
+    """The results of the chunks: checked as they come, and written into one result (or ``out``) as they come.
+
+    The result is allocated once the first chunk's shapes are known, so the peak is the
+    result plus one chunk, and no final join can lose the finished chunks.
+    """
 
     def __init__(self, dim: int, rows: int, out: Any) -> None:
         self.dim, self.rows, self.out = dim, rows, out
         self.spec: TreeSpec | None = None
-        self.parts: list[list[torch.Tensor]] = []
-        self.single: Any = None
+        # Where each leaf's rows go: ``out``'s tensors, or the result's, once allocated.
+        self.targets: list[torch.Tensor | None] | None = None
+        self.single: Any = None  # a first chunk that held every row: the result as it is
         self.none = False
-        self.joins_tensors = False
+        self.plain = False  # whether results are plain tensors, written without flattening
         self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
         if out is not None:
-            self.out_leaves, self.out_spec = tree_flatten(out)
+            leaves, self.spec = tree_flatten(out)
+            self.targets = list(leaves)
+            self.plain = type(out) is torch.Tensor
             for path, leaf in tree_flatten_with_path(out)[0]:
                 where = f"out{keystr(path)}"
                 if not isinstance(leaf, TensorBase):
@@ -272,9 +324,10 @@ class _Results:
                     )
 
     def add(self, begin: int, end: int, result: Any) -> None:
-        if type(result) is torch.Tensor and self.joins_tensors and result.dim() >= self.least_dims:
-            self.parts.append([result])  # the usual case, checked and kept without flattening
-            return
+        targets = self.targets
+        if self.plain and type(result) is torch.Tensor and result.dim() >= self.least_dims:
+            self._write(cast(torch.Tensor, cast(list[Any], targets)[0]), result, begin, end, result, 0)
+            return  # the usual case, checked and written without flattening
         if result is None and self.out is None:
             if self.spec is not None and not self.none:
                 self._changed(self.spec, _NONE_SPEC)
@@ -284,57 +337,135 @@ class _Results:
         if self.spec is None:
             self.spec = spec
         elif spec != self.spec or self.none:
+            if self.out is not None:
+                raise ValueError(f"fn's result has the structure {spec}, and out has {self.spec}")
             self._changed(self.spec, spec)
-        dim = self.dim
-        for leaf in leaves:  # every chunk's: a short last chunk is where squeeze() bites
-            if not isinstance(leaf, TensorBase) or not -leaf.dim() <= dim < leaf.dim():
-                self._explain(result)
-        if self.out is not None:
-            if spec != self.out_spec:
-                raise ValueError(f"fn's result has the structure {spec}, and out has {self.out_spec}")
-            for target, leaf in zip(self.out_leaves, leaves, strict=True):
-                if leaf.size(dim) != end - begin:
-                    raise ValueError(
-                        f"fn returned {leaf.size(dim)} rows along dim {dim} for a chunk of "
-                        f"{end - begin}; out= needs one result row per input row"
-                    )
-                target.narrow(dim, begin, end - begin).copy_(leaf)
-            return
-        if not self.parts:
-            self.single = result
-            # From now on a plain tensor with a dim to join along needs no other check.
-            self.joins_tensors = type(result) is torch.Tensor
-        self.parts.append(leaves)
+        dim, joined = self.dim, False
+        for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
+            if isinstance(leaf, TensorBase):
+                joined = True
+                if not -leaf.dim() <= dim < leaf.dim() or (targets is not None and targets[index] is None):
+                    self._explain(result, begin)
+            elif self.out is not None or (targets is not None and targets[index] is not None):
+                self._explain(result, begin)
+        if not joined:
+            self._explain(result, begin)
+        if targets is None:
+            if end - begin == self.rows:
+                self.single = result
+                return
+            targets = self.targets = self._allocate(leaves, end - begin, result)
+            self.plain = type(result) is torch.Tensor
+        for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
+            if target is not None:
+                self._write(target, leaf, begin, end, result, index)
+
+    def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | None]:
+        """Make the result's tensors, each with every row, where the first chunk's lie.
+
+        A leaf that is not a tensor (a model's key-value cache, a string) has none: it
+        is returned as ``None``, with a warning.
+        """
+        dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
+        if dropped:
+            paths = tree_flatten_with_path(result)[0]
+            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
+            warnings.warn(
+                f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
+                "key-value cache, strings, flags) as None when the rows take more than one chunk",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+            leaves = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
+        tensors = [leaf for leaf in leaves if leaf is not None]
+        dim, shapes = self.dim, []
+        for leaf in tensors:
+            shape = list(leaf.shape)
+            shape[dim] = self.rows
+            shapes.append(shape)
+        try:
+            made = iter([leaf.new_empty(shape) for leaf, shape in zip(tensors, shapes, strict=True)])
+            return [None if leaf is None else next(made) for leaf in leaves]
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+        # Raised here, once the frame no longer holds the allocator's error.
+        size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
+        raise torch.OutOfMemoryError(
+            f"koila.chunked cannot allocate its result: {self.rows} rows ({format_bytes(size)} on "
+            f"{tensors[0].device}) do not fit beside the first chunk of {first} rows, before any other "
+            "chunk ran. Pass out= a tensor with room for every row, on the CPU (pinned memory for a "
+            "fast copy) if the device has no room, or cover fewer rows per call"
+        ) from None
+
+    def _write(self, target: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int) -> None:
+        """Check one leaf of a chunk's result against where its rows go, and write them there."""
+        dim, rows = self.dim, end - begin
+        view = target.narrow(dim, begin, rows)
+        if view.shape != leaf.shape or (
+            leaf.dtype != target.dtype and (self.out is None or not torch.can_cast(leaf.dtype, target.dtype))
+        ):
+            self._mismatch(view, leaf, begin, end, result, index)
+        view.copy_(leaf)
+
+    def _mismatch(
+        self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
+    ) -> NoReturn:
+        """Raise the error that says how a chunk's result does not fit where its rows go."""
+        path = keystr(tree_flatten_with_path(result)[0][index][0])
+        rows, dim = end - begin, self.dim
+        what = f"fn returned a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} at the result{path}"
+        if leaf.size(dim) != rows:
+            raise ValueError(
+                f"{what} for rows {begin} to {end}: it has {leaf.size(dim)} rows along dim {dim}, and "
+                f"koila.chunked needs one result row per input row, {rows} here"
+            )
+        where = f"out{path}" if self.out is not None else f"the result of the first chunk{path}"
+        allowed = "shape" if view.shape != leaf.shape else "dtype it can be cast to"
+        raise ValueError(
+            f"{what} for rows {begin} to {end}, and {where} needs the {allowed} {tuple(view.shape)} and "
+            f"{view.dtype} for them"
+        )
 
     @staticmethod
     def _changed(before: TreeSpec, after: TreeSpec) -> NoReturn:
         raise ValueError(f"fn returned results of different structures for different chunks: {before} and then {after}")
 
-    def _explain(self, result: Any) -> None:
-        """Raise the error that names the leaf of ``result`` that cannot be joined."""
-        for path, leaf in tree_flatten_with_path(result)[0]:
+    def _explain(self, result: Any, begin: int) -> NoReturn:
+        """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
+        leaves = tree_flatten_with_path(result)[0]
+        targets = self.targets
+        alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
+        for index, (path, leaf) in enumerate(leaves):
             where = f"the result{keystr(path)}"
+            target = None if targets is None else targets[index]
             if not isinstance(leaf, TensorBase):
-                raise TypeError(
-                    f"fn returned {type(leaf).__name__} at {where}; koila.chunked joins results along dim "
-                    f"{self.dim}, so fn must return tensors (or a tuple, list or dict of them), or None"
-                )
-            if not -leaf.dim() <= self.dim < leaf.dim():
+                if self.out is not None or target is not None or alone:
+                    raise TypeError(
+                        f"fn returned {type(leaf).__name__} at {where} for the chunk from row {begin}; "
+                        f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), so fn "
+                        "must return tensors, or a tuple, list or dict that holds them, or None"
+                    )
+            elif not -leaf.dim() <= self.dim < leaf.dim():
                 raise ValueError(
                     f"fn returned a tensor of shape {tuple(leaf.shape)} at {where}, which has no dim "
                     f"{self.dim} to join chunks along"
                 )
+            elif targets is not None and target is None:
+                raise ValueError(
+                    f"fn returned a tensor at {where} for the chunk from row {begin}, where the first chunk "
+                    "returned an object that is not a tensor"
+                )
+        raise AssertionError(f"no leaf of the result of the chunk from row {begin} is wrong")  # pragma: no cover
 
     def finish(self) -> Any:
         if self.out is not None:
             return self.out
         if self.none:
             return None
-        if len(self.parts) == 1:
+        if self.targets is None:
             return self.single
-        joined = [torch.cat(column, dim=self.dim) for column in zip(*self.parts, strict=True)]
-        self.parts.clear()
-        return tree_unflatten(joined, cast(TreeSpec, self.spec))
+        return tree_unflatten(self.targets, cast(TreeSpec, self.spec))
 
 
 @overload
@@ -343,21 +474,21 @@ def range(fn: Callable[P, R], /) -> Batched[P, list[R]]: ...
 
 @overload
 def range(
-    fn: Callable[[int, int], R],
+    fn: Callable[..., R],
     start: int,
     stop: int,
     /,
     *,
-    initial: int = ...,
+    initial: int | None = ...,
     progress: bool = ...,
-    **options: Unpack[Options],
+    **options: Any,
 ) -> list[R]: ...
 
 
 @overload
 def range(
     *,
-    initial: int = ...,
+    initial: int | None = ...,
     progress: bool = ...,
     **options: Unpack[Options],
 ) -> Callable[[Callable[P, R]], Batched[P, list[R]]]: ...
@@ -369,9 +500,9 @@ def range(
     stop: int | None = None,
     /,
     *,
-    initial: int = DEFAULT_INITIAL,
+    initial: int | None = DEFAULT_INITIAL,
     progress: bool = False,
-    **options: Unpack[Options],
+    **options: Any,
 ) -> Any:
     """Call ``fn(begin, end)`` over consecutive index ranges that cover ``[start, stop)`` once.
 
@@ -390,7 +521,8 @@ def range(
         fn (callable): called as ``fn(begin, end)`` for each range.
         start (int): the first index.
         stop (int): one past the last index; at least ``start``.
-        initial (int): the first range size to try. Default: 512.
+        initial (int or None): the first range size to try; ``None``: all the
+            indices at once. Default: 512.
         progress (bool): show a tqdm progress bar over the indices. Needs
             ``pip install 'koila-retry[progress]'``. Default: ``False``.
         **options: the options every front end takes, each range being one
@@ -400,7 +532,8 @@ def range(
             ``device`` (default: the current accelerator, else the CPU),
             ``grow`` and ``grow_after`` (counting ranges), ``sync`` (every rank
             must then make the call, over as many indices) and ``group``; see
-            :ref:`options`.
+            :ref:`options`. In the call form, every other keyword argument
+            is passed to every call of ``fn``, after ``begin`` and ``end``.
 
     Returns:
         list: what ``fn`` returned for each range, in order; or, used as a
@@ -420,12 +553,14 @@ def range(
 
     .. versionadded:: 0.1.0
     """
-    ranges = _Pass("koila.range", initial, progress, options)
+    given = _arguments_of_fn(fn if start is not None or stop is not None else None, options)
+    ranges = _Pass("koila.range", initial, progress, cast(Options, options))
     if fn is not None and (start is not None or stop is not None):
         controller = ranges.controller(fn, decorated=False)
-        return _run_range(controller, fn, start, stop, (), {}, ranges, sys._getframe(1))
+        return _run_range(controller, fn, start, stop, (), given, ranges, sys._getframe(1))
 
     def decorate(function: Callable[P, R]) -> Batched[P, list[R]]:
+        function, binding = unwrap_binding(function)
         controller = ranges.controller(function, decorated=True)
         getframe = sys._getframe
 
@@ -433,7 +568,14 @@ def range(
         def wrapper(start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
             return _run_range(controller, function, start, stop, args, kwargs, ranges, getframe(1))
 
-        return cast(Batched[P, list[R]], with_controller(wrapper, controller))
+        # Bound to an instance (or a class), the range comes after it: see batch.Bindable.
+        @functools.wraps(function)
+        def method(instance: Any, start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
+            bound = MethodType(function, instance)
+            return _run_range(controller, bound, start, stop, args, kwargs, ranges, getframe(1))
+
+        plain, method = with_controller(wrapper, controller), with_controller(method, controller)
+        return cast(Batched[P, list[R]], bindable(function, plain, method, binding))
 
     return decorate if fn is None else decorate(fn)
 
@@ -465,6 +607,8 @@ def _run_range(
         controller.cover(None, start, stop, work, keep)
         return results
     device = ranges.device or default_device()
-    attempt = controller.start(function_identity(fn), caller, device, span=stop - start, roots=(fn, args, kwargs))
+    identity, span = function_identity(fn), stop - start
+    # rows: with initial=None, every index at once
+    attempt = controller.start(identity, caller, device, rows=span, span=span, roots=(fn, args, kwargs))
     controller.cover(attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
     return results

@@ -31,7 +31,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.memory import DeviceLike, release
 from koila_retry._core.policy import scaled
 from koila_retry._core.stats import OnOOM, Stats
-from koila_retry._frontends.batch import batch
+from koila_retry._frontends.batch import batch, bindable
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
@@ -160,7 +160,7 @@ def find_executable_batch_size(
         raise TypeError(f"cannot read the signature of {function!r} to pass it the batch size: {exc}") from None
     name = getattr(function, "__name__", repr(function))
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
-    batched = None
+    batched: Any = None  # a koila.batch wrapper (it binds as a method does), or None
     if starting_batch_size != 0:
         # accelerate keeps one size per decorated function, and takes 90% of the one that failed.
         batched = batch(
@@ -173,30 +173,41 @@ def find_executable_batch_size(
             group=group,
         )(function)
 
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if len(parameters) < len(args) + 1:
-            given = ", ".join(f"{param}={value}" for param, value in zip(parameters[1:], args[1:]))
+    def run(target: Callable[..., Any], given: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(parameters) < len(given) + 1:
+            passed = ", ".join(f"{param}={value}" for param, value in zip(parameters[1:], given[1:]))
             raise TypeError(
                 f"Batch size was passed into `{name}` as the first argument when called."
-                f"Remove this as the decorator already does so: `{name}({given})`"
+                f"Remove this as the decorator already does so: `{name}({passed})`"
             )
         if batched is None:
             raise RuntimeError(_REACHED_ZERO)
         try:
-            return batched(*args, **kwargs)
+            return target(*args, **kwargs)
         except BatchSizeExhausted as exc:
             # Code written for accelerate looks for its message.
             exc.args = (f"{_REACHED_ZERO} {exc.args[0]}",)
             raise
 
-    wrapped: Any = wrapper
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return run(batched, args, args, kwargs)
+
+    # Bound to an instance, the size goes after it, as koila.batch's does (see batch.Bindable).
+    @functools.wraps(function)
+    def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
+        bound: Any = None if batched is None else batched.__get__(instance, type(instance))
+        return run(bound, (instance, *args), args, kwargs)
+
     if batched is None:
         cache = GlobalCache()
-        wrapped.stats, wrapped.cache_info, wrapped.cache_clear = Stats(0), cache.cache_info, cache.cache_clear
+        stats, cache_info, cache_clear = Stats(0), cache.cache_info, cache.cache_clear
     else:
-        wrapped.stats, wrapped.cache_info, wrapped.cache_clear = batched.stats, batched.cache_info, batched.cache_clear
-    return wrapped
+        stats, cache_info, cache_clear = batched.stats, batched.cache_info, batched.cache_clear
+    forms: tuple[Any, ...] = (wrapper, method)
+    for form in forms:
+        form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
+    return bindable(function, wrapper, method)
 
 
 def _asking(reduce_batch_size_fn: Callable[[], int]) -> Callable[[int], int | None]:

@@ -1,0 +1,344 @@
+"""A call's arguments as a tree: the tensors that hold its rows, found once, and the arguments of any slice.
+
+Every front end that splits rows (``accumulate``, ``chunked``, ``estimate`` and what is
+built on them) uses this one walk. Tensors are found inside dicts and other mappings
+(a Hugging Face ``BatchEncoding``, a ``UserDict``, a ``ModelOutput``), lists, tuples,
+named tuples and dataclass instances, nested to any reasonable depth, positional or
+keyword. Each slice gets the same containers back, copied where a tensor changed.
+
+The rule for which tensors are split, documented in ``docs/accumulate.rst``:
+
+- a tensor with rows along ``dim`` is split; the rows are the size along ``dim`` the
+  tensors share;
+- a 0-dimensional tensor, and a tensor with one row along ``dim`` while the batch has
+  more, pass whole to every slice: they broadcast over the rows, as they would in the
+  whole call;
+- any other size along ``dim`` is ambiguous, and an error names it by its path;
+- everything that is not a tensor passes whole.
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from koila_retry._common.tensors import TensorBase
+
+__all__ = ["Split", "positional_names"]
+
+# Deeper than any batch is nested; a walk that goes deeper is following a cycle or a mistake.
+DEPTH = 32
+
+# Types that are never containers, answered without the slower checks.
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device, slice})
+
+# How a container is taken apart and put back together.
+_LIST, _TUPLE, _NAMED, _SEQUENCE, _DICT, _MAPPING, _FIELDS = builtins.range(7)
+
+
+class _Node:
+    """A container that holds tensors: its children that do, by key, and how to remake it."""
+
+    __slots__ = ("children", "kind", "splits", "value")
+
+    def __init__(self, value: Any, kind: int, children: list[tuple[Any, _Node | int]]) -> None:
+        self.value, self.kind, self.children = value, kind, children
+        self.splits = True  # whether a tensor that is split lies below: else the container passes as it is
+
+    def marked(self, split: set[int]) -> bool:
+        """Note whether a tensor in ``split`` lies below, and return it."""
+        self.splits = any(
+            child in split if isinstance(child, int) else child.marked(split) for _, child in self.children
+        )
+        return self.splits
+
+    def remade(self, leaves: list[Any], every: bool) -> Any:
+        """Return a copy of the container with each child remade from ``leaves``.
+
+        Unless ``every``, a container in which no tensor is split is itself, not a copy.
+        """
+        kind, value = self.kind, self.value
+        if not (every or self.splits):
+            return value
+        changed = [
+            (key, leaves[child] if isinstance(child, int) else child.remade(leaves, every))
+            for key, child in self.children
+        ]
+        if kind in (_LIST, _TUPLE):
+            items = list(value)
+            for key, item in changed:
+                items[key] = item
+            return items if kind == _LIST else tuple(items)
+        if kind == _NAMED:
+            return value._replace(**dict(changed))
+        if kind == _DICT:
+            new = dict(value)
+            new.update(changed)
+            return new
+        if kind == _FIELDS:
+            new = copy.copy(value)
+            for key, item in changed:
+                object.__setattr__(new, key, item)  # frozen dataclasses too
+            return new
+        if kind == _SEQUENCE or isinstance(value, MutableMapping):
+            new = copy.copy(value)  # keeps the type and its other state (a BatchEncoding's encodings)
+            if new is value:
+                raise TypeError(
+                    f"koila_retry cannot copy a {type(value).__name__}: copy.copy() returned the same object"
+                )
+            for key, item in changed:
+                new[key] = item
+            return new
+        return type(value)({**value, **dict(changed)})
+
+
+def _kind(value: Any) -> int | None:
+    """Return how ``value`` is taken apart, or ``None`` if it is a leaf."""
+    cls = type(value)
+    if cls in _LEAVES:
+        return None
+    if cls is list:
+        return _LIST
+    if cls is tuple:
+        return _TUPLE
+    if cls is dict:
+        return _DICT
+    if isinstance(value, tuple):
+        return _NAMED if hasattr(value, "_fields") else _SEQUENCE
+    if isinstance(value, list):
+        return _SEQUENCE
+    if isinstance(value, Mapping):
+        return _MAPPING
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _FIELDS
+    return None
+
+
+def _items(value: Any, kind: int) -> Iterator[tuple[Any, Any]]:
+    if kind == _NAMED:
+        return zip(value._fields, value)
+    if kind == _FIELDS:
+        return ((field.name, getattr(value, field.name)) for field in dataclasses.fields(value))
+    if kind in (_DICT, _MAPPING):
+        return iter(value.items())
+    return enumerate(value)
+
+
+class Split:
+    """The tensors of one call's arguments, which of them hold its rows, and the arguments of any slice.
+
+    ``front_end`` names the caller in errors; ``fn`` is the function called, whose
+    parameter names label positional arguments in errors (read only when one is raised).
+    """
+
+    __slots__ = (
+        "args",
+        "device",
+        "dim",
+        "fn",
+        "front_end",
+        "kwargs",
+        "nodes",
+        "per_sample",
+        "rows",
+        "sample",
+        "split",
+        "tensors",
+    )
+
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dim: int,
+        front_end: str,
+        fn: Callable[..., Any] | None = None,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+        self.args, self.kwargs, self.dim, self.front_end, self.fn = args, kwargs, dim, front_end, fn
+        # Every tensor in the arguments, split or passed whole, in order, and where each
+        # lies (kept only for errors).
+        self.tensors: list[torch.Tensor] = []
+        paths: list[tuple[Any, ...]] = []
+        self.nodes: list[tuple[int | str, _Node | int]] = []
+        for position, value in enumerate(args):
+            found = self._walk(value, (position,), paths)
+            if found is not None:
+                self.nodes.append((position, found))
+        for name, value in kwargs.items():
+            found = self._walk(value, (name,), paths)
+            if found is not None:
+                self.nodes.append((name, found))
+        self.rows, self.split = self._rows(paths)
+        chosen = set(self.split)
+        for _, node in self.nodes:
+            if not isinstance(node, int):
+                node.marked(chosen)
+        tensors = [self.tensors[i] for i in self.split]
+        self.device: torch.device = tensors[0].device
+        # The key of the workload: each sample's shape in size classes (each length up to
+        # a power of two), so that a batch padded to 37 tokens and one padded to 50 meet
+        # the size the other settled on; ``per_sample``, the exact bytes, tells them apart.
+        sample, per_sample = [], 0
+        for tensor in tensors:
+            shape = tensor.shape
+            axis = dim + len(shape) if dim < 0 else dim
+            rest = shape[:axis] + shape[axis + 1 :]
+            per_sample += math.prod(rest) * tensor.element_size()
+            sample.append(
+                (tuple(1 << (length - 1).bit_length() if length > 1 else length for length in rest), str(tensor.dtype))
+            )
+        if len(tensors) < len(self.tensors):
+            # What passes whole takes memory too: its shape is part of the workload.
+            sample.extend(
+                (tuple(tensor.shape), str(tensor.dtype))
+                for index, tensor in enumerate(self.tensors)
+                if index not in chosen
+            )
+        self.sample = tuple(sample)
+        self.per_sample = per_sample
+
+    def _walk(self, value: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]]) -> _Node | int | None:
+        if isinstance(value, TensorBase):
+            self.tensors.append(value)  # type: ignore[arg-type]
+            paths.append(path)
+            return len(self.tensors) - 1
+        kind = _kind(value)
+        if kind is None:
+            return None
+        if len(path) > DEPTH:
+            raise ValueError(
+                f"{self.front_end} looks for tensors in containers nested at most {DEPTH} deep, and "
+                f"{self._label(path)} is deeper (a container that holds itself?)"
+            )
+        children: list[tuple[Any, _Node | int]] = []
+        for key, item in _items(value, kind):
+            found = self._walk(item, (*path, _Attribute(key) if kind in (_FIELDS, _NAMED) else key), paths)
+            if found is not None:
+                children.append((key, found))
+        return _Node(value, kind, children) if children else None
+
+    def _rows(self, paths: list[tuple[Any, ...]]) -> tuple[int, list[int]]:
+        """Return the rows and which tensors hold them; raise the error that names an ambiguous one."""
+        dim, sizes = self.dim, []
+        for index, tensor in enumerate(self.tensors):
+            shape = tensor.shape
+            if not shape:
+                sizes.append(-1)  # 0-dimensional: no rows, passes whole
+                continue
+            axis = dim + len(shape) if dim < 0 else dim
+            if not 0 <= axis < len(shape):
+                raise ValueError(
+                    f"dim {dim} is out of range for the tensor {self._label(paths[index])} of shape {tuple(shape)}; "
+                    f"allowed: [{-len(shape)}, {len(shape) - 1}]"
+                )
+            sizes.append(shape[axis])
+        rows = first = -1
+        for index, size in enumerate(sizes):
+            if size > 1 or size == 0:
+                if rows == -1:
+                    rows, first = size, index
+                elif size != rows:
+                    raise ValueError(
+                        f"every tensor that is split must have the same size along dim {dim} (one row broadcasts, "
+                        f"and passes whole): the tensor {self._label(paths[first])} has {rows}, "
+                        f"the tensor {self._label(paths[index])} has {size}"
+                    )
+        if rows == -1:
+            if 1 not in sizes:
+                shown = [type(value).__name__ for value in (*self.args, *self.kwargs.values())]
+                what = "none of the arguments is a tensor" if not sizes else "every tensor is 0-dimensional"
+                raise ValueError(
+                    f"{self.front_end} splits the tensors in its arguments along dim {dim}, and {what} (got {shown})"
+                )
+            rows = 1
+        return rows, [index for index, size in enumerate(sizes) if size == rows]
+
+    def _label(self, path: tuple[Any, ...]) -> str:
+        """Name a value by where it lies: ``batch['input_ids']``, ``args[1][0]``, ``mask``."""
+        head = path[0]
+        if isinstance(head, str):
+            label = head
+        else:
+            names = positional_names(self.fn) if self.fn is not None else ()
+            label = names[head] if head < len(names) else f"args[{head}]"
+        for key in path[1:]:
+            label += f".{key}" if isinstance(key, _Attribute) else f"[{key!r}]"
+        return label
+
+    def rebuilt(self, leaves: list[Any], every: bool = False) -> tuple[list[Any], dict[str, Any]]:
+        """Return the arguments with the tensors replaced by their counterparts in ``leaves``.
+
+        Unless ``every``, only the containers that hold a tensor that is split are copied.
+        """
+        args, kwargs = list(self.args), self.kwargs
+        if any(isinstance(key, str) for key, _ in self.nodes):
+            kwargs = dict(kwargs)
+        for key, node in self.nodes:
+            value = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
+            if isinstance(key, str):
+                kwargs[key] = value
+            else:
+                args[key] = value
+        return args, kwargs
+
+    def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
+        """Yield the arguments of each slice of ``size`` rows (the last takes the rest), and its rows."""
+        dim, leaves = self.dim, list(self.tensors)
+        # One split() per tensor makes every slice's view at once, where narrow() makes one.
+        columns = [torch.split(self.tensors[index], size, dim) for index in self.split]
+        for number, begin in enumerate(builtins.range(0, self.rows, size)):
+            for index, column in zip(self.split, columns, strict=True):
+                leaves[index] = column[number]
+            args, kwargs = self.rebuilt(leaves)
+            yield args, kwargs, min(size, self.rows - begin)
+
+    def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
+        """Return the arguments of rows ``[begin, end)``."""
+        leaves, dim = list(self.tensors), self.dim
+        for index in self.split:
+            leaves[index] = leaves[index].narrow(dim, begin, end - begin)
+        return self.rebuilt(leaves)
+
+    def resized(
+        self, rows: int, make: Callable[[torch.Tensor, list[int]], torch.Tensor]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Return the arguments with each tensor replaced by ``make(tensor, shape)``, the split ones at ``rows``."""
+        leaves, dim = [make(tensor, list(tensor.shape)) for tensor in self.tensors], self.dim
+        for index in self.split:
+            tensor = self.tensors[index]
+            shape = list(tensor.shape)
+            shape[dim] = rows
+            leaves[index] = make(tensor, shape)
+        return self.rebuilt(leaves, every=True)
+
+
+class _Attribute(str):
+    """A key that is an attribute (a dataclass field, a named tuple's), labelled ``.name``."""
+
+    __slots__ = ()
+
+
+def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Return the names of ``fn``'s positional parameters, or none if it has no signature.
+
+    Args:
+        fn (callable): the function.
+
+    Returns:
+        tuple[str, ...]: the names, in order.
+    """
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(parameter.name for parameter in parameters if parameter.kind in positional)

@@ -1,0 +1,258 @@
+"""What every front end does with the callables and arguments it is given: methods, generators, iterators."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import koila_retry as koila
+from koila_retry.compat.accelerate import find_executable_batch_size
+from koila_retry.compat.toma import toma
+from koila_retry.testing import make_oom, oom_above
+
+# --------------------------------------------------------------------------- methods
+
+
+def test_range_decorator_binds_a_method_before_the_range() -> None:
+    class Index:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        @koila.range(initial=4, cache=koila.NoCache())
+        def build(this, begin: int, end: int, scale: int) -> int:
+            this.seen.append((begin, end))
+            return (end - begin) * scale
+
+    index = Index()
+    assert index.build(0, 10, 2) == [8, 8, 4]
+    assert index.seen == [(0, 4), (4, 8), (8, 10)]
+    assert Index.build(index, 0, 2, 1) == [2]  # looked up on the class: the instance comes first
+    assert index.build.stats.calls == 2
+
+
+def test_range_decorator_retries_a_method_from_the_failed_range() -> None:
+    fits = oom_above(2)
+
+    class Index:
+        @koila.range(initial=4, cache=koila.NoCache())
+        def build(self, begin: int, end: int) -> tuple[int, int]:
+            fits(end - begin)
+            return begin, end
+
+    assert Index().build(0, 5) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_chunked_and_accumulate_decorators_pass_the_instance_through() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def predict(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+        @koila.accumulate(initial=2, cache=koila.NoCache())
+        def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.linear(x), y)
+
+    torch.manual_seed(0)
+    model, x, y = Model(), torch.randn(5, 3), torch.randn(5, 1)
+    assert torch.allclose(model.predict(x), model.linear(x))
+    loss = model.step(x, y)
+    assert torch.allclose(loss, nn.functional.mse_loss(model.linear(x), y))
+
+
+def test_compat_accelerate_binds_a_method_whatever_its_first_parameter_is_called() -> None:
+    class Trainer:
+        @find_executable_batch_size(starting_batch_size=16)
+        def train(this, batch_size: int, steps: int) -> tuple[Any, int, int]:
+            if batch_size > 8:
+                raise make_oom()
+            return this, batch_size, steps
+
+    trainer = Trainer()
+    assert trainer.train(3) == (trainer, 8, 3)
+    assert trainer.train.stats.batch_size == 8
+
+
+def test_compat_accelerate_called_plainly_passes_the_size_first() -> None:
+    @find_executable_batch_size(starting_batch_size=4)
+    def train(batch_size: int, model: object) -> tuple[int, object]:
+        return batch_size, model
+
+    assert train("model") == (4, "model")
+
+
+# --------------------------------------------------------------------------- generator functions
+
+
+def numbers(batch_size: int) -> Iterator[int]:
+    yield from range(batch_size)
+
+
+async def async_numbers(batch_size: int) -> AsyncIterator[int]:
+    for number in range(batch_size):
+        yield number
+
+
+DECORATORS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("@koila.batch", koila.batch),
+    ("@koila.batch", koila.batch(initial=4)),
+    ("@koila.accumulate", koila.accumulate),
+    ("koila.chunked", koila.chunked),
+    ("koila.range", koila.range),
+    ("@koila.batch", find_executable_batch_size),
+]
+
+
+@pytest.mark.parametrize(("front_end", "decorate"), DECORATORS)
+@pytest.mark.parametrize("function", [numbers, async_numbers])
+def test_generator_functions_are_refused_when_decorated(
+    front_end: str, decorate: Callable[[Any], Any], function: Callable[..., Any]
+) -> None:
+    with pytest.raises(TypeError, match=rf"{front_end} cannot retry .*{function.__name__}\(\): it is a generator"):
+        decorate(function)
+
+
+def test_chunked_and_range_calls_refuse_a_generator_function() -> None:
+    def rows(x: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield x
+
+    def indices(begin: int, end: int) -> Iterator[int]:
+        yield begin
+
+    with pytest.raises(TypeError, match=r"koila.chunked cannot retry .*rows\(\): it is a generator function"):
+        koila.chunked(rows, torch.ones(4))
+    with pytest.raises(TypeError, match=r"koila.range cannot retry .*indices\(\): it is a generator function"):
+        koila.range(indices, 0, 4)
+
+
+# --------------------------------------------------------------------------- iterator arguments
+
+
+def consume(numbers: Iterator[int], batch_size: int, limit: int) -> int:
+    """Add up the numbers; with more than ``limit`` per batch, run out of memory part-way."""
+    total = 0
+    for count, number in enumerate(numbers):
+        total += number
+        if count == 3 and batch_size > limit:
+            raise make_oom()
+    return total
+
+
+def test_an_iterator_a_failed_attempt_consumed_is_not_reused() -> None:
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    assert total(list(range(10))) == 45  # a list is iterated afresh by each attempt
+    with pytest.raises(TypeError, match=r"total: out of memory at batch size 8.* argument 0 \(range_iterator\)"):
+        total(iter(range(10)))  # today's retry would add up 4..9: 39
+    assert total.stats.exhausted == 1
+
+
+def test_the_error_names_a_keyword_argument_and_holds_no_frame_of_the_failed_attempt() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def total(batch_size: int, *, numbers: Iterator[int]) -> int:
+        activations = torch.ones(1000)
+        made.append(weakref.ref(activations))
+        return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(TypeError, match=r"keyword argument 'numbers' \(generator\).*list\(") as info:
+        total(numbers=(n for n in range(10)))
+    gc.collect()
+    assert made[0]() is None  # the error, alive here, keeps no frame of the attempt
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert info.value.__cause__.__traceback__ is None
+
+
+def test_an_async_call_does_not_reuse_an_iterator() -> None:
+    @koila.batch(initial=8, cache=koila.NoCache())
+    async def total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 0 \(range_iterator\)"):
+        asyncio.run(total(iter(range(10))))
+
+
+def test_a_method_does_not_reuse_an_iterator() -> None:
+    class Summer:
+        @koila.batch(initial=8, cache=koila.NoCache())
+        def total(self, batch_size: int, numbers: Iterator[int]) -> int:
+            return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 1 \(list_iterator\)"):
+        Summer().total(iter(list(range(10))))
+
+
+def test_every_front_end_refuses_to_retry_with_an_iterator() -> None:
+    rows = torch.ones(8, 2)
+
+    @koila.accumulate(initial=8, cache=koila.NoCache())
+    def step(x: torch.Tensor, weights: Iterator[float]) -> torch.Tensor:
+        return x.sum() * consume(weights, len(x), limit=4)
+
+    with pytest.raises(TypeError, match=r"step: out of memory .* argument 1 \(list_iterator\)"):
+        step(rows, iter([1.0] * 10))
+
+    def scaled(x: torch.Tensor, weights: Iterator[float]) -> torch.Tensor:
+        return x * consume(weights, len(x), limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 1 \(list_iterator\)"):
+        koila.chunked(scaled, rows, iter([1.0] * 10), initial=8, cache=koila.NoCache())
+
+    @koila.range(initial=8, cache=koila.NoCache())
+    def spans(begin: int, end: int, weights: Iterator[float]) -> float:
+        return consume(weights, end - begin, limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\)"):
+        spans(0, 8, iter([1.0] * 10))
+
+    @toma.batch(initial_batchsize=8, cache_type=toma.NoBatchsizeCache)
+    def toma_total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\)"):
+        toma_total(iter(list(range(10))))
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def accelerate_total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\)"):
+        accelerate_total(iter(list(range(10))))
+
+
+def test_an_iterator_is_fine_when_nothing_fails_or_nothing_is_retried() -> None:
+    @koila.batch(initial=4, cache=koila.NoCache())
+    def total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    assert total(iter(range(10))) == 45
+
+    @koila.batch(initial=8, minimum=8, cache=koila.NoCache())
+    def last(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    with pytest.raises(koila.BatchSizeExhausted):  # no retry left: the usual error
+        last(iter(range(10)))
+
+
+def test_toma_itself_retries_with_what_is_left_of_the_iterator() -> None:
+    original = pytest.importorskip("toma")
+
+    @original.toma.batch(initial_batchsize=8)
+    def total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    assert total(iter(range(10))) == 39  # 4 + 5 + ... + 9: the difference compat.toma fixes

@@ -1,0 +1,45 @@
+"""The package's namespace: ``koila.testing`` is there when used, and costs nothing until then (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import koila_retry as koila
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Run in a fresh interpreter: this one's tests have imported koila_retry.testing long ago.
+PROBE = """
+import json, sys
+import koila_retry as koila
+seen = {"loaded at import": "koila_retry.testing" in sys.modules, "listed": "testing" in dir(koila)}
+error = koila.testing.make_oom()
+seen["is oom"] = koila.is_oom(error)
+seen["the module"] = koila.testing is sys.modules["koila_retry.testing"]
+print(json.dumps(seen))
+"""
+
+
+def test_testing_is_an_attribute_loaded_when_first_used() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"loaded at import": False, "listed": True, "is oom": True, "the module": True}
+
+
+def test_testing_is_public_and_other_names_still_raise() -> None:
+    assert "testing" in koila.__all__
+    assert "testing" in dir(koila)
+    from koila_retry import testing
+
+    assert koila.testing is testing
+    with pytest.raises(AttributeError, match="module 'koila_retry' has no attribute 'tesitng'"):
+        koila.tesitng  # noqa: B018
