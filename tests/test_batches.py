@@ -261,3 +261,14 @@ def test_estimate_of_a_dict_batch_equals_the_flat_one() -> None:
     a = koila.estimate(flat, x, y)
     b = koila.estimate(nested, {"x": x, "pair": (y,)})
     assert [a.peak(n) for n in (1, 8, 100)] == [b.peak(n) for n in (1, 8, 100)]
+
+
+def test_suggest_batch_size_takes_a_dict_batch() -> None:
+    model = torch.nn.Linear(64, 64)
+
+    def forward(batch: dict[str, Any]) -> torch.Tensor:
+        return model(batch["x"]) * batch["scale"]
+
+    batch = {"x": torch.randn(4, 64), "scale": torch.tensor(2.0)}
+    flat = koila.suggest_batch_size(lambda x: model(x) * 2.0, batch["x"], budget="1MiB", margin=0)
+    assert koila.suggest_batch_size(forward, batch, budget="1MiB", margin=0) == flat

@@ -19,6 +19,8 @@ PROBE = """
 import json, sys
 import koila_retry as koila
 seen = {"loaded at import": "koila_retry.testing" in sys.modules, "listed": "testing" in dir(koila)}
+# transformers is optional: nothing imports it until the user's code does.
+seen["transformers"] = "transformers" in sys.modules
 error = koila.testing.make_oom()
 seen["is oom"] = koila.is_oom(error)
 seen["the module"] = koila.testing is sys.modules["koila_retry.testing"]
@@ -32,7 +34,13 @@ def test_testing_is_an_attribute_loaded_when_first_used() -> None:
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"loaded at import": False, "listed": True, "is oom": True, "the module": True}
+    assert json.loads(result.stdout) == {
+        "loaded at import": False,
+        "listed": True,
+        "transformers": False,
+        "is oom": True,
+        "the module": True,
+    }
 
 
 def test_testing_is_public_and_other_names_still_raise() -> None:

@@ -119,9 +119,15 @@ def accumulate(
     full-batch gradient, and a call that fails leaves them as they were.
 
     The call returns the full-batch loss, detached: the weighted sum of the
-    micro-batches' losses. Other items of a tuple, list or dict result are
-    combined too, and detached: tensors with a ``dim`` are concatenated along
-    it; numbers and 0-dimensional tensors are weighted like the loss.
+    micro-batches' losses. Other items of a tuple, list, dict or dataclass
+    result (a Hugging Face ``ModelOutput``) are combined too, leaf by leaf, and
+    detached: tensors with a ``dim`` are concatenated along it; numbers and
+    0-dimensional tensors are weighted like the loss; other objects (a model's
+    key-value cache, strings) come back as ``None``, with a warning, once.
+
+    The batch may be a tree: tensors inside dicts and other mappings (a
+    tokenizer's ``BatchEncoding``), lists, tuples and dataclasses are split, and
+    each micro-batch gets the same containers back (see :ref:`batches`).
 
     Under ``torch.no_grad()``, or when nothing in the loss needs a gradient, no
     backward runs: the call only computes the loss, in micro-batches if needed.
@@ -187,13 +193,15 @@ def accumulate(
         micro-batch size), ``cache_info()`` and ``cache_clear()``.
 
     Raises:
-        TypeError: if the step is not callable or is a coroutine function, or
-            an option has the wrong type. When called: if the step returns no
-            loss, or other results that cannot be combined.
+        TypeError: if the step is not callable or is a coroutine or generator
+            function, or an option has the wrong type. When called: if the
+            step returns no loss.
         ValueError: if an option is out of range, ``ddp`` is given with
-            ``sync=False``, or ``backward`` with ``scaler``. When called: if
-            the batch has no rows, tensor arguments differ in size along
-            ``dim``, or the loss is not a scalar.
+            ``sync=False``, ``backward`` with ``scaler``, or ``weight`` with
+            ``reduction="sum"``. When called: if the batch has no rows, tensor
+            arguments differ in size along ``dim``, the loss is not a scalar,
+            or ``weight`` counts something other than a number >= 0, or
+            nothing in the whole batch.
         NotImplementedError: when called, if ranks agree and the step
             reaches an FSDP or tensor-parallel module.
         RuntimeError: when called, if the loss needs no gradient while grad

@@ -93,7 +93,7 @@ def _tqdm() -> Callable[..., Any]:
     except ImportError:
         raise ImportError(
             "progress=True shows a tqdm progress bar, and tqdm is not installed; "
-            "install it with: pip install 'koila-retry[progress]'"
+            "install it with: pip install tqdm (koila-retry's progress extra)"
         ) from None
     return tqdm
 
@@ -180,7 +180,7 @@ def chunked(
             per input signature. Default: 512.
         dim (int): the dimension to split and join along. Default: 0.
         progress (bool): show a tqdm progress bar over the rows, with the
-            current chunk size. Needs ``pip install 'koila-retry[progress]'``.
+            current chunk size. Needs tqdm (the ``progress`` extra).
             Default: ``False``.
         out (tensor or structure of tensors, optional): where to write the
             results instead of concatenating them: the same structure as
@@ -524,7 +524,7 @@ def range(
         initial (int or None): the first range size to try; ``None``: all the
             indices at once. Default: 512.
         progress (bool): show a tqdm progress bar over the indices. Needs
-            ``pip install 'koila-retry[progress]'``. Default: ``False``.
+            tqdm (the ``progress`` extra). Default: ``False``.
         **options: the options every front end takes, each range being one
             step: ``minimum``, ``cache`` (default: one :class:`StackMemoryCache`
             shared by ``chunked`` and ``range`` calls, a new one per decorated
