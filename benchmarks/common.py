@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import io
+import subprocess
+import tarfile
 from importlib import metadata
+from pathlib import Path
 
 
 def version_of(distribution: str) -> str:
@@ -64,3 +68,33 @@ def settle_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.rounds = 4 if args.quick else 30
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+
+
+def unpack_revision(revision: str, folder: Path) -> str:
+    """Copy ``koila_retry/`` as of a git revision of this repository into ``folder``, for ``--against``.
+
+    Args:
+        revision (str): a commit, a tag, ``HEAD~1``...
+        folder (Path): an existing folder; ``folder / "koila_retry"`` is created.
+
+    Returns:
+        str: the full hash of the revision's commit.
+
+    Raises:
+        SystemExit: if git cannot resolve the revision or archive it, with git's message.
+    """
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*arguments: str) -> bytes:
+        done = subprocess.run(["git", "-C", str(root), *arguments], capture_output=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"git {' '.join(arguments)} failed: {done.stderr.decode(errors='replace').strip()}")
+        return done.stdout
+
+    commit = git("rev-parse", "--verify", f"{revision}^{{commit}}").decode().strip()
+    with tarfile.open(fileobj=io.BytesIO(git("archive", "--format=tar", commit, "koila_retry"))) as archive:
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(folder, filter="data")
+        else:  # Python 3.10 and 3.11 before their security releases of 2023
+            archive.extractall(folder)  # git's own archive of a commit
+    return commit
