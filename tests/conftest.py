@@ -10,7 +10,6 @@ from hypothesis import settings
 
 from koila_retry._common import tracking
 from koila_retry._core import memory
-from koila_retry._estimation import estimate
 from koila_retry._frontends import batch, chunked
 
 # Tests never time themselves: these machines are shared and noisy, and a deadline that
@@ -40,12 +39,10 @@ def _reset_global_state() -> Iterator[None]:
     batch.attempts_cache.cache_clear()
     chunked.calls_cache.cache_clear()
     memory.forget_free_memory()
-    estimate._suggestions.clear()
     yield
     batch.attempts_cache.cache_clear()
     chunked.calls_cache.cache_clear()
     memory.forget_free_memory()
-    estimate._suggestions.clear()
     leaked = list(tracking.simulated.active)
     tracking.simulated.active.clear()
     assert not leaked, "a test left a simulated device active"

@@ -7,6 +7,7 @@ against the memory the process really touched, oneDNN's hidden buffers included.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import koila_retry as koila
+from koila_retry._estimation import estimate
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -37,20 +39,64 @@ def accuracy() -> Iterator[ModuleType]:
 
 
 # Cases whose activations are most of the peak, one per kind of layer the estimate must get
-# right: matrix products, convolutions with oneDNN's own buffers, batch norm, attention.
+# right: matrix products, convolutions with oneDNN's own buffers, batch norm, attention, and the
+# fused inference fast path of TransformerEncoderLayer and MultiheadAttention (eval, no_grad).
 @pytest.mark.parametrize(
     ("model", "mode", "batch"),
-    [("mlp", "infer", 1024), ("cnn", "train", 32), ("resnet", "infer", 32), ("attention", "train", 32)],
+    [
+        ("mlp", "infer", 1024),
+        ("cnn", "train", 32),
+        ("resnet", "infer", 32),
+        ("attention", "train", 32),
+        ("transformer", "infer", 32),
+        ("attention", "infer", 32),
+    ],
 )
 def test_estimate_is_within_five_percent_of_the_real_peak(
     accuracy: ModuleType, model: str, mode: str, batch: int
 ) -> None:
+    estimated = estimated_peak(accuracy, model, mode, batch)
+    true = accuracy.measure_true_peak(model, mode, batch, repeats=2)
+    assert abs(estimated / true - 1) <= 0.05, f"{model} {mode} at {batch}: estimated {estimated}, true {true}"
+
+
+def estimated_peak(accuracy: ModuleType, model: str, mode: str, batch: int) -> int:
+    """The estimate of a case of the benchmark's zoo at ``batch``, made with the threads its child uses."""
     threads = torch.get_num_threads()
     torch.set_num_threads(accuracy.THREADS)  # as in the child: oneDNN's choices depend on it
     try:
         step, args = accuracy.build(model, mode, batch)
-        estimated = koila.estimate(step, *args).peak(batch)
+        return int(koila.estimate(step, *args).peak(batch))
     finally:
         torch.set_num_threads(threads)
+
+
+# The recurrent layers of the zoo, within the issue's bounds for it: at most 5% above the real peak
+# and never more than 2% below. Meta tensors run them cell by cell; the CPU runs an LSTM through
+# oneDNN, whose workspace its forward pass only partly writes, and a GRU's cells after one product
+# for the whole sequence's inputs.
+@pytest.mark.parametrize(
+    ("model", "mode", "batch"),
+    [("lstm", "train", 128), ("lstm", "infer", 128), ("gru", "train", 256), ("gru", "infer", 256)],
+)
+def test_recurrent_estimate_is_within_the_zoos_bounds(accuracy: ModuleType, model: str, mode: str, batch: int) -> None:
+    estimated = estimated_peak(accuracy, model, mode, batch)
     true = accuracy.measure_true_peak(model, mode, batch, repeats=2)
-    assert abs(estimated / true - 1) <= 0.05, f"{model} {mode} at {batch}: estimated {estimated}, true {true}"
+    assert -0.02 <= estimated / true - 1 <= 0.05, f"{model} {mode} at {batch}: estimated {estimated}, true {true}"
+
+
+def test_suggested_lstm_batch_fits_a_budget_that_the_cell_by_cell_estimate_overran(
+    accuracy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cell by cell, the estimate of an LSTM step was 30% below its real peak, and a batch it chose did not fit."""
+    batch = 128
+    step, args = accuracy.build("lstm", "train", batch)
+    true = accuracy.measure_true_peak("lstm", "train", batch, repeats=2)
+    with monkeypatch.context() as patch:  # the estimate before it followed the CPU's kernels
+        patch.setattr(estimate, "recurrent_kernels", lambda *_: contextlib.nullcontext())
+        cell_by_cell = koila.estimate(step, *args).peak(batch)
+        budget = int(cell_by_cell * (1 + estimate.DEFAULT_MARGIN) + true) // 2
+        assert koila.suggest_batch_size(step, *args, budget=budget) == batch > 0
+    assert true > budget  # which did not fit
+    size = koila.suggest_batch_size(step, *args, budget=budget)
+    assert accuracy.measure_true_peak("lstm", "train", size, repeats=2) <= budget

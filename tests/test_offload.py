@@ -699,6 +699,7 @@ def test_repr_and_nbytes() -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_go_to_pinned_memory_and_back_to_their_device() -> None:
     device = torch.device("cuda", torch.cuda.current_device())

@@ -240,9 +240,11 @@ def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estim
     message = str(caught.value)
     assert "Largest on cpu (" in message
     assert "0.weight (parameter) 8.00 MiB; 2.weight (parameter) 8.00 MiB;" in message
-    ((_, _, figures),) = estimate._suggestions.values()
-    assert figures is not None
-    per_sample, fixed = figures
+    memo = estimate._memo_of(step.cache_info.__self__)  # initial="auto" keeps its estimates in the step's cache
+    (estimates,) = memo.estimates.values()
+    found = estimates.split or estimates.whole  # a step that does not fit whole is sized as a split one
+    assert found is not None
+    per_sample, fixed = found.per_sample, found.fixed
     # One sample's activations: at least the hidden layer's output and the ReLU's, in float32.
     assert per_sample >= 2 * 2048 * 4
     assert (

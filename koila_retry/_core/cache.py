@@ -195,6 +195,9 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         self._recent: list[tuple[Hashable, int | None] | None] = [None]
         #: When the sizes kept here grow back (see :class:`Growth`).
         self.growth = Growth(maxsize)
+        #: What front ends work out for this cache's calls besides their sizes, under keys of
+        #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
+        self.derived: dict[Hashable, Any] = {}
 
     @abstractmethod
     def key(
@@ -267,6 +270,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             self._order.clear()
             self._recent = [None]
             self.growth.clear()
+            self.derived.clear()
             self._hits, self._misses = Counter(), Counter()
 
     def __getitem__(self, key: Hashable) -> int:

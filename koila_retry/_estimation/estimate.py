@@ -22,8 +22,8 @@ import time
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import torch
 from cachetools import LRUCache
@@ -36,7 +36,10 @@ from koila_retry._common.tensors import same_device, tensors_in
 from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes, parse_bytes
 from koila_retry._common.walk import reachable
-from koila_retry._core.memory import DeviceLike, free_memory, resolve_device
+from koila_retry._core.cache import NoCache, SizeCache
+from koila_retry._core.memory import DeviceLike, free_memory, recent_free_memory, resolve_device
+from koila_retry._estimation.attention import device_kernels
+from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.workspace import onednn_convolution_workspace
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -75,10 +78,11 @@ class _Moment(NamedTuple):
 
 
 class _Run(NamedTuple):
-    """Every moment of one run, at one batch size."""
+    """Every moment of one run, at one batch size, and what it could not model exactly."""
 
     batch_size: int
     moments: list[_Moment]
+    notes: tuple[str, ...] = ()
 
     def phase_peaks(self) -> dict[str, _Moment]:
         peaks: dict[str, _Moment] = {}
@@ -232,6 +236,10 @@ class MemoryEstimate:
             gradients, optimizer state) that already exist on ``device``; they
             are part of every peak, and not of the device's free memory.
         seconds (float): how long the estimate took.
+        notes (tuple of str): what the call ran that the estimate knows it
+            does not model exactly, one ``"what: why"`` each (an attention
+            kernel the device would fuse, say); empty when everything it ran
+            is modelled. See :doc:`/estimate`.
 
     .. versionadded:: 0.1.0
     """
@@ -241,6 +249,7 @@ class MemoryEstimate:
         self.sizes = tuple(run.batch_size for run in runs)
         self.resident = resident
         self.seconds = seconds
+        self.notes = tuple(dict.fromkeys(note for run in runs for note in run.notes))
         self.measured = {run.batch_size: max(moment.total for moment in run.moments) for run in runs}
         self._segments = _model(runs)
 
@@ -360,14 +369,22 @@ class MemoryEstimate:
         return best
 
     def describe(self, batch_size: int) -> str:
-        """Return one line: the peak at ``batch_size`` and what it is made of."""
+        """Return the peak at ``batch_size`` and what it is made of, then the notes, if any.
+
+        Args:
+            batch_size (int): the rows along ``dim``.
+
+        Returns:
+            str: one line, and one more per note (see :attr:`notes`).
+        """
         parts = ", ".join(
             f"{category} {format_bytes(value)}" for category, value in self.breakdown(batch_size).items() if value
         )
-        return (
+        line = (
             f"estimated peak {format_bytes(self.peak(batch_size))} at batch size {batch_size} "
             f"(during the {self.phase(batch_size)}: {parts})"
         )
+        return "\n".join([line, *(f"  may be inexact: {note}" for note in self.notes)])
 
     def __repr__(self) -> str:
         return (
@@ -472,9 +489,10 @@ def estimate_batch(
     round_bytes = _cuda_rounding if target.type == "cuda" else None
     # cuDNN's workspaces on CUDA are not modelled (the margin is for them); oneDNN's are.
     workspace = onednn_convolution_workspace if target.type == "cpu" else None
+    inexact = inexact_operators(target)
 
     def run(size: int) -> _Run:
-        return _run(fn, batch, owned, size, round_bytes, workspace)
+        return _run(fn, batch, owned, size, round_bytes, workspace, inexact, target)
 
     # A collection during a run was seen to fire the weak-reference callbacks of meta
     # storages still in use (PyTorch keeps their Python objects alive for them, and a
@@ -554,13 +572,39 @@ def suggest_batch_size(
     available = free_memory(found.device) + found.resident if limit is None else limit
     size = found.largest_fitting(available, margin=margin, maximum=maximum)
     if size is None:
+        first, *notes = found.describe(1).splitlines()
         raise BatchSizeExhausted(
-            f"even a batch of 1 does not fit: {found.describe(1)}, plus a margin of {margin:.0%}, "
-            f"and {format_bytes(available)} are available on {found.device}",
+            "\n".join(
+                [
+                    f"even a batch of 1 does not fit: {first}, plus a margin of {margin:.0%}, "
+                    f"and {format_bytes(available)} are available on {found.device}",
+                    *notes,
+                ]
+            ),
             batch_size=1,
             attempts=0,
         )
+    if found.notes:
+        warn_inexact(found, f"koila.suggest_batch_size chose {size} for {_name_of(fn)}")
     return size
+
+
+def warn_inexact(found: MemoryEstimate, what: str) -> None:
+    """Warn, once for the caller to see, that ``what`` rests on an estimate with notes.
+
+    Args:
+        found (MemoryEstimate): the estimate; its :attr:`~MemoryEstimate.notes` are quoted.
+        what (str): what was decided from it, as the start of a sentence.
+    """
+    warnings.warn(
+        f"{what}, from an estimate that may be inexact (see MemoryEstimate.notes): {'; '.join(found.notes)}",
+        UserWarning,
+        stacklevel=levels_to_caller(),
+    )
+
+
+def _name_of(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 # --- the batch -------------------------------------------------------------------
@@ -738,6 +782,52 @@ def _undo(undo: list[Callable[[], None]]) -> None:
         step()
 
 
+# --- what the estimate knows it does not model exactly -----------------------------
+
+_INTEGER_READ = (
+    "outside an optimizer step, the value reads as a placeholder, 1, since meta tensors hold none: sizes and "
+    "branches made from it may differ from those of the real run"
+)
+_CUDNN_CONVOLUTION = "convolution: the workspace cuDNN takes on CUDA is not modelled (the margin is for it)"
+
+
+def inexact_operators(device: torch.device) -> dict[Any, str]:
+    """Return the operators whose memory on ``device`` the estimate knows it does not model exactly.
+
+    The :class:`Recorder` looks every operator it runs up in this table (one dict
+    lookup) and puts the notes of those it meets on the estimate
+    (:attr:`MemoryEstimate.notes`), so that an estimate is never silently wrong
+    where it knows better. An operator that is inexact only in some cases is noted
+    by the code that models it, with :meth:`Recorder.note_inexact`. Known today
+    (torch 2.13):
+
+    * on CUDA, ``aten.convolution`` and its backward: cuDNN's workspace;
+    * an integer read from a tensor outside an optimizer step (``int(t)``,
+      ``.item()``), which reads as a placeholder: noted by the Recorder itself;
+    * what ``attention.py`` and ``recurrent.py`` cannot run as the device's
+      kernels, noted by them with :meth:`Recorder.note_inexact`.
+
+    Not noted, because they are modelled: oneDNN's convolution buffers on the CPU
+    (``workspace.py``), the attention kernels and fast paths (``attention.py``),
+    the recurrent kernels (``recurrent.py``) and the CUDA allocator's rounding.
+    Not noted, because meta tensors cannot run them at all, so the estimate fails
+    with their error instead: operators whose result's shape depends on values
+    (``nonzero``, ``unique``, ``masked_select``, indexing with a boolean mask).
+
+    Args:
+        device (torch.device): the device the estimate is for.
+
+    Returns:
+        dict: the note of each operator overload, as ``"what: why"``.
+    """
+    if device.type != "cuda":
+        return {}
+    return {
+        torch.ops.aten.convolution.default: _CUDNN_CONVOLUTION,
+        torch.ops.aten.convolution_backward.default: _CUDNN_CONVOLUTION,
+    }
+
+
 # --- one run on meta tensors ------------------------------------------------------
 
 
@@ -750,10 +840,17 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
     only later.
     """
 
-    def __init__(self, round_bytes: Callable[[int], int] | None, workspace: Workspace | None) -> None:
+    def __init__(
+        self,
+        round_bytes: Callable[[int], int] | None,
+        workspace: Workspace | None,
+        inexact: Mapping[Any, str] | None = None,
+    ) -> None:
         super().__init__()
         self.round_bytes = round_bytes
         self.workspace = workspace
+        self.inexact = inexact or {}  # operator -> its note (see inexact_operators)
+        self.notes: dict[str, None] = {}  # what the run could not model exactly, in the order met
         self.category = "inputs"
         self.running = False
         self.in_step = 0
@@ -774,6 +871,9 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
     ) -> Any:
         if func is _LOCAL_SCALAR:
             return self._placeholder(args[0].dtype)
+        known = self.inexact.get(func)
+        if known is not None:
+            self.notes[known] = None
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and device != META:
@@ -807,7 +907,25 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             return False
         if dtype.is_floating_point or dtype.is_complex:
             return 1.0 if self.in_step else 0.0
+        if not self.in_step:  # sizes are made of integers: ``torch.arange(int(n))``, ``x[:, : int(n)]``
+            self.note_inexact("reading an integer from a tensor", _INTEGER_READ)
         return 1
+
+    def note_inexact(self, operator: str, why: str) -> None:
+        """Say that the run met something it cannot model exactly; the estimate shows it once.
+
+        For the code that models an operator's kernel (the Recorder's dispatch, or a
+        hook it calls) when the case at hand is one it knows it gets wrong. An
+        operator that is always inexact on some device belongs in
+        :func:`inexact_operators` instead.
+
+        Args:
+            operator (str): what it is, as a user knows it (``"torch.nn.LSTM"``,
+                ``"scaled_dot_product_attention"``).
+            why (str): how the device's memory differs from the estimate's, and
+                in which direction if known.
+        """
+        self.notes[f"{operator}: {why}"] = None
 
     def phase(self) -> str:
         if torch._C._current_graph_task_id() != -1:
@@ -934,8 +1052,10 @@ def _run(
     batch_size: int,
     round_bytes: Callable[[int], int] | None,
     workspace: Workspace | None,
+    inexact: Mapping[Any, str] | None = None,
+    target: torch.device = META,
 ) -> _Run:
-    recorder = Recorder(round_bytes, workspace)
+    recorder = Recorder(round_bytes, workspace, inexact)
     rng = torch.get_rng_state()
     handles: list[Any] = []
     undo: Callable[[], None] | None = None
@@ -964,7 +1084,12 @@ def _run(
                 recorder.modules = modules
                 recorder.start()
                 try:
-                    fn(*args, **kwargs)
+                    # The attention and recurrent kernels the target runs.
+                    with (
+                        device_kernels(target, owned.modules, recorder.note_inexact),
+                        recurrent_kernels(target, owned.modules, recorder.note_inexact),
+                    ):
+                        fn(*args, **kwargs)
                 except Exception as error:
                     if sys.version_info >= (3, 11):
                         error.add_note(
@@ -984,22 +1109,10 @@ def _run(
                 undo()
             recorder.reclassify = None
             torch.set_rng_state(rng)
-    return _Run(batch_size, moments)
+    return _Run(batch_size, moments, tuple(recorder.notes))
 
 
 # --- initial="auto" -----------------------------------------------------------------
-
-
-# Per function, input signature and device: the largest power of two that fits, and
-# the largest batch of any size that does. An estimate costs once per signature.
-class _Suggestion(NamedTuple):
-    power: int
-    whole: int
-    figures: tuple[int, int] | None  # the estimate's per-sample and fixed bytes; None if it failed
-
-
-_suggestions: LRUCache[Hashable, _Suggestion] = LRUCache(maxsize=256)
-_suggestions_lock = threading.Lock()
 
 AUTO = "auto"
 
@@ -1010,66 +1123,205 @@ def check_auto(initial: object) -> None:
         raise ValueError(f"initial must be an int >= 1, None or 'auto', got {initial!r}")
 
 
-def auto_first(key: Hashable, rows: int, make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> int:
-    """Return the first size for ``initial="auto"``: the whole batch if it fits, else a power of two.
+class _Estimates:
+    """The estimates of one function on one input signature: its step whole, and split.
+
+    A split step's micro-batches after the first add their gradients into the
+    first's, so they hold every gradient plus the incoming one: another estimate,
+    made only when the whole batch does not fit.
+    """
+
+    __slots__ = ("memo", "split", "split_made", "whole")
+
+    def __init__(self, memo: _Memo, whole: MemoryEstimate | None) -> None:
+        self.memo = memo
+        self.whole = whole  # None: it could not be made (and a warning said why)
+        self.split: MemoryEstimate | None = None
+        self.split_made = False
+
+    def split_of(self, make: Callable[[], MemoryEstimate] | None, name: str) -> MemoryEstimate:
+        """Return the estimate of a split step, made the first time; the whole step's if it has none."""
+        if not self.split_made:
+            if make is not None:
+                self.split = self.memo.made(make, name, "the memory of a split step", "sizes micro-batches by one")
+            self.split_made = True
+        return self.split or cast(MemoryEstimate, self.whole)
+
+
+class _Fit:
+    """What fits at one level of free memory: the most rows of a whole step, and the largest split.
+
+    Each is found with the margin and without: the margin is for what the estimate
+    does not model, and when nothing fits with it, the whole batch that fits without
+    it is still the best start there is.
+    """
+
+    __slots__ = ("_split", "bare", "budget", "estimates", "whole")
+
+    def __init__(self, estimates: _Estimates, budget: int) -> None:
+        found = cast(MemoryEstimate, estimates.whole)
+        self.estimates, self.budget = estimates, budget
+        self.whole = _most_rows(found, budget, DEFAULT_MARGIN)
+        self.bare = _most_rows(found, budget, 0.0)
+        self._split: tuple[int, int] | None = None
+
+    def split(self, make: Callable[[], MemoryEstimate] | None, name: str) -> tuple[int, int]:
+        """Return the largest power of two a split step fits at, with the margin and without (0: none)."""
+        if self._split is None:
+            found = self.estimates.split_of(make, name)
+            self._split = (
+                found.largest_fitting(self.budget, margin=DEFAULT_MARGIN) or 0,
+                found.largest_fitting(self.budget, margin=0.0) or 0,
+            )
+        return self._split
+
+
+def _most_rows(found: MemoryEstimate, budget: int, margin: float) -> int:
+    """Return the most rows, of any number, whose estimated peak plus ``margin`` fits (0 if none)."""
+    power = found.largest_fitting(budget, margin=margin)
+    if power is None:
+        return 0
+    low, high = power, 2 * power  # the most rows lie between
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if found.fits(middle, budget, margin=margin) else (low, middle)
+    return low
+
+
+class _Memo:
+    """What ``initial="auto"`` remembers beside one cache's sizes, and forgets with them.
+
+    Estimates per function and input signature (the costly part), and what fits per
+    level of free memory (power-of-two buckets, as :class:`StackMemoryCache` keys
+    have), so that a call given far more memory later starts larger. A
+    :class:`NoCache` keeps neither: every call estimates afresh.
+    """
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.estimates: LRUCache[Hashable, _Estimates] = LRUCache(maxsize=64)
+        self.fits: LRUCache[Hashable, _Fit] = LRUCache(maxsize=256)
+        self.warned: set[Hashable] = set()  # what was warned about once: (function, why)
+
+    def estimates_of(self, key: Hashable, make: Callable[[], MemoryEstimate], name: str) -> _Estimates:
+        with self.lock:
+            found = self.estimates.get(key)
+        if found is None:  # two threads may both estimate; the memo itself stays whole
+            whole = self.made(
+                make, name, "the memory", "starts from the whole batch and halves on out-of-memory errors"
+            )
+            found = _Estimates(self, whole)
+            if self.keep:
+                with self.lock:
+                    self.estimates[key] = found
+        return found
+
+    def fit(self, key: Hashable, device: torch.device, estimates: _Estimates) -> _Fit:
+        level = (key, recent_free_memory(device).bit_length())
+        with self.lock:
+            fit = self.fits.get(level)
+        if fit is None or fit.estimates is not estimates:
+            fit = _Fit(estimates, free_memory(device) + cast(MemoryEstimate, estimates.whole).resident)
+            if self.keep:
+                with self.lock:
+                    self.fits[level] = fit
+        return fit
+
+    def first_time(self, what: Hashable) -> bool:
+        """Return whether ``what`` is new here, and remember it."""
+        with self.lock:
+            new = what not in self.warned
+            self.warned.add(what)
+        return new
+
+    def made(self, make: Callable[[], MemoryEstimate], name: str, what: str, then: str) -> MemoryEstimate | None:
+        """Return the estimate ``make`` makes, or ``None`` after a warning (once) that says why it could not."""
+        failure = None
+        try:
+            return make()
+        except Exception as error:
+            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.first_time((name, what, failure)):  # outside the handler, so that the error is gone
+            warnings.warn(
+                f"initial='auto' could not estimate {what} of {name} ({failure}); it {then}",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+        return None
+
+
+def _memo_of(cache: SizeCache) -> _Memo:
+    memo = cache.derived.get(AUTO)
+    if memo is None:
+        memo = cache.derived.setdefault(AUTO, _Memo(keep=not isinstance(cache, NoCache)))
+    return cast(_Memo, memo)
+
+
+class AutoFirst:
+    """The first size of an ``initial="auto"`` call, and the estimate behind it.
+
+    Asked by the engine when the cache holds no size for the call. The whole batch
+    if the estimate of a step over all of it fits in the free memory (plus what of
+    the call's parameters, gradients and optimizer state already lies on the
+    device), with the margin; else the largest power of two at which a split step
+    fits, estimated with its own memory (``split``); else the whole batch if it
+    fits without the margin; else the largest split that does; else 1. Estimates
+    and what fits are remembered in the cache (see :class:`_Memo`).
 
     Args:
         key (Hashable): the function, its input signature and the device.
         rows (int): the rows of this call.
-        make (callable): makes the estimate, the first time ``key`` is seen.
+        make (callable): makes the estimate of one step over a batch.
         device (torch.device): the device the call runs on.
-        name (str): the function's name, for the warning when no estimate can be made.
-
-    Returns:
-        int: the size to start at.
+        name (str): the function's name, for warnings.
+        cache (SizeCache): the cache of the call's sizes, which holds the memo.
+        split (callable, optional): makes the estimate of a split step (two
+            micro-batches, the second adding its gradients into the first's);
+            by default a split step is estimated as a whole one.
     """
-    with _suggestions_lock:
-        suggestion = _suggestions.get(key)
-    if suggestion is None:  # two threads may both estimate; the cache itself stays whole
-        suggestion = _suggest(make, device, name)
-        with _suggestions_lock:
-            _suggestions[key] = suggestion
-    return rows if rows <= suggestion.whole else suggestion.power
 
-
-class AutoFirst:
-    """The first size of an ``initial="auto"`` call (see :func:`auto_first`), and the estimate behind it."""
-
-    __slots__ = ("_device", "_key", "_make", "_name", "_rows")
+    __slots__ = ("_cache", "_device", "_figures", "_key", "_make", "_name", "_rows", "_split")
 
     def __init__(
-        self, key: Hashable, rows: int, make: Callable[[], MemoryEstimate], device: torch.device, name: str
+        self,
+        key: Hashable,
+        rows: int,
+        make: Callable[[], MemoryEstimate],
+        device: torch.device,
+        name: str,
+        cache: SizeCache,
+        split: Callable[[], MemoryEstimate] | None = None,
     ) -> None:
         self._key, self._rows, self._make, self._device, self._name = key, rows, make, device, name
+        self._cache, self._split = cache, split
+        self._figures: tuple[int, int] | None = None
 
     def __call__(self) -> int:
-        return auto_first(self._key, self._rows, self._make, self._device, self._name)
+        memo, rows, name = _memo_of(self._cache), self._rows, self._name
+        estimates = memo.estimates_of(self._key, self._make, name)
+        whole = estimates.whole
+        if whole is None:
+            return rows
+        if whole.notes and memo.first_time((name, whole.notes)):
+            warn_inexact(whole, f"initial='auto' chose the first size of {name}")
+        fit = memo.fit(self._key, self._device, estimates)
+        self._figures = (whole.per_sample, whole.fixed)
+        if rows <= fit.whole:
+            return rows
+        split, split_bare = fit.split(self._split, name)
+        found = estimates.split or whole
+        self._figures = (found.per_sample, found.fixed)
+        if split:
+            return split
+        return rows if rows <= fit.bare else split_bare or 1
 
     def figures(self) -> tuple[int, int] | None:
         """Return the estimate's per-sample and fixed bytes, if one was made for this call's inputs."""
-        with _suggestions_lock:
-            suggestion = _suggestions.get(self._key)
-        return None if suggestion is None else suggestion.figures
-
-
-def _suggest(make: Callable[[], MemoryEstimate], device: torch.device, name: str) -> _Suggestion:
-    failure = None
-    try:
-        found = make()
-    except Exception as error:
-        failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    if failure is not None:  # warned outside the handler, so that the error is gone
-        warnings.warn(
-            f"initial='auto' could not estimate the memory of {name} ({failure}); it starts from the "
-            "whole batch and halves on out-of-memory errors",
-            UserWarning,
-            stacklevel=levels_to_caller(),
-        )
-        return _Suggestion(_LARGEST, _LARGEST, None)
-    budget = free_memory(device) + found.resident
-    power = found.largest_fitting(budget, margin=DEFAULT_MARGIN) or 1
-    low, high = power, 2 * power  # the largest batch of any size that fits lies between
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if found.fits(middle, budget, margin=DEFAULT_MARGIN) else (low, middle)
-    return _Suggestion(power, low, (found.per_sample, found.fixed))
+        if self._figures is not None:
+            return self._figures
+        memo = _memo_of(self._cache)
+        with memo.lock:
+            found = memo.estimates.get(self._key)
+        whole = None if found is None else found.whole
+        return None if whole is None else (whole.per_sample, whole.fixed)

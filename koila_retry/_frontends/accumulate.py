@@ -142,10 +142,11 @@ def accumulate(
     Args:
         fn (callable): the step, when used bare.
         initial (int, str or None): the first micro-batch size to try.
-            ``"auto"``: the size :func:`suggest_batch_size` finds for the step
-            (forward and backward) in the device's free memory, estimated once
-            per input signature; the whole batch if it fits. Default: ``None``,
-            the whole batch.
+            ``"auto"``: the whole batch if the estimate of its step (forward
+            and backward) fits in the device's free memory, else the largest
+            power of two at which a split step, with its own memory, fits;
+            estimated once per input signature and kept in ``cache`` (see
+            :doc:`accumulate`). Default: ``None``, the whole batch.
         dim (int): the dimension of the tensor arguments that holds the rows.
             Default: 0.
         reduction (str): ``"mean"`` if the loss is a mean over the rows,
@@ -403,30 +404,48 @@ class _Accumulator:
         return GradientSync(modules)
 
     def _estimated(self, split: Split, device: torch.device) -> AutoFirst:
-        """Return what asks the memory estimate for the first micro-batch size (``initial="auto"``)."""
+        """Return what asks the memory estimates for the first micro-batch size (``initial="auto"``).
+
+        Two steps are estimated: one micro-batch (the whole batch's step), and, when
+        that does not fit, two, the second adding its gradients into the first's. A
+        split step holds every gradient from its second micro-batch on, and autograd
+        computes each incoming gradient into a new buffer before adding it into
+        ``.grad``; a whole step holds neither.
+        """
         name = self.controller.name
 
-        def step(*args: Any, **kwargs: Any) -> None:
-            # What one micro-batch does here: the forward, then backward with the
-            # gradients there were set aside, then added back.
+        def micro_batch(gradients: _Gradients, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # The forward, then the backward with the gradients there were set aside,
+            # as ``_run`` does. A plain backward, never a scaler's or an engine's
+            # ``backward=``: they would run on meta tensors and keep state made from them
+            # (a GradScaler makes its scale on the loss's device, lazily), and an
+            # engine's may count micro-steps or communicate. Scaling a scalar loss, or
+            # weighing it, adds nothing to the peak.
             loss = _loss_of(self.fn(*args, **kwargs), name)
             if loss.requires_grad:
-                gradients = _Gradients()
                 gradients.collect(loss)
-                # A plain backward, never a scaler's or an engine's ``backward=``: they would
-                # run on meta tensors and keep state made from them (a GradScaler makes its
-                # scale on the loss's device, lazily), and an engine's may count micro-steps
-                # or communicate. Scaling a scalar loss adds nothing to the peak.
                 torch.autograd.backward(loss)
+
+        def steps(count: int) -> Callable[..., None]:
+            def step(*args: Any, **kwargs: Any) -> None:
+                gradients = _Gradients()
+                for _ in builtins.range(count):
+                    micro_batch(gradients, args, kwargs)
                 gradients.restore()
 
-        def make() -> MemoryEstimate:
-            # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
-            modules = self.ddp or ddp_modules((self.fn, split.args, split.kwargs))
-            with GradientSync(modules).silent() if modules else contextlib.nullcontext():
-                return estimate_batch(step, split, device=device)
+            return step
 
-        return AutoFirst((self.identity, split.sample, device), split.rows, make, device, name)
+        def estimated(count: int) -> Callable[[], MemoryEstimate]:
+            def make() -> MemoryEstimate:
+                # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
+                modules = self.ddp or ddp_modules((self.fn, split.args, split.kwargs))
+                with GradientSync(modules).silent() if modules else contextlib.nullcontext():
+                    return estimate_batch(steps(count), split, device=device)
+
+            return make
+
+        key = (self.identity, split.sample, device)
+        return AutoFirst(key, split.rows, estimated(1), device, name, self.controller.cache, estimated(2))
 
     def _run(self, split: Split, size: int, gradients: _Gradients) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
@@ -626,7 +645,7 @@ class _Results:
                 self.spec, self.kinds, self.columns = _LEAF_SPEC, [_LOSS], [[]]
             elif self.spec is not _LEAF_SPEC:
                 self._changed(_LEAF_SPEC)
-            self.columns[0].append((loss.detach(), weight))
+            self.columns[0].append((_kept(loss), weight))
             return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
         leaves, spec = tree_flatten(result)
         kinds = [self._kind(leaf, loss, result) for leaf in leaves]
@@ -642,7 +661,7 @@ class _Results:
             if kind == _JOIN:
                 column.append(leaf.detach())
             else:
-                column.append((leaf.detach() if isinstance(leaf, TensorBase) else leaf, weight))
+                column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
 
     def _changed(self, spec: TreeSpec) -> NoReturn:
@@ -716,6 +735,21 @@ class _Results:
                 combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
         self.columns.clear()
         return tree_unflatten(combined, cast(TreeSpec, self.spec))
+
+
+def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
+    """Return a loss or another number of a result detached, copied if it is a view of a larger storage.
+
+    Kept until the step ends, each micro-batch's loss would otherwise hold all of its
+    storage: the CPU's ``mse_loss`` returns its mean in the buffer of the elementwise
+    losses, as large as the model's output.
+    """
+    kept = tensor.detach()
+    try:
+        larger = kept.untyped_storage().nbytes() > kept.numel() * kept.element_size()
+    except (RuntimeError, NotImplementedError):  # a layout or subclass without one storage
+        return kept
+    return kept.clone() if larger else kept
 
 
 def _loss_of(result: Any, name: str) -> torch.Tensor:

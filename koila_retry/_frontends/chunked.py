@@ -277,7 +277,9 @@ def _run_chunked(
             def make() -> MemoryEstimate:
                 return estimate_batch(fn, split, device=device)
 
-            first = AutoFirst((identity, split.sample, device), split.rows, make, device, controller.name)
+            first = AutoFirst(
+                (identity, split.sample, device), split.rows, make, device, controller.name, controller.cache
+            )
         attempt = controller.start(
             identity,
             caller,

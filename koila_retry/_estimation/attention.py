@@ -1,0 +1,688 @@
+"""The attention kernels the target device runs, followed on meta tensors.
+
+On meta tensors, ``F.scaled_dot_product_attention`` takes its math path, which
+materialises the whole attention matrix and keeps softmax's output for backward,
+and the inference fast path of ``nn.TransformerEncoderLayer`` and
+``nn.MultiheadAttention`` is never taken, because it accepts only CPU and CUDA
+tensors. The device does otherwise: the CPU runs its fused flash kernel, CUDA
+flash or memory-efficient attention (or cuDNN's), and in eval mode under
+``no_grad`` both run the fused fast-path operators. While an estimate runs,
+:func:`device_kernels` makes the meta run take the kernels the target would take:
+
+- the attention kernel is chosen by the rules PyTorch applies on the target (the
+  gates of ``sdp_utils``: dtype, head dimension, mask, dropout, strides, and on
+  CUDA the compute capability), and the fused operator itself runs, so that its
+  meta function makes its real outputs and what it saves for backward (the
+  log-sum-exp, not the attention matrix);
+- an eligible fast-path module runs the operators of the device's fused kernel,
+  in its order and with its lifetimes, in place of its composite forward.
+
+CUDA's choice depends on the card. With a CUDA device present its capability and
+cuDNN version are read; without one (an estimate for ``device="cuda"`` made on a
+CPU-only machine) a recent data-centre card is assumed: compute capability 8.0
+(A100), where the order is flash, then memory-efficient, then math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "ASSUMED_CAPABILITY",
+    "CUDNN",
+    "EFFICIENT",
+    "FLASH",
+    "MATH",
+    "Attention",
+    "choose_backend",
+    "device_kernels",
+]
+
+FLASH, EFFICIENT, CUDNN, MATH = "flash", "efficient", "cudnn", "math"
+
+# The card assumed for a CUDA estimate made where no CUDA device can be asked.
+ASSUMED_CAPABILITY = (8, 0)
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+# Calls a function past its own hand-off to the torch-function mode (PyTorch 2.10 and later).
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+_aten = torch.ops.aten
+# Whether the user left each fused kernel on (torch.nn.attention.sdpa_kernel switches them); the
+# flash switch holds for the CPU's flash kernel too.
+_SWITCHES: dict[str, Callable[[], bool]] = {
+    FLASH: torch.backends.cuda.flash_sdp_enabled,
+    EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled,
+    CUDNN: torch.backends.cuda.cudnn_sdp_enabled,
+}
+_CUDNN_VERSION: Callable[[], int | None] = torch.backends.cudnn.version
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF = (torch.float16, torch.bfloat16)
+_NEWEST = (12, 1)  # the newest compute capability PyTorch's fused kernels accept
+
+
+class Attention(NamedTuple):
+    """One call of ``scaled_dot_product_attention``: what the kernel choice looks at."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None = None
+    dropout: float = 0.0
+    causal: bool = False
+    gqa: bool = False
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.query, self.key, self.value
+
+    @property
+    def training(self) -> bool:
+        """Whether autograd records the call (the kernel then saves what backward needs)."""
+        return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in self.tensors)
+
+
+# --- the gates shared by the backends -------------------------------------------------
+
+
+def _four_dimensional(call: Attention) -> bool:
+    return all(tensor.dim() == 4 for tensor in call.tensors)
+
+
+def _heads_fit(call: Attention, *, kv_heads_may_differ: bool = False) -> bool:
+    """Same batch; the same heads, or with ``enable_gqa`` query heads a multiple of the key's and value's."""
+    q, k, v = call.tensors
+    if not q.size(0) == k.size(0) == v.size(0):
+        return False
+    if q.size(-3) == k.size(-3) == v.size(-3):
+        return True
+    if not call.gqa or (not kv_heads_may_differ and k.size(-3) != v.size(-3)):
+        return False
+    return q.size(-3) % k.size(-3) == 0 and q.size(-3) % v.size(-3) == 0
+
+
+def _lengths(call: Attention) -> bool:
+    return call.query.size(-2) != 0 and call.key.size(-2) != 0
+
+
+def _unit_stride(call: Attention, *, singleton_head_ok: bool, mask_too: bool) -> bool:
+    dense = all(tensor.stride(-1) == 1 for tensor in call.tensors)
+    dense = dense or (singleton_head_ok and call.query.size(-1) == 1)
+    return dense and not (mask_too and call.mask is not None and call.mask.stride(-1) != 1)
+
+
+def _mask_shape(call: Attention) -> bool:
+    """A mask of 2 dimensions, or of 4 that broadcast over batch and heads; none that needs a gradient."""
+    mask = call.mask
+    if mask is None:
+        return True
+    if mask.requires_grad:
+        return False
+
+    def fits(size: int, target: int) -> bool:
+        return size in (1, target)
+
+    q = call.query
+    if not (fits(mask.size(-2), q.size(2)) and fits(mask.size(-1), call.key.size(2))):
+        return False
+    return mask.dim() == 2 or (mask.dim() == 4 and fits(mask.size(0), q.size(0)) and fits(mask.size(1), q.size(1)))
+
+
+def _dtype_in(call: Attention, allowed: Iterable[torch.dtype]) -> bool:
+    dtype = call.query.dtype
+    return call.key.dtype == dtype == call.value.dtype and dtype in tuple(allowed)
+
+
+def _same_head_size(call: Attention) -> bool:
+    return call.query.size(-1) == call.key.size(-1) == call.value.size(-1)
+
+
+# --- the CPU --------------------------------------------------------------------------
+
+
+def _cpu_backend(call: Attention) -> str:
+    flash = (
+        _SWITCHES[FLASH]()
+        and call.dropout == 0  # the CPU's flash kernel has no dropout
+        and _four_dimensional(call)
+        and _heads_fit(call)
+        and _mask_shape(call)
+        and _same_head_size(call)
+        and _lengths(call)
+        and _unit_stride(call, singleton_head_ok=False, mask_too=False)
+        and _dtype_in(call, _CPU_FLASH_DTYPES)
+    )
+    return FLASH if flash else MATH
+
+
+# --- CUDA -----------------------------------------------------------------------------
+
+
+def _within(capability: tuple[int, int], low: tuple[int, int]) -> bool:
+    return low <= capability <= _NEWEST
+
+
+def _cuda_flash(call: Attention, capability: tuple[int, int], cudnn: int | None) -> bool:
+    head = call.query.size(-1)
+    if not (_SWITCHES[FLASH]() and _four_dimensional(call) and call.mask is None):
+        return False
+    if not (_same_head_size(call) and head <= 256 and _within(capability, (8, 0))):
+        return False
+    # On sm86-89 and sm120-121 flash's backward has no kernel for some head sizes.
+    narrow = (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
+    if call.training and narrow and not (head <= 192 or (call.dropout == 0 and head > 224)):
+        return False
+    if call.causal and call.query.size(-2) != call.key.size(-2):
+        return False
+    return (
+        _dtype_in(call, _HALF)
+        and _heads_fit(call)
+        and _lengths(call)
+        and _unit_stride(call, singleton_head_ok=True, mask_too=False)
+    )
+
+
+def _gemm_alignment(dtype: torch.dtype, capability: tuple[int, int]) -> int:
+    """Return the elements the memory-efficient kernel's matrix products need the head size to be a multiple of."""
+    half = dtype in _HALF
+    tensor_cores = capability[0] >= 8 or (capability[0] >= 7 and half)
+    alignment = 4 if capability[0] >= 8 else 1
+    return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
+
+
+def _cuda_efficient(call: Attention, capability: tuple[int, int], cudnn: int | None) -> bool:
+    if not (_SWITCHES[EFFICIENT]() and _within(capability, (5, 0))):
+        return False
+    if not _four_dimensional(call):
+        return False
+    q, k, v = call.tensors
+    alignment = _gemm_alignment(q.dtype, capability)
+    if not (q.size(-1) == k.size(-1) and q.size(-1) % alignment == 0 and v.size(-1) % alignment == 0):
+        return False
+    if q.size(-1) <= 0 or v.size(-1) <= 0:
+        return False
+    # From sm80 on, the kernel reads whole vectors: each tensor must start on one.
+    if capability[0] >= 8 and any(t.numel() and t.storage_offset() % alignment for t in call.tensors):
+        return False
+    dtypes = (torch.float16, torch.float32, torch.bfloat16) if capability[0] >= 8 else (torch.float16, torch.float32)
+    return (
+        _lengths(call)
+        and _unit_stride(call, singleton_head_ok=False, mask_too=True)
+        and _heads_fit(call)
+        and _dtype_in(call, dtypes)
+    )
+
+
+def _cudnn_d256(capability: tuple[int, int], cudnn: int) -> bool:
+    """Return whether cuDNN takes head sizes up to 256 on this card."""
+    return (capability == (9, 0) or capability[0] == 10) and cudnn > 92200
+
+
+def _cuda_cudnn(call: Attention, capability: tuple[int, int], cudnn: int | None) -> bool:
+    if cudnn is None or cudnn < 90000 or not _SWITCHES[CUDNN]():
+        return False
+    if call.dropout > 0 and 91100 < cudnn < 91400:
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
+    if not (_four_dimensional(call) and _dtype_in(call, _HALF) and _mask_shape(call) and _within(capability, (8, 0))):
+        return False
+    if call.dropout * 16 != math.floor(call.dropout * 16):  # cuDNN's dropout comes in sixteenths
+        return False
+    if not (_lengths(call) and _unit_stride(call, singleton_head_ok=True, mask_too=True)):
+        return False
+    if not _heads_fit(call, kv_heads_may_differ=True):
+        return False
+    q, k, v = call.tensors
+    if q.size(0) > 65535 or q.size(1) > 65535:
+        return False
+    wide = _cudnn_d256(capability, cudnn)
+    limit = 256 if wide else 128
+    if q.size(-1) > limit or v.size(-1) > limit or q.size(-1) % 8 or v.size(-1) % 8:
+        return False
+    if k.size(-2) == 1 or (call.dropout > 0 and q.size(-2) == 1):
+        return False
+    if call.training and wide:
+        sizes = (q.size(-1), v.size(-1))
+        return (sizes[0] <= 128 and sizes[1] <= 128) or sizes in ((192, 128), (256, 256))
+    return True
+
+
+def _cudnn_first(capability: tuple[int, int], cudnn: int | None) -> bool:
+    """Return whether PyTorch tries cuDNN's attention first on this card (Hopper and Blackwell, cuDNN > 9.15)."""
+    if cudnn is None or cudnn <= 91500 or os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") not in ("0", ""):
+        return False
+    if capability[0] not in (9, 10):
+        return False
+    built = torch.version.cuda
+    return built is None or int(built.split(".")[0]) >= 13 or capability[1] in (0, 3)
+
+
+_CUDA_GATES: dict[str, Callable[[Attention, tuple[int, int], int | None], bool]] = {
+    CUDNN: _cuda_cudnn,
+    FLASH: _cuda_flash,
+    EFFICIENT: _cuda_efficient,
+}
+
+
+def _cuda_backend(call: Attention, capability: tuple[int, int], cudnn: int | None) -> str:
+    order = [CUDNN, FLASH, EFFICIENT] if _cudnn_first(capability, cudnn) else [FLASH, EFFICIENT]
+    for backend in order:
+        if _CUDA_GATES[backend](call, capability, cudnn):
+            return backend
+    return MATH
+
+
+def _card(target: torch.device) -> tuple[tuple[int, int], int | None]:
+    """Return the compute capability and cuDNN version of a CUDA target, or what is assumed without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability(target), _CUDNN_VERSION()
+    return ASSUMED_CAPABILITY, None
+
+
+def choose_backend(
+    target: torch.device | str,
+    call: Attention,
+    *,
+    capability: tuple[int, int] | None = None,
+    cudnn: int | None = None,
+) -> str:
+    """Return the attention kernel ``target`` runs for ``call``.
+
+    Args:
+        target (torch.device or str): the device the estimate is for.
+        call (Attention): the call's query, key, value, mask, dropout and flags;
+            its tensors may be meta tensors of the real shapes, strides and dtypes.
+        capability (tuple of int, optional): for CUDA, the card's compute
+            capability. Default: the device's, or :data:`ASSUMED_CAPABILITY`
+            where no CUDA device is present.
+        cudnn (int, optional): for CUDA, the cuDNN version (as
+            ``torch.backends.cudnn.version()`` gives it). Default: the one
+            loaded, if a CUDA device is present.
+
+    Returns:
+        str: :data:`FLASH`, :data:`EFFICIENT`, :data:`CUDNN` or :data:`MATH`
+        (also for any device other than the CPU and CUDA).
+    """
+    device = torch.device(target)
+    if device.type == "cpu":
+        return _cpu_backend(call)
+    if device.type != "cuda":
+        return MATH
+    if capability is None:
+        capability, found = _card(device)
+        cudnn = found if cudnn is None else cudnn
+    return _cuda_backend(call, capability, cudnn)
+
+
+# --- running the chosen kernel on meta tensors ------------------------------------------
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Return a boolean mask as the additive float mask the fused kernels read (a new tensor, as on the device)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.scalar_tensor(-math.inf, dtype=dtype, device=mask.device))
+
+
+def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Return the bias the memory-efficient kernel reads: padded to 16 columns, or copied if its strides are not."""
+    bias = mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+    columns = bias.size(-1)
+    if columns % 16:
+        padded = F.pad(bias, (0, 16 - columns % 16))
+        return padded[..., :columns]
+    if any(stride % 16 for stride in bias.stride()[:3]):
+        return bias.contiguous()
+    return bias
+
+
+def _run_kernel(backend: str, target: torch.device, call: Attention, scale: float | None) -> torch.Tensor:
+    """Run the fused attention operator ``backend`` names on the call's meta tensors; return its output."""
+    q, k, v = call.tensors
+    mask = _additive(call.mask, q.dtype)
+    out: torch.Tensor
+    if target.type == "cpu":
+        out = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, call.dropout, call.causal, attn_mask=mask, scale=scale
+        )[0]
+        return out
+    if backend == FLASH:
+        # The CUDA kernel takes head sizes in multiples of 8: others are padded by copies.
+        size = q.size(-1)
+        if size % 8:
+            scale = 1 / math.sqrt(size) if scale is None else scale
+            q, k, v = (F.pad(tensor, (0, 8 - size % 8)) for tensor in (q, k, v))
+        out = _aten._scaled_dot_product_flash_attention(q, k, v, call.dropout, call.causal, False, scale=scale)[0]
+        return out[..., :size] if size % 8 else out
+    if q.size(-3) != k.size(-3) or q.size(-3) != v.size(-3):
+        # Grouped keys and values, repeated for every query head: their backward makes gradients per query head.
+        k, v = (t.repeat_interleave(q.size(-3) // t.size(-3), -3) for t in (k, v))
+    if backend == EFFICIENT:
+        bias = None if mask is None else _efficient_bias(mask, q, k)
+        out = _aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, call.training, call.dropout, call.causal, scale=scale
+        )[0]
+        return out
+    out = _aten._scaled_dot_product_cudnn_attention(
+        q, k, v, mask, call.training, call.dropout, call.causal, False, scale=scale
+    )[0]
+    return out
+
+
+# Called as note(what, why) for what the estimate runs but knows it does not model exactly.
+Note = Callable[[str, str], None]
+
+_LEFT_ALIGNED = torch._nested_tensor_from_mask_left_aligned
+_PADDED = (
+    "with a src_key_padding_mask in eval mode it packs the batch into a nested tensor, whose size depends on "
+    "the mask's values: the padded batch is counted, so the estimate may be above the real peak"
+)
+_UNMODELLED_BACKWARD = (
+    "the backward of CUDA's fused attention kernels allocates float32 accumulators inside itself (flash: "
+    "the queries' gradient in float32), which are not modelled: the estimate may be below the real peak"
+)
+
+
+def _attention(
+    target: torch.device,
+    card: tuple[tuple[int, int], int | None],
+    note: Note,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    call = Attention(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    meta = all(tensor.device.type == "meta" and not tensor.is_nested for tensor in call.tensors)
+    backend = choose_backend(target, call, capability=card[0], cudnn=card[1]) if meta else MATH
+    if target.type not in ("cpu", "cuda"):
+        note(
+            "scaled_dot_product_attention",
+            f"its math path is counted, with the whole attention matrix; {target.type} may run a fused kernel",
+        )
+    elif backend != MATH and target.type == "cuda" and call.training:
+        note("scaled_dot_product_attention", _UNMODELLED_BACKWARD)
+    if backend == MATH:
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _run_kernel(backend, target, call, scale)
+
+
+# --- the fast path of nn.TransformerEncoderLayer and nn.MultiheadAttention ---------------
+
+
+def _plain(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Return whether no tensor is a subclass (one would make the fast path step aside) or needs a gradient now."""
+    present = [tensor for tensor in tensors if tensor is not None]
+    if any(type(tensor) not in (torch.Tensor, nn.Parameter) for tensor in present):
+        return False
+    return not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in present))
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+def _native_attention(
+    target: torch.device,
+    card: tuple[tuple[int, int], int | None],
+    x: torch.Tensor,
+    heads: int,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    need_weights: bool,
+    average: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``aten::_native_multi_head_attention``'s operators for self-attention over ``x``, as the device does."""
+    in_weight, in_bias, out_weight, out_bias = weights
+    batch, length, width = x.shape
+    head = width // heads
+    if target.type == "cuda" and not need_weights and mask is None and head % 8 == 0:
+        # CUDA projects and calls a fused attention kernel where one takes the unprojected views.
+        views = x.view(batch, length, heads, head).transpose(1, 2)
+        backend = choose_backend(target, Attention(views, views, views), capability=card[0], cudnn=card[1])
+        if backend != MATH:
+            projected = F.linear(x, in_weight, in_bias)
+            q, k, v = (part.view(batch, -1, heads, head).transpose(1, 2) for part in projected.chunk(3, -1))
+            attended = _run_kernel(backend, target, Attention(q, k, v), None)
+            out = F.linear(attended.transpose(1, 2).reshape(batch, -1, width), out_weight, out_bias)
+            return out, None
+    # The general path (the CPU's only one): one projection, a packed copy of q, k and v with the
+    # bias added (its kernel has no meta function: an empty tensor of its size stands in), the
+    # scores, softmax in place (or into a new tensor under a mask), the context written over q,
+    # the scores dropped unless returned, then q's heads gathered for the output projection.
+    projected = torch.mm(x.reshape(-1, width), in_weight.t())
+    packed = torch.empty((3, batch, heads, length, head), dtype=x.dtype, device=x.device)
+    del projected
+    q, k = packed[0].reshape(batch * heads, length, head), packed[1].reshape(batch * heads, length, head)
+    scores = torch.bmm(q, k.transpose(1, 2))
+    if mask is not None:
+        flags = mask if mask.dtype == torch.bool else mask.to(torch.bool)
+        scores = torch.empty_like(scores)
+        del flags
+    if not need_weights:
+        del scores
+    gathered = packed[0].permute(0, 2, 1, 3).contiguous()
+    out = torch.addmm(out_bias, gathered.view(-1, width), out_weight.t()).view(batch, length, width)
+    del gathered
+    if not need_weights:
+        return out, None
+    per_head = scores.view(batch, heads, length, length)
+    return out, (per_head.sum(dim=1).div_(heads) if average else per_head)
+
+
+def _encoder_layer_fast(
+    layer: nn.TransformerEncoderLayer,
+    target: torch.device,
+    card: tuple[tuple[int, int], int | None],
+    src: torch.Tensor,
+    src_mask: torch.Tensor | None = None,
+    src_key_padding_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor | None:
+    """Return the layer's output by the fused fast path if the target takes it, else None (nothing run)."""
+    attention = layer.self_attn
+    if not (
+        torch.backends.mha.get_fastpath_enabled()
+        and src.dim() == 3
+        and not layer.training
+        and attention.batch_first
+        and attention.in_proj_bias is not None
+        and attention._qkv_same_embed_dim
+        and layer.activation_relu_or_gelu
+        and layer.norm1.eps == layer.norm2.eps
+        and attention.num_heads % 2 == 0
+        and not torch.is_autocast_enabled()
+        and not _hooked(layer)
+    ):
+        return None
+    weights = (attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight, attention.out_proj.bias)
+    norms = (layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias)
+    feed = (layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
+    if not _plain((src, *weights, *norms, *feed)):
+        return None
+    padding = F._canonical_mask(
+        mask=src_key_padding_mask,
+        mask_name="src_key_padding_mask",
+        other_type=F._none_or_dtype(src_mask),
+        other_name="src_mask",
+        target_type=src.dtype,
+    )
+    mask = F._canonical_mask(
+        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
+    )
+    merged, _ = attention.merge_masks(mask, padding, src)
+    width, eps = attention.embed_dim, layer.norm1.eps
+    x = src if not layer.norm_first else F.layer_norm(src, (width,), norms[0], norms[1], eps)
+    x = _native_attention(target, card, x, attention.num_heads, weights, merged, False, True)[0]
+    x.add_(src)
+    if not layer.norm_first:
+        x = F.layer_norm(x, (width,), norms[0], norms[1], eps)
+    residual = x
+    if layer.norm_first:
+        x = F.layer_norm(x, (width,), norms[2], norms[3], eps)
+    batch, length = x.shape[:2]
+    hidden = torch._addmm_activation(
+        feed[1], x.reshape(batch * length, width), feed[0].t(), use_gelu=layer.activation_relu_or_gelu == 2
+    )
+    x = torch.addmm(feed[3], hidden, feed[2].t()).view(batch, length, width)
+    del hidden
+    x.add_(residual)
+    return x if layer.norm_first else F.layer_norm(x, (width,), norms[2], norms[3], eps)
+
+
+def _attention_fast(
+    module: nn.MultiheadAttention,
+    target: torch.device,
+    card: tuple[tuple[int, int], int | None],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Return the module's output by the fused fast path if the target takes it, else None (nothing run)."""
+    if any(mask is not None and torch.is_floating_point(mask) for mask in (attn_mask, key_padding_mask)):
+        return None
+    weights = (module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias)
+    if not (
+        torch.backends.mha.get_fastpath_enabled()
+        and query.dim() == 3
+        and query is key
+        and key is value
+        and weights[0] is not None
+        and weights[1] is not None
+        and query.dtype == weights[0].dtype == weights[1].dtype
+        and not module.training
+        and module.num_heads % 2 == 0
+        and module.batch_first
+        and module.bias_k is None
+        and module.bias_v is None
+        and not module.add_zero_attn
+        and module._qkv_same_embed_dim
+        and not torch.is_autocast_enabled()
+        and _plain((query, *weights))
+    ):
+        return None
+    padding = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    mask = F._canonical_mask(
+        mask=attn_mask,
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=query.dtype,
+        check_other=False,
+    )
+    merged, _ = module.merge_masks(mask, padding, query)
+    return _native_attention(
+        target,
+        card,
+        query,
+        module.num_heads,
+        weights,
+        merged,
+        need_weights,
+        average_attn_weights,
+    )
+
+
+_FAST_PATHS: dict[type[nn.Module], Callable[..., Any]] = {
+    nn.TransformerEncoderLayer: _encoder_layer_fast,
+    nn.MultiheadAttention: _attention_fast,
+}
+
+
+def _follow_fast_path(module: nn.Module, target: torch.device, card: tuple[tuple[int, int], int | None]) -> bool:
+    """Give an eligible module a forward that takes the fused fast path where the target would; return if given."""
+    kind = next((kind for kind in _FAST_PATHS if type(module).forward is kind.forward), None)
+    if kind is None or "forward" in vars(module):
+        return False
+    fast, composite = _FAST_PATHS[kind], kind.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        found = fast(module, target, card, *args, **kwargs)
+        return composite(module, *args, **kwargs) if found is None else found
+
+    vars(module)["forward"] = forward
+    return True
+
+
+class _Kernels(TorchFunctionMode):
+    """Send ``scaled_dot_product_attention`` to the kernel the target would choose."""
+
+    def __init__(self, target: torch.device, card: tuple[tuple[int, int], int | None], note: Note) -> None:
+        super().__init__()
+        self.target, self.card, self.note = target, card, note
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is _SDPA:
+            return _attention(self.target, self.card, self.note, *args, **(kwargs or {}))
+        if func is _LEFT_ALIGNED:
+            # nn.TransformerEncoder asks whether a padding mask's rows are left-aligned, to pack the batch
+            # into a nested tensor, which meta tensors cannot be: the padded batch is counted instead.
+            self.note("torch.nn.TransformerEncoder", _PADDED)
+            return False
+        if func is F.multi_head_attention_forward and _REDISPATCH is not None:
+            # It calls attention inside: it runs with this mode active again, past its own hand-off to it.
+            with self:
+                return _REDISPATCH(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def _ignore(what: str, why: str) -> None:
+    pass
+
+
+@contextlib.contextmanager
+def device_kernels(target: torch.device, modules: Iterable[nn.Module], note: Note = _ignore) -> Iterator[None]:
+    """Make a meta run take the attention kernels and fast paths ``target`` takes, while the block runs.
+
+    Args:
+        target (torch.device): the device the estimate is for; on one other
+            than the CPU or CUDA, the math path runs and is noted (nothing
+            changes for the meta device itself).
+        modules (iterable of nn.Module): the modules the call reaches; eligible
+            ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` (not
+            subclasses that define their own forward) follow their fast path.
+        note (callable): called as ``note(what, why)`` for attention the
+            estimate counts but knows it does not model exactly.
+
+    Yields:
+        None.
+    """
+    if target.type == "meta":
+        yield
+        return
+    card = _card(target) if target.type == "cuda" else (ASSUMED_CAPABILITY, None)
+    fused = target.type in ("cpu", "cuda")
+    followed = [module for module in modules if fused and _follow_fast_path(module, target, card)]
+    try:
+        with _Kernels(target, card, note):
+            yield
+    finally:
+        for module in followed:
+            vars(module).pop("forward", None)

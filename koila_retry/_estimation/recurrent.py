@@ -1,0 +1,697 @@
+"""Recurrent layers on meta tensors, with the memory of the kernels the target device runs.
+
+On meta tensors, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` take PyTorch's generic path: one
+cell at a time, a few dozen small operators per time step. That is seconds per estimate,
+and not the memory of a real device. The CPU runs an LSTM through oneDNN, one fused
+``aten::mkldnn_rnn_layer`` per layer and direction, which keeps a workspace for backward;
+it runs a GRU or a plain RNN through the generic path, but projects the whole sequence's
+inputs in one product first. CUDA runs all three through cuDNN (``aten::_cudnn_rnn``),
+which keeps a reserve for backward.
+
+:class:`RecurrentKernels` is a ``TorchFunctionMode`` that takes over ``torch._VF.lstm``,
+``gru``, ``rnn_tanh`` and ``rnn_relu`` during an estimate of a call that reaches an
+``nn.RNNBase``, and runs a stand-in (one per layer and direction; on CUDA, one for the
+whole stack) that allocates what the target's kernel allocates, when it does: its
+outputs, what it keeps for backward, its scratch space during the call, and in backward
+its gradients and scratch space. A dozen allocations per layer replace thousands of
+operators. The CPU's rules were measured on this project's machines
+(oneDNN 3.12, AVX-512): the generic path against the tensors a real run makes, oneDNN's
+against the resident set of a child process (oneDNN writes about a third of the
+workspace it asks for in the forward pass, and the rest only in backward). cuDNN's are a
+model of what it must hold, not checked on a GPU. Packed sequences, LSTMs with projections
+and other devices keep PyTorch's own path, and the estimate notes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["RecurrentKernels", "recurrent_kernels"]
+
+_LSTM, _GRU, _TANH, _RELU = "LSTM", "GRU", "RNN_TANH", "RNN_RELU"
+_CELLS: dict[Callable[..., Any], str] = {
+    torch.lstm: _LSTM,
+    torch.gru: _GRU,
+    torch.rnn_tanh: _TANH,
+    torch.rnn_relu: _RELU,
+}
+_GATES = {_LSTM: 4, _GRU: 3, _TANH: 1, _RELU: 1}
+_ONEDNN_LSTM = 2  # ideep::rnn_kind::LSTM, the ``mode`` argument of aten::mkldnn_rnn_layer
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of ``torch._VF.<cell>`` on a padded (not packed) sequence."""
+
+    cell: str
+    input: torch.Tensor
+    hx: torch.Tensor
+    cx: torch.Tensor | None
+    params: Sequence[torch.Tensor]
+    has_biases: bool
+    num_layers: int
+    dropout: float
+    train: bool
+    bidirectional: bool
+    batch_first: bool
+
+    @property
+    def directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def weights(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Return ``w_ih, w_hh, b_ih, b_hh`` of one layer and direction (``index = layer * directions + d``)."""
+        stride = 4 if self.has_biases else 2
+        found = list(self.params[index * stride : (index + 1) * stride])
+        if not self.has_biases:
+            return found[0], found[1], None, None
+        return found[0], found[1], found[2], found[3]
+
+
+def _parse(cell: str, args: tuple[Any, ...]) -> _Call | None:
+    """Return the call, or ``None`` for what keeps PyTorch's path (packed sequences, projections)."""
+    if len(args) != 9 or not all(isinstance(flag, bool) for flag in args[-3:]):
+        return None
+    if cell == _LSTM:
+        if not isinstance(args[1], (list, tuple)) or len(args[1]) != 2:
+            return None  # the packed overload: (data, batch_sizes, hx, ...)
+        hx, cx = args[1]
+        if hx.shape[-1] != cx.shape[-1]:
+            return None  # projections: oneDNN refuses them, and the generic path differs
+    else:
+        if not isinstance(args[2], (list, tuple)):
+            return None
+        hx, cx = args[1], None
+    x, _, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+    tensors = [x, hx, *params] + ([] if cx is None else [cx])
+    if not all(isinstance(tensor, torch.Tensor) and tensor.device.type == "meta" for tensor in tensors):
+        return None
+    if x.dim() != 3 or x.numel() == 0:
+        return None
+    return _Call(cell, x, hx, cx, params, has_biases, num_layers, float(dropout), train, bidirectional, batch_first)
+
+
+def _touch(nbytes: int, device: torch.device) -> None:
+    """Allocate ``nbytes`` and free them at once: a kernel's scratch space, alive during its call.
+
+    Even 0 bytes: every batch size then takes the same moments, which the estimate
+    joins into lines.
+    """
+    torch.empty(max(nbytes, 0), dtype=torch.uint8, device=device)
+
+
+def _bytes_of(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _recording(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+# --- the CPU: oneDNN's LSTM ---------------------------------------------------------------
+
+
+def _good_ld(dim: int, size: int) -> int:
+    """Return oneDNN's leading dimension for ``dim`` elements: 64-byte aligned, not a multiple of 256."""
+    step = 64 // size
+    ld = -(-dim // step) * step
+    return ld + step if ld % 256 == 0 else ld
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+@dataclass(frozen=True)
+class _OnednnLayer:
+    """The bytes one ``mkldnn_rnn_layer`` (one LSTM layer and direction) holds, by oneDNN's layout.
+
+    Its workspace is laid out as gates, projections, states, cell states and, for
+    backward, the states' gradients (each page-aligned). The forward pass writes the
+    gates and the cell states of every step but the last; backward writes the
+    gradients. Measured here against the pages resident after each (``mincore``).
+    """
+
+    steps: int
+    rows: int
+    features: int
+    hidden: int
+    size: int  # bytes of an element of the input
+
+    @property
+    def weights(self) -> int:
+        return 4 * self.hidden * (self.features + self.hidden) * self.size
+
+    @property
+    def gates(self) -> int:
+        """Bytes of one step's gates, in the layout of the workspace."""
+        return self.rows * _good_ld(4 * self.hidden, self.size) * self.size
+
+    def kept(self) -> int:
+        """Return the resident bytes of the workspace after the forward pass, kept for backward."""
+        return _pages(self.steps * self.gates) + _pages((self.steps - 1) * self.rows * self.hidden * 4)
+
+    def forward_scratch(self) -> tuple[int, int]:
+        """Return the scratch space of a training forward: one step's gates, and every step's below 128 rows.
+
+        Two moments, so that each grows in a straight line with the batch (the second is
+        0 from 128 rows up).
+        """
+        merged = self.steps * self.gates + self.weights if self.rows < 128 else 0
+        return self.gates + self.weights, merged
+
+    def inference_scratch(self) -> int:
+        """Return the scratch space of a forward without autograd: every step's hidden state, one step's gates.
+
+        And about half the weights' size, for their reordered copy (measured: the rest
+        stays resident from one call to the next).
+        """
+        return self.steps * self.rows * self.hidden * self.size + self.gates + self.weights // 2
+
+    def backward_scratch(self) -> int:
+        """Return what backward writes beyond its gradients: the states' gradients, every step's gates, weights."""
+        gradients = _good_ld(max(self.features, self.hidden), 4) * 4
+        states = (3 * self.steps + 1) * self.rows * gradients + (self.steps + 1) * self.rows * self.hidden * 4
+        return states + self.steps * self.gates + 2 * self.weights
+
+
+def _onednn_usable(call: _Call) -> bool:
+    """Return whether the CPU sends this LSTM to oneDNN (as PyTorch's own ``use_mkldnn`` decides)."""
+    available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    if call.cell != _LSTM or not (available and torch.backends.mkldnn.enabled):
+        return False
+    dtype = call.input.dtype
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return not torch.is_grad_enabled() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def _onednn_layer(
+    call: _Call, layer_input: torch.Tensor, index: int, hx: torch.Tensor, cx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run one layer and direction as ``aten::mkldnn_rnn_layer`` (its meta kernel), with its workspace."""
+    w_ih, w_hh, b_ih, b_hh = call.weights(index)
+    if b_ih is None or b_hh is None:
+        b_ih, b_hh = torch.zeros_like(w_ih), torch.zeros_like(w_hh)  # as PyTorch passes them
+    steps, rows, features = layer_input.shape
+    hidden = hx.shape[-1]
+    sizes = _OnednnLayer(steps, rows, features, hidden, layer_input.element_size())
+    device = layer_input.device
+    output, hy, cy, _ = torch.ops.aten.mkldnn_rnn_layer(
+        layer_input,
+        w_ih,
+        w_hh,
+        b_ih,
+        b_hh,
+        hx,
+        cx,
+        index % call.directions == 1,
+        [],
+        _ONEDNN_LSTM,
+        hidden,
+        call.num_layers,
+        call.has_biases,
+        call.bidirectional,
+        call.batch_first,
+        call.train,
+    )
+    node = output.grad_fn
+    if not torch.is_grad_enabled():
+        _touch(sizes.inference_scratch(), device)
+    elif node is None:  # nothing needs a gradient: the workspace is written, then dropped
+        for scratch in sizes.forward_scratch():
+            _touch(sizes.kept() + scratch, device)
+    else:
+        # PyTorch's meta kernel returns an empty workspace; autograd keeps this one with
+        # the node, and the hook lets it go when the node has run, as autograd does.
+        for scratch in sizes.forward_scratch():
+            _touch(scratch, device)
+        kept = [torch.empty(sizes.kept(), dtype=torch.uint8, device=device)]
+        results = [_bytes_of(result) for result in (output, hy, cy)]  # not the tensors: the hook outlives them
+
+        def backward(_: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+            # The kernel makes contiguous copies of its incoming gradients, and zeros for the missing ones.
+            copies = sum(nbytes for nbytes, grad in zip(results, grads) if grad is None or not grad.is_contiguous())
+            _touch(copies + sizes.backward_scratch(), device)
+            kept.clear()
+
+        node.register_hook(backward)
+    return output, hy, cy
+
+
+def _onednn_lstm(call: _Call, cx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run an LSTM, of cell state ``cx``, as PyTorch's ``mkldnn_rnn`` does: a oneDNN layer per layer and direction."""
+    # The contiguous input (a copy, for batch_first) lives until the whole stack has run.
+    contiguous = (call.input.transpose(0, 1) if call.batch_first else call.input).contiguous()
+    layer_input = contiguous
+    hx, cx = call.hx.contiguous(), cx.contiguous()
+    hys, cys = [], []
+    for layer in range(call.num_layers):
+        outputs = []
+        for direction in range(call.directions):
+            index = layer * call.directions + direction
+            output, hy, cy = _onednn_layer(call, layer_input, index, hx[index], cx[index])
+            outputs.append(output)
+            hys.append(hy)
+            cys.append(cy)
+        layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        if call.dropout and call.train and layer < call.num_layers - 1:
+            layer_input = torch.dropout(layer_input, call.dropout, True)
+    output = layer_input.transpose(0, 1) if call.batch_first else layer_input
+    hy, cy = torch.stack(hys), torch.stack(cys)
+    del contiguous
+    return output, hy, cy
+
+
+# --- the CPU: the generic path ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """What one time step of a cell holds on the CPU's generic path, in hidden-sized pieces per row.
+
+    Counted from the operators a real CPU run makes (torch 2.13), and checked against
+    whole runs of one to three layers, each direction, with and without autograd.
+    """
+
+    saved: int  # kept for backward, the new hidden (and cell) state among them
+    scratch: int  # alive only during the step, with autograd
+    plain: int  # alive during a step without autograd, the new states included
+    carry: int  # the previous step's states beside the hidden state, without autograd
+    # Backward, as the most alive above its start: the largest ``pieces + w * dw_hh + b * db_hh``
+    # over the terms of sequences of at least ``steps``: the first step's temporaries against
+    # the later steps' sums of the weights' gradients (the third step's hold the most). With a
+    # gradient for the layer's output, and with one for its last hidden state only.
+    backward: tuple[tuple[int, int, int, int], ...]  # (pieces, w, b, steps)
+    backward_hidden: tuple[tuple[int, int, int, int], ...]
+    end: int  # alive beside the gates' gradients when they are stacked, against what is counted
+    keeps_hidden: bool  # whether the last step's hidden state is kept for backward too
+
+
+# A plain RNN's step, with tanh or relu.
+_PLAIN = _Cell(
+    saved=1,
+    scratch=1,
+    plain=2,
+    carry=0,
+    backward=((1, 0, 0, 1), (0, 1, 1, 1), (2, 1, 1, 2), (-1, 3, 1, 2), (2, 2, 2, 3), (1, 3, 1, 3)),
+    backward_hidden=((1, 0, 0, 1), (-1, 1, 1, 1), (1, 1, 1, 2), (-2, 3, 1, 2), (0, 3, 1, 3)),
+    end=0,
+    keeps_hidden=True,
+)
+# A GRU step keeps its hidden gates and four hidden-sized tensors (two of them copies made
+# before in-place products); an LSTM step its gates, the cell state, its tanh and the new
+# hidden state; a plain RNN step only its new hidden state.
+_GENERIC = {
+    _GRU: _Cell(
+        saved=7,
+        scratch=0,
+        plain=5,
+        carry=0,
+        backward=((2, 0, 0, 1), (0, 1, 1, 1), (4, 0, 0, 2), (2, 1, 1, 2), (-8, 3, 1, 2), (-7, 3, 1, 3)),
+        backward_hidden=((2, 0, 0, 1), (-1, 1, 1, 1), (3, 0, 0, 2), (1, 1, 1, 2), (-9, 3, 1, 2), (-8, 3, 1, 3)),
+        end=3,
+        keeps_hidden=False,
+    ),
+    _LSTM: _Cell(
+        saved=7,
+        scratch=1,
+        plain=7,
+        carry=1,
+        backward=((4, 0, 0, 1), (-2, 1, 1, 1), (5, 0, 0, 2), (0, 1, 1, 2), (-6, 3, 1, 2), (-4, 3, 1, 3)),
+        backward_hidden=((3, 0, 0, 1), (-3, 1, 1, 1), (4, 0, 0, 2), (-1, 1, 1, 2), (-7, 3, 1, 2), (-5, 3, 1, 3)),
+        end=0,
+        keeps_hidden=False,
+    ),
+    _TANH: _PLAIN,
+    _RELU: _PLAIN,
+}
+
+
+class _Directions:
+    """What the directions of one layer share on the generic path.
+
+    Both run in one function on the CPU, which keeps the forward direction's input
+    projection alive until the reverse one's is made (``pending``); in backward, the
+    gradient of their joined output is freed once both have used it.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.left = count  # the directions whose backward has not run
+        self.pending: list[torch.Tensor] = []
+
+    def consumed(self, gradient: torch.Tensor | None) -> int:
+        """Return the bytes the real path has freed of ``gradient`` when this direction's steps are done."""
+        self.left -= 1
+        if gradient is None or self.left != 0:
+            return 0
+        nbytes = gradient.untyped_storage().nbytes()
+        return nbytes if nbytes <= self.count * _bytes_of(gradient) else 0  # a view of more may live on
+
+
+class _GenericLayer(torch.autograd.Function):
+    """One layer and direction of the CPU's generic path, as the memory it allocates and frees."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        cell: _Cell,
+        recording: bool,
+        layer: _Directions,
+        x: torch.Tensor,
+        hx: torch.Tensor,
+        cx: torch.Tensor | None,
+        w_ih: torch.Tensor,
+        w_hh: torch.Tensor,
+        b_ih: torch.Tensor | None,
+        b_hh: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a gradient that never came is no tensor on the real path either
+        steps, rows, features = x.shape
+        hidden, gates = w_hh.shape[1], w_ih.shape[0]
+        device, dtype = x.device, x.dtype
+        piece = rows * hidden * x.element_size()
+
+        def new(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        # The input projection of the whole sequence, in one product: a 2-D view of a
+        # contiguous input is multiplied as it is, the bias added in the same call; any
+        # other is copied first, and the bias added into a new tensor. The product keeps
+        # its input for the weight's gradient.
+        keeps_input = recording and w_ih.requires_grad
+        copy = None
+        if x.is_contiguous():
+            projected = new(steps, rows, gates)
+        else:
+            copy = new(steps, rows, features)
+            projected = new(steps, rows, gates)
+            if not keeps_input:
+                copy = None
+            if b_ih is not None:
+                biased = new(steps, rows, gates)
+                projected = biased
+        layer.pending.clear()  # what the direction before left alive until this projection was made
+        if recording:
+            # The last step's states are the results, kept for backward only by a plain RNN
+            # (whose tanh or relu keeps its result): then the hidden state is part of what is kept.
+            last = 0 if cell.keeps_hidden else 1 if cx is None else 2
+            kept = new(steps * cell.saved - last, rows, hidden)
+            _touch(cell.scratch * piece, device)
+        else:
+            # Each step's hidden state lives until the outputs are stacked, an LSTM's cell
+            # state until the next step has made its own; the rest, during its step.
+            kept = torch.empty((steps - 1) * piece, dtype=torch.uint8, device=device)
+            carried = torch.empty(cell.carry * piece if steps > 1 else 0, dtype=torch.uint8, device=device)
+            _touch(cell.plain * piece, device)
+            del carried
+        hy = kept[-1] if recording and cell.keeps_hidden else new(rows, hidden)
+        cy = None if cx is None else new(rows, hidden)
+        output = new(steps, rows, hidden)
+        del projected
+        if not recording:
+            del kept
+            return (output, hy) if cy is None else (output, hy, cy)
+        # The products keep their inputs for the weights' gradients: the layer's input
+        # (or its copy) and the first step's hidden (and cell) state.
+        ctx.states = [state for state in (hx, cx) if state is not None]
+        ctx.input = x if keeps_input and copy is None else copy
+        ctx.cell, ctx.kept, ctx.layer = cell, kept, layer
+        ctx.shapes = (steps, rows, features, hidden, gates)
+        ctx.weights = (w_ih, w_hh, b_ih, b_hh)
+        ctx.dtype, ctx.device = dtype, device
+        return (output, hy) if cy is None else (output, hy, cy)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        cell: _Cell = ctx.cell
+        steps, rows, features, hidden, gates = ctx.shapes
+        w_ih, w_hh, b_ih, b_hh = ctx.weights
+        needed = ctx.needs_input_grad
+        dtype, device = ctx.dtype, ctx.device
+        size = dtype.itemsize
+        piece = rows * hidden * size
+
+        def new(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        # Steps run last to first, each freeing what it kept: the first ones, with
+        # everything still kept, hold the most.
+        w_hh_grad = new(*w_hh.shape) if needed[7] else None
+        b_hh_grad = new(*b_hh.shape) if b_hh is not None and needed[9] else None
+        weight, bias = _bytes_of(w_hh_grad), _bytes_of(b_hh_grad)
+        # One moment per term, so that each grows in a straight line with the batch.
+        table = cell.backward if grads[0] is not None else cell.backward_hidden
+        for pieces, w, b, least in table:
+            if steps >= least:
+                _touch(pieces * piece + (w - 1) * weight + (b - 1) * bias, device)
+        ctx.kept = ctx.states = None  # the first step's states go with its products
+        # Each step's gradient of its projected input, then all of them stacked. By then the
+        # steps have used up the output's gradient, which the real path frees and autograd
+        # holds here until this function returns: the stacked gradients stand in smaller.
+        # (A gradient of the last hidden state only holds one hidden-sized piece less, all through.)
+        end = cell.end - (grads[0] is None)
+        each = torch.empty(steps * rows * gates * size + end * piece, dtype=torch.uint8, device=device)
+        stacked = torch.empty(
+            max(steps * rows * gates * size - ctx.layer.consumed(grads[0]), 0), dtype=torch.uint8, device=device
+        )
+        del each
+        b_ih_grad = new(*b_ih.shape) if b_ih is not None and needed[8] else None
+        w_ih_grad = new(*w_ih.shape) if needed[6] else None
+        x_grad = new(steps, rows, features) if needed[3] else None
+        del stacked
+        ctx.input = None
+        hx_grad = new(rows, hidden) if needed[4] else None
+        cx_grad = new(rows, hidden) if needed[5] else None
+        return None, None, None, x_grad, hx_grad, cx_grad, w_ih_grad, w_hh_grad, b_ih_grad, b_hh_grad
+
+
+def _hiddens(recording: bool, steps: int, rows: int, hidden: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Return the step outputs a layer without autograd still holds (with autograd, they are counted as kept)."""
+    return None if recording else torch.empty(steps, rows, hidden, dtype=like.dtype, device=like.device)
+
+
+def _generic(call: _Call) -> tuple[torch.Tensor, ...]:
+    """Run a recurrent layer stack as the CPU's generic path does, each layer and direction as one stand-in."""
+    cell = _GENERIC[call.cell]
+    x = call.input.transpose(0, 1) if call.batch_first else call.input
+    hxs = call.hx.unbind(0)
+    cxs = None if call.cx is None else call.cx.unbind(0)
+    hys, cys = [], []
+    for layer in range(call.num_layers):
+        outputs: list[torch.Tensor] = []
+        directions = _Directions(call.directions)
+        for direction in range(call.directions):
+            index = layer * call.directions + direction
+            weights = call.weights(index)
+            cx = None if cxs is None else cxs[index]
+            recording = _recording(x, hxs[index], cx, *weights)
+            results = _GenericLayer.apply(  # type: ignore[no-untyped-call]
+                cell, recording, directions, x, hxs[index], cx, *weights
+            )
+            outputs.append(results[0])
+            hys.append(results[1])
+            if cx is not None:
+                cys.append(results[2])
+            del results
+            if direction == 0 and call.bidirectional:
+                # Both directions run in one function, which keeps the forward direction's
+                # input projection until the reverse one's is made, and the step outputs of
+                # both (kept anyway with autograd) until their outputs are joined.
+                steps, rows, _ = x.shape
+                gates, hidden = weights[0].shape[0], weights[1].shape[1]
+                directions.pending.append(torch.empty(steps, rows, gates, dtype=x.dtype, device=x.device))
+                forward_steps = _hiddens(recording, steps - 1, rows, hidden, x)
+        if len(outputs) == 1:
+            x = outputs[0]
+        else:
+            projected = torch.empty(steps, rows, gates, dtype=x.dtype, device=x.device)
+            reverse_steps = _hiddens(recording, steps - 1, rows, hidden, x)
+            x = torch.cat(outputs, -1)
+            del projected, forward_steps, reverse_steps
+        del outputs
+        if call.dropout and call.train and layer < call.num_layers - 1:
+            x = torch.dropout(x, call.dropout, True)
+    output = x.transpose(0, 1) if call.batch_first else x
+    if cxs is None:
+        return output, torch.stack(hys)
+    return output, torch.stack(hys), torch.stack(cys)
+
+
+# --- CUDA: cuDNN ---------------------------------------------------------------------------
+
+
+class _CudnnStack(torch.autograd.Function):
+    """A whole recurrent stack as one ``aten::_cudnn_rnn``, as the memory it allocates and frees.
+
+    cuDNN runs every layer and direction in one call. What it allocates beside the
+    outputs is modelled from what it must hold, and is not checked on a GPU: a
+    reserve for backward of, per layer, direction, step and row, the gates and the
+    states (``gates + 2`` hidden-sized pieces, 2 for a plain RNN), and a workspace during
+    each call as large as one layer's gates over the whole sequence. The weights are
+    assumed to lie in one flat buffer, as ``nn.RNNBase`` keeps them on CUDA.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        call: _Call,
+        recording: bool,
+        x: torch.Tensor,
+        hx: torch.Tensor,
+        cx: torch.Tensor | None,
+        *params: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        steps, rows = (x.shape[1], x.shape[0]) if call.batch_first else (x.shape[0], x.shape[1])
+        hidden, gates = hx.shape[-1], _GATES[call.cell]
+        device, dtype, size = x.device, x.dtype, x.element_size()
+        # The input, made contiguous in time-major order (a copy for batch_first), for the call.
+        copy = torch.empty(steps, rows, x.shape[-1], dtype=dtype, device=device) if call.batch_first else None
+        output = torch.empty(steps, rows, call.directions * hidden, dtype=dtype, device=device)
+        hy = torch.empty_like(hx, memory_format=torch.contiguous_format)
+        cy = None if cx is None else torch.empty_like(cx, memory_format=torch.contiguous_format)
+        pieces = gates + 2 if gates > 1 else 2
+        layers = call.num_layers * call.directions
+        reserve = None
+        if recording:
+            reserve = torch.empty(layers * steps * rows * hidden * pieces * size, dtype=torch.uint8, device=device)
+        _touch(call.directions * steps * rows * gates * hidden * size, device)
+        del copy
+        if call.batch_first:
+            output = output.transpose(0, 1)
+        ctx.call, ctx.reserve, ctx.sizes = call, reserve, (steps, rows, hidden, gates, size)
+        if recording:
+            ctx.save_for_backward(x, hx, output)
+        return (output, hy) if cy is None else (output, hy, cy)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        steps, rows, hidden, gates, size = ctx.sizes
+        x, hx, output = ctx.saved_tensors
+        device = x.device
+        results = (output, hx, None if len(grads) < 3 else hx)
+        # Contiguous time-major copies of the incoming gradients, and zeros for the missing ones.
+        copies = sum(
+            _bytes_of(result)
+            for result, grad in zip(results, grads)
+            if result is not None
+            and (grad is None or not grad.is_contiguous() or (call.batch_first and result is output))
+        )
+        x_grad = torch.empty_like(x)
+        hx_grad = torch.empty_like(hx)
+        cx_grad = torch.empty_like(hx) if len(grads) == 3 else None
+        _touch(copies + call.directions * steps * rows * gates * hidden * size, device)
+        ctx.reserve = None
+        # The weights' gradients: one flat buffer, handed out as views.
+        params = call.params
+        flat = torch.empty(sum(param.numel() for param in params), dtype=x.dtype, device=device)
+        views, offset = [], 0
+        for param in params:
+            views.append(flat[offset : offset + param.numel()].view(param.shape))
+            offset += param.numel()
+        del flat
+        return (None, None, x_grad, hx_grad, cx_grad, *views)
+
+
+def _cudnn(call: _Call) -> tuple[torch.Tensor, ...]:
+    """Run a recurrent stack as cuDNN does, in one call."""
+    recording = _recording(call.input, call.hx, call.cx, *call.params)
+    results: tuple[torch.Tensor, ...] = _CudnnStack.apply(  # type: ignore[no-untyped-call]
+        call, recording, call.input, call.hx, call.cx, *call.params
+    )
+    return results
+
+
+# --- the mode -----------------------------------------------------------------------------
+
+
+class RecurrentKernels(TorchFunctionMode):
+    """Run ``torch._VF``'s recurrent layers on meta tensors with the memory of the target device's kernels.
+
+    Args:
+        device (torch.device): the device the estimate is for: the CPU's kernels
+            and CUDA's are followed; elsewhere PyTorch's path runs, and is noted.
+        note (callable, optional): called as ``note(what, why)`` for a call whose
+            memory on the device is not modelled exactly.
+    """
+
+    def __init__(self, device: torch.device, note: Callable[[str, str], None] | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.note = note
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        cell = _CELLS.get(func)
+        if cell is None:
+            return func(*args, **(kwargs or {}))
+        call = None if kwargs else _parse(cell, args)
+        kind = self.device.type
+        if call is None or kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.backends.cudnn.enabled):
+            self._note(cell, _UNMODELLED if call is None else _ELSEWHERE.format(device=kind))
+            return func(*args, **(kwargs or {}))
+        if kind == "cuda":
+            self._note(cell, _CUDNN)
+            return _cudnn(call)
+        if call.cx is not None and _onednn_usable(call):
+            return _onednn_lstm(call, call.cx)
+        return _generic(call)
+
+    def _note(self, cell: str, why: str) -> None:
+        if self.note is not None:
+            self.note(f"torch.nn.{_MODULES[cell]}", why)
+
+
+_MODULES = {_LSTM: "LSTM", _GRU: "GRU", _TANH: "RNN", _RELU: "RNN"}
+_UNMODELLED = (
+    "a packed sequence, or an LSTM with projections, runs cell by cell on meta tensors, not as the device's "
+    "kernel does: the estimate may be below or above the real peak"
+)
+_ELSEWHERE = (
+    "on {device} the estimate counts PyTorch's cell-by-cell path, not the device's kernel: it may be below or "
+    "above the real peak"
+)
+_CUDNN = (
+    "cuDNN's reserve and workspace on CUDA follow a model of what they hold, not checked on a GPU: the estimate "
+    "may be below or above the real peak"
+)
+
+
+def recurrent_kernels(
+    device: torch.device, modules: Iterable[torch.nn.Module], note: Callable[[str, str], None] | None = None
+) -> contextlib.AbstractContextManager[object]:
+    """Return a context in which recurrent layers have the memory of ``device``'s kernels.
+
+    Args:
+        device (torch.device): the device the estimate is for.
+        modules (iterable of Module): the modules the call reaches; without an
+            ``nn.RNNBase`` among them nothing changes, and no mode costs the call's
+            other operators time.
+        note (callable, optional): as for :class:`RecurrentKernels`.
+
+    Returns:
+        context manager: a :class:`RecurrentKernels`; for the meta device, which
+        runs no kernel of its own, one that changes nothing.
+    """
+    if device.type == "meta" or not any(isinstance(module, torch.nn.RNNBase) for module in modules):
+        return contextlib.nullcontext()
+    return RecurrentKernels(device, note)

@@ -1,0 +1,310 @@
+"""initial="auto": notes on what the estimate cannot model, a split step's own memory, and the memo's lifetime."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry._frontends import accumulate, chunked
+from koila_retry.testing import simulated_device
+
+MiB = 2**20
+INTEGER_READ = "reading an integer from a tensor"
+
+
+@pytest.fixture
+def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
+    """The functions initial="auto" estimated, one entry per estimate."""
+    seen: list[Callable[..., Any]] = []
+    real = accumulate.estimate_batch
+
+    def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
+        seen.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(accumulate, "estimate_batch", counting)
+    monkeypatch.setattr(chunked, "estimate_batch", counting)
+    return seen
+
+
+@pytest.fixture
+def caught() -> Iterator[list[warnings.WarningMessage]]:
+    """Every warning raised in the test, none filtered out as a repeat."""
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        yield records
+
+
+def inexact(records: list[warnings.WarningMessage]) -> list[str]:
+    return [str(record.message) for record in records if "may be inexact" in str(record.message)]
+
+
+def trimmed_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(4 * 8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def trimming(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A loss over the time steps the longest sequence uses: a size read from a tensor's values."""
+
+    def loss(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        longest = int(lengths.max())
+        padded = F.pad(x[:, :longest], (0, 0, 0, 4 - longest))
+        return model(padded).square().mean()
+
+    return loss
+
+
+def sequences(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, 4, 8), torch.full((rows,), 3)
+
+
+def adam_step() -> tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()  # reads its step counts with .item(): placeholders of their own
+
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    step(x, y)  # the optimizer's state exists, as in every later step
+    return step, x, y
+
+
+# --------------------------------------------------------------------------- notes
+
+
+def test_an_integer_read_from_a_tensor_is_noted_on_the_estimate_and_in_its_description() -> None:
+    found = koila.estimate(trimming(trimmed_model()), *sequences(8))
+    (note,) = found.notes
+    assert note.startswith(INTEGER_READ)
+    first, second = found.describe(8).splitlines()
+    assert first.startswith("estimated peak")
+    assert second == f"  may be inexact: {note}"
+
+
+def test_an_estimate_of_exact_operators_has_no_notes() -> None:
+    step, x, y = adam_step()
+    found = koila.estimate(step, x, y)
+    assert found.notes == ()
+    assert len(found.describe(8).splitlines()) == 1
+
+
+def test_a_cuda_estimate_notes_the_convolution_workspace_it_does_not_model() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1))
+    x = torch.randn(2, 3, 8, 8)
+    model(x)
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    assert koila.estimate(step, x).notes == ()  # oneDNN's buffers on the CPU are modelled
+    (note,) = koila.estimate(step, x, device="cuda").notes
+    assert "cuDNN" in note
+
+
+def test_suggest_batch_size_warns_once_when_the_estimate_has_notes(caught: list[warnings.WarningMessage]) -> None:
+    size = koila.suggest_batch_size(trimming(trimmed_model()), *sequences(8), budget="64MiB")
+    (message,) = inexact(caught)
+    assert f"koila.suggest_batch_size chose {size} for " in message
+    assert INTEGER_READ in message
+    caught.clear()
+    step, x, y = adam_step()
+    koila.suggest_batch_size(step, x, y, budget="64MiB")
+    assert inexact(caught) == []
+
+
+def test_auto_warns_once_per_decorated_function(caught: list[warnings.WarningMessage]) -> None:
+    model = trimmed_model()
+    first = koila.accumulate(initial="auto")(trimming(model))
+    second = koila.accumulate(initial="auto", cache=koila.NoCache())(trimming(model))
+    with simulated_device("64MiB"):
+        for rows in (8, 8, 16):
+            first(*sequences(rows))
+            second(*sequences(rows))
+    messages = inexact(caught)
+    assert len(messages) == 2
+    assert all(INTEGER_READ in message and "initial='auto' chose the first size of" in message for message in messages)
+
+
+def test_chunked_auto_warns_once_for_repeated_calls(caught: list[warnings.WarningMessage]) -> None:
+    model = trimmed_model()
+
+    def forward(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return model(x[:, : int(lengths.max())].sum(1, keepdim=True).expand(-1, 4, -1))
+
+    with simulated_device("64MiB"), torch.no_grad():
+        for _ in range(3):
+            koila.chunked(forward, *sequences(8), initial="auto")
+    assert len(inexact(caught)) == 1
+
+
+def test_auto_without_notes_does_not_warn(caught: list[warnings.WarningMessage]) -> None:
+    model = nn.Linear(8, 1)
+
+    @koila.accumulate(initial="auto")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).mean()
+
+    with simulated_device("64MiB"):
+        step(torch.randn(8, 8))
+    assert caught == []
+
+
+# --------------------------------------------------------------------------- a split step's own memory
+
+
+def test_auto_runs_the_whole_batch_where_only_the_whole_batch_fits() -> None:
+    # The gradient is 64 MiB. A split step holds it and the next micro-batch's incoming one: 128 MiB.
+    torch.manual_seed(0)
+    reference = nn.Linear(4096, 4096)
+    x, y = torch.randn(64, 4096), torch.randn(64, 4096)
+    model = copy.deepcopy(reference)
+    events: list[koila.OOMEvent] = []
+    with simulated_device("72MiB") as device:
+
+        @koila.accumulate(initial="auto", on_oom=events.append)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        step(x, y)
+        assert device.peak < 72 * MiB
+        gradient = model.weight.grad
+        model.zero_grad(set_to_none=True)
+
+        @koila.accumulate(initial=32, minimum=32)
+        def split(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        with pytest.raises(koila.BatchSizeExhausted):
+            split(x, y)
+    assert events == []
+    assert step.stats.batch_size == 64
+    assert model.weight.grad is None, "the split that failed left no gradient behind"
+    F.mse_loss(reference(x), y).backward()
+    torch.testing.assert_close(gradient, reference.weight.grad)
+
+
+def mlp_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)), *(torch.randn(1024, 1024),) * 2
+
+
+def test_auto_splits_at_the_largest_size_whose_split_step_fits() -> None:
+    # 8 MiB of gradients, and up to 4 MiB more incoming: a micro-batch of 512 rows fits on its own and not
+    # after the first; 256 fits after it.
+    reference, x, y = mlp_and_batch()
+    model = copy.deepcopy(reference)
+    events: list[koila.OOMEvent] = []
+    with simulated_device("20MiB"):
+
+        @koila.accumulate(initial="auto", on_oom=events.append)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        step(x, y)
+        gradients = [parameter.grad for parameter in model.parameters()]
+        model.zero_grad(set_to_none=True)
+
+        @koila.accumulate(initial=512, minimum=512)
+        def larger(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        with pytest.raises(koila.BatchSizeExhausted):
+            larger(x, y)
+    assert events == []
+    assert step.stats.batch_size == 256
+    F.mse_loss(reference(x), y).backward()
+    for got, want in zip(gradients, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_split_step_keeps_its_losses_and_not_their_buffers() -> None:
+    # The CPU's mse_loss returns its mean in the buffer of the elementwise losses, 512 KiB for 128 rows.
+    reference, x, y = mlp_and_batch()
+    model = copy.deepcopy(reference)
+    with simulated_device("1GiB") as device:
+
+        @koila.accumulate(initial=128)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        step(x, y)
+        eight = device.peak
+        model.zero_grad(set_to_none=True)
+        device.reset_peak()
+        step(x[:256], y[:256])
+        two = device.peak
+    assert eight - two < 1024  # eight micro-batches' losses, not eight buffers
+
+
+# --------------------------------------------------------------------------- the memo follows the cache
+
+
+def whole_step(model: nn.Module, **options: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    return koila.accumulate(initial="auto", **options)(loss)
+
+
+def test_cache_clear_forgets_the_estimates(estimates: list[Callable[..., Any]]) -> None:
+    step = whole_step(nn.Linear(8, 1))
+    with simulated_device("64MiB"):
+        step(torch.randn(8, 8))
+        step(torch.randn(8, 8))
+        assert len(estimates) == 1
+        step.cache_clear()
+        step(torch.randn(8, 8))
+    assert len(estimates) == 2
+
+
+def test_no_cache_estimates_every_call(estimates: list[Callable[..., Any]]) -> None:
+    step = whole_step(nn.Linear(8, 1), cache=koila.NoCache())
+    with simulated_device("64MiB"):
+        for _ in range(3):
+            step(torch.randn(8, 8))
+    assert len(estimates) == 3
+
+
+def test_a_new_wrapper_estimates_afresh(estimates: list[Callable[..., Any]]) -> None:
+    model = nn.Linear(8, 1)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    with simulated_device("64MiB"):
+        for _ in range(2):
+            koila.accumulate(initial="auto")(loss)(torch.randn(8, 8))
+    assert len(estimates) == 2
+
+
+def test_more_free_memory_later_lets_a_larger_size_be_chosen(estimates: list[Callable[..., Any]]) -> None:
+    reference, x, y = mlp_and_batch()
+    model = copy.deepcopy(reference)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial="auto", on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    sizes = []
+    for limit in ("20MiB", "256MiB", "20MiB"):
+        model.zero_grad(set_to_none=True)
+        with simulated_device(limit):
+            step(x, y)
+        sizes.append(step.stats.batch_size)
+    assert sizes == [256, 1024, 256]
+    assert events == []
+    assert len(estimates) == 2  # a whole step and a split one: more memory needs no new estimate

@@ -1,0 +1,75 @@
+"""The estimate against the peak a device really reaches, over the zoo of ``benchmarks/gpu.py``.
+
+On CUDA (marked ``cuda``), the truth is ``torch.cuda.max_memory_allocated`` during the
+step, in float32 and under bfloat16 autocast, with flash and memory-efficient attention.
+On the CPU stand-in, it is the peak of the storages that ``simulated_device`` counts,
+with the settings under which that count is the whole truth: oneDNN off (its
+convolutions' buffers are invisible to it), the math attention kernel and no fused
+``nn.TransformerEncoderLayer`` fast path (fused kernels allocate inside themselves). The
+targets: a median absolute error of at most 3% and a worst of at most 8%. The reserved
+peak and the fragmentation are printed beside them (``pytest -s``), not checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from _devices import Device, device_fixture
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+device = device_fixture()
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu
+
+        yield gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@contextlib.contextmanager
+def stand_in_settings() -> Iterator[None]:
+    """Run on the CPU only what the stand-in's count sees whole (see the module's docstring)."""
+    fast_path, onednn = torch.backends.mha.get_fastpath_enabled(), torch.backends.mkldnn.enabled
+    torch.backends.mha.set_fastpath_enabled(False)
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+        torch.backends.mkldnn.enabled = onednn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_is_within_target_of_the_peak_the_device_reaches(
+    device: Device, precision: str, gpu: ModuleType, request: pytest.FixtureRequest
+) -> None:
+    if device.name == "simulated" and precision == "bf16":
+        # Found by this test on the CPU: the estimate's run on meta tensors takes no
+        # autocast (a CPU or CUDA autocast region casts nothing on the meta device), so
+        # under bfloat16 it estimates the float32 step: 42% to 73% high on the conv nets.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="koila.estimate does not model autocast"))
+    kind = "cuda" if device.name == "cuda" else "cpu"
+    chosen = gpu.variants(kind, precision)
+    if request.node.get_closest_marker("xfail") is not None:
+        chosen = [(case, kernel) for case, kernel in chosen if kernel is None]  # shows it at a fifth of the time
+    settings = stand_in_settings() if kind == "cpu" else contextlib.nullcontext()
+    with settings:
+        rows = [gpu.measure(case, device.torch_device, precision, kernel, device.measuring) for case, kernel in chosen]
+    table = "\n".join("  ".join(row.cells()) for row in rows)
+    print(f"\n{'  '.join(gpu.HEADER)}\n{table}")
+    median, worst = gpu.verdict(rows)
+    assert worst <= gpu.TARGET_WORST, f"worst {worst:.2%}, median {median:.2%}:\n{table}"
+    assert median <= gpu.TARGET_MEDIAN, f"median {median:.2%}:\n{table}"
