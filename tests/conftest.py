@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
+import koila_retry as koila
 from koila_retry._common import tracking
 from koila_retry._core import memory
-from koila_retry._frontends import batch, chunked
+from koila_retry._estimation import estimate
+from koila_retry._frontends import accumulate, batch, chunked
 
 # Tests never time themselves: these machines are shared and noisy, and a deadline that
 # a loaded machine misses fails a test that proved what it should. Every settings object
@@ -46,3 +49,19 @@ def _reset_global_state() -> Iterator[None]:
     leaked = list(tracking.simulated.active)
     tracking.simulated.active.clear()
     assert not leaked, "a test left a simulated device active"
+
+
+@pytest.fixture
+def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
+    """The functions ``initial="auto"`` estimated, one entry per estimate."""
+    seen: list[Callable[..., Any]] = []
+    real = estimate.estimate_batch
+
+    def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
+        seen.append(fn)
+        return real(fn, *args, **kwargs)
+
+    # Both front ends imported the function by name.
+    monkeypatch.setattr(accumulate, "estimate_batch", counting)
+    monkeypatch.setattr(chunked, "estimate_batch", counting)
+    return seen

@@ -13,26 +13,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._frontends import accumulate, chunked
 from koila_retry.testing import simulated_device
 
 MiB = 2**20
 INTEGER_READ = "reading an integer from a tensor"
-
-
-@pytest.fixture
-def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
-    """The functions initial="auto" estimated, one entry per estimate."""
-    seen: list[Callable[..., Any]] = []
-    real = accumulate.estimate_batch
-
-    def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
-        seen.append(fn)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(accumulate, "estimate_batch", counting)
-    monkeypatch.setattr(chunked, "estimate_batch", counting)
-    return seen
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes
 from koila_retry._estimation import estimate
 from koila_retry._estimation.estimate import _cuda_rounding
-from koila_retry._frontends import accumulate, chunked
+from koila_retry._frontends import chunked
 from koila_retry.testing import simulated_device
 
 MiB = 2**20
@@ -862,22 +862,6 @@ def test_bad_suggest_options_are_named(options: dict[str, Any], error: type[Exce
 
 
 # --------------------------------------------------------------------------- 8. initial="auto"
-
-
-@pytest.fixture
-def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
-    """The functions initial="auto" estimated, one entry per estimate."""
-    seen: list[Callable[..., Any]] = []
-    real = estimate.estimate_batch
-
-    def counting(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> koila.MemoryEstimate:
-        seen.append(fn)
-        return real(fn, *args, **kwargs)
-
-    # Both front ends imported the function by name.
-    monkeypatch.setattr(accumulate, "estimate_batch", counting)
-    monkeypatch.setattr(chunked, "estimate_batch", counting)
-    return seen
 
 
 def remembered(cache: koila.SizeCache) -> list[tuple[int, int]]:
