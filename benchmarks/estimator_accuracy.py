@@ -74,7 +74,9 @@ is printed. A test can import :func:`build` and :func:`measure_true_peak` to che
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -192,6 +194,53 @@ class Attention(nn.Module):
         return self.head(self.norm(h + attended).mean(1))
 
 
+class HuggingFace(nn.Module):
+    """A Hugging Face GPT-2, BERT or ViT body from a small config (nothing downloaded), mean-pooled into a head.
+
+    ``transformers`` is imported when one is made, so that the rest of the zoo runs without it.
+    """
+
+    def __init__(self, kind: str, dropout: float, width: int = 128, classes: int = 10) -> None:
+        super().__init__()
+        import transformers
+
+        common = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 4 * width}
+        rates = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+        self.body: nn.Module
+        if kind == "gpt2":
+            self.body = transformers.GPT2Model(
+                transformers.GPT2Config(
+                    vocab_size=10_000,
+                    n_positions=128,
+                    n_embd=width,
+                    n_layer=2,
+                    n_head=4,
+                    resid_pdrop=dropout,
+                    embd_pdrop=dropout,
+                    attn_pdrop=dropout,
+                    use_cache=False,  # as in training; a cache would hold every layer's keys and values
+                )
+            )
+        elif kind == "bert":
+            config = transformers.BertConfig(
+                vocab_size=10_000, hidden_size=width, max_position_embeddings=128, **common, **rates
+            )
+            self.body = transformers.BertModel(config, add_pooling_layer=False)
+        else:
+            config = transformers.ViTConfig(
+                image_size=32, patch_size=4, num_channels=3, hidden_size=width, **common, **rates
+            )
+            self.body = transformers.ViTModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).last_hidden_state.mean(1))
+
+
+def _tokens(rows: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 10_000, (rows, 128), generator=generator)
+
+
 @dataclass(frozen=True)
 class Spec:
     """One model of the zoo: how to make it, how to make ``rows`` inputs, and its batch sizes."""
@@ -274,6 +323,19 @@ ZOO: dict[str, Spec] = {
             (256, 512, 1024),  # from 256 rows up, each step's tensors are large enough for the truth to see
             (256, 512, 1024),
             "GRU 32-128, 2 layers, 64 steps",
+        ),
+        *(
+            Spec(
+                f"{kind}-dropout{rate:g}",
+                functools.partial(HuggingFace, kind, rate),
+                _images if kind == "vit" else _tokens,
+                (8, 16, 32),
+                (16, 32, 64),
+                f"Hugging Face {name} (transformers), 2 layers of width 128, dropout {rate:g}",
+            )
+            for kind, name in (("gpt2", "GPT-2, 128 tokens"), ("bert", "BERT, 128 tokens"), ("vit", "ViT, 3x32x32"))
+            for rate in (0.0, 0.1)
+            if importlib.util.find_spec("transformers") is not None  # an optional peer: without it, left out
         ),
         Spec(
             "attention",

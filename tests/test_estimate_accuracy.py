@@ -8,6 +8,7 @@ against the memory the process really touched, oneDNN's hidden buffers included.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,13 @@ def accuracy() -> Iterator[ModuleType]:
         ("attention", "train", 32),
         ("transformer", "infer", 32),
         ("attention", "infer", 32),
+        # Hugging Face's own attention, through scaled_dot_product_attention's CPU flash kernel.
+        pytest.param(
+            "gpt2-dropout0",
+            "train",
+            16,
+            marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
+        ),
     ],
 )
 def test_estimate_is_within_five_percent_of_the_real_peak(
