@@ -12,7 +12,7 @@ import typing as _typing
 import warnings as _warnings
 
 with _warnings.catch_warnings():
-    # Imported without numpy, torch warns "Failed to initialize NumPy" (pytorch#115638), though it
+    # Imported without numpy, torch warns "Failed to initialize NumPy", though it
     # needs numpy only to convert tensors to and from arrays, which koila-retry never does. That
     # warning, and only it, is kept out of the first import of torch, when this is the first.
     _warnings.filterwarnings(
