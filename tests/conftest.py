@@ -52,6 +52,19 @@ def _reset_global_state() -> Iterator[None]:
 
 
 @pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Start and end a test with no compiled code and Dynamo's counters zeroed."""
+    import torch._dynamo  # seconds to import: only for the tests that compile
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
 def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
     """The functions ``initial="auto"`` estimated, one entry per estimate."""
     seen: list[Callable[..., Any]] = []

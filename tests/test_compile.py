@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -32,6 +32,8 @@ from torch._dynamo.utils import counters
 
 import koila_retry as koila
 from koila_retry.testing import SimulatedDevice, simulated_device
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = "aot_eager"  # compiles through AOT autograd like inductor, in a fraction of the time
@@ -48,16 +50,6 @@ class Wide(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.hidden(x)))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Start and end every test with no compiled code and zeroed counters."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ are counted with Dynamo's counters, as there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch._dynamo
@@ -20,20 +18,10 @@ from torch._dynamo.utils import counters
 
 import koila_retry as koila
 
-pytestmark = CUDA
+pytestmark = [*CUDA, pytest.mark.usefixtures("fresh_dynamo")]
 
 SIZE = 512  # the size that fits: its hidden activations take 16 MiB, 2 * SIZE's twice that
 WIDTH = 8192
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Start and end every test with no compiled code and zeroed counters."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
 
 
 def compiles() -> int:

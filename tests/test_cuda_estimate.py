@@ -13,29 +13,21 @@ peak and the fragmentation are printed beside them (``pytest -s``), not checked.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _benchmarks import imported
 from _devices import Device, device_fixture
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 device = device_fixture()
 
 
 @pytest.fixture(scope="module")
 def gpu() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import gpu
-
-        yield gpu
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with imported("gpu") as module:
+        yield module
 
 
 @contextlib.contextmanager

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _benchmarks import imported
 
 import koila_retry as koila
 from koila_retry._estimation import estimate
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,13 +28,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def accuracy() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import estimator_accuracy
-
-        yield estimator_accuracy
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with imported("estimator_accuracy") as module:
+        yield module
 
 
 # Cases whose activations are most of the peak, one per kind of layer the estimate must get

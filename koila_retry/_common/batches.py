@@ -145,8 +145,9 @@ class Split:
         "fn",
         "front_end",
         "kwargs",
-        "nodes",
+        "named",
         "per_sample",
+        "positional",
         "rows",
         "sample",
         "split",
@@ -168,18 +169,20 @@ class Split:
         # lies (kept only for errors).
         self.tensors: list[torch.Tensor] = []
         paths: list[tuple[Any, ...]] = []
-        self.nodes: list[tuple[int | str, _Node | int]] = []
+        # What holds tensors, by position and by keyword: a tensor's index, or a container.
+        self.positional: list[tuple[int, _Node | int]] = []
+        self.named: list[tuple[str, _Node | int]] = []
         for position, value in enumerate(args):
             found = self._walk(value, (position,), paths)
             if found is not None:
-                self.nodes.append((position, found))
+                self.positional.append((position, found))
         for name, value in kwargs.items():
             found = self._walk(value, (name,), paths)
             if found is not None:
-                self.nodes.append((name, found))
+                self.named.append((name, found))
         self.rows, self.split = self._rows(paths)
         chosen = set(self.split)
-        for _, node in self.nodes:
+        for _, node in (*self.positional, *self.named):
             if not isinstance(node, int):
                 node.marked(chosen)
         tensors = [self.tensors[i] for i in self.split]
@@ -280,14 +283,12 @@ class Split:
         Unless ``every``, only the containers that hold a tensor that is split are copied.
         """
         args, kwargs = list(self.args), self.kwargs
-        if any(isinstance(key, str) for key, _ in self.nodes):
+        for position, node in self.positional:
+            args[position] = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
+        if self.named:
             kwargs = dict(kwargs)
-        for key, node in self.nodes:
-            value = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
-            if isinstance(key, str):
-                kwargs[key] = value
-            else:
-                args[key] = value
+            for name, node in self.named:
+                kwargs[name] = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
         return args, kwargs
 
     def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:

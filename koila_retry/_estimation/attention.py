@@ -514,17 +514,7 @@ def _encoder_layer_fast(
     feed = (layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
     if not _plain((src, *weights, *norms, *feed)):
         return None
-    padding = F._canonical_mask(
-        mask=src_key_padding_mask,
-        mask_name="src_key_padding_mask",
-        other_type=F._none_or_dtype(src_mask),
-        other_name="src_mask",
-        target_type=src.dtype,
-    )
-    mask = F._canonical_mask(
-        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
-    )
-    merged, _ = attention.merge_masks(mask, padding, src)
+    merged = _merged_masks(attention, src, src_mask, "src_mask", src_key_padding_mask, "src_key_padding_mask")
     width, eps = attention.embed_dim, layer.norm1.eps
     x = src if not layer.norm_first else F.layer_norm(src, (width,), norms[0], norms[1], eps)
     x = _native_attention(target, card, x, attention.num_heads, weights, merged, False, True)[0]
@@ -580,22 +570,7 @@ def _attention_fast(
         and _plain((query, *weights))
     ):
         return None
-    padding = F._canonical_mask(
-        mask=key_padding_mask,
-        mask_name="key_padding_mask",
-        other_type=F._none_or_dtype(attn_mask),
-        other_name="attn_mask",
-        target_type=query.dtype,
-    )
-    mask = F._canonical_mask(
-        mask=attn_mask,
-        mask_name="attn_mask",
-        other_type=None,
-        other_name="",
-        target_type=query.dtype,
-        check_other=False,
-    )
-    merged, _ = module.merge_masks(mask, padding, query)
+    merged = _merged_masks(module, query, attn_mask, "attn_mask", key_padding_mask, "key_padding_mask")
     return _native_attention(
         target,
         card,
@@ -606,6 +581,29 @@ def _attention_fast(
         need_weights,
         average_attn_weights,
     )
+
+
+def _merged_masks(
+    module: nn.MultiheadAttention,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    mask_name: str,
+    padding: torch.Tensor | None,
+    padding_name: str,
+) -> torch.Tensor | None:
+    """Return the attention and padding masks as the fast path merges them, checked as PyTorch checks them."""
+    padding = F._canonical_mask(
+        mask=padding,
+        mask_name=padding_name,
+        other_type=F._none_or_dtype(mask),
+        other_name=mask_name,
+        target_type=query.dtype,
+    )
+    mask = F._canonical_mask(
+        mask=mask, mask_name=mask_name, other_type=None, other_name="", target_type=query.dtype, check_other=False
+    )
+    merged: torch.Tensor | None = module.merge_masks(mask, padding, query)[0]
+    return merged
 
 
 _FAST_PATHS: dict[type[nn.Module], Callable[..., Any]] = {
