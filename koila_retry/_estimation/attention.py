@@ -36,6 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from koila_retry._estimation.autocast import cast_as
+
 __all__ = [
     "ASSUMED_CAPABILITY",
     "CUDNN",
@@ -406,6 +408,8 @@ def _attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
+    # Autocast casts before PyTorch chooses a kernel, which then sees the lower precision.
+    query, key, value, attn_mask = cast_as("scaled_dot_product_attention", query, key, value, attn_mask)
     call = Attention(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     meta = all(tensor.device.type == "meta" and not tensor.is_nested for tensor in call.tensors)
     backend = choose_backend(target, call, capability=card[0], cudnn=card[1]) if meta else MATH
@@ -447,7 +451,8 @@ def _native_attention(
     average: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``aten::_native_multi_head_attention``'s operators for self-attention over ``x``, as the device does."""
-    in_weight, in_bias, out_weight, out_bias = weights
+    x, *cast, mask = cast_as("_native_multi_head_attention", x, *weights, mask)
+    in_weight, in_bias, out_weight, out_bias = cast
     batch, length, width = x.shape
     head = width // heads
     if target.type == "cuda" and not need_weights and mask is None and head % 8 == 0:

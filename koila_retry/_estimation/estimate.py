@@ -39,6 +39,7 @@ from koila_retry._common.walk import reachable
 from koila_retry._core.cache import NoCache, SizeCache
 from koila_retry._core.memory import DeviceLike, free_memory, recent_free_memory, resolve_device
 from koila_retry._estimation.attention import device_kernels
+from koila_retry._estimation.autocast import autocast_like, settle
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.workspace import onednn_convolution_workspace
 from koila_retry.exceptions import BatchSizeExhausted
@@ -871,6 +872,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
     ) -> Any:
         if func is _LOCAL_SCALAR:
             return self._placeholder(args[0].dtype)
+        settle()  # autocast's cached casts go when its region ends, before anything after it allocates
         known = self.inexact.get(func)
         if known is not None:
             self.notes[known] = None
@@ -1084,10 +1086,11 @@ def _run(
                 recorder.modules = modules
                 recorder.start()
                 try:
-                    # The attention and recurrent kernels the target runs.
+                    # The attention and recurrent kernels the target runs, and its autocast.
                     with (
                         device_kernels(target, owned.modules, recorder.note_inexact),
                         recurrent_kernels(target, owned.modules, recorder.note_inexact),
+                        autocast_like(target, recorder.note_inexact),
                     ):
                         fn(*args, **kwargs)
                 except Exception as error:

@@ -25,12 +25,15 @@ and other devices keep PyTorch's own path, and the estimate notes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from koila_retry._estimation.autocast import cast_as, casts_on
 
 __all__ = ["RecurrentKernels", "recurrent_kernels"]
 
@@ -206,7 +209,6 @@ def _onednn_layer(
         b_ih, b_hh = torch.zeros_like(w_ih), torch.zeros_like(w_hh)  # as PyTorch passes them
     steps, rows, features = layer_input.shape
     hidden = hx.shape[-1]
-    sizes = _OnednnLayer(steps, rows, features, hidden, layer_input.element_size())
     device = layer_input.device
     output, hy, cy, _ = torch.ops.aten.mkldnn_rnn_layer(
         layer_input,
@@ -226,6 +228,8 @@ def _onednn_layer(
         call.batch_first,
         call.train,
     )
+    # In the output's type: under autocast the dispatcher cast the call to the lower precision.
+    sizes = _OnednnLayer(steps, rows, features, hidden, output.element_size())
     node = output.grad_fn
     if not torch.is_grad_enabled():
         _touch(sizes.inference_scratch(), device)
@@ -651,14 +655,24 @@ class RecurrentKernels(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if kind == "cuda":
             self._note(cell, _CUDNN)
-            return _cudnn(call)
+            return _cudnn(_cast(call, "_cudnn_rnn"))
         if call.cx is not None and _onednn_usable(call):
+            if casts_on():  # autocast casts each layer's aten::mkldnn_rnn_layer, in the dispatcher
+                self._note(cell, _ONEDNN_LOWER)
             return _onednn_lstm(call, call.cx)
+        if casts_on():
+            self._note(cell, _MIXED)
         return _generic(call)
 
     def _note(self, cell: str, why: str) -> None:
         if self.note is not None:
             self.note(f"torch.nn.{_MODULES[cell]}", why)
+
+
+def _cast(call: _Call, op_name: str) -> _Call:
+    """Return the call with its tensors as autocast passes them to the device's kernel ``op_name``."""
+    x, hx, cx, *params = cast_as(op_name, call.input, call.hx, call.cx, *call.params)
+    return dataclasses.replace(call, input=x, hx=hx, cx=cx, params=params)
 
 
 _MODULES = {_LSTM: "LSTM", _GRU: "GRU", _TANH: "RNN", _RELU: "RNN"}
@@ -669,6 +683,14 @@ _UNMODELLED = (
 _ELSEWHERE = (
     "on {device} the estimate counts PyTorch's cell-by-cell path, not the device's kernel: it may be below or "
     "above the real peak"
+)
+_ONEDNN_LOWER = (
+    "under autocast oneDNN's workspace is taken to shrink with the lower precision's element size, which was not "
+    "measured: the estimate may be below or above the real peak"
+)
+_MIXED = (
+    "under autocast the CPU runs its cells in mixed precision (products in the lower one, states in float32), "
+    "which is counted in float32: the estimate may be above the real peak"
 )
 _CUDNN = (
     "cuDNN's reserve and workspace on CUDA follow a model of what they hold, not checked on a GPU: the estimate "
