@@ -1,7 +1,7 @@
 """Measure how close ``koila.estimate`` comes to the true peak memory of a forward or a training step on the CPU.
 
-A zoo of seven small but real models, each in two modes, at three or four batch sizes (``ZOO`` lists them;
-the largest peaks are 40 to 630 MiB):
+A zoo of small but real models, each in two modes, at three or four batch sizes (``ZOO`` lists them;
+the largest peaks are 40 to 630 MiB), the transformer, LSTM and GRU each at dropout 0 and 0.1:
 
 - MLP: 512 -> 1024 -> 1024 -> 10, ReLU;
 - CNN: three 3x3 convolutions (32, 64, 128 channels) with ReLU, two 2x2 max-poolings, global average
@@ -11,12 +11,15 @@ the largest peaks are 40 to 630 MiB):
   images of 3x32x32;
 - transformer: ``nn.TransformerEncoder`` of four layers of width 256 (8 heads, feed-forward 1024, the
   default dropout of 0.1, ``batch_first=True``) over sequences of 64 vectors, mean-pooled into a linear head;
+  ``transformer-dropout0`` is the same without dropout;
 - LSTM: ``nn.LSTM(32, 128, num_layers=2, batch_first=True)`` over sequences of 64 steps, its last hidden
-  state into a linear head;
-- GRU: the same with ``nn.GRU``;
+  state into a linear head; ``lstm-dropout0.1`` drops 0.1 of the first layer's outputs in training;
+- GRU: the same with ``nn.GRU``, and ``gru-dropout0.1``;
 - attention: token ids (a vocabulary of 10,000) into ``nn.Embedding`` of width 256 plus learned positions,
   one ``nn.MultiheadAttention`` (8 heads, its default ``need_weights=True``), a residual ``LayerNorm``,
-  mean-pooled into a linear head; its inputs are integers.
+  mean-pooled into a linear head; its inputs are integers;
+- with ``transformers`` installed, Hugging Face GPT-2 and BERT over 128 tokens and ViT over 3x32x32
+  images, two layers of width 128 from small configs (nothing downloaded), at dropout 0 and 0.1.
 
 Three of them reach fused CPU kernels that allocate inside themselves, where no tensor operator shows
 it: ``aten::mkldnn_rnn_layer`` (the LSTM, both modes), and, under ``no_grad`` in eval mode, PyTorch's
@@ -40,7 +43,9 @@ when it is freed: after the warm-up and ``gc.collect()``, the child writes 5 to 
 (which resets the high-water mark of its resident set), reads ``VmRSS`` from ``/proc/self/status``, runs
 the step once and reads ``VmHWM``. The true peak is the bytes of the tensors the step can see before it
 starts (parameters, buffers, gradients, the optimizer's state and the inputs, each storage once) plus the
-rise ``VmHWM - VmRSS``, the smallest of a few repetitions in the same child (3; 2 with ``--quick``). The
+rise ``VmHWM - VmRSS``, the smallest of a few repetitions in the same child (5; 2 with ``--quick``). On
+the smallest cases the rises of one child differ by up to 0.3 MiB, and the smallest of three once put
+the ResNet's 11 MiB training step 0.2 MiB high. The
 "spread" column is the largest rise less the smallest: how noisy the truth is.
 
 The estimate runs in this process, on the same model, inputs and optimizer state (same seeds, after the
@@ -55,11 +60,11 @@ activations' share of the truth, ``(truth - static) / truth``, where static is t
 gradients and optimizer state before the step (the inputs count with the activations). The summary
 gives, per model and mode, the median and the worst absolute error over the batch sizes whose
 activations' share is at least 50%: below that, the estimate mostly restates the model's size. The
-targets, from the issue that asked for this benchmark: a median of at most 5% and a worst of at most 15%,
-and one estimate of the transformer's training step in under 2 s. Both processes use 2 threads
-(``torch.set_num_threads(2)``; ``--threads`` changes it). The estimate timed is the one of the largest
-batch size of the transformer's training step; the time is the estimate's own ``seconds``, next to that
-of the call.
+targets, from the estimator-fidelity issue: a median of at most 2% over every counted row of the zoo, a
+worst of at most 5%, never more than 2% under the truth at any batch size (counted or not), and every
+estimate in under 1 s. The summary also gives each model's and mode's own median. Both
+processes use 2 threads (``torch.set_num_threads(2)``; ``--threads`` changes it). The slowest estimate is
+named at the end, with the estimate's own ``seconds`` next to the time of the call.
 
 Run it with::
 
@@ -96,9 +101,10 @@ from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-TARGET_MEDIAN = 0.05  # the median absolute relative error, over the batch sizes counted
-TARGET_WORST = 0.15  # the worst absolute relative error, over the batch sizes counted
-TARGET_SECONDS = 2.0  # one estimate of the transformer's training step
+TARGET_MEDIAN = 0.02  # the median absolute relative error, over the batch sizes counted
+TARGET_WORST = 0.05  # the worst absolute relative error, over the batch sizes counted
+TARGET_UNDER = 0.02  # the most any estimate may be under the truth, at every batch size
+TARGET_SECONDS = 1.0  # every estimate in the zoo
 MIN_SHARE = 0.5  # the activations' share of the true peak from which a batch size counts
 THREADS = 2
 MMAP_THRESHOLD = 65536  # bytes; glibc serves blocks from this size up with mmap and unmaps them when freed
@@ -151,9 +157,9 @@ class ResNet(nn.Module):
 class Transformer(nn.Module):
     """Four ``nn.TransformerEncoderLayer`` of width 256 over sequences of vectors, mean-pooled into a head."""
 
-    def __init__(self, width: int = 256, layers: int = 4, classes: int = 10) -> None:
+    def __init__(self, width: int = 256, layers: int = 4, classes: int = 10, dropout: float = 0.1) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(width, 8, 4 * width, batch_first=True)
+        layer = nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=dropout, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, classes)
 
@@ -165,10 +171,15 @@ class Recurrent(nn.Module):
     """A two-layer LSTM (or GRU) over a sequence; its last hidden state classifies the sequence."""
 
     def __init__(
-        self, features: int = 32, hidden: int = 128, classes: int = 10, kind: type[nn.RNNBase] = nn.LSTM
+        self,
+        features: int = 32,
+        hidden: int = 128,
+        classes: int = 10,
+        kind: type[nn.RNNBase] = nn.LSTM,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.rnn = kind(features, hidden, num_layers=2, batch_first=True)
+        self.rnn = kind(features, hidden, num_layers=2, dropout=dropout, batch_first=True)
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,6 +320,14 @@ ZOO: dict[str, Spec] = {
             "TransformerEncoder, 4 layers of width 256, 64 positions",
         ),
         Spec(
+            "transformer-dropout0",
+            functools.partial(Transformer, dropout=0.0),
+            lambda rows, generator: torch.randn(rows, 64, 256, generator=generator),
+            (4, 8, 16),
+            (16, 32, 64),
+            "TransformerEncoder, 4 layers of width 256, 64 positions, dropout 0",
+        ),
+        Spec(
             "lstm",
             Recurrent,
             lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
@@ -323,6 +342,22 @@ ZOO: dict[str, Spec] = {
             (256, 512, 1024),  # from 256 rows up, each step's tensors are large enough for the truth to see
             (256, 512, 1024),
             "GRU 32-128, 2 layers, 64 steps",
+        ),
+        Spec(
+            "lstm-dropout0.1",
+            functools.partial(Recurrent, dropout=0.1),
+            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            (32, 64, 128, 256),
+            (32, 64, 128, 256),
+            "LSTM 32-128, 2 layers, 64 steps, dropout 0.1 between the layers",
+        ),
+        Spec(
+            "gru-dropout0.1",
+            functools.partial(Recurrent, kind=nn.GRU, dropout=0.1),
+            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            (256, 512, 1024),
+            (256, 512, 1024),
+            "GRU 32-128, 2 layers, 64 steps, dropout 0.1 between the layers",
         ),
         *(
             Spec(
@@ -600,12 +635,14 @@ class Summary:
     model: str
     mode: str
     errors: list[float] = field(default_factory=list)  # absolute, over the batch sizes counted
+    lowest: float = float("inf")  # the most under (signed), over every batch size
 
     @property
     def met(self) -> bool | None:
+        """Whether this model and mode keeps to the per-row targets (the median is the zoo's, over every row)."""
         if not self.errors:
             return None
-        return statistics.median(self.errors) <= TARGET_MEDIAN and max(self.errors) <= TARGET_WORST
+        return max(self.errors) <= TARGET_WORST and self.lowest >= -TARGET_UNDER
 
 
 def mib(nbytes: float) -> str:
@@ -653,13 +690,14 @@ def summaries(rows: list[Row]) -> list[Summary]:
     found: dict[tuple[str, str], Summary] = {}
     for row in rows:
         summary = found.setdefault((row.model, row.mode), Summary(row.model, row.mode))
+        summary.lowest = min(summary.lowest, row.error)
         if row.share >= MIN_SHARE:
             summary.errors.append(abs(row.error))
     return list(found.values())
 
 
 def summary_table(found: list[Summary], rows: list[Row]) -> tuple[list[str], list[list[str]]]:
-    header = ["model", "mode", "batches counted", "median abs. error", "worst abs. error", "target", "met"]
+    header = ["model", "mode", "batches counted", "median abs. error", "worst abs. error", "lowest", "target", "met"]
     table = []
     for summary in found:
         counted = [
@@ -675,7 +713,8 @@ def summary_table(found: list[Summary], rows: list[Row]) -> tuple[list[str], lis
                 ", ".join(counted) or "none",
                 f"{statistics.median(errors):.1%}" if errors else "",
                 f"{max(errors):.1%}" if errors else "",
-                f"<= {TARGET_MEDIAN:.0%}, <= {TARGET_WORST:.0%}",
+                percent(summary.lowest + 1),
+                f"worst <= {TARGET_WORST:.0%}, lowest >= -{TARGET_UNDER:.0%}",
                 {True: "yes", False: "NO", None: "n/a"}[summary.met],
             ]
         )
@@ -690,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
     parser.add_argument("--models", nargs="+", choices=sorted(ZOO), help="only these models (default: all)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="only these modes")
-    parser.add_argument("--repeats", type=int, help="repetitions of the step in each child (default 3; 2 with --quick)")
+    parser.add_argument("--repeats", type=int, help="repetitions of the step in each child (default 5; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads, here and in children ({THREADS})")
     parser.add_argument(
         "--estimator",
@@ -705,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 3
+        args.repeats = 2 if args.quick else 5
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1")
 
@@ -746,7 +785,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
 
     rows: list[Row] = []
-    transformer_seconds: tuple[int, Estimate] | None = None
     shown = len(notes)
     for name in args.models or list(ZOO):
         spec = ZOO[name]
@@ -763,8 +801,6 @@ def main(argv: list[str] | None = None) -> int:
                     notes.append(f"the estimate of {name} {mode} at batch {batch} failed: {guess.failure}")
                 del case
                 rows.append(Row(name, mode, batch, truth, guess))
-                if name == "transformer" and mode == "train":
-                    transformer_seconds = (batch, guess)
             took = time.perf_counter() - start
             sizes = ", ".join(map(str, batches))
             print(f"  {name} {mode}: batches {sizes} in {took:.0f} s", file=sys.stderr, flush=True)
@@ -785,9 +821,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\nSummary (batch sizes whose activations are at least half the true peak):")
     print_text(summary_header, summary)
     counted = [error for item in found for error in item.errors]
-    if counted:
+    median = statistics.median(counted) if counted else None
+    if median is not None:
         print(
-            f"over all {len(counted)} counted rows: median |error| {statistics.median(counted):.1%}, "
+            f"over all {len(counted)} counted rows: median |error| {median:.1%} (target <= {TARGET_MEDIAN:.0%}), "
             f"worst {max(counted):.1%}"
         )
     if args.rst:
@@ -797,24 +834,26 @@ def main(argv: list[str] | None = None) -> int:
         print_rst(summary_header, summary, "koila.estimate against the targets")
 
     print()
-    if transformer_seconds is not None:
-        batch, guess = transformer_seconds
-        if guess.failure:
-            print(f"One estimate of the transformer's training step (batch {batch}): failed")
-        else:
-            verdict = "meets" if guess.seconds < TARGET_SECONDS else "does NOT meet"
-            print(
-                f"One estimate of the transformer's training step (batch {batch}): {guess.seconds:.2f} s as it says, "
-                f"{guess.wall:.2f} s for the call ({verdict} the target of < {TARGET_SECONDS:.0f} s)"
-            )
+    timed = [row for row in rows if not row.estimate.failure]
+    if timed:
+        slowest = max(timed, key=lambda row: row.estimate.seconds)
+        verdict = "meets" if slowest.estimate.seconds < TARGET_SECONDS else "does NOT meet"
+        print(
+            f"The slowest estimate, {slowest.model} {slowest.mode} at batch {slowest.batch}: "
+            f"{slowest.estimate.seconds:.2f} s as it says, {slowest.estimate.wall:.2f} s for the call "
+            f"({verdict} the target of < {TARGET_SECONDS:.0f} s for every estimate)"
+        )
     if load is not None:
         print("load average after the run: " + ", ".join(f"{value:.2f}" for value in os.getloadavg()))
     print(f"the run took {time.perf_counter() - began:.0f} s")
     print(
-        f"Targets: per model and mode, over the batch sizes counted, a median |error| of at most {TARGET_MEDIAN:.0%} "
-        f"and a worst of at most {TARGET_WORST:.0%}."
+        f"Targets: over every counted row, a median |error| of at most {TARGET_MEDIAN:.0%}; per model and mode, "
+        f"a worst of at most {TARGET_WORST:.0%} over the rows counted, and never more than {TARGET_UNDER:.0%} under "
+        "at any batch size."
     )
     missed = [f"{item.model} {item.mode}" for item in found if item.met is False]
+    if median is not None and median > TARGET_MEDIAN:
+        missed.append(f"the median over every counted row, {median:.1%}")
     unmeasured = [f"{item.model} {item.mode}" for item in found if item.met is None]
     verdict = "does NOT meet" if missed else "meets"
     print(
