@@ -285,6 +285,16 @@ def _cnn() -> nn.Module:
     )
 
 
+def _vectors(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Sequences of 64 vectors of width 256, the transformers' inputs."""
+    return torch.randn(rows, 64, 256, generator=generator)
+
+
+def _steps(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Sequences of 64 steps of 32 features, the recurrent nets' inputs."""
+    return torch.randn(rows, 64, 32, generator=generator)
+
+
 def _images(rows: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, 3, 32, 32, generator=generator)
 
@@ -314,7 +324,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "transformer",
             Transformer,
-            lambda rows, generator: torch.randn(rows, 64, 256, generator=generator),
+            _vectors,
             (4, 8, 16),
             (16, 32, 64),
             "TransformerEncoder, 4 layers of width 256, 64 positions",
@@ -322,7 +332,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "transformer-dropout0",
             functools.partial(Transformer, dropout=0.0),
-            lambda rows, generator: torch.randn(rows, 64, 256, generator=generator),
+            _vectors,
             (4, 8, 16),
             (16, 32, 64),
             "TransformerEncoder, 4 layers of width 256, 64 positions, dropout 0",
@@ -330,7 +340,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "lstm",
             Recurrent,
-            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            _steps,
             (32, 64, 128, 256),
             (32, 64, 128, 256),
             "LSTM 32-128, 2 layers, 64 steps",
@@ -338,7 +348,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "gru",
             lambda: Recurrent(kind=nn.GRU),
-            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            _steps,
             (256, 512, 1024),  # from 256 rows up, each step's tensors are large enough for the truth to see
             (256, 512, 1024),
             "GRU 32-128, 2 layers, 64 steps",
@@ -346,7 +356,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "lstm-dropout0.1",
             functools.partial(Recurrent, dropout=0.1),
-            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            _steps,
             (32, 64, 128, 256),
             (32, 64, 128, 256),
             "LSTM 32-128, 2 layers, 64 steps, dropout 0.1 between the layers",
@@ -354,7 +364,7 @@ ZOO: dict[str, Spec] = {
         Spec(
             "gru-dropout0.1",
             functools.partial(Recurrent, kind=nn.GRU, dropout=0.1),
-            lambda rows, generator: torch.randn(rows, 64, 32, generator=generator),
+            _steps,
             (256, 512, 1024),
             (256, 512, 1024),
             "GRU 32-128, 2 layers, 64 steps, dropout 0.1 between the layers",

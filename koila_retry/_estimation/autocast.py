@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from koila_retry._common.tensors import tensors_in
 
@@ -123,7 +124,7 @@ class _Emulation:
         self.unfollowed: str | None = None
         if self.policies is None:
             self.unfollowed = _ELSEWHERE.format(device=device_type) if followed else _NO_KEY
-        self.keyless = not followed
+        self.followed = followed
         self.note = note
         # id of a parameter -> (a weak reference to it, its cast); cleared as PyTorch clears its own
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
@@ -175,22 +176,12 @@ class _Emulation:
             dtype = torch.float32
         else:
             dtype = _widest(torch.get_autocast_dtype(self.device_type), args, kwargs)
-        cast: tuple[Any, Any] = _map(lambda tensor: self.cast(tensor, dtype), (args, kwargs))
+        cast: tuple[Any, Any] = tree_map_only(torch.Tensor, lambda tensor: self.cast(tensor, dtype), (args, kwargs))
         return cast
 
 
 def _eligible(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.dtype != torch.float64
-
-
-def _map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_map(fn, item) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _map(fn, value) for key, value in tree.items()}
-    return tree
 
 
 def _widest(lower: torch.dtype, *trees: Any) -> torch.dtype:
@@ -369,7 +360,7 @@ def settle() -> None:
         emulation.cache.clear()
     # Without a key, no kernel of ours runs to see a region open. Below autograd (in the
     # estimate's dispatch mode) autocast always reads as off, but the count of regions is plain.
-    if emulation.keyless and emulation.unfollowed is not None and _nesting() > 0:
+    if not emulation.followed and emulation.unfollowed is not None and _nesting() > 0:
         emulation.say_unfollowed()
 
 
