@@ -1,6 +1,6 @@
 """Measure koila-retry on a CUDA GPU: the estimate against the allocator's peak, and what the front ends cost.
 
-Nothing here has run on a GPU yet (see docs/gpu.rst). Two parts, each printed as a table.
+It ran once, on an H100 on 2026-11-25: docs/gpu.rst has the results. Two parts, each printed as a table.
 
 **Accuracy.** ``koila.estimate(step, *args).peak(batch)`` next to the peak that
 ``torch.cuda.max_memory_allocated`` reports for the same step, over a zoo of models, each
@@ -83,6 +83,7 @@ import koila_retry as koila
 
 TARGET_MEDIAN = 0.03  # the median absolute relative error of the estimate
 TARGET_WORST = 0.08  # the worst absolute relative error of the estimate
+TARGET_UNDER = 0.03  # no row's estimate more than this under the truth
 TARGET_FITS = 1.02  # accumulate over the plain step, when the batch fits: at most this
 TARGET_SPLIT = 0.95  # accumulate's throughput over the hand loop's, when split: at least this
 MIB = 2**20
@@ -432,10 +433,11 @@ def accuracy(args: argparse.Namespace, device: torch.device) -> None:
         print()
         print_rst(HEADER, table, "koila.estimate against the CUDA caching allocator's peak")
     median, worst = verdict(rows)
-    met = median <= TARGET_MEDIAN and worst <= TARGET_WORST
+    lowest = min(row.error for row in rows)
+    met = median <= TARGET_MEDIAN and worst <= TARGET_WORST and lowest >= -TARGET_UNDER
     print(
-        f"\nmedian {median:.2%} (target <= {TARGET_MEDIAN:.0%}), worst {worst:.2%} (target <= {TARGET_WORST:.0%}): "
-        f"{'met' if met else 'NOT met'}"
+        f"\nmedian {median:.2%} (target <= {TARGET_MEDIAN:.0%}), worst {worst:.2%} (target <= {TARGET_WORST:.0%}), "
+        f"lowest {lowest:+.2%} (target >= {-TARGET_UNDER:.0%}): {'met' if met else 'NOT met'}"
     )
 
 

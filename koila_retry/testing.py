@@ -77,13 +77,44 @@ class SimulatedDevice:
     """A memory limit on the tensors a block of code creates; see :func:`simulated_device`.
 
     Attributes:
-        limit (int): the limit in bytes.
+        limit (int): the limit in bytes: the device's capacity.
+        fraction (float): the share of ``limit`` the block may use, as
+            :meth:`set_memory_fraction` set it; 1.0 by default.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.fraction = 1.0
         self._tracker: LiveStorageTracker | None = None
         self._peak = 0
+
+    @property
+    def allowed(self) -> int:
+        """int: the bytes the block may hold at once, ``limit`` times ``fraction``."""
+        return int(self.limit * self.fraction)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Let the block use only a share of the device, as ``torch.cuda.set_per_process_memory_fraction`` does.
+
+        A shared GPU is often split this way between processes. Allocations past
+        ``fraction * limit`` raise the out-of-memory error, whose message says how
+        much is allowed, and :func:`koila_retry.free_memory` reports what is left of
+        the share.
+
+        Args:
+            fraction (float): the share, from 0.0 to 1.0.
+
+        Raises:
+            TypeError: if ``fraction`` is not a number.
+            ValueError: if ``fraction`` is outside ``[0, 1]``.
+
+        .. versionadded:: 0.1.0
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"fraction must be a number from 0.0 to 1.0, got {type(fraction).__name__} {fraction!r}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be from 0.0 to 1.0, got {fraction!r}")
+        self.fraction = float(fraction)
 
     @property
     def live(self) -> int:
@@ -97,8 +128,8 @@ class SimulatedDevice:
 
     @property
     def free(self) -> int:
-        """Bytes that can still be allocated before the limit."""
-        return max(self.limit - self.live, 0)
+        """Bytes that can still be allocated before the limit (or the share :attr:`allowed`)."""
+        return max(self.allowed - self.live, 0)
 
     def live_storages(self) -> list[torch.UntypedStorage]:
         """Return the storages created inside the block that are still alive.
@@ -116,11 +147,13 @@ class SimulatedDevice:
             self._tracker.reset_peak()
 
     def _check(self, new_bytes: int, live: int) -> None:
-        if live + new_bytes > self.limit:
+        allowed = self.allowed
+        if live + new_bytes > allowed:
+            share = "" if allowed == self.limit else f"{format_bytes(allowed)} allowed; "
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate {format_bytes(new_bytes)}. Simulated device has a "
                 f"total capacity of {format_bytes(self.limit)} of which {format_bytes(self.limit - live)} "
-                f"is free. {format_bytes(live)} is allocated by tensors created under "
+                f"is free. {share}{format_bytes(live)} is allocated by tensors created under "
                 "koila_retry.testing.simulated_device."
             )
 
@@ -142,8 +175,9 @@ class SimulatedDevice:
             tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
+        share = "" if self.fraction == 1.0 else f", fraction={self.fraction}"
         return (
-            f"SimulatedDevice(limit={format_bytes(self.limit)}, live={format_bytes(self.live)}, "
+            f"SimulatedDevice(limit={format_bytes(self.limit)}{share}, live={format_bytes(self.live)}, "
             f"peak={format_bytes(self.peak)})"
         )
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from _fake_cuda import FakeCuda
 from hypothesis import settings
 
 import koila_retry as koila
 from koila_retry._common import tracking
 from koila_retry._core import memory
-from koila_retry._estimation import estimate
+from koila_retry._estimation import estimate, versions
 from koila_retry._frontends import accumulate, batch, chunked
 
 # Tests never time themselves: these machines are shared and noisy, and a deadline that
@@ -20,6 +22,20 @@ from koila_retry._frontends import accumulate, batch, chunked
 # a test module makes inherits this profile.
 settings.register_profile("koila", deadline=None)
 settings.load_profile("koila")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _version_gate_warned_once() -> None:
+    """Let the estimator's once-per-process warning about the torch version go off before any test.
+
+    On a torch outside the versions its rules were checked on (the GPU machines' 2.11, say),
+    the first estimate warns; which test makes it depends on the order, and a test that
+    turns warnings into errors would fail for it. ``tests/test_versions.py`` checks the
+    warning itself, with a version of its own.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        versions.warn_if_unchecked()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -78,3 +94,11 @@ def estimates(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
     monkeypatch.setattr(accumulate, "estimate_batch", counting)
     monkeypatch.setattr(chunked, "estimate_batch", counting)
     return seen
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """A CUDA device made of numbers (``tests/_fake_cuda.py``), installed for the test."""
+    device = FakeCuda()
+    device.install(monkeypatch)
+    return device

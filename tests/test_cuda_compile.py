@@ -65,8 +65,9 @@ def test_batch_retries_a_real_cuda_oom_in_inductor_code_without_a_recompile_stor
             return compiled(data[:batch_size])
 
     with device.limited((fits + too_big) // 2):
-        first = predict()
-        second = predict()  # starts at the size the cache remembers
+        # Both calls from one line: the default cache keys a size by the line that called,
+        # so the second starts at the size the first settled on.
+        first, second = [predict() for _ in range(2)]
     # 4096 compiled with static shapes and failed inside the graph; 2048 recompiled with
     # a dynamic batch dimension and failed; 1024 and 512 ran that graph as it was.
     assert tried == [(8 * SIZE, 0), (4 * SIZE, 1), (2 * SIZE, 2), (SIZE, 2), (SIZE, 2)]

@@ -7,6 +7,7 @@ stand-in alike.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -35,6 +36,13 @@ device = device_fixture()
 
 def cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def settle(where: torch.device) -> None:
+    """Free what nothing references, and give PyTorch's cached blocks back to the driver."""
+    gc.collect()
+    torch.cuda.synchronize(where)
+    torch.cuda.empty_cache()
 
 
 def usable(where: torch.device) -> int:
@@ -138,6 +146,39 @@ def test_offload_gives_the_device_memory_back_to_the_driver() -> None:
     # The allocator gave the blocks back to the driver, so another process can have them.
     assert free_during >= free + lent_bytes - SLACK
     assert torch.cuda.memory_allocated(where) == allocated
+
+
+@needs_cuda
+def test_free_memory_honours_the_process_memory_fraction() -> None:
+    # A shared GPU split between processes: on the H100 of 2026-11-25, free_memory said
+    # 80 GiB under a 4 GiB share, and suggest_batch_size chose a size that did not fit.
+    where = cuda_device()
+    settle(where)
+    total = torch.cuda.mem_get_info(where)[1]
+    torch.cuda.set_per_process_memory_fraction(0.05, where)
+    try:
+        held = torch.empty(256 * MiB, dtype=torch.uint8, device=where)
+        allowed = int(0.05 * total)
+        reading = koila.free_memory(where)
+        assert reading == pytest.approx(allowed - torch.cuda.memory_allocated(where), abs=SLACK)
+        assert reading < usable(where)  # the card has far more free; the process may not have it
+        # The reading is what the allocator really allows: a little more fails, a little less fits.
+        with pytest.raises(torch.OutOfMemoryError, match="allowed"):
+            torch.empty(reading + 64 * MiB, dtype=torch.uint8, device=where)
+        settle(where)
+        fits = torch.empty(reading - 64 * MiB, dtype=torch.uint8, device=where)
+        del fits, held
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, where)
+        settle(where)
+
+
+@needs_cuda
+def test_a_library_status_with_the_card_free_is_no_oom() -> None:
+    settle(cuda_device())
+    assert not koila.is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"))
+    assert not koila.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"))
+    assert koila.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
 
 
 # cuBLAS and cuDNN create their handles with the driver's allocator, outside PyTorch's

@@ -6,12 +6,14 @@ import weakref
 
 import pytest
 import torch
+from _fake_cuda import FakeCuda
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import koila_retry as koila
-from koila_retry._core.detect import MAX_CAUSES
+from koila_retry._core import memory
+from koila_retry._core.detect import MAX_CAUSES, MEMORY_SHORT_MESSAGES
 from koila_retry.testing import make_oom, simulated_device
 
 # Messages as PyTorch and its backends print them (see FACTS.md), one per failure mode.
@@ -43,9 +45,6 @@ OOM_ERRORS = {
     ),
     "cublas": RuntimeError(
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-    ),
-    "cudnn workspace": RuntimeError(
-        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
     ),
     "cudnn alloc": RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
     "hip kernel launch": RuntimeError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported"),
@@ -221,3 +220,136 @@ def test_giving_up_on_a_wrapped_oom_keeps_the_oom_without_its_frames() -> None:
     assert (wrapper.__traceback__, wrapper.__cause__.__traceback__) == (None, None)
     assert (wrapper.__context__, wrapper.__cause__.__context__) == (None, None)
     assert [ref() for ref in refs] == [None, None]
+
+
+# --- library statuses: out of memory only when memory is short --------------------------
+
+# As the libraries' errors reach Python through PyTorch.
+MEMORY_SHORT_ERRORS = {
+    "cudnn internal error (H100, card full)": RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+    "cudnn execution failed": RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"),
+    "cudnn workspace": RuntimeError(
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+    ),
+    "cublas execution failed": RuntimeError(
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k, ...)`"
+    ),
+    "cublas internal error": RuntimeError("CUDA error: CUBLAS_STATUS_INTERNAL_ERROR when calling `cublasLtMatmul`"),
+    "cublas handle": RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"),
+}
+
+
+def test_every_memory_short_status_is_among_the_cases() -> None:
+    assert {text for text in MEMORY_SHORT_MESSAGES if any(text in str(e) for e in MEMORY_SHORT_ERRORS.values())} == set(
+        MEMORY_SHORT_MESSAGES
+    )
+
+
+@pytest.mark.parametrize("exc", MEMORY_SHORT_ERRORS.values(), ids=MEMORY_SHORT_ERRORS.keys())
+def test_a_library_status_is_no_oom_without_a_device_to_be_full(exc: RuntimeError) -> None:
+    assert not memory.nearly_full()
+    assert koila.is_oom(exc) is False
+
+
+@pytest.mark.parametrize("exc", MEMORY_SHORT_ERRORS.values(), ids=MEMORY_SHORT_ERRORS.keys())
+def test_a_library_status_is_oom_on_a_nearly_full_simulated_device(exc: RuntimeError) -> None:
+    with simulated_device("100MiB"):
+        assert koila.is_oom(exc) is False  # all of it free
+        held = torch.empty(94 * 2**20, dtype=torch.uint8)
+        assert koila.is_oom(exc) is False  # 6% free
+        more = torch.empty(2 * 2**20, dtype=torch.uint8)
+        assert koila.is_oom(exc) is True  # 4% free
+        assert koila.is_oom(_raise_from(exc, RuntimeError("the forward failed"))) is True
+        del held, more
+    assert koila.is_oom(exc) is False
+
+
+def test_a_simulated_share_is_what_can_be_nearly_full() -> None:
+    error = MEMORY_SHORT_ERRORS["cudnn internal error (H100, card full)"]
+    with simulated_device("100MiB") as device:
+        device.set_memory_fraction(0.5)
+        held = torch.empty(48 * 2**20, dtype=torch.uint8)  # 2 of 50 MiB left: 4%
+        assert koila.is_oom(error) is True
+        device.set_memory_fraction(1.0)  # 52 of 100 MiB left
+        assert koila.is_oom(error) is False
+        del held
+
+
+@pytest.mark.parametrize("exc", MEMORY_SHORT_ERRORS.values(), ids=MEMORY_SHORT_ERRORS.keys())
+def test_a_library_status_is_oom_when_the_driver_has_almost_nothing_free(
+    fake_cuda: FakeCuda, exc: RuntimeError
+) -> None:
+    gib = 2**30
+    fake_cuda.driver_free = 10 * gib  # 12.5% of 80 GiB free at the driver
+    assert koila.is_oom(exc) is False
+    fake_cuda.driver_free = 3 * gib  # 3.75%: the libraries allocate from there, whatever PyTorch's cache holds
+    fake_cuda.reserved, fake_cuda.allocated = 77 * gib, 40 * gib
+    assert koila.is_oom(exc) is True
+    fake_cuda.initialized = False  # no CUDA call made yet: the error cannot be about its memory
+    assert koila.is_oom(exc) is False
+
+
+def test_a_library_status_is_oom_when_the_processs_share_is_nearly_used(fake_cuda: FakeCuda) -> None:
+    gib = 2**30
+    error = MEMORY_SHORT_ERRORS["cublas handle"]
+    fake_cuda.fraction, fake_cuda.driver_free = 0.05, 76 * gib  # a 4 GiB share of a card that is mostly free
+    fake_cuda.reserved = fake_cuda.allocated = int(3.9 * gib)
+    assert koila.is_oom(error) is True
+    fake_cuda.reserved = fake_cuda.allocated = 3 * gib
+    assert koila.is_oom(error) is False
+
+
+def test_an_unreadable_device_makes_a_library_status_no_oom(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(device: object = None) -> tuple[int, int]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    assert koila.is_oom(MEMORY_SHORT_ERRORS["cudnn execution failed"]) is False
+
+
+def _library_call(workspace: int) -> None:
+    """Stand for a library that allocates a workspace of its own and reports failing to as an internal error."""
+    try:
+        scratch = torch.empty(workspace, dtype=torch.uint8)
+    except torch.OutOfMemoryError:
+        scratch = None
+    if scratch is None:  # raised outside the handler, as the library's status carries no cause
+        raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
+
+
+def test_a_library_that_fails_with_the_device_full_is_retried_smaller() -> None:
+    tried: list[int] = []
+
+    @koila.batch(initial=64)
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        activations = torch.empty(batch_size * 3 * 2**19, dtype=torch.uint8)  # 1.5 MiB a row
+        _library_call(5 * 2**20)
+        return activations.numel()
+
+    with simulated_device("100MiB"):
+        assert run() == 48 * 2**20
+    # At 64 the activations fit, with 4% left, and the library's workspace does not: its
+    # status counts as out of memory. At 32 there is room.
+    assert tried == [64, 32]
+    assert run.stats.ooms == 1
+
+
+def test_a_library_status_with_memory_to_spare_reaches_the_caller_unchanged() -> None:
+    raised: list[BaseException] = []
+
+    @koila.batch(initial=64)
+    def run(batch_size: int) -> None:
+        try:
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ...")
+        except RuntimeError as error:
+            raised.append(error)
+            raise
+
+    with simulated_device("1GiB"), pytest.raises(RuntimeError, match="NOT_SUPPORTED") as excinfo:
+        run()
+    assert excinfo.value is raised[0]
+    assert len(raised) == 1
+    assert run.stats.ooms == 0

@@ -712,6 +712,9 @@ def tiny_layers() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], Non
 
 def adam_transformer() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], None], tuple[torch.Tensor, ...]]:
     model = build("transformer")
+    for module in model.modules():  # CUDA's dropout keeps a one-byte mask, the CPU's its noise: none on either
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     opt = torch.optim.Adam(model.parameters())
     step = train_step(model, opt)
     step(*batch("transformer", ROWS))
@@ -983,7 +986,10 @@ def test_chunked_auto_starts_at_a_size_that_fits(estimates: list[Callable[..., A
     assert len(estimates) == 1
     ((power, whole),) = remembered(chunked.calls_cache)
     assert power <= whole < 8192
-    assert seen[0] == power, "the first chunk is the suggested size"
+    # The first chunk is a probe, measured on the (simulated) device; the next are the size suggested.
+    assert seen[0] < power
+    assert set(seen[1:-1]) == {power}, "after the probe, the suggested size"
+    assert sum(seen) == 8192
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-10)
 
 
@@ -1031,7 +1037,10 @@ def test_chunked_auto_runs_whole_rows_that_fit_between_two_powers_of_two(estimat
             return model(rows)
 
         out = koila.chunked(encode, inputs, initial="auto")
-    assert seen == [300]
+    # A probe, measured on the (simulated) device, then every row left: the estimate held.
+    assert len(seen) == 2
+    assert seen[0] < seen[1]
+    assert sum(seen) == 300
     ((power, whole),) = remembered(chunked.calls_cache)
     assert power == 256
     assert whole == max(size for size in range(256, 512) if found.fits(size, budget))

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dispatch import Operators
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -110,26 +111,16 @@ CASES: dict[str, Callable[[int], tuple[Callable[..., Any], tuple[torch.Tensor, .
 # --------------------------------------------------------------------------- helpers
 
 
-class _Operators(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.seen: set[str] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
 def real_operators(step: Callable[..., Any], *args: Any) -> set[str]:
     """The operators a real CPU run of ``step(*args)`` calls, as ``aten::name``."""
-    with _Operators() as operators:
+    with Operators() as operators:
         step(*args)
     return operators.seen
 
 
 def estimated(step: Callable[..., Any], *args: Any, device: str | None = None) -> tuple[koila.MemoryEstimate, set[str]]:
     """Return the estimate of ``step(*args)`` and the operators its meta runs called."""
-    with _Operators() as operators:  # under the estimate's own mode: it sees what the estimate runs
+    with Operators() as operators:  # under the estimate's own mode: it sees what the estimate runs
         found = koila.estimate(step, *args, device=device)
     return found, operators.seen
 
@@ -258,6 +249,36 @@ def check_cuda_fast_path() -> None:
     assert "aten::bmm" in seen
 
 
+def check_cuda_dropout() -> None:
+    """CUDA's dropout in training is one fused kernel, whose boolean mask autograd keeps; meta tensors draw noise."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+
+    def step(x: torch.Tensor) -> None:
+        layer.zero_grad(set_to_none=True)
+        F.dropout(layer(x), p=0.1).sum().backward()
+
+    x = torch.randn(8, 64)
+    assert "aten::bernoulli_" in real_operators(step, x)  # the composite path, as on meta tensors
+    _, seen = estimated(step, x, device="cuda")
+    assert {"aten::native_dropout", "aten::native_dropout_backward"} <= seen
+    assert "aten::bernoulli_" not in seen
+
+
+def check_cuda_attention_in_multi_head_attention() -> None:
+    """Attention inside F.multi_head_attention_forward (nn.MultiheadAttention in training) takes CUDA's kernel."""
+    torch.manual_seed(0)
+    module = nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def step(x: torch.Tensor) -> None:
+        module.zero_grad(set_to_none=True)
+        module(x, x, x, need_weights=False)[0].sum().backward()
+
+    _, seen = estimated(step, torch.randn(8, 16, 64), device="cuda")
+    assert "aten::_scaled_dot_product_efficient_attention_backward" in seen
+    assert not {"aten::_safe_softmax", "aten::_softmax"} & seen
+
+
 def check_nested_padding() -> None:
     """nn.TransformerEncoder packs a padded batch into a nested tensor; meta tensors cannot: the padded batch counts."""
     torch.manual_seed(0)
@@ -329,7 +350,7 @@ def check_generic(kind: Callable[..., nn.Module], onednn: bool = True) -> Callab
             for bidirectional, batch_first in ((False, True), (True, False)):
                 step, inputs, held = recurrent_step(kind, bidirectional, batch_first)
                 assert "aten::mkldnn_rnn_layer" not in real_operators(step, inputs(8))
-                with _Operators() as operators:
+                with Operators() as operators:
                     found = koila.estimate(step, inputs(8), dim=0 if batch_first else 1)
                 assert not CELL_OPERATORS & operators.seen  # no cell by cell
                 for rows in (1, 8, 100):
@@ -449,6 +470,23 @@ KERNELS = [
         check_cuda_fast_path,
     ),
     Kernel(
+        "aten::_scaled_dot_product_efficient_attention (in F.multi_head_attention_forward)",
+        "cuda",
+        "the math path: the function calls attention inside itself, where a torch-function mode that handed "
+        "the call back no longer sees it",
+        "followed: the estimate runs the function's body itself, past its hand-off to the mode, on any torch "
+        "version (it relied on torch.overrides.redispatch_function, which the H100's torch 2.11 lacked)",
+        check_cuda_attention_in_multi_head_attention,
+    ),
+    Kernel(
+        "aten::native_dropout",
+        "cuda",
+        "aten::dropout's composite path: a noise tensor in the input's dtype, kept for backward",
+        "followed: in training, out of place, with 0 < p < 1, as aten::dropout sends a CUDA tensor to it; its "
+        "meta function makes the output and a boolean mask, which autograd keeps",
+        check_cuda_dropout,
+    ),
+    Kernel(
         "aten::mkldnn_rnn_layer",
         "cpu",
         "nn.LSTM's own path, cell by cell: a dozen small operators per step (seconds per estimate)",
@@ -499,9 +537,10 @@ KERNELS = [
         "aten::_cudnn_rnn",
         "cuda",
         "the cell-by-cell path",
-        "modelled, not checked on a GPU, and noted: one stand-in for the whole stack (cuDNN runs every layer "
-        "in one call) with its outputs, a reserve for backward of every layer's gates and states at every "
-        "step, a workspace of one layer's gates during each call, the weights' gradients in one buffer",
+        "followed by rules fitted to one H100 run (tests/test_cudnn_rnn.py), and noted: one stand-in for the "
+        "whole stack (cuDNN runs every layer in one call) with its outputs, the input's time-major copy, the "
+        "reserve a training-mode forward keeps for backward, cuDNN's workspace during each call by the "
+        "algorithm PyTorch picks, the weights' gradients in one buffer",
         check_cudnn_rnn,
     ),
 ]
@@ -600,7 +639,7 @@ def test_cpu_chooses_the_attention_kernel_as_pytorch_does(call: dict[str, Any], 
     if call.get("dtype") != torch.int32:  # the real CPU run agrees
         meta = attention_call(**call)
         real = [torch.zeros(t.shape, dtype=t.dtype) if t is not None else None for t in (*meta.tensors, meta.mask)]
-        with _Operators() as operators:
+        with Operators() as operators:
             F.scaled_dot_product_attention(*real[:3], attn_mask=real[3], dropout_p=meta.dropout, is_causal=meta.causal)
         fused = "aten::_scaled_dot_product_flash_attention_for_cpu" in operators.seen
         assert fused == (expected == FLASH)

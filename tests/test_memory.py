@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _fake_cuda import FakeCuda
 
 import koila_retry as koila
 from koila_retry._core import memory
@@ -297,3 +298,122 @@ def test_free_memory_of_the_meta_device_is_unlimited() -> None:
 def test_recent_free_memory_of_an_unreadable_device_is_minus_one() -> None:
     assert memory.recent_free_memory(torch.device("cuda", 0)) == -1
     assert memory._free_readings[torch.device("cuda", 0)][1] == -1
+
+
+# ---------------------------------------------------------------------------
+# free_memory on CUDA, read from a device made of numbers (tests/_fake_cuda.py)
+# ---------------------------------------------------------------------------
+
+GiB = 2**30
+
+
+def test_cuda_free_memory_is_the_drivers_free_plus_the_caches_unused(fake_cuda: FakeCuda) -> None:
+    assert koila.free_memory("cuda") == 70 * GiB + 8 * GiB - 6 * GiB
+    assert koila.free_memory() == koila.free_memory(0) == koila.free_memory("cuda:0")
+
+
+def test_cuda_free_memory_honours_the_process_memory_fraction(fake_cuda: FakeCuda) -> None:
+    # As on the H100 of 2026-11-25: a 4 GiB share of an 80 GiB card, most of the card free.
+    fake_cuda.fraction = 0.05
+    fake_cuda.reserved, fake_cuda.allocated = 2 * GiB, 1 * GiB
+    assert koila.free_memory("cuda") == int(0.05 * 80 * GiB) - 1 * GiB
+    fake_cuda.allocated = 5 * GiB  # past the share (set after the memory was taken): nothing left
+    assert koila.free_memory("cuda") == 0
+
+
+def test_a_fraction_above_what_the_driver_has_free_changes_nothing(fake_cuda: FakeCuda) -> None:
+    # Other processes hold most of the card: the driver's free memory is the smaller bound.
+    fake_cuda.fraction, fake_cuda.driver_free = 0.9, 10 * GiB
+    assert koila.free_memory("cuda") == 10 * GiB + 8 * GiB - 6 * GiB
+
+
+def test_the_cache_key_reading_honours_the_fraction(fake_cuda: FakeCuda) -> None:
+    fake_cuda.fraction = 0.05
+    fake_cuda.allocated = 1 * GiB
+    assert memory.recent_free_memory(torch.device("cuda", 0)) == int(0.05 * 80 * GiB) - 1 * GiB
+
+
+def test_suggest_batch_size_fits_the_processs_share_not_the_card(fake_cuda: FakeCuda) -> None:
+    fake_cuda.fraction, fake_cuda.reserved, fake_cuda.allocated = 0.05, 0, 0
+    model = torch.nn.Linear(256, 256)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.randn(8, 256)
+    found = koila.estimate(forward, x, device="cuda")
+    share = int(0.05 * 80 * GiB)
+    size = koila.suggest_batch_size(forward, x, device="cuda")
+    assert found.fits(size, share)
+    assert not found.fits(2 * size, share)
+
+
+@pytest.mark.parametrize("reading", [RuntimeError("no"), AssertionError("no"), ValueError("no")])
+def test_a_fraction_that_cannot_be_read_is_the_whole_card(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, reading: Exception
+) -> None:
+    def broken(device: object = None) -> float:
+        raise reading
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", broken)
+    assert memory.memory_fraction(torch.device("cuda", 0)) == 1.0
+    assert koila.free_memory("cuda") == 72 * GiB
+
+
+def test_a_backend_without_a_fraction_has_the_whole_device() -> None:
+    assert memory.memory_fraction(torch.device("mps", 0)) == 1.0
+    assert memory.memory_fraction(torch.device("privateuseone", 0)) == 1.0
+
+
+# ---------------------------------------------------------------------------
+# The stand-in's share: SimulatedDevice.set_memory_fraction
+# ---------------------------------------------------------------------------
+
+
+def test_a_simulated_share_limits_allocations_and_free_memory() -> None:
+    from koila_retry.testing import simulated_device
+
+    with simulated_device("64MiB") as device:
+        device.set_memory_fraction(0.25)
+        assert device.allowed == 16 * MiB
+        assert koila.free_memory() == 16 * MiB
+        held = torch.empty(12 * MiB, dtype=torch.uint8)
+        assert koila.free_memory("cuda") == 4 * MiB  # whatever device is named, inside the stand-in
+        with pytest.raises(torch.OutOfMemoryError, match=r"16\.00 MiB allowed"):
+            torch.empty(8 * MiB, dtype=torch.uint8)
+        device.set_memory_fraction(1.0)
+        more = torch.empty(8 * MiB, dtype=torch.uint8)  # the whole device again
+        assert device.live == 20 * MiB
+        del held, more
+
+
+def test_suggest_batch_size_under_a_simulated_share() -> None:
+    from koila_retry.testing import simulated_device
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.randn(4, 64)
+    with simulated_device("256MiB") as device:
+        whole = koila.suggest_batch_size(forward, x)
+        device.set_memory_fraction(0.125)
+        share = koila.suggest_batch_size(forward, x)
+    assert share * 8 == whole
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan")])
+def test_a_simulated_share_outside_zero_to_one_is_refused(fraction: float) -> None:
+    from koila_retry.testing import simulated_device
+
+    with pytest.raises(ValueError, match=r"from 0\.0 to 1\.0, got"):
+        simulated_device("1MiB").set_memory_fraction(fraction)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", True, None])
+def test_a_simulated_share_that_is_no_number_is_refused(fraction: object) -> None:
+    from koila_retry.testing import simulated_device
+
+    with pytest.raises(TypeError, match="fraction must be a number"):
+        simulated_device("1MiB").set_memory_fraction(fraction)  # type: ignore[arg-type]

@@ -6,6 +6,8 @@ import re
 
 import torch
 
+from koila_retry._core import memory
+
 # The plain-RuntimeError messages PyTorch and its backends raise when memory runs out.
 # Matching is by substring of the message; each entry names one real failure mode.
 OOM_MESSAGES: tuple[str, ...] = (
@@ -19,9 +21,21 @@ OOM_MESSAGES: tuple[str, ...] = (
     "HIP error: out of memory",  # the same on ROCm
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
-    # cuDNN reports a workspace it could not allocate as "not supported".
-    "CUDNN_STATUS_NOT_SUPPORTED",
     "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",  # Intel Gaudi (HPU)
+)
+
+# Library statuses that a failed allocation inside the library turns into, and other
+# failures too: out of memory only when the device is nearly full as they are raised.
+# With the card full, cuDNN's first call raised INTERNAL_ERROR on an H100 (2026-11-25);
+# cuDNN reports a workspace it could not get as NOT_SUPPORTED, and cuBLAS fails to create
+# its handle as NOT_INITIALIZED.
+MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "CUBLAS_STATUS_INTERNAL_ERROR",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUBLAS_STATUS_NOT_INITIALIZED",
 )
 
 # Out-of-tree backends copy the caching allocator's sentence with their own device name:
@@ -40,10 +54,21 @@ def is_oom(exc: BaseException) -> bool:
     always counts. A plain ``RuntimeError`` counts when its message is one of the
     out-of-memory messages PyTorch and its backends raise as text: the CPU
     allocator on Linux and Windows, MPS, ``CUDA error: out of memory``, cuBLAS and
-    cuDNN allocation failures, Gaudi's device-memory allocation failure, and a
-    device name in capitals followed by ``out of memory.`` (``NPU out of
-    memory.``). Nothing else does, ``KeyboardInterrupt`` and Python's own
-    ``MemoryError`` included.
+    cuDNN allocation failures (``*_STATUS_ALLOC_FAILED``), Gaudi's device-memory
+    allocation failure, and a device name in capitals followed by ``out of
+    memory.`` (``NPU out of memory.``).
+
+    cuDNN's and cuBLAS's statuses that a failed allocation inside the library turns
+    into, among other causes (``CUDNN_STATUS_INTERNAL_ERROR``,
+    ``CUDNN_STATUS_EXECUTION_FAILED``, ``CUDNN_STATUS_NOT_SUPPORTED``,
+    ``CUBLAS_STATUS_INTERNAL_ERROR``, ``CUBLAS_STATUS_EXECUTION_FAILED`` and
+    ``CUBLAS_STATUS_NOT_INITIALIZED``) count only when the current CUDA device is
+    nearly full as the error is classified: at most 5% of it free at the driver,
+    or at most 5% of the process's share left under
+    ``torch.cuda.set_per_process_memory_fraction`` (inside
+    :func:`koila_retry.testing.simulated_device`, 5% of its memory left). With
+    memory to spare they are other failures, and pass through. Nothing else
+    counts, ``KeyboardInterrupt`` and Python's own ``MemoryError`` included.
 
     An error raised *from* an out-of-memory error (``raise RuntimeError("forward
     failed") from error``) counts too: its ``__cause__`` is followed, through up
@@ -92,4 +117,6 @@ def _says_out_of_memory(exc: BaseException) -> bool:
     if not isinstance(exc, RuntimeError) or not exc.args or not isinstance(exc.args[0], str):
         return False
     message = exc.args[0]
-    return any(text in message for text in OOM_MESSAGES) or OOM_PATTERN.search(message) is not None
+    if any(text in message for text in OOM_MESSAGES) or OOM_PATTERN.search(message) is not None:
+        return True
+    return any(text in message for text in MEMORY_SHORT_MESSAGES) and memory.nearly_full()

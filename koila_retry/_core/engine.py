@@ -36,12 +36,12 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
 from koila_retry._common.places import where
-from koila_retry._common.units import format_free
+from koila_retry._common.units import format_bytes, format_free
 from koila_retry._core import distributed, memory
 from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
 from koila_retry._core.detect import is_oom
@@ -49,7 +49,7 @@ from koila_retry._core.policy import Policy
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["ROWS", "Attempt", "Controller", "Exhaustion", "Explain"]
+__all__ = ["ROWS", "Attempt", "Controller", "Exhaustion", "Explain", "FirstSize"]
 
 R = TypeVar("R")
 
@@ -57,6 +57,8 @@ logger = logging.getLogger("koila_retry")
 # torch.distributed's record of the default process group, when this torch has the layout
 # that distributed reads: whether it is None decides, on every call, that nothing agrees.
 _WORLD: Any = distributed.world if distributed.FAST else None
+# How many runs of a call that measures are measured: a probe, then a run at the size it chose.
+MEASURES = 2
 # The most keys a controller remembers the bytes of one sample for (see Controller.proven).
 _PROVEN = 1024
 
@@ -102,6 +104,29 @@ class Exhaustion:
 
 #: Builds the message of :class:`BatchSizeExhausted` from what a call that gives up knows.
 Explain = Callable[[Exhaustion], str]
+
+
+class FirstSize(Protocol):
+    """The first size of a call the cache knows nothing of, from an estimate (``initial="auto"``).
+
+    Attributes:
+        meter (PeakMeter or None): after the call: what measures the first run, when
+            the first size is a probe whose run corrects the estimate.
+    """
+
+    meter: memory.PeakMeter | None
+
+    def __call__(self, measure: bool) -> int:
+        """Return the first size; a probe to measure only if ``measure``."""
+
+    def figures(self) -> tuple[int, int] | None:
+        """Return the estimate's per-sample and fixed bytes, if one was made."""
+
+    def corrected(self, rows: int, rise: int) -> int:
+        """Correct the estimate by a run of ``rows`` that rose by ``rise`` bytes; return the size for what follows."""
+
+    def after_oom(self, size: int) -> int:
+        """Return the size to measure next, after the run to be measured ran out of memory at ``size``."""
 
 
 def _plain_message(exhaustion: Exhaustion) -> str:
@@ -168,7 +193,7 @@ class Controller:
         device: torch.device,
         sample: Hashable = None,
         rows: int = 0,
-        first: Callable[[], int] | None = None,
+        first: FirstSize | None = None,
         span: int | None = None,
         roots: Iterable[Any] = (),
         per_sample: int = 0,
@@ -186,9 +211,12 @@ class Controller:
             sample (Hashable, optional): the shape of one input sample, for the key.
             rows (int): the rows the call was given; its first size when the
                 policy has no ``initial``.
-            first (callable, optional): asked for the first size when the cache
+            first (FirstSize, optional): asked for the first size when the cache
                 knows none (an estimate's suggestion); kept within
-                ``[minimum, initial]``.
+                ``[minimum, initial]``. When it gives a probe to measure, the
+                front end measures the first run that succeeds
+                (:attr:`Attempt.meter`) and hands the measurement back
+                (:meth:`Attempt.calibrate`).
             span (int, optional): the rows or indices a run of steps covers;
                 ranks that agree must have the same.
             roots (iterable): what the call reaches (the function, its
@@ -210,11 +238,14 @@ class Controller:
             agreement = None  # the usual case, decided without a call: it costs every call
         else:
             agreement = distributed.agreement(sync, self.policy.group)
-        key, size, cached, initial = self._look_up(function, caller, device, sample, rows, first, per_sample)
+        key, size, cached, initial = self._look_up(
+            function, caller, device, sample, rows, first, per_sample, measure=agreement is None
+        )
         attempt = Attempt(self, key, size, cached, device, initial, agreement, roots)
         attempt._per_sample = per_sample
         if first is not None:
-            attempt._estimated = getattr(first, "figures", None)
+            attempt._first = first
+            attempt._measures = MEASURES if first.meter is not None else 0
         if agreement is not None:
             self.reach(roots)
             if self.grow:
@@ -231,8 +262,10 @@ class Controller:
         device: torch.device,
         sample: Hashable,
         rows: int,
-        first: Callable[[], int] | None,
+        first: FirstSize | None,
         per_sample: int = 0,
+        *,
+        measure: bool = False,
     ) -> tuple[Hashable | None, int, int, int]:
         """Count a call and find its key, its first size, what the cache holds for it, and its ceiling."""
         cache = self.cache
@@ -259,7 +292,7 @@ class Controller:
             if self.keep_last:
                 cached = 0  # except for a cache that keeps every success: it stores this one
             if first is not None:
-                size = min(max(first(), self.minimum), initial)
+                size = min(max(first(measure), self.minimum), initial)
         else:  # another wrapper sharing the cache may have stored a size out of our range
             size = cached if self.minimum <= cached <= initial else min(max(cached, self.minimum), initial)
         self._count_call()
@@ -359,6 +392,7 @@ class Controller:
                 if not attempt._record(exc):
                     raise
             else:
+                attempt._ran = size
                 if attempt._agreement is None:
                     attempt._succeed()
                     return result
@@ -443,7 +477,7 @@ class Controller:
         try:
             while begin < stop:
                 result = self.run(attempt, functools.partial(_step, work, begin), rows=stop - begin)
-                rows = min(attempt.batch_size, stop - begin)
+                rows = attempt._ran  # a calibration may have moved batch_size on for the next step
                 keep(begin, begin + rows, result)
                 del result
                 begin += rows
@@ -530,13 +564,15 @@ class Attempt:
         "_cached",
         "_controller",
         "_device",
-        "_estimated",
         "_failure",
+        "_first",
         "_floor",
         "_initial",
         "_key",
+        "_measures",
         "_per_sample",
         "_probe_from",
+        "_ran",
         "_rows",
         "_started",
         "_state",
@@ -566,7 +602,9 @@ class Attempt:
         self._device = device
         self._state = _READY
         self._failure: _Failure | None = None  # made on the first failure: none on the happy path
-        self._estimated: Callable[[], tuple[int, int] | None] | None = None  # initial="auto": the estimate's figures
+        self._first: FirstSize | None = None  # initial="auto": the estimate behind the first size
+        self._measures = 0  # how many more runs that succeed are to be measured
+        self._ran = size  # the size of the last attempt that succeeded
         self._rows: int | None = None
         self._probe_from: int | None = None  # the size a growth probe started from
         self._floor = controller.minimum  # when ranks agree: the largest of their minimums
@@ -678,7 +716,13 @@ class Attempt:
         size = self.batch_size if self._rows is None else min(self.batch_size, self._rows)
         if self._probe_from is not None and size > self._probe_from:
             return self._probe_from  # back to the size that fitted, whatever max_attempts says
-        return self._controller.next_size(size, self.number, self._floor)
+        next_size = self._controller.next_size(size, self.number, self._floor)
+        first = self._first
+        if next_size is not None and self._measures and first is not None:
+            # The estimate is under the truth by more than its margin: the next run, still the
+            # one to be measured, is a probe that fits if it were far more under.
+            next_size = max(min(next_size, first.after_oom(size)), self._floor)
+        return next_size
 
     def succeeded(self, vote: bool = True) -> bool:
         """Return whether the attempt that just ran succeeded (on every rank, when ranks agree).
@@ -819,6 +863,57 @@ class Attempt:
             controller.proven.pop(self._key, None)
         self._cached = size
 
+    @property
+    def meter(self) -> memory.PeakMeter | None:
+        """What measures the coming run, while the call's estimate waits for a measurement; else ``None``.
+
+        A front end of ``initial="auto"`` wraps the real work of one step or chunk
+        in it (``with meter: ...``), and hands :meth:`calibrate` the rows that ran
+        and ``meter.rise``.
+
+        .. versionadded:: 0.1.0
+        """
+        return cast(FirstSize, self._first).meter if self._measures else None
+
+    def calibrate(self, rows: int, rise: int) -> int:
+        """Correct the call's estimate by a measured run, and move on to the size it then chooses.
+
+        The size holds for the rest of the call (the steps, chunks or micro-batches
+        still to run) and, once they succeed, is the one the cache remembers; if it
+        runs out of memory, the schedule goes on below it. It is never below the rows
+        measured, which ran.
+
+        Args:
+            rows (int): the rows of the run measured.
+            rise (int): its peak less what was allocated as it began, in bytes.
+
+        Returns:
+            int: the new ``batch_size``, within ``[minimum, initial]``.
+
+        Raises:
+            RuntimeError: if the call has nothing to measure.
+
+        .. versionadded:: 0.1.0
+        """
+        first = self._first
+        if not self._measures or first is None:
+            raise RuntimeError("calibrate() follows a run measured with attempt.meter, of a call that measures")
+        self._measures -= 1
+        controller = self._controller
+        # The rows measured ran: never fewer, whatever the margin of the corrected estimate says.
+        wanted = max(first.corrected(rows, rise), rows)
+        size = min(max(wanted, self._floor), self._initial)
+        logger.info(
+            "%s: %d rows rose by %s on %s; the corrected estimate chooses batch size %d",
+            controller.name,
+            rows,
+            format_bytes(rise),
+            self._device,
+            size,
+        )
+        self.batch_size = controller.stats.batch_size = size
+        return size
+
     def narrow(self, rows: int) -> None:
         """Use only ``rows`` (fewer than ``batch_size``) in the coming attempt.
 
@@ -885,7 +980,7 @@ class Attempt:
 
     def _exhausted_message(self, failure: _Failure, free: int) -> str:
         controller, agreement = self._controller, self._agreement
-        figures = self._estimated() if self._estimated is not None else None
+        figures = self._first.figures() if self._first is not None else None
         return controller.explain(
             Exhaustion(
                 name=controller.name,

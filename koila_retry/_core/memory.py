@@ -111,9 +111,12 @@ def free_memory(device: DeviceLike = None) -> int:
 
     On CUDA and other accelerators: the device's free memory plus what PyTorch's
     caching allocator holds reserved but unallocated (blocks it can reuse without
-    asking the driver). On the CPU: the memory the operating system reports
-    available, capped by what is left of the process's ``RLIMIT_AS`` address-space
-    limit. On the meta device, which stores no data, ``2**63 - 1``. Inside
+    asking the driver), and never more than the process's own limit leaves: under
+    ``torch.cuda.set_per_process_memory_fraction(f)`` the caching allocator refuses
+    to hold more than ``f`` of the card, so the process can still allocate that
+    share less what it has allocated. On the CPU: the memory the operating system
+    reports available, capped by what is left of the process's ``RLIMIT_AS``
+    address-space limit. On the meta device, which stores no data, ``2**63 - 1``. Inside
     :func:`koila_retry.testing.simulated_device`, the simulated device's free
     bytes, whatever ``device`` says.
 
@@ -141,9 +144,127 @@ def _device_free(device: torch.device) -> int:
         return UNLIMITED  # meta tensors have shapes and no data
     if not on_accelerator(device):
         raise ValueError(f"cannot read free memory of {device}: this process has no {device.type} device")
-    free, _total = torch.accelerator.get_memory_info(device)
-    reusable = torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device)
-    return max(free + reusable, 0)
+    free, total = torch.accelerator.get_memory_info(device)
+    allocated = torch.accelerator.memory_allocated(device)
+    usable = free + torch.accelerator.memory_reserved(device) - allocated
+    fraction = memory_fraction(device)
+    if fraction < 1.0:
+        # The allocator refuses a new segment once its segments would pass ``fraction * total``
+        # (the bytes it reserves, cached blocks included): what is left is that share less
+        # what is allocated, whatever the driver has free.
+        usable = min(usable, int(fraction * total) - allocated)
+    return max(usable, 0)
+
+
+def memory_fraction(device: torch.device) -> float:
+    """Return the share of a device's memory this process's caching allocator may hold.
+
+    What ``torch.cuda.set_per_process_memory_fraction`` set (1.0 by default), or the
+    same setting of another accelerator backend that has one; 1.0 where the backend
+    has none or it cannot be read.
+
+    Args:
+        device (torch.device): an accelerator device.
+
+    Returns:
+        float: the fraction, between 0.0 and 1.0.
+    """
+    read = getattr(getattr(torch, device.type, None), "get_per_process_memory_fraction", None)
+    if read is None:
+        return 1.0
+    try:
+        fraction = float(read(device))
+    except (RuntimeError, AssertionError, ValueError, TypeError, AttributeError):
+        return 1.0
+    return min(max(fraction, 0.0), 1.0)
+
+
+class PeakMeter:
+    """The most bytes a block of code allocated at once on a device, over what was allocated before it.
+
+    Read from the device's allocator (``torch.accelerator.max_memory_allocated``,
+    whose peak it resets on entry) or from an active
+    :func:`koila_retry.testing.simulated_device`'s count. What other threads
+    allocate meanwhile counts too, so the reading is never below the block's own.
+
+    Attributes:
+        rise (int): after the block, its peak less what was allocated as it began.
+    """
+
+    def __init__(self, device: torch.device, simulated: tracking.Simulated | None) -> None:
+        self.device, self.simulated = device, simulated
+        self.before = 0
+        self.rise = 0
+
+    def __enter__(self) -> PeakMeter:
+        simulated = self.simulated
+        if simulated is not None:
+            self.before = simulated.live
+            simulated.reset_peak()
+        else:
+            self.before = torch.accelerator.memory_allocated(self.device)
+            torch.accelerator.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        simulated = self.simulated
+        peak = simulated.peak if simulated is not None else torch.accelerator.max_memory_allocated(self.device)
+        self.rise = max(peak - self.before, 0)
+
+
+def peak_meter(device: torch.device) -> PeakMeter | None:
+    """Return what measures the peak of real work on ``device``, or ``None`` where nothing keeps one.
+
+    The allocators of CUDA and the other accelerators keep a peak; so does an active
+    :func:`koila_retry.testing.simulated_device` (which stands for any device). The
+    CPU's allocator keeps none.
+
+    Args:
+        device (torch.device): the device the work runs on.
+
+    Returns:
+        PeakMeter or None: a context manager whose ``rise`` is the block's peak.
+    """
+    simulated = tracking.simulated.device()
+    if simulated is not None:
+        return PeakMeter(device, simulated)
+    if device.type in ("cpu", "meta") or not on_accelerator(device):
+        return None
+    return PeakMeter(device, None)
+
+
+#: The share of its memory a device has left when a library's failure there counts as out of memory.
+NEARLY_FULL = 0.05
+
+
+def nearly_full() -> bool:
+    """Return whether the device that library kernels run on is nearly out of memory now.
+
+    For errors that name no device (cuDNN's and cuBLAS's statuses), which run on the
+    current CUDA device. Nearly out of memory means at most :data:`NEARLY_FULL` of
+    the device free at the driver (what a library's own allocations draw from), or
+    at most that share of the process's limit left to PyTorch's allocator (under
+    ``torch.cuda.set_per_process_memory_fraction``). Inside
+    :func:`koila_retry.testing.simulated_device`, that share of the simulated
+    device's memory left. Never raises; ``False`` where nothing can be read.
+
+    Returns:
+        bool: whether the device is nearly full.
+    """
+    simulated = tracking.simulated.device()
+    if simulated is not None:
+        return simulated.free <= NEARLY_FULL * simulated.allowed
+    try:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+        free, total = torch.cuda.mem_get_info(device)
+        if free <= NEARLY_FULL * total:
+            return True
+        allowed = memory_fraction(device) * total
+        return allowed - torch.cuda.memory_allocated(device) <= NEARLY_FULL * allowed
+    except (RuntimeError, AssertionError, ValueError):
+        return False  # a device in an error state: the error itself is what the user needs
 
 
 def _cpu_free() -> int:

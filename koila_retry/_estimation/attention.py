@@ -15,7 +15,13 @@ flash or memory-efficient attention (or cuDNN's), and in eval mode under
   meta function makes its real outputs and what it saves for backward (the
   log-sum-exp, not the attention matrix);
 - an eligible fast-path module runs the operators of the device's fused kernel,
-  in its order and with its lifetimes, in place of its composite forward.
+  in its order and with its lifetimes, in place of its composite forward;
+- ``F.multi_head_attention_forward``, written in Python, runs its body with these
+  rules in force, so that the attention inside ``nn.MultiheadAttention`` (and
+  ``nn.TransformerEncoderLayer`` in training) takes the target's kernel too;
+- on CUDA, dropout in training runs ``native_dropout``, as CUDA's fused kernel
+  does, keeping a one-byte mask for backward; on meta tensors (and on the CPU),
+  ``aten::dropout`` draws a noise tensor in the input's dtype and keeps it.
 
 CUDA's choice depends on the card. With a CUDA device present its capability and
 cuDNN version are read; without one (an estimate for ``device="cuda"`` made on a
@@ -28,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -55,8 +62,8 @@ FLASH, EFFICIENT, CUDNN, MATH = "flash", "efficient", "cudnn", "math"
 ASSUMED_CAPABILITY = (8, 0)
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
-# Calls a function past its own hand-off to the torch-function mode (PyTorch 2.10 and later).
-_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+# The names by which a torch function written in Python asks whether to hand its call to a mode.
+_HAND_OFF_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 _aten = torch.ops.aten
 # Whether the user left each fused kernel on (torch.nn.attention.sdpa_kernel switches them); the
 # flash switch holds for the CPU's flash kernel too.
@@ -65,6 +72,7 @@ _SWITCHES: dict[str, Callable[[], bool]] = {
     EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled,
     CUDNN: torch.backends.cuda.cudnn_sdp_enabled,
 }
+_MATH_SWITCH: Callable[[], bool] = torch.backends.cuda.math_sdp_enabled
 _CUDNN_VERSION: Callable[[], int | None] = torch.backends.cudnn.version
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.float16, torch.bfloat16)
@@ -393,6 +401,16 @@ _UNMODELLED_BACKWARD = (
     "the backward of CUDA's fused attention kernels allocates float32 accumulators inside itself (flash: "
     "the queries' gradient in float32), which are not modelled: the estimate may be below the real peak"
 )
+_NO_KERNEL = (
+    "no kernel CUDA has switched on takes this call (torch.nn.attention.sdpa_kernel left the math path off), "
+    "where CUDA raises: its math path is counted, with the whole attention matrix, above what a call that "
+    "reaches a fused kernel holds (a mask, or a branch, made from a value the estimate reads as a placeholder "
+    "can cause it)"
+)
+_MATH_DROPOUT = (
+    "its math path with dropout is counted with the noise tensor that meta tensors draw, in the attention "
+    "matrix's dtype, where CUDA keeps a one-byte mask: the estimate may be above the real peak"
+)
 
 
 def _attention(
@@ -420,6 +438,11 @@ def _attention(
         )
     elif backend != MATH and target.type == "cuda" and call.training:
         note("scaled_dot_product_attention", _UNMODELLED_BACKWARD)
+    elif backend == MATH and target.type == "cuda":
+        if meta and not _MATH_SWITCH():
+            note("scaled_dot_product_attention", _NO_KERNEL)
+        if 0 < dropout_p < 1:
+            note("scaled_dot_product_attention", _MATH_DROPOUT)
     if backend == MATH:
         return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return _run_kernel(backend, target, call, scale)
@@ -632,12 +655,93 @@ def _follow_fast_path(module: nn.Module, target: torch.device, card: tuple[tuple
     return True
 
 
+# --- dropout, as CUDA runs it ------------------------------------------------------------
+
+
+def _functional_dropout(
+    input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> tuple[Any, float, bool, bool]:
+    return input, p, training, inplace
+
+
+def _aten_dropout(input: Any, p: float, train: bool) -> tuple[Any, float, bool, bool]:
+    return input, p, train, False
+
+
+# Each way of calling dropout, and how it names its arguments: (input, p, training, in place).
+_DROPOUTS: tuple[tuple[Any, Callable[..., tuple[Any, float, bool, bool]]], ...] = (
+    (F.dropout, _functional_dropout),
+    (torch.dropout, _aten_dropout),
+)
+
+
+def _cuda_dropout(input: Any, p: float, training: bool, inplace: bool) -> torch.Tensor | None:
+    """Return dropout's output as CUDA's fused kernel makes it, or None where CUDA takes the composite path too.
+
+    ``aten::dropout`` calls ``native_dropout`` for a CUDA tensor, out of place, in
+    training, with ``0 < p < 1`` and elements to drop: its output, and a boolean mask
+    that autograd keeps for backward. Elsewhere (and on meta tensors) it multiplies
+    by a noise tensor in the input's dtype, which autograd keeps instead.
+    """
+    if not (training and not inplace and isinstance(p, float | int) and 0 < p < 1):
+        return None
+    if type(input) not in (torch.Tensor, nn.Parameter) or input.layout != torch.strided or input.is_nested:
+        return None
+    if input.numel() == 0:
+        return None
+    out: torch.Tensor = torch.native_dropout(input, float(p), True)[0]
+    return out
+
+
+# --- the mode that applies the rules ----------------------------------------------------
+
+
+def _no_override(*_: Any) -> bool:
+    return False
+
+
+def _past_hand_off(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Return a copy of a torch function written in Python that runs its body instead of handing the call on.
+
+    Such a function first asks ``has_torch_function`` whether a mode wants the call,
+    and hands it to the mode, which runs the original with itself taken off the
+    stack: what the body calls then escapes the mode. The copy's check finds nothing
+    to hand off to, so that, run with the mode on the stack, its body's calls reach
+    the mode. (``torch.overrides.redispatch_function`` does this in torch 2.13, and
+    not in every version the estimate runs on: the H100 run of 2026-11-25, on torch
+    2.11, counted the attention inside ``nn.MultiheadAttention`` by its math path.)
+
+    Args:
+        func (callable): the function, as the mode received it.
+
+    Returns:
+        callable or None: the copy, or None if ``func`` is not such a function.
+    """
+    code, names = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+    if not isinstance(code, types.CodeType) or not isinstance(names, dict):
+        return None
+    checks = [name for name in _HAND_OFF_CHECKS if name in code.co_names]
+    if not checks:
+        return None
+    scope = {**names, **dict.fromkeys(checks, _no_override)}
+    copy = types.FunctionType(code, scope, code.co_name, getattr(func, "__defaults__", None), func.__closure__)
+    copy.__kwdefaults__ = getattr(func, "__kwdefaults__", None)
+    return copy
+
+
+_INNER_ATTENTION = (
+    "its body could not be run past its hand-off to the estimate, so the attention inside it is counted by "
+    "its math path, with the whole attention matrix: the estimate may be above the real peak"
+)
+
+
 class _Kernels(TorchFunctionMode):
-    """Send ``scaled_dot_product_attention`` to the kernel the target would choose."""
+    """Send ``scaled_dot_product_attention`` to the kernel the target would choose, and CUDA's dropout to its own."""
 
     def __init__(self, target: torch.device, card: tuple[tuple[int, int], int | None], note: Note) -> None:
         super().__init__()
         self.target, self.card, self.note = target, card, note
+        self.inside_attention = False  # running multi_head_attention_forward's body
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -649,11 +753,27 @@ class _Kernels(TorchFunctionMode):
             # into a nested tensor, which meta tensors cannot be: the padded batch is counted instead.
             self.note("torch.nn.TransformerEncoder", _PADDED)
             return False
-        if func is F.multi_head_attention_forward and _REDISPATCH is not None:
-            # It calls attention inside: it runs with this mode active again, past its own hand-off to it.
-            with self:
-                return _REDISPATCH(func, types, args, kwargs)
+        if func is F.multi_head_attention_forward:
+            return self._multi_head_attention(func, args, kwargs or {})
+        bind = next((bind for known, bind in _DROPOUTS if func is known), None) if self.target.type == "cuda" else None
+        if bind is not None:
+            fused = _cuda_dropout(*bind(*args, **(kwargs or {})))
+            if fused is not None:
+                return fused
         return func(*args, **(kwargs or {}))
+
+    def _multi_head_attention(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the function's body with this mode on the stack: the attention and dropout inside it reach the mode."""
+        body = None if self.inside_attention else _past_hand_off(func)
+        if body is None:  # not Python, or its body handed the call on after all: it runs as it comes
+            self.note("torch.nn.functional.multi_head_attention_forward", _INNER_ATTENTION)
+            return func(*args, **kwargs)
+        self.inside_attention = True
+        try:
+            with self:
+                return body(*args, **kwargs)
+        finally:
+            self.inside_attention = False
 
 
 def _ignore(what: str, why: str) -> None:
@@ -662,7 +782,7 @@ def _ignore(what: str, why: str) -> None:
 
 @contextlib.contextmanager
 def device_kernels(target: torch.device, modules: Iterable[nn.Module], note: Note = _ignore) -> Iterator[None]:
-    """Make a meta run take the attention kernels and fast paths ``target`` takes, while the block runs.
+    """Make a meta run take the attention and dropout kernels and the fast paths ``target`` takes, while the block runs.
 
     Args:
         target (torch.device): the device the estimate is for; on one other

@@ -37,7 +37,8 @@ from koila_retry._common.tensors import tensors_in
 
 __all__ = ["autocast_like", "cast_as", "casts_on", "settle"]
 
-# The operators autocast casts, by policy, as PyTorch 2.13 lists them for each device type.
+# The operators autocast casts, by policy, as PyTorch 2.13 lists them for each device type (versions.py
+# names the versions checked; tests/test_tables.py derives both lists from the installed PyTorch).
 _LOWER, _FP32, _FP32_DTYPE, _PROMOTE, _BANNED = "lower", "fp32", "fp32 dtype", "promote", "banned"
 
 
@@ -95,7 +96,7 @@ _CUDA: dict[str, str] = {
             "triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm "
             "logsumexp upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d "
             "upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d "
-            "_upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa norm"
+            "_upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa norm rms_norm"
         ),
         _FP32,
     ),
@@ -104,6 +105,19 @@ _CUDA: dict[str, str] = {
     "binary_cross_entropy": _BANNED,
 }
 POLICIES: dict[str, dict[str, str]] = {"cpu": _CPU, "cuda": _CUDA}
+# PyTorch lists overloads and the tables above operators: the overloads of listed operators that autocast
+# leaves alone on each device type (out_dtype and quantized variants; on the CPU, _convolution's own
+# overload, as only its deprecated one is listed there).
+OVERLOADS_LEFT_ALONE: dict[str, frozenset[str]] = {
+    "cpu": frozenset(
+        {"_convolution", "addmm.dtype", "baddbmm.dtype", "bmm.dtype", "mm.dtype"}
+        | {"fake_quantize_per_tensor_affine.tensor_qparams"}
+    ),
+    "cuda": frozenset(
+        {"addmm.dtype", "baddbmm.dtype", "bmm.dtype", "mm.dtype", "norm.ScalarOpt_dim_dtype", "norm.ScalarOpt_dtype"}
+        | {"_scaled_dot_product_flash_attention.quantized"}
+    ),
+}
 
 _BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: use "
@@ -270,7 +284,8 @@ def _register_kernels(kernels: torch.library.Library, name: str) -> None:
             if schema.is_mutable or not any("Tensor" in str(argument.type) for argument in schema.arguments):
                 continue
             qualified = op_name if overload_name == "default" else f"{op_name}.{overload_name}"
-            kernels.impl(qualified, _kernel(op_name, overload, excluded), name)  # type: ignore[no-untyped-call]
+            kernel = _kernel(op_name, qualified, overload, excluded)
+            kernels.impl(qualified, kernel, name)  # type: ignore[no-untyped-call]
 
 
 def _free(name: str) -> bool:
@@ -282,7 +297,7 @@ def _free(name: str) -> bool:
     )
 
 
-def _kernel(op_name: str, overload: Any, excluded: Any) -> Callable[..., Any]:
+def _kernel(op_name: str, qualified: str, overload: Any, excluded: Any) -> Callable[..., Any]:
     schema = overload._schema
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -293,7 +308,7 @@ def _kernel(op_name: str, overload: Any, excluded: Any) -> Callable[..., Any]:
                     emulation.say_unfollowed()
                 else:
                     policy = emulation.policies.get(op_name)
-                    if policy is not None:
+                    if policy is not None and qualified not in OVERLOADS_LEFT_ALONE[emulation.device_type]:
                         args, kwargs = emulation.apply(policy, schema, args, kwargs)
             return overload(*args, **kwargs)
 

@@ -23,6 +23,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from types import FrameType
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -37,11 +38,15 @@ from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes, parse_bytes
 from koila_retry._common.walk import reachable
 from koila_retry._core.cache import NoCache, SizeCache
-from koila_retry._core.memory import DeviceLike, free_memory, recent_free_memory, resolve_device
+from koila_retry._core.engine import Controller
+from koila_retry._core.memory import DeviceLike, PeakMeter, free_memory, peak_meter, recent_free_memory, resolve_device
+from koila_retry._core.policy import Policy
 from koila_retry._estimation.attention import device_kernels
 from koila_retry._estimation.autocast import autocast_like, settle
+from koila_retry._estimation.calibration import Calibration, Corrected, Fitting, gap_of, probe_size
 from koila_retry._estimation.recurrent import recurrent_kernels
-from koila_retry._estimation.workspace import onednn_convolution_workspace
+from koila_retry._estimation.versions import warn_if_unchecked
+from koila_retry._estimation.workspace import device_workspace
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["MemoryEstimate", "estimate", "estimate_batch", "suggest_batch_size"]
@@ -233,6 +238,10 @@ class MemoryEstimate:
         device (torch.device): the device the estimate is for.
         sizes (tuple of int): the batch sizes the call was run at.
         measured (dict): the peak bytes measured at each of them.
+        started (dict): the bytes alive as the call started, at each of them:
+            the parameters, gradients and optimizer state there were, and the
+            inputs. What a device's allocator reports as the rise of a real run
+            is its peak less these.
         resident (int): bytes of the counted tensors (parameters, buffers,
             gradients, optimizer state) that already exist on ``device``; they
             are part of every peak, and not of the device's free memory.
@@ -252,6 +261,7 @@ class MemoryEstimate:
         self.seconds = seconds
         self.notes = tuple(dict.fromkeys(note for run in runs for note in run.notes))
         self.measured = {run.batch_size: max(moment.total for moment in run.moments) for run in runs}
+        self.started = {run.batch_size: run.moments[0].total for run in runs}
         self._segments = _model(runs)
 
     def _highest(self, batch_size: int) -> _Line:
@@ -481,6 +491,7 @@ def estimate_batch(
     """
     # Dispatch modes import torch._dynamo the first time they run (seconds): not the estimate's time.
     importlib.import_module("torch._dynamo")
+    warn_if_unchecked()
     started = time.perf_counter()
     if batch.rows == 0:
         raise ValueError(f"the example arguments have 0 rows along dim {batch.dim}: nothing to scale from")
@@ -488,8 +499,7 @@ def estimate_batch(
     target = resolve_device(device) if device is not None else batch.device
     owned = Owned((fn, batch.args, batch.kwargs))
     round_bytes = _cuda_rounding if target.type == "cuda" else None
-    # cuDNN's workspaces on CUDA are not modelled (the margin is for them); oneDNN's are.
-    workspace = onednn_convolution_workspace if target.type == "cpu" else None
+    workspace = device_workspace(target)
     inexact = inexact_operators(target)
 
     def run(size: int) -> _Run:
@@ -530,9 +540,19 @@ def suggest_batch_size(
     margin: float = DEFAULT_MARGIN,
     maximum: int | None = None,
     sizes: Iterable[int] | None = None,
+    calibrate: bool = False,
     **kwargs: Any,
 ) -> int:
     """Return the largest power of two whose estimated peak fits in the memory there is.
+
+    With ``calibrate=True``, the estimate is corrected by a real run before the
+    size is chosen: ``fn`` runs once, for real, on the first rows of the example
+    arguments (as many as fit even if the estimate were 8 times under the truth,
+    at most all of them), and the device's peak over that run scales the bytes the
+    estimate says the call makes of its own (see :doc:`/estimate`). That is the
+    only way to see what opaque kernels allocate (cuDNN's and cuBLAS's workspaces,
+    a reduction's buffers), and what a branch on a tensor's value really does. The
+    run is real: a training step updates the model and the optimizer, once.
 
     Args:
         fn (callable): the call, as for :func:`estimate`.
@@ -547,6 +567,11 @@ def suggest_batch_size(
             estimate does not model. Default: 0.1.
         maximum (int, optional): no larger size is suggested.
         sizes (iterable of int, optional): as for :func:`estimate`.
+        calibrate (bool): run ``fn`` once for real and correct the estimate by
+            the device's peak over that run. Only where the device keeps a peak
+            (CUDA and the other accelerators, or inside
+            :func:`~koila_retry.testing.simulated_device`); elsewhere (the CPU)
+            the estimate stands, with a warning. Default: ``False``.
         **kwargs: its keyword arguments.
 
     Returns:
@@ -556,22 +581,34 @@ def suggest_batch_size(
         BatchSizeExhausted: if even a batch of 1 does not fit; the message
             holds the estimate.
         ValueError: if ``budget``, ``margin`` or ``maximum`` is out of range, or
-            no budget is given for an estimate on the meta device.
+            no budget is given for an estimate on the meta device, or
+            ``calibrate=True`` for a device other than the one the example
+            arguments lie on.
+        TypeError: if ``calibrate`` is not a bool.
 
     .. versionadded:: 0.1.0
     """
     _check_margin(margin)
     if maximum is not None:
         _check_batch_size(maximum, "maximum")
+    if not isinstance(calibrate, bool):
+        raise TypeError(f"calibrate must be a bool, got {type(calibrate).__name__} {calibrate!r}")
     limit = None if budget is None else parse_bytes(budget)  # refused before the estimate, not after
-    found = estimate(fn, *args, dim=dim, sizes=sizes, device=device, **kwargs)
+    if not callable(fn):
+        raise TypeError(f"koila.suggest_batch_size needs a callable, got {type(fn).__name__} {fn!r}")
+    batch = Split(args, kwargs, dim, "koila.suggest_batch_size", fn)
+    found = estimate_batch(fn, batch, sizes=sizes, device=device)
     if limit is None and found.device.type == "meta":
         raise ValueError(
             "the estimate is for the meta device (the inputs are meta tensors), which has no memory to fit in: "
             "pass budget= (like '80GiB') or the device= it is for"
         )
     available = free_memory(found.device) + found.resident if limit is None else limit
-    size = found.largest_fitting(available, margin=margin, maximum=maximum)
+    fitting: Fitting = found
+    if calibrate:
+        fitting = _calibrated(fn, batch, found, available, margin)
+        calibrate = fitting is not found
+    size = fitting.largest_fitting(available, margin=margin, maximum=maximum)
     if size is None:
         first, *notes = found.describe(1).splitlines()
         raise BatchSizeExhausted(
@@ -585,9 +622,44 @@ def suggest_batch_size(
             batch_size=1,
             attempts=0,
         )
-    if found.notes:
+    if found.notes and not calibrate:
         warn_inexact(found, f"koila.suggest_batch_size chose {size} for {_name_of(fn)}")
     return size
+
+
+def _calibrated(fn: Callable[..., Any], batch: Split, found: MemoryEstimate, budget: int, margin: float) -> Fitting:
+    """Return the estimate corrected by one real run of ``fn`` on the first rows of ``batch``, where it can be."""
+    device = found.device
+    if not same_device(batch.device, device):
+        raise ValueError(
+            f"calibrate=True runs the call for real on its example arguments, which lie on {batch.device}, and "
+            f"measures the device the estimate is for, {device}: pass example arguments on {device}"
+        )
+    meter = peak_meter(device)
+    if meter is None:
+        warnings.warn(
+            f"calibrate=True measures the peak of a real run, and {device} keeps none (a CPU allocator has no "
+            "peak to read): the estimate stands as it is. It is measured on CUDA and other accelerators, and inside "
+            "koila_retry.testing.simulated_device",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
+        return found
+    name = _name_of(fn)
+
+    def measured(size: int) -> tuple[int, int]:
+        args, kwargs = batch.chunk(0, size)
+        with meter:
+            fn(*args, **kwargs)
+        return size, meter.rise
+
+    # An estimate more than 8 times under the truth runs out of memory even so: the engine
+    # retries the run at the next smaller size, and gives up with BatchSizeExhausted at 1.
+    probe = min(probe_size(found, budget, batch.rows, margin), batch.rows)
+    policy = Policy.of("koila.suggest_batch_size", probe, {"cache": NoCache(), "sync": False})
+    controller = Controller(f"koila.suggest_batch_size({name})", policy)
+    rows, rise = controller.call(fn, None, device, measured)
+    return Corrected(found, Calibration(((rows, gap_of(found, rows, rise)),)))
 
 
 def warn_inexact(found: MemoryEstimate, what: str) -> None:
@@ -785,11 +857,29 @@ def _undo(undo: list[Callable[[], None]]) -> None:
 
 # --- what the estimate knows it does not model exactly -----------------------------
 
-_INTEGER_READ = (
-    "outside an optimizer step, the value reads as a placeholder, 1, since meta tensors hold none: sizes and "
-    "branches made from it may differ from those of the real run"
+# A value read from a tensor outside an optimizer step, by its kind: what it reads as, and
+# what is made of such reads. The optimizer's own reads (its step count) and a gradient
+# scaler's (whether any gradient is infinite) read as a step that is taken, which is what
+# the estimate models; they are not noted.
+_VALUE_READS = {
+    "integer": ("1", "sizes and branches made from it"),
+    "float": ("0.0", "branches and sizes made from it (a NaN guard, a threshold)"),
+    "truth value": (
+        "False, or what the check it came from usually finds (finite values, no NaN, all() of those true)",
+        "the branches taken (`if t:`, `if x.sum() > 0:`, `if torch.isfinite(loss):`)",
+    ),
+}
+_VALUE_READ = (
+    "outside an optimizer step, the value reads as a placeholder, {placeholder}, since meta tensors hold none: "
+    '{what} may differ from those of the real run. Where the device can be measured, initial="auto" and '
+    "suggest_batch_size(calibrate=True) measure a real run instead"
 )
-_CUDNN_CONVOLUTION = "convolution: the workspace cuDNN takes on CUDA is not modelled (the margin is for it)"
+# torch.amp's gradient scaler, whose reads of its inf checks the estimate answers as "none found".
+_SCALER_FILE = ("torch", "amp", "grad_scaler.py")
+_CUDNN_CONVOLUTION = (
+    "convolution: the workspace cuDNN takes on CUDA is not modelled (on an H100 a backward took 280 MiB): "
+    'the estimate may be below the real peak; initial="auto" measures it on the device'
+)
 
 
 def inexact_operators(device: torch.device) -> dict[Any, str]:
@@ -803,14 +893,17 @@ def inexact_operators(device: torch.device) -> dict[Any, str]:
     (torch 2.13):
 
     * on CUDA, ``aten.convolution`` and its backward: cuDNN's workspace;
-    * an integer read from a tensor outside an optimizer step (``int(t)``,
-      ``.item()``), which reads as a placeholder: noted by the Recorder itself;
+    * a value read from a tensor outside an optimizer step and a gradient
+      scaler (``int(t)``, ``float(t)``, ``.item()``, ``if t:``), which reads as a
+      placeholder: noted by the Recorder itself;
     * what ``attention.py`` and ``recurrent.py`` cannot run as the device's
       kernels, noted by them with :meth:`Recorder.note_inexact`.
 
     Not noted, because they are modelled: oneDNN's convolution buffers on the CPU
-    (``workspace.py``), the attention kernels and fast paths (``attention.py``),
-    the recurrent kernels (``recurrent.py``) and the CUDA allocator's rounding.
+    (``workspace.py``), the attention kernels and fast paths and CUDA's fused dropout
+    (``attention.py``), the recurrent kernels (``recurrent.py``, though cuDNN's,
+    fitted to one GPU's measurements, note themselves) and the CUDA allocator's
+    rounding.
     Not noted, because meta tensors cannot run them at all, so the estimate fails
     with their error instead: operators whose result's shape depends on values
     (``nonzero``, ``unique``, ``masked_select``, indexing with a boolean mask).
@@ -862,6 +955,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         self.modules: ModuleTracker | None = None
         self.reclassify: Callable[[], None] | None = None
         self._callback_queued = False
+        self.truths = Truths()
 
     def __torch_dispatch__(
         self,
@@ -871,7 +965,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func is _LOCAL_SCALAR:
-            return self._placeholder(args[0].dtype)
+            return self._placeholder(args[0])
         settle()  # autocast's cached casts go when its region ends, before anything after it allocates
         known = self.inexact.get(func)
         if known is not None:
@@ -899,19 +993,32 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             transient = self.workspace(func, args, out) if self.workspace is not None else 0
             if fresh or transient:
                 self._observe(transient)
+        rule = _TRUTH_RULES.get(func)
+        if rule is not None and isinstance(out, torch.Tensor):
+            self.truths.remember(out, rule, args)
         return out
 
-    def _placeholder(self, dtype: torch.dtype) -> Any:
+    def _placeholder(self, tensor: torch.Tensor) -> Any:
         # Meta tensors hold no values. An optimizer reads its step count (1 keeps the
         # bias corrections finite); elsewhere 0 and False keep checks for infinities
-        # (a gradient scaler's, say) from skipping the step.
+        # (a gradient scaler's, say) from skipping the step, and a truth value is what
+        # the checks it came from usually find (see Truths). Every other read is noted:
+        # whatever it decides, it decides from the placeholder.
+        dtype = tensor.dtype
+        value: bool | float | int
         if dtype == torch.bool:
-            return False
-        if dtype.is_floating_point or dtype.is_complex:
-            return 1.0 if self.in_step else 0.0
-        if not self.in_step:  # sizes are made of integers: ``torch.arange(int(n))``, ``x[:, : int(n)]``
-            self.note_inexact("reading an integer from a tensor", _INTEGER_READ)
-        return 1
+            kind, value = "truth value", self.truths.usual(tensor)
+        elif dtype.is_floating_point or dtype.is_complex:
+            kind, value = "float", 1.0 if self.in_step else 0.0
+        else:
+            kind, value = "integer", 1
+        if not self.in_step and not _in_scaler():
+            placeholder, what = _VALUE_READS[kind]
+            self.note_inexact(
+                f"reading {'an' if kind == 'integer' else 'a'} {kind} from a tensor",
+                _VALUE_READ.format(placeholder=placeholder, what=what),
+            )
+        return value
 
     def note_inexact(self, operator: str, why: str) -> None:
         """Say that the run met something it cannot model exactly; the estimate shows it once.
@@ -1012,6 +1119,96 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
 
 
 META = torch.device("meta")
+
+_aten = torch.ops.aten
+# What a truth value made by these operators usually is, for a read of it on meta tensors:
+# ``True``/``False``; ``"not"``, ``"and"``, ``"or"`` of their arguments' usual values;
+# ``"all"``/``"any"``, their argument's, or (when nothing is known of it) True for all()
+# (validations: every mask entry set, every position in order) and False for any()
+# (a NaN anywhere, an ignored label); ``"self"``: whether both arguments are one tensor
+# (``x == x`` holds where x is not NaN; ``isfinite`` is made of it).
+_TRUTH_KINDS: dict[str, bool | str] = {
+    "isnan": False,
+    "isinf": False,
+    "isposinf": False,
+    "isneginf": False,
+    "logical_not": "not",
+    "bitwise_not": "not",
+    "logical_and": "and",
+    "bitwise_and": "and",
+    "mul": "and",
+    "logical_or": "or",
+    "bitwise_or": "or",
+    "all": "all",
+    "any": "any",
+    "eq": "self",
+    "ne": "finite",
+}
+_TRUTH_RULES: dict[Any, bool | str] = {
+    getattr(getattr(_aten, name), overload): kind
+    for name, kind in _TRUTH_KINDS.items()
+    for overload in getattr(_aten, name).overloads()
+}
+
+
+class Truths:
+    """What the truth values a meta run makes would usually be, so that a read of one follows the usual branch.
+
+    Remembered per tensor for as long as it lives, and only for the operators of
+    ``_TRUTH_RULES``; a read of any other truth value reads ``False``.
+    """
+
+    def __init__(self) -> None:
+        self._usual: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+
+    def usual(self, tensor: torch.Tensor) -> bool:
+        """Return what ``tensor``'s value usually is; ``False`` if nothing is known of it."""
+        found = self._usual.get(id(tensor))
+        return found is not None and found[0]() is tensor and found[1]
+
+    def _known(self, value: Any) -> bool | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        found = self._usual.get(id(value))
+        return found[1] if found is not None and found[0]() is value else None
+
+    def remember(self, out: torch.Tensor, rule: bool | str, args: tuple[Any, ...]) -> None:
+        """Remember what ``out``, made by an operator of rule ``rule`` from ``args``, usually is."""
+        if out.dtype != torch.bool:
+            return
+        first = self._known(args[0]) if args else None
+        second = self._known(args[1]) if len(args) > 1 else None
+        if isinstance(rule, bool):
+            usual: bool | None = rule
+        elif rule == "not":
+            usual = None if first is None else not first
+        elif rule == "and":
+            usual = None if first is None or second is None else first and second
+        elif rule == "or":
+            usual = None if first is None or second is None else first or second
+        elif rule == "all":
+            usual = True if first is None else first
+        elif rule == "any":
+            usual = False if first is None else first
+        elif rule == "self":  # x == x: not NaN
+            usual = True if len(args) > 1 and args[0] is args[1] else None
+        else:  # x != inf: finite
+            usual = True if len(args) > 1 and isinstance(args[1], float) and math.isinf(args[1]) else None
+        if usual is not None:
+            if len(self._usual) > 4096:  # a long run's dead entries: forget them
+                self._usual = {key: entry for key, entry in self._usual.items() if entry[0]() is not None}
+            self._usual[id(out)] = (weakref.ref(out), usual)
+
+
+def _in_scaler() -> bool:
+    """Return whether torch.amp's gradient scaler is on the stack (a read of its inf checks)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        parts = frame.f_code.co_filename.replace("\\", "/").rsplit("/", 3)[-3:]
+        if tuple(parts) == _SCALER_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
@@ -1127,20 +1324,23 @@ def check_auto(initial: object) -> None:
 
 
 class _Estimates:
-    """The estimates of one function on one input signature: its step whole, and split.
+    """The estimates of one function on one input signature: its step whole, and split, and their correction.
 
     A split step's micro-batches after the first add their gradients into the
     first's, so they hold every gradient plus the incoming one: another estimate,
-    made only when the whole batch does not fit.
+    made only when the whole batch does not fit. ``calibration`` is what a real run
+    on the device said of the estimates' own bytes (see ``calibration.py``), once one
+    was measured.
     """
 
-    __slots__ = ("memo", "split", "split_made", "whole")
+    __slots__ = ("calibration", "memo", "split", "split_made", "whole")
 
     def __init__(self, memo: _Memo, whole: MemoryEstimate | None) -> None:
         self.memo = memo
         self.whole = whole  # None: it could not be made (and a warning said why)
         self.split: MemoryEstimate | None = None
         self.split_made = False
+        self.calibration: Calibration | None = None
 
     def split_of(self, make: Callable[[], MemoryEstimate] | None, name: str) -> MemoryEstimate:
         """Return the estimate of a split step, made the first time; the whole step's if it has none."""
@@ -1150,20 +1350,25 @@ class _Estimates:
             self.split_made = True
         return self.split or cast(MemoryEstimate, self.whole)
 
+    def fitting(self, found: MemoryEstimate) -> Fitting:
+        """Return ``found`` as sizes are decided from it: corrected, once a run was measured."""
+        return found if self.calibration is None else Corrected(found, self.calibration)
+
 
 class _Fit:
     """What fits at one level of free memory: the most rows of a whole step, and the largest split.
 
     Each is found with the margin and without: the margin is for what the estimate
     does not model, and when nothing fits with it, the whole batch that fits without
-    it is still the best start there is.
+    it is still the best start there is. A fit is of the estimates as corrected when
+    it was made (``calibration``).
     """
 
-    __slots__ = ("_split", "bare", "budget", "estimates", "whole")
+    __slots__ = ("_split", "bare", "budget", "calibration", "estimates", "whole")
 
     def __init__(self, estimates: _Estimates, budget: int) -> None:
-        found = cast(MemoryEstimate, estimates.whole)
-        self.estimates, self.budget = estimates, budget
+        found = estimates.fitting(cast(MemoryEstimate, estimates.whole))
+        self.estimates, self.budget, self.calibration = estimates, budget, estimates.calibration
         self.whole = _most_rows(found, budget, DEFAULT_MARGIN)
         self.bare = _most_rows(found, budget, 0.0)
         self._split: tuple[int, int] | None = None
@@ -1171,7 +1376,7 @@ class _Fit:
     def split(self, make: Callable[[], MemoryEstimate] | None, name: str) -> tuple[int, int]:
         """Return the largest power of two a split step fits at, with the margin and without (0: none)."""
         if self._split is None:
-            found = self.estimates.split_of(make, name)
+            found = self.estimates.fitting(self.estimates.split_of(make, name))
             self._split = (
                 found.largest_fitting(self.budget, margin=DEFAULT_MARGIN) or 0,
                 found.largest_fitting(self.budget, margin=0.0) or 0,
@@ -1179,7 +1384,7 @@ class _Fit:
         return self._split
 
 
-def _most_rows(found: MemoryEstimate, budget: int, margin: float) -> int:
+def _most_rows(found: Fitting, budget: int, margin: float) -> int:
     """Return the most rows, of any number, whose estimated peak plus ``margin`` fits (0 if none)."""
     power = found.largest_fitting(budget, margin=margin)
     if power is None:
@@ -1194,10 +1399,11 @@ def _most_rows(found: MemoryEstimate, budget: int, margin: float) -> int:
 class _Memo:
     """What ``initial="auto"`` remembers beside one cache's sizes, and forgets with them.
 
-    Estimates per function and input signature (the costly part), and what fits per
-    level of free memory (power-of-two buckets, as :class:`StackMemoryCache` keys
-    have), so that a call given far more memory later starts larger. A
-    :class:`NoCache` keeps neither: every call estimates afresh.
+    Estimates per function and input signature (the costly part), with what a
+    measured run said of them, and what fits per level of free memory
+    (power-of-two buckets, as :class:`StackMemoryCache` keys have), so that a call
+    given far more memory later starts larger. A :class:`NoCache` keeps neither:
+    every call estimates, and measures, afresh.
     """
 
     def __init__(self, keep: bool) -> None:
@@ -1220,15 +1426,24 @@ class _Memo:
                     self.estimates[key] = found
         return found
 
-    def fit(self, key: Hashable, device: torch.device, estimates: _Estimates) -> _Fit:
+    def fit(self, key: Hashable, device: torch.device, estimates: _Estimates, budget: int | None = None) -> _Fit:
+        """Return what fits at the device's level of free memory now; for ``budget`` bytes, if given, at that level."""
         level = (key, recent_free_memory(device).bit_length())
         with self.lock:
             fit = self.fits.get(level)
-        if fit is None or fit.estimates is not estimates:
-            fit = _Fit(estimates, free_memory(device) + cast(MemoryEstimate, estimates.whole).resident)
-            if self.keep:
-                with self.lock:
-                    self.fits[level] = fit
+        if (
+            fit is not None
+            and budget is None
+            and fit.estimates is estimates
+            and fit.calibration == estimates.calibration
+        ):
+            return fit
+        if budget is None:
+            budget = free_memory(device) + cast(MemoryEstimate, estimates.whole).resident
+        fit = _Fit(estimates, budget)
+        if self.keep:
+            with self.lock:
+                self.fits[level] = fit
         return fit
 
     def first_time(self, what: Hashable) -> bool:
@@ -1262,7 +1477,7 @@ def _memo_of(cache: SizeCache) -> _Memo:
 
 
 class AutoFirst:
-    """The first size of an ``initial="auto"`` call, and the estimate behind it.
+    """The first size of an ``initial="auto"`` call, the estimate behind it, and its calibration.
 
     Asked by the engine when the cache holds no size for the call. The whole batch
     if the estimate of a step over all of it fits in the free memory (plus what of
@@ -1271,6 +1486,12 @@ class AutoFirst:
     fits, estimated with its own memory (``split``); else the whole batch if it
     fits without the margin; else the largest split that does; else 1. Estimates
     and what fits are remembered in the cache (see :class:`_Memo`).
+
+    Where the device keeps a peak (CUDA and the other accelerators, a simulated
+    device) and no run of these estimates was measured yet, the estimate is a
+    prior: the first size is a probe (``calibration.probe_size``), its real run is
+    measured (:attr:`meter`), and :meth:`corrected` turns the measurement into the
+    size for the rest of the call and, through the memo, for later calls.
 
     Args:
         key (Hashable): the function, its input signature and the device.
@@ -1282,9 +1503,32 @@ class AutoFirst:
         split (callable, optional): makes the estimate of a split step (two
             micro-batches, the second adding its gradients into the first's);
             by default a split step is estimated as a whole one.
+        step (bool): the call is a training step (``accumulate``). A first size
+            that covers every row is measured as it is, with no probe before it: a
+            step split for a probe holds more (every gradient, and the next
+            micro-batch's) than the whole step does. After a probe, the rest of the
+            step is measured as a split step.
+
+    Attributes:
+        meter (PeakMeter or None): after the first size was asked for with
+            ``measure``: what measures the first run, when it is to be measured.
     """
 
-    __slots__ = ("_cache", "_device", "_figures", "_key", "_make", "_name", "_rows", "_split")
+    __slots__ = (
+        "_cache",
+        "_device",
+        "_estimates",
+        "_figures",
+        "_fit",
+        "_key",
+        "_make",
+        "_measured",
+        "_name",
+        "_rows",
+        "_split",
+        "_step",
+        "meter",
+    )
 
     def __init__(
         self,
@@ -1295,29 +1539,108 @@ class AutoFirst:
         name: str,
         cache: SizeCache,
         split: Callable[[], MemoryEstimate] | None = None,
+        *,
+        step: bool = False,
     ) -> None:
         self._key, self._rows, self._make, self._device, self._name = key, rows, make, device, name
-        self._cache, self._split = cache, split
+        self._cache, self._split, self._step = cache, split, step
+        self._measured = 0  # runs of this call measured so far
         self._figures: tuple[int, int] | None = None
+        self._estimates: _Estimates | None = None
+        self._fit: _Fit | None = None
+        self.meter: PeakMeter | None = None
 
-    def __call__(self) -> int:
+    def __call__(self, measure: bool = True) -> int:
+        """Return the first size; a probe to measure if ``measure`` and nothing was measured yet.
+
+        Args:
+            measure (bool): whether the caller can measure the first run (the engine
+                cannot when ranks agree, since each rank would measure its own).
+
+        Returns:
+            int: the first size, at least 1.
+        """
         memo, rows, name = _memo_of(self._cache), self._rows, self._name
-        estimates = memo.estimates_of(self._key, self._make, name)
+        estimates = self._estimates = memo.estimates_of(self._key, self._make, name)
         whole = estimates.whole
         if whole is None:
             return rows
         if whole.notes and memo.first_time((name, whole.notes)):
             warn_inexact(whole, f"initial='auto' chose the first size of {name}")
-        fit = memo.fit(self._key, self._device, estimates)
+        fit = self._fit = memo.fit(self._key, self._device, estimates)
+        first = self._decide(fit)
+        if measure and estimates.calibration is None:
+            self.meter = peak_meter(self._device)
+            if self.meter is not None and not (self._step and first >= rows):
+                return probe_size(whole, fit.budget, first, DEFAULT_MARGIN)
+        return first
+
+    def after_oom(self, size: int) -> int:
+        """Return the size to measure next, after the run to be measured ran out of memory at ``size``.
+
+        The estimate is then under the truth by more than its margin: the next run
+        is a probe, below ``size``, that fits even if it were 8 times under.
+
+        Args:
+            size (int): the size that ran out of memory.
+
+        Returns:
+            int: at least 1, at most half of ``size`` (or 1).
+        """
+        estimates, fit = self._estimates, self._fit
+        below = max(size // 2, 1)
+        if estimates is None or fit is None or estimates.whole is None or estimates.calibration is not None:
+            return below
+        return probe_size(estimates.whole, fit.budget, below, DEFAULT_MARGIN)
+
+    def _decide(self, fit: _Fit) -> int:
+        rows, estimates = self._rows, fit.estimates
+        whole = cast(MemoryEstimate, estimates.whole)
         self._figures = (whole.per_sample, whole.fixed)
         if rows <= fit.whole:
             return rows
-        split, split_bare = fit.split(self._split, name)
+        split, split_bare = fit.split(self._split, self._name)
         found = estimates.split or whole
         self._figures = (found.per_sample, found.fixed)
         if split:
             return split
         return rows if rows <= fit.bare else split_bare or 1
+
+    def corrected(self, rows: int, rise: int) -> int:
+        """Correct the estimates by a measured run, and return the size for what follows.
+
+        The first run measured is one step or chunk; a training step's second is the
+        rest of a step split after a probe, set against the estimate of a split step.
+
+        Args:
+            rows (int): the rows of the run measured (of each micro-batch, for the
+                rest of a split step).
+            rise (int): its peak on the device less what was allocated as it began
+                (for the rest of a split step, plus the gradients the step held).
+
+        Returns:
+            int: the size the corrected estimates choose, as the first size is chosen.
+        """
+        estimates, fit = self._estimates, self._fit
+        if estimates is None or fit is None or estimates.whole is None:
+            return self._rows
+        found = estimates.whole
+        if self._step and self._measured:
+            found = estimates.split_of(self._split, self._name)
+        self._measured += 1
+        known = estimates.calibration or Calibration(())
+        estimates.calibration = known.adding(rows, gap_of(found, rows, rise))
+        # At the budget the call began with: what the call holds by now is in the estimates.
+        fit = self._fit = _memo_of(self._cache).fit(self._key, self._device, estimates, fit.budget)
+        return self._decide(fit)
+
+    def split_rows(self) -> int:
+        """Return the micro-batch size of a step already split, as the (corrected) estimate of a split step fits it."""
+        fit = self._fit
+        if fit is None or fit.estimates.whole is None:
+            return max(self._rows // 2, 1)
+        split, split_bare = fit.split(self._split, self._name)
+        return split or split_bare or 1
 
     def figures(self) -> tuple[int, int] | None:
         """Return the estimate's per-sample and fixed bytes, if one was made for this call's inputs."""

@@ -17,9 +17,10 @@ its gradients and scratch space. A dozen allocations per layer replace thousands
 operators. The CPU's rules were measured on this project's machines
 (oneDNN 3.12, AVX-512): the generic path against the tensors a real run makes, oneDNN's
 against the resident set of a child process (oneDNN writes about a third of the
-workspace it asks for in the forward pass, and the rest only in backward). cuDNN's are a
-model of what it must hold, not checked on a GPU. Packed sequences, LSTMs with projections
-and other devices keep PyTorch's own path, and the estimate notes it.
+workspace it asks for in the forward pass, and the rest only in backward). cuDNN's
+workspace and reserve follow rules fitted to one H100 run (cuDNN 9.19), and are noted as
+such. Packed sequences, LSTMs with projections and other devices keep PyTorch's own path,
+and the estimate notes it.
 """
 
 from __future__ import annotations
@@ -536,16 +537,115 @@ def _generic(call: _Call) -> tuple[torch.Tensor, ...]:
 
 # --- CUDA: cuDNN ---------------------------------------------------------------------------
 
+# What cuDNN's RNN allocates beside its outputs, fitted to one run: an H100 80GB with cuDNN 9.19 and
+# torch 2.11.0+cu130 on 2026-11-25 (gpu-runs/2026-11-25: diag2.txt's grid of GRUs and LSTMs in float32
+# and bfloat16, 1 and 2 layers, hidden 128 and 512, 16 and 64 steps, 64 and 1024 rows, 32 features, one
+# direction; and the zoo's two-layer GRU and LSTM in eval mode and under bfloat16 autocast, diag.txt and
+# pytest.log). cuDNN picks its algorithms and their sizes by version and card: others may differ.
+#
+# The reserve a training-mode forward keeps for backward, per row and step, in elements of the call's
+# dtype: this many times the hidden size per layer and direction, and each layer's input past the first
+# (the layer below's output). Exact on every row of the grid. A plain RNN's (tanh or relu) was not
+# measured: taken as its state and one gate, as an LSTM's is its four gates and its cell state.
+_RESERVE = {_LSTM: 5, _GRU: 6, _TANH: 2, _RELU: 2}
+# The workspace of each call (the forward, in training or eval mode, and both halves of backward, which
+# ask cudnnGetRNNTempSpaceSizes for the training size), by algorithm: a fixed part per layer and direction,
+# a copy of the weights, and the terms of _Workspace. Within 3.2% of the workspace the grid implies where
+# that is 50 MiB or more, and 1.6 MiB where less.
+_FIXED_WORKSPACE = 8_570_000  # bytes per layer and direction (fitted: 8.17 MiB)
+
+
+@dataclass(frozen=True)
+class _Workspace:
+    """The workspace of one cuDNN algorithm for one kind of cell, beside its fixed part, in elements of the dtype."""
+
+    per_row: float  # per row, layer and direction, times the hidden size
+    per_step: float  # per row and step, times the hidden size and the directions: one layer's worth
+    padding: float  # per row, step and direction
+    deeper: float  # per row, step and direction of each layer past the first, times the hidden size
+    eval_less: float  # less per row, step and direction, times the hidden size, for a forward in eval mode
+
+
+# The standard algorithm: one layer's gates and state over the whole sequence, and a little padding
+# (fitted to the grid's hidden 512 rows, and its bfloat16 rows at 128, which take these sizes too).
+# In eval mode its workspace was not measured: taken as in training (the persistent algorithm's below
+# was never more in eval mode than in training).
+_STANDARD = {
+    _GRU: _Workspace(per_row=4.8, per_step=_GATES[_GRU] + 1, padding=52, deeper=0, eval_less=0),
+    _LSTM: _Workspace(per_row=10.1, per_step=_GATES[_LSTM] + 1, padding=32, deeper=0, eval_less=0),
+}
+# The persistent algorithm for small hidden sizes (CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H), which PyTorch
+# picks for hidden sizes up to 192 in the forward and 128 in backward (384 and 256 for a plain RNN): far
+# more per step. Fitted to the grid's float32 rows at hidden 128, the only size measured (the terms are
+# taken to grow with the hidden size); float16 (what autocast runs cuDNN's RNN in, whatever its dtype)
+# matched them in the zoo's autocast rows, bfloat16 did not. In eval mode: the zoo's float32 rows.
+_SMALL_HIDDEN = {
+    _GRU: _Workspace(per_row=5.6, per_step=18.6, padding=0, deeper=0.82, eval_less=3.31),
+    _LSTM: _Workspace(per_row=7.2, per_step=21.5, padding=0, deeper=0, eval_less=0),
+}
+# A plain RNN's workspace was not measured: taken as the GRU's, but for its one gate's projection.
+_STANDARD[_TANH] = _STANDARD[_RELU] = dataclasses.replace(_STANDARD[_GRU], per_step=_GATES[_TANH] + 1)
+_SMALL_HIDDEN[_TANH] = _SMALL_HIDDEN[_RELU] = _SMALL_HIDDEN[_GRU]
+# PyTorch's choice of the persistent algorithm for small hidden sizes (``use_rnn_persist_small_h``),
+# by cell: the largest hidden size in the forward, and in backward.
+_SMALL_LIMITS = {_LSTM: (192, 128), _GRU: (192, 128), _TANH: (384, 256), _RELU: (384, 256)}
+# The dtypes cuDNN takes weights in one flat buffer of (``torch.backends.cudnn.is_acceptable``):
+# ``nn.RNNBase`` flattens its own into one on CUDA. Others (bfloat16) are copied into one at each call.
+_FLAT_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _CudnnShape:
+    """One ``aten::_cudnn_rnn`` call, as cuDNN's memory depends on it."""
+
+    cell: str
+    dtype: torch.dtype  # what cuDNN runs in: float16 under autocast
+    steps: int
+    rows: int
+    hidden: int
+    layers: int
+    directions: int
+    weights: int  # bytes of the weights in one flat buffer, in ``dtype``
+
+    def reserve(self) -> int:
+        """Return the bytes a training-mode forward keeps for backward."""
+        pieces = self.layers * self.directions * _RESERVE[self.cell] + (self.layers - 1) * self.directions
+        return self.steps * self.rows * self.hidden * pieces * self.dtype.itemsize
+
+    def small_hidden(self, forward: bool) -> bool:
+        """Return whether cuDNN runs the persistent algorithm for small hidden sizes, as PyTorch picks it."""
+        if self.dtype not in (torch.float32, torch.float16):  # float64 never; bfloat16 was measured without it
+            return False
+        return self.hidden <= _SMALL_LIMITS[self.cell][0 if forward else 1]
+
+    def workspace(self, forward: bool, train: bool) -> int:
+        """Return the bytes of cuDNN's workspace during a forward (``forward``) or a backward call."""
+        rule = (_SMALL_HIDDEN if self.small_hidden(forward) else _STANDARD)[self.cell]
+        hidden, sequences = self.hidden, self.rows * self.directions
+        per_step = rule.per_step * hidden + rule.padding + rule.deeper * (self.layers - 1) * hidden
+        if forward and not train:
+            per_step -= rule.eval_less * hidden
+        elements = rule.per_row * self.layers * sequences * hidden + per_step * self.steps * sequences
+        fixed = self.layers * self.directions * _FIXED_WORKSPACE + self.weights
+        return fixed + round(elements * self.dtype.itemsize)
+
 
 class _CudnnStack(torch.autograd.Function):
     """A whole recurrent stack as one ``aten::_cudnn_rnn``, as the memory it allocates and frees.
 
-    cuDNN runs every layer and direction in one call. What it allocates beside the
-    outputs is modelled from what it must hold, and is not checked on a GPU: a
-    reserve for backward of, per layer, direction, step and row, the gates and the
-    states (``gates + 2`` hidden-sized pieces, 2 for a plain RNN), and a workspace during
-    each call as large as one layer's gates over the whole sequence. The weights are
-    assumed to lie in one flat buffer, as ``nn.RNNBase`` keeps them on CUDA.
+    cuDNN runs every layer and direction in one call. Beside its outputs, PyTorch's
+    kernel makes a time-major contiguous copy of the input where it is not one (any
+    ``batch_first`` input), a flat copy of the weights where they are not in one buffer
+    (bfloat16), and asks cuDNN for a workspace, alive during the call, and in training
+    mode (``nn.Module.train()``, with or without autograd) a reserve, which autograd
+    keeps for backward. Backward makes zeros for the outputs that got no gradient,
+    contiguous time-major copies of the gradients, the input's copy once more, the
+    gradients and the workspace again, first for the inputs' gradients, then for the
+    weights' (one flat buffer, handed out as views). The sizes of the workspace and the
+    reserve follow ``_RESERVE``, ``_STANDARD`` and ``_SMALL_HIDDEN``. Not measured and
+    taken as the standard algorithm: float16's persistent algorithm for one-layer LSTMs
+    and plain RNNs (hidden sizes a multiple of 128, up to 128 rows); not counted: the
+    dropout state cuDNN keeps for the process (about 2 MiB) where dropout is on.
     """
 
     @staticmethod
@@ -553,6 +653,7 @@ class _CudnnStack(torch.autograd.Function):
         ctx: Any,
         call: _Call,
         recording: bool,
+        dtype: torch.dtype,
         x: torch.Tensor,
         hx: torch.Tensor,
         cx: torch.Tensor | None,
@@ -560,62 +661,101 @@ class _CudnnStack(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         steps, rows = (x.shape[1], x.shape[0]) if call.batch_first else (x.shape[0], x.shape[1])
-        hidden, gates = hx.shape[-1], _GATES[call.cell]
-        device, dtype, size = x.device, x.dtype, x.element_size()
-        # The input, made contiguous in time-major order (a copy for batch_first), for the call.
-        copy = torch.empty(steps, rows, x.shape[-1], dtype=dtype, device=device) if call.batch_first else None
+        device, hidden = x.device, hx.shape[-1]
+        weights = sum(param.numel() for param in params) * dtype.itemsize
+        shape = _CudnnShape(call.cell, dtype, steps, rows, hidden, call.num_layers, call.directions, weights)
+        time_major = x.transpose(0, 1) if call.batch_first else x
+        copy = None if time_major.is_contiguous() else torch.empty(time_major.shape, dtype=x.dtype, device=device)
         output = torch.empty(steps, rows, call.directions * hidden, dtype=dtype, device=device)
-        hy = torch.empty_like(hx, memory_format=torch.contiguous_format)
-        cy = None if cx is None else torch.empty_like(cx, memory_format=torch.contiguous_format)
-        pieces = gates + 2 if gates > 1 else 2
-        layers = call.num_layers * call.directions
-        reserve = None
-        if recording:
-            reserve = torch.empty(layers * steps * rows * hidden * pieces * size, dtype=torch.uint8, device=device)
-        _touch(call.directions * steps * rows * gates * hidden * size, device)
+        hy = torch.empty(hx.shape, dtype=dtype, device=device)
+        cy = None if cx is None else torch.empty(cx.shape, dtype=dtype, device=device)
+        # Under autocast (float16 here) the weights come cast already: autocast.py's cache of
+        # their casts stands for the real path's flat buffer of float16 weights, made at each call.
+        flat = dtype in _FLAT_DTYPES
+        weight_copy = None if flat else torch.empty(weights, dtype=torch.uint8, device=device)
+        reserve = torch.empty(shape.reserve(), dtype=torch.uint8, device=device) if call.train else None
+        _touch(shape.workspace(forward=True, train=call.train), device)
         del copy
         if call.batch_first:
             output = output.transpose(0, 1)
-        ctx.call, ctx.reserve, ctx.sizes = call, reserve, (steps, rows, hidden, gates, size)
+        if not recording:  # nothing keeps them: they go when the call returns
+            reserve = weight_copy = None
+        ctx.call, ctx.shape, ctx.reserve, ctx.weight_copy = call, shape, reserve, weight_copy
         if recording:
-            ctx.save_for_backward(x, hx, output)
+            ctx.save_for_backward(x, hx, cx, output)
         return (output, hy) if cy is None else (output, hy, cy)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
-        steps, rows, hidden, gates, size = ctx.sizes
-        x, hx, output = ctx.saved_tensors
-        device = x.device
-        results = (output, hx, None if len(grads) < 3 else hx)
-        # Contiguous time-major copies of the incoming gradients, and zeros for the missing ones.
-        copies = sum(
-            _bytes_of(result)
-            for result, grad in zip(results, grads)
-            if result is not None
-            and (grad is None or not grad.is_contiguous() or (call.batch_first and result is output))
-        )
-        x_grad = torch.empty_like(x)
-        hx_grad = torch.empty_like(hx)
-        cx_grad = torch.empty_like(hx) if len(grads) == 3 else None
-        _touch(copies + call.directions * steps * rows * gates * hidden * size, device)
-        ctx.reserve = None
-        # The weights' gradients: one flat buffer, handed out as views.
+        shape: _CudnnShape = ctx.shape
+        x, hx, cx, output = ctx.saved_tensors
+        needed = ctx.needs_input_grad
         params = call.params
-        flat = torch.empty(sum(param.numel() for param in params), dtype=x.dtype, device=device)
-        views, offset = [], 0
-        for param in params:
-            views.append(flat[offset : offset + param.numel()].view(param.shape))
-            offset += param.numel()
-        del flat
-        return (None, None, x_grad, hx_grad, cx_grad, *views)
+        if all(grad is None for grad in grads):
+            ctx.reserve = ctx.weight_copy = None
+            return (None,) * (6 + len(params))
+        device = x.device
+
+        def time_major(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.transpose(0, 1) if call.batch_first else tensor
+
+        def copy_unless_contiguous(tensor: torch.Tensor) -> torch.Tensor | None:
+            if tensor.is_contiguous():
+                return None
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+
+        # Zeros for the outputs that got no gradient, alive until the call returns.
+        grad_output, grad_hy = grads[0], grads[1]
+        grad_cy = grads[2] if len(grads) > 2 else None
+        if grad_output is None:
+            grad_output = torch.empty(output.shape, dtype=output.dtype, device=device)
+        if grad_hy is None:
+            grad_hy = torch.empty(hx.shape, dtype=shape.dtype, device=device)
+        if cx is not None and grad_cy is None:
+            grad_cy = torch.empty(cx.shape, dtype=shape.dtype, device=device)
+        # The inputs' gradients, always (cuDNN's pass for them also readies the reserve for the weights').
+        copies = [copy_unless_contiguous(time_major(x)), copy_unless_contiguous(time_major(grad_output))]
+        copies += [copy_unless_contiguous(grad) for grad in (grad_hy, grad_cy) if grad is not None]
+        x_grad = torch.empty(time_major(x).shape, dtype=x.dtype, device=device)
+        hx_grad = torch.empty(hx.shape, dtype=hx.dtype, device=device)
+        cx_grad = None if cx is None else torch.empty(cx.shape, dtype=cx.dtype, device=device)
+        _touch(shape.workspace(forward=False, train=True), device)
+        del copies
+        # The weights' gradients: one flat buffer, handed out as views.
+        views: list[torch.Tensor | None] = [None] * len(params)
+        if any(needed[6:]):
+            copy = copy_unless_contiguous(time_major(x))
+            flat = torch.empty(sum(param.numel() for param in params), dtype=params[0].dtype, device=device)
+            _touch(shape.workspace(forward=False, train=True), device)
+            del copy
+            offset = 0
+            for index, param in enumerate(params):
+                views[index] = flat[offset : offset + param.numel()].view(param.shape)
+                offset += param.numel()
+            del flat
+        ctx.reserve = ctx.weight_copy = None  # autograd lets the saved reserve go once the node has run
+        return (
+            None,
+            None,
+            None,
+            time_major(x_grad) if needed[3] else None,
+            hx_grad if needed[4] else None,
+            cx_grad if needed[5] else None,
+            *views,
+        )
 
 
 def _cudnn(call: _Call) -> tuple[torch.Tensor, ...]:
     """Run a recurrent stack as cuDNN does, in one call."""
+    # Autocast's wrapper of aten::_cudnn_rnn casts to float16 whatever autocast's dtype (its tensors
+    # come here cast to that dtype, of the same size), flattening the weights into a new buffer.
+    lower = casts_on() and call.input.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    call = _cast(call, "_cudnn_rnn")
+    dtype = torch.float16 if lower else call.input.dtype
     recording = _recording(call.input, call.hx, call.cx, *call.params)
     results: tuple[torch.Tensor, ...] = _CudnnStack.apply(  # type: ignore[no-untyped-call]
-        call, recording, call.input, call.hx, call.cx, *call.params
+        call, recording, dtype, call.input, call.hx, call.cx, *call.params
     )
     return results
 
@@ -655,7 +795,9 @@ class RecurrentKernels(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if kind == "cuda":
             self._note(cell, _CUDNN)
-            return _cudnn(_cast(call, "_cudnn_rnn"))
+            if cell in (_TANH, _RELU) or call.bidirectional:
+                self._note(cell, _CUDNN_UNMEASURED)
+            return _cudnn(call)
         if call.cx is not None and _onednn_usable(call):
             if casts_on():  # autocast casts each layer's aten::mkldnn_rnn_layer, in the dispatcher
                 self._note(cell, _ONEDNN_LOWER)
@@ -693,8 +835,13 @@ _MIXED = (
     "which is counted in float32: the estimate may be above the real peak"
 )
 _CUDNN = (
-    "cuDNN's reserve and workspace on CUDA follow a model of what they hold, not checked on a GPU: the estimate "
-    "may be below or above the real peak"
+    "cuDNN's reserve and workspace on CUDA follow rules fitted to one H100 run's grid (cuDNN 9.19, torch 2.11), "
+    "unverified on other cards and cuDNN versions, which may choose other algorithms and sizes: the estimate may "
+    'be below or above the real peak; initial="auto" calibrates on the device and corrects it'
+)
+_CUDNN_UNMEASURED = (
+    "cuDNN's memory for plain RNNs and for two directions was not measured: its rules are extended from those of "
+    "one-direction GRUs and LSTMs, and the estimate may be below or above the real peak"
 )
 
 

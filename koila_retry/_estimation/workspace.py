@@ -7,17 +7,33 @@ call, and on a small convolutional network they were a third of the real peak. T
 rules below were measured on this project's machines (oneDNN 3.12, AVX2) operator
 by operator, against the resident set of a child process, to within ~0.3 MiB per
 call; ``docs/performance.rst`` has the check on whole training steps.
+
+On CUDA, PyTorch's reduction kernel (``gpu_reduce_kernel`` in ``ATen/native/cuda/Reduce.cuh``)
+can split each output's inputs across several thread blocks; the blocks then meet in a staging
+buffer in global memory, with one semaphore per column of blocks, both taken from the caching
+allocator for the call. :func:`cuda_reduction_workspace` models them for the operators that reach
+that kernel directly: ``sum`` and ``mean`` (``mean`` has a kernel of its own on CUDA, built on the
+same launcher), and the bias gradient that ``convolution_backward`` sums outside cuDNN. On the H100
+run of 2026-11-25 the bias gradient of a ``[8192, 1024]`` float32 activation took 64 MiB this way.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["onednn_convolution_workspace"]
+__all__ = [
+    "ASSUMED_CARD",
+    "CudaCard",
+    "cuda_card",
+    "cuda_reduction_buffers",
+    "cuda_reduction_workspace",
+    "device_workspace",
+    "onednn_convolution_workspace",
+]
 
 _FORWARD = torch.ops.aten.convolution.default
 _BACKWARD = torch.ops.aten.convolution_backward.default
@@ -103,3 +119,321 @@ def onednn_convolution_workspace(func: Any, args: tuple[Any, ...], out: Any) -> 
         weights = max(blocked_grad_output + blocked_input + blocked_weight, blocked_weight + weight.numel() * size)
         held = max(held, grad_input_alive + weights)
     return int(max(held - results, 0))
+
+
+# --- CUDA's reduction kernel -------------------------------------------------------
+
+
+class CudaCard(NamedTuple):
+    """What PyTorch's reduction launcher reads of a card to size its grid."""
+
+    multiprocessors: int
+    threads_per_multiprocessor: int
+    warp_size: int = 32
+
+
+# Without a CUDA device to ask: an A100, the card attention.py assumes (compute capability 8.0).
+ASSUMED_CARD = CudaCard(multiprocessors=108, threads_per_multiprocessor=2048)
+
+_aten = torch.ops.aten
+# The reductions that launch the kernel themselves, and whether their second argument lists dims.
+_REDUCTIONS: dict[Any, bool] = {
+    _aten.sum.dim_IntList: True,
+    _aten.sum.default: False,
+    _aten.mean.dim: True,
+    _aten.mean.default: False,
+}
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
+# The launcher's limits (Reduce.cuh): threads a block, and the values one thread should sum
+# before blocks are split (at least) and at most.
+_BLOCK_THREADS = 512
+_BLOCK_THREADS_COMPLEX128 = 256
+_MIN_VALUES_PER_THREAD = 16
+_MAX_VALUES_PER_THREAD = 256
+_SEMAPHORE = 4  # one int per column of blocks
+# The caching allocator's rounding, as koila's estimate applies it to storages (estimate.py keeps
+# its own copy: a workspace is rounded here because the Recorder rounds only storages).
+_CUDA_BLOCK = 512
+_CUDA_SMALL = 1 << 20
+_CUDA_LARGE_ROUND = 2 << 20
+
+
+def _cuda_rounded(nbytes: int) -> int:
+    if nbytes <= 0:
+        return 0
+    rounded = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    if rounded > _CUDA_SMALL:
+        rounded = -(-rounded // _CUDA_LARGE_ROUND) * _CUDA_LARGE_ROUND
+    return rounded
+
+
+def cuda_card(device: torch.device) -> CudaCard:
+    """Return what the reduction launcher would read of ``device``, or :data:`ASSUMED_CARD` without CUDA.
+
+    Args:
+        device (torch.device): a CUDA device.
+
+    Returns:
+        CudaCard: its multiprocessors, threads per multiprocessor and warp size.
+    """
+    if not torch.cuda.is_available():
+        return ASSUMED_CARD
+    properties = torch.cuda.get_device_properties(device)
+    return CudaCard(
+        multiprocessors=int(properties.multi_processor_count),
+        threads_per_multiprocessor=int(
+            getattr(properties, "max_threads_per_multi_processor", ASSUMED_CARD.threads_per_multiprocessor)
+        ),
+        warp_size=int(getattr(properties, "warp_size", ASSUMED_CARD.warp_size)),
+    )
+
+
+def _floor_power_of_two(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _iteration_order(
+    sizes: Sequence[int], in_strides: Sequence[int], out_strides: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Return the reduction's dims as ``TensorIterator`` walks them: ``(size, output stride, input stride)``.
+
+    Fastest first: the reduced dims (output stride 0) go to the front, the rest by the input's
+    stride, ties to the smaller size; undecided pairs keep their places (its insertion sort skips
+    over them). Then neighbours that one stride covers are merged, and size-1 dims vanish.
+    """
+    dims = [(sizes[i], out_strides[i], in_strides[i]) for i in reversed(range(len(sizes)))]
+
+    def goes_after(a: tuple[int, int, int], b: tuple[int, int, int]) -> int:
+        (size_a, out_a, in_a), (size_b, out_b, in_b) = a, b
+        if (out_a == 0) != (out_b == 0):
+            return 1 if out_b == 0 else -1
+        for stride_a, stride_b in ((out_a, out_b), (in_a, in_b)):
+            if stride_a == 0 or stride_b == 0:
+                continue
+            if stride_a != stride_b:
+                return -1 if stride_a < stride_b else 1
+            if size_a > size_b:
+                return 1
+        return 0
+
+    for i in range(1, len(dims)):
+        moving = i
+        for j in range(i - 1, -1, -1):
+            verdict = goes_after(dims[j], dims[moving])
+            if verdict > 0:
+                dims[j], dims[moving] = dims[moving], dims[j]
+                moving = j
+            elif verdict < 0:
+                break
+    merged: list[list[int]] = []
+    for size, out_stride, in_stride in dims:
+        if merged:
+            last = merged[-1]
+            joins = last[0] * last[1] == out_stride and last[0] * last[2] == in_stride
+            if last[0] == 1 or size == 1 or joins:
+                if last[0] == 1:
+                    last[1], last[2] = out_stride, in_stride
+                last[0] *= size
+                continue
+        merged.append([size, out_stride, in_stride])
+    return [(size, out_stride, in_stride) for size, out_stride, in_stride in merged]
+
+
+def _output_vector(offset: int, dims: Sequence[tuple[int, int, int]], reduced: int, item: int) -> int:
+    """Return how many neighbouring outputs one thread loads together (4, 2 or 1) when it sums across rows."""
+    width = 4
+    checks = [offset, dims[reduced][0]]
+    checks += [in_stride // item for index, (_, _, in_stride) in enumerate(dims) if index != reduced]
+    for value in checks:
+        while value % width:
+            width //= 2
+    return width
+
+
+def cuda_reduction_buffers(
+    x: torch.Tensor,
+    dims: Sequence[int] | None,
+    out_strides: Sequence[int],
+    accumulator_size: int,
+    card: CudaCard,
+) -> tuple[int, int]:
+    """Return the staging buffer and semaphore bytes PyTorch's CUDA reduction kernel allocates for a call.
+
+    A model of ``setReduceConfig`` and ``ReduceConfig`` in ``ATen/native/cuda/Reduce.cuh``
+    as torch 2.13 ships it (NVIDIA's path, not ROCm's): blocks of at most 512 threads, a warp's
+    lanes along the fastest dim, warps splitting the inputs when each thread would otherwise sum
+    at least ``min(16 x warps, 256)`` values, and blocks splitting them when each thread still
+    sums 256 or more and the grid is smaller than what fills every multiprocessor. Split blocks
+    meet in a staging buffer of ``accumulator_size x outputs x blocks per output`` bytes, times
+    the block's width and the outputs a thread loads at once when the reduced dim is not the
+    fastest one.
+
+    Args:
+        x (Tensor): the input as the kernel reads it (any device; only its shape, strides,
+            storage offset and dtype are used).
+        dims (sequence of int or None): the dims reduced; ``None`` or empty for all.
+        out_strides (sequence of int): the result's strides in elements, one per dim of ``x``
+            (0 for a reduced dim the result does not keep).
+        accumulator_size (int): bytes of the kernel's accumulator (4 for float32, float16
+            and bfloat16).
+        card (CudaCard): the card's multiprocessors, threads per multiprocessor and warp size.
+
+    Returns:
+        tuple of int: the staging buffer's and the semaphores' bytes, unrounded; ``(0, 0)``
+        where no output's inputs are split across blocks.
+    """
+    ndim, item = x.dim(), x.element_size()
+    reduced = set(range(ndim)) if not dims else {d % ndim for d in dims}
+    sizes = list(x.shape)
+    if math.prod(sizes) == 0:
+        return 0, 0
+    out_bytes = [0 if d in reduced and sizes[d] != 1 else s for d, s in enumerate(out_strides)]
+    order = _iteration_order(sizes, [s * item for s in x.stride()], out_bytes)
+    reduce_dims = next((i for i, (_, out_stride, _) in enumerate(order) if out_stride != 0), len(order))
+    outputs = math.prod(size for size, out_stride, _ in order if out_stride != 0)
+    inputs = math.prod(sizes) // outputs
+    # Lanes run along the reduced dim where it is the fastest-moving one; else along the outputs.
+    along_reduced = not order or reduce_dims == len(order) or order[0][2] < order[reduce_dims][2]
+    if along_reduced:
+        lanes, rows, fastest = inputs, outputs, (order[0][2] if order else item)
+    else:
+        lanes, rows, fastest = outputs, inputs, order[reduce_dims][2]
+    loaded = 1
+    if fastest == item:
+        if along_reduced and lanes >= 128 and reduce_dims == 1:
+            lanes //= 8 if item == 2 else 4  # a thread reads this many neighbouring inputs at once
+        elif not along_reduced:
+            loaded = _output_vector(int(x.storage_offset()), order, reduce_dims, item)
+            lanes //= loaded
+    limit = (_BLOCK_THREADS_COMPLEX128 if x.dtype == torch.complex128 else _BLOCK_THREADS) // loaded
+    lanes_cap = _floor_power_of_two(lanes) if lanes < limit else limit
+    rows_cap = _floor_power_of_two(rows) if rows < limit else limit
+    width = min(lanes_cap, card.warp_size)
+    height = min(rows_cap, limit // width)
+    width = min(lanes_cap, limit // height)
+    input_step, output_step = (width, 1) if along_reduced else (1, width)
+    warps_split = -(-inputs // input_step) >= min(height * 16, _MAX_VALUES_PER_THREAD)
+    if warps_split:
+        input_step *= height
+    else:
+        output_step *= height
+    per_thread = -(-inputs // input_step)
+    grid = -(-(outputs // loaded) // output_step)
+    full_grid = card.multiprocessors * (card.threads_per_multiprocessor // (width * height))
+    if not warps_split or per_thread < _MAX_VALUES_PER_THREAD or grid > full_grid:
+        return 0, 0
+    blocks = max(
+        min(-(-full_grid // grid), -(-per_thread // _MIN_VALUES_PER_THREAD)),
+        -(-per_thread // _MAX_VALUES_PER_THREAD),
+    )
+    if blocks <= 1:
+        return 0, 0
+    # The buffer is sized per output and block, times the lanes (and their loaded outputs) when
+    # lanes hold different outputs: more than the kernel writes, but what it asks the allocator for.
+    staging = accumulator_size * outputs * blocks * (1 if along_reduced else width * loaded)
+    return staging, _SEMAPHORE * grid
+
+
+def _accumulator_size(kernel_input: torch.dtype, result: torch.Tensor) -> int:
+    """Return the bytes of the accumulator CUDA's sum and mean kernels use: float for half types, else the result's."""
+    if kernel_input in _HALF_FLOATS:
+        return 4
+    if kernel_input == torch.complex32:
+        return 8
+    return int(result.element_size())
+
+
+def _dense_strides(x: torch.Tensor) -> list[int]:
+    """Return the strides ``x.to(dtype)`` gives its copy: the same where ``x`` is dense, else contiguous."""
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d))
+    expected, dense = 1, True
+    for d in order:
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            dense = False
+            break
+        expected *= x.shape[d]
+    if dense:
+        return list(x.stride())
+    contiguous, running = [0] * x.dim(), 1
+    for d in reversed(range(x.dim())):
+        contiguous[d] = running
+        running *= max(x.shape[d], 1)
+    return contiguous
+
+
+def _result_strides(x: torch.Tensor, dims: Sequence[int] | None, result: torch.Tensor) -> list[int]:
+    """Return the result's strides, one per dim of ``x``, as the reduction views its result."""
+    if result.dim() == x.dim():
+        return list(result.stride())
+    reduced = set(range(x.dim())) if not dims else {d % x.dim() for d in dims}
+    kept = iter(result.stride())
+    return [0 if d in reduced else next(kept) for d in range(x.dim())]
+
+
+def _reduction_bytes(x: torch.Tensor, dims: Sequence[int] | None, result: torch.Tensor, card: CudaCard) -> int:
+    """Return what a CUDA ``sum``/``mean`` of ``x`` into ``result`` allocates inside the call, rounded."""
+    if x.dim() == 0 or result.numel() == 0:
+        return 0
+    # Half and bfloat16 inputs summed into float32 are read as they are; any other input whose
+    # dtype is not the result's is first copied into it (ReduceOpsUtils.h, make_reduction).
+    kernel_input = x.dtype if x.dtype in _HALF_FLOATS and result.dtype == torch.float32 else result.dtype
+    converted = 0
+    if kernel_input != x.dtype:
+        x = torch.empty_strided(x.shape, _dense_strides(x), dtype=kernel_input, device="meta")
+        converted = _cuda_rounded(x.numel() * x.element_size())
+    staging, semaphores = cuda_reduction_buffers(
+        x, dims, _result_strides(x, dims, result), _accumulator_size(kernel_input, result), card
+    )
+    return converted + _cuda_rounded(staging) + _cuda_rounded(semaphores)
+
+
+def cuda_reduction_workspace(func: Any, args: tuple[Any, ...], out: Any, card: CudaCard = ASSUMED_CARD) -> int:
+    """Return the bytes a CUDA reduction allocates during its call beyond its input and result.
+
+    The staging buffer and semaphores of :func:`cuda_reduction_buffers`, each rounded as the
+    caching allocator rounds; for an input whose dtype the kernel does not read (an integer
+    summed into int64, say), the copy it reads instead.
+
+    Args:
+        func (OpOverload): the operator; ``aten.sum`` and ``aten.mean`` (all dims or the dims
+            given) and ``aten.convolution_backward`` asked for a bias gradient are modelled,
+            anything else uses none.
+        args (tuple): its positional arguments (tensors may be meta tensors).
+        out (Tensor or tuple): what it returned.
+        card (CudaCard): the card. Default: :data:`ASSUMED_CARD`.
+
+    Returns:
+        int: bytes alive during the call on top of its arguments and results.
+    """
+    lists_dims = _REDUCTIONS.get(func)
+    if lists_dims is not None:
+        dims = args[1] if lists_dims and len(args) > 1 else None
+        return _reduction_bytes(args[0], dims, out, card)
+    if func is _BACKWARD and args[10][2]:
+        # Outside cuDNN, the bias gradient is grad_output summed over every dim but the channels'.
+        grad_output = args[0]
+        dims = [d for d in range(grad_output.dim()) if d != 1]
+        return _reduction_bytes(grad_output, dims, out[2], card)
+    return 0
+
+
+def device_workspace(device: torch.device) -> Callable[[Any, tuple[Any, ...], Any], int] | None:
+    """Return what gives the bytes an operator holds during its call on ``device``, beyond its tensors.
+
+    Args:
+        device (torch.device): the device the estimate is for.
+
+    Returns:
+        callable or None: ``workspace(func, args, out) -> bytes``, or ``None`` where
+        no operator's own buffers are modelled.
+    """
+    if device.type == "cpu":
+        return onednn_convolution_workspace
+    if device.type == "cuda" and torch.version.hip is None:
+        card = cuda_card(device)
+
+        def workspace(func: Any, args: tuple[Any, ...], out: Any) -> int:
+            return cuda_reduction_workspace(func, args, out, card)
+
+        return workspace
+    return None

@@ -16,7 +16,7 @@ import inspect
 import math
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
@@ -30,7 +30,8 @@ from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules
-from koila_retry._core.engine import Controller
+from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
@@ -339,9 +340,9 @@ class _Accumulator:
 
         def work(size: int) -> _Results:
             if sync is None:
-                return self._run(split, size, gradients)
+                return self._run(split, size, gradients, attempt, first)
             with sync.no_sync():
-                results = self._run(split, size, gradients)
+                results = self._run(split, size, gradients, attempt, first)
             sync.prepare(gradients.leaves)
             return results
 
@@ -445,41 +446,133 @@ class _Accumulator:
             return make
 
         key = (self.identity, split.sample, device)
-        return AutoFirst(key, split.rows, estimated(1), device, name, self.controller.cache, estimated(2))
+        return AutoFirst(key, split.rows, estimated(1), device, name, self.controller.cache, estimated(2), step=True)
 
-    def _run(self, split: Split, size: int, gradients: _Gradients) -> _Results:
+    def _run(
+        self, split: Split, size: int, gradients: _Gradients, attempt: Attempt, auto: AutoFirst | None = None
+    ) -> _Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
-        rows, backward = split.rows, self.backward
+        rows = split.rows
         results = _Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each
         # backward. It is freed with the arguments, as usual.
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
-        if size >= rows:  # the happy path: the batch as given, one forward, one backward
+        meter = attempt.meter
+        if meter is not None:
+            backed = self._measured(split, size, gradients, attempt, meter, results, retain, auto)
+        elif size >= rows:  # the happy path: the batch as given, one forward, one backward
             result = self.fn(*split.args, **split.kwargs)
             loss = results.add(result, 1.0)
             if loss.requires_grad:
                 gradients.collect(loss)
-                backward(loss, retain)
+                self.backward(loss, retain)
             else:
                 self._check_no_grad_wanted(split)
             return results
-        weights = self._weights(split, size)
-        backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
-        for (chunk_args, chunk_kwargs, _), weight in zip(split.pieces(size), weights, strict=True):
-            result = self.fn(*chunk_args, **chunk_kwargs)
-            loss = results.add(result, weight)
-            # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
-            if loss.requires_grad and weight != 0.0:
-                backed = True
-                gradients.collect(loss)
-                weighted = loss * weight if weight != 1.0 else loss
-                backward(weighted, retain)
-                del weighted
-            del result, loss, chunk_args, chunk_kwargs  # not alive during the next forward
+        else:
+            backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
+            weights = self._weights(split, size)
+            for (chunk_args, chunk_kwargs, _), weight in zip(split.pieces(size), weights, strict=True):
+                backed = self._micro_batch(chunk_args, chunk_kwargs, weight, results, gradients, retain) or backed
+                del chunk_args, chunk_kwargs  # not alive during the next forward
         if not backed:
             self._check_no_grad_wanted(split)
         return results
+
+    def _micro_batch(
+        self,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        weight: float,
+        results: _Results,
+        gradients: _Gradients,
+        retain: bool,
+    ) -> bool:
+        """Run one micro-batch, forward and weighted backward; return whether its loss needed a gradient."""
+        result = self.fn(*args, **kwargs)
+        loss = results.add(result, weight)
+        del result
+        # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
+        if not loss.requires_grad or weight == 0.0:
+            return False
+        gradients.collect(loss)
+        weighted = loss * weight if weight != 1.0 else loss
+        del loss
+        self.backward(weighted, retain)
+        return True
+
+    def _measured(
+        self,
+        split: Split,
+        size: int,
+        gradients: _Gradients,
+        attempt: Attempt,
+        meter: PeakMeter,
+        results: _Results,
+        retain: bool,
+        auto: AutoFirst | None,
+    ) -> bool:
+        """Run the step with its first micro-batch measured, and the rest at the size the measurement corrects.
+
+        The measured micro-batch is part of the step, weighed as any other: the
+        micro-batches need not be of one size, since each is weighed by its own rows
+        (or items, with ``weight=``). Returns whether any loss needed a gradient.
+        """
+        rows = split.rows
+        first = min(size, rows)
+        total = self._items(split, first)
+        args, kwargs = split.chunk(0, first)
+        weight = self._weight_of(args, kwargs, first, total)
+        with meter:
+            backed = self._micro_batch(args, kwargs, weight, results, gradients, retain)
+            del args, kwargs
+        size = attempt.calibrate(first, meter.rise)
+        if first >= rows:
+            return backed
+        if size >= rows:
+            # The step is split already: the rest holds every gradient and the next micro-batch's.
+            size = auto.split_rows() if auto is not None else max(rows // 2, 1)
+        results.size = min(first, size)
+        # The rest is measured too, as a split step at the corrected size: what the probe's
+        # gradients hold was allocated before it, and is part of a split step's own memory.
+        held = gradients.written_bytes()
+        with meter:
+            for begin in builtins.range(first, rows, size):
+                end = min(begin + size, rows)
+                args, kwargs = split.chunk(begin, end)
+                weight = self._weight_of(args, kwargs, end - begin, total)
+                backed = self._micro_batch(args, kwargs, weight, results, gradients, retain) or backed
+                del args, kwargs
+        if attempt.meter is not None:
+            attempt.calibrate(size, meter.rise + held)
+        return backed
+
+    def _items(self, split: Split, first: int) -> float:
+        """Return the items of the whole batch that ``weight=`` counts (its rows without), counted in two parts."""
+        if self.weight is None:
+            return float(split.rows)
+        counts = [self._count_of(*split.chunk(0, first))]
+        if first < split.rows:
+            counts.append(self._count_of(*split.chunk(first, split.rows)))
+        return self._checked_total(math.fsum(counts))
+
+    def _count_of(self, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
+        return _count(cast(Callable[..., Any], self.weight)(*args, **kwargs), self.controller.name)
+
+    def _weight_of(self, args: Sequence[Any], kwargs: dict[str, Any], rows: int, total: float) -> float:
+        """Return one micro-batch's weight: its share of the items (or rows) of a mean loss; 1 for a sum."""
+        if not self.mean:
+            return 1.0
+        return (rows if self.weight is None else self._count_of(args, kwargs)) / total
+
+    def _checked_total(self, total: float) -> float:
+        if total == 0:
+            raise ValueError(
+                f"weight= counted 0 items in the whole batch of {self.controller.name}: the mean loss over them "
+                "is undefined"
+            )
+        return total
 
     def _weights(self, split: Split, size: int) -> list[float]:
         """Return each micro-batch's weight: its share of the items ``weight=`` counts, or of the rows."""
@@ -497,13 +590,8 @@ class _Accumulator:
                     stacklevel=levels_to_caller(),
                 )
             return [min(size, rows - begin) / rows if self.mean else 1.0 for begin in builtins.range(0, rows, size)]
-        counts = [_count(self.weight(*args, **kwargs), self.controller.name) for args, kwargs, _ in split.pieces(size)]
-        total = math.fsum(counts)
-        if total == 0:
-            raise ValueError(
-                f"weight= counted 0 items in the whole batch of {self.controller.name}: the mean loss over them "
-                "is undefined"
-            )
+        counts = [self._count_of(args, kwargs) for args, kwargs, _ in split.pieces(size)]
+        total = self._checked_total(math.fsum(counts))
         return [count / total for count in counts]
 
     def _check_no_grad_wanted(self, split: Split) -> None:
@@ -606,6 +694,15 @@ class _Gradients:
         their parameters when a step gives up.
         """
         return {id(leaf): gradient for leaf, gradient in self.aside}
+
+    def written_bytes(self) -> int:
+        """Return the bytes of the gradients the step has written so far."""
+        storages = {
+            id(grad.untyped_storage()): grad.untyped_storage().nbytes()
+            for grad in (leaf.grad for leaf in self.leaves.values())
+            if grad is not None and grad.layout == torch.strided
+        }
+        return sum(storages.values())
 
     def discard(self) -> None:
         """Forget every gradient the step wrote."""

@@ -26,7 +26,7 @@ from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._core.cache import StackMemoryCache, function_identity
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import Controller
+from koila_retry._core.engine import Attempt, Controller
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._diagnostics import exhausted
@@ -259,10 +259,17 @@ def _run_chunked(
 ) -> Any:
     split = Split(args, kwargs, dim, "koila.chunked", fn)
     results = _Results(dim, split.rows, out)
+    attempt: Attempt | None = None
 
     def work(begin: int, end: int) -> Any:
         chunk_args, chunk_kwargs = split.chunk(begin, end)
-        return fn(*chunk_args, **chunk_kwargs)
+        meter = None if attempt is None else attempt.meter
+        if meter is None:
+            return fn(*chunk_args, **chunk_kwargs)
+        with meter:  # initial="auto": the first chunk that fits corrects the estimate
+            result = fn(*chunk_args, **chunk_kwargs)
+        cast(Attempt, attempt).calibrate(end - begin, meter.rise)
+        return result
 
     if split.rows == 0:
         controller.cover(None, 0, 0, work, results.add)

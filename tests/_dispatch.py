@@ -1,0 +1,38 @@
+"""Test helpers that reach into PyTorch's dispatch: CUDA's autocast without CUDA, and the operators a run calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype = torch.float16) -> Iterator[None]:
+    """CUDA's autocast state, switched on directly (``torch.autocast("cuda")`` switches itself off without CUDA)."""
+    enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", previous)
+
+
+class Operators(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Record the name of every operator that runs while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
