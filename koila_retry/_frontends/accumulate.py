@@ -545,7 +545,7 @@ class _Accumulator:
                 backed = self._micro_batch(args, kwargs, weight, results, gradients, retain) or backed
                 del args, kwargs
         if attempt.meter is not None:
-            attempt.calibrate(size, meter.rise + held)
+            attempt.calibrate(min(size, rows - first), meter.rise + held)
         return backed
 
     def _items(self, split: Split, first: int) -> float:
