@@ -27,7 +27,7 @@ import koila_retry as koila
 from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes
 from koila_retry._estimation import estimate
-from koila_retry._estimation.estimate import _cuda_rounding
+from koila_retry._estimation.workspace import cuda_rounding
 from koila_retry._frontends import chunked
 from koila_retry.testing import simulated_device
 
@@ -559,7 +559,7 @@ def test_billion_parameter_model_on_the_meta_device_for_cuda() -> None:
     assert found.peak(1) >= 16 * count  # parameters, gradients and AdamW's two moments, 4 bytes each
     assert found.phase(1) == "optimizer step"
     parts = found.breakdown(1)
-    assert parts["parameters"] == param_bytes(model, _cuda_rounding)
+    assert parts["parameters"] == param_bytes(model, cuda_rounding)
     assert parts["gradients"] == parts["parameters"]
     assert parts["optimizer state"] >= 2 * parts["parameters"]
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -695,7 +695,7 @@ def test_module_peaks_name_every_module_forward_and_backward() -> None:
     ],
 )
 def test_cuda_rounding(nbytes: int, rounded: int) -> None:
-    assert _cuda_rounding(nbytes) == rounded
+    assert cuda_rounding(nbytes) == rounded
 
 
 def tiny_layers() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], None], tuple[torch.Tensor, ...]]:
@@ -742,7 +742,7 @@ def test_cuda_estimate_of_a_transformer_rounds_its_parameters() -> None:
     with sdpa_kernel([SDPBackend.MATH]):  # the same attention kernel on both: only the rounding differs
         cpu = koila.estimate(step, *inputs)
         cuda = koila.estimate(step, *inputs, device="cuda")
-    assert cuda.breakdown(1)["parameters"] == param_bytes(model, _cuda_rounding) > param_bytes(model)
+    assert cuda.breakdown(1)["parameters"] == param_bytes(model, cuda_rounding) > param_bytes(model)
     for rows in cuda.sizes:
         assert cuda.measured[rows] >= cpu.measured[rows], rows
 

@@ -46,18 +46,13 @@ from koila_retry._estimation.autocast import autocast_like, settle
 from koila_retry._estimation.calibration import Calibration, Corrected, Fitting, gap_of, probe_size
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.versions import warn_if_unchecked
-from koila_retry._estimation.workspace import device_workspace
+from koila_retry._estimation.workspace import cuda_rounding, device_workspace
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["MemoryEstimate", "estimate", "estimate_batch", "suggest_batch_size"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "inputs", "activations", "temporaries")
 
-# The CUDA caching allocator hands out blocks in multiples of 512 bytes, and rounds
-# allocations above 1 MiB up to whole 2 MiB pieces of its segments.
-_CUDA_BLOCK = 512
-_CUDA_SMALL = 1 << 20
-_CUDA_LARGE_ROUND = 2 << 20
 
 # Nothing larger is ever suggested: past this the estimate says more about the fit than the model.
 _LARGEST = 1 << 40
@@ -498,7 +493,7 @@ def estimate_batch(
     chosen = _sizes(sizes)
     target = resolve_device(device) if device is not None else batch.device
     owned = Owned((fn, batch.args, batch.kwargs))
-    round_bytes = _cuda_rounding if target.type == "cuda" else None
+    round_bytes = cuda_rounding if target.type == "cuda" else None
     workspace = device_workspace(target)
     inexact = inexact_operators(target)
 
@@ -702,15 +697,6 @@ def _large_size(one: _Run, base: _Run) -> int:
     wanted = 8 * fixed / growth if growth > 0 else 0
     large = 1 << max(math.ceil(math.log2(max(wanted, 1))), 0)
     return min(max(large, 4 * base.batch_size), max(_LARGEST_RUN, 4 * base.batch_size))
-
-
-def _cuda_rounding(nbytes: int) -> int:
-    if nbytes == 0:
-        return 0
-    rounded = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
-    if rounded > _CUDA_SMALL:
-        rounded = -(-rounded // _CUDA_LARGE_ROUND) * _CUDA_LARGE_ROUND
-    return rounded
 
 
 # --- what the call owns ------------------------------------------------------------

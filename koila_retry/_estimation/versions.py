@@ -102,7 +102,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
     ),
     RuleSet(
         "how CUDA's caching allocator rounds each allocation",
-        "koila_retry/_estimation/estimate.py: _cuda_rounding",
+        "koila_retry/_estimation/workspace.py: cuda_rounding",
         # 2.11: in the H100 run of 2026-11-25 (torch 2.11.0+cu130, shared/gpu-runs/2026-11-25/pytest.log),
         # the estimate of the eval rows that no unmodelled kernel touches, this rounding included, matched the
         # allocator's own peak to the 0.1 MiB printed (+0.00%: mlp eval in float32 and bfloat16, transformer

@@ -31,6 +31,7 @@ __all__ = [
     "cuda_card",
     "cuda_reduction_buffers",
     "cuda_reduction_workspace",
+    "cuda_rounding",
     "device_workspace",
     "onednn_convolution_workspace",
 ]
@@ -151,14 +152,16 @@ _BLOCK_THREADS_COMPLEX128 = 256
 _MIN_VALUES_PER_THREAD = 16
 _MAX_VALUES_PER_THREAD = 256
 _SEMAPHORE = 4  # one int per column of blocks
-# The caching allocator's rounding, as koila's estimate applies it to storages (estimate.py keeps
-# its own copy: a workspace is rounded here because the Recorder rounds only storages).
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes, and rounds
+# allocations above 1 MiB up to whole 2 MiB pieces of its segments; the estimate rounds
+# storages (estimate.py) and workspaces (here) by it.
 _CUDA_BLOCK = 512
 _CUDA_SMALL = 1 << 20
 _CUDA_LARGE_ROUND = 2 << 20
 
 
-def _cuda_rounded(nbytes: int) -> int:
+def cuda_rounding(nbytes: int) -> int:
+    """Return the bytes the CUDA caching allocator takes for an allocation of ``nbytes``."""
     if nbytes <= 0:
         return 0
     rounded = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
@@ -380,11 +383,11 @@ def _reduction_bytes(x: torch.Tensor, dims: Sequence[int] | None, result: torch.
     converted = 0
     if kernel_input != x.dtype:
         x = torch.empty_strided(x.shape, _dense_strides(x), dtype=kernel_input, device="meta")
-        converted = _cuda_rounded(x.numel() * x.element_size())
+        converted = cuda_rounding(x.numel() * x.element_size())
     staging, semaphores = cuda_reduction_buffers(
         x, dims, _result_strides(x, dims, result), _accumulator_size(kernel_input, result), card
     )
-    return converted + _cuda_rounded(staging) + _cuda_rounded(semaphores)
+    return converted + cuda_rounding(staging) + cuda_rounding(semaphores)
 
 
 def cuda_reduction_workspace(func: Any, args: tuple[Any, ...], out: Any, card: CudaCard = ASSUMED_CARD) -> int:
