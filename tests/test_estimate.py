@@ -1267,3 +1267,28 @@ def test_property_forward_peak_equals_a_real_run(
     sizes = sorted({1, 2, *checked, 10**6})
     peaks = [found.peak(size) for size in sizes]
     assert peaks == sorted(peaks), "the peak never falls as the batch grows"
+
+
+def test_a_gradient_scaler_the_step_reaches_is_given_back_as_it_was() -> None:
+    # The scaler marks in place, per optimizer, that it stepped; left so, the estimate's next
+    # run at another size raised "step() has already been called since the last update()".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    x = torch.randn(8, 16)
+    step(x)
+    before = {name: repr(value) for name, value in vars(scaler).items()}
+    found = koila.estimate(step, x)
+    assert found.peak(64) > found.peak(8)
+    assert {name: repr(value) for name, value in vars(scaler).items()} == before
+    step(x)  # the real step still runs

@@ -820,9 +820,15 @@ class Owned:
 
 
 def _restorer(owner: Any) -> Callable[[], None]:
-    """Snapshot an object's attributes (and its parameter and buffer tables); return what restores them."""
+    """Snapshot an object's attributes and the dicts among them; return what restores them."""
     saved = dict(vars(owner))
-    tables = [(table, dict(table)) for table in (saved.get("_parameters"), saved.get("_buffers")) if table is not None]
+    # The dicts it holds are put back as they were too, and the dicts they hold: a module's
+    # parameter and buffer tables, and a gradient scaler's record, per optimizer, that it stepped.
+    tables: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    for value in saved.values():
+        if isinstance(value, dict):
+            tables.append((value, dict(value)))
+            tables += [(inner, dict(inner)) for inner in value.values() if isinstance(inner, dict)]
 
     def restore() -> None:
         attributes = vars(owner)
