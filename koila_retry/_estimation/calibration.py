@@ -26,9 +26,21 @@ without running out of memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-__all__ = ["DISTRUST", "Calibration", "Corrected", "Fitting", "gap_of", "own_bytes", "probe_size", "starting"]
+__all__ = [
+    "DISTRUST",
+    "LARGEST",
+    "Calibration",
+    "Corrected",
+    "Fitting",
+    "gap_of",
+    "largest_power",
+    "own_bytes",
+    "probe_size",
+    "starting",
+]
 
 #: How many times its own bytes the truth may be, for the probe before the first measurement.
 DISTRUST = 8.0
@@ -49,6 +61,18 @@ class Fitting(Protocol):
     def fits(self, batch_size: int, budget: int, *, margin: float = ...) -> bool: ...
 
     def largest_fitting(self, budget: int, *, margin: float = ..., maximum: int | None = ...) -> int | None: ...
+
+
+#: Nothing larger is ever suggested: past this the estimate says more about the fit than the model.
+LARGEST = 1 << 40
+
+
+def largest_power(fits: Callable[[int], bool], ceiling: int) -> int | None:
+    """Return the largest power of two up to ``ceiling`` that ``fits``, counting up from 1; ``None`` if 1 does not."""
+    size, best = 1, None
+    while size <= ceiling and fits(size):
+        best, size = size, size * 2
+    return best
 
 
 def starting(found: Estimated, batch_size: int) -> float:
@@ -130,10 +154,8 @@ class Corrected:
 
     def largest_fitting(self, budget: int, *, margin: float = 0.1, maximum: int | None = None) -> int | None:
         """Return the largest power of two whose corrected peak, plus ``margin``, fits (``None`` if 1 does not)."""
-        size, best = 1, None
-        while (maximum is None or size <= maximum) and size <= 1 << 40 and self.fits(size, budget, margin=margin):
-            best, size = size, size * 2
-        return best
+        ceiling = LARGEST if maximum is None else maximum
+        return largest_power(lambda size: self.fits(size, budget, margin=margin), ceiling)
 
 
 def probe_size(found: Estimated, budget: int, first: int, margin: float) -> int:

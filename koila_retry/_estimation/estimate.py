@@ -43,7 +43,15 @@ from koila_retry._core.memory import DeviceLike, PeakMeter, free_memory, peak_me
 from koila_retry._core.policy import Policy
 from koila_retry._estimation.attention import device_kernels
 from koila_retry._estimation.autocast import autocast_like, settle
-from koila_retry._estimation.calibration import Calibration, Corrected, Fitting, gap_of, probe_size
+from koila_retry._estimation.calibration import (
+    LARGEST,
+    Calibration,
+    Corrected,
+    Fitting,
+    gap_of,
+    largest_power,
+    probe_size,
+)
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.versions import warn_if_unchecked
 from koila_retry._estimation.workspace import cuda_rounding, device_workspace
@@ -54,8 +62,6 @@ __all__ = ["MemoryEstimate", "estimate", "estimate_batch", "suggest_batch_size"]
 CATEGORIES = ("parameters", "gradients", "optimizer state", "inputs", "activations", "temporaries")
 
 
-# Nothing larger is ever suggested: past this the estimate says more about the fit than the model.
-_LARGEST = 1 << 40
 # Fake runs cost the same at any batch size; this keeps shapes far from 32-bit limits.
 _LARGEST_RUN = 1 << 20
 DEFAULT_MARGIN = 0.1
@@ -368,11 +374,8 @@ class MemoryEstimate:
         """
         limit = parse_bytes(budget)
         factor = 1 + _check_margin(margin)
-        ceiling = _LARGEST if maximum is None else _check_batch_size(maximum, "maximum")
-        size, best = 1, None
-        while size <= ceiling and self.peak(size) * factor <= limit:
-            best, size = size, size * 2
-        return best
+        ceiling = LARGEST if maximum is None else _check_batch_size(maximum, "maximum")
+        return largest_power(lambda size: self.peak(size) * factor <= limit, ceiling)
 
     def describe(self, batch_size: int) -> str:
         """Return the peak at ``batch_size`` and what it is made of, then the notes, if any.
@@ -599,10 +602,7 @@ def suggest_batch_size(
             "pass budget= (like '80GiB') or the device= it is for"
         )
     available = free_memory(found.device) + found.resident if limit is None else limit
-    fitting: Fitting = found
-    if calibrate:
-        fitting = _calibrated(fn, batch, found, available, margin)
-        calibrate = fitting is not found
+    fitting: Fitting = _calibrated(fn, batch, found, available, margin) if calibrate else found
     size = fitting.largest_fitting(available, margin=margin, maximum=maximum)
     if size is None:
         first, *notes = found.describe(1).splitlines()
@@ -617,7 +617,7 @@ def suggest_batch_size(
             batch_size=1,
             attempts=0,
         )
-    if found.notes and not calibrate:
+    if found.notes and fitting is found:  # a measured run followed the real branches
         warn_inexact(found, f"koila.suggest_batch_size chose {size} for {_name_of(fn)}")
     return size
 
@@ -1155,8 +1155,7 @@ class Truths:
 
     def usual(self, tensor: torch.Tensor) -> bool:
         """Return what ``tensor``'s value usually is; ``False`` if nothing is known of it."""
-        found = self._usual.get(id(tensor))
-        return found is not None and found[0]() is tensor and found[1]
+        return self._known(tensor) is True
 
     def _known(self, value: Any) -> bool | None:
         if not isinstance(value, torch.Tensor):
