@@ -936,16 +936,64 @@ def test_dict_result_weighs_numbers_like_the_loss(reduction: str) -> None:
     total = int(correct_of(logits, y))
     torch.testing.assert_close(result["loss"], expected_loss, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(result["logits"], logits, rtol=RTOL, atol=ATOL)
+    # An int is a count: added up, whatever the reduction, and an int still.
+    assert result["correct"] == total
+    assert type(result["correct"]) is int
     if reduction == "mean":
-        assert result["correct"] == pytest.approx(sum(c * rows / 20 for rows, c in parts))
         torch.testing.assert_close(result["acc"], torch.tensor(total / 20, dtype=DTYPE))
     else:
-        assert result["correct"] == total
-        assert type(result["correct"]) is int
         torch.testing.assert_close(result["acc"], torch.tensor(float(total), dtype=DTYPE))
     assert result["acc"].dim() == 0
     assert not result["acc"].requires_grad
     assert_grads(model, expected_grads)
+
+
+@pytest.mark.parametrize("initial", [None, 4])
+def test_values_of_the_whole_batch_keep_their_shape_and_type_when_split(initial: int | None) -> None:
+    torch.manual_seed(0)
+    classifier = nn.Linear(3, 3)
+    x, y = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    sizes: list[int] = []
+
+    @koila.accumulate(initial=initial)  # 4, 4 and 2 rows, or 10
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        sizes.append(len(x))
+        logits = classifier(x)
+        pred = logits.argmax(dim=1)
+        return {
+            "loss": F.cross_entropy(logits, y),
+            "per_class": torch.bincount(pred, minlength=3),  # a count per class: (3,), whatever the rows
+            "class_mean": logits.mean(0).detach(),  # a mean over rows, per class: (3,)
+            "correct": int((pred == y).sum()),
+            "hits": (pred == y).sum(),  # a 0-dimensional count
+        }
+
+    result = step(x, y)
+    assert sizes == ([10] if initial is None else [4, 4, 2])
+    with torch.no_grad():
+        logits = classifier(x)
+    pred = logits.argmax(dim=1)
+    assert result["per_class"].shape == (3,)
+    assert result["per_class"].dtype == torch.int64
+    assert torch.equal(result["per_class"], torch.bincount(pred, minlength=3))
+    torch.testing.assert_close(result["class_mean"], logits.mean(0))
+    assert type(result["correct"]) is int
+    assert result["correct"] == int((pred == y).sum())
+    assert result["hits"].dtype == torch.int64
+    assert int(result["hits"]) == int((pred == y).sum())
+
+
+def test_a_tensor_with_a_row_per_row_in_one_micro_batch_only_is_named() -> None:
+    classifier = nn.Linear(3, 3)
+
+    @koila.accumulate(initial=3)  # 3, 3, 3 and 1 rows
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = classifier(x)
+        return logits.pow(2).mean(), torch.bincount(logits.argmax(dim=1), minlength=3)
+
+    with pytest.raises(ValueError, match=r"at the result\[1\] for a micro-batch of 1 rows, which is not one row"):
+        step(torch.randn(10, 3))
+    assert classifier.weight.grad is None
 
 
 def test_zero_dim_tensor_with_grad_is_weighted_and_detached() -> None:

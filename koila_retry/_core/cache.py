@@ -198,6 +198,9 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         #: What front ends work out for this cache's calls besides their sizes, under keys of
         #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
         self.derived: dict[Hashable, Any] = {}
+        # The bytes of one sample each size was proven on, for keys that name a class of
+        # sample shapes (see sample_bytes); kept and forgotten with the sizes.
+        self._samples: dict[Hashable, int] = {}
 
     @abstractmethod
     def key(
@@ -243,7 +246,8 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
                 self._misses.increment()
                 remembered[0] = (key, None)
                 return None
-            self[key] = size  # later calls find it directly
+            if key not in self._sizes:  # a fallback may have stored it, with what it was proven on
+                self[key] = size  # later calls find it directly
         else:
             # try/except, not contextlib.suppress: making its context manager would double a lookup's cost.
             try:  # noqa: SIM105
@@ -258,6 +262,40 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         """Return a size for a key that is not stored, from a related key, or ``None``."""
         return None
 
+    def sample_bytes(self, key: Hashable) -> int | None:
+        """Return the bytes of one sample the size stored under ``key`` was proven on, if known.
+
+        A key that names a class of sample shapes (rows padded to 37 tokens and to
+        50 share one) holds the size that fitted the samples of the class it was
+        proven on; a call with larger samples of the class scales it down to as
+        many bytes of samples.
+
+        Args:
+            key (Hashable): a key of this cache.
+
+        Returns:
+            int or None: the bytes, or ``None`` if none were recorded.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._samples.get(key)
+
+    def prove(self, key: Hashable, nbytes: int) -> None:
+        """Record that the size stored under ``key`` fitted samples of ``nbytes`` bytes each.
+
+        Nothing is recorded for a key that holds no size. The record goes with the
+        size: evicted, removed and cleared with it.
+
+        Args:
+            key (Hashable): a key of this cache.
+            nbytes (int): the bytes of one sample of the call that stored the size.
+
+        .. versionadded:: 0.1.0
+        """
+        with self._lock:
+            if key in self._sizes:
+                self._samples[key] = nbytes
+
     def cache_info(self) -> CacheInfo:
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
@@ -271,6 +309,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             self._recent = [None]
             self.growth.clear()
             self.derived.clear()
+            self._samples.clear()
             self._hits, self._misses = Counter(), Counter()
 
     def __getitem__(self, key: Hashable) -> int:
@@ -294,9 +333,12 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
                 order.move_to_end(key)
             else:
                 while len(sizes) >= self._maxsize:
-                    del sizes[order.popitem(last=False)[0]]
+                    evicted = order.popitem(last=False)[0]
+                    del sizes[evicted]
+                    self._samples.pop(evicted, None)
                 order[key] = None
             sizes[key] = size
+            self._samples.pop(key, None)  # proven on the samples of the call that stores it, if it says
             self._recent = [(key, size)]  # after the change: the insertion may have evicted the last key
 
     def __delitem__(self, key: Hashable) -> None:
@@ -321,6 +363,7 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             size = self._sizes.pop(key, None)
             if size is not None:
                 del self._order[key]
+            self._samples.pop(key, None)
             self._recent = [None]
             return size
 
@@ -459,8 +502,13 @@ class StackMemoryCache(SizeCache):
             return None
         head, bucket, tail = key[:2], key[2], key[3:]
         for more in range(1, self.fallback_buckets + 1):
-            size = self.get((*head, bucket + more, *tail))
+            related = (*head, bucket + more, *tail)
+            size = self.get(related)
             if size is not None:
+                nbytes = self._samples.get(related)
+                if nbytes is not None:  # proven on samples of that size here too, once stored
+                    self[key] = size
+                    self.prove(key, nbytes)
                 return size
         return None
 

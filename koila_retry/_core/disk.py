@@ -86,6 +86,9 @@ class DiskCache(SizeCache):
         if stored is not None:
             for key, size in list(stored.items())[-maxsize:]:
                 SizeCache.__setitem__(self, key, size)  # in memory: the file has it already
+                nbytes = stored.samples.get(key)
+                if nbytes is not None:
+                    SizeCache.prove(self, key, nbytes)
 
     def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> str:
         filename, line, qualname = function_identity(function)
@@ -96,6 +99,11 @@ class DiskCache(SizeCache):
         super().__setitem__(key, size)
         if isinstance(key, str):
             self._update(lambda sizes: _store(sizes, key, size))
+
+    def prove(self, key: Hashable, nbytes: int) -> None:
+        super().prove(key, nbytes)
+        if isinstance(key, str) and self.sample_bytes(key) == nbytes:
+            self._update(lambda sizes: _prove(sizes, key, nbytes))
 
     def _discard(self, key: Hashable) -> int | None:
         size = super()._discard(key)  # del, pop and popitem all come here
@@ -108,8 +116,8 @@ class DiskCache(SizeCache):
         super().cache_clear()
         self._update(lambda sizes: sizes.clear())
 
-    def _read(self, path: str) -> dict[str, int] | None:
-        """Return the sizes in the file at ``path``; ``{}`` if there is none; ``None`` if it is not ours."""
+    def _read(self, path: str) -> _Entries | None:
+        """Return the sizes in the file at ``path``; none if there is no file; ``None`` if it is not ours."""
         try:
             # Only a regular file is opened: opening a device may act on it (a tape rewinds).
             kind = _special(os.stat(path).st_mode)
@@ -118,7 +126,7 @@ class DiskCache(SizeCache):
                     kind = _special(os.fstat(file.fileno()).st_mode)  # in case one took its place since
                     text = "" if kind is not None else file.read()
         except FileNotFoundError:
-            return {}
+            return _Entries()
         except (OSError, UnicodeDecodeError) as exc:
             self._refuse(f"cannot be read ({exc})")
             return None
@@ -126,7 +134,7 @@ class DiskCache(SizeCache):
             self._refuse(f"is a {kind}, not a regular file")
             return None
         if not text.strip():
-            return {}  # an empty file, as `touch` leaves it: nothing stored yet
+            return _Entries()  # an empty file, as `touch` leaves it: nothing stored yet
         try:
             content = json.loads(text)
         except ValueError as exc:
@@ -139,11 +147,16 @@ class DiskCache(SizeCache):
             self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})")
             return None
         entries = content["sizes"]
-        sizes = {
-            key: size
+        sizes = _Entries(
+            (key, size)
             for key, size in entries.items()
             if isinstance(key, str) and type(size) is int and size >= 1  # bools are ints, and no sizes
-        }
+        )
+        samples = content.get("samples")
+        if isinstance(samples, dict):  # absent from files written before it was kept
+            sizes.samples.update(
+                (key, nbytes) for key, nbytes in samples.items() if key in sizes and type(nbytes) is int and nbytes >= 1
+            )
         if len(sizes) < len(entries) and not self._dropped_warned:
             self._dropped_warned = True  # once: the next write leaves them out of the file
             warnings.warn(
@@ -163,7 +176,7 @@ class DiskCache(SizeCache):
             stacklevel=levels_to_caller(),
         )
 
-    def _update(self, change: Callable[[dict[str, int]], object]) -> None:
+    def _update(self, change: Callable[[_Entries], object]) -> None:
         """Apply ``change`` to the sizes in the file, merged with what other processes wrote."""
         if not self._writable:
             return
@@ -175,7 +188,7 @@ class DiskCache(SizeCache):
             except Exception as exc:  # whatever the file does, the call that stores a size keeps its result
                 self._cannot_write(exc)
 
-    def _write(self, change: Callable[[dict[str, int]], object]) -> None:
+    def _write(self, change: Callable[[_Entries], object]) -> None:
         try:
             # A symbolic link is followed: replacing the link itself would leave its target,
             # the file that others read, as it was.
@@ -187,8 +200,11 @@ class DiskCache(SizeCache):
                 if stored is None:
                     return
                 change(stored)
-                entries = list(stored.items())[-self._maxsize :]
-                content = {"format": _FORMAT, "version": _VERSION, "sizes": dict(entries)}
+                entries = dict(list(stored.items())[-self._maxsize :])
+                content: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "sizes": entries}
+                samples = {key: nbytes for key, nbytes in stored.samples.items() if key in entries}
+                if samples:
+                    content["samples"] = samples
                 mode = None
                 with contextlib.suppress(FileNotFoundError):
                     mode = stat.S_IMODE(os.stat(target).st_mode)
@@ -247,9 +263,34 @@ def _special(mode: int) -> str | None:
     return next((name for test, name in _SPECIAL if test(mode)), "special file")
 
 
-def _store(sizes: dict[str, int], key: str, size: int) -> None:
+class _Entries(dict[str, int]):
+    """The sizes of a cache file, by key, with the bytes of one sample each was proven on (``samples``).
+
+    The file keeps the bytes under ``"samples"``, beside ``"sizes"``: a file
+    without them is read as it was, and older readers ignore them.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.samples: dict[str, int] = {}
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        self.samples.pop(key, None)
+        return super().pop(key, default)
+
+    def clear(self) -> None:
+        self.samples.clear()
+        super().clear()
+
+
+def _store(sizes: _Entries, key: str, size: int) -> None:
     sizes.pop(key, None)  # re-inserted last: the most recently stored go last, and stay longest
     sizes[key] = size
+
+
+def _prove(sizes: _Entries, key: str, nbytes: int) -> None:
+    if key in sizes:
+        sizes.samples[key] = nbytes
 
 
 def _remove(temporary: IO[str]) -> None:

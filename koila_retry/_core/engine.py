@@ -59,8 +59,6 @@ logger = logging.getLogger("koila_retry")
 _WORLD: Any = distributed.world if distributed.FAST else None
 # How many runs of a call that measures are measured: a probe, then a run at the size it chose.
 MEASURES = 2
-# The most keys a controller remembers the bytes of one sample for (see Controller.proven).
-_PROVEN = 1024
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
@@ -176,10 +174,6 @@ class Controller:
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
         self._count_call = self.stats.calls_counter.increment
         self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
-        # The bytes of one sample each stored size was proven on, for keys that group samples
-        # of several sizes (see start's per_sample). Only ever read whole or written under
-        # the cache's writes, which are rare.
-        self.proven: dict[Hashable, int] = {}
 
     @property
     def ddp_modules(self) -> list[Any]:
@@ -275,7 +269,7 @@ class Controller:
         if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
             cached = checked_size(cache, key, cached)
         if cached is not None and per_sample:
-            proven = self.proven.get(key)
+            proven = cache.sample_bytes(key)
             if proven is not None and per_sample > proven:
                 # Proven on smaller samples of the same class (a shorter padding, say): as
                 # many bytes of samples, never as many rows of larger ones.
@@ -855,12 +849,9 @@ class Attempt:
         if size < self._initial or controller.keep_last:
             controller.cache[self._key] = size
             if self._per_sample:
-                if len(controller.proven) >= _PROVEN:
-                    controller.proven.clear()  # as many keys as a cache holds: forget, rather than grow
-                controller.proven[self._key] = self._per_sample
+                controller.cache.prove(self._key, self._per_sample)
         elif self._cached < size:  # not a larger size, stored by a wrapper with a larger initial
             controller.cache.pop(self._key, None)
-            controller.proven.pop(self._key, None)
         self._cached = size
 
     @property

@@ -1324,11 +1324,14 @@ class _Estimates:
     was measured.
     """
 
-    __slots__ = ("calibration", "memo", "split", "split_made", "whole")
+    __slots__ = ("calibration", "memo", "sample_bytes", "split", "split_made", "whole")
 
-    def __init__(self, memo: _Memo, whole: MemoryEstimate | None) -> None:
+    def __init__(self, memo: _Memo, whole: MemoryEstimate | None, sample_bytes: int = 0) -> None:
         self.memo = memo
         self.whole = whole  # None: it could not be made (and a warning said why)
+        # The bytes of one input sample the estimates were made on: the memo's key names a
+        # class of sample shapes, and a call with larger samples of the class scales down.
+        self.sample_bytes = sample_bytes
         self.split: MemoryEstimate | None = None
         self.split_made = False
         self.calibration: Calibration | None = None
@@ -1404,14 +1407,16 @@ class _Memo:
         self.fits: LRUCache[Hashable, _Fit] = LRUCache(maxsize=256)
         self.warned: set[Hashable] = set()  # what was warned about once: (function, why)
 
-    def estimates_of(self, key: Hashable, make: Callable[[], MemoryEstimate], name: str) -> _Estimates:
+    def estimates_of(
+        self, key: Hashable, make: Callable[[], MemoryEstimate], name: str, sample_bytes: int = 0
+    ) -> _Estimates:
         with self.lock:
             found = self.estimates.get(key)
         if found is None:  # two threads may both estimate; the memo itself stays whole
             whole = self.made(
                 make, name, "the memory", "starts from the whole batch and halves on out-of-memory errors"
             )
-            found = _Estimates(self, whole)
+            found = _Estimates(self, whole, sample_bytes)
             if self.keep:
                 with self.lock:
                     self.estimates[key] = found
@@ -1499,6 +1504,12 @@ class AutoFirst:
             step split for a probe holds more (every gradient, and the next
             micro-batch's) than the whole step does. After a probe, the rest of the
             step is measured as a split step.
+        sample_bytes (int): the bytes of one input sample of this call. ``key``
+            names a class of sample shapes (rows padded to 37 tokens and to 50
+            share it), and the remembered estimates were made on the first
+            call's samples: for larger samples of the class, the sizes they
+            choose are scaled down to as many bytes of samples, as the cache
+            scales the sizes it stores.
 
     Attributes:
         meter (PeakMeter or None): after the first size was asked for with
@@ -1516,6 +1527,7 @@ class AutoFirst:
         "_measured",
         "_name",
         "_rows",
+        "_sample_bytes",
         "_split",
         "_step",
         "meter",
@@ -1532,9 +1544,10 @@ class AutoFirst:
         split: Callable[[], MemoryEstimate] | None = None,
         *,
         step: bool = False,
+        sample_bytes: int = 0,
     ) -> None:
         self._key, self._rows, self._make, self._device, self._name = key, rows, make, device, name
-        self._cache, self._split, self._step = cache, split, step
+        self._cache, self._split, self._step, self._sample_bytes = cache, split, step, sample_bytes
         self._measured = 0  # runs of this call measured so far
         self._figures: tuple[int, int] | None = None
         self._estimates: _Estimates | None = None
@@ -1552,7 +1565,7 @@ class AutoFirst:
             int: the first size, at least 1.
         """
         memo, rows, name = _memo_of(self._cache), self._rows, self._name
-        estimates = self._estimates = memo.estimates_of(self._key, self._make, name)
+        estimates = self._estimates = memo.estimates_of(self._key, self._make, name, self._sample_bytes)
         whole = estimates.whole
         if whole is None:
             return rows
@@ -1584,18 +1597,25 @@ class AutoFirst:
             return below
         return probe_size(estimates.whole, fit.budget, below, DEFAULT_MARGIN)
 
+    def _scaled(self, size: int, estimates: _Estimates) -> int:
+        """Return ``size`` rows of the samples the estimates were made on, as rows of this call's samples."""
+        made_on, mine = estimates.sample_bytes, self._sample_bytes
+        if size and made_on and mine > made_on:
+            return max(size * made_on // mine, 1)
+        return size
+
     def _decide(self, fit: _Fit) -> int:
         rows, estimates = self._rows, fit.estimates
         whole = cast(MemoryEstimate, estimates.whole)
         self._figures = (whole.per_sample, whole.fixed)
-        if rows <= fit.whole:
+        if rows <= self._scaled(fit.whole, estimates):
             return rows
-        split, split_bare = fit.split(self._split, self._name)
+        split, split_bare = (self._scaled(size, estimates) for size in fit.split(self._split, self._name))
         found = estimates.split or whole
         self._figures = (found.per_sample, found.fixed)
         if split:
             return split
-        return rows if rows <= fit.bare else split_bare or 1
+        return rows if rows <= self._scaled(fit.bare, estimates) else split_bare or 1
 
     def corrected(self, rows: int, rise: int) -> int:
         """Correct the estimates by a measured run, and return the size for what follows.
@@ -1630,7 +1650,7 @@ class AutoFirst:
         fit = self._fit
         if fit is None or fit.estimates.whole is None:
             return max(self._rows // 2, 1)
-        split, split_bare = fit.split(self._split, self._name)
+        split, split_bare = (self._scaled(size, fit.estimates) for size in fit.split(self._split, self._name))
         return split or split_bare or 1
 
     def figures(self) -> tuple[int, int] | None:

@@ -66,7 +66,10 @@ _BatchNormNodes = frozenset(
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
 
-_LOSS, _JOIN, _WEIGH, _DROP = "loss", "join", "weigh", "drop"  # what becomes of each leaf of a result
+# What becomes of each leaf of a result: the loss; one row per row of the batch, joined;
+# a number or per-batch tensor of floats, weighted like the loss; one of integers (a
+# count), added up; anything else, dropped.
+_LOSS, _JOIN, _WEIGH, _COUNT, _DROP = "loss", "join", "weigh", "count", "drop"
 _LEAF_SPEC = tree_flatten(0)[1]
 
 
@@ -446,7 +449,17 @@ class _Accumulator:
             return make
 
         key = (self.identity, split.sample, device)
-        return AutoFirst(key, split.rows, estimated(1), device, name, self.controller.cache, estimated(2), step=True)
+        return AutoFirst(
+            key,
+            split.rows,
+            estimated(1),
+            device,
+            name,
+            self.controller.cache,
+            estimated(2),
+            step=True,
+            sample_bytes=split.per_sample,
+        )
 
     def _run(
         self, split: Split, size: int, gradients: _Gradients, attempt: Attempt, auto: AutoFirst | None = None
@@ -463,7 +476,7 @@ class _Accumulator:
             backed = self._measured(split, size, gradients, attempt, meter, results, retain, auto)
         elif size >= rows:  # the happy path: the batch as given, one forward, one backward
             result = self.fn(*split.args, **split.kwargs)
-            loss = results.add(result, 1.0)
+            loss = results.add(result, 1.0, rows)
             if loss.requires_grad:
                 gradients.collect(loss)
                 self.backward(loss, retain)
@@ -473,8 +486,10 @@ class _Accumulator:
         else:
             backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
             weights = self._weights(split, size)
-            for (chunk_args, chunk_kwargs, _), weight in zip(split.pieces(size), weights, strict=True):
-                backed = self._micro_batch(chunk_args, chunk_kwargs, weight, results, gradients, retain) or backed
+            for (chunk_args, chunk_kwargs, count), weight in zip(split.pieces(size), weights, strict=True):
+                backed = (
+                    self._micro_batch(chunk_args, chunk_kwargs, count, weight, results, gradients, retain) or backed
+                )
                 del chunk_args, chunk_kwargs  # not alive during the next forward
         if not backed:
             self._check_no_grad_wanted(split)
@@ -484,6 +499,7 @@ class _Accumulator:
         self,
         args: Sequence[Any],
         kwargs: dict[str, Any],
+        rows: int,
         weight: float,
         results: _Results,
         gradients: _Gradients,
@@ -491,7 +507,7 @@ class _Accumulator:
     ) -> bool:
         """Run one micro-batch, forward and weighted backward; return whether its loss needed a gradient."""
         result = self.fn(*args, **kwargs)
-        loss = results.add(result, weight)
+        loss = results.add(result, weight, rows)
         del result
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
         if not loss.requires_grad or weight == 0.0:
@@ -525,7 +541,7 @@ class _Accumulator:
         args, kwargs = split.chunk(0, first)
         weight = self._weight_of(args, kwargs, first, total)
         with meter:
-            backed = self._micro_batch(args, kwargs, weight, results, gradients, retain)
+            backed = self._micro_batch(args, kwargs, first, weight, results, gradients, retain)
             del args, kwargs
         size = attempt.calibrate(first, meter.rise)
         if first >= rows:
@@ -542,7 +558,7 @@ class _Accumulator:
                 end = min(begin + size, rows)
                 args, kwargs = split.chunk(begin, end)
                 weight = self._weight_of(args, kwargs, end - begin, total)
-                backed = self._micro_batch(args, kwargs, weight, results, gradients, retain) or backed
+                backed = self._micro_batch(args, kwargs, end - begin, weight, results, gradients, retain) or backed
                 del args, kwargs
         if attempt.meter is not None:
             attempt.calibrate(min(size, rows - first), meter.rise + held)
@@ -734,8 +750,18 @@ class _Results:
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
 
-    def add(self, result: Any, weight: float) -> torch.Tensor:
-        """Check one micro-batch's result, keep its parts, and return its loss."""
+    def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
+        """Check one micro-batch's result, keep its parts, and return its loss.
+
+        Args:
+            result (Any): what the step returned for the micro-batch.
+            weight (float): the micro-batch's share, as its loss is weighted.
+            rows (int): the micro-batch's rows: a tensor with as many along ``dim``
+                has one per row, and is joined.
+
+        Returns:
+            torch.Tensor: the loss.
+        """
         loss = _loss_of(result, self.step.controller.name)
         if loss is result:  # the usual case, kept without flattening
             if self.spec is None:
@@ -745,13 +771,15 @@ class _Results:
             self.columns[0].append((_kept(loss), weight))
             return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
         leaves, spec = tree_flatten(result)
-        kinds = [self._kind(leaf, loss, result) for leaf in leaves]
+        kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
             if _DROP in kinds:
                 self._dropping(result, kinds)
-        elif spec != self.spec or kinds != self.kinds:
+        elif spec != self.spec:
             self._changed(spec)
+        elif kinds != self.kinds:
+            self._rows_changed(result, kinds, rows)
         for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
             if kind == _DROP:
                 continue
@@ -767,20 +795,33 @@ class _Results:
             f"micro-batches: {self.spec} and then {spec}"
         )
 
-    def _kind(self, leaf: Any, loss: torch.Tensor, result: Any) -> str:
+    def _kind(self, leaf: Any, loss: torch.Tensor, rows: int) -> str:
         if leaf is loss:
             return _LOSS
         if not isinstance(leaf, TensorBase):
-            return _WEIGH if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) else _DROP
-        if leaf.dim() == 0:
-            return _WEIGH
-        if -leaf.dim() <= self.step.dim < leaf.dim():
+            if isinstance(leaf, bool) or not isinstance(leaf, (int, float)):
+                return _DROP
+            return _COUNT if isinstance(leaf, int) else _WEIGH
+        dim = self.step.dim
+        if -leaf.dim() <= dim < leaf.dim() and leaf.size(dim) == rows:
             return _JOIN
-        where = next(f"the result{keystr(path)}" for path, value in tree_flatten_with_path(result)[0] if value is leaf)
+        # A value of the whole micro-batch (a mean, a count per class): the same shape
+        # whatever the rows, so that the result's shape never depends on the split.
+        return _WEIGH if leaf.is_floating_point() or leaf.is_complex() else _COUNT
+
+    def _rows_changed(self, result: Any, kinds: list[str], rows: int) -> NoReturn:
+        paths = tree_flatten_with_path(result)[0]
+        path, leaf, kind = next(
+            (path, leaf, kind)
+            for (path, leaf), kind, before in zip(paths, kinds, self.kinds, strict=True)
+            if kind != before
+        )
         raise ValueError(
-            f"{self.step.controller.name} returned {_describe(leaf)} at {where}, which has no dim "
-            f"{self.step.dim}; besides the loss, koila.accumulate combines tensors with a dim {self.step.dim} "
-            "(concatenated along it) and numbers or 0-dimensional tensors (weighted like the loss)"
+            f"{self.step.controller.name} returned {_describe(leaf)} at the result{keystr(path)} for a micro-batch "
+            f"of {rows} rows, which {'has one row per row' if kind == _JOIN else 'is not one row per row'} of it, "
+            f"unlike for the micro-batch before: a tensor with as many rows along dim {self.step.dim} as its "
+            "micro-batch is joined, any other is a value of the whole micro-batch, and each must be the same "
+            "kind in every micro-batch"
         )
 
     def _dropping(self, result: Any, kinds: list[str]) -> None:
@@ -811,11 +852,19 @@ class _Results:
             if kind == _DROP:
                 combined.append(None)
                 continue
-            if kind != _JOIN:
+            if kind in (_LOSS, _WEIGH):
                 # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
                 column = [entry for entry in column if entry[1] != 0.0]
             if kind == _JOIN:
                 combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
+            elif kind == _COUNT:  # counts add up to the whole batch's, in their own type
+                counts = [value for value, _ in column]
+                if len(counts) == 1:
+                    combined.append(counts[0])
+                elif isinstance(counts[0], TensorBase):  # booleans add up to whether any is true
+                    combined.append(torch.stack(counts).sum(0).to(counts[0].dtype))
+                else:
+                    combined.append(sum(counts))
             elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
                 values = torch.stack([value for value, _ in column])
                 if all(weight == 1.0 for _, weight in column):

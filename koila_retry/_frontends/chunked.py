@@ -285,7 +285,13 @@ def _run_chunked(
                 return estimate_batch(fn, split, device=device)
 
             first = AutoFirst(
-                (identity, split.sample, device), split.rows, make, device, controller.name, controller.cache
+                (identity, split.sample, device),
+                split.rows,
+                make,
+                device,
+                controller.name,
+                controller.cache,
+                sample_bytes=split.per_sample,
             )
         attempt = controller.start(
             identity,
