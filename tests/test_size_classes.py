@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -103,6 +104,11 @@ def test_sample_bytes_go_with_their_size() -> None:
     cache.prove("b", 7)
     del cache["b"]
     assert cache.sample_bytes("b") is None
+    with pytest.raises(ValueError, match="nbytes must be an int >= 1, got 0"):
+        cache.prove("c", 0)
+    with pytest.raises(TypeError, match="nbytes must be an int >= 1, got float 2.5"):
+        cache.prove("c", 2.5)  # type: ignore[arg-type]
+    assert cache.sample_bytes("c") is None
 
 
 def test_the_stack_cache_fallback_keeps_the_bytes_a_size_was_proven_on() -> None:

@@ -290,8 +290,16 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             key (Hashable): a key of this cache.
             nbytes (int): the bytes of one sample of the call that stored the size.
 
+        Raises:
+            TypeError: if ``nbytes`` is not an int.
+            ValueError: if ``nbytes`` is below 1.
+
         .. versionadded:: 0.1.0
         """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int >= 1, got {type(nbytes).__name__} {nbytes!r}")
+        if nbytes < 1:
+            raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
         with self._lock:
             if key in self._sizes:
                 self._samples[key] = nbytes
