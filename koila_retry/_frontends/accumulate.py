@@ -21,11 +21,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
@@ -744,7 +745,7 @@ class _Results:
                 self._changed(_LEAF_SPEC)
             self.columns[0].append((_kept(loss), weight))
             return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
-        leaves, spec = tree_flatten(result)
+        leaves, spec = flatten(result)
         kinds = [self._kind(leaf, loss, result) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
@@ -776,7 +777,7 @@ class _Results:
             return _WEIGH
         if -leaf.dim() <= self.step.dim < leaf.dim():
             return _JOIN
-        where = next(f"the result{keystr(path)}" for path, value in tree_flatten_with_path(result)[0] if value is leaf)
+        where = next(f"the result{keystr(path)}" for path, value in flatten_with_path(result) if value is leaf)
         raise ValueError(
             f"{self.step.controller.name} returned {_describe(leaf)} at {where}, which has no dim "
             f"{self.step.dim}; besides the loss, koila.accumulate combines tensors with a dim {self.step.dim} "
@@ -789,7 +790,7 @@ class _Results:
         if step.warned_dropped:
             return
         step.warned_dropped = True
-        paths = tree_flatten_with_path(result)[0]
+        paths = flatten_with_path(result)
         dropped = [
             f"the result{keystr(path)} ({type(leaf).__name__})"
             for (path, leaf), kind in zip(paths, kinds, strict=True)

@@ -18,10 +18,11 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._core.cache import StackMemoryCache, function_identity
@@ -319,10 +320,10 @@ class _Results:
         self.plain = False  # whether results are plain tensors, written without flattening
         self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
         if out is not None:
-            leaves, self.spec = tree_flatten(out)
+            leaves, self.spec = flatten(out)
             self.targets = list(leaves)
             self.plain = type(out) is torch.Tensor
-            for path, leaf in tree_flatten_with_path(out)[0]:
+            for path, leaf in flatten_with_path(out):
                 where = f"out{keystr(path)}"
                 if not isinstance(leaf, TensorBase):
                     raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
@@ -342,7 +343,7 @@ class _Results:
                 self._changed(self.spec, _NONE_SPEC)
             self.none, self.spec = True, _NONE_SPEC
             return
-        leaves, spec = tree_flatten(result)
+        leaves, spec = flatten(result)
         if self.spec is None:
             self.spec = spec
         elif spec != self.spec or self.none:
@@ -377,7 +378,7 @@ class _Results:
         """
         dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
         if dropped:
-            paths = tree_flatten_with_path(result)[0]
+            paths = flatten_with_path(result)
             named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
             warnings.warn(
                 f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
@@ -421,7 +422,7 @@ class _Results:
         self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
     ) -> NoReturn:
         """Raise the error that says how a chunk's result does not fit where its rows go."""
-        path = keystr(tree_flatten_with_path(result)[0][index][0])
+        path = keystr(flatten_with_path(result)[index][0])
         rows, dim = end - begin, self.dim
         what = f"fn returned a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} at the result{path}"
         if leaf.size(dim) != rows:
@@ -442,7 +443,7 @@ class _Results:
 
     def _explain(self, result: Any, begin: int) -> NoReturn:
         """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
-        leaves = tree_flatten_with_path(result)[0]
+        leaves = flatten_with_path(result)
         targets = self.targets
         alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
         for index, (path, leaf) in enumerate(leaves):
