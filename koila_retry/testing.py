@@ -74,7 +74,7 @@ class _DeviceTracker(LiveStorageTracker):  # type: ignore[no-untyped-call]
 
 
 class SimulatedDevice:
-    """A memory limit on the tensors a block of code creates; see :func:`simulated_device`.
+    """A memory limit on the tensors a block of code creates in one thread; see :func:`simulated_device`.
 
     Attributes:
         limit (int): the limit in bytes: the device's capacity.
@@ -162,14 +162,14 @@ class SimulatedDevice:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
         self._tracker = _DeviceTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
-        simulated.active.append(self)
+        simulated.enter(self)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         tracker, self._tracker = self._tracker, None
-        simulated.active.pop()
+        simulated.leave(self)
         if tracker is not None:
             self._peak = tracker.peak
             tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
@@ -190,9 +190,16 @@ def simulated_device(limit: int | str) -> SimulatedDevice:
     freed; views and in-place results count nothing extra. An operator that
     would go past the limit raises ``torch.OutOfMemoryError`` with a CUDA-style
     message, and its result is dropped, as if the allocation had failed.
-    Tensors created before the block, or in other threads, do not count.
-    While the block is active, :func:`koila_retry.free_memory` reports the
-    simulated free memory.
+    Tensors created before the block do not count.
+
+    The block belongs to the thread that entered it, as a PyTorch dispatch
+    mode does: the limit applies to that thread's operators alone. Tensors that
+    other threads create meanwhile neither count against it nor run into it,
+    and other threads see no simulated device: their
+    :func:`koila_retry.free_memory`, cache keys and estimates are those of the
+    real device. In the thread that entered it, while the block is active,
+    :func:`koila_retry.free_memory` reports the simulated free memory. Exit the
+    block in the thread that entered it.
 
     Args:
         limit (int or str): bytes, or a size such as ``"512MiB"`` or ``"2GB"``.

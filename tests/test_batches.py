@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections import OrderedDict, UserDict, defaultdict
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -40,6 +42,83 @@ class Pair(NamedTuple):
 class Frozen:
     pixels: torch.Tensor
     name: str = "batch"
+
+
+class Plain(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that keeps tuple.__new__, with an attribute set on the instance."""
+
+
+class Fields(tuple):  # type: ignore[type-arg]
+    """A tuple subclass whose constructor takes one argument per item."""
+
+    def __new__(cls, inputs: Any, targets: Any) -> Fields:
+        return super().__new__(cls, (inputs, targets))
+
+
+class Items(tuple):  # type: ignore[type-arg]
+    """A tuple subclass whose constructor takes its items as one iterable, and more."""
+
+    def __new__(cls, items: Any, scale: float = 1.0) -> Items:
+        return super().__new__(cls, items)
+
+
+class Sealed(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that cannot be remade: its constructor takes keywords only."""
+
+    def __new__(cls, *, first: Any, second: Any) -> Sealed:
+        return super().__new__(cls, (first, second))
+
+
+class Keywords(Mapping[str, Any]):
+    """A read-only mapping whose constructor takes keywords only."""
+
+    def __init__(self, **items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Store(MutableMapping[str, Any]):
+    """A mutable mapping with no __copy__: copy.copy would share its storage with the original."""
+
+    def __init__(self, items: dict[str, Any] | None = None) -> None:
+        self._items = dict(items or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Filled(Store):
+    """A mutable mapping made empty, then filled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class Pairs(Keywords):
+    """A read-only mapping that cannot be remade: its constructor takes keys and values apart."""
+
+    def __init__(self, keys: list[str], values: list[Any]) -> None:
+        self._items = dict(zip(keys, values, strict=True))
 
 
 def rows(n: int, *rest: int) -> torch.Tensor:
@@ -142,6 +221,69 @@ def test_a_read_only_mapping_is_remade_from_its_items() -> None:
     assert pieces[1]["name"] == "a"
 
 
+def test_tuple_subclasses_and_mappings_without_a_copy_are_remade_as_their_own_types() -> None:
+    plain = Plain((rows(5), "text"))
+    plain.tag = "kept"  # type: ignore[attr-defined]
+    stat = os.stat(".")  # a struct sequence with fields beyond its sequence
+    stat_like = type(stat)((*stat[:6], rows(5), *stat[7:]), {"st_mtime_ns": 123})
+    batch = {
+        "max": torch.max(rows(5, 3), dim=1),
+        "plain": plain,
+        "fields": Fields(rows(5, 2), rows(5)),
+        "items": Items([rows(5), 2]),
+        "stat": stat_like,
+        "keywords": Keywords(x=rows(5), name="a"),
+        "proxy": MappingProxyType({"x": rows(5)}),
+        "store": Store({"x": rows(5), "y": 1}),
+        "filled": Filled(),
+    }
+    batch["filled"]["x"] = rows(5, 4)
+    split = Split((batch,), {}, 0, "test")
+    begin = 0
+    for (piece,), _, n in split.pieces(2):
+        end = begin + n
+        assert {key: type(value) for key, value in piece.items()} == {key: type(value) for key, value in batch.items()}
+        assert torch.equal(piece["max"].values, batch["max"].values[begin:end])
+        assert torch.equal(piece["max"].indices, batch["max"].indices[begin:end])
+        assert torch.equal(piece["plain"][0], rows(5)[begin:end])
+        assert piece["plain"][1] == "text"
+        assert piece["plain"].tag == "kept"
+        assert torch.equal(piece["fields"][1], rows(5)[begin:end])
+        assert piece["items"][1] == 2
+        assert torch.equal(piece["stat"][6], rows(5)[begin:end])
+        assert piece["stat"].st_mtime_ns == 123
+        assert piece["keywords"]["name"] == "a"
+        for key in ("keywords", "proxy", "store"):
+            assert torch.equal(piece[key]["x"], rows(5)[begin:end])
+        assert torch.equal(piece["filled"]["x"], rows(5, 4)[begin:end])
+        begin = end
+    # The caller's containers are untouched: the store's storage was not shared with a copy.
+    assert batch["store"]["x"].shape == batch["filled"]["x"].shape[:1] == (5,)
+
+
+def test_a_struct_sequence_s_tensors_are_named_by_field() -> None:
+    with pytest.raises(ValueError, match=r"the tensor args\[0\]\.values has 4, the tensor args\[1\] has 3"):
+        Split((torch.max(rows(4, 2), dim=1), rows(3)), {}, 0, "test")
+
+
+@pytest.mark.parametrize(
+    ("batch", "says"),
+    [
+        (Sealed(first=rows(4), second=rows(4)), r"a Sealed, and cannot remake a Sealed: it is a tuple subclass"),
+        (Pairs(["x"], [rows(4)]), r"a Pairs, and cannot remake a Pairs: it is a read-only Mapping"),
+    ],
+    ids=["tuple", "mapping"],
+)
+def test_a_container_that_cannot_be_remade_is_refused_as_it_is_found(batch: Any, says: str) -> None:
+    # Refused whether or not a slice is ever made: the walk alone raises.
+    with pytest.raises(TypeError, match=rf"test splits the tensors in batch\[1\], {says}") as error:
+        Split(([3, batch],), {}, 0, "test", lambda batch: None)
+    assert "checked on every call, split or not" in str(error.value)
+    # A container without tensors passes as it is, whatever it is.
+    split = Split((rows(4), Sealed(first=1, second=2)), {}, 0, "test")
+    assert split.chunk(0, 2)[0][1] == (1, 2)
+
+
 def test_tensors_along_a_negative_dim() -> None:
     split = Split(({"x": rows(2, 6)},), {}, -1, "test")
     assert split.rows == 6
@@ -150,12 +292,43 @@ def test_tensors_along_a_negative_dim() -> None:
     assert n == 4
 
 
+@dataclasses.dataclass
+class Two:
+    first: Any
+    second: Any
+
+
+# Every kind of container that holds two items, made from them.
+PAIRS: dict[str, Any] = {
+    "tuple": lambda a, b: (a, b),
+    "plain": lambda a, b: Plain((a, b)),
+    "fields": Fields,
+    "items": lambda a, b: Items([a, b], scale=2.0),
+    "structseq": lambda a, b: torch.return_types.max((a, b)),
+    "named": Pair,
+    "keywords": lambda a, b: Keywords(a=a, b=b),
+    "proxy": lambda a, b: MappingProxyType({"a": a, "b": b}),
+    "store": lambda a, b: Store({"a": a, "b": b}),
+    "encoding": lambda a, b: Encoding({"a": a, "b": b}, encodings="kept"),
+    "ordered": lambda a, b: OrderedDict(a=a, b=b),
+    "dataclass": Two,
+    "frozen": lambda a, b: Frozen(a, b),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Container:
+    kind: str
+    first: Any
+    second: Any
+
+
 nested = st.recursive(
     st.sampled_from(["row", "one", "scalar", "text"]),
     lambda children: st.one_of(
         st.lists(children, max_size=3),
         st.dictionaries(st.sampled_from("abc"), children, max_size=3),
-        st.tuples(children, children),
+        st.builds(Container, st.sampled_from(sorted(PAIRS)), children, children),
     ),
     max_leaves=8,
 )
@@ -173,43 +346,68 @@ def materialise(shape: Any, n: int, counter: list[int]) -> Any:
         return "text"
     if isinstance(shape, list):
         return [materialise(item, n, counter) for item in shape]
-    if isinstance(shape, tuple):
-        return tuple(materialise(item, n, counter) for item in shape)
+    if isinstance(shape, Container):
+        return PAIRS[shape.kind](materialise(shape.first, n, counter), materialise(shape.second, n, counter))
     return {key: materialise(value, n, counter) for key, value in shape.items()}
 
 
-def joined(pieces: list[Any], whole: Any, n: int) -> Any:
-    """Put the slices back together: tensors with rows concatenated, what passed whole checked and kept."""
+def parts(value: Any) -> list[tuple[Any, Any]] | None:
+    """Return a container's items by key, or ``None`` for anything else."""
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
+    if isinstance(value, (list, tuple)):
+        return list(enumerate(value))
+    return None
+
+
+def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int) -> None:
+    """Check that ``piece`` is ``whole`` with the rows ``[begin, end)`` of the tensors that have ``n``."""
     if isinstance(whole, torch.Tensor):
         if whole.dim() and whole.size(0) == n:
-            return torch.cat(pieces)
-        assert all(piece is whole for piece in pieces)
-        return whole
-    if isinstance(whole, dict):
-        return {key: joined([piece[key] for piece in pieces], value, n) for key, value in whole.items()}
-    if isinstance(whole, (list, tuple)):
-        return type(whole)(joined([piece[i] for piece in pieces], value, n) for i, value in enumerate(whole))
-    assert all(piece == whole for piece in pieces)
-    return whole
+            assert torch.equal(piece, whole[begin:end])
+        else:
+            assert piece is whole  # broadcasts: passed whole
+        return
+    expected = parts(whole)
+    if expected is None:
+        assert piece is whole
+        return
+    assert type(piece) is type(whole)
+    found = parts(piece)
+    assert found is not None
+    assert [key for key, _ in found] == [key for key, _ in expected]
+    for (_, item), (_, whole_item) in zip(found, expected, strict=True):
+        check_slice(item, whole_item, begin, end, n)
 
 
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
+def leaves(value: Any) -> list[Any]:
+    found = parts(value)
+    return [value] if found is None else [leaf for _, item in found for leaf in leaves(item)]
 
 
 @given(shape=nested, n=st.integers(2, 9), size=st.integers(1, 10))
-def test_slices_put_back_together_are_the_arguments(shape: Any, n: int, size: int) -> None:
+def test_slices_are_the_arguments_rows_in_the_same_containers(shape: Any, n: int, size: int) -> None:
     batch = [materialise(shape, n, [0]), rows(n)]  # always one tensor with rows
+    before = [(leaf, leaf.shape if isinstance(leaf, torch.Tensor) else None) for leaf in leaves(batch)]
     split = Split(tuple(batch), {}, 0, "test")
     pieces = list(split.pieces(size))
     assert [count for _, _, count in pieces] == [min(size, n - begin) for begin in range(0, n, size)]
-    assert same(joined([args for args, _, _ in pieces], batch, n), batch)
+    begin = 0
+    for args, kwargs, count in pieces:
+        assert kwargs == {}
+        check_slice(args, batch, begin, begin + count, n)
+        begin += count
+    # Put back together, the slices are the arguments; the arguments themselves are untouched.
+    assert [(leaf, getattr(leaf, "shape", None)) for leaf in leaves(batch)] == before
+    chunks = [leaves(args) for args, _, _ in pieces]
+    for index, whole in enumerate(leaves(batch)):
+        column = [chunk[index] for chunk in chunks]
+        if isinstance(whole, torch.Tensor) and whole.dim() and whole.size(0) == n:
+            assert torch.equal(torch.cat(column), whole)
+        else:
+            assert all(item is whole for item in column)
 
 
 # --- the front ends ---------------------------------------------------------------
@@ -272,3 +470,141 @@ def test_suggest_batch_size_takes_a_dict_batch() -> None:
     batch = {"x": torch.randn(4, 64), "scale": torch.tensor(2.0)}
     flat = koila.suggest_batch_size(lambda x: model(x) * 2.0, batch["x"], budget="1MiB", margin=0)
     assert koila.suggest_batch_size(forward, batch, budget="1MiB", margin=0) == flat
+
+
+# Containers of a batch's inputs and targets, each of a kind that was once split as a
+# list and failed to go back together.
+BATCHES: dict[str, Any] = {
+    "structseq": lambda x, y: torch.return_types.max((x, y)),
+    "plain": lambda x, y: Plain((x, y)),
+    "fields": Fields,
+    "items": lambda x, y: Items([x, y]),
+    "keywords": lambda x, y: Keywords(inputs=x, targets=y),
+    "store": lambda x, y: Store({"inputs": x, "targets": y}),
+}
+
+
+def parted(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return (batch["inputs"], batch["targets"]) if isinstance(batch, Mapping) else (batch[0], batch[1])
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_accumulate_splits_every_container_and_gives_the_whole_batch_gradient(kind: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 1, dtype=torch.float64)
+    batch = BATCHES[kind](x, y)
+    seen: list[type] = []
+
+    def loss(batch: Any) -> torch.Tensor:
+        seen.append(type(batch))
+        inputs, targets = parted(batch)
+        return torch.nn.functional.mse_loss(model(inputs), targets)
+
+    loss(batch).backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    step = koila.accumulate(loss, initial=4)
+    step(batch)
+    assert step.stats.batch_size == 4
+    assert seen == [type(batch)] * 4  # the call above, then three micro-batches of the batch's type
+    assert parted(batch)[0] is x  # the caller's batch is untouched
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_chunked_splits_every_container(kind: str) -> None:
+    batch = BATCHES[kind](rows(10, 2), rows(10))
+    seen: list[type] = []
+
+    def fn(batch: Any) -> torch.Tensor:
+        seen.append(type(batch))
+        inputs, targets = parted(batch)
+        return inputs.sum(dim=1) + targets
+
+    result = koila.chunked(fn, batch, initial=4)
+    assert torch.equal(result, rows(10, 2).sum(dim=1) + rows(10))
+    assert seen == [type(batch)] * 3
+    assert parted(batch)[0].shape == (10, 2)  # the caller's batch is untouched
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_estimate_of_every_container_equals_the_flat_one(kind: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def flat(x: torch.Tensor, y: torch.Tensor) -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def nested(batch: Any) -> None:
+        flat(*parted(batch))
+
+    a = koila.estimate(flat, x, y)
+    b = koila.estimate(nested, BATCHES[kind](x, y))
+    assert [a.peak(n) for n in (1, 8, 100)] == [b.peak(n) for n in (1, 8, 100)]
+
+
+@pytest.mark.parametrize("front_end", ["accumulate", "chunked", "estimate"])
+@pytest.mark.parametrize(
+    "make", [lambda x: Sealed(first=x, second=x), lambda x: Pairs(["x"], [x])], ids=["tuple", "map"]
+)
+def test_a_container_that_cannot_be_remade_fails_every_call_even_one_that_is_not_split(
+    front_end: str, make: Callable[[torch.Tensor], Any]
+) -> None:
+    batch = make(rows(4, 2))
+    calls: list[int] = []
+
+    def fn(batch: Any) -> torch.Tensor:
+        calls.append(1)
+        return rows(4, 2).sum()
+
+    run: dict[str, Callable[[], object]] = {
+        "accumulate": lambda: koila.accumulate(fn, initial=None)(batch),  # the whole batch at once
+        "chunked": lambda: koila.chunked(fn, batch, initial=16),  # one chunk holds every row
+        "estimate": lambda: koila.estimate(fn, batch),
+    }
+    name = type(batch).__name__
+    for _ in range(2):
+        with pytest.raises(TypeError, match=rf"koila\.{front_end} splits the tensors in batch, a {name}, and cannot"):
+            run[front_end]()
+    assert calls == []  # refused before anything ran
+
+
+def test_results_that_are_tuple_subclasses_come_back_as_their_types_when_split() -> None:
+    def fn(x: torch.Tensor) -> Any:
+        doubled = Plain((x * 2, torch.max(x, dim=1)))
+        doubled.tag = "kept"  # type: ignore[attr-defined]
+        return {"doubled": doubled, "fields": Fields(x, x.sum(dim=1)), "items": Items([x])}
+
+    x = rows(10, 3)
+    result = koila.chunked(fn, x, initial=4)
+    expected = fn(x)
+    assert type(result["doubled"]) is Plain
+    assert result["doubled"].tag == "kept"
+    assert type(result["doubled"][1]) is torch.return_types.max
+    torch.testing.assert_close(result["doubled"][1].indices, expected["doubled"][1].indices)
+    assert type(result["fields"]) is Fields
+    assert type(result["items"]) is Items
+    torch.testing.assert_close(result["fields"][1], expected["fields"][1])
+    torch.testing.assert_close(result["items"][0], x)
+
+
+def test_a_step_that_returns_a_tuple_subclass_gets_it_back_when_split() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(10, 3, dtype=torch.float64)
+
+    def loss(x: torch.Tensor) -> Plain:
+        out = model(x)
+        return Plain((out.pow(2).mean(), torch.max(out, dim=1)))
+
+    whole = loss(x)
+    step = koila.accumulate(loss, initial=4)
+    result = step(x)
+    assert step.stats.batch_size == 4
+    assert type(result) is Plain
+    assert type(result[1]) is torch.return_types.max
+    torch.testing.assert_close(result[0], whole[0].detach())
+    torch.testing.assert_close(result[1].values, whole[1].values.detach())
+    torch.testing.assert_close(result[1].indices, whole[1].indices)

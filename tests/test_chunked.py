@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import koila_retry as koila
 from koila_retry._core import memory
@@ -723,8 +724,87 @@ def test_out_holding_a_non_tensor() -> None:
 
 
 def test_out_with_a_different_structure() -> None:
-    with pytest.raises(ValueError, match=r"(?s)fn's result has the structure TreeSpec\(tuple.*, and out has \*"):
+    with pytest.raises(
+        ValueError,
+        match=r"fn returned a tensor at the result\[0\], and out has nothing there \(out is a Tensor without \[0\]\): "
+        r"out needs one tensor at each "
+        r"place where fn's result has one, matched by key .* The result has them at the result\[0\], the "
+        r"result\[1\]; out has them at out$",
+    ):
         koila.chunked(lambda r: (r, r), torch.zeros(4), out=torch.zeros(4))
+
+
+def test_a_dict_out_is_matched_by_key_in_any_order() -> None:
+    out = {"b": torch.zeros(6), "a": torch.zeros(6, dtype=torch.float64)}
+
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": rows * 2, "b": rows + 1}
+
+    result = koila.chunked(fn, torch.arange(6.0), initial=4, out=out)
+    assert result is out
+    assert out["a"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert out["b"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    nested = {"pair": (torch.zeros(6), torch.zeros(6)), "x": {"z": torch.zeros(6), "y": torch.zeros(6)}}
+    koila.chunked(lambda r: {"x": {"y": r, "z": -r}, "pair": (r, r * 3)}, torch.arange(6.0), initial=4, out=nested)
+    assert nested["x"]["z"].tolist() == [-0.0, -1.0, -2.0, -3.0, -4.0, -5.0]
+    assert nested["pair"][1].tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+
+
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        (
+            {"a": torch.zeros(4)},
+            r"fn returned a tensor at the result\['b'\], and out has nothing there \(out is a dict without \['b'\]\)",
+        ),
+        (
+            {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(4)},
+            r"out has a tensor at out\['c'\], and fn's result has none there",
+        ),
+        ({"a": torch.zeros(4), "b": {"x": torch.zeros(4)}}, r"the result\['b'\], and out has a dict there"),
+    ],
+    ids=["missing", "extra", "nested"],
+)
+def test_a_dict_out_with_missing_or_extra_keys_says_which(out: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=rf"{says}: out needs one tensor at each place .* The result has them at "):
+        koila.chunked(lambda r: {"b": r, "a": r}, torch.arange(4.0), initial=2, out=out)
+    assert not any(tensor.any() for tensor in tree_flatten(out)[0])  # refused before a row was written
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(4, 2, requires_grad=True),
+        lambda: torch.zeros(8, 2, requires_grad=True)[:4],
+    ],
+    ids=["leaf", "view-of-a-leaf"],
+)
+def test_out_that_requires_grad_is_refused_before_anything_runs(make: Callable[[], torch.Tensor]) -> None:
+    calls: list[int] = []
+
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        calls.append(len(rows))
+        return {"x": rows * 2}
+
+    with pytest.raises(
+        ValueError,
+        match=r"out\['x'\] requires grad and is a leaf tensor \(or a view of one\): koila.chunked writes each "
+        r"chunk's rows into out in place, .* Pass out\['x'\].detach\(\) .* or call koila.chunked under "
+        r"torch.no_grad\(\)",
+    ):
+        koila.chunked(fn, torch.ones(4, 2), initial=2, out={"x": make()})
+    assert calls == []
+    # Under no_grad, writing into it is allowed, as it is to any in-place operation.
+    out = {"x": make()}
+    with torch.no_grad():
+        koila.chunked(fn, torch.ones(4, 2), initial=2, out=out)
+    assert out["x"].tolist() == [[2.0, 2.0]] * 4
+    # A tensor that requires grad and is not a leaf records the writes.
+    weight = torch.ones(4, 2, requires_grad=True)
+    written = weight * 0
+    koila.chunked(lambda r: r * weight[: len(r)], torch.ones(4, 2), initial=2, out=written)
+    written.sum().backward()
+    assert weight.grad is not None
 
 
 @pytest.mark.parametrize("out", [None, torch.zeros(4)], ids=["joined", "out"])
@@ -743,13 +823,18 @@ def test_a_later_chunk_with_other_rows_is_refused_too() -> None:
 
 
 def test_out_of_another_shape_is_a_value_error_before_torch_sees_it() -> None:
-    with pytest.raises(ValueError, match=r"at the result for rows 0 to 2, and out needs the shape \(2, 3\) and"):
-        koila.chunked(lambda r: r.repeat(1, 2), torch.zeros(4, 2), initial=2, out=torch.zeros(4, 3))
+    with pytest.raises(
+        ValueError,
+        match=r"fn returned a tensor of shape \(2, 4\) at the result\['x'\] for rows 0 to 2, whose rows have shape "
+        r"\(4,\), and out\['x'\] has shape \(4, 3\), whose rows have shape \(3,\): .* Give out\['x'\] the shape "
+        r"\(4, 4\)$",
+    ):
+        koila.chunked(lambda r: {"x": r.repeat(1, 2)}, torch.zeros(4, 2), initial=2, out={"x": torch.zeros(4, 3)})
 
 
 def test_out_is_not_filled_by_broadcasting() -> None:
     out = torch.zeros(4, 3)
-    with pytest.raises(ValueError, match=r"shape \(2, 1\) .* out needs the shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"shape \(2, 1\) .* out has shape \(4, 3\), .* never filled by broadcasting"):
         koila.chunked(lambda r: r, torch.ones(4, 1), initial=2, out=out)
     assert not out.any()
 
@@ -759,16 +844,40 @@ def test_out_takes_dtypes_that_cast_safely_and_refuses_others() -> None:
     assert wide.dtype == torch.float64
     assert wide.tolist() == [0.0, 2.0, 4.0, 6.0]
     with pytest.raises(
-        ValueError, match=r"dtype torch.float32 .* out needs the dtype it can be cast to \(2,\) and torch.int64"
+        ValueError,
+        match=r"^fn returned a tensor of dtype torch.float32 at the result\[1\] for rows 0 to 2, and out\[1\] has "
+        r"dtype torch.int64, which torch.float32 cannot be cast to without changing its kind \(torch.can_cast\("
+        r"torch.float32, torch.int64\) is False\). Give out\[1\] the dtype torch.float32, or one that it can be "
+        r"cast to, or return torch.int64 from fn$",
     ):
-        koila.chunked(lambda r: r * 2, torch.arange(4.0), initial=2, out=torch.zeros(4, dtype=torch.long))
+        koila.chunked(
+            lambda r: (r.long(), r * 2), torch.arange(4.0), initial=2, out=(torch.zeros(4, dtype=torch.long),) * 2
+        )
+
+
+def test_chunks_of_another_shape_than_the_first_are_refused() -> None:
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": rows[:, :2] if rows[0, 0] == 0 else rows}
+
+    with pytest.raises(
+        ValueError,
+        match=r"^fn returned a tensor of shape \(2, 3\) at the result\['x'\] for rows 2 to 4, whose rows have shape "
+        r"\(3,\), and the first chunk's rows there have shape \(2,\): every chunk's result must have the first "
+        r"chunk's shape, but for its number of rows along dim 0$",
+    ):
+        koila.chunked(fn, torch.arange(12.0).reshape(4, 3), initial=2)
 
 
 def test_chunks_of_another_dtype_than_the_first_are_refused() -> None:
     def fn(rows: torch.Tensor) -> torch.Tensor:
         return rows.double() if rows[0] > 0 else rows
 
-    with pytest.raises(ValueError, match=r"dtype torch.float64 .* the result of the first chunk needs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fn returned a tensor of dtype torch.float64 at the result for rows 2 to 4, and the first chunk "
+        r"returned torch.float32 there: every chunk's result must have the first chunk's dtype at each place. "
+        r"Return torch.float32 from fn for every chunk \(with .to\(torch.float32\), say\)$",
+    ):
         koila.chunked(fn, torch.arange(4.0), initial=2)
 
 
@@ -1628,3 +1737,36 @@ def test_keyword_tensors_in_the_call_form_are_split_and_options_stay_options() -
 def test_range_call_form_passes_keywords_to_every_call() -> None:
     calls = koila.range(lambda begin, end, tag: (begin, end, tag), 0, 5, initial=2, tag="x")
     assert calls == [(0, 2, "x"), (2, 4, "x"), (4, 5, "x")]
+
+
+def test_longer_rows_of_a_size_class_start_scaled_when_decorated_and_in_the_call_form() -> None:
+    """What docs/chunked.rst says of sizes that worked, per size class of the rows."""
+    tried: list[int] = []
+
+    def encode(rows: torch.Tensor) -> torch.Tensor:
+        tried.append(len(rows))
+        if rows.numel() > 300 * 40:  # stands in for the memory of 300 rows of 40 features
+            raise make_oom()
+        return rows * 2
+
+    decorated = koila.chunked(initial=1024)(encode)
+    starts = []
+    # A simulated device keeps the free memory, and so the cache key's bucket, the same in every pass.
+    with simulated_device("1.5GiB"):
+        passes = [("decorated", 40), ("decorated", 60), ("decorated", 100), ("call", 40), ("call", 60), ("call", 40)]
+        for form, width in passes:
+            tried.clear()
+            x = torch.ones(2000, width)
+            if form == "decorated":
+                decorated(x)
+            else:
+                koila.chunked(encode, x, initial=1024)  # from one line: one call site
+            starts.append((form, width, tried[0], tried[-2]))
+    assert starts == [
+        ("decorated", 40, 1024, 256),
+        ("decorated", 60, 170, 170),  # 256 rows of 40 features, as many bytes of rows of 60
+        ("decorated", 100, 1024, 64),  # another class: afresh
+        ("call", 40, 1024, 256),
+        ("call", 60, 170, 170),  # the cache keeps the bytes the size was proven on: scaled too
+        ("call", 40, 256, 256),  # shorter rows start at the size stored for them
+    ]

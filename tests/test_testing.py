@@ -12,6 +12,7 @@ from torch import nn
 
 import koila_retry as koila
 from koila_retry._common import tracking
+from koila_retry._core import memory
 from koila_retry.testing import OOMInjector, SimulatedDevice, make_oom, oom_above, oom_for, simulated_device
 
 MiB = 2**20
@@ -147,6 +148,106 @@ def test_tensors_created_in_other_threads_are_not_counted() -> None:
         worker.join()
         assert device.live == 0
     assert made[0].shape == FOUR_MIB_TENSOR
+
+
+def _in_thread(work: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """Start ``work`` in a thread; return it and the list that will hold what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # pragma: no cover - only on failure
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def test_a_device_another_thread_entered_is_not_this_thread_s() -> None:
+    inside, done = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+
+    def worker() -> None:
+        with simulated_device("16MiB"):
+            assert koila.free_memory() == 16 * MiB
+            inside.wait()  # the main thread reads its own memory now
+            done.wait()
+
+    thread, errors = _in_thread(worker)
+    try:
+        inside.wait()
+        assert tracking.simulated.device() is None
+        assert koila.free_memory() != 16 * MiB  # the machine's memory, not the other thread's device
+        assert not memory.nearly_full()
+        assert not memory.describe_device(torch.device("cpu")).startswith("simulated")
+        assert memory.recent_free_memory(torch.device("cpu")) != 16 * MiB
+    finally:
+        done.wait()
+        thread.join()
+    assert errors == []
+
+
+def test_threads_that_enter_and_leave_devices_out_of_step_each_keep_their_own() -> None:
+    # A enters, B enters, A leaves while B is inside, then B leaves.
+    a_in, b_in, a_out = (threading.Barrier(2, timeout=60) for _ in range(3))
+    seen: dict[str, list[int | None]] = {"a": [], "b": []}
+
+    def thread_a() -> None:
+        with simulated_device("10MiB"):
+            a_in.wait()
+            b_in.wait()
+            seen["a"].append(koila.free_memory())
+        seen["a"].append(tracking.simulated.limit())
+        a_out.wait()
+
+    def thread_b() -> None:
+        a_in.wait()
+        with simulated_device("20MiB") as device:
+            b_in.wait()
+            a_out.wait()
+            seen["b"].append(koila.free_memory())
+            seen["b"].append(tracking.simulated.limit())
+            assert tracking.simulated.device() is device
+        seen["b"].append(tracking.simulated.limit())
+
+    (a, a_errors), (b, b_errors) = _in_thread(thread_a), _in_thread(thread_b)
+    a.join()
+    b.join()
+    assert a_errors == b_errors == []
+    assert seen == {"a": [10 * MiB, None], "b": [20 * MiB, 20 * MiB, None]}
+    assert tracking.simulated.active == []
+
+
+def test_a_thread_runs_out_of_its_own_memory_while_another_allocates_freely() -> None:
+    inside, done = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    sizes: list[int] = []
+
+    def small_device() -> None:
+        with simulated_device("1MiB") as device:
+            inside.wait()
+            with pytest.raises(torch.OutOfMemoryError, match=r"total capacity of 1\.00 MiB"):
+                torch.zeros(*FOUR_MIB_TENSOR)
+            done.wait()  # the other thread's tensors are made and alive by now
+            assert device.live == 0  # none of them counts here
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        if rows.device.type != "meta":  # the estimate's runs are not chunks
+            sizes.append(len(rows))
+        return rows * 2
+
+    thread, errors = _in_thread(small_device)
+    try:
+        inside.wait()
+        big = torch.zeros(*FOUR_MIB_TENSOR)  # no limit in this thread
+        # The size is chosen from this thread's memory: every row at once.
+        result = koila.chunked(double, torch.ones(16_384, 64), initial="auto", cache=koila.NoCache())
+    finally:
+        done.wait()
+        thread.join()
+    assert errors == []
+    assert sizes == [16_384]
+    assert big.numel() + result.numel() == 2 * 2**20
 
 
 @pytest.mark.parametrize(

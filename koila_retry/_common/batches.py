@@ -2,9 +2,29 @@
 
 Every front end that splits rows (``accumulate``, ``chunked``, ``estimate`` and what is
 built on them) uses this one walk. Tensors are found inside dicts and other mappings
-(a Hugging Face ``BatchEncoding``, a ``UserDict``, a ``ModelOutput``), lists, tuples,
-named tuples and dataclass instances, nested to any reasonable depth, positional or
-keyword. Each slice gets the same containers back, copied where a tensor changed.
+(a Hugging Face ``BatchEncoding``, a ``UserDict``, a ``ModelOutput``, a read-only
+``Mapping``), lists, tuples, named tuples, struct sequences (``torch.return_types``),
+other tuple subclasses and dataclass instances, nested to any reasonable depth,
+positional or keyword. Each slice gets the same containers back, copied where a tensor
+changed.
+
+How a container is remade is decided as the walk finds it, on every call: a container
+that holds a tensor and cannot be remade around new items is an error then, whether or
+not the call is ever split, so that a loop does not fail only when memory first runs
+short. The ways, documented in ``docs/batches.rst``:
+
+- lists, tuples, dicts: built anew; named tuples: ``_replace``; dataclasses, dict and
+  list subclasses, and mappings with a ``__copy__`` of their own: ``copy.copy`` (which
+  keeps the rest of their state), then the new items assigned;
+- struct sequences: their type called with the new fields (and the hidden ones);
+- other tuple subclasses: ``tuple.__new__`` and the instance's attributes copied, where
+  the class keeps ``tuple.__new__``; else their constructor, with the items as one
+  iterable or as arguments, whichever gives back exactly the items it was given;
+- other mappings: their constructor, with a dict of the items or with the items as
+  keywords, or (a ``MutableMapping``) with no arguments and the items assigned, whichever
+  gives back exactly the items it was given. A mapping without a ``__copy__`` is never
+  copied with ``copy.copy``: the copy would share the storage the new items go into
+  with the caller's mapping.
 
 The rule for which tensors are split, documented in ``docs/accumulate.rst``:
 
@@ -31,7 +51,16 @@ import torch
 
 from koila_retry._common.tensors import TensorBase
 
-__all__ = ["Split", "positional_names"]
+__all__ = [
+    "CONSTRUCTED",
+    "Split",
+    "faithful",
+    "is_structseq",
+    "positional_names",
+    "remake",
+    "state_of",
+    "tuple_remaking",
+]
 
 # Deeper than any batch is nested; a walk that goes deeper is following a cycle or a mistake.
 DEPTH = 32
@@ -39,8 +68,30 @@ DEPTH = 32
 # Types that are never containers, answered without the slower checks.
 _LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device, slice})
 
-# How a container is taken apart and put back together.
-_LIST, _TUPLE, _NAMED, _SEQUENCE, _DICT, _MAPPING, _FIELDS = builtins.range(7)
+# How a container is taken apart and put back together. _TUPLE_LIKE and _MAPPING are
+# decided further (_remaking) once the walk knows the container holds a tensor.
+(
+    _LIST,
+    _TUPLE,
+    _NAMED,
+    _STRUCTSEQ,
+    _TUPLE_LIKE,
+    _TUPLE_NEW,
+    _TUPLE_ITERABLE,
+    _TUPLE_ARGUMENTS,
+    _SEQUENCE,
+    _DICT,
+    _MAPPING,
+    _COPIED,
+    _MAPPING_DICT,
+    _MAPPING_KEYWORDS,
+    _MAPPING_FILLED,
+    _FIELDS,
+) = builtins.range(16)
+# Remade by a constructor of the user's, which is trusted only as far as it gives back
+# exactly the items it was given.
+CONSTRUCTED = frozenset({_TUPLE_ITERABLE, _TUPLE_ARGUMENTS, _MAPPING_DICT, _MAPPING_KEYWORDS, _MAPPING_FILLED})
+_TUPLES = frozenset({_STRUCTSEQ, _TUPLE_NEW, _TUPLE_ITERABLE, _TUPLE_ARGUMENTS})
 
 
 class _Node:
@@ -87,7 +138,7 @@ class _Node:
             for key, item in changed:
                 object.__setattr__(new, key, item)  # frozen dataclasses too
             return new
-        if kind == _SEQUENCE or isinstance(value, MutableMapping):
+        if kind in (_SEQUENCE, _COPIED):
             new = copy.copy(value)  # keeps the type and its other state (a BatchEncoding's encodings)
             if new is value:
                 raise TypeError(
@@ -96,7 +147,26 @@ class _Node:
             for key, item in changed:
                 new[key] = item
             return new
-        return type(value)({**value, **dict(changed)})
+        return _remade_around(value, kind, changed)
+
+
+def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any:
+    """Return a struct sequence, tuple subclass or mapping remade with the ``changed`` items."""
+    items: list[Any] | dict[Any, Any]
+    if kind in _TUPLES:
+        items = list(value)
+        for key, item in changed:
+            items[key] = item
+    else:
+        items = dict(value)
+        items.update(changed)
+    new = remake(type(value), kind, items, state_of(value, kind))
+    if kind in CONSTRUCTED and not faithful(new, type(value), items):
+        raise TypeError(
+            f"koila_retry remade a {type(value).__qualname__} with its constructor, as it did the whole one, "
+            "and got back other items than it gave: the constructor treats these items differently"
+        )
+    return new
 
 
 def _kind(value: Any) -> int | None:
@@ -111,7 +181,9 @@ def _kind(value: Any) -> int | None:
     if cls is dict:
         return _DICT
     if isinstance(value, tuple):
-        return _NAMED if hasattr(value, "_fields") else _SEQUENCE
+        if hasattr(value, "_fields"):
+            return _NAMED
+        return _STRUCTSEQ if is_structseq(cls) else _TUPLE_LIKE
     if isinstance(value, list):
         return _SEQUENCE
     if isinstance(value, Mapping):
@@ -129,6 +201,135 @@ def _items(value: Any, kind: int) -> Iterator[tuple[Any, Any]]:
     if kind in (_DICT, _MAPPING):
         return iter(value.items())
     return enumerate(value)
+
+
+def is_structseq(cls: type) -> bool:
+    """Return whether ``cls`` is a struct sequence, such as ``torch.return_types.max`` or ``os.stat_result``.
+
+    Args:
+        cls (type): a subclass of tuple.
+
+    Returns:
+        bool: whether it is one.
+    """
+    return cls.__bases__ == (tuple,) and all(
+        isinstance(getattr(cls, name, None), int) for name in ("n_fields", "n_sequence_fields", "n_unnamed_fields")
+    )
+
+
+def tuple_remaking(value: tuple[Any, ...]) -> int | None:
+    """Return how a tuple subclass that is not a named tuple is remade around new items, or ``None``.
+
+    Args:
+        value (tuple): an instance.
+
+    Returns:
+        int or None: the way (one of this module's kinds), or ``None`` if it cannot be remade.
+    """
+    cls = type(value)
+    if is_structseq(cls):
+        return _STRUCTSEQ
+    if cls.__new__ is tuple.__new__:
+        return _TUPLE_NEW
+    items = list(value)
+    return _first_faithful(value, (_TUPLE_ITERABLE, _TUPLE_ARGUMENTS), items)
+
+
+def _remaking(value: Any, kind: int) -> int | None:
+    """Return how a container found holding a tensor is remade, or ``None`` if it cannot be."""
+    if kind == _TUPLE_LIKE:
+        return tuple_remaking(value)
+    if kind != _MAPPING:
+        return kind
+    if isinstance(value, dict) or (isinstance(value, MutableMapping) and hasattr(type(value), "__copy__")):
+        return _COPIED
+    ways = (_MAPPING_DICT, _MAPPING_KEYWORDS, _MAPPING_FILLED)
+    return _first_faithful(value, ways if isinstance(value, MutableMapping) else ways[:2], dict(value))
+
+
+def _first_faithful(value: Any, ways: tuple[int, ...], items: Any) -> int | None:
+    """Return the first way that remakes ``value`` from its own items faithfully, or ``None``."""
+    for way in ways:
+        try:
+            new = remake(type(value), way, items, None)
+        except Exception:  # a constructor that takes its items otherwise: try the next way
+            continue
+        if faithful(new, type(value), items):
+            return way
+    return None
+
+
+def remake(cls: type[Any], kind: int, items: Any, state: dict[str, Any] | None) -> Any:
+    """Return a container of type ``cls`` (a struct sequence, tuple subclass or mapping) around ``items``.
+
+    Args:
+        cls (type): the container's type.
+        kind (int): how it is remade: what :func:`tuple_remaking` or the walk chose.
+        items (list or dict): its new items, a list for a tuple, a dict for a mapping.
+        state (dict or None): what :func:`state_of` kept of the container it replaces.
+
+    Returns:
+        Any: the new container.
+    """
+    if kind == _STRUCTSEQ:
+        return cls(items, state) if state else cls(items)
+    if kind == _TUPLE_NEW:
+        new = tuple.__new__(cls, items)
+        if state:  # as copy.copy would: the attributes set on the instance
+            new.__dict__.update(state)
+        return new
+    if kind in (_TUPLE_ITERABLE, _MAPPING_DICT):
+        return cls(items)
+    if kind == _TUPLE_ARGUMENTS:
+        return cls(*items)
+    if kind == _MAPPING_KEYWORDS:
+        return cls(**items)
+    if kind == _MAPPING_FILLED:
+        new = cls()
+        for key, item in items.items():
+            new[key] = item
+        return new
+    raise AssertionError(f"no way {kind} to remake a {cls.__qualname__}")  # pragma: no cover
+
+
+def state_of(value: Any, kind: int) -> dict[str, Any] | None:
+    """Return what of ``value`` besides its items a container remade the ``kind`` way needs.
+
+    Args:
+        value (Any): the container.
+        kind (int): how it is remade.
+
+    Returns:
+        dict or None: a struct sequence's fields beyond the sequence (``os.stat_result``'s
+        ``st_mtime_ns``), a tuple subclass's instance attributes, or ``None``.
+    """
+    cls = type(value)
+    if kind == _STRUCTSEQ:
+        return value.__reduce__()[1][1] if cls.n_fields > cls.n_sequence_fields else None
+    if kind == _TUPLE_NEW:
+        return getattr(value, "__dict__", None) or None
+    return None
+
+
+def faithful(new: Any, cls: type[Any], items: Any) -> bool:
+    """Return whether ``new`` is a ``cls`` and holds exactly ``items``, the same objects in the same places.
+
+    Args:
+        new (Any): a container a constructor made.
+        cls (type): the type it should be.
+        items (list or dict): what it should hold.
+
+    Returns:
+        bool: whether it does.
+    """
+    try:
+        if type(new) is not cls or len(new) != len(items):
+            return False
+        if isinstance(items, dict):
+            return all(new[key] is item for key, item in items.items())
+        return all(mine is item for mine, item in zip(new, items, strict=True))
+    except Exception:  # a container that cannot even be read back is not faithful
+        return False
 
 
 class Split:
@@ -223,11 +424,40 @@ class Split:
                 f"{self._label(path)} is deeper (a container that holds itself?)"
             )
         children: list[tuple[Any, _Node | int]] = []
+        names = _field_names(value) if kind == _STRUCTSEQ else ()
         for key, item in _items(value, kind):
-            found = self._walk(item, (*path, _Attribute(key) if kind in (_FIELDS, _NAMED) else key), paths)
+            label = _Attribute(key) if kind in (_FIELDS, _NAMED) else _Attribute(names[key]) if names else key
+            found = self._walk(item, (*path, label), paths)
             if found is not None:
                 children.append((key, found))
-        return _Node(value, kind, children) if children else None
+        if not children:
+            return None
+        # Decided here, on every call, and not when a slice is first made: a container
+        # that cannot be remade fails the first call, not the first that runs short.
+        how = _remaking(value, kind)
+        if how is None:
+            raise TypeError(self._unremakable(value, kind, path))
+        return _Node(value, how, children)
+
+    def _unremakable(self, value: Any, kind: int, path: tuple[Any, ...]) -> str:
+        """Say that the container at ``path`` cannot be remade around slices, why, and what to do."""
+        name = type(value).__qualname__
+        where = f"{self.front_end} splits the tensors in {self._label(path)}, a {name}, and cannot remake a {name}"
+        if kind == _TUPLE_LIKE:
+            return (
+                f"{where}: it is a tuple subclass with a __new__ of its own that takes neither its items as one "
+                "iterable (as tuple's does) nor one argument per item. This is checked on every call, split "
+                f"or not. Make {name} a NamedTuple or a dataclass, let its __new__ take its items, or pass "
+                "the tensors in a tuple, list or dict"
+            )
+        mutable = isinstance(value, MutableMapping)
+        return (
+            f"{where}: it is a {'MutableMapping' if mutable else 'read-only Mapping'} that is not a dict and has "
+            "no __copy__, and its constructor takes neither a dict of its items nor its items as keywords"
+            f"{' nor, called with no arguments, item assignment' if mutable else ''}. This is checked on every "
+            f"call, split or not. Let {name}'s constructor take a dict or keywords, give it a __copy__ (and a "
+            "__setitem__), or pass the tensors in a dict"
+        )
 
     def _rows(self, paths: list[tuple[Any, ...]]) -> tuple[int, list[int]]:
         """Return the rows and which tensors hold them; raise the error that names an ambiguous one."""
@@ -326,6 +556,12 @@ class _Attribute(str):
     """A key that is an attribute (a dataclass field, a named tuple's), labelled ``.name``."""
 
     __slots__ = ()
+
+
+def _field_names(value: Any) -> tuple[str, ...]:
+    """Return a struct sequence's field names, one per item, or none where some are unnamed."""
+    names = getattr(type(value), "__match_args__", ())
+    return names if len(names) == len(value) else ()
 
 
 def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:

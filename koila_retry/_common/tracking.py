@@ -141,22 +141,45 @@ class Simulated(Protocol):
     def live_storages(self) -> list[torch.UntypedStorage]: ...
 
 
-class _SimulatedRegistry:
-    """The simulated devices active in this process, innermost last."""
+class _SimulatedRegistry(threading.local):
+    """The simulated devices active in the calling thread, innermost last.
+
+    Per thread, as the dispatch mode that counts a device's storages is: a device limits
+    and counts what the thread that entered it allocates, so it is also the memory that
+    only that thread reads. A thread inside a 16 MiB block leaves another thread's
+    :func:`koila_retry.free_memory`, cache keys and estimates on the real device.
+    """
 
     def __init__(self) -> None:
+        # Run once in each thread that uses the registry: each starts with none active.
         self.active: list[Simulated] = []
 
+    def enter(self, device: Simulated) -> None:
+        """Make ``device`` this thread's innermost active device."""
+        self.active.append(device)
+
+    def leave(self, device: Simulated) -> None:
+        """Remove ``device`` from this thread's active devices, wherever it is among them."""
+        active = self.active
+        for index in range(len(active) - 1, -1, -1):
+            if active[index] is device:
+                del active[index]
+                return
+
     def free(self) -> int | None:
-        return self.active[-1].free if self.active else None
+        active = self.active
+        return active[-1].free if active else None
 
     def limit(self) -> int | None:
-        return self.active[-1].limit if self.active else None
+        active = self.active
+        return active[-1].limit if active else None
 
     def device(self) -> Simulated | None:
-        return self.active[-1] if self.active else None
+        active = self.active
+        return active[-1] if active else None
 
 
 # ``free_memory`` reports the innermost simulated device's free bytes while one is
-# active, so caches and the estimator see the memory the test simulates.
+# active in the calling thread, so caches and the estimator see the memory the test
+# simulates.
 simulated = _SimulatedRegistry()

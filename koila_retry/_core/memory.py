@@ -117,8 +117,9 @@ def free_memory(device: DeviceLike = None) -> int:
     share less what it has allocated. On the CPU: the memory the operating system
     reports available, capped by what is left of the process's ``RLIMIT_AS``
     address-space limit. On the meta device, which stores no data, ``2**63 - 1``. Inside
-    :func:`koila_retry.testing.simulated_device`, the simulated device's free
-    bytes, whatever ``device`` says.
+    a :func:`koila_retry.testing.simulated_device` block that the calling thread
+    entered, the simulated device's free bytes, whatever ``device`` says; other
+    threads read the real device.
 
     Args:
         device (torch.device, str, int or None): the device; ``None`` means the
@@ -183,9 +184,10 @@ class PeakMeter:
     """The most bytes a block of code allocated at once on a device, over what was allocated before it.
 
     Read from the device's allocator (``torch.accelerator.max_memory_allocated``,
-    whose peak it resets on entry) or from an active
-    :func:`koila_retry.testing.simulated_device`'s count. What other threads
-    allocate meanwhile counts too, so the reading is never below the block's own.
+    whose peak it resets on entry) or from the count of the
+    :func:`koila_retry.testing.simulated_device` the calling thread is inside. On a
+    real device, what other threads allocate meanwhile counts too, so the reading is
+    never below the block's own; a simulated device counts its own thread's alone.
 
     Attributes:
         rise (int): after the block, its peak less what was allocated as it began.
@@ -215,9 +217,9 @@ class PeakMeter:
 def peak_meter(device: torch.device) -> PeakMeter | None:
     """Return what measures the peak of real work on ``device``, or ``None`` where nothing keeps one.
 
-    The allocators of CUDA and the other accelerators keep a peak; so does an active
-    :func:`koila_retry.testing.simulated_device` (which stands for any device). The
-    CPU's allocator keeps none.
+    The allocators of CUDA and the other accelerators keep a peak; so does a
+    :func:`koila_retry.testing.simulated_device` that the calling thread is inside
+    (which stands for any device). The CPU's allocator keeps none.
 
     Args:
         device (torch.device): the device the work runs on.
@@ -244,9 +246,9 @@ def nearly_full() -> bool:
     current CUDA device. Nearly out of memory means at most :data:`NEARLY_FULL` of
     the device free at the driver (what a library's own allocations draw from), or
     at most that share of the process's limit left to PyTorch's allocator (under
-    ``torch.cuda.set_per_process_memory_fraction``). Inside
-    :func:`koila_retry.testing.simulated_device`, that share of the simulated
-    device's memory left. Never raises; ``False`` where nothing can be read.
+    ``torch.cuda.set_per_process_memory_fraction``). Inside a
+    :func:`koila_retry.testing.simulated_device` block that the calling thread
+    entered, that share of the simulated device's memory left. Never raises; ``False`` where nothing can be read.
 
     Returns:
         bool: whether the device is nearly full.
@@ -283,8 +285,9 @@ def recent_free_memory(device: torch.device) -> int:
     ``torch.accelerator`` support) reads as ``-1``, so that a cache key or a log
     line cannot break the user's call.
     """
-    if tracking.simulated.active:
-        return tracking.simulated.active[-1].free
+    simulated = tracking.simulated.free()
+    if simulated is not None:
+        return simulated
     now = time.monotonic()
     reading = _free_readings.get(device)
     if reading is not None and now < reading[0]:

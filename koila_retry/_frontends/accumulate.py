@@ -21,11 +21,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
@@ -770,7 +771,7 @@ class _Results:
                 self._changed(_LEAF_SPEC)
             self.columns[0].append((_kept(loss), weight))
             return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
-        leaves, spec = tree_flatten(result)
+        leaves, spec = flatten(result)
         kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
@@ -810,7 +811,7 @@ class _Results:
         return _WEIGH if leaf.is_floating_point() or leaf.is_complex() else _COUNT
 
     def _rows_changed(self, result: Any, kinds: list[str], rows: int) -> NoReturn:
-        paths = tree_flatten_with_path(result)[0]
+        paths = flatten_with_path(result)
         path, leaf, kind = next(
             (path, leaf, kind)
             for (path, leaf), kind, before in zip(paths, kinds, self.kinds, strict=True)
@@ -830,7 +831,7 @@ class _Results:
         if step.warned_dropped:
             return
         step.warned_dropped = True
-        paths = tree_flatten_with_path(result)[0]
+        paths = flatten_with_path(result)
         dropped = [
             f"the result{keystr(path)} ({type(leaf).__name__})"
             for (path, leaf), kind in zip(paths, kinds, strict=True)

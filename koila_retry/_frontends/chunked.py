@@ -13,15 +13,16 @@ import importlib
 import math
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._core.cache import StackMemoryCache, function_identity
@@ -183,9 +184,12 @@ def chunked(
             current chunk size. Needs tqdm (the ``progress`` extra).
             Default: ``False``.
         out (tensor or structure of tensors, optional): where to write the
-            results instead of concatenating them: the same structure as
-            ``fn``'s result, each tensor with the full number of rows along
-            ``dim``. Saves the copy that joining costs. Not for decorators.
+            results instead of concatenating them: a tensor wherever ``fn``'s
+            result has one, matched by key (a dict's keys in any order), each
+            with the full number of rows along ``dim``. Saves the copy that
+            joining costs. Not for decorators. Under grad mode, not a leaf
+            tensor that requires grad, nor a view of one (checked before
+            ``fn`` runs).
         **options: the options every front end takes, each chunk being one
             step: ``minimum``, ``cache`` (keys include the shape and dtype of
             one sample; default: one :class:`StackMemoryCache` shared by
@@ -205,7 +209,9 @@ def chunked(
     Raises:
         ValueError: if there is no tensor argument, tensors differ in size
             along ``dim``, ``dim`` is out of range for an argument or a result,
-            ``out`` does not match, or an option is out of range.
+            ``out`` does not match (a tensor missing or extra, a shape or a
+            dtype that does not fit) or requires grad as a leaf, or an option is
+            out of range.
         TypeError: if ``fn`` is not callable, it returns something other than
             tensors (or ``None``), or an option has the wrong type.
         BatchSizeExhausted: if a chunk runs out of memory at ``minimum``; rows
@@ -325,10 +331,13 @@ class _Results:
         self.plain = False  # whether results are plain tensors, written without flattening
         self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
         if out is not None:
-            leaves, self.spec = tree_flatten(out)
-            self.targets = list(leaves)
             self.plain = type(out) is torch.Tensor
-            for path, leaf in tree_flatten_with_path(out)[0]:
+            if self.plain:
+                self.targets = [out]
+            # Everything about out is checked before any chunk runs; what it is matched
+            # with is known at the first chunk's result (_matched).
+            writes_record_grad = torch.is_grad_enabled()
+            for path, leaf in flatten_with_path(out):
                 where = f"out{keystr(path)}"
                 if not isinstance(leaf, TensorBase):
                     raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
@@ -336,6 +345,13 @@ class _Results:
                     raise ValueError(
                         f"{where} has shape {tuple(leaf.shape)}; it needs {rows} rows along dim {dim}, "
                         "one per input row"
+                    )
+                if writes_record_grad and _grad_leaf(cast(torch.Tensor, leaf)):
+                    raise ValueError(
+                        f"{where} requires grad and is a leaf tensor (or a view of one): koila.chunked writes "
+                        "each chunk's rows into out in place, and autograd refuses in-place writes into a leaf "
+                        f"that requires grad. Pass {where}.detach() (or a tensor made without "
+                        "requires_grad=True), or call koila.chunked under torch.no_grad()"
                     )
 
     def add(self, begin: int, end: int, result: Any) -> None:
@@ -348,12 +364,12 @@ class _Results:
                 self._changed(self.spec, _NONE_SPEC)
             self.none, self.spec = True, _NONE_SPEC
             return
-        leaves, spec = tree_flatten(result)
+        leaves, spec = flatten(result)
         if self.spec is None:
+            if self.out is not None:
+                targets = self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
-            if self.out is not None:
-                raise ValueError(f"fn's result has the structure {spec}, and out has {self.spec}")
             self._changed(self.spec, spec)
         dim, joined = self.dim, False
         for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
@@ -383,7 +399,7 @@ class _Results:
         """
         dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
         if dropped:
-            paths = tree_flatten_with_path(result)[0]
+            paths = flatten_with_path(result)
             named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
             warnings.warn(
                 f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
@@ -423,23 +439,90 @@ class _Results:
             self._mismatch(view, leaf, begin, end, result, index)
         view.copy_(leaf)
 
+    def _matched(self, result: Any) -> list[torch.Tensor | None]:
+        """Return ``out``'s tensors in the order of the first result's leaves, matched by key.
+
+        The dicts of ``out`` may list their keys in any order; a tensor of the result
+        with none at its place in ``out``, or one of ``out`` with none in the result,
+        is an error that lists both.
+        """
+        paths = flatten_with_path(result)
+        targets: list[torch.Tensor | None] = []
+        used: set[int] = set()
+        for path, leaf in paths:
+            target, depth = _at(self.out, path)
+            if not isinstance(target, TensorBase):
+                what = "a tensor" if isinstance(leaf, TensorBase) else f"a {type(leaf).__name__}"
+                if target is _MISSING:
+                    holder = _at(self.out, path[:depth])[0]
+                    there = (
+                        f"nothing there (out{keystr(path[:depth])} is a {type(holder).__name__} "
+                        f"without {keystr(path[depth : depth + 1])})"
+                    )
+                else:
+                    there = f"a {type(target).__name__} there"
+                self._unmatched(paths, f"fn returned {what} at the result{keystr(path)}, and out has {there}")
+            targets.append(cast(torch.Tensor, target))
+            used.add(id(target))
+        extra = [path for path, leaf in flatten_with_path(self.out) if id(leaf) not in used]
+        if extra:
+            self._unmatched(paths, f"out has a tensor at out{keystr(extra[0])}, and fn's result has none there")
+        return targets
+
+    def _unmatched(self, paths: list[tuple[Any, Any]], first: str) -> NoReturn:
+        """Raise the error that says where ``out`` and the result differ, listing where each has tensors."""
+
+        def listed(name: str, found: list[tuple[Any, Any]]) -> str:
+            shown = [f"{name}{keystr(path)}" for path, _ in found[:_LISTED]]
+            return ", ".join(shown) + (f" and {len(found) - _LISTED} more" if len(found) > _LISTED else "")
+
+        raise ValueError(
+            f"{first}: out needs one tensor at each place where fn's result has one, matched by key (the keys "
+            f"of a dict in any order). The result has them at {listed('the result', paths)}; out has them at "
+            f"{listed('out', flatten_with_path(self.out))}"
+        )
+
     def _mismatch(
         self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
     ) -> NoReturn:
-        """Raise the error that says how a chunk's result does not fit where its rows go."""
-        path = keystr(tree_flatten_with_path(result)[0][index][0])
+        """Raise the error that says how a chunk's result does not fit where its rows go, and what to do."""
+        path = keystr(flatten_with_path(result)[index][0])
         rows, dim = end - begin, self.dim
-        what = f"fn returned a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} at the result{path}"
+        at = f"at the result{path} for rows {begin} to {end}"
         if leaf.size(dim) != rows:
             raise ValueError(
-                f"{what} for rows {begin} to {end}: it has {leaf.size(dim)} rows along dim {dim}, and "
-                f"koila.chunked needs one result row per input row, {rows} here"
+                f"fn returned a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} {at}: it has "
+                f"{leaf.size(dim)} rows along dim {dim}, and koila.chunked needs one result row per input row, "
+                f"{rows} here"
             )
-        where = f"out{path}" if self.out is not None else f"the result of the first chunk{path}"
-        allowed = "shape" if view.shape != leaf.shape else "dtype it can be cast to"
+        returned, needed = _row_shape(leaf.shape, dim), _row_shape(view.shape, dim)
+        if self.out is not None:
+            target = cast(list[torch.Tensor], self.targets)[index]
+            if view.shape != leaf.shape:
+                shape = list(leaf.shape)
+                shape[dim] = self.rows
+                raise ValueError(
+                    f"fn returned a tensor of shape {tuple(leaf.shape)} {at}, whose rows have shape {returned}, "
+                    f"and out{path} has shape {tuple(target.shape)}, whose rows have shape {needed}: out's rows "
+                    f"need the shape of the result's (out is never filled by broadcasting). Give out{path} the "
+                    f"shape {tuple(shape)}"
+                )
+            raise ValueError(
+                f"fn returned a tensor of dtype {leaf.dtype} {at}, and out{path} has dtype {target.dtype}, which "
+                f"{leaf.dtype} cannot be cast to without changing its kind (torch.can_cast({leaf.dtype}, "
+                f"{target.dtype}) is False). Give out{path} the dtype {leaf.dtype}, or one that it can be cast "
+                f"to, or return {target.dtype} from fn"
+            )
+        if view.shape != leaf.shape:
+            raise ValueError(
+                f"fn returned a tensor of shape {tuple(leaf.shape)} {at}, whose rows have shape {returned}, and "
+                f"the first chunk's rows there have shape {needed}: every chunk's result must have the first "
+                f"chunk's shape, but for its number of rows along dim {dim}"
+            )
         raise ValueError(
-            f"{what} for rows {begin} to {end}, and {where} needs the {allowed} {tuple(view.shape)} and "
-            f"{view.dtype} for them"
+            f"fn returned a tensor of dtype {leaf.dtype} {at}, and the first chunk returned {view.dtype} there: "
+            f"every chunk's result must have the first chunk's dtype at each place. Return {view.dtype} from fn "
+            f"for every chunk (with .to({view.dtype}), say)"
         )
 
     @staticmethod
@@ -448,7 +531,7 @@ class _Results:
 
     def _explain(self, result: Any, begin: int) -> NoReturn:
         """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
-        leaves = tree_flatten_with_path(result)[0]
+        leaves = flatten_with_path(result)
         targets = self.targets
         alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
         for index, (path, leaf) in enumerate(leaves):
@@ -481,6 +564,48 @@ class _Results:
         if self.targets is None:
             return self.single
         return tree_unflatten(self.targets, cast(TreeSpec, self.spec))
+
+
+# Where out and a result differ, the places an error lists of each.
+_LISTED = 8
+
+# What _at finds where a container has no such key.
+_MISSING = object()
+
+
+def _at(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
+    """Return what ``value`` holds at a pytree key path (by key, for mappings) and how many keys were followed.
+
+    Where a key is missing, what is returned is ``_MISSING``, with the keys that were found.
+    """
+    for depth, key in enumerate(path):
+        if isinstance(key, MappingKey):
+            found = value[key.key] if isinstance(value, Mapping) and key.key in value else _MISSING
+        elif isinstance(key, SequenceKey):
+            inside = isinstance(value, (list, tuple)) and 0 <= key.idx < len(value)
+            found = value[key.idx] if inside else _MISSING
+        elif isinstance(key, GetAttrKey):
+            found = getattr(value, key.name, _MISSING)
+        else:
+            found = _MISSING
+        if found is _MISSING:
+            return found, depth
+        value = found
+    return value, len(path)
+
+
+def _row_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    """Return a shape without ``dim``: the shape of each of its rows."""
+    axis = dim + len(shape) if dim < 0 else dim
+    return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
+
+
+def _grad_leaf(tensor: torch.Tensor) -> bool:
+    """Return whether autograd refuses in-place writes into ``tensor``: a leaf that requires grad, or a view of one."""
+    if not tensor.requires_grad:
+        return False
+    base = tensor._base
+    return tensor.is_leaf or (base is not None and base.is_leaf)
 
 
 @overload

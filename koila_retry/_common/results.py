@@ -1,0 +1,130 @@
+"""Results as trees: ``torch.utils._pytree``, taught the tuple subclasses it leaves whole.
+
+``chunked`` and ``accumulate`` take each piece's result apart with ``torch.utils._pytree``
+and put the combined leaves back with it. pytree knows tuples, named tuples and struct
+sequences (``torch.return_types``), and takes any other tuple subclass for a leaf: a
+``class Pair(tuple)`` would come back as an object that cannot be joined. Here such a
+tuple is wrapped, before pytree sees it, in a node type of this module's (registered
+once), whose items pytree takes apart and which unflattens to the user's type, remade
+the way :mod:`koila_retry._common.batches` remakes the arguments' tuples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils._pytree import (
+    KeyPath,
+    SequenceKey,
+    TreeSpec,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+from koila_retry._common.batches import CONSTRUCTED, faithful, remake, state_of, tuple_remaking
+
+__all__ = ["flatten", "flatten_with_path"]
+
+
+class _Remade:
+    """How a tuple subclass in a result is remade: the context of its node in a ``TreeSpec``.
+
+    Two are equal when the types and the ways are: the instance's attributes, kept from
+    the first piece's result, do not make one piece's structure differ from another's.
+    """
+
+    __slots__ = ("cls", "how", "state")
+
+    def __init__(self, cls: type, how: int, state: dict[str, Any] | None) -> None:
+        self.cls, self.how, self.state = cls, how, state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Remade) and self.cls is other.cls and self.how == other.how
+
+    def __hash__(self) -> int:
+        return hash((self.cls, self.how))
+
+    def __repr__(self) -> str:
+        return self.cls.__qualname__
+
+
+class _Lifted:
+    """A tuple subclass of a result, as a node that pytree takes apart."""
+
+    __slots__ = ("context", "items")
+
+    def __init__(self, items: list[Any], context: _Remade) -> None:
+        self.items, self.context = items, context
+
+
+def _flatten(node: _Lifted) -> tuple[list[Any], _Remade]:
+    return node.items, node.context
+
+
+def _flatten_with_keys(node: _Lifted) -> tuple[list[tuple[SequenceKey[Any], Any]], _Remade]:
+    return [(SequenceKey(index), item) for index, item in enumerate(node.items)], node.context
+
+
+def _unflatten(children: Any, context: _Remade) -> Any:
+    items = list(children)
+    new = remake(context.cls, context.how, items, context.state)
+    if context.how in CONSTRUCTED and not faithful(new, context.cls, items):
+        raise TypeError(
+            f"koila_retry remade the result's {context.cls.__qualname__} with its constructor, as it did the "
+            "first piece's, and got back other items than it gave: the constructor treats these items differently"
+        )
+    return new
+
+
+register_pytree_node(
+    _Lifted,
+    _flatten,
+    _unflatten,
+    flatten_with_keys_fn=_flatten_with_keys,  # type: ignore[arg-type]
+    serialized_type_name="koila_retry._common.results._Lifted",
+)
+
+
+def _lifted(result: Any) -> Any:
+    """Return ``result`` with each tuple subclass pytree leaves whole wrapped as a node, if it can be remade."""
+    leaves, spec = tree_flatten(result)
+    # The usual result holds no such tuple, and is flattened once.
+    if not any(isinstance(leaf, tuple) for leaf in leaves):
+        return result
+    return tree_unflatten([_lift(leaf) for leaf in leaves], spec)
+
+
+def _lift(leaf: Any) -> Any:
+    if not isinstance(leaf, tuple):
+        return leaf
+    how = tuple_remaking(leaf)
+    if how is None:  # left a leaf: the front end says it cannot join it
+        return leaf
+    return _Lifted([_lifted(item) for item in leaf], _Remade(type(leaf), how, state_of(leaf, how)))
+
+
+def flatten(result: Any) -> tuple[list[Any], TreeSpec]:
+    """Return the leaves of a result and its structure, tuple subclasses taken apart.
+
+    Args:
+        result (Any): what a piece's function returned.
+
+    Returns:
+        tuple: the leaves and the ``TreeSpec`` that ``tree_unflatten`` rebuilds the
+        result from, tuple subclasses as their own types.
+    """
+    return tree_flatten(_lifted(result))
+
+
+def flatten_with_path(result: Any) -> list[tuple[KeyPath, Any]]:
+    """Return the leaves of a result, each with its path, in the order of :func:`flatten`.
+
+    Args:
+        result (Any): what a piece's function returned.
+
+    Returns:
+        list of tuple: ``(path, leaf)`` pairs, the paths for ``keystr``.
+    """
+    return tree_flatten_with_path(_lifted(result))[0]
