@@ -50,7 +50,7 @@ from koila_retry._estimation.calibration import (
     largest_power,
     probe_size,
 )
-from koila_retry._estimation.lending import Loan, ThreadTracker, exclusive
+from koila_retry._estimation.lending import Loan, ThreadTracker, borrowing, exclusive
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.versions import warn_if_unchecked
 from koila_retry._estimation.workspace import cuda_rounding, device_workspace
@@ -1400,11 +1400,28 @@ class _Memo:
         self.estimates: LRUCache[Hashable, _Estimates] = LRUCache(maxsize=64)
         self.fits: LRUCache[Hashable, _Fit] = LRUCache(maxsize=256)
         self.warned: set[Hashable] = set()  # what was warned about once: (function, why)
+        self.making: dict[Hashable, threading.Event] = {}  # estimates being made, set when they are
 
     def estimates_of(self, key: Hashable, make: Callable[[], MemoryEstimate], name: str) -> _Estimates:
-        with self.lock:
-            found = self.estimates.get(key)
-        if found is None:  # two threads may both estimate; the memo itself stays whole
+        """Return the estimates of ``key``, made by the first thread to ask; the others wait for them.
+
+        A thread that asks from inside an estimate (a call that estimates its own
+        first size while it is being estimated) makes its own: it holds the estimate
+        lock, which the thread making them would need.
+        """
+        while True:
+            with self.lock:
+                found = self.estimates.get(key)
+                if found is not None:
+                    return found
+                making = self.making.get(key)
+                if making is None or borrowing():
+                    making = threading.Event()
+                    if self.keep and key not in self.making:
+                        self.making[key] = making
+                    break
+            making.wait()
+        try:
             whole = self.made(
                 make, name, "the memory", "starts from the whole batch and halves on out-of-memory errors"
             )
@@ -1412,6 +1429,11 @@ class _Memo:
             if self.keep:
                 with self.lock:
                     self.estimates[key] = found
+        finally:
+            with self.lock:
+                if self.making.get(key) is making:
+                    del self.making[key]
+            making.set()
         return found
 
     def fit(self, key: Hashable, device: torch.device, estimates: _Estimates, budget: int | None = None) -> _Fit:
