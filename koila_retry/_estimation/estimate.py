@@ -2,9 +2,10 @@
 
 The call runs for real, operator by operator, on meta tensors (shapes and no
 data) at a few batch sizes, while a dispatch mode counts the bytes their storages
-would hold. The user's modules and optimizers are pointed at meta copies of their
-tensors for the duration and given their own back afterwards, so nothing they own
-is read as data or written. (PyTorch's ``FakeTensorMode`` does the same job with
+would hold. The user's modules and optimizers are lent meta copies of their tensors
+for the duration, for the estimating thread only (``lending.py``), and given their own
+back afterwards, so nothing they own is read as data or written, and other threads
+using them meanwhile see the real ones. (PyTorch's ``FakeTensorMode`` does the same job with
 fake CPU tensors at three times the cost per operator, and fake CUDA tensors abort
 the process in autograd on a machine without CUDA.)
 """
@@ -429,10 +430,11 @@ def estimate(
     ``fn`` runs on meta tensors (shapes, no data) at a few batch sizes: the
     example arguments' tensors are remade with that many rows along ``dim``, and
     the modules and optimizers ``fn`` reaches (as arguments, through its closure,
-    the globals it names, its defaults or the object it is bound to) are pointed
-    at meta copies of their parameters, buffers, gradients and state for the run.
-    They get their own back afterwards, untouched: nothing is read as data or
-    written. ``fn`` may be a forward pass or a whole training step, with
+    the globals it names, its defaults or the object it is bound to) are lent
+    meta copies of their parameters, buffers, gradients and state for the run, in
+    the calling thread only: other threads that use them meanwhile see the real
+    ones. They get their own back afterwards, untouched: nothing is read as data
+    or written. Estimates in one process take turns. ``fn`` may be a forward pass or a whole training step, with
     ``backward()`` and ``optimizer.step()``. Models built on the meta device work
     the same way. Its Python side effects do happen: what it appends to a list,
     it appends; a value it reads with ``.item()`` reads as a placeholder (see
