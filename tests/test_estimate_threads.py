@@ -9,7 +9,10 @@ use the model then (deterministic: they fail every time lending leaks).
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -520,3 +523,42 @@ def test_the_estimate_leaves_another_threads_random_numbers_alone() -> None:
     assert together(worker, draw) == []
     # Not rewound: the thread's next draw is a new one, not the one it drew again.
     assert torch.equal(torch.get_rng_state(), states[0])
+
+
+def test_another_thread_saves_and_copies_the_model_while_the_estimate_holds_it() -> None:
+    model, x = made("batchnorm")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(x).square().mean().backward()
+    optimizer.step()
+    pause = Pause()
+
+    def step(rows: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(rows).square().mean().backward()
+        optimizer.step()
+        pause.here()  # the step's writes made: BatchNorm's statistics, the optimizer's state and step count
+
+    expected = {key: value.clone() for key, value in model.state_dict().items()}
+    expected_steps = [float(state["step"]) for state in optimizer.state.values()]
+    saved: list[Any] = []
+
+    def save() -> None:
+        with pause.during():
+            saved.append(model.state_dict())
+            saved.append(optimizer.state_dict())
+            saved.append(copy.deepcopy(model))
+            saved.append(pickle.loads(pickle.dumps(model)))
+
+    worker, _ = estimating(pause, step, x)
+    assert together(worker, save) == []
+    state, optimizer_state, *copies = saved
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[key], value) for key, value in expected.items())
+    assert [float(s["step"]) for s in optimizer_state["state"].values()] == expected_steps
+    assert all(v.device.type == "cpu" for s in optimizer_state["state"].values() for v in s.values())
+    for made_copy in copies:
+        for module in made_copy.modules():
+            assert type(module._parameters) is dict
+            assert type(module._forward_hooks) is OrderedDict
+        copied = made_copy.state_dict()
+        assert all(torch.equal(copied[key], value) for key, value in expected.items())

@@ -5,9 +5,9 @@ data) at a few batch sizes, while a dispatch mode counts the bytes their storage
 would hold. The user's modules and optimizers are lent meta copies of their tensors
 for the duration, for the estimating thread only (``lending.py``), and given their own
 back afterwards, so nothing they own is read as data or written, and other threads
-using them meanwhile see the real ones. (PyTorch's ``FakeTensorMode`` does the same job with
-fake CPU tensors at three times the cost per operator, and fake CUDA tensors abort
-the process in autograd on a machine without CUDA.)
+using them meanwhile see the real ones. (PyTorch's ``FakeTensorMode`` does the same
+job with fake CPU tensors at three times the cost per operator, and fake CUDA tensors
+abort the process in autograd on a machine without CUDA.)
 """
 
 from __future__ import annotations
@@ -434,11 +434,11 @@ def estimate(
     meta copies of their parameters, buffers, gradients and state for the run, in
     the calling thread only: other threads that use them meanwhile see the real
     ones. They get their own back afterwards, untouched: nothing is read as data
-    or written. Estimates in one process take turns. ``fn`` may be a forward pass or a whole training step, with
-    ``backward()`` and ``optimizer.step()``. Models built on the meta device work
-    the same way. Its Python side effects do happen: what it appends to a list,
-    it appends; a value it reads with ``.item()`` reads as a placeholder (see
-    :doc:`/estimate`).
+    or written. Estimates in one process take turns. ``fn`` may be a forward pass
+    or a whole training step, with ``backward()`` and ``optimizer.step()``.
+    Models built on the meta device work the same way. Its Python side effects do
+    happen: what it appends to a list, it appends; a value it reads with
+    ``.item()`` reads as a placeholder (see :doc:`/estimate`).
 
     Args:
         fn (callable): the call to estimate.
@@ -1410,6 +1410,15 @@ class _Memo:
         A thread that asks from inside an estimate (a call that estimates its own
         first size while it is being estimated) makes its own: it holds the estimate
         lock, which the thread making them would need.
+
+        Args:
+            key (Hashable): the function, its input signature and the device.
+            make (callable): makes the estimate of one step.
+            name (str): the function's name, for warnings.
+
+        Returns:
+            _Estimates: the estimates; their ``whole`` is ``None`` if it could not be
+            made (a warning said why).
         """
         while True:
             with self.lock:

@@ -105,17 +105,31 @@ class Lent:
         self._thread = None
         self._overlay = None
 
+    def _plain(self) -> Any:
+        """Return the container this thread sees, past any proxy it is a proxy of."""
+        view = self._view()
+        while isinstance(view, Lent):
+            view = view._view()
+        return view
+
+    # Copied or pickled, a proxy is the plain container this thread sees.
     def __copy__(self) -> Any:
-        return copy.copy(self._view())
+        return copy.copy(self._plain())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return copy.deepcopy(self._view(), memo)
+        return copy.deepcopy(self._plain(), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._view().__reduce_ex__(protocol)
+        # Rebuilt by the container type itself, so that loading it needs nothing of this package.
+        view = self._plain()
+        if isinstance(view, defaultdict):
+            return type(view), (view.default_factory, list(view.items()))
+        if isinstance(view, dict):
+            return type(view), (list(view.items()),)
+        return type(view), (list(view),)
 
     def __reduce__(self) -> Any:
-        return self._view().__reduce__()
+        return self.__reduce_ex__(2)
 
 
 # Methods that only read, and methods that write (after which the mirror follows the real container).
@@ -248,8 +262,8 @@ _PROXIES: dict[type, type] = {
 
 
 def _seen(value: Any) -> Any:
-    """Return what this thread sees of ``value``: the view of a proxy, anything else itself."""
-    return value._view() if isinstance(value, Lent) else value
+    """Return what this thread sees of ``value``: the plain container behind a proxy, anything else itself."""
+    return value._plain() if isinstance(value, Lent) else value
 
 
 def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
@@ -300,7 +314,7 @@ class Swapping(TorchFunctionMode):
                     return fake
             return value
         if isinstance(value, Lent):
-            value = copy.copy(value._view())  # C code would read the proxy's own storage: the real entries
+            value = copy.copy(value._plain())  # C code would read the proxy's own storage: the real entries
         if type(value) in (list, tuple):
             items = [self._one(item) for item in value]
             if any(a is not b for a, b in zip(value, items, strict=True)):
@@ -345,11 +359,24 @@ class Loan:
         self._held.enter_context(exclusive())
 
     def add(self, tensor: torch.Tensor, meta: torch.Tensor) -> None:
-        """Lend ``meta`` for ``tensor``: the borrower's containers hold it where they held ``tensor``."""
+        """Lend ``meta`` for ``tensor``: the borrower's containers hold it where they held ``tensor``.
+
+        Args:
+            tensor (torch.Tensor): a tensor the owners hold (a parameter, a buffer,
+                a gradient, optimizer state).
+            meta (torch.Tensor): its meta copy.
+        """
         self._copies[id(tensor)] = (tensor, meta)
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Return the copy lent for ``tensor``, if one was."""
+        """Return the copy lent for ``tensor``, if one was (before :meth:`lend`).
+
+        Args:
+            tensor (torch.Tensor): any tensor.
+
+        Returns:
+            torch.Tensor or None: its meta copy, or ``None`` if it is not lent.
+        """
         found = self._copies.get(id(tensor))
         return found[1] if found is not None and found[0] is tensor else None
 
@@ -420,6 +447,7 @@ class Loan:
 
 
 def _put_back(owner: Any, saved: dict[str, Any]) -> None:
+    """Put back the attributes of ``owner`` that differ from ``saved``, one store each."""
     attributes = vars(owner)
     now = dict(attributes)
     for name, before in saved.items():
@@ -430,6 +458,7 @@ def _put_back(owner: Any, saved: dict[str, Any]) -> None:
 
 
 def _retain(owner: Any, proxies: list[Lent]) -> None:
+    """Keep alive, as long as ``owner`` lives, the retired proxies that something refers to weakly."""
     referred = [proxy for proxy in proxies if weakref.getweakrefcount(proxy)]
     if not referred:
         return
