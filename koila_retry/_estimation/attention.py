@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -646,8 +647,13 @@ def _follow_fast_path(module: nn.Module, target: torch.device, card: tuple[tuple
     if kind is None or "forward" in vars(module):
         return False
     fast, composite = _FAST_PATHS[kind], kind.forward
+    thread = threading.get_ident()
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        # An attribute of the module is every thread's: another thread that calls the module
+        # while the estimate runs gets the forward of its class, as it would without it.
+        if threading.get_ident() != thread:
+            return composite(module, *args, **kwargs)
         found = fast(module, target, card, *args, **kwargs)
         return composite(module, *args, **kwargs) if found is None else found
 

@@ -2,16 +2,16 @@
 
 The call runs for real, operator by operator, on meta tensors (shapes and no
 data) at a few batch sizes, while a dispatch mode counts the bytes their storages
-would hold. The user's modules and optimizers are pointed at meta copies of their
-tensors for the duration and given their own back afterwards, so nothing they own
-is read as data or written. (PyTorch's ``FakeTensorMode`` does the same job with
-fake CPU tensors at three times the cost per operator, and fake CUDA tensors abort
-the process in autograd on a machine without CUDA.)
+would hold. The user's modules and optimizers are lent meta copies of their tensors
+for the duration, for the estimating thread only (``lending.py``), and given their own
+back afterwards, so nothing they own is read as data or written, and other threads
+using them meanwhile see the real ones. (PyTorch's ``FakeTensorMode`` does the same
+job with fake CPU tensors at three times the cost per operator, and fake CUDA tensors
+abort the process in autograd on a machine without CUDA.)
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import itertools
@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from cachetools import LRUCache
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.batches import Split
@@ -52,6 +51,7 @@ from koila_retry._estimation.calibration import (
     largest_power,
     probe_size,
 )
+from koila_retry._estimation.lending import Loan, ThreadTracker, borrowing, exclusive
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.versions import warn_if_unchecked
 from koila_retry._estimation.workspace import cuda_rounding, device_workspace
@@ -430,14 +430,15 @@ def estimate(
     ``fn`` runs on meta tensors (shapes, no data) at a few batch sizes: the
     example arguments' tensors are remade with that many rows along ``dim``, and
     the modules and optimizers ``fn`` reaches (as arguments, through its closure,
-    the globals it names, its defaults or the object it is bound to) are pointed
-    at meta copies of their parameters, buffers, gradients and state for the run.
-    They get their own back afterwards, untouched: nothing is read as data or
-    written. ``fn`` may be a forward pass or a whole training step, with
-    ``backward()`` and ``optimizer.step()``. Models built on the meta device work
-    the same way. Its Python side effects do happen: what it appends to a list,
-    it appends; a value it reads with ``.item()`` reads as a placeholder (see
-    :doc:`/estimate`).
+    the globals it names, its defaults or the object it is bound to) are lent
+    meta copies of their parameters, buffers, gradients and state for the run, in
+    the calling thread only: other threads that use them meanwhile see the real
+    ones. They get their own back afterwards, untouched: nothing is read as data
+    or written. Estimates in one process take turns. ``fn`` may be a forward pass
+    or a whole training step, with ``backward()`` and ``optimizer.step()``.
+    Models built on the meta device work the same way. Its Python side effects do
+    happen: what it appends to a list, it appends; a value it reads with
+    ``.item()`` reads as a placeholder (see :doc:`/estimate`).
 
     Args:
         fn (callable): the call to estimate.
@@ -503,14 +504,23 @@ def estimate_batch(
     def run(size: int) -> _Run:
         return _run(fn, batch, owned, size, round_bytes, workspace, inexact, target)
 
+    with exclusive():  # one estimate at a time: see lending.py
+        runs = _runs(run, batch.rows, chosen)
+        resident = owned.resident(target, round_bytes)
+    return MemoryEstimate(target, runs, resident, time.perf_counter() - started)
+
+
+def _runs(run: Callable[[int], _Run], rows: int, chosen: list[int] | None) -> list[_Run]:
+    """Run the call at the sizes chosen, or at those the default finds (see :func:`estimate`)."""
     # A collection during a run was seen to fire the weak-reference callbacks of meta
     # storages still in use (PyTorch keeps their Python objects alive for them, and a
-    # collection of an earlier run's garbage can clear the references): none runs.
+    # collection of an earlier run's garbage can clear the references): none runs. The
+    # collector is the process's: other threads' garbage waits for the estimate too.
     collecting = gc.isenabled()
     gc.disable()
     try:
         if chosen is None:
-            base = max(batch.rows, 2)
+            base = max(rows, 2)
             runs = [run(base), run(2 * base)]
             if not runs[0].aligned(runs[1]):
                 # The call takes another path at another size (a loop over chunks of its
@@ -524,8 +534,7 @@ def estimate_batch(
     finally:
         if collecting:
             gc.enable()
-    resident = owned.resident(target, round_bytes)
-    return MemoryEstimate(target, runs, resident, time.perf_counter() - started)
+    return runs
 
 
 def suggest_batch_size(
@@ -753,15 +762,24 @@ class Owned:
         return total
 
     def lend(self, recorder: Recorder) -> Callable[[], None]:
-        """Point every module and optimizer at meta copies of its tensors; return what undoes it.
+        """Lend this thread meta copies of every module's and optimizer's tensors; return what ends the loan.
 
-        Must run under ``recorder``, which counts the copies.
+        Other threads go on seeing the real tensors, containers and hooks (see
+        ``lending.py``); the loan holds the estimate lock until it ends. Must run
+        under ``recorder``, which counts the copies.
+
+        Args:
+            recorder (Recorder): the dispatch mode of the run; its ``category``
+                names what each copy is.
+
+        Returns:
+            callable: ends the loan; call it on this thread.
         """
-        fakes: dict[int, torch.Tensor] = {}
-        undo: list[Callable[[], None]] = []
+        loan = Loan()
+        loan.hold()
 
         def fake_of(tensor: torch.Tensor, category: str) -> torch.Tensor:
-            fake = fakes.get(id(tensor))
+            fake = loan.copy_of(tensor)
             if fake is None:
                 recorder.category = category
                 fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
@@ -772,79 +790,36 @@ class Owned:
                 grad = tensor.grad if tensor.is_leaf else None
                 if grad is not None and grad.layout == torch.strided:
                     fake.grad = fake_of(grad, "gradients")
-                fakes[id(tensor)] = fake
+                loan.add(tensor, fake)
             return fake
 
         try:
-            # Their attributes are put back as they were: a scheduler's epoch, a scaler's scale.
-            undo += [_restorer(other) for other in self.others]
             for module in self.modules:
-                undo.append(_restorer(module))
                 for table in (module._parameters, module._buffers):
-                    for name, tensor in table.items():
+                    for tensor in table.values():
                         if tensor is not None:
-                            table[name] = fake_of(tensor, "parameters")  # type: ignore[assignment]
+                            fake_of(tensor, "parameters")
             for optimizer in self.optimizers:
-                undo.append(_restorer(optimizer))
-                groups = list(optimizer.param_groups)
-                saved_groups = [dict(group) for group in groups]
-
-                def put_back(optimizer: Any = optimizer, groups: Any = groups, saved: Any = saved_groups) -> None:
-                    optimizer.param_groups[:] = groups
-                    for group, before in zip(groups, saved, strict=True):
-                        group.clear()
-                        group.update(before)
-
-                undo.append(put_back)
-                for group in groups:
-                    group["params"] = [fake_of(parameter, "parameters") for parameter in group["params"]]
-                state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+                for group in optimizer.param_groups:
+                    for parameter in group["params"]:
+                        fake_of(parameter, "parameters")
                 for parameter, values in optimizer.state.items():
-                    state[fake_of(parameter, "parameters")] = {
-                        key: fake_of(value, "optimizer state") if isinstance(value, torch.Tensor) else value
-                        for key, value in values.items()
-                    }
-                optimizer.state = state
+                    fake_of(parameter, "parameters")
+                    for value in values.values():
+                        if isinstance(value, torch.Tensor):
+                            fake_of(value, "optimizer state")
+            # Their other attributes are put back as they were too: a scheduler's epoch, a scaler's record.
+            loan.lend([*self.others, *self.modules, *self.optimizers])
         except BaseException:
-            _undo(undo)
+            loan.end()
             raise
-        finally:
-            fakes.clear()  # the copies live as long as their owners hold them, as the real ones do
-        return functools.partial(_undo, undo)
+        return loan.end
 
     def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the gradients and optimizer state the run holds now (after ``lend``)."""
         for category, tensor in self.tensors():
             if category != "parameters":
                 yield category, tensor
-
-
-def _restorer(owner: Any) -> Callable[[], None]:
-    """Snapshot an object's attributes and the dicts among them; return what restores them."""
-    saved = dict(vars(owner))
-    # The dicts it holds are put back as they were too, and the dicts they hold: a module's
-    # parameter and buffer tables, and a gradient scaler's record, per optimizer, that it stepped.
-    tables: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
-    for value in saved.values():
-        if isinstance(value, dict):
-            tables.append((value, dict(value)))
-            tables += [(inner, dict(inner)) for inner in value.values() if isinstance(inner, dict)]
-
-    def restore() -> None:
-        attributes = vars(owner)
-        for name in [name for name in attributes if name not in saved]:
-            del attributes[name]
-        attributes.update(saved)
-        for table, before in tables:
-            table.clear()
-            table.update(before)
-
-    return restore
-
-
-def _undo(undo: list[Callable[[], None]]) -> None:
-    for step in reversed(undo):
-        step()
 
 
 # --- what the estimate knows it does not model exactly -----------------------------
@@ -1235,6 +1210,24 @@ def _on_meta_device(tensor: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.empty(shape, dtype=tensor.dtype, device=META, requires_grad=tensor.requires_grad)
 
 
+def _put_back_a_reseeded_rng(seed: int, state: torch.Tensor) -> None:
+    """Put the global random number generator back to ``state`` if the run seeded it anew.
+
+    Operators on meta tensors draw no random numbers, so the run itself never
+    advances the generator; what changes it meanwhile is the call seeding it
+    (``torch.manual_seed``), which is put back, or another thread drawing from it,
+    which is not: rewinding would make that thread draw the same numbers again.
+    """
+    if torch.initial_seed() == seed:
+        # Compared as the CPU tensors they are, past the modes of an estimate this one may run inside.
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            now = torch.get_rng_state()
+            seeded = torch.Generator().manual_seed(seed).get_state()
+            if torch.equal(now, state) or not torch.equal(now, seeded):
+                return  # unchanged, or drawn from: not seeded anew
+    torch.set_rng_state(state)
+
+
 def _run(
     fn: Callable[..., Any],
     batch: Split,
@@ -1246,60 +1239,66 @@ def _run(
     target: torch.device = META,
 ) -> _Run:
     recorder = Recorder(round_bytes, workspace, inexact)
-    rng = torch.get_rng_state()
+    seed, rng = torch.initial_seed(), torch.get_rng_state()
     handles: list[Any] = []
     undo: Callable[[], None] | None = None
-    with META, recorder:
-        try:
-            undo = owned.lend(recorder)
-            recorder.category = "inputs"
-            args, kwargs = batch.resized(batch_size, _on_meta_device)
-            recorder.mark(owned.gradients_and_state())
-
-            def reclassify() -> None:
+    try:
+        with META, recorder:
+            try:
+                undo = owned.lend(recorder)
+                recorder.category = "inputs"
+                args, kwargs = batch.resized(batch_size, _on_meta_device)
                 recorder.mark(owned.gradients_and_state())
 
-            def entered_step(*_: Any) -> None:
-                recorder.in_step += 1
-                reclassify()
+                def reclassify() -> None:
+                    recorder.mark(owned.gradients_and_state())
 
-            def left_step(*_: Any) -> None:
-                recorder.in_step -= 1
-                reclassify()
+                def entered_step(*_: Any) -> None:
+                    recorder.in_step += 1
+                    reclassify()
 
-            recorder.reclassify = reclassify
-            handles.append(register_optimizer_step_pre_hook(entered_step))
-            handles.append(register_optimizer_step_post_hook(left_step))
-            with ModuleTracker() as modules:
-                recorder.modules = modules
-                recorder.start()
-                try:
-                    # The attention and recurrent kernels the target runs, and its autocast.
-                    with (
-                        device_kernels(target, owned.modules, recorder.note_inexact),
-                        recurrent_kernels(target, owned.modules, recorder.note_inexact),
-                        autocast_like(target, recorder.note_inexact),
-                    ):
-                        fn(*args, **kwargs)
-                except Exception as error:
-                    if sys.version_info >= (3, 11):
-                        error.add_note(
-                            f"(raised while koila.estimate ran the call on meta tensors, which have shapes and no "
-                            f"values, with a batch of {batch_size})"
-                        )
-                    raise
-                finally:
-                    recorder.modules = None
-            reclassify()
-            del args, kwargs
-            moments = recorder.moments()
-        finally:
-            for handle in handles:
-                handle.remove()
-            if undo is not None:
-                undo()
-            recorder.reclassify = None
-            torch.set_rng_state(rng)
+                def left_step(*_: Any) -> None:
+                    recorder.in_step -= 1
+                    reclassify()
+
+                recorder.reclassify = reclassify
+                # Each optimizer's own hooks, registered into the dicts lent to this thread: another
+                # thread's step neither calls them nor meets a change to the process's hooks mid-loop.
+                for optimizer in owned.optimizers:
+                    handles.append(optimizer.register_step_pre_hook(entered_step))
+                    handles.append(optimizer.register_step_post_hook(left_step))
+                with ThreadTracker() as modules:
+                    recorder.modules = modules
+                    recorder.start()
+                    try:
+                        # The attention and recurrent kernels the target runs, and its autocast.
+                        with (
+                            device_kernels(target, owned.modules, recorder.note_inexact),
+                            recurrent_kernels(target, owned.modules, recorder.note_inexact),
+                            autocast_like(target, recorder.note_inexact),
+                        ):
+                            fn(*args, **kwargs)
+                    except Exception as error:
+                        if sys.version_info >= (3, 11):
+                            error.add_note(
+                                f"(raised while koila.estimate ran the call on meta tensors, which have shapes and "
+                                f"no values, with a batch of {batch_size})"
+                            )
+                        raise
+                    finally:
+                        recorder.modules = None
+                reclassify()
+                del args, kwargs
+                moments = recorder.moments()
+            finally:
+                for handle in handles:
+                    handle.remove()
+                handles.clear()
+                if undo is not None:
+                    undo()
+                recorder.reclassify = None
+    finally:
+        _put_back_a_reseeded_rng(seed, rng)
     return _Run(batch_size, moments, tuple(recorder.notes))
 
 
@@ -1406,13 +1405,41 @@ class _Memo:
         self.estimates: LRUCache[Hashable, _Estimates] = LRUCache(maxsize=64)
         self.fits: LRUCache[Hashable, _Fit] = LRUCache(maxsize=256)
         self.warned: set[Hashable] = set()  # what was warned about once: (function, why)
+        self.making: dict[Hashable, threading.Event] = {}  # estimates being made, set when they are
 
     def estimates_of(
         self, key: Hashable, make: Callable[[], MemoryEstimate], name: str, sample_bytes: int = 0
     ) -> _Estimates:
-        with self.lock:
-            found = self.estimates.get(key)
-        if found is None:  # two threads may both estimate; the memo itself stays whole
+        """Return the estimates of ``key``, made by the first thread to ask; the others wait for them.
+
+        A thread that asks from inside an estimate (a call that estimates its own
+        first size while it is being estimated) makes its own: it holds the estimate
+        lock, which the thread making them would need.
+
+        Args:
+            key (Hashable): the function, its input signature and the device.
+            make (callable): makes the estimate of one step.
+            name (str): the function's name, for warnings.
+            sample_bytes (int): the bytes of one input sample of the call that
+                makes them (see :class:`AutoFirst`).
+
+        Returns:
+            _Estimates: the estimates; their ``whole`` is ``None`` if it could not be
+            made (a warning said why).
+        """
+        while True:
+            with self.lock:
+                found = self.estimates.get(key)
+                if found is not None:
+                    return found
+                making = self.making.get(key)
+                if making is None or borrowing():
+                    making = threading.Event()
+                    if self.keep and key not in self.making:
+                        self.making[key] = making
+                    break
+            making.wait()
+        try:
             whole = self.made(
                 make, name, "the memory", "starts from the whole batch and halves on out-of-memory errors"
             )
@@ -1420,6 +1447,11 @@ class _Memo:
             if self.keep:
                 with self.lock:
                     self.estimates[key] = found
+        finally:
+            with self.lock:
+                if self.making.get(key) is making:
+                    del self.making[key]
+            making.set()
         return found
 
     def fit(self, key: Hashable, device: torch.device, estimates: _Estimates, budget: int | None = None) -> _Fit:

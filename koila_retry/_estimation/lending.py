@@ -1,0 +1,496 @@
+"""Lend one thread meta copies of what a call owns, while every other thread keeps the real objects.
+
+A model's tensors live in plain containers: a module's ``_parameters``, ``_buffers``
+and ``_modules`` dicts and its hook dicts, an optimizer's ``param_groups`` list and
+``state`` dict. For one run of the estimate, each container attribute of each object
+the call owns is replaced by a :class:`Lent` container: a subclass of its type that
+answers the thread that borrowed it from a copy of its own (the *overlay*, with meta
+copies in place of the lent tensors) and every other thread from the real container,
+which it reads and writes through. Replacing an attribute, and putting it back, is one
+store into the object's ``__dict__``: another thread sees either the real container or
+the proxy, never a half-changed one, and what it writes through either lands in the
+real one. Nothing the borrowing thread writes into a container reaches another thread.
+
+Attributes themselves cannot be told apart by thread. What the run rebinds or adds (a
+scheduler's epoch, ``model.train()``'s flags, a gradient scaler's record) is put back
+when the loan ends, and that is the one place where another thread's write can be lost:
+one that rebinds or adds an attribute of the same object while the loan lasts.
+
+C code that reads a proxy's own storage (``PyDict_GetItem``, a list's items) sees the
+real entries, as it was when the loan began and as other threads have written it
+through the proxy since. Torch functions given a proxied list (an RNN's
+``_flat_weights``) get the borrower's view from :class:`Swapping`, a function mode of
+the borrowing thread only, which also swaps any lent tensor that the call reaches some
+other way for its meta copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import weakref
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.module_tracker import ModuleTracker
+
+__all__ = ["Lent", "Loan", "Swapping", "ThreadTracker", "borrowing", "exclusive"]
+
+# Estimates run one at a time in a process: two loans of the same object would nest
+# their proxies, and the first to end would take the second's away mid-run. The lock is
+# reentrant for a call that estimates inside an estimate. Real calls never take it.
+_ONE_AT_A_TIME = threading.RLock()
+_local = threading.local()
+
+# How deep into a container the overlay copies containers (an optimizer's groups hold
+# dicts that hold lists of parameters; a gradient scaler's record holds a dict per
+# optimizer that holds a dict per device): the run writes into those copies, not the real ones.
+_DEPTH = 3
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """Hold the process's one estimate lock for the block; the thread counts as borrowing meanwhile.
+
+    Yields:
+        None.
+    """
+    with _ONE_AT_A_TIME:
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _local.depth -= 1
+
+
+def borrowing() -> bool:
+    """Return whether this thread is inside an estimate (holds the estimate lock).
+
+    Returns:
+        bool: ``True`` between the start and the end of :func:`exclusive` on this thread.
+    """
+    return bool(getattr(_local, "depth", 0))
+
+
+# --- the proxies ------------------------------------------------------------------
+
+
+class Lent:
+    """A container that answers its borrowing thread from an overlay and every other thread from the real one.
+
+    Mixed into a subclass of each container type lent (:data:`_PROXIES`); made by
+    :func:`_proxy`. Every method of the container is forwarded to the view of the
+    calling thread; the proxy's own storage mirrors the real container for C code
+    that reads it directly.
+    """
+
+    _real: Any
+    _overlay: Any
+    _thread: int | None
+
+    def _view(self) -> Any:
+        return self._overlay if threading.get_ident() == self._thread else self._real
+
+    def _mirror(self) -> None:
+        """Make the proxy's own storage hold what the real container holds."""
+        raise NotImplementedError
+
+    def retire(self) -> None:
+        """End the loan: from now on every thread, the borrower too, reads and writes the real container."""
+        self._thread = None
+        self._overlay = None
+
+    def _plain(self) -> Any:
+        """Return the container this thread sees, past any proxy it is a proxy of."""
+        view = self._view()
+        while isinstance(view, Lent):
+            view = view._view()
+        return view
+
+    # Copied or pickled, a proxy is the plain container this thread sees.
+    def __copy__(self) -> Any:
+        return copy.copy(self._plain())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self._plain(), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Rebuilt by the container type itself, so that loading it needs nothing of this package.
+        view = self._plain()
+        if isinstance(view, defaultdict):
+            return type(view), (view.default_factory, list(view.items()))
+        if isinstance(view, dict):
+            return type(view), (list(view.items()),)
+        return type(view), (list(view),)
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
+# Methods that only read, and methods that write (after which the mirror follows the real container).
+_DICT_READS = [
+    "__getitem__",
+    "__contains__",
+    "__iter__",
+    "__reversed__",
+    "__len__",
+    "__eq__",
+    "__ne__",
+    "__repr__",
+    "__or__",
+    "__ror__",
+    "get",
+    "keys",
+    "values",
+    "items",
+    "copy",
+]
+_DICT_WRITES = ["__setitem__", "__delitem__", "pop", "popitem", "setdefault", "update", "clear", "move_to_end"]
+_LIST_READS = [
+    "__getitem__",
+    "__contains__",
+    "__iter__",
+    "__reversed__",
+    "__len__",
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__repr__",
+    "__add__",
+    "__mul__",
+    "__rmul__",
+    "index",
+    "count",
+    "copy",
+]
+_LIST_WRITES = ["__setitem__", "__delitem__", "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"]
+
+
+def _forwarding(name: str, writes: bool) -> Callable[..., Any]:
+    def method(self: Lent, /, *args: Any, **kwargs: Any) -> Any:
+        view = self._view()
+        out = getattr(view, name)(*args, **kwargs)
+        if writes and view is self._real:
+            self._mirror()
+        return out
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _in_place(name: str, method_name: str) -> Callable[..., Any]:
+    def method(self: Lent, other: Any) -> Any:
+        view = self._view()
+        getattr(view, method_name)(other)
+        if view is self._real:
+            self._mirror()
+        return self
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _imul(self: Lent, times: Any) -> Any:
+    view = self._view()
+    view *= times
+    if view is self._real:
+        self._mirror()
+    return self
+
+
+class _LentMapping(Lent):
+    _kind: Any  # the container type it stands for, whose methods read and write its own storage
+
+    def _mirror(self) -> None:
+        base, real = self._kind, self._real
+        for key in [key for key in base.keys(self) if key not in real]:
+            base.__delitem__(self, key)
+        for key, value in real.items():
+            base.__setitem__(self, key, value)
+
+
+class _LentSequence(Lent):
+    def _mirror(self) -> None:
+        list.__setitem__(self, slice(None), list(self._real))  # type: ignore[call-overload]
+
+
+for _name in _DICT_READS:
+    setattr(_LentMapping, _name, _forwarding(_name, writes=False))
+for _name in _DICT_WRITES:
+    setattr(_LentMapping, _name, _forwarding(_name, writes=True))
+for _name in _LIST_READS:
+    setattr(_LentSequence, _name, _forwarding(_name, writes=False))
+for _name in _LIST_WRITES:
+    setattr(_LentSequence, _name, _forwarding(_name, writes=True))
+# In-place operators give back the proxy, so that ``proxy += x`` keeps the attribute a proxy.
+_LentMapping.__ior__ = _in_place("__ior__", "update")  # type: ignore[attr-defined]
+_LentSequence.__iadd__ = _in_place("__iadd__", "extend")  # type: ignore[attr-defined]
+_LentSequence.__imul__ = _imul  # type: ignore[attr-defined]
+
+
+class _LentDict(_LentMapping, dict):  # type: ignore[type-arg]
+    _kind = dict
+
+
+class _LentOrderedDict(_LentMapping, OrderedDict):  # type: ignore[type-arg]
+    _kind = OrderedDict
+
+
+class _LentDefaultDict(_LentMapping, defaultdict):  # type: ignore[type-arg]
+    _kind = defaultdict
+
+
+class _LentList(_LentSequence, list):  # type: ignore[type-arg]
+    pass
+
+
+# Exactly these types are lent: a subclass of one may keep state or behaviour of its own.
+_PROXIES: dict[type, type] = {
+    dict: _LentDict,
+    OrderedDict: _LentOrderedDict,
+    defaultdict: _LentDefaultDict,
+    list: _LentList,
+}
+
+
+def _seen(value: Any) -> Any:
+    """Return what this thread sees of ``value``: the plain container behind a proxy, anything else itself."""
+    return value._plain() if isinstance(value, Lent) else value
+
+
+def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
+    """Return a proxy of ``real`` (a container, or a proxy of one) that shows ``overlay`` to ``thread``."""
+    kind = _PROXIES[type(_seen(real))]
+    made: Lent = kind(real.default_factory) if isinstance(real, defaultdict) else kind()
+    made._real, made._overlay, made._thread = real, overlay, thread
+    made._mirror()
+    return made
+
+
+# --- the loan ---------------------------------------------------------------------
+
+
+class Swapping(TorchFunctionMode):
+    """Give torch functions the borrower's view: meta copies for lent tensors, plain lists for proxied ones.
+
+    A function mode is the borrowing thread's own (PyTorch keeps one stack of them
+    per thread). It acts above autograd, so that a lent tensor the call reaches other
+    than through a container (an RNN's flat weights, a list of parameters kept
+    elsewhere) never enters autograd's graph: its meta copy does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id of a lent tensor -> (the tensor, its meta copy); the copy lives as long as what holds it.
+        self.table: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if self.table:
+            args = self._swapped(args)
+            if kwargs:
+                kwargs = {key: self._one(value) for key, value in kwargs.items()}
+        return func(*args, **(kwargs or {}))
+
+    def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        swapped = tuple(self._one(arg) for arg in args)
+        return args if all(a is b for a, b in zip(args, swapped, strict=True)) else swapped
+
+    def _one(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            found = self.table.get(id(value))
+            if found is not None and found[0] is value:
+                fake = found[1]()
+                if fake is not None:
+                    return fake
+            return value
+        if isinstance(value, Lent):
+            value = copy.copy(value._plain())  # C code would read the proxy's own storage: the real entries
+        if type(value) in (list, tuple):
+            items = [self._one(item) for item in value]
+            if any(a is not b for a, b in zip(value, items, strict=True)):
+                return type(value)(items)
+        return value
+
+
+class _Installed:
+    """The proxies put on one object, and its attributes as they were."""
+
+    __slots__ = ("owner", "proxies", "saved")
+
+    def __init__(self, owner: Any, saved: dict[str, Any], proxies: list[Lent]) -> None:
+        self.owner, self.saved, self.proxies = owner, saved, proxies
+
+
+# Proxies that something still refers to weakly (a hook's RemovableHandle, made by another
+# thread while the loan lasted, refers to its hook dict so): kept alive with their owner,
+# forwarding to the real container, so that such a handle can still remove its hook.
+_RETAINED: weakref.WeakKeyDictionary[Any, list[Lent]] = weakref.WeakKeyDictionary()
+_RETAINED_LOCK = threading.Lock()
+
+
+class Loan:
+    """One run's loan of meta copies to the calling thread: the objects lent, their proxies, and the mode.
+
+    Made, used and ended on the borrowing thread: :meth:`hold` takes the estimate
+    lock (:func:`exclusive`), :meth:`add` names the meta copy of each tensor lent,
+    :meth:`lend` puts the proxies in place, and :meth:`end` undoes it all.
+    """
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.installed: list[_Installed] = []
+        self.mode = Swapping()
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held = contextlib.ExitStack()
+        self._entered = False
+
+    def hold(self) -> None:
+        """Take the estimate lock for the loan's duration."""
+        self._held.enter_context(exclusive())
+
+    def add(self, tensor: torch.Tensor, meta: torch.Tensor) -> None:
+        """Lend ``meta`` for ``tensor``: the borrower's containers hold it where they held ``tensor``.
+
+        Args:
+            tensor (torch.Tensor): a tensor the owners hold (a parameter, a buffer,
+                a gradient, optimizer state).
+            meta (torch.Tensor): its meta copy.
+        """
+        self._copies[id(tensor)] = (tensor, meta)
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Return the copy lent for ``tensor``, if one was (before :meth:`lend`).
+
+        Args:
+            tensor (torch.Tensor): any tensor.
+
+        Returns:
+            torch.Tensor or None: its meta copy, or ``None`` if it is not lent.
+        """
+        found = self._copies.get(id(tensor))
+        return found[1] if found is not None and found[0] is tensor else None
+
+    def lend(self, owners: Iterable[Any]) -> None:
+        """Give each of ``owners`` a proxy for every container attribute, then start the function mode.
+
+        Args:
+            owners (iterable): modules, optimizers and other objects with a ``__dict__``.
+        """
+        for owner in owners:
+            attributes = vars(owner)
+            saved = dict(attributes)
+            proxies = []
+            for name, value in saved.items():
+                # A proxy this thread borrows already (an estimate inside an estimate) is lent on in turn.
+                seen = _seen(value)
+                if type(seen) in _PROXIES:
+                    proxy = _proxy(value, self._copied(seen, _DEPTH), self.thread)
+                    attributes[name] = proxy
+                    proxies.append(proxy)
+            self.installed.append(_Installed(owner, saved, proxies))
+        # The copies now live as long as the borrower's containers hold them, as the real ones do.
+        self.mode.table = {key: (tensor, weakref.ref(meta)) for key, (tensor, meta) in self._copies.items()}
+        self._copies.clear()
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+        self._entered = True
+
+    def _copied(self, value: Any, depth: int) -> Any:
+        """Return the borrower's copy of a container: its containers copied, its lent tensors swapped."""
+        if isinstance(value, torch.Tensor):
+            meta = self.copy_of(value)
+            return value if meta is None else meta
+        if isinstance(value, weakref.ref) and type(value) is weakref.ref:
+            target = value()
+            meta = self.copy_of(target) if isinstance(target, torch.Tensor) else None
+            return value if meta is None else weakref.ref(meta)
+        kind = type(value)
+        if depth == 0 or kind not in (*_PROXIES, tuple):
+            return value
+        if kind is list or kind is tuple:
+            return kind(self._copied(item, depth - 1) for item in value)
+        made = kind(value.default_factory) if kind is defaultdict else kind()
+        for key, item in value.items():
+            made[self._copied(key, 0) if isinstance(key, torch.Tensor) else key] = self._copied(item, depth - 1)
+        return made
+
+    def end(self) -> None:
+        """Put every object's attributes back as they were, retire the proxies, and release the lock.
+
+        Only what changed is put back: the proxies, and the attributes the run (or,
+        while it ran, another thread) rebound, added or deleted. The real containers
+        were never changed by the borrower, so nothing in them is cleared or refilled.
+        """
+        try:
+            if self._entered:
+                self._entered = False
+                self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.mode.table = {}
+            self._copies.clear()
+            for installed in reversed(self.installed):
+                _put_back(installed.owner, installed.saved)
+                for proxy in installed.proxies:
+                    proxy.retire()
+                _retain(installed.owner, installed.proxies)
+            self.installed.clear()
+        finally:
+            self._held.close()
+
+
+def _put_back(owner: Any, saved: dict[str, Any]) -> None:
+    """Put back the attributes of ``owner`` that differ from ``saved``, one store each."""
+    attributes = vars(owner)
+    now = dict(attributes)
+    for name, before in saved.items():
+        if now.get(name, _MISSING) is not before:
+            attributes[name] = before
+    for name in now.keys() - saved.keys():
+        attributes.pop(name, None)
+
+
+def _retain(owner: Any, proxies: list[Lent]) -> None:
+    """Keep alive, as long as ``owner`` lives, the retired proxies that something refers to weakly."""
+    referred = [proxy for proxy in proxies if weakref.getweakrefcount(proxy)]
+    if not referred:
+        return
+    try:
+        with _RETAINED_LOCK:
+            _RETAINED.setdefault(owner, []).extend(referred)
+    except TypeError:  # an owner that cannot be referred to weakly: its proxies go with the handles' references
+        pass
+
+
+# --- hooks that fire in every thread -----------------------------------------------
+
+
+class ThreadTracker(ModuleTracker):
+    """torch's ``ModuleTracker``, deaf to every thread but the one that entered it.
+
+    Its hooks are process-wide (every module's forward, in any thread, calls them);
+    another thread's modules would enter its record of where the run is, and its
+    gradient hooks would attach to that thread's tensors. They return at once there.
+    Backward on meta tensors runs on the thread that calls it (on CUDA, autograd's
+    device threads run it, but the estimate's tensors are never CUDA tensors), and
+    the gradient hooks go only on the entering thread's tensors.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        if threading.get_ident() == self.thread:
+            super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        if threading.get_ident() == self.thread:
+            super()._fw_post_hook(mod, input, output)
