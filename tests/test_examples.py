@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import re
 import socket
@@ -52,6 +53,68 @@ def test_every_example_gives_the_readmes_install_line(script: str) -> None:
     docstring = ast.get_docstring(ast.parse((ROOT / "examples" / script).read_text(encoding="utf-8")))
     assert docstring is not None, f"examples/{script} has no docstring"
     assert f"``{_readme_install_line()}``" in docstring
+
+
+def _setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """``install_requires`` and ``extras_require`` as setup.py gives them."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    (call,) = [
+        node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup"
+    ]
+    keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+    return ast.literal_eval(keywords["install_requires"]), ast.literal_eval(keywords["extras_require"])
+
+
+def _distribution(requirement: str) -> str:
+    """The name a requirement installs, as its module is imported (``lightning-fabric`` -> ``lightning_fabric``)."""
+    found = re.match(r"[A-Za-z0-9_.-]+", requirement)
+    assert found is not None, requirement
+    return found.group(0).lower().replace("-", "_")
+
+
+def _with_dependencies(names: set[str]) -> set[str]:
+    """``names`` and what each installed one requires unconditionally (transformers brings tokenizers)."""
+    found = set(names)
+    for name in names:
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found |= {_distribution(requirement) for requirement in requires if ";" not in requirement}
+    return found
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in (ROOT / "examples").glob("*.py")))
+def test_every_example_imports_only_what_the_readme_installs_or_an_extra_it_names(script: str) -> None:
+    """Issue 27: examples/finetune_transformer.py failed after the README's install (no transformers)."""
+    tree = ast.parse((ROOT / "examples" / script).read_text(encoding="utf-8"))
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+    }
+    outside = imported - set(sys.stdlib_module_names) - {"__future__", "koila_retry"}
+    requires, extras = _setup_requirements()
+    docstring = ast.get_docstring(tree) or ""
+    # The README's install line, and any other extra the example's docstring tells to install.
+    named = {extra for group in re.findall(r"'\.\[([a-z,]+)\]'", docstring) for extra in group.split(",")}
+    assert named <= set(extras), f"examples/{script} names extras setup.py does not have: {named - set(extras)}"
+    provided = {_distribution(requirement) for requirement in requires}
+    provided |= {_distribution(requirement) for extra in named for requirement in extras[extra]}
+    missing = outside - _with_dependencies(provided)
+    assert not missing, (
+        f"examples/{script} imports {sorted(missing)}: neither the README's install nor an extra its docstring "
+        "names provides it"
+    )
+
+
+def test_the_readme_names_the_extra_of_the_hugging_face_example() -> None:
+    readme = (ROOT / "README.rst").read_text(encoding="utf-8")
+    assert "pip install -c constraints.txt '.[transformers]' && python examples/finetune_transformer.py" in readme
+    assert "transformers" in _setup_requirements()[1]
 
 
 @pytest.mark.slow
