@@ -250,7 +250,7 @@ _DDP_WRAPPER = textwrap.dedent(
         rank = dist.get_rank()
         group = weakref.ref(dist.group.WORLD if group is None else group)
         destroy()
-        sys.stdout.write(f"rank {rank}: the process group was freed: {group() is None}\n")
+        sys.stdout.write(f"rank {rank}: the process group was freed: {group() is None}\\n")
         sys.stdout.flush()
 
     dist.destroy_process_group = destroy_and_check
