@@ -31,6 +31,13 @@ import socket
 
 import torch
 import torch.distributed as dist
+
+# Imported before the process group is made, on purpose: imported after it (DistributedDataParallel
+# imports it, through torch._dynamo), its functions' default arguments keep the default group
+# alive after destroy_process_group(). Only the group's destructor stops gloo's threads, and one
+# of them releasing a finished collective's tensors while the interpreter shuts down aborts the
+# process ("terminate called without an active exception").
+import torch.distributed.nn
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
@@ -126,6 +133,8 @@ def worker(rank: int, world_size: int) -> None:
         # still finishing its last collective can make that rank's process abort at exit.
         dist.barrier()
     finally:
+        # Frees the group (nothing else holds it: see the import of torch.distributed.nn),
+        # which joins gloo's threads while the interpreter is still whole.
         dist.destroy_process_group()
 
 

@@ -18,9 +18,9 @@ float64 and Hugging Face computes the loss in float32, so the two runs differ by
 rounding only.
 
 With koila-retry installed from a clone, as the README says
-(``pip install -c constraints.txt '.[progress,plot]'``), and ``transformers``, run::
+(``pip install -c constraints.txt '.[progress,plot]'``), and its ``transformers`` extra, run::
 
-    pip install -c constraints.txt transformers
+    pip install -c constraints.txt '.[transformers]'
     python examples/finetune_transformer.py
     python examples/finetune_transformer.py --memory 8MiB --batch 64
 """

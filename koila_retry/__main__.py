@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from koila_retry._cli import estimate as estimate_command
 from koila_retry._version import __version__
+
+# A model in the repository's examples (not installed with the package), estimated with what the
+# README installs; its inputs are token ids, hence --input-dtype int64.
+ESTIMATE_EXAMPLE = "examples/profile_model.py:Classifier --input 16 --input-dtype int64 --memory 1GiB"
 
 
 def _prog() -> str:
@@ -20,6 +26,34 @@ def _prog() -> str:
     if name.lower().removesuffix(".exe") == "koila-retry":
         return "koila-retry"
     return "python -m koila_retry"
+
+
+# Options whose value may start with a minus sign. argparse takes "-5MiB" after one of them for
+# another option ("expected one argument"); given as "--memory=-5MiB", the value reaches its check,
+# which says what is wrong with it.
+_VALUE_OPTIONS = frozenset({"--memory", "--margin", "--input", "--initial", "--epochs"})
+_NEGATIVE = re.compile(r"^-[\d.]")
+
+
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """Join ``--memory -5MiB`` into ``--memory=-5MiB``, for each option of ``_VALUE_OPTIONS``."""
+    joined: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        if arg == "--":
+            joined += [arg, *values]
+            break
+        if arg in _VALUE_OPTIONS:
+            following = next(values, None)
+            if following is not None and _NEGATIVE.match(following):
+                joined.append(f"{arg}={following}")
+                continue
+            joined.append(arg)
+            if following is not None:
+                joined.append(following)
+            continue
+        joined.append(arg)
+    return joined
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,13 +77,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = commands.add_parser(
         "estimate",
         help="estimate a model's peak memory at every batch size, and the largest that fits, without running it",
-        description="Build a model on the meta device and estimate the peak memory of its training step (or "
-        "forward pass) at every batch size, without data and without allocating it. Exit status: 0 if some batch "
-        "size fits, 1 if none does or the model failed, 2 for usage errors.",
-        epilog=f"example: {prog} estimate torchvision.models:resnet50 --input 3x224x224 --memory 24GiB",
+        description=textwrap.fill(
+            "Build a model on the meta device and estimate the peak memory of its training step (or "
+            "forward pass) at every batch size, without data and without allocating it. Exit status: 0 if some "
+            "batch size fits, 1 if none does or the model failed, 2 for usage errors.",
+            width=78,
+        ),
+        # On one line, to be copied whole.
+        epilog=f"example, from the root of koila-retry's repository:\n  {prog} estimate {ESTIMATE_EXAMPLE}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     estimate_command.configure(estimate)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
 
     if args.command == "estimate":
         return estimate_command.run(args, estimate)
@@ -61,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         try:
-            parse_bytes(args.memory)
+            if args.memory.strip().startswith("-") or parse_bytes(args.memory) < 1:
+                raise ValueError(f"give --memory as a size of more than 0 bytes, like 48MiB, got {args.memory!r}")
             if args.initial < 1 or args.epochs < 1:
                 raise ValueError(f"--initial and --epochs must be >= 1, got {args.initial} and {args.epochs}")
         except (TypeError, ValueError) as exc:

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 from _fake_cuda import FakeCuda
 from hypothesis import settings
@@ -50,6 +51,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+# The machine's memory as the session found it. Free memory is part of the default cache's key
+# (StackMemoryCache, in power-of-two buckets, and toma's, in 256 MiB steps): read live, another
+# process on a busy machine could move it into another bucket between two calls of a test and
+# start the second afresh. Tests of how free memory is read fake it themselves
+# (tests/test_memory.py), or ask for ``live_free_memory``; tests of levels of free memory use
+# ``simulated_device``.
+_LIVE_VIRTUAL_MEMORY = psutil.virtual_memory
+_SESSION_READING = psutil.virtual_memory()
+
+
+@pytest.fixture(autouse=True)
+def _steady_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold the system's memory reading still for the test: the reading the session started with."""
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _SESSION_READING)
+
+
+@pytest.fixture
+def live_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read the system's memory live, as outside the tests, for a test of that reading itself."""
+    monkeypatch.setattr(psutil, "virtual_memory", _LIVE_VIRTUAL_MEMORY)
 
 
 @pytest.fixture(autouse=True)

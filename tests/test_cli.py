@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import torch
 
 import koila_retry as koila
 from koila_retry import __main__ as cli
+from koila_retry._cli import estimate as estimate_command
 from koila_retry._cli.demo import run_demo
 from koila_retry._common import units as koila_units
 
@@ -143,6 +145,9 @@ def test_unreadable_memory_is_a_one_line_usage_error() -> None:
         (["--epochs", "0"], "got 8192 and 0"),
         (["--initial", "many"], "'many'"),
         (["--memory", "-1"], "'-1'"),
+        (["--memory", "-5MiB"], "give --memory as a size of more than 0 bytes, like 48MiB, got '-5MiB'"),
+        (["--memory=-5MiB"], "got '-5MiB'"),
+        (["--memory", "0"], "got '0'"),
     ],
 )
 def test_bad_demo_arguments_exit_2(args: list[str], shown: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -474,6 +479,13 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         ("koila_cli_models:DataDependent", ["--input", "4"], 1, "the estimate failed: NotImplementedError: "),
         ("koila_cli_models:mlp", ["--device", "bogus"], 2, "--device: 'bogus' is not a device"),
         ("koila_cli_models:mlp", ["--memory", "1GiB", "--plot", "/no/such/folder/x.png"], 2, "--plot: no folder"),
+        (
+            "koila_cli_models:mlp",
+            ["--input", "100000000000x100000000000"],
+            2,
+            "--input 100000000000x100000000000: a batch of 16 such samples is more than PyTorch can size",
+        ),
+        ("koila_cli_models:mlp", ["--input", "9" * 23], 2, f"--input {'9' * 23}: a batch of 16 such samples"),
     ],
     ids=[
         "no-module",
@@ -487,6 +499,8 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         "data-dependent",
         "bad-device",
         "no-plot-folder",
+        "overflowing-shape",
+        "size-past-int64",
     ],
 )
 def test_estimate_errors_are_one_line(
@@ -501,6 +515,80 @@ def test_estimate_errors_are_one_line(
     assert shown in err
     assert "Traceback" not in err
     assert out == ""
+
+
+def test_floats_given_to_an_embedding_suggest_integer_inputs(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 27: without --input-dtype int64, PyTorch's dtype error alone did not say what to change."""
+    status, out, err = estimate_cli(capsys, "koila_cli_models:TwoInputs", "--input", "5", "--input", "8")
+    assert status == 1
+    assert out == ""
+    assert err.count("\n") == 1
+    assert err.startswith("error: the estimate failed: RuntimeError: Expected tensor for argument #1 'indices'")
+    assert err.rstrip().endswith("give --input-dtype int64 (once for every input, or once per --input, in order)")
+    # Given per input, as the hint says, it runs.
+    status, out, err = estimate_cli(
+        capsys,
+        "koila_cli_models:TwoInputs",
+        "--input",
+        "5",
+        "--input",
+        "8",
+        "--input-dtype",
+        "int64",
+        "--input-dtype",
+        "float32",
+        "--memory",
+        "1GiB",
+    )
+    assert (status, err) == (0, "")
+    assert "input 5 int64, 8 float32" in out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("message", "about_indices"),
+    [
+        ("Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but", True),
+        ("expected indices to be long or int, got torch.float32", True),  # EmbeddingBag on meta tensors
+        ("index_select(): Expected dtype int32 or int64 for index", True),
+        ("gather(): Expected dtype int32/int64 for index, but got torch.float32", True),
+        ("one_hot is only applicable to index tensor of type LongTensor.", True),
+        ("tensors used as indices must be long, int, byte or bool tensors", True),
+        ("expected target dtype to be Long or Byte, but got Float", True),  # labels given to a model
+        ("mat1 and mat2 shapes cannot be multiplied (4x3 and 2x2)", False),
+        ("expected m1 and m2 to have the same dtype, but got: float != long int", False),
+        ("Sizes of tensors must match except in dimension 0. Expected size 3 but got size 4", False),
+    ],
+)
+def test_the_dtype_hint_recognises_pytorchs_index_dtype_errors(message: str, about_indices: bool) -> None:
+    assert bool(estimate_command.INDEX_DTYPE_ERROR.search(message)) is about_indices
+
+
+def test_an_error_that_is_not_about_indices_gets_no_dtype_hint(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Floats of the wrong shape for the first Linear layer: the estimate fails, and no index is involved.
+    status, _, err = estimate_cli(capsys, "koila_cli_models:mlp", "--input", "3x3")
+    assert status == 1
+    assert err.startswith("error: the estimate failed: RuntimeError: ")
+    assert "--input-dtype" not in err
+
+
+def test_the_example_in_the_help_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 27: the help's only example needed torchvision, which nothing installs."""
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["estimate", "--help"])
+    assert excinfo.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("example, from the root of koila-retry's repository:")
+    command = shlex.split(lines[at + 1])
+    assert command[:4] == ["python", "-m", "koila_retry", "estimate"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, *command[1:]], capture_output=True, text=True, env=env, cwd=REPO, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert largest(result.stdout) >= 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="reads the free memory of a CUDA device there is")
@@ -522,7 +610,15 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         (["koila_cli_models:mlp", "--input", "3x0x224"], "argument --input: give the shape of one sample"),
         (["koila_cli_models:mlp", "--input", "abc"], "'abc'"),
         (["koila_cli_models:mlp", "--input", "-1"], "'-1'"),
+        (["koila_cli_models:mlp", "--input", "-3x3"], "argument --input: give the shape of one sample"),
         (["koila_cli_models:mlp", "--input", "64", "--memory", "24XB"], "argument --memory: cannot read '24XB'"),
+        (
+            ["koila_cli_models:mlp", "--input", "64", "--memory", "-5MiB"],
+            "argument --memory: give a memory size of more than 0 bytes, like 24GiB, got '-5MiB'",
+        ),
+        (["koila_cli_models:mlp", "--input", "64", "--memory=-1.5GiB"], "more than 0 bytes, like 24GiB, got '-1.5GiB'"),
+        (["koila_cli_models:mlp", "--input", "64", "--memory", "-5"], "more than 0 bytes, like 24GiB, got '-5'"),
+        (["koila_cli_models:mlp", "--input", "64", "--memory", "0"], "more than 0 bytes, like 24GiB, got '0'"),
         (["koila_cli_models:mlp", "--input", "64", "--dtype", "float64"], "argument --dtype: invalid choice"),
         (["koila_cli_models:mlp", "--input", "64", "--optimizer", "lion"], "argument --optimizer: invalid choice"),
         (["koila_cli_models:mlp", "--input", "64", "--mode", "eval"], "argument --mode: invalid choice"),
@@ -541,7 +637,12 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         "zero-size",
         "letters",
         "negative",
+        "negative-shape",
         "memory-unit",
+        "memory-negative",
+        "memory-negative-attached",
+        "memory-negative-number",
+        "memory-zero",
         "dtype",
         "optimizer",
         "mode",

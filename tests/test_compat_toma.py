@@ -1180,6 +1180,11 @@ def _top_level_process() -> Iterator[subprocess.Popen[str]]:
     code = textwrap.dedent(
         """
         import sys
+        import psutil
+        # Free RAM is part of both stack caches' keys (toma's in 256 MiB steps): held still,
+        # so that another process allocating between two calls cannot start one afresh.
+        _reading = psutil.virtual_memory()._replace(available=8 * 2**30)
+        psutil.virtual_memory = lambda: _reading
         import koila_retry.compat.toma
         assert "toma" not in sys.modules, "importing the stand-in imported toma"
         sys.modules["toma"] = None  # from here on, `import toma` fails

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,16 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import koila_retry as koila
+from koila_retry._core import distributed
 
-DEADLINE = 120.0  # seconds a group of processes may take for all its scenarios
+# Seconds a group of processes may take for all its scenarios: a guard against ranks that hang, not a
+# measure of speed. About 40 s here when idle; a busy machine takes several times as long.
+DEADLINE = 300.0
 RTOL, ATOL = 1e-7, 1e-12  # float64; a split step sums in another order than the full one
 # The groups of processes (tests/_ranks.py GROUPS), for the scenarios that two and three ranks run.
 WORLDS = ["two", "three"]
+# The test that first needs a group waits for it, and the first test waits for two of them.
+pytestmark = pytest.mark.timeout(2 * DEADLINE + 120)
 
 
 # --------------------------------------------------------------------------- spawning
@@ -594,3 +600,26 @@ def test_ddp_that_is_not_a_ddp_module_is_refused(ddp: object) -> None:
 def test_accumulate_broadcasts_ddp_buffers_from_rank_zero_before_the_step(groups: Groups) -> None:
     for value in groups("two")["ddp_buffers_from_rank_zero"]:
         assert value["seen"] == [2.0, 2.0]  # two micro-batches of 4 rows, both with rank 0's buffer
+
+
+def test_agreements_keep_no_process_group_alive(tmp_path: Path) -> None:
+    """Issue 27: koila-retry kept the group destroy_process_group() let go, and with it gloo's threads.
+
+    Only the group's destructor stops them, and one of them still running when the interpreter
+    shuts down can abort the process (``terminate called without an active exception``).
+    """
+    dist = pytest.importorskip("torch.distributed")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        subgroup = dist.new_group([0])
+        for group in (None, subgroup):
+            made = distributed.agreement(True, group)
+            assert made is not None
+            assert made.start(4) == (4, 1)  # one collective, as a call makes
+            assert made.group is group
+        groups = [weakref.ref(dist.group.WORLD), weakref.ref(subgroup)]
+        del subgroup, made, group
+    finally:
+        dist.destroy_process_group()
+    assert [group() for group in groups] == [None, None]

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(torch.accelerator.is_available(), reason="writte
 
 
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
+@pytest.mark.usefixtures("live_free_memory")
 def test_free_memory_is_a_positive_int_not_above_available_memory(device: object) -> None:
     before = psutil.virtual_memory().available
     free = koila.free_memory(device)  # type: ignore[arg-type]

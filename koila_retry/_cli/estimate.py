@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import itertools
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,20 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
 PLOT_MISSING = "--plot needs matplotlib: pip install matplotlib (koila-retry's plot extra)"
+# What PyTorch says when floats reach an op that takes indices, on the CPU or on meta tensors:
+# nn.Embedding and EmbeddingBag ("Expected tensor for argument #1 'indices' ...: Long, Int",
+# "expected indices to be long or int"), index_select and gather ("Expected dtype int32/int64 for
+# index"), one_hot ("index tensor"), indexing ("tensors used as indices must be long"), and the
+# losses that take class indices, labels passed to a model ("expected target dtype to be Long").
+INDEX_DTYPE_ERROR = re.compile(
+    r"'indices'|indices (?:to|must) be (?:long|int)|as indices must be long|for index\b|index tensor"
+    r"|target dtype to be long|scalar types?:? long|scalar type long",
+    re.IGNORECASE,
+)
+INPUT_DTYPE_HINT = (
+    "; token ids and other indices are integers: give --input-dtype int64 (once for every input, "
+    "or once per --input, in order)"
+)
 
 _META = torch.device("meta")
 
@@ -97,11 +112,16 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def parse_memory(text: str) -> int:
-    """Read a memory size, like ``24GiB``."""
+    """Read a memory size of more than 0 bytes, like ``24GiB``."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"give a memory size of more than 0 bytes, like 24GiB, got {text!r}")
     try:
-        return parse_bytes(text)
+        size = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"give a memory size of more than 0 bytes, like 24GiB, got {text!r}")
+    return size
 
 
 def parse_margin(text: str) -> float:
@@ -208,11 +228,9 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
     budget, source = _budget(args.memory, args.device, device)
     plot = _matplotlib(args.plot) if args.plot is not None else None
 
+    inputs = [_input(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
     with _importable(os.getcwd()):
         model = _build(args.target, DTYPES[args.dtype])
-        inputs = [
-            torch.empty((EXAMPLE_ROWS, *shape), dtype=dtype, device=_META) for shape, dtype in zip(shapes, dtypes)
-        ]
         step = _step(model, args.mode, args.optimizer)
         try:
             if args.mode == "train":
@@ -220,9 +238,13 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                 _warm_up(step, inputs)
             found = estimate(step, *inputs, device=device)
         except Exception as exc:
+            message = _one_line(str(exc))
+            hint = ""
+            if any(dtype.is_floating_point for dtype in dtypes) and INDEX_DTYPE_ERROR.search(message):
+                hint = INPUT_DTYPE_HINT
             raise Failure(
-                f"the estimate failed: {type(exc).__name__}: {_one_line(str(exc))} (raised while the model ran "
-                "on meta tensors, which have shapes and no values)"
+                f"the estimate failed: {type(exc).__name__}: {message} (raised while the model ran "
+                f"on meta tensors, which have shapes and no values){hint}"
             ) from None
 
     margin: float = args.margin
@@ -254,6 +276,20 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
         _plot(plot, args.plot, found, sizes, budget, margin, largest, title)
         print(f"wrote {args.plot}")
     return 1 if largest is None else 0
+
+
+def _input(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return the example input of ``shape`` on the meta device, or fail if PyTorch cannot hold such a batch."""
+    try:
+        # The estimate runs at twice the example's rows as well: PyTorch must be able to size both.
+        torch.empty((2 * EXAMPLE_ROWS, *shape), dtype=dtype, device=_META)
+        return torch.empty((EXAMPLE_ROWS, *shape), dtype=dtype, device=_META)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise Failure(
+            f"--input {'x'.join(map(str, shape))}: a batch of {2 * EXAMPLE_ROWS} such samples is more than PyTorch "
+            f"can size ({_one_line(str(exc))})",
+            status=2,
+        ) from None
 
 
 def _device(text: str | None) -> torch.device:

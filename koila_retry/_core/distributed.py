@@ -16,6 +16,7 @@ same size and leave the retry loop together.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -108,7 +109,10 @@ def agreement(sync: bool | None, group: Any) -> Agreement | None:
 
 # One agreement per process group, made at its first call (~10 us) and reused: calls of one
 # process do not overlap in a group, whose collectives must be issued in one order anyway.
-_agreements: dict[Any, Agreement] = {}
+# Weakly keyed, and the agreement holds its group weakly: a group that destroy_process_group()
+# let go must be freed, since only its destructor stops gloo's threads, and one of them
+# releasing a collective's tensors while the interpreter exits aborts the process.
+_agreements: weakref.WeakKeyDictionary[Any, Agreement] = weakref.WeakKeyDictionary()
 
 
 class Agreement:
@@ -120,13 +124,13 @@ class Agreement:
         group (ProcessGroup or None): the ranks that agree; ``None`` for all.
     """
 
-    __slots__ = ("_after", "_start", "group", "rank", "world_size")
+    __slots__ = ("_after", "_group", "_start", "rank", "world_size")
 
     def __init__(self, group: Any) -> None:
         rank = dist.get_rank(group)
         if rank < 0:
             raise RuntimeError(f"this process (global rank {dist.get_rank()}) is not a member of the group {group!r}")
-        self.group = group
+        self._group = None if group is None else weakref.ref(group)
         self.rank = rank
         self.world_size = dist.get_world_size(group)
         # Made now, before any attempt: after an OOM there may be no memory for them. Each is
@@ -134,6 +138,11 @@ class Agreement:
         device = backend_device(group)
         self._start = _Exchange(5, device)
         self._after = _Exchange(3, device)
+
+    @property
+    def group(self) -> Any:
+        """The process group that agrees (``None`` for the default group)."""
+        return None if self._group is None else self._group()
 
     def _minimum(self, exchange: _Exchange, *values: int) -> list[int]:
         for cell, value in zip(exchange.cells, values, strict=True):
