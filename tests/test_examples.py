@@ -271,7 +271,7 @@ def test_ddp_train_exits_cleanly_on_a_busy_machine(busy_cpus: None, tmp_path: Pa
     wrapper = tmp_path / "run_example.py"
     wrapper.write_text(_DDP_WRAPPER, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for run in range(3):
+    for run in range(2):  # each run checks the cause directly: two are enough
         completed = subprocess.run(
             [
                 *(sys.executable, "-m", "torch.distributed.run"),
