@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
@@ -343,7 +344,8 @@ class _Accumulator:
                 return self._run(split, size, gradients, attempt, first)
             with sync.no_sync():
                 results = self._run(split, size, gradients, attempt, first)
-            sync.prepare(gradients.leaves)
+            gradients.own()  # the averages are written into the sums, made now while memory may fail the attempt
+            sync.prepare(gradients.sums, gradients.leaves)
             return results
 
         def undo() -> None:
@@ -364,6 +366,7 @@ class _Accumulator:
             gradients.restore()
             raise
         gradients.restore()
+        gradients.deliver()
         if gradients.hidden and not self.warned_checkpoint:
             self.warned_checkpoint = True
             warnings.warn(
@@ -424,8 +427,7 @@ class _Accumulator:
             # weighing it, adds nothing to the peak.
             loss = _loss_of(self.fn(*args, **kwargs), name)
             if loss.requires_grad:
-                gradients.collect(loss)
-                torch.autograd.backward(loss)
+                gradients.backward(_autograd, loss, False)
 
         def steps(count: int) -> Callable[..., None]:
             def step(*args: Any, **kwargs: Any) -> None:
@@ -433,6 +435,7 @@ class _Accumulator:
                 for _ in builtins.range(count):
                     micro_batch(gradients, args, kwargs)
                 gradients.restore()
+                gradients.deliver()
 
             return step
 
@@ -465,8 +468,7 @@ class _Accumulator:
             result = self.fn(*split.args, **split.kwargs)
             loss = results.add(result, 1.0)
             if loss.requires_grad:
-                gradients.collect(loss)
-                self.backward(loss, retain)
+                gradients.backward(self.backward, loss, retain)
             else:
                 self._check_no_grad_wanted(split)
             return results
@@ -496,10 +498,9 @@ class _Accumulator:
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
         if not loss.requires_grad or weight == 0.0:
             return False
-        gradients.collect(loss)
         weighted = loss * weight if weight != 1.0 else loss
         del loss
-        self.backward(weighted, retain)
+        gradients.backward(self.backward, weighted, retain)
         return True
 
     def _measured(
@@ -636,47 +637,162 @@ def _backward_of(engine: Callable[..., Any] | None, scaler: Any) -> _Backward:
     return plain_backward
 
 
-class _Gradients:
-    """The leaves one step writes gradients to, and the gradients they had before it."""
+def _autograd(loss: torch.Tensor, retain: bool) -> None:
+    """Run the backward of ``loss`` with ``torch.autograd.backward``: the estimate's, never an engine's."""
+    torch.autograd.backward(loss, retain_graph=retain)
 
-    __slots__ = ("aside", "batchnorm", "hidden", "leaves")
+
+class _Gradients:
+    """The gradients of one step, kept apart from ``.grad`` until the step succeeded.
+
+    Every backward the step runs goes through :meth:`backward`, which runs it as
+    ``torch.autograd.grad`` over the leaves its graph reaches and adds what comes back
+    into buffers of its own, one per leaf (:attr:`sums`). ``.grad`` is not written
+    while the step runs: another thread may be running a backward through the same
+    model, and autograd adds into ``.grad`` under a lock of its own that a Python
+    assignment to ``.grad`` does not take. When the step succeeded, :meth:`deliver`
+    adds the sums into ``.grad`` through autograd, in one backward; when an attempt
+    failed, :meth:`discard` drops them, and nothing of it was ever in ``.grad``.
+
+    A backward that ``torch.autograd.grad`` cannot run (the graph holds a reentrant
+    checkpoint, or the call asks for ``create_graph`` or gives ``inputs`` that are not
+    leaves) runs as it is, writing ``.grad``: for it, the gradients the leaves had are
+    set aside first (:attr:`aside`), what it wrote is moved into the sums after it, and
+    the gradients set aside are given back by :meth:`restore`. That fallback writes
+    ``.grad`` from Python, so it is not safe while another thread trains the model.
+
+    Attributes:
+        sums (dict): the step's gradient of each leaf so far, by ``id`` of the leaf.
+        leaves (dict): the leaf of each sum, by its ``id``.
+        hidden (bool): whether a backward may have written leaves the walk cannot find.
+        batchnorm (bool): whether a batch normalisation in training mode took part.
+    """
+
+    __slots__ = ("aside", "batchnorm", "exposed", "hidden", "leaves", "owned", "sums")
 
     def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, torch.Tensor] = {}
+        # The sums that are tensors of this object's own, safe to add into in place; the
+        # others are as autograd returned them, possibly views or shared between leaves.
+        self.owned: set[int] = set()
+        # The fallback's: the leaves whose ``.grad`` a plain backward may write, and the
+        # gradients they had before it.
+        self.exposed: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.hidden = False  # whether a backward may write leaves the walk cannot find
-        self.batchnorm = False  # whether a batch normalisation in training mode took part
+        self.hidden = False
+        self.batchnorm = False
 
-    def collect(self, loss: torch.Tensor) -> None:
-        """Find the leaves ``loss.backward()`` will write, and set aside the gradients they hold."""
-        leaves, aside = self.leaves, self.aside
-        if loss.grad_fn is None:  # the loss is itself a leaf
-            found = [loss]
-        else:
-            # The graph's nodes are not kept past the walk: after a backward that failed
-            # half-way, those not yet run still hold their saved tensors.
-            found, seen, stack = [], set(), [loss.grad_fn]
-            while stack:
-                for node, _ in stack.pop().next_functions:
-                    if node is None or node in seen:
-                        continue
-                    seen.add(node)
-                    kind = type(node)
-                    if kind is _AccumulateGrad:
-                        found.append(node.variable)  # type: ignore[attr-defined]
-                        continue
-                    if kind in _BatchNormNodes:
-                        self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
-                    elif kind is _ReentrantCheckpoint:
-                        found += self._checkpointed(node)
-                    stack.append(node)
-            del seen, stack
-        for leaf in found:
-            if id(leaf) not in leaves:
-                leaves[id(leaf)] = leaf
-                if leaf.grad is not None:
-                    aside.append((leaf, leaf.grad))
-                    leaf.grad = None
+    def backward(self, run: _Backward, loss: torch.Tensor, retain: bool) -> None:
+        """Run ``run(loss, retain)`` with the backward passes it starts captured into :attr:`sums`.
+
+        Args:
+            run (callable): what runs the backward of the loss: ``loss.backward()``,
+                a scaler's or a training engine's ``backward``.
+            loss (torch.Tensor): the (weighted) loss of a micro-batch.
+            retain (bool): whether to keep the graph for another backward.
+        """
+        with _Capture(self):
+            run(loss, retain)
+
+    def capture(self, call: _Call, plain: Callable[[], None]) -> None:
+        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``."""
+        outputs, inputs = call.outputs, call.inputs
+        found, reentrant = self._walk(outputs)
+        odd = (
+            call.create_graph
+            or not all(isinstance(output, torch.Tensor) for output in outputs)
+            or (inputs is not None and not all(_is_leaf(tensor) for tensor in inputs))
+        )
+        if reentrant or odd:
+            self._plain(found, plain)
+            return
+        if inputs is not None:  # the engine's choice; each once
+            found = list({id(tensor): tensor for tensor in inputs if tensor.requires_grad}.values())
+        targets = found
+        if not targets:  # a graph that reaches no leaf: nothing to capture, but its hooks may count
+            plain()
+            return
+        grads = torch.autograd.grad(
+            cast("tuple[torch.Tensor, ...]", outputs),
+            targets,
+            call.grad_outputs,
+            retain_graph=call.retain_graph,
+            allow_unused=True,
+        )
+        present = [grad for grad in grads if grad is not None]
+        shared = set()
+        if len({id(grad) for grad in present}) < len(present):  # one tensor for several leaves, as x + y gives
+            counts: dict[int, int] = {}
+            for grad in present:
+                counts[id(grad)] = counts.get(id(grad), 0) + 1
+            shared = {key for key, count in counts.items() if count > 1}
+        given = {id(grad) for grad in call.grad_outputs if grad is not None}
+        del present
+        for leaf, grad in zip(targets, grads, strict=True):
+            if grad is not None:
+                # Added into in place later only if nothing else can see it: as autograd
+                # returned it, not a view, one leaf's only, and not shown to a hook (which
+                # may have kept it).
+                owned = (
+                    grad.layout == torch.strided
+                    and not grad._is_view()
+                    and id(grad) not in shared
+                    and id(grad) not in given
+                    and not leaf._backward_hooks
+                )
+                self._add(leaf, grad, owned)
+
+    def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, owned: bool) -> None:
+        """Add one backward's gradient of ``leaf`` into its sum: the first becomes the sum, uncopied."""
+        key = id(leaf)
+        total = self.sums.get(key)
+        if total is None:
+            self.sums[key] = gradient
+            self.leaves[key] = leaf
+            if owned:
+                self.owned.add(key)
+            return
+        with torch.no_grad():
+            if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+                total.add_(gradient)
+            else:  # a sum that is not ours to write, or a dense gradient onto a sparse sum: a new sum
+                self.sums[key] = gradient + total if total.layout != torch.strided else total + gradient
+                self.owned.add(key)
+
+    def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool]:
+        """Return the leaves a backward of ``outputs`` writes, and whether it runs a reentrant checkpoint."""
+        found: dict[int, torch.Tensor] = {}
+        reentrant = False
+        stack: list[Any] = []
+        for output in outputs:
+            node = output.grad_fn if isinstance(output, torch.Tensor) else getattr(output, "node", None)
+            if node is not None:
+                stack.append(node)
+            elif isinstance(output, torch.Tensor) and output.requires_grad:  # the loss is itself a leaf
+                found[id(output)] = output
+        # The graph's nodes are not kept past the walk: after a backward that failed
+        # half-way, those not yet run still hold their saved tensors.
+        seen: set[Any] = set(stack)
+        while stack:
+            for node, _ in stack.pop().next_functions:
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                kind = type(node)
+                if kind is _AccumulateGrad:
+                    leaf = node.variable
+                    found[id(leaf)] = leaf
+                    continue
+                if kind in _BatchNormNodes:
+                    self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                elif kind is _ReentrantCheckpoint:
+                    reentrant = True
+                    for parameter in self._checkpointed(node):
+                        found[id(parameter)] = parameter
+                stack.append(node)
+        del seen, stack
+        return list(found.values()), reentrant
 
     def _checkpointed(self, node: Any) -> list[torch.Tensor]:
         """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
@@ -687,40 +803,239 @@ class _Gradients:
         self.hidden = True
         return []
 
+    def _plain(self, found: list[torch.Tensor], run: Callable[[], None]) -> None:
+        """Run a backward that writes ``.grad`` itself, and move what it wrote into :attr:`sums`.
+
+        Not safe while another thread trains the same model: ``.grad`` is set from
+        Python, outside autograd's lock. Only for what ``torch.autograd.grad``
+        cannot run (see the class).
+        """
+        exposed, aside = self.exposed, self.aside
+        for leaf in found:
+            key = id(leaf)
+            if key not in exposed:
+                exposed[key] = leaf
+                if leaf.grad is not None:
+                    aside.append((leaf, leaf.grad))
+                    leaf.grad = None
+        run()
+        for leaf in exposed.values():
+            written = leaf.grad
+            if written is not None:
+                leaf.grad = None
+                self._add(leaf, written, owned=True)  # AccumulateGrad's: nothing else holds it
+
+    def own(self) -> None:
+        """Make every sum a tensor of this object's own, which may be written in place (for DDP's averages)."""
+        for key, total in self.sums.items():
+            if key not in self.owned:
+                self.sums[key] = total.clone(memory_format=torch.contiguous_format)
+                self.owned.add(key)
+
     def gradients_aside(self) -> dict[int, torch.Tensor]:
         """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
 
         :func:`koila.report <koila_retry.report>` names them as the gradients of
-        their parameters when a step gives up.
+        their parameters when a step gives up. Only a backward that writes ``.grad``
+        itself sets any aside (see the class).
+
+        Returns:
+            dict[int, torch.Tensor]: each gradient set aside, by ``id`` of its leaf.
         """
         return {id(leaf): gradient for leaf, gradient in self.aside}
 
+    def gradients_of_step(self) -> dict[int, torch.Tensor]:
+        """Return the step's own gradients so far, by the ``id`` of their leaf.
+
+        :func:`koila.report <koila_retry.report>` names them as the step's
+        gradients of their parameters.
+
+        Returns:
+            dict[int, torch.Tensor]: the sum of each leaf's gradients, by ``id`` of the leaf.
+        """
+        return dict(self.sums)
+
     def written_bytes(self) -> int:
-        """Return the bytes of the gradients the step has written so far."""
-        storages = {
-            id(grad.untyped_storage()): grad.untyped_storage().nbytes()
-            for grad in (leaf.grad for leaf in self.leaves.values())
-            if grad is not None and grad.layout == torch.strided
-        }
+        """Return the bytes of the gradients the step has computed so far."""
+        storages = {}
+        for total in self.sums.values():
+            if total.layout == torch.strided:
+                storage = total.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
         return sum(storages.values())
 
     def discard(self) -> None:
-        """Forget every gradient the step wrote."""
-        for leaf in self.leaves.values():
+        """Forget every gradient the step computed, and what a plain backward left in ``.grad``."""
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        for leaf in self.exposed.values():
             leaf.grad = None
 
     def restore(self) -> None:
-        """Give back the gradients set aside, with what the step wrote added to them in place."""
+        """Give back the gradients a plain backward's fallback set aside."""
         for leaf, before in self.aside:
-            written = leaf.grad
+            written = leaf.grad  # None, unless a backward wrote leaves the walk could not find
             if written is not None:
                 with torch.no_grad():
                     if before.layout == torch.strided or written.layout == before.layout:
                         before.add_(written)
-                    else:  # a dense step gradient onto a sparse one: as autograd does, a new sum
+                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
                         before = before + written
             leaf.grad = before
         self.aside.clear()
+        self.exposed.clear()
+
+    def deliver(self) -> None:
+        """Add the step's gradients into ``.grad`` through autograd, and forget them.
+
+        One backward through :class:`_Deliver` hands each sum to its leaf's
+        ``AccumulateGrad``, which takes the leaf's lock: where ``.grad`` is ``None``
+        it becomes the sum itself (no copy, since nothing else holds it by then),
+        and otherwise the sum is added into it in place, exactly as a plain
+        ``backward()`` from another thread would add. Post-accumulate-grad hooks run
+        there, once per step. A leaf with tensor hooks (``register_hook``) had them
+        applied to each backward's gradient when it was captured: its sum is handed
+        to its ``AccumulateGrad`` directly, which adds it under the same lock without
+        running the hooks a second time.
+        """
+        sums, leaves = self.sums, self.leaves
+        if not sums:
+            return
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        plain: list[torch.Tensor] = []
+        box = _Box()
+        hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, total in sums.items():
+            leaf = leaves[key]
+            if leaf._backward_hooks:
+                hooked.append((leaf, total))
+            else:
+                plain.append(leaf)
+                box.gradients.append(total)
+        # Only the box holds the sums now, so that AccumulateGrad may take them as they are.
+        del sums, leaves, total
+        if plain:
+            with torch.enable_grad():
+                done = _Deliver.apply(box, *plain)  # type: ignore[no-untyped-call]
+            del plain
+            torch.autograd.backward(done)
+        if hooked:
+            with torch.no_grad():
+                for leaf, total in hooked:
+                    accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
+                    cast(Any, accumulate)(total)
+
+
+class _Box:
+    """The gradients that a :class:`_Deliver` hands over, held nowhere else until it does."""
+
+    __slots__ = ("gradients",)
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] = []
+
+    def take(self) -> list[torch.Tensor]:
+        gradients, self.gradients = self.gradients, []
+        return gradients
+
+
+class _Deliver(torch.autograd.Function):
+    """A function of the leaves whose backward returns the step's gradients of them (see ``_Gradients.deliver``)."""
+
+    @staticmethod
+    def forward(ctx: Any, box: _Box, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return leaves[0].new_empty(())
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:
+        return (None, *ctx.box.take())
+
+
+class _Call:
+    """A backward pass as it was asked for: ``Tensor.backward`` or ``torch.autograd.backward``'s arguments."""
+
+    __slots__ = ("create_graph", "grad_outputs", "inputs", "outputs", "retain_graph")
+
+    def __init__(
+        self,
+        outputs: tuple[Any, ...],
+        grad_outputs: Any,
+        retain_graph: bool | None,
+        create_graph: bool,
+        inputs: Any,
+    ) -> None:
+        self.outputs = outputs
+        if grad_outputs is None:
+            grad_outputs = (None,) * len(outputs)
+        elif isinstance(grad_outputs, torch.Tensor):
+            grad_outputs = (grad_outputs,)
+        self.grad_outputs: tuple[torch.Tensor | None, ...] = tuple(grad_outputs)
+        self.retain_graph, self.create_graph = retain_graph, create_graph
+        if isinstance(inputs, dict):
+            inputs = tuple(inputs.values())
+        elif isinstance(inputs, torch.Tensor) or (inputs is not None and not isinstance(inputs, Sequence)):
+            inputs = (inputs,)
+        self.inputs: tuple[Any, ...] | None = None if inputs is None else tuple(inputs)
+
+
+def _tensor_backward(
+    self: torch.Tensor,
+    gradient: torch.Tensor | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: Any = None,
+) -> _Call:
+    return _Call((self,), gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_backward(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> _Call:
+    outputs = (tensors,) if not isinstance(tensors, Sequence) else tuple(tensors)
+    return _Call(outputs, grad_variables if grad_tensors is None else grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _is_leaf(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.grad_fn is None
+
+
+_TENSOR_BACKWARD = torch.Tensor.backward
+_AUTOGRAD_BACKWARD = torch.autograd.backward
+
+
+class _Capture(TorchFunctionMode):
+    """Run the backward passes started inside it (``Tensor.backward``, ``torch.autograd.backward``) as captures.
+
+    A function mode is this thread's only: other threads' backward passes through the
+    same model are not seen. It is on only while a backward of the step runs, not
+    during its forward.
+    """
+
+    def __init__(self, gradients: _Gradients) -> None:
+        super().__init__()
+        self.gradients = gradients
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _TENSOR_BACKWARD:
+            call = _tensor_backward(*args, **kwargs)
+        elif func is _AUTOGRAD_BACKWARD:
+            call = _autograd_backward(*args, **kwargs)
+        else:
+            return func(*args, **kwargs)
+        self.gradients.capture(call, lambda: func(*args, **kwargs))
+        return None
 
 
 class _Results:
