@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
+from koila_retry._frontends.accumulate import _Gradients
 from koila_retry.testing import make_oom
 
 DTYPE = torch.float64
@@ -146,3 +147,242 @@ def test_threads_sharing_a_model_leave_the_sum_of_their_batches_gradients(
             torch.testing.assert_close(
                 p.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, name=name, trial=trial: f"trial {trial}, {name}: {m}"
             )
+
+
+@pytest.mark.usefixtures("frequent_switches")
+def test_threads_sharing_a_model_with_a_tensor_hook_apply_it_once_per_backward() -> None:
+    model, batches = _model(), _batches()
+    expected = _plain_gradients(model, batches)
+    model[0].weight.register_hook(lambda grad: grad * 10)
+    expected[0] = expected[0] * 10  # as a plain backward gives, with the hook
+    for trial in range(TRIALS // 2):
+        model.zero_grad(set_to_none=True)
+        fail = _OncePerThread("backward")
+        step = _step(model, fail)
+        _run_together(lambda number, step=step: step(*batches[number]))
+        assert step.stats.ooms == THREADS
+        for (name, p), want in zip(model.named_parameters(), expected, strict=True):
+            torch.testing.assert_close(
+                p.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, name=name, trial=trial: f"trial {trial}, {name}: {m}"
+            )
+
+
+# --------------------------------------------------------------------------- where the step's gradients live
+
+
+def _snapshot(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    return [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, snapshot: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> bool:
+    return all(
+        p.grad is grad and (value is None or torch.equal(p.grad, value))
+        for p, (grad, value) in zip(model.parameters(), snapshot, strict=True)
+    )
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_grad_is_untouched_while_the_step_runs_and_after_an_oom(where: str) -> None:
+    """Nothing of the step is in ``.grad`` before it succeeded: not between micro-batches, not after a failure."""
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    given = _give_grads(model)
+    model[4].bias.grad = None  # one with no gradient before
+    snapshot = _snapshot(model)
+    fail = _OncePerThread(where)
+    untouched: list[bool] = []
+
+    @koila.accumulate(initial=16, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        untouched.append(_unchanged(model, snapshot))
+        return F.mse_loss(model[2:](fail(model[:2](x))), y)
+
+    step(x, y)
+    assert step.stats.ooms == 1
+    assert untouched == [True] * (2 + ROWS // 8), "at every forward of both attempts"
+    for p, grad, value, want in zip(model.parameters(), given, [v for _, v in snapshot], expected, strict=True):
+        if p is model[4].bias:
+            torch.testing.assert_close(p.grad, want, rtol=RTOL, atol=ATOL)
+        else:
+            assert p.grad is grad
+            torch.testing.assert_close(p.grad, value + want, rtol=RTOL, atol=ATOL)
+
+
+def test_a_step_that_gives_up_leaves_grad_as_it_was() -> None:
+    model, ((x, y), *_) = _model(), _batches()
+    _give_grads(model)
+    model[4].bias.grad = None
+    snapshot = _snapshot(model)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16, minimum=8, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        h = model[:2](x)
+        if len(calls) in (2, 4):  # the second micro-batch of each attempt, once the first's gradients exist
+            h = OOMInBackward.apply(h)
+        return F.mse_loss(model[2:](h), y)
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        step(x, y)
+    assert calls == [16, 16, 8, 8]
+    assert _unchanged(model, snapshot)
+
+
+def _backward(loss: torch.Tensor, retain: bool) -> None:
+    loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_delivery_hands_over_the_step_gradient_when_grad_is_none(micro_batches: int) -> None:
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    gradients = _Gradients()
+    for xb, yb in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+        gradients.backward(_backward, F.mse_loss(model(xb), yb) * len(xb) / len(x), False)
+    assert all(p.grad is None for p in model.parameters()), "nothing in .grad before the delivery"
+    addresses = [gradients.sums[id(p)].data_ptr() for p in model.parameters()]
+    gradients.deliver()
+    assert gradients.sums == {}
+    assert [p.grad.data_ptr() for p in model.parameters()] == addresses, "the sums themselves, not copies"  # type: ignore[union-attr]
+    for p, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=RTOL, atol=ATOL)
+
+
+def test_delivery_adds_into_an_existing_grad_in_place() -> None:
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    given = _give_grads(model)
+    values = [g.clone() for g in given]
+    gradients = _Gradients()
+    gradients.backward(_backward, F.mse_loss(model(x), y), False)
+    assert all(p.grad is g for p, g in zip(model.parameters(), given, strict=True))
+    gradients.deliver()
+    for p, grad, value, want in zip(model.parameters(), given, values, expected, strict=True):
+        assert p.grad is grad
+        torch.testing.assert_close(p.grad, value + want, rtol=RTOL, atol=ATOL)
+
+
+def test_discarded_gradients_never_reach_grad() -> None:
+    model, ((x, y), *_) = _model(), _batches()
+    gradients = _Gradients()
+    gradients.backward(_backward, F.mse_loss(model(x), y), False)
+    gradients.discard()
+    gradients.deliver()
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["no-grads-before", "grads-before"])
+@pytest.mark.parametrize(("initial", "fail"), [(None, None), (16, None), (16, "backward"), (16, "forward")])
+def test_a_tensor_hook_on_a_parameter_applies_once(initial: int | None, fail: str | None, before: bool) -> None:
+    """A linear hook (times 10) gives ten times the gradient, split or not: never applied twice."""
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    hooked = model[2].weight
+    hooked.register_hook(lambda grad: grad * 10)
+    given = _give_grads(model) if before else [None] * len(expected)
+    values = [None if g is None else g.clone() for g in given]
+    failing = _OncePerThread(fail) if fail is not None else (lambda h: h)
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model[2:](failing(model[:2](x))), y)
+
+    step(x, y)
+    assert step.stats.ooms == (fail is not None)
+    for p, grad, value, want in zip(model.parameters(), given, values, expected, strict=True):
+        want = want * 10 if p is hooked else want
+        if grad is not None:
+            assert p.grad is grad
+            want = value + want
+        torch.testing.assert_close(p.grad, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(("initial", "fail"), [(None, None), (16, None), (16, "backward")])
+def test_post_accumulate_grad_hooks_run_once_per_step(initial: int | None, fail: str | None) -> None:
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    seen: dict[int, list[torch.Tensor]] = {id(p): [] for p in model.parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen[id(p)].append(p.grad.clone()))  # type: ignore[union-attr]
+    failing = _OncePerThread(fail) if fail is not None else (lambda h: h)
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model[2:](failing(model[:2](x))), y)
+
+    for call in range(2):
+        step(x, y)
+        for p, want in zip(model.parameters(), expected, strict=True):
+            assert len(seen[id(p)]) == call + 1, "once per step"
+            torch.testing.assert_close(seen[id(p)][-1], (call + 1) * want, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- backward passes autograd.grad cannot run
+
+
+@pytest.mark.parametrize("where", ["every", "second"], ids=["every-micro-batch", "second-micro-batch-only"])
+def test_reentrant_checkpoint_stays_exact_with_hooks_and_an_oom(where: str) -> None:
+    """A reentrant checkpoint's backward writes .grad itself; the step's gradient is still added once."""
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    model[2].weight.register_hook(lambda grad: grad * 10)
+    expected[2] = expected[2] * 10
+    given = _give_grads(model)
+    values = [g.clone() for g in given]
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        h = model[:2](x)
+        if where == "every" or len(calls) % 2 == 0:
+            h = torch.utils.checkpoint.checkpoint(model[2:4], h, use_reentrant=True)
+        else:
+            h = model[2:4](h)
+        if len(calls) == 3:  # the third micro-batch's backward, after the checkpoint's wrote .grad
+            h = OOMInBackward.apply(h)
+        return F.mse_loss(model[4](h), y)
+
+    step(x, y)
+    assert calls == [16, 16, 16] + [8] * 8
+    for p, grad, value, want in zip(model.parameters(), given, values, expected, strict=True):
+        assert p.grad is grad
+        torch.testing.assert_close(p.grad, value + want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.parametrize("engine", ["autograd-backward", "inputs", "create-graph"])
+def test_an_engines_backward_is_captured_as_it_asks(engine: str) -> None:
+    """``backward=`` may call ``torch.autograd.backward``, or ask for some ``inputs`` only, as a plain backward may."""
+    model, ((x, y), *_) = _model(), _batches()
+    expected = _plain_gradients(model, [(x, y)])
+    first = model[0].weight
+    given = _give_grads(model)
+    values = [g.clone() for g in given]
+
+    def backward(loss: torch.Tensor, **options: Any) -> None:
+        if engine == "autograd-backward":
+            torch.autograd.backward([loss / 2, loss / 2], **options)
+        elif engine == "inputs":
+            loss.backward(inputs=[first], **options)
+        else:
+            loss.backward(create_graph=True, **options)
+
+    fail = _OncePerThread("backward")
+
+    @koila.accumulate(initial=16, backward=backward, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model[2:](fail(model[:2](x))), y)
+
+    step(x, y)
+    assert step.stats.ooms == 1
+    for p, grad, value, want in zip(model.parameters(), given, values, expected, strict=True):
+        assert p.grad is grad
+        if engine == "inputs" and p is not first:
+            assert torch.equal(p.grad, value)
+        else:
+            torch.testing.assert_close(p.grad.detach(), value + want, rtol=RTOL, atol=ATOL)
