@@ -9,6 +9,7 @@ must leave the same, however their micro-batches and failures interleave.
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._frontends.accumulate import _Gradients
-from koila_retry.testing import make_oom
+from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-7, 1e-10
@@ -386,3 +387,28 @@ def test_an_engines_backward_is_captured_as_it_asks(engine: str) -> None:
             assert torch.equal(p.grad, value)
         else:
             torch.testing.assert_close(p.grad.detach(), value + want, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("size", [256, 64])
+def test_a_split_step_needs_no_more_memory_than_a_hand_written_accumulation(size: int) -> None:
+    """Each micro-batch's gradients are added into the step's as autograd computes them, not all held at once."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    x, y = torch.randn(512, 512), torch.randn(512, 512)
+    model, hand = copy.deepcopy(reference), copy.deepcopy(reference)
+
+    @koila.accumulate(initial=size, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    with simulated_device("1GiB") as device:
+        step(x, y)
+    with simulated_device("1GiB") as by_hand:
+        for xb, yb in zip(x.split(size), y.split(size), strict=True):
+            (F.mse_loss(hand(xb), yb) * len(xb) / len(x)).backward()
+    assert device.peak <= by_hand.peak + 1024  # the step's losses, kept for its result
+    for p, q in zip(model.parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -15,6 +15,7 @@ import functools
 import inspect
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
@@ -668,7 +669,7 @@ class _Gradients:
         batchnorm (bool): whether a batch normalisation in training mode took part.
     """
 
-    __slots__ = ("aside", "batchnorm", "exposed", "hidden", "leaves", "owned", "sums")
+    __slots__ = ("aside", "batchnorm", "exposed", "hidden", "leaves", "lock", "owned", "sums")
 
     def __init__(self) -> None:
         self.sums: dict[int, torch.Tensor] = {}
@@ -682,6 +683,9 @@ class _Gradients:
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.hidden = False
         self.batchnorm = False
+        # Autograd runs the nodes of each device on a thread of its own; hooks that add into
+        # the sums (see ``_taker``) may run on two at once.
+        self.lock = threading.Lock()
 
     def backward(self, run: _Backward, loss: torch.Tensor, retain: bool) -> None:
         """Run ``run(loss, retain)`` with the backward passes it starts captured into :attr:`sums`.
@@ -698,7 +702,7 @@ class _Gradients:
     def capture(self, call: _Call, plain: Callable[[], None]) -> None:
         """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``."""
         outputs, inputs = call.outputs, call.inputs
-        found, reentrant = self._walk(outputs)
+        found, reentrant, early = self._walk(outputs)
         odd = (
             call.create_graph
             or not all(isinstance(output, torch.Tensor) for output in outputs)
@@ -709,17 +713,30 @@ class _Gradients:
             return
         if inputs is not None:  # the engine's choice; each once
             found = list({id(tensor): tensor for tensor in inputs if tensor.requires_grad}.values())
-        targets = found
-        if not targets:  # a graph that reaches no leaf: nothing to capture, but its hooks may count
+            chosen = {id(tensor) for tensor in found}
+            early = {node: [entry for entry in taken if id(entry[1]) in chosen] for node, taken in early.items()}
+        if not found:  # a graph that reaches no leaf: nothing to capture, but its hooks may count
             plain()
             return
-        grads = torch.autograd.grad(
-            cast("tuple[torch.Tensor, ...]", outputs),
-            targets,
-            call.grad_outputs,
-            retain_graph=call.retain_graph,
-            allow_unused=True,
-        )
+        # A leaf that has a sum already gets each gradient added into it as soon as the node
+        # that computes it has run, and autograd.grad returns None for it: captured whole, the
+        # gradients of a micro-batch would all be held beside the sums until the end of its
+        # backward, twice the memory a plain backward into .grad needs.
+        handles = [node.register_hook(self._taker(taken)) for node, taken in early.items() if taken]
+        del early
+        try:
+            grads: list[torch.Tensor | None] = list(
+                torch.autograd.grad(
+                    cast("tuple[torch.Tensor, ...]", outputs),
+                    found,
+                    call.grad_outputs,
+                    retain_graph=call.retain_graph,
+                    allow_unused=True,
+                )
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
         present = [grad for grad in grads if grad is not None]
         shared = set()
         if len({id(grad) for grad in present}) < len(present):  # one tensor for several leaves, as x + y gives
@@ -729,40 +746,77 @@ class _Gradients:
             shared = {key for key, count in counts.items() if count > 1}
         given = {id(grad) for grad in call.grad_outputs if grad is not None}
         del present
-        for leaf, grad in zip(targets, grads, strict=True):
-            if grad is not None:
-                # Added into in place later only if nothing else can see it: as autograd
-                # returned it, not a view, one leaf's only, and not shown to a hook (which
-                # may have kept it).
-                owned = (
-                    grad.layout == torch.strided
-                    and not grad._is_view()
-                    and id(grad) not in shared
-                    and id(grad) not in given
-                    and not leaf._backward_hooks
-                )
-                self._add(leaf, grad, owned)
+        for index, leaf in enumerate(found):
+            gradient = grads[index]
+            grads[index] = None
+            if gradient is not None:
+                # Nothing else can see it, unless it went to several leaves, came in as
+                # the gradient of an output, or a hook (which may have kept it) saw it.
+                private = id(gradient) not in shared and id(gradient) not in given and not leaf._backward_hooks
+                self._add(leaf, gradient, private)
+            del gradient
 
-    def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, owned: bool) -> None:
-        """Add one backward's gradient of ``leaf`` into its sum: the first becomes the sum, uncopied."""
+    def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+        """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
+
+        ``taken`` holds, for each leaf, the node's output that goes to it. The hook
+        hands autograd ``None`` in their place: nothing is left to capture. It runs on
+        the engine's thread for the node's device, one per device: :meth:`_add` locks.
+        """
+
+        def take(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
+            replaced = list(grad_inputs)
+            for slot, leaf in taken:
+                gradient = replaced[slot]
+                if gradient is not None:
+                    replaced[slot] = None
+                    self._add(leaf, gradient)
+            return tuple(replaced)
+
+        return take
+
+    def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, private: bool = False) -> None:
+        """Add one backward's gradient of ``leaf`` into its sum.
+
+        The first becomes the sum as it is when it is ``private`` (nothing else can
+        see it) and laid out as ``leaf`` (the layout autograd gives ``.grad``), or a
+        copy of it in that layout, made now, when it is private only: what
+        ``AccumulateGrad`` would do with it. Sums that are not private are added into
+        out of place, and the new sum is.
+        """
         key = id(leaf)
-        total = self.sums.get(key)
-        if total is None:
-            self.sums[key] = gradient
-            self.leaves[key] = leaf
-            if owned:
-                self.owned.add(key)
-            return
-        with torch.no_grad():
-            if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+        with self.lock, torch.no_grad():
+            total = self.sums.get(key)
+            if total is None:
+                if private and gradient.layout == torch.strided:
+                    if gradient.stride() != leaf.stride():
+                        gradient = torch.empty_like(leaf, dtype=gradient.dtype).copy_(gradient)
+                    self.owned.add(key)
+                self.sums[key] = gradient
+                self.leaves[key] = leaf
+            elif key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
                 total.add_(gradient)
-            else:  # a sum that is not ours to write, or a dense gradient onto a sparse sum: a new sum
-                self.sums[key] = gradient + total if total.layout != torch.strided else total + gradient
+            else:
+                if total.layout == torch.strided and gradient.layout == torch.strided:
+                    total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
+                elif total.layout == torch.strided:
+                    total = total + gradient
+                else:  # a dense gradient onto a sparse sum: as autograd does, a new sum
+                    total = gradient + total
+                self.sums[key] = total
                 self.owned.add(key)
 
-    def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool]:
-        """Return the leaves a backward of ``outputs`` writes, and whether it runs a reentrant checkpoint."""
+    def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool, dict[Any, list[tuple[int, Any]]]]:
+        """Return what a backward of ``outputs`` writes.
+
+        Returns:
+            tuple: the leaves it reaches; whether it runs a reentrant checkpoint; and, for
+            each node that computes a gradient of a leaf that has a sum (without tensor
+            hooks, which must see the gradient), which of its outputs go to which leaf.
+        """
         found: dict[int, torch.Tensor] = {}
+        sums = self.sums
+        early: dict[Any, list[tuple[int, Any]]] = {}
         reentrant = False
         stack: list[Any] = []
         for output in outputs:
@@ -774,16 +828,23 @@ class _Gradients:
         # The graph's nodes are not kept past the walk: after a backward that failed
         # half-way, those not yet run still hold their saved tensors.
         seen: set[Any] = set(stack)
+        parent = None
         while stack:
-            for node, _ in stack.pop().next_functions:
-                if node is None or node in seen:
+            parent = stack.pop()
+            for slot, (node, _) in enumerate(parent.next_functions):
+                if node is None:
+                    continue
+                kind = type(node)
+                if kind is _AccumulateGrad:  # every edge to it, for ``early``: no ``seen`` here
+                    leaf = node.variable
+                    key = id(leaf)
+                    found[key] = leaf
+                    if sums and key in sums and not leaf._backward_hooks:
+                        early.setdefault(parent, []).append((slot, leaf))
+                    continue
+                if node in seen:
                     continue
                 seen.add(node)
-                kind = type(node)
-                if kind is _AccumulateGrad:
-                    leaf = node.variable
-                    found[id(leaf)] = leaf
-                    continue
                 if kind in _BatchNormNodes:
                     self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
                 elif kind is _ReentrantCheckpoint:
@@ -791,8 +852,8 @@ class _Gradients:
                     for parameter in self._checkpointed(node):
                         found[id(parameter)] = parameter
                 stack.append(node)
-        del seen, stack
-        return list(found.values()), reentrant
+        del seen, stack, parent
+        return list(found.values()), reentrant, early
 
     def _checkpointed(self, node: Any) -> list[torch.Tensor]:
         """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
@@ -823,7 +884,7 @@ class _Gradients:
             written = leaf.grad
             if written is not None:
                 leaf.grad = None
-                self._add(leaf, written, owned=True)  # AccumulateGrad's: nothing else holds it
+                self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
 
     def own(self) -> None:
         """Make every sum a tensor of this object's own, which may be written in place (for DDP's averages)."""
