@@ -2,9 +2,11 @@
 
 A step is one call of the engine, and the whole step is the attempt: an
 out-of-memory error in any micro-batch throws away the gradients the step had
-written so far and runs the step again at the next smaller size. Gradients that
-were there before the step are set aside by reference while it runs and added
-back when it is over, so they are never written by a step that fails.
+computed so far and runs the step again at the next smaller size. The step's
+gradients are kept apart from ``.grad`` while it runs (each backward runs as
+``torch.autograd.grad``) and added into ``.grad`` through autograd once it
+succeeded, so ``.grad`` is never written by a step that fails, nor behind the
+back of another thread's backward through the same model.
 """
 
 from __future__ import annotations
@@ -115,11 +117,16 @@ def accumulate(
     power of two rows (the last takes the remainder), and each micro-batch's
     loss is weighted by its share of the rows (``reduction="mean"``) or not at
     all (``"sum"``) before its backward, so that the gradients add up to the
-    full batch's. An out-of-memory error in any micro-batch discards what the
-    step wrote and runs it again at the next smaller size. Gradients that were
-    there before the call are set aside while it runs (by reference, not
-    copied) and added back at the end, so the optimizer sees them plus the
-    full-batch gradient, and a call that fails leaves them as they were.
+    full batch's. The step's gradients are kept apart from ``.grad`` while it
+    runs, and added into it, through autograd, once it succeeded: in place
+    where a gradient is already there, so the optimizer sees it plus the
+    full-batch gradient, as after a plain ``backward()``. An out-of-memory
+    error in any micro-batch discards what the step computed and runs it again
+    at the next smaller size; a call that fails leaves ``.grad`` as it was.
+    Threads that train one model at once may each call a step: their
+    gradients add up in ``.grad`` as their plain ``backward()`` calls would.
+    A tensor hook on a parameter (``register_hook``) sees each backward's
+    gradient once, and a post-accumulate-grad hook runs once per step.
 
     The call returns the full-batch loss, detached: the weighted sum of the
     micro-batches' losses. Other items of a tuple, list, dict or dataclass
@@ -414,14 +421,15 @@ class _Accumulator:
         Two steps are estimated: one micro-batch (the whole batch's step), and, when
         that does not fit, two, the second adding its gradients into the first's. A
         split step holds every gradient from its second micro-batch on, and autograd
-        computes each incoming gradient into a new buffer before adding it into
-        ``.grad``; a whole step holds neither.
+        computes each incoming gradient into a new buffer before it is added into the
+        step's; a whole step holds neither. The steps run as ``_run`` runs them: the
+        gradients kept apart, then delivered into ``.grad``.
         """
         name = self.controller.name
 
         def micro_batch(gradients: _Gradients, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            # The forward, then the backward with the gradients there were set aside,
-            # as ``_run`` does. A plain backward, never a scaler's or an engine's
+            # The forward, then the backward captured as ``_run`` captures it. A plain
+            # backward, never a scaler's or an engine's
             # ``backward=``: they would run on meta tensors and keep state made from them
             # (a GradScaler makes its scale on the loss's device, lazily), and an
             # engine's may count micro-steps or communicate. Scaling a scalar loss, or
@@ -837,6 +845,8 @@ class _Gradients:
                 kind = type(node)
                 if kind is _AccumulateGrad:  # every edge to it, for ``early``: no ``seen`` here
                     leaf = node.variable
+                    if not leaf.requires_grad:  # turned off since the forward: autograd writes nothing
+                        continue
                     key = id(leaf)
                     found[key] = leaf
                     if sums and key in sums and not leaf._backward_hooks:
@@ -1005,7 +1015,7 @@ class _Deliver(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, box: _Box, *leaves: torch.Tensor) -> torch.Tensor:
         ctx.box = box
-        return leaves[0].new_empty(())
+        return torch.empty((), device=leaves[0].device)
 
     @staticmethod
     def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:
