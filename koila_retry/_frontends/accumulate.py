@@ -881,7 +881,7 @@ class _Gradients:
         Python, outside autograd's lock. Only for what ``torch.autograd.grad``
         cannot run (see the class).
         """
-        exposed, aside = self.exposed, self.aside
+        exposed, aside, sums = self.exposed, self.aside, self.sums
         for leaf in found:
             key = id(leaf)
             if key not in exposed:
@@ -889,6 +889,14 @@ class _Gradients:
                 if leaf.grad is not None:
                     aside.append((leaf, leaf.grad))
                     leaf.grad = None
+        # The step's gradients so far go into .grad, for the backward to add to in place, as
+        # in a loop written by hand: beside .grad, they would need twice the memory.
+        for key, leaf in exposed.items():
+            if key in sums:
+                self.own(key)
+                self.owned.discard(key)
+                del self.leaves[key]
+                leaf.grad = sums.pop(key)
         run()
         for leaf in exposed.values():
             written = leaf.grad
@@ -896,12 +904,20 @@ class _Gradients:
                 leaf.grad = None
                 self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
 
-    def own(self) -> None:
-        """Make every sum a tensor of this object's own, which may be written in place (for DDP's averages)."""
-        for key, total in self.sums.items():
-            if key not in self.owned:
-                self.sums[key] = total.clone(memory_format=torch.contiguous_format)
-                self.owned.add(key)
+    def own(self, key: int | None = None) -> None:
+        """Make a sum a tensor of this object's own, which may be written in place: by default, every sum.
+
+        Args:
+            key (int, optional): the ``id`` of the leaf whose sum to make one.
+        """
+        for each in list(self.sums) if key is None else [key]:
+            if each not in self.owned:
+                total = self.sums[each]
+                if total.layout == torch.strided:
+                    self.sums[each] = torch.empty_like(self.leaves[each], dtype=total.dtype).copy_(total)
+                else:
+                    self.sums[each] = total.clone()
+                self.owned.add(each)
 
     def gradients_aside(self) -> dict[int, torch.Tensor]:
         """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
