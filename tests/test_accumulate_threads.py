@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._frontends.accumulate import _Gradients
+from koila_retry._frontends.accumulate import _EARLY_BYTES, _Gradients
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -415,6 +415,8 @@ def test_a_split_step_needs_no_more_memory_than_a_hand_written_accumulation(size
     with simulated_device("1GiB") as by_hand:
         for xb, yb in zip(x.split(size), y.split(size), strict=True):
             (loss(hand, xb, yb) * len(xb) / len(x)).backward()
-    assert device.peak <= by_hand.peak + 1024  # the step's losses, kept for its result
+    # The step's losses, kept for its result, and the small gradients, held whole until the end of each backward.
+    small = sum(p.numel() * p.element_size() for p in model.parameters() if p.numel() * p.element_size() < _EARLY_BYTES)
+    assert device.peak <= by_hand.peak + 1024 + small
     for p, q in zip(model.parameters(), hand.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)

@@ -70,6 +70,12 @@ _BatchNormNodes = frozenset(
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
 
+# The gradients from this size up are added into the step's sums as soon as autograd has
+# computed them (see ``_Gradients.capture``); smaller ones are held until the end of their
+# backward, which costs a little memory (a bias, a norm's weight) and saves a call into
+# Python for each (some 20 us each).
+_EARLY_BYTES = 64 * 1024
+
 _LOSS, _JOIN, _WEIGH, _DROP = "loss", "join", "weigh", "drop"  # what becomes of each leaf of a result
 _LEAF_SPEC = tree_flatten(0)[1]
 
@@ -436,7 +442,7 @@ class _Accumulator:
             # weighing it, adds nothing to the peak.
             loss = _loss_of(self.fn(*args, **kwargs), name)
             if loss.requires_grad:
-                gradients.backward(_autograd, loss, False)
+                gradients.backward(_plain_backward, loss, False)
 
         def steps(count: int) -> Callable[..., None]:
             def step(*args: Any, **kwargs: Any) -> None:
@@ -633,22 +639,25 @@ def _backward_of(engine: Callable[..., Any] | None, scaler: Any) -> _Backward:
 
         return engine_backward
     if scaler is not None:
-        scale = scaler.scale
-
-        def scaled_backward(loss: torch.Tensor, retain: bool) -> None:
-            scale(loss).backward(retain_graph=retain)
-
-        return scaled_backward
-
-    def plain_backward(loss: torch.Tensor, retain: bool) -> None:
-        loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
-
-    return plain_backward
+        return _Scaled(scaler.scale)
+    return _plain_backward
 
 
-def _autograd(loss: torch.Tensor, retain: bool) -> None:
-    """Run the backward of ``loss`` with ``torch.autograd.backward``: the estimate's, never an engine's."""
-    torch.autograd.backward(loss, retain_graph=retain)
+def _plain_backward(loss: torch.Tensor, retain: bool) -> None:
+    """Run ``loss.backward()``: the step's backward without a scaler or an engine, and the estimate's."""
+    loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+
+class _Scaled:
+    """Run the backward of a gradient scaler's ``scale(loss)``."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.scale = scale
+
+    def __call__(self, loss: torch.Tensor, retain: bool) -> None:
+        self.scale(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
 
 class _Gradients:
@@ -704,6 +713,17 @@ class _Gradients:
             loss (torch.Tensor): the (weighted) loss of a micro-batch.
             retain (bool): whether to keep the graph for another backward.
         """
+        # Known backward passes are captured directly, without the function mode, which
+        # would send every call the backward makes through Python.
+        if run is _plain_backward or type(run) is _Scaled:
+            if run is not _plain_backward:
+                loss = cast(_Scaled, run).scale(loss)
+
+            def plain() -> None:
+                torch.autograd.backward(loss, retain_graph=retain)
+
+            self.capture(_Call((loss,), None, retain, False, None), plain)
+            return
         with _Capture(self):
             run(loss, retain)
 
@@ -793,7 +813,7 @@ class _Gradients:
         out of place, and the new sum is.
         """
         key = id(leaf)
-        with self.lock, torch.no_grad():
+        with self.lock:
             total = self.sums.get(key)
             if total is None:
                 if private and gradient.layout == torch.strided:
@@ -802,9 +822,12 @@ class _Gradients:
                     self.owned.add(key)
                 self.sums[key] = gradient
                 self.leaves[key] = leaf
-            elif key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
-                total.add_(gradient)
-            else:
+                return
+            # Gradients have no graph, except a fallback's with create_graph=True, which is not kept.
+            with torch.no_grad() if gradient.requires_grad else contextlib.nullcontext():
+                if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+                    total.add_(gradient)
+                    return
                 if total.layout == torch.strided and gradient.layout == torch.strided:
                     total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
                 elif total.layout == torch.strided:
@@ -819,8 +842,9 @@ class _Gradients:
 
         Returns:
             tuple: the leaves it reaches; whether it runs a reentrant checkpoint; and, for
-            each node that computes a gradient of a leaf that has a sum (without tensor
-            hooks, which must see the gradient), which of its outputs go to which leaf.
+            each node that computes a gradient of a leaf that has a sum (of
+            ``_EARLY_BYTES`` or more, and without tensor hooks, which must see the
+            gradient), which of its outputs go to which leaf.
         """
         found: dict[int, torch.Tensor] = {}
         sums = self.sums
@@ -849,7 +873,7 @@ class _Gradients:
                         continue
                     key = id(leaf)
                     found[key] = leaf
-                    if sums and key in sums and not leaf._backward_hooks:
+                    if key in sums and not leaf._backward_hooks and leaf.numel() * leaf.element_size() >= _EARLY_BYTES:
                         early.setdefault(parent, []).append((slot, leaf))
                     continue
                 if node in seen:
