@@ -774,15 +774,27 @@ class _Gradients:
             shared = {key for key, count in counts.items() if count > 1}
         given = {id(grad) for grad in call.grad_outputs if grad is not None}
         del present
+        sums, owned = self.sums, self.owned
+        totals: list[torch.Tensor] = []
+        added: list[torch.Tensor] = []
         for index, leaf in enumerate(found):
             gradient = grads[index]
             grads[index] = None
-            if gradient is not None:
+            if gradient is None:
+                continue
+            key = id(leaf)
+            if key in owned and gradient.layout == torch.strided and sums[key].layout == torch.strided:
+                totals.append(sums[key])  # the usual later micro-batch: all added in one call, below
+                added.append(gradient)
+            else:
                 # Nothing else can see it, unless it went to several leaves, came in as
                 # the gradient of an output, or a hook (which may have kept it) saw it.
                 private = id(gradient) not in shared and id(gradient) not in given and not leaf._backward_hooks
                 self._add(leaf, gradient, private)
             del gradient
+        if totals:
+            with self.lock:
+                torch._foreach_add_(totals, added)
 
     def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
         """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
