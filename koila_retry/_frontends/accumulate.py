@@ -728,7 +728,12 @@ class _Gradients:
             run(loss, retain)
 
     def capture(self, call: _Call, plain: Callable[[], None]) -> None:
-        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``."""
+        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``.
+
+        Args:
+            call (_Call): the backward as it was asked for.
+            plain (callable): runs it as it was asked for, writing ``.grad``.
+        """
         outputs, inputs = call.outputs, call.inputs
         found, reentrant, early = self._walk(outputs)
         odd = (
@@ -799,9 +804,15 @@ class _Gradients:
     def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
         """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
 
-        ``taken`` holds, for each leaf, the node's output that goes to it. The hook
-        hands autograd ``None`` in their place: nothing is left to capture. It runs on
-        the engine's thread for the node's device, one per device: :meth:`_add` locks.
+        The hook hands autograd ``None`` in their place: nothing is left to capture.
+        It runs on the engine's thread for the node's device, one per device:
+        :meth:`_add` locks.
+
+        Args:
+            taken (list): ``(output, leaf)``: which output of the node goes to which leaf.
+
+        Returns:
+            callable: the hook, for ``Node.register_hook``.
         """
 
         def take(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
@@ -823,6 +834,11 @@ class _Gradients:
         copy of it in that layout, made now, when it is private only: what
         ``AccumulateGrad`` would do with it. Sums that are not private are added into
         out of place, and the new sum is.
+
+        Args:
+            leaf (torch.Tensor): the leaf.
+            gradient (torch.Tensor): its gradient from one backward.
+            private (bool): whether nothing but this call holds ``gradient``.
         """
         key = id(leaf)
         with self.lock:
@@ -916,6 +932,10 @@ class _Gradients:
         Not safe while another thread trains the same model: ``.grad`` is set from
         Python, outside autograd's lock. Only for what ``torch.autograd.grad``
         cannot run (see the class).
+
+        Args:
+            found (list): the leaves the backward reaches.
+            run (callable): runs the backward.
         """
         exposed, aside, sums = self.exposed, self.aside, self.sums
         for leaf in found:
@@ -979,7 +999,11 @@ class _Gradients:
         return dict(self.sums)
 
     def written_bytes(self) -> int:
-        """Return the bytes of the gradients the step has computed so far."""
+        """Return the bytes of the gradients the step has computed so far.
+
+        Returns:
+            int: the bytes of the storages of :attr:`sums`, each counted once.
+        """
         storages = {}
         for total in self.sums.values():
             if total.layout == torch.strided:
