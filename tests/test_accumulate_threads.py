@@ -35,8 +35,10 @@ def _data(n: int, *shape: int, seed: int) -> torch.Tensor:
 
 
 def _model() -> nn.Module:
+    # The middle weight's gradient (128 KiB) is added into the step's as autograd computes it; the
+    # others' (under 64 KiB) at the end of their micro-batch's backward: both ways are exercised.
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(DTYPE)
+    return nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1)).to(DTYPE)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
