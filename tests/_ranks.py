@@ -14,6 +14,7 @@ import contextlib
 import copy
 import gc
 import os
+import sys
 import time
 import traceback
 import weakref
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import koila_retry as koila
 from koila_retry._core import distributed
+from koila_retry._diagnostics.report import HoldsGradients
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -88,6 +90,17 @@ def main(rank: int, group: str, port: int, directory: str) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def gradients_of_step() -> dict[int, torch.Tensor]:
+    """Return the gradients that the running ``koila.accumulate`` step computed so far, kept apart from ``.grad``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, HoldsGradients):
+                return value.gradients_of_step()
+        frame = frame.f_back
+    raise AssertionError("no koila.accumulate step is running")
 
 
 def data(n: int, *shape: int, seed: int) -> torch.Tensor:
@@ -921,8 +934,8 @@ def discarded_attempt_is_released(rank: int, world: int) -> dict[str, Any]:
         call = len(model[2].rows)
         if call in (0, 3):  # the first micro-batch of each attempt
             accumulate_dead.append([ref() is None for ref in grad_refs])
-        if call == 2:  # the last micro-batch of the first attempt: earlier ones wrote the gradients
-            grad_refs.extend(weakref.ref(p.grad) for p in model.parameters())
+        if call == 2:  # the last micro-batch of the first attempt: earlier ones computed the gradients
+            grad_refs.extend(weakref.ref(gradient) for gradient in gradients_of_step().values())
         return F.mse_loss(ddp(x), y)
 
     step(x, y)

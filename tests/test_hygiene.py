@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -133,3 +134,39 @@ def test_attempts_block_frees_what_a_helper_allocated() -> None:
             alive_at_start.append(any(ref() is not None for ref in refs))
             work(attempt.batch_size)
     assert alive_at_start == [False, False, False]
+
+
+def _gradients_of_running_step() -> dict[int, torch.Tensor]:
+    """Return the gradients the running ``koila.accumulate`` step computed so far (kept apart from ``.grad``)."""
+    from koila_retry._diagnostics.report import HoldsGradients
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, HoldsGradients):
+                return value.gradients_of_step()
+        frame = frame.f_back
+    raise AssertionError("no koila.accumulate step is running")
+
+
+def test_accumulate_gradients_of_a_failed_attempt_are_dead_when_the_retry_starts() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+    rows: list[int] = []
+
+    @koila.accumulate(initial=8, cache=koila.NoCache())
+    def step(x: torch.Tensor) -> torch.Tensor:
+        rows.append(len(x))
+        if len(rows) == 3:  # the third micro-batch of the first attempt: two have computed gradients
+            refs.extend(weakref.ref(gradient) for gradient in _gradients_of_running_step().values())
+            raise make_oom()
+        if len(rows) == 4:  # the retry's first forward
+            alive_at_start.append(any(ref() is not None for ref in refs))
+        return model(x).square().mean()
+
+    step(torch.randn(32, 8))
+    assert rows == [8, 8, 8] + [4] * 8
+    assert len(refs) == 4
+    assert alive_at_start == [False]

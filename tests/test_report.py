@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import weakref
 
 import pytest
@@ -359,3 +360,23 @@ def test_fake_tensors_left_alive_are_not_memory() -> None:
     found = koila.report(device="cpu", top=10_000)
     assert all(row.shape != (123, 457) for row in found.rows)
     del fake
+
+
+def test_the_gradients_a_step_holds_apart_are_named_as_the_steps() -> None:
+    from koila_retry._diagnostics.report import explain
+
+    model = _mlp()
+    model(torch.randn(2, 1024)).sum().backward()  # gradients from before the step, in .grad
+    seen: list[str] = []
+
+    @koila.accumulate(initial=2)
+    def step(inputs: torch.Tensor) -> torch.Tensor:
+        if len(seen) == 0 and inputs.data_ptr() != whole.data_ptr():  # the second micro-batch
+            seen.append(explain(torch.device("cpu"), sys._getframe(), top=8))
+        return model(inputs).square().mean()
+
+    whole = torch.randn(4, 1024)
+    step(whole)
+    (message,) = seen
+    assert "0.weight.grad (gradient) 8.00 MiB" in message
+    assert "the step's 0.weight.grad (gradient) 8.00 MiB" in message

@@ -17,8 +17,9 @@ TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # The command line's programs use the library as a user's code does: the demo's training
 # loop is named where a failure happened, as a user's would be.
 _APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAGE_DIR, "__main__.py"))
-# Inside PyTorch, the machinery between the user's call and the layer that allocated.
-_TORCH_MACHINERY = ("_", "utils", "autograd")
+# Inside PyTorch, the machinery between the user's call and the layer that allocated;
+# ``overrides`` dispatches to function modes, such as the one accumulate runs backward in.
+_TORCH_MACHINERY = ("_", "utils", "autograd", "overrides")
 
 
 def _installed() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -310,11 +310,14 @@ class GradientSync:
     DDP all-reduces gradients inside ``backward()``. A rank that runs out of
     memory in that backward never joins the all-reduce, and the others wait
     for it forever. So every micro-batch runs under ``no_sync()``, and the
-    gradients the step wrote are all-reduced here once the ranks agreed that
-    the step succeeded everywhere. What the all-reduce needs (bucket buffers,
-    gradients for parameters another rank used) is made inside the attempt, so
-    that running out of memory for it is one more out-of-memory error of the
-    attempt, agreed on like any other.
+    step's gradients are all-reduced here once the ranks agreed that the step
+    succeeded everywhere. They are the step's own, kept apart from ``.grad``
+    (``accumulate`` adds the averages into ``.grad`` afterwards): a mapping from
+    the ``id`` of each parameter to its gradient, where the averages replace
+    them. What the all-reduce needs (bucket buffers, gradients for parameters
+    another rank used) is made inside the attempt, so that running out of
+    memory for it is one more out-of-memory error of the attempt, agreed on
+    like any other.
 
     Args:
         modules (list): the ``DistributedDataParallel`` modules of the step.
@@ -377,16 +380,25 @@ class GradientSync:
                     stack.callback(attributes.pop, "forward", None)
             yield
 
-    def prepare(self, written: dict[int, torch.Tensor]) -> None:
-        """Make what the all-reduce needs; ``written`` holds the leaves the step wrote, by id."""
-        self._parts = [_ModuleGradients(module, written) for module in self.modules]
+    def prepare(self, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]) -> None:
+        """Make what the all-reduce needs, after an attempt.
+
+        Args:
+            gradients (dict): the step's gradient of each leaf, by ``id`` of the
+                leaf; each may be written in place. :meth:`reduce` replaces them
+                with their averages, and adds those of the parameters that this
+                rank did not use and another rank did.
+            leaves (dict): the leaf of each gradient, by its ``id``: the
+                parameters :meth:`reduce` adds a gradient for are added here too.
+        """
+        self._parts = [_ModuleGradients(module, gradients, leaves) for module in self.modules]
 
     def used_everything(self) -> bool:
         """Return whether this rank's step wrote a gradient for every parameter (after :meth:`prepare`)."""
         return all(all(part.mine) for part in self._parts)
 
     def reduce(self, used_everywhere: bool = False) -> None:
-        """All-reduce and average the step's gradients; every rank must call it.
+        """All-reduce and average the step's gradients, where :meth:`prepare` found them; every rank must call it.
 
         Args:
             used_everywhere (bool): whether the ranks agreed that every rank
@@ -411,6 +423,10 @@ _ALONE_BYTES = 1024 * 1024
 class _ModuleGradients:
     """One DDP module's gradients of one step, and what to all-reduce them in.
 
+    The gradients are the step's own (see :class:`GradientSync`), never ``.grad``:
+    a gradient from before the step stays where it is, and the average is added to
+    it afterwards, as a backward would.
+
     Large parameters (``_ALONE_BYTES`` and up) are all-reduced in place, each on
     its own and all at once, so their gradients are neither copied into a bucket
     nor back; small ones share buckets, so that they take few collectives. Which
@@ -418,9 +434,12 @@ class _ModuleGradients:
     collectives in the same order.
     """
 
-    def __init__(self, module: DistributedDataParallel, written: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, module: DistributedDataParallel, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]
+    ) -> None:
         self.group = module.process_group
         self.world_size = dist.get_world_size(self.group)
+        self.gradients, self.leaves = gradients, leaves
         ignored: set[str] = getattr(module, "parameters_to_ignore", set())
         self.parameters = [
             parameter
@@ -428,15 +447,16 @@ class _ModuleGradients:
             if parameter.requires_grad and name not in ignored
         ]
         for parameter in self.parameters:
-            if parameter.grad is not None and parameter.grad.layout != torch.strided:
+            gradient = gradients.get(id(parameter))
+            if gradient is not None and gradient.layout != torch.strided:
                 raise NotImplementedError(
                     f"koila.accumulate with DistributedDataParallel all-reduces dense gradients; a parameter of "
-                    f"shape {tuple(parameter.shape)} has a {parameter.grad.layout} gradient (sparse embeddings "
+                    f"shape {tuple(parameter.shape)} has a {gradient.layout} gradient (sparse embeddings "
                     "are not supported yet)"
                 )
         device = backend_device(self.group)
         self.used = torch.tensor(
-            [1 if id(parameter) in written and parameter.grad is not None else 0 for parameter in self.parameters],
+            [1 if id(parameter) in gradients else 0 for parameter in self.parameters],
             dtype=torch.int32,
             device=device,
         )
@@ -459,16 +479,16 @@ class _ModuleGradients:
             for kind, numel in sizes.items()
         }
         # Made now, not after the agreement, when there might be no memory for them: a zero
-        # gradient for a parameter this rank did not use, where it needs one (it has none,
-        # or is all-reduced in place), and a contiguous copy of a gradient to all-reduce in
-        # place that is not contiguous.
+        # gradient for each parameter this rank did not use (another rank may have, and its
+        # average is then this rank's gradient too), and a contiguous copy of a gradient to
+        # all-reduce in place that is not contiguous.
         self.spare: dict[int, torch.Tensor] = {}
         for parameter, mine in zip(self.parameters, self.mine, strict=True):
-            grad, alone = parameter.grad, id(parameter) in self.alone
-            if not mine and (grad is None or alone):
-                self.spare[id(parameter)] = torch.zeros(parameter.shape, dtype=parameter.dtype, device=parameter.device)
-            elif mine and alone and grad is not None and not grad.is_contiguous():
-                self.spare[id(parameter)] = grad.contiguous()
+            key = id(parameter)
+            if not mine:
+                self.spare[key] = torch.zeros(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+            elif key in self.alone and not gradients[key].is_contiguous():
+                gradients[key] = gradients[key].contiguous()
 
     def reduce(self, used_everywhere: bool) -> None:
         if used_everywhere:
@@ -483,9 +503,7 @@ class _ModuleGradients:
             if not used:  # as with DDP: a parameter no rank used keeps its gradient, or None
                 continue
             if id(parameter) in self.alone:
-                gradient = self.spare.get(id(parameter))
-                if gradient is None:
-                    gradient = cast(torch.Tensor, parameter.grad)  # mine, and contiguous
+                gradient = self.gradients[id(parameter)] if mine else self.spare[id(parameter)]
                 work = dist.all_reduce(gradient, group=self.group, async_op=True)
                 pending.append((work, parameter, mine, gradient))
                 continue
@@ -509,31 +527,24 @@ class _ModuleGradients:
         self.spare.clear()
 
     def _settle(self, parameter: torch.nn.Parameter, mine: int, average: torch.Tensor) -> None:
-        """Give ``parameter`` the averaged gradient of the step."""
-        grad = parameter.grad
-        if mine:
-            grad = cast(torch.Tensor, grad)  # mine: the step wrote it
-            if average is not grad:
-                grad.copy_(average.view_as(grad))
-        elif grad is None:
-            spare = self.spare[id(parameter)]
-            if average is not spare:
-                spare.copy_(average.view_as(spare))
-            parameter.grad = spare
-        else:  # a gradient from before the step, which the step's graph did not reach
-            with torch.no_grad():
-                grad.add_(average.view_as(grad))
+        """Make the averaged gradient the step's gradient of ``parameter``."""
+        key = id(parameter)
+        target = self.gradients[key] if mine else self.spare[key]
+        if average is not target:
+            target.copy_(average.view_as(target))
+        if not mine:
+            self.gradients[key] = target
+            self.leaves[key] = parameter
 
     def _reduce_bucket(self, buffer: torch.Tensor, bucket: list[tuple[torch.nn.Parameter, int]]) -> None:
         offset = 0
         for parameter, mine in bucket:
             numel = parameter.numel()
-            share = parameter.grad if mine else self.spare.get(id(parameter))
             target = buffer[offset : offset + numel]
-            if share is None:
-                target.zero_()
+            if mine:
+                target.view_as(parameter).copy_(self.gradients[id(parameter)])
             else:
-                target.view_as(parameter).copy_(share)
+                target.zero_()
             offset += numel
         flat = buffer[:offset]
         dist.all_reduce(flat, group=self.group)

@@ -274,6 +274,7 @@ def build(
     aside: dict[int, torch.Tensor] | None = None,
     *,
     scan: bool = True,
+    step: dict[int, torch.Tensor] | None = None,
 ) -> MemoryReport:
     """Return the report of ``device``, naming tensors from modules and optimizers under prefixes.
 
@@ -287,6 +288,9 @@ def build(
             (variables), used where no module or optimizer names them.
         aside (dict, optional): the gradients of parameters (by ``id``) that a
             step in progress set aside, named as those parameters' gradients.
+        step (dict, optional): the gradients of parameters (by ``id``) that a
+            step in progress computed so far and keeps apart from ``.grad``,
+            named as the step's gradients of those parameters.
         scan (bool): whether to add every other tensor alive on the device, from
             the garbage collector's objects (a time proportional to all the
             objects of the process). Without it, only the tensors given are
@@ -298,13 +302,13 @@ def build(
     """
     found = _Found(device)
     known: dict[int, str] = {}  # id of a parameter -> its first name, for the optimizer's state
-    aside = aside or {}
+    held = _Held(aside or {}, step or {})
     for prefix, module in modules:
-        for name, kind, tensor in _module_tensors(prefix, module, aside):
+        for name, kind, tensor in _module_tensors(prefix, module, held):
             known.setdefault(id(tensor), name)
             found.add(name, kind, tensor)
     for prefix, optimizer in optimizers:
-        for name, kind, tensor in _optimizer_tensors(prefix, optimizer, known, aside):
+        for name, kind, tensor in _optimizer_tensors(prefix, optimizer, known, held):
             found.add(name, kind, tensor)
     for name, tensor in tensors:
         found.add(name, "tensor", tensor, unless_named=True)
@@ -320,30 +324,38 @@ def build(
     return MemoryReport(device, rows[:top], total, len(rows), allocated, reserved, simulated)
 
 
-def _gradient(parameter: torch.Tensor, aside: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    # While koila.accumulate runs a step, the gradients from before it are set aside.
-    return parameter.grad if parameter.grad is not None else aside.get(id(parameter))
+class _Held(NamedTuple):
+    """The gradients a step in progress holds apart from ``.grad``, by ``id`` of their parameter."""
+
+    aside: dict[int, torch.Tensor]  # from before the step, moved out of .grad while it runs
+    step: dict[int, torch.Tensor]  # the step's own so far
+
+
+def _gradients(name: str, parameter: torch.Tensor, held: _Held) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield the gradients of ``parameter``: ``.grad`` (or the one set aside), and the step's."""
+    gradient = parameter.grad if parameter.grad is not None else held.aside.get(id(parameter))
+    if gradient is not None:
+        yield f"{name}.grad", "gradient", gradient
+    gradient = held.step.get(id(parameter))
+    if gradient is not None:
+        yield f"the step's {name}.grad", "gradient", gradient
 
 
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _module_tensors(
-    prefix: str, module: torch.nn.Module, aside: dict[int, torch.Tensor]
-) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _module_tensors(prefix: str, module: torch.nn.Module, held: _Held) -> Iterator[tuple[str, str, torch.Tensor]]:
     # Duplicates kept: a weight tied to two layers is named by both.
     for name, parameter in module.named_parameters(remove_duplicate=False):
         yield _joined(prefix, name), "parameter", parameter
-        gradient = _gradient(parameter, aside)
-        if gradient is not None:
-            yield _joined(prefix, f"{name}.grad"), "gradient", gradient
+        yield from _gradients(_joined(prefix, name), parameter, held)
     for name, buffer in module.named_buffers(remove_duplicate=False):
         yield _joined(prefix, name), "buffer", buffer
 
 
 def _optimizer_tensors(
-    prefix: str, optimizer: torch.optim.Optimizer, known: dict[int, str], aside: dict[int, torch.Tensor]
+    prefix: str, optimizer: torch.optim.Optimizer, known: dict[int, str], held: _Held
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     for group_index, group in enumerate(optimizer.param_groups):
         for index, parameter in enumerate(group["params"]):
@@ -351,9 +363,7 @@ def _optimizer_tensors(
             if name is None:
                 name = f"{prefix}.param_groups[{group_index}]['params'][{index}]"
                 yield name, "parameter", parameter
-                gradient = _gradient(parameter, aside)
-                if gradient is not None:
-                    yield f"{name}.grad", "gradient", gradient
+                yield from _gradients(name, parameter, held)
             for key, value in optimizer.state.get(parameter, {}).items():
                 if isinstance(value, torch.Tensor):
                     yield f"{prefix}.state[{name}].{key}", "optimizer state", value
@@ -478,14 +488,22 @@ def _describe(tensor: torch.Tensor) -> str:
 
 @runtime_checkable
 class HoldsGradients(Protocol):
-    """What holds the gradients a step in progress set aside (``koila.accumulate``'s, while it runs one).
+    """What holds gradients of a step in progress apart from ``.grad`` (``koila.accumulate``'s, while it runs one).
 
     A protocol, so that the report names them without importing the front end that
-    sets them aside (which imports the engine, which imports the report).
+    holds them (which imports the engine, which imports the report).
     """
 
     def gradients_aside(self) -> dict[int, torch.Tensor]:
-        """Return the gradients set aside, by the ``id`` of the parameter (or other leaf) they belong to.
+        """Return the gradients from before the step set aside, by the ``id`` of the parameter (or other leaf).
+
+        Returns:
+            dict[int, torch.Tensor]: each gradient, keyed by ``id()`` of its parameter.
+        """
+        ...
+
+    def gradients_of_step(self) -> dict[int, torch.Tensor]:
+        """Return the step's own gradients so far, by the ``id`` of the parameter (or other leaf).
 
         Returns:
             dict[int, torch.Tensor]: each gradient, keyed by ``id()`` of its parameter.
@@ -520,6 +538,7 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     variables: list[tuple[str, torch.Tensor]] = []
     contents: list[tuple[str, torch.Tensor]] = []  # named after a variable holding them; other names come first
     aside: dict[int, torch.Tensor] = {}
+    step: dict[int, torch.Tensor] = {}
     while frame is not None:
         ours = is_ours(frame.f_code.co_filename)
         if not ours and not is_users(frame.f_code.co_filename):
@@ -527,9 +546,10 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
             continue
         for name, value in frame_locals(frame):
             if isinstance(value, HoldsGradients):
-                held = value.gradients_aside()
-                if isinstance(held, dict):  # a mock, say, claims to have every method
+                held, own = value.gradients_aside(), value.gradients_of_step()
+                if isinstance(held, dict) and isinstance(own, dict):  # a mock, say, claims to have every method
                     aside.update(held)
+                    step.update(own)
             if isinstance(value, torch.Tensor):
                 variables.append((name, value))
             else:  # the names of this package's own variables would mean nothing to the user
@@ -554,10 +574,11 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     named = [("" if len(tops) == 1 else prefix, module) for prefix, module in tops]
     opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in optimizers.values()]
     try:
-        return build(device, named, opts, top, variables, aside, scan=False).summary(top)
+        return build(device, named, opts, top, variables, aside, scan=False, step=step).summary(top)
     finally:
         variables.clear()
         aside.clear()
+        step.clear()
 
 
 def _held(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:

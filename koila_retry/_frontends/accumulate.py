@@ -2,9 +2,11 @@
 
 A step is one call of the engine, and the whole step is the attempt: an
 out-of-memory error in any micro-batch throws away the gradients the step had
-written so far and runs the step again at the next smaller size. Gradients that
-were there before the step are set aside by reference while it runs and added
-back when it is over, so they are never written by a step that fails.
+computed so far and runs the step again at the next smaller size. The step's
+gradients are kept apart from ``.grad`` while it runs (each backward runs as
+``torch.autograd.grad``) and added into ``.grad`` through autograd once it
+succeeded, so ``.grad`` is never written by a step that fails, nor behind the
+back of another thread's backward through the same model.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import functools
 import inspect
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
@@ -66,6 +70,12 @@ _BatchNormNodes = frozenset(
 # Reentrant checkpointing runs a backward of its own inside this node, writing gradients
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
+
+# The gradients from this size up are added into the step's sums as soon as autograd has
+# computed them (see ``_Gradients.capture``); smaller ones are held until the end of their
+# backward, which costs a little memory (a bias, a norm's weight) and saves a call into
+# Python for each (some 20 us each).
+_EARLY_BYTES = 64 * 1024
 
 # What becomes of each leaf of a result: the loss; one row per row of the batch, joined;
 # a number or per-batch tensor of floats, weighted like the loss; one of integers (a
@@ -117,11 +127,16 @@ def accumulate(
     power of two rows (the last takes the remainder), and each micro-batch's
     loss is weighted by its share of the rows (``reduction="mean"``) or not at
     all (``"sum"``) before its backward, so that the gradients add up to the
-    full batch's. An out-of-memory error in any micro-batch discards what the
-    step wrote and runs it again at the next smaller size. Gradients that were
-    there before the call are set aside while it runs (by reference, not
-    copied) and added back at the end, so the optimizer sees them plus the
-    full-batch gradient, and a call that fails leaves them as they were.
+    full batch's. The step's gradients are kept apart from ``.grad`` while it
+    runs, and added into it, through autograd, once it succeeded: in place
+    where a gradient is already there, so the optimizer sees it plus the
+    full-batch gradient, as after a plain ``backward()``. An out-of-memory
+    error in any micro-batch discards what the step computed and runs it again
+    at the next smaller size; a call that fails leaves ``.grad`` as it was.
+    Threads that train one model at once may each call a step: their
+    gradients add up in ``.grad`` as their plain ``backward()`` calls would.
+    A tensor hook on a parameter (``register_hook``) sees each backward's
+    gradient once, and a post-accumulate-grad hook runs once per step.
 
     The call returns the full-batch loss, detached: the weighted sum of the
     micro-batches' losses. Other items of a tuple, list, dict or dataclass
@@ -347,7 +362,8 @@ class _Accumulator:
                 return self._run(split, size, gradients, attempt, first)
             with sync.no_sync():
                 results = self._run(split, size, gradients, attempt, first)
-            sync.prepare(gradients.leaves)
+            gradients.own()  # the averages are written into the sums, made now while memory may fail the attempt
+            sync.prepare(gradients.sums, gradients.leaves)
             return results
 
         def undo() -> None:
@@ -368,6 +384,7 @@ class _Accumulator:
             gradients.restore()
             raise
         gradients.restore()
+        gradients.deliver()
         if gradients.hidden and not self.warned_checkpoint:
             self.warned_checkpoint = True
             warnings.warn(
@@ -414,22 +431,22 @@ class _Accumulator:
         Two steps are estimated: one micro-batch (the whole batch's step), and, when
         that does not fit, two, the second adding its gradients into the first's. A
         split step holds every gradient from its second micro-batch on, and autograd
-        computes each incoming gradient into a new buffer before adding it into
-        ``.grad``; a whole step holds neither.
+        computes each incoming gradient into a new buffer before it is added into the
+        step's; a whole step holds neither. The steps run as ``_run`` runs them: the
+        gradients kept apart, then delivered into ``.grad``.
         """
         name = self.controller.name
 
         def micro_batch(gradients: _Gradients, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            # The forward, then the backward with the gradients there were set aside,
-            # as ``_run`` does. A plain backward, never a scaler's or an engine's
+            # The forward, then the backward captured as ``_run`` captures it. A plain
+            # backward, never a scaler's or an engine's
             # ``backward=``: they would run on meta tensors and keep state made from them
             # (a GradScaler makes its scale on the loss's device, lazily), and an
             # engine's may count micro-steps or communicate. Scaling a scalar loss, or
             # weighing it, adds nothing to the peak.
             loss = _loss_of(self.fn(*args, **kwargs), name)
             if loss.requires_grad:
-                gradients.collect(loss)
-                torch.autograd.backward(loss)
+                gradients.backward(_plain_backward, loss, False)
 
         def steps(count: int) -> Callable[..., None]:
             def step(*args: Any, **kwargs: Any) -> None:
@@ -437,6 +454,7 @@ class _Accumulator:
                 for _ in builtins.range(count):
                     micro_batch(gradients, args, kwargs)
                 gradients.restore()
+                gradients.deliver()
 
             return step
 
@@ -479,8 +497,7 @@ class _Accumulator:
             result = self.fn(*split.args, **split.kwargs)
             loss = results.add(result, 1.0, rows)
             if loss.requires_grad:
-                gradients.collect(loss)
-                self.backward(loss, retain)
+                gradients.backward(self.backward, loss, retain)
             else:
                 self._check_no_grad_wanted(split)
             return results
@@ -513,10 +530,9 @@ class _Accumulator:
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
         if not loss.requires_grad or weight == 0.0:
             return False
-        gradients.collect(loss)
         weighted = loss * weight if weight != 1.0 else loss
         del loss
-        self.backward(weighted, retain)
+        gradients.backward(self.backward, weighted, retain)
         return True
 
     def _measured(
@@ -640,60 +656,283 @@ def _backward_of(engine: Callable[..., Any] | None, scaler: Any) -> _Backward:
 
         return engine_backward
     if scaler is not None:
-        scale = scaler.scale
+        return _Scaled(scaler.scale)
+    return _plain_backward
 
-        def scaled_backward(loss: torch.Tensor, retain: bool) -> None:
-            scale(loss).backward(retain_graph=retain)
 
-        return scaled_backward
+def _plain_backward(loss: torch.Tensor, retain: bool) -> None:
+    """Run ``loss.backward()``: the step's backward without a scaler or an engine, and the estimate's."""
+    loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
-    def plain_backward(loss: torch.Tensor, retain: bool) -> None:
-        loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
-    return plain_backward
+class _Scaled:
+    """Run the backward of a gradient scaler's ``scale(loss)``."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.scale = scale
+
+    def __call__(self, loss: torch.Tensor, retain: bool) -> None:
+        self.scale(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
 
 class _Gradients:
-    """The leaves one step writes gradients to, and the gradients they had before it."""
+    """The gradients of one step, kept apart from ``.grad`` until the step succeeded.
 
-    __slots__ = ("aside", "batchnorm", "hidden", "leaves")
+    Every backward the step runs goes through :meth:`backward`, which runs it as
+    ``torch.autograd.grad`` over the leaves its graph reaches and adds what comes back
+    into buffers of its own, one per leaf (:attr:`sums`). ``.grad`` is not written
+    while the step runs: another thread may be running a backward through the same
+    model, and autograd adds into ``.grad`` under a lock of its own that a Python
+    assignment to ``.grad`` does not take. When the step succeeded, :meth:`deliver`
+    adds the sums into ``.grad`` through autograd, in one backward; when an attempt
+    failed, :meth:`discard` drops them, and nothing of it was ever in ``.grad``.
+
+    A backward that ``torch.autograd.grad`` cannot run (the graph holds a reentrant
+    checkpoint, or the call asks for ``create_graph`` or gives ``inputs`` that are not
+    leaves) runs as it is, writing ``.grad``: for it, the gradients the leaves had are
+    set aside first (:attr:`aside`), what it wrote is moved into the sums after it, and
+    the gradients set aside are given back by :meth:`restore`. That fallback writes
+    ``.grad`` from Python, so it is not safe while another thread trains the model.
+
+    Attributes:
+        sums (dict): the step's gradient of each leaf so far, by ``id`` of the leaf.
+        leaves (dict): the leaf of each sum, by its ``id``.
+        hidden (bool): whether a backward may have written leaves the walk cannot find.
+        batchnorm (bool): whether a batch normalisation in training mode took part.
+    """
+
+    __slots__ = ("aside", "batchnorm", "exposed", "hidden", "leaves", "lock", "owned", "sums")
 
     def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, torch.Tensor] = {}
+        # The sums that are tensors of this object's own, safe to add into in place; the
+        # others are as autograd returned them, possibly views or shared between leaves.
+        self.owned: set[int] = set()
+        # The fallback's: the leaves whose ``.grad`` a plain backward may write, and the
+        # gradients they had before it.
+        self.exposed: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.hidden = False  # whether a backward may write leaves the walk cannot find
-        self.batchnorm = False  # whether a batch normalisation in training mode took part
+        self.hidden = False
+        self.batchnorm = False
+        # Autograd runs the nodes of each device on a thread of its own; hooks that add into
+        # the sums (see ``_taker``) may run on two at once.
+        self.lock = threading.Lock()
 
-    def collect(self, loss: torch.Tensor) -> None:
-        """Find the leaves ``loss.backward()`` will write, and set aside the gradients they hold."""
-        leaves, aside = self.leaves, self.aside
-        if loss.grad_fn is None:  # the loss is itself a leaf
-            found = [loss]
-        else:
-            # The graph's nodes are not kept past the walk: after a backward that failed
-            # half-way, those not yet run still hold their saved tensors.
-            found, seen, stack = [], set(), [loss.grad_fn]
-            while stack:
-                for node, _ in stack.pop().next_functions:
-                    if node is None or node in seen:
+    def backward(self, run: _Backward, loss: torch.Tensor, retain: bool) -> None:
+        """Run ``run(loss, retain)`` with the backward passes it starts captured into :attr:`sums`.
+
+        Args:
+            run (callable): what runs the backward of the loss: ``loss.backward()``,
+                a scaler's or a training engine's ``backward``.
+            loss (torch.Tensor): the (weighted) loss of a micro-batch.
+            retain (bool): whether to keep the graph for another backward.
+        """
+        # Known backward passes are captured directly, without the function mode, which
+        # would send every call the backward makes through Python.
+        if run is _plain_backward or type(run) is _Scaled:
+            if run is not _plain_backward:
+                loss = cast(_Scaled, run).scale(loss)
+
+            def plain() -> None:
+                torch.autograd.backward(loss, retain_graph=retain)
+
+            self.capture(_Call((loss,), None, retain, False, None), plain)
+            return
+        with _Capture(self):
+            run(loss, retain)
+
+    def capture(self, call: _Call, plain: Callable[[], None]) -> None:
+        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``.
+
+        Args:
+            call (_Call): the backward as it was asked for.
+            plain (callable): runs it as it was asked for, writing ``.grad``.
+        """
+        outputs, inputs = call.outputs, call.inputs
+        found, reentrant, early = self._walk(outputs)
+        odd = (
+            call.create_graph
+            or not all(isinstance(output, torch.Tensor) for output in outputs)
+            or (inputs is not None and not all(_is_leaf(tensor) for tensor in inputs))
+        )
+        if reentrant or odd:
+            self._plain(found, plain)
+            return
+        if inputs is not None:  # the engine's choice; each once
+            found = list({id(tensor): tensor for tensor in inputs if tensor.requires_grad}.values())
+            chosen = {id(tensor) for tensor in found}
+            early = {node: [entry for entry in taken if id(entry[1]) in chosen] for node, taken in early.items()}
+        if not found:  # a graph that reaches no leaf: nothing to capture, but its hooks may count
+            plain()
+            return
+        # A leaf that has a sum already gets each gradient added into it as soon as the node
+        # that computes it has run, and autograd.grad returns None for it: captured whole, the
+        # gradients of a micro-batch would all be held beside the sums until the end of its
+        # backward, twice the memory a plain backward into .grad needs.
+        handles = [node.register_hook(self._taker(taken)) for node, taken in early.items() if taken]
+        del early
+        try:
+            grads: list[torch.Tensor | None] = list(
+                torch.autograd.grad(
+                    cast("tuple[torch.Tensor, ...]", outputs),
+                    found,
+                    call.grad_outputs,
+                    retain_graph=call.retain_graph,
+                    allow_unused=True,
+                )
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        present = [grad for grad in grads if grad is not None]
+        shared = set()
+        if len({id(grad) for grad in present}) < len(present):  # one tensor for several leaves, as x + y gives
+            counts: dict[int, int] = {}
+            for grad in present:
+                counts[id(grad)] = counts.get(id(grad), 0) + 1
+            shared = {key for key, count in counts.items() if count > 1}
+        given = {id(grad) for grad in call.grad_outputs if grad is not None}
+        del present
+        sums, owned = self.sums, self.owned
+        totals: list[torch.Tensor] = []
+        added: list[torch.Tensor] = []
+        for index, leaf in enumerate(found):
+            gradient = grads[index]
+            grads[index] = None
+            if gradient is None:
+                continue
+            key = id(leaf)
+            if key in owned and gradient.layout == torch.strided and sums[key].layout == torch.strided:
+                totals.append(sums[key])  # the usual later micro-batch: all added in one call, below
+                added.append(gradient)
+            else:
+                # Nothing else can see it, unless it went to several leaves, came in as
+                # the gradient of an output, or a hook (which may have kept it) saw it.
+                private = id(gradient) not in shared and id(gradient) not in given and not leaf._backward_hooks
+                self._add(leaf, gradient, private)
+            del gradient
+        if totals:
+            with self.lock:
+                torch._foreach_add_(totals, added)
+
+    def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+        """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
+
+        The hook hands autograd ``None`` in their place: nothing is left to capture.
+        It runs on the engine's thread for the node's device, one per device:
+        :meth:`_add` locks.
+
+        Args:
+            taken (list): ``(output, leaf)``: which output of the node goes to which leaf.
+
+        Returns:
+            callable: the hook, for ``Node.register_hook``.
+        """
+
+        def take(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
+            replaced = list(grad_inputs)
+            for slot, leaf in taken:
+                gradient = replaced[slot]
+                if gradient is not None:
+                    replaced[slot] = None
+                    self._add(leaf, gradient)
+            return tuple(replaced)
+
+        return take
+
+    def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, private: bool = False) -> None:
+        """Add one backward's gradient of ``leaf`` into its sum.
+
+        The first becomes the sum as it is when it is ``private`` (nothing else can
+        see it) and laid out as ``leaf`` (the layout autograd gives ``.grad``), or a
+        copy of it in that layout, made now, when it is private only: what
+        ``AccumulateGrad`` would do with it. Sums that are not private are added into
+        out of place, and the new sum is.
+
+        Args:
+            leaf (torch.Tensor): the leaf.
+            gradient (torch.Tensor): its gradient from one backward.
+            private (bool): whether nothing but this call holds ``gradient``.
+        """
+        key = id(leaf)
+        with self.lock:
+            total = self.sums.get(key)
+            if total is None:
+                if private and gradient.layout == torch.strided:
+                    if gradient.stride() != leaf.stride():
+                        gradient = torch.empty_like(leaf, dtype=gradient.dtype).copy_(gradient)
+                    self.owned.add(key)
+                self.sums[key] = gradient
+                self.leaves[key] = leaf
+                return
+            # Gradients have no graph, except a fallback's with create_graph=True, which is not kept.
+            with torch.no_grad() if gradient.requires_grad else contextlib.nullcontext():
+                if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+                    total.add_(gradient)
+                    return
+                if total.layout == torch.strided and gradient.layout == torch.strided:
+                    total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
+                elif total.layout == torch.strided:
+                    total = total + gradient
+                else:  # a dense gradient onto a sparse sum: as autograd does, a new sum
+                    total = gradient + total
+                self.sums[key] = total
+                self.owned.add(key)
+
+    def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool, dict[Any, list[tuple[int, Any]]]]:
+        """Return what a backward of ``outputs`` writes.
+
+        Returns:
+            tuple: the leaves it reaches; whether it runs a reentrant checkpoint; and, for
+            each node that computes a gradient of a leaf that has a sum (of
+            ``_EARLY_BYTES`` or more, and without tensor hooks, which must see the
+            gradient), which of its outputs go to which leaf.
+        """
+        found: dict[int, torch.Tensor] = {}
+        sums = self.sums
+        early: dict[Any, list[tuple[int, Any]]] = {}
+        reentrant = False
+        stack: list[Any] = []
+        for output in outputs:
+            node = output.grad_fn if isinstance(output, torch.Tensor) else getattr(output, "node", None)
+            if node is not None:
+                stack.append(node)
+            elif isinstance(output, torch.Tensor) and output.requires_grad:  # the loss is itself a leaf
+                found[id(output)] = output
+        # The graph's nodes are not kept past the walk: after a backward that failed
+        # half-way, those not yet run still hold their saved tensors.
+        seen: set[Any] = set(stack)
+        parent = None
+        while stack:
+            parent = stack.pop()
+            for slot, (node, _) in enumerate(parent.next_functions):
+                if node is None:
+                    continue
+                kind = type(node)
+                if kind is _AccumulateGrad:  # every edge to it, for ``early``: no ``seen`` here
+                    leaf = node.variable
+                    if not leaf.requires_grad:  # turned off since the forward: autograd writes nothing
                         continue
-                    seen.add(node)
-                    kind = type(node)
-                    if kind is _AccumulateGrad:
-                        found.append(node.variable)  # type: ignore[attr-defined]
-                        continue
-                    if kind in _BatchNormNodes:
-                        self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
-                    elif kind is _ReentrantCheckpoint:
-                        found += self._checkpointed(node)
-                    stack.append(node)
-            del seen, stack
-        for leaf in found:
-            if id(leaf) not in leaves:
-                leaves[id(leaf)] = leaf
-                if leaf.grad is not None:
-                    aside.append((leaf, leaf.grad))
-                    leaf.grad = None
+                    key = id(leaf)
+                    found[key] = leaf
+                    if key in sums and not leaf._backward_hooks and leaf.numel() * leaf.element_size() >= _EARLY_BYTES:
+                        early.setdefault(parent, []).append((slot, leaf))
+                    continue
+                if node in seen:
+                    continue
+                seen.add(node)
+                if kind in _BatchNormNodes:
+                    self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                elif kind is _ReentrantCheckpoint:
+                    reentrant = True
+                    for parameter in self._checkpointed(node):
+                        found[id(parameter)] = parameter
+                stack.append(node)
+        del seen, stack, parent
+        return list(found.values()), reentrant, early
 
     def _checkpointed(self, node: Any) -> list[torch.Tensor]:
         """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
@@ -704,40 +943,263 @@ class _Gradients:
         self.hidden = True
         return []
 
+    def _plain(self, found: list[torch.Tensor], run: Callable[[], None]) -> None:
+        """Run a backward that writes ``.grad`` itself, and move what it wrote into :attr:`sums`.
+
+        Not safe while another thread trains the same model: ``.grad`` is set from
+        Python, outside autograd's lock. Only for what ``torch.autograd.grad``
+        cannot run (see the class).
+
+        Args:
+            found (list): the leaves the backward reaches.
+            run (callable): runs the backward.
+        """
+        exposed, aside, sums = self.exposed, self.aside, self.sums
+        for leaf in found:
+            key = id(leaf)
+            if key not in exposed:
+                exposed[key] = leaf
+                if leaf.grad is not None:
+                    aside.append((leaf, leaf.grad))
+                    leaf.grad = None
+        # The step's gradients so far go into .grad, for the backward to add to in place, as
+        # in a loop written by hand: beside .grad, they would need twice the memory.
+        for key, leaf in exposed.items():
+            if key in sums:
+                self.own(key)
+                self.owned.discard(key)
+                del self.leaves[key]
+                leaf.grad = sums.pop(key)
+        run()
+        for leaf in exposed.values():
+            written = leaf.grad
+            if written is not None:
+                leaf.grad = None
+                self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
+
+    def own(self, key: int | None = None) -> None:
+        """Make a sum a tensor of this object's own, which may be written in place: by default, every sum.
+
+        Args:
+            key (int, optional): the ``id`` of the leaf whose sum to make one.
+        """
+        for each in list(self.sums) if key is None else [key]:
+            if each not in self.owned:
+                total = self.sums[each]
+                if total.layout == torch.strided:
+                    self.sums[each] = torch.empty_like(self.leaves[each], dtype=total.dtype).copy_(total)
+                else:
+                    self.sums[each] = total.clone()
+                self.owned.add(each)
+
     def gradients_aside(self) -> dict[int, torch.Tensor]:
         """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
 
         :func:`koila.report <koila_retry.report>` names them as the gradients of
-        their parameters when a step gives up.
+        their parameters when a step gives up. Only a backward that writes ``.grad``
+        itself sets any aside (see the class).
+
+        Returns:
+            dict[int, torch.Tensor]: each gradient set aside, by ``id`` of its leaf.
         """
         return {id(leaf): gradient for leaf, gradient in self.aside}
 
+    def gradients_of_step(self) -> dict[int, torch.Tensor]:
+        """Return the step's own gradients so far, by the ``id`` of their leaf.
+
+        :func:`koila.report <koila_retry.report>` names them as the step's
+        gradients of their parameters.
+
+        Returns:
+            dict[int, torch.Tensor]: the sum of each leaf's gradients, by ``id`` of the leaf.
+        """
+        return dict(self.sums)
+
     def written_bytes(self) -> int:
-        """Return the bytes of the gradients the step has written so far."""
-        storages = {
-            id(grad.untyped_storage()): grad.untyped_storage().nbytes()
-            for grad in (leaf.grad for leaf in self.leaves.values())
-            if grad is not None and grad.layout == torch.strided
-        }
+        """Return the bytes of the gradients the step has computed so far.
+
+        Returns:
+            int: the bytes of the storages of :attr:`sums`, each counted once.
+        """
+        storages = {}
+        for total in self.sums.values():
+            if total.layout == torch.strided:
+                storage = total.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
         return sum(storages.values())
 
     def discard(self) -> None:
-        """Forget every gradient the step wrote."""
-        for leaf in self.leaves.values():
+        """Forget every gradient the step computed, and what a plain backward left in ``.grad``."""
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        for leaf in self.exposed.values():
             leaf.grad = None
 
     def restore(self) -> None:
-        """Give back the gradients set aside, with what the step wrote added to them in place."""
+        """Give back the gradients a plain backward's fallback set aside."""
         for leaf, before in self.aside:
-            written = leaf.grad
+            written = leaf.grad  # None, unless a backward wrote leaves the walk could not find
             if written is not None:
                 with torch.no_grad():
                     if before.layout == torch.strided or written.layout == before.layout:
                         before.add_(written)
-                    else:  # a dense step gradient onto a sparse one: as autograd does, a new sum
+                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
                         before = before + written
             leaf.grad = before
         self.aside.clear()
+        self.exposed.clear()
+
+    def deliver(self) -> None:
+        """Add the step's gradients into ``.grad`` through autograd, and forget them.
+
+        One backward through :class:`_Deliver` hands each sum to its leaf's
+        ``AccumulateGrad``, which takes the leaf's lock: where ``.grad`` is ``None``
+        it becomes the sum itself (no copy, since nothing else holds it by then),
+        and otherwise the sum is added into it in place, exactly as a plain
+        ``backward()`` from another thread would add. Post-accumulate-grad hooks run
+        there, once per step. A leaf with tensor hooks (``register_hook``) had them
+        applied to each backward's gradient when it was captured: its sum is handed
+        to its ``AccumulateGrad`` directly, which adds it under the same lock without
+        running the hooks a second time.
+        """
+        sums, leaves = self.sums, self.leaves
+        if not sums:
+            return
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        plain: list[torch.Tensor] = []
+        box = _Box()
+        hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, total in sums.items():
+            leaf = leaves[key]
+            if leaf._backward_hooks:
+                hooked.append((leaf, total))
+            else:
+                plain.append(leaf)
+                box.gradients.append(total)
+        # Only the box holds the sums now, so that AccumulateGrad may take them as they are.
+        del sums, leaves, total
+        if plain:
+            with torch.enable_grad():
+                done = _Deliver.apply(box, *plain)  # type: ignore[no-untyped-call]
+            del plain
+            torch.autograd.backward(done)
+        if hooked:
+            with torch.no_grad():
+                for leaf, total in hooked:
+                    accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
+                    cast(Any, accumulate)(total)
+
+
+class _Box:
+    """The gradients that a :class:`_Deliver` hands over, held nowhere else until it does."""
+
+    __slots__ = ("gradients",)
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] = []
+
+    def take(self) -> list[torch.Tensor]:
+        gradients, self.gradients = self.gradients, []
+        return gradients
+
+
+class _Deliver(torch.autograd.Function):
+    """A function of the leaves whose backward returns the step's gradients of them (see ``_Gradients.deliver``)."""
+
+    @staticmethod
+    def forward(ctx: Any, box: _Box, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return torch.empty((), device=leaves[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:
+        return (None, *ctx.box.take())
+
+
+class _Call:
+    """A backward pass as it was asked for: ``Tensor.backward`` or ``torch.autograd.backward``'s arguments."""
+
+    __slots__ = ("create_graph", "grad_outputs", "inputs", "outputs", "retain_graph")
+
+    def __init__(
+        self,
+        outputs: tuple[Any, ...],
+        grad_outputs: Any,
+        retain_graph: bool | None,
+        create_graph: bool,
+        inputs: Any,
+    ) -> None:
+        self.outputs = outputs
+        if grad_outputs is None:
+            grad_outputs = (None,) * len(outputs)
+        elif isinstance(grad_outputs, torch.Tensor):
+            grad_outputs = (grad_outputs,)
+        self.grad_outputs: tuple[torch.Tensor | None, ...] = tuple(grad_outputs)
+        self.retain_graph, self.create_graph = retain_graph, create_graph
+        if isinstance(inputs, dict):
+            inputs = tuple(inputs.values())
+        elif isinstance(inputs, torch.Tensor) or (inputs is not None and not isinstance(inputs, Sequence)):
+            inputs = (inputs,)
+        self.inputs: tuple[Any, ...] | None = None if inputs is None else tuple(inputs)
+
+
+def _tensor_backward(
+    self: torch.Tensor,
+    gradient: torch.Tensor | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: Any = None,
+) -> _Call:
+    return _Call((self,), gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_backward(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> _Call:
+    outputs = (tensors,) if not isinstance(tensors, Sequence) else tuple(tensors)
+    return _Call(outputs, grad_variables if grad_tensors is None else grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _is_leaf(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.grad_fn is None
+
+
+_TENSOR_BACKWARD = torch.Tensor.backward
+_AUTOGRAD_BACKWARD = torch.autograd.backward
+
+
+class _Capture(TorchFunctionMode):
+    """Run the backward passes started inside it (``Tensor.backward``, ``torch.autograd.backward``) as captures.
+
+    A function mode is this thread's only: other threads' backward passes through the
+    same model are not seen. It is on only while a backward of the step runs, not
+    during its forward.
+    """
+
+    def __init__(self, gradients: _Gradients) -> None:
+        super().__init__()
+        self.gradients = gradients
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _TENSOR_BACKWARD:
+            call = _tensor_backward(*args, **kwargs)
+        elif func is _AUTOGRAD_BACKWARD:
+            call = _autograd_backward(*args, **kwargs)
+        else:
+            return func(*args, **kwargs)
+        self.gradients.capture(call, lambda: func(*args, **kwargs))
+        return None
 
 
 class _Results:
