@@ -967,6 +967,9 @@ _CONV_CHANGES: dict[str, dict[str, Any]] = {
     "dilated": {"dilation": 2},
     "1d": {"dims": 1},
     "3d": {"dims": 3},
+    # A 3-d input of one row: PyTorch counts elements over the first four sizes, not the depth.
+    "3d-one-row-deep": {"dims": 3, "rows": 1, "size": 40},
+    "3d-one-row-deep-two-threads": {"dims": 3, "rows": 1, "size": 40, "threads": 2},
     "1d-one-row": {"dims": 1, "rows": 1},
     "channels-last": {"channels_last": True},
     "channels-last-3d": {"dims": 3, "channels_last": True},

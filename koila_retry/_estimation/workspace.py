@@ -62,7 +62,9 @@ def _uses_onednn(
     if not (strided or dilated or x.shape[0] >= 16 or not one_by_one or torch.get_num_threads() > 1):
         return False
     large_kernel = len(kernel) >= 2 and kernel[-1] > 3 and kernel[-2] > 3
-    return groups > 1 or large_kernel or x.shape[0] > 1 or x.numel() > 20480
+    # PyTorch counts the input's elements over its first four sizes only: a 3-d
+    # convolution's depth does not count.
+    return groups > 1 or large_kernel or x.shape[0] > 1 or math.prod(x.shape[:4]) > 20480
 
 
 def onednn_convolution_workspace(func: Any, args: tuple[Any, ...], out: Any) -> int:
