@@ -27,7 +27,7 @@ from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-7, 1e-10
-THREADS, ROWS, TRIALS = 4, 64, 10
+THREADS, ROWS, TRIALS = 4, 64, 5  # the code before failed every variant on its first trial
 
 
 def _data(n: int, *shape: int, seed: int) -> torch.Tensor:
