@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from koila_retry import NoCache, StackMemoryCache
-from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.engine import Attempt, Call, Controller
 from koila_retry._core.policy import Policy
 from koila_retry.testing import make_oom
 
@@ -20,7 +20,7 @@ def _function() -> None:
 
 
 def start(controller: Controller, rows: int) -> Attempt:
-    return controller.start(_function, sys._getframe(), CPU, None, rows)
+    return controller.start(Call(_function, sys._getframe(), CPU, rows=rows))
 
 
 def run(controller: Controller, rows: int, fits: int) -> int:

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import koila_retry as koila
-from koila_retry._core import memory
-from koila_retry._core.engine import Controller
+from koila_retry._core import decision, memory
+from koila_retry._core.engine import Call, Controller
 from koila_retry._core.policy import Policy
 from koila_retry.testing import oom_above
 
@@ -42,7 +42,8 @@ def schedule(initial: int, minimum: int) -> list[int]:
 
 def next_batch_size(failed: int, minimum: int) -> int | None:
     """The size the default policy tries after ``failed`` ran out of memory."""
-    return Policy(initial=None, minimum=minimum).next_size(failed, 1, "f")
+    step = decision.shrink(decision.Rules("f", None, minimum), failed, 1, minimum)
+    return step.size if isinstance(step, decision.Try) else None
 
 
 @pytest.mark.parametrize(
@@ -131,7 +132,7 @@ def run_with_schedule(schedule: object, initial: int = 100, minimum: int = 1, fi
     policy = Policy(initial=initial, minimum=minimum, cache=koila.NoCache(), schedule=schedule)  # type: ignore[arg-type]
     controller = Controller("f", policy)
     tried: list[int] = []
-    for attempt in controller.start("f", None, memory.resolve_device("cpu")):
+    for attempt in controller.start(Call("f", None, memory.resolve_device("cpu"))):
         with attempt:
             tried.append(attempt.batch_size)
             if attempt.batch_size > fits:

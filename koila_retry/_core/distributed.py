@@ -169,7 +169,8 @@ class Agreement:
                 no rank's minimum may exceed it.
 
         Returns:
-            tuple: the size every rank starts at (never below the floor), and the floor.
+            tuple: the smallest of the ranks' starting sizes, and the floor (see
+            :func:`koila_retry._core.decision.agreed_start`).
 
         Raises:
             ValueError: on every rank, if the ranks' spans differ, or one rank's
@@ -193,7 +194,7 @@ class Agreement:
                 f"minimum={minimum} and initial={initial}. Give every rank the same minimum and initial, or "
                 "pass sync=False to let each rank choose alone"
             )
-        return max(agreed, floor), floor
+        return agreed, floor
 
     def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
         """Exchange the outcome of an attempt.

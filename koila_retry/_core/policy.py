@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -79,6 +80,34 @@ class scaled:  # named like a function: a strategy, called like the schedules it
 
     def __call__(self, failed: int) -> int | None:
         return int(failed * self.factor) or None
+
+    def grow(self, size: int) -> int:
+        """Return the size that growing back tries above ``size``: the smallest this schedule shrinks to it.
+
+        ``scaled(0.5)`` doubles, ``scaled(0.9)`` adds about 11%: growing back
+        retraces the steps that shrinking took.
+
+        Args:
+            size (int): the size that fitted.
+
+        Returns:
+            int: a size above ``size``.
+
+        Example::
+
+            >>> import koila_retry as koila
+            >>> koila.scaled(0.9).grow(100), koila.scaled(0.5).grow(100)
+            (112, 200)
+
+        .. versionadded:: 0.1.0
+        """
+        # From the float estimate, step to the exact smallest n whose shrink is not below size.
+        larger = max(size + 1, math.ceil(size / self.factor))
+        while larger - 1 > size and int((larger - 1) * self.factor) >= size:
+            larger -= 1
+        while int(larger * self.factor) < size:
+            larger += 1
+        return larger
 
     def __repr__(self) -> str:
         return f"scaled({self.factor})"
@@ -211,41 +240,3 @@ class Policy:
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))
-
-    def next_size(self, failed: int, attempt: int, name: str, minimum: int | None = None) -> int | None:
-        """Return the size to try after ``failed`` ran out of memory on attempt ``attempt``, or ``None``.
-
-        The schedule proposes; the policy keeps it within bounds: never below
-        ``minimum`` (a proposal below is raised to it), nothing after
-        ``minimum`` or after ``max_attempts`` attempts.
-
-        Args:
-            failed (int): the size that ran out of memory.
-            attempt (int): the number of the attempt that failed, from 1.
-            name (str): how an error names the function.
-            minimum (int, optional): the smallest size, in place of the
-                policy's ``minimum`` (ranks that agree use the largest of theirs).
-
-        Returns:
-            int or None: the next size, or ``None`` to give up.
-
-        Raises:
-            ValueError: if the schedule returns a size that does not shrink, or is not a size.
-        """
-        if minimum is None:
-            minimum = self.minimum
-        if self.max_attempts is not None and attempt >= self.max_attempts:
-            return None
-        if failed <= minimum:
-            return None
-        size = self.schedule(failed)
-        if size is None:
-            return None
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < failed:
-            # An endless loop (a size that does not shrink) or a size no call can use.
-            raise ValueError(
-                f"{name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
-                f"it must return an int from 1 to {failed - 1} (raised to the minimum, {minimum}, "
-                "if below it), or None to give up"
-            )
-        return max(size, minimum)

@@ -35,7 +35,7 @@ from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules
-from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.engine import Attempt, Call, Controller, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
 from koila_retry._diagnostics import exhausted
@@ -342,16 +342,9 @@ class _Accumulator:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
         first = self._estimated(split, device) if self.auto else None
-        attempt = self.controller.start(
-            self.identity,
-            caller,
-            device,
-            split.sample,
-            rows,
-            first,
-            roots=(self.fn, split.args, split.kwargs),
-            per_sample=split.per_sample,
-        )
+        roots = (self.fn, split.args, split.kwargs)
+        call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
+        attempt = self.controller.start(call)
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
             sync.before_step()
@@ -375,7 +368,7 @@ class _Accumulator:
         # then which ones each rank used need not be exchanged.
         vote = None if sync is None else sync.used_everything
         try:
-            finished = self.controller.run(attempt, work, rows=rows, vote=vote, undo=undo)
+            finished = run(attempt, work, rows=rows, vote=vote, undo=undo)
             if sync is not None:
                 sync.reduce(used_everywhere=attempt.unanimous)
             result = finished.finish()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import frame_locals
 from koila_retry._core.cache import CacheInfo, StackMemoryCache
-from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._core.stats import Stats
@@ -362,12 +362,12 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse()
-            attempt = start(fn, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs))
+            attempt = start(Call(fn, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs)))
             if position == 0:
-                return await controller.run_async(attempt, lambda size: fn(size, *args, **kwargs))
+                return await run_async(attempt, lambda size: fn(size, *args, **kwargs))
             if position == 1:
-                return await controller.run_async(attempt, lambda size: fn(args[0], size, *args[1:], **kwargs))
-            return await controller.run_async(attempt, lambda size: fn(*args, **kwargs, **{name: size}))
+                return await run_async(attempt, lambda size: fn(args[0], size, *args[1:], **kwargs))
+            return await run_async(attempt, lambda size: fn(*args, **kwargs, **{name: size}))
 
         wrapper: Any = async_wrapper
     else:
@@ -477,4 +477,4 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     )
     # The block's modules are those its function's variables hold.
     roots = (value for _, value in frame_locals(caller))
-    return controller.start(block, caller, policy.device or resolve_device(None), roots=roots)
+    return controller.start(Call(block, caller, policy.device or resolve_device(None), roots=roots))

@@ -27,7 +27,7 @@ from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._core.cache import StackMemoryCache, function_identity
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import Attempt, Controller
+from koila_retry._core.engine import Attempt, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._diagnostics import exhausted
@@ -278,7 +278,7 @@ def _run_chunked(
         return result
 
     if split.rows == 0:
-        controller.cover(None, 0, 0, work, results.add)
+        cover(controller, None, 0, 0, work, results.add)
         if out is None:  # one call on the empty input gives the result its structure
             results.add(0, 0, work(0, 0))
     else:
@@ -299,18 +299,10 @@ def _run_chunked(
                 controller.cache,
                 sample_bytes=split.per_sample,
             )
-        attempt = controller.start(
-            identity,
-            caller,
-            device,
-            split.sample,
-            split.rows,
-            first,
-            span=split.rows,
-            roots=(fn, args, kwargs),
-            per_sample=split.per_sample,
-        )
-        controller.cover(attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
+        roots = (fn, args, kwargs)
+        call = Call(identity, caller, device, split.sample, split.rows, first, split.rows, roots, split.per_sample)
+        attempt = controller.start(call)
+        cover(controller, attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
     return results.finish()
 
 
@@ -744,11 +736,11 @@ def _run_range(
         results.append(result)
 
     if stop == start:
-        controller.cover(None, start, stop, work, keep)
+        cover(controller, None, start, stop, work, keep)
         return results
     device = ranges.device or default_device()
     identity, span = function_identity(fn), stop - start
     # rows: with initial=None, every index at once
-    attempt = controller.start(identity, caller, device, rows=span, span=span, roots=(fn, args, kwargs))
-    controller.cover(attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
+    attempt = controller.start(Call(identity, caller, device, rows=span, span=span, roots=(fn, args, kwargs)))
+    cover(controller, attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
     return results

@@ -52,7 +52,7 @@ import torch
 
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import Controller
+from koila_retry._core.engine import Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import Policy, scaled
 from koila_retry._diagnostics import exhausted
@@ -244,10 +244,10 @@ def _run_steps(
 ) -> None:
     controller = _context_for(cache_type, context).controller(_name(func))
     if end <= start:  # toma runs nothing, and so do we
-        controller.cover(None, start, end, work, _ignore)
+        cover(controller, None, start, end, work, _ignore)
         return
-    attempt = controller.start(context, caller, device, rows=step, span=end - start, roots=roots)
-    controller.cover(attempt, start, end, work, _ignore, unit=unit)
+    attempt = controller.start(Call(context, caller, device, rows=step, span=end - start, roots=roots))
+    cover(controller, attempt, start, end, work, _ignore, unit=unit)
 
 
 def _run_range(

@@ -1,0 +1,409 @@
+"""The attempts of one call: the engine's state machine, which every driver and ``with`` block runs.
+
+Inside the ``except`` clause (or ``__exit__``) an attempt only classifies the
+error and asks the decision (:mod:`koila_retry._core.decision`) what follows:
+the exception, and through its traceback every frame and tensor of the failed
+attempt, is still alive there. Memory is released in :meth:`Attempt.retry`,
+after the handler has dropped the exception. When ranks agree, they exchange
+the outcome of every attempt in :meth:`Attempt.succeeded`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import replace
+from types import TracebackType
+from typing import Protocol, cast
+
+from koila_retry._common.places import where
+from koila_retry._common.units import format_bytes
+from koila_retry._core import decision, distributed, memory
+from koila_retry._core.cache import SizeCache
+from koila_retry._core.call import Call, FirstSize
+from koila_retry._core.decision import Done, Outcome, Rules, State, Try
+from koila_retry._core.detect import is_oom
+from koila_retry._core.outcomes import Explain, Failure, detached, iterator_among, store
+from koila_retry._core.policy import Policy
+from koila_retry._core.stats import Stats
+from koila_retry.exceptions import BatchSizeExhausted
+
+__all__ = ["Attempt", "Course", "Owner"]
+
+logger = logging.getLogger("koila_retry")
+
+# PENDING: the body succeeded here, and the ranks have yet to agree that it did everywhere.
+READY, RUNNING, SUCCEEDED, FAILED, PENDING = range(5)
+_DONE = {
+    RUNNING: "is already inside `with attempt:`",
+    FAILED: "already ran its block, which ran out of memory",
+    SUCCEEDED: "already ran its block, which succeeded",
+    PENDING: "already ran its block, whose outcome the ranks have yet to agree on",
+}
+
+
+class Owner(Protocol):
+    """What an attempt needs of the wrapper it belongs to (a :class:`~koila_retry._core.engine.Controller`)."""
+
+    name: str
+    rules: Rules
+    policy: Policy
+    cache: SizeCache
+    stats: Stats
+    explain: Explain
+
+
+class Course:
+    """The mechanics of one call's attempts, behind :class:`Attempt`: the facts the decision is asked on, and its steps.
+
+    Attributes:
+        state (State): where the call stands.
+        phase (int): where the current attempt is: ready, running, succeeded,
+            failed, or pending the ranks' agreement.
+        unanimous (bool): after an agreement, whether every rank's vote was yes.
+    """
+
+    __slots__ = ("agreement", "arguments", "call", "failure", "key", "owner", "phase", "started", "state", "unanimous")
+
+    def __init__(
+        self,
+        owner: Owner,
+        call: Call,
+        state: State,
+        key: Hashable | None,
+        agreement: distributed.Agreement | None,
+        started: float | None,
+    ) -> None:
+        self.owner, self.call, self.state, self.key, self.agreement = owner, call, state, key, agreement
+        # A front end's (function, args, kwargs): looked at only when an attempt fails.
+        self.arguments = call.roots if isinstance(call.roots, tuple) else None
+        self.failure: Failure | None = None  # made on the first failure: none on the happy path
+        self.phase = READY if started is None else RUNNING  # a driver's first attempt may run before
+        self.started = started or 0.0
+        self.unanimous = True
+        if owner.policy.grow:
+            self.grow()
+        if agreement is not None:
+            self.agree_on_start(call.span)
+
+    def begin(self) -> None:
+        """Start the current attempt's block."""
+        if self.phase != READY:
+            # A second block would hide the outcome of the first: an OOM could count as a success.
+            raise RuntimeError(
+                f"{self.owner.name}: attempt {self.state.number} (batch size {self.state.size}) {_DONE[self.phase]}; "
+                "each attempt runs its body in one `with attempt:` block, entered once per turn of the loop"
+            )
+        self.phase = RUNNING
+        self.started = time.perf_counter()
+
+    def end(self, exc: BaseException | None) -> bool:
+        """End the current attempt's block; return whether its error was out of memory (and is swallowed)."""
+        if exc is None:
+            if self.agreement is not None:
+                self.phase = PENDING  # a success here is kept only if every rank had one
+            else:
+                self.succeed()
+            return False
+        if not is_oom(exc):
+            self.phase = READY  # the error propagates untouched and ends the run
+            return False
+        # Plain values only, and nothing released: the traceback still pins the failed attempt.
+        failure = self.fail(where(exc.__traceback__))
+        if not isinstance(failure.step, Try):
+            failure.final_oom = detached(exc)
+        return True
+
+    def succeed(self) -> None:
+        """Carry out a success: what the decision says it stores."""
+        self.phase = SUCCEEDED
+        owner, state = self.owner, self.state
+        done = cast(Done, decision.decide(owner.rules, state, Outcome.SUCCEEDED))
+        grow = owner.policy.grow_after if owner.policy.grow else None
+        store(owner.cache, self.key, done, state, self.call.per_sample, grow)
+
+    def fail(self, place: str) -> Failure:
+        """Record that the current attempt failed at ``place``, and what the decision says follows."""
+        failure = self.failure
+        if failure is None:
+            failure = self.failure = Failure()
+        failure.seconds += time.perf_counter() - self.started
+        failure.where, failure.rank, failure.reused = place, None, None
+        state, first = self.state, self.call.first
+        size = state.size if state.rows is None else min(state.size, state.rows)
+        hint = first.after_oom(size) if state.measures and first is not None else None
+        failure.step = decision.decide(self.owner.rules, state, Outcome.OUT_OF_MEMORY, hint=hint)
+        if isinstance(failure.step, Try) and self.arguments is not None:
+            failure.reused = iterator_among(self.arguments)
+            if failure.reused is not None:  # a retry would see only what the failed attempt left of it
+                failure.step = decision.GiveUp("iterator", failure.step.probe)
+        state.size, state.rows = size, None  # a short last step failed: go on below what it tried
+        self.phase = FAILED
+        return failure
+
+    def settle(self, vote: bool) -> bool:
+        """Return whether the attempt succeeded, on every rank when ranks agree (see :meth:`Attempt.succeeded`)."""
+        phase = self.phase
+        if phase == SUCCEEDED:
+            return True
+        if phase != FAILED and phase != PENDING:
+            raise RuntimeError("each attempt must run its body inside `with attempt:`")
+        if self.agreement is None:
+            return False
+        failed = phase == FAILED
+        proposal = self.failure.step if failed and self.failure is not None else None
+        failing, agreed, self.unanimous = self.agreement.after(
+            failed, proposal.size if isinstance(proposal, Try) else None, vote
+        )
+        if failing is None:
+            self.succeed()
+            return True
+        failure = self.fail(f"rank {failing}") if not failed else cast(Failure, self.failure)
+        failure.rank = failing
+        failure.step = decision.decide(self.owner.rules, self.state, Outcome.AGREED, agreed=agreed)
+        return False
+
+    def retry(self) -> None:
+        """Release the failed attempt's memory, report it, and move on to the next size or give up."""
+        owner, state, failure, device = self.owner, self.state, self.failure, self.call.device
+        if self.phase != FAILED or failure is None:
+            raise RuntimeError("retry() follows an attempt that ran out of memory inside `with attempt:`")
+        step, failed = failure.step, state.size
+        next_size = step.size if isinstance(step, Try) and failure.reused is None else None
+        started = time.perf_counter()
+        # After giving up nothing runs, and what the attempt left in cycles is young: a full
+        # collection would cost what the whole process holds.
+        if next_size is None:
+            memory.release_young(device)
+        else:
+            memory.release(device)
+        failure.seconds += time.perf_counter() - started
+        free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
+        event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)
+        if owner.policy.grow:
+            owner.cache.growth.failed(self.key, probe=step.probe)
+        if owner.policy.on_oom is not None:
+            owner.policy.on_oom(event)
+        if next_size is None:
+            cause, failure.final_oom = failure.final_oom, None
+            if failure.reused is not None:
+                raise failure.reuse_error(owner.name, failed) from cause
+            message = self.exhausted(failure, free)
+            raise BatchSizeExhausted(message, batch_size=failed, attempts=state.number) from cause
+        state.size, state.number, state.probe_from, self.phase = next_size, state.number + 1, None, READY
+
+    def calibrate(self, rows: int, rise: int) -> int:
+        """Move on to the size the estimate corrected by a measured run chooses (see :meth:`Attempt.calibrate`)."""
+        state, first = self.state, self.call.first
+        if not state.measures or first is None:
+            raise RuntimeError("calibrate() follows a run measured with attempt.meter, of a call that measures")
+        state.measures -= 1
+        size = decision.calibrated(state, first.corrected(rows, rise), rows)
+        message = "%s: %d rows rose by %s on %s; the corrected estimate chooses batch size %d"
+        logger.info(message, self.owner.name, rows, format_bytes(rise), self.call.device, size)
+        state.size = self.owner.stats.batch_size = size
+        return size
+
+    def next_step(self) -> None:
+        """Make the call ready for its next step, after this one succeeded."""
+        if self.phase != SUCCEEDED:
+            raise RuntimeError("next_step() follows a step that succeeded inside `with attempt:`")
+        state = self.state
+        state.rows, state.number, self.phase = None, 1, READY
+        if self.failure is not None:
+            self.failure.tried.clear()
+        if self.owner.policy.grow:  # else the ranks agreed on the size that succeeded: it is the same everywhere
+            self.grow()
+            if self.agreement is not None:
+                self.agree_on_start()
+
+    def agree_on_start(self, span: int | None = None) -> None:
+        """Start at the ranks' agreed size, never below their floor."""
+        owner, state = self.owner, self.state
+        agreed, floor = cast(distributed.Agreement, self.agreement).start(
+            state.size, span, owner.rules.minimum, owner.rules.initial
+        )
+        decision.agreed_start(state, agreed, floor)
+        owner.stats.batch_size = state.size
+
+    def grow(self) -> None:
+        """Move to the probe above the current size, when growing back is due."""
+        owner, state = self.owner, self.state
+        wait = owner.cache.growth.due(self.key) if state.size < state.ceiling else None
+        size = decision.grown(owner.rules, state, wait is not None)
+        state.probe_from = state.size if size != state.size else None
+        if size != state.size:
+            logger.info(
+                "%s: succeeded %s times in a row at batch size %d; trying %d", owner.name, wait, *(state.size, size)
+            )
+        state.size = owner.stats.batch_size = size
+
+    def exhausted(self, failure: Failure, free: int) -> str:
+        """Return the message of the call that gives up."""
+        owner, agreement, first = self.owner, self.agreement, self.call.first
+        facts = failure.exhaustion(owner.name, self.state.floor, owner.rules.max_attempts, self.call.device, free)
+        return owner.explain(
+            replace(
+                facts,
+                rank=None if agreement is None else agreement.rank,
+                world_size=None if agreement is None else agreement.world_size,
+                figures=None if first is None else first.figures(),
+                frame=sys._getframe(3),  # Attempt.retry()'s caller: the frames above it hold the call's model
+            )
+        )
+
+
+class Attempt:
+    """The attempts of one call: iterate it, and run each attempt's body in ``with``.
+
+    The iterable and the current attempt are one object, made once per call;
+    nothing is made per attempt until one fails.
+
+    .. versionadded:: 0.1.0
+    """
+
+    __slots__ = ("_course",)
+
+    def __init__(
+        self,
+        owner: Owner,
+        call: Call,
+        state: State,
+        key: Hashable | None,
+        agreement: distributed.Agreement | None = None,
+        *,
+        started: float | None = None,
+    ) -> None:
+        self._course = Course(owner, call, state, key, agreement, started)
+
+    @property
+    def batch_size(self) -> int:
+        """The size the current attempt must use."""
+        return self._course.state.size
+
+    @property
+    def number(self) -> int:
+        """The current attempt's number, from 1."""
+        return self._course.state.number
+
+    @property
+    def stats(self) -> Stats:
+        """The statistics of the wrapper this call belongs to."""
+        return self._course.owner.stats
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the ranks of a distributed job agree on this call's sizes."""
+        return self._course.agreement is not None
+
+    @property
+    def unanimous(self) -> bool:
+        """After :meth:`succeeded` with agreement across ranks, whether every rank's ``vote`` was yes."""
+        return self._course.unanimous
+
+    def __iter__(self) -> Iterator[Attempt]:
+        # A generator, so that ending the loop costs no StopIteration raised in Python.
+        yield self
+        while not self.succeeded():
+            yield self.retry()
+
+    def __enter__(self) -> Attempt:
+        self._course.begin()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        return self._course.end(exc)
+
+    def succeeded(self, vote: bool = True) -> bool:
+        """Return whether the attempt that just ran succeeded (on every rank, when ranks agree).
+
+        Call it after the ``with attempt:`` block. When ranks agree, it is the
+        collective every rank makes after each attempt: if any rank ran out of
+        memory, every rank's attempt failed, and :meth:`retry` moves all of them
+        to the same size.
+
+        Args:
+            vote (bool): a yes or no the ranks exchange in the same collective;
+                whether every rank said yes is then in ``unanimous``. Default: ``True``.
+
+        Returns:
+            bool: ``False`` if the attempt must be retried with :meth:`retry`.
+
+        Raises:
+            RuntimeError: if no attempt ran inside ``with attempt:``.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._course.settle(vote)
+
+    def retry(self) -> Attempt:
+        """Release the failed attempt's memory and move on to the next size.
+
+        Call it when :meth:`succeeded` returned ``False``, outside any ``except`` block.
+
+        Returns:
+            Attempt: this object, with ``batch_size`` and ``number`` advanced.
+
+        Raises:
+            BatchSizeExhausted: if there is no size left to try, raised from the
+                last out-of-memory error.
+            RuntimeError: if the last attempt did not run out of memory.
+            TypeError: if an argument of the call is an iterator, which the
+                failed attempt may have consumed in part.
+        """
+        self._course.retry()
+        return self
+
+    @property
+    def meter(self) -> memory.PeakMeter | None:
+        """What measures the coming run (``with meter:``) for :meth:`calibrate`; ``None`` when nothing waits for one.
+
+        .. versionadded:: 0.1.0
+        """
+        course = self._course
+        return cast(FirstSize, course.call.first).meter if course.state.measures else None
+
+    def calibrate(self, rows: int, rise: int) -> int:
+        """Correct the call's estimate by a measured run, and move on to the size it then chooses.
+
+        The size holds for the rest of the call, and is the one stored once it succeeds.
+
+        Args:
+            rows (int): the rows of the run measured.
+            rise (int): its peak less what was allocated as it began, in bytes.
+
+        Returns:
+            int: the new ``batch_size``, within ``[minimum, initial]``; never below ``rows``.
+
+        Raises:
+            RuntimeError: if the call has nothing to measure.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._course.calibrate(rows, rise)
+
+    def narrow(self, rows: int) -> None:
+        """Use only ``rows`` (fewer than ``batch_size``) in the coming attempt: a short last step.
+
+        If it runs out of memory, the next size is below ``rows``; if it
+        succeeds, nothing is stored, because fewer rows prove nothing about ``batch_size``.
+
+        .. versionadded:: 0.1.0
+        """
+        self._course.state.rows = rows
+
+    def next_step(self) -> Attempt:
+        """Move on to the next step of a run of steps (a chunk), at the size the last one succeeded at.
+
+        Returns:
+            Attempt: this object, ready for the next step's first attempt.
+
+        Raises:
+            RuntimeError: if the current step has not succeeded.
+
+        .. versionadded:: 0.1.0
+        """
+        self._course.next_step()
+        return self

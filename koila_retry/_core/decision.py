@@ -1,0 +1,394 @@
+"""The engine's one decision: which size a call tries next, and when it stops.
+
+Every size rule of the engine lives here, and nowhere else:
+
+- the first size of a call (:func:`first`): the size the cache holds, scaled down
+  when it was proven on smaller samples of a class of sizes, or else the
+  estimate's, kept within the floor and the ceiling;
+- growing back (:func:`grown`): the size above a reduced one, by the schedule;
+- what follows an attempt (:func:`decide`): shrinking by the schedule, the fall
+  back from a growth probe, the smaller probe of a measured run, the size the
+  ranks agreed on, the floor and ``max_attempts``, or what a success stores;
+- where ranks agree, their common start (:func:`agreed_start`);
+- a measured run's correction (:func:`calibrated`).
+
+It is pure: no tensor, no cache, no collective, no clock. The engine gathers
+the facts (what the cache holds, whether growth is due, what the ranks agreed
+on), asks, and carries the step out. ``tests/test_decision.py`` tests it as a
+table of (state, outcome) and the step that follows, without running any work.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from koila_retry._core.policy import Policy, Schedule, powers_of_two
+
+__all__ = [
+    "Done",
+    "GiveUp",
+    "Outcome",
+    "Rules",
+    "State",
+    "Step",
+    "Try",
+    "agreed_start",
+    "calibrated",
+    "decide",
+    "first",
+    "grow_by",
+    "grown",
+    "settled",
+    "shrink",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """What a wrapper's options say about sizes.
+
+    Attributes:
+        name (str): how errors name the function.
+        initial (int or None): the policy's first size; ``None``: each call's rows.
+        minimum (int): the smallest size to try.
+        schedule (callable): the size after one that failed.
+        max_attempts (int or None): the most attempts of a call, or of a step.
+        keep_last (bool): store the size of every success (toma's caches do),
+            not only of those below the call's ceiling.
+    """
+
+    name: str
+    initial: int | None
+    minimum: int = 1
+    schedule: Schedule = powers_of_two
+    max_attempts: int | None = None
+    keep_last: bool = False
+
+    @classmethod
+    def of(cls, name: str, policy: Policy, *, keep_last: bool = False) -> Rules:
+        """Return the size rules of ``policy``, for the function named ``name``."""
+        return cls(name, policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last)
+
+
+@dataclass(slots=True)
+class State:
+    """Where one call stands; its attempt owns it and carries each step out on it.
+
+    Attributes:
+        size (int): the size of the current attempt.
+        ceiling (int): the call's largest size: the policy's ``initial``, or its rows.
+        floor (int): the smallest size: the policy's ``minimum``, or, when ranks
+            agree, the largest of theirs.
+        cached (int): the size the cache holds for the call; the ceiling when it
+            holds none (a success there stores nothing), 0 when every success is stored.
+        number (int): the current attempt's number, from 1.
+        rows (int or None): the rows of a short last step, fewer than ``size``.
+        probe_from (int or None): the size that fitted, when ``size`` is a
+            growth probe above it.
+        measures (int): how many more successful runs are to be measured, while
+            an estimate waits for its correction.
+    """
+
+    size: int
+    ceiling: int
+    floor: int
+    cached: int
+    number: int = 1
+    rows: int | None = None
+    probe_from: int | None = None
+    measures: int = 0
+
+
+class Outcome(enum.Enum):
+    """What the last attempt did."""
+
+    #: It succeeded (on every rank, when ranks agree).
+    SUCCEEDED = "succeeded"
+    #: It ran out of memory here.
+    OUT_OF_MEMORY = "out of memory"
+    #: The ranks agreed, after an out-of-memory error on one of them, on the size every rank tries next.
+    AGREED = "agreed"
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    """Run the next attempt at ``size``.
+
+    Attributes:
+        size (int): the size.
+        probe (bool): whether the attempt that failed was a growth probe (its
+            key then waits longer before growing again).
+    """
+
+    size: int
+    probe: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Try nothing more: the call raises :class:`~koila_retry.BatchSizeExhausted`.
+
+    Attributes:
+        reason (str): why, in words: ``"minimum"``, ``"max_attempts"``,
+            ``"schedule"`` (it returned ``None``), ``"ranks"`` (a rank that
+            failed has no size left) or ``"iterator"`` (an argument is an
+            iterator, which the failed attempt may have consumed in part).
+        probe (bool): as :attr:`Try.probe`.
+    """
+
+    reason: str
+    probe: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The call succeeded: what its cache keeps.
+
+    Attributes:
+        store (int or None): the size to store under the call's key; ``None``: none.
+        forget (bool): remove what is stored (the call reached its ceiling, which
+            lifts the limit stored before).
+        conclusive (bool): whether the success proves its size (a short last
+            step does not); growing back counts only those.
+        reduced (bool): whether the size is below the call's ceiling: growing
+            back waits for such successes in a row.
+        probe (bool): whether the size was a growth probe (above the size that fitted).
+    """
+
+    store: int | None
+    forget: bool
+    conclusive: bool
+    reduced: bool
+    probe: bool
+
+
+#: The next step of a call.
+Step = Try | GiveUp | Done
+
+
+def grow_by(schedule: Schedule, size: int) -> int:
+    """Return the size above ``size``, by the schedule's own ``grow`` if it has one, else doubled.
+
+    A schedule that shrinks by a factor grows by it too (:class:`~koila_retry.scaled`);
+    plain callables, :func:`~koila_retry.powers_of_two` among them, grow to the
+    next power of two.
+
+    Args:
+        schedule (callable): the policy's schedule.
+        size (int): the size that fitted.
+
+    Returns:
+        int: a size above ``size``.
+
+    Raises:
+        ValueError: if the schedule's ``grow`` returns no int above ``size``.
+    """
+    grow = getattr(schedule, "grow", None)
+    if grow is None:
+        return 1 << size.bit_length()
+    larger = grow(size)
+    if isinstance(larger, bool) or not isinstance(larger, int) or larger <= size:
+        raise ValueError(
+            f"the schedule's grow returned {larger!r} for batch size {size}; it must return an int above {size}"
+        )
+    return larger
+
+
+def first(
+    rules: Rules,
+    cached: int | None,
+    rows: int,
+    *,
+    estimate: Callable[[], int] | None = None,
+    proven: int | None = None,
+    per_sample: int = 0,
+) -> State:
+    """Return the state of a call as it begins: its first size, ceiling and floor.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        cached (int or None): the size the cache holds for the call, if any.
+        rows (int): the rows the call was given (0 if unknown).
+        estimate (callable, optional): the estimate's size, asked only when the
+            cache holds none.
+        proven (int or None): the bytes of one sample the cached size was proven on.
+        per_sample (int): the bytes of one sample of this call, when the key names
+            a class of sample shapes: a size proven on smaller samples is scaled
+            down to as many bytes of samples, never as many rows of larger ones.
+
+    Returns:
+        State: the first attempt's state.
+    """
+    floor = rules.minimum
+    if cached is not None and per_sample and proven is not None and per_sample > proven:
+        cached = max(cached * proven // per_sample, 1)
+    ceiling = rules.initial
+    if ceiling is None:
+        # Above a stored size, the call's rows are its ceiling; a stored size above the rows
+        # stays the ceiling, so that the front end runs the rows as a short step.
+        ceiling = max(rows, floor) if cached is None else max(rows, cached, floor)
+    if cached is None:
+        # Nothing stored: a success at the ceiling has nothing to store either.
+        size = ceiling
+        if estimate is not None:
+            size = min(max(estimate(), floor), ceiling)
+        return State(size, ceiling, floor, 0 if rules.keep_last else ceiling)
+    # Another wrapper sharing the cache may have stored a size out of this one's range.
+    return State(min(max(cached, floor), ceiling), ceiling, floor, cached)
+
+
+def settled(rules: Rules, cached: int | None) -> int:
+    """Return the size a call starts at with nothing to store and nothing to grow, or 0 if it needs a :class:`State`.
+
+    The common case, decided without making a state: the policy has an
+    ``initial``, and the cache holds nothing (the call starts there) or a size
+    within ``[minimum, initial]`` (it starts at that size). It agrees with
+    :func:`first` wherever it answers.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        cached (int or None): the size the cache holds for the call, if any.
+
+    Returns:
+        int: the size, or 0.
+    """
+    initial = rules.initial
+    if initial is None:
+        return 0
+    if cached is None:
+        return 0 if rules.keep_last else initial
+    return cached if rules.minimum <= cached <= initial else 0
+
+
+def grown(rules: Rules, state: State, due: bool) -> int:
+    """Return the size to start a call or a step at: the state's, or the probe above it when ``due``.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        state (State): the call, at the size that last fitted.
+        due (bool): whether the key's successes in a row are enough to grow.
+
+    Returns:
+        int: ``state.size``, or a probe above it, never above the ceiling.
+    """
+    size = state.size
+    if not due or size >= state.ceiling:
+        return size
+    probe = grow_by(rules.schedule, size)
+    # Without an initial of its own, the call's rows are no cap: a probe above them runs
+    # them as a short step, which proves nothing about the probe (and lifts nothing).
+    return probe if rules.initial is None else min(probe, state.ceiling)
+
+
+def shrink(rules: Rules, failed: int, number: int, floor: int) -> Try | GiveUp:
+    """Return the step after ``failed`` ran out of memory on attempt ``number``, by the schedule.
+
+    The schedule proposes; the rules keep it within bounds: never below ``floor``
+    (a proposal below is raised to it), nothing after ``floor`` or after
+    ``max_attempts`` attempts.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        failed (int): the size that ran out of memory.
+        number (int): the number of the attempt that failed, from 1.
+        floor (int): the smallest size.
+
+    Returns:
+        Try or GiveUp: the next size, or why there is none.
+
+    Raises:
+        ValueError: if the schedule returns a size that does not shrink, or is not a size.
+    """
+    if rules.max_attempts is not None and number >= rules.max_attempts:
+        return GiveUp("max_attempts")
+    if failed <= floor:
+        return GiveUp("minimum")
+    size = rules.schedule(failed)
+    if size is None:
+        return GiveUp("schedule")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < failed:
+        # An endless loop (a size that does not shrink) or a size no call can use.
+        raise ValueError(
+            f"{rules.name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
+            f"it must return an int from 1 to {failed - 1} (raised to the minimum, {floor}, "
+            "if below it), or None to give up"
+        )
+    return Try(max(size, floor))
+
+
+def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None = None, hint: int | None = None) -> Step:
+    """Return what follows the attempt that just ran.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        state (State): the call, as the attempt left it.
+        outcome (Outcome): what the attempt did.
+        agreed (int or None): with :attr:`Outcome.AGREED`, the size the ranks
+            agreed on; ``None`` if a rank that failed had none left.
+        hint (int or None): with :attr:`Outcome.OUT_OF_MEMORY` while a run is to
+            be measured: the estimate's smaller probe, once it knows it was short.
+
+    Returns:
+        Step: :class:`Try`, :class:`GiveUp` or :class:`Done`.
+    """
+    size = state.size if state.rows is None else min(state.size, state.rows)
+    probing = state.probe_from is not None and size > state.probe_from
+    if outcome is Outcome.SUCCEEDED:
+        probe = state.probe_from is not None
+        if state.rows is not None and not rules.keep_last:
+            # A short last step proves nothing about its full size: nothing is stored.
+            return Done(None, False, conclusive=False, reduced=False, probe=probe)
+        store, forget = None, False
+        # Only a size below the ceiling says something about memory: one at it says only what
+        # was asked for, and stored, it would hold back a later call that asks for more.
+        if state.cached != state.size:
+            if state.size < state.ceiling or rules.keep_last:
+                store = state.size
+            elif state.cached < state.size:  # not a larger size, stored by a wrapper with a larger ceiling
+                forget = True
+        return Done(store, forget, conclusive=True, reduced=state.size < state.ceiling, probe=probe)
+    if outcome is Outcome.AGREED:
+        return GiveUp("ranks", probing) if agreed is None else Try(max(agreed, state.floor), probing)
+    if probing:
+        return Try(state.probe_from, True)  # type: ignore[arg-type]  # back to the size that fitted, whatever max_attempts says
+    step = shrink(rules, size, state.number, state.floor)
+    if isinstance(step, Try) and state.measures and hint is not None:
+        # The estimate is under the truth by more than its margin: the next run, still the one
+        # to be measured, is a probe that fits even if it were far more under.
+        return Try(max(min(step.size, hint), state.floor))
+    return step
+
+
+def agreed_start(state: State, agreed: int, floor: int) -> None:
+    """Move a call that agrees across ranks to the ranks' start: their smallest size, never below their floor.
+
+    A growth probe stays one only if every rank was due one.
+
+    Args:
+        state (State): the call; changed in place.
+        agreed (int): the smallest of the ranks' starting sizes.
+        floor (int): the largest of the ranks' minimums.
+    """
+    state.floor = floor
+    state.size = max(agreed, floor)
+    if state.probe_from is not None and state.size <= state.probe_from:
+        state.probe_from = None
+
+
+def calibrated(state: State, wanted: int, rows: int) -> int:
+    """Return the size a measured run's corrected estimate leads to.
+
+    Never below the rows measured, which ran, whatever the corrected estimate's
+    margin says; within the floor and the ceiling.
+
+    Args:
+        state (State): the call.
+        wanted (int): the corrected estimate's size.
+        rows (int): the rows of the run measured.
+
+    Returns:
+        int: the size for the rest of the call.
+    """
+    return min(max(wanted, rows, state.floor), state.ceiling)

@@ -1,0 +1,229 @@
+"""What a call keeps of its attempts: what a success stores, and what failures leave and report.
+
+Plain values only: an attempt's out-of-memory error is read inside its handler
+and dropped with it. The one exception kept is the cause of a coming
+:class:`~koila_retry.BatchSizeExhausted`, stripped of its traceback first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+
+from koila_retry._common.units import format_free
+from koila_retry._core.cache import SizeCache
+from koila_retry._core.decision import Done, GiveUp, State, Step
+from koila_retry._core.stats import OOMEvent, Stats
+
+__all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store"]
+
+logger = logging.getLogger("koila_retry")
+
+
+@dataclass(frozen=True)
+class Exhaustion:
+    """What a call that gives up knows: the facts an :data:`Explain` turns into its message.
+
+    Plain values only: no exception, no tensor.
+
+    Attributes:
+        name (str): the function or block.
+        tried (tuple of int): the sizes tried, in order; the last failed last.
+        minimum (int): the smallest size allowed: the policy's minimum or, when
+            ranks agree, the largest of theirs.
+        max_attempts (int or None): the policy's bound on attempts.
+        where (str): where the last error was raised.
+        failing_rank (int or None): when ranks agree, the rank that ran out of memory.
+        rank (int or None): this process's rank, when ranks agree.
+        world_size (int or None): how many ranks agree.
+        device (torch.device): the device.
+        free_bytes (int): its free memory after the release; -1 if unknown.
+        figures (tuple or None): an ``initial="auto"`` estimate's per-sample and fixed bytes.
+        frame (FrameType or None): the engine's frame; the ones above it hold the call's objects.
+    """
+
+    name: str
+    tried: tuple[int, ...]
+    minimum: int
+    max_attempts: int | None
+    where: str
+    failing_rank: int | None
+    rank: int | None
+    world_size: int | None
+    device: torch.device
+    free_bytes: int
+    figures: tuple[int, int] | None
+    frame: FrameType | None
+
+
+#: Builds the message of :class:`BatchSizeExhausted` from what a call that gives up knows.
+Explain = Callable[[Exhaustion], str]
+
+
+def plain_message(exhaustion: Exhaustion) -> str:
+    """Return one line with the sizes tried: the message of a call that gives up, by default."""
+    tried = " -> ".join(str(size) for size in exhaustion.tried)
+    return f"{exhaustion.name}: out of memory at every batch size tried ({tried}); last raised at {exhaustion.where}."
+
+
+class Failure:
+    """What a call keeps of its failed attempts: plain values, never the exception.
+
+    Attributes:
+        step (Step): what the decision said follows the attempt that failed.
+        where (str): where it failed (a place in the code, or ``"rank N"``).
+        rank (int or None): when ranks agree, the lowest that failed.
+        seconds (float): the time lost since the last report.
+        tried (list of int): the sizes that failed, in order.
+        reused (str or None): an iterator argument, which a retry would reuse.
+        final_oom (BaseException or None): the cause of the coming
+            :class:`~koila_retry.BatchSizeExhausted`, without its traceback.
+    """
+
+    __slots__ = ("final_oom", "rank", "reused", "seconds", "step", "tried", "where")
+
+    def __init__(self) -> None:
+        self.step: Step = GiveUp("minimum")
+        self.where = ""
+        self.rank: int | None = None
+        self.seconds = 0.0
+        self.tried: list[int] = []
+        self.reused: str | None = None
+        self.final_oom: BaseException | None = None
+
+    def report(
+        self, name: str, failed: int, next_size: int | None, number: int, device: torch.device, free: int, stats: Stats
+    ) -> OOMEvent:
+        """Count the failure in ``stats``, log it, and return its event.
+
+        Args:
+            name (str): the function or block.
+            failed (int): the size that failed.
+            next_size (int or None): the size tried next; ``None`` when the call gives up.
+            number (int): the attempt's number.
+            device (torch.device): the device.
+            free (int): its free bytes after the release.
+            stats (Stats): the wrapper's statistics.
+
+        Returns:
+            OOMEvent: what ``on_oom`` hooks are told.
+        """
+        self.tried.append(failed)
+        stats.record_oom(self.seconds, next_size)
+        event = OOMEvent(
+            function=name,
+            batch_size=failed,
+            next_batch_size=next_size,
+            attempt=number,
+            device=device,
+            free_bytes=free,
+            seconds=self.seconds,
+            where=self.where,
+            rank=self.rank,
+        )
+        self.seconds = 0.0
+        if next_size is None:
+            logger.info("%s: out of memory at batch size %d; giving up", name, failed)
+        else:
+            logger.info(
+                "%s: out of memory at batch size %d (%s), retrying at %d with %s free on %s",
+                name,
+                failed,
+                self.where,
+                next_size,
+                format_free(free),
+                device,
+            )
+        return event
+
+    def exhaustion(
+        self, name: str, minimum: int, max_attempts: int | None, device: torch.device, free: int
+    ) -> Exhaustion:
+        """Return what the call that gives up knows, for its message; the rank and estimate are filled in after."""
+        return Exhaustion(
+            name=name,
+            tried=tuple(self.tried),
+            minimum=minimum,
+            max_attempts=max_attempts,
+            where=self.where,
+            failing_rank=self.rank,
+            rank=None,
+            world_size=None,
+            device=device,
+            free_bytes=free,
+            figures=None,
+            frame=None,
+        )
+
+    def reuse_error(self, name: str, failed: int) -> TypeError:
+        """Return the error of a call that cannot be retried because an argument is an iterator."""
+        return TypeError(
+            f"{name}: out of memory at batch size {failed}, and the call cannot be retried: "
+            f"{self.reused} is an iterator, which the failed attempt may have consumed in part, so a "
+            "retry would see only the rest. Pass a list, a tuple or another collection that can be "
+            "iterated again (list(...) of the iterator), or make the iterator inside the function"
+        )
+
+
+def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_sample: int, grow: int | None) -> None:
+    """Carry out what the decision says a success stores, and count it towards growing back.
+
+    Args:
+        cache (SizeCache): the wrapper's cache.
+        key (Hashable or None): the call's key; ``None`` stores nothing.
+        done (Done): the decision.
+        state (State): the call; its ``cached`` becomes what the cache now holds.
+        per_sample (int): the bytes of one sample the size was proven on, if the
+            key names a class of sample shapes; else 0.
+        grow (int or None): the policy's ``grow_after``, when it grows back.
+    """
+    if done.conclusive and key is not None and state.cached != state.size:
+        if done.store is not None:
+            cache[key] = done.store
+            if per_sample:
+                cache.prove(key, per_sample)
+        elif done.forget:
+            cache.pop(key, None)
+        state.cached = state.size
+    if grow is not None:
+        if done.conclusive:
+            cache.growth.succeeded(key, reduced=done.reduced, wait=grow, probe=done.probe)
+        elif done.probe:  # a short step proves nothing about a probe: it is due again
+            cache.growth.inconclusive(key)
+
+
+def iterator_among(roots: tuple[object, ...]) -> str | None:
+    """Name the first iterator among a call's arguments (the tuples and dicts in its roots)."""
+    # Tensors, lists and data loaders are iterated afresh by each attempt; an iterator
+    # (a generator, iter(...), a file) goes on from where the failed attempt stopped.
+    for root in roots:
+        if isinstance(root, (tuple, list)):
+            for index, value in enumerate(root):
+                if isinstance(value, Iterator):
+                    return f"argument {index} ({type(value).__name__})"
+        elif isinstance(root, dict):
+            for name, value in root.items():
+                if isinstance(value, Iterator):
+                    return f"keyword argument {name!r} ({type(value).__name__})"
+    return None
+
+
+def detached(exc: BaseException) -> BaseException:
+    """Return ``exc`` without the tracebacks that pin a failed attempt's frames and tensors.
+
+    The traceback of the error, of every error it was raised from, and the
+    errors they were raised while handling are dropped. The explicit causes
+    stay: they hold the out-of-memory error a wrapper was raised from.
+    """
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link.__context__ = None
+        link = link.__cause__
+    return exc

@@ -1,0 +1,276 @@
+"""The engine's one decision, as a table: (rules, state, outcome) and the step that follows.
+
+No work runs here: each row is the facts a call has after an attempt, and what must come next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import koila_retry as koila
+from koila_retry._core import decision
+from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Try
+
+OOM, OK, AGREED = Outcome.OUT_OF_MEMORY, Outcome.SUCCEEDED, Outcome.AGREED
+RULES = Rules("f", initial=512)
+
+
+def state(size: int, **changes: object) -> State:
+    """A call of ``RULES`` at ``size``, nothing stored, with ``changes``."""
+    return replace(State(size, ceiling=512, floor=1, cached=512), **changes)  # type: ignore[arg-type]
+
+
+DECISIONS = [
+    # (id, rules, state, outcome, agreed, hint, step)
+    # -- shrinking by the schedule
+    ("powers of two", RULES, state(512), OOM, None, None, Try(256)),
+    ("500 to 256", RULES, state(500), OOM, None, None, Try(256)),
+    ("scaled(0.9)", replace(RULES, schedule=koila.scaled(0.9)), state(100), OOM, None, None, Try(90)),
+    ("a short step goes below its rows", RULES, state(512, rows=300), OOM, None, None, Try(256)),
+    # -- the floor
+    ("raised to the floor", replace(RULES, minimum=48), state(64, floor=48), OOM, None, None, Try(48)),
+    ("nothing below the floor", RULES, state(48, floor=48), OOM, None, None, GiveUp("minimum")),
+    ("the ranks' floor", RULES, state(100, floor=80), OOM, None, None, Try(80)),
+    ("at 1", RULES, state(1), OOM, None, None, GiveUp("minimum")),
+    # -- max_attempts
+    ("the last attempt", replace(RULES, max_attempts=3), state(128, number=3), OOM, None, None, GiveUp("max_attempts")),
+    ("before the last", replace(RULES, max_attempts=3), state(128, number=2), OOM, None, None, Try(64)),
+    (
+        "a schedule that gives up",
+        replace(RULES, schedule=lambda n: None),
+        state(8),
+        OOM,
+        None,
+        None,
+        GiveUp("schedule"),
+    ),
+    # -- the probe fallback: back to what fitted, whatever max_attempts says
+    ("a probe falls back", RULES, state(256, probe_from=128), OOM, None, None, Try(128, probe=True)),
+    (
+        "a probe falls back past max_attempts",
+        replace(RULES, max_attempts=1),
+        state(256, probe_from=128),
+        OOM,
+        None,
+        None,
+        Try(128, probe=True),
+    ),
+    ("a short step below the probe shrinks", RULES, state(256, probe_from=128, rows=100), OOM, None, None, Try(64)),
+    # -- a measured run's smaller probe
+    ("the estimate's probe", RULES, state(256, measures=2), OOM, None, None, Try(128)),
+    ("the estimate's smaller probe", RULES, state(256, measures=2), OOM, None, 16, Try(16)),
+    ("not below the floor", RULES, state(256, measures=2, floor=32), OOM, None, 16, Try(32)),
+    ("no longer measured", RULES, state(256, measures=0), OOM, None, 16, Try(128)),
+    # -- what the ranks agreed on
+    ("the ranks' size", RULES, state(256), AGREED, 64, None, Try(64)),
+    ("never below the floor", RULES, state(256, floor=100), AGREED, 64, None, Try(100)),
+    ("a rank has none left", RULES, state(256), AGREED, None, None, GiveUp("ranks")),
+    ("a probe the ranks failed", RULES, state(256, probe_from=128), AGREED, 128, None, Try(128, probe=True)),
+    # -- successes: what is stored
+    ("at the ceiling: nothing", RULES, state(512), OK, None, None, Done(None, False, True, False, False)),
+    ("below it: stored", RULES, state(256), OK, None, None, Done(256, False, True, True, False)),
+    ("already stored", RULES, state(256, cached=256), OK, None, None, Done(None, False, True, True, False)),
+    ("the ceiling reached again", RULES, state(512, cached=256), OK, None, None, Done(None, True, True, False, False)),
+    (
+        "a larger wrapper's size",
+        RULES,
+        state(512, cached=1024),
+        OK,
+        None,
+        None,
+        Done(None, False, True, False, False),
+    ),
+    (
+        "a short step proves nothing",
+        RULES,
+        state(256, rows=100),
+        OK,
+        None,
+        None,
+        Done(None, False, False, False, False),
+    ),
+    ("a probe that fitted", RULES, state(256, probe_from=128), OK, None, None, Done(256, False, True, True, True)),
+    (
+        "a probe on a short step",
+        RULES,
+        state(256, probe_from=128, rows=100),
+        OK,
+        None,
+        None,
+        Done(None, False, False, False, True),
+    ),
+    (
+        "keep_last stores the ceiling",
+        replace(RULES, keep_last=True),
+        state(512, cached=0),
+        OK,
+        None,
+        None,
+        Done(512, False, True, False, False),
+    ),
+    (
+        "keep_last stores a short step",
+        replace(RULES, keep_last=True),
+        state(512, cached=0, rows=10),
+        OK,
+        None,
+        None,
+        Done(512, False, True, False, False),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("rules", "before", "outcome", "agreed", "hint", "step"),
+    [row[1:] for row in DECISIONS],
+    ids=[row[0] for row in DECISIONS],
+)
+def test_the_decision_table(
+    rules: Rules, before: State, outcome: Outcome, agreed: int | None, hint: int | None, step: decision.Step
+) -> None:
+    snapshot = replace(before)
+    assert decision.decide(rules, before, outcome, agreed=agreed, hint=hint) == step
+    assert before == snapshot  # pure: the attempt carries the step out
+
+
+FIRSTS = [
+    # (id, rules, cached, rows, estimate, proven, per_sample, (size, ceiling, floor, cached))
+    ("nothing stored: initial", RULES, None, 0, None, None, 0, (512, 512, 1, 512)),
+    ("stored", RULES, 128, 0, None, None, 0, (128, 512, 1, 128)),
+    ("stored above initial", RULES, 1024, 0, None, None, 0, (512, 512, 1, 1024)),
+    ("stored below minimum", replace(RULES, minimum=64), 8, 0, None, None, 0, (64, 512, 64, 8)),
+    ("the estimate", RULES, None, 0, 100, None, 0, (100, 512, 1, 512)),
+    ("the estimate above initial", RULES, None, 0, 4096, None, 0, (512, 512, 1, 512)),
+    ("the estimate below minimum", replace(RULES, minimum=8), None, 0, 2, None, 0, (8, 512, 8, 512)),
+    ("the cache beats the estimate", RULES, 64, 0, 100, None, 0, (64, 512, 1, 64)),
+    ("keep_last stores the first success", replace(RULES, keep_last=True), None, 0, None, None, 0, (512, 512, 1, 0)),
+    # initial=None: the call's rows are the ceiling
+    ("no initial: the rows", Rules("f", None), None, 1000, None, None, 0, (1000, 1000, 1, 1000)),
+    ("no initial: rows below minimum", Rules("f", None, 16), None, 5, None, None, 0, (16, 16, 16, 16)),
+    ("no initial: stored above the rows", Rules("f", None), 512, 200, None, None, 0, (512, 512, 1, 512)),
+    ("no initial: stored below the rows", Rules("f", None), 512, 4000, None, None, 0, (512, 4000, 1, 512)),
+    # size classes: a size proven on smaller samples, as many bytes of these samples
+    ("proven on smaller samples", RULES, 256, 0, None, 100, 200, (128, 512, 1, 128)),
+    ("proven on larger samples", RULES, 256, 0, None, 400, 200, (256, 512, 1, 256)),
+    ("never scaled below 1", RULES, 2, 0, None, 100, 1000, (1, 512, 1, 1)),
+]
+
+
+@pytest.mark.parametrize(
+    ("rules", "cached", "rows", "estimate", "proven", "per_sample", "expected"),
+    [row[1:] for row in FIRSTS],
+    ids=[row[0] for row in FIRSTS],
+)
+def test_the_first_size_table(
+    rules: Rules,
+    cached: int | None,
+    rows: int,
+    estimate: int | None,
+    proven: int | None,
+    per_sample: int,
+    expected: tuple[int, int, int, int],
+) -> None:
+    asked: list[int] = []
+
+    def estimated() -> int:
+        asked.append(1)
+        return estimate  # type: ignore[return-value]
+
+    made = decision.first(
+        rules, cached, rows, estimate=None if estimate is None else estimated, proven=proven, per_sample=per_sample
+    )
+    assert (made.size, made.ceiling, made.floor, made.cached) == expected
+    assert asked == ([1] if estimate is not None and cached is None else [])  # asked only when nothing is stored
+
+
+@given(st.integers(1, 4096), st.one_of(st.none(), st.integers(1, 8192)), st.integers(1, 64), st.booleans())
+def test_settled_agrees_with_first(initial: int, cached: int | None, minimum: int, keep_last: bool) -> None:
+    rules = Rules("f", initial, min(minimum, initial), keep_last=keep_last)
+    size = decision.settled(rules, cached)
+    if size:
+        made = decision.first(rules, cached, 0)
+        assert made.size == size
+        assert made.cached == size  # a success stores nothing: the call needs no state
+
+
+GROWTHS = [
+    # (id, rules, state, due, size)
+    ("not due", RULES, state(128), False, 128),
+    ("doubled", RULES, state(128), True, 256),
+    ("to the next power of two", RULES, state(100), True, 128),
+    ("capped at initial", replace(RULES, initial=200), state(128, ceiling=200), True, 200),
+    ("at the ceiling", RULES, state(512), True, 512),
+    ("by scaled(0.9)", replace(RULES, schedule=koila.scaled(0.9)), state(100), True, 112),
+    ("by scaled(0.5)", replace(RULES, schedule=koila.scaled(0.5)), state(100), True, 200),
+    ("no initial: above the rows", Rules("f", None), state(128, ceiling=150), True, 256),
+]
+
+
+@pytest.mark.parametrize(
+    ("rules", "before", "due", "size"), [row[1:] for row in GROWTHS], ids=[row[0] for row in GROWTHS]
+)
+def test_the_growth_table(rules: Rules, before: State, due: bool, size: int) -> None:
+    assert decision.grown(rules, before, due) == size
+
+
+def test_a_schedule_grows_by_its_own_rule_and_must_grow() -> None:
+    class Thirds:
+        def __call__(self, failed: int) -> int | None:
+            return failed * 2 // 3 or None
+
+        def grow(self, size: int) -> int:
+            return size * 3 // 2 + 1
+
+    assert decision.grow_by(Thirds(), 100) == 151
+    assert decision.grow_by(lambda failed: failed - 1, 100) == 128  # a plain callable doubles
+
+    class Stuck(Thirds):
+        def grow(self, size: int) -> int:
+            return size
+
+    with pytest.raises(ValueError, match=r"grow returned 100 for batch size 100; it must return an int above 100"):
+        decision.grow_by(Stuck(), 100)
+
+
+@given(st.sampled_from([0.3, 0.5, 0.75, 0.9, 0.99]), st.integers(1, 100_000))
+def test_scaled_grows_back_to_the_smallest_size_that_shrinks_to_it(factor: float, size: int) -> None:
+    schedule = koila.scaled(factor)
+    larger = schedule.grow(size)
+    assert larger > size
+    assert (schedule(larger) or 0) >= size
+    assert larger == size + 1 or (schedule(larger - 1) or 0) < size
+
+
+AGREEMENTS = [
+    # (id, state, agreed, floor, (size, floor, probe_from))
+    ("the smallest start", state(256), 64, 1, (64, 1, None)),
+    ("the largest floor", state(256), 64, 100, (100, 100, None)),
+    ("a probe every rank was due", state(256, probe_from=128), 256, 1, (256, 1, 128)),
+    ("a probe another rank was not due", state(256, probe_from=128), 128, 1, (128, 1, None)),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "agreed", "floor", "expected"), [row[1:] for row in AGREEMENTS], ids=[row[0] for row in AGREEMENTS]
+)
+def test_the_agreed_start_table(before: State, agreed: int, floor: int, expected: tuple[int, int, int | None]) -> None:
+    decision.agreed_start(before, agreed, floor)
+    assert (before.size, before.floor, before.probe_from) == expected
+
+
+@pytest.mark.parametrize(
+    ("wanted", "rows", "floor", "size"),
+    [(300, 64, 1, 300), (10, 64, 1, 64), (10, 4, 32, 32), (4096, 64, 1, 512)],
+    ids=["the estimate's", "never below the rows that ran", "the floor", "the ceiling"],
+)
+def test_the_calibration_table(wanted: int, rows: int, floor: int, size: int) -> None:
+    assert decision.calibrated(state(64, floor=floor), wanted, rows) == size
+
+
+def test_a_schedule_that_does_not_shrink_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"f: the schedule returned 100 after batch size 100"):
+        decision.decide(replace(RULES, schedule=lambda n: n), state(100), OOM)
