@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--toma-chunks", type=int, help="chunks per pass of toma in part 2 (default 8; 2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
     parser.add_argument("--no-peers", action="store_true", help="leave toma and accelerate out")
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText csv-tables")
     args = parser.parse_args(argv)
     for name, full, quick in (("rounds", 60, 10), ("peer_rounds", 6, 2), ("toma_chunks", 8, 2)):
         if getattr(args, name) is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import subprocess
 import tarfile
@@ -35,14 +36,14 @@ def percent(ratio: float) -> str:
 
 
 def print_rst(header: list[str], table: list[list[str]], title: str = "") -> None:
-    """Print a table as a reStructuredText list-table, for docs/performance.rst."""
-    print(f".. list-table:: {title}".rstrip())
+    """Print a table as a reStructuredText csv-table, one line a row, for docs/performance.rst."""
+    print(f".. csv-table:: {title}".rstrip())
     print("   :header-rows: 1")
     print()
     for line in [header, *table]:
-        print(f"   * - {line[0]}")
-        for cell in line[1:]:
-            print(f"     - {cell}" if cell else "     -")
+        row = io.StringIO()
+        csv.writer(row, lineterminator="").writerow(line)
+        print(f"   {row.getvalue()}")
 
 
 def print_text(header: list[str], table: list[list[str]]) -> None:
@@ -59,7 +60,7 @@ def add_run_flags(parser: argparse.ArgumentParser, *, no_peers: str) -> None:
     """Add the flags a timed benchmark shares: ``--quick``, ``--no-peers`` (helped by ``no_peers``), ``--rst``."""
     parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
     parser.add_argument("--no-peers", action="store_true", help=no_peers)
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText csv-tables")
 
 
 def settle_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

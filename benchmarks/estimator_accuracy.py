@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one batch size per model and mode, 2 repetitions of the truth"
     )
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText csv-tables")
     parser.add_argument("--models", nargs="+", choices=sorted(ZOO), help="only these models (default: all)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="only these modes")
     parser.add_argument("--repeats", type=int, help="repetitions of the step in each child (default 5; 2 with --quick)")

@@ -26,6 +26,7 @@ each, alternating, and the times are pooled per version. From the repository roo
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import importlib
 import io
@@ -160,13 +161,13 @@ def print_table(table: list[list[str]], rst: bool) -> None:
             print("  ".join("-" * width for width in widths))
     if rst:
         print()
-        print(".. list-table:: The time a call that gives up takes (``benchmarks/give_up.py``)")
+        print(".. csv-table:: The time a call that gives up takes (``benchmarks/give_up.py``)")
         print("   :header-rows: 1")
         print()
         for line in [HEADER, *table]:
-            print(f"   * - {line[0]}")
-            for cell in line[1:]:
-                print(f"     - {cell}")
+            row = io.StringIO()
+            csv.writer(row, lineterminator="").writerow(line)
+            print(f"   {row.getvalue()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20, help="give-ups timed per run (default 20)")
     parser.add_argument("--rounds", type=int, default=3, help="with --against: runs of each version (default 3)")
     parser.add_argument("--against", metavar="REV", help="also measure REV's koila_retry, in turn with this tree's")
-    parser.add_argument("--rst", action="store_true", help="also print the table as a reStructuredText list-table")
+    parser.add_argument("--rst", action="store_true", help="also print the table as a reStructuredText csv-table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:

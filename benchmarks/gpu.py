@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, training steps only for accuracy")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 30, 4 with --quick)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block (default 10)")
-    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText list-tables")
+    parser.add_argument("--rst", action="store_true", help="also print the tables as reStructuredText csv-tables")
     args = parser.parse_args(argv)
     settle_rounds(parser, args)
     if args.steps < 1:

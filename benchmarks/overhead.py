@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=11, help="rounds; each times every candidate once (default 11)")
     parser.add_argument("--quick", action="store_true", help="a fast run: 3 rounds, 2000 calls, 1 peer call")
     parser.add_argument("--no-peers", action="store_true", help="measure plain and koila only")
-    parser.add_argument("--rst", action="store_true", help="also print the table as a reStructuredText list-table")
+    parser.add_argument("--rst", action="store_true", help="also print the table as a reStructuredText csv-table")
     parser.add_argument(
         "--against",
         metavar="REV",

@@ -200,14 +200,10 @@ def accumulate(
             per step, after the ranks agreed that it succeeded everywhere.
             Default: the DDP modules the step reaches (through its
             arguments, closure, globals or ``self``), found at its first call.
-        **options: the options every front end takes, the sizes being those
-            of micro-batches: ``minimum``, ``cache`` (keys include the shape and
-            dtype of one sample; default: a new :class:`StackMemoryCache` for
-            this function), ``max_attempts``, ``on_oom``, ``schedule``,
-            ``device`` (default: the device of the first tensor argument),
-            ``grow``, ``grow_after``, ``sync`` (every rank must then make each
-            call) and ``group`` (default: the process group of ``ddp``, else
-            all); see :ref:`options`.
+        **options (Options): the shared options, the sizes being those of
+            micro-batches; see :ref:`options`. ``cache`` defaults to a new
+            :class:`StackMemoryCache` for this function, and ``group`` to the
+            process group of ``ddp``, else all the ranks.
 
     Returns:
         Batched: the wrapped step, with ``stats`` (``stats.batch_size`` is the

@@ -267,12 +267,8 @@ def batch(
         initial (int): the first size to try. Default: 512.
         param (str, optional): inject the size as this keyword argument instead
             of the first positional one.
-        **options: the options every front end takes: ``minimum``, ``cache``
-            (default: a new :class:`StackMemoryCache` for this function),
-            ``max_attempts``, ``on_oom``, ``schedule``, ``device`` (default: the
-            device of the first tensor argument, else the current accelerator,
-            else the CPU), ``grow``, ``grow_after``, ``sync`` and ``group``; see
-            :ref:`options`.
+        **options (Options): the shared options; see :ref:`options`. ``cache``
+            defaults to a new :class:`StackMemoryCache` for this function.
 
     Returns:
         Batched: the wrapped function, with ``stats``, ``cache_info()`` and
@@ -431,12 +427,9 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
 
     Args:
         initial (int): the first size to try. Default: 512.
-        **options: the options every front end takes: ``minimum``, ``cache``
-            (default: one :class:`StackMemoryCache` shared by all blocks, keyed
-            by the block's place in the code), ``max_attempts``, ``on_oom``,
-            ``schedule``, ``device`` (default: the current accelerator, else the
-            CPU), ``grow``, ``grow_after``, ``sync`` and ``group``; see
-            :ref:`options`.
+        **options (Options): the shared options; see :ref:`options`. ``cache``
+            defaults to one :class:`StackMemoryCache` shared by all blocks, keyed
+            by the block's place in the code.
 
     Returns:
         Attempt: an iterator over the attempts of the block; each attempt is

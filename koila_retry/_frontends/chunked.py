@@ -190,16 +190,11 @@ def chunked(
             joining costs. Not for decorators. Under grad mode, not a leaf
             tensor that requires grad, nor a view of one (checked before
             ``fn`` runs).
-        **options: the options every front end takes, each chunk being one
-            step: ``minimum``, ``cache`` (keys include the shape and dtype of
-            one sample; default: one :class:`StackMemoryCache` shared by
-            ``chunked`` and ``range`` calls, a new one per decorated function),
-            ``max_attempts`` (per chunk), ``on_oom``, ``schedule``, ``device``
-            (default: the device of the first tensor argument), ``grow`` and
-            ``grow_after`` (counting chunks), ``sync`` (every rank must then
-            make the call, over as many rows) and ``group``; see
-            :ref:`options`. In the call form, every other keyword argument
-            is ``fn``'s, split like ``args``:
+        **options (Options): the shared options, each chunk being one step;
+            see :ref:`options`. ``cache`` defaults to one
+            :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls,
+            a new one per decorated function. In the call form, every other
+            keyword argument is ``fn``'s, split like ``args``:
             ``koila.chunked(model, input_ids=ids, attention_mask=mask)``.
 
     Returns:
@@ -657,15 +652,12 @@ def range(
             indices at once. Default: 512.
         progress (bool): show a tqdm progress bar over the indices. Needs
             tqdm (the ``progress`` extra). Default: ``False``.
-        **options: the options every front end takes, each range being one
-            step: ``minimum``, ``cache`` (default: one :class:`StackMemoryCache`
-            shared by ``chunked`` and ``range`` calls, a new one per decorated
-            function), ``max_attempts`` (per range), ``on_oom``, ``schedule``,
-            ``device`` (default: the current accelerator, else the CPU),
-            ``grow`` and ``grow_after`` (counting ranges), ``sync`` (every rank
-            must then make the call, over as many indices) and ``group``; see
-            :ref:`options`. In the call form, every other keyword argument
-            is passed to every call of ``fn``, after ``begin`` and ``end``.
+        **options (Options): the shared options, each range being one step;
+            see :ref:`options`. ``cache`` defaults to one
+            :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls,
+            a new one per decorated function. In the call form, every other
+            keyword argument is passed to every call of ``fn``, after ``begin``
+            and ``end``.
 
     Returns:
         list: what ``fn`` returned for each range, in order; or, used as a
