@@ -274,3 +274,12 @@ def test_the_calibration_table(wanted: int, rows: int, floor: int, size: int) ->
 def test_a_schedule_that_does_not_shrink_is_refused() -> None:
     with pytest.raises(ValueError, match=r"f: the schedule returned 100 after batch size 100"):
         decision.decide(replace(RULES, schedule=lambda n: n), state(100), OOM)
+
+
+@pytest.mark.parametrize(
+    ("size", "proven", "per_sample", "rows"),
+    [(256, 100, 200, 128), (256, 400, 200, 256), (256, 0, 200, 256), (2, 100, 1000, 1), (0, 100, 200, 0)],
+    ids=["smaller samples", "larger samples", "unknown", "never below 1", "nothing"],
+)
+def test_sizes_proven_on_other_samples_of_a_class(size: int, proven: int, per_sample: int, rows: int) -> None:
+    assert decision.in_samples(size, proven, per_sample) == rows

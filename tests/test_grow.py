@@ -379,3 +379,29 @@ def test_grow_after_must_be_a_positive_int(front_end: str, value: object, error:
 @pytest.mark.parametrize("front_end", ALL_FRONT_ENDS)
 def test_valid_grow_options_are_accepted(front_end: str) -> None:
     assert _apply(front_end, grow=True, grow_after=1) is not None
+
+
+def test_growing_back_follows_the_schedule() -> None:
+    budget = Budget(limit=100)
+    call = batch_calls(
+        budget, koila.StackMemoryCache(), initial=128, schedule=koila.scaled(0.9), grow=True, grow_after=1
+    )
+    assert call() == [128, 115, 103, 92]
+    # scaled(0.9) grows back by its own steps: 103, the smallest size it shrinks to 92, not 128.
+    assert call() == [103, 92]
+    assert call() == [92]  # the wait doubled after the failed probe
+    assert call() == [103, 92]
+    budget.limit = 1000
+    assert [call() for _ in range(3)] == [[92]] * 3  # and doubled again
+    assert [call() for _ in range(4)] == [[103], [115], [128], [128]]  # never above initial
+
+
+def test_a_plain_schedule_grows_to_the_next_power_of_two() -> None:
+    budget = Budget(limit=100)
+    call = batch_calls(
+        budget, koila.StackMemoryCache(), initial=256, schedule=lambda n: n - 30, grow=True, grow_after=1
+    )
+    assert call() == [256, 226, 196, 166, 136, 106, 76]
+    budget.limit = 1000
+    assert call() == [128]  # the next power of two above 76, where the schedule shrank by 30
+    assert call() == [256]

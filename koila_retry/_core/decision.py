@@ -40,6 +40,7 @@ __all__ = [
     "first",
     "grow_by",
     "grown",
+    "in_samples",
     "settled",
     "shrink",
 ]
@@ -222,8 +223,8 @@ def first(
         State: the first attempt's state.
     """
     floor = rules.minimum
-    if cached is not None and per_sample and proven is not None and per_sample > proven:
-        cached = max(cached * proven // per_sample, 1)
+    if cached is not None and proven is not None:
+        cached = in_samples(cached, proven, per_sample)
     ceiling = rules.initial
     if ceiling is None:
         # Above a stored size, the call's rows are its ceiling; a stored size above the rows
@@ -237,6 +238,27 @@ def first(
         return State(size, ceiling, floor, 0 if rules.keep_last else ceiling)
     # Another wrapper sharing the cache may have stored a size out of this one's range.
     return State(min(max(cached, floor), ceiling), ceiling, floor, cached)
+
+
+def in_samples(size: int, proven: int, per_sample: int) -> int:
+    """Return ``size`` rows proven on samples of ``proven`` bytes, as rows of samples of ``per_sample`` bytes.
+
+    A size class holds samples of several sizes (rows padded to 37 tokens and to 50
+    share one): a size proven on smaller samples of the class is scaled down to as
+    many bytes of samples, never as many rows of larger ones; one proven on larger
+    samples stays as it is.
+
+    Args:
+        size (int): the size proven.
+        proven (int): the bytes of one sample it was proven on; 0 if unknown.
+        per_sample (int): the bytes of one sample now; 0 if unknown.
+
+    Returns:
+        int: the size, at least 1 unless ``size`` is 0.
+    """
+    if size and proven and per_sample > proven:
+        return max(size * proven // per_sample, 1)
+    return size
 
 
 def settled(rules: Rules, cached: int | None) -> int:

@@ -37,6 +37,7 @@ from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes, parse_bytes
 from koila_retry._common.walk import reachable
 from koila_retry._core.cache import NoCache, SizeCache
+from koila_retry._core.decision import in_samples
 from koila_retry._core.engine import Controller
 from koila_retry._core.memory import DeviceLike, PeakMeter, free_memory, peak_meter, recent_free_memory, resolve_device
 from koila_retry._core.policy import Policy
@@ -1631,10 +1632,7 @@ class AutoFirst:
 
     def _scaled(self, size: int, estimates: _Estimates) -> int:
         """Return ``size`` rows of the samples the estimates were made on, as rows of this call's samples."""
-        made_on, mine = estimates.sample_bytes, self._sample_bytes
-        if size and made_on and mine > made_on:
-            return max(size * made_on // mine, 1)
-        return size
+        return in_samples(size, estimates.sample_bytes, self._sample_bytes)
 
     def _decide(self, fit: _Fit) -> int:
         rows, estimates = self._rows, fit.estimates
