@@ -187,14 +187,42 @@ def test_the_first_size_table(
     assert asked == ([1] if estimate is not None and cached is None else [])  # asked only when nothing is stored
 
 
-@given(st.integers(1, 4096), st.one_of(st.none(), st.integers(1, 8192)), st.integers(1, 64), st.booleans())
-def test_settled_agrees_with_first(initial: int, cached: int | None, minimum: int, keep_last: bool) -> None:
-    rules = Rules("f", initial, min(minimum, initial), keep_last=keep_last)
-    size = decision.settled(rules, cached)
+@given(
+    st.one_of(st.none(), st.integers(1, 4096)),
+    st.one_of(st.none(), st.integers(1, 8192)),
+    st.integers(1, 64),
+    st.integers(0, 8192),
+    st.booleans(),
+)
+def test_settled_agrees_with_first(
+    initial: int | None, cached: int | None, minimum: int, rows: int, keep_last: bool
+) -> None:
+    rules = Rules("f", initial, minimum if initial is None else min(minimum, initial), keep_last=keep_last)
+    size = decision.settled(rules, cached, rows)
+    made = decision.first(rules, cached, rows)
     if size:
-        made = decision.first(rules, cached, 0)
         assert made.size == size
         assert made.cached == size  # a success stores nothing: the call needs no state
+    else:  # it leaves out only the calls whose success stores, or that start away from the cached size
+        assert made.cached != made.size or cached is None or cached < rules.minimum
+
+
+@pytest.mark.parametrize(
+    ("rules", "cached", "rows", "size"),
+    [
+        (RULES, None, 0, 512),
+        (RULES, 128, 0, 128),
+        (RULES, 1024, 0, 0),
+        (replace(RULES, keep_last=True), None, 0, 0),
+        (replace(RULES, keep_last=True), 512, 0, 512),
+        (Rules("f", None, keep_last=True), 64, 100, 64),  # toma's: a stored size, whatever the rows
+        (Rules("f", None), None, 100, 100),
+        (Rules("f", None, 16), None, 5, 16),
+        (Rules("f", None, 16), 8, 100, 0),
+    ],
+)
+def test_the_settled_table(rules: Rules, cached: int | None, rows: int, size: int) -> None:
+    assert decision.settled(rules, cached, rows) == size
 
 
 GROWTHS = [

@@ -261,27 +261,30 @@ def in_samples(size: int, proven: int, per_sample: int) -> int:
     return size
 
 
-def settled(rules: Rules, cached: int | None) -> int:
-    """Return the size a call starts at with nothing to store and nothing to grow, or 0 if it needs a :class:`State`.
+def settled(rules: Rules, cached: int | None, rows: int) -> int:
+    """Return the size a call without an estimate starts at when a success there stores nothing, or 0.
 
-    The common case, decided without making a state: the policy has an
-    ``initial``, and the cache holds nothing (the call starts there) or a size
-    within ``[minimum, initial]`` (it starts at that size). It agrees with
-    :func:`first` wherever it answers.
+    The common case, decided without making a :class:`State`: the cache holds
+    nothing (the call starts at its ceiling) or a size within the call's range
+    (it starts there). It agrees with :func:`first` wherever it answers.
 
     Args:
         rules (Rules): the wrapper's rules.
         cached (int or None): the size the cache holds for the call, if any.
+        rows (int): the rows the call was given (0 if unknown).
 
     Returns:
-        int: the size, or 0.
+        int: the size, or 0 if the call needs a state.
     """
-    initial = rules.initial
-    if initial is None:
-        return 0
+    initial, minimum = rules.initial, rules.minimum
     if cached is None:
-        return 0 if rules.keep_last else initial
-    return cached if rules.minimum <= cached <= initial else 0
+        if rules.keep_last:
+            return 0  # its first success is stored
+        return max(rows, minimum) if initial is None else initial
+    if cached < minimum:
+        return 0
+    # Without an initial, the ceiling is at least the stored size.
+    return cached if initial is None or cached <= initial else 0
 
 
 def grown(rules: Rules, state: State, due: bool) -> int:

@@ -181,7 +181,7 @@ class Controller:
         if self.grow or not (sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None)):
             return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
         key, cached = self._look_up(function, caller, device, None)
-        size = decision.settled(self.rules, cached)
+        size = decision.settled(self.rules, cached, rows)
         if not size:
             state = decision.first(self.rules, cached, rows)
             self.stats.batch_size = state.size
