@@ -338,9 +338,6 @@ class simple:
     def range(func: Callable[..., object], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
         """Call ``func(begin, stop, *args, **kwargs)`` over consecutive ranges covering ``[start, end)``.
 
-        A range that runs out of memory is run again, from its own ``begin``,
-        with half the indices; finished ranges are not run again.
-
         Args:
             func (callable): called with each range's first index and one past its last.
             start (int): the first index.
