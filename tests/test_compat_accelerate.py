@@ -265,6 +265,19 @@ def test_a_function_without_a_batch_size_parameter_is_refused() -> None:
         compat.find_executable_batch_size(3)  # type: ignore[call-overload]
 
 
+def test_the_table_maps_accelerates_options_onto_koilas() -> None:
+    asked: list[int] = []
+    first = compat.TABLE.read({"starting_batch_size": 64, "reduce_batch_size_fn": None, "sync": False})
+    second = compat.TABLE.read({"starting_batch_size": 64, "reduce_batch_size_fn": lambda: asked.append(1) or 40})
+    assert (first["initial"], first["schedule"], first["sync"]) == (64, koila.scaled(0.9), False)
+    assert isinstance(first["cache"], koila.GlobalCache)
+    assert first["cache"] is not second["cache"]  # one cache per wrapper
+    policy = compat.TABLE.policy(second)
+    assert (policy.initial, policy.schedule(64), asked) == (64, 40, [1])
+    with pytest.raises(TypeError, match="starting_batch_size must be an int, got NoneType None"):
+        compat.TABLE.read({"starting_batch_size": None})  # None stands for no default here
+
+
 # --------------------------------------------------------------------------- the engine underneath
 
 

@@ -900,6 +900,23 @@ def test_bug_8_out_of_memory_detection_is_broader(impl: Impl, fixed: bool, kind:
 # --------------------------------------------------------------------------- 3. caches and contexts
 
 
+def test_the_table_maps_tomas_options_onto_koilas() -> None:
+    for prefix in ("", "toma_"):  # each option also per call
+        settings = ct.TABLE.read(
+            {f"{prefix}initial_step": Index(8), f"{prefix}context": noop, f"{prefix}dimension": None}
+        )
+        assert settings == {
+            "schedule": koila.scaled(0.5),
+            "initial": 8,
+            "context": function_identity(noop),  # the registry must not keep the function alive
+            "dimension": 0,
+        }
+    policy = ct.TABLE.policy(ct.TABLE.read({}), rows=True)
+    assert (policy.initial, policy.schedule) == (None, koila.scaled(0.5))
+    with pytest.raises(TypeError, match="toma_cache_type must be a koila_retry cache class"):
+        ct.TABLE.read({"toma_cache_type": dict})
+
+
 def test_public_names() -> None:
     assert ct.__all__ == sorted(ct.__all__)
     assert ct.__all__ == [

@@ -31,7 +31,8 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.memory import DeviceLike, release
 from koila_retry._core.policy import scaled
 from koila_retry._core.stats import OnOOM, Stats
-from koila_retry._frontends.batch import batch, bindable
+from koila_retry._frontends.batch import batched, bindable
+from koila_retry.compat._adapter import REQUIRED, Option, Table, integer
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
@@ -130,48 +131,28 @@ def find_executable_batch_size(
         >>> tried
         [128, 115, 103, 92]
     """
+    values = {
+        "starting_batch_size": starting_batch_size,
+        "reduce_batch_size_fn": reduce_batch_size_fn,
+        "on_oom": on_oom,
+        "device": device,
+        "sync": sync,
+        "group": group,
+    }
     if function is None:
-        return functools.partial(
-            find_executable_batch_size,
-            starting_batch_size=starting_batch_size,
-            reduce_batch_size_fn=reduce_batch_size_fn,
-            on_oom=on_oom,
-            device=device,
-            sync=sync,
-            group=group,
-        )
+        return functools.partial(find_executable_batch_size, **values)
     if not callable(function):
         raise TypeError(f"find_executable_batch_size wraps a callable, got {type(function).__name__} {function!r}")
-    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
-        raise TypeError(
-            f"starting_batch_size must be an int, got {type(starting_batch_size).__name__} {starting_batch_size!r}"
-        )
-    if starting_batch_size < 0:
-        raise ValueError(f"starting_batch_size must be >= 0, got {starting_batch_size}")
-    if reduce_batch_size_fn is not None and not callable(reduce_batch_size_fn):
-        raise TypeError(
-            "reduce_batch_size_fn must be callable (with no arguments), got "
-            f"{type(reduce_batch_size_fn).__name__} {reduce_batch_size_fn!r}"
-        )
-    schedule = scaled(0.9) if reduce_batch_size_fn is None else _asking(reduce_batch_size_fn)
+    settings = TABLE.read(values)
     try:  # accelerate's guard against passing the batch size counts every parameter
         parameters = list(inspect.signature(function).parameters)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {function!r} to pass it the batch size: {exc}") from None
     name = getattr(function, "__name__", repr(function))
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
-    batched: Any = None  # a koila.batch wrapper (it binds as a method does), or None
-    if starting_batch_size != 0:
-        # accelerate keeps one size per decorated function, and takes 90% of the one that failed.
-        batched = batch(
-            initial=starting_batch_size,
-            cache=GlobalCache(),
-            schedule=schedule,
-            on_oom=on_oom,
-            device=device,
-            sync=sync,
-            group=group,
-        )(function)
+    batched_function: Any = None  # a koila.batch wrapper (it binds as a method does), or None
+    if settings["initial"] != 0:
+        batched_function = batched(function, TABLE.policy(settings))
 
     def run(target: Callable[..., Any], given: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if len(parameters) < len(given) + 1:
@@ -180,7 +161,7 @@ def find_executable_batch_size(
                 f"Batch size was passed into `{name}` as the first argument when called."
                 f"Remove this as the decorator already does so: `{name}({passed})`"
             )
-        if batched is None:
+        if target is None:
             raise RuntimeError(_REACHED_ZERO)
         try:
             return target(*args, **kwargs)
@@ -191,40 +172,63 @@ def find_executable_batch_size(
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return run(batched, args, args, kwargs)
+        return run(batched_function, args, args, kwargs)
 
     # Bound to an instance, the size goes after it, as koila.batch's does (see batch.Bindable).
     @functools.wraps(function)
     def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
-        bound: Any = None if batched is None else batched.__get__(instance, type(instance))
+        bound: Any = None if batched_function is None else batched_function.__get__(instance, type(instance))
         return run(bound, (instance, *args), args, kwargs)
 
-    if batched is None:
-        cache = GlobalCache()
+    if batched_function is None:
+        cache = settings["cache"]
         stats, cache_info, cache_clear = Stats(0), cache.cache_info, cache.cache_clear
     else:
-        stats, cache_info, cache_clear = batched.stats, batched.cache_info, batched.cache_clear
+        stats = batched_function.stats
+        cache_info, cache_clear = batched_function.cache_info, batched_function.cache_clear
     forms: tuple[Any, ...] = (wrapper, method)
     for form in forms:
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
     return bindable(function, wrapper, method)
 
 
-def _asking(reduce_batch_size_fn: Callable[[], int]) -> Callable[[int], int | None]:
+def _asking(reduce_batch_size_fn: object, name: str) -> Callable[[int], int | None]:
     """Make a schedule that asks ``reduce_batch_size_fn`` for the next size, and checks it."""
+    if not callable(reduce_batch_size_fn):
+        raise TypeError(
+            f"{name} must be callable (with no arguments), got "
+            f"{type(reduce_batch_size_fn).__name__} {reduce_batch_size_fn!r}"
+        )
+    reduce: Callable[[], object] = reduce_batch_size_fn
 
     def schedule(failed: int) -> int | None:
-        size = reduce_batch_size_fn()
+        size = reduce()
         if size == 0 and not isinstance(size, bool):
             return None
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < failed:
             raise ValueError(
-                f"reduce_batch_size_fn returned {size!r} after batch size {failed} ran out of memory; "
+                f"{name} returned {size!r} after batch size {failed} ran out of memory; "
                 f"it must return a smaller batch size, an int from 0 (give up) to {failed - 1}"
             )
         return size
 
     return schedule
+
+
+#: accelerate's options, and what each becomes in koila.
+TABLE = Table(
+    "find_executable_batch_size",
+    {
+        # 128 when not given, as in accelerate's signature; 0 raises at the first call.
+        "starting_batch_size": Option("initial", integer(0, indexes=False), REQUIRED),
+        # int(batch_size * 0.9) when not given, as accelerate's loop takes it.
+        "reduce_batch_size_fn": Option("schedule", _asking, scaled(0.9)),
+        # koila's own, not in accelerate.
+        **{name: Option(name) for name in ("on_oom", "device", "sync", "group")},
+    },
+    # accelerate keeps one size per decorated function, the last that worked.
+    fixed={"cache": GlobalCache},
+)
 
 
 def release_memory(*objects: Any) -> list[None]:
