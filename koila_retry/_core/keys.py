@@ -28,8 +28,6 @@ __all__ = [
 ]
 
 #: What a cache calls to make a call's key: ``(function, caller, device, sample) -> key or None``.
-#:
-#: .. versionadded:: 0.1.0
 KeyFunction: TypeAlias = Callable[[object, FrameType | None, torch.device, Hashable], Hashable | None]
 
 
@@ -41,7 +39,7 @@ def stack_key(function: object, caller: FrameType | None, device: torch.device, 
     ``bucket`` is ``free_memory(device).bit_length()`` (free memory in power-of-two
     steps, read at most once a second), ``sample`` is left out when it is ``None``,
     and the last three name the calling line (the caller's code file and name, and
-    its bytecode offset), read from ``caller`` without :mod:`inspect`.
+    its bytecode offset), read from ``caller`` without ``inspect``.
 
     Args:
         function (object): the decorated function, or a hashable description of it.
