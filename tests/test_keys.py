@@ -169,8 +169,8 @@ def test_a_users_key_function_decides_hits_and_misses_of_a_real_out_of_memory() 
     assert isinstance(seen[0][1], FrameType)
 
 
-def test_a_users_key_function_that_returns_none_keeps_nothing() -> None:
-    cache = koila.GlobalCache(key=lambda function, caller, device, sample: None)
+def _run_twice(cache: koila.SizeCache) -> tuple[int, object]:
+    """Call a function where 16 rows fit twice, from two lines; return the OOMs raised, and the function."""
     fits = oom_above(16)
 
     @koila.batch(initial=64, cache=cache)
@@ -180,8 +180,13 @@ def test_a_users_key_function_that_returns_none_keeps_nothing() -> None:
 
     assert run() == 16
     assert run() == 16
+    return fits.raised, run.__wrapped__  # type: ignore[attr-defined]
+
+
+def test_a_users_key_function_that_returns_none_keeps_nothing() -> None:
+    cache = koila.GlobalCache(key=lambda function, caller, device, sample: None)
+    assert _run_twice(cache)[0] == 4  # 64 and 32, twice: nothing was remembered
     assert len(cache) == 0
-    assert fits.raised == 4  # 64 and 32, twice: nothing was remembered
 
 
 def test_a_users_key_function_gets_no_free_memory_fallback() -> None:
@@ -207,17 +212,9 @@ def test_a_subclass_that_overrides_key_still_decides() -> None:
             return ("mine", function)
 
     cache = PerFunction()
-    fits = oom_above(16)
-
-    @koila.batch(initial=64, cache=cache)
-    def run(batch_size: int) -> int:
-        fits(batch_size)
-        return batch_size
-
-    assert run() == 16
-    assert run() == 16  # another line, the same key
-    assert fits.raised == 2
-    assert list(cache) == [("mine", run.__wrapped__)]  # type: ignore[attr-defined]
+    raised, run = _run_twice(cache)
+    assert raised == 2  # another line, the same key
+    assert list(cache) == [("mine", run)]
 
 
 @pytest.mark.parametrize("make", [koila.StackMemoryCache, koila.GlobalCache])
