@@ -53,16 +53,14 @@ def stack_key(function: object, caller: FrameType | None, device: torch.device, 
 
     .. versionadded:: 0.1.0
     """
-    # Power-of-two buckets: readings within a factor of two usually share one, so small
-    # fluctuations keep the cache warm while twice the memory gets a fresh start.
-    bucket = recent_free_memory(device).bit_length()
     if caller is not None and sample is None:  # every cached call of a loop: one tuple, nothing else
         # File, function name and bytecode offset: the strings cache their hashes (hashing a
         # code object rehashes its bytecode on every call), and the offset is read directly
         # where f_lineno searches the line table.
         code = caller.f_code
+        bucket = recent_free_memory(device).bit_length()
         return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)
-    return _frames(function, caller, device, sample, bucket, 1)
+    return _ONE_FRAME(function, caller, device, sample)
 
 
 def deep_stack_key(depth: int) -> KeyFunction:
@@ -85,35 +83,33 @@ def deep_stack_key(depth: int) -> KeyFunction:
     """
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    if depth == 1:
-        return stack_key
+    return stack_key if depth == 1 else _stack_key_of(depth)
 
+
+def _stack_key_of(depth: int) -> KeyFunction:
     def deep_key(function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> Hashable:
-        return _frames(function, caller, device, sample, recent_free_memory(device).bit_length(), depth)
+        # Power-of-two buckets: readings within a factor of two usually share one, so small
+        # fluctuations keep the cache warm while twice the memory gets a fresh start.
+        # Built in a list: a whole stack is walked on every call (toma's stand-in), and
+        # growing a tuple frame by frame copies it each time.
+        parts: list[object] = [function, device, recent_free_memory(device).bit_length()]
+        if sample is not None:
+            parts.append(sample)
+        frame = caller
+        for _ in repeat(None, depth):
+            if frame is None:
+                break
+            code = frame.f_code
+            parts += (code.co_filename, code.co_name, frame.f_lasti)
+            frame = frame.f_back
+        return tuple(parts)
 
     deep_key.__qualname__ = f"deep_stack_key({depth})"
     return deep_key
 
 
-def _frames(
-    function: object, caller: FrameType | None, device: torch.device, sample: Hashable, bucket: int, depth: int
-) -> tuple[object, ...]:
-    # Built in a list: a whole stack is walked on every call (toma's stand-in), and
-    # growing a tuple frame by frame copies it each time.
-    parts: list[object] = [function, device, bucket]
-    if sample is not None:
-        parts.append(sample)
-    frame = caller
-    for _ in repeat(None, depth):
-        if frame is None:
-            break
-        code = frame.f_code
-        parts += (code.co_filename, code.co_name, frame.f_lasti)
-        frame = frame.f_back
-    return tuple(parts)
-
-
-_STACK_CODES = (stack_key.__code__, deep_stack_key(2).__code__)
+_ONE_FRAME = _stack_key_of(1)  # the stack key of a call without a caller, or with a sample
+_STACK_CODES = (stack_key.__code__, _ONE_FRAME.__code__)
 
 
 def is_stack_key(key: KeyFunction) -> bool:
