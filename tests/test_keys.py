@@ -89,11 +89,15 @@ def test_deep_stack_key_of_one_is_the_stack_key_and_of_maxsize_the_whole_stack()
         depth, walked = depth + 1, walked.f_back
     toma = StacktraceMemoryBatchsizeCache()
     with simulated_device("64MiB"):
-        # One line: the whole stack's key, and the toma stand-in's, which is the same.
-        key, tomas = (_called(key) for key in (koila.deep_stack_key(sys.maxsize), toma.key))
+        # One line: the whole stack's key, the toma stand-in's, which is the same, and one
+        # of more frames than the stack has.
+        key, tomas, deeper = (
+            _called(key) for key in (koila.deep_stack_key(sys.maxsize), toma.key, koila.deep_stack_key(10_000))
+        )
     assert isinstance(key, tuple)
     assert len(key) == 3 + 3 * (depth + 1)  # and the generator's frame
     assert tomas == key
+    assert deeper == key
 
 
 @pytest.mark.parametrize("depth", [0, -1, True, 2.0, "2"])

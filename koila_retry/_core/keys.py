@@ -8,10 +8,11 @@ left out) that the engine makes when a front end sees no inputs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 from itertools import repeat
 from types import FrameType
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 
@@ -87,18 +88,20 @@ def deep_stack_key(depth: int) -> KeyFunction:
 
 
 def _stack_key_of(depth: int) -> KeyFunction:
+    whole = depth == sys.maxsize
+
     def deep_key(function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> Hashable:
         # Power-of-two buckets: readings within a factor of two usually share one, so small
         # fluctuations keep the cache warm while twice the memory gets a fresh start.
         # Built in a list: a whole stack is walked on every call (toma's stand-in), and
-        # growing a tuple frame by frame copies it each time.
+        # growing a tuple frame by frame copies it each time; and walked up to the frame
+        # where it stops, so that no count is kept frame by frame.
         parts: list[object] = [function, device, recent_free_memory(device).bit_length()]
         if sample is not None:
             parts.append(sample)
-        frame = caller
-        for _ in repeat(None, depth):
-            if frame is None:
-                break
+        stop = None if whole else _above(caller, depth)
+        frame: Any = caller  # a FrameType until stop: None ends the stack, and stop is it or lies before
+        while frame is not stop:
             code = frame.f_code
             parts += (code.co_filename, code.co_name, frame.f_lasti)
             frame = frame.f_back
@@ -106,6 +109,15 @@ def _stack_key_of(depth: int) -> KeyFunction:
 
     deep_key.__qualname__ = f"deep_stack_key({depth})"
     return deep_key
+
+
+def _above(frame: FrameType | None, depth: int) -> FrameType | None:
+    """Return the frame ``depth`` calls above ``frame``, or ``None`` past the end of the stack."""
+    for _ in repeat(None, depth):
+        if frame is None:
+            break
+        frame = frame.f_back
+    return frame
 
 
 _ONE_FRAME = _stack_key_of(1)  # the stack key of a call without a caller, or with a sample
