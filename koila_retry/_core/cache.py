@@ -452,7 +452,7 @@ def _apply_key(
     self: SizeCache, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
 ) -> Hashable | None:
     # The key() of the caches below: what their key function makes.
-    return self.key_function(function, caller, device, sample)
+    return self._key_function(function, caller, device, sample)
 
 
 def checked_size(cache: SizeCache, key: Hashable, size: object) -> int | None:
