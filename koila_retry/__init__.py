@@ -24,6 +24,7 @@ from koila_retry._core.cache import CacheInfo, GlobalCache, NoCache, SizeCache, 
 from koila_retry._core.detect import is_oom
 from koila_retry._core.disk import DiskCache
 from koila_retry._core.engine import Attempt
+from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, no_key, size_class_key, stack_key
 from koila_retry._core.memory import free_memory, release
 from koila_retry._core.policy import Options, powers_of_two, scaled
 from koila_retry._core.stats import OOMEvent, Stats
@@ -45,6 +46,7 @@ __all__ = [
     "CacheInfo",
     "DiskCache",
     "GlobalCache",
+    "KeyFunction",
     "LineRow",
     "MemoryEstimate",
     "MemoryProfile",
@@ -63,9 +65,12 @@ __all__ = [
     "attempts",
     "batch",
     "chunked",
+    "deep_stack_key",
     "estimate",
     "free_memory",
+    "global_key",
     "is_oom",
+    "no_key",
     "offload",
     "powers_of_two",
     "profile",
@@ -73,6 +78,8 @@ __all__ = [
     "release",
     "report",
     "scaled",
+    "size_class_key",
+    "stack_key",
     "suggest_batch_size",
     "testing",
 ]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import koila_retry as koila
-from koila_retry._core import cache, memory
+from koila_retry._core import keys, memory
 from koila_retry.testing import make_oom, oom_above, simulated_device
 
 CPU = torch.device("cpu")
@@ -281,7 +281,7 @@ def test_stack_memory_cache_falls_back_to_the_size_at_more_free_memory() -> None
 
 @pytest.mark.parametrize(("free", "bucket"), [(0, 0), (2**30, 31), (2**31 - 1, 31), (2**31, 32)])
 def test_free_memory_bucket_is_the_bit_length(monkeypatch: pytest.MonkeyPatch, free: int, bucket: int) -> None:
-    monkeypatch.setattr(cache, "recent_free_memory", lambda device: free)
+    monkeypatch.setattr(keys, "recent_free_memory", lambda device: free)
     key = koila.StackMemoryCache().key(test_free_memory_bucket_is_the_bit_length, sys._getframe(0), CPU)
     assert key[2] == bucket
 

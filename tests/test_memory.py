@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import types
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -418,3 +420,41 @@ def test_a_simulated_share_that_is_no_number_is_refused(fraction: object) -> Non
 
     with pytest.raises(TypeError, match="fraction must be a number"):
         simulated_device("1MiB").set_memory_fraction(fraction)  # type: ignore[arg-type]
+
+
+def test_empty_caches_empties_each_accelerator_device_and_the_host_and_forgets_readings(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+
+    @contextlib.contextmanager
+    def device_index(index: int) -> Iterator[None]:
+        calls.append(("on", index))
+        yield
+
+    monkeypatch.setattr(torch.accelerator, "device_index", device_index)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("host"), raising=False)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    memory.empty_caches([cuda0, torch.device("cpu"), cuda1])
+    assert calls == [("on", 0), "empty", ("on", 1), "empty"]  # the CPU has no such cache
+    calls.clear()
+    memory.empty_caches([], host=True)
+    assert calls == ["host"]
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.accelerator, "empty_cache", broken)
+    memory.recent_free_memory(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        memory.empty_caches([cuda0])
+    assert memory._free_readings == {}  # forgotten all the same
+
+
+def test_release_empties_the_device_through_empty_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices: list[list[torch.device]] = []
+    monkeypatch.setattr(memory, "empty_caches", lambda given, host=False: devices.append(list(given)))
+    koila.release("cpu")
+    memory.release_young("meta")
+    assert devices == [[torch.device("cpu")], [torch.device("meta")]]

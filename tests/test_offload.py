@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import koila_retry as koila
+from koila_retry._core import memory
 from koila_retry._diagnostics import offload
 from koila_retry.testing import make_oom, simulated_device
 
@@ -732,3 +733,51 @@ def test_cuda_tensors_go_to_pinned_memory_and_back_to_their_device() -> None:
     with pytest.warns(UserWarning, match="stayed allocated"), koila.offload(model) as lent:
         assert lent.retained_nbytes > 0
     del view
+
+
+# ---------------------------------------------------------------------------
+# releasing: through koila_retry._core.memory, the one way memory is released
+# ---------------------------------------------------------------------------
+
+
+class Emptied(NamedTuple):
+    devices: set[torch.device]
+    host: bool
+
+
+@pytest.fixture
+def emptied(monkeypatch: pytest.MonkeyPatch) -> list[Emptied]:
+    """Record each call of ``memory.empty_caches``, which still runs."""
+    calls: list[Emptied] = []
+    real = memory.empty_caches
+
+    def recording(devices: Any, *, host: bool = False) -> None:
+        devices = set(devices)
+        calls.append(Emptied(devices, host))
+        real(devices, host=host)
+
+    monkeypatch.setattr(memory, "empty_caches", recording)
+    return calls
+
+
+def test_lending_releases_the_devices_it_moved_from_and_restoring_forgets_the_readings(
+    emptied: list[Emptied],
+) -> None:
+    model = nn.Linear(3, 3)
+    with koila.offload(model):
+        assert emptied == [Emptied({torch.device("cpu")}, False)]
+        memory.recent_free_memory(torch.device("cpu"))  # a reading the keys would reuse
+    # Back: no device to empty, and no pinned copy on a CPU-only model, but the free
+    # memory has changed, so the reading is gone.
+    assert emptied[1:] == [Emptied(set(), False)]
+    assert memory._free_readings == {}
+
+
+def test_a_failed_move_releases_the_copies_target(
+    emptied: list[Emptied], failing_copy: Callable[..., FailingCopy]
+) -> None:
+    model = nn.Linear(3, 3)
+    failing_copy({2})
+    with pytest.raises(torch.OutOfMemoryError), koila.offload(model):
+        pass
+    assert emptied == [Emptied({torch.device("cpu")}, False)]

@@ -1,4 +1,4 @@
-"""Caches that remember which batch size worked, and the keys they use."""
+"""Caches that remember which batch size worked."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from koila_retry._common.counter import Counter
 from koila_retry._common.places import levels_to_caller
-from koila_retry._core.memory import recent_free_memory
+from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
 
 __all__ = [
     "CacheInfo",
@@ -157,9 +157,11 @@ class Growth:
 class SizeCache(MutableMapping[Hashable, int], ABC):
     """A thread-safe, bounded mapping from a call's key to the batch size that worked.
 
-    Subclasses decide what a key is (:meth:`key`); the mapping itself is a
-    least-recently-used cache of at most ``maxsize`` entries. One cache may be
-    shared by several decorated functions: keys include the function.
+    Subclasses decide what a key is (:meth:`key`): the caches of koila_retry
+    apply a key function, theirs or the one given as ``key``. The mapping
+    itself is a least-recently-used cache of at most ``maxsize`` entries. One
+    cache may be shared by several decorated functions: keys include the
+    function.
 
     Reads take no lock, so a cached call stays cheap; stores, deletions and
     evictions take one. No operation fails because another thread changed the
@@ -168,18 +170,37 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
 
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
+        key (KeyFunction, optional): makes each call's key from
+            ``(function, caller, device, sample)``, or ``None`` for a call to
+            neither look up nor store (see :ref:`key-functions`). Default:
+            the subclass's own; :func:`~koila_retry.stack_key` for a subclass
+            of yours.
 
     Raises:
         ValueError: if ``maxsize`` is not a positive int.
+        TypeError: if ``key`` is not callable.
 
     .. versionadded:: 0.1.0
     """
 
     _warned_size = False  # whether checked_size warned about a value of this cache
 
-    def __init__(self, maxsize: int = 256) -> None:
+    def __init__(self, maxsize: int = 256, *, key: KeyFunction | None = None) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
             raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
+        if key is None:
+            key = stack_key
+        elif not callable(key):
+            raise TypeError(
+                "key must be a function (function, caller, device, sample) -> key, such as koila.stack_key, "
+                f"got {type(key).__name__} {key!r}"
+            )
+        self._key_function = key
+        if type(self).key is _apply_key and getattr(key, "__module__", None) == stack_key.__module__:
+            # A cached call costs microseconds: with no subclass's key() in the way, the
+            # engine calls koila's own key function directly, saving a call. (Those accept
+            # the three-argument call the engine makes; a user's function gets all four.)
+            vars(self)["key"] = key
         self._maxsize = maxsize
         # Readers (every cached call) take no lock, so they never add or remove a key: they
         # read ``_sizes`` and move a key to the end of ``_order``, each one C call, atomic
@@ -208,6 +229,11 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     ) -> Hashable | None:
         """Return the key for one call, or ``None`` to neither look up nor store.
 
+        The caches of koila_retry apply their key function
+        (:attr:`key_function`); a subclass of theirs may override this method
+        too. A subclass of yours returns its own key, or ``super().key(...)``,
+        the key of its key function.
+
         Args:
             function (object): identifies the decorated function or block: a
                 function, or a hashable description of it such as
@@ -221,6 +247,15 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         Returns:
             Hashable or None: the key.
         """
+        return self._key_function(function, caller, device, sample)
+
+    @property
+    def key_function(self) -> KeyFunction:
+        """The key function that :meth:`key` applies.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._key_function
 
     def lookup(self, key: Hashable) -> int | None:
         """Return the size stored under ``key``, counting a hit or a miss."""
@@ -413,6 +448,13 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         return f"{type(self).__name__}(maxsize={maxsize}, currsize={currsize}, hits={hits}, misses={misses})"
 
 
+def _apply_key(
+    self: SizeCache, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+) -> Hashable | None:
+    # The key() of the caches below: what their key function makes.
+    return self._key_function(function, caller, device, sample)
+
+
 def checked_size(cache: SizeCache, key: Hashable, size: object) -> int | None:
     """Return ``size`` if it can be a batch size (an int >= 1), else ``None``, warning once per cache.
 
@@ -445,16 +487,17 @@ def checked_size(cache: SizeCache, key: Hashable, size: object) -> int | None:
 class StackMemoryCache(SizeCache):
     """Remember sizes per call site and per free-memory level (the default cache).
 
-    The key is the function, the place of the call in each of the innermost
-    ``depth`` calling frames (file, function and position within it, read from
-    ``sys._getframe``, no ``inspect``), the device, and the device's free memory in power-of-two
-    buckets. The same loop calling again with about the same free memory starts
-    at the size that last worked; another call site, or the same one with much
-    more free memory, starts afresh. With less free memory than any stored
-    level, it starts from the size that worked at the nearest level above (up to
-    ``fallback_buckets`` buckets, each a factor of two, away): every larger size
-    failed even with more memory. Free memory is read at most once a second per
-    device, because a reading costs far more than a cached call.
+    The key (:func:`~koila_retry.stack_key`) is the function, the place of the
+    call in each of the innermost ``depth`` calling frames (file, function and
+    position within it, read from ``sys._getframe``, no ``inspect``), the device,
+    and the device's free memory in power-of-two buckets. The same loop calling
+    again with about the same free memory starts at the size that last worked;
+    another call site, or the same one with much more free memory, starts
+    afresh. With less free memory than any stored level, it starts from the size
+    that worked at the nearest level above (up to ``fallback_buckets`` buckets,
+    each a factor of two, away): every larger size failed even with more memory.
+    Free memory is read at most once a second per device, because a reading
+    costs far more than a cached call.
 
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
@@ -462,43 +505,35 @@ class StackMemoryCache(SizeCache):
             the line that calls.
         fallback_buckets (int): how many free-memory buckets above the current
             one to look in when the current one has no size. Default: 4.
+        key (KeyFunction, optional): another key function, instead of the stack
+            key of ``depth`` frames. Only the stack keys
+            (:func:`~koila_retry.stack_key` and those of
+            :func:`~koila_retry.deep_stack_key`) fall back to another free-memory
+            level: with any other, a call whose key holds no size starts afresh.
+            Default: ``None``, the stack key.
 
     Raises:
-        ValueError: if ``maxsize``, ``depth`` or ``fallback_buckets`` is out of range.
+        ValueError: if ``maxsize``, ``depth`` or ``fallback_buckets`` is out of
+            range, or if both ``depth`` and ``key`` are given.
+        TypeError: if ``key`` is not callable.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, maxsize: int = 256, *, depth: int = 1, fallback_buckets: int = 4) -> None:
-        super().__init__(maxsize)
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    key = _apply_key
+
+    def __init__(
+        self, maxsize: int = 256, *, depth: int = 1, fallback_buckets: int = 4, key: KeyFunction | None = None
+    ) -> None:
+        stack = deep_stack_key(depth)  # checks depth
+        if key is not None and depth != 1:
+            raise ValueError(f"depth applies to the stack key: give depth={depth!r} or key={key!r}, not both")
+        super().__init__(maxsize, key=stack if key is None else key)
         if isinstance(fallback_buckets, bool) or not isinstance(fallback_buckets, int) or fallback_buckets < 0:
             raise ValueError(f"fallback_buckets must be an int >= 0, got {fallback_buckets!r}")
         self.depth = depth
         self.fallback_buckets = fallback_buckets
-
-    def key(
-        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
-    ) -> Hashable:
-        # File, function name and bytecode offset of each frame: the strings cache their
-        # hashes (hashing a code object rehashes its bytecode on every call), and the
-        # offset is read directly where f_lineno searches the line table.
-        # Power-of-two buckets: readings within a factor of two usually share one, so small
-        # fluctuations keep the cache warm while twice the memory gets a fresh start.
-        bucket = recent_free_memory(device).bit_length()
-        if self.depth == 1 and caller is not None and sample is None:  # the default, spelled out
-            code = caller.f_code
-            return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)
-        parts: tuple[object, ...] = (function, device, bucket)
-        if sample is not None:
-            parts += (sample,)
-        frame, remaining = caller, self.depth
-        while frame is not None and remaining:
-            code = frame.f_code
-            parts += (code.co_filename, code.co_name, frame.f_lasti)
-            frame, remaining = frame.f_back, remaining - 1
-        return parts
+        self._bucketed = is_stack_key(self.key_function)  # only a stack key's third part is a free-memory level
 
     def _fallback(self, key: Hashable) -> int | None:
         # Nothing stored at this free-memory level: take the size that worked at the
@@ -506,7 +541,7 @@ class StackMemoryCache(SizeCache):
         # starting there skips only attempts that would fail again. (Gradients left by
         # a previous step, or optimizer state made by the first one, move free memory
         # down a bucket between the first call and the second.)
-        if not isinstance(key, tuple) or len(key) < 3 or not isinstance(key[2], int):
+        if not self._bucketed or not isinstance(key, tuple) or len(key) < 3 or not isinstance(key[2], int):
             return None
         head, bucket, tail = key[:2], key[2], key[3:]
         for more in range(1, self.fallback_buckets + 1):
@@ -526,24 +561,30 @@ class GlobalCache(SizeCache):
 
     Args:
         maxsize (int): how many functions to keep; the least recently used go first.
+        key (KeyFunction, optional): another key function. Default: ``None``,
+            :func:`~koila_retry.global_key`.
 
     .. versionadded:: 0.1.0
     """
 
-    def key(
-        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
-    ) -> Hashable:
-        return function
+    key = _apply_key
+
+    def __init__(self, maxsize: int = 256, *, key: KeyFunction | None = None) -> None:
+        super().__init__(maxsize, key=global_key if key is None else key)
 
 
 class NoCache(SizeCache):
     """Remember nothing: every call starts at the initial size.
 
+    Its key function is :func:`~koila_retry.no_key`: no call has a key.
+
     .. versionadded:: 0.1.0
     """
 
-    def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> None:
-        return None
+    key = _apply_key
+
+    def __init__(self, maxsize: int = 256) -> None:
+        super().__init__(maxsize, key=no_key)
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         pass  # remembering nothing is this cache's whole contract

@@ -16,6 +16,7 @@ import torch
 
 from koila_retry._common.places import levels_to_caller
 from koila_retry._core.cache import SizeCache, function_identity
+from koila_retry._core.keys import KeyFunction, size_class_key
 from koila_retry._core.memory import describe_device
 from koila_retry.exceptions import CacheFileWarning
 
@@ -43,11 +44,20 @@ _SPECIAL = (
 class DiskCache(SizeCache):
     """Remember sizes in a JSON file, across runs and processes.
 
-    The key is the function's qualified name and where it is defined, the
-    device's kind, model and total memory, and the shape and dtype of one
-    sample of the inputs when the front end sees them (:func:`chunked`). So a
-    second run of the same script on the same kind of device starts at the size
-    that worked, and a run on a different device starts afresh.
+    The key (:func:`~koila_retry.size_class_key`) is the function's qualified
+    name and where it is defined, the device's kind, model and total memory, and
+    the shape class and dtype of one sample of the inputs when the front end
+    sees them (:func:`chunked`), written as text:
+    ``"<qualified name> (<file>:<first line>) on <device> for samples <sample>"``.
+    So a second run of the same script on the same kind of device starts at the
+    size that worked, and a run on a different device starts afresh.
+
+    With a key function of your own, its key is written as text too: a str as
+    it is; anything else part by part, a tuple as ``"(part, part)"``, a device
+    by its kind, model and memory, a function, method or module by
+    ``"<qualified name> (<file>:<first line>)"``, and any other value by its
+    ``repr``, which must then be the same in every run (an object's default
+    ``repr`` holds its address, which is not).
 
     The file is read when the cache is made and rewritten whenever a new size
     is stored: merged with what other processes wrote meanwhile (under a lock
@@ -67,16 +77,18 @@ class DiskCache(SizeCache):
         path (str or os.PathLike): the JSON file. Its folder is made if missing.
         maxsize (int): how many keys to keep, in memory and in the file; the
             least recently stored go first.
+        key (KeyFunction, optional): another key function. Default: ``None``,
+            :func:`~koila_retry.size_class_key`.
 
     Raises:
-        TypeError: if ``path`` is not a str or path.
+        TypeError: if ``path`` is not a str or path, or ``key`` is not callable.
         ValueError: if ``maxsize`` is not a positive int.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, path: str | os.PathLike[str], maxsize: int = 256) -> None:
-        super().__init__(maxsize)
+    def __init__(self, path: str | os.PathLike[str], maxsize: int = 256, *, key: KeyFunction | None = None) -> None:
+        super().__init__(maxsize, key=size_class_key if key is None else key)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -84,16 +96,25 @@ class DiskCache(SizeCache):
         self._dropped_warned = False
         stored = self._read(self.path)
         if stored is not None:
-            for key, size in list(stored.items())[-maxsize:]:
-                SizeCache.__setitem__(self, key, size)  # in memory: the file has it already
-                nbytes = stored.samples.get(key)
+            for text, size in list(stored.items())[-maxsize:]:
+                SizeCache.__setitem__(self, text, size)  # in memory: the file has it already
+                nbytes = stored.samples.get(text)
                 if nbytes is not None:
-                    SizeCache.prove(self, key, nbytes)
+                    SizeCache.prove(self, text, nbytes)
 
-    def key(self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> str:
-        filename, line, qualname = function_identity(function)
-        key = f"{qualname} ({filename}:{line}) on {describe_device(device)}"
-        return key if sample is None else f"{key} for samples {sample}"
+    def key(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> str | None:
+        key = self.key_function(function, caller, device, sample)
+        if key is None:
+            return None
+        if self.key_function is size_class_key:
+            # The text of the first release, which the files written since hold.
+            function, device, sample = key  # type: ignore[misc]
+            filename, line, qualname = function_identity(function)
+            text = f"{qualname} ({filename}:{line}) on {describe_device(device)}"
+            return text if sample is None else f"{text} for samples {sample}"
+        return _stable_text(key)
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         super().__setitem__(key, size)
@@ -244,6 +265,22 @@ class DiskCache(SizeCache):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, path={self.path!r})"
+
+
+def _stable_text(key: object) -> str:
+    """Write a key of a user's key function as text that means the same in every run (see DiskCache)."""
+    return key if isinstance(key, str) else _text(key)
+
+
+def _text(part: object) -> str:
+    if isinstance(part, torch.device):
+        return describe_device(part)
+    if isinstance(part, tuple):
+        return "(" + ", ".join(_text(item) for item in part) + ("," if len(part) == 1 else "") + ")"
+    if isinstance(part, (str, int, float, type(None))) or not callable(part):
+        return repr(part)
+    filename, line, qualname = function_identity(part)
+    return f"{qualname} ({filename}:{line})"
 
 
 def _is_ours(content: Any) -> bool:

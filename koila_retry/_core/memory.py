@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterable
 
 import psutil
 import torch
@@ -374,7 +375,41 @@ def release_young(device: DeviceLike = None) -> None:
 
 def _release(device: torch.device, generation: int) -> None:
     gc.collect(generation)
-    if on_accelerator(device):
-        with torch.accelerator.device_index(device.index):
-            torch.accelerator.empty_cache()
-    forget_free_memory()
+    empty_caches((device,))
+
+
+def empty_caches(devices: Iterable[torch.device], *, host: bool = False) -> None:
+    """Give the cached, unused blocks of the devices' caching allocators back to the driver.
+
+    What :func:`release` does after its garbage collection, for any number of
+    devices (:func:`koila_retry.offload` frees the memory of a model on several).
+    Devices that are not of this process's accelerator type, the CPU among them,
+    have no such cache and are skipped. The free-memory readings that cache keys
+    reuse are forgotten, even if emptying fails.
+
+    Args:
+        devices (Iterable[torch.device]): the devices, with their indices.
+        host (bool): also give back the page-locked host memory that the
+            accelerator's host allocator caches (CUDA and XPU have one), which
+            copies to and from the device leave behind. Default: ``False``.
+
+    Raises:
+        RuntimeError: if the backend fails to empty a cache.
+    """
+    try:
+        for device in devices:
+            if device.type != "cpu" and on_accelerator(device):
+                with torch.accelerator.device_index(device.index):
+                    torch.accelerator.empty_cache()
+        if host:
+            _empty_host_cache()
+    finally:
+        forget_free_memory()
+
+
+def _empty_host_cache() -> None:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    empty = getattr(torch.accelerator, "empty_host_cache", None)  # absent from older PyTorch
+    # Only CUDA and XPU have a host allocator; on MPS, PyTorch 2.13 crashes emptying it (pytorch#197561).
+    if accelerator is not None and accelerator.type in ("cuda", "xpu") and empty is not None:
+        empty()

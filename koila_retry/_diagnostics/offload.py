@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from koila_retry._common.units import format_bytes
-from koila_retry._core.memory import forget_free_memory, on_accelerator
+from koila_retry._core import memory
 
 __all__ = ["Offload", "offload"]
 
@@ -108,7 +108,7 @@ class Offload:
         try:
             self._retained = _retained(probes)
             del probes
-            _release({shared.home for shared in lent})
+            memory.empty_caches({shared.home for shared in lent})
         except BaseException:
             # A warning turned into an error must not leave the tensors lent with no
             # ``with`` block to bring them back.
@@ -149,12 +149,11 @@ class Offload:
             raise
         pinned = _used_pinned(self._lent)
         self._lent, self._offloaded = [], False
-        forget_free_memory()
-        if pinned:
-            # Left in the host cache, the copies would hold a model's worth of
-            # page-locked RAM for the rest of the process.
-            with contextlib.suppress(RuntimeError):
-                _release_host()
+        # The tensors are back: nothing to give back on their devices. But left in the
+        # host cache, the pinned copies would hold a model's worth of page-locked RAM
+        # for the rest of the process.
+        with contextlib.suppress(RuntimeError):
+            memory.empty_caches((), host=pinned)
 
 
 def offload(
@@ -417,9 +416,7 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
         del error
         with contextlib.suppress(Exception):  # the error being raised is the one to report
             _synchronize(devices)
-            _release(set(targets))
-            if _used_pinned(lent):
-                _release_host()
+            memory.empty_caches(set(targets), host=_used_pinned(lent))
         raise
     probes = [(weakref.ref(shared.storage), shared.storage.nbytes()) for shared in lent]
     moved.clear()
@@ -430,30 +427,12 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
 
 def _synchronize(devices: Iterable[torch.device]) -> None:
     for device in devices:
-        if device.type != "cpu" and on_accelerator(device):
+        if device.type != "cpu" and memory.on_accelerator(device):
             torch.accelerator.synchronize(device)
-
-
-def _release(devices: Iterable[torch.device]) -> None:
-    """Give the cached, unused blocks of these devices back to the driver, for the other job."""
-    for device in devices:
-        if device.type != "cpu" and on_accelerator(device):
-            with torch.accelerator.device_index(device.index):
-                torch.accelerator.empty_cache()
-    forget_free_memory()
 
 
 def _used_pinned(lent: list[_Shared]) -> bool:
     return any(shared.home.type == "cuda" or shared.pinned for shared in lent)
-
-
-def _release_host() -> None:
-    """Give the cached, unused page-locked host blocks back to the operating system."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    empty = getattr(torch.accelerator, "empty_host_cache", None)  # absent from older PyTorch
-    # Only CUDA and XPU have a host allocator; on MPS, PyTorch 2.13 crashes emptying it (pytorch#197561).
-    if accelerator is not None and accelerator.type in ("cuda", "xpu") and empty is not None:
-        empty()
 
 
 def _retained(probes: list[tuple[weakref.ref[torch.UntypedStorage], int]]) -> int:

@@ -12,13 +12,8 @@ context.
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable
-from types import FrameType
-
-import torch
 
 from koila_retry._core.cache import GlobalCache, NoCache, StackMemoryCache
-from koila_retry._core.memory import recent_free_memory
 
 __all__ = ["GlobalBatchsizeCache", "NoBatchsizeCache", "StacktraceMemoryBatchsizeCache"]
 
@@ -40,11 +35,12 @@ class GlobalBatchsizeCache(GlobalCache):
 class StacktraceMemoryBatchsizeCache(StackMemoryCache):
     """Remember sizes per call stack and free-memory level (the default).
 
-    The key is the whole call stack above the call (file, function and
-    position in each frame, read from ``sys._getframe``), the device the call
-    runs on, and its free memory in power-of-two buckets: the same code path
-    with about the same free memory starts where the last call ended. toma
-    used 256 MiB steps of free CPU RAM and of CUDA device 0's memory instead.
+    The key is the stack key of the whole call stack above the call
+    (``koila.deep_stack_key(sys.maxsize)``: file, function and position in each
+    frame, read from ``sys._getframe``), the device the call runs on, and its
+    free memory in power-of-two buckets: the same code path with about the same
+    free memory starts where the last call ended. toma used 256 MiB steps of
+    free CPU RAM and of CUDA device 0's memory instead.
 
     Args:
         lru_cache_size (int, optional): how many keys to keep; the least
@@ -69,19 +65,3 @@ class StacktraceMemoryBatchsizeCache(StackMemoryCache):
         elif lru_cache_size < 1:
             raise ValueError(f"lru_cache_size must be >= 1, got {lru_cache_size}")
         super().__init__(lru_cache_size, depth=sys.maxsize)
-
-    def key(
-        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
-    ) -> Hashable:
-        # The layout of StackMemoryCache's keys (function, device, bucket, ...), which its
-        # fallback to a level with more free memory reads; built in a list because the
-        # whole stack is walked on every call, and growing a tuple frame by frame copies it.
-        parts: list[object] = [function, device, recent_free_memory(device).bit_length()]
-        if sample is not None:
-            parts.append(sample)
-        frame = caller
-        while frame is not None:
-            code = frame.f_code
-            parts += (code.co_filename, code.co_name, frame.f_lasti)
-            frame = frame.f_back
-        return tuple(parts)

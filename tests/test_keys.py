@@ -1,0 +1,302 @@
+"""Key functions: what each key holds, and caches that take one, the user's own included (issue 28)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Hashable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+
+import koila_retry as koila
+from koila_retry._core.memory import describe_device
+from koila_retry.compat.toma import StacktraceMemoryBatchsizeCache
+from koila_retry.testing import oom_above, simulated_device
+
+CPU = torch.device("cpu")
+MiB = 2**20
+SAMPLE = (((8,), "torch.float32"),)
+
+
+def evaluate(batch_size: int) -> int:
+    return batch_size
+
+
+def _called(key: koila.KeyFunction, sample: Hashable = None, device: torch.device = CPU) -> Any:
+    """Make a key as a cache does: the caller waits at the line that called, here the line that calls this."""
+    return key(evaluate, sys._getframe(1), device, sample)
+
+
+def test_stack_key_is_the_function_device_free_memory_bucket_and_calling_line() -> None:
+    with simulated_device("64MiB"):  # nothing allocated: 64 MiB free, bucket 27
+        keys = []
+        for _ in range(2):
+            keys.append(_called(koila.stack_key))
+        other_line = _called(koila.stack_key)
+        with_sample = _called(koila.stack_key, SAMPLE)
+        no_caller = koila.stack_key(evaluate, None, CPU)
+    code = test_stack_key_is_the_function_device_free_memory_bucket_and_calling_line.__code__
+    assert keys[0] == keys[1]  # one line
+    assert keys[0][:5] == (evaluate, CPU, (64 * MiB).bit_length(), code.co_filename, code.co_name)
+    assert other_line[:5] == keys[0][:5]
+    assert other_line[5] != keys[0][5]
+    assert isinstance(keys[0][5], int)
+    assert len(keys[0]) == 6
+    assert with_sample[:4] == (evaluate, CPU, 27, SAMPLE)
+    assert len(with_sample) == 7
+    assert no_caller == (evaluate, CPU, 27)
+    with simulated_device("16MiB"):  # a quarter of the memory: another bucket
+        assert _called(koila.stack_key)[2] == 25
+
+
+def test_deep_stack_key_names_the_innermost_frames() -> None:
+    key2 = koila.deep_stack_key(2)
+
+    def helper() -> tuple[Hashable, Hashable]:
+        return _called(key2), _called(koila.stack_key)
+
+    def first() -> tuple[Hashable, Hashable]:
+        return helper()
+
+    def second() -> tuple[Hashable, Hashable]:
+        return helper()
+
+    with simulated_device("64MiB"):
+        (deep_a, shallow_a), (deep_b, shallow_b) = first(), second()
+        sampled = key2(evaluate, sys._getframe(0), CPU, SAMPLE)
+    assert isinstance(deep_a, tuple)
+    assert isinstance(shallow_a, tuple)
+    assert isinstance(sampled, tuple)
+    assert shallow_a == shallow_b  # one line in the helper
+    assert deep_a != deep_b  # called from two places
+    assert deep_a[:5] == (evaluate, CPU, 27, __file__, "helper")
+    assert len(deep_a) == 3 + 2 * 3
+    assert deep_a[6:8] == (first.__code__.co_filename, "first")  # then the frame that called it
+    assert sampled[:4] == (evaluate, CPU, 27, SAMPLE)
+    assert len(sampled) == 4 + 2 * 3
+
+
+def test_deep_stack_key_of_one_is_the_stack_key_and_of_maxsize_the_whole_stack() -> None:
+    assert koila.deep_stack_key(1) is koila.stack_key
+    depth = 0
+    walked: FrameType | None = sys._getframe(0)
+    while walked is not None:
+        depth, walked = depth + 1, walked.f_back
+    toma = StacktraceMemoryBatchsizeCache()
+    with simulated_device("64MiB"):
+        # One line: the whole stack's key, the toma stand-in's, which is the same, and one
+        # of more frames than the stack has.
+        key, tomas, deeper = (
+            _called(key) for key in (koila.deep_stack_key(sys.maxsize), toma.key, koila.deep_stack_key(10_000))
+        )
+    assert isinstance(key, tuple)
+    assert len(key) == 3 + 3 * (depth + 1)  # and the generator's frame
+    assert tomas == key
+    assert deeper == key
+
+
+@pytest.mark.parametrize("depth", [0, -1, True, 2.0, "2"])
+def test_deep_stack_key_rejects_a_bad_depth(depth: object) -> None:
+    with pytest.raises(ValueError, match=f"depth must be an int >= 1, got {depth!r}"):
+        koila.deep_stack_key(depth)  # type: ignore[arg-type]
+
+
+def test_global_size_class_and_no_key() -> None:
+    frame = sys._getframe(0)
+    assert koila.global_key(evaluate, frame, CPU, SAMPLE) == evaluate
+    # Neither the calling line nor the free memory plays a part in the size-class key.
+    with simulated_device("64MiB"):
+        here = koila.size_class_key(evaluate, frame, CPU, SAMPLE)
+    with simulated_device("1GiB"):
+        elsewhere = koila.size_class_key(evaluate, None, CPU, SAMPLE)
+    assert here == elsewhere == (evaluate, CPU, SAMPLE)
+    assert koila.size_class_key(evaluate, frame, CPU) == (evaluate, CPU, None)
+    assert koila.size_class_key(evaluate, frame, torch.device("meta"), SAMPLE) != here
+    assert koila.no_key(evaluate, frame, CPU, SAMPLE) is None  # type: ignore[func-returns-value]
+
+
+def test_each_cache_applies_its_key_function(tmp_path: Path) -> None:
+    assert koila.StackMemoryCache().key_function is koila.stack_key
+    assert koila.GlobalCache().key_function is koila.global_key
+    assert koila.NoCache().key_function is koila.no_key
+    assert koila.DiskCache(tmp_path / "sizes.json").key_function is koila.size_class_key
+    with simulated_device("64MiB"):
+        cached, made = (_called(key) for key in (koila.StackMemoryCache(depth=2).key, koila.deep_stack_key(2)))
+    assert cached == made
+    # The default cache's key() is the key function itself: a cached call pays for no
+    # wrapper around it.
+    assert koila.StackMemoryCache().key is koila.stack_key
+
+
+# -- a key function of the user's ----------------------------------------------------------------
+
+
+def test_a_users_key_function_decides_hits_and_misses_of_a_real_out_of_memory() -> None:
+    mode = ["short"]
+    seen: list[tuple[object, ...]] = []
+
+    def by_mode(function: object, caller: FrameType | None, device: torch.device, sample: Hashable) -> Hashable:
+        seen.append((function, caller, device, sample))
+        return (function, mode[0])
+
+    cache = koila.StackMemoryCache(key=by_mode)
+    tried: list[int] = []
+
+    @koila.batch(initial=64, cache=cache)
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        with simulated_device("20MiB"):
+            torch.empty(batch_size * MiB // 4)  # a MiB per row: 16 rows fit
+        return batch_size
+
+    assert run() == 16
+    assert tried == [64, 32, 16]
+    tried.clear()
+    assert run() == 16  # another line: a stack key would miss; this key is the same
+    assert tried == [16]
+    mode[0] = "long"
+    tried.clear()
+    assert run() == 16  # another key: a miss, from the initial size
+    assert tried == [64, 32, 16]
+    identity = run.__wrapped__  # type: ignore[attr-defined]  # batch keys the function itself
+    assert sorted(cache.items()) == [((identity, "long"), 16), ((identity, "short"), 16)]
+    assert cache.cache_info()[:2] == (1, 2)
+    # Called with all four arguments, the sample too, though batch sees no inputs.
+    assert seen[0][0] == identity
+    assert seen[0][2] == CPU
+    assert seen[0][3] is None
+    assert isinstance(seen[0][1], FrameType)
+
+
+def _run_twice(cache: koila.SizeCache) -> tuple[int, object]:
+    """Call a function where 16 rows fit twice, from two lines; return the OOMs raised, and the function."""
+    fits = oom_above(16)
+
+    @koila.batch(initial=64, cache=cache)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    assert run() == 16
+    assert run() == 16
+    return fits.raised, run.__wrapped__  # type: ignore[attr-defined]
+
+
+def test_a_users_key_function_that_returns_none_keeps_nothing() -> None:
+    cache = koila.GlobalCache(key=lambda function, caller, device, sample: None)
+    assert _run_twice(cache)[0] == 4  # 64 and 32, twice: nothing was remembered
+    assert len(cache) == 0
+
+
+def test_a_users_key_function_gets_no_free_memory_fallback() -> None:
+    # Keys with the stack key's layout, from a function of the user's: its third part is
+    # not a free-memory level, and a neighbouring value is not a related key.
+    cache = koila.StackMemoryCache(key=lambda function, caller, device, sample: (function, device, 5))
+    cache[(evaluate, CPU, 6)] = 8
+    assert cache.lookup((evaluate, CPU, 5)) is None
+    for stack in (koila.stack_key, koila.deep_stack_key(3)):
+        cache = koila.StackMemoryCache(key=stack)
+        cache[(evaluate, CPU, 6, "file", "name", 2)] = 8
+        assert cache.lookup((evaluate, CPU, 5, "file", "name", 2)) == 8
+
+
+def test_a_subclass_that_overrides_key_still_decides() -> None:
+    class PerFunction(koila.StackMemoryCache):
+        def key(
+            self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+        ) -> Hashable:
+            parent = super().key(function, caller, device, sample)
+            assert isinstance(parent, tuple)
+            assert parent[0] == function  # the stack key, through super()
+            return ("mine", function)
+
+    cache = PerFunction()
+    raised, run = _run_twice(cache)
+    assert raised == 2  # another line, the same key
+    assert list(cache) == [("mine", run)]
+
+
+@pytest.mark.parametrize("make", [koila.StackMemoryCache, koila.GlobalCache])
+@pytest.mark.parametrize("key", [3, "stack", (koila.stack_key,)])
+def test_a_key_that_is_not_callable_is_refused(make: type[koila.SizeCache], key: object) -> None:
+    with pytest.raises(TypeError, match="key must be a function .* got " + re.escape(f"{type(key).__name__} {key!r}")):
+        make(key=key)  # type: ignore[arg-type]
+
+
+def test_disk_cache_refuses_a_key_that_is_not_callable(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="key must be a function .* got int 3"):
+        koila.DiskCache(tmp_path / "sizes.json", key=3)  # type: ignore[arg-type]
+
+
+def test_depth_and_key_are_not_both_given() -> None:
+    with pytest.raises(ValueError, match="depth applies to the stack key: give depth=2 or key=.*global_key"):
+        koila.StackMemoryCache(depth=2, key=koila.global_key)
+    with pytest.raises(ValueError, match="depth must be an int >= 1, got 0"):
+        koila.StackMemoryCache(depth=0, key=koila.global_key)
+
+
+# -- DiskCache: keys as text ---------------------------------------------------------------------
+
+
+def test_disk_cache_default_key_text_is_the_first_releases(tmp_path: Path) -> None:
+    filename, line = evaluate.__code__.co_filename, evaluate.__code__.co_firstlineno
+    before = f"evaluate ({filename}:{line}) on {describe_device(CPU)}"
+    for cache in (
+        koila.DiskCache(tmp_path / "default.json"),
+        koila.DiskCache(tmp_path / "given.json", key=koila.size_class_key),
+    ):
+        assert cache.key(evaluate, sys._getframe(0), CPU) == before
+        assert cache.key(evaluate, None, CPU, SAMPLE) == f"{before} for samples {SAMPLE}"
+
+
+def test_disk_cache_reads_a_file_written_in_the_first_releases_format(tmp_path: Path) -> None:
+    fits = oom_above(16)
+
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    filename, line = run.__code__.co_filename, run.__code__.co_firstlineno
+    stored = {f"{run.__qualname__} ({filename}:{line}) on {describe_device(CPU)}": 16}
+    path = tmp_path / "sizes.json"
+    path.write_text(json.dumps({"format": "koila-retry size cache", "version": 1, "sizes": stored}))
+    assert koila.batch(initial=64, cache=koila.DiskCache(path))(run)() == 16
+    assert fits.raised == 0
+
+
+def test_disk_cache_writes_a_users_key_as_stable_text(tmp_path: Path) -> None:
+    def tagged(function: object, caller: FrameType | None, device: torch.device, sample: Hashable) -> Hashable:
+        return (evaluate, device, "tag", 3, None, (1.5,))
+
+    cache = koila.DiskCache(tmp_path / "sizes.json", key=tagged)
+    filename, line = evaluate.__code__.co_filename, evaluate.__code__.co_firstlineno
+    text = f"(evaluate ({filename}:{line}), {describe_device(CPU)}, 'tag', 3, None, (1.5,))"
+    assert cache.key(evaluate, None, CPU) == text
+    assert koila.DiskCache(tmp_path / "str.json", key=lambda *call: "mine").key(evaluate, None, CPU) == "mine"
+    assert koila.DiskCache(tmp_path / "none.json", key=koila.no_key).key(evaluate, None, CPU) is None
+
+
+def test_disk_cache_with_a_users_key_starts_the_next_run_at_the_size_that_worked(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+
+    def per_device(function: object, caller: FrameType | None, device: torch.device, sample: Hashable) -> Hashable:
+        return ("evaluation", device)  # one size for every function, per device
+
+    def run_once() -> tuple[int, int]:
+        fits = oom_above(16)
+
+        @koila.batch(initial=64, cache=koila.DiskCache(path, key=per_device))
+        def run(batch_size: int) -> int:
+            fits(batch_size)
+            return batch_size
+
+        return run(), fits.raised
+
+    assert run_once() == (16, 2)
+    assert json.loads(path.read_text())["sizes"] == {f"('evaluation', {describe_device(CPU)})": 16}
+    assert run_once() == (16, 0)  # a new cache on the file: a hit, with no OOM
