@@ -25,6 +25,7 @@ __all__ = [
     "Growth",
     "NoCache",
     "SizeCache",
+    "Sizes",
     "StackMemoryCache",
     "checked_size",
     "function_identity",
@@ -154,53 +155,25 @@ class Growth:
             self._keys.clear()
 
 
-class SizeCache(MutableMapping[Hashable, int], ABC):
-    """A thread-safe, bounded mapping from a call's key to the batch size that worked.
-
-    Subclasses decide what a key is (:meth:`key`): the caches of koila_retry
-    apply a key function, theirs or the one given as ``key``. The mapping
-    itself is a least-recently-used cache of at most ``maxsize`` entries. One
-    cache may be shared by several decorated functions: keys include the
-    function.
+class Sizes(MutableMapping[Hashable, int]):
+    """A thread-safe, bounded least-recently-used mapping from keys to sizes: the store of :class:`SizeCache`.
 
     Reads take no lock, so a cached call stays cheap; stores, deletions and
     evictions take one. No operation fails because another thread changed the
-    cache meanwhile: ``pop(key, default)`` is atomic, and iteration and the
-    ``keys()``, ``items()`` and ``values()`` views are snapshots.
+    mapping meanwhile: ``pop(key, default)`` is atomic, and iteration and the
+    ``keys()``, ``items()`` and ``values()`` views are snapshots. Beside each
+    size it keeps the bytes of one sample the size was proven on, if told.
 
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
-        key (KeyFunction, optional): makes each call's key from
-            ``(function, caller, device, sample)``, or ``None`` for a call to
-            neither look up nor store (see :ref:`key-functions`). Default:
-            the subclass's own; :func:`~koila_retry.stack_key` for a subclass
-            of yours.
 
     Raises:
         ValueError: if ``maxsize`` is not a positive int.
-        TypeError: if ``key`` is not callable.
-
-    .. versionadded:: 0.1.0
     """
 
-    _warned_size = False  # whether checked_size warned about a value of this cache
-
-    def __init__(self, maxsize: int = 256, *, key: KeyFunction | None = None) -> None:
+    def __init__(self, maxsize: int = 256) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
             raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        if key is None:
-            key = stack_key
-        elif not callable(key):
-            raise TypeError(
-                "key must be a function (function, caller, device, sample) -> key, such as koila.stack_key, "
-                f"got {type(key).__name__} {key!r}"
-            )
-        self._key_function = key
-        if type(self).key is _apply_key and getattr(key, "__module__", None) == stack_key.__module__:
-            # A cached call costs microseconds: with no subclass's key() in the way, the
-            # engine calls koila's own key function directly, saving a call. (Those accept
-            # the three-argument call the engine makes; a user's function gets all four.)
-            vars(self)["key"] = key
         self._maxsize = maxsize
         # Readers (every cached call) take no lock, so they never add or remove a key: they
         # read ``_sizes`` and move a key to the end of ``_order``, each one C call, atomic
@@ -214,48 +187,9 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         # The latest key looked up and its size, in a one-item list that writers replace
         # whole after every change (see lookup).
         self._recent: list[tuple[Hashable, int | None] | None] = [None]
-        #: When the sizes kept here grow back (see :class:`Growth`).
-        self.growth = Growth(maxsize)
-        #: What front ends work out for this cache's calls besides their sizes, under keys of
-        #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
-        self.derived: dict[Hashable, Any] = {}
         # The bytes of one sample each size was proven on, for keys that name a class of
         # sample shapes (see sample_bytes); kept and forgotten with the sizes.
         self._samples: dict[Hashable, int] = {}
-
-    @abstractmethod
-    def key(
-        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
-    ) -> Hashable | None:
-        """Return the key for one call, or ``None`` to neither look up nor store.
-
-        The caches of koila_retry apply their key function
-        (:attr:`key_function`); a subclass of theirs may override this method
-        too. A subclass of yours returns its own key, or ``super().key(...)``,
-        the key of its key function.
-
-        Args:
-            function (object): identifies the decorated function or block: a
-                function, or a hashable description of it such as
-                ``(filename, first line, qualified name)``.
-            caller (FrameType or None): the frame that made the call.
-            device (torch.device): the device the call runs on.
-            sample (Hashable, optional): the shape and dtype of one sample of
-                the inputs, from front ends that see them (:func:`chunked`);
-                ``None`` otherwise.
-
-        Returns:
-            Hashable or None: the key.
-        """
-        return self._key_function(function, caller, device, sample)
-
-    @property
-    def key_function(self) -> KeyFunction:
-        """The key function that :meth:`key` applies.
-
-        .. versionadded:: 0.1.0
-        """
-        return self._key_function
 
     def lookup(self, key: Hashable) -> int | None:
         """Return the size stored under ``key``, counting a hit or a miss."""
@@ -297,48 +231,6 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
         """Return a size for a key that is not stored, from a related key, or ``None``."""
         return None
 
-    def sample_bytes(self, key: Hashable) -> int | None:
-        """Return the bytes of one sample the size stored under ``key`` was proven on, if known.
-
-        A key that names a class of sample shapes (rows padded to 37 tokens and to
-        50 share one) holds the size that fitted the samples of the class it was
-        proven on; a call with larger samples of the class scales it down to as
-        many bytes of samples.
-
-        Args:
-            key (Hashable): a key of this cache.
-
-        Returns:
-            int or None: the bytes, or ``None`` if none were recorded.
-
-        .. versionadded:: 0.1.0
-        """
-        return self._samples.get(key)
-
-    def prove(self, key: Hashable, nbytes: int) -> None:
-        """Record that the size stored under ``key`` fitted samples of ``nbytes`` bytes each.
-
-        Nothing is recorded for a key that holds no size. The record goes with the
-        size: evicted, removed and cleared with it.
-
-        Args:
-            key (Hashable): a key of this cache.
-            nbytes (int): the bytes of one sample of the call that stored the size.
-
-        Raises:
-            TypeError: if ``nbytes`` is not an int.
-            ValueError: if ``nbytes`` is below 1.
-
-        .. versionadded:: 0.1.0
-        """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int >= 1, got {type(nbytes).__name__} {nbytes!r}")
-        if nbytes < 1:
-            raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
-        with self._lock:
-            if key in self._sizes:
-                self._samples[key] = nbytes
-
     def cache_info(self) -> CacheInfo:
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
@@ -350,8 +242,6 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
             self._sizes.clear()
             self._order.clear()
             self._recent = [None]
-            self.growth.clear()
-            self.derived.clear()
             self._samples.clear()
             self._hits, self._misses = Counter(), Counter()
 
@@ -446,6 +336,141 @@ class SizeCache(MutableMapping[Hashable, int], ABC):
     def __repr__(self) -> str:
         hits, misses, maxsize, currsize = self.cache_info()
         return f"{type(self).__name__}(maxsize={maxsize}, currsize={currsize}, hits={hits}, misses={misses})"
+
+
+class SizeCache(Sizes, ABC):
+    """A thread-safe, bounded mapping from a call's key to the batch size that worked.
+
+    Subclasses decide what a key is (:meth:`key`): the caches of koila_retry
+    apply a key function, theirs or the one given as ``key``. The mapping
+    itself is a least-recently-used cache of at most ``maxsize`` entries. One
+    cache may be shared by several decorated functions: keys include the
+    function.
+
+    Reads take no lock, so a cached call stays cheap; stores, deletions and
+    evictions take one. No operation fails because another thread changed the
+    cache meanwhile: ``pop(key, default)`` is atomic, and iteration and the
+    ``keys()``, ``items()`` and ``values()`` views are snapshots.
+
+    Args:
+        maxsize (int): how many keys to keep; the least recently used go first.
+        key (KeyFunction, optional): makes each call's key from
+            ``(function, caller, device, sample)``, or ``None`` for a call to
+            neither look up nor store (see :ref:`key-functions`). Default:
+            the subclass's own; :func:`~koila_retry.stack_key` for a subclass
+            of yours.
+
+    Raises:
+        ValueError: if ``maxsize`` is not a positive int.
+        TypeError: if ``key`` is not callable.
+
+    .. versionadded:: 0.1.0
+    """
+
+    _warned_size = False  # whether checked_size warned about a value of this cache
+
+    def __init__(self, maxsize: int = 256, *, key: KeyFunction | None = None) -> None:
+        super().__init__(maxsize)
+        if key is None:
+            key = stack_key
+        elif not callable(key):
+            raise TypeError(
+                "key must be a function (function, caller, device, sample) -> key, such as koila.stack_key, "
+                f"got {type(key).__name__} {key!r}"
+            )
+        self._key_function = key
+        if type(self).key is _apply_key and getattr(key, "__module__", None) == stack_key.__module__:
+            # A cached call costs microseconds: with no subclass's key() in the way, the
+            # engine calls koila's own key function directly, saving a call. (Those accept
+            # the three-argument call the engine makes; a user's function gets all four.)
+            vars(self)["key"] = key
+        #: When the sizes kept here grow back (see :class:`Growth`).
+        self.growth = Growth(maxsize)
+        #: What front ends work out for this cache's calls besides their sizes, under keys of
+        #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
+        self.derived: dict[Hashable, Any] = {}
+
+    @abstractmethod
+    def key(
+        self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
+    ) -> Hashable | None:
+        """Return the key for one call, or ``None`` to neither look up nor store.
+
+        The caches of koila_retry apply their key function
+        (:attr:`key_function`); a subclass of theirs may override this method
+        too. A subclass of yours returns its own key, or ``super().key(...)``,
+        the key of its key function.
+
+        Args:
+            function (object): identifies the decorated function or block: a
+                function, or a hashable description of it such as
+                ``(filename, first line, qualified name)``.
+            caller (FrameType or None): the frame that made the call.
+            device (torch.device): the device the call runs on.
+            sample (Hashable, optional): the shape and dtype of one sample of
+                the inputs, from front ends that see them (:func:`chunked`);
+                ``None`` otherwise.
+
+        Returns:
+            Hashable or None: the key.
+        """
+        return self._key_function(function, caller, device, sample)
+
+    @property
+    def key_function(self) -> KeyFunction:
+        """The key function that :meth:`key` applies.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._key_function
+
+    def sample_bytes(self, key: Hashable) -> int | None:
+        """Return the bytes of one sample the size stored under ``key`` was proven on, if known.
+
+        A key that names a class of sample shapes (rows padded to 37 tokens and to
+        50 share one) holds the size that fitted the samples of the class it was
+        proven on; a call with larger samples of the class scales it down to as
+        many bytes of samples.
+
+        Args:
+            key (Hashable): a key of this cache.
+
+        Returns:
+            int or None: the bytes, or ``None`` if none were recorded.
+
+        .. versionadded:: 0.1.0
+        """
+        return self._samples.get(key)
+
+    def prove(self, key: Hashable, nbytes: int) -> None:
+        """Record that the size stored under ``key`` fitted samples of ``nbytes`` bytes each.
+
+        Nothing is recorded for a key that holds no size. The record goes with the
+        size: evicted, removed and cleared with it.
+
+        Args:
+            key (Hashable): a key of this cache.
+            nbytes (int): the bytes of one sample of the call that stored the size.
+
+        Raises:
+            TypeError: if ``nbytes`` is not an int.
+            ValueError: if ``nbytes`` is below 1.
+
+        .. versionadded:: 0.1.0
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int >= 1, got {type(nbytes).__name__} {nbytes!r}")
+        if nbytes < 1:
+            raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
+        with self._lock:
+            if key in self._sizes:
+                self._samples[key] = nbytes
+
+    def cache_clear(self) -> None:
+        """Forget every size, what grows back and what was derived, and reset the hit and miss counts."""
+        super().cache_clear()
+        self.growth.clear()
+        self.derived.clear()
 
 
 def _apply_key(

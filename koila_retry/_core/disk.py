@@ -211,46 +211,7 @@ class DiskCache(SizeCache):
 
     def _write(self, change: Callable[[_Entries], object]) -> None:
         try:
-            # A symbolic link is followed: replacing the link itself would leave its target,
-            # the file that others read, as it was.
-            target = os.path.realpath(self.path)
-            folder = os.path.dirname(target)
-            os.makedirs(folder, exist_ok=True)
-            with _locked(target + ".lock"):
-                stored = self._read(target)  # other processes may have stored sizes since we last looked
-                if stored is None:
-                    return
-                change(stored)
-                entries = dict(list(stored.items())[-self._maxsize :])
-                content: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "sizes": entries}
-                samples = {key: nbytes for key, nbytes in stored.samples.items() if key in entries}
-                if samples:
-                    content["samples"] = samples
-                mode = None
-                with contextlib.suppress(FileNotFoundError):
-                    mode = stat.S_IMODE(os.stat(target).st_mode)
-                with tempfile.NamedTemporaryFile(
-                    "w",
-                    encoding="utf-8",
-                    dir=folder,
-                    prefix=os.path.basename(self.path) + ".",
-                    suffix=".tmp",
-                    delete=False,
-                ) as temporary:
-                    try:
-                        json.dump(content, temporary, indent=1, sort_keys=False)
-                        temporary.flush()
-                        os.fsync(temporary.fileno())
-                        if mode is not None:  # a file others share stays as readable as it was
-                            os.chmod(temporary.name, mode)
-                    except BaseException:
-                        _remove(temporary)
-                        raise
-                try:
-                    os.replace(temporary.name, target)
-                except BaseException:
-                    _remove(temporary)
-                    raise
+            _replace(self.path, self._maxsize, change, self._read)
         except OSError as exc:
             self._cannot_write(exc)
 
@@ -265,6 +226,47 @@ class DiskCache(SizeCache):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, path={self.path!r})"
+
+
+def _replace(
+    path: str, maxsize: int, change: Callable[[_Entries], object], read: Callable[[str], _Entries | None]
+) -> None:
+    """Apply ``change`` to the sizes of the file at ``path`` as ``read`` finds them, and replace the file whole."""
+    # A symbolic link is followed: replacing the link itself would leave its target,
+    # the file that others read, as it was.
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    with _locked(target + ".lock"):
+        stored = read(target)  # other processes may have stored sizes since we last looked
+        if stored is None:
+            return
+        change(stored)
+        entries = dict(list(stored.items())[-maxsize:])
+        content: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "sizes": entries}
+        samples = {key: nbytes for key, nbytes in stored.samples.items() if key in entries}
+        if samples:
+            content["samples"] = samples
+        mode = None
+        with contextlib.suppress(FileNotFoundError):
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        with tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False
+        ) as temporary:
+            try:
+                json.dump(content, temporary, indent=1, sort_keys=False)
+                temporary.flush()
+                os.fsync(temporary.fileno())
+                if mode is not None:  # a file others share stays as readable as it was
+                    os.chmod(temporary.name, mode)
+            except BaseException:
+                _remove(temporary)
+                raise
+        try:
+            os.replace(temporary.name, target)
+        except BaseException:
+            _remove(temporary)
+            raise
 
 
 def _stable_text(key: object) -> str:
