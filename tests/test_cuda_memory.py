@@ -160,7 +160,9 @@ def test_free_memory_honours_the_process_memory_fraction() -> None:
         held = torch.empty(256 * MiB, dtype=torch.uint8, device=where)
         allowed = int(0.05 * total)
         reading = koila.free_memory(where)
-        assert reading == pytest.approx(allowed - torch.cuda.memory_allocated(where), abs=SLACK)
+        # What is reserved counts against the share, not only what is allocated (on the H200 of
+        # 2026-11-26, 85 MiB of cached blocks made the share less the allocated bytes fail).
+        assert reading == pytest.approx(allowed - torch.cuda.memory_reserved(where), abs=SLACK)
         assert reading < usable(where)  # the card has far more free; the process may not have it
         # The reading is what the allocator really allows: a little more fails, a little less fits.
         with pytest.raises(torch.OutOfMemoryError, match="allowed"):

@@ -319,8 +319,10 @@ def test_cuda_free_memory_honours_the_process_memory_fraction(fake_cuda: FakeCud
     # As on the H100 of 2026-11-25: a 4 GiB share of an 80 GiB card, most of the card free.
     fake_cuda.fraction = 0.05
     fake_cuda.reserved, fake_cuda.allocated = 2 * GiB, 1 * GiB
-    assert koila.free_memory("cuda") == int(0.05 * 80 * GiB) - 1 * GiB
-    fake_cuda.allocated = 5 * GiB  # past the share (set after the memory was taken): nothing left
+    # The share less what is reserved: a cached block serves only a request that fits in it,
+    # and anything larger needs a new segment, which the whole reserve counts against.
+    assert koila.free_memory("cuda") == int(0.05 * 80 * GiB) - 2 * GiB
+    fake_cuda.reserved = fake_cuda.allocated = 5 * GiB  # past the share (set after the memory was taken)
     assert koila.free_memory("cuda") == 0
 
 
@@ -332,8 +334,8 @@ def test_a_fraction_above_what_the_driver_has_free_changes_nothing(fake_cuda: Fa
 
 def test_the_cache_key_reading_honours_the_fraction(fake_cuda: FakeCuda) -> None:
     fake_cuda.fraction = 0.05
-    fake_cuda.allocated = 1 * GiB
-    assert memory.recent_free_memory(torch.device("cuda", 0)) == int(0.05 * 80 * GiB) - 1 * GiB
+    fake_cuda.reserved, fake_cuda.allocated = 3 * GiB, 1 * GiB
+    assert memory.recent_free_memory(torch.device("cuda", 0)) == int(0.05 * 80 * GiB) - 3 * GiB
 
 
 def test_suggest_batch_size_fits_the_processs_share_not_the_card(fake_cuda: FakeCuda) -> None:

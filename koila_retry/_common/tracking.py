@@ -156,6 +156,8 @@ class _SimulatedRegistry(threading.local):
 
     def enter(self, device: Simulated) -> None:
         """Make ``device`` this thread's innermost active device."""
+        with _counting:
+            anywhere[0] += 1
         self.active.append(device)
 
     def leave(self, device: Simulated) -> None:
@@ -164,6 +166,8 @@ class _SimulatedRegistry(threading.local):
         for index in range(len(active) - 1, -1, -1):
             if active[index] is device:
                 del active[index]
+                with _counting:
+                    anywhere[0] -= 1
                 return
 
     def free(self) -> int | None:
@@ -183,3 +187,8 @@ class _SimulatedRegistry(threading.local):
 # active in the calling thread, so caches and the estimator see the memory the test
 # simulates.
 simulated = _SimulatedRegistry()
+#: How many simulated devices are active in any thread. Read without a lock on every cached
+#: call: while it is 0, as it is outside tests, nothing need look at the thread's own
+#: registry, whose every read costs a thread-local lookup.
+anywhere = [0]
+_counting = threading.Lock()
