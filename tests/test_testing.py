@@ -646,3 +646,29 @@ def test_batch_under_a_simulated_device_shrinks_until_the_tensors_fit() -> None:
         assert device.live == 0
     assert tried == [1024, 512, 256]
     assert all(ref() is None for ref in made)
+
+
+def test_the_count_of_devices_active_anywhere_follows_every_enter_and_leave() -> None:
+    # recent_free_memory (every cached call's key) looks at the thread's own devices only
+    # while this count is above 0: it must come back to 0, whatever ended the blocks.
+    before = tracking.anywhere[0]
+    cpu = torch.device("cpu")
+    with simulated_device("16MiB"):
+        assert tracking.anywhere[0] == before + 1
+        assert memory.recent_free_memory(cpu) == 16 * MiB
+        with pytest.raises(RuntimeError, match="inner"), simulated_device("8MiB"):
+            assert tracking.anywhere[0] == before + 2
+            assert memory.recent_free_memory(cpu) == 8 * MiB
+            raise RuntimeError("inner")
+        assert tracking.anywhere[0] == before + 1
+        assert memory.recent_free_memory(cpu) == 16 * MiB
+
+    def worker() -> None:
+        with simulated_device("4MiB"):
+            pass
+
+    thread, errors = _in_thread(worker)
+    thread.join()
+    assert errors == []
+    assert tracking.anywhere[0] == before
+    assert memory.recent_free_memory(cpu) != 16 * MiB
