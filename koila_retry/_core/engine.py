@@ -33,6 +33,7 @@ from koila_retry._core import decision, distributed
 from koila_retry._core.attempt import Attempt
 from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
 from koila_retry._core.call import Call, FirstSize
+from koila_retry._core.decision import settled
 from koila_retry._core.outcomes import Exhaustion, Explain, plain_message
 from koila_retry._core.policy import Policy
 from koila_retry._core.stats import Stats
@@ -47,6 +48,7 @@ R = TypeVar("R")
 _WORLD: Any = distributed.world if distributed.FAST else None
 # How many runs of a call that measures are measured: a probe, then a run at the size it chose.
 MEASURES = 2
+_clock = time.perf_counter
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
@@ -86,6 +88,8 @@ class Controller:
         self.cache: SizeCache = StackMemoryCache() if default_cache is None else default_cache
         self.explain = explain or plain_message
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
+        # What the decision settles a call with nothing stored at, asked once (0: ask each call).
+        self._unstored = 0 if policy.initial is None else decision.settled(self.rules, None, 0)
         self._count_call = self.stats.calls_counter.increment
         self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
 
@@ -180,14 +184,23 @@ class Controller:
         sync = self.sync
         if self.grow or not (sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None)):
             return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
-        key, cached = self._look_up(function, caller, device, None)
-        size = decision.settled(self.rules, cached, rows)
+        # _look_up, spelled out: a method call is a tenth of what a cached call costs.
+        cache = self.cache
+        key = cache.key(function, caller, device)
+        cached = cache.lookup(key) if key is not None else None
+        if cached is None:  # the usual case: a call that never ran out of memory stores nothing
+            size = self._unstored or settled(self.rules, None, rows)
+        else:
+            if type(cached) is not int or cached < 1:
+                cached = checked_size(cache, key, cached)
+            size = settled(self.rules, cached, rows)
+        self._count_call()
         if not size:
             state = decision.first(self.rules, cached, rows)
             self.stats.batch_size = state.size
             return run(Attempt(self, Call(function, caller, device, rows=rows, roots=roots), state, key), work)
         self.stats.batch_size = size
-        started = time.perf_counter()
+        started = _clock()
         try:
             return work(size)
         except BaseException as exc:
