@@ -73,8 +73,8 @@ class Course:
         call: Call,
         state: State,
         key: Hashable | None,
-        agreement: distributed.Agreement | None,
-        started: float | None,
+        agreement: distributed.Agreement | None = None,
+        started: float | None = None,
     ) -> None:
         self.owner, self.call, self.state, self.key, self.agreement = owner, call, state, key, agreement
         # A front end's (function, args, kwargs): looked at only when an attempt fails.
@@ -266,17 +266,8 @@ class Attempt:
 
     __slots__ = ("_course",)
 
-    def __init__(
-        self,
-        owner: Owner,
-        call: Call,
-        state: State,
-        key: Hashable | None,
-        agreement: distributed.Agreement | None = None,
-        *,
-        started: float | None = None,
-    ) -> None:
-        self._course = Course(owner, call, state, key, agreement, started)
+    def __init__(self, course: Course) -> None:
+        self._course = course
 
     @property
     def batch_size(self) -> int:

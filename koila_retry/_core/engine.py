@@ -30,7 +30,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from koila_retry._core import decision, distributed
-from koila_retry._core.attempt import Attempt
+from koila_retry._core.attempt import Attempt, Course
 from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
 from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.decision import settled
@@ -136,7 +136,7 @@ class Controller:
         self.stats.batch_size = state.size
         if agreement is not None:
             self.reach(call.roots)
-        return Attempt(self, call, state, key, agreement)
+        return Attempt(Course(self, call, state, key, agreement))
 
     def _look_up(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable
@@ -198,14 +198,14 @@ class Controller:
         if not size:
             state = decision.first(self.rules, cached, rows)
             self.stats.batch_size = state.size
-            return run(Attempt(self, Call(function, caller, device, rows=rows, roots=roots), state, key), work)
+            return run(Attempt(Course(self, Call(function, caller, device, rows=rows, roots=roots), state, key)), work)
         self.stats.batch_size = size
         started = _clock()
         try:
             return work(size)
         except BaseException as exc:
             call = Call(function, caller, device, rows=rows, roots=roots)
-            attempt = Attempt(self, call, decision.first(self.rules, cached, rows), key, started=started)
+            attempt = Attempt(Course(self, call, decision.first(self.rules, cached, rows), key, started=started))
             if not attempt.__exit__(type(exc), exc, exc.__traceback__):
                 raise
         attempt.retry()  # outside the handler: the failed frames are gone
