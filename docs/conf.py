@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections.abc
 import doctest
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # Document the source tree next to this file, whether or not the package is installed.
@@ -61,3 +63,12 @@ html_title = f"koila-retry {release}"
 html_theme_options = {
     "description": "Out-of-memory errors become smaller batches, not crashes.",
 }
+
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list[object]) -> None:
+    # SizeCache's store, Sizes, is private: the docs name the mapping it is.
+    bases[:] = [collections.abc.MutableMapping if getattr(base, "__name__", "") == "Sizes" else base for base in bases]
+
+
+def setup(app: Any) -> None:
+    app.connect("autodoc-process-bases", _public_bases)
