@@ -3,8 +3,9 @@
 Import ``toma``, ``explicit`` and ``simple`` from here instead of from toma
 (which need not be installed), and the code runs as before: the same forms and
 ``toma_*`` keywords, the same schedule (the size that failed is halved, ``100 →
-50 → 25 → 12 → 6 → 3 → 1``), and caches that start later calls at the last size
-that worked. Each cache type (:class:`StacktraceMemoryBatchsizeCache`, the
+50 → 25 → 12 → 6 → 3 → 1``; a range or chunk that fails runs again from its own
+start, and finished ones never do), and caches that start later calls at the
+last size that worked. Each cache type (:class:`StacktraceMemoryBatchsizeCache`, the
 default, or another :class:`koila_retry.SizeCache` class) has one instance per
 *context*: the decorated function, or for ``toma.execute`` the caller's call
 stack, unless a ``context`` is given; the ``2**14`` most recently used are kept.
@@ -39,10 +40,10 @@ import functools
 import inspect
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Hashable, Mapping
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, cast, overload
 
 import cachetools
 import torch
@@ -119,8 +120,6 @@ def _context(value: object, name: str) -> Hashable:
     return value
 
 
-_SIZE = Option("initial", integer(1))  # None: the call gives it
-
 #: toma's options (each also per call, as ``toma_<name>``) and what they become.
 TABLE = Table(
     "toma",
@@ -128,8 +127,8 @@ TABLE = Table(
         prefix + name: option
         for prefix in ("", "toma_")
         for name, option in {
-            "initial_batchsize": _SIZE,
-            "initial_step": _SIZE,
+            "initial_batchsize": Option("initial", integer(1)),  # None: the call gives it
+            "initial_step": Option("initial", integer(1)),
             "cache_type": Option("cache_type", _cache_type),  # None: DEFAULT_CACHE_TYPE when the call runs
             "context": Option("context", _context),  # None: the function, or the stack of execute's caller
             "dimension": Option("dimension", integer(), 0),
@@ -165,17 +164,13 @@ def _reset() -> None:
 
 def _context_for(where: _Where) -> _Context:
     key = (DEFAULT_CACHE_TYPE if where[0] is None else where[0], where[1])
-    try:
-        with _contexts_lock:
+    with _contexts_lock:
+        try:
             entry = _contexts.get(key)
-    except TypeError:  # an unhashable cache_type: the check below names it
-        entry = None
-    if entry is None:  # a type in the registry was checked when it got there
-        kind = TABLE.convert("cache_type", key[0])
-        with _contexts_lock:
-            entry = _contexts.get(key)
-            if entry is None:
-                entry = _contexts[key] = _Context(kind(), {})
+        except TypeError:  # an unhashable cache_type: the check below names it
+            entry = None
+        if entry is None:  # a type in the registry was checked when it got there
+            entry = _contexts[key] = _Context(TABLE.convert("cache_type", key[0])(), {})
     return entry
 
 
@@ -183,7 +178,7 @@ def _run(
     func: Callable[..., Any],
     size: int,
     where: _Where,
-    caller: FrameType | None,
+    caller: types.FrameType | None,
     args: Any = (),
     kwargs: Any = _NOTHING,
     span: range | None = None,
@@ -242,16 +237,12 @@ def _called(func: object, cache_type: CacheType | None, context: object) -> _Whe
     return (cache_type, function_identity(func) if context is None else _context(context, "toma_context"))
 
 
-def _executed(cache_type: object, context: object, caller: FrameType | None) -> _Where:
+def _executed(cache_type: object, context: object, caller: types.FrameType | None) -> _Where:
     """Return where a ``toma.execute`` form keeps its sizes: its ``context``, else its caller's stack."""
     kind: CacheType | None = TABLE.convert("cache_type", cache_type)
     if context is not None:
         return (kind, _context(context, "context"))
-    frames = []
-    while caller is not None:  # the file, line and function of each frame
-        frames.append((caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name))
-        caller = caller.f_back
-    return (kind, tuple(frames))
+    return (kind, tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_stack(caller)))
 
 
 class _Options(TypedDict, total=False):  # the options of toma's decorators, for the overloads
@@ -295,8 +286,9 @@ class _Decorator:
         """Return ``func`` wrapped or, when it is ``None``, the decorator that wraps."""
         return self.wrap if func is None else self.wrap(func)
 
-    def call(self, default: Hashable, size: object, context: object) -> tuple[int, _Where]:
-        """Return a call's size and where it is kept: its own where it gave them, else the decorator's."""
+    def call(self, default: Hashable, kwargs: dict[str, Any]) -> tuple[int, _Where]:
+        """Take a call's own size and context out of ``kwargs``; return them, else the decorator's."""
+        size, context = kwargs.pop(f"toma_{self.option}", None), kwargs.pop("toma_context", None)
         chosen = _size(self.size, self.option, self.missing) if size is None else _size(size, f"toma_{self.option}")
         return chosen, (self.cache_type, default if context is None else _context(context, "toma_context"))
 
@@ -305,36 +297,20 @@ class _Decorator:
         default = function_identity(function) if self.context is None else self.context
         call, dimension, getframe = self.call, self.dimension, sys._getframe
 
-        def batched(
-            *args: Any, toma_initial_batchsize: int | None = None, toma_context: Hashable = None, **kwargs: Any
-        ) -> Any:
-            size, where = call(default, toma_initial_batchsize, toma_context)
+        def batched(*args: Any, **kwargs: Any) -> Any:
+            size, where = call(default, kwargs)
             return _run(function, size, where, getframe(1), args, kwargs)
 
-        def ranged(
-            start: int,
-            end: int,
-            *args: Any,
-            toma_initial_step: int | None = None,
-            toma_context: Hashable = None,
-            **kwargs: Any,
-        ) -> None:
-            step, where = call(default, toma_initial_step, toma_context)
+        def ranged(start: int, end: int, *args: Any, **kwargs: Any) -> None:
+            step, where = call(default, kwargs)
             _run(function, step, where, getframe(1), args, kwargs, _span(start, end))
 
-        def chunked(
-            tensor: torch.Tensor,
-            *args: Any,
-            toma_initial_step: int | None = None,
-            toma_dimension: int | None = None,
-            toma_context: Hashable = None,
-            **kwargs: Any,
-        ) -> None:
-            step, where = call(default, toma_initial_step, toma_context)
-            if toma_dimension is None:
+        def chunked(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            step, where = call(default, kwargs)
+            if (own := kwargs.pop("toma_dimension", None)) is None:
                 chunks, dim = _dimension(tensor, dimension, "dimension")
             else:
-                chunks, dim = _dimension(tensor, toma_dimension, "toma_dimension")
+                chunks, dim = _dimension(tensor, own, "toma_dimension")
             _run(function, step, where, getframe(1), args, kwargs, tensor=chunks, dim=dim)
 
         wrappers: dict[str, Callable[..., Any]] = {"batch": batched, "range": ranged, "chunked": chunked}
@@ -344,12 +320,11 @@ class _Decorator:
 class explicit:
     """Retry with a cache, given every setting in the call.
 
-    A call starts at the size the cache remembers for it, if any (even above
-    the initial size, as in toma), else at the initial size. Besides the
-    arguments below, each form takes ``toma_context`` (Hashable), which names
-    the cache instance (default: ``func``), and ``toma_cache_type`` (type), the
-    cache type (default: ``DEFAULT_CACHE_TYPE`` when the call runs); its other
-    arguments go on to ``func``.
+    A call starts at the size its cache remembers, if any (even above the
+    initial size, as in toma), else at the initial size. Besides the arguments
+    below, each form takes ``toma_context`` (Hashable), which names the cache
+    instance (default: ``func``), and ``toma_cache_type`` (type; default:
+    ``DEFAULT_CACHE_TYPE`` when the call runs); the rest go on to ``func``.
 
     .. versionadded:: 0.1.0
     """
@@ -373,8 +348,7 @@ class explicit:
             object: what ``func`` returned.
         """
         size = _size(initial_batchsize, "initial_batchsize")
-        result: R = _run(func, size, _called(func, toma_cache_type, toma_context), sys._getframe(1), args, kwargs)
-        return result
+        return cast(R, _run(func, size, _called(func, toma_cache_type, toma_context), sys._getframe(1), args, kwargs))
 
     @staticmethod
     def range(
@@ -424,9 +398,7 @@ class explicit:
 
 
 class simple:
-    """Retry without a cache: each form is its :class:`explicit` namesake with no ``toma_*`` keywords.
-
-    Every call starts at the initial size it is given, and every keyword argument goes on to ``func``.
+    """Retry without a cache: as :class:`explicit` does, but every keyword argument goes on to ``func``.
 
     .. versionadded:: 0.1.0
     """
@@ -435,8 +407,7 @@ class simple:
     def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: Any, **kwargs: Any) -> R:
         """Call ``func(batchsize, *args, **kwargs)``, halving ``batchsize`` on out-of-memory errors."""
         size = _size(initial_batchsize, "initial_batchsize")
-        result: R = _run(func, size, _called(func, NoBatchsizeCache, None), sys._getframe(1), args, kwargs)
-        return result
+        return cast(R, _run(func, size, _called(func, NoBatchsizeCache, None), sys._getframe(1), args, kwargs))
 
     @staticmethod
     def range(func: Callable[..., object], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
@@ -446,10 +417,7 @@ class simple:
 
     @staticmethod
     def chunked(func: Callable[..., object], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
-        """Call ``func(chunk, begin, end)`` over consecutive chunks of ``tensor`` along ``dimension`` (int).
-
-        Unlike the other forms, this one passes nothing else on to ``func``.
-        """
+        """Call ``func(chunk, begin, end)`` over consecutive chunks of ``tensor`` along ``dimension`` (int)."""
         step = _size(initial_step, "initial_step")
         tensor, dim = _dimension(tensor, dimension, "dimension")
         _run(func, step, _called(func, NoBatchsizeCache, None), sys._getframe(1), tensor=tensor, dim=dim)
@@ -483,9 +451,8 @@ class toma(metaclass=_Namespace):
     function), as in :class:`explicit`. A call may give its own size
     (``toma_initial_batchsize`` or ``toma_initial_step``) and ``toma_context``.
     Each returns the wrapped function, or a decorator when ``func`` is not given.
-
-    Also here, as toma's README has them: ``toma.explicit``, the cache types
-    and ``toma.DEFAULT_CACHE_TYPE``, the module's (deleting it restores the default).
+    ``toma.explicit``, the cache types and ``toma.DEFAULT_CACHE_TYPE`` (the
+    module's; deleting it restores the default) are here too, as in toma's README.
 
     .. versionadded:: 0.1.0
     """
@@ -523,9 +490,6 @@ class toma(metaclass=_Namespace):
     def range(func: _Step | None = None, **options: Unpack[_StepOptions]) -> Any:
         """Make ``func(begin, stop, ...)`` run over consecutive ranges when called as ``func(start, end, ...)``.
 
-        A range that runs out of memory is run again from its ``begin`` with
-        half the indices; finished ranges are not run again.
-
         Args:
             func (callable, optional): the function, when used bare.
             **options: ``initial_step`` (int), ``cache_type`` and ``context``.
@@ -542,9 +506,7 @@ class toma(metaclass=_Namespace):
     def chunked(func: _Step | None = None, **options: Unpack[_ChunkOptions]) -> Any:
         """Make ``func(chunk, begin, end, ...)`` run over the chunks of a tensor when called as ``func(tensor, ...)``.
 
-        A chunk that runs out of memory is run again from its first row with
-        half the rows; finished chunks are not run again. A call may give its
-        own ``toma_dimension``.
+        A call may give its own ``toma_dimension``.
 
         Args:
             func (callable, optional): the function, when used bare.
@@ -556,10 +518,9 @@ class toma(metaclass=_Namespace):
     class execute:
         """Decorators that run the decorated function at once, and bind its name to the result.
 
-        Each is its :class:`explicit` namesake run on the decorated function,
-        with ``cache_type`` and ``context`` (default: the call stack of the
-        code that calls ``toma.execute.*``) for the ``toma_*`` keywords. Each
-        checks its arguments, then returns the decorator.
+        Each checks its arguments and returns a decorator that runs its :class:`explicit`
+        namesake on the function, with ``cache_type`` and ``context`` (default: the
+        call stack of the code that calls ``toma.execute.*``) for the ``toma_*`` keywords.
 
         .. versionadded:: 0.1.0
         """
