@@ -1,15 +1,21 @@
 """A drop-in stand-in for toma 1.1.0, on koila-retry's engine.
 
-Import ``toma``, ``explicit`` and ``simple`` from here instead of from toma, and
-the code runs as before: the same decorators, ``toma.execute`` forms,
-``explicit`` and ``simple`` calls and ``toma_*`` keyword arguments; the same
-schedule (the size that failed is halved, ``100 → 50 → 25 → 12 → 6 → 3 → 1``);
-the same caches, which start later calls at the last size that worked. Each
-cache type (:class:`StacktraceMemoryBatchsizeCache`, the default, or another
-:class:`koila_retry.SizeCache` class) has one instance per *context*: the
-decorated function, or for ``toma.execute`` the caller's call stack, unless a
-``context`` is given; the ``2**14`` most recently used are kept. toma itself
-need not be installed.
+Import ``toma``, ``explicit`` and ``simple`` from here instead of from toma
+(which need not be installed), and the code runs as before: the same forms and
+``toma_*`` keywords, the same schedule (the size that failed is halved, ``100 →
+50 → 25 → 12 → 6 → 3 → 1``; a range or chunk that fails runs again from its own
+start, and finished ones never do), and caches that start later calls at the
+last size that worked. Each cache type (:class:`StacktraceMemoryBatchsizeCache`, the
+default, or another :class:`koila_retry.SizeCache` class) has one instance per
+*context*: the decorated function, or for ``toma.execute`` the caller's call
+stack, unless a ``context`` is given; the ``2**14`` most recently used are kept.
+
+Every form raises ``TypeError`` for an argument of the wrong type (a missing
+initial size, an unhashable context and a cache type that is not a koila_retry
+cache class included), ``ValueError`` for an initial size below 1,
+``IndexError`` for a dimension out of range, and
+:class:`~koila_retry.BatchSizeExhausted` when size 1 runs out of memory too.
+Decorators check their own options when they decorate, and a call's when it runs.
 
 Example::
 
@@ -23,7 +29,7 @@ Example::
     >>> total(torch.ones(100))
     tensor(100.)
 
-The differences from toma, each with its reason, are listed in :ref:`differences-from-toma`.
+The differences from toma, each with its reason, are in :ref:`differences-from-toma`.
 
 .. versionadded:: 0.1.0
 """
@@ -34,17 +40,17 @@ import functools
 import inspect
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Hashable, Mapping
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, cast, overload
 
 import cachetools
 import torch
 
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.detect import is_oom
-from koila_retry._core.engine import Call, Controller, cover
+from koila_retry._core.engine import ROWS, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import scaled
 from koila_retry._diagnostics import exhausted
@@ -85,7 +91,6 @@ should_reduce_batch_size = is_oom
 CONTEXT_CACHE_SIZE = 2**14
 
 _INDICES = ("index", "indices", "range")
-_ROWS = ("row", "rows", "chunk")
 _NOTHING: dict[str, Any] = {}  # the keyword arguments of a call that has none
 
 
@@ -115,8 +120,6 @@ def _context(value: object, name: str) -> Hashable:
     return value
 
 
-_SIZE = Option("initial", integer(1))  # None: the call gives it
-
 #: toma's options (each also per call, as ``toma_<name>``) and what they become.
 TABLE = Table(
     "toma",
@@ -124,8 +127,8 @@ TABLE = Table(
         prefix + name: option
         for prefix in ("", "toma_")
         for name, option in {
-            "initial_batchsize": _SIZE,
-            "initial_step": _SIZE,
+            "initial_batchsize": Option("initial", integer(1)),  # None: the call gives it
+            "initial_step": Option("initial", integer(1)),
             "cache_type": Option("cache_type", _cache_type),  # None: DEFAULT_CACHE_TYPE when the call runs
             "context": Option("context", _context),  # None: the function, or the stack of execute's caller
             "dimension": Option("dimension", integer(), 0),
@@ -138,11 +141,8 @@ _POLICY = TABLE.policy(TABLE.read({}), rows=True)
 _index = integer()
 
 
-class _Where(NamedTuple):
-    """Where a call's sizes are kept: its cache type (``None``: the default when it runs) and context."""
-
-    cache_type: CacheType | None
-    context: Hashable
+#: Where a call's sizes are kept: its cache type (``None``: the default when it runs) and context.
+_Where = tuple[CacheType | None, Hashable]
 
 
 class _Context(NamedTuple):
@@ -163,30 +163,22 @@ def _reset() -> None:
 
 
 def _context_for(where: _Where) -> _Context:
-    key = (DEFAULT_CACHE_TYPE if where.cache_type is None else where.cache_type, where.context)
-    try:
-        with _contexts_lock:
+    key = (DEFAULT_CACHE_TYPE if where[0] is None else where[0], where[1])
+    with _contexts_lock:
+        try:
             entry = _contexts.get(key)
-    except TypeError:  # an unhashable cache_type: the check below names it
-        entry = None
-    if entry is None:  # a type in the registry was checked when it got there
-        kind = TABLE.convert("cache_type", key[0])
-        with _contexts_lock:
-            entry = _contexts.get(key)
-            if entry is None:
-                entry = _contexts[key] = _Context(kind(), {})
+        except TypeError:  # an unhashable cache_type: the check below names it
+            entry = None
+        if entry is None:  # a type in the registry was checked when it got there
+            entry = _contexts[key] = _Context(TABLE.convert("cache_type", key[0])(), {})
     return entry
-
-
-def _ignore(begin: int, end: int, result: object) -> None:
-    """Drop a range's result: toma's ranges return nothing."""
 
 
 def _run(
     func: Callable[..., Any],
     size: int,
     where: _Where,
-    caller: FrameType | None,
+    caller: types.FrameType | None,
     args: Any = (),
     kwargs: Any = _NOTHING,
     span: range | None = None,
@@ -203,18 +195,17 @@ def _run(
         entry.controllers[name] = controller
     roots: tuple[Any, ...] = (func, args, kwargs)
     if tensor is not None:
-        span, device, roots, unit = range(tensor.size(dim)), tensor.device, (func, tensor, args, kwargs), _ROWS
+        span, device, roots, unit = range(tensor.size(dim)), tensor.device, (func, tensor, args, kwargs), ROWS
         work = lambda begin, end: func(tensor.narrow(dim, begin, end - begin), begin, end, *args, **kwargs)  # noqa: E731
     elif span is not None:
         device, unit = default_device(), _INDICES
         work = lambda begin, end: func(begin, end, *args, **kwargs)  # noqa: E731
     else:
         batch = lambda batch_size: func(batch_size, *args, **kwargs)  # noqa: E731
-        return controller.call(where.context, caller, device_of(args, kwargs), batch, roots, rows=size)
-    if not span:  # toma runs nothing, and so do we
-        return cover(controller, None, span.start, span.stop, work, _ignore)
-    attempt = controller.start(Call(where.context, caller, device, rows=size, span=len(span), roots=roots))
-    return cover(controller, attempt, span.start, span.stop, work, _ignore, unit=unit)
+        return controller.call(where[1], caller, device_of(args, kwargs), batch, roots, rows=size)
+    # An empty range runs nothing, as in toma; toma's ranges and chunks return nothing.
+    attempt = controller.start(Call(where[1], caller, device, rows=size, span=len(span), roots=roots)) if span else None
+    return cover(controller, attempt, span.start, span.stop, work, lambda *_: None, unit=unit)
 
 
 def _size(value: object, name: str, missing: str | None = None) -> int:
@@ -243,19 +234,15 @@ def _dimension(tensor: object, dimension: object, name: str) -> tuple[torch.Tens
 
 def _called(func: object, cache_type: CacheType | None, context: object) -> _Where:
     """Return where an ``explicit`` or ``simple`` call keeps its sizes: its ``toma_context``, else ``func``."""
-    return _Where(cache_type, function_identity(func) if context is None else _context(context, "toma_context"))
+    return (cache_type, function_identity(func) if context is None else _context(context, "toma_context"))
 
 
-def _executed(cache_type: object, context: object, caller: FrameType | None) -> _Where:
+def _executed(cache_type: object, context: object, caller: types.FrameType | None) -> _Where:
     """Return where a ``toma.execute`` form keeps its sizes: its ``context``, else its caller's stack."""
     kind: CacheType | None = TABLE.convert("cache_type", cache_type)
     if context is not None:
-        return _Where(kind, _context(context, "context"))
-    frames = []
-    while caller is not None:  # the file, line and function of each frame
-        frames.append((caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name))
-        caller = caller.f_back
-    return _Where(kind, tuple(frames))
+        return (kind, _context(context, "context"))
+    return (kind, tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_stack(caller)))
 
 
 class _Options(TypedDict, total=False):  # the options of toma's decorators, for the overloads
@@ -280,13 +267,14 @@ _Stepped = Callable[..., None]  # and what they make of it
 
 
 class _Decorator:
-    """What a ``toma.batch``/``range``/``chunked`` decorator was given, read once through the table."""
+    """A ``toma.batch``, ``range`` or ``chunked`` decorator: its options, read once through the table."""
 
     def __init__(self, front_end: str, options: Mapping[str, object], names: type) -> None:
         unknown = [name for name in options if name not in names.__annotations__]
         if unknown:
             raise TypeError(f"toma.{front_end}() got an unexpected keyword argument {unknown[0]!r}")
-        self.option = next(name for name in names.__annotations__ if name.startswith("initial_"))
+        self.front_end = front_end
+        self.option = "initial_batchsize" if front_end == "batch" else "initial_step"
         self.missing = f"{self.option}= to toma.{front_end}, or toma_{self.option}= to the call"
         settings = TABLE.read(options)
         self.size: int | None = settings.get("initial")
@@ -294,85 +282,49 @@ class _Decorator:
         self.context: Hashable = settings.get("context")
         self.dimension: int = settings.get("dimension", 0)
 
-    def decorate(self, func: Callable[..., Any] | None, wrap: Callable[..., Callable[..., Any]]) -> Any:
-        """Return ``func`` wrapped by ``wrap(func, its default context)``, or a decorator that wraps."""
+    def __call__(self, func: Callable[..., Any] | None) -> Any:
+        """Return ``func`` wrapped or, when it is ``None``, the decorator that wraps."""
+        return self.wrap if func is None else self.wrap(func)
 
-        def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
-            default = function_identity(function) if self.context is None else self.context
-            return functools.wraps(function)(wrap(function, default))
-
-        return decorate if func is None else decorate(func)
-
-    def call(self, default: Hashable, size: object, context: object) -> tuple[int, _Where]:
-        """Return a call's size and where it is kept: its own where it gave them, else the decorator's."""
+    def call(self, default: Hashable, kwargs: dict[str, Any]) -> tuple[int, _Where]:
+        """Take a call's own size and context out of ``kwargs``; return them, else the decorator's."""
+        size, context = kwargs.pop(f"toma_{self.option}", None), kwargs.pop("toma_context", None)
         chosen = _size(self.size, self.option, self.missing) if size is None else _size(size, f"toma_{self.option}")
-        return chosen, _Where(self.cache_type, default if context is None else _context(context, "toma_context"))
+        return chosen, (self.cache_type, default if context is None else _context(context, "toma_context"))
 
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Return the wrapper of ``function`` that the decorator's form calls it through."""
+        default = function_identity(function) if self.context is None else self.context
+        call, dimension, getframe = self.call, self.dimension, sys._getframe
 
-class simple:
-    """Retry without a cache: every call starts at the initial size it is given.
+        def batched(*args: Any, **kwargs: Any) -> Any:
+            size, where = call(default, kwargs)
+            return _run(function, size, where, getframe(1), args, kwargs)
 
-    Each raises ``TypeError`` for an argument of the wrong type, ``ValueError``
-    for an initial size below 1, ``IndexError`` for a dimension out of range,
-    and :class:`~koila_retry.BatchSizeExhausted` when size 1 runs out of memory too.
+        def ranged(start: int, end: int, *args: Any, **kwargs: Any) -> None:
+            step, where = call(default, kwargs)
+            _run(function, step, where, getframe(1), args, kwargs, _span(start, end))
 
-    .. versionadded:: 0.1.0
-    """
+        def chunked(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            step, where = call(default, kwargs)
+            if (own := kwargs.pop("toma_dimension", None)) is None:
+                chunks, dim = _dimension(tensor, dimension, "dimension")
+            else:
+                chunks, dim = _dimension(tensor, own, "toma_dimension")
+            _run(function, step, where, getframe(1), args, kwargs, tensor=chunks, dim=dim)
 
-    @staticmethod
-    def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: Any, **kwargs: Any) -> R:
-        """Call ``func(batchsize, *args, **kwargs)``, halving ``batchsize`` on out-of-memory errors.
-
-        Args:
-            func (callable): called with the batch size, then ``args`` and ``kwargs``.
-            initial_batchsize (int): the first size to try.
-
-        Returns:
-            object: what ``func`` returned.
-        """
-        size = _size(initial_batchsize, "initial_batchsize")
-        result: R = _run(func, size, _called(func, NoBatchsizeCache, None), sys._getframe(1), args, kwargs)
-        return result
-
-    @staticmethod
-    def range(func: Callable[..., object], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
-        """Call ``func(begin, stop, *args, **kwargs)`` over consecutive ranges covering ``[start, end)``.
-
-        Args:
-            func (callable): called with each range's first index and one past its last.
-            start (int): the first index.
-            end (int): one past the last index; if not above ``start``, nothing runs.
-            initial_step (int): the first range size to try.
-        """
-        where = _called(func, NoBatchsizeCache, None)
-        _run(func, _size(initial_step, "initial_step"), where, sys._getframe(1), args, kwargs, _span(start, end))
-
-    @staticmethod
-    def chunked(func: Callable[..., object], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
-        """Call ``func(chunk, begin, end)`` over consecutive chunks of ``tensor`` along ``dimension``.
-
-        Args:
-            func (callable): called with each chunk (a view, from
-                ``tensor.narrow``) and the range of rows it covers.
-            tensor (torch.Tensor): the tensor to chunk.
-            initial_step (int): the first chunk size to try.
-            dimension (int): the dimension to chunk along. Default: 0.
-        """
-        step = _size(initial_step, "initial_step")
-        tensor, dim = _dimension(tensor, dimension, "dimension")
-        _run(func, step, _called(func, NoBatchsizeCache, None), sys._getframe(1), tensor=tensor, dim=dim)
+        wrappers: dict[str, Callable[..., Any]] = {"batch": batched, "range": ranged, "chunked": chunked}
+        return functools.wraps(function)(wrappers[self.front_end])
 
 
 class explicit:
     """Retry with a cache, given every setting in the call.
 
-    Each call starts at the size the cache remembers for it, if any (even
-    above the initial size, as in toma), else at the initial size. Its
-    ``toma_context`` names the cache instance (default: ``func``) and its
-    ``toma_cache_type`` is the cache type (default: ``DEFAULT_CACHE_TYPE``
-    when the call runs); its other arguments go on to ``func``. The errors
-    are those of :class:`simple`, and ``TypeError`` for a context that is
-    not hashable or a cache type that is not a koila_retry cache class.
+    A call starts at the size its cache remembers, if any (even above the
+    initial size, as in toma), else at the initial size. Besides the arguments
+    below, each form takes ``toma_context`` (Hashable), which names the cache
+    instance (default: ``func``), and ``toma_cache_type`` (type; default:
+    ``DEFAULT_CACHE_TYPE`` when the call runs); the rest go on to ``func``.
 
     .. versionadded:: 0.1.0
     """
@@ -389,17 +341,14 @@ class explicit:
         """Call ``func(batchsize, *args, **kwargs)``, halving ``batchsize`` on out-of-memory errors.
 
         Args:
-            func (callable): called with the batch size, then ``args`` and ``kwargs``.
+            func (callable): takes the batch size, then ``args`` and ``kwargs``.
             initial_batchsize (int): the first size to try when the cache knows none.
-            toma_context (Hashable, optional): names the cache instance.
-            toma_cache_type (type, optional): the cache type.
 
         Returns:
             object: what ``func`` returned.
         """
         size = _size(initial_batchsize, "initial_batchsize")
-        result: R = _run(func, size, _called(func, toma_cache_type, toma_context), sys._getframe(1), args, kwargs)
-        return result
+        return cast(R, _run(func, size, _called(func, toma_cache_type, toma_context), sys._getframe(1), args, kwargs))
 
     @staticmethod
     def range(
@@ -415,12 +364,10 @@ class explicit:
         """Call ``func(begin, stop, *args, **kwargs)`` over consecutive ranges covering ``[start, end)``.
 
         Args:
-            func (callable): called with each range's first index and one past its last.
+            func (callable): takes a range's first index and one past its last, then ``args`` and ``kwargs``.
             start (int): the first index.
             end (int): one past the last index; if not above ``start``, nothing runs.
             initial_step (int): the first range size to try when the cache knows none.
-            toma_context (Hashable, optional): names the cache instance.
-            toma_cache_type (type, optional): the cache type.
         """
         step, where = _size(initial_step, "initial_step"), _called(func, toma_cache_type, toma_context)
         _run(func, step, where, sys._getframe(1), args, kwargs, _span(start, end))
@@ -439,17 +386,41 @@ class explicit:
         """Call ``func(chunk, begin, end, *args, **kwargs)`` over consecutive chunks of ``tensor``.
 
         Args:
-            func (callable): called with each chunk, its range of rows, then ``args`` and ``kwargs``.
+            func (callable): takes a chunk (a view, ``tensor.narrow``), its range of rows, ``args`` and ``kwargs``.
             tensor (torch.Tensor): the tensor to chunk.
             initial_step (int): the first chunk size to try when the cache knows none.
             toma_dimension (int, optional): the dimension to chunk along. Default: 0.
-            toma_context (Hashable, optional): names the cache instance.
-            toma_cache_type (type, optional): the cache type.
         """
         step = _size(initial_step, "initial_step")
         tensor, dim = _dimension(tensor, 0 if toma_dimension is None else toma_dimension, "toma_dimension")
         where = _called(func, toma_cache_type, toma_context)
         _run(func, step, where, sys._getframe(1), args, kwargs, tensor=tensor, dim=dim)
+
+
+class simple:
+    """Retry without a cache: as :class:`explicit` does, but every keyword argument goes on to ``func``.
+
+    .. versionadded:: 0.1.0
+    """
+
+    @staticmethod
+    def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: Any, **kwargs: Any) -> R:
+        """Call ``func(batchsize, *args, **kwargs)``, halving ``batchsize`` on out-of-memory errors."""
+        size = _size(initial_batchsize, "initial_batchsize")
+        return cast(R, _run(func, size, _called(func, NoBatchsizeCache, None), sys._getframe(1), args, kwargs))
+
+    @staticmethod
+    def range(func: Callable[..., object], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
+        """Call ``func(begin, stop, *args, **kwargs)`` over consecutive ranges covering ``[start, end)``."""
+        where = _called(func, NoBatchsizeCache, None)
+        _run(func, _size(initial_step, "initial_step"), where, sys._getframe(1), args, kwargs, _span(start, end))
+
+    @staticmethod
+    def chunked(func: Callable[..., object], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
+        """Call ``func(chunk, begin, end)`` over consecutive chunks of ``tensor`` along ``dimension`` (int)."""
+        step = _size(initial_step, "initial_step")
+        tensor, dim = _dimension(tensor, dimension, "dimension")
+        _run(func, step, _called(func, NoBatchsizeCache, None), sys._getframe(1), tensor=tensor, dim=dim)
 
 
 class _Namespace(type):
@@ -466,8 +437,8 @@ class _Namespace(type):
 
     @DEFAULT_CACHE_TYPE.deleter
     def DEFAULT_CACHE_TYPE(cls) -> None:
-        # Restores toma's default: what undoing a patch of the attribute (which was not in
-        # the class's own __dict__) means, for pytest's monkeypatch and unittest.mock.
+        # Undoing a patch of an attribute that was not in the class's own __dict__ deletes it
+        # (pytest's monkeypatch, unittest.mock): that must restore toma's default.
         global DEFAULT_CACHE_TYPE
         DEFAULT_CACHE_TYPE = StacktraceMemoryBatchsizeCache
 
@@ -475,21 +446,13 @@ class _Namespace(type):
 class toma(metaclass=_Namespace):
     """Decorators that retry a function with smaller sizes when it runs out of memory.
 
-    Use each bare (``@toma.batch``; every call then gives its size) or called.
-    A call starts at the size the cache remembers for it, else at the initial
-    size, and halves it after each out-of-memory error. Besides the initial
-    size, each takes ``cache_type``, the cache type (default:
-    ``DEFAULT_CACHE_TYPE`` when each call runs), and ``context``, which names
-    the cache instance (default: the function). A call may override the
-    initial size and the context (``toma_initial_batchsize`` or
-    ``toma_initial_step``, and ``toma_context``); its other arguments go to
-    the function. The errors are those of :class:`explicit`, and, when a call
-    runs, ``TypeError`` if no initial size was given.
-
-    Also here, as toma's README has them: ``toma.explicit``, the cache types,
-    and ``toma.DEFAULT_CACHE_TYPE`` (the same value as the module's: setting
-    either changes the default of later calls; deleting
-    ``toma.DEFAULT_CACHE_TYPE`` restores :class:`StacktraceMemoryBatchsizeCache`).
+    Use each bare (``@toma.batch``: each call gives its size) or called with
+    options: the initial size, ``cache_type`` and ``context`` (default: the
+    function), as in :class:`explicit`. A call may give its own size
+    (``toma_initial_batchsize`` or ``toma_initial_step``) and ``toma_context``.
+    Each returns the wrapped function, or a decorator when ``func`` is not given.
+    ``toma.explicit``, the cache types and ``toma.DEFAULT_CACHE_TYPE`` (the
+    module's; deleting it restores the default) are here too, as in toma's README.
 
     .. versionadded:: 0.1.0
     """
@@ -512,26 +475,10 @@ class toma(metaclass=_Namespace):
         """Make ``func(batchsize, ...)`` callable as ``func(...)``, with the largest batch size that fits.
 
         Args:
-            func (callable): the function, when used bare.
-            **options: ``initial_batchsize`` (int), the first size to try when
-                the cache knows none; ``cache_type`` and ``context``.
-
-        Returns:
-            callable: the wrapped function, taking ``(*args, toma_initial_batchsize=None,
-            toma_context=None, **kwargs)``; or a decorator when ``func`` is not given.
+            func (callable, optional): the function, when used bare.
+            **options: ``initial_batchsize`` (int), ``cache_type`` and ``context``.
         """
-        decorator, getframe = _Decorator("batch", options, _BatchOptions), sys._getframe
-
-        def wrap(function: Callable[..., Any], default: Hashable) -> Callable[..., Any]:
-            def wrapper(
-                *args: Any, toma_initial_batchsize: int | None = None, toma_context: Hashable = None, **kwargs: Any
-            ) -> Any:
-                size, where = decorator.call(default, toma_initial_batchsize, toma_context)
-                return _run(function, size, where, getframe(1), args, kwargs)
-
-            return wrapper
-
-        return decorator.decorate(func, wrap)
+        return _Decorator("batch", options, _BatchOptions)(func)
 
     @overload
     @staticmethod
@@ -543,36 +490,11 @@ class toma(metaclass=_Namespace):
     def range(func: _Step | None = None, **options: Unpack[_StepOptions]) -> Any:
         """Make ``func(begin, stop, ...)`` run over consecutive ranges when called as ``func(start, end, ...)``.
 
-        A range that runs out of memory is run again, from its own ``begin``,
-        with half the indices; finished ranges are not run again.
-
         Args:
-            func (callable): the function, when used bare.
-            **options: ``initial_step`` (int), the first range size to try when
-                the cache knows none; ``cache_type`` and ``context``.
-
-        Returns:
-            callable: the wrapped function, taking ``(start, end, *args, toma_initial_step=None,
-            toma_context=None, **kwargs)`` and returning ``None`` (``end <= start`` runs
-            nothing); or a decorator when ``func`` is not given.
+            func (callable, optional): the function, when used bare.
+            **options: ``initial_step`` (int), ``cache_type`` and ``context``.
         """
-        decorator, getframe = _Decorator("range", options, _StepOptions), sys._getframe
-
-        def wrap(function: _Step, default: Hashable) -> _Stepped:
-            def wrapper(
-                start: int,
-                end: int,
-                *args: Any,
-                toma_initial_step: int | None = None,
-                toma_context: Hashable = None,
-                **kwargs: Any,
-            ) -> None:
-                step, where = decorator.call(default, toma_initial_step, toma_context)
-                _run(function, step, where, getframe(1), args, kwargs, _span(start, end))
-
-            return wrapper
-
-        return decorator.decorate(func, wrap)
+        return _Decorator("range", options, _StepOptions)(func)
 
     @overload
     @staticmethod
@@ -584,53 +506,21 @@ class toma(metaclass=_Namespace):
     def chunked(func: _Step | None = None, **options: Unpack[_ChunkOptions]) -> Any:
         """Make ``func(chunk, begin, end, ...)`` run over the chunks of a tensor when called as ``func(tensor, ...)``.
 
-        A chunk that runs out of memory is run again, from its own first row,
-        with half the rows; finished chunks are not run again. ``func`` gets
-        ``tensor.narrow(dimension, begin, end - begin)``, ``begin``, ``end``,
-        then the call's other arguments.
+        A call may give its own ``toma_dimension``.
 
         Args:
-            func (callable): the function, when used bare.
-            **options: ``initial_step`` (int), the first chunk size to try when
-                the cache knows none; ``dimension`` (int), the dimension to
-                chunk along (default: 0); ``cache_type`` and ``context``.
-
-        Returns:
-            callable: the wrapped function, taking ``(tensor, *args, toma_initial_step=None,
-            toma_dimension=None, toma_context=None, **kwargs)`` and returning ``None``; or a
-            decorator when ``func`` is not given.
+            func (callable, optional): the function, when used bare.
+            **options: ``initial_step`` (int), ``dimension`` (int, default: 0),
+                ``cache_type`` and ``context``.
         """
-        decorator, getframe = _Decorator("chunked", options, _ChunkOptions), sys._getframe
-
-        def wrap(function: _Step, default: Hashable) -> _Stepped:
-            def wrapper(
-                tensor: torch.Tensor,
-                *args: Any,
-                toma_initial_step: int | None = None,
-                toma_dimension: int | None = None,
-                toma_context: Hashable = None,
-                **kwargs: Any,
-            ) -> None:
-                step, where = decorator.call(default, toma_initial_step, toma_context)
-                if toma_dimension is None:
-                    chunks, dim = _dimension(tensor, decorator.dimension, "dimension")
-                else:
-                    chunks, dim = _dimension(tensor, toma_dimension, "toma_dimension")
-                _run(function, step, where, getframe(1), args, kwargs, tensor=chunks, dim=dim)
-
-            return wrapper
-
-        return decorator.decorate(func, wrap)
+        return _Decorator("chunked", options, _ChunkOptions)(func)
 
     class execute:
         """Decorators that run the decorated function at once, and bind its name to the result.
 
-        Each is the ``explicit`` form of its name, run on the decorated
-        function. ``cache_type`` is the cache type (default:
-        ``DEFAULT_CACHE_TYPE`` when it runs) and ``context`` names the cache
-        instance (default: the call stack of the code that calls
-        ``toma.execute.*``). The errors are those of :class:`explicit`, raised
-        before the function is decorated.
+        Each checks its arguments and returns a decorator that runs its :class:`explicit`
+        namesake on the function, with ``cache_type`` and ``context`` (default: the
+        call stack of the code that calls ``toma.execute.*``) for the ``toma_*`` keywords.
 
         .. versionadded:: 0.1.0
         """
@@ -639,16 +529,7 @@ class toma(metaclass=_Namespace):
         def batch(
             initial_batchsize: int, cache_type: CacheType | None = None, context: Hashable = None
         ) -> Callable[[Callable[[int], R]], R]:
-            """Return a decorator that calls ``func(batchsize)`` at once, and returns its result.
-
-            Args:
-                initial_batchsize (int): the first size to try when the cache knows none.
-                cache_type (type, optional): the cache type.
-                context (Hashable, optional): names the cache instance.
-
-            Returns:
-                callable: the decorator.
-            """
+            """Return a decorator that calls ``func(batchsize)`` at once, and returns its result."""
             size = _size(initial_batchsize, "initial_batchsize")
             where = _executed(cache_type, context, sys._getframe(1))
             return lambda func: _run(func, size, where, sys._getframe(1))
@@ -657,18 +538,7 @@ class toma(metaclass=_Namespace):
         def range(
             start: int, end: int, initial_step: int, cache_type: CacheType | None = None, context: Hashable = None
         ) -> Callable[[Callable[[int, int], object]], None]:
-            """Return a decorator that runs ``func(begin, stop)`` over ``[start, end)`` at once, and returns ``None``.
-
-            Args:
-                start (int): the first index.
-                end (int): one past the last index; if not above ``start``, nothing runs.
-                initial_step (int): the first range size to try when the cache knows none.
-                cache_type (type, optional): the cache type.
-                context (Hashable, optional): names the cache instance.
-
-            Returns:
-                callable: the decorator.
-            """
+            """Return a decorator that runs ``func(begin, stop)`` over ``[start, end)`` at once."""
             step, span = _size(initial_step, "initial_step"), _span(start, end)
             where = _executed(cache_type, context, sys._getframe(1))
             return lambda func: _run(func, step, where, sys._getframe(1), span=span)
@@ -681,18 +551,9 @@ class toma(metaclass=_Namespace):
             cache_type: CacheType | None = None,
             context: Hashable = None,
         ) -> Callable[[Callable[[torch.Tensor, int, int], object]], None]:
-            """Return a decorator that runs ``func(chunk, begin, end)`` at once, and returns ``None``.
+            """Return a decorator that runs ``func(chunk, begin, end)`` over ``tensor`` at once.
 
-            Args:
-                tensor (torch.Tensor): the tensor to chunk.
-                initial_step (int): the first chunk size to try when the cache
-                    knows none; required, although toma's signature lets it be omitted.
-                dimension (int, optional): the dimension to chunk along. Default: 0.
-                cache_type (type, optional): the cache type.
-                context (Hashable, optional): names the cache instance.
-
-            Returns:
-                callable: the decorator.
+            ``initial_step`` is required, although toma's signature lets it be omitted.
             """
             step = _size(initial_step, "initial_step")
             chunks, dim = _dimension(tensor, 0 if dimension is None else dimension, "dimension")
