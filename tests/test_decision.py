@@ -311,3 +311,38 @@ def test_a_schedule_that_does_not_shrink_is_refused() -> None:
 )
 def test_sizes_proven_on_other_samples_of_a_class(size: int, proven: int, per_sample: int, rows: int) -> None:
     assert decision.in_samples(size, proven, per_sample) == rows
+
+
+def done(*, reduced: bool = True, probe: bool = False, conclusive: bool = True) -> Done:
+    return Done(None, False, conclusive=conclusive, reduced=reduced, probe=probe)
+
+
+STREAKS = [
+    # (id, streak before, what happened, streak after)
+    ("the first success below the ceiling", None, done(), (1, 50)),
+    ("one more", (3, 50), done(), (4, 50)),
+    ("a probe that fitted waits afresh", (0, 200), done(probe=True), (1, 50)),
+    ("the ceiling ends it", (3, 50), done(reduced=False), None),
+    ("a short step counts nothing", (3, 50), done(conclusive=False), (3, 50)),
+    ("a probe on a short step is due again", (0, 50), done(conclusive=False, probe=True), (50, 50)),
+    ("nothing to follow", None, done(conclusive=False, probe=True), None),
+]
+
+
+@pytest.mark.parametrize(("before", "success", "after"), [row[1:] for row in STREAKS], ids=[row[0] for row in STREAKS])
+def test_the_streak_table_after_a_success(
+    before: tuple[int, int] | None, success: Done, after: tuple[int, int] | None
+) -> None:
+    assert decision.counted(before, success, 50) == after
+
+
+def test_the_streak_when_asked_and_after_a_failure() -> None:
+    assert not decision.due(None)
+    assert not decision.due((49, 50))
+    assert decision.due((50, 50))
+    assert decision.started_growing((50, 50)) == (0, 50)  # the probe starts a new count
+    assert decision.started_growing((49, 50)) == (49, 50)
+    assert decision.started_growing(None) is None
+    assert decision.failed_growing((30, 50), probe=False) == (0, 50)
+    assert decision.failed_growing((0, 50), probe=True) == (0, 100)  # a failed probe waits twice as long
+    assert decision.failed_growing(None, probe=True) is None

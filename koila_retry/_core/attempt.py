@@ -183,7 +183,7 @@ class Course:
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)
         if owner.policy.grow:
-            owner.cache.growth.failed(self.key, probe=step.probe)
+            owner.cache.growth.update(self.key, lambda streak: decision.failed_growing(streak, step.probe))
         if owner.policy.on_oom is not None:
             owner.policy.on_oom(event)
         if next_size is None:
@@ -231,8 +231,9 @@ class Course:
     def grow(self) -> None:
         """Move to the probe above the current size, when growing back is due."""
         owner, state = self.owner, self.state
-        wait = owner.cache.growth.due(self.key) if state.size < state.ceiling else None
-        size = decision.grown(owner.rules, state, wait is not None)
+        streak = owner.cache.growth.update(self.key, decision.started_growing) if state.size < state.ceiling else None
+        size = decision.grown(owner.rules, state, decision.due(streak))
+        wait = None if streak is None else streak[1]
         state.probe_from = state.size if size != state.size else None
         if size != state.size:
             logger.info(

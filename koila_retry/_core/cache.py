@@ -8,7 +8,7 @@ import types
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
+from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ __all__ = [
     "SizeCache",
     "Sizes",
     "StackMemoryCache",
+    "Streak",
     "checked_size",
     "function_identity",
 ]
@@ -86,12 +87,17 @@ class CacheInfo(NamedTuple):
     currsize: int
 
 
+#: A key's successes in a row, and how many it waits for before it grows back.
+Streak = tuple[int, int]
+
+
 class Growth:
-    """When the sizes of one cache grow back: each key's successes in a row, and how many it waits for.
+    """Each key's :data:`Streak` towards growing back, for the keys of one cache.
 
     A cache owns one, beside its sizes, so growing back follows a key for as long as
     its size is remembered (``attempts`` makes a controller per run; the cache
-    outlives it). Every method takes the lock: it is asked only by calls that grow.
+    outlives it). It only stores: when a key is due and how its streak moves are
+    the engine's decision (``koila_retry._core.decision``), applied under the lock.
 
     Args:
         maxsize (int): how many keys to follow; the least recently used go first.
@@ -101,53 +107,26 @@ class Growth:
 
     def __init__(self, maxsize: int) -> None:
         self._lock = threading.Lock()
-        # key -> [successes in a row, successes to wait for]
-        self._keys: cachetools.LRUCache[Hashable, list[int]] = cachetools.LRUCache(maxsize)
+        self._keys: cachetools.LRUCache[Hashable, Streak] = cachetools.LRUCache(maxsize)
 
-    def due(self, key: Hashable) -> int | None:
-        """Return how long ``key`` waited if it is due to grow, restarting its count; else ``None``."""
-        with self._lock:
-            counts = self._keys.get(key)
-            if counts is None or counts[0] < counts[1]:
-                return None
-            counts[0] = 0
-            return counts[1]
-
-    def succeeded(self, key: Hashable, *, reduced: bool, wait: int, probe: bool) -> None:
-        """Count a success of ``key``; one at the full size forgets it, a probe that fits restarts the wait.
+    def update(self, key: Hashable, change: Callable[[Streak | None], Streak | None]) -> Streak | None:
+        """Replace the streak of ``key`` by ``change(streak)`` (``None``: forget it); return the streak before.
 
         Args:
             key (Hashable): the call's key.
-            reduced (bool): whether the size was below the call's initial size.
-            wait (int): the successes in a row to wait for, for a key seen first.
-            probe (bool): whether the success was at a probe above the size that fitted.
+            change (callable): the new streak from the old one, ``None`` for a key not followed.
+
+        Returns:
+            tuple or None: the streak before the change.
         """
         with self._lock:
-            if not reduced:
+            before = self._keys.get(key)
+            after = change(before)
+            if after is None:
                 self._keys.pop(key, None)
-                return
-            counts = self._keys.get(key)
-            if counts is None:
-                counts = self._keys[key] = [0, wait]
-            elif probe:
-                counts[0], counts[1] = 0, wait
-            counts[0] += 1
-
-    def failed(self, key: Hashable, *, probe: bool) -> None:
-        """Restart the count of ``key``; after a failed probe, wait twice as long."""
-        with self._lock:
-            counts = self._keys.get(key)
-            if counts is not None:
-                if probe:
-                    counts[1] *= 2
-                counts[0] = 0
-
-    def inconclusive(self, key: Hashable) -> None:
-        """Undo a probe that ran on too few rows to prove its size: ``key`` is due again."""
-        with self._lock:
-            counts = self._keys.get(key)
-            if counts is not None:
-                counts[0] = counts[1]
+            elif after != before:
+                self._keys[key] = after
+            return before
 
     def clear(self) -> None:
         """Forget every key."""

@@ -24,6 +24,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from koila_retry._core.cache import Streak
 from koila_retry._core.policy import Policy, Schedule, powers_of_two
 
 __all__ = [
@@ -36,13 +37,17 @@ __all__ = [
     "Try",
     "agreed_start",
     "calibrated",
+    "counted",
     "decide",
+    "due",
+    "failed_growing",
     "first",
     "grow_by",
     "grown",
     "in_samples",
     "settled",
     "shrink",
+    "started_growing",
 ]
 
 
@@ -384,6 +389,61 @@ def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None =
         # to be measured, is a probe that fits even if it were far more under.
         return Try(max(min(step.size, hint), state.floor))
     return step
+
+
+def started_growing(streak: Streak | None) -> Streak | None:
+    """Return a key's streak as a call asks whether to grow: restarted, when it is due.
+
+    A key is due once its successes in a row reach its wait (``grow_after``, doubled
+    after each probe that failed); the probe then starts a new count.
+
+    Args:
+        streak (tuple or None): the key's successes in a row and its wait; ``None``
+            for a key not followed (it never shrank, or reached its ceiling again).
+
+    Returns:
+        tuple or None: the streak after the question.
+    """
+    if streak is None or streak[0] < streak[1]:
+        return streak
+    return (0, streak[1])
+
+
+def due(streak: Streak | None) -> bool:
+    """Return whether a key with ``streak`` is due to grow back (see :func:`started_growing`)."""
+    return streak is not None and streak[0] >= streak[1]
+
+
+def counted(streak: Streak | None, done: Done, wait: int) -> Streak | None:
+    """Return a key's streak after a success the decision called ``done``.
+
+    A success at the ceiling ends the streak (nothing to grow back to); one below it
+    counts, the first with the policy's ``wait``; a growth probe that fitted starts
+    the wait afresh. A success that proves nothing (a short step) counts nothing,
+    and a probe on one leaves the key due again.
+
+    Args:
+        streak (tuple or None): the key's streak before.
+        done (Done): the decision on the success.
+        wait (int): the policy's ``grow_after``.
+
+    Returns:
+        tuple or None: the streak after.
+    """
+    if not done.conclusive:
+        return (streak[1], streak[1]) if done.probe and streak is not None else streak
+    if not done.reduced:
+        return None
+    if streak is None or done.probe:
+        return (1, wait)
+    return (streak[0] + 1, streak[1])
+
+
+def failed_growing(streak: Streak | None, probe: bool) -> Streak | None:
+    """Return a key's streak after an attempt ran out of memory: restarted, and after a failed probe, twice as long."""
+    if streak is None:
+        return None
+    return (0, streak[1] * 2 if probe else streak[1])
 
 
 def agreed_start(state: State, agreed: int, floor: int) -> None:

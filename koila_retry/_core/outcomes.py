@@ -16,7 +16,7 @@ import torch
 
 from koila_retry._common.units import format_free
 from koila_retry._core.cache import SizeCache
-from koila_retry._core.decision import Done, GiveUp, State, Step
+from koila_retry._core.decision import Done, GiveUp, State, Step, counted
 from koila_retry._core.stats import OOMEvent, Stats
 
 __all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store"]
@@ -190,10 +190,7 @@ def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_
             cache.pop(key, None)
         state.cached = state.size
     if grow is not None:
-        if done.conclusive:
-            cache.growth.succeeded(key, reduced=done.reduced, wait=grow, probe=done.probe)
-        elif done.probe:  # a short step proves nothing about a probe: it is due again
-            cache.growth.inconclusive(key)
+        cache.growth.update(key, lambda streak: counted(streak, done, grow))
 
 
 def iterator_among(roots: tuple[object, ...]) -> str | None:
