@@ -49,6 +49,7 @@ _WORLD: Any = distributed.world if distributed.FAST else None
 # How many runs of a call that measures are measured: a probe, then a run at the size it chose.
 MEASURES = 2
 _clock = time.perf_counter
+_SHORT, _UNLESS_A_GROUP, _LONG = 0, 1, 2
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
@@ -88,6 +89,11 @@ class Controller:
         self.cache: SizeCache = StackMemoryCache() if default_cache is None else default_cache
         self.explain = explain or plain_message
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
+        # Whether a call may take the short way (see call): always, when no process group runs
+        # (the usual case, looked up on each call), or never.
+        self._mode = (
+            _LONG if policy.grow or policy.sync is True else _SHORT if policy.sync is False else _UNLESS_A_GROUP
+        )
         # What the decision settles a call with nothing stored at, asked once (0: ask each call).
         self._unstored = 0 if policy.initial is None else decision.settled(self.rules, None, 0)
         self._count_call = self.stats.calls_counter.increment
@@ -181,8 +187,8 @@ class Controller:
         Raises:
             BatchSizeExhausted: if the smallest size runs out of memory too.
         """
-        sync = self.sync
-        if self.grow or not (sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None)):
+        mode = self._mode
+        if mode and (mode == _LONG or _WORLD is None or _WORLD._default_pg is not None):
             return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
         # _look_up, spelled out: a method call is a tenth of what a cached call costs.
         cache = self.cache
