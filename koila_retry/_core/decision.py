@@ -5,7 +5,9 @@ Every size rule of the engine lives here, and nowhere else:
 - the first size of a call (:func:`first`): the size the cache holds, scaled down
   when it was proven on smaller samples of a class of sizes, or else the
   estimate's, kept within the floor and the ceiling;
-- growing back (:func:`grown`): the size above a reduced one, by the schedule;
+- growing back: when a key is due (:func:`started_growing`, :func:`due`,
+  :func:`counted`, :func:`failed_growing`, on each key's streak of successes),
+  and the size above a reduced one, by the schedule (:func:`grown`);
 - what follows an attempt (:func:`decide`): shrinking by the schedule, the fall
   back from a growth probe, the smaller probe of a measured run, the size the
   ranks agreed on, the floor and ``max_attempts``, or what a success stores;
