@@ -24,6 +24,8 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # For examples/finetune_transformer.py; koila-retry itself never imports it.
         "transformers": ["transformers>=4.40"],
+        # koila_retry.integrations.lightning.OOMRecovery, and examples/trainer_lightning.py.
+        "lightning": ["lightning>=2.4"],
     },
     entry_points={"console_scripts": ["koila-retry=koila_retry.__main__:main"]},
     classifiers=[

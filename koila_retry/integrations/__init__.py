@@ -1,0 +1,1 @@
+"""Integrations of koila-retry with the trainers people already use; each an optional extra."""

@@ -1,0 +1,389 @@
+"""Lightning: ``OOMRecovery``, a callback that runs a step that does not fit as micro-batches.
+
+``trainer = Trainer(callbacks=[OOMRecovery()])`` makes an unchanged ``LightningModule``
+with automatic optimisation survive out-of-memory errors without changing its training:
+the batch stays the batch the data loader gave, and the optimizer step, gradient
+clipping and schedulers see that whole batch's gradient, once.
+
+How it works. In ``setup`` the callback puts a wrapper in front of the module's
+``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` (instance
+attributes, removed in ``teardown``); the class and the trainer are not changed.
+
+* ``training_step`` runs through :func:`koila_retry.accumulate` from the first step on,
+  with the trainer's precision plugin as its ``backward=``: each micro-batch's loss,
+  weighted by its share of the rows, is scaled by the plugin's gradient scaler, if any
+  (16-bit AMP), and its backward runs through ``precision_plugin.backward``, that is
+  through the module's own ``backward`` hook. The whole batch is tried first; an
+  out-of-memory error, in the forward or in the backward, throws that attempt's
+  gradients away and runs the step again in micro-batches (the engine releases the
+  memory outside the ``except`` block, as everywhere in koila-retry). The backward has
+  to run inside ``training_step`` for that: after it returns, an out-of-memory error in
+  the loop's own backward could not be recovered, since the loop holds the whole
+  batch's graph.
+* The step's gradients never stay in ``.grad``: Lightning calls ``zero_grad`` after
+  ``training_step`` and before the backward. The gradients already in ``.grad`` (the
+  previous step's, or those of earlier batches under ``accumulate_grad_batches``) are
+  set aside while the step runs and put back after it, and the step's own are taken
+  out. ``training_step`` then returns the whole batch's loss (detached, the weighted
+  sum of the micro-batches') as the output of a small autograd function of the
+  parameters, whose backward hands those gradients over. So the loop's own backward,
+  ``trainer.strategy.backward``, runs once per batch as it always does: its scaling
+  and its ``1/accumulate_grad_batches``, the ``on_before_backward`` and
+  ``on_after_backward`` hooks, then ``optimizer_step``, the scaler's unscaling, gradient
+  clipping and schedulers all see the whole batch, once. No forward graph reaches that
+  backward, so nothing runs backward twice.
+* ``validation_step``, ``test_step`` and ``predict_step`` run as they are until one
+  runs out of memory; that step and the ones after it run through ``accumulate`` with
+  no backward (the loop runs them under ``inference_mode`` or ``no_grad``), which
+  joins tensors with a row per row, weighs numbers and 0-dimensional tensors by rows
+  (a mean stays the batch's mean) and adds up counts, so the outputs are the whole
+  batch's.
+* ``self.log`` inside a wrapped step is held back while the step runs and replayed
+  once it succeeded: as it was called when the step ran whole; once per name, with the
+  values of the successful attempt's micro-batches combined by ``reduce_fx`` (a mean
+  weighted by rows, a sum, a max or a min) and ``batch_size`` the rows, when it was
+  split. Values logged by failed attempts are dropped.
+
+What it does not do (yet): manual optimisation (``training_step`` is left as it is,
+with a warning; use :func:`koila_retry.accumulate` inside it); strategies other than a
+single device (DDP and others are refused in ``setup``); torchmetrics objects updated
+inside a step are updated by every micro-batch, failed attempts included.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.utils._pytree import tree_leaves
+
+from koila_retry._core.detect import is_oom
+from koila_retry._core.memory import release
+from koila_retry._core.policy import Options, Policy
+from koila_retry._frontends.accumulate import accumulate
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["OOMRecovery"]
+
+_EVALUATION = ("validation_step", "test_step", "predict_step")
+_MEAN = ("mean", "avg", torch.mean)
+_SUM = ("sum", torch.sum)
+_MAX = ("max", torch.max)
+_MIN = ("min", torch.min)
+
+
+class OOMRecovery(Callback):
+    """Run a Lightning step that runs out of memory as micro-batches of the same batch.
+
+    A callback for :class:`lightning.pytorch.Trainer`: a ``training_step`` (automatic
+    optimisation) that does not fit runs as micro-batches whose gradients add up to
+    the whole batch's, and the optimizer step, gradient clipping and schedulers see
+    that gradient once; a ``validation_step``, ``test_step`` or ``predict_step`` that
+    does not fit runs in chunks whose outputs are joined into the whole batch's. The
+    batch size, the number of optimizer steps and the learning-rate schedule do not
+    change. See the module's documentation for how.
+
+    Args:
+        initial (int or None): the first micro-batch size to try; ``None``, the
+            default, is the whole batch.
+        **options (Options): the shared options of every front end (``minimum``,
+            ``cache``, ``max_attempts``, ``on_oom``, ``schedule``, ``grow`` ...);
+            see :ref:`options`.
+
+    Raises:
+        TypeError: if an option is unknown or has the wrong type.
+        ValueError: if an option is out of range.
+
+    Example::
+
+        trainer = lightning.Trainer(callbacks=[OOMRecovery()])
+
+    .. versionadded:: 0.3.0
+    """
+
+    def __init__(self, *, initial: int | None = None, **options: Unpack[Options]) -> None:
+        Policy.of("OOMRecovery", initial, options, rows=True)
+        self._options: dict[str, Any] = {"initial": initial, **options}
+        self._steps: dict[str, _Step] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Put the wrappers in front of the module's steps (Lightning calls it)."""
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            raise RuntimeError(
+                f"OOMRecovery supports one device for now; the trainer runs {type(trainer.strategy).__name__}. "
+                "Under DDP, use koila_retry.accumulate(ddp=...) in a loop of your own or Lightning Fabric"
+            )
+        names = list(_EVALUATION)
+        if pl_module.automatic_optimization:
+            names.append("training_step")
+        elif stage == "fit":
+            warnings.warn(
+                f"{type(pl_module).__name__} uses manual optimisation: OOMRecovery leaves its training_step as it "
+                "is (evaluation steps are still split). Decorate the loss computation inside training_step with "
+                "koila_retry.accumulate(backward=self.manual_backward) instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+        for name in names:
+            if name in vars(pl_module):  # wrapped already, by this callback or another
+                continue
+            step = self._steps.get(name)
+            if step is None:
+                step = self._steps[name] = _Step(name, self._options)
+            step.install(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Take the wrappers away (Lightning calls it)."""
+        for step in self._steps.values():
+            step.uninstall(pl_module)
+
+
+class _Held:
+    """What a split training step hands to the loop's backward: its gradients, once."""
+
+    __slots__ = ("gradients", "scale")
+
+    def __init__(self, gradients: list[torch.Tensor], scale: torch.Tensor | None) -> None:
+        self.gradients, self.scale = gradients, scale
+
+    def take(self) -> list[torch.Tensor]:
+        gradients, self.gradients = self.gradients, []
+        return gradients
+
+
+class _Delivery(torch.autograd.Function):
+    """The whole batch's loss as a function of the parameters; its backward gives the step's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, held: _Held, loss: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.held = held
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        held: _Held = ctx.held
+        gradients = held.take()
+        # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
+        # the gradients were computed at the scaler's scale already.
+        factor = grad if held.scale is None else grad / held.scale
+        for gradient in gradients:
+            gradient.mul_(factor)
+        return (None, None, *gradients)
+
+
+class _Step:
+    """One step hook of a module (``training_step``, ``validation_step`` ...), wrapped."""
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.name, self.options = name, options
+        self.train = name == "training_step"
+        self.trainer: pl.Trainer | None = None
+        self.module: pl.LightningModule | None = None
+        self.target: Callable[..., Any] = _unset
+        self.owner: type | None = None
+        self.run: Callable[..., Any] = _unset
+        self.split = False  # an evaluation step ran out of memory once: split from now on
+        self.parts: list[tuple[int, list[dict[str, Any]]]] = []
+        self.logging: list[dict[str, Any]] = []
+        self.log: Callable[..., Any] = _unset
+        self.scale: torch.Tensor | None = None
+
+    def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        self.target = getattr(module, self.name)
+        self.log = module.log
+        if self.owner is not type(module):  # a new decorated step per module class: its own cache
+            self.owner = type(module)
+            self.run = self._decorated(f"{type(module).__qualname__}.{self.name}")
+        run = self._train if self.train else self._evaluate
+
+        @functools.wraps(self.target)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return run(*args, **kwargs)
+
+        setattr(module, self.name, wrapper)
+
+    def uninstall(self, module: pl.LightningModule) -> None:
+        if self.module is module and self.name in vars(module):
+            delattr(module, self.name)
+        self.module = self.trainer = None
+        self.target = self.log = _unset
+
+    def _decorated(self, name: str) -> Callable[..., Any]:
+        """Return the step as ``koila.accumulate`` runs it, named after the module's own."""
+        if self.train:
+
+            def part(*args: Any, **kwargs: Any) -> Any:
+                self.logging = []
+                output = self.target(*args, **kwargs)
+                self.parts.append((_rows(args, kwargs), self.logging))
+                return output
+
+        else:
+
+            def part(*args: Any, **kwargs: Any) -> Any:
+                self.logging = []
+                output = self.target(*args, **kwargs)
+                self.parts.append((_rows(args, kwargs), self.logging))
+                return torch.zeros(()), output  # no loss: accumulate only splits and joins
+
+        part.__qualname__ = part.__name__ = name
+        backward = self._backward if self.train else None
+        return accumulate(part, backward=backward, **self.options)  # type: ignore[call-overload,no-any-return]
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Run one micro-batch's backward through the trainer's precision plugin."""
+        trainer, module = self.trainer, self.module
+        assert trainer is not None and module is not None
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            if self.scale is None:
+                self.scale = scaler.scale(torch.ones((), device=loss.device))
+            loss = scaler.scale(loss)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        plugin.backward(loss, module, optimizer, **kwargs)
+
+    def _train(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        assert module is not None
+        parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
+        aside = [parameter.grad for parameter in parameters]
+        self.parts, self.scale = [], None
+        module.log = self._record  # type: ignore[method-assign]
+        try:
+            for parameter in parameters:
+                parameter.grad = None
+            output = self.run(*args, **kwargs)
+            gradients = [parameter.grad for parameter in parameters]
+        finally:
+            del module.log
+            for parameter, gradient in zip(parameters, aside):
+                parameter.grad = gradient
+        self._replay(_rows(args, kwargs))
+        held = [(parameter, gradient) for parameter, gradient in zip(parameters, gradients) if gradient is not None]
+        parts = [gradient for _, gradient in held]
+        scale, self.scale = self.scale, None
+
+        def deliver(loss: torch.Tensor) -> torch.Tensor:
+            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale), loss, *(p for p, _ in held))
+            return delivered
+
+        if isinstance(output, torch.Tensor):
+            return deliver(output)
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": deliver(output["loss"])}
+        return output
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        assert module is not None
+        self.parts = []
+        module.log = self._record  # type: ignore[method-assign]
+        try:
+            if not self.split:
+                failed = False
+                try:
+                    self.logging = []
+                    output = self.target(*args, **kwargs)
+                    self.parts.append((_rows(args, kwargs), self.logging))
+                except BaseException as error:
+                    if not is_oom(error):
+                        raise
+                    failed = True
+                if not failed:
+                    self._replay(_rows(args, kwargs))
+                    return output
+                # Out of the handler: the failed attempt's frames are gone with the traceback.
+                self.split, self.parts = True, []
+                release(_device(args, kwargs))
+            _, output = self.run(*args, **kwargs)
+        finally:
+            if "log" in vars(module):
+                del module.log
+        self._replay(_rows(args, kwargs))
+        return output
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Hold back a call of ``self.log`` until the step succeeded."""
+        call = dict(inspect.signature(self.log).bind(name, value, *args, **kwargs).arguments)
+        if isinstance(value, torch.Tensor) and not call.get("enable_graph", False):
+            call["value"] = value.detach()  # as Lightning keeps it: the graph would hold the activations
+        self.logging.append(call)
+
+    def _replay(self, rows: int) -> None:
+        """Log what the successful attempt logged: as it was when whole, combined when split."""
+        kept: list[tuple[int, list[dict[str, Any]]]] = []
+        covered = 0
+        for part in reversed(self.parts):  # the successful attempt's micro-batches are the last ones
+            if covered >= rows:
+                break
+            kept.insert(0, part)
+            covered += part[0]
+        self.parts = []
+        if len(kept) <= 1:
+            for _, calls in kept:
+                for call in calls:
+                    self.log(**call)
+            return
+        names: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        for part_rows, calls in kept:
+            last = {call["name"]: call for call in calls}
+            for name, call in last.items():
+                names.setdefault(name, []).append((part_rows, call))
+        for entries in names.values():
+            call = dict(entries[-1][1])
+            call["value"] = _combined(
+                [entry["value"] for _, entry in entries], [n for n, _ in entries], call.get("reduce_fx", "mean")
+            )
+            sizes = [entry.get("batch_size") for _, entry in entries]
+            call["batch_size"] = sum(sizes) if all(size is not None for size in sizes) else sum(n for n, _ in entries)
+            self.log(**call)
+
+
+def _unset(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("OOMRecovery: the step is not installed on a module")
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The rows of a batch, as ``accumulate`` splits it: the largest first dimension of its tensors."""
+    sizes = [leaf.shape[0] for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    return max(sizes, default=1)
+
+
+def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
+    """Combine the values one name was logged with in each micro-batch, as ``reduce_fx`` reduces."""
+    numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values)
+    if not numbers and not all(isinstance(value, torch.Tensor) for value in values):
+        return values[-1]  # a torchmetrics Metric: it kept its own state
+    if reduce_fx in _MEAN:
+        total = sum(rows)
+        if numbers:
+            return math.fsum(value * n for value, n in zip(values, rows)) / total
+        return sum(value.detach() * (n / total) for value, n in zip(values, rows))
+    if reduce_fx in _SUM:
+        return sum(values[1:], values[0])
+    if reduce_fx in _MAX or reduce_fx in _MIN:
+        pick = max if reduce_fx in _MAX else min
+        if numbers:
+            return pick(values)
+        stacked = torch.stack([torch.as_tensor(value).detach().reshape(()) for value in values])
+        return stacked.max() if pick is max else stacked.min()
+    return values[-1]
