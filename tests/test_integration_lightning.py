@@ -1,0 +1,205 @@
+"""koila_retry.integrations.lightning.OOMRecovery under a real Lightning Trainer, on a simulated device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from koila_retry.testing import simulated_device
+
+L = pytest.importorskip("lightning")
+from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
+
+# A batch of 64 rows through a 16 -> 512 -> 4 MLP in float64: the whole batch's training
+# step needs some 800 KB and its validation step some 530 KB; split, both fit in less.
+FIT_LIMIT = "600KiB"
+EVAL_LIMIT = "400KiB"
+
+
+class MLP(L.LightningModule):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4)).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "correct": (self.net(x).argmax(1) == y).sum()}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_max", logits.max(), reduce_fx="max")
+        return F.cross_entropy(logits, y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return {"logits": self.net(batch[0]), "classes": self.net(batch[0]).argmax(1)}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def loader(rows: int = 64, batch: int = 64) -> torch.utils.data.DataLoader[Any]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 16, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 4, (rows,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+def trainer(*callbacks: Any, **options: Any) -> Any:
+    settings = {
+        "accelerator": "cpu",
+        "max_steps": 3,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        **options,
+    }
+    return L.Trainer(callbacks=list(callbacks), **settings)
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
+
+
+def assert_same_parameters(model: Any, reference: Any, **tolerance: float) -> None:
+    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(parameter, expected, **tolerance)
+
+
+def test_the_plain_trainer_runs_out_of_memory_at_the_limit() -> None:
+    with pytest.raises(torch.OutOfMemoryError), simulated_device(FIT_LIMIT):
+        trainer(gradient_clip_val=0.1).fit(MLP(), loader())
+
+
+@pytest.mark.parametrize("accumulate_grad_batches", [1, 2])
+def test_fit_under_the_limit_ends_at_the_unlimited_parameters(accumulate_grad_batches: int) -> None:
+    options = {"gradient_clip_val": 0.1, "accumulate_grad_batches": accumulate_grad_batches}
+    reference = MLP()
+    unlimited = trainer(**options)
+    unlimited.fit(reference, loader(rows=128 * accumulate_grad_batches))
+
+    events: list[Any] = []
+    model = MLP()
+    limited = trainer(OOMRecovery(on_oom=events.append), **options)
+    with simulated_device(FIT_LIMIT):
+        limited.fit(model, loader(rows=128 * accumulate_grad_batches))
+
+    assert events, "the training step never ran out of memory: the limit is too high to test anything"
+    assert all(event.batch_size == 64 for event in events[:1])
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    # The logged loss is the whole batch's, once per step, not the last micro-batch's.
+    torch.testing.assert_close(
+        limited.callback_metrics["train_loss"], unlimited.callback_metrics["train_loss"], rtol=1e-12, atol=1e-12
+    )
+    # The step's wrapper is gone once the trainer is done.
+    assert "training_step" not in vars(model)
+
+
+def test_validate_under_the_limit_gives_the_unlimited_metrics() -> None:
+    model = MLP()
+    expected = trainer().validate(model, loader(rows=128), verbose=False)
+    events: list[Any] = []
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append)).validate(model, loader(rows=128), verbose=False)
+    assert events
+    assert got[0].keys() == expected[0].keys() == {"val_loss", "val_max"}
+    for name in expected[0]:
+        assert got[0][name] == pytest.approx(expected[0][name], rel=1e-12)
+
+
+def test_predict_under_the_limit_gives_the_same_outputs() -> None:
+    model = MLP()
+    expected = trainer().predict(model, loader(rows=128))
+    events: list[Any] = []
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append)).predict(model, loader(rows=128))
+    assert events
+    assert len(got) == len(expected) == 2
+    for batch, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(batch["logits"], reference["logits"], rtol=1e-12, atol=1e-12)
+        assert torch.equal(batch["classes"], reference["classes"])
+
+
+class Float32MLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = self.net.float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x.float()), y)
+
+
+def test_bf16_mixed_precision_under_the_limit_matches_the_unlimited_run() -> None:
+    reference = Float32MLP()
+    try:
+        trainer(precision="bf16-mixed", gradient_clip_val=0.1).fit(reference, loader(rows=128))
+    except (RuntimeError, ValueError) as error:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"bf16-mixed does not train on this CPU build of torch: {error}")
+    model = Float32MLP()
+    events: list[Any] = []
+    with simulated_device("300KiB"):
+        trainer(OOMRecovery(on_oom=events.append), precision="bf16-mixed", gradient_clip_val=0.1).fit(
+            model, loader(rows=128)
+        )
+    assert events
+    # The micro-batches' bf16 matmuls round differently from the whole batch's.
+    assert_same_parameters(model, reference, rtol=2e-2, atol=2e-3)
+
+
+class Manual(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(self.net(batch[0]), batch[1])
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimisation_leaves_the_training_step_alone_and_says_so() -> None:
+    model = Manual()
+    seen: dict[str, bool] = {}
+
+    class Look(L.Callback):  # type: ignore[misc]
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            seen["training"] = "training_step" in vars(pl_module)
+            seen["validation"] = "validation_step" in vars(pl_module)
+
+    with pytest.warns(UserWarning, match="manual optimisation: OOMRecovery leaves its training_step as it is"):
+        trainer(OOMRecovery(), Look(), max_steps=1).fit(model, loader())
+    assert seen == {"training": False, "validation": True}
+
+
+def test_options_are_checked_when_the_callback_is_made() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
+        OOMRecovery(minimun=8)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="minimum"):
+        OOMRecovery(initial=4, minimum=8)
+
+
+def test_importing_koila_retry_does_not_import_lightning() -> None:
+    code = "import sys, koila_retry; print(sorted(name for name in sys.modules if 'lightning' in name))"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "[]"
