@@ -289,3 +289,18 @@ def test_ddp_train_exits_cleanly_on_a_busy_machine(busy_cpus: None, tmp_path: Pa
         assert "Parameters identical on all ranks: True." in completed.stdout, where
         for rank in (0, 1):
             assert f"rank {rank}: the process group was freed: True" in completed.stdout, where
+
+
+@pytest.mark.slow
+def test_trainer_lightning_recovers_and_matches() -> None:
+    pytest.importorskip("lightning")
+    output = _run_example("trainer_lightning.py").stdout
+    # The plain Trainer runs out of memory; with OOMRecovery, the step runs again in micro-batches.
+    assert "A plain Trainer, batches of 256 rows" in output, output
+    assert "OutOfMemoryError" in output, output
+    assert re.search(r"Classifier\.training_step: out of memory at 256 rows at a time, next 128", output), output
+    assert "trained 6 optimizer steps" in output, output
+    assert "Parameters match an unlimited run: True" in output, output
+    losses = re.search(r"Validation loss ([\d.]+), unlimited ([\d.]+)", output)
+    assert losses is not None, output
+    assert losses.group(1) == losses.group(2), output

@@ -108,7 +108,7 @@ class OOMRecovery(Callback):
 
         trainer = lightning.Trainer(callbacks=[OOMRecovery()])
 
-    .. versionadded:: 0.3.0
+    .. versionadded:: 0.1.0
     """
 
     def __init__(self, *, initial: int | None = None, **options: Unpack[Options]) -> None:
@@ -219,6 +219,11 @@ class _Step:
         self.module = self.trainer = None
         self.target = self.log = _unset
 
+    def installed(self) -> tuple[pl.Trainer, pl.LightningModule]:
+        if self.trainer is None or self.module is None:
+            raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
+        return self.trainer, self.module
+
     def _decorated(self, name: str) -> Callable[..., Any]:
         """Return the step as ``koila.accumulate`` runs it, named after the module's own."""
         if self.train:
@@ -243,8 +248,7 @@ class _Step:
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run one micro-batch's backward through the trainer's precision plugin."""
-        trainer, module = self.trainer, self.module
-        assert trainer is not None and module is not None
+        trainer, module = self.installed()
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
@@ -255,8 +259,7 @@ class _Step:
         plugin.backward(loss, module, optimizer, **kwargs)
 
     def _train(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        assert module is not None
+        _, module = self.installed()
         parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         aside = [parameter.grad for parameter in parameters]
         self.parts, self.scale = [], None
@@ -276,7 +279,7 @@ class _Step:
         scale, self.scale = self.scale, None
 
         def deliver(loss: torch.Tensor) -> torch.Tensor:
-            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale), loss, *(p for p, _ in held))
+            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale), loss, *(p for p, _ in held))  # type: ignore[no-untyped-call]
             return delivered
 
         if isinstance(output, torch.Tensor):
@@ -286,8 +289,7 @@ class _Step:
         return output
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        assert module is not None
+        _, module = self.installed()
         self.parts = []
         module.log = self._record  # type: ignore[method-assign]
         try:
