@@ -17,6 +17,13 @@ from koila_retry.testing import simulated_device
 L = pytest.importorskip("lightning")
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
+# Lightning's own notices, not this library's: a module without a val_dataloader, and its
+# use of a pytree name this torch deprecates.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+
 # A batch of 64 rows through a 16 -> 512 -> 4 MLP in float64: the whole batch's training
 # step needs some 800 KB and its validation step some 530 KB; split, both fit in less.
 FIT_LIMIT = "600KiB"
