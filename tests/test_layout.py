@@ -11,7 +11,7 @@ import koila_retry as koila
 
 PACKAGE = Path(koila.__file__).parent
 # Each subpackage may import from its own layer and those before it, never after.
-LAYERS = ["_common", "_core", "_estimation", "_diagnostics", "_frontends", "compat", "_cli"]
+LAYERS = ["_common", "_core", "_estimation", "_diagnostics", "_frontends", "compat", "integrations", "_cli"]
 
 
 def modules() -> dict[str, ast.Module]:

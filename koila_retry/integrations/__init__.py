@@ -1,0 +1,7 @@
+"""Integrations with the trainers people already use, each an optional extra; ``import koila_retry`` imports none.
+
+* :mod:`koila_retry.integrations.transformers`: :func:`~koila_retry.integrations.transformers.adapt`
+  a Hugging Face ``transformers.Trainer`` (``pip install 'koila-retry[transformers]'``).
+
+See :doc:`/trainers`.
+"""
