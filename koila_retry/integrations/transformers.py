@@ -193,23 +193,55 @@ def _names(code: Any) -> set[str]:
     return names
 
 
-def _labels_counted(trainer: Any, inputs: Any) -> torch.Tensor | None:
+def _shifts_labels(trainer: Any) -> bool:
+    """Whether the trainer's model shifts its labels (a causal language model): its first label predicts nothing.
+
+    The trainer's own answer, or, where its config names no loss type, the loss
+    function the model uses.
+    """
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    model = trainer.model
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        causal = importlib.import_module("transformers.loss.loss_utils").ForCausalLMLoss
+    except (ImportError, AttributeError):  # pragma: no cover - older transformers
+        return False
+    return getattr(model, "loss_function", None) is causal
+
+
+def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
     """The labels whose entries that are not -100 Hugging Face counts as items of a loss, or ``None``."""
     if not isinstance(inputs, Mapping):
         return None
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs.get("labels")
-        if isinstance(labels, torch.Tensor) and getattr(trainer, "_loss_shifts_labels", False):
+        if isinstance(labels, torch.Tensor) and shifts:
             labels = labels[..., 1:]
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-def _items(trainer: Any) -> Callable[..., torch.Tensor]:
-    """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them."""
+def _items(trainer: Any, shifts: bool, counted: bool = False) -> Callable[..., Any]:
+    """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them.
 
-    def items(model: Any, inputs: Any, *rest: Any) -> torch.Tensor:
-        labels = _labels_counted(trainer, inputs)
+    Args:
+        trainer (transformers.Trainer): the trainer.
+        shifts (bool): whether the model shifts its labels (see :func:`_shifts_labels`).
+        counted (bool): for ``prediction_step``, which divides each batch's summed
+            loss by the trainer's own count of it where the trainer counts
+            (``num_items_in_batch``): that count, where it gives one.
+    """
+    count = getattr(trainer, "_get_num_items_in_batch", None) if counted else None
+
+    def items(model: Any, inputs: Any, *rest: Any) -> Any:
+        if count is not None:
+            found = count([inputs], trainer.args.device)
+            if found is not None:
+                return found
+        labels = _labels_counted(trainer, inputs, shifts)
         if labels is None:  # checked before the weighted step is chosen
             raise RuntimeError("the batch lost its labels")
         return labels.ne(IGNORED).sum()
@@ -223,6 +255,7 @@ class _Training:
     def __init__(self, trainer: Any, overridden: bool, options: Options) -> None:
         self.trainer, self.overridden = trainer, overridden
         self.original: Callable[..., Any] = trainer.training_step
+        self.shifts = _shifts_labels(trainer)
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             trainer.accelerator.backward(loss, **kwargs)
@@ -233,7 +266,7 @@ class _Training:
         training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
         # With num_items_in_batch, each micro-batch's loss is its share already: they add up.
         self.summed = accumulate(reduction="sum", backward=backward, **options)(training_step)
-        self.weighted = accumulate(weight=_items(trainer), backward=backward, **options)(training_step)
+        self.weighted = accumulate(weight=_items(trainer, self.shifts), backward=backward, **options)(training_step)
         self.by_rows = accumulate(backward=backward, **options)(training_step)
         self.stats = self.summed.stats
 
@@ -246,7 +279,7 @@ class _Training:
             ) or trainer.compute_loss_func is not None
         if scaled and num_items_in_batch is not None:
             step = self.summed
-        elif _labels_counted(trainer, inputs) is not None:
+        elif _labels_counted(trainer, inputs, self.shifts) is not None:
             step = self.weighted
         else:
             step = self.by_rows
@@ -305,28 +338,30 @@ class _Prediction:
     def __init__(self, trainer: Any, options: Options) -> None:
         self.trainer = trainer
         self.original: Callable[..., Any] = trainer.prediction_step
+        self.shifts = _shifts_labels(trainer)
         self.lossless = False
 
-        def prediction_step(
-            model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any
-        ) -> tuple[torch.Tensor, Any, Any]:
+        def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
             if loss is None:  # accumulate needs a loss to weigh; this one stands for none
                 self.lossless = True
                 loss = torch.zeros((), device=trainer.args.device)
-            return loss, logits, labels
+            # Only what there is: a None would be warned about as an object accumulate cannot combine.
+            found = {"loss": loss, "logits": logits, "labels": labels}
+            return {key: value for key, value in found.items() if value is not None}
 
         prediction_step.__qualname__ = f"{type(trainer).__name__}.prediction_step"
-        self.weighted = accumulate(weight=_items(trainer), **options)(prediction_step)
+        self.weighted = accumulate(weight=_items(trainer, self.shifts, counted=True), **options)(prediction_step)
         self.by_rows = accumulate(**options)(prediction_step)
         self.stats = self.weighted.stats
 
     def __call__(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> tuple[Any, Any, Any]:
-        step = self.weighted if _labels_counted(self.trainer, inputs) is not None else self.by_rows
+        step = self.weighted if _labels_counted(self.trainer, inputs, self.shifts) is not None else self.by_rows
         self.stats = step.stats
         self.lossless = False
         with torch.no_grad():
-            loss, logits, labels = step(model, inputs, prediction_loss_only, ignore_keys)
-        return (None if self.lossless else loss), logits, labels
+            found = step(model, inputs, prediction_loss_only, ignore_keys)
+        loss = None if self.lossless else found["loss"]
+        return loss, found.get("logits"), found.get("labels")
