@@ -22,7 +22,7 @@ setup(
     extras_require={
         "progress": ["tqdm>=4.60"],
         "plot": ["matplotlib>=3.7"],
-        # For examples/finetune_transformer.py; koila-retry itself never imports it.
+        # For koila_retry.integrations.transformers and the examples; import koila_retry never imports it.
         "transformers": ["transformers>=4.40"],
         # koila_retry.integrations.lightning.OOMRecovery, and examples/trainer_lightning.py.
         "lightning": ["lightning>=2.4"],

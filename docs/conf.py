@@ -40,7 +40,7 @@ nitpick_ignore_regex = [
     # "int, optional", "callable", "iterable of int", "sequence of str",
     # "tensor or structure of tensors".
     ("py:class", r"optional|callable|iterable|sequence|tensors?|structure"),
-    ("py:(class|exc|func|obj|data)", r"(torch|collections\.abc|abc|types|typing|functools|os)\..+"),
+    ("py:(class|exc|func|obj|data)", r"(torch|collections\.abc|abc|types|typing|functools|os|transformers)\..+"),
     ("py:class", r"FrameType|Hashable|ProcessGroup|DistributedDataParallel"),
 ]
 

@@ -220,6 +220,20 @@ def test_finetune_transformer_weighs_tokens_and_matches() -> None:
     assert "Parameters match whole-batch training: True" in output
 
 
+@pytest.mark.slow
+def test_trainer_transformers_turns_the_oom_into_micro_batches_and_matches() -> None:
+    pytest.importorskip("transformers")
+    output = _run_example("trainer_transformers.py", "--steps", "3").stdout
+    assert "The plain trainer on 1MiB: CUDA out of memory" in output, output
+    sizes = re.findall(r"Trainer\.training_step: out of memory at (\d+) rows, next (\d+)", output)
+    assert sizes, output
+    assert sizes[0][0] == "8", output
+    assert int(sizes[-1][1]) < 8, output
+    assert "3 steps of 8 rows, as asked, with gradient_accumulation_steps=1" in output, output
+    assert "Logged losses match an unlimited run: True" in output
+    assert "Parameters match an unlimited run: True" in output
+
+
 @pytest.fixture
 def busy_cpus() -> Iterator[None]:
     """Keep every CPU busy with processes that spin, as other work does on a shared machine; stop them after."""

@@ -1,1 +1,9 @@
-"""Integrations of koila-retry with the trainers people already use; each an optional extra."""
+"""Integrations with the trainers people already use, each an optional extra; ``import koila_retry`` imports none.
+
+* :mod:`koila_retry.integrations.transformers`: :func:`~koila_retry.integrations.transformers.adapt`
+  a Hugging Face ``transformers.Trainer`` (``pip install 'koila-retry[transformers]'``).
+* :mod:`koila_retry.integrations.lightning`: :class:`~koila_retry.integrations.lightning.OOMRecovery`,
+  a Lightning ``Callback`` (``pip install 'koila-retry[lightning]'``).
+
+See :doc:`/trainers`.
+"""

@@ -1,0 +1,273 @@
+"""koila_retry.integrations.transformers.adapt: a real Hugging Face Trainer, tiny GPT-2, no downloads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from koila_retry.testing import simulated_device
+
+transformers = pytest.importorskip("transformers")
+from koila_retry.integrations.transformers import adapt  # noqa: E402 (after the skip)
+
+VOCAB, IGNORED = 100, -100
+# The whole batch of 8 padded rows needs more than this for a training step; 4 rows fit.
+TRAIN_LIMIT = "1MiB"
+
+
+def tiny_gpt2() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    # Dropout off: a split step then equals the whole one to rounding (its masks would differ).
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Token rows of very different lengths, so that padded batches have rows of different token counts."""
+
+    def __init__(self, count: int = 16, seed: int = 1) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, 24, (count,), generator=generator).tolist()
+        self.rows = [torch.randint(1, VOCAB, (length,), generator=generator) for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index]}
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row; padding's labels are -100."""
+    length = max(len(row["input_ids"]) for row in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, : len(row["input_ids"])] = row["input_ids"]
+        mask[index, : len(row["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORED)}
+
+
+def make_trainer(tmp_path: Path, cls: Any = None, **arguments: Any) -> Any:
+    settings: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 8,
+        "max_steps": 3,
+        "learning_rate": 0.1,
+        "optim": "sgd",
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": 0.5,  # clipped on the full batch's gradient (its norm is about 1)
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    settings.update(arguments)
+    trainer_class = cls or transformers.Trainer
+    return trainer_class(
+        model=tiny_gpt2(),
+        args=transformers.TrainingArguments(**settings),
+        train_dataset=Rows(),
+        eval_dataset=Rows(8, seed=2),
+        data_collator=collate,
+    )
+
+
+def logged(trainer: Any, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def assert_same_training(adapted: Any, reference: Any) -> None:
+    assert adapted.state.global_step == reference.state.global_step
+    torch.testing.assert_close(logged(adapted, "loss"), logged(reference, "loss"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(adapted, "grad_norm"), logged(reference, "grad_norm"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(adapted, "learning_rate"), logged(reference, "learning_rate"))
+    for (name, mine), (_, theirs) in zip(adapted.model.named_parameters(), reference.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The plain trainer, with all the memory it wants."""
+    trainer = make_trainer(tmp_path_factory.mktemp("reference"))
+    trainer.train()
+    return trainer
+
+
+def test_the_plain_trainer_runs_out_of_memory_at_the_limit(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path)
+    with simulated_device(TRAIN_LIMIT), pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+
+
+def test_an_adapted_trainer_trains_as_with_all_the_memory(tmp_path: Path, reference: Any) -> None:
+    trainer = adapt(make_trainer(tmp_path))
+    assert trainer.args.max_grad_norm == 0.5
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    stats = trainer.training_step.stats
+    assert stats.ooms >= 1
+    assert stats.batch_size < 8  # it ran micro-batches
+    assert trainer.args.per_device_train_batch_size == 8
+    assert trainer.args.gradient_accumulation_steps == 1
+    assert_same_training(trainer, reference)
+
+
+def test_gradient_accumulation_windows_are_kept(tmp_path: Path) -> None:
+    reference = make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4))
+    with simulated_device("512KiB"):  # 4 rows do not fit at once, 2 do
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.args.gradient_accumulation_steps == 2
+    assert_same_training(trainer, reference)
+
+
+def test_a_mean_loss_without_num_items_in_batch_is_weighed_by_tokens(tmp_path: Path) -> None:
+    """With model_accepts_loss_kwargs off, HF divides each batch's token mean by its accumulation steps."""
+    reference = make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    reference.model_accepts_loss_kwargs = False
+    reference.train()
+    trainer = make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer.model_accepts_loss_kwargs = False
+    adapt(trainer)
+    with simulated_device("512KiB"):
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    assert_same_training(trainer, reference)
+
+
+def test_bf16_mixed_precision_on_the_cpu(tmp_path: Path) -> None:
+    try:
+        reference = make_trainer(tmp_path, bf16=True)
+        reference.train()
+    except (ValueError, RuntimeError) as error:  # pragma: no cover - depends on the CPU and build
+        pytest.skip(f"bf16 autocast does not run on this CPU: {error}")
+    trainer = adapt(make_trainer(tmp_path, bf16=True))
+    with simulated_device("512KiB"):  # bf16 activations take half the memory
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    # bf16 matmuls round differently over fewer rows: close, not equal to float32 rounding.
+    assert trainer.state.global_step == reference.state.global_step
+    torch.testing.assert_close(logged(trainer, "loss"), logged(reference, "loss"), rtol=1e-2, atol=1e-2)
+    for mine, theirs in zip(trainer.model.parameters(), reference.model.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-2, atol=1e-3)
+
+
+def test_evaluate_and_predict_in_chunks_give_the_whole_batches_results(tmp_path: Path) -> None:
+    plain = make_trainer(tmp_path)
+    expected = plain.evaluate()
+    predicted = plain.predict(Rows(8, seed=2))
+    with simulated_device("128KiB"), pytest.raises(torch.OutOfMemoryError):
+        plain.evaluate()
+    with simulated_device("192KiB"), pytest.raises(torch.OutOfMemoryError):
+        plain.predict(Rows(8, seed=2))
+    trainer = adapt(make_trainer(tmp_path))
+    with simulated_device("128KiB"):  # evaluate keeps the loss only
+        metrics = trainer.evaluate()
+    # predict keeps the logits, which must fit whole beside the chunks' (as they are joined)
+    with simulated_device("192KiB"):
+        chunked = trainer.predict(Rows(8, seed=2))
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.prediction_step.stats.batch_size < 8
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+    torch.testing.assert_close(torch.as_tensor(chunked.predictions), torch.as_tensor(predicted.predictions))
+    torch.testing.assert_close(torch.as_tensor(chunked.label_ids), torch.as_tensor(predicted.label_ids))
+    assert chunked.metrics["test_loss"] == pytest.approx(predicted.metrics["test_loss"], rel=1e-6)
+
+
+def test_options_are_checked_when_adapting(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
+        adapt(trainer, minimun=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'initial'; each step tries its whole batch first"):
+        adapt(trainer, initial=4)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="minimum must be >= 1"):
+        adapt(trainer, minimum=0)
+    with pytest.raises(TypeError, match="takes a transformers.Trainer"):
+        adapt(trainer.model)
+    assert adapt(trainer, minimum=2) is trainer
+    with pytest.raises(ValueError, match="adapted already"):
+        adapt(trainer)
+
+
+def test_a_trainer_it_cannot_serve_is_refused_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = make_trainer(tmp_path)
+    # Constructing a DeepSpeed or DDP trainer needs DeepSpeed or several processes: the flags
+    # the trainer and its accelerator set for them stand in here.
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
+    with pytest.raises(NotImplementedError, match="cannot serve Trainer: it runs under DeepSpeed"):
+        adapt(trainer)
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", False)
+    accelerate = pytest.importorskip("accelerate")
+    distributed = property(lambda self: accelerate.utils.DistributedType.MULTI_GPU)
+    monkeypatch.setattr(type(trainer.accelerator), "distributed_type", distributed)
+    with pytest.raises(NotImplementedError, match=r"several processes \(distributed type MULTI_GPU.*DDP"):
+        adapt(trainer)
+    monkeypatch.undo()
+    assert "koila_adapted_steps" not in vars(trainer)  # nothing was changed by a refusal
+
+
+class OwnBackward(transformers.Trainer):  # type: ignore[misc]
+    """A training_step that runs its backward itself: adapt cannot hold it back for micro-batches."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss.backward()
+        return loss.detach()
+
+
+class SuperAndOwnBackward(transformers.Trainer):  # type: ignore[misc]
+    """Calls the original step, then a backward of its own besides (an extra penalty)."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        penalty = sum(p.pow(2).sum() for p in model.parameters()) * 1e-6
+        penalty.backward()
+        return loss
+
+
+class Logging(transformers.Trainer):  # type: ignore[misc]
+    """An override that wraps the original step: served."""
+
+    calls = 0
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        self.calls += 1
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_a_custom_training_step_is_served_or_refused(tmp_path: Path, reference: Any) -> None:
+    with pytest.raises(NotImplementedError, match="neither calls self.accelerator.backward nor super"):
+        adapt(make_trainer(tmp_path, OwnBackward))
+    trainer = adapt(make_trainer(tmp_path, SuperAndOwnBackward))
+    with pytest.raises(RuntimeError, match=r"wrote \.grad itself"):
+        trainer.train()
+    served = adapt(make_trainer(tmp_path, Logging))
+    with simulated_device(TRAIN_LIMIT):
+        served.train()
+    assert served.calls > 3  # once per attempt and micro-batch
+    assert_same_training(served, reference)
+
+
+def test_import_koila_retry_imports_neither_transformers_nor_the_integrations() -> None:
+    code = (
+        "import sys, koila_retry; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or 'integrations' in m))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
