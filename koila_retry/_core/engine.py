@@ -82,7 +82,6 @@ class Controller:
         self.name = name
         self.policy = policy
         self.rules = decision.Rules.of(name, policy, keep_last=keep_last)
-        self.grow = policy.grow
         self.sync = policy.sync
         if policy.cache is not None:
             default_cache = policy.cache
