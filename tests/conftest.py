@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -130,3 +131,14 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     device = FakeCuda()
     device.install(monkeypatch)
     return device
+
+
+@pytest.fixture
+def frequent_switches() -> Iterator[None]:
+    """Let the interpreter switch threads about every instruction, so that races show at once."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)

@@ -10,9 +10,8 @@ must leave the same, however their micro-batches and failures interleave.
 from __future__ import annotations
 
 import copy
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -60,17 +59,6 @@ def _give_grads(model: nn.Module) -> list[torch.Tensor]:
     for i, p in enumerate(model.parameters()):
         p.grad = torch.full_like(p, 0.5) + _data(p.numel(), seed=100 + i).view_as(p)
     return [p.grad for p in model.parameters()]  # type: ignore[misc]
-
-
-@pytest.fixture
-def frequent_switches() -> Iterator[None]:
-    """Let the interpreter switch threads about every instruction, so that races show at once."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def _run_together(work: Callable[[int], None]) -> None:

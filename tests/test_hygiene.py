@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 
+import _ranks
 import pytest
 import torch
 from torch import nn
@@ -136,19 +136,6 @@ def test_attempts_block_frees_what_a_helper_allocated() -> None:
     assert alive_at_start == [False, False, False]
 
 
-def _gradients_of_running_step() -> dict[int, torch.Tensor]:
-    """Return the gradients the running ``koila.accumulate`` step computed so far (kept apart from ``.grad``)."""
-    from koila_retry._diagnostics.report import HoldsGradients
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        for value in frame.f_locals.values():
-            if isinstance(value, HoldsGradients):
-                return value.gradients_of_step()
-        frame = frame.f_back
-    raise AssertionError("no koila.accumulate step is running")
-
-
 def test_accumulate_gradients_of_a_failed_attempt_are_dead_when_the_retry_starts() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -160,7 +147,7 @@ def test_accumulate_gradients_of_a_failed_attempt_are_dead_when_the_retry_starts
     def step(x: torch.Tensor) -> torch.Tensor:
         rows.append(len(x))
         if len(rows) == 3:  # the third micro-batch of the first attempt: two have computed gradients
-            refs.extend(weakref.ref(gradient) for gradient in _gradients_of_running_step().values())
+            refs.extend(weakref.ref(gradient) for gradient in _ranks.gradients_of_step().values())
             raise make_oom()
         if len(rows) == 4:  # the retry's first forward
             alive_at_start.append(any(ref() is not None for ref in refs))

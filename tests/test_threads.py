@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -58,17 +57,6 @@ def test_concurrent_calls_with_injected_ooms() -> None:
 
 
 # -- the caches under threads that evict ---------------------------------------------------------
-
-
-@pytest.fixture
-def frequent_switches() -> Iterator[None]:
-    """Let the interpreter switch threads about every instruction, so that races show at once."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def _in_threads(work: Callable[[int], None], threads: int = THREADS) -> list[str]:
