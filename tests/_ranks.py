@@ -1,9 +1,7 @@
 """The ranks' side of test_distributed.py: scenarios that every rank of a spawned gloo group runs in turn.
 
-A scenario is a function of ``(rank, world)`` that every rank calls; what it returns (plain values and
-tensors) is saved with ``torch.save`` for the tests to compare across ranks. Scenarios that must raise
-catch the error and return its type and message; an error that escapes a scenario is saved with its
-traceback, and the ranks go on with the next scenario.
+How they run and what they save: tests/_spawn.py. Scenarios that must raise catch the error and return
+its type and message.
 """
 
 from __future__ import annotations
@@ -12,11 +10,7 @@ import asyncio
 import collections
 import contextlib
 import copy
-import gc
-import os
 import sys
-import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -25,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _layers import OOMInBackward
+from _spawn import Scenarios
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,49 +39,12 @@ KIB = 1024
 # times as long as an idle one: the timeouts guard against hangs, with room to spare.
 GROUPS = {"two": (2, 60), "three": (3, 60), "crash": (2, 30)}
 
-Scenario = Callable[[int, int], Any]
-SCENARIOS: dict[str, tuple[Scenario, tuple[str, ...]]] = {}
-
-
-def scenario(*groups: str) -> Callable[[Scenario], Scenario]:
-    """Register a scenario, run by the named groups, in the order of definition."""
-
-    def register(function: Scenario) -> Scenario:
-        SCENARIOS[function.__name__] = (function, groups)
-        return function
-
-    return register
-
-
-def names_for(group: str) -> list[str]:
-    return [name for name, (_, groups) in SCENARIOS.items() if group in groups]
+scenario = Scenarios(GROUPS)
 
 
 def main(rank: int, group: str, port: int, directory: str) -> None:
-    """The body of one spawned rank: join the group, run every scenario, save what each gave."""
-    torch.set_num_threads(1)
-    world, timeout = GROUPS[group]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
-    )
-    try:
-        for name in names_for(group):
-            # Every retry runs a full garbage collection; with torch imported, one takes ~0.1 s. Objects
-            # made before the scenario are kept out of them (the scenario's own are collected as usual).
-            gc.collect()
-            gc.freeze()
-            started = time.perf_counter()
-            try:
-                outcome: dict[str, Any] = {"value": SCENARIOS[name][0](rank, world)}
-            except Exception as exc:  # saved for the test, which shows the traceback
-                outcome = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            outcome["seconds"] = time.perf_counter() - started
-            path = os.path.join(directory, f"{name}.{rank}.pt")
-            torch.save(outcome, path + ".part")
-            os.replace(path + ".part", path)
-            dist.barrier()  # the next scenario starts together on every rank
-    finally:
-        dist.destroy_process_group()
+    """The body of one spawned rank (see tests/_spawn.py)."""
+    scenario.run(rank, group, port, directory)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -8,8 +8,6 @@ seconds is killed, and the scenarios it did not finish fail with a message sayin
 
 from __future__ import annotations
 
-import socket
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import _ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _spawn import Groups
 from torch import nn
 
 import koila_retry as koila
@@ -36,80 +34,9 @@ pytestmark = pytest.mark.timeout(2 * DEADLINE + 120)
 # --------------------------------------------------------------------------- spawning
 
 
-def _free_port() -> int:
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        return int(listener.getsockname()[1])
-
-
-class Group:
-    """One spawned group of ranks, run to its end (or killed at the deadline), and what each rank saved."""
-
-    def __init__(self, name: str, directory: Path) -> None:
-        self.name, self.directory = name, directory
-        self.world = _ranks.GROUPS[name][0]
-        self.problem: str | None = None
-        context = mp.start_processes(
-            _ranks.main,
-            args=(name, _free_port(), str(directory)),
-            nprocs=self.world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + DEADLINE
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    self.problem = (
-                        f"the ranks hung: the {self.world} processes of group {name!r} had not finished "
-                        f"after {DEADLINE:.0f} s, and were killed"
-                    )
-                    break
-        except Exception as exc:  # a rank raised or died: join() ended the others
-            self.problem = f"a rank of group {name!r} failed: {exc}"
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
-
-    def outcomes(self, scenario: str) -> list[dict[str, Any]]:
-        """What each rank saved for ``scenario``: ``value``, or ``error`` and ``traceback``."""
-        assert scenario in _ranks.names_for(self.name), f"group {self.name!r} does not run {scenario!r}"
-        saved = []
-        for rank in range(self.world):
-            path = self.directory / f"{scenario}.{rank}.pt"
-            if not path.exists():
-                pytest.fail(f"rank {rank} saved nothing for {scenario!r}: {self.problem or 'the scenario did not run'}")
-            saved.append(torch.load(path, weights_only=False))
-        return saved
-
-    def __getitem__(self, scenario: str) -> list[Any]:
-        """What each rank's ``scenario`` returned, by rank; fails the test if one raised."""
-        values = []
-        for rank, outcome in enumerate(self.outcomes(scenario)):
-            if "error" in outcome:
-                pytest.fail(f"{scenario!r} raised on rank {rank}:\n{outcome['traceback']}")
-            values.append(outcome["value"])
-        return values
-
-
-class Groups:
-    """The groups of this module's tests, each spawned when a test first needs it."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        self._factory = factory
-        self._groups: dict[str, Group] = {}
-
-    def __call__(self, name: str) -> Group:
-        if name not in self._groups:
-            self._groups[name] = Group(name, self._factory.mktemp(f"ranks-{name}"))
-        return self._groups[name]
-
-
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory: pytest.TempPathFactory) -> Groups:
-    return Groups(tmp_path_factory)
+    return Groups(_ranks, tmp_path_factory, DEADLINE)
 
 
 # --------------------------------------------------------------------------- assertions

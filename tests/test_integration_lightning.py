@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from koila_retry.testing import simulated_device
 
 L = pytest.importorskip("lightning")
+from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
+
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
 # Lightning's own notices, not this library's: a module without a val_dataloader, and its
@@ -24,58 +26,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
 ]
 
-# A batch of 64 rows through a 16 -> 512 -> 4 MLP in float64: the whole batch's training
-# step needs some 800 KB and its validation step some 530 KB; split, both fit in less.
-FIT_LIMIT = "600KiB"
-EVAL_LIMIT = "400KiB"
-
-
-class MLP(L.LightningModule):  # type: ignore[misc]
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4)).double()
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss)
-        return {"loss": loss, "correct": (self.net(x).argmax(1) == y).sum()}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        logits = self.net(x)
-        self.log("val_loss", F.cross_entropy(logits, y))
-        self.log("val_max", logits.max(), reduce_fx="max")
-        return F.cross_entropy(logits, y)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        return {"logits": self.net(batch[0]), "classes": self.net(batch[0]).argmax(1)}
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
-
-
-def loader(rows: int = 64, batch: int = 64) -> torch.utils.data.DataLoader[Any]:
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(rows, 16, dtype=torch.float64, generator=generator)
-    y = torch.randint(0, 4, (rows,), generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
-
-
-def trainer(*callbacks: Any, **options: Any) -> Any:
-    settings = {
-        "accelerator": "cpu",
-        "max_steps": 3,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        **options,
-    }
-    return L.Trainer(callbacks=list(callbacks), **settings)
-
 
 @pytest.fixture(autouse=True)
 def quiet() -> Iterator[None]:
@@ -83,11 +33,6 @@ def quiet() -> Iterator[None]:
         warnings.filterwarnings("ignore", module="lightning")
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         yield
-
-
-def assert_same_parameters(model: Any, reference: Any, **tolerance: float) -> None:
-    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(parameter, expected, **tolerance)
 
 
 def test_the_plain_trainer_runs_out_of_memory_at_the_limit() -> None:
@@ -210,3 +155,14 @@ def test_importing_koila_retry_does_not_import_lightning() -> None:
     code = "import sys, koila_retry; print(sorted(name for name in sys.modules if 'lightning' in name))"
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == "[]"
+
+
+def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    callback = OOMRecovery()
+    stand_in = type("Trainer", (), {"strategy": FSDPStrategy()})()  # setup reads only the strategy first
+    model = MLP()
+    with pytest.raises(RuntimeError, match="OOMRecovery serves one device or DDP; the trainer runs FSDPStrategy"):
+        callback.setup(stand_in, model, "fit")
+    assert "training_step" not in vars(model)

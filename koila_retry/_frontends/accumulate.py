@@ -245,6 +245,49 @@ def accumulate(
 
     .. versionadded:: 0.1.0
     """
+    decorate: Callable[[Callable[..., Any]], Batched[..., Any]] = accumulator(
+        initial=initial,
+        dim=dim,
+        reduction=reduction,
+        weight=weight,
+        scaler=scaler,
+        backward=backward,
+        ddp=ddp,
+        options=options,
+    )
+    return decorate if fn is None else decorate(fn)
+
+
+def accumulator(
+    *,
+    initial: int | Literal["auto"] | None = None,
+    dim: int = 0,
+    reduction: str = "mean",
+    weight: Callable[..., Any] | None = None,
+    scaler: Any = None,
+    backward: Callable[..., Any] | None = None,
+    ddp: Any = None,
+    averages: bool = True,
+    options: Options,
+) -> Callable[[Callable[P, R]], Batched[P, R]]:
+    """Check the arguments of :func:`accumulate` once; return what decorates a step with them.
+
+    Args:
+        initial, dim, reduction, weight, scaler, backward, ddp: as :func:`accumulate` takes them.
+        averages (bool): whether the step averages the gradients of the DDP
+            modules it trains, once the ranks agreed (what :func:`accumulate`
+            does). ``False`` for a step that runs inside a DDP module's forward,
+            as Lightning runs ``training_step``: DDP's own backward, after the
+            step, averages what the step left in ``.grad``. The ranks still agree
+            on every size.
+        options (Options): the shared options.
+
+    Returns:
+        callable: takes a step, returns it wrapped.
+
+    Raises:
+        TypeError, ValueError: as :func:`accumulate` raises them.
+    """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if weight is not None and not callable(weight):
@@ -281,7 +324,7 @@ def accumulate(
             "drop one of them"
         )
     if given and options.get("group") is None:
-        options["group"] = given[0].process_group
+        options = {**options, "group": given[0].process_group}
     policy = Policy.of("koila.accumulate", None if initial == AUTO else cast("int | None", initial), options, rows=True)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
@@ -296,6 +339,7 @@ def accumulate(
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
         step.weight = weight
         step.ddp = given
+        step.averages = averages
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -304,7 +348,7 @@ def accumulate(
 
         return cast(Batched[P, R], with_controller(wrapper, controller))
 
-    return decorate if fn is None else decorate(fn)
+    return decorate
 
 
 class _Accumulator:
@@ -330,6 +374,7 @@ class _Accumulator:
         self.warned_dropped = False
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
+        self.averages = True  # see accumulator()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
         split = Split(args, kwargs, self.dim, "koila.accumulate", self.fn)
@@ -401,7 +446,7 @@ class _Accumulator:
     def _gradient_sync(self) -> GradientSync | None:
         """Return what averages the step's DDP gradients, if it trains a DDP module with grad on."""
         modules = self.ddp or self.controller.ddp_modules
-        if not modules or not torch.is_grad_enabled():
+        if not modules or not self.averages or not torch.is_grad_enabled():
             return None
         if not self.warned_comm_hook and any(getattr(module, "_comm_hooks", None) for module in modules):
             self.warned_comm_hook = True

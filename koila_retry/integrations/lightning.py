@@ -32,12 +32,20 @@ attributes, removed in ``teardown``); the class and the trainer are not changed.
   ``on_after_backward`` hooks, then ``optimizer_step``, the scaler's unscaling, gradient
   clipping and schedulers all see the whole batch, once. No forward graph reaches that
   backward, so nothing runs backward twice.
-* ``validation_step``, ``test_step`` and ``predict_step`` run as they are until one
-  runs out of memory; that step and the ones after it run through ``accumulate`` with
-  no backward (the loop runs them under ``inference_mode`` or ``no_grad``), which
-  joins tensors with a row per row, weighs numbers and 0-dimensional tensors by rows
-  (a mean stays the batch's mean) and adds up counts, so the outputs are the whole
-  batch's.
+* ``validation_step``, ``test_step`` and ``predict_step`` run through ``accumulate``
+  with no backward (the loop runs them under ``inference_mode`` or ``no_grad``): whole
+  until one runs out of memory, then in chunks, whose outputs are joined as
+  ``accumulate`` joins them (tensors with a row per row; numbers and 0-dimensional
+  tensors weighed by rows, so a mean stays the batch's mean; counts added up), so they
+  are the whole batch's.
+* Under DDP (``strategy="ddp"``), Lightning runs ``training_step`` inside DDP's
+  forward. The ranks agree on every micro-batch size, evaluation steps' included, so a
+  rank that runs out of memory makes every rank run the same step again in
+  micro-batches (or give up with it) instead of leaving the others in a collective.
+  The micro-batches call the module itself, not DDP, so they make no collective of
+  their own, and the step's gradients reach the loop's backward through DDP: DDP
+  all-reduces them there, once per batch, as it always does (its communication hook,
+  ``no_sync`` under ``accumulate_grad_batches`` and unused parameters included).
 * ``self.log`` inside a wrapped step is held back while the step runs and replayed
   once it succeeded: as it was called when the step ran whole; once per name, with the
   values of the successful attempt's micro-batches combined by ``reduce_fx`` (a mean
@@ -45,9 +53,13 @@ attributes, removed in ``teardown``); the class and the trainer are not changed.
   split. Values logged by failed attempts are dropped.
 
 What it does not do (yet): manual optimisation (``training_step`` is left as it is,
-with a warning; use :func:`koila_retry.accumulate` inside it); strategies other than a
-single device (DDP and others are refused in ``setup``); torchmetrics objects updated
-inside a step are updated by every micro-batch, failed attempts included.
+with a warning; use :func:`koila_retry.accumulate` inside it); strategies other than
+one device and DDP (FSDP, DeepSpeed, XLA and model parallelism communicate inside the
+forward and backward, and are refused in ``setup``); a step that makes collectives of
+its own under DDP (``self.all_gather`` inside the step; ``self.log(sync_dist=True)`` is
+fine, being replayed after the step): a rank that splits it would make them once per
+micro-batch; torchmetrics objects
+updated inside a step are updated by every micro-batch, failed attempts included.
 """
 
 from __future__ import annotations
@@ -57,18 +69,17 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies.xla import XLAStrategy
 from torch.utils._pytree import tree_leaves
 
-from koila_retry._core.detect import is_oom
-from koila_retry._core.memory import release
 from koila_retry._core.policy import Options, Policy
-from koila_retry._frontends.accumulate import accumulate
+from koila_retry._frontends.accumulate import accumulator
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -91,7 +102,8 @@ class OOMRecovery(Callback):
     that gradient once; a ``validation_step``, ``test_step`` or ``predict_step`` that
     does not fit runs in chunks whose outputs are joined into the whole batch's. The
     batch size, the number of optimizer steps and the learning-rate schedule do not
-    change. See the module's documentation for how.
+    change. On one device or under DDP, where the ranks agree on every size. See the
+    module's documentation for how.
 
     Args:
         initial (int or None): the first micro-batch size to try; ``None``, the
@@ -103,6 +115,8 @@ class OOMRecovery(Callback):
     Raises:
         TypeError: if an option is unknown or has the wrong type.
         ValueError: if an option is out of range.
+        RuntimeError: in ``setup``, if the trainer's strategy is neither one device
+            nor DDP.
 
     Example::
 
@@ -118,10 +132,13 @@ class OOMRecovery(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the wrappers in front of the module's steps (Lightning calls it)."""
-        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+        strategy = trainer.strategy
+        served = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+        if not served or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy)):
             raise RuntimeError(
-                f"OOMRecovery supports one device for now; the trainer runs {type(trainer.strategy).__name__}. "
-                "Under DDP, use koila_retry.accumulate(ddp=...) in a loop of your own or Lightning Fabric"
+                f"OOMRecovery serves one device or DDP; the trainer runs {type(trainer.strategy).__name__}, "
+                "whose forward or backward communicates between the ranks, so a rank that splits its step "
+                "while another does not would leave that one waiting. Use strategy='ddp', or one device"
             )
         names = list(_EVALUATION)
         if pl_module.automatic_optimization:
@@ -192,7 +209,6 @@ class _Step:
         self.target: Callable[..., Any] = _unset
         self.owner: type | None = None
         self.run: Callable[..., Any] = _unset
-        self.split = False  # an evaluation step ran out of memory once: split from now on
         self.parts: list[tuple[int, list[dict[str, Any]]]] = []
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
@@ -243,8 +259,17 @@ class _Step:
                 return torch.zeros(()), output  # no loss: accumulate only splits and joins
 
         part.__qualname__ = part.__name__ = name
-        backward = self._backward if self.train else None
-        return accumulate(part, backward=backward, **self.options)  # type: ignore[call-overload,no-any-return]
+        options = dict(self.options)
+        initial = options.pop("initial")
+        # Under DDP the step runs inside DDP's forward, and the loop's backward after it, through DDP,
+        # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
+        decorate = accumulator(
+            initial=initial,
+            backward=self._backward if self.train else None,
+            averages=False,
+            options=cast(Options, options),
+        )
+        return decorate(part)
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run one micro-batch's backward through the trainer's precision plugin."""
@@ -293,26 +318,9 @@ class _Step:
         self.parts = []
         module.log = self._record  # type: ignore[method-assign]
         try:
-            if not self.split:
-                failed = False
-                try:
-                    self.logging = []
-                    output = self.target(*args, **kwargs)
-                    self.parts.append((_rows(args, kwargs), self.logging))
-                except BaseException as error:
-                    if not is_oom(error):
-                        raise
-                    failed = True
-                if not failed:
-                    self._replay(_rows(args, kwargs))
-                    return output
-                # Out of the handler: the failed attempt's frames are gone with the traceback.
-                self.split, self.parts = True, []
-                release(_device(args, kwargs))
             _, output = self.run(*args, **kwargs)
         finally:
-            if "log" in vars(module):
-                del module.log
+            del module.log
         self._replay(_rows(args, kwargs))
         return output
 
@@ -361,13 +369,6 @@ def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The rows of a batch, as ``accumulate`` splits it: the largest first dimension of its tensors."""
     sizes = [leaf.shape[0] for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor) and leaf.dim()]
     return max(sizes, default=1)
-
-
-def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return None
 
 
 def _combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:

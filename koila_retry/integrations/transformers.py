@@ -39,6 +39,10 @@ NAME = "koila_retry.integrations.transformers.adapt"
 # Set on an adapted trainer: its original steps, so that adapting twice is refused.
 MARK = "koila_adapted_steps"
 IGNORED = -100
+# Accelerate's distributed types that wrap the model in DistributedDataParallel: the ones adapt serves.
+DDP_TYPES = frozenset(
+    f"MULTI_{device}" for device in ("CPU", "GPU", "NPU", "XPU", "MLU", "MUSA", "SDAA", "HPU", "NEURON")
+)
 _OPTIONS = frozenset(Options.__annotations__)
 
 
@@ -68,9 +72,20 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     again in chunks of its rows, without gradients, and returns the whole batch's
     loss (the chunks' losses weighed by their items, as above), logits and labels.
 
+    DDP (several processes, ``torchrun``): the ranks agree on every micro-batch
+    size, as :func:`~koila_retry.accumulate` makes them agree, so a rank that
+    runs out of memory makes every rank run the same step again in micro-batches
+    (or give up with it) instead of leaving them waiting in an all-reduce. Each
+    micro-batch runs under DDP's ``no_sync()``, and the step's gradients are
+    averaged across the ranks once, after they agreed that it succeeded: the
+    averaged gradient is the one DDP gives, but it is no longer all-reduced while
+    the backward runs. The batch's item count, which ``prediction_step`` gathers
+    from every rank, is gathered once per step, before any attempt.
+
     Args:
         trainer (transformers.Trainer): a constructed ``Trainer``, or an instance
-            of any subclass, on one device and one process. A subclass's own
+            of any subclass, on one device per process: one process, or several
+            under DistributedDataParallel. A subclass's own
             ``training_step`` must run its backward through
             ``self.accelerator.backward``, once per call (as ``Trainer``'s does, and
             any override that calls ``super().training_step``).
@@ -87,9 +102,10 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
         TypeError: if ``trainer`` is not a ``transformers.Trainer``, or an option is
             unknown or has the wrong type.
         ValueError: if an option is out of range, or the trainer is adapted already.
-        NotImplementedError: if the trainer runs under DeepSpeed, FSDP, several
-            processes (DDP) or GPUs (``DataParallel``), tensor, context or sequence
-            parallelism, SageMaker model parallelism or a LOMO optimizer, or its
+        NotImplementedError: if the trainer runs under DeepSpeed, FSDP, XLA or
+            Megatron-LM, over several GPUs of one process (``DataParallel``), with
+            tensor, context or sequence parallelism, SageMaker model parallelism
+            or a LOMO optimizer, or its
             ``training_step`` runs no ``self.accelerator.backward``: each of those
             runs a step in a way that micro-batches would change. A step of an
             override that turns out to run a backward of its own, or none, raises
@@ -151,11 +167,10 @@ def _refuse_unservable(trainer: Any, transformers: ModuleType) -> None:
     if getattr(trainer, "is_fsdp_enabled", False):
         reasons.append("it runs under FSDP, whose gradients are sharded and reduced in each backward")
     distributed = str(getattr(trainer.accelerator, "distributed_type", "NO")).split(".")[-1]
-    if distributed != "NO" or getattr(args, "world_size", 1) > 1:
+    if distributed not in ("NO", *DDP_TYPES):
         reasons.append(
-            f"it runs on several processes (distributed type {distributed}, world size "
-            f"{getattr(args, 'world_size', 1)}): under DDP, one rank splitting its step while the others do not "
-            "would desynchronise the gradient all-reduce; this increment supports one process"
+            f"it runs distributed as {distributed}, which communicates inside each forward or backward; adapt "
+            "serves one process, or several under DistributedDataParallel"
         )
     if getattr(args, "n_gpu", 1) > 1:
         reasons.append(f"it runs DataParallel over {args.n_gpu} GPUs; make one visible (CUDA_VISIBLE_DEVICES)")
@@ -224,23 +239,18 @@ def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | N
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-def _items(trainer: Any, shifts: bool, counted: bool = False) -> Callable[..., Any]:
+def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
     """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them.
+
+    Counted on this rank only, without a collective: ranks may split their batches
+    into different micro-batches.
 
     Args:
         trainer (transformers.Trainer): the trainer.
         shifts (bool): whether the model shifts its labels (see :func:`_shifts_labels`).
-        counted (bool): for ``prediction_step``, which divides each batch's summed
-            loss by the trainer's own count of it where the trainer counts
-            (``num_items_in_batch``): that count, where it gives one.
     """
-    count = getattr(trainer, "_get_num_items_in_batch", None) if counted else None
 
     def items(model: Any, inputs: Any, *rest: Any) -> Any:
-        if count is not None:
-            found = count([inputs], trainer.args.device)
-            if found is not None:
-                return found
         labels = _labels_counted(trainer, inputs, shifts)
         if labels is None:  # checked before the weighted step is chosen
             raise RuntimeError("the batch lost its labels")
@@ -333,12 +343,22 @@ def _gradients(model: Any) -> list[tuple[int, int]]:
 
 
 class _Prediction:
-    """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients."""
+    """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients.
+
+    Hugging Face's ``prediction_step`` counts the batch's items itself, and under
+    DDP gathers that count from every rank: a collective inside the step, which a
+    rank that split its batch would make once per micro-batch, and one that ran
+    out of memory might never make. So the count is taken once per step, before
+    any attempt, with the trainer's own ``_get_num_items_in_batch``, and every
+    call of the original inside the step is given that count: each micro-batch's
+    loss is then its summed loss over the whole batch's count, and they add up.
+    """
 
     def __init__(self, trainer: Any, options: Options) -> None:
         self.trainer = trainer
         self.original: Callable[..., Any] = trainer.prediction_step
         self.shifts = _shifts_labels(trainer)
+        self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
@@ -351,17 +371,35 @@ class _Prediction:
             return {key: value for key, value in found.items() if value is not None}
 
         prediction_step.__qualname__ = f"{type(trainer).__name__}.prediction_step"
-        self.weighted = accumulate(weight=_items(trainer, self.shifts, counted=True), **options)(prediction_step)
+        self.summed = accumulate(reduction="sum", **options)(prediction_step)
+        self.weighted = accumulate(weight=_items(trainer, self.shifts), **options)(prediction_step)
         self.by_rows = accumulate(**options)(prediction_step)
         self.stats = self.weighted.stats
 
     def __call__(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> tuple[Any, Any, Any]:
-        step = self.weighted if _labels_counted(self.trainer, inputs, self.shifts) is not None else self.by_rows
+        trainer = self.trainer
+        counted = None if self.count is None else self.count([inputs], trainer.args.device)
+        if counted is not None:
+            step = self.summed
+        elif _labels_counted(trainer, inputs, self.shifts) is not None:
+            step = self.weighted
+        else:
+            step = self.by_rows
         self.stats = step.stats
         self.lossless = False
-        with torch.no_grad():
-            found = step(model, inputs, prediction_loss_only, ignore_keys)
+        own = "_get_num_items_in_batch" in vars(trainer)
+        saved = vars(trainer).get("_get_num_items_in_batch")
+        if self.count is not None:
+            trainer._get_num_items_in_batch = lambda batches, device: counted
+        try:
+            with torch.no_grad():
+                found = step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            if own:
+                trainer._get_num_items_in_batch = saved
+            elif self.count is not None:
+                del trainer._get_num_items_in_batch
         loss = None if self.lossless else found["loss"]
         return loss, found.get("logits"), found.get("labels")
