@@ -116,6 +116,32 @@ def test_bf16_mixed_precision_under_the_limit_matches_the_unlimited_run() -> Non
     assert_same_parameters(model, reference, rtol=2e-2, atol=2e-3)
 
 
+def test_16_mixed_loss_scaling_is_applied_to_each_micro_batch_and_undone_once() -> None:
+    """A GradScaler on the CPU (Lightning makes none there): each micro-batch's loss scaled, unscaled once.
+
+    No clipping, which would hide a gradient 1024 times too large.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def scaled() -> Any:
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+
+    reference = Float32MLP()
+    try:
+        trainer(plugins=[scaled()]).fit(reference, loader(rows=128))
+    except (RuntimeError, ValueError) as error:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"float16 autocast does not train on this CPU build of torch: {error}")
+    model = Float32MLP()
+    events: list[Any] = []
+    precision = scaled()
+    with simulated_device("300KiB"):
+        trainer(OOMRecovery(on_oom=events.append), plugins=[precision]).fit(model, loader(rows=128))
+    assert events
+    assert precision.scaler.get_scale() == 2.0**10
+    # float16 matmuls round differently over fewer rows; a scale left in would be off by 1024.
+    assert_same_parameters(model, reference, rtol=1e-2, atol=1e-3)
+
+
 class Manual(MLP):
     def __init__(self) -> None:
         super().__init__()

@@ -90,6 +90,29 @@ def test_bf16_mixed_precision_on_the_cpu(tmp_path: Path) -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-2, atol=1e-3)
 
 
+def test_fp16_loss_scaling_is_applied_to_each_micro_batch_and_undone_once(tmp_path: Path) -> None:
+    """accelerate makes no GradScaler on a CPU; one given to the accelerator before training stands in.
+
+    Every micro-batch's backward must run on the scaled loss (through accelerator.backward), and the
+    optimizer unscale once: a micro-batch left unscaled, or scaled twice, moves the weights 1024 times
+    too little or too far. No clipping, which would hide that.
+    """
+
+    def scaled_trainer() -> Any:
+        trainer = make_trainer(tmp_path, fp16=True, max_grad_norm=0.0)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        return trainer
+
+    reference = scaled_trainer()
+    reference.train()
+    trainer = adapt(scaled_trainer())
+    with simulated_device("512KiB"):
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.accelerator.scaler.get_scale() == reference.accelerator.scaler.get_scale() == 2.0**10
+    assert_same_training(trainer, reference)
+
+
 def test_evaluate_and_predict_in_chunks_give_the_whole_batches_results(tmp_path: Path) -> None:
     plain = make_trainer(tmp_path)
     expected = plain.evaluate()
