@@ -20,6 +20,7 @@ import torch
 from _spawn import Scenarios
 
 import koila_retry as koila
+from koila_retry._core import distributed
 from koila_retry.testing import simulated_device
 
 # One group of two ranks; a collective that waits longer than this raises, so a hang ends the
@@ -59,6 +60,23 @@ def koila_warnings() -> Iterator[list[str]]:
     found.extend(str(entry.message) for entry in caught if "koila" in str(entry.message) + entry.filename)
 
 
+@contextlib.contextmanager
+def koila_averages() -> Iterator[list[int]]:
+    """Count the steps whose gradients koila-retry averaged across the ranks itself (not DDP)."""
+    counted = [0]
+    reduce = distributed.GradientSync.reduce
+
+    def counting(self: distributed.GradientSync, *args: Any, **kwargs: Any) -> None:
+        counted[0] += 1
+        reduce(self, *args, **kwargs)
+
+    distributed.GradientSync.reduce = counting  # type: ignore[method-assign]
+    try:
+        yield counted
+    finally:
+        distributed.GradientSync.reduce = reduce  # type: ignore[method-assign]
+
+
 def parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return [parameter.detach().clone() for parameter in model.parameters()]
 
@@ -96,7 +114,7 @@ def hf_training_and_evaluation(rank: int, world: int) -> dict[str, Any]:
     expected = reference.evaluate()["eval_loss"]
     events: list[koila.OOMEvent] = []
     trainer = adapt(_hf_trainer(), on_oom=events.append)
-    with koila_warnings() as said:
+    with koila_warnings() as said, koila_averages() as averaged:
         with limited(rank, HF_TRAIN_LIMIT):
             trainer.train()
         training = trainer.training_step.stats
@@ -115,6 +133,7 @@ def hf_training_and_evaluation(rank: int, world: int) -> dict[str, Any]:
         "events": [(event.batch_size, event.rank) for event in events],
         "eval_loss": (evaluated, expected),
         "warnings": said,
+        "averaged": averaged[0],
     }
 
 
@@ -150,7 +169,7 @@ def _lightning_run(rank: int, model: Any, reference: Any, **options: Any) -> dic
         expected = plain.validate(reference, loader(rows=128), verbose=False)
         events: list[koila.OOMEvent] = []
         adapted = _lightning(OOMRecovery(on_oom=events.append), **options)
-        with koila_warnings() as said:
+        with koila_warnings() as said, koila_averages() as averaged:
             with limited(rank, FIT_LIMIT):
                 adapted.fit(model, loader(rows=512))
             trained = len(events)
@@ -165,6 +184,7 @@ def _lightning_run(rank: int, model: Any, reference: Any, **options: Any) -> dic
         "validation_events": [(event.batch_size, event.rank) for event in events[trained:]],
         "validated": (validated, expected),
         "warnings": said,
+        "averaged": averaged[0],
     }
 
 

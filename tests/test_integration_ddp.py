@@ -46,6 +46,7 @@ def test_hf_trainer_under_ddp_trains_and_evaluates_as_with_all_the_memory(ranks:
         # ranks then ran the same step as micro-batches.
         assert (4, 1) in value["events"], value["events"]
         assert value["training_ooms"] >= 1
+        assert value["averaged"] == 6  # koila averaged each step's gradients: 3 steps of 2 batches
         assert value["evaluation_ooms"] >= 1
         steps, expected_steps = value["steps"]
         assert steps == expected_steps == 3
@@ -74,6 +75,7 @@ def test_lightning_under_ddp_trains_and_validates_as_with_all_the_memory(ranks: 
         assert (64, 1) in value["training_events"], value["training_events"]
         assert any(where == 1 for _, where in value["validation_events"]), value["validation_events"]
         assert value["steps"][0] == value["steps"][1] == 3
+        assert value["averaged"] == 0  # DDP's own backward averaged them, once per batch
         for index, (mine, theirs) in enumerate(zip(value["parameters"], value["expected"], strict=True)):
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, msg=f"rank {rank}, parameter {index}")
         validated, expected = value["validated"]

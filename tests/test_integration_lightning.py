@@ -89,6 +89,22 @@ def test_predict_under_the_limit_gives_the_same_outputs() -> None:
         assert torch.equal(batch["classes"], reference["classes"])
 
 
+class Labelled(MLP):
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return {"logits": self.net(batch[0]), "source": f"batch {batch_idx}", "rows": len(batch[0])}
+
+
+def test_an_evaluation_step_that_fits_returns_its_own_output_strings_included() -> None:
+    got = trainer(OOMRecovery()).predict(Labelled(), loader(rows=128))
+    assert [batch["source"] for batch in got] == ["batch 0", "batch 1"]
+    assert [batch["rows"] for batch in got] == [64, 64]
+    with simulated_device(EVAL_LIMIT), pytest.warns(UserWarning, match=r"returned the result\[1\]\['source'\]"):
+        split = trainer(OOMRecovery()).predict(Labelled(), loader(rows=128))
+    assert split[0]["source"] is None  # split: the tensors and counts are joined, a string cannot be
+    torch.testing.assert_close(split[0]["logits"], got[0]["logits"], rtol=1e-12, atol=1e-12)
+    assert [batch["rows"] for batch in split] == [64, 64]
+
+
 class Float32MLP(MLP):
     def __init__(self) -> None:
         super().__init__()

@@ -210,6 +210,8 @@ class _Step:
         self.owner: type | None = None
         self.run: Callable[..., Any] = _unset
         self.parts: list[tuple[int, list[dict[str, Any]]]] = []
+        self.rows = 0  # of the evaluation step running
+        self.whole: Any = None  # its output, while its last attempt ran the whole batch
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
         self.scale: torch.Tensor | None = None
@@ -253,9 +255,12 @@ class _Step:
         else:
 
             def part(*args: Any, **kwargs: Any) -> Any:
-                self.logging = []
+                self.logging, self.whole = [], None
                 output = self.target(*args, **kwargs)
-                self.parts.append((_rows(args, kwargs), self.logging))
+                rows = _rows(args, kwargs)
+                self.parts.append((rows, self.logging))
+                if rows == self.rows:  # returned as it is, strings and objects included, if it stays the last
+                    self.whole = output
                 return torch.zeros(()), output  # no loss: accumulate only splits and joins
 
         part.__qualname__ = part.__name__ = name
@@ -315,13 +320,16 @@ class _Step:
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         _, module = self.installed()
-        self.parts = []
+        self.parts, self.rows = [], _rows(args, kwargs)
         module.log = self._record  # type: ignore[method-assign]
         try:
             _, output = self.run(*args, **kwargs)
+            if self.whole is not None:  # it ran whole: the step's own output, not a copy joined by accumulate
+                output = self.whole
         finally:
             del module.log
-        self._replay(_rows(args, kwargs))
+            self.whole = None
+        self._replay(self.rows)
         return output
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
