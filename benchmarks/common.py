@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import subprocess
 import tarfile
 from importlib import metadata
@@ -54,6 +55,34 @@ def print_text(header: list[str], table: list[list[str]]) -> None:
         print("  ".join(cells).rstrip())
         if number == 0:
             print("  ".join("-" * width for width in widths))
+
+
+def labelled(label: str, rows: list[list[str]]) -> list[list[str]]:
+    """Return a group of rows of a table: ``label`` before the first of ``rows``, an empty cell before the others."""
+    return [[label if number == 0 else "", *row] for number, row in enumerate(rows)]
+
+
+def print_load(when: str) -> None:
+    """Print the 1-, 5- and 15-minute load averages, ``when`` ("before", "after") the run, where the system has them."""
+    if hasattr(os, "getloadavg"):
+        print(f"load average {when} the run: " + ", ".join(f"{value:.2f}" for value in os.getloadavg()), flush=True)
+
+
+def print_summary(header: list[str], table: list[list[str]], rst: list[tuple[str, list[str], list[list[str]]]]) -> None:
+    """Print the summary table, then each of ``rst`` (title, header, rows) as a csv-table (none without ``--rst``)."""
+    print("\nSummary:")
+    print_text(header, table)
+    for title, rst_header, rst_table in rst:
+        print()
+        print_rst(rst_header, rst_table, title)
+
+
+def print_verdict(target: str, subject: str, missed: list[str]) -> None:
+    """Print the target, and whether ``subject`` meets it: the sentence names what ``missed`` it."""
+    print()
+    print(f"Target: {target}")
+    verdict = "does NOT meet" if missed else "meets"
+    print(f"Measured: {subject} {verdict} it" + (f" (missed: {'; '.join(missed)})." if missed else "."))
 
 
 def add_run_flags(parser: argparse.ArgumentParser, *, no_peers: str) -> None:
