@@ -193,8 +193,8 @@ class _Delivery(torch.autograd.Function):
         # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
         # the gradients were computed at the scaler's scale already.
         factor = grad if held.scale is None else grad / held.scale
-        for gradient in gradients:
-            gradient.mul_(factor)
+        if gradients:
+            torch._foreach_mul_(gradients, factor)  # one call for every gradient
         return (None, None, *gradients)
 
 
@@ -214,12 +214,14 @@ class _Step:
         self.whole: Any = None  # its output, while its last attempt ran the whole batch
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
+        self.signature: inspect.Signature | None = None  # of the module's log, to bind its calls
         self.scale: torch.Tensor | None = None
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
         self.target = getattr(module, self.name)
         self.log = module.log
+        self.signature = inspect.signature(self.log)
         if self.owner is not type(module):  # a new decorated step per module class: its own cache
             self.owner = type(module)
             self.run = self._decorated(f"{type(module).__qualname__}.{self.name}")
@@ -236,6 +238,7 @@ class _Step:
             delattr(module, self.name)
         self.module = self.trainer = None
         self.target = self.log = _unset
+        self.signature = None
 
     def installed(self) -> tuple[pl.Trainer, pl.LightningModule]:
         if self.trainer is None or self.module is None:
@@ -292,7 +295,7 @@ class _Step:
         _, module = self.installed()
         parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         aside = [parameter.grad for parameter in parameters]
-        self.parts, self.scale = [], None
+        self.parts, self.scale, rows = [], None, _rows(args, kwargs)
         module.log = self._record  # type: ignore[method-assign]
         try:
             for parameter in parameters:
@@ -303,7 +306,7 @@ class _Step:
             del module.log
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
-        self._replay(_rows(args, kwargs))
+        self._replay(rows)
         held = [(parameter, gradient) for parameter, gradient in zip(parameters, gradients) if gradient is not None]
         parts = [gradient for _, gradient in held]
         scale, self.scale = self.scale, None
@@ -334,7 +337,8 @@ class _Step:
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Hold back a call of ``self.log`` until the step succeeded."""
-        call = dict(inspect.signature(self.log).bind(name, value, *args, **kwargs).arguments)
+        signature = self.signature or inspect.signature(self.log)
+        call = dict(signature.bind(name, value, *args, **kwargs).arguments)
         if isinstance(value, torch.Tensor) and not call.get("enable_graph", False):
             call["value"] = value.detach()  # as Lightning keeps it: the graph would hold the activations
         self.logging.append(call)
