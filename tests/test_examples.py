@@ -206,6 +206,29 @@ def test_ddp_train_ranks_agree_and_stay_identical() -> None:
 
 
 @pytest.mark.slow
+def test_fsdp_train_recovers_inside_fsdp2_and_matches_one_process() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run"),
+            *("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"),
+            str(ROOT / "examples" / "fsdp_train.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,  # a rank left waiting in a collective fails the test instead of hanging it
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    output = completed.stdout
+    assert "rank 1 ran out of memory at 256 rows per micro-batch" in output, output
+    steps = re.findall(r"step \d+: micro-batch size rank 0: (\d+), rank 1: (\d+) \(of 256 rows\)", output)
+    assert len(steps) == 4, output
+    assert all(rank0 == rank1 and int(rank0) < 256 for rank0, rank1 in steps), output
+    assert "Parameters match one process's training on every rank's rows: True." in output, output
+
+
+@pytest.mark.slow
 def test_finetune_transformer_weighs_tokens_and_matches() -> None:
     pytest.importorskip("transformers")
     completed = _run_example("finetune_transformer.py", "--steps", "4")

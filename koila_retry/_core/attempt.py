@@ -27,6 +27,7 @@ from koila_retry._core.decision import Done, Outcome, Rules, State, Try
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import Explain, Failure, detached, iterator_among, store
 from koila_retry._core.policy import Policy
+from koila_retry._core.sharded import RanksFailed, Shards
 from koila_retry._core.stats import Stats
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -65,7 +66,19 @@ class Course:
         unanimous (bool): after an agreement, whether every rank's vote was yes.
     """
 
-    __slots__ = ("agreement", "arguments", "call", "failure", "key", "owner", "phase", "started", "state", "unanimous")
+    __slots__ = (
+        "agreement",
+        "arguments",
+        "call",
+        "failure",
+        "key",
+        "owner",
+        "phase",
+        "shards",
+        "started",
+        "state",
+        "unanimous",
+    )
 
     def __init__(
         self,
@@ -83,6 +96,7 @@ class Course:
         self.phase = READY if started is None else RUNNING  # a driver's first attempt may run before
         self.started = started or 0.0
         self.unanimous = True
+        self.shards: Shards | None = None  # the FSDP2 modules of a call that agrees, if it reaches any
         if owner.policy.grow:
             self.grow()
         if agreement is not None:
@@ -97,16 +111,25 @@ class Course:
                 "each attempt runs its body in one `with attempt:` block, entered once per turn of the loop"
             )
         self.phase = RUNNING
+        if self.shards is not None:
+            self.shards.arm()
         self.started = time.perf_counter()
 
     def end(self, exc: BaseException | None) -> bool:
         """End the current attempt's block; return whether its error was out of memory (and is swallowed)."""
+        if self.shards is not None:
+            self.shards.disarm()
         if exc is None:
             if self.agreement is not None:
                 self.phase = PENDING  # a success here is kept only if every rank had one
             else:
                 self.succeed()
             return False
+        if isinstance(exc, RanksFailed) and self.agreement is not None:
+            # Another rank failed, as an exchange inside this attempt learned (FSDP2): the
+            # exchange after it gives what that one said.
+            self.phase = PENDING
+            return True
         if not is_oom(exc):
             self.phase = READY  # the error propagates untouched and ends the run
             return False
@@ -173,6 +196,8 @@ class Course:
         step, failed = failure.step, state.size
         next_size = step.size if isinstance(step, Try) and failure.reused is None else None
         started = time.perf_counter()
+        if self.shards is not None:  # before the release: FSDP2's state holds the attempt's buffers
+            self.shards.reset()
         # After giving up nothing runs, and what the attempt left in cycles is young: a full
         # collection would cost what the whole process holds.
         if next_size is None:

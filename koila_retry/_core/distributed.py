@@ -27,10 +27,19 @@ from koila_retry._common.walk import reachable
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["Agreement", "GradientSync", "agreement", "check_group", "check_sync", "ddp_modules", "supported_modules"]
+__all__ = [
+    "Agreement",
+    "GradientSync",
+    "agreement",
+    "check_group",
+    "check_sync",
+    "ddp_modules",
+    "modules_of",
+    "supported_modules",
+]
 
-_AVAILABLE = torch.distributed.is_available()
-if _AVAILABLE:
+AVAILABLE = torch.distributed.is_available()
+if AVAILABLE:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -41,7 +50,7 @@ _NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value i
 # dist.is_initialized() and dist.group.WORLD read a property through a metaclass (~0.3 us),
 # which every call of a decorated function would pay; the attribute behind them is read
 # directly when torch has it.
-world = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
+world = getattr(distributed_c10d, "_world", None) if AVAILABLE else None
 FAST = world is not None and hasattr(world, "_default_pg")
 
 
@@ -53,12 +62,12 @@ def check_sync(sync: object) -> None:
 
 def _outside(group: object) -> bool:
     """Return whether ``group`` is what ``dist.new_group()`` gives a rank it left out."""
-    return _AVAILABLE and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    return AVAILABLE and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def check_group(group: object) -> None:
     """Refuse a ``group`` option that is not ``None`` or a process group."""
-    if group is not None and not _outside(group) and not (_AVAILABLE and isinstance(group, dist.ProcessGroup)):
+    if group is not None and not _outside(group) and not (AVAILABLE and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
             f"group must be a torch.distributed process group (from dist.new_group()) or None, "
             f"got {type(group).__name__} {group!r}"
@@ -81,7 +90,7 @@ def agreement(sync: bool | None, group: Any) -> Agreement | None:
         RuntimeError: if ``sync=True`` and no process group is initialized, or
             this process is not a member of ``group``.
     """
-    default = world._default_pg if FAST else dist.group.WORLD if _AVAILABLE else None  # type: ignore[union-attr]
+    default = world._default_pg if FAST else dist.group.WORLD if AVAILABLE else None  # type: ignore[union-attr]
     if default is None:
         if sync:
             raise RuntimeError(
@@ -124,7 +133,7 @@ class Agreement:
         group (ProcessGroup or None): the ranks that agree; ``None`` for all.
     """
 
-    __slots__ = ("_after", "_group", "_start", "rank", "world_size")
+    __slots__ = ("_after", "_group", "_start", "rank", "settled", "world_size")
 
     def __init__(self, group: Any) -> None:
         rank = dist.get_rank(group)
@@ -138,6 +147,9 @@ class Agreement:
         device = backend_device(group)
         self._start = _Exchange(5, device)
         self._after = _Exchange(3, device)
+        # What an exchange made inside an attempt (before an FSDP collective) learned: that
+        # rank's failure, which the exchange after the attempt then takes instead of another.
+        self.settled: tuple[int | None, int | None, bool] | None = None
 
     @property
     def group(self) -> Any:
@@ -196,6 +208,27 @@ class Agreement:
             )
         return agreed, floor
 
+    @property
+    def settled_rank(self) -> int | None:
+        """The lowest rank that failed, as the exchange inside the attempt learned it."""
+        return None if self.settled is None else self.settled[0]
+
+    def heard_of_failure(self) -> bool:
+        """Make the exchange :meth:`after` makes, from inside an attempt that has not failed here.
+
+        A rank whose attempt failed makes its exchange after the attempt; the
+        others, still inside theirs, meet it here, before their next collective.
+        What it says is kept in :attr:`settled` for the exchange after the attempt.
+
+        Returns:
+            bool: whether a rank failed, so that this one must leave its attempt.
+        """
+        result = self.after(False, None)
+        if result[0] is None:
+            return False
+        self.settled = result
+        return True
+
     def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
         """Exchange the outcome of an attempt.
 
@@ -212,6 +245,9 @@ class Agreement:
             that failed chose (``None`` if one of them had none left); and
             whether every rank voted yes.
         """
+        if self.settled is not None:  # made inside the attempt already
+            settled, self.settled = self.settled, None
+            return settled
         # A rank whose attempt worked says nothing about the next size: fewer rows of its
         # own (a short last micro-batch) must not hold back the ranks that failed.
         proposal = (next_size or 0) if failed else _NEUTRAL
@@ -254,6 +290,11 @@ def _modules(roots: Iterable[Any]) -> Iterator[torch.nn.Module]:
             yield from value.modules()
 
 
+def modules_of(roots: Iterable[Any]) -> list[torch.nn.Module]:
+    """Return every module reachable from ``roots``, and the modules inside them, each once."""
+    return list({id(module): module for module in _modules(roots)}.values())
+
+
 def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
     """Return the ``DistributedDataParallel`` modules reachable from ``roots``, each once."""
     from torch.nn.parallel import DistributedDataParallel
@@ -262,44 +303,63 @@ def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
     return list(found.values())
 
 
-def supported_modules(roots: Iterable[Any], front_end: str) -> list[DistributedDataParallel]:
-    """Return the DDP modules reachable from ``roots``; refuse the parallelisms that could hang.
+def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Module]:
+    """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang.
 
-    FSDP (both versions) and tensor parallelism communicate inside the forward
-    and backward: a rank that runs out of memory there leaves the others
-    waiting in a collective that it never joins, whatever the retry loop agrees.
+    FSDP1 and tensor parallelism communicate inside the forward and backward,
+    where nothing of koila-retry's takes part: a rank that runs out of memory
+    there leaves the others waiting in a collective that it never joins,
+    whatever the retry loop agrees. FSDP2's collectives are covered (see
+    :mod:`koila_retry._core.sharded`), HSDP's all-reduce across replicas is not.
 
     Args:
         roots (iterable): the function, its arguments and what else the call reaches.
         front_end (str): how errors name the caller.
 
     Returns:
-        list: the ``DistributedDataParallel`` modules found, each once.
+        list: the ``DistributedDataParallel`` and FSDP2 modules found, each once.
 
     Raises:
-        NotImplementedError: if a module is sharded with FSDP or has DTensor
-            parameters (tensor parallelism).
+        NotImplementedError: if a module is sharded with FSDP1 or HSDP, or has
+            DTensor parameters of tensor parallelism.
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
 
-    roots = list(roots)
+    found: dict[int, torch.nn.Module] = {}
+    sharded = False
+    meshes: list[tuple[torch.nn.Module, int]] = []
     for module in _modules(roots):
-        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+        if isinstance(module, FullyShardedDataParallel):
             raise NotImplementedError(
-                f"{front_end} found {type(module).__name__} (FSDP), which is not supported yet: FSDP gathers "
-                "and scatters parameters inside the forward and backward, so a rank that runs out of memory "
-                "there would leave the others waiting in a collective. Use DistributedDataParallel, or pass "
-                "sync=False and choose the size yourself"
+                f"{front_end} found {type(module).__name__} (FSDP1), which is not supported: it gathers and "
+                "scatters parameters inside the forward and backward, so a rank that runs out of memory there "
+                "would leave the others waiting in a collective. Shard with FSDP2 (torch.distributed.fsdp."
+                "fully_shard), use DistributedDataParallel, or pass sync=False and choose the size yourself"
             )
-        if any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
+        if isinstance(module, (DistributedDataParallel, FSDPModule)):
+            found[id(module)] = module
+            sharded = sharded or isinstance(module, FSDPModule)
+        for parameter in module.parameters(recurse=False):
+            if isinstance(parameter, DTensor):
+                meshes.append((module, parameter.device_mesh.ndim))
+    for module, dimensions in meshes:
+        if sharded and dimensions > 1:
+            raise NotImplementedError(
+                f"{front_end} found {type(module).__name__} sharded over a {dimensions}-D mesh: HSDP (replicated "
+                "and sharded) or FSDP2 with tensor parallelism, whose all-reduce across replicas or layers' "
+                "collectives are not covered yet. Shard with fully_shard over a 1-D mesh, or pass sync=False and "
+                "choose the size yourself"
+            )
+        if not sharded:
             raise NotImplementedError(
                 f"{front_end} found DTensor parameters in {type(module).__name__} (tensor or sequence "
                 "parallelism), which is not supported yet: its layers communicate inside the forward and "
                 "backward, so a rank that runs out of memory there would leave the others waiting in a "
                 "collective. Pass sync=False and choose the size yourself"
             )
-    return ddp_modules(roots)
+    return list(found.values())
 
 
 # --- gradients of DDP modules -------------------------------------------------------

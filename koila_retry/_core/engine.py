@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from koila_retry._core import decision, distributed
+from koila_retry._core import decision, distributed, sharded
 from koila_retry._core.attempt import Attempt, Course
 from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
 from koila_retry._core.call import Call, FirstSize
@@ -96,12 +96,21 @@ class Controller:
         # What the decision settles a call with nothing stored at, asked once (0: ask each call).
         self._unstored = 0 if policy.initial is None else decision.settled(self.rules, None, 0)
         self._count_call = self.stats.calls_counter.increment
-        self._ddp: list[weakref.ref[Any]] | None = None  # found at the first call that agrees
+        # The DDP and FSDP2 modules found at the first call that agrees.
+        self._parallel: list[weakref.ref[Any]] | None = None
 
     @property
     def ddp_modules(self) -> list[Any]:
         """The ``DistributedDataParallel`` modules the first agreeing call reached, still alive."""
-        return [module for module in (ref() for ref in self._ddp or ()) if module is not None]
+        return [module for module in self._alive() if not sharded.is_fsdp2(module)]
+
+    @property
+    def fsdp_modules(self) -> list[Any]:
+        """The FSDP2 modules the first agreeing call reached, still alive."""
+        return [module for module in self._alive() if sharded.is_fsdp2(module)]
+
+    def _alive(self) -> list[Any]:
+        return [module for module in (ref() for ref in self._parallel or ()) if module is not None]
 
     def start(self, call: Call) -> Attempt:
         """Begin one call: look up its starting size and return its attempts.
@@ -117,8 +126,8 @@ class Controller:
 
         Raises:
             ValueError: if ranks agree and their spans differ.
-            NotImplementedError: if ranks agree and the call reaches an FSDP
-                or tensor-parallel module.
+            NotImplementedError: if ranks agree and the call reaches an FSDP1,
+                HSDP or tensor-parallel module.
         """
         sync = self.sync
         if sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None):
@@ -139,9 +148,14 @@ class Controller:
         if first is not None and first.meter is not None:
             state.measures = MEASURES
         self.stats.batch_size = state.size
-        if agreement is not None:
-            self.reach(call.roots)
-        return Attempt(Course(self, call, state, key, agreement))
+        if agreement is None:
+            return Attempt(Course(self, call, state, key))
+        self.reach(call.roots, agreement)
+        course = Course(self, call, state, key, agreement)
+        modules = self.fsdp_modules
+        if modules:  # their collectives learn of another rank's failure (see sharded.py)
+            course.shards = sharded.Shards(modules, agreement)
+        return Attempt(course)
 
     def _look_up(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable
@@ -223,7 +237,7 @@ class Controller:
             if agreement is not None:
                 agreement.start(0, span=0)
 
-    def reach(self, roots: Iterable[Any]) -> None:
+    def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> None:
         """Look, once, at the modules a call that agrees across ranks reaches from ``roots``.
 
         Every rank does, before the first attempt, so an error here is raised
@@ -231,12 +245,17 @@ class Controller:
 
         Args:
             roots (iterable): the function, its arguments and what else the call reaches.
+            agreement (Agreement): the call's agreement.
 
         Raises:
-            NotImplementedError: if the call reaches an FSDP or tensor-parallel module.
+            NotImplementedError: if the call reaches an FSDP1, HSDP or tensor-parallel
+                module, or an FSDP2 module sharded over other ranks than agree.
         """
-        if self._ddp is None:
-            self._ddp = [weakref.ref(module) for module in distributed.supported_modules(roots, self.name)]
+        if self._parallel is None:
+            found = distributed.supported_modules(roots, self.name)
+            for module in sharded.fsdp_modules(found):
+                sharded.check_mesh(module, agreement.world_size, self.name)
+            self._parallel = [weakref.ref(module) for module in found]
 
 
 def run(

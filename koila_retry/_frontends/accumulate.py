@@ -34,10 +34,11 @@ from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._core.cache import function_identity
-from koila_retry._core.distributed import GradientSync, ddp_modules
+from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
 from koila_retry._core.engine import Attempt, Call, Controller, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
+from koila_retry._core.sharded import ShardedStep
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
@@ -386,6 +387,9 @@ class _Accumulator:
         roots = (self.fn, split.args, split.kwargs)
         call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
         attempt = self.controller.start(call)
+        shards = self._sharded_step(roots) if attempt.agrees else None
+        if shards is not None:
+            return self._sharded(split, attempt, shards)
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
             sync.before_step()
@@ -441,6 +445,57 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=3,
             )
+        return result
+
+    def _sharded_step(self, roots: tuple[Any, ...]) -> ShardedStep | None:
+        """Return what a step over FSDP2 modules does about their gradients, if it reaches any."""
+        if not self.controller.fsdp_modules:
+            return None
+        if self.auto:
+            raise NotImplementedError(
+                f"{self.controller.name} trains an FSDP2 module (fully_shard) with initial='auto': the estimate "
+                "does not cover sharded modules yet. Pass initial=<rows> or None"
+            )
+        # Every module the step reaches: the backward writes .grad of unsharded ones too.
+        return ShardedStep(modules_of(roots))
+
+    def _sharded(self, split: Split, attempt: Attempt, shards: ShardedStep) -> Any:
+        """Run a step over FSDP2 modules: micro-batches with a plain backward, FSDP reducing the last one's.
+
+        FSDP2's own hooks turn the unsharded gradients into sharded ones, so the
+        backward runs as it is, writing ``.grad``, not captured as elsewhere: the
+        gradients the parameters had are set aside by reference before the step
+        and added back after it (not safe while another thread trains the model,
+        which FSDP2 does not allow anyway). Gradient sync is off for every
+        micro-batch but the last, as FSDP2 documents for gradient accumulation.
+        """
+        rows = split.rows
+        retain = any(tensor.grad_fn is not None for tensor in split.tensors)
+
+        def work(size: int) -> _Results:
+            results = _Results(self, size)
+            weights = self._weights(split, size) if size < rows else [1.0]
+            pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
+            backed = False
+            for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
+                shards.micro_batch(index == len(pieces) - 1)
+                loss = results.add(self.fn(*args, **kwargs), weight, count)
+                if loss.requires_grad and weight != 0.0:
+                    self.backward(loss * weight if weight != 1.0 else loss, retain)
+                    backed = True
+                del loss, args, kwargs
+            if not backed:
+                self._check_no_grad_wanted(split)
+            return results
+
+        shards.before()
+        try:
+            finished = run(attempt, work, rows=rows, undo=shards.undo)
+            result = finished.finish()
+        except BaseException:
+            shards.give_back()
+            raise
+        shards.restore()
         return result
 
     def _gradient_sync(self) -> GradientSync | None:

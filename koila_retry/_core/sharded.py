@@ -1,0 +1,269 @@
+"""Steps over FSDP2 modules (``fully_shard``): collectives that learn of another rank's failure.
+
+FSDP2 all-gathers parameters before each sharded module's forward (and again in the
+backward) and reduce-scatters gradients after its backward. A rank that runs out of
+memory between two of those collectives never makes the next one, and the other ranks
+would wait in it forever: agreeing after the attempt, as under DDP, comes too late.
+
+So, while a step of koila-retry runs, every FSDP2 collective first takes part in one
+exchange of the attempt's agreement (:meth:`Agreement.after`), the same exchange a rank
+that ran out of memory makes after its attempt. Collectives of a process group are
+matched in the order they are issued, so a rank's exchange after its failure meets the
+exchange the others make before their next collective: they learn there that the
+attempt failed, raise :class:`RanksFailed` from inside FSDP's hook, and every rank
+leaves the attempt having made the same collectives. The agreement after the attempt
+then uses what that exchange said (:attr:`Agreement.settled`) instead of making another.
+The exchange before a collective is made after FSDP allocated its buffers for it, and
+nothing is allocated between the exchange and the collective, so a rank cannot run out
+of memory after saying that it had not.
+
+After an attempt that failed on any rank, :meth:`Shards.reset` puts FSDP2's state
+back to what a new forward expects. FSDP2 has no public way to abandon a forward or a
+backward part-way, so it resets private state, each place named where it is touched;
+``tests/test_sharded.py`` pins every attribute it reads, so that a PyTorch that renames
+one fails there first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from koila_retry._core import distributed
+
+__all__ = ["RanksFailed", "ShardedStep", "Shards", "check_mesh", "fsdp_modules", "is_fsdp2"]
+
+if distributed.AVAILABLE:
+    import torch.distributed as dist
+
+
+class RanksFailed(Exception):
+    """Another rank's attempt ran out of memory: raised inside this rank's collective, which it never made.
+
+    Raised only inside an attempt of koila-retry, which catches it: the attempt
+    failed on every rank, as the exchange before the collective said.
+    """
+
+
+class _Armed:
+    """The agreement of the call running in this process, or None: FSDP2's collectives exchange with it first.
+
+    One for the process, not per thread: autograd runs the backward of a GPU's
+    nodes, FSDP2's hooks included, on a thread of its own. Calls of one process
+    do not overlap in a process group.
+    """
+
+    agreement: distributed.Agreement | None = None
+
+
+_armed = _Armed()
+
+
+def is_fsdp2(module: torch.nn.Module) -> bool:
+    """Return whether ``module`` was sharded with ``fully_shard`` (FSDP2)."""
+    if not distributed.AVAILABLE:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_modules(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Return the FSDP2 modules among ``modules``, each once."""
+    found = {id(module): module for module in modules if is_fsdp2(module)}
+    return list(found.values())
+
+
+def _state(module: torch.nn.Module) -> Any:
+    # Private: FSDPModule._get_fsdp_state(), the state the module's hooks share.
+    return module._get_fsdp_state()  # type: ignore[operator]
+
+
+def _groups(module: torch.nn.Module) -> list[Any]:
+    # Private: the state's FSDPParamGroup objects, one per mesh of its parameters.
+    return list(_state(module)._fsdp_param_groups)
+
+
+def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None:
+    """Refuse an FSDP2 module whose collectives are not those of one group of the agreeing ranks.
+
+    Raises:
+        NotImplementedError: for HSDP (a mesh with replicas), or a sharding group
+            other than the ranks that agree.
+    """
+    for group in _groups(module):
+        mesh = group.mesh_info  # private: the FSDPMeshInfo of the group's parameters
+        if getattr(mesh, "replicate_process_group", None) is not None:
+            raise NotImplementedError(
+                f"{front_end} found {type(module).__name__} sharded with HSDP (replicated and sharded): its "
+                "all-reduce across replicas is not covered yet. Shard over one dimension (fully_shard with a 1-D "
+                "mesh), or pass sync=False and choose the size yourself"
+            )
+        size = dist.get_world_size(mesh.shard_process_group)
+        if size != world_size:
+            raise NotImplementedError(
+                f"{front_end} found {type(module).__name__} sharded over {size} ranks while {world_size} ranks "
+                "agree: every rank that shards the module must agree. Pass group= the mesh's process group"
+            )
+
+
+class _Voting:
+    """An FSDP2 collective that first takes part in the running step's exchange, then runs as it would.
+
+    Args:
+        comm: the comm object FSDP had for the collective, which allocates its
+            buffers and runs it.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor: torch.Tensor = self.comm.allocate(size, dtype=dtype, device=device)
+        return tensor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        agreement = _armed.agreement
+        if agreement is not None and agreement.heard_of_failure():
+            raise RanksFailed(
+                f"rank {agreement.settled_rank} ran out of memory; every rank abandons the attempt "
+                "before FSDP's next collective"
+            )
+        return self.comm(*args, **kwargs)
+
+
+def _install(module: torch.nn.Module) -> None:
+    """Put a voting comm in front of each of the module's FSDP collectives, once."""
+    for group in _groups(module):
+        # Private: FSDPParamGroup._all_gather_comm and _reduce_scatter_comm, the comm objects that
+        # set_custom_all_gather and set_custom_reduce_scatter (public) replace. Read so that a
+        # custom comm of the user's is kept behind the vote.
+        if not isinstance(group._all_gather_comm, _Voting):
+            group._all_gather_comm = _Voting(group._all_gather_comm)
+        if not isinstance(group._reduce_scatter_comm, _Voting):
+            group._reduce_scatter_comm = _Voting(group._reduce_scatter_comm)
+
+
+class Shards:
+    """The FSDP2 modules a call reaches, under the call's agreement: what its attempts arm and reset.
+
+    Args:
+        modules (list): the FSDP2 modules.
+        agreement (Agreement): the ranks' agreement for the call.
+    """
+
+    __slots__ = ("agreement", "modules", "previous")
+
+    def __init__(self, modules: list[torch.nn.Module], agreement: distributed.Agreement) -> None:
+        self.modules, self.agreement = modules, agreement
+        self.previous: distributed.Agreement | None = None
+        for module in modules:
+            _install(module)
+
+    def arm(self) -> None:
+        """From now until :meth:`disarm`, the modules' collectives exchange with the agreement first."""
+        self.previous = _armed.agreement
+        _armed.agreement = self.agreement
+
+    def disarm(self) -> None:
+        _armed.agreement, self.previous = self.previous, None
+
+    def reset(self) -> None:
+        """After an attempt that failed on some rank: every module back to idle, resharded."""
+        for module in self.modules:
+            _reset(module)
+        for module in self.modules:
+            module.reshard()  # type: ignore[operator]
+
+
+class ShardedStep:
+    """What a training step over FSDP2 modules does about their gradients (``accumulate``).
+
+    FSDP2's hooks turn the unsharded gradients into the sharded parameters'
+    ``.grad``, so the step's backward runs as it is, writing ``.grad``: the
+    gradients the parameters had are set aside by reference before the step and
+    added back after it.
+
+    Args:
+        modules (list): every module the step reaches, sharded or not: the
+            gradients of all their parameters are set aside; the FSDP2 roots among
+            them are the ones :meth:`micro_batch` tells about gradient sync.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        sharded = [module for module in modules if is_fsdp2(module)]
+        inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
+        self.roots = [module for module in sharded if id(module) not in inner]
+        self.parameters = list(
+            {id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values()
+        )
+        self.aside: list[torch.Tensor | None] = []
+
+    def before(self) -> None:
+        """Set the gradients the parameters have aside (by reference), so the step's start from none."""
+        self.aside = [parameter.grad for parameter in self.parameters]
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def micro_batch(self, last: bool) -> None:
+        """Reduce-scatter the gradients after this micro-batch's backward only if it is the last."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(last)  # type: ignore[operator]
+
+    def undo(self) -> None:
+        """After an attempt that failed on some rank: its gradients dropped, gradient sync back on."""
+        for parameter in self.parameters:
+            parameter.grad = None
+        for root in self.roots:
+            root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def restore(self) -> None:
+        """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
+        aside, self.aside = self.aside, []
+        for parameter, before in zip(self.parameters, aside, strict=True):
+            if before is None:
+                continue
+            if parameter.grad is not None:
+                before.add_(parameter.grad)
+            parameter.grad = before
+
+    def give_back(self) -> None:
+        """After a step that raised: the gradients set aside, as they were."""
+        self.undo()
+        aside, self.aside = self.aside, []
+        for parameter, before in zip(self.parameters, aside, strict=True):
+            parameter.grad = before
+
+
+def _reset(module: torch.nn.Module) -> None:
+    """Put one FSDP2 module's private state back to what a new forward expects."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = _state(module)
+    for group in state._fsdp_param_groups:
+        # An all-gather issued (a prefetch, say) before the attempt was abandoned: wait for it,
+        # so that every rank has finished it, then drop its buffers.
+        result = group._all_gather_result
+        if result is not None and result.all_gather_work is not None:
+            result.all_gather_work.wait()
+        group._all_gather_result = None
+        group._training_state = TrainingState.IDLE
+        group._post_reduce_event = None
+        group._partial_reduce_output = None
+        group._all_reduce_state = None
+        for fsdp_param in group.fsdp_params:
+            # The gradients the attempt accumulated unsharded (gradient sync off).
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+    state._training_state = TrainingState.IDLE
+    state._modules_to_run_forward.clear()
+    context, comms = state._state_ctx, state._comm_ctx
+    context.iter_forward_root = None
+    context.post_backward_final_callback_queued = False
+    comms.all_gather_state = None
+    comms.post_forward_order.clear()
+    comms.reduce_scatter_states.clear()

@@ -1,0 +1,357 @@
+"""The ranks' side of test_fsdp.py: ``koila.accumulate`` over FSDP2 modules, on spawned gloo groups.
+
+A model of three sharded blocks and a root (``fully_shard`` on each block, then on the whole), float64,
+with a layer in the middle block that runs out of memory on chosen forward calls, in its forward or
+in its backward, and FSDP's own collectives that can be made to run out of memory as they allocate
+their buffers. How the scenarios run and what they save: tests/_spawn.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _layers import OOMInBackward
+from _spawn import Scenarios
+from torch import nn
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry._core import sharded
+from koila_retry.testing import make_oom
+
+GROUPS = {"two": (2, 60), "three": (3, 60)}
+scenario = Scenarios(GROUPS)
+DTYPE = torch.float64
+ROWS = 12  # each rank's rows
+
+
+def main(rank: int, group: str, port: int, directory: str) -> None:
+    """The body of one spawned rank (see tests/_spawn.py)."""
+    scenario.run(rank, group, port, directory)
+
+
+class Inject(nn.Module):
+    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[int, str] = {}
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = len(self.rows)
+        self.rows.append(x.shape[0])
+        where = self.failures.get(call)
+        if where == "forward":
+            raise make_oom()
+        if where == "backward":
+            return OOMInBackward.apply(x)
+        return x
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), Inject(), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+    ]
+    return nn.Sequential(*blocks, nn.Linear(8, 1)).to(DTYPE)
+
+
+def shard(net: nn.Sequential) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net[:3]:
+        fully_shard(block)
+    fully_shard(net)
+    return net
+
+
+def batch(world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * ROWS, 6, generator=generator, dtype=DTYPE)
+    return x, torch.randn(world * ROWS, 1, generator=generator, dtype=DTYPE)
+
+
+def local(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    return tensor[rank * ROWS : (rank + 1) * ROWS]
+
+
+def full(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Every rank's shards gathered (a collective, on every rank in the same order)."""
+    return [None if t is None else t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
+
+
+class Allocations:
+    """FSDP's communication buffers, watched by weak reference; the Nth made may run out of memory."""
+
+    def __init__(self, fail_at: set[int]) -> None:
+        self.fail_at, self.made = fail_at, 0
+        self.alive: list[weakref.ref[torch.Tensor]] = []
+        self.original = sharded._Voting.allocate
+
+    def __enter__(self) -> Allocations:
+        watch = self
+
+        def allocate(comm: Any, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            watch.made += 1
+            if watch.made in watch.fail_at:
+                raise make_oom()
+            tensor: torch.Tensor = watch.original(comm, size, dtype=dtype, device=device)
+            watch.alive.append(weakref.ref(tensor))
+            return tensor
+
+        sharded._Voting.allocate = allocate  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sharded._Voting.allocate = self.original  # type: ignore[method-assign]
+
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.alive)
+
+
+def unsharded_alive(net: nn.Module) -> int:
+    """Parameters whose unsharded storage is allocated (private FSDP2 state: FSDPParam._unsharded_param)."""
+    count = 0
+    for module in net.modules():
+        if sharded.is_fsdp2(module):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    count += unsharded is not None and unsharded.untyped_storage().size() > 0
+    return count
+
+
+def _step(
+    rank: int,
+    world: int,
+    *,
+    failures: dict[int, dict[int, str]] | None = None,
+    allocations: dict[int, set[int]] | None = None,
+    initial: int | None = None,
+) -> dict[str, Any]:
+    """Two steps of a sharded model with SGD, OOMs injected on the first; compared with one process's."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    events: list[koila.OOMEvent] = []
+    seen: dict[str, int] = {}
+
+    def on_oom(event: koila.OOMEvent) -> None:
+        events.append(event)
+        # After the memory of the failed attempt is released: nothing of it may be left.
+        seen["unsharded"] = max(seen.get("unsharded", 0), unsharded_alive(net))
+        seen["buffers"] = max(seen.get("buffers", 0), watch.live())
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=on_oom)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    steps = []
+    for number in range(2):
+        x_all, y_all = batch(world, seed=10 + number)
+        inject: Inject = net[1][1]
+        inject.failures = (failures or {}).get(rank, {}) if number == 0 else {}
+        inject.rows = []
+        with Allocations((allocations or {}).get(rank, set()) if number == 0 else set()) as watch:
+            loss = step(local(x_all, rank), local(y_all, rank))
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x_all), y_all).backward()
+        steps.append(
+            {
+                "loss": loss.detach(),
+                "grads": full([p.grad for p in net.parameters()]),
+                "expected": [p.grad.clone() for p in reference.parameters()],
+                "size": step.stats.batch_size,
+                "rows": list(inject.rows),
+            }
+        )
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "steps": steps,
+        "parameters": full(list(net.parameters())),
+        "expected_parameters": [p.detach().clone() for p in reference.parameters()],
+        "events": [(event.batch_size, event.next_batch_size, event.rank) for event in events],
+        "seen": seen,
+        "ooms": step.stats.ooms,
+    }
+
+
+# Forward call 0 is the whole batch's; a split step's later calls are its micro-batches.
+SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    # The last rank's forward runs out of memory at the first attempt.
+    "forward_first": lambda world: {"failures": {world - 1: {0: "forward"}}},
+    # Rank 0's backward runs out of memory at the first attempt.
+    "backward_first": lambda world: {"failures": {0: {0: "backward"}}},
+    # Every rank fails: the even ranks in their forward, the odd ones in their backward.
+    "every_rank": lambda world: {
+        "failures": {rank: {0: "forward" if rank % 2 == 0 else "backward"} for rank in range(world)}
+    },
+    # Rank 1 fails the whole batch, and at the next size its second micro-batch's backward.
+    "later_attempt": lambda world: {"failures": {1: {0: "forward", 2: "backward"}}},
+    # Rank 0 runs out of memory as FSDP allocates its third all-gather's buffer (the last block's, in
+    # the first forward), rank 1 as it allocates a reduce-scatter's (in the first backward).
+    "in_collectives": lambda world: {"allocations": {0: {3}, 1: {6}}},
+}
+
+
+def _register(name: str) -> None:
+    def run(rank: int, world: int) -> dict[str, Any]:
+        return _step(rank, world, **SCENARIOS[name](world))
+
+    run.__name__ = f"fsdp_{name}"
+    scenario("two", "three")(run)
+
+
+for _name in SCENARIOS:
+    _register(_name)
+
+
+@scenario("two")
+def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
+    """The private FSDP2 state the reset reads and writes, looked for on a sharded model that trained a step."""
+    net = shard(model())
+    x, y = batch(world, seed=3)
+    F.mse_loss(net(local(x, rank)), local(y, rank)).backward()
+    state = net._get_fsdp_state()
+    group = state._fsdp_param_groups[0]
+    wanted = {
+        "state": (
+            state,
+            ["_fsdp_param_groups", "_training_state", "_modules_to_run_forward", "_state_ctx", "_comm_ctx"],
+        ),
+        "context": (state._state_ctx, ["iter_forward_root", "post_backward_final_callback_queued"]),
+        "comms": (state._comm_ctx, ["all_gather_state", "post_forward_order", "reduce_scatter_states"]),
+        "group": (
+            group,
+            [
+                "_all_gather_result",
+                "_post_reduce_event",
+                "_partial_reduce_output",
+                "_all_reduce_state",
+                "_all_gather_comm",
+                "_reduce_scatter_comm",
+                "_training_state",
+                "fsdp_params",
+                "mesh_info",
+            ],
+        ),
+        "param": (group.fsdp_params[0], ["unsharded_accumulated_grad", "_unsharded_param"]),
+    }
+    return {place: [name for name in names if not hasattr(owner, name)] for place, (owner, names) in wanted.items()}
+
+
+Forward = Callable[[nn.Module, torch.Tensor, Callable[[koila.OOMEvent], None]], torch.Tensor]
+
+
+def _forward_only(rank: int, world: int, run: Forward) -> dict[str, Any]:
+    """A sharded model's forward over this rank's rows, its last rank failing the first call's forward."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    inject: Inject = net[1][1]
+    inject.failures = {0: "forward"} if rank == world - 1 else {}
+    x = local(batch(world, seed=20)[0], rank)
+    unsharded: list[int] = []
+
+    def on_oom(event: koila.OOMEvent) -> None:
+        unsharded.append(unsharded_alive(net))  # after the failed attempt's memory was released
+
+    with torch.no_grad():
+        got = run(net, x, on_oom)
+        expected = reference(x)
+    return {"got": got, "expected": expected, "rows": inject.rows, "unsharded": unsharded}
+
+
+@scenario("two", "three")
+def fsdp_batch(rank: int, world: int) -> dict[str, Any]:
+    def run(net: nn.Module, x: torch.Tensor, on_oom: Callable[[koila.OOMEvent], None]) -> torch.Tensor:
+        @koila.batch(initial=ROWS, cache=koila.NoCache(), on_oom=on_oom)
+        def predict(batch_size: int, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([net(x[begin : begin + batch_size]) for begin in range(0, len(x), batch_size)])
+
+        return predict(net, x)
+
+    return _forward_only(rank, world, run)
+
+
+@scenario("two", "three")
+def fsdp_chunked(rank: int, world: int) -> dict[str, Any]:
+    return _forward_only(
+        rank, world, lambda net, x, on_oom: koila.chunked(net, x, initial=ROWS, cache=koila.NoCache(), on_oom=on_oom)
+    )
+
+
+@scenario("two", "three")
+def fsdp_attempts(rank: int, world: int) -> dict[str, Any]:
+    def run(net: nn.Module, x: torch.Tensor, on_oom: Callable[[koila.OOMEvent], None]) -> torch.Tensor:
+        for attempt in koila.attempts(initial=ROWS, cache=koila.NoCache(), on_oom=on_oom):
+            with attempt:
+                size = attempt.batch_size
+                out = torch.cat([net(x[begin : begin + size]) for begin in range(0, ROWS, size)])
+        return out
+
+    return _forward_only(rank, world, run)
+
+
+@scenario("two")
+def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
+    """HSDP (replicas of a sharded model) and an FSDP2 model over other ranks than agree are refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = batch(world, seed=30)
+    hsdp = fully_shard(model(), mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
+    outcomes = {}
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(hsdp(x), y)
+
+    try:
+        step(local(x, rank), local(y, rank))
+        outcomes["hsdp"] = "ran"
+    except NotImplementedError as error:
+        outcomes["hsdp"] = str(error)
+    return outcomes
+
+
+@scenario("two")
+def fsdp_unsharded_head(rank: int, world: int) -> dict[str, Any]:
+    """A head outside FSDP: its backward runs before the failing one, and what it wrote must not stay."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    torch.manual_seed(1)
+    head = nn.Linear(1, 1).to(DTYPE)
+    reference_head = copy.deepcopy(head)
+    net[1][1].failures = {0: "backward"} if rank == 0 else {}
+    x_all, y_all = batch(world, seed=40)
+    x, y = local(x_all, rank), local(y_all, rank)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(head(net(x)), y)
+
+    step(x, y)
+    # FSDP averages the sharded model's gradients over the ranks; the head's are this rank's alone.
+    local_head = copy.deepcopy(reference_head)
+    F.mse_loss(local_head(copy.deepcopy(reference)(x)), y).backward()
+    F.mse_loss(reference_head(reference(x_all)), y_all).backward()
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "head": [p.grad for p in head.parameters()],
+        "expected_head": [p.grad for p in local_head.parameters()],
+        "size": step.stats.batch_size,
+    }
