@@ -23,7 +23,7 @@ import koila_retry as koila
 from koila_retry._core import sharded
 from koila_retry.testing import make_oom
 
-GROUPS = {"two": (2, 60), "three": (3, 60)}
+GROUPS = {"one": (1, 60), "two": (2, 60), "three": (3, 60)}
 scenario = Scenarios(GROUPS)
 DTYPE = torch.float64
 ROWS = 12  # each rank's rows
@@ -135,6 +135,7 @@ def _step(
     failures: dict[int, dict[int, str]] | None = None,
     allocations: dict[int, set[int]] | None = None,
     initial: int | None = None,
+    sync: bool | None = None,
 ) -> dict[str, Any]:
     """Two steps of a sharded model with SGD, OOMs injected on the first; compared with one process's."""
     plain = model()
@@ -151,7 +152,7 @@ def _step(
         seen["unsharded"] = max(seen.get("unsharded", 0), unsharded_alive(net))
         seen["buffers"] = max(seen.get("buffers", 0), watch.live())
 
-    @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=on_oom)
+    @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=on_oom, sync=sync)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(net(x), y)
 
@@ -202,7 +203,11 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     # Rank 0 runs out of memory as FSDP allocates its third all-gather's buffer (the last block's, in
     # the first forward), rank 1 as it allocates a reduce-scatter's (in the first backward).
     "in_collectives": lambda world: {"allocations": {0: {3}, 1: {6}}},
+    # Without agreement (sync=False, or one rank): every rank fails alike, and retries alone.
+    "alone": lambda world: {"failures": {rank: {0: "backward", 2: "forward"} for rank in range(world)}, "sync": False},
 }
+# The scenarios one rank runs, where there is nothing to agree on.
+ALONE = ("forward_first", "backward_first", "alone")
 
 
 def _register(name: str) -> None:
@@ -210,7 +215,7 @@ def _register(name: str) -> None:
         return _step(rank, world, **SCENARIOS[name](world))
 
     run.__name__ = f"fsdp_{name}"
-    scenario("two", "three")(run)
+    scenario("two", "three", *(("one",) if name in ALONE else ()))(run)
 
 
 for _name in SCENARIOS:

@@ -26,14 +26,16 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> Groups:
     return Groups(_fsdp_ranks, tmp_path_factory, DEADLINE)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", ["one", *WORLDS])
 def test_no_group_hangs(groups: Groups, world: str) -> None:
     problem = groups(world).problem
     assert problem is None, problem
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize(
+    ("world", "name"),
+    [(world, name) for world in WORLDS for name in SCENARIOS] + [("one", f"fsdp_{name}") for name in _fsdp_ranks.ALONE],
+)
 def test_a_sharded_step_recovers_to_the_whole_batchs_gradient(groups: Groups, world: str, name: str) -> None:
     values = groups(world)[name]
     first = values[0]

@@ -34,6 +34,7 @@ __all__ = [
     "check_group",
     "check_sync",
     "ddp_modules",
+    "is_running",
     "modules_of",
     "supported_modules",
 ]
@@ -52,6 +53,14 @@ _NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value i
 # directly when torch has it.
 world = getattr(distributed_c10d, "_world", None) if AVAILABLE else None
 FAST = world is not None and hasattr(world, "_default_pg")
+
+
+def is_running() -> bool:
+    """Return whether a default process group is initialized (FSDP2 needs one)."""
+    if not AVAILABLE:
+        return False
+    default = world._default_pg if FAST else dist.group.WORLD  # type: ignore[union-attr]
+    return default is not None
 
 
 def check_sync(sync: object) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from koila_retry._core import distributed
 
-__all__ = ["RanksFailed", "ShardedStep", "Shards", "check_mesh", "fsdp_modules", "is_fsdp2"]
+__all__ = ["RanksFailed", "ShardedStep", "Shards", "check_mesh", "fsdp_modules", "is_fsdp2", "reset"]
 
 if distributed.AVAILABLE:
     import torch.distributed as dist
@@ -172,10 +172,7 @@ class Shards:
 
     def reset(self) -> None:
         """After an attempt that failed on some rank: every module back to idle, resharded."""
-        for module in self.modules:
-            _reset(module)
-        for module in self.modules:
-            module.reshard()  # type: ignore[operator]
+        reset(self.modules)
 
 
 class ShardedStep:
@@ -190,12 +187,17 @@ class ShardedStep:
         modules (list): every module the step reaches, sharded or not: the
             gradients of all their parameters are set aside; the FSDP2 roots among
             them are the ones :meth:`micro_batch` tells about gradient sync.
+        alone (bool): whether the step runs without agreement (one rank, or
+            ``sync=False``): the engine then resets no FSDP2 state, and
+            :meth:`undo` does.
     """
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
+    def __init__(self, modules: list[torch.nn.Module], alone: bool = False) -> None:
+        self.alone = alone
         sharded = [module for module in modules if is_fsdp2(module)]
         inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
         self.roots = [module for module in sharded if id(module) not in inner]
+        self.sharded = sharded
         self.parameters = list(
             {id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values()
         )
@@ -214,6 +216,8 @@ class ShardedStep:
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, gradient sync back on."""
+        if self.alone:
+            reset(self.sharded)
         for parameter in self.parameters:
             parameter.grad = None
         for root in self.roots:
@@ -235,6 +239,15 @@ class ShardedStep:
         aside, self.aside = self.aside, []
         for parameter, before in zip(self.parameters, aside, strict=True):
             parameter.grad = before
+
+
+def reset(modules: Iterable[torch.nn.Module]) -> None:
+    """Put FSDP2 modules back to what a new forward expects, resharded, after an attempt that failed."""
+    modules = [module for module in modules if is_fsdp2(module)]
+    for module in modules:
+        _reset(module)
+    for module in modules:
+        module.reshard()  # type: ignore[operator]
 
 
 def _reset(module: torch.nn.Module) -> None:

@@ -33,12 +33,13 @@ from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
+from koila_retry._core import distributed
 from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
 from koila_retry._core.engine import Attempt, Call, Controller, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
-from koila_retry._core.sharded import ShardedStep
+from koila_retry._core.sharded import ShardedStep, fsdp_modules
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
@@ -376,6 +377,8 @@ class _Accumulator:
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
+        # Whether a step that runs without agreement reaches FSDP2 modules: looked at once.
+        self.alone_sharded: bool | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
         split = Split(args, kwargs, self.dim, "koila.accumulate", self.fn)
@@ -387,7 +390,7 @@ class _Accumulator:
         roots = (self.fn, split.args, split.kwargs)
         call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
         attempt = self.controller.start(call)
-        shards = self._sharded_step(roots) if attempt.agrees else None
+        shards = self._sharded_step(roots) if attempt.agrees else self._sharded_alone(roots)
         if shards is not None:
             return self._sharded(split, attempt, shards)
         sync = self._gradient_sync() if attempt.agrees else None
@@ -458,6 +461,21 @@ class _Accumulator:
             )
         # Every module the step reaches: the backward writes .grad of unsharded ones too.
         return ShardedStep(modules_of(roots))
+
+    def _sharded_alone(self, roots: tuple[Any, ...]) -> ShardedStep | None:
+        """Return what a step over FSDP2 modules that runs without agreement does about them, if any.
+
+        One rank, or ``sync=False``: nothing to exchange, but FSDP2's own hooks
+        must see the backward write ``.grad`` (captured, the gradients would
+        never reach them), and its state must be reset after a failed attempt.
+        Whether the step reaches any is looked at on its first call with a
+        process group only: every call would pay for the look otherwise.
+        """
+        if self.alone_sharded is False or not distributed.is_running():
+            return None
+        modules = modules_of(roots)
+        self.alone_sharded = bool(fsdp_modules(modules))
+        return ShardedStep(modules, alone=True) if self.alone_sharded else None
 
     def _sharded(self, split: Split, attempt: Attempt, shards: ShardedStep) -> Any:
         """Run a step over FSDP2 modules: micro-batches with a plain backward, FSDP reducing the last one's.
