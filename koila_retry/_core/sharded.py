@@ -5,7 +5,7 @@ backward) and reduce-scatters gradients after its backward. A rank that runs out
 memory between two of those collectives never makes the next one, and the other ranks
 would wait in it forever: agreeing after the attempt, as under DDP, comes too late.
 
-So, while a step of koila-retry runs, every FSDP2 collective first takes part in one
+So, while a call of koila-retry runs, every FSDP2 collective first takes part in one
 exchange of the attempt's agreement (:meth:`Agreement.after`), the same exchange a rank
 that ran out of memory makes after its attempt. Collectives of a process group are
 matched in the order they are issued, so a rank's exchange after its failure meets the
@@ -20,7 +20,7 @@ of memory after saying that it had not.
 After an attempt that failed on any rank, :meth:`Shards.reset` puts FSDP2's state
 back to what a new forward expects. FSDP2 has no public way to abandon a forward or a
 backward part-way, so it resets private state, each place named where it is touched;
-``tests/test_sharded.py`` pins every attribute it reads, so that a PyTorch that renames
+``tests/test_fsdp.py`` pins every attribute it reads, so that a PyTorch that renames
 one fails there first.
 """
 
@@ -110,7 +110,7 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
 
 
 class _Voting:
-    """An FSDP2 collective that first takes part in the running step's exchange, then runs as it would.
+    """An FSDP2 collective that first takes part in the running call's exchange, then runs as it would.
 
     Args:
         comm: the comm object FSDP had for the collective, which allocates its
@@ -168,6 +168,7 @@ class Shards:
         _armed.agreement = self.agreement
 
     def disarm(self) -> None:
+        """Stop the exchanges :meth:`arm` began, at the end of the attempt's block."""
         _armed.agreement, self.previous = self.previous, None
 
     def reset(self) -> None:
