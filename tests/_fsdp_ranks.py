@@ -328,6 +328,17 @@ def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
         outcomes["hsdp"] = "ran"
     except NotImplementedError as error:
         outcomes["hsdp"] = str(error)
+    net = shard(model())
+
+    @koila.accumulate(initial="auto", cache=koila.NoCache())
+    def estimated(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    try:
+        estimated(local(x, rank), local(y, rank))
+        outcomes["auto"] = "ran"
+    except NotImplementedError as error:
+        outcomes["auto"] = str(error)
     return outcomes
 
 

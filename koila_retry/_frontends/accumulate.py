@@ -377,7 +377,8 @@ class _Accumulator:
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
-        # Whether a step that runs without agreement reaches FSDP2 modules: looked at once.
+        # Whether the step reaches FSDP2 modules, looked at once where that decides anything:
+        # at the first call without agreement, or with initial="auto", while a process group runs.
         self.alone_sharded: bool | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
@@ -386,8 +387,10 @@ class _Accumulator:
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
-        first = self._estimated(split, device) if self.auto else None
         roots = (self.fn, split.args, split.kwargs)
+        if self.auto and self.alone_sharded is None and distributed.is_running():
+            self._refuse_sharded_estimate(roots)
+        first = self._estimated(split, device) if self.auto else None
         call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
         attempt = self.controller.start(call)
         shards = self._sharded_step(roots) if attempt.agrees else self._sharded_alone(roots)
@@ -450,15 +453,24 @@ class _Accumulator:
             )
         return result
 
-    def _sharded_step(self, roots: tuple[Any, ...]) -> ShardedStep | None:
-        """Return what a step over FSDP2 modules does about their gradients, if it reaches any."""
-        if not self.controller.fsdp_modules:
-            return None
-        if self.auto:
+    def _refuse_sharded_estimate(self, roots: tuple[Any, ...]) -> None:
+        """Refuse ``initial="auto"`` over FSDP2 modules, at the first call, before any rank estimates.
+
+        The estimate would run FSDP2's hooks, whose collectives only the ranks
+        that estimate would make.
+        """
+        modules = modules_of(roots)
+        self.alone_sharded = bool(fsdp_modules(modules))
+        if self.alone_sharded:
             raise NotImplementedError(
                 f"{self.controller.name} trains an FSDP2 module (fully_shard) with initial='auto': the estimate "
                 "does not cover sharded modules yet. Pass initial=<rows> or None"
             )
+
+    def _sharded_step(self, roots: tuple[Any, ...]) -> ShardedStep | None:
+        """Return what a step over FSDP2 modules does about their gradients, if it reaches any."""
+        if not self.controller.fsdp_modules:
+            return None
         # Every module the step reaches: the backward writes .grad of unsharded ones too.
         return ShardedStep(modules_of(roots))
 
