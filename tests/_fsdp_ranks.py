@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _layers import OOMInBackward
+from _layers import Inject
 from _spawn import Scenarios
 from torch import nn
 from torch.nn import functional as F
@@ -32,25 +32,6 @@ ROWS = 12  # each rank's rows
 def main(rank: int, group: str, port: int, directory: str) -> None:
     """The body of one spawned rank (see tests/_spawn.py)."""
     scenario.run(rank, group, port, directory)
-
-
-class Inject(nn.Module):
-    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failures: dict[int, str] = {}
-        self.rows: list[int] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        call = len(self.rows)
-        self.rows.append(x.shape[0])
-        where = self.failures.get(call)
-        if where == "forward":
-            raise make_oom()
-        if where == "backward":
-            return OOMInBackward.apply(x)
-        return x
 
 
 def model() -> nn.Sequential:

@@ -19,3 +19,22 @@ class OOMInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise make_oom()
+
+
+class Inject(torch.nn.Module):
+    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[int, str] = {}
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = len(self.rows)
+        self.rows.append(x.shape[0])
+        where = self.failures.get(call)
+        if where == "forward":
+            raise make_oom()
+        if where == "backward":
+            return OOMInBackward.apply(x)
+        return x

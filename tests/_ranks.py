@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _layers import OOMInBackward
+from _layers import Inject
 from _spawn import Scenarios
 from torch import nn
 from torch.nn import functional as F
@@ -109,25 +109,6 @@ def mean_of(many: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
         present = [g for g in column if g is not None]
         averaged.append(None if not present else sum(present) / len(column))
     return averaged
-
-
-class Inject(nn.Module):
-    """An identity layer that runs out of memory, in forward or in backward, on chosen forward calls (from 0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failures: dict[int, str] = {}
-        self.rows: list[int] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        call = len(self.rows)
-        self.rows.append(x.shape[0])
-        where = self.failures.get(call)
-        if where == "forward":
-            raise make_oom()
-        if where == "backward":
-            return OOMInBackward.apply(x)
-        return x
 
 
 def injected_mlp() -> nn.Sequential:

@@ -176,14 +176,14 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_ddp_train_ranks_agree_and_stay_identical() -> None:
+def _torchrun(example: str) -> str:
+    """Run an example on two ranks with torchrun; return what it printed, after checking that it succeeded."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
         [
             *(sys.executable, "-m", "torch.distributed.run"),
             *("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"),
-            str(ROOT / "examples" / "ddp_train.py"),
+            str(ROOT / "examples" / example),
         ],
         capture_output=True,
         text=True,
@@ -191,7 +191,12 @@ def test_ddp_train_ranks_agree_and_stay_identical() -> None:
         env=env,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    output = completed.stdout
+    return completed.stdout
+
+
+@pytest.mark.slow
+def test_ddp_train_ranks_agree_and_stay_identical() -> None:
+    output = _torchrun("ddp_train.py")
     # Rank 1, with less simulated memory, cannot run its whole batch of 512 rows at once.
     assert "rank 1 ran out of memory at 512 rows per micro-batch" in output, output
     # Every step, both ranks ran the same micro-batch size.
@@ -207,20 +212,7 @@ def test_ddp_train_ranks_agree_and_stay_identical() -> None:
 
 @pytest.mark.slow
 def test_fsdp_train_recovers_inside_fsdp2_and_matches_one_process() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [
-            *(sys.executable, "-m", "torch.distributed.run"),
-            *("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"),
-            str(ROOT / "examples" / "fsdp_train.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,  # a rank left waiting in a collective fails the test instead of hanging it
-        env=env,
-    )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    output = completed.stdout
+    output = _torchrun("fsdp_train.py")
     assert "rank 1 ran out of memory at 256 rows per micro-batch" in output, output
     steps = re.findall(r"step \d+: micro-batch size rank 0: (\d+), rank 1: (\d+) \(of 256 rows\)", output)
     assert len(steps) == 4, output

@@ -26,6 +26,7 @@ one fails there first.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -61,13 +62,20 @@ class _Armed:
 _armed = _Armed()
 
 
-def is_fsdp2(module: torch.nn.Module) -> bool:
-    """Return whether ``module`` was sharded with ``fully_shard`` (FSDP2)."""
+@functools.cache
+def _fsdp_module() -> type | None:
+    # Imported at the first look, not with koila_retry: every agreeing call asks.
     if not distributed.AVAILABLE:
-        return False
+        return None
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(module, FSDPModule)
+    return FSDPModule
+
+
+def is_fsdp2(module: torch.nn.Module) -> bool:
+    """Return whether ``module`` was sharded with ``fully_shard`` (FSDP2)."""
+    kind = _fsdp_module()
+    return kind is not None and isinstance(module, kind)
 
 
 def fsdp_modules(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -16,10 +16,11 @@ for causal language models), or of the rows when there are no labels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -287,13 +288,7 @@ class _Training:
             scaled = (
                 trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
             ) or trainer.compute_loss_func is not None
-        if scaled and num_items_in_batch is not None:
-            step = self.summed
-        elif _labels_counted(trainer, inputs, self.shifts) is not None:
-            step = self.weighted
-        else:
-            step = self.by_rows
-        self.stats = step.stats
+        step = _chosen(self, scaled and num_items_in_batch is not None, inputs)
         return step(model, inputs, num_items_in_batch)[1]
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
@@ -310,16 +305,8 @@ class _Training:
             held.append(loss)
 
         before = _gradients(model) if self.overridden else None
-        own = "backward" in vars(accelerator)
-        saved = vars(accelerator).get("backward")
-        accelerator.backward = hold
-        try:
+        with _swapped(accelerator, "backward", hold):
             returned = self.original(model, inputs, num_items_in_batch)
-        finally:
-            if own:
-                accelerator.backward = saved
-            else:
-                del accelerator.backward
         if before is not None and _gradients(model) != before:
             raise RuntimeError(
                 f"{NAME}: the training_step of {type(self.trainer).__name__} wrote .grad itself (a backward "
@@ -335,6 +322,37 @@ class _Training:
         if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
             returned = loss.detach()
         return loss, returned
+
+
+def _chosen(steps: _Training | _Prediction, summed: bool, inputs: Any) -> Any:
+    """Choose the decorated step that normalises this batch as Hugging Face does, and keep its ``stats``.
+
+    ``summed`` when each call's loss is a summed loss over the whole batch's
+    count; else one weighed by the labels Hugging Face counts, or by rows.
+    """
+    if summed:
+        step = steps.summed
+    elif _labels_counted(steps.trainer, inputs, steps.shifts) is not None:
+        step = steps.weighted
+    else:
+        step = steps.by_rows
+    steps.stats = step.stats
+    return step
+
+
+@contextlib.contextmanager
+def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Put ``value`` on the object ``owner`` as ``name`` for the block, then what was there (not thread-safe)."""
+    attributes = vars(owner)
+    own, saved = name in attributes, attributes.get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
 
 
 def _gradients(model: Any) -> list[tuple[int, int]]:
@@ -381,25 +399,14 @@ class _Prediction:
     ) -> tuple[Any, Any, Any]:
         trainer = self.trainer
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
-        if counted is not None:
-            step = self.summed
-        elif _labels_counted(trainer, inputs, self.shifts) is not None:
-            step = self.weighted
-        else:
-            step = self.by_rows
-        self.stats = step.stats
+        step = _chosen(self, counted is not None, inputs)
         self.lossless = False
-        own = "_get_num_items_in_batch" in vars(trainer)
-        saved = vars(trainer).get("_get_num_items_in_batch")
-        if self.count is not None:
-            trainer._get_num_items_in_batch = lambda batches, device: counted
-        try:
-            with torch.no_grad():
-                found = step(model, inputs, prediction_loss_only, ignore_keys)
-        finally:
-            if own:
-                trainer._get_num_items_in_batch = saved
-            elif self.count is not None:
-                del trainer._get_num_items_in_batch
+        swap = (
+            _swapped(trainer, "_get_num_items_in_batch", lambda batches, device: counted)
+            if self.count is not None
+            else contextlib.nullcontext()
+        )
+        with swap, torch.no_grad():
+            found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
         return loss, found.get("logits"), found.get("labels")
