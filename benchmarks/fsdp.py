@@ -93,6 +93,7 @@ import torch.multiprocessing as mp
 from common import add_run_flags, duration, labelled, percent, print_load, print_summary, print_text, settle_rounds
 from ddp import free_port, ratio, run  # the interleaved blocks of two ranks, as there
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional
 
@@ -174,8 +175,9 @@ def sharded_model(blocks: int, width: int, exchanging: bool = False) -> nn.Seque
     model = nn.Sequential(
         *(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)), nn.Linear(width, CLASSES)
     )
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # fully_shard's default is CUDA where present
     for block in [*model[:blocks], model]:
-        fully_shard(block)
+        fully_shard(block, mesh=mesh)
         if exchanging:
             block.set_custom_all_gather(Exchanging("all_gather_single"))
             block.set_custom_reduce_scatter(Exchanging("reduce_scatter_single"))

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.nn
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
@@ -70,9 +71,11 @@ def train(rank: int, world_size: int) -> None:
     plain = make_model()
     reference = copy.deepcopy(plain)  # trained below in this process alone, on every rank's rows
     model = plain
+    # A mesh of the CPU processes: fully_shard's default mesh would be on CUDA where CUDA is present.
+    mesh = init_device_mesh("cpu", (world_size,))
     for block in model[:3]:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 

@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from types import TracebackType
 
 import torch
 
-from koila_retry._common.tracking import LiveStorageTracker, simulated
+from koila_retry._common.tracking import LiveStorageTracker, following_resizes, simulated
 from koila_retry._common.units import format_bytes, parse_bytes
 
 __all__ = ["OOMInjector", "SimulatedDevice", "make_oom", "oom_above", "oom_for", "simulated_device"]
@@ -86,6 +87,7 @@ class SimulatedDevice:
         self.limit = limit
         self.fraction = 1.0
         self._tracker: LiveStorageTracker | None = None
+        self._resizes: contextlib.ExitStack | None = None
         self._peak = 0
 
     @property
@@ -162,6 +164,8 @@ class SimulatedDevice:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
         self._tracker = _DeviceTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
+        self._resizes = contextlib.ExitStack()
+        self._resizes.enter_context(following_resizes(self._tracker))
         simulated.enter(self)
         return self
 
@@ -169,7 +173,10 @@ class SimulatedDevice:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         tracker, self._tracker = self._tracker, None
+        resizes, self._resizes = self._resizes, None
         simulated.leave(self)
+        if resizes is not None:
+            resizes.close()
         if tracker is not None:
             self._peak = tracker.peak
             tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
@@ -190,7 +197,10 @@ def simulated_device(limit: int | str) -> SimulatedDevice:
     freed; views and in-place results count nothing extra. An operator that
     would go past the limit raises ``torch.OutOfMemoryError`` with a CUDA-style
     message, and its result is dropped, as if the allocation had failed.
-    Tensors created before the block do not count.
+    Tensors created before the block do not count. A storage resized in place
+    (``untyped_storage().resize_()``, as FSDP2 frees and gathers its unsharded
+    parameters) counts its new size, and one made before the block counts from
+    the moment it grows from empty.
 
     The block belongs to the thread that entered it, as a PyTorch dispatch
     mode does: the limit applies to that thread's operators alone. Tensors that

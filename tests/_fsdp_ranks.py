@@ -47,10 +47,20 @@ def model() -> nn.Sequential:
 def shard(net: nn.Sequential) -> nn.Sequential:
     from torch.distributed.fsdp import fully_shard
 
+    # On the CPU, also where CUDA is present (fully_shard's default mesh is on the accelerator).
+    mesh = cpu_mesh()
     for block in net[:3]:
-        fully_shard(block)
-    fully_shard(net)
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     return net
+
+
+def cpu_mesh() -> Any:
+    """The default process group's ranks, as a mesh of CPU devices."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def batch(world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +112,7 @@ def unsharded_alive(net: nn.Module) -> int:
     count = 0
     for module in net.modules():
         if sharded.is_fsdp2(module):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in sharded.param_groups(module):
                 for fsdp_param in group.fsdp_params:
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)
                     count += unsharded is not None and unsharded.untyped_storage().size() > 0
@@ -210,14 +220,28 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
     x, y = batch(world, seed=3)
     F.mse_loss(net(local(x, rank)), local(y, rank)).backward()
     state = net._get_fsdp_state()
-    group = state._fsdp_param_groups[0]
+    group = sharded.param_groups(net)[0]
+    # torch 2.13 names a list of groups and of reduce-scatter inputs kept; torch 2.11 one of each.
+    groups = "_fsdp_param_groups" if hasattr(state, "_fsdp_param_groups") else "_fsdp_param_group"
+    kept = "reduce_scatter_states" if hasattr(state._comm_ctx, "reduce_scatter_states") else "reduce_scatter_state"
     wanted = {
+        # What the reset reads and writes (koila_retry/_core/sharded.py), and what the estimate reads
+        # to play FSDP2 (koila_retry/_estimation/sharding.py).
         "state": (
             state,
-            ["_fsdp_param_groups", "_training_state", "_modules_to_run_forward", "_state_ctx", "_comm_ctx"],
+            [
+                groups,
+                "_training_state",
+                "_modules_to_run_forward",
+                "_state_ctx",
+                "_comm_ctx",
+                "_modules",
+                "_mp_policy",
+                "_auto_reshard_after_forward",
+            ],
         ),
         "context": (state._state_ctx, ["iter_forward_root", "post_backward_final_callback_queued"]),
-        "comms": (state._comm_ctx, ["all_gather_state", "post_forward_order", "reduce_scatter_states"]),
+        "comms": (state._comm_ctx, ["all_gather_state", "post_forward_order", kept]),
         "group": (
             group,
             [
@@ -230,9 +254,24 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
                 "_training_state",
                 "fsdp_params",
                 "mesh_info",
+                "post_forward_mesh_info",
+                "reduce_grads",
+                "is_unsharded",
             ],
         ),
-        "param": (group.fsdp_params[0], ["unsharded_accumulated_grad", "_unsharded_param"]),
+        "mesh": (group.mesh_info, ["shard_mesh_size"]),
+        "param": (
+            group.fsdp_params[0],
+            [
+                "unsharded_accumulated_grad",
+                "_unsharded_param",
+                "_module_info",
+                "sharded_param",
+                "unsharded_param",
+                "fsdp_placement",
+                "offload_to_cpu",
+            ],
+        ),
     }
     return {place: [name for name in names if not hasattr(owner, name)] for place, (owner, names) in wanted.items()}
 

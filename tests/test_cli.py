@@ -219,6 +219,18 @@ class TwoInputs(nn.Module):
         return self.embedding(ids).mean(1) + self.linear(features), ids
 
 
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(4))
+        self.head = nn.Linear(512, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return self.head(x)
+
+
 def broken():
     raise ValueError("no weights here")
 
@@ -438,6 +450,27 @@ def test_when_not_even_a_batch_of_1_fits_the_status_is_1(models: Path, capsys: p
     assert not any(marker for _, marker in table(out).values())
 
 
+def test_fsdp_estimates_one_rank_of_a_sharded_model(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    found = {}
+    for ranks in (None, "1", "8"):
+        extra = [] if ranks is None else ["--fsdp", ranks]
+        status, out, err = estimate_cli(
+            capsys, "koila_cli_models:Blocks", "--input", "512", "--memory", "16MiB", *extra
+        )
+        assert err == ""
+        if ranks is None:
+            assert "FSDP2" not in out.splitlines()[0]
+        else:
+            assert f"one rank of FSDP2 over {ranks} (batch sizes per rank)" in out.splitlines()[0]
+        found[ranks] = (status, table(out))
+    # 4 MiB of weights, as much of gradients and twice as much of AdamW's state: 16 MiB fit it only sharded.
+    assert found[None][0] == found["1"][0] == 1
+    assert found["8"][0] == 0
+    # FSDP2 over one rank gathers its blocks beside their shards: never less than unsharded.
+    for size, (peak, _) in found[None][1].items():
+        assert found["1"][1][size][0] >= peak > found["8"][1][size][0]
+
+
 def test_plot_writes_a_png(models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "peak.png"
@@ -624,6 +657,8 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         (["koila_cli_models:mlp", "--input", "64", "--mode", "eval"], "argument --mode: invalid choice"),
         (["koila_cli_models:mlp", "--input", "64", "--input-dtype", "int8"], "argument --input-dtype: invalid"),
         (["koila_cli_models:mlp", "--input", "64", "--margin", "-0.1"], "argument --margin: give a fraction"),
+        (["koila_cli_models:mlp", "--input", "64", "--fsdp", "0"], "argument --fsdp: expected the number of ranks"),
+        (["koila_cli_models:mlp", "--input", "64", "--fsdp", "two"], "an int >= 1 like 8, got 'two'"),
         (
             ["koila_cli_models:mlp", "--input", "64", "--input-dtype", "int64", "--input-dtype", "float32"],
             "--input-dtype is given 2 times for 1 inputs",
@@ -648,6 +683,8 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         "mode",
         "input-dtype",
         "margin",
+        "fsdp-zero",
+        "fsdp-word",
         "input-dtype-count",
     ],
 )

@@ -60,7 +60,7 @@ def test_a_sharded_step_recovers_to_the_whole_batchs_gradient(groups: Groups, wo
 def test_the_private_fsdp2_state_the_reset_touches_is_still_there(groups: Groups) -> None:
     """FSDP2 has no public way to abandon a step; the reset (koila_retry/_core/sharded.py) writes these."""
     for missing in groups("two")["fsdp_private_state"]:
-        assert missing == {"state": [], "context": [], "comms": [], "group": [], "param": []}, missing
+        assert missing == {"state": [], "context": [], "comms": [], "group": [], "mesh": [], "param": []}, missing
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     assert TrainingState.IDLE.name == "IDLE"

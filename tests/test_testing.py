@@ -672,3 +672,59 @@ def test_the_count_of_devices_active_anywhere_follows_every_enter_and_leave() ->
     assert errors == []
     assert tracking.anywhere[0] == before
     assert memory.recent_free_memory(cpu) != 16 * MiB
+
+
+# --- storages resized in place (FSDP2 frees and gathers its unsharded parameters this way) ----------
+
+
+def test_a_storage_resized_in_place_counts_its_new_size() -> None:
+    with simulated_device("1MiB") as device:
+        tensor = torch.empty(1000)
+        storage = tensor.untyped_storage()
+        assert device.live == 4000
+        storage.resize_(0)
+        assert device.live == 0
+        storage.resize_(8000)
+        assert device.live == 8000
+        assert device.peak == 8000
+        del tensor, storage
+        assert device.live == 0
+
+
+def test_growing_past_the_limit_raises_and_leaves_the_storage_as_it_was() -> None:
+    with simulated_device("64KiB") as device:
+        storage = torch.empty(1000).untyped_storage()
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            storage.resize_(1 << 20)
+        assert storage.nbytes() == 4000
+        assert device.live == 4000
+
+
+def test_a_storage_made_before_the_block_counts_once_it_grows_from_empty() -> None:
+    early = torch.empty(1000)
+    early.untyped_storage().resize_(0)
+    kept = torch.empty(500)  # made before the block and never emptied: not counted
+    with simulated_device("1MiB") as device:
+        early.untyped_storage().resize_(4000)
+        kept.untyped_storage().resize_(4000)
+        assert device.live == 4000
+        early.untyped_storage().resize_(0)
+        assert device.live == 0
+    early.untyped_storage().resize_(4000)  # outside the block: nothing to count, nothing raised
+    assert early.untyped_storage().nbytes() == 4000
+
+
+def test_another_threads_resizes_do_not_count() -> None:
+    outside = torch.empty(0)
+    done = threading.Event()
+
+    def grow() -> None:
+        outside.untyped_storage().resize_(1 << 20)
+        done.set()
+
+    with simulated_device("64KiB") as device:
+        thread = threading.Thread(target=grow)
+        thread.start()
+        thread.join()
+        assert done.is_set()
+        assert device.live == 0

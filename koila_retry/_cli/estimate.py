@@ -124,6 +124,17 @@ def parse_memory(text: str) -> int:
     return size
 
 
+def parse_ranks(text: str) -> int:
+    """Parse ``--fsdp``: the number of ranks, an int >= 1."""
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise argparse.ArgumentTypeError(f"expected the number of ranks, an int >= 1 like 8, got {text!r}")
+    return ranks
+
+
 def parse_margin(text: str) -> float:
     """Read the margin: a fraction of the peak in [0, 10)."""
     try:
@@ -191,6 +202,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="the fraction of the peak kept free for what the estimate does not model (default: 0.1)",
     )
+    parser.add_argument(
+        "--fsdp",
+        type=parse_ranks,
+        metavar="N",
+        help="estimate one rank of FSDP2 over N ranks: each module in an nn.ModuleList sharded with fully_shard, "
+        "then the whole model; batch sizes are per rank (default: not sharded)",
+    )
     parser.add_argument("--plot", metavar="PNG", help="also draw the peak against the batch size into this PNG file")
 
 
@@ -236,7 +254,7 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
             if args.mode == "train":
                 # Every step after the first holds the optimizer's state from its start: estimate one of those.
                 _warm_up(step, inputs)
-            found = estimate(step, *inputs, device=device)
+            found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
         except Exception as exc:
             message = _one_line(str(exc))
             hint = ""
@@ -255,6 +273,7 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
         f"model {type(model).__name__} ({_count(sum(p.numel() for p in model.parameters()))}, {args.dtype}), "
         f"mode {args.mode}, optimizer {args.optimizer if args.mode == 'train' else 'none'}, "
         f"input {described}, device {device}, budget {format_bytes(budget)} ({source})"
+        + ("" if args.fsdp is None else f", one rank of FSDP2 over {args.fsdp} (batch sizes per rank)")
     )
     print()
     for line in _table(found, sizes, budget, margin, largest):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 # Called with (bytes about to become live, bytes live now) before new storages are
@@ -40,6 +40,7 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self._check = check
         self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._sizes: dict[int, int] = {}  # bytes counted for each live storage, which a resize changes
         self._lock = threading.Lock()
         self.live = 0
         self.peak = 0
@@ -90,17 +91,49 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return list(fresh.values())
 
     def _add(self, storage: torch.UntypedStorage) -> None:
-        key, nbytes = id(storage), storage.nbytes()
+        key = id(storage)
 
         def forget(_: object) -> None:
             with self._lock:
                 if self._storages.pop(key, None) is not None:
-                    self.live -= nbytes
+                    self.live -= self._sizes.pop(key, 0)
 
         with self._lock:
             self._storages[key] = weakref.ref(storage, forget)
-            self.live += nbytes
+            self._sizes[key] = storage.nbytes()
+            self.live += self._sizes[key]
             self._rose(self.live)
+
+    def resizing(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        """Check a resize of ``storage`` from ``before`` to ``after`` bytes, before it happens.
+
+        A storage counted here that grows allocates the difference; one made
+        elsewhere and empty (FSDP2 frees its unsharded parameters by resizing
+        their storage to 0, and allocates them again by resizing it back) allocates
+        all of it. Either is refused as an operator's allocation is, by ``check``.
+
+        Raises:
+            Exception: what ``check`` raises, before the storage is resized.
+        """
+        if self._check is None or after <= before:
+            return
+        if id(storage) in self._storages:
+            self._check(after - before, self.live)
+        elif before == 0:
+            self._check(after, self.live)
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """Count a resize of ``storage`` from ``before`` bytes to its size now."""
+        key, after = id(storage), storage.nbytes()
+        if key not in self._storages:
+            if before == 0 and after > 0:
+                self._add(storage)
+            return
+        with self._lock:
+            if key in self._sizes:
+                self.live += after - self._sizes[key]
+                self._sizes[key] = after
+                self._rose(self.live)
 
     def _rose(self, live: int) -> None:
         """Note that the bytes alive rose to ``live``; called with the lock held."""
@@ -109,13 +142,26 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _storages(tree: Any) -> list[torch.UntypedStorage]:
-    storages = []
+    storages: list[torch.UntypedStorage] = []
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            # Sparse, nested and other layouts have no single storage to count.
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                storages.append(leaf.untyped_storage())
+            _add_storages(leaf, storages)
     return storages
+
+
+def _add_storages(tensor: torch.Tensor, storages: list[torch.UntypedStorage]) -> None:
+    if is_traceable_wrapper_subclass(tensor):
+        # A wrapper (DTensor) reports a storage the size of the whole tensor and holds
+        # none: what is allocated is what it wraps, one rank's shard for a DTensor.
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):
+                _add_storages(inner, storages)
+        return
+    # Sparse, nested and other layouts have no single storage to count.
+    with contextlib.suppress(RuntimeError, NotImplementedError):
+        storages.append(tensor.untyped_storage())
 
 
 class Simulated(Protocol):
@@ -192,3 +238,56 @@ simulated = _SimulatedRegistry()
 #: registry, whose every read costs a thread-local lookup.
 anywhere = [0]
 _counting = threading.Lock()
+
+
+# --- storages resized in place ------------------------------------------------------
+#
+# ``UntypedStorage.resize_`` allocates or frees without an operator that a dispatch mode
+# sees; FSDP2 frees its unsharded parameters between uses this way. Trackers that follow
+# resizes (a simulated device's) learn of them through a wrapper put on the method the
+# first time one is asked for, in any thread; in threads that follow none it only adds a
+# thread-local lookup to a call that allocates anyway.
+
+
+class _Followers(threading.local):
+    def __init__(self) -> None:
+        self.trackers: list[LiveStorageTracker] = []
+
+
+_followers = _Followers()
+_resize_lock = threading.Lock()
+_unwrapped_resize: list[Callable[..., Any]] = []
+
+
+def _resize(storage: torch.UntypedStorage, size: int) -> Any:
+    trackers = _followers.trackers
+    if not trackers:
+        return _unwrapped_resize[0](storage, size)
+    before = storage.nbytes()
+    for tracker in trackers:
+        tracker.resizing(storage, before, int(size))
+    result = _unwrapped_resize[0](storage, size)
+    for tracker in trackers:
+        tracker.resized(storage, before)
+    return result
+
+
+@contextlib.contextmanager
+def following_resizes(tracker: LiveStorageTracker) -> Any:
+    """Let ``tracker`` count, in this thread, the storages resized in place while the block runs.
+
+    Args:
+        tracker (LiveStorageTracker): the tracker.
+
+    Yields:
+        None.
+    """
+    with _resize_lock:
+        if not _unwrapped_resize:
+            _unwrapped_resize.append(torch.UntypedStorage.resize_)
+            torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign,assignment]
+    _followers.trackers.append(tracker)
+    try:
+        yield
+    finally:
+        _followers.trackers.remove(tracker)

@@ -34,7 +34,18 @@ import torch
 
 from koila_retry._core import distributed
 
-__all__ = ["RanksFailed", "ShardedStep", "Shards", "check_mesh", "fsdp_modules", "is_fsdp2", "reset"]
+__all__ = [
+    "RanksFailed",
+    "ShardedStep",
+    "Shards",
+    "check_mesh",
+    "fsdp_modules",
+    "is_fsdp2",
+    "is_fsdp_hook",
+    "param_groups",
+    "reset",
+    "state_of",
+]
 
 if distributed.AVAILABLE:
     import torch.distributed as dist
@@ -84,14 +95,38 @@ def fsdp_modules(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     return list(found.values())
 
 
-def _state(module: torch.nn.Module) -> Any:
-    # Private: FSDPModule._get_fsdp_state(), the state the module's hooks share.
+def state_of(module: torch.nn.Module) -> Any:
+    """Return the FSDPState an FSDP2 module's hooks share (private: ``FSDPModule._get_fsdp_state()``)."""
     return module._get_fsdp_state()  # type: ignore[operator]
 
 
-def _groups(module: torch.nn.Module) -> list[Any]:
-    # Private: the state's FSDPParamGroup objects, one per mesh of its parameters.
-    return list(_state(module)._fsdp_param_groups)
+def param_groups(module: torch.nn.Module) -> list[Any]:
+    """Return an FSDP2 module's FSDPParamGroup objects, one per mesh of its parameters (private state).
+
+    torch 2.13 keeps a list of them, ``_fsdp_param_groups``; torch 2.11 kept one or
+    ``None``, ``_fsdp_param_group``.
+    """
+    state = state_of(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+@functools.cache
+def _state_type() -> type | None:
+    if not distributed.AVAILABLE:
+        return None
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return FSDPState
+
+
+def is_fsdp_hook(hook: object) -> bool:
+    """Return whether a module hook is one of FSDP2's (a method of its private FSDPState)."""
+    kind = _state_type()
+    return kind is not None and isinstance(getattr(hook, "__self__", None), kind)
 
 
 def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None:
@@ -101,7 +136,7 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
         NotImplementedError: for HSDP (a mesh with replicas), or a sharding group
             other than the ranks that agree.
     """
-    for group in _groups(module):
+    for group in param_groups(module):
         mesh = group.mesh_info  # private: the FSDPMeshInfo of the group's parameters
         if getattr(mesh, "replicate_process_group", None) is not None:
             raise NotImplementedError(
@@ -144,7 +179,7 @@ class _Voting:
 
 def _install(module: torch.nn.Module) -> None:
     """Put a voting comm in front of each of the module's FSDP collectives, once."""
-    for group in _groups(module):
+    for group in param_groups(module):
         # Private: FSDPParamGroup._all_gather_comm and _reduce_scatter_comm, the comm objects that
         # set_custom_all_gather and set_custom_reduce_scatter (public) replace. Read so that a
         # custom comm of the user's is kept behind the vote.
@@ -263,8 +298,8 @@ def _reset(module: torch.nn.Module) -> None:
     """Put one FSDP2 module's private state back to what a new forward expects."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    state = _state(module)
-    for group in state._fsdp_param_groups:
+    state = state_of(module)
+    for group in param_groups(module):
         # An all-gather issued (a prefetch, say) before the attempt was abandoned: wait for it,
         # so that every rank has finished it, then drop its buffers.
         result = group._all_gather_result
@@ -288,4 +323,7 @@ def _reset(module: torch.nn.Module) -> None:
     context.post_backward_final_callback_queued = False
     comms.all_gather_state = None
     comms.post_forward_order.clear()
-    comms.reduce_scatter_states.clear()
+    if hasattr(comms, "reduce_scatter_states"):  # torch 2.13: the inputs kept in flight
+        comms.reduce_scatter_states.clear()
+    else:  # torch 2.11: the one kept
+        comms.reduce_scatter_state = None

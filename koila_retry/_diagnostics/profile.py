@@ -297,6 +297,7 @@ class _Counter(Recorder):  # type: ignore[no-untyped-call]
         """Forget every storage and scope, so that nothing of the run outlives it."""
         with self._lock:
             self._storages.clear()
+            self._sizes.clear()
             self.scopes.clear()
 
 

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from cachetools import LRUCache
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.batches import Split
@@ -54,6 +55,7 @@ from koila_retry._estimation.calibration import (
 )
 from koila_retry._estimation.lending import Loan, ThreadTracker, borrowing, exclusive
 from koila_retry._estimation.recurrent import recurrent_kernels
+from koila_retry._estimation.sharding import Emulation, Sharding, plan
 from koila_retry._estimation.versions import warn_if_unchecked
 from koila_retry._estimation.workspace import cuda_rounding, device_workspace
 from koila_retry.exceptions import BatchSizeExhausted
@@ -252,6 +254,9 @@ class MemoryEstimate:
             does not model exactly, one ``"what: why"`` each (an attention
             kernel the device would fuse, say); empty when everything it ran
             is modelled. See :doc:`/estimate`.
+        fsdp (int or None): under FSDP2, the ranks the model is sharded over:
+            the estimate is then one rank's (see :ref:`estimate-fsdp`); ``None``
+            otherwise.
 
     .. versionadded:: 0.1.0
     """
@@ -264,6 +269,7 @@ class MemoryEstimate:
         self.notes = tuple(dict.fromkeys(note for run in runs for note in run.notes))
         self.measured = {run.batch_size: max(moment.total for moment in run.moments) for run in runs}
         self.started = {run.batch_size: run.moments[0].total for run in runs}
+        self.fsdp: int | None = None
         self._segments = _model(runs)
 
     def _highest(self, batch_size: int) -> _Line:
@@ -390,8 +396,9 @@ class MemoryEstimate:
         parts = ", ".join(
             f"{category} {format_bytes(value)}" for category, value in self.breakdown(batch_size).items() if value
         )
+        where = "" if self.fsdp is None else f" per rank of FSDP2 over {self.fsdp}"
         line = (
-            f"estimated peak {format_bytes(self.peak(batch_size))} at batch size {batch_size} "
+            f"estimated peak {format_bytes(self.peak(batch_size))}{where} at batch size {batch_size} "
             f"(during the {self.phase(batch_size)}: {parts})"
         )
         return "\n".join([line, *(f"  may be inexact: {note}" for note in self.notes)])
@@ -424,6 +431,7 @@ def estimate(
     dim: int = 0,
     sizes: Iterable[int] | None = None,
     device: DeviceLike = None,
+    fsdp: int | None = None,
     **kwargs: Any,
 ) -> MemoryEstimate:
     """Estimate the peak memory of ``fn(*args, **kwargs)`` at any batch size, without running it.
@@ -455,6 +463,11 @@ def estimate(
         device (torch.device, str, int or None): the device the estimate is for.
             On CUDA, each allocation is rounded as the caching allocator rounds
             it. Default: the device of the first tensor argument.
+        fsdp (int, optional): estimate one rank's peak with the model sharded
+            by FSDP2 over this many ranks, which need not be running: every
+            module held in an ``nn.ModuleList`` is sharded, then the whole model
+            (see :ref:`estimate-fsdp`). Modules already sharded with
+            ``fully_shard`` are estimated per rank without it, over their mesh.
         **kwargs: its keyword arguments.
 
     Returns:
@@ -462,18 +475,26 @@ def estimate(
 
     Raises:
         ValueError: if no argument is a tensor, the tensors disagree on their
-            rows, or ``dim`` or ``sizes`` is out of range.
+            rows, ``dim`` or ``sizes`` is out of range, or ``fsdp`` is not an
+            int >= 1 or differs from the mesh of modules sharded already.
+        NotImplementedError: for FSDP2 set-ups the estimate cannot play (HSDP,
+            CPU offload, ``fully_shard`` over several modules at once).
         Exception: what ``fn`` raised on meta tensors, with a note that says so.
 
     .. versionadded:: 0.1.0
     """
     if not callable(fn):
         raise TypeError(f"koila.estimate needs a callable, got {type(fn).__name__} {fn!r}")
-    return estimate_batch(fn, Split(args, kwargs, dim, "koila.estimate", fn), sizes=sizes, device=device)
+    return estimate_batch(fn, Split(args, kwargs, dim, "koila.estimate", fn), sizes=sizes, device=device, fsdp=fsdp)
 
 
 def estimate_batch(
-    fn: Callable[..., Any], batch: Split, *, sizes: Iterable[int] | None = None, device: DeviceLike = None
+    fn: Callable[..., Any],
+    batch: Split,
+    *,
+    sizes: Iterable[int] | None = None,
+    device: DeviceLike = None,
+    fsdp: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the peak memory of ``fn`` on the arguments ``batch`` holds, at any batch size.
 
@@ -482,12 +503,14 @@ def estimate_batch(
         batch (Split): its arguments, with the tensors that hold the rows found.
         sizes (iterable of int, optional): as for :func:`estimate`.
         device (torch.device, str, int or None): as for :func:`estimate`.
+        fsdp (int, optional): as for :func:`estimate`.
 
     Returns:
         MemoryEstimate: the estimate.
 
     Raises:
-        ValueError: if the arguments have 0 rows, or ``sizes`` is out of range.
+        ValueError: if the arguments have 0 rows, or ``sizes`` or ``fsdp`` is out of range.
+        NotImplementedError: as for :func:`estimate`.
     """
     # Dispatch modes import torch._dynamo the first time they run (seconds): not the estimate's time.
     importlib.import_module("torch._dynamo")
@@ -498,17 +521,20 @@ def estimate_batch(
     chosen = _sizes(sizes)
     target = resolve_device(device) if device is not None else batch.device
     owned = Owned((fn, batch.args, batch.kwargs))
+    sharding = plan(owned.modules, fsdp)
     round_bytes = cuda_rounding if target.type == "cuda" else None
     workspace = device_workspace(target)
     inexact = inexact_operators(target)
 
     def run(size: int) -> _Run:
-        return _run(fn, batch, owned, size, round_bytes, workspace, inexact, target)
+        return _run(fn, batch, owned, size, round_bytes, workspace, inexact, target, sharding)
 
     with exclusive():  # one estimate at a time: see lending.py
         runs = _runs(run, batch.rows, chosen)
         resident = owned.resident(target, round_bytes)
-    return MemoryEstimate(target, runs, resident, time.perf_counter() - started)
+    found = MemoryEstimate(target, runs, resident, time.perf_counter() - started)
+    found.fsdp = sharding.world if sharding is not None else None
+    return found
 
 
 def _runs(run: Callable[[int], _Run], rows: int, chosen: list[int] | None) -> list[_Run]:
@@ -549,6 +575,7 @@ def suggest_batch_size(
     maximum: int | None = None,
     sizes: Iterable[int] | None = None,
     calibrate: bool = False,
+    fsdp: int | None = None,
     **kwargs: Any,
 ) -> int:
     """Return the largest power of two whose estimated peak fits in the memory there is.
@@ -579,11 +606,15 @@ def suggest_batch_size(
             the device's peak over that run. Only where the device keeps a peak
             (CUDA and the other accelerators, or inside
             :func:`~koila_retry.testing.simulated_device`); elsewhere (the CPU)
-            the estimate stands, with a warning. Default: ``False``.
+            the estimate stands, with a warning. Not for a model sharded
+            with FSDP2, whose real run would make collectives on this rank
+            alone. Default: ``False``.
+        fsdp (int, optional): the batch size of one rank of FSDP2 over this
+            many ranks, as for :func:`estimate`.
         **kwargs: its keyword arguments.
 
     Returns:
-        int: the batch size.
+        int: the batch size (per rank, under FSDP2).
 
     Raises:
         BatchSizeExhausted: if even a batch of 1 does not fit; the message
@@ -593,6 +624,8 @@ def suggest_batch_size(
             ``calibrate=True`` for a device other than the one the example
             arguments lie on.
         TypeError: if ``calibrate`` is not a bool.
+        NotImplementedError: for ``calibrate=True`` under FSDP2, and as for
+            :func:`estimate`.
 
     .. versionadded:: 0.1.0
     """
@@ -605,7 +638,12 @@ def suggest_batch_size(
     if not callable(fn):
         raise TypeError(f"koila.suggest_batch_size needs a callable, got {type(fn).__name__} {fn!r}")
     batch = Split(args, kwargs, dim, "koila.suggest_batch_size", fn)
-    found = estimate_batch(fn, batch, sizes=sizes, device=device)
+    found = estimate_batch(fn, batch, sizes=sizes, device=device, fsdp=fsdp)
+    if calibrate and found.fsdp is not None:
+        raise NotImplementedError(
+            "calibrate=True runs the call for real, and over FSDP2 that makes collectives on this rank alone: "
+            "estimate without it, or measure with koila.accumulate's recovery instead"
+        )
     if limit is None and found.device.type == "meta":
         raise ValueError(
             "the estimate is for the meta device (the inputs are meta tensors), which has no memory to fit in: "
@@ -754,7 +792,9 @@ class Owned:
         """Return the bytes of the tensors held that lie on ``device`` now."""
         seen: set[int] = set()
         total = 0
-        for _, tensor in self.tensors():
+        for _, found in self.tensors():
+            # A DTensor (FSDP2's shards) holds its rank's part, which is what lies on the device.
+            tensor = found._local_tensor if is_traceable_wrapper_subclass(found) else found
             if same_device(tensor.device, device) and tensor.layout == torch.strided:
                 storage = tensor.untyped_storage()
                 if id(storage) not in seen:
@@ -762,7 +802,7 @@ class Owned:
                     total += round_bytes(storage.nbytes()) if round_bytes else storage.nbytes()
         return total
 
-    def lend(self, recorder: Recorder) -> Callable[[], None]:
+    def lend(self, recorder: Recorder, sharding: Sharding | None = None) -> Callable[[], None]:
         """Lend this thread meta copies of every module's and optimizer's tensors; return what ends the loan.
 
         Other threads go on seeing the real tensors, containers and hooks (see
@@ -772,25 +812,35 @@ class Owned:
         Args:
             recorder (Recorder): the dispatch mode of the run; its ``category``
                 names what each copy is.
+            sharding (Sharding, optional): FSDP2 to play in the run: sharded
+                tensors are lent as one rank's shard (see ``sharding.py``).
 
         Returns:
             callable: ends the loan; call it on this thread.
         """
         loan = Loan()
         loan.hold()
+        emulation: Emulation | None = None
 
-        def fake_of(tensor: torch.Tensor, category: str) -> torch.Tensor:
+        def fake_of(tensor: torch.Tensor, category: str, owner: torch.Tensor | None = None) -> torch.Tensor:
             fake = loan.copy_of(tensor)
             if fake is None:
                 recorder.category = category
-                fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
+                shape = sharding.shape_of(tensor, owner) if sharding is not None else None
+                if shape is not None:
+                    fake = torch.empty(shape, dtype=tensor.dtype, device=META)
+                elif sharding is not None and sharding.held(tensor):
+                    with _disable_current_modes():  # counted as FSDP2's gathered buffers instead
+                        fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
+                else:
+                    fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
                 if isinstance(tensor, torch.nn.Parameter):
                     fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
                 elif tensor.requires_grad:
                     fake.requires_grad_(True)
                 grad = tensor.grad if tensor.is_leaf else None
                 if grad is not None and grad.layout == torch.strided:
-                    fake.grad = fake_of(grad, "gradients")
+                    fake.grad = fake_of(grad, "gradients", tensor)
                 loan.add(tensor, fake)
             return fake
 
@@ -808,13 +858,30 @@ class Owned:
                     fake_of(parameter, "parameters")
                     for value in values.values():
                         if isinstance(value, torch.Tensor):
-                            fake_of(value, "optimizer state")
+                            fake_of(value, "optimizer state", parameter)
+            if sharding is not None:
+                # FSDP2 keeps every shard, also of a module whose gathered parameters it holds now.
+                for unit in sharding.units:
+                    for parameter in unit.params:
+                        fake_of(parameter, "parameters")
+                emulation = sharding.emulation(loan.copy_of)
             # Their other attributes are put back as they were too: a scheduler's epoch, a scaler's record.
             loan.lend([*self.others, *self.modules, *self.optimizers])
+            if emulation is not None:
+                emulation.install(lambda category, tensor: recorder.mark([(category, tensor)]))
         except BaseException:
             loan.end()
             raise
-        return loan.end
+        if emulation is None:
+            return loan.end
+
+        def end() -> None:
+            try:
+                emulation.uninstall()
+            finally:
+                loan.end()
+
+        return end
 
     def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the gradients and optimizer state the run holds now (after ``lend``)."""
@@ -1238,6 +1305,7 @@ def _run(
     workspace: Workspace | None,
     inexact: Mapping[Any, str] | None = None,
     target: torch.device = META,
+    sharding: Sharding | None = None,
 ) -> _Run:
     recorder = Recorder(round_bytes, workspace, inexact)
     seed, rng = torch.initial_seed(), torch.get_rng_state()
@@ -1246,7 +1314,7 @@ def _run(
     try:
         with META, recorder:
             try:
-                undo = owned.lend(recorder)
+                undo = owned.lend(recorder, sharding)
                 recorder.category = "inputs"
                 args, kwargs = batch.resized(batch_size, _on_meta_device)
                 recorder.mark(owned.gradients_and_state())

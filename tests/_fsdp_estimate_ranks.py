@@ -1,0 +1,214 @@
+"""The ranks' side of test_estimate_fsdp.py: one rank's estimated peak under FSDP2 against a real run.
+
+Each rank builds a model, shards it with ``fully_shard`` (each block of its ``nn.ModuleList``, then
+the root) inside a simulated device, and trains two steps; before each, ``koila.estimate`` gives its
+peak, and the simulated device measures the real one (FSDP2's buffers, resized in place, included).
+How the scenarios run and what they save: tests/_spawn.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _fsdp_ranks import cpu_mesh
+from _spawn import Scenarios
+from torch import nn
+
+import koila_retry as koila
+from koila_retry._core import sharded
+from koila_retry.testing import simulated_device
+
+GROUPS = {"one": (1, 60), "two": (2, 60), "three": (3, 60)}
+scenario = Scenarios(GROUPS)
+
+
+def main(rank: int, group: str, port: int, directory: str) -> None:
+    """The body of one spawned rank (see tests/_spawn.py)."""
+    scenario.run(rank, group, port, directory)
+
+
+class Blocks(nn.Module):
+    """Residual MLP blocks, with odd sizes that FSDP2 pads."""
+
+    def __init__(self, width: int = 64, hidden: int = 129, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width)) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class Tiny(nn.Module):
+    """A small transformer language model: embedding, encoder layers, head."""
+
+    def __init__(self, vocab: int = 101, width: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+# name -> (model, its example inputs at some rows, rows, fully_shard's options by name, train or infer)
+Case = tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, ...]], int, str, bool]
+
+
+def _options(name: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if name == "mixed":
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if name == "kept":
+        return {"reshard_after_forward": False}
+    return {}
+
+
+def _mlp_rows(rows: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(rows, 64),)
+
+
+def _tokens(rows: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, 101, (rows, 9)),)
+
+
+CASES: dict[str, Case] = {
+    "mlp": (Blocks, _mlp_rows, 16, "", True),
+    "transformer": (Tiny, _tokens, 4, "", True),
+    "mixed": (Blocks, _mlp_rows, 16, "mixed", True),
+    "kept": (Blocks, _mlp_rows, 16, "kept", True),
+    "inference": (Tiny, _tokens, 4, "", False),
+}
+
+
+def shard(net: nn.Module, options: dict[str, Any]) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = cpu_mesh()  # also where CUDA is present
+    blocks = net.blocks if isinstance(net, Blocks) else net.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **options)
+    root = {key: value for key, value in options.items() if key != "reshard_after_forward"}
+    fully_shard(net, mesh=mesh, **root)
+    return net
+
+
+def step_of(net: nn.Module, optimizer: torch.optim.Optimizer | None) -> Callable[..., Any]:
+    if optimizer is None:
+
+        def infer(*inputs: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return net(*inputs).float().softmax(-1)
+
+        return infer
+
+    def train(*inputs: torch.Tensor) -> None:
+        loss = net(*inputs).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return train
+
+
+@scenario("one", "two", "three")
+def estimate_per_rank(rank: int, world: int) -> dict[str, Any]:
+    """For each case: the real peak of two steps, the estimate before each, and the same model's on meta."""
+    found: dict[str, Any] = {}
+    for name, (make, inputs, rows, option, training) in CASES.items():
+        options = _options(option)
+        torch.manual_seed(rank)
+        with simulated_device("16GiB") as device:
+            net = shard(make(), options)
+            optimizer = torch.optim.Adam(net.parameters()) if training else None
+            step = step_of(net, optimizer)
+            pairs = []
+            for _ in range(2):
+                example = inputs(rows)
+                estimate = koila.estimate(step, *example)
+                # A collection in the step would free earlier garbage at a moment that varies.
+                gc.collect()
+                gc.disable()
+                try:
+                    device.reset_peak()
+                    step(*example)
+                finally:
+                    gc.enable()
+                pairs.append((device.peak, estimate.peak(rows), estimate.fsdp))
+        # The same model built on the meta device, sharded by fsdp= over a world that is not running.
+        with torch.device("meta"):
+            plain = make()
+        meta_step = step_of(plain, torch.optim.Adam(plain.parameters()) if training else None)
+        meta = koila.estimate(meta_step, *inputs(rows), fsdp=world).peak(rows) if not options else None
+        found[name] = {"pairs": pairs, "meta": meta}
+    return found
+
+
+@scenario("one", "two", "three")
+def simulated_device_counts_shards(rank: int, world: int) -> dict[str, int]:
+    """A DTensor counts its rank's shard on the simulated device, not the whole tensor's size."""
+    with simulated_device("1GiB") as device:
+        net = shard(Blocks(), {})
+        live = device.live
+    shards = sum(p.to_local().untyped_storage().nbytes() for p in net.parameters())  # type: ignore[attr-defined]
+    whole = sum(p.numel() * p.element_size() for p in net.parameters())
+    return {"live": live, "shards": shards, "whole": whole}
+
+
+def _fingerprint(net: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    values = []
+    for param in net.parameters():
+        values.append(param.to_local().clone())  # type: ignore[attr-defined]
+        if param.grad is not None:
+            values.append(param.grad.to_local().clone())  # type: ignore[attr-defined]
+    for state in optimizer.state.values():
+        values.extend(v.to_local().clone() if hasattr(v, "to_local") else v.clone() for v in state.values())
+    return values
+
+
+def _fsdp_state(net: nn.Module) -> list[Any]:
+    seen = []
+    for module in sharded.fsdp_modules(net.modules()):
+        state = sharded.state_of(module)
+        seen.append((str(state._training_state), list(module._forward_pre_hooks), list(module._forward_hooks)))
+        for group in sharded.param_groups(module):
+            seen.append((str(group._training_state), group.is_sharded, group._all_gather_result is None))
+    return seen
+
+
+@scenario("two", "three")
+def estimate_alone(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 alone estimates a step after a real one: a collective would hang it (the group's timeout ends it)."""
+    torch.manual_seed(0)
+    net = shard(Blocks(), {})
+    optimizer = torch.optim.Adam(net.parameters())
+    step = step_of(net, optimizer)
+    example = _mlp_rows(16)
+    loss = net(*example).pow(2).mean()
+    loss.backward()
+    optimizer.step()  # gradients kept: a DTensor each, lent as its shard
+    before, state = _fingerprint(net, optimizer), _fsdp_state(net)
+    peak = None
+    if rank == 0:
+        peak = koila.estimate(step, *example).peak(16)
+    after = _fingerprint(net, optimizer)
+    same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # The model still trains, on every rank together.
+    step(*example)
+    return {"peak": peak, "same": same, "state": state == _fsdp_state(net), "checked": len(before)}
