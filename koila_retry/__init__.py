@@ -36,7 +36,7 @@ from koila_retry._frontends.accumulate import accumulate
 from koila_retry._frontends.batch import Batched, attempts, batch
 from koila_retry._frontends.chunked import chunked, range
 from koila_retry._version import __version__
-from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning
+from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning, Diagnosis
 
 __all__ = [
     "Attempt",
@@ -44,6 +44,7 @@ __all__ = [
     "Batched",
     "CacheFileWarning",
     "CacheInfo",
+    "Diagnosis",
     "DiskCache",
     "GlobalCache",
     "KeyFunction",

@@ -20,7 +20,7 @@ from typing import Protocol, cast
 
 from koila_retry._common.places import where
 from koila_retry._common.units import format_bytes
-from koila_retry._core import decision, distributed, memory
+from koila_retry._core import decision, diagnosis, distributed, memory
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.decision import Done, Outcome, Rules, State, Try
@@ -135,6 +135,10 @@ class Course:
             return False
         # Plain values only, and nothing released: the traceback still pins the failed attempt.
         failure = self.fail(where(exc.__traceback__))
+        if not isinstance(failure.step, Try) or self.agreement is not None:
+            # Read while the attempt's memory is still held: after the release, the picture is gone.
+            # Only where the call may give up (the ranks decide that after the attempt).
+            failure.diagnosis = diagnosis.capture(exc, self.call.device)
         if not isinstance(failure.step, Try):
             failure.final_oom = detached(exc)
         return True
@@ -153,7 +157,7 @@ class Course:
         if failure is None:
             failure = self.failure = Failure()
         failure.seconds += time.perf_counter() - self.started
-        failure.where, failure.rank, failure.reused = place, None, None
+        failure.where, failure.rank, failure.reused, failure.diagnosis = place, None, None, None
         state, first = self.state, self.call.first
         size = state.size if state.rows is None else min(state.size, state.rows)
         hint = first.after_oom(size) if state.measures and first is not None else None
@@ -216,7 +220,9 @@ class Course:
             if failure.reused is not None:
                 raise failure.reuse_error(owner.name, failed) from cause
             message = self.exhausted(failure, free)
-            raise BatchSizeExhausted(message, batch_size=failed, attempts=state.number) from cause
+            raise BatchSizeExhausted(
+                message, batch_size=failed, attempts=state.number, diagnosis=failure.diagnosis
+            ) from cause
         state.size, state.number, state.probe_from, self.phase = next_size, state.number + 1, None, READY
 
     def calibrate(self, rows: int, rise: int) -> int:

@@ -18,6 +18,7 @@ from koila_retry._common.units import format_free
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.decision import Done, GiveUp, State, Step, counted
 from koila_retry._core.stats import OOMEvent, Stats
+from koila_retry.exceptions import Diagnosis
 
 __all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store"]
 
@@ -44,6 +45,7 @@ class Exhaustion:
         free_bytes (int): its free memory after the release; -1 if unknown.
         figures (tuple or None): an ``initial="auto"`` estimate's per-sample and fixed bytes.
         frame (FrameType or None): the engine's frame; the ones above it hold the call's objects.
+        diagnosis (Diagnosis or None): why this process's last attempt ran out of memory.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Exhaustion:
     free_bytes: int
     figures: tuple[int, int] | None
     frame: FrameType | None
+    diagnosis: Diagnosis | None = None
 
 
 #: Builds the message of :class:`BatchSizeExhausted` from what a call that gives up knows.
@@ -67,7 +70,10 @@ Explain = Callable[[Exhaustion], str]
 def plain_message(exhaustion: Exhaustion) -> str:
     """Return one line with the sizes tried: the message of a call that gives up, by default."""
     tried = " -> ".join(str(size) for size in exhaustion.tried)
-    return f"{exhaustion.name}: out of memory at every batch size tried ({tried}); last raised at {exhaustion.where}."
+    why = "" if exhaustion.diagnosis is None else f" Diagnosis: {exhaustion.diagnosis}"
+    return (
+        f"{exhaustion.name}: out of memory at every batch size tried ({tried}); last raised at {exhaustion.where}.{why}"
+    )
 
 
 class Failure:
@@ -82,9 +88,11 @@ class Failure:
         reused (str or None): an iterator argument, which a retry would reuse.
         final_oom (BaseException or None): the cause of the coming
             :class:`~koila_retry.BatchSizeExhausted`, without its traceback.
+        diagnosis (Diagnosis or None): why the last attempt ran out of memory here,
+            read before its memory was released; ``None`` when another rank's failure ended it.
     """
 
-    __slots__ = ("final_oom", "rank", "reused", "seconds", "step", "tried", "where")
+    __slots__ = ("diagnosis", "final_oom", "rank", "reused", "seconds", "step", "tried", "where")
 
     def __init__(self) -> None:
         self.step: Step = GiveUp("minimum")
@@ -94,6 +102,7 @@ class Failure:
         self.tried: list[int] = []
         self.reused: str | None = None
         self.final_oom: BaseException | None = None
+        self.diagnosis: Diagnosis | None = None
 
     def report(
         self, name: str, failed: int, next_size: int | None, number: int, device: torch.device, free: int, stats: Stats
@@ -157,6 +166,7 @@ class Failure:
             free_bytes=free,
             figures=None,
             frame=None,
+            diagnosis=self.diagnosis,
         )
 
     def reuse_error(self, name: str, failed: int) -> TypeError:
