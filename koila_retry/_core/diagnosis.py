@@ -154,7 +154,7 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
         if stand_in is not None:
             # A simulated device is one pool with a limit: what does not fit is capacity.
             return Diagnosis("capacity", requested_bytes(message), stand_in.free, None, None, CAPACITY)
-        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return _cuda(message, device)
         if device.type == "cpu" and "can't allocate memory" in message:  # the CPU allocator's own error
             return Diagnosis("capacity", requested_bytes(message), None, None, None, _HOST)
@@ -169,7 +169,8 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
 def _cuda(message: str, device: torch.device) -> Diagnosis:
     index = device.index if device.index is not None else torch.cuda.current_device()
     stats = torch.cuda.memory_stats(index)
-    segments = [segment for segment in torch.cuda.memory_snapshot() if segment.get("device", index) == index]
+    snapshot = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    segments = [segment for segment in snapshot if segment.get("device", index) == index]
     free, total = torch.cuda.mem_get_info(index)
     fraction = torch.cuda.get_per_process_memory_fraction(index)
     return from_allocator(message, stats, segments, int(total * fraction), free)
