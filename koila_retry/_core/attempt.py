@@ -28,6 +28,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import Explain, Failure, detached, iterator_among, store
 from koila_retry._core.policy import Policy
 from koila_retry._core.sharded import RanksFailed, Shards
+from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import Stats
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -132,13 +133,23 @@ class Course:
             return True
         if not is_oom(exc):
             self.phase = READY  # the error propagates untouched and ends the run
+            if self.failure is not None:
+                self.failure.close()
             return False
         # Plain values only, and nothing released: the traceback still pins the failed attempt.
         failure = self.fail(where(exc.__traceback__))
-        if not isinstance(failure.step, Try) or self.agreement is not None:
-            # Read while the attempt's memory is still held: after the release, the picture is gone.
-            # Only where the call may give up (the ranks decide that after the attempt).
+        # Where the call may give up (the ranks decide that after the attempt), read what the
+        # allocator holds while the attempt's memory is still held: after the release it is gone.
+        final = not isinstance(failure.step, Try) or self.agreement is not None
+        if final:
             failure.diagnosis = diagnosis.capture(exc, self.call.device)
+        policy = self.owner.policy
+        if policy.snapshot is not None:
+            if failure.snapshots is None:
+                failure.snapshots = Snapshots(
+                    policy.snapshot, policy.snapshot_each_oom, self.call.device, self.owner.name
+                )
+            failure.snapshots.failed(self.state.number, final)
         if not isinstance(failure.step, Try):
             failure.final_oom = detached(exc)
         return True
@@ -146,6 +157,8 @@ class Course:
     def succeed(self) -> None:
         """Carry out a success: what the decision says it stores."""
         self.phase = SUCCEEDED
+        if self.failure is not None:
+            self.failure.close()
         owner, state = self.owner, self.state
         done = cast(Done, decision.decide(owner.rules, state, Outcome.SUCCEEDED))
         grow = owner.policy.grow_after if owner.policy.grow else None
@@ -216,6 +229,7 @@ class Course:
         if owner.policy.on_oom is not None:
             owner.policy.on_oom(event)
         if next_size is None:
+            failure.close()
             cause, failure.final_oom = failure.final_oom, None
             if failure.reused is not None:
                 raise failure.reuse_error(owner.name, failed) from cause

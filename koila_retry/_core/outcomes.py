@@ -17,6 +17,7 @@ import torch
 from koila_retry._common.units import format_free
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.decision import Done, GiveUp, State, Step, counted
+from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import Diagnosis
 
@@ -90,9 +91,10 @@ class Failure:
             :class:`~koila_retry.BatchSizeExhausted`, without its traceback.
         diagnosis (Diagnosis or None): why the last attempt ran out of memory here,
             read before its memory was released; ``None`` when another rank's failure ended it.
+        snapshots (Snapshots or None): the call's memory snapshots, when asked for.
     """
 
-    __slots__ = ("diagnosis", "final_oom", "rank", "reused", "seconds", "step", "tried", "where")
+    __slots__ = ("diagnosis", "final_oom", "rank", "reused", "seconds", "snapshots", "step", "tried", "where")
 
     def __init__(self) -> None:
         self.step: Step = GiveUp("minimum")
@@ -103,6 +105,12 @@ class Failure:
         self.reused: str | None = None
         self.final_oom: BaseException | None = None
         self.diagnosis: Diagnosis | None = None
+        self.snapshots: Snapshots | None = None
+
+    def close(self) -> None:
+        """End what the call records for its snapshots, if anything."""
+        if self.snapshots is not None:
+            self.snapshots.close()
 
     def report(
         self, name: str, failed: int, next_size: int | None, number: int, device: torch.device, free: int, stats: Stats

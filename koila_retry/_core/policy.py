@@ -12,6 +12,7 @@ import torch
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._core.snapshot import Target, check_target
 from koila_retry._core.stats import OnOOM
 
 __all__ = ["DEFAULT_GROW_AFTER", "DEFAULT_INITIAL", "Options", "Policy", "Schedule", "powers_of_two", "scaled"]
@@ -135,6 +136,8 @@ class Options(TypedDict, total=False):
     sync: bool | None
     group: Any
     schedule: Schedule
+    snapshot: Target | None
+    snapshot_each_oom: bool
 
 
 _NAMES = frozenset(Options.__annotations__)
@@ -169,6 +172,9 @@ class Policy:
         sync (bool or None): whether the ranks agree; ``None``: when a group runs.
         group (ProcessGroup or None): the ranks that agree.
         schedule (callable): the size after one that failed.
+        snapshot (str, path or callable, optional): where PyTorch's memory
+            snapshot of a call that gives up goes.
+        snapshot_each_oom (bool): also at every out-of-memory error.
     """
 
     initial: int | None
@@ -182,6 +188,8 @@ class Policy:
     sync: bool | None = None
     group: Any = None
     schedule: Schedule = powers_of_two
+    snapshot: Target | None = None
+    snapshot_each_oom: bool = False
 
     @classmethod
     def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any], *, rows: bool = False) -> Policy:
@@ -236,6 +244,7 @@ class Policy:
         if not isinstance(self.grow, bool):
             raise TypeError(f"grow must be a bool, got {type(self.grow).__name__} {self.grow!r}")
         _positive_int("grow_after", self.grow_after)
+        check_target(self.snapshot, self.snapshot_each_oom)
         if not callable(self.schedule):
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
         if self.device is not None and not isinstance(self.device, torch.device):

@@ -1,0 +1,150 @@
+"""PyTorch's memory snapshot of a call that runs out of memory, on request (``snapshot=``).
+
+Nothing here runs unless a front end is given ``snapshot=``: the engine then makes one
+:class:`Snapshots` per call. At the call's first out-of-memory error it starts the CUDA
+caching allocator's history (``torch.cuda.memory._record_memory_history``), so that the
+retries are recorded; when the call gives up (or at every such error, with
+``snapshot_each_oom=True``) it writes PyTorch's own snapshot
+(``torch.cuda.memory._snapshot()``, the format of ``torch.cuda.memory._dump_snapshot``),
+which https://pytorch.org/memory_viz opens, while the failed attempt's memory is still
+held. The history is process-wide: calls that record at once share it, and it stops when
+the last of them ends, unless something else had started it before, which it then leaves
+running. These are PyTorch's private functions: the ones its memory documentation names.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+
+from koila_retry._common.tracking import simulated
+
+__all__ = ["Snapshots", "Target", "check_target"]
+
+#: Where a snapshot goes: a path (``"{rank}"`` and ``"{attempt}"`` are filled in), or a
+#: callable given the snapshot, a dict.
+Target = Union[str, "os.PathLike[str]", Callable[[dict[str, Any]], None]]
+
+# Events kept in the history: enough for the retries of a step, bounded for a long job.
+MAX_ENTRIES = 100_000
+
+
+def check_target(target: object, each: object) -> None:
+    """Refuse a ``snapshot=`` or ``snapshot_each_oom=`` a call could not use, when the front end is made.
+
+    Raises:
+        TypeError: if ``target`` is neither a path nor a callable, or ``each`` is not a bool.
+        ValueError: if the path names a field other than ``{rank}`` and ``{attempt}``.
+    """
+    if not isinstance(each, bool):
+        raise TypeError(f"snapshot_each_oom must be a bool, got {type(each).__name__} {each!r}")
+    if target is None or (callable(target) and not isinstance(target, (str, os.PathLike))):
+        return
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(
+            "snapshot must be a path like 'oom/{rank}.pickle' or a callable given the snapshot (a dict), "
+            f"got {type(target).__name__} {target!r}"
+        )
+    try:
+        os.fspath(target).format(rank=0, attempt=1)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"snapshot={os.fspath(target)!r}: the path may name {{rank}} and {{attempt}} and no other field "
+            f"(double a brace to keep it: {{{{ }}}}): {exc}"
+        ) from None
+
+
+class _History:
+    """The allocator's history, process-wide: started by the first call that records, stopped by the last."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.ours = False
+
+    def join(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                already = bool(torch._C._cuda_isHistoryEnabled())
+                if not already:
+                    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+                self.ours = not already
+            self.users += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0 and self.ours:
+                self.ours = False
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+
+_history = _History()
+_NOTHING_TO_RECORD = (
+    "snapshot= records the CUDA caching allocator's history, and {device} has none{why}: nothing was recorded "
+    "for {name}"
+)
+
+
+class Snapshots:
+    """One call's snapshots: the history it records, and what it writes.
+
+    Args:
+        target (Target): where the snapshots go.
+        each (bool): whether to write one at every out-of-memory error, not only at a give-up.
+        device (torch.device): the call's device.
+        name (str): the call's function or block, for warnings.
+    """
+
+    def __init__(self, target: Target, each: bool, device: torch.device, name: str) -> None:
+        self.target, self.each, self.device, self.name = target, each, device, name
+        self.recording = False
+        self.warned = False
+
+    def failed(self, attempt: int, giving_up: bool) -> None:
+        """At an out-of-memory error, while the attempt's memory is held: record from now on, and write if due.
+
+        Never raises: a snapshot must not hide the error it is about.
+        """
+        if self.device.type != "cuda" or not torch.cuda.is_available() or simulated.device() is not None:
+            if not self.warned:  # once a call
+                self.warned = True
+                why = " (a simulated device)" if simulated.device() is not None else ""
+                warnings.warn(
+                    _NOTHING_TO_RECORD.format(device=self.device, why=why, name=self.name), UserWarning, stacklevel=2
+                )
+            return
+        try:
+            if not self.recording:
+                _history.join()
+                self.recording = True
+            if self.each or giving_up:
+                self._write(attempt)
+        except Exception as exc:  # a snapshot never hides the out-of-memory error
+            warnings.warn(f"snapshot= could not be taken for {self.name}: {exc}", UserWarning, stacklevel=2)
+
+    def _write(self, attempt: int) -> None:
+        data = torch.cuda.memory._snapshot(self.device)
+        if callable(self.target) and not isinstance(self.target, (str, os.PathLike)):
+            self.target(data)
+            return
+        rank = (
+            torch.distributed.get_rank()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
+        path = os.fspath(self.target).format(rank=rank, attempt=attempt)
+        with open(path, "wb") as file:
+            pickle.dump(data, file)
+
+    def close(self) -> None:
+        """End the call's recording (the history stops when no other call records)."""
+        if self.recording:
+            self.recording = False
+            _history.leave()

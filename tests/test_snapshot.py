@@ -1,0 +1,193 @@
+"""PyTorch's memory snapshot of a call that runs out of memory, on request (issue 31, part 4).
+
+The recording and the snapshot are the CUDA caching allocator's; here, without a GPU, a CUDA device
+made of numbers (``tests/_fake_cuda.py``) stands in, with PyTorch's recording functions replaced by
+ones that log what they are asked. On the CPU and the simulated device there is nothing to record,
+and the call says so.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _fake_cuda import FakeCuda
+
+import koila_retry as koila
+from koila_retry._core import memory, snapshot
+from koila_retry.testing import make_oom, oom_above, simulated_device
+
+
+class Allocator:
+    """What the fake CUDA device's allocator was asked: recording on and off, and snapshots."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, recording: bool = False) -> None:
+        self.log: list[str] = []
+        self.recording = recording
+        self.taken = 0
+        monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.recording, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record)
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
+        # Nothing to give back on a device made of numbers.
+        monkeypatch.setattr(memory, "release", lambda device=None: None)
+        monkeypatch.setattr(memory, "release_young", lambda device=None: None)
+
+    def record(self, enabled: str | None = "all", max_entries: int = 0, **kwargs: Any) -> None:
+        self.recording = enabled is not None
+        self.log.append("start" if self.recording else "stop")
+
+    def snapshot(self, device: Any = None) -> dict[str, Any]:
+        self.taken += 1
+        self.log.append(f"snapshot {self.taken}")
+        return {"segments": [], "device_traces": [[{"action": "oom", "n": self.taken}]]}
+
+
+@pytest.fixture
+def allocator(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Allocator:
+    return Allocator(monkeypatch)
+
+
+def _failing(**options: Any) -> Any:
+    def run(batch_size: int, log: list[str]) -> int:
+        log.append(f"attempt {batch_size}")
+        oom_above(1, kind="cuda")(batch_size)
+        return batch_size
+
+    return koila.batch(initial=8, device="cuda", cache=koila.NoCache(), **options)(run)
+
+
+def test_a_call_that_gives_up_writes_one_snapshot(allocator: Allocator, tmp_path: Path) -> None:
+    run = _failing(minimum=2, snapshot=str(tmp_path / "oom-{rank}-{attempt}.pickle"))
+    with pytest.raises(koila.BatchSizeExhausted):
+        run(allocator.log)
+    # Recorded from the first error on, so that the retries are in the history; written at the give-up,
+    # while the failed attempt's memory is held; stopped when the call ends.
+    assert allocator.log == ["attempt 8", "start", "attempt 4", "attempt 2", "snapshot 1", "stop"]
+    (written,) = tmp_path.iterdir()
+    assert written.name == "oom-0-3.pickle"
+    assert pickle.loads(written.read_bytes())["device_traces"] == [[{"action": "oom", "n": 1}]]
+
+
+def test_each_oom_writes_one_and_a_callable_is_given_the_snapshot(allocator: Allocator) -> None:
+    got: list[dict[str, Any]] = []
+    run = _failing(minimum=2, snapshot=got.append, snapshot_each_oom=True)
+    with pytest.raises(koila.BatchSizeExhausted):
+        run(allocator.log)
+    assert [entry["device_traces"][0][0]["n"] for entry in got] == [1, 2, 3]
+    assert allocator.log[-1] == "stop"
+
+
+def test_a_call_that_recovers_stops_recording_and_writes_nothing(allocator: Allocator, tmp_path: Path) -> None:
+    run = _failing(snapshot=str(tmp_path / "never.pickle"))
+    assert run(allocator.log) == 1
+    assert allocator.log == ["attempt 8", "start", "attempt 4", "attempt 2", "attempt 1", "stop"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_history_recorded_already_is_left_running(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    allocator = Allocator(monkeypatch, recording=True)
+    got: list[dict[str, Any]] = []
+    with pytest.raises(koila.BatchSizeExhausted):
+        _failing(minimum=4, snapshot=got.append)(allocator.log)
+    assert "start" not in allocator.log
+    assert "stop" not in allocator.log
+    assert allocator.recording
+    assert len(got) == 1
+
+
+def test_calls_that_record_at_once_share_the_history(allocator: Allocator) -> None:
+    history = snapshot._History()
+    history.join()
+    history.join()
+    history.leave()
+    assert allocator.log == ["start"]  # another call still records
+    history.leave()
+    assert allocator.log == ["start", "stop"]
+
+
+def test_the_history_is_shared_between_threads(allocator: Allocator) -> None:
+    barrier = threading.Barrier(4)
+    history = snapshot._History()
+
+    def use() -> None:
+        barrier.wait()
+        for _ in range(50):
+            history.join()
+            history.leave()
+
+    threads = [threading.Thread(target=use) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert history.users == 0
+    assert not allocator.recording
+    assert allocator.log.count("start") == allocator.log.count("stop") >= 1
+
+
+def test_a_snapshot_that_cannot_be_written_warns_and_the_call_still_gives_up(
+    allocator: Allocator, tmp_path: Path
+) -> None:
+    run = _failing(minimum=4, snapshot=str(tmp_path / "no-such-folder" / "oom.pickle"))
+    with pytest.warns(UserWarning, match="snapshot= could not be taken"), pytest.raises(koila.BatchSizeExhausted):
+        run(allocator.log)
+    assert allocator.log[-1] == "stop"
+
+
+def test_on_the_simulated_device_there_is_nothing_to_record(tmp_path: Path) -> None:
+    @koila.batch(initial=8, minimum=4, snapshot=str(tmp_path / "oom.pickle"))
+    def run(batch_size: int) -> torch.Tensor:
+        return torch.ones(batch_size, 1024, 1024)
+
+    with (
+        simulated_device("1MiB"),
+        pytest.warns(UserWarning, match=r"has none \(a simulated device\): nothing was recorded for .*run") as seen,
+        pytest.raises(koila.BatchSizeExhausted),
+    ):
+        run()
+    assert len(seen) == 1  # once a call, not once an attempt
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_on_the_cpu_there_is_nothing_to_record(tmp_path: Path) -> None:
+    @koila.batch(initial=2, minimum=1, device="cpu", snapshot=str(tmp_path / "oom.pickle"))
+    def run(batch_size: int) -> None:
+        raise make_oom("cpu")
+
+    with pytest.warns(UserWarning, match="cpu has none: nothing was recorded"), pytest.raises(koila.BatchSizeExhausted):
+        run()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_snapshot_nothing_is_recorded(allocator: Allocator) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(koila.BatchSizeExhausted):
+            _failing(minimum=4)(allocator.log)
+    assert allocator.log == ["attempt 8", "attempt 4"]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "shown"),
+    [
+        ({"snapshot": 3}, TypeError, "snapshot must be a path like 'oom/{rank}.pickle' or a callable"),
+        ({"snapshot": "oom/{step}.pickle"}, ValueError, "may name {rank} and {attempt} and no other field"),
+        ({"snapshot": "oom/{}.pickle"}, ValueError, "no other field"),
+        ({"snapshot": "oom.pickle", "snapshot_each_oom": 1}, TypeError, "snapshot_each_oom must be a bool"),
+    ],
+)
+def test_bad_snapshot_options_are_refused_when_the_front_end_is_made(
+    options: dict[str, Any], error: type[Exception], shown: str
+) -> None:
+    with pytest.raises(error, match=shown.replace("(", r"\(").replace("{", r"\{").replace("}", r"\}")):
+        koila.batch(**options)(lambda batch_size: None)
+
+
+def test_good_snapshot_options_are_taken(tmp_path: Path) -> None:
+    for target in ("oom/{rank}.pickle", tmp_path / "oom.pickle", "oom-{{literal}}.pickle", print, None):
+        koila.batch(snapshot=target)(lambda batch_size: None)
