@@ -212,3 +212,55 @@ def estimate_alone(rank: int, world: int) -> dict[str, Any]:
     # The model still trains, on every rank together.
     step(*example)
     return {"peak": peak, "same": same, "state": state == _fsdp_state(net), "checked": len(before)}
+
+
+@scenario("one")
+def estimate_beside_training(rank: int, world: int) -> dict[str, Any]:
+    """One thread trains a sharded model while another estimates its step again and again.
+
+    The estimate lends its copies to its own thread: the training thread sees FSDP2's own parameters,
+    hooks and state throughout, and ends where the same training without estimates ends.
+    """
+    import threading
+
+    def train(steps: int | None) -> tuple[list[torch.Tensor], list[int], int]:
+        """Train ``steps`` steps alone, or (``None``) beside estimates until three have ended."""
+        torch.manual_seed(0)
+        net = shard(Blocks(), {})
+        optimizer = torch.optim.Adam(net.parameters())
+        step = step_of(net, optimizer)
+        generator = torch.Generator().manual_seed(1)
+        examples = [torch.randn(16, 64, generator=generator) for _ in range(8)]
+        peaks: list[int] = []
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def estimating() -> None:
+            try:
+                while not stop.is_set():
+                    peaks.append(koila.estimate(step, examples[0]).peak(16))
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=estimating) if steps is None else None
+        taken = 0
+        if thread is not None:
+            thread.start()
+        try:
+            while (taken < steps) if steps is not None else (len(peaks) < 3 and not failures and taken < 2_000):
+                step(examples[taken % len(examples)])
+                taken += 1
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join()
+        assert not failures, failures[0]
+        return [p.to_local().detach().clone() for p in net.parameters()], peaks, taken  # type: ignore[attr-defined]
+
+    beside, peaks, taken = train(None)
+    alone, _, _ = train(taken)
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True)),
+        "estimates": len(peaks),
+        "steps": taken,
+    }

@@ -193,3 +193,11 @@ def test_the_model_is_left_as_it_was() -> None:
     assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in net.modules()]
     assert all(isinstance(net.layers[0]._parameters[name], nn.Parameter) for name in ("weight", "bias"))
     assert net.layers[0].weight.shape == (32, 32)
+
+
+@pytest.mark.timeout(2 * DEADLINE + 120)
+def test_a_thread_estimating_leaves_another_threads_training_as_it_was(groups: Groups) -> None:
+    (value,) = groups("one")["estimate_beside_training"]
+    assert value["estimates"] >= 3, "the estimates did not run beside the training: the test tests nothing"
+    assert value["steps"] > value["estimates"]
+    assert value["same"], "the training beside the estimates ended elsewhere than the same training alone"

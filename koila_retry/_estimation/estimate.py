@@ -864,6 +864,8 @@ class Owned:
                 for unit in sharding.units:
                     for parameter in unit.params:
                         fake_of(parameter, "parameters")
+                for tensor in sharding.gathered():
+                    fake_of(tensor, "parameters")  # not counted: see Sharding.held
                 emulation = sharding.emulation(loan.copy_of)
             # Their other attributes are put back as they were too: a scheduler's epoch, a scaler's record.
             loan.lend([*self.others, *self.modules, *self.optimizers])

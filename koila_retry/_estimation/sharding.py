@@ -66,6 +66,8 @@ class Unit:
     # A module gathered as the call starts (the root after a forward without backward): what
     # its modules hold now, by the id of the shard it stands for.
     holding: dict[int, torch.Tensor] = field(default_factory=dict)
+    # FSDP2's gathered parameter objects, which it swaps into its modules (lent, not counted).
+    swapped: list[torch.Tensor] = field(default_factory=list)
     # The run's state, made by Emulation.
     state: str = "idle"
     flat: torch.Tensor | None = None
@@ -85,7 +87,7 @@ class Sharding:
         self.world = world
         self.units = units
         self._shapes: dict[int, torch.Size] = {}
-        self._held = {id(held) for unit in units for held in unit.holding.values()}
+        self._held = {id(held) for unit in units for held in (*unit.holding.values(), *unit.swapped)}
         for unit in units:
             unit.sizes = [param.size() for param in unit.params]  # a DTensor's is the whole tensor's
             if unit.params:
@@ -121,12 +123,16 @@ class Sharding:
         return None
 
     def held(self, tensor: torch.Tensor) -> bool:
-        """Return whether ``tensor`` is a gathered parameter a module holds as the call starts.
+        """Return whether ``tensor`` is one of FSDP2's gathered parameters (held by a module now, or swapped in later).
 
         Its meta copy is made outside the run's accounting: the gathered buffers
         the emulation allocates for its module stand for it.
         """
         return id(tensor) in self._held
+
+    def gathered(self) -> list[torch.Tensor]:
+        """Return FSDP2's gathered parameter objects, to lend whether a module holds them now or not."""
+        return [tensor for unit in self.units for tensor in unit.swapped]
 
     def emulation(self, copy_of: Callable[[torch.Tensor], torch.Tensor | None]) -> Emulation:
         """Return what plays FSDP2 in the run, given the copies lent for each tensor.
@@ -230,6 +236,12 @@ def _from_fsdp(modules: list[torch.nn.Module], fsdp: int | None) -> Sharding:
                 real = param.sharded_param
                 if gathered:
                     unit.holding[id(real)] = param.unsharded_param
+                # FSDP2 swaps this one parameter object in and out of its module at every forward
+                # (made at the first all-gather, then kept): lent too, a thread that trains the
+                # model meanwhile cannot put a real tensor where this thread reads.
+                swapped = getattr(param, "_unsharded_param", None)  # private: FSDPParam's
+                if swapped is not None:
+                    unit.swapped.append(swapped)
                 unit.params.append(real)
                 unit.places.append((info.module, info.param_name, real))
                 for owner, name in zip(info.shared_modules, info.shared_param_names, strict=True):
