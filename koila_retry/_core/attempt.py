@@ -71,6 +71,7 @@ class Course:
         "agreement",
         "arguments",
         "call",
+        "clocked",
         "failure",
         "key",
         "owner",
@@ -97,6 +98,7 @@ class Course:
         self.phase = READY if started is None else RUNNING  # a driver's first attempt may run before
         self.started = started or 0.0
         self.unanimous = True
+        self.clocked = 0.0  # the policy's clock as the attempt began, when growing weighs throughput
         self.shards: Shards | None = None  # the FSDP2 modules of a call that agrees, if it reaches any
         if owner.policy.grow:
             self.grow()
@@ -114,6 +116,8 @@ class Course:
         self.phase = RUNNING
         if self.shards is not None:
             self.shards.arm()
+        if self.owner.rules.grow_gain is not None:
+            self.clocked = self.owner.policy.clock()
         self.started = time.perf_counter()
 
     def end(self, exc: BaseException | None) -> bool:
@@ -160,9 +164,30 @@ class Course:
         if self.failure is not None:
             self.failure.close()
         owner, state = self.owner, self.state
-        done = cast(Done, decision.decide(owner.rules, state, Outcome.SUCCEEDED))
+        gain = self.timed() if owner.rules.grow_gain is not None else None
+        done = cast(Done, decision.decide(owner.rules, state, Outcome.SUCCEEDED, gain=gain))
         grow = owner.policy.grow_after if owner.policy.grow else None
         store(owner.cache, self.key, done, state, self.call.per_sample, grow)
+        if done.enough:  # the probe hardly ran faster: back to the size below, for the rest of the call
+            below = cast(int, state.probe_from)
+            logger.info(
+                "%s: batch size %d ran less than %g%% more rows per second than %d; staying at %d",
+                *(owner.name, state.size, 100 * cast(float, owner.rules.grow_gain), below, below),
+            )
+            state.size = state.cached = owner.stats.batch_size = below
+            state.probe_from = None
+
+    def timed(self) -> float | None:
+        """Time the attempt that succeeded; at a growth probe, return its gain in rows/s over the size below."""
+        owner, state = self.owner, self.state
+        if state.rows is not None:
+            return None  # a short step says nothing of its size's rate
+        rate = owner.stats.record_time(state.size, owner.policy.clock() - self.clocked)
+        below = state.probe_from
+        if rate is None or below is None or state.size <= below:
+            return None
+        base = owner.stats.rate(below)
+        return None if not base else rate / base - 1
 
     def fail(self, place: str) -> Failure:
         """Record that the current attempt failed at ``place``, and what the decision says follows."""

@@ -25,11 +25,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from koila_retry._core.cache import Streak
 from koila_retry._core.policy import Policy, Schedule, powers_of_two
 
 __all__ = [
+    "NEVER",
     "Done",
     "GiveUp",
     "Outcome",
@@ -65,6 +67,8 @@ class Rules:
         max_attempts (int or None): the most attempts of a call, or of a step.
         keep_last (bool): store the size of every success (toma's caches do),
             not only of those below the call's ceiling.
+        grow_gain (float or None): the least gain in rows per second a growth
+            probe must bring over the size below it; ``None``: throughput is not weighed.
     """
 
     name: str
@@ -73,11 +77,13 @@ class Rules:
     schedule: Schedule = powers_of_two
     max_attempts: int | None = None
     keep_last: bool = False
+    grow_gain: float | None = None
 
     @classmethod
     def of(cls, name: str, policy: Policy, *, keep_last: bool = False) -> Rules:
         """Return the size rules of ``policy``, for the function named ``name``."""
-        return cls(name, policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last)
+        gain = policy.grow_gain if policy.grow else None
+        return cls(name, policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last, gain)
 
 
 @dataclass(slots=True)
@@ -163,6 +169,8 @@ class Done:
         reduced (bool): whether the size is below the call's ceiling: growing
             back waits for such successes in a row.
         probe (bool): whether the size was a growth probe (above the size that fitted).
+        enough (bool): the probe fitted but ran too few more rows per second than
+            the size below it: the call goes back there, and the key grows no more.
     """
 
     store: int | None
@@ -170,6 +178,7 @@ class Done:
     conclusive: bool
     reduced: bool
     probe: bool
+    enough: bool = False
 
 
 #: The next step of a call.
@@ -350,7 +359,15 @@ def shrink(rules: Rules, failed: int, number: int, floor: int) -> Try | GiveUp:
     return Try(max(size, floor))
 
 
-def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None = None, hint: int | None = None) -> Step:
+def decide(
+    rules: Rules,
+    state: State,
+    outcome: Outcome,
+    *,
+    agreed: int | None = None,
+    hint: int | None = None,
+    gain: float | None = None,
+) -> Step:
     """Return what follows the attempt that just ran.
 
     Args:
@@ -361,6 +378,9 @@ def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None =
             agreed on; ``None`` if a rank that failed had none left.
         hint (int or None): with :attr:`Outcome.OUT_OF_MEMORY` while a run is to
             be measured: the estimate's smaller probe, once it knows it was short.
+        gain (float or None): with :attr:`Outcome.SUCCEEDED` at a growth probe,
+            its rows per second over those of the size below it, less 1 (0.05
+            for 5% more); ``None`` if either was not timed.
 
     Returns:
         Step: :class:`Try`, :class:`GiveUp` or :class:`Done`.
@@ -372,6 +392,11 @@ def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None =
         if state.rows is not None and not rules.keep_last:
             # A short last step proves nothing about its full size: nothing is stored.
             return Done(None, False, conclusive=False, reduced=False, probe=probe)
+        if probing and rules.grow_gain is not None and gain is not None and gain < rules.grow_gain:
+            # It fits, but runs hardly faster: keep the size below, and stop growing.
+            below = cast(int, state.probe_from)
+            store = below if state.cached != below else None
+            return Done(store, False, conclusive=True, reduced=True, probe=True, enough=True)
         store, forget = None, False
         # Only a size below the ceiling says something about memory: one at it says only what
         # was asked for, and stored, it would hold back a later call that asks for more.
@@ -391,6 +416,10 @@ def decide(rules: Rules, state: State, outcome: Outcome, *, agreed: int | None =
         # to be measured, is a probe that fits even if it were far more under.
         return Try(max(min(step.size, hint), state.floor))
     return step
+
+
+#: The wait of a key whose last probe fitted but ran too few more rows per second: it grows no more.
+NEVER = 1 << 62
 
 
 def started_growing(streak: Streak | None) -> Streak | None:
@@ -419,8 +448,9 @@ def due(streak: Streak | None) -> bool:
 def counted(streak: Streak | None, done: Done, wait: int) -> Streak | None:
     """Return a key's streak after a success the decision called ``done``.
 
-    A success at the ceiling ends the streak (nothing to grow back to); one below it
-    counts, the first with the policy's ``wait``; a growth probe that fitted starts
+    A success at the ceiling ends the streak (nothing to grow back to); a probe that
+    brought too little throughput makes the wait endless (growth stops there); one
+    below it counts, the first with the policy's ``wait``; a growth probe that fitted starts
     the wait afresh. A success that proves nothing (a short step) counts nothing,
     and a probe on one leaves the key due again.
 
@@ -434,6 +464,8 @@ def counted(streak: Streak | None, done: Done, wait: int) -> Streak | None:
     """
     if not done.conclusive:
         return (streak[1], streak[1]) if done.probe and streak is not None else streak
+    if done.enough:
+        return (0, NEVER)
     if not done.reduced:
         return None
     if streak is None or done.probe:

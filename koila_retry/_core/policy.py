@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -133,6 +134,8 @@ class Options(TypedDict, total=False):
     device: DeviceLike
     grow: bool
     grow_after: int
+    grow_gain: float | None
+    clock: Callable[[], float]
     sync: bool | None
     group: Any
     schedule: Schedule
@@ -169,6 +172,10 @@ class Policy:
         device (torch.device or None): the device the calls use, when fixed.
         grow (bool): whether to grow back after a reduction.
         grow_after (int): successes in a row before growing.
+        grow_gain (float or None): the least gain in rows per second a size grown
+            to must bring over the one below it, or growth stops there; ``None``:
+            sizes grow whatever their throughput.
+        clock (callable): seconds, for timing the attempts that succeed while growing.
         sync (bool or None): whether the ranks agree; ``None``: when a group runs.
         group (ProcessGroup or None): the ranks that agree.
         schedule (callable): the size after one that failed.
@@ -185,6 +192,8 @@ class Policy:
     device: torch.device | None = None
     grow: bool = False
     grow_after: int = DEFAULT_GROW_AFTER
+    grow_gain: float | None = None
+    clock: Callable[[], float] = time.perf_counter
     sync: bool | None = None
     group: Any = None
     schedule: Schedule = powers_of_two
@@ -244,6 +253,16 @@ class Policy:
         if not isinstance(self.grow, bool):
             raise TypeError(f"grow must be a bool, got {type(self.grow).__name__} {self.grow!r}")
         _positive_int("grow_after", self.grow_after)
+        gain = self.grow_gain
+        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, (int, float))):
+            raise TypeError(f"grow_gain must be a number like 0.03, or None, got {type(gain).__name__} {gain!r}")
+        if gain is not None and not 0 <= gain < 10:  # NaN fails it too
+            raise ValueError(
+                f"grow_gain must be from 0 to 10, the least gain in rows per second that growing must bring "
+                f"(0.03 for 3%), or None, got {gain!r}"
+            )
+        if not callable(self.clock):
+            raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         check_target(self.snapshot, self.snapshot_each_oom)
         if not callable(self.schedule):
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")

@@ -67,6 +67,8 @@ class Stats:
         batch_size (int): the size of the latest attempt.
         seconds_lost (float): time spent in failed attempts and in releasing
             their memory.
+        throughput (dict): with ``grow=True``, the rows per second of the
+            attempts that succeeded, by size (the mean of each size's).
 
     .. versionadded:: 0.1.0
     """
@@ -78,6 +80,34 @@ class Stats:
         self.ooms = 0
         self.exhausted = 0
         self.seconds_lost = 0.0
+        self._timed: dict[int, tuple[int, float]] = {}  # size -> (attempts timed, their mean rows/s)
+
+    @property
+    def throughput(self) -> dict[int, float]:
+        with self._lock:
+            return {size: mean for size, (_, mean) in sorted(self._timed.items())}
+
+    def record_time(self, size: int, seconds: float) -> float | None:
+        """Count an attempt of ``size`` rows that succeeded in ``seconds``; return the mean rows/s of its size.
+
+        Returns:
+            float or None: the mean, or ``None`` if ``seconds`` is not positive (a clock that did not move).
+        """
+        if seconds <= 0:
+            return None
+        rate = size / seconds
+        with self._lock:
+            count, mean = self._timed.get(size, (0, 0.0))
+            count += 1
+            mean += (rate - mean) / count
+            self._timed[size] = (count, mean)
+            return mean
+
+    def rate(self, size: int) -> float | None:
+        """Return the mean rows/s of ``size``, or ``None`` if none was timed."""
+        with self._lock:
+            found = self._timed.get(size)
+        return None if found is None else found[1]
 
     @property
     def calls(self) -> int:

@@ -1,0 +1,140 @@
+"""Growing by throughput, not just size (issue 31, part 2): a probe that fits but runs hardly faster is let go.
+
+Every test times with a fake clock that the work itself moves on by the seconds its rows cost: no test
+reads a real clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import koila_retry as koila
+from koila_retry._core import decision
+from koila_retry._core.decision import Done, Outcome, Rules, State
+from koila_retry.testing import make_oom
+
+
+class Clock:
+    """Seconds that pass only when the work says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+def worker(clock: Clock, cost: Callable[[int], float], fail_first_at: int) -> tuple[Callable[[int], int], list[int]]:
+    """Work that takes ``cost(rows)`` seconds, and runs out of memory once, at ``fail_first_at`` rows."""
+    sizes: list[int] = []
+
+    def work(batch_size: int) -> int:
+        sizes.append(batch_size)
+        if batch_size == fail_first_at and sizes.count(batch_size) == 1:
+            raise make_oom()
+        clock.now += cost(batch_size)
+        return batch_size
+
+    return work, sizes
+
+
+@pytest.mark.parametrize(
+    ("cost", "settled"),
+    [
+        (lambda rows: rows / 128, 32),  # 128 rows/s at any size: growing to 64 gains nothing
+        (lambda rows: 0.125 + rows / 128, 64),  # a fixed 1/8 s a call: 64 rows run 20% faster than 32
+    ],
+    ids=["flat", "rising"],
+)
+def test_a_probe_that_fits_stays_only_if_it_runs_faster(cost: Callable[[int], float], settled: int) -> None:
+    clock = Clock()
+    work, sizes = worker(clock, cost, fail_first_at=64)
+    run = koila.batch(initial=64, grow=True, grow_after=1, grow_gain=0.03, clock=clock)(work)
+    for _ in range(8):
+        run()
+    # 64 ran out of memory, 32 fitted; at the next call the probe back up to 64 fitted too.
+    assert sizes[:3] == [64, 32, 64]
+    # Kept only where it brought 3% or more rows per second; after that, no more probes either way.
+    assert sizes[3:] == [settled] * 6
+    assert set(run.stats.throughput) == {32, 64}
+    assert run.stats.throughput[32] == pytest.approx(32 / cost(32))
+
+
+def test_a_gain_of_zero_grows_whenever_it_fits() -> None:
+    clock = Clock()
+    work, sizes = worker(clock, lambda rows: rows / 128, fail_first_at=64)
+    run = koila.batch(initial=64, grow=True, grow_after=1, grow_gain=0.0, clock=clock)(work)
+    for _ in range(5):
+        run()
+    assert sizes == [64, 32, 64, 64, 64, 64]
+
+
+def test_a_chunked_call_goes_back_to_the_size_below_for_its_other_chunks() -> None:
+    clock = Clock()
+    seen: list[int] = []
+
+    def embed(chunk: torch.Tensor) -> torch.Tensor:
+        seen.append(len(chunk))
+        if len(chunk) == 64 and seen.count(64) == 1:
+            raise make_oom()
+        clock.now += len(chunk) / 128
+        return chunk * 2
+
+    x = torch.arange(512.0).unsqueeze(1)
+    out = koila.chunked(
+        embed, x, initial=64, grow=True, grow_after=1, grow_gain=0.03, clock=clock, cache=koila.NoCache()
+    )
+    assert torch.equal(out, x * 2)
+    # 64 failed, 32 fitted, the next chunk probed 64, which fitted and gained nothing: 32 for the rest.
+    assert seen[:4] == [64, 32, 64, 32]
+    assert set(seen[4:]) == {32}
+
+
+@pytest.mark.parametrize("options", [{}, {"grow": True}, {"grow_gain": 0.03}], ids=["plain", "grow", "gain"])
+def test_without_grow_and_a_gain_the_clock_is_never_read(options: dict[str, object]) -> None:
+    # Growing by size alone is the default: no attempt is timed, and nothing depends on a clock.
+    clock = Clock()
+    work, sizes = worker(clock, lambda rows: rows / 128, fail_first_at=64)
+    run = koila.batch(initial=64, grow_after=1, clock=clock, **options)(work)
+    for _ in range(3):
+        run()
+    assert clock.reads == 0
+    assert run.stats.throughput == {}
+    if options.get("grow"):
+        assert sizes == [64, 32, 64, 64]
+
+
+def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:
+    rules = Rules("f", 128, grow_gain=0.03)
+    probe = State(size=64, ceiling=128, floor=1, cached=32, probe_from=32)
+    short = decision.decide(rules, probe, Outcome.SUCCEEDED, gain=0.01)
+    assert short == Done(None, False, conclusive=True, reduced=True, probe=True, enough=True)
+    assert decision.counted((1, 1), short, 1) == (0, decision.NEVER)  # the key grows no more
+    assert not decision.due(decision.counted((5, decision.NEVER), Done(32, False, True, True, False), 1))
+    enough = decision.decide(rules, probe, Outcome.SUCCEEDED, gain=0.05)
+    assert isinstance(enough, Done)
+    assert (enough.store, enough.enough) == (64, False)
+    # Untimed (a clock that did not move), or throughput not weighed: the plain rule.
+    assert decision.decide(rules, probe, Outcome.SUCCEEDED, gain=None) == enough
+    unweighed = Rules("f", 128)
+    assert decision.decide(unweighed, probe, Outcome.SUCCEEDED, gain=0.0) == enough
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "shown"),
+    [
+        ({"grow_gain": -0.1}, ValueError, "grow_gain must be from 0 to 10"),
+        ({"grow_gain": float("nan")}, ValueError, "grow_gain must be from 0 to 10"),
+        ({"grow_gain": "3%"}, TypeError, "grow_gain must be a number"),
+        ({"grow_gain": True}, TypeError, "grow_gain must be a number"),
+        ({"clock": 3}, TypeError, "clock must be callable"),
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, object], error: type[Exception], shown: str) -> None:
+    with pytest.raises(error, match=shown):
+        koila.batch(grow=True, **options)(lambda batch_size: None)
