@@ -95,6 +95,31 @@ def test_a_chunked_call_goes_back_to_the_size_below_for_its_other_chunks() -> No
     assert set(seen[4:]) == {32}
 
 
+@pytest.mark.parametrize(("overhead", "settled"), [(0.01, 32), (0.1, 64)], ids=["small", "large"])
+def test_accumulate_weighs_the_rows_per_second_of_whole_steps(overhead: float, settled: int) -> None:
+    # Each micro-batch costs a fixed overhead and its rows: larger micro-batches pay it fewer times
+    # a step. 256 rows from 32 to 64: 2% faster with 0.01 s, 17% with 0.1 s.
+    clock = Clock()
+    weight = torch.nn.Parameter(torch.ones(1))
+    sizes: list[int] = []
+
+    @koila.accumulate(initial=64, grow=True, grow_after=1, grow_gain=0.03, clock=clock)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(x))
+        if len(x) == 64 and sizes.count(64) == 1:
+            raise make_oom()
+        clock.now += overhead + len(x) / 128
+        return (x * weight).sum()
+
+    x = torch.ones(256, 1)
+    for _ in range(4):
+        step(x)
+        weight.grad = None
+    assert step.stats.batch_size == settled
+    assert set(step.stats.throughput) == {32, 64}
+    assert step.stats.throughput[32] == pytest.approx(256 / (8 * overhead + 2))
+
+
 @pytest.mark.parametrize("options", [{}, {"grow": True}, {"grow_gain": 0.03}], ids=["plain", "grow", "gain"])
 def test_without_grow_and_a_gain_the_clock_is_never_read(options: dict[str, object]) -> None:
     # Growing by size alone is the default: no attempt is timed, and nothing depends on a clock.

@@ -182,7 +182,11 @@ class Course:
         owner, state = self.owner, self.state
         if state.rows is not None:
             return None  # a short step says nothing of its size's rate
-        rate = owner.stats.record_time(state.size, owner.policy.clock() - self.clocked)
+        # What one attempt runs: all the call's rows where its size splits them (accumulate's
+        # micro-batches), else its size (a call of batch, a chunk of chunked, whose span is set).
+        call = self.call
+        rows = call.rows if call.span is None and call.rows else state.size
+        rate = owner.stats.record_time(state.size, owner.policy.clock() - self.clocked, rows)
         below = state.probe_from
         if rate is None or below is None or state.size <= below:
             return None

@@ -67,8 +67,9 @@ class Stats:
         batch_size (int): the size of the latest attempt.
         seconds_lost (float): time spent in failed attempts and in releasing
             their memory.
-        throughput (dict): with ``grow=True``, the rows per second of the
-            attempts that succeeded, by size (the mean of each size's).
+        throughput (dict): with ``grow=True`` and a ``grow_gain``, the rows per
+            second of the attempts that succeeded, by size (the mean of each
+            size's); for ``accumulate``, by micro-batch size, of the whole steps.
 
     .. versionadded:: 0.1.0
     """
@@ -87,15 +88,15 @@ class Stats:
         with self._lock:
             return {size: mean for size, (_, mean) in sorted(self._timed.items())}
 
-    def record_time(self, size: int, seconds: float) -> float | None:
-        """Count an attempt of ``size`` rows that succeeded in ``seconds``; return the mean rows/s of its size.
+    def record_time(self, size: int, seconds: float, rows: int) -> float | None:
+        """Count an attempt at ``size`` that ran ``rows`` rows in ``seconds``; return the mean rows/s of its size.
 
         Returns:
             float or None: the mean, or ``None`` if ``seconds`` is not positive (a clock that did not move).
         """
         if seconds <= 0:
             return None
-        rate = size / seconds
+        rate = rows / seconds
         with self._lock:
             count, mean = self._timed.get(size, (0, 0.0))
             count += 1
