@@ -102,6 +102,8 @@ class Course:
         self.shards: Shards | None = None  # the FSDP2 modules of a call that agrees, if it reaches any
         if owner.policy.grow:
             self.grow()
+        if owner.rules.refine:
+            self.refine()
         if agreement is not None:
             self.agree_on_start(call.span)
 
@@ -168,6 +170,8 @@ class Course:
         done = cast(Done, decision.decide(owner.rules, state, Outcome.SUCCEEDED, gain=gain))
         grow = owner.policy.grow_after if owner.policy.grow else None
         store(owner.cache, self.key, done, state, self.call.per_sample, grow)
+        if owner.rules.refine and self.key is not None and done.conclusive:
+            owner.cache.bounds.update(self.key, lambda bound: decision.still_failed(bound, state.size))
         if done.enough:  # the probe hardly ran faster: back to the size below, for the rest of the call
             below = cast(int, state.probe_from)
             logger.info(
@@ -208,6 +212,8 @@ class Course:
             failure.reused = iterator_among(self.arguments)
             if failure.reused is not None:  # a retry would see only what the failed attempt left of it
                 failure.step = decision.GiveUp("iterator", failure.step.probe)
+        if self.owner.rules.refine and self.key is not None:  # on every rank: the size failed in the job
+            self.owner.cache.bounds.update(self.key, lambda bound: decision.failed_at(bound, size))
         state.size, state.rows = size, None  # a short last step failed: go on below what it tried
         self.phase = FAILED
         return failure
@@ -288,10 +294,26 @@ class Course:
         state.rows, state.number, self.phase = None, 1, READY
         if self.failure is not None:
             self.failure.tried.clear()
-        if self.owner.policy.grow:  # else the ranks agreed on the size that succeeded: it is the same everywhere
-            self.grow()
+        policy = self.owner.policy
+        if policy.grow or policy.refine:  # else the ranks agreed on the size that succeeded: the same everywhere
+            if policy.grow:
+                self.grow()
+            if policy.refine:
+                self.refine()
             if self.agreement is not None:
                 self.agree_on_start()
+
+    def refine(self) -> None:
+        """Move to a probe between the size that fits and the smallest that failed, with ``refine=True``."""
+        owner, state = self.owner, self.state
+        if self.key is None or state.probe_from is not None:
+            return  # nothing remembered; or a growth probe runs first
+        failed = owner.cache.bounds.get(self.key)
+        size = decision.refined(owner.rules, state, failed)
+        if size != state.size:
+            logger.info("%s: batch size %d fits and %s did not; trying %d", owner.name, state.size, failed, size)
+            state.probe_from = state.size
+            state.size = owner.stats.batch_size = size
 
     def agree_on_start(self, span: int | None = None) -> None:
         """Start at the ranks' agreed size, never below their floor."""

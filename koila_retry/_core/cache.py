@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import cachetools
 import torch
@@ -89,15 +89,17 @@ class CacheInfo(NamedTuple):
 
 #: A key's successes in a row, and how many it waits for before it grows back.
 Streak = tuple[int, int]
+Kept = TypeVar("Kept")
 
 
-class Growth:
-    """Each key's :data:`Streak` towards growing back, for the keys of one cache.
+class Growth(Generic[Kept]):
+    """What the engine follows of each key of one cache besides its size: its :data:`Streak` towards growing
+    back, or (``refine=True``) the smallest size that failed.
 
-    A cache owns one, beside its sizes, so growing back follows a key for as long as
-    its size is remembered (``attempts`` makes a controller per run; the cache
-    outlives it). It only stores: when a key is due and how its streak moves are
-    the engine's decision (``koila_retry._core.decision``), applied under the lock.
+    A cache owns one of each, beside its sizes, so growing back and refining follow a
+    key for as long as its size is remembered (``attempts`` makes a controller per run;
+    the cache outlives it). It only stores: when a key is due and how what it keeps
+    moves are the engine's decision (``koila_retry._core.decision``), applied under the lock.
 
     Args:
         maxsize (int): how many keys to follow; the least recently used go first.
@@ -107,17 +109,17 @@ class Growth:
 
     def __init__(self, maxsize: int) -> None:
         self._lock = threading.Lock()
-        self._keys: cachetools.LRUCache[Hashable, Streak] = cachetools.LRUCache(maxsize)
+        self._keys: cachetools.LRUCache[Hashable, Kept] = cachetools.LRUCache(maxsize)
 
-    def update(self, key: Hashable, change: Callable[[Streak | None], Streak | None]) -> Streak | None:
-        """Replace the streak of ``key`` by ``change(streak)`` (``None``: forget it); return the streak before.
+    def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
+        """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before.
 
         Args:
             key (Hashable): the call's key.
-            change (callable): the new streak from the old one, ``None`` for a key not followed.
+            change (callable): the new value from the old one, ``None`` for a key not followed.
 
         Returns:
-            tuple or None: the streak before the change.
+            The value before the change, or ``None``.
         """
         with self._lock:
             before = self._keys.get(key)
@@ -127,6 +129,11 @@ class Growth:
             elif after != before:
                 self._keys[key] = after
             return before
+
+    def get(self, key: Hashable) -> Kept | None:
+        """Return what ``key`` keeps, or ``None``."""
+        with self._lock:
+            return self._keys.get(key)
 
     def clear(self) -> None:
         """Forget every key."""
@@ -364,7 +371,9 @@ class SizeCache(Sizes, ABC):
             # the three-argument call the engine makes; a user's function gets all four.)
             vars(self)["key"] = key
         #: When the sizes kept here grow back (see :class:`Growth`).
-        self.growth = Growth(maxsize)
+        self.growth: Growth[Streak] = Growth(maxsize)
+        #: With ``refine=True``, the smallest size that failed under each key.
+        self.bounds: Growth[int] = Growth(maxsize)
         #: What front ends work out for this cache's calls besides their sizes, under keys of
         #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
         self.derived: dict[Hashable, Any] = {}
@@ -449,6 +458,7 @@ class SizeCache(Sizes, ABC):
         """Forget every size, what grows back and what was derived, and reset the hit and miss counts."""
         super().cache_clear()
         self.growth.clear()
+        self.bounds.clear()
         self.derived.clear()
 
 

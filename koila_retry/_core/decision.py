@@ -40,18 +40,22 @@ __all__ = [
     "Step",
     "Try",
     "agreed_start",
+    "between",
     "calibrated",
     "counted",
     "decide",
     "due",
+    "failed_at",
     "failed_growing",
     "first",
     "grow_by",
     "grown",
     "in_samples",
+    "refined",
     "settled",
     "shrink",
     "started_growing",
+    "still_failed",
 ]
 
 
@@ -69,6 +73,7 @@ class Rules:
             not only of those below the call's ceiling.
         grow_gain (float or None): the least gain in rows per second a growth
             probe must bring over the size below it; ``None``: throughput is not weighed.
+        refine (bool): search between the size that fits and the smallest that failed.
     """
 
     name: str
@@ -78,12 +83,14 @@ class Rules:
     max_attempts: int | None = None
     keep_last: bool = False
     grow_gain: float | None = None
+    refine: bool = False
 
     @classmethod
     def of(cls, name: str, policy: Policy, *, keep_last: bool = False) -> Rules:
         """Return the size rules of ``policy``, for the function named ``name``."""
         gain = policy.grow_gain if policy.grow else None
-        return cls(name, policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last, gain)
+        rules = (policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last, gain, policy.refine)
+        return cls(name, *rules)
 
 
 @dataclass(slots=True)
@@ -416,6 +423,50 @@ def decide(
         # to be measured, is a probe that fits even if it were far more under.
         return Try(max(min(step.size, hint), state.floor))
     return step
+
+
+def between(fits: int, failed: int) -> int:
+    """Return the size halfway from one that fits to one that failed, or ``fits`` when none is left between.
+
+    In multiples of 8 rows from 64 up (the sizes tensor cores run whole), so that the
+    search ends within 8 rows, about log2(fits / 8) probes from a power of two.
+
+    Args:
+        fits (int): the largest size known to fit.
+        failed (int): the smallest size known to fail, above it.
+
+    Returns:
+        int: the probe, above ``fits`` and below ``failed``; ``fits`` if there is none.
+    """
+    step = 8 if fits >= 64 else 1
+    middle = (fits + failed) // 2 // step * step
+    return middle if fits < middle < failed else fits
+
+
+def refined(rules: Rules, state: State, failed: int | None) -> int:
+    """Return the size to start a call or a step at, with ``refine=True``: a probe between, or ``state.size``.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        state (State): the call, at the size that fits.
+        failed (int or None): the smallest size that failed under the call's key.
+
+    Returns:
+        int: the size, never above the ceiling.
+    """
+    if not rules.refine or failed is None or failed <= state.size:
+        return state.size
+    return min(between(state.size, failed), state.ceiling)
+
+
+def failed_at(bound: int | None, size: int) -> int:
+    """Return the smallest size that failed under a key, after ``size`` failed."""
+    return size if bound is None else min(bound, size)
+
+
+def still_failed(bound: int | None, size: int) -> int | None:
+    """Return the smallest size that failed under a key, after ``size`` fitted: forgotten if ``size`` reached it."""
+    return None if bound is not None and size >= bound else bound
 
 
 #: The wait of a key whose last probe fitted but ran too few more rows per second: it grows no more.

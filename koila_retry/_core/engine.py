@@ -91,7 +91,11 @@ class Controller:
         # Whether a call may take the short way (see call): always, when no process group runs
         # (the usual case, looked up on each call), or never.
         self._mode = (
-            _LONG if policy.grow or policy.sync is True else _SHORT if policy.sync is False else _UNLESS_A_GROUP
+            _LONG
+            if policy.grow or policy.refine or policy.sync is True
+            else _SHORT
+            if policy.sync is False
+            else _UNLESS_A_GROUP
         )
         # What the decision settles a call with nothing stored at, asked once (0: ask each call).
         self._unstored = 0 if policy.initial is None else decision.settled(self.rules, None, 0)

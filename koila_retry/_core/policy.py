@@ -136,6 +136,7 @@ class Options(TypedDict, total=False):
     grow_after: int
     grow_gain: float | None
     clock: Callable[[], float]
+    refine: bool
     sync: bool | None
     group: Any
     schedule: Schedule
@@ -176,6 +177,7 @@ class Policy:
             to must bring over the one below it, or growth stops there; ``None``:
             sizes grow whatever their throughput.
         clock (callable): seconds, for timing the attempts that succeed while growing.
+        refine (bool): search between the size that fits and the one above that failed.
         sync (bool or None): whether the ranks agree; ``None``: when a group runs.
         group (ProcessGroup or None): the ranks that agree.
         schedule (callable): the size after one that failed.
@@ -194,6 +196,7 @@ class Policy:
     grow_after: int = DEFAULT_GROW_AFTER
     grow_gain: float | None = None
     clock: Callable[[], float] = time.perf_counter
+    refine: bool = False
     sync: bool | None = None
     group: Any = None
     schedule: Schedule = powers_of_two
@@ -261,6 +264,8 @@ class Policy:
                 f"grow_gain must be from 0 to 10, the least gain in rows per second that growing must bring "
                 f"(0.03 for 3%), or None, got {gain!r}"
             )
+        if not isinstance(self.refine, bool):
+            raise TypeError(f"refine must be a bool, got {type(self.refine).__name__} {self.refine!r}")
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         check_target(self.snapshot, self.snapshot_each_oom)
