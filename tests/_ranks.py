@@ -1055,3 +1055,23 @@ def ddp_buffers_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
 
     step(data(8, 3, seed=101 + rank), data(8, 1, seed=103 + rank))
     return {"seen": seen}
+
+
+@scenario("two", "three")
+def refine_agrees(rank: int, world: int) -> dict[str, Any]:
+    """refine=True across ranks (issue 31): the last rank fits 100 rows, the others 120; every rank probes the same."""
+    fits = 100 if rank == world - 1 else 120
+    tried: list[list[int]] = []
+
+    @koila.batch(initial=128, refine=True)
+    def run(batch_size: int) -> int:
+        tried[-1].append(batch_size)
+        if batch_size > fits:
+            raise make_oom()
+        return batch_size
+
+    got = []
+    for _ in range(8):
+        tried.append([])
+        got.append(run())
+    return {"got": got, "tried": tried, "ooms": run.stats.ooms}

@@ -565,3 +565,17 @@ def test_agreements_keep_no_process_group_alive(tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
     assert [group() for group in groups] == [None, None]
+
+
+@pytest.mark.parametrize("group", WORLDS)
+def test_refine_probes_the_same_sizes_on_every_rank(groups: Groups, group: str) -> None:
+    """Every rank keeps the smallest size that failed on any rank, so their probes agree (issue 31)."""
+    values = groups(group)["refine_agrees"]
+    tried = same_on_every_rank(values, "tried")
+    got = same_on_every_rank(values, "got")
+    assert tried[0] == [128, 64]
+    # Between the powers of two, up to what the rank with least memory fits, within 12.5%.
+    assert 88 <= got[-1] <= 100
+    assert got[-3:] == [got[-1]] * 3
+    failed = [size for call in tried for size in call if size > 100]
+    assert len(failed) == len(set(failed)), "a size that failed on a rank was tried again"
