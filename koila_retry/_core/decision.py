@@ -10,7 +10,11 @@ Every size rule of the engine lives here, and nowhere else:
   and the size above a reduced one, by the schedule (:func:`grown`);
 - what follows an attempt (:func:`decide`): shrinking by the schedule, the fall
   back from a growth probe, the smaller probe of a measured run, the size the
-  ranks agreed on, the floor and ``max_attempts``, or what a success stores;
+  ranks agreed on, the floor and ``max_attempts``, or what a success stores,
+  and whether a probe that fitted ran enough faster to keep (``grow_gain``);
+- with ``refine=True``, the probe between the size that fits and the smallest
+  that failed (:func:`between`, :func:`refined`), and how that bound moves
+  (:func:`failed_at`, :func:`still_failed`);
 - where ranks agree, their common start (:func:`agreed_start`);
 - a measured run's correction (:func:`calibrated`).
 
