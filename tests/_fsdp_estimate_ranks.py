@@ -9,12 +9,14 @@ How the scenarios run and what they save: tests/_spawn.py.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from _fsdp_ranks import cpu_mesh
 from _spawn import Scenarios
+from _turns import Turns
 from torch import nn
 
 import koila_retry as koila
@@ -219,28 +221,44 @@ def estimate_beside_training(rank: int, world: int) -> dict[str, Any]:
     """One thread trains a sharded model while another estimates its step again and again.
 
     The estimate lends its copies to its own thread: the training thread sees FSDP2's own parameters,
-    hooks and state throughout, and ends where the same training without estimates ends.
+    hooks and state throughout, and ends where the same training without estimates ends. The two take
+    turns (``_turns.py``) only where the training assigns ``.grad`` (FSDP2's backward, the optimizer's
+    ``zero_grad``), which PyTorch does not make safe against the estimate reading it: each estimate runs
+    against the training's forward, FSDP2's all-gathers and gathered parameters in flight.
     """
-    import threading
 
-    def train(steps: int | None) -> tuple[list[torch.Tensor], list[int], int]:
+    def train(steps: int | None) -> tuple[list[torch.Tensor], list[int], int, int]:
         """Train ``steps`` steps alone, or (``None``) beside estimates until three have ended."""
         torch.manual_seed(0)
         net = shard(Blocks(), {})
         optimizer = torch.optim.Adam(net.parameters())
         step = step_of(net, optimizer)
+        turns = Turns()
         generator = torch.Generator().manual_seed(1)
         examples = [torch.randn(16, 64, generator=generator) for _ in range(8)]
         peaks: list[int] = []
         failures: list[str] = []
         stop = threading.Event()
+        forwards = 0  # training forwards begun while an estimate ran
 
         def estimating() -> None:
             try:
                 while not stop.is_set():
-                    peaks.append(koila.estimate(step, examples[0]).peak(16))
+                    with turns.estimating():
+                        peaks.append(koila.estimate(step, examples[0]).peak(16))
             except Exception as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                turns.end()
+
+        def trained(rows: torch.Tensor, beside: bool) -> None:
+            nonlocal forwards
+            forwards += beside and turns.beside()
+            loss = net(rows).float().pow(2).mean()
+            with turns.writing():
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
 
         thread = threading.Thread(target=estimating) if steps is None else None
         taken = 0
@@ -248,19 +266,21 @@ def estimate_beside_training(rank: int, world: int) -> dict[str, Any]:
             thread.start()
         try:
             while (taken < steps) if steps is not None else (len(peaks) < 3 and not failures and taken < 2_000):
-                step(examples[taken % len(examples)])
+                trained(examples[taken % len(examples)], thread is not None)
                 taken += 1
         finally:
             stop.set()
+            turns.finish()
             if thread is not None:
                 thread.join()
         assert not failures, failures[0]
-        return [p.to_local().detach().clone() for p in net.parameters()], peaks, taken  # type: ignore[attr-defined]
+        return [p.to_local().detach().clone() for p in net.parameters()], peaks, taken, forwards  # type: ignore[attr-defined]
 
-    beside, peaks, taken = train(None)
-    alone, _, _ = train(taken)
+    beside, peaks, taken, forwards = train(None)
+    alone, _, _, _ = train(taken)
     return {
         "same": all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True)),
         "estimates": len(peaks),
         "steps": taken,
+        "forwards": forwards,
     }
