@@ -19,8 +19,12 @@ include what was allocated before the block, the simulated ones do not.
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
@@ -29,12 +33,25 @@ import torch
 from koila_retry.testing import SimulatedDevice, simulated_device
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[1]
 # What a test that needs a real CUDA device carries: the marker that `tox -e gpu` selects,
 # and a skip everywhere else.
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 UNLIMITED = 2**60  # a simulated device that never runs out: it only counts
 
 Test = TypeVar("Test", bound=Callable[..., Any])
+
+
+def run_json(script: str, *args: str) -> dict[str, Any]:
+    """Run ``script`` with ``args`` in a fresh interpreter at the repository's root; return its last line's JSON.
+
+    A CUDA test that sets a process-wide limit (``set_per_process_memory_fraction``) or
+    needs a fresh caching allocator runs its case this way.
+    """
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def needs_cuda(test: Test) -> Test:

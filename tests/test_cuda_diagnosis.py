@@ -7,16 +7,11 @@ asks for 400 MiB where a 1800 MiB segment of the cache is cut into 40 MiB pieces
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from _devices import needs_cuda
-
-ROOT = Path(__file__).resolve().parents[1]
+from _devices import needs_cuda, run_json
 
 PRELUDE = """
 import json, pickle, sys
@@ -63,11 +58,7 @@ print(json.dumps(found))
 
 
 def _run(body: str, *args: str) -> dict[str, Any]:
-    script = textwrap.dedent(PRELUDE) + textwrap.dedent(body) + textwrap.dedent(REPORT)
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_json(textwrap.dedent(PRELUDE) + textwrap.dedent(body) + textwrap.dedent(REPORT), *args)
 
 
 @needs_cuda
@@ -88,20 +79,10 @@ def test_a_real_fragmented_cache_is_diagnosed_fragmentation_and_snapshotted(tmp_
     assert found["requested"] == 400 * 2**20
     assert found["largest"] == 40 * 2**20
     assert found["unused"] >= 800 * 2**20
-    snapshot = json.loads(
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import pickle, json, sys; s = pickle.load(open(sys.argv[1], 'rb')); "
-                "print(json.dumps({'segments': len(s['segments']), 'keys': sorted(s)}))",
-                str(tmp_path / "oom-0.pickle"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+    snapshot = run_json(
+        "import pickle, json, sys; s = pickle.load(open(sys.argv[1], 'rb')); "
+        "print(json.dumps({'segments': len(s['segments']), 'keys': sorted(s)}))",
+        str(tmp_path / "oom-0.pickle"),
     )
     # PyTorch's own format, as its memory visualizer reads it.
     assert snapshot["segments"] >= 1

@@ -10,17 +10,11 @@ reserved blocks count against the share and the free-memory reading moves as the
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _devices import needs_cuda
-
-ROOT = Path(__file__).resolve().parents[1]
+from _devices import needs_cuda, run_json
 
 SCRIPT = """
 import json, sys
@@ -51,16 +45,7 @@ print(json.dumps({"results": results, "tried": tried, "fitted": fitted,
 
 
 def _run(row_mib: int, share: str, initial: int) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(row_mib), share, str(initial)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_json(textwrap.dedent(SCRIPT), str(row_mib), share, str(initial))
 
 
 @needs_cuda

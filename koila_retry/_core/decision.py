@@ -92,9 +92,16 @@ class Rules:
     @classmethod
     def of(cls, name: str, policy: Policy, *, keep_last: bool = False) -> Rules:
         """Return the size rules of ``policy``, for the function named ``name``."""
-        gain = policy.grow_gain if policy.grow else None
-        rules = (policy.initial, policy.minimum, policy.schedule, policy.max_attempts, keep_last, gain, policy.refine)
-        return cls(name, *rules)
+        return cls(
+            name,
+            policy.initial,
+            policy.minimum,
+            policy.schedule,
+            policy.max_attempts,
+            keep_last,
+            grow_gain=policy.grow_gain if policy.grow else None,
+            refine=policy.refine,
+        )
 
 
 @dataclass(slots=True)
