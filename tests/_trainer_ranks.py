@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,14 +51,32 @@ def limited(rank: int, limit: str) -> contextlib.AbstractContextManager[Any]:
     return simulated_device(limit) if rank == 1 else contextlib.nullcontext()
 
 
+def _issuer() -> str:
+    """Return the name of the module whose code is giving the warning being shown now."""
+    frame = sys._getframe(2)  # below _issuer and the showwarning hook
+    while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
+        frame = frame.f_back
+    return "" if frame is None else str(frame.f_globals.get("__name__", ""))
+
+
 @contextlib.contextmanager
 def koila_warnings() -> Iterator[list[str]]:
-    """Record the warnings that koila-retry gives; the trainers' own notices are not this library's."""
-    with warnings.catch_warnings(record=True) as caught:
+    """Record the warnings that koila-retry's own code gives; the trainers' own notices are not this library's.
+
+    A warning counts by the module that gives it, read off the stack while it is shown, not by
+    the file it names: ``stacklevel`` points that at the caller, and every file's path holds the
+    name of the folder the checkout was cloned into (``koila-retry``, as the README clones it).
+    """
+    found: list[str] = []
+
+    def record(message: Warning | str, *args: Any) -> None:
+        if _issuer().partition(".")[0] == "koila_retry":
+            found.append(str(message))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        found: list[str] = []
+        warnings.showwarning = record
         yield found
-    found.extend(str(entry.message) for entry in caught if "koila" in str(entry.message) + entry.filename)
 
 
 @contextlib.contextmanager

@@ -8,10 +8,14 @@ agree on every micro-batch size, and a hang ends the group at ``DEADLINE``.
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+import koila_retry as koila
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
@@ -27,6 +31,19 @@ pytestmark = pytest.mark.timeout(DEADLINE + 120)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return Groups(_trainer_ranks, tmp_path_factory, DEADLINE)("two")
+
+
+def test_koila_warnings_are_told_apart_by_the_code_that_gives_them(tmp_path: Path) -> None:
+    """Issue 38: in a checkout cloned into ``koila-retry``, every file's path holds "koila"."""
+    clone = tmp_path / "koila-retry" / ".tox" / "py" / "site-packages" / "lightning" / "loops.py"
+    trainer_code = compile('warnings.warn("Skipping val loop.", stacklevel=2)', str(clone), "exec")
+    broken = tmp_path / "koila-retry-sizes.json"
+    broken.write_text("[1, 2]")
+    with _trainer_ranks.koila_warnings() as said:
+        exec(trainer_code, {"__name__": "lightning.pytorch.loops", "warnings": warnings})
+        koila.DiskCache(broken)  # warns with stacklevel pointing here, at the caller
+    assert len(said) == 1
+    assert "is not a koila-retry size cache" in said[0]
 
 
 def assert_equal_on_both_ranks(values: list[dict[str, Any]]) -> None:
