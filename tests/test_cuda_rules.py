@@ -1,7 +1,7 @@
 """CUDA's kernels where a meta run would take another path: dropout, and the attention inside nn.MultiheadAttention.
 
 Checked without a GPU, from what PyTorch's CUDA code allocates and from the H100 run of
-2026-11-25 (torch 2.11, ``gpu-runs/2026-11-25/pytest.log`` in the project's shared logs):
+2026-11-25 (torch 2.11, ``benchmarks/runs/2026-11-25-h100/pytest.log``):
 
 - In training, ``aten::dropout`` sends a CUDA tensor to its fused kernel, ``native_dropout``
   (``aten/src/ATen/native/Dropout.cpp``: out of place, ``0 < p < 1``, elements to drop), which
@@ -254,7 +254,7 @@ def _child() -> None:
 # PyTorch's CUDA reduction kernel (ATen/native/cuda/Reduce.cuh) splits an output's inputs across
 # thread blocks when each thread would otherwise sum 256 values or more and the grid is smaller
 # than the card holds; the blocks meet in a buffer it takes from the caching allocator for the
-# call. On the H100 run of 2026-11-25 (gpu-runs/2026-11-25/diag2.txt), the bias gradient of the
+# call. On the H100 run of 2026-11-25 (benchmarks/runs/2026-11-25-h100/diag2.txt), the bias gradient of the
 # zoo's MLP, grad_output.sum(0) of a [8192, 1024] float32 tensor, held 64 MiB that way.
 
 H100 = workspace.CudaCard(multiprocessors=132, threads_per_multiprocessor=2048, warp_size=32)

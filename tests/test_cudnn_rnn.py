@@ -48,7 +48,7 @@ MiB = 2**20
 BIG = 4 << 30
 
 # The H100 run of 2026-11-25 (torch 2.11.0+cu130, cuDNN 9.19): diagnose2.py's grid of cuDNN's RNN
-# memory (gpu-runs/2026-11-25/diag2.txt), in MiB. (kind, dtype, layers, hidden, steps, rows):
+# memory (benchmarks/runs/2026-11-25-h100/diag2.txt), in MiB. (kind, dtype, layers, hidden, steps, rows):
 # (forward peak under no_grad, kept by a forward with autograd, backward's peak).
 GRID: dict[tuple[str, str, int, int, int, int], tuple[float, float, float]] = {
     ("GRU", "float32", 1, 128, 16, 64): (21.69, 3.03, 18.81),
@@ -124,7 +124,7 @@ SAMPLE = {
     for dtype in ("float32", "bfloat16")
     for shape in ((1, 128, 16, 64), (1, 512, 64, 1024), (2, 128, 64, 1024), (2, 512, 16, 1024))
 }
-# The same run's GPU suite (gpu-runs/2026-11-25/pytest.log): (model, mode, precision) -> the
+# The same run's GPU suite (benchmarks/runs/2026-11-25-h100/pytest.log): (model, mode, precision) -> the
 # step's peak in MiB, beside what was allocated before the model was built.
 ZOO: dict[tuple[str, str, str], float] = {
     ("gru", "train", "fp32"): 603.4,

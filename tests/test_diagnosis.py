@@ -1,10 +1,11 @@
 """Why a call ran out of memory: capacity or fragmentation (issue 31, part 3).
 
 The rule reads PyTorch's own formats, so it is tested with two real allocator states from an H100
-(``tests/data/oom_states.json``, from ``shared/gpu-runs/2026-11-25``: a capacity OOM and a
-fragmentation OOM under a 2 GiB memory fraction, with their messages, ``memory_stats()`` and the
-segments of ``memory_snapshot()``), with made-up states around its edges, and through calls that give
-up on the simulated device, the CPU allocator and a CUDA device made of those numbers.
+(``tests/data/oom_states.json``, a copy of ``benchmarks/runs/2026-11-25-h100/oom_states.json``: a
+capacity OOM and a fragmentation OOM under a 2 GiB memory fraction, with their messages,
+``memory_stats()`` and the segments of ``memory_snapshot()``), with made-up states around its edges,
+and through calls that give up on the simulated device, the CPU allocator and a CUDA device made of
+those numbers.
 """
 
 from __future__ import annotations

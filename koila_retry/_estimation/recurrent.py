@@ -538,10 +538,11 @@ def _generic(call: _Call) -> tuple[torch.Tensor, ...]:
 # --- CUDA: cuDNN ---------------------------------------------------------------------------
 
 # What cuDNN's RNN allocates beside its outputs, fitted to one run: an H100 80GB with cuDNN 9.19 and
-# torch 2.11.0+cu130 on 2026-11-25 (gpu-runs/2026-11-25: diag2.txt's grid of GRUs and LSTMs in float32
-# and bfloat16, 1 and 2 layers, hidden 128 and 512, 16 and 64 steps, 64 and 1024 rows, 32 features, one
-# direction; and the zoo's two-layer GRU and LSTM in eval mode and under bfloat16 autocast, diag.txt and
-# pytest.log). cuDNN picks its algorithms and their sizes by version and card: others may differ.
+# torch 2.11.0+cu130 on 2026-11-25 (benchmarks/runs/2026-11-25-h100/: diag2.txt's grid of GRUs and
+# LSTMs in float32 and bfloat16, 1 and 2 layers, hidden 128 and 512, 16 and 64 steps, 64 and 1024 rows,
+# 32 features, one direction; and the zoo's two-layer GRU and LSTM in eval mode and under bfloat16
+# autocast, diag.txt and pytest.log). cuDNN picks its algorithms and their sizes by version and card:
+# others may differ.
 #
 # The reserve a training-mode forward keeps for backward, per row and step, in elements of the call's
 # dtype: this many times the hidden size per layer and direction, and each layer's input past the first

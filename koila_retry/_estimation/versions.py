@@ -80,7 +80,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
         "what cuDNN's recurrent layers hold on CUDA: reserve, workspace, copies",
         "koila_retry/_estimation/recurrent.py: _CudnnStack",
         # 2.11: fitted to the grid the H100 run of 2026-11-25 measured (torch 2.11.0+cu130, cuDNN 9.19,
-        # shared/gpu-runs/2026-11-25/diag2.txt); 2.13: what aten/src/ATen/native/cudnn/RNN.cpp allocates.
+        # benchmarks/runs/2026-11-25-h100/diag2.txt); 2.13: what aten/src/ATen/native/cudnn/RNN.cpp allocates.
         ("2.11", "2.13"),
         "",
     ),
@@ -88,14 +88,14 @@ RULE_SETS: tuple[RuleSet, ...] = (
         "the staging buffer CUDA's reduction kernel takes when it splits a sum or mean across blocks",
         "koila_retry/_estimation/workspace.py: cuda_reduction_buffers",
         # 2.11: it gives the 64 MiB the H100 run recorded under sum for a [8192, 1024] bias gradient
-        # (shared/gpu-runs/2026-11-25/diag2.txt); 2.13: aten/src/ATen/native/cuda/Reduce.cuh's launch rules.
+        # (benchmarks/runs/2026-11-25-h100/diag2.txt); 2.13: aten/src/ATen/native/cuda/Reduce.cuh's launch rules.
         ("2.11", "2.13"),
         "",
     ),
     RuleSet(
         "CUDA's fused dropout in training, which keeps a one-byte mask",
         "koila_retry/_estimation/attention.py: _cuda_dropout",
-        # 2.11: the H100 run's dropout allocations (shared/gpu-runs/2026-11-25/diag.txt) match it to the
+        # 2.11: the H100 run's dropout allocations (benchmarks/runs/2026-11-25-h100/diag.txt) match it to the
         # 0.01 MiB printed; 2.13: where torch.nn.functional.dropout sends a CUDA call.
         ("2.11", "2.13"),
         "",
@@ -103,7 +103,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
     RuleSet(
         "how CUDA's caching allocator rounds each allocation",
         "koila_retry/_estimation/workspace.py: cuda_rounding",
-        # 2.11: in the H100 run of 2026-11-25 (torch 2.11.0+cu130, shared/gpu-runs/2026-11-25/pytest.log),
+        # 2.11: in the H100 run of 2026-11-25 (torch 2.11.0+cu130, benchmarks/runs/2026-11-25-h100/pytest.log),
         # the estimate of the eval rows that no unmodelled kernel touches, this rounding included, matched the
         # allocator's own peak to the 0.1 MiB printed (+0.00%: mlp eval in float32 and bfloat16, transformer
         # eval in float32, BERT eval in float32 and bfloat16).
