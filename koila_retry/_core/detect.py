@@ -27,8 +27,8 @@ OOM_MESSAGES: tuple[str, ...] = (
 # Library statuses that a failed allocation inside the library turns into, and other
 # failures too: out of memory only when the device is nearly full as they are raised.
 # With the card full, cuDNN's first call raised INTERNAL_ERROR on an H100 (2026-11-25);
-# cuDNN reports a workspace it could not get as NOT_SUPPORTED, and cuBLAS fails to create
-# its handle as NOT_INITIALIZED.
+# cuDNN reports a workspace it could not get as NOT_SUPPORTED, and cuBLAS fails to
+# create its handle as NOT_INITIALIZED.
 MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
     "CUDNN_STATUS_INTERNAL_ERROR",
     "CUDNN_STATUS_EXECUTION_FAILED",
@@ -38,12 +38,14 @@ MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
     "CUBLAS_STATUS_NOT_INITIALIZED",
 )
 
-# Out-of-tree backends copy the caching allocator's sentence with their own device name:
-# "NPU out of memory." (Ascend), "MLU out of memory." (Cambricon), "MUSA out of memory.".
+# Out-of-tree backends copy the caching allocator's sentence with their own device
+# name: "NPU out of memory." (Ascend), "MLU out of memory." (Cambricon), "MUSA out of
+# memory.".
 # The name must be a word in capitals, so "the worker ran out of memory." is not one.
 OOM_PATTERN = re.compile(r"\b[A-Z][A-Z0-9]* out of memory\.")
 
-# How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also loop.
+# How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also
+# loop.
 MAX_CAUSES = 32
 
 
@@ -90,7 +92,9 @@ def is_oom(exc: BaseException) -> bool:
     Example::
 
         >>> import torch, koila_retry as koila
-        >>> koila.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."))
+        >>> koila.is_oom(
+        ...     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        ... )
         True
         >>> koila.is_oom(ValueError("shape mismatch"))
         False

@@ -287,7 +287,9 @@ def batch(
         >>> @koila.batch(initial=1024)
         ... def total(batch_size, data):
         ...     if batch_size > 256:  # stands in for a real OOM
-        ...         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        ...         raise torch.OutOfMemoryError(
+        ...             "CUDA out of memory. Tried to allocate 2.00 GiB."
+        ...         )
         ...     return sum(chunk.sum() for chunk in data.split(batch_size))
         >>> total(torch.ones(1000))
         tensor(1000.)

@@ -124,7 +124,9 @@ def find_executable_batch_size(
         ... def train(batch_size, data):
         ...     tried.append(batch_size)
         ...     if batch_size > 100:  # stands in for a real OOM
-        ...         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        ...         raise torch.OutOfMemoryError(
+        ...             "CUDA out of memory. Tried to allocate 2.00 GiB."
+        ...         )
         ...     return len(data) // batch_size
         >>> train(range(1000))
         10

@@ -24,7 +24,9 @@ Example::
     >>> @toma.batch(initial_batchsize=100)
     ... def total(batchsize, data):
     ...     if batchsize > 30:  # stands in for a real out-of-memory error
-    ...         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    ...         raise torch.OutOfMemoryError(
+    ...             "CUDA out of memory. Tried to allocate 2.00 GiB"
+    ...         )
     ...     return sum(chunk.sum() for chunk in data.split(batchsize))
     >>> total(torch.ones(100))
     tensor(100.)
