@@ -9,9 +9,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _isolation
 import psutil
 import pytest
+from _devices import HAS_CUDA
 from _fake_cuda import FakeCuda
+from _isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
 from hypothesis import settings
 
 import koila_retry as koila
@@ -43,6 +46,18 @@ def _version_gate_warned_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         versions.warn_if_unchecked()
+
+
+__all__ = ["pytest_configure", "pytest_runtest_logreport", "pytest_runtest_protocol"]  # tests/_isolation.py's hooks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run each CUDA test file in a process of its own, where there is a CUDA device (``tests/_isolation.py``)."""
+    if HAS_CUDA:
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(_isolation.MARKER)
+    _isolation.pytest_collection_modifyitems(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
