@@ -8,8 +8,9 @@ against the memory the process really touched, oneDNN's hidden buffers included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +31,17 @@ pytestmark = [
 def accuracy() -> Iterator[ModuleType]:
     with imported("estimator_accuracy") as module:
         yield module
+
+
+@pytest.fixture(scope="module")
+def true_peak(accuracy: ModuleType) -> Callable[[str, str, int], int]:
+    """Return a case's true peak, measured in a child process once for the module (two tests ask for one case)."""
+
+    @functools.cache
+    def measured(model: str, mode: str, batch: int) -> int:
+        return int(accuracy.measure_true_peak(model, mode, batch, repeats=2))
+
+    return measured
 
 
 # Cases whose activations are most of the peak, one per kind of layer the estimate must get
@@ -54,10 +66,10 @@ def accuracy() -> Iterator[ModuleType]:
     ],
 )
 def test_estimate_is_within_five_percent_of_the_real_peak(
-    accuracy: ModuleType, model: str, mode: str, batch: int
+    accuracy: ModuleType, true_peak: Callable[[str, str, int], int], model: str, mode: str, batch: int
 ) -> None:
     estimated = estimated_peak(accuracy, model, mode, batch)
-    true = accuracy.measure_true_peak(model, mode, batch, repeats=2)
+    true = true_peak(model, mode, batch)
     assert abs(estimated / true - 1) <= 0.05, f"{model} {mode} at {batch}: estimated {estimated}, true {true}"
 
 
@@ -80,19 +92,21 @@ def estimated_peak(accuracy: ModuleType, model: str, mode: str, batch: int) -> i
     ("model", "mode", "batch"),
     [("lstm", "train", 128), ("lstm", "infer", 128), ("gru", "train", 256), ("gru", "infer", 256)],
 )
-def test_recurrent_estimate_is_within_the_zoos_bounds(accuracy: ModuleType, model: str, mode: str, batch: int) -> None:
+def test_recurrent_estimate_is_within_the_zoos_bounds(
+    accuracy: ModuleType, true_peak: Callable[[str, str, int], int], model: str, mode: str, batch: int
+) -> None:
     estimated = estimated_peak(accuracy, model, mode, batch)
-    true = accuracy.measure_true_peak(model, mode, batch, repeats=2)
+    true = true_peak(model, mode, batch)
     assert -0.02 <= estimated / true - 1 <= 0.05, f"{model} {mode} at {batch}: estimated {estimated}, true {true}"
 
 
 def test_suggested_lstm_batch_fits_a_budget_that_the_cell_by_cell_estimate_overran(
-    accuracy: ModuleType, monkeypatch: pytest.MonkeyPatch
+    accuracy: ModuleType, true_peak: Callable[[str, str, int], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cell by cell, the estimate of an LSTM step was 30% below its real peak, and a batch it chose did not fit."""
     batch = 128
     step, args = accuracy.build("lstm", "train", batch)
-    true = accuracy.measure_true_peak("lstm", "train", batch, repeats=2)
+    true = true_peak("lstm", "train", batch)
     with monkeypatch.context() as patch:  # the estimate before it followed the CPU's kernels
         patch.setattr(estimate, "recurrent_kernels", lambda *_: contextlib.nullcontext())
         cell_by_cell = koila.estimate(step, *args).peak(batch)
@@ -100,4 +114,4 @@ def test_suggested_lstm_batch_fits_a_budget_that_the_cell_by_cell_estimate_overr
         assert koila.suggest_batch_size(step, *args, budget=budget) == batch > 0
     assert true > budget  # which did not fit
     size = koila.suggest_batch_size(step, *args, budget=budget)
-    assert accuracy.measure_true_peak("lstm", "train", size, repeats=2) <= budget
+    assert true_peak("lstm", "train", size) <= budget

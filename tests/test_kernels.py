@@ -546,6 +546,9 @@ KERNELS = [
 ]
 
 
+# PyTorch warns, once a process, that the fused encoder layer's nested tensors are a prototype:
+# which test shows it depends on the order the tests run in.
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.parametrize("kernel", KERNELS, ids=[f"{row.device}:{row.operator}" for row in KERNELS])
 def test_the_estimate_handles_each_kernel_the_device_runs(kernel: Kernel) -> None:
     kernel.check()
