@@ -9,6 +9,7 @@ their buffers. How the scenarios run and what they save: tests/_spawn.py.
 from __future__ import annotations
 
 import copy
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +142,11 @@ def _step(
         events.append(event)
         # After the memory of the failed attempt is released: nothing of it may be left.
         seen["unsharded"] = max(seen.get("unsharded", 0), unsharded_alive(net))
+        # gloo's worker thread drops a finished collective's last reference to its buffer itself,
+        # once it holds the interpreter: let it (a buffer that koila kept would stay alive).
+        deadline = time.monotonic() + 10
+        while watch.live() and time.monotonic() < deadline:
+            time.sleep(0.01)
         seen["buffers"] = max(seen.get("buffers", 0), watch.live())
 
     @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=on_oom, sync=sync)

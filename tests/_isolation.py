@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest.reports import TestReport
 
 # Set in a child: the file its reports go to. A child never isolates again.
 REPORTS = "KOILA_ISOLATED_REPORTS"
@@ -39,7 +38,7 @@ SLACK = 120.0
 
 _config: Any = None  # this process's, for the hook that writes a child's reports
 _reports_to: str | None = None  # in a child, the file its reports go to
-_results = pytest.StashKey[dict[str, list[TestReport]]]()
+_results = pytest.StashKey[dict[str, list[pytest.TestReport]]]()
 _notes = pytest.StashKey[dict[str, str]]()
 
 
@@ -84,7 +83,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return True
 
 
-def pytest_runtest_logreport(report: TestReport) -> None:
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _reports_to is None:
         return
     data = _config.hook.pytest_report_to_serializable(config=_config, report=report)
@@ -128,7 +127,7 @@ def _run_file(first: pytest.Item) -> None:
             written = stopped.stdout or ""
             output = written if isinstance(written, str) else written.decode(errors="replace")
         lines = where.read_text(encoding="utf-8").splitlines()
-    found: dict[str, list[TestReport]] = defaultdict(list)
+    found: dict[str, list[pytest.TestReport]] = defaultdict(list)
     for line in lines:
         report = config.hook.pytest_report_from_serializable(config=config, data=json.loads(line))
         if isinstance(report.longrepr, list):  # a skip's (path, line, reason), which JSON made a list
@@ -170,10 +169,10 @@ def _time_limit(config: pytest.Config, tests: list[pytest.Item]) -> float | None
     return total + SLACK
 
 
-def _unfinished(item: pytest.Item, reports: list[TestReport]) -> TestReport:
+def _unfinished(item: pytest.Item, reports: list[pytest.TestReport]) -> pytest.TestReport:
     """Return a failure for the phase of ``item`` that its child never reported."""
     when = "setup" if not reports else "call" if reports[-1].when == "setup" and reports[-1].passed else "teardown"
-    return TestReport(
+    return pytest.TestReport(
         item.nodeid,
         item.location,
         dict.fromkeys(item.keywords, 1),

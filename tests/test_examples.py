@@ -194,6 +194,7 @@ def _torchrun(example: str) -> str:
         env=env,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "terminate called" not in completed.stderr, completed.stdout + completed.stderr
     return completed.stdout
 
 
