@@ -2,7 +2,7 @@
 
 A module of scenarios (``tests/_ranks.py``, ``tests/_trainer_ranks.py``) makes a :class:`Scenarios`,
 registers its scenarios with it, and has a top-level ``main(rank, group, port, directory)`` for
-``torch.multiprocessing`` to spawn. A scenario is a function of ``(rank, world)`` that every rank
+``torch.multiprocessing`` to start. A scenario is a function of ``(rank, world)`` that every rank
 calls; what it returns (plain values and tensors) is saved with ``torch.save`` for the tests to
 compare across ranks. An error that escapes a scenario is saved with its traceback, and the ranks go
 on with the next scenario. A test module makes a :class:`Groups` for its module of scenarios.
@@ -11,6 +11,7 @@ on with the next scenario. A test module makes a :class:`Groups` for its module 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import socket
 import time
@@ -27,6 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 Scenario = Callable[[int, int], Any]
+# What the server the ranks are forked from imports first; torch.distributed.nn before any process
+# group, as examples/ddp_train.py says why.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "koila_retry"]
 
 
 class Scenarios:
@@ -106,8 +110,15 @@ class Group:
         self.scenarios: Scenarios = ranks.scenario
         self.world = self.scenarios.groups[name][0]
         self.problem: str | None = None
+        # Forked from a server that has imported torch and koila-retry once, not each rank
+        # importing them again: a spawned rank took about 2 s of CPU to start.
+        multiprocessing.set_forkserver_preload(PRELOAD)
         context = mp.start_processes(
-            ranks.main, args=(name, free_port(), str(directory)), nprocs=self.world, join=False, start_method="spawn"
+            ranks.main,
+            args=(name, free_port(), str(directory)),
+            nprocs=self.world,
+            join=False,
+            start_method="forkserver",
         )
         ends = time.monotonic() + deadline
         try:
