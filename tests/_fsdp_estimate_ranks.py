@@ -132,13 +132,13 @@ def step_of(net: nn.Module, optimizer: torch.optim.Optimizer | None) -> Callable
 def _real_steps(
     make: Callable[[], nn.Module],
     examples: list[tuple[torch.Tensor, ...]],
+    rows: int,
     options: dict[str, Any],
     training: bool,
     seed: int,
     estimating: bool,
 ) -> tuple[list[int], list[tuple[int, bool]]]:
     """Shard a new model and run a step on each example: each step's real peak and, if ``estimating``, its estimate."""
-    rows = examples[0][0].shape[0]
     peaks: list[int] = []
     estimates: list[tuple[int, bool]] = []
     torch.manual_seed(seed)
@@ -179,8 +179,8 @@ def estimate_per_rank(rank: int, world: int) -> dict[str, Any]:
         options = _options(option)
         torch.manual_seed(rank)
         examples = [inputs(rows) for _ in range(2)]
-        first, estimates = _real_steps(make, examples, options, training, rank, estimating=True)
-        second, _ = _real_steps(make, examples, options, training, rank, estimating=False)
+        first, estimates = _real_steps(make, examples, rows, options, training, rank, estimating=True)
+        second, _ = _real_steps(make, examples, rows, options, training, rank, estimating=False)
         pairs = [
             (min(one, other), estimated, fsdp)
             for one, other, (estimated, fsdp) in zip(first, second, estimates, strict=True)

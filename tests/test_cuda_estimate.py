@@ -95,11 +95,10 @@ def _check_row(rows: list[Any], model: str, mode: str) -> None:
 
 
 def _check_zoo(rows: list[Any]) -> None:
-    with imported("gpu") as gpu:
-        median, worst = gpu.verdict(rows)
-        table = "\n".join("  ".join(row.cells()) for row in rows)
-        assert worst <= gpu.TARGET_WORST, f"worst {worst:.2%}, median {median:.2%}:\n{table}"
-        assert median <= gpu.TARGET_MEDIAN, f"median {median:.2%}:\n{table}"
+    median, worst = _gpu.verdict(rows)
+    table = "\n".join("  ".join(row.cells()) for row in rows)
+    assert worst <= _gpu.TARGET_WORST, f"worst {worst:.2%}, median {median:.2%}:\n{table}"
+    assert median <= _gpu.TARGET_MEDIAN, f"median {median:.2%}:\n{table}"
 
 
 @pytest.mark.slow
