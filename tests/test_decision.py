@@ -48,16 +48,25 @@ DECISIONS = [
         None,
         GiveUp("schedule"),
     ),
-    # -- the probe fallback: back to what fitted, whatever max_attempts says
+    # -- the probe fallback: back to what fitted, within max_attempts (a hard cap: see can_probe)
     ("a probe falls back", RULES, state(256, probe_from=128), OOM, None, None, Try(128, probe=True)),
     (
-        "a probe falls back past max_attempts",
-        replace(RULES, max_attempts=1),
+        "a probe falls back within max_attempts",
+        replace(RULES, max_attempts=2),
         state(256, probe_from=128),
         OOM,
         None,
         None,
         Try(128, probe=True),
+    ),
+    (
+        "never past max_attempts",
+        replace(RULES, max_attempts=1),
+        state(256, probe_from=128),
+        OOM,
+        None,
+        None,
+        GiveUp("max_attempts", probe=True),
     ),
     ("a short step below the probe shrinks", RULES, state(256, probe_from=128, rows=100), OOM, None, None, Try(64)),
     # -- a measured run's smaller probe
@@ -235,6 +244,9 @@ GROWTHS = [
     ("by scaled(0.9)", replace(RULES, schedule=koila.scaled(0.9)), state(100), True, 112),
     ("by scaled(0.5)", replace(RULES, schedule=koila.scaled(0.5)), state(100), True, 200),
     ("no initial: above the rows", Rules("f", None), state(128, ceiling=150), True, 256),
+    # A probe that failed needs a second attempt to go back: max_attempts=1 leaves none.
+    ("no probe under max_attempts=1", replace(RULES, max_attempts=1), state(128), True, 128),
+    ("a probe under max_attempts=2", replace(RULES, max_attempts=2), state(128), True, 256),
 ]
 
 
@@ -346,3 +358,58 @@ def test_the_streak_when_asked_and_after_a_failure() -> None:
     assert decision.failed_growing((30, 50), probe=False) == (0, 50)
     assert decision.failed_growing((0, 50), probe=True) == (0, 100)  # a failed probe waits twice as long
     assert decision.failed_growing(None, probe=True) is None
+
+
+REFINE = replace(RULES, refine=True)
+REFINED = [
+    # (id, rules, state, bound in rows, size)
+    ("halfway", REFINE, state(64), 128, 96),
+    ("nothing failed", REFINE, state(64), None, 64),
+    ("the bound fitted", REFINE, state(128), 128, 128),
+    ("refine off", RULES, state(64), 128, 64),
+    ("under the ceiling", REFINE, state(64, ceiling=80), 128, 80),
+    ("to the last multiple of 8 below a bound", REFINE, state(88), 102, 96),
+    ("no probe under max_attempts=1", replace(REFINE, max_attempts=1), state(64), 128, 64),
+    ("a probe under max_attempts=2", replace(REFINE, max_attempts=2), state(64), 128, 96),
+]
+
+
+@pytest.mark.parametrize(
+    ("rules", "before", "bound", "size"), [row[1:] for row in REFINED], ids=[row[0] for row in REFINED]
+)
+def test_the_refine_table(rules: Rules, before: State, bound: int | None, size: int) -> None:
+    assert decision.refined(rules, before, bound) == size
+
+
+BOUNDS = [
+    # (id, bound, per_sample now, in rows)
+    ("none", None, 40, None),
+    ("same samples", (88, 40), 40, 88),
+    ("bytes unknown then", (88, 0), 60, 88),
+    ("bytes unknown now", (88, 40), 0, 88),
+    ("longer rows: fewer", (88, 40), 60, 59),  # 58 x 60 = 3480 holds less than 88 x 40 = 3520
+    ("shorter rows: more", (88, 40), 33, 107),  # 106 x 33 = 3498
+    ("never below 1", (1, 1), 1000, 1),
+]
+
+
+@pytest.mark.parametrize(("bound", "per_sample", "rows"), [row[1:] for row in BOUNDS], ids=[row[0] for row in BOUNDS])
+def test_the_bound_in_rows_of_other_samples(bound: tuple[int, int] | None, per_sample: int, rows: int | None) -> None:
+    assert decision.bound_rows(bound, per_sample) == rows
+
+
+@given(st.integers(1, 512), st.integers(1, 4096), st.integers(1, 4096))
+def test_no_size_at_or_above_a_scaled_bound_holds_fewer_bytes(size: int, nbytes: int, per_sample: int) -> None:
+    rows = decision.bound_rows((size, nbytes), per_sample)
+    assert rows is not None
+    assert rows * per_sample >= size * nbytes  # at the bound: at least as many bytes as failed
+    assert rows == 1 or (rows - 1) * per_sample < size * nbytes  # below it: fewer
+
+
+def test_an_estimates_size_presumes_twice_it_failed() -> None:
+    assert decision.presumed(REFINE, state(64)) == 128
+    assert decision.presumed(RULES, state(64)) is None  # refine off
+    assert decision.presumed(REFINE, state(512)) is None  # at the ceiling: nothing to search
+    made = decision.first(REFINE, None, 0, estimate=lambda: 64)
+    assert made.estimated
+    assert not decision.first(REFINE, 64, 0, estimate=lambda: 32).estimated  # the cache's size

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import koila_retry as koila
-from koila_retry._core import disk
+from koila_retry._core import decision, disk
 from koila_retry._core.cache import function_identity
 from koila_retry._core.memory import describe_device
 from koila_retry.testing import oom_above, simulated_device
@@ -819,3 +819,130 @@ def test_a_key_holds_no_reference_to_the_callable(tmp_path: Path) -> None:
     assert "<lambda>" in key
     assert identity[2].endswith("<lambda>")
     assert len(cache) == 1
+
+
+# -- refine's bounds outlive the process (issue 39, finding 10) --------------------------------
+
+
+def _refined(path: Path, tried: list[int]) -> Callable[[], int]:
+    """A step where 100 rows fit, refining, with a DiskCache on ``path`` (one process's view)."""
+    fits = oom_above(100)
+
+    def step(batch_size: int) -> int:
+        tried.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    return koila.batch(initial=128, refine=True, cache=koila.DiskCache(path))(step)
+
+
+def test_the_smallest_size_that_failed_is_kept_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    tried: list[int] = []
+    with no_warnings():
+        assert _refined(path, tried)() == 64  # this process stops after its first reduction
+    assert tried == [128, 64]
+    content = _content(path)
+    assert list(content["sizes"].values()) == [64]
+    assert list(content["bounds"].values()) == [128]
+    assert list(content["bounds"]) == list(content["sizes"])  # under the same key
+    assert "bound_samples" not in content  # batch sees no samples
+
+    # The next process reads the bound, and searches above 64 from its first call.
+    tried.clear()
+    with no_warnings():
+        later = _refined(path, tried)
+        assert [later() for _ in range(5)] == [96] * 5
+    assert tried == [96, 112, 96, 104, 96, 96, 96]
+    assert list(_content(path)["bounds"].values()) == [104]
+    # And the one after starts at 96, with nothing left to try.
+    tried.clear()
+    with no_warnings():
+        last = _refined(path, tried)
+        assert [last() for _ in range(2)] == [96, 96]
+    assert tried == [96, 96]
+
+
+def test_a_bound_keeps_the_bytes_of_the_samples_it_failed_on(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    fits = oom_above(100)
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        fits(len(chunk))
+        return chunk * 2
+
+    x = torch.ones(150, 40)
+    with no_warnings():
+        koila.chunked(double, x, initial=128, refine=True, cache=koila.DiskCache(path))
+    content = _content(path)
+    (key,) = content["bounds"]
+    assert content["bounds"][key] == 128
+    assert content["bound_samples"][key] == 40 * 4
+    cache = koila.DiskCache(path)
+    assert cache.bounds.get(key) == (128, 160)
+    assert cache.sample_bytes(key) == 160
+
+
+def test_bounds_are_merged_with_what_other_processes_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    first, second = koila.DiskCache(path), koila.DiskCache(path)  # made at once, as two processes
+    first.bounds.update("key", lambda bound: decision.failed_at(bound, 112))
+    second.bounds.update("key", lambda bound: decision.failed_at(bound, 120))  # 112 failed, for the file
+    assert second.bounds.get("key") == (120, 0)
+    assert _content(path)["bounds"] == {"key": 112}
+    assert koila.DiskCache(path).bounds.get("key") == (112, 0)
+    second.bounds.update("key", lambda bound: decision.still_failed(bound, 120))  # memory came back
+    assert "bounds" not in _content(path)
+    assert koila.DiskCache(path).bounds.get("key") is None
+
+
+def test_bounds_that_are_not_sizes_are_ignored_and_cleared_with_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    content = {
+        "format": FORMAT,
+        "version": 1,
+        "sizes": {"a": 64, "b": 64},
+        "bounds": {"a": 128, "b": "128", "c": 0, "d": True, "e": 96},
+        "bound_samples": {"a": 16, "e": -1},
+    }
+    path.write_text(json.dumps(content), encoding="utf-8")
+    with no_warnings():
+        cache = koila.DiskCache(path)
+    assert cache.bounds.get("a") == (128, 16)
+    assert cache.bounds.get("e") == (96, 0)
+    assert [cache.bounds.get(key) for key in "bcd"] == [None, None, None]
+    cache.cache_clear()
+    assert cache.bounds.get("a") is None
+    assert _content(path) == {"format": FORMAT, "version": 1, "sizes": {}}
+
+
+BOUND_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import koila_retry as koila
+    from koila_retry.testing import oom_above
+
+    warnings.simplefilter("error", koila.CacheFileWarning)
+    fits, tried = oom_above(100), []
+
+    @koila.batch(initial=128, refine=True, cache=koila.DiskCache(sys.argv[1]))
+    def evaluate(batch_size):
+        tried.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    results = [evaluate() for _ in range(int(sys.argv[2]))]
+    print(json.dumps({"results": results, "tried": tried}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_later_process_refines_above_the_size_an_earlier_one_stopped_at(tmp_path: Path) -> None:
+    script = tmp_path / "evaluate.py"
+    script.write_text(BOUND_SCRIPT, encoding="utf-8")
+    path = tmp_path / "sizes.json"
+    (first,) = _run_scripts(script, (path, 1))
+    assert first == {"results": [64], "tried": [128, 64]}
+    (second,) = _run_scripts(script, (path, 4))
+    assert second == {"results": [96] * 4, "tried": [96, 112, 96, 104, 96, 96]}

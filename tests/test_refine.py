@@ -6,13 +6,16 @@ The memory is real: a simulated device in which 100 rows fit and 101 do not.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 
 import koila_retry as koila
 from koila_retry._core import decision
 from koila_retry._core.decision import Rules, State
-from koila_retry.testing import make_oom, simulated_device
+from koila_retry.testing import make_oom, oom_above, simulated_device
 
 ROW = 256 * 1024  # float32 elements: 1 MiB a row
 LIMIT = 100 * 2**20 + 2**19  # 100 rows fit, 101 do not
@@ -32,10 +35,10 @@ def test_the_probe_stays_under_the_ceiling_and_needs_a_bound() -> None:
     assert decision.refined(rules, State(64, 128, 1, 64), 64) == 64
     assert decision.refined(rules, State(64, 80, 1, 64), 128) == 80
     assert decision.refined(Rules("f", 128), State(64, 128, 1, 64), 128) == 64  # refine off
-    assert decision.failed_at(None, 112) == 112
-    assert decision.failed_at(104, 112) == 104
-    assert decision.still_failed(104, 96) == 104
-    assert decision.still_failed(104, 104) is None  # it fitted after all: memory came back
+    assert decision.failed_at(None, 112) == (112, 0)
+    assert decision.failed_at((104, 0), 112) == (104, 0)
+    assert decision.still_failed((104, 0), 96) == (104, 0)
+    assert decision.still_failed((104, 0), 104) is None  # it fitted after all: memory came back
 
 
 def test_batch_settles_within_an_eighth_of_what_fits_and_then_costs_nothing() -> None:
@@ -115,6 +118,223 @@ def test_accumulate_refines_with_the_whole_batchs_gradient() -> None:
     assert 96 in rows
 
 
+def test_refine_across_six_threads_settles_with_every_call_exact() -> None:
+    fits = oom_above(100)
+
+    @koila.batch(initial=128, refine=True)
+    def step(batch_size: int, value: int) -> list[int]:
+        fits(batch_size)
+        return [value] * batch_size
+
+    start = threading.Barrier(6)
+    results: list[list[int]] = [[] for _ in range(6)]
+    errors: list[str] = []
+
+    def work(number: int) -> None:
+        start.wait()
+        try:
+            for call in range(20):
+                got = step(value=number * 100 + call)
+                assert set(got) == {number * 100 + call}  # this thread's call, not another's
+                results[number].append(len(got))
+        except BaseException as exc:  # reported below, on the main thread
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(number,)) for number in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert all(len(sizes) == 20 and max(sizes) <= 100 for sizes in results)
+    assert [sizes[-1] for sizes in results] == [96] * 6
+
+
 def test_refine_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="refine must be a bool"):
         koila.batch(refine="yes")(lambda batch_size: None)
+
+
+# -- each next chunk of a pass probes (issue 39, finding 9) -----------------------------------
+
+
+def _chunked(tried: list[int]) -> list[torch.Tensor]:
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        tried.append(len(chunk))
+        torch.empty(len(chunk), ROW)
+        return chunk * 2
+
+    x = torch.arange(2000.0).unsqueeze(1)
+    return [koila.chunked(double, x, initial=128, refine=True), x * 2]
+
+
+def _range(tried: list[int]) -> list[torch.Tensor]:
+    def double(begin: int, end: int) -> torch.Tensor:
+        tried.append(end - begin)
+        torch.empty(end - begin, ROW)
+        return torch.arange(float(begin), float(end)) * 2
+
+    got = koila.range(double, 0, 2000, initial=128, refine=True)
+    return [torch.cat(got), torch.arange(2000.0) * 2]
+
+
+@pytest.mark.parametrize("run", [_chunked, _range], ids=["chunked", "range"])
+def test_each_next_chunk_of_a_pass_probes_halfway_until_none_is_left(run: Any) -> None:
+    tried: list[int] = []
+    with simulated_device(LIMIT):
+        got, want = run(tried)
+    assert torch.equal(got, want)
+    # 128 fails, 64 fits; then each next chunk probes halfway: 96 fits, 112 and 104 fail and
+    # go back to 96 within their chunk, and nothing is left between 96 and 104.
+    assert tried[:8] == [128, 64, 96, 112, 96, 104, 96, 96]
+    assert set(tried[8:-1]) == {96}
+    failed = [size for size in tried if size > 100]
+    assert failed == [128, 112, 104]  # none tried twice
+
+
+# -- the bound within a size class (issue 39, finding 11) ------------------------------------
+
+UNIT = 64 * 1024  # bytes per row and element of its length
+CLASS_LIMIT = 3300 * UNIT + UNIT // 2  # rows x length up to 3300 fit
+
+
+def test_the_bound_is_scaled_within_a_size_class() -> None:
+    cache = koila.StackMemoryCache()  # one key for lengths 33 to 64 (one size class), from one line
+
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        with simulated_device(CLASS_LIMIT):
+            return koila.chunked(work, x, initial=128, refine=True, cache=cache)
+
+    def work(chunk: torch.Tensor) -> torch.Tensor:
+        tried.append(len(chunk))
+        torch.empty(len(chunk), chunk.shape[1] * UNIT // 4)  # memory in proportion to rows x length
+        return chunk[:, 0] * 2
+
+    failed: list[int] = []  # rows x length of each size that ran out of memory, in order
+    passes = {}
+    for number, length in enumerate([33, 40, 60, 33]):
+        tried: list[int] = []
+        x = torch.arange(1500.0).unsqueeze(1).expand(1500, length).contiguous()
+        assert torch.equal(encode(x), x[:, 0] * 2)
+        for size in tried:
+            if size * length > 3300:
+                # No size holds as many bytes of rows as one that failed before, at any length.
+                assert not failed or size * length < min(failed), (length, tried)
+                failed.append(size * length)
+        passes[number] = tried
+    assert passes[0][:6] == [128, 64, 96, 112, 96, 104]  # 104 rows of 33 failed: 3432
+    # 60 x 58 = 3480 would hold more than failed: the probes stay below 58 rows.
+    assert max(passes[2]) < 58
+    # Back at 33, the pass climbs back to the 96 rows found there, never past the bound.
+    assert passes[3][-2] == 96
+    assert max(passes[3]) <= 100
+
+
+def test_a_bound_failed_on_other_samples_is_scaled_to_as_many_bytes() -> None:
+    # 88 rows of 40 failed: 88 x 40 = 3520; at 60, 59 rows hold as many bytes (58 do not).
+    bound = decision.failed_at(None, 88, 40)
+    assert bound == (88, 40)
+    assert decision.bound_rows(bound, 60) == 59
+    assert decision.bound_rows(bound, 33) == 107  # 106 x 33 = 3498: shorter rows, more of them
+    assert decision.bound_rows(bound, 0) == 88  # bytes not known: rows as they are
+    rules = Rules("f", 128, refine=True)
+    assert decision.refined(rules, State(53, 128, 1, 53), decision.bound_rows(bound, 60)) == 56
+    # A failure holding fewer bytes replaces the bound; one holding more leaves it.
+    assert decision.failed_at(bound, 58, 60) == (58, 60)
+    assert decision.failed_at(bound, 60, 60) == bound
+    # A success at as many bytes as failed means memory came back: the bound is forgotten.
+    assert decision.still_failed(bound, 58, 60) == bound
+    assert decision.still_failed(bound, 59, 60) is None
+
+
+def test_the_probe_reaches_the_last_multiple_of_8_below_any_bound() -> None:
+    # A scaled bound need not be a multiple of 8: 96 lies between 88 and 102.
+    assert decision.between(88, 102) == 96
+    assert decision.between(96, 102) == 96
+    assert decision.between(53, 58) == 55
+
+
+# -- initial="auto" (issue 39, finding 12) -----------------------------------------------------
+
+
+def test_auto_refines_between_the_estimates_size_and_twice_it() -> None:
+    tried: list[int] = []
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        if chunk.device.type != "meta":  # the estimate's runs are on meta tensors
+            tried.append(len(chunk))
+        torch.empty(len(chunk), ROW)
+        return chunk * 2
+
+    x = torch.arange(2000.0).unsqueeze(1)
+    with simulated_device(LIMIT):
+        out = koila.chunked(double, x, initial="auto", refine=True)
+    assert torch.equal(out, x * 2)
+    # A probe that the estimate's correction measures, which then chooses 64, the largest
+    # power of two it finds to fit: 128 does not, and stands for the size that failed. The
+    # next chunks search between them.
+    assert tried[:7] == [8, 96, 112, 96, 104, 96, 96]
+    assert max(tried) < 128
+    assert [size for size in tried if size > 100] == [112, 104]
+
+
+def test_auto_without_refine_stays_at_the_estimates_size() -> None:
+    tried: list[int] = []
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        if chunk.device.type != "meta":
+            tried.append(len(chunk))
+        torch.empty(len(chunk), ROW)
+        return chunk * 2
+
+    x = torch.arange(2000.0).unsqueeze(1)
+    with simulated_device(LIMIT):
+        out = koila.chunked(double, x, initial="auto")
+    assert torch.equal(out, x * 2)
+    assert set(tried[1:-1]) == {64}
+
+
+# -- max_attempts (issue 39, finding 12) ------------------------------------------------------
+
+
+def test_max_attempts_1_makes_no_probe_it_could_not_go_back_from() -> None:
+    tried: list[int] = []
+    fits = oom_above(100)
+
+    def step(batch_size: int) -> int:
+        tried.append(batch_size)
+        fits(batch_size)
+        return batch_size
+
+    cache = koila.GlobalCache()
+    assert koila.batch(initial=128, refine=True, cache=cache)(step)() == 64  # 128 failed, 64 fits
+    limited = koila.batch(initial=128, refine=True, max_attempts=1, cache=cache)(step)
+    tried.clear()
+    # A probe that failed would need a second attempt to go back to 64: none is made.
+    assert [limited() for _ in range(3)] == [64, 64, 64]
+    assert tried == [64, 64, 64]
+    # With two attempts, the probes and their fall-backs fit in the budget.
+    twice = koila.batch(initial=128, refine=True, max_attempts=2, cache=cache)(step)
+    tried.clear()
+    assert [twice() for _ in range(4)] == [96, 96, 96, 96]
+    assert tried == [96, 112, 96, 104, 96, 96]
+
+
+def test_max_attempts_1_chunks_make_no_probe() -> None:
+    tried: list[int] = []
+    fits = oom_above(100)
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        tried.append(len(chunk))
+        fits(len(chunk))
+        return chunk * 2
+
+    cache = koila.GlobalCache()
+    x = torch.arange(130.0).unsqueeze(1)
+    assert torch.equal(koila.chunked(double, x, initial=128, refine=True, cache=cache), x * 2)
+    assert tried == [128, 64, 66]  # 128 failed, 64 fits; the 66 rows left prove nothing
+    tried.clear()
+    x = torch.arange(1000.0).unsqueeze(1)
+    out = koila.chunked(double, x, initial=128, refine=True, max_attempts=1, cache=cache)
+    assert torch.equal(out, x * 2)
+    assert tried == [64] * 15 + [40]

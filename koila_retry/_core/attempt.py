@@ -106,6 +106,8 @@ class Course:
             self.refine()
         if agreement is not None:
             self.agree_on_start(call.span)
+        if owner.rules.refine and state.estimated and not state.measures:
+            self.presume()  # after the ranks agreed: every rank presumes from the same size
 
     def begin(self) -> None:
         """Start the current attempt's block."""
@@ -171,7 +173,8 @@ class Course:
         grow = owner.policy.grow_after if owner.policy.grow else None
         store(owner.cache, self.key, done, state, self.call.per_sample, grow)
         if owner.rules.refine and self.key is not None and done.conclusive:
-            owner.cache.bounds.update(self.key, lambda bound: decision.still_failed(bound, state.size))
+            per_sample = self.call.per_sample
+            owner.cache.bounds.update(self.key, lambda bound: decision.still_failed(bound, state.size, per_sample))
         if done.enough:  # the probe hardly ran faster: back to the size below, for the rest of the call
             below = cast(int, state.probe_from)
             logger.info(
@@ -212,8 +215,6 @@ class Course:
             failure.reused = iterator_among(self.arguments)
             if failure.reused is not None:  # a retry would see only what the failed attempt left of it
                 failure.step = decision.GiveUp("iterator", failure.step.probe)
-        if self.owner.rules.refine and self.key is not None:  # on every rank: the size failed in the job
-            self.owner.cache.bounds.update(self.key, lambda bound: decision.failed_at(bound, size))
         state.size, state.rows = size, None  # a short last step failed: go on below what it tried
         self.phase = FAILED
         return failure
@@ -261,6 +262,10 @@ class Course:
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)
         if owner.policy.grow:
             owner.cache.growth.update(self.key, lambda streak: decision.failed_growing(streak, step.probe))
+        if owner.rules.refine and self.key is not None:
+            # On every rank (the size failed in the job), and outside the handler: a DiskCache writes it.
+            per_sample = self.call.per_sample
+            owner.cache.bounds.update(self.key, lambda bound: decision.failed_at(bound, failed, per_sample))
         if owner.policy.on_oom is not None:
             owner.policy.on_oom(event)
         if next_size is None:
@@ -284,6 +289,8 @@ class Course:
         message = "%s: %d rows rose by %s on %s; the corrected estimate chooses batch size %d"
         logger.info(message, self.owner.name, rows, format_bytes(rise), self.call.device, size)
         state.size = self.owner.stats.batch_size = size
+        if self.owner.rules.refine:
+            self.presume()
         return size
 
     def next_step(self) -> None:
@@ -291,7 +298,8 @@ class Course:
         if self.phase != SUCCEEDED:
             raise RuntimeError("next_step() follows a step that succeeded inside `with attempt:`")
         state = self.state
-        state.rows, state.number, self.phase = None, 1, READY
+        # A probe that succeeded is the size that fits now: the next step may probe above it.
+        state.rows, state.number, state.probe_from, self.phase = None, 1, None, READY
         if self.failure is not None:
             self.failure.tried.clear()
         policy = self.owner.policy
@@ -308,12 +316,19 @@ class Course:
         owner, state = self.owner, self.state
         if self.key is None or state.probe_from is not None:
             return  # nothing remembered; or a growth probe runs first
-        failed = owner.cache.bounds.get(self.key)
+        failed = decision.bound_rows(owner.cache.bounds.get(self.key), self.call.per_sample)
         size = decision.refined(owner.rules, state, failed)
         if size != state.size:
             logger.info("%s: batch size %d fits and %s did not; trying %d", owner.name, state.size, failed, size)
             state.probe_from = state.size
             state.size = owner.stats.batch_size = size
+
+    def presume(self) -> None:
+        """Record twice an estimate's size as failed, with ``refine=True``: the search stays below it."""
+        size = decision.presumed(self.owner.rules, self.state)
+        if size is not None and self.key is not None:
+            per_sample = self.call.per_sample
+            self.owner.cache.bounds.update(self.key, lambda bound: decision.failed_at(bound, size, per_sample))
 
     def agree_on_start(self, span: int | None = None) -> None:
         """Start at the ranks' agreed size, never below their floor."""

@@ -20,6 +20,7 @@ from koila_retry._common.places import levels_to_caller
 from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
 
 __all__ = [
+    "Bound",
     "CacheInfo",
     "GlobalCache",
     "Growth",
@@ -89,6 +90,9 @@ class CacheInfo(NamedTuple):
 
 #: A key's successes in a row, and how many it waits for before it grows back.
 Streak = tuple[int, int]
+#: With ``refine=True``, the smallest size that failed under a key, and the bytes of one sample
+#: it failed on (0 if not known): a key of a size class holds samples of several sizes.
+Bound = tuple[int, int]
 Kept = TypeVar("Kept")
 
 
@@ -103,13 +107,19 @@ class Growth(Generic[Kept]):
 
     Args:
         maxsize (int): how many keys to follow; the least recently used go first.
+        changed (callable, optional): called with a key and the change after each
+            update that changed what the key keeps, outside the lock (a
+            :class:`DiskCache` applies the change to its file).
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(
+        self, maxsize: int, changed: Callable[[Hashable, Callable[[Kept | None], Kept | None]], None] | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._keys: cachetools.LRUCache[Hashable, Kept] = cachetools.LRUCache(maxsize)
+        self.changed = changed
 
     def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
         """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before.
@@ -128,7 +138,9 @@ class Growth(Generic[Kept]):
                 self._keys.pop(key, None)
             elif after != before:
                 self._keys[key] = after
-            return before
+        if after != before and self.changed is not None:
+            self.changed(key, change)
+        return before
 
     def get(self, key: Hashable) -> Kept | None:
         """Return what ``key`` keeps, or ``None``."""
@@ -372,8 +384,9 @@ class SizeCache(Sizes, ABC):
             vars(self)["key"] = key
         #: When the sizes kept here grow back (see :class:`Growth`).
         self.growth: Growth[Streak] = Growth(maxsize)
-        #: With ``refine=True``, the smallest size that failed under each key.
-        self.bounds: Growth[int] = Growth(maxsize)
+        #: With ``refine=True``, the smallest size that failed under each key, with the bytes
+        #: of one sample it failed on (a :data:`Bound`).
+        self.bounds: Growth[Bound] = Growth(maxsize)
         #: What front ends work out for this cache's calls besides their sizes, under keys of
         #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
         self.derived: dict[Hashable, Any] = {}

@@ -13,8 +13,10 @@ Every size rule of the engine lives here, and nowhere else:
   ranks agreed on, the floor and ``max_attempts``, or what a success stores,
   and whether a probe that fitted ran enough faster to keep (``grow_gain``);
 - with ``refine=True``, the probe between the size that fits and the smallest
-  that failed (:func:`between`, :func:`refined`), and how that bound moves
-  (:func:`failed_at`, :func:`still_failed`);
+  that failed (:func:`between`, :func:`refined`), that bound in rows of other
+  samples of a size class (:func:`bound_rows`), how it moves (:func:`failed_at`,
+  :func:`still_failed`), and the one an estimate's size stands for (:func:`presumed`);
+- that a probe is made only with an attempt left to go back from it (:func:`can_probe`);
 - where ranks agree, their common start (:func:`agreed_start`);
 - a measured run's correction (:func:`calibrated`).
 
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from koila_retry._core.cache import Streak
+from koila_retry._core.cache import Bound, Streak
 from koila_retry._core.policy import Policy, Schedule, powers_of_two
 
 __all__ = [
@@ -45,7 +47,9 @@ __all__ = [
     "Try",
     "agreed_start",
     "between",
+    "bound_rows",
     "calibrated",
+    "can_probe",
     "counted",
     "decide",
     "due",
@@ -55,6 +59,7 @@ __all__ = [
     "grow_by",
     "grown",
     "in_samples",
+    "presumed",
     "refined",
     "settled",
     "shrink",
@@ -121,6 +126,8 @@ class State:
             growth probe above it.
         measures (int): how many more successful runs are to be measured, while
             an estimate waits for its correction.
+        estimated (bool): whether ``size`` is an estimate's (``initial="auto"``),
+            the cache holding none.
     """
 
     size: int
@@ -131,6 +138,7 @@ class State:
     rows: int | None = None
     probe_from: int | None = None
     measures: int = 0
+    estimated: bool = False
 
 
 class Outcome(enum.Enum):
@@ -266,10 +274,10 @@ def first(
         ceiling = max(rows, floor) if cached is None else max(rows, cached, floor)
     if cached is None:
         # Nothing stored: a success at the ceiling has nothing to store either.
-        size = ceiling
-        if estimate is not None:
-            size = min(max(estimate(), floor), ceiling)
-        return State(size, ceiling, floor, 0 if rules.keep_last else ceiling)
+        if estimate is None:
+            return State(ceiling, ceiling, floor, 0 if rules.keep_last else ceiling)
+        size = min(max(estimate(), floor), ceiling)
+        return State(size, ceiling, floor, 0 if rules.keep_last else ceiling, estimated=True)
     # Another wrapper sharing the cache may have stored a size out of this one's range.
     return State(min(max(cached, floor), ceiling), ceiling, floor, cached)
 
@@ -330,10 +338,11 @@ def grown(rules: Rules, state: State, due: bool) -> int:
         due (bool): whether the key's successes in a row are enough to grow.
 
     Returns:
-        int: ``state.size``, or a probe above it, never above the ceiling.
+        int: ``state.size``, or a probe above it, never above the ceiling; no probe
+        without an attempt left to go back from it (:func:`can_probe`).
     """
     size = state.size
-    if not due or size >= state.ceiling:
+    if not due or size >= state.ceiling or not can_probe(rules, state):
         return size
     probe = grow_by(rules.schedule, size)
     # Without an initial of its own, the call's rows are no cap: a probe above them runs
@@ -427,7 +436,9 @@ def decide(
     if outcome is Outcome.AGREED:
         return GiveUp("ranks", probing) if agreed is None else Try(max(agreed, state.floor), probing)
     if probing:
-        return Try(state.probe_from, True)  # type: ignore[arg-type]  # back to the size that fitted, whatever max_attempts says
+        if rules.max_attempts is not None and state.number >= rules.max_attempts:
+            return GiveUp("max_attempts", True)  # a hard cap: can_probe makes no probe it would reach
+        return Try(state.probe_from, True)  # type: ignore[arg-type]  # back to the size that fitted
     step = shrink(rules, size, state.number, state.floor)
     if isinstance(step, Try) and state.measures and hint is not None:
         # The estimate is under the truth by more than its margin: the next run, still the one
@@ -440,7 +451,9 @@ def between(fits: int, failed: int) -> int:
     """Return the size halfway from one that fits to one that failed, or ``fits`` when none is left between.
 
     In multiples of 8 rows from 64 up (the sizes tensor cores run whole), so that the
-    search ends within 8 rows, about log2(fits / 8) probes from a power of two.
+    search ends within 8 rows, about log2(fits / 8) probes from a power of two. Where
+    halfway rounds down to ``fits``, the next multiple above it, if below ``failed``
+    (a bound scaled from other samples need not be a multiple of 8).
 
     Args:
         fits (int): the largest size known to fit.
@@ -451,6 +464,8 @@ def between(fits: int, failed: int) -> int:
     """
     step = 8 if fits >= 64 else 1
     middle = (fits + failed) // 2 // step * step
+    if middle <= fits:
+        middle = (fits // step + 1) * step
     return middle if fits < middle < failed else fits
 
 
@@ -460,24 +475,80 @@ def refined(rules: Rules, state: State, failed: int | None) -> int:
     Args:
         rules (Rules): the wrapper's rules.
         state (State): the call, at the size that fits.
-        failed (int or None): the smallest size that failed under the call's key.
+        failed (int or None): the smallest size that failed under the call's key, in
+            rows of this call's samples (:func:`bound_rows`).
 
     Returns:
-        int: the size, never above the ceiling.
+        int: the size, never above the ceiling; no probe without an attempt left to
+        go back from it (:func:`can_probe`).
     """
-    if not rules.refine or failed is None or failed <= state.size:
+    if not rules.refine or failed is None or failed <= state.size or not can_probe(rules, state):
         return state.size
     return min(between(state.size, failed), state.ceiling)
 
 
-def failed_at(bound: int | None, size: int) -> int:
-    """Return the smallest size that failed under a key, after ``size`` failed."""
-    return size if bound is None else min(bound, size)
+def can_probe(rules: Rules, state: State) -> bool:
+    """Return whether a probe may start the call's next attempt: one that fails needs another to go back.
+
+    ``max_attempts`` is a hard cap: with none left after the probe, there is none.
+    """
+    return rules.max_attempts is None or state.number < rules.max_attempts
 
 
-def still_failed(bound: int | None, size: int) -> int | None:
-    """Return the smallest size that failed under a key, after ``size`` fitted: forgotten if ``size`` reached it."""
-    return None if bound is not None and size >= bound else bound
+def bound_rows(bound: Bound | None, per_sample: int) -> int | None:
+    """Return a key's bound in rows of samples of ``per_sample`` bytes: the fewest that hold as many bytes as failed.
+
+    A key of a size class holds samples of several sizes (rows padded to 37 tokens
+    and to 50 share one): a bound that failed on other samples is scaled as sizes
+    are (:func:`in_samples`), up for smaller samples and down for larger ones,
+    rounded up, so that no size at or above it holds fewer bytes of samples.
+
+    Args:
+        bound (tuple or None): the smallest size that failed and the bytes of one
+            sample it failed on (0 if unknown); ``None``: none failed.
+        per_sample (int): the bytes of one sample now; 0 if unknown.
+
+    Returns:
+        int or None: the bound, in rows; as it is when either bytes are unknown.
+    """
+    if bound is None:
+        return None
+    size, nbytes = bound
+    if nbytes and per_sample and nbytes != per_sample:
+        return max(-(-size * nbytes // per_sample), 1)
+    return size
+
+
+def failed_at(bound: Bound | None, size: int, per_sample: int = 0) -> Bound:
+    """Return a key's bound after ``size`` rows of samples of ``per_sample`` bytes failed: the fewer bytes."""
+    rows = bound_rows(bound, per_sample)
+    return bound if bound is not None and rows is not None and rows <= size else (size, per_sample)
+
+
+def still_failed(bound: Bound | None, size: int, per_sample: int = 0) -> Bound | None:
+    """Return a key's bound after ``size`` rows of samples of ``per_sample`` bytes fitted: gone if they reached it."""
+    rows = bound_rows(bound, per_sample)
+    return None if rows is not None and size >= rows else bound
+
+
+def presumed(rules: Rules, state: State) -> int | None:
+    """Return the size an estimate's first size stands for as the one that failed, with ``refine=True``; or ``None``.
+
+    ``initial="auto"`` starts at the largest power of two the estimate finds to fit
+    (in rows of the call's samples): twice that does not, by the estimate, and
+    stands for the size that failed, which the search stays below. None for a
+    size at the ceiling, where there is nothing to search.
+
+    Args:
+        rules (Rules): the wrapper's rules.
+        state (State): the call, at the estimate's size (or its corrected one).
+
+    Returns:
+        int or None: twice ``state.size``, or ``None``.
+    """
+    if not rules.refine or state.size >= state.ceiling:
+        return None
+    return 2 * state.size
 
 
 #: The wait of a key whose last probe fitted but ran too few more rows per second: it grows no more.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import stat
@@ -15,7 +16,7 @@ from typing import IO, Any
 import torch
 
 from koila_retry._common.places import levels_to_caller
-from koila_retry._core.cache import SizeCache, function_identity
+from koila_retry._core.cache import Bound, SizeCache, function_identity
 from koila_retry._core.keys import KeyFunction, size_class_key
 from koila_retry._core.memory import describe_device
 from koila_retry.exceptions import CacheFileWarning
@@ -50,7 +51,11 @@ class DiskCache(SizeCache):
     sees them (:func:`chunked`), written as text:
     ``"<qualified name> (<file>:<first line>) on <device> for samples <sample>"``.
     So a second run of the same script on the same kind of device starts at the
-    size that worked, and a run on a different device starts afresh.
+    size that worked, and a run on a different device starts afresh. With
+    ``refine=True``, the smallest size that failed under each key is kept too
+    (``bounds``; in the file under ``"bounds"``, with the bytes of one sample it
+    failed on under ``"bound_samples"``), so the next run searches above the size
+    it starts at; files without them load as before.
 
     With a key function of your own, its key is written as text too: a str as
     it is; anything else part by part, a tuple as ``"(part, part)"``, a device
@@ -101,6 +106,11 @@ class DiskCache(SizeCache):
                 nbytes = stored.samples.get(text)
                 if nbytes is not None:
                     SizeCache.prove(self, text, nbytes)
+            for text, bound in list(stored.bounds.items())[-maxsize:]:
+                self.bounds.update(text, functools.partial(_replaced, bound))  # not written back: changed is unset
+        # With refine=True, the smallest size that failed is kept in the file too, so that the next
+        # run does not start below it without knowing what lies between.
+        self.bounds.changed = self._bound_changed
 
     def key(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
@@ -125,6 +135,11 @@ class DiskCache(SizeCache):
         super().prove(key, nbytes)
         if isinstance(key, str) and self.sample_bytes(key) == nbytes:
             self._update(lambda sizes: _prove(sizes, key, nbytes))
+
+    def _bound_changed(self, key: Hashable, change: Callable[[Bound | None], Bound | None]) -> None:
+        """Apply a change of ``key``'s bound to the file, to the bound there (another process's, maybe)."""
+        if isinstance(key, str):
+            self._update(lambda entries: _bound(entries, key, change))
 
     def _discard(self, key: Hashable) -> int | None:
         size = super()._discard(key)  # del, pop and popitem all come here
@@ -178,6 +193,13 @@ class DiskCache(SizeCache):
             sizes.samples.update(
                 (key, nbytes) for key, nbytes in samples.items() if key in sizes and type(nbytes) is int and nbytes >= 1
             )
+        bounds, nbytes_of = content.get("bounds"), content.get("bound_samples")
+        if isinstance(bounds, dict):  # as "samples"; a bound only narrows a search, so a bad one is left out
+            nbytes_of = nbytes_of if isinstance(nbytes_of, dict) else {}
+            for key, size in bounds.items():
+                if isinstance(key, str) and type(size) is int and size >= 1:
+                    nbytes = nbytes_of.get(key)
+                    sizes.bounds[key] = (size, nbytes if type(nbytes) is int and nbytes >= 1 else 0)
         if len(sizes) < len(entries) and not self._dropped_warned:
             self._dropped_warned = True  # once: the next write leaves them out of the file
             warnings.warn(
@@ -247,6 +269,12 @@ def _replace(
         samples = {key: nbytes for key, nbytes in stored.samples.items() if key in entries}
         if samples:
             content["samples"] = samples
+        bounds = list(stored.bounds.items())[-maxsize:]
+        if bounds:
+            content["bounds"] = {key: size for key, (size, _) in bounds}
+            nbytes_of = {key: nbytes for key, (_, nbytes) in bounds if nbytes}
+            if nbytes_of:
+                content["bound_samples"] = nbytes_of
         mode = None
         with contextlib.suppress(FileNotFoundError):
             mode = stat.S_IMODE(os.stat(target).st_mode)
@@ -303,15 +331,18 @@ def _special(mode: int) -> str | None:
 
 
 class _Entries(dict[str, int]):
-    """The sizes of a cache file, by key, with the bytes of one sample each was proven on (``samples``).
+    """The sizes of a cache file, by key, with the bytes of one sample each was proven on (``samples``),
+    and ``refine=True``'s bounds (``bounds``: the smallest size that failed, and the bytes of its samples).
 
-    The file keeps the bytes under ``"samples"``, beside ``"sizes"``: a file
-    without them is read as it was, and older readers ignore them.
+    The file keeps the bytes under ``"samples"``, beside ``"sizes"``, and the bounds under
+    ``"bounds"`` and their bytes under ``"bound_samples"``: a file without them is read as
+    it was, and older readers ignore them. A bound is kept apart from the sizes, as in memory.
     """
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.samples: dict[str, int] = {}
+        self.bounds: dict[str, Bound] = {}
 
     def pop(self, key: str, default: Any = None) -> Any:
         self.samples.pop(key, None)
@@ -319,6 +350,7 @@ class _Entries(dict[str, int]):
 
     def clear(self) -> None:
         self.samples.clear()
+        self.bounds.clear()
         super().clear()
 
 
@@ -330,6 +362,16 @@ def _store(sizes: _Entries, key: str, size: int) -> None:
 def _prove(sizes: _Entries, key: str, nbytes: int) -> None:
     if key in sizes:
         sizes.samples[key] = nbytes
+
+
+def _replaced(bound: Bound, before: Bound | None) -> Bound:
+    return bound
+
+
+def _bound(entries: _Entries, key: str, change: Callable[[Bound | None], Bound | None]) -> None:
+    bound = change(entries.bounds.pop(key, None))  # re-inserted last: the most recently changed stay longest
+    if bound is not None:
+        entries.bounds[key] = bound
 
 
 def _remove(temporary: IO[str]) -> None:
