@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -11,7 +13,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import default_collate
 
+from koila_retry import BatchSizeExhausted
 from koila_retry.testing import simulated_device
 
 L = pytest.importorskip("lightning")
@@ -208,3 +212,238 @@ def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> N
     with pytest.raises(RuntimeError, match="OOMRecovery serves one device or DDP; the trainer runs FSDPStrategy"):
         callback.setup(stand_in, model, "fit")
     assert "training_step" not in vars(model)
+
+
+# Batches in the containers a data loader's collate_fn makes. The splitter takes tuples,
+# lists, dicts and dataclasses apart (docs/batches.rst); a class of its own with .to()
+# (as PyTorch Geometric's Batch) it cannot, and that batch runs whole.
+@dataclasses.dataclass
+class Fields:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Graph:
+    """A batch of a class of its own, moved to the device with .to(): not a container koila can take apart."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def to(self, device: Any) -> Graph:
+        return Graph(self.x.to(device), self.y.to(device))
+
+
+def _pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict):
+        return batch["x"], batch["y"]
+    if isinstance(batch, (Fields, Graph)):
+        return batch.x, batch.y
+    return batch[0], batch[1]
+
+
+_COLLATED: dict[str, Any] = {
+    "tuple": tuple,
+    "list": list,
+    "dict": lambda pair: {"x": pair[0], "y": pair[1]},
+    "dataclass": lambda pair: Fields(*pair),
+    "own class": lambda pair: Graph(*pair),
+}
+
+
+def collated(kind: str, rows: int = 128, nan_rows: slice | None = None) -> torch.utils.data.DataLoader[Any]:
+    """The loader of _lightning_trainer, its batches of 64 rows made into ``kind``; ``nan_rows`` made NaN."""
+    dataset = loader(rows=rows).dataset
+    if nan_rows is not None:
+        x, y = dataset.tensors
+        x = x.clone()
+        x[nan_rows] = float("nan")
+        dataset = torch.utils.data.TensorDataset(x, y)
+    make = _COLLATED[kind]
+    return torch.utils.data.DataLoader(dataset, batch_size=64, collate_fn=lambda rows: make(default_collate(rows)))
+
+
+def _told(batch: Any) -> int | None:
+    """The rows to tell ``self.log``: Lightning finds them in a batch it can take apart, not in a Graph."""
+    return len(batch.x) if isinstance(batch, Graph) else None
+
+
+class AnyBatch(MLP):
+    """The MLP, its steps taking a batch of any of the kinds above."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = _pair(batch)
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, batch_size=_told(batch))
+        return {"loss": loss, "correct": (self.net(x).argmax(1) == y).sum()}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = _pair(batch)
+        logits = self.net(x)
+        self.log("val_loss", F.cross_entropy(logits, y), batch_size=_told(batch))
+        self.log("val_max", logits.max(), reduce_fx="max", batch_size=_told(batch))
+        return F.cross_entropy(logits, y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return super().predict_step(_pair(batch), batch_idx)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "dataclass"])
+def test_a_split_step_is_exact_for_every_kind_of_batch(kind: str) -> None:
+    """Parameters, the logged training and validation metrics, and predictions equal the unsplit run's."""
+    reference = AnyBatch()
+    plain = trainer()
+    plain.fit(reference, collated(kind))
+    expected = trainer().validate(reference, collated(kind), verbose=False)
+    predicted = trainer().predict(reference, collated(kind))
+
+    model = AnyBatch()
+    events: list[Any] = []
+    limited = trainer(OOMRecovery(on_oom=events.append))
+    with simulated_device(FIT_LIMIT):
+        limited.fit(model, collated(kind))
+    assert events, "the training step never ran out of memory"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        limited.callback_metrics["train_loss"], plain.callback_metrics["train_loss"], rtol=1e-12, atol=1e-12
+    )
+
+    events.clear()
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append)).validate(model, collated(kind), verbose=False)
+        split = trainer(OOMRecovery(on_oom=events.append)).predict(model, collated(kind))
+    assert events, "the evaluation steps never ran out of memory"
+    assert got[0].keys() == expected[0].keys() == {"val_loss", "val_max"}
+    for name in expected[0]:
+        assert got[0][name] == pytest.approx(expected[0][name], rel=1e-12)
+    assert len(split) == len(predicted) == 2
+    for batch, reference_batch in zip(split, predicted, strict=True):
+        assert batch["logits"].shape == (64, 4)
+        torch.testing.assert_close(batch["logits"], reference_batch["logits"], rtol=1e-12, atol=1e-12)
+        assert torch.equal(batch["classes"], reference_batch["classes"])
+
+
+class Skipping(AnyBatch):
+    """Skips a batch as Lightning documents it: ``training_step`` returns None (for batch 1, or a non-finite loss)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = _pair(batch)
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, on_epoch=True, batch_size=_told(batch))
+        if batch_idx == 1 or not torch.isfinite(loss):
+            return None
+        return loss
+
+
+def _fit_skipping(limit: str | None, nan_rows: slice | None, **options: Any) -> tuple[Any, Any, list[Any]]:
+    model, events = Skipping(), []
+    fitted = trainer(*([] if limit is None else [OOMRecovery(on_oom=events.append)]), max_steps=-1, **options)
+    with simulated_device(limit) if limit is not None else contextlib.nullcontext():
+        fitted.fit(model, collated("tuple", rows=256, nan_rows=nan_rows))
+    return model, fitted, events
+
+
+@pytest.mark.parametrize("limit", [None, FIT_LIMIT], ids=["whole", "split"])
+@pytest.mark.parametrize("accumulate_grad_batches", [1, 2])
+def test_a_training_step_that_returns_none_skips_the_batch_as_lightning_does(
+    limit: str | None, accumulate_grad_batches: int
+) -> None:
+    """Batch 1 returns None, whole and in every micro-batch: no gradient of it reaches the optimizer.
+
+    Run whole, the skipped step's ``self.log`` calls count as without the callback (the
+    epoch's mean loss takes them in); split, they are dropped, as a failed attempt's are.
+    """
+    options = {"max_epochs": 1, "accumulate_grad_batches": accumulate_grad_batches}
+    reference, plain, _ = _fit_skipping(None, None, **options)
+    model, fitted, events = _fit_skipping(limit or "1GiB", None, **options)
+    assert bool(events) == (limit is not None)
+    assert fitted.global_step == plain.global_step
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    if limit is None:
+        assert fitted.callback_metrics.keys() == plain.callback_metrics.keys()
+        for name, value in plain.callback_metrics.items():
+            torch.testing.assert_close(fitted.callback_metrics[name], value, rtol=1e-12, atol=1e-12)
+
+
+def test_a_split_step_that_returns_none_for_one_micro_batch_skips_the_whole_batch() -> None:
+    """A guard against a non-finite loss: half of batch 2 is NaN, so the whole batch's loss is, and is skipped.
+
+    Split, the first micro-batch returns a loss and the second None: the batch is skipped
+    whole, as the unsplit step skips it, and the first micro-batch's gradient does not
+    reach ``.grad`` (under ``accumulate_grad_batches=2``, batch 2's gradient is added to
+    batch 1's, which Lightning does not zero in between).
+    """
+    options = {"max_epochs": 1, "accumulate_grad_batches": 2}
+    reference, plain, _ = _fit_skipping(None, slice(160, 192), **options)
+    model, fitted, events = _fit_skipping(FIT_LIMIT, slice(160, 192), **options)
+    assert any(event.batch_size == 64 for event in events)
+    assert fitted.global_step == plain.global_step
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_a_batch_that_cannot_be_split_runs_whole_exactly_as_without_the_callback() -> None:
+    reference = AnyBatch()
+    plain = trainer()
+    plain.fit(reference, collated("own class"))
+    expected = trainer().validate(reference, collated("own class"), verbose=False)
+    predicted = trainer().predict(reference, collated("own class"))
+
+    model = AnyBatch()
+    events: list[Any] = []
+    fitted = trainer(OOMRecovery(on_oom=events.append))
+    fitted.fit(model, collated("own class"))
+    assert not events
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+    assert fitted.callback_metrics["train_loss"] == plain.callback_metrics["train_loss"]
+    assert trainer(OOMRecovery()).validate(model, collated("own class"), verbose=False) == expected
+    for batch, reference_batch in zip(trainer(OOMRecovery()).predict(model, collated("own class")), predicted):
+        assert torch.equal(batch["logits"], reference_batch["logits"])
+
+
+class Primed(AnyBatch):
+    """Gradients in ``.grad`` as the step starts (as the batches of an accumulate_grad_batches window leave them)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for parameter in self.parameters():
+            parameter.grad = torch.full_like(parameter, 0.25)
+
+
+def test_a_batch_that_cannot_be_split_and_runs_out_of_memory_says_how_to_make_it_splittable() -> None:
+    model = Primed()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    with (
+        simulated_device(FIT_LIMIT),
+        pytest.raises(BatchSizeExhausted, match=r"cannot split the batch of Primed\.training_step, a Graph") as caught,
+    ):
+        trainer(OOMRecovery()).fit(model, collated("own class"))
+    message = str(caught.value)
+    assert "none of the arguments is a tensor" in message
+    assert "make the batch a dataclass" in message
+    for parameter, value in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter, value)
+        assert torch.equal(parameter.grad, torch.full_like(parameter, 0.25))
+    with (
+        simulated_device(EVAL_LIMIT),
+        pytest.raises(BatchSizeExhausted, match=r"cannot split the batch of Primed\.validation_step, a Graph"),
+    ):
+        trainer(OOMRecovery()).validate(model, collated("own class"), verbose=False)
+
+
+class Quiet(AnyBatch):
+    """A validation step that only logs, and returns nothing: the usual kind."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = _pair(batch)
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+
+def test_an_evaluation_step_that_returns_nothing_is_split_without_a_warning() -> None:
+    model = Quiet()
+    expected = trainer().validate(model, collated("tuple"), verbose=False)
+    events: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught, simulated_device(EVAL_LIMIT):
+        warnings.simplefilter("always")
+        got = trainer(OOMRecovery(on_oom=events.append)).validate(model, collated("tuple"), verbose=False)
+    assert events
+    assert [str(warning.message) for warning in caught if "Quiet.validation_step" in str(warning.message)] == []
+    assert got[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=1e-12)

@@ -51,6 +51,15 @@ attributes, removed in ``teardown``); the class and the trainer are not changed.
   values of the successful attempt's micro-batches combined by ``reduce_fx`` (a mean
   weighted by rows, a sum, a max or a min) and ``batch_size`` the rows, when it was
   split. Values logged by failed attempts are dropped.
+* A ``training_step`` that returns ``None``, Lightning's "skip this batch", is
+  skipped: no gradient of it reaches ``.grad``, and Lightning goes on as it does
+  without the callback. Split, a ``None`` from any micro-batch skips the whole batch
+  (a guard against a non-finite loss returns ``None`` for the batch whole), and what
+  the micro-batches computed and logged is dropped, as a failed attempt's is.
+* A batch that ``accumulate`` cannot take apart (an object of a class of its own,
+  such as PyTorch Geometric's ``Batch``; tensors that do not share their rows) runs
+  whole, as without the callback; if it runs out of memory, ``BatchSizeExhausted``
+  says why it could not be split and how to make it splittable.
 
 What it does not do (yet): manual optimisation (``training_step`` is left as it is,
 with a warning; use :func:`koila_retry.accumulate` inside it); strategies other than
@@ -76,10 +85,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.xla import XLAStrategy
-from torch.utils._pytree import tree_leaves
 
+from koila_retry._common.batches import Split
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
+from koila_retry.exceptions import BatchSizeExhausted
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -209,8 +219,11 @@ class _Step:
         self.target: Callable[..., Any] = _unset
         self.owner: type | None = None
         self.run: Callable[..., Any] = _unset
+        self.unsplit: Callable[..., Any] = _unset  # runs a batch that cannot be split, whole (see _call)
+        self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
+        self.stand_in: torch.Tensor | None = None
         self.parts: list[tuple[int, list[dict[str, Any]]]] = []
-        self.rows = 0  # of the evaluation step running
+        self.rows = 0  # of the step running, as accumulate splits its batch (1 for one it cannot split)
         self.whole: Any = None  # its output, while its last attempt ran the whole batch
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
@@ -224,7 +237,7 @@ class _Step:
         self.signature = inspect.signature(self.log)
         if self.owner is not type(module):  # a new decorated step per module class: its own cache
             self.owner = type(module)
-            self.run = self._decorated(f"{type(module).__qualname__}.{self.name}")
+            self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}")
         run = self._train if self.train else self._evaluate
 
         @functools.wraps(self.target)
@@ -238,21 +251,23 @@ class _Step:
             delattr(module, self.name)
         self.module = self.trainer = None
         self.target = self.log = _unset
-        self.signature = None
+        self.signature, self.stand_in = None, None
 
     def installed(self) -> tuple[pl.Trainer, pl.LightningModule]:
         if self.trainer is None or self.module is None:
             raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
         return self.trainer, self.module
 
-    def _decorated(self, name: str) -> Callable[..., Any]:
-        """Return the step as ``koila.accumulate`` runs it, named after the module's own."""
+    def _decorated(self, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """Return the step as ``koila.accumulate`` runs it, named after the module's own, and as it runs whole."""
         if self.train:
 
             def part(*args: Any, **kwargs: Any) -> Any:
                 self.logging = []
                 output = self.target(*args, **kwargs)
-                self.parts.append((_rows(args, kwargs), self.logging))
+                self.parts.append((self._rows_of(args, kwargs), self.logging))
+                if output is None:  # Lightning's "skip this batch"; accumulate needs a loss to go on
+                    raise _Skipped
                 return output
 
         else:
@@ -260,13 +275,19 @@ class _Step:
             def part(*args: Any, **kwargs: Any) -> Any:
                 self.logging, self.whole = [], None
                 output = self.target(*args, **kwargs)
-                rows = _rows(args, kwargs)
+                rows = self._rows_of(args, kwargs)
                 self.parts.append((rows, self.logging))
                 if rows == self.rows:  # returned as it is, strings and objects included, if it stays the last
                     self.whole = output
+                if output is None:  # the usual validation_step: nothing to join, and nothing to warn about
+                    return torch.zeros(())
                 return torch.zeros(()), output  # no loss: accumulate only splits and joins
 
-        part.__qualname__ = part.__name__ = name
+        def whole(stand_in: torch.Tensor) -> Any:
+            args, kwargs = self.held or ((), {})
+            return part(*args, **kwargs)
+
+        part.__qualname__ = part.__name__ = whole.__qualname__ = whole.__name__ = name
         options = dict(self.options)
         initial = options.pop("initial")
         # Under DDP the step runs inside DDP's forward, and the loop's backward after it, through DDP,
@@ -277,7 +298,7 @@ class _Step:
             averages=False,
             options=cast(Options, options),
         )
-        return decorate(part)
+        return decorate(part), decorate(whole)
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run one micro-batch's backward through the trainer's precision plugin."""
@@ -291,22 +312,73 @@ class _Step:
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         plugin.backward(loss, module, optimizer, **kwargs)
 
+    def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Return the rows of a micro-batch, as ``accumulate`` split them (1 for a batch that runs whole)."""
+        return 1 if self.held is not None else Split(args, kwargs, 0, "OOMRecovery").rows
+
+    def _call(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the step through ``accumulate``; a batch it cannot split, whole, as it runs without the callback.
+
+        ``accumulate`` takes tuples, lists, dicts, dataclasses ... apart (docs/batches.rst);
+        a batch of a class of its own (PyTorch Geometric's ``Batch``), or whose tensors do not
+        share their rows, runs as one piece of one row, and an out-of-memory error then says
+        why it could not be split.
+        """
+        try:
+            self.rows = Split(args, kwargs, 0, "OOMRecovery").rows
+        except (TypeError, ValueError) as error:
+            reason = str(error)
+        else:
+            return self.run(*args, **kwargs)
+        device = module.device
+        if self.stand_in is None or self.stand_in.device != device:
+            with torch.inference_mode(False):  # made in a validation loop, kept for training steps too
+                self.stand_in = torch.zeros(1, device=device)  # the one row accumulate sees
+        self.rows, self.held = 1, (args, kwargs)
+        try:
+            return self.unsplit(self.stand_in)
+        except BatchSizeExhausted as error:
+            batch = args[0] if args else next(iter(kwargs.values()), None)
+            raise BatchSizeExhausted(
+                f"OOMRecovery cannot split the batch of {type(module).__qualname__}.{self.name}, a "
+                f"{type(batch).__qualname__}: {reason}. It ran whole, as without OOMRecovery, and ran out of "
+                "memory. To let OOMRecovery run it in micro-batches, make the batch a dataclass, a tuple, list, "
+                "dict or named tuple (nested as deep as needed) of tensors that share their rows along dim 0, "
+                "for instance in the data loader's collate_fn (see the docs: Batches, which tensors are split).\n"
+                f"{error}",
+                batch_size=error.batch_size,
+                attempts=error.attempts,
+                diagnosis=error.diagnosis,
+            ) from error
+        finally:
+            self.held = None
+
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         _, module = self.installed()
         parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         aside = [parameter.grad for parameter in parameters]
-        self.parts, self.scale, rows = [], None, _rows(args, kwargs)
+        self.parts, self.scale, skipped = [], None, False
         module.log = self._record  # type: ignore[method-assign]
         try:
             for parameter in parameters:
                 parameter.grad = None
-            output = self.run(*args, **kwargs)
+            try:
+                output = self._call(module, args, kwargs)
+            except _Skipped:
+                skipped = True
             gradients = [parameter.grad for parameter in parameters]
         finally:
             del module.log
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
-        self._replay(rows)
+        if skipped:
+            # Returned None: skipped as Lightning skips it, with no gradient of it. Ran whole, it logs
+            # as it called, as without the callback; split, the batch has no whole value to log.
+            ran_whole = bool(self.parts) and self.parts[-1][0] == self.rows
+            self.parts = self.parts[-1:] if ran_whole else []
+            self._replay(self.rows)
+            return None
+        self._replay(self.rows)
         held = [(parameter, gradient) for parameter, gradient in zip(parameters, gradients) if gradient is not None]
         parts = [gradient for _, gradient in held]
         scale, self.scale = self.scale, None
@@ -323,10 +395,11 @@ class _Step:
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         _, module = self.installed()
-        self.parts, self.rows = [], _rows(args, kwargs)
+        self.parts = []
         module.log = self._record  # type: ignore[method-assign]
         try:
-            _, output = self.run(*args, **kwargs)
+            result = self._call(module, args, kwargs)
+            output = result[1] if isinstance(result, tuple) else None
             if self.whole is not None:  # it ran whole: the step's own output, not a copy joined by accumulate
                 output = self.whole
         finally:
@@ -373,14 +446,12 @@ class _Step:
             self.log(**call)
 
 
+class _Skipped(Exception):
+    """A training step (or one of its micro-batches) returned ``None``: the batch is skipped, whole."""
+
+
 def _unset(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("OOMRecovery: the step is not installed on a module")
-
-
-def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The rows of a batch, as ``accumulate`` splits it: the largest first dimension of its tensors."""
-    sizes = [leaf.shape[0] for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor) and leaf.dim()]
-    return max(sizes, default=1)
 
 
 def _combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
