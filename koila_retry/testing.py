@@ -200,7 +200,10 @@ def simulated_device(limit: int | str) -> SimulatedDevice:
     Tensors created before the block do not count. A storage resized in place
     (``untyped_storage().resize_()``, as FSDP2 frees and gathers its unsharded
     parameters) counts its new size, and one made before the block counts from
-    the moment it grows from empty.
+    the moment it grows from empty. Code compiled by ``torch.compile`` with
+    ``backend="aot_eager"`` counts as eager code does; the kernels of the default
+    backend, inductor, allocate past the operators the device sees and count
+    nothing, so compile with ``"aot_eager"`` in tests that need the limit.
 
     The block belongs to the thread that entered it, as a PyTorch dispatch
     mode does: the limit applies to that thread's operators alone. Tensors that

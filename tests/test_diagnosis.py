@@ -187,6 +187,31 @@ def test_an_error_that_is_not_the_allocators_is_unknown() -> None:
     assert "Diagnosis: unknown" in str(caught.value)
 
 
+def test_on_a_simulated_device_its_own_error_is_capacity_and_an_injected_one_unknown() -> None:
+    # The device's own refusal is one pool running out; an error raised by hand inside the
+    # block says nothing of that pool, whatever its message claims was asked for.
+    @koila.batch(initial=4, minimum=2, cache=koila.NoCache())
+    def allocates(batch_size: int) -> torch.Tensor:
+        return torch.ones(batch_size, 64, 1024)  # 256 KiB a row
+
+    @koila.batch(initial=4, minimum=2, cache=koila.NoCache())
+    def injects(batch_size: int) -> None:
+        raise make_oom("cuda")
+
+    with simulated_device("256KiB") as device:
+        with pytest.raises(koila.BatchSizeExhausted) as real:
+            allocates()
+        with pytest.raises(koila.BatchSizeExhausted) as injected:
+            injects()
+        own = diagnosis.capture(torch.OutOfMemoryError(str(real.value.__cause__)), torch.device("cpu"))
+        free = device.free
+    assert real.value.diagnosis == koila.Diagnosis("capacity", 512 * 1024, free, None, None, diagnosis.CAPACITY)
+    assert own.kind == "capacity"
+    # As outside a simulated device: unknown, with the request as the message says it and no figures.
+    assert injected.value.diagnosis == koila.Diagnosis("unknown", 2 * GiB, None, None, None, diagnosis.UNKNOWN)
+    assert "Diagnosis: unknown (asked for 2.00 GiB)." in str(injected.value)
+
+
 def test_the_cpu_allocators_refusal_is_capacity() -> None:
     pytest.importorskip("resource")
     script = textwrap.dedent(

@@ -228,3 +228,41 @@ def test_the_full_report_still_lists_every_tensor() -> None:
     rows = koila.report(device="cpu", top=10_000).rows
     assert any(row.shape == (3, 5, 7) for row in rows)
     del kept
+
+
+# --------------------------------------------------------------------------- what a simulated device counts
+
+
+def test_on_a_simulated_device_the_message_lists_only_what_it_counts() -> None:
+    # Weights made before the block do not count against its limit: listing them as the
+    # largest holders (16 MiB on a 64 KiB device) would point at what cannot be the cause.
+    model = nn.Linear(2048, 2048)  # 16 MiB of weights, outside the device
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def run(batch_size: int) -> torch.Tensor:
+        return model(torch.randn(batch_size, 2048).repeat(8, 1))
+
+    def caller() -> None:
+        kept = torch.zeros(4096)  # 16 KiB, made inside: counted
+        run()
+        del kept
+
+    with simulated_device("64KiB") as device, pytest.raises(koila.BatchSizeExhausted) as caught:
+        caller()
+    assert device.live == 0
+    message = str(caught.value)
+    assert "weight (parameter)" not in message
+    assert "bias (parameter)" not in message
+    assert "Largest on cpu (16.00 KiB in 1 storage): kept float32[4096] 16.00 KiB." in message
+
+
+def test_on_a_simulated_device_that_holds_nothing_the_message_lists_nothing() -> None:
+    model = nn.Linear(2048, 2048)
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> torch.Tensor:
+        return model(torch.randn(batch_size, 2048).repeat(16, 1))
+
+    with simulated_device("64KiB"), pytest.raises(koila.BatchSizeExhausted) as caught:
+        run()
+    assert "Largest on cpu (0 bytes in 0 storages): nothing." in str(caught.value)

@@ -191,3 +191,34 @@ def test_bad_snapshot_options_are_refused_when_the_front_end_is_made(
 def test_good_snapshot_options_are_taken(tmp_path: Path) -> None:
     for target in ("oom/{rank}.pickle", tmp_path / "oom.pickle", "oom-{{literal}}.pickle", print, None):
         koila.batch(snapshot=target)(lambda batch_size: None)
+
+
+# --- a path template or a combination no call could use: refused when the front end is made (issue 39)
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ({"snapshot": "oom/{attempt[0]}.pickle"}, "snapshot='oom/{attempt[0]}.pickle': the path may name {rank}"),
+        ({"snapshot": "oom/{rank.foo}.pickle"}, "snapshot='oom/{rank.foo}.pickle': the path may name {rank}"),
+        ({"snapshot": "oom/{rank:%Y}.pickle"}, "snapshot='oom/{rank:%Y}.pickle': the path may name {rank}"),
+        ({"snapshot": ""}, "snapshot='' names no file: give a path like 'oom/rank{rank}.pickle'"),
+        ({"snapshot": "", "snapshot_each_oom": True}, "snapshot='' names no file"),
+        (
+            {"snapshot_each_oom": True},
+            "snapshot_each_oom=True writes a snapshot at every out-of-memory error, and snapshot= says where: "
+            "give snapshot= a path like 'oom/rank{rank}-{attempt}.pickle' or a callable",
+        ),
+    ],
+    ids=["subscript", "attribute", "format-spec", "empty", "empty-each", "each-without-snapshot"],
+)
+def test_a_snapshot_option_no_call_could_use_is_a_value_error(options: dict[str, Any], shown: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        koila.batch(**options)(lambda batch_size: None)
+    assert type(caught.value) is ValueError
+    assert shown in str(caught.value)
+
+
+def test_a_path_template_with_format_specs_of_the_fields_is_taken(tmp_path: Path) -> None:
+    for target in ("oom/{rank:02d}-{attempt:>3}.pickle", "{rank}{attempt}", str(tmp_path / "{{rank}}.pickle")):
+        koila.batch(snapshot=target, snapshot_each_oom=True)(lambda batch_size: None)

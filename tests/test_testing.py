@@ -424,6 +424,29 @@ def test_an_oom_inside_backward_is_a_torch_out_of_memory_error() -> None:
     assert koila.is_oom(excinfo.value)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_code_compiled_with_aot_eager_runs_into_the_limit_as_eager_code_does() -> None:
+    # What testing.rst promises of torch.compile under the stand-in: with backend="aot_eager"
+    # the graph's operators are seen (inductor's kernels allocate past the dispatcher, and are not).
+    if not torch._dynamo.is_dynamo_supported():
+        pytest.skip("torch.compile is not supported on this Python")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 4)).eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(64, 16)  # the hidden activations: 1 MiB
+    with torch.no_grad():
+        expected = compiled(x)  # compiled outside the block, as a model usually is before the test
+        peaks = []
+        for run in (model, compiled):
+            with simulated_device("4MiB") as device:
+                assert torch.equal(run(x), expected)
+            peaks.append(device.peak)
+            with simulated_device("1MiB"), pytest.raises(torch.OutOfMemoryError, match="Simulated device"):
+                run(x)
+    assert peaks[1] >= MiB
+    assert peaks[1] == peaks[0]
+
+
 def test_repr_shows_limit_live_and_peak() -> None:
     with simulated_device("1MiB") as device:
         tensor = torch.zeros(1024)

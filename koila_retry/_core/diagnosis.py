@@ -51,6 +51,9 @@ _HOST = (
 _REQUESTED = re.compile(r"[Tt]ried to allocate\s+([\d.]+\s*(?:[KMGT]i?B|bytes|B)?)")
 # "2.00 GiB allowed;": the process's share, under set_per_process_memory_fraction.
 _ALLOWED = re.compile(r"([\d.]+\s*[KMGT]i?B) allowed")
+# What the stand-in's own refusal says (koila_retry.testing.SimulatedDevice): an error without
+# it was raised some other way inside the block (injected by a test, say), not by the stand-in.
+_STAND_IN = "Simulated device has a total capacity of"
 
 
 def _size(text: str) -> int | None:
@@ -140,6 +143,8 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
 
     Call it before the failed attempt's memory is released: what the attempt held is
     part of the picture. Never raises: a diagnosis that cannot be made is ``unknown``.
+    Inside a simulated device, only its own refusal is diagnosed from its figures; any
+    other error is diagnosed as it would be outside (one raised by hand: ``unknown``).
 
     Args:
         error (BaseException): the out-of-memory error; only its message is read.
@@ -151,8 +156,8 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
     message = str(error)
     try:
         stand_in = simulated.device()
-        if stand_in is not None:
-            # A simulated device is one pool with a limit: what does not fit is capacity.
+        if stand_in is not None and _STAND_IN in message:
+            # A simulated device is one pool with a limit: what it refused is capacity.
             return Diagnosis("capacity", requested_bytes(message), stand_in.free, None, None, CAPACITY)
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return _cuda(message, device)

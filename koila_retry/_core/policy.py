@@ -269,6 +269,17 @@ class Policy:
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         check_target(self.snapshot, self.snapshot_each_oom)
+        if isinstance(self.snapshot, str) and not self.snapshot:
+            raise ValueError(
+                "snapshot='' names no file: give a path like 'oom/rank{rank}.pickle' (with {rank} and "
+                "{attempt} filled in), a callable given the snapshot (a dict), or None for no snapshot"
+            )
+        if self.snapshot_each_oom and self.snapshot is None:
+            raise ValueError(
+                "snapshot_each_oom=True writes a snapshot at every out-of-memory error, and snapshot= says where: "
+                "give snapshot= a path like 'oom/rank{rank}-{attempt}.pickle' or a callable, or leave "
+                "snapshot_each_oom=False"
+            )
         if not callable(self.schedule):
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
         if self.device is not None and not isinstance(self.device, torch.device):

@@ -53,7 +53,7 @@ def check_target(target: object, each: object) -> None:
         )
     try:
         os.fspath(target).format(rank=0, attempt=1)
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"snapshot={os.fspath(target)!r}: the path may name {{rank}} and {{attempt}} and no other field "
             f"(double a brace to keep it: {{{{ }}}}): {exc}"

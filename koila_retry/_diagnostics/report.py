@@ -275,6 +275,7 @@ def build(
     *,
     scan: bool = True,
     step: dict[int, torch.Tensor] | None = None,
+    counted: bool = False,
 ) -> MemoryReport:
     """Return the report of ``device``, naming tensors from modules and optimizers under prefixes.
 
@@ -296,11 +297,14 @@ def build(
             objects of the process). Without it, only the tensors given are
             found, and a simulated device's other storages make one row,
             ``"not reached"``. Default: ``True``.
+        counted (bool): inside a simulated device, whether to leave out the
+            storages it does not count (made before the block, or by another
+            thread), which take none of its memory. Default: ``False``.
 
     Returns:
         MemoryReport: the report.
     """
-    found = _Found(device)
+    found = _Found(device, counted)
     known: dict[int, str] = {}  # id of a parameter -> its first name, for the optimizer's state
     held = _Held(aside or {}, step or {})
     for prefix, module in modules:
@@ -386,10 +390,15 @@ class _Storage:
 class _Found:
     """The storages on one device, by the address of their storage object in C++."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, counted: bool = False) -> None:
         self.device = device
         self.storages: dict[int, _Storage] = {}
         self.named: set[int] = set()  # ids of the named tensors, not listed again as views
+        # Inside a simulated device, with ``counted``: the storages it counts, the only ones listed.
+        self.counted: set[int] | None = None
+        stand_in = tracking.simulated.device()
+        if counted and stand_in is not None and device.type == "cpu":
+            self.counted = {storage._cdata for storage in stand_in.live_storages()}
 
     def _storage_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         # Fake tensors hold no memory; torch.compile leaves some behind, with symbolic sizes.
@@ -401,6 +410,8 @@ class _Found:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # subclasses and wrappers without one
             return None
+        if self.counted is not None and storage._cdata not in self.counted:
+            return None  # it takes none of the simulated device's memory
         return storage._cdata, storage.nbytes()
 
     def add(self, name: str, kind: str, tensor: torch.Tensor, *, unless_named: bool = False) -> None:
@@ -521,8 +532,9 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     the containers and objects they hold. Nothing else is looked at: the time
     a call takes to give up depends on what the user's code holds, not on how
     many objects the process has (:func:`report` scans them all). Inside a
-    simulated device, the storages it counts that the call does not reach
-    make one row.
+    simulated device, only the storages it counts are named (tensors made
+    before the block take none of its memory), and those that the call does
+    not reach make one row.
 
     Args:
         device (torch.device): the device that ran out of memory.
@@ -574,7 +586,7 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     named = [("" if len(tops) == 1 else prefix, module) for prefix, module in tops]
     opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in optimizers.values()]
     try:
-        return build(device, named, opts, top, variables, aside, scan=False, step=step).summary(top)
+        return build(device, named, opts, top, variables, aside, scan=False, step=step, counted=True).summary(top)
     finally:
         variables.clear()
         aside.clear()

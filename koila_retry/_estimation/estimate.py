@@ -54,6 +54,7 @@ from koila_retry._estimation.calibration import (
     probe_size,
 )
 from koila_retry._estimation.lending import Loan, ThreadTracker, borrowing, exclusive
+from koila_retry._estimation.reads import ValueReads
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.sharding import Emulation, Sharding, plan
 from koila_retry._estimation.versions import warn_if_unchecked
@@ -819,6 +820,7 @@ class Owned:
             callable: ends the loan; call it on this thread.
         """
         loan = Loan()
+        loan.mode.reads = ValueReads(recorder.placeholder)  # the reads that never reach the recorder
         loan.hold()
         emulation: Emulation | None = None
 
@@ -902,7 +904,8 @@ _VALUE_READS = {
     "integer": ("1", "sizes and branches made from it"),
     "float": ("0.0", "branches and sizes made from it (a NaN guard, a threshold)"),
     "truth value": (
-        "False, or what the check it came from usually finds (finite values, no NaN, all() of those true)",
+        "False, or what the check it came from usually finds (finite values, no NaN, all() of those, "
+        "torch.equal and torch.allclose true)",
         "the branches taken (`if t:`, `if x.sum() > 0:`, `if torch.isfinite(loss):`)",
     ),
 }
@@ -931,8 +934,9 @@ def inexact_operators(device: torch.device) -> dict[Any, str]:
 
     * on CUDA, ``aten.convolution`` and its backward: cuDNN's workspace;
     * a value read from a tensor outside an optimizer step and a gradient
-      scaler (``int(t)``, ``float(t)``, ``.item()``, ``if t:``), which reads as a
-      placeholder: noted by the Recorder itself;
+      scaler (``int(t)``, ``float(t)``, ``.item()``, ``if t:``, and through
+      ``reads.py`` ``tolist()``, ``numpy()``, ``torch.equal``, ``torch.allclose``),
+      which reads as a placeholder: noted by the Recorder itself;
     * what ``attention.py`` and ``recurrent.py`` cannot run as the device's
       kernels, noted by them with :meth:`Recorder.note_inexact`.
 
@@ -1002,7 +1006,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func is _LOCAL_SCALAR:
-            return self._placeholder(args[0])
+            return self.placeholder(args[0])
         settle()  # autocast's cached casts go when its region ends, before anything after it allocates
         known = self.inexact.get(func)
         if known is not None:
@@ -1035,7 +1039,8 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             self.truths.remember(out, rule, args)
         return out
 
-    def _placeholder(self, tensor: torch.Tensor) -> Any:
+    def placeholder(self, tensor: torch.Tensor) -> Any:
+        """Return what ``tensor``'s values read as, and note the read; see ``reads.py`` for reads of many."""
         # Meta tensors hold no values. An optimizer reads its step count (1 keeps the
         # bias corrections finite); elsewhere 0 and False keep checks for infinities
         # (a gradient scaler's, say) from skipping the step, and a truth value is what

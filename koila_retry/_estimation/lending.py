@@ -38,6 +38,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.module_tracker import ModuleTracker
 
+from koila_retry._estimation.reads import READS, ValueReads
+
 __all__ = ["Lent", "Loan", "Swapping", "ThreadTracker", "borrowing", "exclusive"]
 
 # Estimates run one at a time in a process: two loans of the same object would nest
@@ -284,13 +286,17 @@ class Swapping(TorchFunctionMode):
     A function mode is the borrowing thread's own (PyTorch keeps one stack of them
     per thread). It acts above autograd, so that a lent tensor the call reaches other
     than through a container (an RNN's flat weights, a list of parameters kept
-    elsewhere) never enters autograd's graph: its meta copy does.
+    elsewhere) never enters autograd's graph: its meta copy does. Given ``reads``, it
+    also answers the reads of a meta tensor's values that never reach a dispatch mode
+    (``tolist()``, ``torch.equal``: see ``reads.py``), here rather than in a function
+    mode of their own, which would add its cost to every torch function the run calls.
     """
 
     def __init__(self) -> None:
         super().__init__()
         # id of a lent tensor -> (the tensor, its meta copy); the copy lives as long as what holds it.
         self.table: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
+        self.reads: ValueReads | None = None
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -299,6 +305,8 @@ class Swapping(TorchFunctionMode):
             args = self._swapped(args)
             if kwargs:
                 kwargs = {key: self._one(value) for key, value in kwargs.items()}
+        if self.reads is not None and func in READS:
+            return self.reads(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
     def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
