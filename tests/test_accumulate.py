@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import warnings
 import weakref
 from collections import namedtuple
@@ -1458,3 +1460,130 @@ def test_grow_tries_the_next_power_of_two_after_grow_after_calls() -> None:
             sizes.append(step.stats.batch_size)
     assert seen == [[64, 32, 16, 16, 16, 16], [16] * 4, [16] * 4, [32, 32], [32, 32]]
     assert sizes == [16, 16, 16, 32, 32]
+
+
+# --------------------------------------------------------------------------- 15. a backward inside the step
+
+
+def _own_backward(kind: str) -> Callable[[torch.Tensor], None]:
+    """What a step that runs its own backward calls on its loss (issue 39, finding 4)."""
+    if kind == "retain_graph":
+        return lambda loss: loss.backward(retain_graph=True)
+    if kind == "plain":
+        return lambda loss: loss.backward()
+    return lambda loss: torch.autograd.backward([loss])
+
+
+@pytest.mark.parametrize("kind", ["retain_graph", "plain", "autograd.backward"])
+@pytest.mark.parametrize("grads", ["none", "present"])
+@pytest.mark.parametrize("initial", [None, 8], ids=["whole", "split"])
+def test_a_backward_the_step_runs_itself_is_refused_before_grad_is_touched(
+    kind: str, grads: str, initial: int | None
+) -> None:
+    # Run as it is, retain_graph=True gave 2x the gradient whole and 4.57x split, and a plain
+    # backward left .grad written under PyTorch's "backward through the graph a second time".
+    model, x, y = build("mlp", 20)
+    if grads == "present":
+        give_grads(model)
+    before = Snapshot(model)
+    run_backward = _own_backward(kind)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        loss = F.mse_loss(model(x), y)
+        run_backward(loss)
+        return loss
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"step ran a backward pass itself .*refused before it wrote any \.grad"
+        r".*Return the loss.*backward=.*torch\.autograd\.grad",
+    ) as info:
+        step(x, y)
+    before.assert_unchanged()
+    assert calls == [20 if initial is None else 8]  # refused in the first micro-batch, not retried
+    assert "backward through the graph" not in str(info.value)  # not PyTorch's, after .grad was written
+    assert step.stats.ooms == 0
+
+
+def test_a_backward_refused_inside_the_step_is_refused_even_if_the_step_catches_it() -> None:
+    model, x, y = build("mlp", 12)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        with contextlib.suppress(RuntimeError):  # the refusal, swallowed
+            loss.backward(retain_graph=True)
+        return loss
+
+    with pytest.raises(RuntimeError, match="ran a backward pass itself"):
+        step(x, y)
+    before.assert_unchanged()
+
+
+def test_a_backward_in_another_thread_while_a_step_runs_is_not_refused() -> None:
+    # What is refused is the step's own code, on its thread: a plain loop on another thread
+    # keeps its backward.
+    model, x, y = build("mlp", 8)
+    other = copy.deepcopy(model)
+    inside, done = threading.Event(), threading.Event()
+    errors: list[str] = []
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        done.wait(30)
+        return F.mse_loss(model(x), y)
+
+    def plain() -> None:
+        inside.wait(30)
+        try:
+            F.mse_loss(other(x), y).backward()
+        except Exception as exc:  # reported as text, not kept
+            errors.append(repr(exc))
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=plain)
+    thread.start()
+    _, expected = full_step(model, x, y)
+    step(x, y)
+    thread.join()
+    assert errors == []
+    assert_grads(other, expected)
+    assert_grads(model, expected)
+
+
+def penalised_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A mean-squared error plus a gradient penalty on the inputs, made with ``torch.autograd.grad``."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return F.mse_loss(out, y) + slope.pow(2).sum(dim=1).mean()
+
+
+@pytest.mark.parametrize("grads", ["none", "present"])
+@pytest.mark.parametrize("initial", [None, 8], ids=["whole", "split"])
+def test_a_gradient_penalty_by_autograd_grad_inside_the_step_is_exact(grads: str, initial: int | None) -> None:
+    # torch.autograd.grad writes no .grad: a step may use it, and the penalty's double
+    # backward is part of the loss that accumulate backpropagates.
+    model, x, y = build("mlp", 20)
+    reference = copy.deepcopy(model)
+    expected_loss = penalised_loss(reference, x, y)
+    expected_loss.backward()
+    expected = [p.grad.clone() for p in reference.parameters()]
+    if grads == "present":
+        give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return penalised_loss(model, x, y)
+
+    loss = step(x, y)
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=RTOL, atol=ATOL)
+    before.assert_added(expected)

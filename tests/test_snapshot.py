@@ -8,6 +8,7 @@ and the call says so.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import warnings
@@ -162,6 +163,60 @@ def test_on_the_cpu_there_is_nothing_to_record(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="cpu has none: nothing was recorded"), pytest.raises(koila.BatchSizeExhausted):
         run()
     assert list(tmp_path.iterdir()) == []
+
+
+# --- where warnings are errors (pytest -W error, PYTHONWARNINGS=error): the recovery goes on (issue 39)
+
+
+def _logged(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name == "koila_retry" and text in record.getMessage()]
+
+
+def test_warnings_as_errors_cannot_stop_the_recovery(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Warned while the out-of-memory error was handled, "nothing to record" became the call's
+    # error under an "error" filter, and the call was never retried.
+    @koila.batch(initial=8, snapshot=str(tmp_path / "oom.pickle"))
+    def run(batch_size: int) -> int:
+        torch.ones(batch_size, 256, 1024)  # 1 MiB a row
+        return batch_size
+
+    with simulated_device("3MiB"), warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        assert run() == 2
+    assert run.stats.ooms == 2
+    # What the filter would have raised is logged instead, once a call, as the warning is shown.
+    (record,) = _logged(caplog, "nothing was recorded for")
+    assert record.levelno == logging.WARNING
+    assert "has none (a simulated device)" in record.getMessage()
+    assert "a warnings filter made this warning an error" in record.getMessage()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_warnings_as_errors_never_hide_the_out_of_memory_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    @koila.batch(initial=8, minimum=4, snapshot=str(tmp_path / "oom.pickle"))
+    def run(batch_size: int) -> torch.Tensor:
+        return torch.ones(batch_size, 1024, 1024)
+
+    with simulated_device("1MiB"), warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        with pytest.raises(koila.BatchSizeExhausted):
+            run()
+    assert len(_logged(caplog, "nothing was recorded for")) == 1
+
+
+def test_a_snapshot_that_cannot_be_written_under_warnings_as_errors_is_logged_and_the_call_recovers(
+    allocator: Allocator, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = _failing(snapshot=str(tmp_path / "no-such-folder" / "oom-{attempt}.pickle"), snapshot_each_oom=True)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        assert run(allocator.log) == 1
+    assert allocator.log == [
+        "attempt 8", "start", "snapshot 1", "attempt 4", "snapshot 2", "attempt 2", "snapshot 3", "attempt 1", "stop"
+    ]  # fmt: skip
+    assert len(_logged(caplog, "snapshot= could not be taken")) == 3  # one for each snapshot
 
 
 def test_without_snapshot_nothing_is_recorded(allocator: Allocator) -> None:

@@ -42,6 +42,7 @@ from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
+from koila_retry._frontends import own_backward
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
 
 if TYPE_CHECKING:
@@ -224,7 +225,10 @@ def accumulate(
         NotImplementedError: when called, if ranks agree and the step
             reaches an FSDP or tensor-parallel module.
         RuntimeError: when called, if the loss needs no gradient while grad
-            mode is on and a module the step uses has parameters that do.
+            mode is on and a module the step uses has parameters that do, or
+            if the step runs a backward pass itself (``loss.backward()`` or
+            ``torch.autograd.backward`` inside it; ``torch.autograd.grad`` is
+            allowed), refused before that backward writes any ``.grad``.
         BatchSizeExhausted: when called, if the step runs out of memory even at
             ``minimum`` rows per micro-batch.
 
@@ -335,6 +339,7 @@ def accumulator(
         if inspect.iscoroutinefunction(function):
             raise TypeError("@koila.accumulate runs backward() itself and cannot wrap an async function")
         refuse_generator(function, "@koila.accumulate")
+        own_backward.guard()  # a backward the step runs itself is refused (see own_backward)
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
         controller = Controller(name, policy, explain=exhausted.message)
         auto = initial == AUTO
@@ -509,7 +514,7 @@ class _Accumulator:
             backed = False
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
                 shards.micro_batch(index == len(pieces) - 1)
-                loss = results.add(self.fn(*args, **kwargs), weight, count)
+                loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and weight != 0.0:
                     self.backward(loss * weight if weight != 1.0 else loss, retain)
                     backed = True
@@ -563,7 +568,7 @@ class _Accumulator:
             # (a GradScaler makes its scale on the loss's device, lazily), and an
             # engine's may count micro-steps or communicate. Scaling a scalar loss, or
             # weighing it, adds nothing to the peak.
-            loss = _loss_of(self.fn(*args, **kwargs), name)
+            loss = _loss_of(own_backward.call(self.fn, name, args, kwargs), name)
             if loss.requires_grad:
                 gradients.backward(_plain_backward, loss, False)
 
@@ -613,7 +618,7 @@ class _Accumulator:
         if meter is not None:
             backed = self._measured(split, size, gradients, attempt, meter, results, retain, auto)
         elif size >= rows:  # the happy path: the batch as given, one forward, one backward
-            result = self.fn(*split.args, **split.kwargs)
+            result = own_backward.call(self.fn, self.controller.name, split.args, split.kwargs)
             loss = results.add(result, 1.0, rows)
             if loss.requires_grad:
                 gradients.backward(self.backward, loss, retain)
@@ -643,7 +648,7 @@ class _Accumulator:
         retain: bool,
     ) -> bool:
         """Run one micro-batch, forward and weighted backward; return whether its loss needed a gradient."""
-        result = self.fn(*args, **kwargs)
+        result = own_backward.call(self.fn, self.controller.name, args, kwargs)
         loss = results.add(result, weight, rows)
         del result
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.

@@ -1,0 +1,113 @@
+"""Refuse a backward pass that a step of ``accumulate`` runs itself, before it writes any ``.grad``.
+
+``accumulate`` runs the backward of each micro-batch's loss. A step that also runs one
+(``loss.backward()`` inside it) adds its gradients into ``.grad`` besides: twice the
+gradient with ``retain_graph=True``, more when split, and a plain one leaves ``.grad``
+written under PyTorch's "backward through the graph a second time". Every backward that
+writes ``.grad`` from Python, ``Tensor.backward`` and ``torch.autograd.backward``, goes
+through ``torch.autograd.graph._engine_run_backward`` with ``accumulate_grad=True``
+(``torch.autograd.grad`` with ``False``). That function is wrapped once, when the first
+step is decorated, as PyTorch wraps it itself for tracing
+(``torch.compiler._patch_engine_backward``): while a step's own code runs on a thread,
+a backward that would write ``.grad`` raises there, before the engine starts.
+
+What it costs: a thread-local name set and reset around each micro-batch's forward, and
+one Python call more per backward of the process. A hook on each parameter, or a
+``TorchFunctionMode`` over the forward, would cost per parameter or per operation.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["call", "guard"]
+
+
+class _Running(threading.local):
+    """This thread's step whose own code is running, and how many backward passes were refused in it."""
+
+    def __init__(self) -> None:
+        self.step: str | None = None
+        self.refused = 0
+
+
+_running = _Running()
+_lock = threading.Lock()
+_guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
+
+
+def guard() -> bool:
+    """Wrap PyTorch's entry into the autograd engine, once, so that :func:`call` can refuse a backward.
+
+    Returns:
+        bool: whether the entry is wrapped: ``False`` on a PyTorch without it,
+        where nothing is refused.
+    """
+    if _guarded:
+        return True
+    graph = torch.autograd.graph
+    with _lock:
+        original = getattr(graph, "_engine_run_backward", None)
+        if _guarded or original is None:
+            return bool(_guarded)
+
+        @functools.wraps(original)
+        def guarded(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            step = _running.step
+            # The engine's own default is to accumulate: a caller that does not say writes .grad.
+            if step is not None and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True):
+                _running.refused += 1
+                raise RuntimeError(_refusal(step))
+            return original(t_outputs, *args, **kwargs)
+
+        # Both names: torch.autograd calls it by the one it imported, and PyTorch's own
+        # wrapper for tracing reads graph's and puts back what it read into both.
+        graph._engine_run_backward = guarded
+        setattr(torch.autograd, "_engine_run_backward", guarded)  # noqa: B010 (not in the stubs)
+        _guarded.append(guarded)
+    return True
+
+
+def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run a step's own code, ``fn(*args, **kwargs)``, with a backward pass inside it refused.
+
+    Args:
+        fn (callable): the step.
+        name (str): its name, for the error.
+        args (sequence): its positional arguments.
+        kwargs (dict): its keyword arguments.
+
+    Returns:
+        Any: what ``fn`` returned.
+
+    Raises:
+        RuntimeError: if ``fn`` started a backward that writes ``.grad``, even if it
+            caught the error raised there: nothing was written.
+    """
+    running = _running
+    outer, refused = running.step, running.refused
+    running.step = name
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        running.step = outer
+    if running.refused != refused:
+        raise RuntimeError(_refusal(name))
+    return result
+
+
+def _refusal(name: str) -> str:
+    """Return the error of a step that ran a backward pass itself."""
+    return (
+        f"{name} ran a backward pass itself (loss.backward() or torch.autograd.backward inside the step), "
+        "refused before it wrote any .grad: koila.accumulate runs the backward of the loss the step returns, "
+        "once per micro-batch, so that backward would add the gradient a second time, and again in every "
+        "micro-batch and retry. Return the loss and let accumulate run its backward; for a training engine's "
+        "backward (accelerator.backward, fabric.backward), pass it as backward=; for a gradient the step needs "
+        "itself (a gradient penalty), use torch.autograd.grad, which writes no .grad"
+    )
