@@ -23,7 +23,8 @@ setup(
         "progress": ["tqdm>=4.60"],
         "plot": ["matplotlib>=3.7"],
         # For koila_retry.integrations.transformers and the examples; import koila_retry never imports it.
-        "transformers": ["transformers>=4.40"],
+        # Trainer needs accelerate: 0.26 or later for transformers 4.40 (tested: 4.40.0 with 0.26.1).
+        "transformers": ["transformers>=4.40", "accelerate>=0.26.1"],
         # koila_retry.integrations.lightning.OOMRecovery, and examples/trainer_lightning.py.
         "lightning": ["lightning>=2.4"],
     },

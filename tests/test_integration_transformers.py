@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,28 @@ import torch
 from koila_retry.testing import simulated_device
 
 transformers = pytest.importorskip("transformers")
-from _hf_trainer import Rows, assert_same_training, logged, make_trainer  # noqa: E402 (after the skip)
+from _hf_trainer import (  # noqa: E402 (after the skip)
+    CausalWrapper,
+    MeanLoss,
+    Rows,
+    SummedLoss,
+    assert_same_training,
+    logged,
+    make_trainer,
+    mean_loss_func,
+    summed_loss_func,
+)
 
 from koila_retry.integrations.transformers import adapt  # noqa: E402
 
 # The whole batch of 8 padded rows needs more than this for a training step; 4 rows fit.
 TRAIN_LIMIT = "1MiB"
+
+
+@pytest.fixture(autouse=True)
+def no_mixed_precision_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4 leaves a bf16 or fp16 trainer's precision in os.environ, for every later trainer."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +90,80 @@ def test_a_mean_loss_without_num_items_in_batch_is_weighed_by_tokens(tmp_path: P
     assert_same_training(trainer, reference)
 
 
+# A custom loss in each documented form: one that ignores num_items_in_batch and returns the batch's
+# mean, and one that divides its sum by it, as compute_loss and as compute_loss_func.
+LOSSES: dict[str, dict[str, Any]] = {
+    "compute_loss returning a mean": {"cls": MeanLoss},
+    "compute_loss using num_items_in_batch": {"cls": SummedLoss},
+    "compute_loss_func returning a mean": {"compute_loss_func": mean_loss_func},
+    "compute_loss_func using num_items_in_batch": {"compute_loss_func": summed_loss_func},
+}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_custom_loss_split_gives_what_the_plain_trainer_gives(tmp_path: Path, loss: str, accumulation: int) -> None:
+    """Whether a custom loss uses num_items_in_batch or not, a split step (and evaluation) is the whole one's.
+
+    With gradient accumulation, a mean loss is its batch's mean and a summed one is over the window's count:
+    the two are weighed differently, and the plain trainer is the reference of both.
+    """
+    if (
+        "compute_loss_func" in LOSSES[loss]
+        and "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters
+    ):
+        pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
+    rows = 8 // accumulation
+    settings = {**LOSSES[loss], "gradient_accumulation_steps": accumulation, "per_device_train_batch_size": rows}
+    reference = make_trainer(tmp_path, **settings)
+    expected = reference.evaluate()["eval_loss"]
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, **settings))
+    with simulated_device("128KiB"):
+        evaluated = trainer.evaluate()["eval_loss"]
+    with simulated_device(TRAIN_LIMIT if accumulation == 1 else "512KiB"):
+        trainer.train()
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.training_step.stats.batch_size < rows
+    assert_same_training(trainer, reference)
+    assert evaluated == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_module_around_a_causal_lm_is_weighed_by_its_shifted_labels(tmp_path: Path) -> None:
+    """A plain module that wraps a causal LM and returns a tuple: its loss averages over the shifted labels.
+
+    The rows' lengths differ (2 to 23 tokens, the rest -100), so each row's shifted count is its
+    count less one, a share of the batch that differs from its unshifted one.
+    """
+    reference = make_trainer(tmp_path, model=CausalWrapper())
+    assert not getattr(reference, "model_accepts_loss_kwargs", False)  # no num_items_in_batch: they are weighed
+    expected = reference.evaluate()["eval_loss"]
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, model=CausalWrapper()))
+    with simulated_device("128KiB"):
+        evaluated = trainer.evaluate()["eval_loss"]
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.training_step.stats.batch_size < 8
+    assert_same_training(trainer, reference)
+    assert evaluated == pytest.approx(expected, rel=1e-6)
+
+
+def test_label_smoothing_split_gives_what_the_plain_trainer_gives(tmp_path: Path) -> None:
+    """Trainer's label smoother computes the loss from the logits, shifted for a causal LM, over the count if given."""
+    reference = make_trainer(tmp_path, label_smoothing_factor=0.1)
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, label_smoothing_factor=0.1))
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.training_step.stats.batch_size < 8
+    assert_same_training(trainer, reference)
+
+
 def test_bf16_mixed_precision_on_the_cpu(tmp_path: Path) -> None:
     try:
         reference = make_trainer(tmp_path, bf16=True)
@@ -99,7 +190,12 @@ def test_fp16_loss_scaling_is_applied_to_each_micro_batch_and_undone_once(tmp_pa
     """
 
     def scaled_trainer() -> Any:
-        trainer = make_trainer(tmp_path, fp16=True, max_grad_norm=0.0)
+        try:
+            trainer = make_trainer(tmp_path, fp16=True, max_grad_norm=0.0)
+        except ValueError as error:
+            if "can only be used on CUDA" not in str(error):
+                raise
+            pytest.skip(f"transformers before 4.42 refuses fp16 on the CPU ({transformers.__version__})")
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         return trainer
 
@@ -159,9 +255,11 @@ def test_a_trainer_it_cannot_serve_is_refused_with_the_reason(tmp_path: Path, mo
         adapt(trainer)
     monkeypatch.setattr(trainer, "is_deepspeed_enabled", False)
     accelerate = pytest.importorskip("accelerate")
-    distributed = property(lambda self: accelerate.utils.DistributedType.XLA)
+    types = accelerate.utils.DistributedType
+    xla = getattr(types, "XLA", None) or types.TPU  # TPU before accelerate 0.28
+    distributed = property(lambda self: xla)
     monkeypatch.setattr(type(trainer.accelerator), "distributed_type", distributed)
-    with pytest.raises(NotImplementedError, match="it runs distributed as XLA, which communicates inside"):
+    with pytest.raises(NotImplementedError, match="it runs distributed as (XLA|TPU), which communicates inside"):
         adapt(trainer)
     monkeypatch.undo()
     assert "koila_adapted_steps" not in vars(trainer)  # nothing was changed by a refusal
@@ -170,9 +268,9 @@ def test_a_trainer_it_cannot_serve_is_refused_with_the_reason(tmp_path: Path, mo
 class OwnBackward(transformers.Trainer):  # type: ignore[misc]
     """A training_step that runs its backward itself: adapt cannot hold it back for micro-batches."""
 
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
         model.train()
-        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = self.compute_loss(model, inputs)
         loss.backward()
         return loss.detach()
 
@@ -180,8 +278,8 @@ class OwnBackward(transformers.Trainer):  # type: ignore[misc]
 class SuperAndOwnBackward(transformers.Trainer):  # type: ignore[misc]
     """Calls the original step, then a backward of its own besides (an extra penalty)."""
 
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *count)
         penalty = sum(p.pow(2).sum() for p in model.parameters()) * 1e-6
         penalty.backward()
         return loss
@@ -192,9 +290,10 @@ class Logging(transformers.Trainer):  # type: ignore[misc]
 
     calls = 0
 
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        # *count: num_items_in_batch, which Trainer passes from transformers 4.46 on.
         self.calls += 1
-        return super().training_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, *count)
 
 
 def test_a_custom_training_step_is_served_or_refused(tmp_path: Path, reference: Any) -> None:

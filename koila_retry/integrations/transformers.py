@@ -3,13 +3,17 @@
 Hugging Face's callbacks cannot change a step, so :func:`adapt` replaces the
 trainer instance's ``training_step`` and ``prediction_step`` with wrappers that
 run the original through :func:`koila_retry.accumulate`: the whole batch first,
-and, after an out-of-memory error, micro-batches of the same batch. A split
-micro-batch is to the batch what a batch is to an accumulation window in the
-trainer's own gradient accumulation: with ``num_items_in_batch``, each
-micro-batch's summed loss is divided by the whole window's count, and the
-micro-batches are added up; without it, each micro-batch's mean loss is weighed
-by its share of the items Hugging Face counts (labels that are not -100, shifted
-for causal language models), or of the rows when there are no labels.
+and, after an out-of-memory error, micro-batches of the same batch. Each
+micro-batch's loss is weighed by its share of the batch's items (labels that are
+not -100, shifted for a causal language model), or of its rows when there are no
+labels; and the ``num_items_in_batch`` it is given is the window's count times
+that share. A loss that is a mean over the micro-batch's items ignores the
+count, one that divides its sum by the count is divided by the share too, and
+either way the weighed micro-batches add up to the whole batch's loss: the step
+need not know which of the two a custom ``compute_loss`` or
+``compute_loss_func`` is. Every Hugging Face loss is linear in the loss the step
+backs through (the division by the accumulation steps, loss scaling), so the
+same weighing serves every version of ``Trainer.training_step``.
 
 ``transformers`` is imported when :func:`adapt` is called, never before.
 """
@@ -40,6 +44,8 @@ NAME = "koila_retry.integrations.transformers.adapt"
 # Set on an adapted trainer: its original steps, so that adapting twice is refused.
 MARK = "koila_adapted_steps"
 IGNORED = -100
+# Stands for an argument the caller did not pass.
+ABSENT: Any = object()
 # Accelerate's distributed types that wrap the model in DistributedDataParallel: the ones adapt serves.
 DDP_TYPES = frozenset(
     f"MULTI_{device}" for device in ("CPU", "GPU", "NPU", "XPU", "MLU", "MUSA", "SDAA", "HPU", "NEURON")
@@ -54,14 +60,15 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     once, on the whole batch, with its backward (``self.accelerator.backward``)
     run by :func:`koila_retry.accumulate`. When that runs out of memory, the
     memory is released and the step runs again over micro-batches of the batch
-    (powers of two rows), each with its own forward and backward, normalised as
-    the trainer normalises the whole batch: with ``num_items_in_batch`` (a model
-    that takes loss keywords, or ``compute_loss_func``), each micro-batch's loss
-    is its summed loss over the whole batch's count, and they are added up;
-    otherwise each micro-batch's mean loss is weighed by its share of the labels
-    that are not -100 (shifted by one for a causal language model), or of the
-    rows without labels. The gradient the optimizer sees, the loss the trainer
-    logs, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+    (powers of two rows), each with its own forward and backward. Each
+    micro-batch's loss is weighed by its share of the batch's labels that are
+    not -100 (shifted by one for a causal language model, or a module that wraps
+    one), or of its rows without labels, and its ``num_items_in_batch`` is the
+    whole count times that share: a loss that is a mean over its labels (the
+    model's own, or a custom ``compute_loss`` or ``compute_loss_func`` that
+    ignores the count) and one that divides its sum by ``num_items_in_batch``
+    both add up to the whole batch's. The gradient the optimizer sees, the loss
+    the trainer logs, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
     ``global_step`` and the learning-rate schedule are those of the whole batch,
     to floating-point rounding. Gradient clipping, mixed precision and the
     trainer's gradient accumulation run as before, on the full gradient. A step
@@ -72,6 +79,14 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     Evaluation and prediction: a ``prediction_step`` that runs out of memory runs
     again in chunks of its rows, without gradients, and returns the whole batch's
     loss (the chunks' losses weighed by their items, as above), logits and labels.
+
+    A custom loss that is a mean over something else than those labels (a mean
+    over rows of labels with -100 entries, say) is weighed wrongly when a step
+    is split; ``Trainer`` scales such a loss the same way in its own gradient
+    accumulation.
+
+    Any ``transformers`` from 4.40 on: a ``Trainer`` older than 4.46 passes no
+    ``num_items_in_batch`` to its ``training_step``, and none is passed on.
 
     DDP (several processes, ``torchrun``): the ranks agree on every micro-batch
     size, as :func:`~koila_retry.accumulate` makes them agree, so a rank that
@@ -138,8 +153,9 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
         )
     Policy.of(NAME, None, options, rows=True)
     _refuse_unservable(trainer, transformers)
-    training = _Training(trainer, type(trainer).training_step is not transformers.Trainer.training_step, options)
-    prediction = _Prediction(trainer, options)
+    overridden = type(trainer).training_step is not transformers.Trainer.training_step
+    training = _Training(trainer, overridden, options, transformers)
+    prediction = _Prediction(trainer, options, transformers)
     original_training, original_prediction = trainer.training_step, trainer.prediction_step
     training_step = functools.wraps(original_training)(training)
     prediction_step = functools.wraps(original_prediction)(prediction)
@@ -209,35 +225,73 @@ def _names(code: Any) -> set[str]:
     return names
 
 
-def _shifts_labels(trainer: Any) -> bool:
+def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
     """Whether the trainer's model shifts its labels (a causal language model): its first label predicts nothing.
 
-    The trainer's own answer, or, where its config names no loss type, the loss
-    function the model uses.
+    The trainer's own answer (transformers 5), else the model's loss type or class;
+    for a module that is no ``PreTrainedModel`` (a wrapper, a PEFT model), that of
+    the outermost models it holds, which must all shift.
     """
     if getattr(trainer, "_loss_shifts_labels", False):
         return True
-    model = trainer.model
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
+    models = _outermost(trainer.model, transformers.PreTrainedModel)
+    return bool(models) and all(_causal(model) for model in models)
+
+
+def _outermost(module: Any, kind: type) -> list[Any]:
+    """The modules of ``kind`` in ``module``, itself included, that no other of ``kind`` holds."""
+    if isinstance(module, kind):
+        return [module]
+    children = module.children() if isinstance(module, torch.nn.Module) else ()
+    return [found for child in children for found in _outermost(child, kind)]
+
+
+def _causal(model: Any) -> bool:
+    """Whether a Hugging Face model's loss is a causal language model's, as Hugging Face tells them apart."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False
-    try:
-        causal = importlib.import_module("transformers.loss.loss_utils").ForCausalLMLoss
-    except (ImportError, AttributeError):  # pragma: no cover - older transformers
-        return False
-    return getattr(model, "loss_function", None) is causal
+    try:  # transformers 4.46 on: the loss a model type uses
+        losses = importlib.import_module("transformers.loss.loss_utils")
+        kind = losses.LOSS_MAPPING.get(getattr(model, "loss_type", None))
+        if kind is not None:
+            return bool(kind is losses.ForCausalLMLoss)
+    except (ImportError, AttributeError):  # pragma: no cover - transformers before 4.46
+        pass
+    # The models Trainer's label smoothing shifts for, in every version.
+    names = importlib.import_module("transformers.models.auto.modeling_auto").MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return type(model).__name__ in set(names.values())
 
 
 def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
-    """The labels whose entries that are not -100 Hugging Face counts as items of a loss, or ``None``."""
+    """The labels whose entries that are not -100 a loss averages over, or ``None``.
+
+    As Hugging Face counts them: ``shift_labels`` where the batch has them, else
+    ``labels``, less the first of each row for a model that shifts them.
+    """
     if not isinstance(inputs, Mapping):
         return None
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs.get("labels")
-        if isinstance(labels, torch.Tensor) and shifts:
+        if isinstance(labels, torch.Tensor) and shifts and labels.dim() >= 2:  # a sequence per row
             labels = labels[..., 1:]
     return labels if isinstance(labels, torch.Tensor) else None
+
+
+def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None) -> Any:
+    """Return ``num_items_in_batch`` for a micro-batch: ``count`` times its share of the batch's items.
+
+    ``count`` itself for the whole batch, and for a micro-batch without items
+    (weighed 0, whose loss counts for nothing), whose share would divide by 0.
+    """
+    if count is None or labels is None or whole is None or labels.shape[:1] == whole.shape[:1]:
+        return count
+    items, total = labels.ne(IGNORED).sum(), whole.ne(IGNORED).sum()
+    if not bool(items):
+        return count
+    if isinstance(count, torch.Tensor):
+        return count * items.to(count.device) / total.to(count.device)
+    return count * int(items) / int(total)
 
 
 def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
@@ -263,10 +317,12 @@ def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
 class _Training:
     """An adapted trainer's ``training_step``: the original, run by ``accumulate``, whole or in micro-batches."""
 
-    def __init__(self, trainer: Any, overridden: bool, options: Options) -> None:
+    def __init__(self, trainer: Any, overridden: bool, options: Options, transformers: ModuleType) -> None:
         self.trainer, self.overridden = trainer, overridden
         self.original: Callable[..., Any] = trainer.training_step
-        self.shifts = _shifts_labels(trainer)
+        self.given = True  # whether the trainer passed num_items_in_batch to this step (from transformers 4.46)
+        self.shifts = _shifts_labels(trainer, transformers)
+        self.whole: torch.Tensor | None = None  # the labels of the step's whole batch, while it runs
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             trainer.accelerator.backward(loss, **kwargs)
@@ -275,21 +331,22 @@ class _Training:
             return self.run(model, inputs, num_items_in_batch)
 
         training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
-        # With num_items_in_batch, each micro-batch's loss is its share already: they add up.
+        # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.summed = accumulate(reduction="sum", backward=backward, **options)(training_step)
         self.weighted = accumulate(weight=_items(trainer, self.shifts), backward=backward, **options)(training_step)
         self.by_rows = accumulate(backward=backward, **options)(training_step)
         self.stats = self.summed.stats
 
-    def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        trainer = self.trainer
-        scaled = trainer.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (
-                trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
-            ) or trainer.compute_loss_func is not None
-        step = _chosen(self, scaled and num_items_in_batch is not None, inputs)
-        return step(model, inputs, num_items_in_batch)[1]
+    def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = ABSENT) -> Any:
+        # The original is called as the trainer calls this: with num_items_in_batch only where given.
+        self.given = num_items_in_batch is not ABSENT
+        count = num_items_in_batch if self.given else None
+        step = _chosen(self, count is not None, inputs)
+        self.whole = _labels_counted(self.trainer, inputs, self.shifts)
+        try:
+            return step(model, inputs, count)[1]
+        finally:
+            self.whole = None
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
         """Run the original step on (part of) the batch with its backward held back; return the loss and its result."""
@@ -306,7 +363,11 @@ class _Training:
 
         before = _gradients(model) if self.overridden else None
         with _swapped(accelerator, "backward", hold):
-            returned = self.original(model, inputs, num_items_in_batch)
+            if self.given:
+                labels = _labels_counted(self.trainer, inputs, self.shifts)
+                returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole))
+            else:  # transformers before 4.46
+                returned = self.original(model, inputs)
         if before is not None and _gradients(model) != before:
             raise RuntimeError(
                 f"{NAME}: the training_step of {type(self.trainer).__name__} wrote .grad itself (a backward "
@@ -324,16 +385,18 @@ class _Training:
         return loss, returned
 
 
-def _chosen(steps: _Training | _Prediction, summed: bool, inputs: Any) -> Any:
-    """Choose the decorated step that normalises this batch as Hugging Face does, and keep its ``stats``.
+def _chosen(steps: _Training | _Prediction, counted: bool, inputs: Any) -> Any:
+    """Choose the decorated step that weighs this batch's micro-batches, and keep its ``stats``.
 
-    ``summed`` when each call's loss is a summed loss over the whole batch's
-    count; else one weighed by the labels Hugging Face counts, or by rows.
+    By the labels a loss averages over where the batch has them (each call's
+    ``num_items_in_batch`` then scaled by the same share); else by rows, or, for
+    a batch with a count (``counted``) but no labels, unweighted: a loss divided
+    by the count adds up.
     """
-    if summed:
-        step = steps.summed
-    elif _labels_counted(steps.trainer, inputs, steps.shifts) is not None:
+    if _labels_counted(steps.trainer, inputs, steps.shifts) is not None:
         step = steps.weighted
+    elif counted:
+        step = steps.summed
     else:
         step = steps.by_rows
     steps.stats = step.stats
@@ -368,14 +431,14 @@ class _Prediction:
     rank that split its batch would make once per micro-batch, and one that ran
     out of memory might never make. So the count is taken once per step, before
     any attempt, with the trainer's own ``_get_num_items_in_batch``, and every
-    call of the original inside the step is given that count: each micro-batch's
-    loss is then its summed loss over the whole batch's count, and they add up.
+    call of the original inside the step is given that count times its chunk's
+    share of the items, by which the chunk's loss is weighed, as in training.
     """
 
-    def __init__(self, trainer: Any, options: Options) -> None:
+    def __init__(self, trainer: Any, options: Options, transformers: ModuleType) -> None:
         self.trainer = trainer
         self.original: Callable[..., Any] = trainer.prediction_step
-        self.shifts = _shifts_labels(trainer)
+        self.shifts = _shifts_labels(trainer, transformers)
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
 
@@ -400,11 +463,14 @@ class _Prediction:
         trainer = self.trainer
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
         step = _chosen(self, counted is not None, inputs)
+        whole = _labels_counted(trainer, inputs, self.shifts)
         self.lossless = False
+
+        def shared(batches: list[Any], device: Any) -> Any:
+            return _shared(counted, _labels_counted(trainer, batches[0], self.shifts), whole)
+
         swap = (
-            _swapped(trainer, "_get_num_items_in_batch", lambda batches, device: counted)
-            if self.count is not None
-            else contextlib.nullcontext()
+            _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
         with swap, torch.no_grad():
             found = step(model, inputs, prediction_loss_only, ignore_keys)
