@@ -112,7 +112,10 @@ class CacheFileWarning(UserWarning):
 
     The cache then keeps sizes in memory only; the job goes on. Filter it like
     any warning, e.g. ``warnings.simplefilter("error", koila.CacheFileWarning)``
-    to make it fatal in CI.
+    to make a file that cannot be read fatal in CI where the cache is made. A
+    write fails after a call succeeded or while its out-of-memory error is
+    handled: an error that a filter makes of the warning there is logged on the
+    ``koila_retry`` logger instead, so that it costs no call its result.
 
     .. versionadded:: 0.1.0
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import warnings
 import weakref
@@ -1587,3 +1588,133 @@ def test_a_gradient_penalty_by_autograd_grad_inside_the_step_is_exact(grads: str
     loss = step(x, y)
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=RTOL, atol=ATOL)
     before.assert_added(expected)
+
+
+# --------------------------------------------------------------------------- where warnings are errors (issue 39)
+# pytest -W error, PYTHONWARNINGS=error: a warning issued after the step's gradients are in
+# .grad, or in the retry an out-of-memory error made, is logged instead of raised.
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name == "koila_retry" and text in record.getMessage()]
+
+
+def micro_batch_loop(model: nn.Module, x: torch.Tensor, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The hand-written split step: mean losses weighted by rows, backward into fresh grads; grads left as found."""
+    saved = [p.grad for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    rows, loss = x.shape[0], torch.zeros((), dtype=DTYPE)
+    for begin in range(0, rows, size):
+        part = x[begin : begin + size]
+        weighted = model(part).pow(2).mean() * (part.shape[0] / rows)
+        weighted.backward()
+        loss = loss + weighted.detach()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p, grad in zip(model.parameters(), saved):
+        p.grad = grad
+    return loss, grads
+
+
+def test_batchnorm_warning_under_warnings_as_errors_is_logged_after_the_split_step_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The warning came after the gradients were delivered: under an "error" filter the step
+    # raised it, with .grad already written by a call that then failed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+    x = data(64, 6)
+    give_grads(model)
+    before = Snapshot(model)
+    reference = copy.deepcopy(model)
+
+    @koila.accumulate
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    limit = int(peak_bytes(lambda: full_step(reference, x, data(64, 1))) * 0.6)
+    with simulated_device(limit), warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        loss = step(x)
+    assert step.stats.ooms >= 1
+    size = step.stats.batch_size
+    assert size < 64, "the step was split"
+    # BatchNorm normalises each micro-batch by its own statistics: the step is the hand loop's
+    # over the same micro-batches, whose .grad is added once to the one from before.
+    expected_loss, expected_grads = micro_batch_loop(reference, x, size)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    before.assert_added(expected_grads)
+    (record,) = logged(caplog, "BatchNorm layer in training mode")
+    assert record.levelno == logging.WARNING
+    assert "a warnings filter made this warning an error" in record.getMessage()
+
+
+def test_checkpoint_warning_under_warnings_as_errors_is_logged_after_the_step_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    stem, block = nn.Linear(6, 6).double(), nn.Linear(6, 1).double()
+    x = data(8, 6)
+    plain = block(stem(x)).pow(2).mean()
+    plain.backward()
+    expected = [p.grad.clone() for p in (*stem.parameters(), *block.parameters())]
+    for p in (*stem.parameters(), *block.parameters()):
+        p.grad = None
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda h: block(h), stem(x), use_reentrant=True).pow(2).mean()
+
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        loss = step(x)
+    torch.testing.assert_close(loss, plain.detach(), rtol=RTOL, atol=ATOL)
+    for p, want in zip((*stem.parameters(), *block.parameters()), expected, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=RTOL, atol=ATOL)
+    assert len(logged(caplog, "use_reentrant=True")) == 1
+
+
+def test_ignored_labels_warning_under_warnings_as_errors_cannot_stop_the_recovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Warned in the retry that splits the step, the warning became the call's error, and the
+    # out-of-memory error that the split would have recovered from was never recovered.
+    inject = Inject("forward", at=lambda call: True)  # more than 4 rows run out of memory
+    model = injected_mlp(inject)
+    x, y = data(12, 6), data(12, 2, seed=1)
+    labels = torch.zeros(12, 2, dtype=torch.long)
+    labels[:, 1] = -100  # as many ignored entries in every row: weighing by rows stays exact
+    target = y[:, :1]
+    expected_loss, expected_grads = full_step(model, x, target)
+    inject.armed = True
+
+    @koila.accumulate
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        kept = batch["labels"] != -100
+        return F.mse_loss(model(batch["x"]), batch["y"][kept].view(-1, 1))
+
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        loss = step({"x": x, "y": y, "labels": labels})
+    assert inject.rows == [12, 8, 4, 4, 4]
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+    assert len(logged(caplog, "labels with ignored entries (-100)")) == 1
+
+
+def test_a_warning_that_ends_an_attempt_under_warnings_as_errors_leaves_grad_as_it_was() -> None:
+    # Issued before the step's first backward, a warning that a filter makes an error ends the
+    # call as the user asked, and the call changes nothing.
+    model = mlp().double()
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, str]:
+        return model(x).pow(2).mean(), "a tag"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="returns other objects"):
+            step(data(8, 6))
+    before.assert_unchanged()

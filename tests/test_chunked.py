@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
+import warnings
 import weakref
 from collections import namedtuple
 from collections.abc import Callable
@@ -1770,3 +1772,26 @@ def test_longer_rows_of_a_size_class_start_scaled_when_decorated_and_in_the_call
         ("call", 60, 170, 170),  # the cache keeps the bytes the size was proven on: scaled too
         ("call", 40, 256, 256),  # shorter rows start at the size stored for them
     ]
+
+
+# --- where warnings are errors (pytest -W error, PYTHONWARNINGS=error): the recovery goes on (issue 39)
+
+
+def test_the_warning_of_a_split_an_oom_made_cannot_stop_the_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    # The rows fitted in one chunk until memory ran out: the retry's chunks drop the tag with
+    # a warning, which an "error" filter made the call's error in place of its recovery.
+    fits = oom_above(4)
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        fits(len(rows))
+        return {"out": rows * 2, "tag": "a tag"}
+
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        result = koila.chunked(fn, torch.arange(8.0), initial=8)
+    assert fits.raised == 1
+    assert torch.equal(result["out"], torch.arange(8.0) * 2)
+    assert result["tag"] is None
+    (record,) = [r for r in caplog.records if r.name == "koila_retry" and "the result['tag'] (str)" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "a warnings filter made this warning an error" in record.getMessage()

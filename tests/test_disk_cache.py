@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -70,6 +71,8 @@ def _run_scripts(script: Path, *runs: tuple[object, ...]) -> list[dict[str, Any]
         for process in processes:
             stdout, stderr = process.communicate(timeout=120)
             assert process.returncode == 0, stderr
+            # The scripts make CacheFileWarning an error; one at a write would be logged instead.
+            assert "a warnings filter made this warning an error" not in stderr, stderr
             result = json.loads(stdout.strip().splitlines()[-1])
             assert isinstance(result, dict)
             results.append(result)
@@ -83,10 +86,19 @@ def _run_scripts(script: Path, *runs: tuple[object, ...]) -> list[dict[str, Any]
 
 @contextlib.contextmanager
 def no_warnings() -> Iterator[None]:
-    """Turn every warning inside the block into an error."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        yield
+    """Turn every warning inside the block into an error, and fail on one that koila logged instead."""
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logger = logging.getLogger("koila_retry")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in logged] == []
 
 
 # -- a second process starts at the size that worked -------------------------------------------
@@ -946,3 +958,35 @@ def test_a_later_process_refines_above_the_size_an_earlier_one_stopped_at(tmp_pa
     assert first == {"results": [64], "tried": [128, 64]}
     (second,) = _run_scripts(script, (path, 4))
     assert second == {"results": [96] * 4, "tried": [96, 112, 96, 104, 96, 96]}
+
+
+# --- where warnings are errors (pytest -W error, PYTHONWARNINGS=error) (issue 39)
+
+
+@pytest.mark.parametrize("refine", [False, True], ids=["stored-after-the-call", "bound-written-at-the-oom"])
+def test_a_file_that_cannot_be_written_under_warnings_as_errors_costs_no_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, refine: bool
+) -> None:
+    # The file is written after a call succeeded (its size), or, with refine=True, while its
+    # out-of-memory error is handled (the bound): the warning raised there by an "error"
+    # filter cost the call its result, or its recovery.
+    cache = koila.DiskCache(tmp_path / "sizes.json")
+    fits = oom_above(4)
+
+    @koila.batch(initial=16, refine=refine, cache=cache)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "fsync", full_disk)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "koila_retry"):
+        warnings.simplefilter("error")
+        assert run() == 4
+    monkeypatch.undo()
+    (record,) = [r for r in caplog.records if r.name == "koila_retry" and "No space left" in r.getMessage()]
+    assert "cannot write the size cache file" in record.getMessage()
+    assert "a warnings filter made this warning an error" in record.getMessage()
+    assert list(cache.values()) == [4]  # kept in memory

@@ -16,6 +16,7 @@ from typing import IO, Any
 import torch
 
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core.cache import Bound, SizeCache, function_identity
 from koila_retry._core.keys import KeyFunction, size_class_key
 from koila_retry._core.memory import describe_device
@@ -99,6 +100,7 @@ class DiskCache(SizeCache):
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._writable = True
         self._dropped_warned = False
+        self._made = False  # see _warn
         stored = self._read(self.path)
         if stored is not None:
             for text, size in list(stored.items())[-maxsize:]:
@@ -111,6 +113,7 @@ class DiskCache(SizeCache):
         # With refine=True, the smallest size that failed is kept in the file too, so that the next
         # run does not start below it without knowing what lies between.
         self.bounds.changed = self._bound_changed
+        self._made = True
 
     def key(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
@@ -202,22 +205,28 @@ class DiskCache(SizeCache):
                     sizes.bounds[key] = (size, nbytes if type(nbytes) is int and nbytes >= 1 else 0)
         if len(sizes) < len(entries) and not self._dropped_warned:
             self._dropped_warned = True  # once: the next write leaves them out of the file
-            warnings.warn(
+            self._warn(
                 f"koila_retry: dropping {len(entries) - len(sizes)} entries of the size cache file {self.path} "
-                "that are not sizes (ints >= 1).",
-                CacheFileWarning,
-                stacklevel=levels_to_caller(),
+                "that are not sizes (ints >= 1)."
             )
         return sizes
 
     def _refuse(self, reason: str) -> None:
         self._writable = False
-        warnings.warn(
+        self._warn(
             f"koila_retry: ignoring the size cache file {self.path}: it {reason}. It will not be "
-            "overwritten; sizes are kept in memory only. Delete the file, or give DiskCache another path.",
-            CacheFileWarning,
-            stacklevel=levels_to_caller(),
+            "overwritten; sizes are kept in memory only. Delete the file, or give DiskCache another path."
         )
+
+    def _warn(self, message: str) -> None:
+        # Made, the cache is written after a call succeeded (a size) or while an out-of-memory
+        # error is handled (refine=True's bound): a warning that a filter makes an error there
+        # would cost a call its result or its recovery, so it is logged instead. Reading the
+        # file as the cache is made, nothing has run yet: the filter is followed.
+        if self._made:
+            warn_or_log(message, CacheFileWarning, stacklevel=levels_to_caller())
+        else:
+            warnings.warn(message, CacheFileWarning, stacklevel=levels_to_caller())
 
     def _update(self, change: Callable[[_Entries], object]) -> None:
         """Apply ``change`` to the sizes in the file, merged with what other processes wrote."""
@@ -227,7 +236,7 @@ class DiskCache(SizeCache):
             try:
                 self._write(change)
             except Warning:
-                raise  # a CacheFileWarning that the user's filter made an error: as they asked
+                raise  # another library's warning that a filter made an error (ours are logged: see _warn)
             except Exception as exc:  # whatever the file does, the call that stores a size keeps its result
                 self._cannot_write(exc)
 
@@ -239,11 +248,9 @@ class DiskCache(SizeCache):
 
     def _cannot_write(self, exc: Exception) -> None:
         self._writable = False
-        warnings.warn(
+        self._warn(
             f"koila_retry: cannot write the size cache file {self.path} ({type(exc).__name__}: {exc}); sizes "
-            "are kept in memory only from now on.",
-            CacheFileWarning,
-            stacklevel=levels_to_caller(),
+            "are kept in memory only from now on."
         )
 
     def __repr__(self) -> str:

@@ -14,17 +14,16 @@ running. These are PyTorch's private functions: the ones its memory documentatio
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any, Union
 
 import torch
 
 from koila_retry._common.tracking import simulated
+from koila_retry._common.warn import warn_or_log
 
 __all__ = ["Snapshots", "Target", "check_target"]
 
@@ -34,8 +33,6 @@ Target = Union[str, "os.PathLike[str]", Callable[[dict[str, Any]], None]]
 
 # Events kept in the history: enough for the retries of a step, bounded for a long job.
 MAX_ENTRIES = 100_000
-
-logger = logging.getLogger("koila_retry")
 
 
 def check_target(target: object, each: object) -> None:
@@ -119,7 +116,9 @@ class Snapshots:
             if not self.warned:  # once a call
                 self.warned = True
                 why = " (a simulated device)" if simulated.device() is not None else ""
-                _warn(_NOTHING_TO_RECORD.format(device=self.device, why=why, name=self.name))
+                # Warned while the out-of-memory error is handled: a filter that makes it an error
+                # must not end the recovery, or take the place of BatchSizeExhausted.
+                warn_or_log(_NOTHING_TO_RECORD.format(device=self.device, why=why, name=self.name), stacklevel=2)
             return
         try:
             if not self.recording:
@@ -128,7 +127,7 @@ class Snapshots:
             if self.each or giving_up:
                 self._write(attempt)
         except Exception as exc:  # a snapshot never hides the out-of-memory error
-            _warn(f"snapshot= could not be taken for {self.name}: {exc}")
+            warn_or_log(f"snapshot= could not be taken for {self.name}: {exc}", stacklevel=2)
 
     def _write(self, attempt: int) -> None:
         data = torch.cuda.memory._snapshot(self.device)
@@ -149,21 +148,3 @@ class Snapshots:
         if self.recording:
             self.recording = False
             _history.leave()
-
-
-def _warn(message: str) -> None:
-    """Warn about a snapshot while an out-of-memory error is handled; log it where a filter makes it an error.
-
-    Raised there (``-W error``, ``PYTHONWARNINGS=error``), the warning would take the
-    place of the out-of-memory error: a call that could recover would never be retried,
-    and one that gives up would not say that it ran out of memory. So the error the
-    filter makes is caught, and the message goes to the ``koila_retry`` logger at
-    ``WARNING`` level instead, which Python shows even without logging set up.
-    """
-    try:
-        warnings.warn(message, UserWarning, stacklevel=3)  # at the engine, as from Snapshots.failed
-    except Warning:
-        logger.warning(
-            "%s (a warnings filter made this warning an error; it is logged instead, so that the call goes on)",
-            message,
-        )

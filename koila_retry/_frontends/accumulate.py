@@ -33,6 +33,7 @@ from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
@@ -434,9 +435,11 @@ class _Accumulator:
             raise
         gradients.restore()
         gradients.deliver()
+        # The step's gradients are in .grad now: a warning that a filter makes an error must
+        # not make a step that succeeded raise (warn_or_log logs it then).
         if gradients.hidden and not self.warned_checkpoint:
             self.warned_checkpoint = True
-            warnings.warn(
+            warn_or_log(
                 f"{self.controller.name} checkpoints a function that is not a module with "
                 "torch.utils.checkpoint(use_reentrant=True): the gradients its own backward writes cannot be "
                 "found, so an out-of-memory error part-way through a step could leave some of them written "
@@ -446,7 +449,7 @@ class _Accumulator:
             )
         if gradients.batchnorm and finished.size < rows and not self.warned_batchnorm:
             self.warned_batchnorm = True
-            warnings.warn(
+            warn_or_log(
                 f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
                 f"{finished.size} rows while a BatchNorm layer in training mode took part: it normalises "
                 "each micro-batch with that micro-batch's statistics and updates its running statistics "
@@ -737,7 +740,9 @@ class _Accumulator:
         if self.weight is None:
             if self.mean and not self.warned_ignored and _ignores_labels(split):
                 self.warned_ignored = True
-                warnings.warn(
+                # Usually in the retry that an out-of-memory error made: raised by a filter, it
+                # would end the recovery.
+                warn_or_log(
                     f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
                     "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
                     "row counts as many items. For a loss that is a mean over tokens, pass weight=, such as "

@@ -12,7 +12,6 @@ import functools
 import importlib
 import math
 import sys
-import warnings
 from collections.abc import Callable, Mapping
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
@@ -25,6 +24,7 @@ from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core.cache import StackMemoryCache, function_identity
 from koila_retry._core.detect import is_oom
 from koila_retry._core.engine import Attempt, Call, Controller, cover
@@ -388,7 +388,9 @@ class _Results:
         if dropped:
             paths = flatten_with_path(result)
             named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
-            warnings.warn(
+            # Warned at the first chunk of a split, which is often the retry an out-of-memory error
+            # made: raised by a filter, it would end the recovery.
+            warn_or_log(
                 f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
                 "key-value cache, strings, flags) as None when the rows take more than one chunk",
                 UserWarning,
