@@ -21,7 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._frontends.accumulate import _EARLY_BYTES, _Gradients
+from koila_retry._frontends.gradients import EARLY_BYTES as _EARLY_BYTES
+from koila_retry._frontends.gradients import Gradients as _Gradients
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -172,9 +173,14 @@ def _unchanged(model: nn.Module, snapshot: list[tuple[torch.Tensor | None, torch
     )
 
 
+@pytest.mark.parametrize("path", ["captured", "direct"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_grad_is_untouched_while_the_step_runs_and_after_an_oom(where: str) -> None:
-    """Nothing of the step is in ``.grad`` before it succeeded: not between micro-batches, not after a failure."""
+def test_grad_is_untouched_while_the_step_runs_and_after_an_oom(where: str, path: str) -> None:
+    """Captured, nothing of the step is in ``.grad`` before it succeeded: between micro-batches, after a failure.
+
+    Direct (a plain backward, nothing else in flight), the step writes ``.grad`` as a hand
+    loop does, the gradients from before set aside: after it, the same tensors, added to.
+    """
     model, ((x, y), *_) = _model(), _batches()
     expected = _plain_gradients(model, [(x, y)])
     given = _give_grads(model)
@@ -182,15 +188,19 @@ def test_grad_is_untouched_while_the_step_runs_and_after_an_oom(where: str) -> N
     snapshot = _snapshot(model)
     fail = _OncePerThread(where)
     untouched: list[bool] = []
+    engine = {"backward": _backward_engine} if path == "captured" else {}
 
-    @koila.accumulate(initial=16, cache=koila.NoCache())
+    @koila.accumulate(initial=16, cache=koila.NoCache(), **engine)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         untouched.append(_unchanged(model, snapshot))
         return F.mse_loss(model[2:](fail(model[:2](x))), y)
 
     step(x, y)
     assert step.stats.ooms == 1
-    assert untouched == [True] * (2 + ROWS // 8), "at every forward of both attempts"
+    if path == "captured":
+        assert untouched == [True] * (2 + ROWS // 8), "at every forward of both attempts"
+    else:
+        assert untouched[0], "before the first backward"
     for p, grad, value, want in zip(model.parameters(), given, [v for _, v in snapshot], expected, strict=True):
         if p is model[4].bias:
             torch.testing.assert_close(p.grad, want, rtol=RTOL, atol=ATOL)
@@ -218,6 +228,11 @@ def test_a_step_that_gives_up_leaves_grad_as_it_was() -> None:
         step(x, y)
     assert calls == [16, 16, 8, 8]
     assert _unchanged(model, snapshot)
+
+
+def _backward_engine(loss: torch.Tensor, **kwargs: Any) -> None:
+    """A training engine's ``backward=``: its backward passes are captured."""
+    loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
 
 def _backward(loss: torch.Tensor, retain: bool) -> None:

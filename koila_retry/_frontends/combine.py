@@ -1,0 +1,219 @@
+"""What a step of ``accumulate`` returns: each micro-batch's result checked as it comes, all combined at the end."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NoReturn, Protocol, cast
+
+import torch
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
+
+from koila_retry._common.places import levels_to_caller
+from koila_retry._common.results import flatten, flatten_with_path
+from koila_retry._common.tensors import TensorBase
+from koila_retry._core.engine import Controller
+
+__all__ = ["Results", "Step", "describe", "loss_of"]
+
+
+class Step(Protocol):
+    """The decorated step whose results are combined: its name, the dimension of its rows, a warning's state."""
+
+    controller: Controller
+    dim: int
+    warned_dropped: bool
+
+
+# What becomes of each leaf of a result: the loss; one row per row of the batch, joined;
+# a number or per-batch tensor of floats, weighted like the loss; one of integers (a
+# count), added up; anything else, dropped.
+_LOSS, _JOIN, _WEIGH, _COUNT, _DROP = "loss", "join", "weigh", "count", "drop"
+_LEAF_SPEC = tree_flatten(0)[1]
+
+
+class Results:
+    """The results of a step's micro-batches: checked as they come, combined at the end."""
+
+    __slots__ = ("columns", "kinds", "size", "spec", "step")
+
+    def __init__(self, step: Step, size: int) -> None:
+        self.step, self.size = step, size
+        self.spec: TreeSpec | None = None
+        self.kinds: list[str] = []
+        self.columns: list[list[Any]] = []
+
+    def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
+        """Check one micro-batch's result, keep its parts, and return its loss.
+
+        Args:
+            result (Any): what the step returned for the micro-batch.
+            weight (float): the micro-batch's share, as its loss is weighted.
+            rows (int): the micro-batch's rows: a tensor with as many along ``dim``
+                has one per row, and is joined.
+
+        Returns:
+            torch.Tensor: the loss.
+        """
+        loss = loss_of(result, self.step.controller.name)
+        if loss is result:  # the usual case, kept without flattening
+            if self.spec is None:
+                self.spec, self.kinds, self.columns = _LEAF_SPEC, [_LOSS], [[]]
+            elif self.spec is not _LEAF_SPEC:
+                self._changed(_LEAF_SPEC)
+            self.columns[0].append((_kept(loss), weight))
+            return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
+        leaves, spec = flatten(result)
+        kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
+        if self.spec is None:
+            self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
+            if _DROP in kinds:
+                self._dropping(result, kinds)
+        elif spec != self.spec:
+            self._changed(spec)
+        elif kinds != self.kinds:
+            self._rows_changed(result, kinds, rows)
+        for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
+            if kind == _DROP:
+                continue
+            if kind == _JOIN:
+                column.append(leaf.detach())
+            else:
+                column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
+        return loss
+
+    def _changed(self, spec: TreeSpec) -> NoReturn:
+        raise ValueError(
+            f"{self.step.controller.name} returned results of different structures for different "
+            f"micro-batches: {self.spec} and then {spec}"
+        )
+
+    def _kind(self, leaf: Any, loss: torch.Tensor, rows: int) -> str:
+        if leaf is loss:
+            return _LOSS
+        if not isinstance(leaf, TensorBase):
+            if isinstance(leaf, bool) or not isinstance(leaf, (int, float)):
+                return _DROP
+            return _COUNT if isinstance(leaf, int) else _WEIGH
+        dim = self.step.dim
+        if -leaf.dim() <= dim < leaf.dim() and leaf.size(dim) == rows:
+            return _JOIN
+        # A value of the whole micro-batch (a mean, a count per class): the same shape
+        # whatever the rows, so that the result's shape never depends on the split.
+        return _WEIGH if leaf.is_floating_point() or leaf.is_complex() else _COUNT
+
+    def _rows_changed(self, result: Any, kinds: list[str], rows: int) -> NoReturn:
+        paths = flatten_with_path(result)
+        path, leaf, kind = next(
+            (path, leaf, kind)
+            for (path, leaf), kind, before in zip(paths, kinds, self.kinds, strict=True)
+            if kind != before
+        )
+        raise ValueError(
+            f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
+            f"of {rows} rows, which {'has one row per row' if kind == _JOIN else 'is not one row per row'} of it, "
+            f"unlike for the micro-batch before: a tensor with as many rows along dim {self.step.dim} as its "
+            "micro-batch is joined, any other is a value of the whole micro-batch, and each must be the same "
+            "kind in every micro-batch"
+        )
+
+    def _dropping(self, result: Any, kinds: list[str]) -> None:
+        """Warn, once per step, that the leaves of ``result`` that cannot be combined come back as ``None``."""
+        step = self.step
+        if step.warned_dropped:
+            return
+        step.warned_dropped = True
+        paths = flatten_with_path(result)
+        dropped = [
+            f"the result{keystr(path)} ({type(leaf).__name__})"
+            for (path, leaf), kind in zip(paths, kinds, strict=True)
+            if kind == _DROP
+        ]
+        warnings.warn(
+            f"{step.controller.name} returned {', '.join(dropped)}: koila.accumulate combines tensors and "
+            "numbers across micro-batches, and returns other objects (a model's key-value cache, strings, "
+            "flags) as None, split or not. This warning is shown once.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
+
+    def finish(self) -> Any:
+        if self.spec is _LEAF_SPEC and len(self.columns[0]) == 1:  # one loss, as it came
+            return self.columns[0][0][0]
+        combined: list[Any] = []
+        for kind, column in zip(self.kinds, self.columns, strict=True):
+            if kind == _DROP:
+                combined.append(None)
+                continue
+            if kind in (_LOSS, _WEIGH):
+                # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
+                column = [entry for entry in column if entry[1] != 0.0]
+            if kind == _JOIN:
+                combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
+            elif kind == _COUNT:  # counts add up to the whole batch's, in their own type
+                counts = [value for value, _ in column]
+                if len(counts) == 1:
+                    combined.append(counts[0])
+                elif isinstance(counts[0], TensorBase):  # booleans add up to whether any is true
+                    combined.append(torch.stack(counts).sum(0).to(counts[0].dtype))
+                else:
+                    combined.append(sum(counts))
+            elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
+                values = torch.stack([value for value, _ in column])
+                if all(weight == 1.0 for _, weight in column):
+                    combined.append(values.sum(0))
+                    continue
+                # A count's weighted sum is a fraction; a half-precision loss is summed in float32,
+                # so that its weights are not rounded to bf16.
+                dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+                exact = torch.promote_types(dtype, torch.float32)
+                weights = torch.tensor([weight for _, weight in column], dtype=torch.float64)
+                total = torch.tensordot(weights.to(values.device, exact), values.to(exact), dims=1)
+                combined.append(total.to(dtype))
+            else:
+                combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
+        self.columns.clear()
+        return tree_unflatten(combined, cast(TreeSpec, self.spec))
+
+
+def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
+    """Return a loss or another number of a result detached, copied if it is a view of a larger storage.
+
+    Kept until the step ends, each micro-batch's loss would otherwise hold all of its
+    storage: the CPU's ``mse_loss`` returns its mean in the buffer of the elementwise
+    losses, as large as the model's output.
+    """
+    kept = tensor.detach()
+    try:
+        larger = kept.untyped_storage().nbytes() > kept.numel() * kept.element_size()
+    except (RuntimeError, NotImplementedError):  # a layout or subclass without one storage
+        return kept
+    return kept.clone() if larger else kept
+
+
+def loss_of(result: Any, name: str) -> torch.Tensor:
+    """Return the loss in a step's result, or raise the error that says what is missing."""
+    if isinstance(result, (tuple, list)):
+        loss = result[0] if result else None
+    elif isinstance(result, dict):
+        loss = result.get("loss")
+    else:
+        loss = result
+    if not isinstance(loss, TensorBase):
+        raise TypeError(
+            f"{name} returned {describe(result)}; @koila.accumulate needs the loss: a scalar tensor, a tuple "
+            "or list whose first item is one, or a dict with a 'loss' entry"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{name} returned a loss of shape {tuple(loss.shape)}; it must be a scalar: reduce it with "
+            ".mean() or .sum() (and say which with reduction=)"
+        )
+    return cast(torch.Tensor, loss)
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, TensorBase):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)}"
+    return "None" if value is None else f"{type(value).__name__} {value!r}"[:200]

@@ -1,0 +1,801 @@
+"""The gradients of a step of ``accumulate``: written into ``.grad`` directly, or captured apart from it.
+
+A step's backward passes reach ``.grad`` in one of two ways, chosen per step.
+
+*Direct*: each backward runs as a plain ``torch.autograd.backward`` into ``.grad``, as a
+hand-written accumulation loop runs it, and costs what that loop costs. Before a
+backward first writes a leaf, its ``.grad`` is remembered: ``None`` is set back to
+``None`` if the step fails, and a gradient that is there is moved aside, to be added
+back (in place, into the same tensor) when the step succeeded, or put back as it was
+when it failed. That costs one gradient buffer more than the hand loop while ``.grad``
+holds one at the start, and nothing when it is ``None``. It is chosen for steps whose
+backward is a plain one (or a ``GradScaler``'s), that no other koila step shares a
+leaf with (see :data:`IN_FLIGHT`), and whose leaves have no post-accumulate-grad hooks.
+
+*Captured*: each backward runs as ``torch.autograd.grad`` into buffers of the step's
+own, and ``.grad`` is written once, through autograd, when the step succeeded: the way
+for steps that share leaves with another koila step in flight (threads training one
+model), for training engines' ``backward=`` and for DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointFunction
+
+__all__ = [
+    "EARLY_BYTES",
+    "IN_FLIGHT",
+    "Backward",
+    "BackwardCall",
+    "Box",
+    "Capture",
+    "Deliver",
+    "Gradients",
+    "InFlight",
+    "Scaled",
+    "backward_of",
+    "plain_backward",
+]
+# The autograd node that writes a leaf's ``.grad``.
+_AccumulateGrad = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009 (not in the stubs)
+# The backward nodes of batch normalisation; those of training mode save ``training=True``,
+# or always train (``WithUpdate``). Found in the graph, they cost nothing to watch for.
+_BatchNormNodes = frozenset(
+    getattr(torch._C._functions, name)
+    for name in (
+        "NativeBatchNormBackward0",
+        "NativeBatchNormLegitBackward0",
+        "NativeBatchNormLegitBackward1",
+        "CudnnBatchNormBackward0",
+        "MiopenBatchNormBackward0",
+        "BatchNormWithUpdateBackward0",
+    )
+    if hasattr(torch._C._functions, name)
+)
+# Reentrant checkpointing runs a backward of its own inside this node, writing gradients
+# of leaves that the graph around it does not lead to.
+_ReentrantCheckpoint = CheckpointFunction._backward_cls
+
+# The gradients from this size up are added into the step's sums as soon as autograd has
+# computed them (see ``Gradients.capture``); smaller ones are held until the end of their
+# backward, which costs a little memory (a bias, a norm's weight) and saves a call into
+# Python for each (some 20 us each).
+EARLY_BYTES = 64 * 1024
+
+
+# Runs the backward pass of a (weighted) loss; the flag says whether to retain the graph.
+Backward = Callable[[torch.Tensor, bool], None]
+
+
+def backward_of(engine: Callable[..., Any] | None, scaler: Any) -> Backward:
+    """Return what runs each backward of a step, chosen once, when it is decorated."""
+    if engine is not None:
+
+        def engine_backward(loss: torch.Tensor, retain: bool) -> None:
+            # The keyword only when it is needed: the engines pass it on to Tensor.backward.
+            if retain:
+                engine(loss, retain_graph=True)
+            else:
+                engine(loss)
+
+        return engine_backward
+    if scaler is not None:
+        return Scaled(scaler.scale)
+    return plain_backward
+
+
+def plain_backward(loss: torch.Tensor, retain: bool) -> None:
+    """Run ``loss.backward()``: the step's backward without a scaler or an engine, and the estimate's."""
+    loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+
+class Scaled:
+    """Run the backward of a gradient scaler's ``scale(loss)``."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.scale = scale
+
+    def __call__(self, loss: torch.Tensor, retain: bool) -> None:
+        self.scale(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+
+class Gradients:
+    """The gradients of one step: written into ``.grad`` directly, or kept apart until the step succeeded.
+
+    Every backward the step runs goes through :meth:`backward`. On the direct path
+    (``direct=True``, kept while no other step holds a leaf the step reaches, see
+    :class:`InFlight`), it runs as a plain backward into ``.grad``; before it first
+    writes a leaf, the leaf's gradient, if it has one, is set aside (:attr:`aside`), to
+    be added back by :meth:`restore` once the step is over, and :meth:`discard` sets the
+    leaves the step wrote back to ``None`` after a failed attempt.
+
+    Otherwise it is captured: it runs as ``torch.autograd.grad`` over the leaves its
+    graph reaches, and what comes back is added into buffers of this object's own, one
+    per leaf (:attr:`sums`). ``.grad`` is not written while the step runs: another
+    thread may be running a backward through the same model, and autograd adds into
+    ``.grad`` under a lock of its own that a Python assignment to ``.grad`` does not
+    take. When the step succeeded, :meth:`deliver` adds the sums into ``.grad`` through
+    autograd, in one backward; when an attempt failed, :meth:`discard` drops them, and
+    nothing of it was ever in ``.grad``. A direct step that meets a leaf another step
+    holds moves what it wrote into the sums and goes on captured.
+
+    A backward that ``torch.autograd.grad`` cannot run (the graph holds a reentrant
+    checkpoint, or the call asks for ``create_graph`` or gives ``inputs`` that are not
+    leaves) runs as it is, writing ``.grad``: for it, the gradients the leaves had are
+    set aside first (:attr:`aside`), what it wrote is moved into the sums after it, and
+    the gradients set aside are given back by :meth:`restore`. That fallback writes
+    ``.grad`` from Python, so it is not safe while another thread trains the model.
+
+    Args:
+        direct (bool): whether the step may take the direct path: its backward is a
+            plain one or a ``GradScaler``'s, with no DDP module to average.
+
+    Attributes:
+        sums (dict): the step's captured gradient of each leaf so far, by ``id`` of the leaf.
+        leaves (dict): the leaf of each sum, by its ``id``.
+        hidden (bool): whether a backward may have written leaves the walk cannot find.
+        batchnorm (bool): whether a batch normalisation in training mode took part.
+    """
+
+    __slots__ = ("aside", "batchnorm", "direct", "exposed", "hidden", "leaves", "lock", "owned", "sums", "thread")
+
+    def __init__(self, direct: bool = False) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
+        self.leaves: dict[int, torch.Tensor] = {}
+        # The sums that are tensors of this object's own, safe to add into in place; the
+        # others are as autograd returned them, possibly views or shared between leaves.
+        self.owned: set[int] = set()
+        # The leaves whose ``.grad`` a plain backward may write (the direct path's, or the
+        # fallback's), and the gradients they had before it.
+        self.exposed: dict[int, torch.Tensor] = {}
+        self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hidden = False
+        self.batchnorm = False
+        self.direct = direct
+        self.thread = threading.get_ident()
+        # Autograd runs the nodes of each device on a thread of its own; hooks that add into
+        # the sums (see ``_taker``) may run on two at once.
+        self.lock = threading.Lock()
+
+    def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
+        """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured.
+
+        Args:
+            run (callable): what runs the backward of the loss: ``loss.backward()``,
+                a scaler's or a training engine's ``backward``.
+            loss (torch.Tensor): the (weighted) loss of a micro-batch.
+            retain (bool): whether to keep the graph for another backward.
+        """
+        # Known backward passes are captured directly, without the function mode, which
+        # would send every call the backward makes through Python.
+        if run is plain_backward or type(run) is Scaled:
+            if run is not plain_backward:
+                loss = cast(Scaled, run).scale(loss)
+            if self.direct and self._expose(loss):
+                torch.autograd.backward(loss, retain_graph=retain)
+                return
+
+            def plain() -> None:
+                torch.autograd.backward(loss, retain_graph=retain)
+
+            self.capture(BackwardCall((loss,), None, retain, False, None), plain)
+            return
+        with Capture(self):
+            run(loss, retain)
+
+    def _expose(self, loss: torch.Tensor) -> bool:
+        """Get the leaves a backward of ``loss`` writes ready for a direct backward; return whether it may run.
+
+        Each leaf it writes for the first time in the step is held (see :class:`InFlight`)
+        and its gradient set aside. When another step holds one, or one has
+        post-accumulate-grad hooks (which run once per step, when the step's gradient
+        is delivered), the step goes on captured instead, and ``False`` is returned.
+        """
+        found, _, _ = self._walk((loss,))
+        exposed = self.exposed
+        new = [leaf for leaf in found if id(leaf) not in exposed]
+        if not new:
+            return True
+        if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, new):
+            self._captured_from_now()
+            return False
+        aside = self.aside
+        for leaf in new:
+            exposed[id(leaf)] = leaf
+            before = leaf.grad
+            if before is not None:
+                aside.append((leaf, before))
+                leaf.grad = None
+        return True
+
+    def _captured_from_now(self) -> None:
+        """Leave the direct path: move what the step wrote into :attr:`sums`, give back what was set aside."""
+        for leaf in self.exposed.values():
+            written = leaf.grad
+            if written is not None:
+                leaf.grad = None
+                self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
+        self.restore()
+        self.direct = False
+
+    def capture(self, call: BackwardCall, plain: Callable[[], None]) -> None:
+        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``.
+
+        Args:
+            call (BackwardCall): the backward as it was asked for.
+            plain (callable): runs it as it was asked for, writing ``.grad``.
+        """
+        outputs, inputs = call.outputs, call.inputs
+        found, reentrant, early = self._walk(outputs)
+        odd = (
+            call.create_graph
+            or not all(isinstance(output, torch.Tensor) for output in outputs)
+            or (inputs is not None and not all(_is_leaf(tensor) for tensor in inputs))
+        )
+        if reentrant or odd:
+            self._plain(found, plain)
+            return
+        if inputs is not None:  # the engine's choice; each once
+            found = list({id(tensor): tensor for tensor in inputs if tensor.requires_grad}.values())
+            chosen = {id(tensor) for tensor in found}
+            early = {node: [entry for entry in taken if id(entry[1]) in chosen] for node, taken in early.items()}
+        if not found:  # a graph that reaches no leaf: nothing to capture, but its hooks may count
+            plain()
+            return
+        # A leaf that has a sum already gets each gradient added into it as soon as the node
+        # that computes it has run, and autograd.grad returns None for it: captured whole, the
+        # gradients of a micro-batch would all be held beside the sums until the end of its
+        # backward, twice the memory a plain backward into .grad needs.
+        handles = [node.register_hook(self._taker(taken)) for node, taken in early.items() if taken]
+        del early
+        try:
+            grads: list[torch.Tensor | None] = list(
+                torch.autograd.grad(
+                    cast("tuple[torch.Tensor, ...]", outputs),
+                    found,
+                    call.grad_outputs,
+                    retain_graph=call.retain_graph,
+                    allow_unused=True,
+                )
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        present = [grad for grad in grads if grad is not None]
+        shared = set()
+        if len({id(grad) for grad in present}) < len(present):  # one tensor for several leaves, as x + y gives
+            counts: dict[int, int] = {}
+            for grad in present:
+                counts[id(grad)] = counts.get(id(grad), 0) + 1
+            shared = {key for key, count in counts.items() if count > 1}
+        given = {id(grad) for grad in call.grad_outputs if grad is not None}
+        del present
+        sums, owned = self.sums, self.owned
+        totals: list[torch.Tensor] = []
+        added: list[torch.Tensor] = []
+        for index, leaf in enumerate(found):
+            gradient = grads[index]
+            grads[index] = None
+            if gradient is None:
+                continue
+            key = id(leaf)
+            if key in owned and gradient.layout == torch.strided and sums[key].layout == torch.strided:
+                totals.append(sums[key])  # the usual later micro-batch: all added in one call, below
+                added.append(gradient)
+            else:
+                # Nothing else can see it, unless it went to several leaves, came in as
+                # the gradient of an output, or a hook (which may have kept it) saw it.
+                private = id(gradient) not in shared and id(gradient) not in given and not leaf._backward_hooks
+                self._add(leaf, gradient, private)
+            del gradient
+        if totals:
+            with self.lock:
+                torch._foreach_add_(totals, added)
+
+    def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+        """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
+
+        The hook hands autograd ``None`` in their place: nothing is left to capture.
+        It runs on the engine's thread for the node's device, one per device:
+        :meth:`_add` locks.
+
+        Args:
+            taken (list): ``(output, leaf)``: which output of the node goes to which leaf.
+
+        Returns:
+            callable: the hook, for ``Node.register_hook``.
+        """
+
+        def take(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
+            replaced = list(grad_inputs)
+            for slot, leaf in taken:
+                gradient = replaced[slot]
+                if gradient is not None:
+                    replaced[slot] = None
+                    self._add(leaf, gradient)
+            return tuple(replaced)
+
+        return take
+
+    def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, private: bool = False) -> None:
+        """Add one backward's gradient of ``leaf`` into its sum.
+
+        The first becomes the sum as it is when it is ``private`` (nothing else can
+        see it) and laid out as ``leaf`` (the layout autograd gives ``.grad``), or a
+        copy of it in that layout, made now, when it is private only: what
+        ``AccumulateGrad`` would do with it. Sums that are not private are added into
+        out of place, and the new sum is.
+
+        Args:
+            leaf (torch.Tensor): the leaf.
+            gradient (torch.Tensor): its gradient from one backward.
+            private (bool): whether nothing but this call holds ``gradient``.
+        """
+        key = id(leaf)
+        with self.lock:
+            total = self.sums.get(key)
+            if total is None:
+                if private and gradient.layout == torch.strided:
+                    if gradient.stride() != leaf.stride():
+                        gradient = torch.empty_like(leaf, dtype=gradient.dtype).copy_(gradient)
+                    self.owned.add(key)
+                self.sums[key] = gradient
+                self.leaves[key] = leaf
+                return
+            # Gradients have no graph, except a fallback's with create_graph=True, which is not kept.
+            with torch.no_grad() if gradient.requires_grad else contextlib.nullcontext():
+                if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+                    total.add_(gradient)
+                    return
+                if total.layout == torch.strided and gradient.layout == torch.strided:
+                    total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
+                elif total.layout == torch.strided:
+                    total = total + gradient
+                else:  # a dense gradient onto a sparse sum: as autograd does, a new sum
+                    total = gradient + total
+                self.sums[key] = total
+                self.owned.add(key)
+
+    def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool, dict[Any, list[tuple[int, Any]]]]:
+        """Return what a backward of ``outputs`` writes.
+
+        Returns:
+            tuple: the leaves it reaches; whether it runs a reentrant checkpoint; and, for
+            each node that computes a gradient of a leaf that has a sum (of
+            ``EARLY_BYTES`` or more, and without tensor hooks, which must see the
+            gradient), which of its outputs go to which leaf.
+        """
+        found: dict[int, torch.Tensor] = {}
+        sums = self.sums
+        early: dict[Any, list[tuple[int, Any]]] = {}
+        reentrant = False
+        stack: list[Any] = []
+        for output in outputs:
+            node = output.grad_fn if isinstance(output, torch.Tensor) else getattr(output, "node", None)
+            if node is not None:
+                stack.append(node)
+            elif isinstance(output, torch.Tensor) and output.requires_grad:  # the loss is itself a leaf
+                found[id(output)] = output
+        # The graph's nodes are not kept past the walk: after a backward that failed
+        # half-way, those not yet run still hold their saved tensors.
+        seen: set[Any] = set(stack)
+        parent = None
+        while stack:
+            parent = stack.pop()
+            for slot, (node, _) in enumerate(parent.next_functions):
+                if node is None:
+                    continue
+                kind = type(node)
+                if kind is _AccumulateGrad:  # every edge to it, for ``early``: no ``seen`` here
+                    leaf = node.variable
+                    if not leaf.requires_grad:  # turned off since the forward: autograd writes nothing
+                        continue
+                    key = id(leaf)
+                    found[key] = leaf
+                    if key in sums and not leaf._backward_hooks and leaf.numel() * leaf.element_size() >= EARLY_BYTES:
+                        early.setdefault(parent, []).append((slot, leaf))
+                    continue
+                if node in seen:
+                    continue
+                seen.add(node)
+                if kind in _BatchNormNodes:
+                    self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                elif kind is _ReentrantCheckpoint:
+                    reentrant = True
+                    for parameter in self._checkpointed(node):
+                        found[id(parameter)] = parameter
+                stack.append(node)
+        del seen, stack, parent
+        return list(found.values()), reentrant, early
+
+    def _checkpointed(self, node: Any) -> list[torch.Tensor]:
+        """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
+        function = getattr(node, "run_function", None)
+        owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return [parameter for parameter in owner.parameters() if parameter.requires_grad]
+        self.hidden = True
+        return []
+
+    def _plain(self, found: list[torch.Tensor], run: Callable[[], None]) -> None:
+        """Run a backward that writes ``.grad`` itself, and move what it wrote into :attr:`sums`.
+
+        Not safe while another thread trains the same model: ``.grad`` is set from
+        Python, outside autograd's lock. Only for what ``torch.autograd.grad``
+        cannot run (see the class).
+
+        Args:
+            found (list): the leaves the backward reaches.
+            run (callable): runs the backward.
+        """
+        exposed, aside, sums = self.exposed, self.aside, self.sums
+        for leaf in found:
+            key = id(leaf)
+            if key not in exposed:
+                exposed[key] = leaf
+                if leaf.grad is not None:
+                    aside.append((leaf, leaf.grad))
+                    leaf.grad = None
+        # The step's gradients so far go into .grad, for the backward to add to in place, as
+        # in a loop written by hand: beside .grad, they would need twice the memory.
+        for key, leaf in exposed.items():
+            if key in sums:
+                self.own(key)
+                self.owned.discard(key)
+                del self.leaves[key]
+                leaf.grad = sums.pop(key)
+        run()
+        for leaf in exposed.values():
+            written = leaf.grad
+            if written is not None:
+                leaf.grad = None
+                self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
+
+    def own(self, key: int | None = None) -> None:
+        """Make a sum a tensor of this object's own, which may be written in place: by default, every sum.
+
+        Args:
+            key (int, optional): the ``id`` of the leaf whose sum to make one.
+        """
+        for each in list(self.sums) if key is None else [key]:
+            if each not in self.owned:
+                total = self.sums[each]
+                if total.layout == torch.strided:
+                    self.sums[each] = torch.empty_like(self.leaves[each], dtype=total.dtype).copy_(total)
+                else:
+                    self.sums[each] = total.clone()
+                self.owned.add(each)
+
+    def gradients_aside(self) -> dict[int, torch.Tensor]:
+        """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
+
+        :func:`koila.report <koila_retry.report>` names them as the gradients of
+        their parameters when a step gives up. Only a backward that writes ``.grad``
+        itself sets any aside (see the class).
+
+        Returns:
+            dict[int, torch.Tensor]: each gradient set aside, by ``id`` of its leaf.
+        """
+        return {id(leaf): gradient for leaf, gradient in self.aside}
+
+    def gradients_of_step(self) -> dict[int, torch.Tensor]:
+        """Return the step's own gradients so far, by the ``id`` of their leaf.
+
+        :func:`koila.report <koila_retry.report>` names them as the step's
+        gradients of their parameters.
+
+        Returns:
+            dict[int, torch.Tensor]: the sum of each leaf's gradients, by ``id`` of the leaf.
+        """
+        if not self.direct:
+            return dict(self.sums)
+        written = {key: leaf.grad for key, leaf in self.exposed.items() if leaf.grad is not None}
+        return {**self.sums, **written}
+
+    def written_bytes(self) -> int:
+        """Return the bytes of the gradients the step has computed so far.
+
+        Returns:
+            int: the bytes of the storages of :attr:`sums` and of what the direct path
+            wrote into ``.grad``, each counted once.
+        """
+        storages = {}
+        for total in self.gradients_of_step().values():
+            if total.layout == torch.strided:
+                storage = total.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+        return sum(storages.values())
+
+    def discard(self) -> None:
+        """Forget every gradient the step computed, and what a plain backward left in ``.grad``."""
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        for leaf in self.exposed.values():
+            leaf.grad = None
+
+    def restore(self) -> None:
+        """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""
+        for leaf, before in self.aside:
+            written = leaf.grad  # None, unless a backward wrote leaves the walk could not find
+            if written is not None:
+                with torch.no_grad():
+                    if before.layout == torch.strided or written.layout == before.layout:
+                        before.add_(written)
+                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
+                        before = before + written
+            leaf.grad = before
+        self.aside.clear()
+        if self.direct:
+            IN_FLIGHT.release(self, list(self.exposed))
+        self.exposed.clear()
+
+    def deliver(self) -> None:
+        """Add the step's gradients into ``.grad`` through autograd, and forget them.
+
+        One backward through :class:`Deliver` hands each sum to its leaf's
+        ``AccumulateGrad``, which takes the leaf's lock: where ``.grad`` is ``None``
+        it becomes the sum itself (no copy, since nothing else holds it by then),
+        and otherwise the sum is added into it in place, exactly as a plain
+        ``backward()`` from another thread would add. Post-accumulate-grad hooks run
+        there, once per step. A leaf with tensor hooks (``register_hook``) had them
+        applied to each backward's gradient when it was captured: its sum is handed
+        to its ``AccumulateGrad`` directly, which adds it under the same lock without
+        running the hooks a second time.
+
+        It waits until no direct step of another thread holds any of the leaves (see
+        :class:`InFlight`): that step sets ``.grad`` from Python.
+        """
+        if not self.sums:
+            return
+        keys = list(self.sums)
+        IN_FLIGHT.enter(keys, self.thread)
+        try:
+            self._hand_over()
+        finally:
+            IN_FLIGHT.leave(keys)
+
+    def _hand_over(self) -> None:
+        """Add the sums into ``.grad`` through autograd, and forget them (see :meth:`deliver`)."""
+        sums, leaves = self.sums, self.leaves
+        self.sums, self.leaves, self.owned = {}, {}, set()
+        plain: list[torch.Tensor] = []
+        box = Box()
+        hooked: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, total in sums.items():
+            leaf = leaves[key]
+            if leaf._backward_hooks:
+                hooked.append((leaf, total))
+            else:
+                plain.append(leaf)
+                box.gradients.append(total)
+        # Only the box holds the sums now, so that AccumulateGrad may take them as they are.
+        del sums, leaves, total
+        if plain:
+            with torch.enable_grad():
+                done = Deliver.apply(box, *plain)  # type: ignore[no-untyped-call]
+            del plain
+            torch.autograd.backward(done)
+        if hooked:
+            with torch.no_grad():
+                for leaf, total in hooked:
+                    accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
+                    cast(Any, accumulate)(total)
+
+
+class InFlight:
+    """The leaves that koila steps in flight write, by ``id``: whose ``.grad`` is whose to touch now.
+
+    A step on the direct path writes ``.grad`` from Python (moving a gradient aside,
+    setting one back to ``None``), which must never happen while another thread's
+    autograd adds into the same ``.grad``. So a step takes the direct path only if none
+    of its leaves is held by another step: it holds them (:meth:`take`) until it is
+    over (:meth:`release`). A captured step adds its gradients into ``.grad`` only once
+    no direct step of another thread holds any of its leaves (:meth:`enter`), and holds
+    them shared while it waits and delivers (:meth:`leave`), so that no new direct step
+    takes them meanwhile. A step that waits holds nothing exclusively: no two wait on
+    each other. One thread alone pays the dictionary operations, under a lock no one
+    else takes.
+    """
+
+    __slots__ = ("condition", "owners", "shared", "waiting")
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition(threading.Lock())
+        self.owners: dict[int, Gradients] = {}  # the direct step holding each leaf
+        self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
+        self.waiting = 0
+
+    def take(self, owner: Gradients, leaves: Sequence[torch.Tensor]) -> bool:
+        """Hold ``leaves`` for ``owner``'s direct writes: all of them, or none if another step holds any.
+
+        Args:
+            owner (Gradients): the step.
+            leaves (sequence): the leaves its next backward writes first.
+
+        Returns:
+            bool: whether ``owner`` holds them now.
+        """
+        with self.condition:
+            owners, shared = self.owners, self.shared
+            for leaf in leaves:
+                key = id(leaf)
+                if key in shared or owners.get(key, owner) is not owner:
+                    return False
+            for leaf in leaves:
+                owners[id(leaf)] = owner
+        return True
+
+    def release(self, owner: Gradients, keys: Sequence[int]) -> None:
+        """Let go of the leaves ``owner`` holds among ``keys`` (their ``id``), and wake the steps waiting for them."""
+        with self.condition:
+            owners = self.owners
+            for key in keys:
+                if owners.get(key) is owner:
+                    del owners[key]
+            if self.waiting:
+                self.condition.notify_all()
+
+    def enter(self, keys: Sequence[int], thread: int) -> None:
+        """Wait until no direct step of another thread holds any of ``keys``, then hold them shared.
+
+        Args:
+            keys (sequence): the ``id`` of each leaf a captured step delivers into.
+            thread (int): the step's thread: a step of the same thread (a step called
+                inside another) cannot be running a backward now, and is not waited for.
+        """
+        with self.condition:
+            shared, owners = self.shared, self.owners
+            for key in keys:  # first, so that no direct step takes them from now on
+                shared[key] = shared.get(key, 0) + 1
+            try:
+                while any(key in owners and owners[key].thread != thread for key in keys):
+                    self.waiting += 1
+                    try:
+                        self.condition.wait()
+                    finally:
+                        self.waiting -= 1
+            except BaseException:  # interrupted while it waited: it delivers nothing
+                self._drop(keys)
+                raise
+
+    def leave(self, keys: Sequence[int]) -> None:
+        """Let go of what :meth:`enter` held."""
+        with self.condition:
+            self._drop(keys)
+
+    def _drop(self, keys: Sequence[int]) -> None:
+        shared = self.shared
+        for key in keys:
+            count = shared[key] - 1
+            if count:
+                shared[key] = count
+            else:
+                del shared[key]
+        if self.waiting:
+            self.condition.notify_all()
+
+
+# Every koila step's, for the process.
+IN_FLIGHT = InFlight()
+
+
+class Box:
+    """The gradients that a :class:`Deliver` hands over, held nowhere else until it does."""
+
+    __slots__ = ("gradients",)
+
+    def __init__(self) -> None:
+        self.gradients: list[torch.Tensor] = []
+
+    def take(self) -> list[torch.Tensor]:
+        gradients, self.gradients = self.gradients, []
+        return gradients
+
+
+class Deliver(torch.autograd.Function):
+    """A function of the leaves whose backward returns the step's gradients of them (see ``Gradients.deliver``)."""
+
+    @staticmethod
+    def forward(ctx: Any, box: Box, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return torch.empty((), device=leaves[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:
+        return (None, *ctx.box.take())
+
+
+class BackwardCall:
+    """A backward pass as it was asked for: ``Tensor.backward`` or ``torch.autograd.backward``'s arguments."""
+
+    __slots__ = ("create_graph", "grad_outputs", "inputs", "outputs", "retain_graph")
+
+    def __init__(
+        self,
+        outputs: tuple[Any, ...],
+        grad_outputs: Any,
+        retain_graph: bool | None,
+        create_graph: bool,
+        inputs: Any,
+    ) -> None:
+        self.outputs = outputs
+        if grad_outputs is None:
+            grad_outputs = (None,) * len(outputs)
+        elif isinstance(grad_outputs, torch.Tensor):
+            grad_outputs = (grad_outputs,)
+        self.grad_outputs: tuple[torch.Tensor | None, ...] = tuple(grad_outputs)
+        self.retain_graph, self.create_graph = retain_graph, create_graph
+        if isinstance(inputs, dict):
+            inputs = tuple(inputs.values())
+        elif isinstance(inputs, torch.Tensor) or (inputs is not None and not isinstance(inputs, Sequence)):
+            inputs = (inputs,)
+        self.inputs: tuple[Any, ...] | None = None if inputs is None else tuple(inputs)
+
+
+def _tensor_backward(
+    self: torch.Tensor,
+    gradient: torch.Tensor | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: Any = None,
+) -> BackwardCall:
+    return BackwardCall((self,), gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_backward(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> BackwardCall:
+    outputs = (tensors,) if not isinstance(tensors, Sequence) else tuple(tensors)
+    given = grad_variables if grad_tensors is None else grad_tensors
+    return BackwardCall(outputs, given, retain_graph, create_graph, inputs)
+
+
+def _is_leaf(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.grad_fn is None
+
+
+_TENSOR_BACKWARD = torch.Tensor.backward
+_AUTOGRAD_BACKWARD = torch.autograd.backward
+
+
+class Capture(TorchFunctionMode):
+    """Run the backward passes started inside it (``Tensor.backward``, ``torch.autograd.backward``) as captures.
+
+    A function mode is this thread's only: other threads' backward passes through the
+    same model are not seen. It is on only while a backward of the step runs, not
+    during its forward.
+    """
+
+    def __init__(self, gradients: Gradients) -> None:
+        super().__init__()
+        self.gradients = gradients
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _TENSOR_BACKWARD:
+            call = _tensor_backward(*args, **kwargs)
+        elif func is _AUTOGRAD_BACKWARD:
+            call = _autograd_backward(*args, **kwargs)
+        else:
+            return func(*args, **kwargs)
+        self.gradients.capture(call, lambda: func(*args, **kwargs))
+        return None

@@ -1,0 +1,343 @@
+"""koila.accumulate costs the memory of the loop it replaces: a plain step, or a hand-written accumulation loop.
+
+Peaks are counted exactly on a simulated device, for the step and for the hand loop in the same
+test. With ``.grad`` None at the start (``zero_grad()``'s default), a step's backward passes run
+into ``.grad`` as the hand loop's do. With gradients there at the start, they are moved aside for
+the step and added back once it succeeded: one gradient buffer more than the hand loop, the price
+of a failed step leaving ``.grad`` as it was. Here too: that rollback, exact, and a second thread
+sharing the model, which the step's registry of leaves sends down the captured path.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry._frontends.gradients import IN_FLIGHT
+from koila_retry.testing import make_oom, simulated_device
+
+DTYPE = torch.float64
+RTOL, ATOL = 1e-7, 1e-10
+ROWS, PARTS, WIDTH = 64, 4, 64
+# What the step keeps besides the loop: each micro-batch's detached loss, for its result.
+SLACK = 1024
+
+
+def _model() -> nn.Module:
+    # Gradients large next to a micro-batch's activations, and each under 64 KiB: the captured
+    # path held such a micro-batch's gradients whole beside the step's, till its backward ended.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 1)).to(DTYPE)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, WIDTH, generator=generator, dtype=DTYPE)
+    return x, torch.randn(ROWS, 1, generator=generator, dtype=DTYPE)
+
+
+def _give_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Set nonzero gradients on every parameter, made before any simulated device; return them."""
+    generator = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator, dtype=DTYPE)
+    return [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+
+def _gradient_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _peak(run: Callable[[], object]) -> int:
+    with simulated_device("1GiB") as device:
+        run()
+    return device.peak
+
+
+def _hand_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> None:
+    """The loop a user writes: a plain backward per micro-batch, its loss weighted by its rows' share."""
+    for xb, yb in zip(x.chunk(parts), y.chunk(parts), strict=True):
+        (F.mse_loss(model(xb), yb) * (len(xb) / len(x))).backward()  # type: ignore[no-untyped-call]
+
+
+def _step(model: nn.Module, parts: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    @koila.accumulate(initial=ROWS // parts if parts > 1 else None, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    return step
+
+
+@pytest.mark.parametrize("parts", [1, PARTS], ids=["whole", "split-in-4"])
+def test_with_grad_none_a_step_peaks_at_the_plain_steps_or_hand_loops_memory(parts: int) -> None:
+    model = _model()
+    hand = copy.deepcopy(model)
+    x, y = _batch()
+    step = _step(model, parts)
+    koila_peak = _peak(lambda: step(x, y))
+    hand_peak = _peak(lambda: _hand_loop(hand, x, y, parts))
+    assert koila_peak <= 1.02 * hand_peak, (koila_peak, hand_peak)
+    for p, q in zip(model.parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("parts", [1, PARTS], ids=["whole", "split-in-4"])
+def test_with_grad_present_a_step_needs_one_gradient_buffer_more_than_the_hand_loop(parts: int) -> None:
+    """The gradients from before are moved aside: the step's own are one buffer, added into them at the end."""
+    model = _model()
+    hand = copy.deepcopy(model)
+    x, y = _batch()
+    given, by_hand = _give_grads(model), _give_grads(hand)
+    values = [g.clone() for g in given]
+    step = _step(model, parts)
+    koila_peak = _peak(lambda: step(x, y))
+    hand_peak = _peak(lambda: _hand_loop(hand, x, y, parts))
+    assert koila_peak <= hand_peak + _gradient_bytes(model) + SLACK, (koila_peak, hand_peak, _gradient_bytes(model))
+    for p, q, grad, mine, value in zip(model.parameters(), hand.parameters(), given, by_hand, values, strict=True):
+        assert p.grad is grad, "the same tensor as before, added to in place"
+        assert q.grad is mine
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert not torch.equal(p.grad, value)
+
+
+def test_a_split_steps_gradient_is_the_whole_batchs() -> None:
+    model = _model()
+    whole = copy.deepcopy(model)
+    x, y = _batch()
+    _step(model, 8)(x, y)
+    F.mse_loss(whole(x), y).backward()  # type: ignore[no-untyped-call]
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+@pytest.mark.parametrize("error", ["exhausted", "other"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_step_leaves_grad_exactly_as_it_was(error: str, where: str) -> None:
+    """None stays None; a gradient that was there is the same tensor, bitwise equal: on the direct path too."""
+    model = _model()
+    x, y = _batch()
+    _give_grads(model)
+    model[2].weight.grad = None
+    model[12].bias.grad = None
+    before = [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    calls: list[int] = []
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, h: torch.Tensor) -> torch.Tensor:
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            raise make_oom() if error == "exhausted" else ValueError("broken backward")
+
+    @koila.accumulate(initial=ROWS // PARTS, minimum=ROWS // (2 * PARTS), cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        h = model[:6](x)
+        if len(calls) % 2 == 0:  # the second micro-batch of every attempt, once the first's gradients were written
+            if where == "forward":
+                raise make_oom() if error == "exhausted" else ValueError("broken forward")
+            h = Fails.apply(h)
+        return F.mse_loss(model[6:](h), y)
+
+    with pytest.raises(koila.BatchSizeExhausted if error == "exhausted" else ValueError):
+        step(x, y)
+    assert len(calls) == (4 if error == "exhausted" else 2)
+    for (name, p), (grad, value) in zip(model.named_parameters(), before, strict=True):
+        if grad is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is grad, name
+            assert torch.equal(p.grad, value), name
+
+
+def test_a_retried_step_writes_each_gradient_once() -> None:
+    """An out-of-memory error part-way: what the failed attempt wrote into ``.grad`` is gone before the retry."""
+    model = _model()
+    whole = copy.deepcopy(model)
+    x, y = _batch()
+    given = _give_grads(model)
+    values = [g.clone() for g in given]
+    calls: list[int] = []
+
+    @koila.accumulate(initial=ROWS // 2, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        if len(calls) == 2:
+            raise make_oom()
+        return F.mse_loss(model(x), y)
+
+    step(x, y)
+    assert calls == [ROWS // 2, ROWS // 2, ROWS // 4, ROWS // 4, ROWS // 4, ROWS // 4]
+    F.mse_loss(whole(x), y).backward()  # type: ignore[no-untyped-call]
+    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
+        assert p.grad is grad
+        torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- another step in flight
+
+
+def _wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["grad-none", "grad-present"])
+def test_a_step_sharing_leaves_with_one_in_flight_is_captured_and_waits_to_deliver(before: bool) -> None:
+    """Thread A's step holds the model's leaves; thread B's, on the same model meanwhile, goes captured.
+
+    B's delivery into ``.grad`` waits until A's step is over: A moves gradients aside and
+    back from Python. Both batches' gradients are in ``.grad`` at the end, exactly.
+    """
+    model = _model()
+    x, y = _batch()
+    xa, ya, xb, yb = x[: ROWS // 2], y[: ROWS // 2], x[ROWS // 2 :], y[ROWS // 2 :]
+    whole = copy.deepcopy(model)
+    for xs, ys in ((xa, ya), (xb, yb)):
+        F.mse_loss(whole(xs), ys).backward()  # type: ignore[no-untyped-call]
+    given = _give_grads(model) if before else [None] * len(list(model.parameters()))
+    values = [None if g is None else g.clone() for g in given]
+    a_holds, a_goes_on = threading.Event(), threading.Event()
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    calls: list[int] = []
+
+    @koila.accumulate(initial=ROWS // 4, cache=koila.NoCache())
+    def step_a(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        if len(calls) == 2:  # its second micro-batch: the first's backward wrote .grad
+            a_holds.set()
+            assert a_goes_on.wait(60)
+        return F.mse_loss(model(x), y)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step_b(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    def run(name: str, work: Callable[[], object]) -> None:
+        try:
+            work()
+            order.append(name)
+        except BaseException as exc:  # pragma: no cover - only on failure
+            errors.append(exc)
+
+    thread_a = threading.Thread(target=run, args=("a", lambda: step_a(xa, ya)))
+    thread_a.start()
+    assert a_holds.wait(60)
+    thread_b = threading.Thread(target=run, args=("b", lambda: step_b(xb, yb)))
+    thread_b.start()
+    _wait_for(lambda: IN_FLIGHT.waiting == 1)  # B computed its gradients, and waits for A to deliver them
+    assert order == []
+    a_goes_on.set()
+    thread_a.join(60)
+    thread_b.join(60)
+    assert not errors, errors
+    # Each thread appends once its step returned: after the other's release, either may come first.
+    assert sorted(order) == ["a", "b"]
+    assert not IN_FLIGHT.owners, "nothing held once both are over"
+    assert not IN_FLIGHT.shared
+    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
+        if grad is None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        else:
+            assert p.grad is grad
+            torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["grad-none", "grad-present"])
+def test_a_direct_step_that_meets_a_held_leaf_part_way_goes_on_captured(before: bool) -> None:
+    """A's first micro-batch reaches only the first layers, held by no one: it writes their ``.grad``.
+
+    Its second reaches the head too, which B holds meanwhile: A moves what it wrote into its
+    own buffers, gives back what it set aside, and delivers once B's step is over.
+    """
+    model = _model()
+    x, y = _batch()
+    half = ROWS // 2
+    xa, ya, xb, yb = x[:half], y[:half], x[half:], y[half:]
+    head = model[12]
+
+    def loss_a(model: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool) -> torch.Tensor:
+        h = model[:12](x)
+        # The first micro-batch leaves the head out (a constant stands in for it).
+        return F.mse_loss(h.sum(1, keepdim=True) if first else model[12](h), y)
+
+    def loss_b(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model[12](x.detach()), y)
+
+    whole = copy.deepcopy(model)
+    quarter = half // 2
+    for first, rows in ((True, slice(0, quarter)), (False, slice(quarter, half))):
+        (loss_a(whole, xa[rows], ya[rows], first) / 2).backward()  # type: ignore[no-untyped-call]
+    for rows in (slice(0, quarter), slice(quarter, half)):
+        (loss_b(whole, xb[rows], yb[rows]) / 2).backward()  # type: ignore[no-untyped-call]
+    given = _give_grads(model) if before else [None] * len(list(model.parameters()))
+    values = [None if g is None else g.clone() for g in given]
+    b_holds, b_goes_on = threading.Event(), threading.Event()
+    calls_a: list[int] = []
+    calls_b: list[int] = []
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    @koila.accumulate(initial=quarter, cache=koila.NoCache())
+    def step_a(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls_a.append(len(x))
+        return loss_a(model, x, y, len(calls_a) == 1)
+
+    @koila.accumulate(initial=quarter, cache=koila.NoCache())
+    def step_b(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls_b.append(len(x))
+        if len(calls_b) == 2:  # its first micro-batch's backward wrote the head's .grad
+            b_holds.set()
+            assert b_goes_on.wait(60)
+        return loss_b(model, x, y)
+
+    def run(name: str, work: Callable[[], object]) -> None:
+        try:
+            work()
+            order.append(name)
+        except BaseException as exc:  # pragma: no cover - only on failure
+            errors.append(exc)
+
+    thread_b = threading.Thread(target=run, args=("b", lambda: step_b(xb, yb)))
+    thread_b.start()
+    assert b_holds.wait(60)
+    thread_a = threading.Thread(target=run, args=("a", lambda: step_a(xa, ya)))
+    thread_a.start()
+    _wait_for(lambda: IN_FLIGHT.waiting == 1)  # A went captured, and waits for B to deliver
+    assert calls_a == [quarter, quarter]
+    assert all(id(p) not in IN_FLIGHT.owners for p in model[:12].parameters()), "A let go of what it held"
+    b_goes_on.set()
+    thread_a.join(60)
+    thread_b.join(60)
+    assert not errors, errors
+    # Each thread appends once its step returned: after the other's release, either may come first.
+    assert sorted(order) == ["a", "b"]
+    assert not IN_FLIGHT.owners, "nothing held once both are over"
+    assert not IN_FLIGHT.shared
+    assert head.weight.grad is not None
+    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
+        if grad is None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        else:
+            assert p.grad is grad
+            torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
