@@ -56,9 +56,10 @@ forward and the backward (autograd runs a graph of CPU tensors on the thread tha
 ``backward()``) are all its work, and time spent waiting for a core while other jobs use
 the machine does not count. On a busy machine, the noise-check rows say which to trust.
 
-The targets, from the issue that asked for this benchmark: when the batch fits,
-``@koila.accumulate`` costs at most 2% over the plain step; split into k micro-batches,
-its throughput is at least 95% of the hand loop's at the same micro-batch size.
+The targets, from the issues that asked for this benchmark and for a step as light as
+the hand loop (issue 40): when the batch fits, ``@koila.accumulate`` costs at most 2%
+over the plain step; split into k micro-batches, its throughput is at least 97% of the
+hand loop's at the same micro-batch size.
 
 Run it with::
 
@@ -98,7 +99,7 @@ from torch.nn import functional
 import koila_retry as koila
 
 TARGET_FIT = 1.02  # koila / plain step, when the batch fits
-TARGET_SPLIT = 0.95  # throughput of koila / that of the hand loop, split into micro-batches
+TARGET_SPLIT = 0.97  # throughput of koila / that of the hand loop, split into micro-batches
 KOILA_TOLERANCE = 1e-4  # the largest gradient error koila may show
 BLOCK_SECONDS = 0.04  # about how long one block of steps takes
 # With one thread, the forward and the backward (on the CPU, autograd runs it on the calling
