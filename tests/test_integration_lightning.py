@@ -127,7 +127,7 @@ def test_bf16_mixed_precision_under_the_limit_matches_the_unlimited_run() -> Non
         pytest.skip(f"bf16-mixed does not train on this CPU build of torch: {error}")
     model = Float32MLP()
     events: list[Any] = []
-    with simulated_device("300KiB"):
+    with simulated_device("200KiB"):
         trainer(OOMRecovery(on_oom=events.append), precision="bf16-mixed", gradient_clip_val=0.1).fit(
             model, loader(rows=128)
         )
@@ -154,7 +154,7 @@ def test_16_mixed_loss_scaling_is_applied_to_each_micro_batch_and_undone_once() 
     model = Float32MLP()
     events: list[Any] = []
     precision = scaled()
-    with simulated_device("300KiB"):
+    with simulated_device("200KiB"):
         trainer(OOMRecovery(on_oom=events.append), plugins=[precision]).fit(model, loader(rows=128))
     assert events
     assert precision.scaler.get_scale() == 2.0**10
@@ -408,12 +408,22 @@ class Primed(AnyBatch):
             parameter.grad = torch.full_like(parameter, 0.25)
 
 
-def test_a_batch_that_cannot_be_split_and_runs_out_of_memory_says_how_to_make_it_splittable() -> None:
-    model = Primed()
+class Zeroing(Primed):
+    """A zero_grad of its own, which keeps the tensors: the gradients in ``.grad`` cannot be released early."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("module", [Primed, Zeroing])
+def test_a_batch_that_cannot_be_split_and_runs_out_of_memory_says_how_to_make_it_splittable(module: type) -> None:
+    model = module()
     before = [parameter.detach().clone() for parameter in model.parameters()]
     with (
         simulated_device(FIT_LIMIT),
-        pytest.raises(BatchSizeExhausted, match=r"cannot split the batch of Primed\.training_step, a Graph") as caught,
+        pytest.raises(
+            BatchSizeExhausted, match=rf"cannot split the batch of {module.__name__}\.training_step, a Graph"
+        ) as caught,
     ):
         trainer(OOMRecovery()).fit(model, collated("own class"))
     message = str(caught.value)
@@ -421,10 +431,13 @@ def test_a_batch_that_cannot_be_split_and_runs_out_of_memory_says_how_to_make_it
     assert "make the batch a dataclass" in message
     for parameter, value in zip(model.parameters(), before, strict=True):
         assert torch.equal(parameter, value)
-        assert torch.equal(parameter.grad, torch.full_like(parameter, 0.25))
+        if module is Zeroing:  # .grad as it was
+            assert torch.equal(parameter.grad, torch.full_like(parameter, 0.25))
+        else:  # released as the step began: Lightning's zero_grad was about to set it to None
+            assert parameter.grad is None
     with (
         simulated_device(EVAL_LIMIT),
-        pytest.raises(BatchSizeExhausted, match=r"cannot split the batch of Primed\.validation_step, a Graph"),
+        pytest.raises(BatchSizeExhausted, match=rf"cannot split the batch of {module.__name__}\.validation_step"),
     ):
         trainer(OOMRecovery()).validate(model, collated("own class"), verbose=False)
 
@@ -447,3 +460,96 @@ def test_an_evaluation_step_that_returns_nothing_is_split_without_a_warning() ->
     assert events
     assert [str(warning.message) for warning in caught if "Quiet.validation_step" in str(warning.message)] == []
     assert got[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=1e-12)
+
+
+class Lean(MLP):
+    """A training step that only computes the loss: what a hand-written loop computes."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _gradient_bytes(model: torch.nn.Module) -> int:
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+
+
+def _peak_of_fit(*callbacks: Any, **options: Any) -> tuple[int, Any]:
+    # Batches of 8 rows: the gradients weigh more than the activations, as in a large model.
+    model = Lean()
+    with simulated_device("1GiB") as device:
+        trainer(*callbacks, max_steps=4, gradient_clip_val=0.1, **options).fit(model, loader(rows=64, batch=8))
+    return device.peak, model
+
+
+def test_nothing_failing_the_callback_costs_no_memory_over_the_plain_trainer() -> None:
+    plain, reference = _peak_of_fit()
+    events: list[Any] = []
+    peak, model = _peak_of_fit(OOMRecovery(on_oom=events.append))
+    assert events == []
+    assert peak <= 1.02 * plain, f"{peak} bytes with OOMRecovery, {plain} without it"
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+
+
+def test_nothing_failing_under_gradient_accumulation_the_callback_costs_at_most_the_gradients_set_aside() -> None:
+    # Lightning zeroes the gradients on the first batch of each group: the callback releases
+    # them there. On the other batches the earlier ones' sum is in .grad and is kept apart
+    # while the step runs, so that an attempt that runs out of memory can start again from it.
+    plain, reference = _peak_of_fit(accumulate_grad_batches=2)
+    peak, model = _peak_of_fit(OOMRecovery(), accumulate_grad_batches=2)
+    gradients = _gradient_bytes(reference)
+    assert peak <= 1.02 * plain + gradients, f"{peak} bytes with OOMRecovery, {plain} without it"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_under_a_limit_where_a_hand_loop_of_micro_batches_fits_the_callback_fits_too() -> None:
+    limit, rows, micro = "240KiB", 64, 8
+    hand = Lean()
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.5)
+    with simulated_device(limit) as device:
+        for x, y in loader(rows=3 * rows, batch=rows):
+            for start in range(0, rows, micro):
+                part = slice(start, start + micro)
+                (F.cross_entropy(hand.net(x[part]), y[part]) * (micro / rows)).backward()
+            torch.nn.utils.clip_grad_norm_(hand.parameters(), 0.1)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert device.peak <= device.limit  # the hand loop fits
+
+    reference = Lean()
+    trainer(gradient_clip_val=0.1).fit(reference, loader(rows=3 * rows, batch=rows))
+    assert_same_parameters(hand, reference, rtol=1e-12, atol=1e-12)
+    model = Lean()
+    events: list[Any] = []
+    with simulated_device(limit):
+        trainer(OOMRecovery(on_oom=events.append), gradient_clip_val=0.1).fit(model, loader(rows=3 * rows, batch=rows))
+    assert events, "the whole batch fitted: the limit is too high to test anything"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class Watching(Lean):
+    """An ``on_before_zero_grad`` hook that looks at the gradients Lightning is about to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[torch.Tensor | None]] = []
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        self.seen.append([None if p.grad is None else p.grad.clone() for p in self.parameters()])
+
+
+def test_an_on_before_zero_grad_hook_sees_the_gradients_it_sees_without_the_callback() -> None:
+    reference, model = Watching(), Watching()
+    trainer(gradient_clip_val=0.1).fit(reference, loader(rows=64, batch=16))
+    trainer(OOMRecovery(), gradient_clip_val=0.1).fit(model, loader(rows=64, batch=16))
+    assert len(model.seen) == len(reference.seen) == 3
+    assert reference.seen[1][0] is not None  # the previous step's gradients
+    for got, expected in zip(model.seen, reference.seen, strict=True):
+        for gradient, wanted in zip(got, expected, strict=True):
+            if wanted is None:
+                assert gradient is None
+            else:
+                torch.testing.assert_close(gradient, wanted, rtol=1e-12, atol=1e-12)

@@ -21,12 +21,15 @@ attributes, removed in ``teardown``); the class and the trainer are not changed.
   the loop's own backward could not be recovered, since the loop holds the whole
   batch's graph.
 * The step's gradients never stay in ``.grad``: Lightning calls ``zero_grad`` after
-  ``training_step`` and before the backward. The gradients already in ``.grad`` (the
-  previous step's, or those of earlier batches under ``accumulate_grad_batches``) are
-  set aside while the step runs and put back after it, and the step's own are taken
-  out. ``training_step`` then returns the whole batch's loss (detached, the weighted
-  sum of the micro-batches') as the output of a small autograd function of the
-  parameters, whose backward hands those gradients over. So the loop's own backward,
+  ``training_step`` and before the backward. The gradients already in ``.grad`` are
+  released as the step begins where that ``zero_grad`` is about to set them to ``None``
+  (the first batch of each group of ``accumulate_grad_batches``, with Lightning's and
+  PyTorch's own ``zero_grad`` and no ``on_before_zero_grad`` hook), so the step runs in
+  the memory of a hand-written loop; elsewhere they are set aside while the step runs
+  and put back after it. The step's own gradients, which ``accumulate`` leaves in
+  ``.grad``, are then taken out. ``training_step`` returns the whole batch's loss
+  (detached, the weighted sum of the micro-batches') as the output of a small autograd
+  function of the parameters, whose backward hands those gradients over. So the loop's own backward,
   ``trainer.strategy.backward``, runs once per batch as it always does: its scaling
   and its ``1/accumulate_grad_batches``, the ``on_before_backward`` and
   ``on_after_backward`` hooks, then ``optimizer_step``, the scaler's unscaling, gradient
@@ -83,7 +86,8 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.xla import XLAStrategy
 
 from koila_retry._common.batches import Split
@@ -169,6 +173,14 @@ class OOMRecovery(Callback):
                 step = self._steps[name] = _Step(name, self._options)
             step.install(trainer, pl_module)
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Note the batch's index: whether Lightning zeroes the gradients after its step (Lightning calls it)."""
+        step = self._steps.get("training_step")
+        if step is not None:
+            step.batch_idx = batch_idx
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Take the wrappers away (Lightning calls it)."""
         for step in self._steps.values():
@@ -178,10 +190,11 @@ class OOMRecovery(Callback):
 class _Held:
     """What a split training step hands to the loop's backward: its gradients, once."""
 
-    __slots__ = ("gradients", "scale")
+    __slots__ = ("gradients", "scale", "unit")
 
-    def __init__(self, gradients: list[torch.Tensor], scale: torch.Tensor | None) -> None:
+    def __init__(self, gradients: list[torch.Tensor], scale: torch.Tensor | None, unit: bool) -> None:
         self.gradients, self.scale = gradients, scale
+        self.unit = unit  # the loop's backward is known to bring a gradient of exactly 1
 
     def take(self) -> list[torch.Tensor]:
         gradients, self.gradients = self.gradients, []
@@ -203,7 +216,7 @@ class _Delivery(torch.autograd.Function):
         # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
         # the gradients were computed at the scaler's scale already.
         factor = grad if held.scale is None else grad / held.scale
-        if gradients:
+        if gradients and not held.unit:  # times 1 would be a pass over every gradient for nothing
             torch._foreach_mul_(gradients, factor)  # one call for every gradient
         return (None, None, *gradients)
 
@@ -229,6 +242,7 @@ class _Step:
         self.log: Callable[..., Any] = _unset
         self.signature: inspect.Signature | None = None  # of the module's log, to bind its calls
         self.scale: torch.Tensor | None = None
+        self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -353,10 +367,47 @@ class _Step:
         finally:
             self.held = None
 
+    def _released(self, trainer: pl.Trainer, module: pl.LightningModule) -> set[int]:
+        """Return the ids of the parameters whose ``.grad`` Lightning sets to ``None`` right after this step.
+
+        Lightning's loop runs ``training_step``, then ``zero_grad`` on the first batch of each
+        group of ``accumulate_grad_batches``, then the backward: those gradients are dead
+        while the step runs, and it may free them first, as a hand loop has. Only where the
+        zero_grad is the default one, ``optimizer.zero_grad()`` with ``set_to_none=True``, and
+        no ``on_before_zero_grad`` hook could look at them; else none.
+        """
+        batch_idx = self.batch_idx
+        if batch_idx is None or getattr(trainer.fit_loop, "_skip_backward", True) or len(trainer.optimizers) != 1:
+            return set()
+        if batch_idx % trainer.accumulate_grad_batches != 0:
+            return set()
+        lightning = pl.LightningModule
+        if "optimizer_zero_grad" in vars(module) or "on_before_zero_grad" in vars(module):
+            return set()
+        if type(module).optimizer_zero_grad is not lightning.optimizer_zero_grad:
+            return set()
+        if type(module).on_before_zero_grad is not lightning.on_before_zero_grad:
+            return set()
+        callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # set by Lightning, not declared
+        if any(  # a LambdaCallback sets its hooks on the instance
+            "on_before_zero_grad" in vars(callback)
+            or type(callback).on_before_zero_grad is not Callback.on_before_zero_grad
+            for callback in callbacks
+        ):
+            return set()
+        optimizer = trainer.optimizers[0]
+        if "zero_grad" in vars(optimizer) or type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+            return set()
+        return {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+
     def _train(self, *args: Any, **kwargs: Any) -> Any:
-        _, module = self.installed()
+        trainer, module = self.installed()
         parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
-        aside = [parameter.grad for parameter in parameters]
+        # Those Lightning is about to set to None are released now, not set aside: the step
+        # then runs as a hand loop does, with no earlier gradient alive (see _released).
+        released = self._released(trainer, module)
+        self.batch_idx = None
+        aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
         self.parts, self.scale, skipped = [], None, False
         module.log = self._record  # type: ignore[method-assign]
         try:
@@ -382,9 +433,10 @@ class _Step:
         held = [(parameter, gradient) for parameter, gradient in zip(parameters, gradients) if gradient is not None]
         parts = [gradient for _, gradient in held]
         scale, self.scale = self.scale, None
+        unit = scale is None and trainer.accumulate_grad_batches == 1 and _plain_backward(trainer, module)
 
         def deliver(loss: torch.Tensor) -> torch.Tensor:
-            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale), loss, *(p for p, _ in held))  # type: ignore[no-untyped-call]
+            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale, unit), loss, *(p for p, _ in held))  # type: ignore[no-untyped-call]
             return delivered
 
         if isinstance(output, torch.Tensor):
@@ -448,6 +500,18 @@ class _Step:
 
 class _Skipped(Exception):
     """A training step (or one of its micro-batches) returned ``None``: the batch is skipped, whole."""
+
+
+def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    """Return whether the loop's backward is Lightning's own: it scales the loss by AMP's scaler only."""
+    plugin, strategy = trainer.precision_plugin, trainer.strategy
+    return (
+        "backward" not in vars(module)
+        and type(module).backward is pl.LightningModule.backward
+        and type(strategy).backward is Strategy.backward
+        and type(plugin).backward is Precision.backward
+        and type(plugin).pre_backward in (Precision.pre_backward, MixedPrecision.pre_backward)
+    )
 
 
 def _unset(*args: Any, **kwargs: Any) -> Any:
