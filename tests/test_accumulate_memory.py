@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._frontends.gradients import IN_FLIGHT
+from koila_retry._frontends.gradients import IN_FLIGHT, Gradients
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -341,3 +341,49 @@ def test_a_direct_step_that_meets_a_held_leaf_part_way_goes_on_captured(before: 
         else:
             assert p.grad is grad
             torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+
+
+def _graphs() -> list[tuple[str, Callable[[], torch.Tensor], bool]]:
+    """Losses whose backward writes leaves in the ways a walk must see: (name, loss, batch norm in training)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    shared = nn.Linear(4, 4)
+    frozen = nn.Linear(4, 2)
+    norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    outer = nn.Linear(4, 1)
+    leaf = torch.tensor(2.0, requires_grad=True)
+    x = torch.randn(6, 4)
+
+    def turned_off() -> torch.Tensor:
+        loss = frozen(x).sum() + mlp(x).sum()
+        frozen.weight.requires_grad_(False)  # after the forward: autograd writes nothing into it
+        return loss
+
+    def checkpointed() -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(inner, x.requires_grad_(), use_reentrant=True)
+        return outer(hidden).sum()
+
+    return [
+        ("mlp", lambda: F.mse_loss(mlp(x), torch.zeros(6, 2)), False),
+        ("a layer used twice", lambda: shared(shared(x)).sum() + mlp(x).sum(), False),
+        ("a leaf turned off", turned_off, False),
+        ("batch norm", lambda: norm(x).sum(), True),
+        ("a reentrant checkpoint", checkpointed, False),
+        ("the loss a leaf", lambda: leaf, False),
+        ("no leaf", lambda: torch.ones(2, requires_grad=True).detach().sum(), False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_the_direct_paths_walk_finds_the_leaves_the_full_walk_finds(case: int) -> None:
+    """The direct path's faster walk (``_leaves``) finds what ``_walk`` finds, each leaf once, and the batch norm."""
+    name, make, batchnorm = _graphs()[case]
+    loss = make()
+    fast, full = Gradients(True), Gradients(True)
+    found = fast._leaves(loss)
+    expected = full._walk((loss,))[0]
+    assert {id(leaf) for leaf in found} == {id(leaf) for leaf in expected}, name
+    assert len(found) == len({id(leaf) for leaf in found}), f"{name}: a leaf found twice"
+    assert all(leaf.requires_grad for leaf in found), name
+    assert fast.batchnorm == full.batchnorm == batchnorm, name

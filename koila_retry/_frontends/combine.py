@@ -166,8 +166,10 @@ class Results:
                 # so that its weights are not rounded to bf16.
                 dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
                 exact = torch.promote_types(dtype, torch.float32)
-                weights = torch.tensor([weight for _, weight in column], dtype=torch.float64)
-                total = torch.tensordot(weights.to(values.device, exact), values.to(exact), dims=1)
+                # Each weight rounded once, from its float to the dtype summed in, as a float64
+                # tensor converted would hold it, in one call.
+                weights = torch.tensor([weight for _, weight in column], dtype=exact, device=values.device)
+                total = torch.tensordot(weights, values.to(exact), dims=1)
                 combined.append(total.to(dtype))
             else:
                 combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))

@@ -62,6 +62,8 @@ _BatchNormNodes = frozenset(
 # Reentrant checkpointing runs a backward of its own inside this node, writing gradients
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
+# The nodes a walk looks at more closely: one test per node for both.
+_WATCHED = _BatchNormNodes | {_ReentrantCheckpoint}
 
 # The gradients from this size up are added into the step's sums as soon as autograd has
 # computed them (see ``Gradients.capture``); smaller ones are held until the end of their
@@ -200,9 +202,8 @@ class Gradients:
         post-accumulate-grad hooks (which run once per step, when the step's gradient
         is delivered), the step goes on captured instead, and ``False`` is returned.
         """
-        found, _, _ = self._walk((loss,))
         exposed = self.exposed
-        new = [leaf for leaf in found if id(leaf) not in exposed]
+        new = [leaf for leaf in self._leaves(loss) if id(leaf) not in exposed]
         if not new:
             return True
         if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, new):
@@ -417,6 +418,46 @@ class Gradients:
         del seen, stack, parent
         return list(found.values()), reentrant, early
 
+    def _leaves(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Return the leaves a backward of ``loss`` writes: :meth:`_walk`'s first result, for the direct path.
+
+        Each micro-batch's backward pays for it (some 0.2 us a node), so it visits each
+        node once, ``AccumulateGrad`` included, and looks for nothing ``early``: the
+        direct path holds no sums.
+        """
+        root = loss.grad_fn
+        if root is None:  # the loss is itself a leaf
+            return [loss] if loss.requires_grad else []
+        # One AccumulateGrad node per leaf while the graph holds it: no leaf is found twice
+        # but through a reentrant checkpoint.
+        found: list[torch.Tensor] = []
+        keep = found.append
+        stack: list[Any] = [root]
+        # None among them: the edges of inputs that need no gradient are skipped by the same test.
+        seen: set[Any] = {root, None}
+        add, push, pop = seen.add, stack.append, stack.pop
+        checkpointed = False
+        while stack:
+            for node, _ in pop().next_functions:
+                if node in seen:
+                    continue
+                add(node)
+                kind = type(node)
+                if kind is _AccumulateGrad:
+                    keep(node.variable)
+                    continue
+                if kind in _WATCHED:
+                    if kind is _ReentrantCheckpoint:
+                        checkpointed = True
+                        found.extend(self._checkpointed(node))
+                    else:
+                        self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                push(node)
+        del seen, stack
+        # Turned off since the forward: autograd writes nothing.
+        leaves = [leaf for leaf in found if leaf.requires_grad]
+        return list({id(leaf): leaf for leaf in leaves}.values()) if checkpointed else leaves
+
     def _checkpointed(self, node: Any) -> list[torch.Tensor]:
         """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
         function = getattr(node, "run_function", None)
@@ -605,10 +646,13 @@ class InFlight:
     else takes.
     """
 
-    __slots__ = ("condition", "owners", "shared", "waiting")
+    __slots__ = ("condition", "lock", "owners", "shared", "waiting")
 
     def __init__(self) -> None:
-        self.condition = threading.Condition(threading.Lock())
+        # The condition's own lock, taken directly where nothing waits: the condition's
+        # ``with`` is a call into Python, which each step pays for.
+        self.lock = threading.Lock()
+        self.condition = threading.Condition(self.lock)
         self.owners: dict[int, Gradients] = {}  # the direct step holding each leaf
         self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
         self.waiting = 0
@@ -623,7 +667,7 @@ class InFlight:
         Returns:
             bool: whether ``owner`` holds them now.
         """
-        with self.condition:
+        with self.lock:
             owners, shared = self.owners, self.shared
             for leaf in leaves:
                 key = id(leaf)
@@ -635,7 +679,7 @@ class InFlight:
 
     def release(self, owner: Gradients, keys: Sequence[int]) -> None:
         """Let go of the leaves ``owner`` holds among ``keys`` (their ``id``), and wake the steps waiting for them."""
-        with self.condition:
+        with self.lock:
             owners = self.owners
             for key in keys:
                 if owners.get(key) is owner:
