@@ -200,6 +200,48 @@ def _wait_for(condition: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
+class _Threads:
+    """Steps run on threads of their own: which returned, and what any raised."""
+
+    def __init__(self) -> None:
+        self.returned: list[str] = []
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, work: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                work()
+                self.returned.append(name)
+            except BaseException as exc:  # pragma: no cover - only on failure
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(60)
+        assert not self.errors, self.errors
+        # Each thread notes its step once it returned: after the other's release, either may come first.
+        assert sorted(self.returned) == ["a", "b"]
+        assert not IN_FLIGHT.owners, "nothing held once both are over"
+        assert not IN_FLIGHT.shared
+
+
+def _assert_both_batches_added(
+    model: nn.Module, whole: nn.Module, given: list[torch.Tensor | None], values: list[torch.Tensor | None]
+) -> None:
+    """``.grad`` holds what it held (the same tensor) plus both batches' gradient, as the plain loop makes it."""
+    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
+        if grad is None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        else:
+            assert p.grad is grad
+            torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("before", [False, True], ids=["grad-none", "grad-present"])
 def test_a_step_sharing_leaves_with_one_in_flight_is_captured_and_waits_to_deliver(before: bool) -> None:
     """Thread A's step holds the model's leaves; thread B's, on the same model meanwhile, goes captured.
@@ -216,9 +258,6 @@ def test_a_step_sharing_leaves_with_one_in_flight_is_captured_and_waits_to_deliv
     given = _give_grads(model) if before else [None] * len(list(model.parameters()))
     values = [None if g is None else g.clone() for g in given]
     a_holds, a_goes_on = threading.Event(), threading.Event()
-    order: list[str] = []
-    errors: list[BaseException] = []
-
     calls: list[int] = []
 
     @koila.accumulate(initial=ROWS // 4, cache=koila.NoCache())
@@ -233,34 +272,15 @@ def test_a_step_sharing_leaves_with_one_in_flight_is_captured_and_waits_to_deliv
     def step_b(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(model(x), y)
 
-    def run(name: str, work: Callable[[], object]) -> None:
-        try:
-            work()
-            order.append(name)
-        except BaseException as exc:  # pragma: no cover - only on failure
-            errors.append(exc)
-
-    thread_a = threading.Thread(target=run, args=("a", lambda: step_a(xa, ya)))
-    thread_a.start()
+    threads = _Threads()
+    threads.start("a", lambda: step_a(xa, ya))
     assert a_holds.wait(60)
-    thread_b = threading.Thread(target=run, args=("b", lambda: step_b(xb, yb)))
-    thread_b.start()
+    threads.start("b", lambda: step_b(xb, yb))
     _wait_for(lambda: IN_FLIGHT.waiting == 1)  # B computed its gradients, and waits for A to deliver them
-    assert order == []
+    assert threads.returned == []
     a_goes_on.set()
-    thread_a.join(60)
-    thread_b.join(60)
-    assert not errors, errors
-    # Each thread appends once its step returned: after the other's release, either may come first.
-    assert sorted(order) == ["a", "b"]
-    assert not IN_FLIGHT.owners, "nothing held once both are over"
-    assert not IN_FLIGHT.shared
-    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
-        if grad is None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
-        else:
-            assert p.grad is grad
-            torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+    threads.join()
+    _assert_both_batches_added(model, whole, given, values)
 
 
 @pytest.mark.parametrize("before", [False, True], ids=["grad-none", "grad-present"])
@@ -295,8 +315,6 @@ def test_a_direct_step_that_meets_a_held_leaf_part_way_goes_on_captured(before: 
     b_holds, b_goes_on = threading.Event(), threading.Event()
     calls_a: list[int] = []
     calls_b: list[int] = []
-    order: list[str] = []
-    errors: list[BaseException] = []
 
     @koila.accumulate(initial=quarter, cache=koila.NoCache())
     def step_a(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -311,36 +329,17 @@ def test_a_direct_step_that_meets_a_held_leaf_part_way_goes_on_captured(before: 
             assert b_goes_on.wait(60)
         return loss_b(model, x, y)
 
-    def run(name: str, work: Callable[[], object]) -> None:
-        try:
-            work()
-            order.append(name)
-        except BaseException as exc:  # pragma: no cover - only on failure
-            errors.append(exc)
-
-    thread_b = threading.Thread(target=run, args=("b", lambda: step_b(xb, yb)))
-    thread_b.start()
+    threads = _Threads()
+    threads.start("b", lambda: step_b(xb, yb))
     assert b_holds.wait(60)
-    thread_a = threading.Thread(target=run, args=("a", lambda: step_a(xa, ya)))
-    thread_a.start()
+    threads.start("a", lambda: step_a(xa, ya))
     _wait_for(lambda: IN_FLIGHT.waiting == 1)  # A went captured, and waits for B to deliver
     assert calls_a == [quarter, quarter]
     assert all(id(p) not in IN_FLIGHT.owners for p in model[:12].parameters()), "A let go of what it held"
     b_goes_on.set()
-    thread_a.join(60)
-    thread_b.join(60)
-    assert not errors, errors
-    # Each thread appends once its step returned: after the other's release, either may come first.
-    assert sorted(order) == ["a", "b"]
-    assert not IN_FLIGHT.owners, "nothing held once both are over"
-    assert not IN_FLIGHT.shared
+    threads.join()
     assert head.weight.grad is not None
-    for p, q, grad, value in zip(model.parameters(), whole.parameters(), given, values, strict=True):
-        if grad is None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
-        else:
-            assert p.grad is grad
-            torch.testing.assert_close(p.grad, value + q.grad, rtol=RTOL, atol=ATOL)
+    _assert_both_batches_added(model, whole, given, values)
 
 
 def _graphs() -> list[tuple[str, Callable[[], torch.Tensor], bool]]:
