@@ -15,18 +15,7 @@ from koila_retry.testing import simulated_device
 
 
 def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_: Callable[[str], None] = print) -> int:
-    """Train a small model under a simulated memory limit and narrate each reduction.
-
-    Args:
-        limit (str): the simulated device's memory.
-        initial (int): the batch size to start from; too big to fit.
-        epochs (int): how many epochs to train; the first finds the size, the
-            others start from the cache.
-        print_ (callable): where the narration goes.
-
-    Returns:
-        int: the batch size the epochs settled on.
-    """
+    """Train a small model under a simulated memory limit, narrate each reduction, return the size settled on."""
     torch.manual_seed(0)
     rows, features, hidden, classes = 8192, 256, 1024, 10
     data = torch.randn(rows, features)

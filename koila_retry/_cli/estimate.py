@@ -1,12 +1,7 @@
 """``python -m koila_retry estimate``: a model's peak memory at every batch size, from the command line.
 
-The model is built on the meta device by a factory the user names, a training
-step (or a forward pass) is estimated with :func:`koila_retry.estimate` on meta
-inputs, and a table of batch sizes shows what fits in a memory budget.
-
-Exit statuses: 0 when some batch size fits, 1 when not even 1 fits or the user's
-code failed (importing the module, the factory, the model on meta tensors), and 2
-for usage errors, as argparse gives.
+Exit statuses: 0 when some batch size fits, 1 when not even 1 fits or the user's code failed,
+and 2 for usage errors, as argparse gives.
 """
 
 from __future__ import annotations
@@ -216,15 +211,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run ``estimate`` with parsed arguments; print the table; return the exit status.
-
-    Args:
-        args (argparse.Namespace): the parsed arguments (see :func:`configure`).
-        parser (argparse.ArgumentParser): the subparser, for usage errors.
-
-    Returns:
-        int: the exit status.
-    """
+    """Run ``estimate`` with parsed arguments; print the table; return the exit status."""
     inputs: list[tuple[int, ...]] = args.inputs
     names = args.input_dtypes or [args.dtype]
     if len(names) == 1:
@@ -487,10 +474,7 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
 
 
 def _table_sizes(largest: int | None) -> list[int]:
-    """Return the powers of two shown: from 1 to 64, and on to one past the largest that fits.
-
-    Past ``MAX_ROWS`` rows, those between 64 and the last few are left out.
-    """
+    """Return the powers of two shown: 1 to 64, then to one past the largest that fits, at most ``MAX_ROWS``."""
     end = max(MIN_ROWS_SHOWN, 2 * largest if largest is not None else 0)
     sizes = [1 << power for power in range(end.bit_length())]
     if len(sizes) <= MAX_ROWS:

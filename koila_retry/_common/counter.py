@@ -6,17 +6,14 @@ import itertools
 
 
 class Counter:
-    """A counter that threads can increment without a lock.
-
-    ``next()`` on an ``itertools.count`` is one C call, atomic in CPython, where
-    ``self.n += 1`` can lose updates between threads and a lock costs more than
-    the rest of a cached call.
-    """
+    """A counter that threads can increment without a lock."""
 
     __slots__ = ("_count", "increment")
 
     def __init__(self) -> None:
         self._count = itertools.count()
+        # One C call, atomic in CPython, where ``self.n += 1`` can lose updates between threads
+        # and a lock costs more than the rest of a cached call.
         self.increment = self._count.__next__
 
     @property

@@ -54,25 +54,7 @@ def levels_to_caller() -> int:
 
 
 def where(tb: TracebackType | None) -> str:
-    """Return ``"file:line in function"`` of the frame of a traceback worth naming.
-
-    An out-of-memory error surfaces inside PyTorch (or the simulated device's
-    check), but the line worth naming is the user's: the deepest frame of the
-    traceback that is neither this library's, nor PyTorch's, nor another
-    installed package's or the standard library's, nor code that
-    ``torch.compile`` generated. Without one, the deepest frame of PyTorch's
-    public modules (the layer that allocated, when ``chunked(model, x)`` calls
-    the model from this package), not of its machinery (``torch/_dynamo``,
-    ``torch/utils``, ``torch/autograd``). Without that either (``accumulate``
-    runs ``backward()`` for the user), the user's line that called into the
-    library: the first user's frame above the traceback's.
-
-    Args:
-        tb (TracebackType or None): the traceback, from its outermost frame.
-
-    Returns:
-        str: the place, or ``"an unknown place"``.
-    """
+    """Return ``"file:line in function"`` of the frame of a traceback (from its outermost) worth naming."""
     deepest = users = torch_public = None
     outermost = tb.tb_frame if tb is not None else None
     while tb is not None:
@@ -84,6 +66,9 @@ def where(tb: TracebackType | None) -> str:
         elif kind is _TORCH:
             torch_public = deepest
         tb = tb.tb_next
+    # An OOM surfaces inside PyTorch, but the line worth naming is the user's deepest. Without one, PyTorch's
+    # deepest public frame: the layer that allocated, when ``chunked(model, x)`` calls the model from here.
+    # Without that either (``accumulate`` runs ``backward()`` for the user), the user's line that called us.
     return users or torch_public or _callers(outermost) or deepest or "an unknown place"
 
 

@@ -1,12 +1,9 @@
 """Results as trees: ``torch.utils._pytree``, taught the tuple subclasses it leaves whole.
 
-``chunked`` and ``accumulate`` take each piece's result apart with ``torch.utils._pytree``
-and put the combined leaves back with it. pytree knows tuples, named tuples and struct
-sequences (``torch.return_types``), and takes any other tuple subclass for a leaf: a
-``class Pair(tuple)`` would come back as an object that cannot be joined. Here such a
-tuple is wrapped, before pytree sees it, in a node type of this module's (registered
-once), whose items pytree takes apart and which unflattens to the user's type, remade
-the way :mod:`koila_retry._common.batches` remakes the arguments' tuples.
+pytree takes a tuple subclass other than a named tuple or struct sequence for a leaf: a
+``class Pair(tuple)`` in a result could not be joined. Such a tuple is wrapped, before pytree
+sees it, in a node type registered here, which unflattens to the user's type, remade the way
+:mod:`koila_retry._common.batches` remakes the arguments' tuples.
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ __all__ = ["flatten", "flatten_with_path"]
 
 
 class _Remade:
-    """How a tuple subclass in a result is remade: the context of its node in a ``TreeSpec``.
-
-    Two are equal when the types and the ways are: the instance's attributes, kept from
-    the first piece's result, do not make one piece's structure differ from another's.
-    """
+    """How a tuple subclass in a result is remade: the context of its node in a ``TreeSpec``."""
 
     __slots__ = ("cls", "how", "state")
 
@@ -41,6 +34,7 @@ class _Remade:
         self.cls, self.how, self.state = cls, how, state
 
     def __eq__(self, other: object) -> bool:
+        # The attributes, kept from the first piece's result, must not make the pieces' structures differ.
         return isinstance(other, _Remade) and self.cls is other.cls and self.how == other.how
 
     def __hash__(self) -> int:
@@ -106,25 +100,10 @@ def _lift(leaf: Any) -> Any:
 
 
 def flatten(result: Any) -> tuple[list[Any], TreeSpec]:
-    """Return the leaves of a result and its structure, tuple subclasses taken apart.
-
-    Args:
-        result (Any): what a piece's function returned.
-
-    Returns:
-        tuple: the leaves and the ``TreeSpec`` that ``tree_unflatten`` rebuilds the
-        result from, tuple subclasses as their own types.
-    """
+    """Return the leaves of a piece's result and its ``TreeSpec``, tuple subclasses taken apart."""
     return tree_flatten(_lifted(result))
 
 
 def flatten_with_path(result: Any) -> list[tuple[KeyPath, Any]]:
-    """Return the leaves of a result, each with its path, in the order of :func:`flatten`.
-
-    Args:
-        result (Any): what a piece's function returned.
-
-    Returns:
-        list of tuple: ``(path, leaf)`` pairs, the paths for ``keystr``.
-    """
+    """Return the ``(path, leaf)`` pairs of a piece's result, in the order of :func:`flatten`."""
     return tree_flatten_with_path(_lifted(result))[0]

@@ -15,30 +15,14 @@ TensorBase = torch._C.TensorBase
 
 
 def same_device(device: torch.device, target: torch.device) -> bool:
-    """Return whether ``device`` is ``target``, where a device without an index matches any index of its type.
-
-    Args:
-        device (torch.device): the device of a tensor.
-        target (torch.device): the device asked about.
-
-    Returns:
-        bool: ``True`` if the types agree and the indices do too, or either has none.
-    """
+    """Return whether ``device`` is ``target``, where a device without an index matches any index of its type."""
     if device.type != target.type:
         return False
     return device.index is None or target.index is None or device.index == target.index
 
 
 def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
-    """Yield the tensors of an operator's arguments or result: flat, in lists and tuples, or a dict's values.
-
-    Args:
-        tree (Any): a tensor; a list or tuple of tensors and of lists and tuples
-            of them; or a dict of any of these. Anything else holds none.
-
-    Returns:
-        Iterator[torch.Tensor]: the tensors, in order, each as often as it appears.
-    """
+    """Yield the tensors of an operator's arguments or result: flat, in lists and tuples, or a dict's values."""
     if isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, (tuple, list)):

@@ -1,8 +1,7 @@
 """Live-storage accounting: the bytes of tensor storages alive at each moment.
 
-One dispatch mode counts every storage created while it is active and forgets it
-when the storage is freed. ``koila_retry.testing.simulated_device`` enforces a limit
-on top of it; the estimator reuses it on fake tensors.
+One dispatch mode counts the storages created while it is active and forgets each when it is
+freed; ``koila_retry.testing.simulated_device`` enforces a limit on it, the estimator reuses it.
 """
 
 from __future__ import annotations
@@ -23,22 +22,12 @@ AllocationCheck = Callable[[int, int], None]
 
 
 class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Count the bytes of storages that operators create while the mode is active.
-
-    Storages are deduplicated (views and in-place results add nothing) and
-    forgotten through a weak reference when PyTorch frees them. Meta tensors and
-    tensors without a storage are not counted.
-
-    Args:
-        check (callable, optional): called as ``check(new_bytes, live_bytes)``
-            after each operator that created storages, before they are counted.
-            If it raises, the new storages are dropped and the exception
-            propagates from the operator, like a failed allocation.
-    """
+    """Count the bytes of storages that operators create while the mode is active (meta tensors aside)."""
 
     def __init__(self, check: AllocationCheck | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._check = check
+        # Weak references: a storage is forgotten when PyTorch frees it.
         self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._sizes: dict[int, int] = {}  # bytes counted for each live storage, which a resize changes
         self._lock = threading.Lock()
@@ -105,21 +94,14 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._rose(self.live)
 
     def resizing(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
-        """Check a resize of ``storage`` from ``before`` to ``after`` bytes, before it happens.
-
-        A storage counted here that grows allocates the difference; one made
-        elsewhere and empty (FSDP2 frees its unsharded parameters by resizing
-        their storage to 0, and allocates them again by resizing it back) allocates
-        all of it. Either is refused as an operator's allocation is, by ``check``.
-
-        Raises:
-            Exception: what ``check`` raises, before the storage is resized.
-        """
+        """Check a resize of ``storage`` from ``before`` to ``after`` bytes, before it happens, with ``check``."""
         if self._check is None or after <= before:
             return
         if id(storage) in self._storages:
             self._check(after - before, self.live)
         elif before == 0:
+            # Made elsewhere and empty: FSDP2 frees its unsharded parameters by resizing their storage to 0,
+            # and allocates them again by resizing it back.
             self._check(after, self.live)
 
     def resized(self, storage: torch.UntypedStorage, before: int) -> None:
@@ -188,14 +170,10 @@ class Simulated(Protocol):
 
 
 class _SimulatedRegistry(threading.local):
-    """The simulated devices active in the calling thread, innermost last.
+    """The simulated devices active in the calling thread, innermost last."""
 
-    Per thread, as the dispatch mode that counts a device's storages is: a device limits
-    and counts what the thread that entered it allocates, so it is also the memory that
-    only that thread reads. A thread inside a 16 MiB block leaves another thread's
-    :func:`koila_retry.free_memory`, cache keys and estimates on the real device.
-    """
-
+    # Per thread, as the dispatch mode that counts a device's storages is: a thread inside a 16 MiB
+    # block leaves another thread's :func:`koila_retry.free_memory` and estimates on the real device.
     def __init__(self) -> None:
         # Run once in each thread that uses the registry: each starts with none active.
         self.active: list[Simulated] = []
@@ -274,14 +252,7 @@ def _resize(storage: torch.UntypedStorage, size: int) -> Any:
 
 @contextlib.contextmanager
 def following_resizes(tracker: LiveStorageTracker) -> Any:
-    """Let ``tracker`` count, in this thread, the storages resized in place while the block runs.
-
-    Args:
-        tracker (LiveStorageTracker): the tracker.
-
-    Yields:
-        None.
-    """
+    """Let ``tracker`` count, in this thread, the storages resized in place while the block runs."""
     with _resize_lock:
         if not _unwrapped_resize:
             _unwrapped_resize.append(torch.UntypedStorage.resize_)

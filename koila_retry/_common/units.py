@@ -25,22 +25,7 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | str) -> int:
-    """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` to bytes.
-
-    Binary units (KiB, MiB, GiB, TiB and the bare K, M, G, T) are powers of 1024;
-    decimal units (KB, MB, GB, TB) are powers of 1000.
-
-    Args:
-        value (int or str): a non-negative number of bytes, or a number followed
-            by a unit.
-
-    Returns:
-        int: the number of bytes.
-
-    Raises:
-        TypeError: if ``value`` is neither an int nor a str.
-        ValueError: if ``value`` is negative or not a size this function knows.
-    """
+    """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` (KiB and K: 1024, KB: 1000) to bytes."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"a memory size must be an int or a str like '512MiB', got {value!r}")
     if isinstance(value, int):
@@ -59,14 +44,7 @@ def parse_bytes(value: int | str) -> int:
 
 
 def format_bytes(count: int | float) -> str:
-    """Format a byte count the way PyTorch's OOM messages do (``"2.00 GiB"``).
-
-    Args:
-        count (int or float): a number of bytes; negative counts keep their sign.
-
-    Returns:
-        str: the count in the largest binary unit that keeps it at or above 1.
-    """
+    """Format a byte count the way PyTorch's OOM messages do (``"2.00 GiB"``)."""
     size = float(count)
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if abs(size) < 1024:
@@ -76,12 +54,5 @@ def format_bytes(count: int | float) -> str:
 
 
 def format_free(count: int) -> str:
-    """Format a reading of free memory, where ``-1`` means it could not be read.
-
-    Args:
-        count (int): free bytes, or ``-1``.
-
-    Returns:
-        str: ``"2.00 GiB"``, or ``"unknown memory"``.
-    """
+    """Format a reading of free memory, where ``-1`` means it could not be read."""
     return "unknown memory" if count < 0 else format_bytes(count)

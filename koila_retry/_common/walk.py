@@ -33,15 +33,7 @@ _SNAPSHOTS = sys.version_info < (3, 13)
 
 
 def global_names(code: types.CodeType) -> set[str]:
-    """Return the names a code object uses as globals or attributes, with those of the code nested in it.
-
-    Args:
-        code (types.CodeType): the code of a function (its lambdas, comprehensions
-            and inner functions are nested code objects).
-
-    Returns:
-        set of str: the names (``co_names``) of ``code`` and every code object in its constants.
-    """
+    """Return the ``co_names`` of a code object and of the code nested in it (lambdas, comprehensions)."""
     names = set(code.co_names)
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
@@ -50,24 +42,7 @@ def global_names(code: types.CodeType) -> set[str]:
 
 
 def references(value: Any) -> list[tuple[str, Any]]:
-    """Return the objects ``value`` refers to directly, each with the name it knows it by.
-
-    Args:
-        value (Any): any object. Modules of code, classes, tensors, strings,
-            numbers, ``None`` and dtypes refer to nothing here.
-
-    Returns:
-        list of tuple: ``(name, object)`` pairs. A function: its defaults (by
-        parameter name), its closure cells (by free variable name) and the globals
-        its code names (by name, sorted). A bound method: ``("self", __self__)``
-        and ``("__func__", __func__)``. A ``functools.partial``: ``"func"``,
-        ``"args[i]"`` and its keywords by name. A list, tuple, set or frozenset:
-        its first :data:`MAX_ITEMS` items as ``"[i]"``. A mapping: its first
-        :data:`MAX_ITEMS` values as ``"[key]"`` (``"values()[i]"`` for a key
-        that is neither a str nor an int). Any other object with a ``__dict__``:
-        its attributes by name, and ``("__call__", function)`` where its class
-        defines ``__call__`` in Python.
-    """
+    """Return the objects ``value`` refers to directly, as ``(name it knows it by, object)`` pairs."""
     if isinstance(value, _LEAVES):
         return []
     if isinstance(value, types.MethodType):
@@ -122,21 +97,7 @@ def _code_references(function: types.FunctionType) -> list[tuple[str, Any]]:
 
 
 def reachable(roots: Iterable[Any]) -> Iterator[Any]:
-    """Yield the modules, optimizers and other stateful objects reachable from ``roots``.
-
-    The walk follows :func:`references` up to :data:`MAX_DEPTH` references from a
-    root, visits each object once, and does not look inside the modules and
-    optimizers it yields.
-
-    Args:
-        roots (Iterable[Any]): where to start: a function, its arguments, a frame's variables.
-
-    Returns:
-        Iterator[Any]: every ``torch.nn.Module`` and ``torch.optim.Optimizer``
-        found (not the modules inside them), and every other object that saves
-        and loads a ``state_dict`` (a learning-rate scheduler, a gradient scaler),
-        each once.
-    """
+    """Yield once each module, optimizer and other stateful object reachable from ``roots``, not looking inside them."""
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(root, 0) for root in roots]
     while stack:
@@ -163,23 +124,7 @@ def _stateful(value: object) -> bool:
 
 
 def call_references(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Return what one call of ``fn`` holds directly, labelled, in the order a message should name them.
-
-    A ``functools.partial`` is looked through to the function it wraps.
-
-    Args:
-        fn (Any): the callable.
-        args (tuple): its positional arguments.
-        kwargs (Mapping[str, Any]): its keyword arguments.
-
-    Returns:
-        list of tuple: ``(label, value)`` pairs: ``("the step", fn)``; ``("self",
-        object)`` if it is bound to one; ``("argument 0", value)``, ... for the
-        positional arguments; ``("argument 'name'", value)`` for the keyword
-        ones; then, for a Python function or method, the variables it closes
-        over and the globals its code names (sorted), each labelled with the
-        ``repr`` of its name (``"'model'"``).
-    """
+    """Return what one call of ``fn`` holds directly, as ``(label, value)`` pairs in the order a message names them."""
     found: list[tuple[str, Any]] = [("the step", fn)]
     target: Any = fn.func if isinstance(fn, functools.partial) else fn
     owner = getattr(target, "__self__", None)
@@ -194,14 +139,7 @@ def call_references(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -
 
 
 def frame_locals(frame: FrameType) -> list[tuple[str, Any]]:
-    """Return the variables of ``frame`` as ``(name, value)`` pairs, leaving no copy behind in the frame.
-
-    Args:
-        frame (FrameType): a frame, running or not.
-
-    Returns:
-        list of tuple: the names and values, in the frame's order.
-    """
+    """Return the variables of ``frame`` as ``(name, value)`` pairs, leaving no copy behind in the frame."""
     variables = frame.f_locals
     items = list(variables.items())
     if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:

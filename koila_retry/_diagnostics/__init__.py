@@ -1,4 +1,1 @@
-"""What holds the memory and what to do about it.
-
-Reports, profiles, offloading, and the message of a call that gives up.
-"""
+"""What holds the memory and what to do about it: reports, profiles, offloading, the message of giving up."""

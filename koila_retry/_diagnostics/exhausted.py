@@ -14,17 +14,7 @@ __all__ = ["message"]
 
 
 def message(exhaustion: Exhaustion) -> str:
-    """Say why a call gave up: the sizes tried, why no other was, where, and what holds the memory.
-
-    Paid for only when a call gives up: naming what holds the memory scans the
-    objects the failing call's frames reach.
-
-    Args:
-        exhaustion (Exhaustion): what the call knows.
-
-    Returns:
-        str: the message.
-    """
+    """Say why a call gave up: the sizes tried, why no other was, where, and what holds the memory."""
     tried = " -> ".join(str(size) for size in exhaustion.tried)
     failed, minimum = exhaustion.tried[-1], exhaustion.minimum
     if failed > minimum:
@@ -65,6 +55,7 @@ def _explanation(exhaustion: Exhaustion) -> str:
     """Say what holds the memory and what one sample needs."""
     parts = []
     try:
+        # Scans the objects the failing call's frames reach: paid for only when a call gives up.
         held = report.explain(exhaustion.device, exhaustion.frame)
     except Exception:  # a diagnosis must never hide the error it explains
         held = ""

@@ -1,11 +1,8 @@
 """Lend a model's device memory away: parameters, gradients and optimizer state to CPU and back.
 
-Every tensor keeps its identity: the same ``Parameter``, gradient, buffer and
-optimizer-state objects are pointed at new storages (``tensor.data = ...``, as
-``Module.cuda()`` does), so the references that modules, optimizers, schedulers
-and user code hold stay valid. Storages are copied whole, once each, and every
-tensor is rebuilt as the view it was (offset, size, stride), so tied weights and
-tensors sharing a storage still share one afterwards.
+Every tensor keeps its identity: the same objects are pointed at new storages (``tensor.data = ...``,
+as ``Module.cuda()`` does), each storage copied once and each tensor rebuilt as the view it was, so
+the references others hold stay valid and tied weights stay tied.
 """
 
 from __future__ import annotations
@@ -249,11 +246,7 @@ def _describe(value: object) -> str:
 
 
 def _lendable(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    """Return every tensor the modules and optimizers hold, each once; refuse any that cannot move.
-
-    Raises:
-        NotImplementedError: naming the first tensor without a plain strided storage.
-    """
+    """Return every tensor the modules and optimizers hold, each once; refuse any that cannot move."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
     names: dict[int, str] = {}
 
@@ -354,13 +347,10 @@ def _by_storage(tensors: Iterable[torch.Tensor]) -> list[_Shared]:
 
 
 def _copy_storage(storage: torch.UntypedStorage, device: torch.device, *, pin: bool) -> torch.UntypedStorage:
-    """Return a copy of a whole storage on ``device``, in page-locked memory if ``pin``.
-
-    Copies from or to CUDA do not wait (the host side is pinned): the caller
-    synchronizes before anything reads the copy or drops its source.
-    """
+    """Return a copy of a whole storage on ``device``, in page-locked memory if ``pin``."""
     source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=device, pin_memory=pin)
+    # Does not wait (the host side is pinned): the caller synchronizes before anything reads the copy.
     copy.copy_(source, non_blocking="cuda" in (storage.device.type, device.type))
     return copy.untyped_storage()
 
@@ -380,20 +370,14 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage) -> None:
 
 
 def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torch.UntypedStorage], int]]:
-    """Copy every storage to the CPU, or ``back`` home, and point its tensors at the copies.
-
-    All or nothing: every copy is made before any tensor moves, so an error
-    (a full device, most often) leaves every tensor on the storage it had.
-
-    Returns:
-        list: a weak reference to each storage left behind, with its bytes.
-    """
+    """Copy every storage to the CPU, or ``back`` home, point its tensors at the copies; return the old ones' probes."""
     targets = [shared.home if back else _CPU for shared in lent]
     devices = {shared.storage.device for shared in lent} | set(targets)
     copies: list[torch.UntypedStorage] = []
     moved: list[tuple[torch.Tensor, torch.UntypedStorage]] = []
     try:
-        # Work queued on any stream that writes these tensors lands before they are read.
+        # All or nothing: every copy is made before any tensor moves, so an error (a full device, most often)
+        # leaves every tensor on the storage it had. Work queued on a stream that writes these tensors lands first.
         _synchronize(devices)
         for shared, target in zip(lent, targets, strict=True):
             pin = shared.pinned if back else shared.home.type == "cuda"

@@ -270,40 +270,17 @@ def build(
     modules: list[tuple[str, torch.nn.Module]],
     optimizers: list[tuple[str, torch.optim.Optimizer]],
     top: int,
-    tensors: Iterable[tuple[str, torch.Tensor]] = (),
-    aside: dict[int, torch.Tensor] | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] = (),  # named variables, where no module or optimizer names them
+    aside: dict[int, torch.Tensor] | None = None,  # a step's gradients set aside, by ``id`` of their parameter
     *,
+    # Every other tensor alive, from the garbage collector's objects: a time that grows with the process's
+    # objects. Without it, a simulated device's other storages make one row, "not reached".
     scan: bool = True,
-    step: dict[int, torch.Tensor] | None = None,
+    step: dict[int, torch.Tensor] | None = None,  # a step's own gradients so far, kept apart from ``.grad``
+    # In a simulated device, leave out what it does not count (made before the block, or by another thread).
     counted: bool = False,
 ) -> MemoryReport:
-    """Return the report of ``device``, naming tensors from modules and optimizers under prefixes.
-
-    Args:
-        device (torch.device): the device, with an index for accelerators.
-        modules (list): ``(prefix, module)``; names are ``prefix.name`` (or ``name``
-            for an empty prefix).
-        optimizers (list): ``(prefix, optimizer)``; state is ``prefix.state[...]``.
-        top (int): how many storages make rows.
-        tensors (iterable): ``(name, tensor)`` for other tensors with a name
-            (variables), used where no module or optimizer names them.
-        aside (dict, optional): the gradients of parameters (by ``id``) that a
-            step in progress set aside, named as those parameters' gradients.
-        step (dict, optional): the gradients of parameters (by ``id``) that a
-            step in progress computed so far and keeps apart from ``.grad``,
-            named as the step's gradients of those parameters.
-        scan (bool): whether to add every other tensor alive on the device, from
-            the garbage collector's objects (a time proportional to all the
-            objects of the process). Without it, only the tensors given are
-            found, and a simulated device's other storages make one row,
-            ``"not reached"``. Default: ``True``.
-        counted (bool): inside a simulated device, whether to leave out the
-            storages it does not count (made before the block, or by another
-            thread), which take none of its memory. Default: ``False``.
-
-    Returns:
-        MemoryReport: the report.
-    """
+    """Return the report of ``device``, naming tensors from ``(prefix, module)`` and ``(prefix, optimizer)``."""
     found = _Found(device, counted)
     known: dict[int, str] = {}  # id of a parameter -> its first name, for the optimizer's state
     held = _Held(aside or {}, step or {})
@@ -498,52 +475,20 @@ def _describe(tensor: torch.Tensor) -> str:
 
 
 @runtime_checkable
-class HoldsGradients(Protocol):
-    """What holds gradients of a step in progress apart from ``.grad`` (``koila.accumulate``'s, while it runs one).
-
-    A protocol, so that the report names them without importing the front end that
-    holds them (which imports the engine, which imports the report).
-    """
+class HoldsGradients(Protocol):  # not an import of the front end: it imports the engine, which imports this
+    """What holds gradients of a step in progress apart from ``.grad`` (``koila.accumulate``'s, while it runs one)."""
 
     def gradients_aside(self) -> dict[int, torch.Tensor]:
-        """Return the gradients from before the step set aside, by the ``id`` of the parameter (or other leaf).
-
-        Returns:
-            dict[int, torch.Tensor]: each gradient, keyed by ``id()`` of its parameter.
-        """
+        """Return the gradients from before the step set aside, by the ``id`` of the parameter (or other leaf)."""
         ...
 
     def gradients_of_step(self) -> dict[int, torch.Tensor]:
-        """Return the step's own gradients so far, by the ``id`` of the parameter (or other leaf).
-
-        Returns:
-            dict[int, torch.Tensor]: each gradient, keyed by ``id()`` of its parameter.
-        """
+        """Return the step's own gradients so far, by the ``id`` of the parameter (or other leaf)."""
         ...
 
 
 def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
-    """Return the largest storages on ``device``, named from what the failing call's frames hold.
-
-    The modules and optimizers are found from the locals of ``frame``, of the
-    frames of this package above it, and of the user's frames above those (the
-    caller of the front end and its callers, but not the frames of other
-    libraries such as a test runner), and the tensors from those locals and
-    the containers and objects they hold. Nothing else is looked at: the time
-    a call takes to give up depends on what the user's code holds, not on how
-    many objects the process has (:func:`report` scans them all). Inside a
-    simulated device, only the storages it counts are named (tensors made
-    before the block take none of its memory), and those that the call does
-    not reach make one row.
-
-    Args:
-        device (torch.device): the device that ran out of memory.
-        frame (FrameType or None): the frame to start from.
-        top (int): how many storages to name.
-
-    Returns:
-        str: one sentence, or an empty string if no report could be made.
-    """
+    """Return, in one sentence, the largest storages on ``device``, named from what the failing call's frames hold."""
     modules: dict[int, tuple[str, torch.nn.Module]] = {}
     optimizers: dict[int, tuple[str, torch.optim.Optimizer]] = {}
     roots: list[Any] = []
@@ -551,6 +496,8 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     contents: list[tuple[str, torch.Tensor]] = []  # named after a variable holding them; other names come first
     aside: dict[int, torch.Tensor] = {}
     step: dict[int, torch.Tensor] = {}
+    # Only our frames and the user's (not a test runner's), and what their locals hold, are looked at, not
+    # every object as :func:`report` does: giving up takes a time that grows with what the user's code holds.
     while frame is not None:
         ours = is_ours(frame.f_code.co_filename)
         if not ours and not is_users(frame.f_code.co_filename):

@@ -14,18 +14,7 @@ def text_table(
     title: str = "",
     footer: Sequence[str] = (),
 ) -> str:
-    """Return ``rows`` as a table of aligned columns, one line per row.
-
-    Args:
-        headers (sequence of str): the column names.
-        rows (sequence of sequences of str): the cells, already formatted.
-        numeric (frozenset of str): the headers of right-aligned columns.
-        title (str): a line above the table, if not empty.
-        footer (sequence of str): lines below the table.
-
-    Returns:
-        str: the table, without a trailing newline.
-    """
+    """Return formatted ``rows`` as aligned columns, one line per row; the ``numeric`` headers' are right-aligned."""
     widths = [len(header) for header in headers]
     for row in rows:
         widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
@@ -52,18 +41,7 @@ def html_table(
     title: str = "",
     footer: Sequence[str] = (),
 ) -> str:
-    """Return ``rows`` as an HTML table, every cell escaped.
-
-    Args:
-        headers (sequence of str): the column names.
-        rows (sequence of sequences of str): the cells, already formatted.
-        numeric (frozenset of str): the headers of right-aligned columns.
-        title (str): the table's caption, if not empty.
-        footer (sequence of str): paragraphs below the table.
-
-    Returns:
-        str: a ``<div>`` holding the table.
-    """
+    """Return formatted ``rows`` as an HTML table in a ``<div>``, every cell escaped."""
 
     def cell(tag: str, header: str, text: str) -> str:
         style = ' style="text-align: right"' if header in numeric else ' style="text-align: left"'
