@@ -23,6 +23,7 @@ from torch.nn import functional as F
 import koila_retry as koila
 from koila_retry._frontends.gradients import EARLY_BYTES as _EARLY_BYTES
 from koila_retry._frontends.gradients import Gradients as _Gradients
+from koila_retry._frontends.gradients import InFlight as _InFlight
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -425,3 +426,25 @@ def test_a_split_step_needs_no_more_memory_than_a_hand_written_accumulation(size
     assert device.peak <= by_hand.peak + 1024 + small
     for p, q in zip(model.parameters(), hand.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_the_registry_holds_leaves_for_one_step_at_a_time_and_lets_go_of_only_its_own() -> None:
+    registry = _InFlight()
+    first, second = _Gradients(direct=True), _Gradients(direct=True)
+    assert registry.take(first, [1, 2])  # nothing in flight: held at once
+    assert registry.owners == {1: first, 2: first}
+    assert not registry.take(second, [2, 3])  # 2 is the first step's: none of them is taken
+    assert registry.owners == {1: first, 2: first}
+    assert registry.take(first, [1, 2])  # its own again
+    assert registry.take(second, [3])
+    registry.release(first, {1: None, 2: None})  # two steps in flight: only its own go
+    assert registry.owners == {3: second}
+    registry.release(second, [3])
+    assert registry.owners == {}
+    registry.enter([4], threading.get_ident())  # a captured step delivering into 4
+    assert not registry.take(first, [4])
+    assert registry.owners == {}
+    registry.leave([4])
+    assert registry.take(first, [4])
+    registry.release(first, [4])
+    assert registry.owners == {} and registry.shared == {}

@@ -42,6 +42,7 @@ from __future__ import annotations
 import builtins
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -332,6 +333,15 @@ def faithful(new: Any, cls: type[Any], items: Any) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=256)
+def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[tuple[int, ...], str], int]:
+    """Return one sample's size class and bytes, for a tensor split along ``dim``: the same every call of a loop."""
+    axis = dim + len(shape) if dim < 0 else dim
+    rest = shape[:axis] + shape[axis + 1 :]
+    classes = tuple(1 << (length - 1).bit_length() if length > 1 else length for length in rest)
+    return (classes, str(dtype)), math.prod(rest) * dtype.itemsize
+
+
 class Split:
     """The tensors of one call's arguments, which of them hold its rows, and the arguments of any slice.
 
@@ -393,13 +403,9 @@ class Split:
         # the size the other settled on; ``per_sample``, the exact bytes, tells them apart.
         sample, per_sample = [], 0
         for tensor in tensors:
-            shape = tensor.shape
-            axis = dim + len(shape) if dim < 0 else dim
-            rest = shape[:axis] + shape[axis + 1 :]
-            per_sample += math.prod(rest) * tensor.element_size()
-            sample.append(
-                (tuple(1 << (length - 1).bit_length() if length > 1 else length for length in rest), str(tensor.dtype))
-            )
+            entry, size = _sample_of(tensor.shape, tensor.dtype, dim)
+            sample.append(entry)
+            per_sample += size
         if len(tensors) < len(self.tensors):
             # What passes whole takes memory too: its shape is part of the workload.
             sample.extend(

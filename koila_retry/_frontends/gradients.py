@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
@@ -203,15 +203,17 @@ class Gradients:
         is delivered), the step goes on captured instead, and ``False`` is returned.
         """
         exposed = self.exposed
-        new = [leaf for leaf in self._leaves(loss) if id(leaf) not in exposed]
+        leaves = self._leaves(loss)
+        new = [leaf for leaf in leaves if id(leaf) not in exposed] if exposed else leaves
         if not new:
             return True
-        if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, new):
+        keys = [id(leaf) for leaf in new]
+        if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, keys):
             self._captured_from_now()
             return False
+        exposed.update(zip(keys, new))
         aside = self.aside
         for leaf in new:
-            exposed[id(leaf)] = leaf
             before = leaf.grad
             if before is not None:
                 aside.append((leaf, before))
@@ -575,7 +577,7 @@ class Gradients:
             leaf.grad = before
         self.aside.clear()
         if self.direct:
-            IN_FLIGHT.release(self, list(self.exposed))
+            IN_FLIGHT.release(self, self.exposed)
         self.exposed.clear()
 
     def deliver(self) -> None:
@@ -657,33 +659,35 @@ class InFlight:
         self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
         self.waiting = 0
 
-    def take(self, owner: Gradients, leaves: Sequence[torch.Tensor]) -> bool:
-        """Hold ``leaves`` for ``owner``'s direct writes: all of them, or none if another step holds any.
+    def take(self, owner: Gradients, keys: Sequence[int]) -> bool:
+        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another step holds any.
 
         Args:
             owner (Gradients): the step.
-            leaves (sequence): the leaves its next backward writes first.
+            keys (sequence): the ``id`` of each leaf its next backward writes first.
 
         Returns:
             bool: whether ``owner`` holds them now.
         """
         with self.lock:
             owners, shared = self.owners, self.shared
-            for leaf in leaves:
-                key = id(leaf)
-                if key in shared or owners.get(key, owner) is not owner:
-                    return False
-            for leaf in leaves:
-                owners[id(leaf)] = owner
+            if owners or shared:  # another step may be in flight: the one case that pays per leaf
+                for key in keys:
+                    if key in shared or owners.get(key, owner) is not owner:
+                        return False
+            owners.update(dict.fromkeys(keys, owner))
         return True
 
-    def release(self, owner: Gradients, keys: Sequence[int]) -> None:
-        """Let go of the leaves ``owner`` holds among ``keys`` (their ``id``), and wake the steps waiting for them."""
+    def release(self, owner: Gradients, keys: Collection[int]) -> None:
+        """Let go of the leaves ``keys`` (their ``id``), each held by ``owner``, and wake the steps waiting for them."""
         with self.lock:
             owners = self.owners
-            for key in keys:
-                if owners.get(key) is owner:
-                    del owners[key]
+            if len(owners) == len(keys):  # held by ``owner`` alone: the step was the only one in flight
+                owners.clear()
+            else:
+                for key in keys:
+                    if owners.get(key) is owner:
+                        del owners[key]
             if self.waiting:
                 self.condition.notify_all()
 
