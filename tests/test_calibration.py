@@ -224,7 +224,7 @@ def test_without_calibration_the_same_estimate_misses(kind: str, direction: str)
     limit = limit_for(kind, model)
     fits = largest_power_that_fits(kind, model, limit)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(koila._estimation.estimate, "peak_meter", lambda device: None)
+        patch.setattr(koila._estimation.auto, "peak_meter", lambda device: None)
         sizes, ooms = calls_of(kind, model, limit)
     if direction == "under":
         assert ooms >= 2

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import koila_retry as koila
 from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes
-from koila_retry._estimation import estimate
+from koila_retry._estimation import auto
 from koila_retry._estimation.workspace import cuda_rounding
 from koila_retry._frontends import chunked
 from koila_retry.testing import simulated_device
@@ -869,7 +869,7 @@ def test_bad_suggest_options_are_named(options: dict[str, Any], error: type[Exce
 
 def remembered(cache: koila.SizeCache) -> list[tuple[int, int]]:
     """What initial="auto" found for calls on ``cache``, per free-memory level: the power of two and the most rows."""
-    return [(fit.split(None, "")[0], fit.whole) for fit in estimate._memo_of(cache).fits.values()]
+    return [(fit.split(None, "")[0], fit.whole) for fit in auto._memo_of(cache).fits.values()]
 
 
 def regression(rows: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from _benchmarks import imported
 
 import koila_retry as koila
-from koila_retry._estimation import estimate
+from koila_retry._estimation import estimate, meta
 
 pytestmark = [
     pytest.mark.slow,
@@ -108,7 +108,7 @@ def test_suggested_lstm_batch_fits_a_budget_that_the_cell_by_cell_estimate_overr
     step, args = accuracy.build("lstm", "train", batch)
     true = true_peak("lstm", "train", batch)
     with monkeypatch.context() as patch:  # the estimate before it followed the CPU's kernels
-        patch.setattr(estimate, "recurrent_kernels", lambda *_: contextlib.nullcontext())
+        patch.setattr(meta, "recurrent_kernels", lambda *_: contextlib.nullcontext())
         cell_by_cell = koila.estimate(step, *args).peak(batch)
         budget = int(cell_by_cell * (1 + estimate.DEFAULT_MARGIN) + true) // 2
         assert koila.suggest_batch_size(step, *args, budget=budget) == batch > 0

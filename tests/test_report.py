@@ -227,7 +227,7 @@ def _mlp() -> torch.nn.Module:
 
 
 def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estimate() -> None:
-    from koila_retry._estimation import estimate
+    from koila_retry._estimation import auto
 
     with simulated_device("33MiB"):  # 16 MiB of weights, 16 MiB of gradients: a sample more does not fit
         model = _mlp()
@@ -241,7 +241,7 @@ def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estim
     message = str(caught.value)
     assert "Largest on cpu (" in message
     assert "0.weight (parameter) 8.00 MiB; 2.weight (parameter) 8.00 MiB;" in message
-    memo = estimate._memo_of(step.cache_info.__self__)  # initial="auto" keeps its estimates in the step's cache
+    memo = auto._memo_of(step.cache_info.__self__)  # initial="auto" keeps its estimates in the step's cache
     (estimates,) = memo.estimates.values()
     found = estimates.split or estimates.whole  # a step that does not fit whole is sized as a split one
     assert found is not None

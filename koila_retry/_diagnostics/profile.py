@@ -1,15 +1,8 @@
 """Attribute the memory of one call to the modules or source lines that allocated it.
 
-The call runs once while a dispatch mode counts the bytes of the tensor storages
-alive on one device (a storage counts once, however many views share it), and
-scopes are opened and closed around each module's forward and backward, or each
-source line of the functions watched. A scope notes the bytes alive when it
-opens, the most alive while it is open, and the bytes alive when it closes.
-
-With ``fake=True`` the same counting and the same scopes run on meta tensors,
-with the modules and optimizers the call reaches lent meta copies of their
-tensors as :func:`koila_retry.estimate` lends them: only the source of the
-tensors differs, so the figures are those of the real run on the CPU.
+A dispatch mode counts the storages alive on one device while scopes open and close around each module's
+forward and backward, or each watched line. With ``fake=True`` the same runs on meta copies lent as
+:func:`koila_retry.estimate` lends them: only the tensors' source differs, so the figures are a real CPU run's.
 """
 
 from __future__ import annotations
@@ -38,7 +31,8 @@ from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
 from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._diagnostics.table import html_table, text_table
-from koila_retry._estimation.estimate import META, Owned, Recorder
+from koila_retry._estimation.lending import Owned
+from koila_retry._estimation.recorder import META, Recorder
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
 
@@ -218,13 +212,7 @@ class _Scope:
 
 
 class _Counter(Recorder):  # type: ignore[no-untyped-call]
-    """Count the bytes of storages alive on one device, for the scopes open now.
-
-    The real run and the run on meta tensors share this class; they differ only
-    in where the tensors come from: a real run counts the storages operators
-    make on ``device``, a fake one (the estimator's recorder) makes every tensor
-    on the meta device and counts them all.
-    """
+    """Count the bytes of storages alive on one device, for the scopes open now."""
 
     def __init__(self, device: torch.device, fake: bool) -> None:
         super().__init__(None, None)
@@ -240,6 +228,7 @@ class _Counter(Recorder):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if self.fake:
+            # The estimator's recorder: every tensor made on meta, and all counted.
             return super().__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
         # A result sharing an input's storage (a view, an in-place result) allocated nothing.
@@ -431,16 +420,11 @@ def _bindings(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 
 class _Backward:
-    """When one forward call's backward starts and ends, and its scope meanwhile.
+    """When one forward call's backward starts (an output's gradient is computed) and ends, and its scope."""
 
-    It starts when the gradient of one of the call's outputs has been computed.
-    The engine runs nodes in the reverse order of their making, so the nodes
-    made during the call all run before those that made its inputs: it ends
-    when the gradient of one of its inputs has been computed or, with no input
-    that requires grad, when the gradients of its parameters that this backward
-    computes have been accumulated, or else when the backward ends.
-    """
-
+    # The engine runs nodes in the reverse order of their making, so the call's nodes all run before those
+    # that made its inputs: it ends when an input's gradient is computed or, with no input that requires
+    # grad, when the gradients of its parameters are accumulated, or else when the backward ends.
     __slots__ = ("accumulators", "inputs", "profiler", "remaining", "scope", "tally", "task", "uses_inputs")
 
     def __init__(self, profiler: _ModuleProfiler, tally: _Tally) -> None:

@@ -1,32 +1,11 @@
 """The attention kernels the target device runs, followed on meta tensors.
 
-On meta tensors, ``F.scaled_dot_product_attention`` takes its math path, which
-materialises the whole attention matrix and keeps softmax's output for backward,
-and the inference fast path of ``nn.TransformerEncoderLayer`` and
-``nn.MultiheadAttention`` is never taken, because it accepts only CPU and CUDA
-tensors. The device does otherwise: the CPU runs its fused flash kernel, CUDA
-flash or memory-efficient attention (or cuDNN's), and in eval mode under
-``no_grad`` both run the fused fast-path operators. While an estimate runs,
-:func:`device_kernels` makes the meta run take the kernels the target would take:
-
-- the attention kernel is chosen by the rules PyTorch applies on the target (the
-  gates of ``sdp_utils``: dtype, head dimension, mask, dropout, strides, and on
-  CUDA the compute capability), and the fused operator itself runs, so that its
-  meta function makes its real outputs and what it saves for backward (the
-  log-sum-exp, not the attention matrix);
-- an eligible fast-path module runs the operators of the device's fused kernel,
-  in its order and with its lifetimes, in place of its composite forward;
-- ``F.multi_head_attention_forward``, written in Python, runs its body with these
-  rules in force, so that the attention inside ``nn.MultiheadAttention`` (and
-  ``nn.TransformerEncoderLayer`` in training) takes the target's kernel too;
-- on CUDA, dropout in training runs ``native_dropout``, as CUDA's fused kernel
-  does, keeping a one-byte mask for backward; on meta tensors (and on the CPU),
-  ``aten::dropout`` draws a noise tensor in the input's dtype and keeps it.
-
-CUDA's choice depends on the card. With a CUDA device present its capability and
-cuDNN version are read; without one (an estimate for ``device="cuda"`` made on a
-CPU-only machine) a recent data-centre card is assumed: compute capability 8.0
-(A100), where the order is flash, then memory-efficient, then math.
+On meta tensors ``scaled_dot_product_attention`` takes its math path (the whole attention
+matrix, softmax's output kept for backward) and the fast path of ``nn.MultiheadAttention``
+and ``nn.TransformerEncoderLayer`` is never taken. :func:`device_kernels` makes the run take
+what the target would: the fused kernel chosen by the gates of PyTorch's ``sdp_utils``, the
+fast path's operators, and on CUDA ``native_dropout``'s one-byte mask. A CUDA estimate made
+without a CUDA device assumes compute capability 8.0 (A100).
 """
 
 from __future__ import annotations
@@ -306,23 +285,7 @@ def choose_backend(
     capability: tuple[int, int] | None = None,
     cudnn: int | None = None,
 ) -> str:
-    """Return the attention kernel ``target`` runs for ``call``.
-
-    Args:
-        target (torch.device or str): the device the estimate is for.
-        call (Attention): the call's query, key, value, mask, dropout and flags;
-            its tensors may be meta tensors of the real shapes, strides and dtypes.
-        capability (tuple of int, optional): for CUDA, the card's compute
-            capability. Default: the device's, or :data:`ASSUMED_CAPABILITY`
-            where no CUDA device is present.
-        cudnn (int, optional): for CUDA, the cuDNN version (as
-            ``torch.backends.cudnn.version()`` gives it). Default: the one
-            loaded, if a CUDA device is present.
-
-    Returns:
-        str: :data:`FLASH`, :data:`EFFICIENT`, :data:`CUDNN` or :data:`MATH`
-        (also for any device other than the CPU and CUDA).
-    """
+    """Return the attention kernel ``target`` (with the CUDA card and cuDNN version given) runs for ``call``."""
     device = torch.device(target)
     if device.type == "cpu":
         return _cpu_backend(call)
@@ -682,13 +645,9 @@ _DROPOUTS: tuple[tuple[Any, Callable[..., tuple[Any, float, bool, bool]]], ...] 
 
 
 def _cuda_dropout(input: Any, p: float, training: bool, inplace: bool) -> torch.Tensor | None:
-    """Return dropout's output as CUDA's fused kernel makes it, or None where CUDA takes the composite path too.
-
-    ``aten::dropout`` calls ``native_dropout`` for a CUDA tensor, out of place, in
-    training, with ``0 < p < 1`` and elements to drop: its output, and a boolean mask
-    that autograd keeps for backward. Elsewhere (and on meta tensors) it multiplies
-    by a noise tensor in the input's dtype, which autograd keeps instead.
-    """
+    """Return dropout's output as CUDA's fused kernel makes it, or None where CUDA takes the composite path too."""
+    # aten::dropout calls native_dropout for a CUDA tensor out of place in training with 0 < p < 1,
+    # and autograd keeps its boolean mask; elsewhere (meta too) it keeps a noise tensor in the input's dtype.
     if not (training and not inplace and isinstance(p, float | int) and 0 < p < 1):
         return None
     if type(input) not in (torch.Tensor, nn.Parameter) or input.layout != torch.strided or input.is_nested:
@@ -707,22 +666,11 @@ def _no_override(*_: Any) -> bool:
 
 
 def _past_hand_off(func: Callable[..., Any]) -> Callable[..., Any] | None:
-    """Return a copy of a torch function written in Python that runs its body instead of handing the call on.
-
-    Such a function first asks ``has_torch_function`` whether a mode wants the call,
-    and hands it to the mode, which runs the original with itself taken off the
-    stack: what the body calls then escapes the mode. The copy's check finds nothing
-    to hand off to, so that, run with the mode on the stack, its body's calls reach
-    the mode. (``torch.overrides.redispatch_function`` does this in torch 2.13, and
-    not in every version the estimate runs on: the H100 run of 2026-11-25, on torch
-    2.11, counted the attention inside ``nn.MultiheadAttention`` by its math path.)
-
-    Args:
-        func (callable): the function, as the mode received it.
-
-    Returns:
-        callable or None: the copy, or None if ``func`` is not such a function.
-    """
+    """Return a copy of a Python torch function whose ``has_torch_function`` check finds no mode, or None."""
+    # Handed to a mode, such a function's original runs with the mode off the stack, so what its body
+    # calls escapes the mode; the copy, run with the mode on, lets them reach it. Not
+    # torch.overrides.redispatch_function: torch 2.11 lacks it (the H100 run of 2026-11-25 counted
+    # nn.MultiheadAttention's inner attention by its math path).
     code, names = getattr(func, "__code__", None), getattr(func, "__globals__", None)
     if not isinstance(code, types.CodeType) or not isinstance(names, dict):
         return None
@@ -788,21 +736,9 @@ def _ignore(what: str, why: str) -> None:
 
 @contextlib.contextmanager
 def device_kernels(target: torch.device, modules: Iterable[nn.Module], note: Note = _ignore) -> Iterator[None]:
-    """Make a meta run take the attention and dropout kernels and the fast paths ``target`` takes, while the block runs.
-
-    Args:
-        target (torch.device): the device the estimate is for; on one other
-            than the CPU or CUDA, the math path runs and is noted (nothing
-            changes for the meta device itself).
-        modules (iterable of nn.Module): the modules the call reaches; eligible
-            ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` (not
-            subclasses that define their own forward) follow their fast path.
-        note (callable): called as ``note(what, why)`` for attention the
-            estimate counts but knows it does not model exactly.
-
-    Yields:
-        None.
-    """
+    """Make a meta run take the attention and dropout kernels and the fast paths ``target`` takes, in the block."""
+    # On a device other than the CPU or CUDA the math path runs and is noted. Subclasses of the
+    # fast-path modules that define their own forward keep it.
     if target.type == "meta":
         yield
         return

@@ -1,25 +1,10 @@
 """``torch.autocast`` on meta tensors: the casts the target device would make.
 
-Autocast works in the dispatcher: a CPU or CUDA tensor carries an autocast key, and
-the kernel behind that key casts the arguments of the operators on its lists
-(``aten/src/ATen/autocast_mode.cpp``) before autograd sees them. A meta tensor
-carries no autocast key, so without help an estimate of a step under
-``torch.autocast`` counts it in float32.
-
-:func:`autocast_like` lends the meta run the same mechanism: while it is active, a
-spare autocast dispatch key that no backend in the process uses (IPU's, HPU's or
-PrivateUse1's) is added to every operator's dispatch, and behind that key a kernel
-per listed operator reads the target device's autocast state
-(``torch.is_autocast_enabled(device)``) and casts as autocast would there: to the
-lower precision for products and convolutions, to float32 for losses and other
-sensitive operators, to the widest type for the "promote" operators, and float32
-results for CUDA's reductions. The casts run above autograd, as real autocast's do,
-so autograd keeps and frees what it would. Casts of float32 leaf tensors that need
-gradients (parameters) are cached until the outermost autocast region ends, as
-PyTorch caches them.
-
-The estimate's own stand-ins for fused kernels (attention, recurrent layers), which
-run above the dispatcher, call :func:`cast_as` for the operator they stand for.
+Autocast casts in the dispatcher, behind an autocast key that meta tensors do not carry, so
+without help a step under ``torch.autocast`` is counted in float32. :func:`autocast_like`
+adds a spare autocast key no backend in the process uses (IPU's, HPU's or PrivateUse1's),
+behind which a kernel per listed operator casts as the target would, above autograd as real
+autocast does. Stand-ins for fused kernels, above the dispatcher, call :func:`cast_as`.
 """
 
 from __future__ import annotations
@@ -320,19 +305,8 @@ _REGISTRY = _Registry()
 
 @contextlib.contextmanager
 def autocast_like(device: torch.device, note: Callable[[str, str], None]) -> Iterator[None]:
-    """Make the meta run cast as ``torch.autocast`` does on ``device``, while the block runs.
-
-    Args:
-        device (torch.device): the device the estimate is for. The CPU's lists
-            and CUDA's are followed; on another device, an autocast region is
-            noted, and counted in the types it has; the meta device has no
-            autocast.
-        note (callable): called as ``note(what, why)``, once, when a region
-            that cannot be followed is met.
-
-    Yields:
-        None.
-    """
+    """Make the meta run cast as ``torch.autocast`` does on ``device`` (CPU or CUDA lists) while the block runs."""
+    # On another device a region is noted once, through note(what, why), and counted in the types it has.
     if device.type == "meta":
         yield
         return
@@ -362,12 +336,8 @@ _NO_KEY = (
 
 
 def settle() -> None:
-    """Drop the cached casts once the outermost autocast region has ended, as PyTorch does on leaving it.
-
-    For the estimate's dispatch mode, which calls it before each operator: the casts
-    are gone before anything after the region allocates. Where no spare key was free,
-    it also notes the first autocast region met.
-    """
+    """Drop the cached casts once the outermost autocast region has ended, as PyTorch does on leaving it."""
+    # Called before each operator, so the casts are gone before anything after the region allocates.
     emulation = _current()
     if emulation is None:
         return
@@ -386,18 +356,7 @@ def casts_on() -> bool:
 
 
 def cast_as(op_name: str, *tensors: Any) -> tuple[Any, ...]:
-    """Return ``tensors`` as autocast would pass them to ``op_name`` on the target device now.
-
-    For the estimate's stand-ins of fused kernels, which run above the dispatcher.
-
-    Args:
-        op_name (str): the ATen operator the stand-in stands for, as autocast lists
-            it (``"scaled_dot_product_attention"``, ``"mkldnn_rnn_layer"``).
-        *tensors: its arguments; tensors, lists of tensors and None.
-
-    Returns:
-        tuple: the arguments, cast where autocast would cast them.
-    """
+    """Return ``tensors`` (tensors, lists of them, None) as autocast would pass them to ATen's ``op_name`` now."""
     emulation = _current()
     if emulation is None or emulation.policies is None or not emulation.enabled():
         return tensors

@@ -1,26 +1,11 @@
 """An estimate corrected by what a real run on the device allocated.
 
-The meta estimate counts the storages the dispatcher sees. On a device, opaque kernels
-allocate more (cuDNN's workspaces and reserves, cuBLAS's, the buffers of a reduction) or
-fused ones less, and no rule written beside the estimate can follow every library
-version and card. So where the device keeps a peak (CUDA's allocator, a simulated
-device), ``initial="auto"`` and ``suggest_batch_size(calibrate=True)`` treat the estimate
-as a prior: a real run of some rows is measured, and its rise (the allocator's peak less
-what was allocated as it began) is set against the estimate's own bytes at those rows
-(its peak less what was alive as the call started). What the call started with
-(parameters, gradients, optimizer state, inputs) is not corrected: it is what it is.
-
-The gap between the two, measured at one size, does not say how it grows with the rows.
-Two readings are taken, and at each size the one that asks more memory is used: the
-gap grows in proportion to the rows (as most kernels' workspaces do), or it stays as it
-was (a buffer made once, or an over-count of the gradients). A second run at another
-size, the first real step or chunk at the corrected size, settles it: through the two
-gaps goes a line, as the estimate's own moments are lines.
-
-Before anything is measured the estimate is not trusted far: the first real run is a
-probe, the largest power of two at which the estimate's own bytes, :data:`DISTRUST`
-times over, still fit; an estimate that far under the truth still runs its probe
-without running out of memory.
+Opaque kernels (cuDNN's and cuBLAS's workspaces, a reduction's buffers) allocate what no
+dispatch mode sees. Where the device keeps a peak, a real run's rise is set against the
+estimate's own bytes (its peak less what the call started with, which is not corrected);
+one gap is read both as fixed and as growing with the rows, whichever asks more, until a
+second run at other rows draws a line. Before any run, the first is a probe that fits even
+if the truth were :data:`DISTRUST` times the estimate's own bytes.
 """
 
 from __future__ import annotations
@@ -89,14 +74,9 @@ def own_bytes(found: Estimated, batch_size: int) -> float:
 
 
 class Calibration(NamedTuple):
-    """What measured runs said of an estimate: the gap between each run's rise and the estimate's own bytes.
+    """What measured runs said of an estimate: the gap between each run's rise and the estimate's own bytes."""
 
-    Attributes:
-        points (tuple): ``(rows, gap)`` of at most two runs of different rows, the
-            gap in bytes (below 0 where the estimate was over), the larger rows last.
-    """
-
-    points: tuple[tuple[int, float], ...]
+    points: tuple[tuple[int, float], ...]  # (rows, gap) of at most two runs, larger rows last; gap < 0: over
 
     def gap(self, batch_size: int) -> float:
         """Return the bytes the estimate's own bytes are to be corrected by at ``batch_size``."""
@@ -114,29 +94,12 @@ class Calibration(NamedTuple):
 
 
 def gap_of(found: Estimated, rows: int, rise: int) -> float:
-    """Return a run's rise less the estimate's own bytes at its rows.
-
-    Args:
-        found (MemoryEstimate): the estimate of the work that ran.
-        rows (int): the rows it ran, at least 1.
-        rise (int): its peak on the device less what was allocated as it began.
-
-    Returns:
-        float: the gap in bytes; below 0 where the estimate was over.
-    """
+    """Return a run's ``rise`` (its peak less what was allocated as it began) less the estimate's own bytes."""
     return rise - own_bytes(found, rows)
 
 
 class Corrected:
-    """An estimate corrected by a :class:`Calibration`: its peak, fits and largest fit as the estimate's.
-
-    Args:
-        found (MemoryEstimate): the estimate.
-        calibration (Calibration): what measured runs said of it (or of an estimate
-            of the same work, such as a whole step for a split one).
-        times (float): a factor on the estimate's own bytes instead, for a probe
-            that distrusts the estimate (1.0 with a calibration).
-    """
+    """An estimate corrected by a :class:`Calibration`, or its own bytes taken ``times`` over for a probe."""
 
     def __init__(self, found: Estimated, calibration: Calibration | None = None, times: float = 1.0) -> None:
         self.found, self.calibration, self.times = found, calibration, times
@@ -159,17 +122,7 @@ class Corrected:
 
 
 def probe_size(found: Estimated, budget: int, first: int, margin: float) -> int:
-    """Return the rows to measure first: ``first`` if it fits distrusted, else the largest power of two that does.
-
-    Args:
-        found (MemoryEstimate): the estimate of one step or chunk.
-        budget (int): the bytes the call may use, everything counted.
-        first (int): the size the estimate itself chose.
-        margin (float): the share of the peak kept free.
-
-    Returns:
-        int: at least 1, at most ``first``.
-    """
+    """Return the rows to measure first: ``first`` if it fits distrusted, else the largest power of two that does."""
     distrusted = Corrected(found, times=DISTRUST)
     if distrusted.fits(first, budget, margin=margin):
         return first

@@ -1,27 +1,11 @@
 """Lend one thread meta copies of what a call owns, while every other thread keeps the real objects.
 
-A model's tensors live in plain containers: a module's ``_parameters``, ``_buffers``
-and ``_modules`` dicts and its hook dicts, an optimizer's ``param_groups`` list and
-``state`` dict. For one run of the estimate, each container attribute of each object
-the call owns is replaced by a :class:`Lent` container: a subclass of its type that
-answers the thread that borrowed it from a copy of its own (the *overlay*, with meta
-copies in place of the lent tensors) and every other thread from the real container,
-which it reads and writes through. Replacing an attribute, and putting it back, is one
-store into the object's ``__dict__``: another thread sees either the real container or
-the proxy, never a half-changed one, and what it writes through either lands in the
-real one. Nothing the borrowing thread writes into a container reaches another thread.
-
-Attributes themselves cannot be told apart by thread. What the run rebinds or adds (a
-scheduler's epoch, ``model.train()``'s flags, a gradient scaler's record) is put back
-when the loan ends, and that is the one place where another thread's write can be lost:
-one that rebinds or adds an attribute of the same object while the loan lasts.
-
-C code that reads a proxy's own storage (``PyDict_GetItem``, a list's items) sees the
-real entries, as it was when the loan began and as other threads have written it
-through the proxy since. Torch functions given a proxied list (an RNN's
-``_flat_weights``) get the borrower's view from :class:`Swapping`, a function mode of
-the borrowing thread only, which also swaps any lent tensor that the call reaches some
-other way for its meta copy.
+Each container attribute of each object lent (a module's ``_parameters``, an optimizer's
+``state``) is replaced, by one store into the object's ``__dict__``, with a :class:`Lent`
+proxy that answers the borrowing thread from an overlay of meta copies and every other
+thread from the real container. Attributes themselves cannot be told apart by thread:
+another thread that rebinds one of a lent object while the loan lasts loses that write
+(docs/estimate.rst, "Estimating a model that other threads use").
 """
 
 from __future__ import annotations
@@ -36,11 +20,16 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils.module_tracker import ModuleTracker
 
+from koila_retry._common.tensors import same_device
+from koila_retry._common.walk import reachable
 from koila_retry._estimation.reads import READS, ValueReads
+from koila_retry._estimation.recorder import META, Recorder
+from koila_retry._estimation.sharding import Emulation, Sharding
 
-__all__ = ["Lent", "Loan", "Swapping", "ThreadTracker", "borrowing", "exclusive"]
+__all__ = ["Lent", "Loan", "Owned", "Swapping", "ThreadTracker", "borrowing", "exclusive"]
 
 # Estimates run one at a time in a process: two loans of the same object would nest
 # their proxies, and the first to end would take the second's away mid-run. The lock is
@@ -57,11 +46,7 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def exclusive() -> Iterator[None]:
-    """Hold the process's one estimate lock for the block; the thread counts as borrowing meanwhile.
-
-    Yields:
-        None.
-    """
+    """Hold the process's one estimate lock for the block; the thread counts as borrowing meanwhile."""
     with _ONE_AT_A_TIME:
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
@@ -71,11 +56,7 @@ def exclusive() -> Iterator[None]:
 
 
 def borrowing() -> bool:
-    """Return whether this thread is inside an estimate (holds the estimate lock).
-
-    Returns:
-        bool: ``True`` between the start and the end of :func:`exclusive` on this thread.
-    """
+    """Return whether this thread is inside an estimate (holds the estimate lock)."""
     return bool(getattr(_local, "depth", 0))
 
 
@@ -83,14 +64,10 @@ def borrowing() -> bool:
 
 
 class Lent:
-    """A container that answers its borrowing thread from an overlay and every other thread from the real one.
+    """A container that answers its borrowing thread from an overlay and every other thread from the real one."""
 
-    Mixed into a subclass of each container type lent (:data:`_PROXIES`); made by
-    :func:`_proxy`. Every method of the container is forwarded to the view of the
-    calling thread; the proxy's own storage mirrors the real container for C code
-    that reads it directly.
-    """
-
+    # Every method is forwarded to the calling thread's view; the proxy's own storage mirrors
+    # the real container for C code that reads it directly (PyDict_GetItem, a list's items).
     _real: Any
     _overlay: Any
     _thread: int | None
@@ -281,16 +258,12 @@ def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
 
 
 class Swapping(TorchFunctionMode):
-    """Give torch functions the borrower's view: meta copies for lent tensors, plain lists for proxied ones.
+    """Give torch functions the borrower's view: meta copies for lent tensors, plain lists for proxied ones."""
 
-    A function mode is the borrowing thread's own (PyTorch keeps one stack of them
-    per thread). It acts above autograd, so that a lent tensor the call reaches other
-    than through a container (an RNN's flat weights, a list of parameters kept
-    elsewhere) never enters autograd's graph: its meta copy does. Given ``reads``, it
-    also answers the reads of a meta tensor's values that never reach a dispatch mode
-    (``tolist()``, ``torch.equal``: see ``reads.py``), here rather than in a function
-    mode of their own, which would add its cost to every torch function the run calls.
-    """
+    # PyTorch keeps a stack of function modes per thread, so this one is the borrower's alone. It acts
+    # above autograd: a lent tensor reached other than through a container (an RNN's _flat_weights)
+    # never enters the graph, its meta copy does. It also answers the value reads that never reach a
+    # dispatch mode (reads.py), rather than a second mode that would tax every torch function.
 
     def __init__(self) -> None:
         super().__init__()
@@ -347,12 +320,7 @@ _RETAINED_LOCK = threading.Lock()
 
 
 class Loan:
-    """One run's loan of meta copies to the calling thread: the objects lent, their proxies, and the mode.
-
-    Made, used and ended on the borrowing thread: :meth:`hold` takes the estimate
-    lock (:func:`exclusive`), :meth:`add` names the meta copy of each tensor lent,
-    :meth:`lend` puts the proxies in place, and :meth:`end` undoes it all.
-    """
+    """One run's loan of meta copies to the calling thread: ``hold``, ``add`` each copy, ``lend``, then ``end``."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
@@ -367,33 +335,16 @@ class Loan:
         self._held.enter_context(exclusive())
 
     def add(self, tensor: torch.Tensor, meta: torch.Tensor) -> None:
-        """Lend ``meta`` for ``tensor``: the borrower's containers hold it where they held ``tensor``.
-
-        Args:
-            tensor (torch.Tensor): a tensor the owners hold (a parameter, a buffer,
-                a gradient, optimizer state).
-            meta (torch.Tensor): its meta copy.
-        """
+        """Lend ``meta`` for ``tensor``: the borrower's containers hold it where they held ``tensor``."""
         self._copies[id(tensor)] = (tensor, meta)
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Return the copy lent for ``tensor``, if one was (before :meth:`lend`).
-
-        Args:
-            tensor (torch.Tensor): any tensor.
-
-        Returns:
-            torch.Tensor or None: its meta copy, or ``None`` if it is not lent.
-        """
+        """Return the meta copy lent for ``tensor``, if one was (before :meth:`lend`)."""
         found = self._copies.get(id(tensor))
         return found[1] if found is not None and found[0] is tensor else None
 
     def lend(self, owners: Iterable[Any]) -> None:
-        """Give each of ``owners`` a proxy for every container attribute, then start the function mode.
-
-        Args:
-            owners (iterable): modules, optimizers and other objects with a ``__dict__``.
-        """
+        """Give each of ``owners`` a proxy for every container attribute, then start the function mode."""
         for owner in owners:
             attributes = vars(owner)
             saved = dict(attributes)
@@ -432,12 +383,8 @@ class Loan:
         return made
 
     def end(self) -> None:
-        """Put every object's attributes back as they were, retire the proxies, and release the lock.
-
-        Only what changed is put back: the proxies, and the attributes the run (or,
-        while it ran, another thread) rebound, added or deleted. The real containers
-        were never changed by the borrower, so nothing in them is cleared or refilled.
-        """
+        """Put back the attributes that changed, retire the proxies, and release the lock."""
+        # The borrower never changed a real container, so none is cleared or refilled.
         try:
             if self._entered:
                 self._entered = False
@@ -481,15 +428,11 @@ def _retain(owner: Any, proxies: list[Lent]) -> None:
 
 
 class ThreadTracker(ModuleTracker):
-    """torch's ``ModuleTracker``, deaf to every thread but the one that entered it.
+    """torch's ``ModuleTracker``, deaf to every thread but the one that entered it."""
 
-    Its hooks are process-wide (every module's forward, in any thread, calls them);
-    another thread's modules would enter its record of where the run is, and its
-    gradient hooks would attach to that thread's tensors. They return at once there.
-    Backward on meta tensors runs on the thread that calls it (on CUDA, autograd's
-    device threads run it, but the estimate's tensors are never CUDA tensors), and
-    the gradient hooks go only on the entering thread's tensors.
-    """
+    # Its hooks are process-wide: another thread's modules would enter its record, and its gradient
+    # hooks attach to that thread's tensors. Only the forward hooks need the check: backward on meta
+    # tensors runs on the calling thread (autograd's device threads run only CUDA tensors' backward).
 
     def __init__(self) -> None:
         super().__init__()
@@ -502,3 +445,137 @@ class ThreadTracker(ModuleTracker):
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         if threading.get_ident() == self.thread:
             super()._fw_post_hook(mod, input, output)
+
+
+# --- what the call owns ------------------------------------------------------------
+
+
+class Owned:
+    """The modules, optimizers and other training state a call can reach, and how to lend them meta tensors."""
+
+    def __init__(self, roots: Iterable[Any]) -> None:
+        modules: dict[int, torch.nn.Module] = {}
+        optimizers: dict[int, torch.optim.Optimizer] = {}
+        others: dict[int, object] = {}
+        for value in reachable(roots):
+            if isinstance(value, torch.nn.Module):
+                for module in value.modules():
+                    modules.setdefault(id(module), module)
+            elif isinstance(value, torch.optim.Optimizer):
+                optimizers.setdefault(id(value), value)
+            else:
+                others.setdefault(id(value), value)
+        self.modules = list(modules.values())
+        self.optimizers = list(optimizers.values())
+        self.others = list(others.values())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every tensor the modules and optimizers hold, with its category."""
+        for module in self.modules:
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is not None:
+                    yield "parameters", tensor
+                    if tensor.grad is not None:
+                        yield "gradients", tensor.grad
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    yield "parameters", parameter
+                    if parameter.grad is not None:
+                        yield "gradients", parameter.grad
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        yield "optimizer state", value
+
+    def resident(self, device: torch.device, round_bytes: Callable[[int], int] | None) -> int:
+        """Return the bytes of the tensors held that lie on ``device`` now."""
+        seen: set[int] = set()
+        total = 0
+        for _, found in self.tensors():
+            # A DTensor (FSDP2's shards) holds its rank's part, which is what lies on the device.
+            tensor = found._local_tensor if is_traceable_wrapper_subclass(found) else found
+            if same_device(tensor.device, device) and tensor.layout == torch.strided:
+                storage = tensor.untyped_storage()
+                if id(storage) not in seen:
+                    seen.add(id(storage))
+                    total += round_bytes(storage.nbytes()) if round_bytes else storage.nbytes()
+        return total
+
+    def lend(self, recorder: Recorder, sharding: Sharding | None = None) -> Callable[[], None]:
+        """Lend this thread meta copies of every tensor held, under ``recorder``; return what ends the loan."""
+        # Under FSDP2 (sharding), sharded tensors are lent as one rank's shard. The loan holds the
+        # estimate lock until it ends, on this thread.
+        loan = Loan()
+        loan.mode.reads = ValueReads(recorder.placeholder)  # the reads that never reach the recorder
+        loan.hold()
+        emulation: Emulation | None = None
+
+        def fake_of(tensor: torch.Tensor, category: str, owner: torch.Tensor | None = None) -> torch.Tensor:
+            fake = loan.copy_of(tensor)
+            if fake is None:
+                recorder.category = category
+                shape = sharding.shape_of(tensor, owner) if sharding is not None else None
+                if shape is not None:
+                    fake = torch.empty(shape, dtype=tensor.dtype, device=META)
+                elif sharding is not None and sharding.held(tensor):
+                    with _disable_current_modes():  # counted as FSDP2's gathered buffers instead
+                        fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
+                else:
+                    fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
+                if isinstance(tensor, torch.nn.Parameter):
+                    fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                elif tensor.requires_grad:
+                    fake.requires_grad_(True)
+                grad = tensor.grad if tensor.is_leaf else None
+                if grad is not None and grad.layout == torch.strided:
+                    fake.grad = fake_of(grad, "gradients", tensor)
+                loan.add(tensor, fake)
+            return fake
+
+        try:
+            for module in self.modules:
+                for table in (module._parameters, module._buffers):
+                    for tensor in table.values():
+                        if tensor is not None:
+                            fake_of(tensor, "parameters")
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    for parameter in group["params"]:
+                        fake_of(parameter, "parameters")
+                for parameter, values in optimizer.state.items():
+                    fake_of(parameter, "parameters")
+                    for value in values.values():
+                        if isinstance(value, torch.Tensor):
+                            fake_of(value, "optimizer state", parameter)
+            if sharding is not None:
+                # FSDP2 keeps every shard, also of a module whose gathered parameters it holds now.
+                for unit in sharding.units:
+                    for parameter in unit.params:
+                        fake_of(parameter, "parameters")
+                for tensor in sharding.gathered():
+                    fake_of(tensor, "parameters")  # not counted: see Sharding.held
+                emulation = sharding.emulation(loan.copy_of)
+            # Their other attributes are put back as they were too: a scheduler's epoch, a scaler's record.
+            loan.lend([*self.others, *self.modules, *self.optimizers])
+            if emulation is not None:
+                emulation.install(lambda category, tensor: recorder.mark([(category, tensor)]))
+        except BaseException:
+            loan.end()
+            raise
+        if emulation is None:
+            return loan.end
+
+        def end() -> None:
+            try:
+                emulation.uninstall()
+            finally:
+                loan.end()
+
+        return end
+
+    def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the gradients and optimizer state the run holds now (after ``lend``)."""
+        for category, tensor in self.tensors():
+            if category != "parameters":
+                yield category, tensor

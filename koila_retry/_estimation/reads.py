@@ -1,15 +1,10 @@
 """Reads of a meta tensor's values that never reach the estimate's dispatch mode, answered with placeholders.
 
-Meta tensors hold no values. A read of one value (``.item()``, ``float(t)``, ``if t:``)
-reaches the estimate's dispatch mode as ``aten._local_scalar_dense``, which answers with a
-placeholder and notes the read (``Recorder.placeholder``). Other reads never get there:
-``tolist()`` and ``numpy()`` copy the storage in C++, ``format(t, ".3f")`` refuses a meta
-tensor, and the meta kernels of ``torch.equal`` and ``torch.allclose`` read their answer
-below every mode. :class:`ValueReads` answers them above those places, from the function
-mode the estimating thread has already (``lending.Swapping``, which hands it the meta
-copies of lent tensors): every value reads as the placeholder of its tensor, as a read of
-one value does, and a comparison of whole tensors reads as what such a check usually
-finds, the way ``(a == b).all()`` does.
+``.item()`` and ``if t:`` reach the dispatch mode (``Recorder.placeholder``); ``tolist()``,
+``numpy()``, formatting, ``torch.equal`` and ``torch.allclose`` read below every mode or
+refuse meta tensors. :class:`ValueReads` answers them from the function mode the estimating
+thread has already (``lending.Swapping``): values read as their tensor's placeholder, and a
+comparison of whole tensors as what such a check usually finds.
 """
 
 from __future__ import annotations
@@ -26,12 +21,7 @@ Placeholder = Callable[[torch.Tensor], "bool | int | float"]
 
 
 class ValueReads:
-    """Answer ``tolist()``, ``numpy()``, formatting, ``torch.equal`` and ``torch.allclose`` of meta tensors.
-
-    Args:
-        placeholder (callable): given a tensor, returns the placeholder its values
-            read as, and notes the read.
-    """
+    """Answer ``tolist()``, ``numpy()``, formatting, ``torch.equal`` and ``torch.allclose`` of meta tensors."""
 
     def __init__(self, placeholder: Placeholder) -> None:
         self.placeholder = placeholder

@@ -1,26 +1,11 @@
 """Recurrent layers on meta tensors, with the memory of the kernels the target device runs.
 
-On meta tensors, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` take PyTorch's generic path: one
-cell at a time, a few dozen small operators per time step. That is seconds per estimate,
-and not the memory of a real device. The CPU runs an LSTM through oneDNN, one fused
-``aten::mkldnn_rnn_layer`` per layer and direction, which keeps a workspace for backward;
-it runs a GRU or a plain RNN through the generic path, but projects the whole sequence's
-inputs in one product first. CUDA runs all three through cuDNN (``aten::_cudnn_rnn``),
-which keeps a reserve for backward.
-
-:class:`RecurrentKernels` is a ``TorchFunctionMode`` that takes over ``torch._VF.lstm``,
-``gru``, ``rnn_tanh`` and ``rnn_relu`` during an estimate of a call that reaches an
-``nn.RNNBase``, and runs a stand-in (one per layer and direction; on CUDA, one for the
-whole stack) that allocates what the target's kernel allocates, when it does: its
-outputs, what it keeps for backward, its scratch space during the call, and in backward
-its gradients and scratch space. A dozen allocations per layer replace thousands of
-operators. The CPU's rules were measured on this project's machines
-(oneDNN 3.12, AVX-512): the generic path against the tensors a real run makes, oneDNN's
-against the resident set of a child process (oneDNN writes about a third of the
-workspace it asks for in the forward pass, and the rest only in backward). cuDNN's
-workspace and reserve follow rules fitted to one H100 run (cuDNN 9.19), and are noted as
-such. Packed sequences, LSTMs with projections and other devices keep PyTorch's own path,
-and the estimate notes it.
+On meta tensors ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` run cell by cell: thousands of
+operators, and not the memory of a real device. :class:`RecurrentKernels` runs instead a
+stand-in that allocates what the device's kernel allocates, when it does: the CPU's
+oneDNN LSTM and generic path (measured here: oneDNN 3.12, AVX-512), and CUDA's cuDNN
+(fitted to one H100 run, cuDNN 9.19, and noted as such). Packed sequences, LSTMs with
+projections and other devices keep PyTorch's path, and the estimate notes it.
 """
 
 from __future__ import annotations
@@ -103,11 +88,8 @@ def _parse(cell: str, args: tuple[Any, ...]) -> _Call | None:
 
 
 def _touch(nbytes: int, device: torch.device) -> None:
-    """Allocate ``nbytes`` and free them at once: a kernel's scratch space, alive during its call.
-
-    Even 0 bytes: every batch size then takes the same moments, which the estimate
-    joins into lines.
-    """
+    """Allocate ``nbytes`` and free them at once: a kernel's scratch space, alive during its call."""
+    # Even 0 bytes: every batch size then takes the same moments, which the fit joins into lines.
     torch.empty(max(nbytes, 0), dtype=torch.uint8, device=device)
 
 
@@ -135,13 +117,11 @@ def _pages(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class _OnednnLayer:
-    """The bytes one ``mkldnn_rnn_layer`` (one LSTM layer and direction) holds, by oneDNN's layout.
+    """The bytes one ``mkldnn_rnn_layer`` (one LSTM layer and direction) holds, by oneDNN's layout."""
 
-    Its workspace is laid out as gates, projections, states, cell states and, for
-    backward, the states' gradients (each page-aligned). The forward pass writes the
-    gates and the cell states of every step but the last; backward writes the
-    gradients. Measured here against the pages resident after each (``mincore``).
-    """
+    # The workspace: gates, projections, states, cell states, states' gradients (each page-aligned).
+    # Forward writes the gates and every step's cell states but the last's; backward the gradients.
+    # Measured against the pages resident after each (mincore).
 
     steps: int
     rows: int
@@ -163,20 +143,14 @@ class _OnednnLayer:
         return _pages(self.steps * self.gates) + _pages((self.steps - 1) * self.rows * self.hidden * 4)
 
     def forward_scratch(self) -> tuple[int, int]:
-        """Return the scratch space of a training forward: one step's gates, and every step's below 128 rows.
-
-        Two moments, so that each grows in a straight line with the batch (the second is
-        0 from 128 rows up).
-        """
+        """Return the scratch space of a training forward: one step's gates, and every step's below 128 rows."""
+        # Two moments, so that each grows in a straight line with the batch.
         merged = self.steps * self.gates + self.weights if self.rows < 128 else 0
         return self.gates + self.weights, merged
 
     def inference_scratch(self) -> int:
-        """Return the scratch space of a forward without autograd: every step's hidden state, one step's gates.
-
-        And about half the weights' size, for their reordered copy (measured: the rest
-        stays resident from one call to the next).
-        """
+        """Return the scratch space of a forward without autograd: every step's hidden state, one step's gates."""
+        # And half the weights, for their reordered copy (measured: the rest stays resident between calls).
         return self.steps * self.rows * self.hidden * self.size + self.gates + self.weights // 2
 
     def backward_scratch(self) -> int:
@@ -284,11 +258,10 @@ def _onednn_lstm(call: _Call, cx: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass(frozen=True)
 class _Cell:
-    """What one time step of a cell holds on the CPU's generic path, in hidden-sized pieces per row.
+    """What one time step of a cell holds on the CPU's generic path, in hidden-sized pieces per row."""
 
-    Counted from the operators a real CPU run makes (torch 2.13), and checked against
-    whole runs of one to three layers, each direction, with and without autograd.
-    """
+    # Counted from a real CPU run's operators (torch 2.13), checked against whole runs of one to
+    # three layers, each direction, with and without autograd.
 
     saved: int  # kept for backward, the new hidden (and cell) state among them
     scratch: int  # alive only during the step, with autograd
@@ -345,12 +318,10 @@ _GENERIC = {
 
 
 class _Directions:
-    """What the directions of one layer share on the generic path.
+    """What the directions of one layer share on the generic path."""
 
-    Both run in one function on the CPU, which keeps the forward direction's input
-    projection alive until the reverse one's is made (``pending``); in backward, the
-    gradient of their joined output is freed once both have used it.
-    """
+    # Both run in one function on the CPU: the forward direction's input projection lives until the
+    # reverse one's is made (pending); in backward their joined output's gradient goes once both used it.
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -632,22 +603,12 @@ class _CudnnShape:
 
 
 class _CudnnStack(torch.autograd.Function):
-    """A whole recurrent stack as one ``aten::_cudnn_rnn``, as the memory it allocates and frees.
+    """A whole recurrent stack as one ``aten::_cudnn_rnn``, as the memory it allocates and frees."""
 
-    cuDNN runs every layer and direction in one call. Beside its outputs, PyTorch's
-    kernel makes a time-major contiguous copy of the input where it is not one (any
-    ``batch_first`` input), a flat copy of the weights where they are not in one buffer
-    (bfloat16), and asks cuDNN for a workspace, alive during the call, and in training
-    mode (``nn.Module.train()``, with or without autograd) a reserve, which autograd
-    keeps for backward. Backward makes zeros for the outputs that got no gradient,
-    contiguous time-major copies of the gradients, the input's copy once more, the
-    gradients and the workspace again, first for the inputs' gradients, then for the
-    weights' (one flat buffer, handed out as views). The sizes of the workspace and the
-    reserve follow ``_RESERVE``, ``_STANDARD`` and ``_SMALL_HIDDEN``. Not measured and
-    taken as the standard algorithm: float16's persistent algorithm for one-layer LSTMs
-    and plain RNNs (hidden sizes a multiple of 128, up to 128 rows); not counted: the
-    dropout state cuDNN keeps for the process (about 2 MiB) where dropout is on.
-    """
+    # A reserve is kept for backward in training mode (module.train(), with or without autograd).
+    # Not measured, taken as the standard algorithm: float16's persistent one for one-layer LSTMs and
+    # plain RNNs (hidden a multiple of 128, up to 128 rows). Not counted: cuDNN's process-wide dropout
+    # state (about 2 MiB).
 
     @staticmethod
     def forward(
@@ -765,14 +726,7 @@ def _cudnn(call: _Call) -> tuple[torch.Tensor, ...]:
 
 
 class RecurrentKernels(TorchFunctionMode):
-    """Run ``torch._VF``'s recurrent layers on meta tensors with the memory of the target device's kernels.
-
-    Args:
-        device (torch.device): the device the estimate is for: the CPU's kernels
-            and CUDA's are followed; elsewhere PyTorch's path runs, and is noted.
-        note (callable, optional): called as ``note(what, why)`` for a call whose
-            memory on the device is not modelled exactly.
-    """
+    """Run ``torch._VF``'s recurrent layers on meta tensors with the memory of the target device's kernels."""
 
     def __init__(self, device: torch.device, note: Callable[[str, str], None] | None = None) -> None:
         super().__init__()
@@ -849,19 +803,8 @@ _CUDNN_UNMEASURED = (
 def recurrent_kernels(
     device: torch.device, modules: Iterable[torch.nn.Module], note: Callable[[str, str], None] | None = None
 ) -> contextlib.AbstractContextManager[object]:
-    """Return a context in which recurrent layers have the memory of ``device``'s kernels.
-
-    Args:
-        device (torch.device): the device the estimate is for.
-        modules (iterable of Module): the modules the call reaches; without an
-            ``nn.RNNBase`` among them nothing changes, and no mode costs the call's
-            other operators time.
-        note (callable, optional): as for :class:`RecurrentKernels`.
-
-    Returns:
-        context manager: a :class:`RecurrentKernels`; for the meta device, which
-        runs no kernel of its own, one that changes nothing.
-    """
+    """Return a context in which recurrent layers have the memory of ``device``'s kernels."""
+    # Without an nn.RNNBase no mode is entered, so the call's other operators pay nothing.
     if device.type == "meta" or not any(isinstance(module, torch.nn.RNNBase) for module in modules):
         return contextlib.nullcontext()
     return RecurrentKernels(device, note)

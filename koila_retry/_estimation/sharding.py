@@ -1,28 +1,12 @@
 """One rank's memory of a step over FSDP2 (``fully_shard``) modules, estimated without a collective.
 
-FSDP2's own hooks cannot run on meta tensors: they make collectives, and they change the
-state of modules that other threads, and the other ranks, go on using. So the estimate
-runs the step unsharded and plays FSDP2's part itself, in the borrowing thread only:
-
-* each parameter a sharded module manages is lent as its shard (dim 0 padded to a
-  multiple of the world size, as FSDP2 pads it), so the optimizer's state and the
-  gradients it steps on have one rank's size;
-* FSDP2's forward hooks are taken out of the borrower's hook dicts, and this module's
-  go in: before a sharded module runs, its parameters are swapped for full-size copies
-  whose memory is not counted, and what FSDP2 allocates to gather them is (the flat
-  all-gather buffer, the parameters' own buffers); after it runs, they are freed as
-  FSDP2 frees them;
-* in backward, the same with FSDP2's backward prefetch, and at each module's
-  post-backward the reduce-scatter's input and output, after which the shard's
-  gradient is a view of the output and the full-size gradients are freed.
-
-The order and lifetimes follow ``_fsdp_param_group.py`` and ``_fsdp_collectives.py`` of
-torch 2.13 (and 2.11, which allocates and frees the same way) (``unshard``/``wait_for_unshard``/``post_backward``/
-``foreach_reduce``): the flat all-gather output of one module lives until the next
-module's copy-out in forward; the reduce-scatter input of one module lives until the
-next module's post-backward; the root is not resharded after forward. What the real
-run reads of private state is read in :func:`plan` only, to learn the modules, their
-parameters and options.
+FSDP2's own hooks make collectives and change state that other threads and ranks use, so the
+step runs unsharded and :class:`Emulation` plays FSDP2's part in the borrowing thread: each
+managed parameter lent as its shard, full-size copies swapped in around each module, FSDP2's
+buffers allocated and freed when it does. Order and lifetimes follow ``unshard``,
+``wait_for_unshard``, ``post_backward`` and ``foreach_reduce`` in ``_fsdp_param_group.py`` and
+``_fsdp_collectives.py`` (torch 2.13; 2.11 allocates the same). Only :func:`plan` reads
+FSDP2's private state.
 """
 
 from __future__ import annotations
@@ -76,12 +60,7 @@ class Unit:
 
 
 class Sharding:
-    """What the estimate plays of FSDP2: the world size and the sharded modules.
-
-    Args:
-        world (int): the ranks each parameter is sharded over.
-        units (list of Unit): the sharded modules, the root first.
-    """
+    """What the estimate plays of FSDP2: the ranks each parameter is sharded over, and the units, root first."""
 
     def __init__(self, world: int, units: list[Unit]) -> None:
         self.world = world
@@ -101,17 +80,7 @@ class Sharding:
         return torch.Size([padded_rows(size[0], self.world), *size[1:]])
 
     def shape_of(self, tensor: torch.Tensor, owner: torch.Tensor | None = None) -> torch.Size | None:
-        """Return the shape of one rank's copy of ``tensor``, or ``None`` if it is not sharded.
-
-        Args:
-            tensor (torch.Tensor): a tensor the call owns: a managed parameter, a
-                DTensor, or the gradient or optimizer state of a managed parameter.
-            owner (torch.Tensor, optional): the parameter whose gradient or state
-                ``tensor`` is.
-
-        Returns:
-            torch.Size or None: the padded shard's shape.
-        """
+        """Return the padded shape of one rank's copy of ``tensor`` (of ``owner``'s, for its grad or state), or None."""
         found = self._shapes.get(id(tensor))
         if found is not None:
             return found
@@ -123,11 +92,8 @@ class Sharding:
         return None
 
     def held(self, tensor: torch.Tensor) -> bool:
-        """Return whether ``tensor`` is one of FSDP2's gathered parameters (held by a module now, or swapped in later).
-
-        Its meta copy is made outside the run's accounting: the gathered buffers
-        the emulation allocates for its module stand for it.
-        """
+        """Return whether ``tensor`` is one of FSDP2's gathered parameters (held now, or swapped in later)."""
+        # Its meta copy is not counted: the gathered buffers the emulation allocates stand for it.
         return id(tensor) in self._held
 
     def gathered(self) -> list[torch.Tensor]:
@@ -135,14 +101,7 @@ class Sharding:
         return [tensor for unit in self.units for tensor in unit.swapped]
 
     def emulation(self, copy_of: Callable[[torch.Tensor], torch.Tensor | None]) -> Emulation:
-        """Return what plays FSDP2 in the run, given the copies lent for each tensor.
-
-        Args:
-            copy_of (callable): the lent meta copy of a tensor (``Loan.copy_of``).
-
-        Returns:
-            Emulation: not installed yet.
-        """
+        """Return what plays FSDP2 in the run (not installed yet), given the lent copies (``Loan.copy_of``)."""
         return Emulation(self, copy_of)
 
 
@@ -154,26 +113,9 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def plan(modules: Iterable[torch.nn.Module], fsdp: int | None) -> Sharding | None:
-    """Return what to play of FSDP2 for a call that reaches ``modules``, or ``None`` if nothing is sharded.
-
-    Modules sharded with ``fully_shard`` are read as they are (their mesh gives the
-    world size). With ``fsdp=N`` and no such module, the model is estimated as
-    FSDP2's usual recipe shards it over ``N`` ranks: every module held in an
-    ``nn.ModuleList`` is sharded (the outermost ones), then each outermost module
-    reached, as the root.
-
-    Args:
-        modules (iterable of torch.nn.Module): every module the call reaches.
-        fsdp (int or None): the world size to estimate for.
-
-    Returns:
-        Sharding or None: the plan.
-
-    Raises:
-        ValueError: if ``fsdp`` is not an int >= 1, or differs from the mesh of
-            the sharded modules.
-        NotImplementedError: for what the estimate cannot play (see the messages).
-    """
+    """Return what to play of FSDP2 over ``fsdp`` ranks for a call that reaches ``modules``; None if unsharded."""
+    # Modules already sharded with fully_shard are read as they are (their mesh gives the world).
+    # Otherwise, with fsdp=N, FSDP2's usual recipe: the outermost modules in an nn.ModuleList, then the root.
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1):
         raise ValueError(f"fsdp must be an int >= 1, the number of ranks to shard over, got {fsdp!r}")
     modules = list({id(module): module for module in modules}.values())
@@ -318,12 +260,7 @@ class _AfterBackward(torch.autograd.Function):
 
 
 class Emulation:
-    """FSDP2's allocations, played on meta tensors in the borrowing thread.
-
-    Args:
-        sharding (Sharding): the plan.
-        copy_of (callable): the lent copy of each tensor.
-    """
+    """FSDP2's allocations, played on meta tensors in the borrowing thread."""
 
     def __init__(self, sharding: Sharding, copy_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         self.world = sharding.world
@@ -371,13 +308,8 @@ class Emulation:
     # -- installing --
 
     def install(self, mark: Callable[[str, torch.Tensor], None]) -> None:
-        """Take FSDP2's forward hooks out of the borrower's hook dicts and put this one's in.
-
-        Call after the loan began: what it writes lands in the borrower's dicts.
-
-        Args:
-            mark (callable): gives a storage its category in the run's accounting.
-        """
+        """Take FSDP2's forward hooks out of the borrower's hook dicts and put this one's in; ``mark`` categorises."""
+        # After the loan began, so that what it writes lands in the borrower's dicts.
         self.mark = mark
         for unit in self.units:
             if unit.holding:

@@ -1,19 +1,9 @@
 """The torch versions the estimator's hand-written rules were checked on, and a warning outside them.
 
-Several of the estimator's rules restate what PyTorch does inside itself: which
-attention kernel runs, when a transformer layer takes its fused inference path,
-which operators autocast casts, when oneDNN runs a convolution, what the recurrent
-kernels hold, how CUDA's caching allocator rounds. PyTorch changes these between
-versions without notice, and an estimate made by last year's rules is silently off.
-:data:`RULE_SETS` ties each set to the torch minor versions it was checked on, and
-:func:`warn_if_unchecked`, which every estimate calls, warns once per process when
-the installed torch is outside one of them.
-
-"Checked" means: written against that version's source and behaviour on this
-project's machines and, where ``derived`` says so, derived again from the installed
-PyTorch by ``tests/test_tables.py``, so that a torch upgrade fails a test there. A
-version is added here only after such a check (or a run on the device, for what the
-CPU cannot derive), never by hope.
+Several rules restate what PyTorch does inside itself (attention kernels, autocast's lists,
+oneDNN's convolutions, recurrent kernels, CUDA's rounding), which changes between versions
+without notice. A version goes into :data:`RULE_SETS` only once checked: against its source
+and behaviour, or derived again by ``tests/test_tables.py`` (``derived``), or run on the device.
 """
 
 from __future__ import annotations
@@ -31,12 +21,7 @@ __all__ = ["RULE_SETS", "RuleSet", "checked_minor", "installed", "reset_warning"
 
 
 class RuleSet(NamedTuple):
-    """One set of rules the estimator takes from PyTorch, and the torch versions it was checked on.
-
-    ``name`` says what the rules decide, ``where`` where they live, ``checked`` the torch
-    minor versions (``"2.13"``) they were checked on, and ``derived`` what of them
-    ``tests/test_tables.py`` derives from the installed PyTorch (empty: nothing).
-    """
+    """One set of rules the estimator takes from PyTorch, and the torch minor versions it was checked on."""
 
     name: str
     where: str
@@ -120,29 +105,13 @@ _warned = False
 
 
 def checked_minor(version: str) -> str:
-    """Return the ``major.minor`` of a torch version, as :data:`RULE_SETS` lists them.
-
-    Args:
-        version (str): a version as ``torch.__version__`` gives it; local and
-            development builds (``2.13.0+cpu``, ``2.13.0a0+git1234abc``) count as
-            their release.
-
-    Returns:
-        str: ``"2.13"``, say; the version itself where it has no ``major.minor``.
-    """
+    """Return the ``major.minor`` of a torch version (``2.13.0a0+git1234abc`` counts as 2.13), else the version."""
     found = re.match(r"\s*(\d+)\.(\d+)", version)
     return f"{int(found.group(1))}.{int(found.group(2))}" if found else version
 
 
 def unchecked(version: str) -> list[RuleSet]:
-    """Return the rule sets not checked on torch ``version``.
-
-    Args:
-        version (str): a torch version, as ``torch.__version__`` gives it.
-
-    Returns:
-        list of RuleSet: those whose checked versions do not include its ``major.minor``.
-    """
+    """Return the rule sets not checked on torch ``version``'s ``major.minor``."""
     minor = checked_minor(version)
     return [rules for rules in RULE_SETS if minor not in rules.checked]
 
@@ -162,15 +131,7 @@ def _message(version: str, outside: list[RuleSet]) -> str:
 
 
 def warn_if_unchecked(version: str | None = None) -> None:
-    """Warn, once per process, when the installed torch is not one the rules were checked on.
-
-    After the first call this is a flag check. It warns a ``UserWarning`` that names
-    the version, and for each rule set outside it the versions it was checked on.
-
-    Args:
-        version (str, optional): the torch version to judge. Default: the
-            installed one (:data:`installed`).
-    """
+    """Warn, once per process (a flag check after that), when torch ``version`` is not one the rules were checked on."""
     global _warned
     if _warned:
         return

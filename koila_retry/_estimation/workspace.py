@@ -1,20 +1,10 @@
 """Memory that operators use inside a call, where the dispatcher never sees a tensor.
 
-On the CPU, oneDNN's convolutions convert their inputs to channel-blocked layouts
-(channels padded to the vector width) and compute into a blocked result, which is
-then reordered into PyTorch's dense output. Those buffers live only during the
-call, and on a small convolutional network they were a third of the real peak. The
-rules below were measured on this project's machines (oneDNN 3.12, AVX2) operator
-by operator, against the resident set of a child process, to within ~0.3 MiB per
-call; ``docs/performance.rst`` has the check on whole training steps.
-
-On CUDA, PyTorch's reduction kernel (``gpu_reduce_kernel`` in ``ATen/native/cuda/Reduce.cuh``)
-can split each output's inputs across several thread blocks; the blocks then meet in a staging
-buffer in global memory, with one semaphore per column of blocks, both taken from the caching
-allocator for the call. :func:`cuda_reduction_workspace` models them for the operators that reach
-that kernel directly: ``sum`` and ``mean`` (``mean`` has a kernel of its own on CUDA, built on the
-same launcher), and the bias gradient that ``convolution_backward`` sums outside cuDNN. On the H100
-run of 2026-11-25 the bias gradient of a ``[8192, 1024]`` float32 activation took 64 MiB this way.
+On the CPU, oneDNN's convolutions reorder into channel-blocked buffers that live only during
+the call (a third of a small CNN's real peak; measured here operator by operator, oneDNN 3.12,
+AVX2). On CUDA, PyTorch's reduction kernel (``Reduce.cuh``) can split an output's inputs across
+blocks, which meet in a staging buffer from the caching allocator (64 MiB for the bias gradient
+of a ``[8192, 1024]`` float32 activation on an H100). Also the CUDA allocator's rounding.
 """
 
 from __future__ import annotations
@@ -68,17 +58,7 @@ def _uses_onednn(
 
 
 def onednn_convolution_workspace(func: Any, args: tuple[Any, ...], out: Any) -> int:
-    """Return the bytes a CPU convolution holds during the call beyond its inputs and outputs.
-
-    Args:
-        func (OpOverload): the operator; anything but ``aten.convolution`` and
-            ``aten.convolution_backward`` uses none.
-        args (tuple): its positional arguments.
-        out (Tensor or tuple): what it returned.
-
-    Returns:
-        int: bytes alive during the call on top of its arguments and results.
-    """
+    """Return the bytes a CPU convolution (forward or backward) holds during its call beyond its tensors."""
     if func is _FORWARD:
         x, weight = args[0], args[1]
         stride, _padding, dilation, transposed, _output_padding, groups = args[3:9]
@@ -156,7 +136,7 @@ _MAX_VALUES_PER_THREAD = 256
 _SEMAPHORE = 4  # one int per column of blocks
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes, and rounds
 # allocations above 1 MiB up to whole 2 MiB pieces of its segments; the estimate rounds
-# storages (estimate.py) and workspaces (here) by it.
+# storages (recorder.py) and workspaces (here) by it.
 _CUDA_BLOCK = 512
 _CUDA_SMALL = 1 << 20
 _CUDA_LARGE_ROUND = 2 << 20
@@ -173,14 +153,7 @@ def cuda_rounding(nbytes: int) -> int:
 
 
 def cuda_card(device: torch.device) -> CudaCard:
-    """Return what the reduction launcher would read of ``device``, or :data:`ASSUMED_CARD` without CUDA.
-
-    Args:
-        device (torch.device): a CUDA device.
-
-    Returns:
-        CudaCard: its multiprocessors, threads per multiprocessor and warp size.
-    """
+    """Return what the reduction launcher would read of CUDA ``device``, or :data:`ASSUMED_CARD` without CUDA."""
     if not torch.cuda.is_available():
         return ASSUMED_CARD
     properties = torch.cuda.get_device_properties(device)
@@ -200,12 +173,9 @@ def _floor_power_of_two(n: int) -> int:
 def _iteration_order(
     sizes: Sequence[int], in_strides: Sequence[int], out_strides: Sequence[int]
 ) -> list[tuple[int, int, int]]:
-    """Return the reduction's dims as ``TensorIterator`` walks them: ``(size, output stride, input stride)``.
-
-    Fastest first: the reduced dims (output stride 0) go to the front, the rest by the input's
-    stride, ties to the smaller size; undecided pairs keep their places (its insertion sort skips
-    over them). Then neighbours that one stride covers are merged, and size-1 dims vanish.
-    """
+    """Return the reduction's dims as ``TensorIterator`` walks them, fastest first: (size, out stride, in stride)."""
+    # Reduced dims first, the rest by input stride, ties to the smaller size; pairs its insertion sort
+    # leaves undecided keep their places. Then neighbours one stride covers merge, and size-1 dims go.
     dims = [(sizes[i], out_strides[i], in_strides[i]) for i in reversed(range(len(sizes)))]
 
     def goes_after(a: tuple[int, int, int], b: tuple[int, int, int]) -> int:
@@ -262,31 +232,12 @@ def cuda_reduction_buffers(
     accumulator_size: int,
     card: CudaCard,
 ) -> tuple[int, int]:
-    """Return the staging buffer and semaphore bytes PyTorch's CUDA reduction kernel allocates for a call.
-
-    A model of ``setReduceConfig`` and ``ReduceConfig`` in ``ATen/native/cuda/Reduce.cuh``
-    as torch 2.13 ships it (NVIDIA's path, not ROCm's): blocks of at most 512 threads, a warp's
-    lanes along the fastest dim, warps splitting the inputs when each thread would otherwise sum
-    at least ``min(16 x warps, 256)`` values, and blocks splitting them when each thread still
-    sums 256 or more and the grid is smaller than what fills every multiprocessor. Split blocks
-    meet in a staging buffer of ``accumulator_size x outputs x blocks per output`` bytes, times
-    the block's width and the outputs a thread loads at once when the reduced dim is not the
-    fastest one.
-
-    Args:
-        x (Tensor): the input as the kernel reads it (any device; only its shape, strides,
-            storage offset and dtype are used).
-        dims (sequence of int or None): the dims reduced; ``None`` or empty for all.
-        out_strides (sequence of int): the result's strides in elements, one per dim of ``x``
-            (0 for a reduced dim the result does not keep).
-        accumulator_size (int): bytes of the kernel's accumulator (4 for float32, float16
-            and bfloat16).
-        card (CudaCard): the card's multiprocessors, threads per multiprocessor and warp size.
-
-    Returns:
-        tuple of int: the staging buffer's and the semaphores' bytes, unrounded; ``(0, 0)``
-        where no output's inputs are split across blocks.
-    """
+    """Return the unrounded staging buffer and semaphore bytes CUDA's reduction kernel allocates for ``x``."""
+    # A model of setReduceConfig/ReduceConfig in ATen/native/cuda/Reduce.cuh (torch 2.13, not ROCm):
+    # blocks of at most 512 threads, a warp's lanes along the fastest dim, warps splitting the inputs
+    # when a thread would sum min(16 x warps, 256) values or more, blocks splitting them when it still
+    # sums 256 or more and the grid does not fill every multiprocessor. out_strides: in elements, per
+    # dim of x, 0 for a reduced dim the result drops.
     ndim, item = x.dim(), x.element_size()
     reduced = set(range(ndim)) if not dims else {d % ndim for d in dims}
     sizes = list(x.shape)
@@ -393,23 +344,7 @@ def _reduction_bytes(x: torch.Tensor, dims: Sequence[int] | None, result: torch.
 
 
 def cuda_reduction_workspace(func: Any, args: tuple[Any, ...], out: Any, card: CudaCard = ASSUMED_CARD) -> int:
-    """Return the bytes a CUDA reduction allocates during its call beyond its input and result.
-
-    The staging buffer and semaphores of :func:`cuda_reduction_buffers`, each rounded as the
-    caching allocator rounds; for an input whose dtype the kernel does not read (an integer
-    summed into int64, say), the copy it reads instead.
-
-    Args:
-        func (OpOverload): the operator; ``aten.sum`` and ``aten.mean`` (all dims or the dims
-            given) and ``aten.convolution_backward`` asked for a bias gradient are modelled,
-            anything else uses none.
-        args (tuple): its positional arguments (tensors may be meta tensors).
-        out (Tensor or tuple): what it returned.
-        card (CudaCard): the card. Default: :data:`ASSUMED_CARD`.
-
-    Returns:
-        int: bytes alive during the call on top of its arguments and results.
-    """
+    """Return the bytes ``sum``, ``mean`` or a bias gradient allocates on CUDA during its call, rounded."""
     lists_dims = _REDUCTIONS.get(func)
     if lists_dims is not None:
         dims = args[1] if lists_dims and len(args) > 1 else None
@@ -423,15 +358,7 @@ def cuda_reduction_workspace(func: Any, args: tuple[Any, ...], out: Any, card: C
 
 
 def device_workspace(device: torch.device) -> Callable[[Any, tuple[Any, ...], Any], int] | None:
-    """Return what gives the bytes an operator holds during its call on ``device``, beyond its tensors.
-
-    Args:
-        device (torch.device): the device the estimate is for.
-
-    Returns:
-        callable or None: ``workspace(func, args, out) -> bytes``, or ``None`` where
-        no operator's own buffers are modelled.
-    """
+    """Return ``workspace(func, args, out) -> bytes`` for ``device``, or ``None`` where none is modelled."""
     if device.type == "cpu":
         return onednn_convolution_workspace
     if device.type == "cuda" and torch.version.hip is None:

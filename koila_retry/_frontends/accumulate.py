@@ -38,7 +38,8 @@ from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
 from koila_retry._diagnostics import exhausted
-from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
+from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
+from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
 from koila_retry._frontends.combine import Results, describe, loss_of

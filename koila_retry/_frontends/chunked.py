@@ -31,7 +31,8 @@ from koila_retry._core.engine import Attempt, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._diagnostics import exhausted
-from koila_retry._estimation.estimate import AUTO, AutoFirst, MemoryEstimate, check_auto, estimate_batch
+from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
+from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends.batch import Batched, bindable, refuse_generator, unwrap_binding, with_controller
 
 if TYPE_CHECKING:

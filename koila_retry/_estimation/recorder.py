@@ -1,0 +1,368 @@
+"""The dispatch mode under which a call runs on meta tensors, counting the bytes it would hold.
+
+Everything stays on the meta device: a tensor asked for elsewhere is made there, a real
+tensor an operator is given is read through a meta copy, and a read of a value answers
+a placeholder, which the estimate notes unless an optimizer or a gradient scaler read it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.utils.module_tracker import ModuleTracker
+
+from koila_retry._common.tensors import tensors_in
+from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._estimation.autocast import settle
+from koila_retry._estimation.fit import CATEGORIES, Moment
+
+__all__ = ["META", "Recorder", "Truths", "Workspace", "inexact_operators"]
+
+META = torch.device("meta")
+
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_GLOBAL = frozenset({"Global"})  # what torch's ModuleTracker calls being in no module
+
+# Bytes an operator holds during its call beyond its arguments and results.
+Workspace = Callable[[Any, tuple[Any, ...], Any], int]
+
+
+# --- what the estimate knows it does not model exactly -----------------------------
+
+# A value read from a tensor outside an optimizer step, by its kind: what it reads as, and
+# what is made of such reads. The optimizer's own reads (its step count) and a gradient
+# scaler's (whether any gradient is infinite) read as a step that is taken, which is what
+# the estimate models; they are not noted.
+_VALUE_READS = {
+    "integer": ("1", "sizes and branches made from it"),
+    "float": ("0.0", "branches and sizes made from it (a NaN guard, a threshold)"),
+    "truth value": (
+        "False, or what the check it came from usually finds (finite values, no NaN, all() of those, "
+        "torch.equal and torch.allclose true)",
+        "the branches taken (`if t:`, `if x.sum() > 0:`, `if torch.isfinite(loss):`)",
+    ),
+}
+_VALUE_READ = (
+    "outside an optimizer step, the value reads as a placeholder, {placeholder}, since meta tensors hold none: "
+    '{what} may differ from those of the real run. Where the device can be measured, initial="auto" and '
+    "suggest_batch_size(calibrate=True) measure a real run instead"
+)
+# torch.amp's gradient scaler, whose reads of its inf checks the estimate answers as "none found".
+_SCALER_FILE = ("torch", "amp", "grad_scaler.py")
+_CUDNN_CONVOLUTION = (
+    "convolution: the workspace cuDNN takes on CUDA is not modelled (on an H100 a backward took 280 MiB): "
+    'the estimate may be below the real peak; initial="auto" measures it on the device'
+)
+
+
+def inexact_operators(device: torch.device) -> dict[Any, str]:
+    """Return the note (``"what: why"``) of each operator always inexact on ``device``, for the estimate's notes."""
+    # What is inexact only in some cases is noted by the code that models it, with
+    # Recorder.note_inexact: value reads (Recorder.placeholder), attention.py, recurrent.py.
+    # Operators whose result's shape depends on values (nonzero, masked_select) cannot
+    # run on meta tensors at all: the estimate fails with their error instead.
+    if device.type != "cuda":
+        return {}
+    return {
+        torch.ops.aten.convolution.default: _CUDNN_CONVOLUTION,
+        torch.ops.aten.convolution_backward.default: _CUDNN_CONVOLUTION,
+    }
+
+
+# --- one run on meta tensors ------------------------------------------------------
+
+
+class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
+    """Count live storages, by phase and category, with the peaks of each phase and module."""
+
+    def __init__(
+        self,
+        round_bytes: Callable[[int], int] | None,
+        workspace: Workspace | None,
+        inexact: Mapping[Any, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.workspace = workspace
+        self.inexact = inexact or {}  # operator -> its note (see inexact_operators)
+        self.notes: dict[str, None] = {}  # what the run could not model exactly, in the order met
+        self.category = "inputs"
+        self.running = False
+        self.in_step = 0
+        self.clock = 0
+        # Every storage with the clock at which it was made and freed: whether it became a gradient
+        # or optimizer state is known only later, so the categories at each moment are summed after the run.
+        self.entries: list[list[Any]] = []  # [bytes, category, made at, freed at or None, bytes unrounded]
+        self.index: dict[int, int] = {}  # id of a live storage -> its entry
+        self.observed: list[tuple[int, int, str, frozenset[str]]] = []  # (clock, transient bytes, phase, modules)
+        self.modules: ModuleTracker | None = None
+        self.reclassify: Callable[[], None] | None = None
+        self._callback_queued = False
+        self.truths = Truths()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is _LOCAL_SCALAR:
+            return self.placeholder(args[0])
+        settle()  # autocast's cached casts go when its region ends, before anything after it allocates
+        known = self.inexact.get(func)
+        if known is not None:
+            self.notes[known] = None
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and device != META:
+            # A tensor asked for on another device (x.to("cuda"), .cpu(), device="cpu")
+            # is made on the meta device too: everything stays shapes without data.
+            kwargs = {**kwargs, "device": META}
+        seen: set[int] = set()
+        args = _on_meta(args, seen, func)
+        if kwargs:
+            kwargs = _on_meta(kwargs, seen, func)
+        out = func(*args, **kwargs)
+        fresh = False
+        for tensor in tensors_in(out):
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key not in seen and key not in self._storages:
+                seen.add(key)
+                self._add(storage)
+                fresh = True
+        if self.running:
+            transient = self.workspace(func, args, out) if self.workspace is not None else 0
+            if fresh or transient:
+                self._observe(transient)
+        rule = _TRUTH_RULES.get(func)
+        if rule is not None and isinstance(out, torch.Tensor):
+            self.truths.remember(out, rule, args)
+        return out
+
+    def placeholder(self, tensor: torch.Tensor) -> Any:
+        """Return what ``tensor``'s values read as, and note the read; see ``reads.py`` for reads of many."""
+        # Meta tensors hold no values. An optimizer reads its step count (1 keeps the
+        # bias corrections finite); elsewhere 0 and False keep checks for infinities
+        # (a gradient scaler's, say) from skipping the step, and a truth value is what
+        # the checks it came from usually find (see Truths). Every other read is noted:
+        # whatever it decides, it decides from the placeholder.
+        dtype = tensor.dtype
+        value: bool | float | int
+        if dtype == torch.bool:
+            kind, value = "truth value", self.truths.usual(tensor)
+        elif dtype.is_floating_point or dtype.is_complex:
+            kind, value = "float", 1.0 if self.in_step else 0.0
+        else:
+            kind, value = "integer", 1
+        if not self.in_step and not _in_scaler():
+            placeholder, what = _VALUE_READS[kind]
+            self.note_inexact(
+                f"reading {'an' if kind == 'integer' else 'a'} {kind} from a tensor",
+                _VALUE_READ.format(placeholder=placeholder, what=what),
+            )
+        return value
+
+    def note_inexact(self, operator: str, why: str) -> None:
+        """Note once that the run met ``operator`` (as a user knows it) in a case it models inexactly, and ``why``."""
+        self.notes[f"{operator}: {why}"] = None
+
+    def phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "optimizer step" if self.in_step else "forward"
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, raw = id(storage), storage.nbytes()
+        nbytes = raw if self.round_bytes is None else self.round_bytes(raw)
+        if self.running:
+            phase = self.phase()
+            category = "activations" if phase == "forward" else "temporaries"
+            if phase == "backward" and not self._callback_queued and self.reclassify is not None:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        else:
+            category = self.category
+        self.clock += 1
+        index = len(self.entries)
+        self.entries.append([nbytes, category, self.clock, None, raw])
+        self.index[key] = index
+        entries, table = self.entries, self.index
+
+        def forget(_: object) -> None:
+            if self._storages.pop(key, None) is not None:
+                if table.get(key) == index:
+                    del table[key]
+                self.clock += 1
+                entries[index][3] = self.clock
+                self.live -= nbytes
+
+        self._storages[key] = weakref.ref(storage, forget)
+        self.live += nbytes
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        if self.reclassify is not None:
+            self.reclassify()
+
+    def _observe(self, transient: int) -> None:
+        parents = self.modules.parents if self.modules is not None else ()
+        self.observed.append((self.clock, transient, self.phase(), frozenset(parents) - _GLOBAL))
+
+    def mark(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Give the storages of these tensors, where logged and alive, their category."""
+        for category, tensor in tensors:
+            try:
+                key = id(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            index = self.index.get(key)
+            if index is not None:
+                self.entries[index][1] = category
+
+    def start(self) -> None:
+        """End the set-up: what is alive now is the start of the forward phase."""
+        self.running = True
+        self._observe(0)
+
+    def moments(self) -> list[Moment]:
+        """Return every moment observed, with the bytes alive by their final category."""
+        slot = {category: index for index, category in enumerate(CATEGORIES)}
+        changes: list[tuple[int, int, int, int]] = []  # (clock, category, bytes, bytes unrounded)
+        for nbytes, category, made, freed, raw in self.entries:
+            changes.append((made, slot[category], nbytes, raw))
+            if freed is not None:
+                changes.append((freed, slot[category], -nbytes, -raw))
+        changes.sort(key=lambda change: change[0])
+        parts, raw_parts, moments, position = [0] * len(CATEGORIES), [0] * len(CATEGORIES), [], 0
+        temporaries = slot["temporaries"]
+        for clock, transient, phase, modules in self.observed:
+            while position < len(changes) and changes[position][0] <= clock:
+                _, category, nbytes, raw = changes[position]
+                parts[category] += nbytes
+                raw_parts[category] += raw
+                position += 1
+            now, raw_now = list(parts), list(raw_parts)
+            now[temporaries] += transient
+            raw_now[temporaries] += transient
+            moments.append(Moment(sum(now), sum(raw_now), phase, modules, tuple(now), tuple(raw_now)))
+        return moments
+
+
+_aten = torch.ops.aten
+# What a truth value made by these operators usually is, for a read of it on meta tensors:
+# ``True``/``False``; ``"not"``, ``"and"``, ``"or"`` of their arguments' usual values;
+# ``"all"``/``"any"``, their argument's, or (when nothing is known of it) True for all()
+# (validations: every mask entry set, every position in order) and False for any()
+# (a NaN anywhere, an ignored label); ``"self"``: whether both arguments are one tensor
+# (``x == x`` holds where x is not NaN; ``isfinite`` is made of it).
+_TRUTH_KINDS: dict[str, bool | str] = {
+    "isnan": False,
+    "isinf": False,
+    "isposinf": False,
+    "isneginf": False,
+    "logical_not": "not",
+    "bitwise_not": "not",
+    "logical_and": "and",
+    "bitwise_and": "and",
+    "mul": "and",
+    "logical_or": "or",
+    "bitwise_or": "or",
+    "all": "all",
+    "any": "any",
+    "eq": "self",
+    "ne": "finite",
+}
+_TRUTH_RULES: dict[Any, bool | str] = {
+    getattr(getattr(_aten, name), overload): kind
+    for name, kind in _TRUTH_KINDS.items()
+    for overload in getattr(_aten, name).overloads()
+}
+
+
+class Truths:
+    """What the truth values of a meta run (made by ``_TRUTH_RULES``) usually are, per live tensor."""
+
+    def __init__(self) -> None:
+        self._usual: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+
+    def usual(self, tensor: torch.Tensor) -> bool:
+        """Return what ``tensor``'s value usually is; ``False`` if nothing is known of it."""
+        return self._known(tensor) is True
+
+    def _known(self, value: Any) -> bool | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        found = self._usual.get(id(value))
+        return found[1] if found is not None and found[0]() is value else None
+
+    def remember(self, out: torch.Tensor, rule: bool | str, args: tuple[Any, ...]) -> None:
+        """Remember what ``out``, made by an operator of rule ``rule`` from ``args``, usually is."""
+        if out.dtype != torch.bool:
+            return
+        first = self._known(args[0]) if args else None
+        second = self._known(args[1]) if len(args) > 1 else None
+        if isinstance(rule, bool):
+            usual: bool | None = rule
+        elif rule == "not":
+            usual = None if first is None else not first
+        elif rule == "and":
+            usual = None if first is None or second is None else first and second
+        elif rule == "or":
+            usual = None if first is None or second is None else first or second
+        elif rule == "all":
+            usual = True if first is None else first
+        elif rule == "any":
+            usual = False if first is None else first
+        elif rule == "self":  # x == x: not NaN
+            usual = True if len(args) > 1 and args[0] is args[1] else None
+        else:  # x != inf: finite
+            usual = True if len(args) > 1 and isinstance(args[1], float) and math.isinf(args[1]) else None
+        if usual is not None:
+            if len(self._usual) > 4096:  # a long run's dead entries: forget them
+                self._usual = {key: entry for key, entry in self._usual.items() if entry[0]() is not None}
+            self._usual[id(out)] = (weakref.ref(out), usual)
+
+
+def _in_scaler() -> bool:
+    """Return whether torch.amp's gradient scaler is on the stack (a read of its inf checks)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        parts = frame.f_code.co_filename.replace("\\", "/").rsplit("/", 3)[-3:]
+        if tuple(parts) == _SCALER_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
+    """Return an operator's arguments with every tensor on the meta device; note their storages."""
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type == "meta":
+            seen.add(id(tree.untyped_storage()))
+            return tree
+        if tree.requires_grad:
+            raise RuntimeError(
+                f"running the call on meta tensors, {func} was given a real tensor of shape {tuple(tree.shape)} "
+                "that requires grad, "
+                "which the call reached some way other than through a module or optimizer it can see (as an "
+                "argument, in its closure, in a global it names, or bound as self), so autograd would write to "
+                "it. Pass that module, or a function that closes over it"
+            )
+        # A real tensor reached other than through a module or optimizer (a constant in a closure):
+        # read through a meta copy, never written, not counted.
+        copy = torch.empty_strided(tree.size(), tree.stride(), dtype=tree.dtype, device=META)
+        seen.add(id(copy.untyped_storage()))
+        return copy
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_on_meta(item, seen, func) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _on_meta(value, seen, func) for key, value in tree.items()}
+    return tree
