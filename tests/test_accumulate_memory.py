@@ -71,20 +71,29 @@ def _hand_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -
         (F.mse_loss(model(xb), yb) * (len(xb) / len(x))).backward()  # type: ignore[no-untyped-call]
 
 
-def _step(model: nn.Module, parts: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    @koila.accumulate(initial=ROWS // parts if parts > 1 else None, cache=koila.NoCache())
+def _engine(loss: torch.Tensor, **options: object) -> None:
+    """A training engine's ``backward=``, as accelerate's calls ``torch.autograd.backward``."""
+    torch.autograd.backward(loss / 1, **options)  # type: ignore[arg-type]
+
+
+def _step(model: nn.Module, parts: int, engine: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    backward = {"backward": _engine} if engine else {}
+
+    @koila.accumulate(initial=ROWS // parts if parts > 1 else None, cache=koila.NoCache(), **backward)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(model(x), y)
 
     return step
 
 
+@pytest.mark.parametrize("engine", [False, True], ids=["plain", "engines-backward"])
 @pytest.mark.parametrize("parts", [1, PARTS], ids=["whole", "split-in-4"])
-def test_with_grad_none_a_step_peaks_at_the_plain_steps_or_hand_loops_memory(parts: int) -> None:
+def test_with_grad_none_a_step_peaks_at_the_plain_steps_or_hand_loops_memory(parts: int, engine: bool) -> None:
+    """An engine's ``backward=`` too: each backward it starts runs into ``.grad`` as a plain one."""
     model = _model()
     hand = copy.deepcopy(model)
     x, y = _batch()
-    step = _step(model, parts)
+    step = _step(model, parts, engine)
     koila_peak = _peak(lambda: step(x, y))
     hand_peak = _peak(lambda: _hand_loop(hand, x, y, parts))
     assert koila_peak <= 1.02 * hand_peak, (koila_peak, hand_peak)
@@ -92,15 +101,16 @@ def test_with_grad_none_a_step_peaks_at_the_plain_steps_or_hand_loops_memory(par
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("engine", [False, True], ids=["plain", "engines-backward"])
 @pytest.mark.parametrize("parts", [1, PARTS], ids=["whole", "split-in-4"])
-def test_with_grad_present_a_step_needs_one_gradient_buffer_more_than_the_hand_loop(parts: int) -> None:
+def test_with_grad_present_a_step_needs_one_gradient_buffer_more_than_the_hand_loop(parts: int, engine: bool) -> None:
     """The gradients from before are moved aside: the step's own are one buffer, added into them at the end."""
     model = _model()
     hand = copy.deepcopy(model)
     x, y = _batch()
     given, by_hand = _give_grads(model), _give_grads(hand)
     values = [g.clone() for g in given]
-    step = _step(model, parts)
+    step = _step(model, parts, engine)
     koila_peak = _peak(lambda: step(x, y))
     hand_peak = _peak(lambda: _hand_loop(hand, x, y, parts))
     assert koila_peak <= hand_peak + _gradient_bytes(model) + SLACK, (koila_peak, hand_peak, _gradient_bytes(model))

@@ -43,7 +43,7 @@ from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
 from koila_retry._frontends.combine import Results, describe, loss_of
-from koila_retry._frontends.gradients import Backward, Gradients, Scaled, backward_of, plain_backward
+from koila_retry._frontends.gradients import Backward, Gradients, backward_of, plain_backward
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -343,9 +343,6 @@ class _Accumulator:
     ) -> None:
         self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
         self.backward, self.device, self.auto = backward, device, auto
-        # Whether a call may write .grad directly (see Gradients): with a plain backward or a
-        # GradScaler's; an engine's backward= may do more than a backward, and is captured.
-        self.direct = backward is plain_backward or type(backward) is Scaled
         self.identity = function_identity(fn)
         self.warned_batchnorm = False
         self.warned_checkpoint = False
@@ -377,8 +374,10 @@ class _Accumulator:
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
             sync.before_step()
-        # Under a process group, DDP's hooks would see a direct backward: captured, as before.
-        gradients = Gradients(self.direct and sync is None and not distributed.is_running())
+        # Direct into .grad where nothing else may see it (see Gradients), an engine's backward=
+        # included: each backward it starts is seen there. Under a process group, DDP's hooks
+        # would see a direct backward: captured.
+        gradients = Gradients(sync is None and not distributed.is_running())
 
         def work(size: int) -> Results:
             if sync is None:

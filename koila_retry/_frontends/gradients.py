@@ -194,6 +194,26 @@ class Gradients:
         with Capture(self):
             run(loss, retain)
 
+    def started(self, call: BackwardCall, plain: Callable[[], None]) -> None:
+        """Run a backward that an engine's ``backward=`` started: into ``.grad`` on the direct path, else captured.
+
+        Args:
+            call (BackwardCall): the backward as it was asked for.
+            plain (callable): runs it as it was asked for, writing ``.grad``.
+        """
+        # Only the plain form writes exactly the leaves a walk of its outputs finds; the
+        # others (some inputs only, a graph of the gradients) are captured as before.
+        if (
+            self.direct
+            and not call.create_graph
+            and call.inputs is None
+            and all(isinstance(output, torch.Tensor) for output in call.outputs)
+            and all(self._expose(output) for output in call.outputs)
+        ):
+            plain()
+            return
+        self.capture(call, plain)
+
     def _expose(self, loss: torch.Tensor) -> bool:
         """Get the leaves a backward of ``loss`` writes ready for a direct backward; return whether it may run.
 
@@ -660,7 +680,7 @@ class InFlight:
         self.waiting = 0
 
     def take(self, owner: Gradients, keys: Sequence[int]) -> bool:
-        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another step holds any.
+        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any.
 
         Args:
             owner (Gradients): the step.
@@ -845,5 +865,5 @@ class Capture(TorchFunctionMode):
             call = _autograd_backward(*args, **kwargs)
         else:
             return func(*args, **kwargs)
-        self.gradients.capture(call, lambda: func(*args, **kwargs))
+        self.gradients.started(call, lambda: func(*args, **kwargs))
         return None
