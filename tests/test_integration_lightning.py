@@ -553,3 +553,75 @@ def test_an_on_before_zero_grad_hook_sees_the_gradients_it_sees_without_the_call
                 assert gradient is None
             else:
                 torch.testing.assert_close(gradient, wanted, rtol=1e-12, atol=1e-12)
+
+
+class OwnBackward(MLP):
+    """A module whose ``backward`` is its own: each micro-batch's backward goes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backwards = 0
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.backwards += 1
+        loss.backward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["lightnings-backward", "the-modules-own"])
+def test_a_split_step_runs_the_modules_backward_only_where_it_is_its_own(
+    own: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's own backward is a plain one: the micro-batches run it as ``accumulate``'s default.
+
+    The loop's backward of each step goes through ``LightningModule.backward`` either way;
+    a module's own ``backward`` also runs once per micro-batch, as a hand loop through it
+    would.
+    """
+    calls = [0]
+    plain_backward = L.LightningModule.backward
+
+    def counted(module: Any, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        plain_backward(module, loss, *args, **kwargs)
+
+    if not own:  # counted, and still Lightning's own: the class attribute itself
+        monkeypatch.setattr(L.LightningModule, "backward", counted)
+    reference = MLP()
+    trainer().fit(reference, loader(rows=128))
+    model = OwnBackward() if own else MLP()
+    events: list[Any] = []
+    calls[0] = 0
+    fitting = trainer(OOMRecovery(on_oom=events.append))
+    with simulated_device(FIT_LIMIT):
+        fitting.fit(model, loader(rows=128))
+    assert events, "the training step never ran out of memory: the limit is too high to test anything"
+    steps = fitting.global_step
+    if own:
+        assert model.backwards > 2 * steps, "every micro-batch's backward through the module's own"
+    else:
+        assert calls[0] == steps, "the loop's backward only, once per step"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class PositionalLog(MLP):
+    """Logs with ``prog_bar`` given by position, which the held-back call binds by name."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, True)
+        return loss
+
+
+def test_a_log_call_with_positional_options_is_replayed_as_called() -> None:
+    reference = PositionalLog()
+    unlimited = trainer()
+    unlimited.fit(reference, loader(rows=128))
+    model = PositionalLog()
+    limited = trainer(OOMRecovery())
+    with simulated_device(FIT_LIMIT):
+        limited.fit(model, loader(rows=128))
+    assert "train_loss" in limited.progress_bar_metrics, "prog_bar=True, given by position, reached Lightning"
+    torch.testing.assert_close(
+        limited.callback_metrics["train_loss"], unlimited.callback_metrics["train_loss"], rtol=1e-12, atol=1e-12
+    )

@@ -230,7 +230,7 @@ class _Step:
         self.trainer: pl.Trainer | None = None
         self.module: pl.LightningModule | None = None
         self.target: Callable[..., Any] = _unset
-        self.owner: type | None = None
+        self.owner: tuple[type, bool] | None = None  # the module class and whether its backward is plain
         self.run: Callable[..., Any] = _unset
         self.unsplit: Callable[..., Any] = _unset  # runs a batch that cannot be split, whole (see _call)
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
@@ -241,6 +241,7 @@ class _Step:
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
         self.signature: inspect.Signature | None = None  # of the module's log, to bind its calls
+        self.keywords: frozenset[str] = frozenset()  # its parameters' names
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
 
@@ -249,9 +250,17 @@ class _Step:
         self.target = getattr(module, self.name)
         self.log = module.log
         self.signature = inspect.signature(self.log)
-        if self.owner is not type(module):  # a new decorated step per module class: its own cache
-            self.owner = type(module)
-            self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}")
+        self.keywords = frozenset(self.signature.parameters)
+        # Where the loop's backward is Lightning's own without a scaler, a micro-batch's is
+        # loss.backward(), run as accumulate's default: no engine to go through.
+        plain = (
+            self.train
+            and _plain_backward(trainer, module)
+            and getattr(trainer.precision_plugin, "scaler", None) is None
+        )
+        if self.owner != (type(module), plain):  # a new decorated step per module class: its own cache
+            self.owner = (type(module), plain)
+            self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", plain)
         run = self._train if self.train else self._evaluate
 
         @functools.wraps(self.target)
@@ -272,7 +281,7 @@ class _Step:
             raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
         return self.trainer, self.module
 
-    def _decorated(self, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _decorated(self, name: str, plain: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """Return the step as ``koila.accumulate`` runs it, named after the module's own, and as it runs whole."""
         if self.train:
 
@@ -308,7 +317,7 @@ class _Step:
         # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
         decorate = accumulator(
             initial=initial,
-            backward=self._backward if self.train else None,
+            backward=self._backward if self.train and not plain else None,
             averages=False,
             options=cast(Options, options),
         )
@@ -462,8 +471,11 @@ class _Step:
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Hold back a call of ``self.log`` until the step succeeded."""
-        signature = self.signature or inspect.signature(self.log)
-        call = dict(signature.bind(name, value, *args, **kwargs).arguments)
+        if not args and kwargs.keys() <= self.keywords:  # keywords only, as usual: the call as bind makes it
+            call = {"name": name, "value": value, **kwargs}
+        else:
+            signature = self.signature or inspect.signature(self.log)
+            call = dict(signature.bind(name, value, *args, **kwargs).arguments)
         if isinstance(value, torch.Tensor) and not call.get("enable_graph", False):
             call["value"] = value.detach()  # as Lightning keeps it: the graph would hold the activations
         self.logging.append(call)
