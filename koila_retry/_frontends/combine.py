@@ -43,17 +43,7 @@ class Results:
         self.columns: list[list[Any]] = []
 
     def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
-        """Check one micro-batch's result, keep its parts, and return its loss.
-
-        Args:
-            result (Any): what the step returned for the micro-batch.
-            weight (float): the micro-batch's share, as its loss is weighted.
-            rows (int): the micro-batch's rows: a tensor with as many along ``dim``
-                has one per row, and is joined.
-
-        Returns:
-            torch.Tensor: the loss.
-        """
+        """Check one micro-batch's result, keep its parts (weighted by ``weight``), and return its loss."""
         loss = loss_of(result, self.step.controller.name)
         if loss is result:  # the usual case, kept without flattening
             if self.spec is None:
@@ -80,6 +70,12 @@ class Results:
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
+
+    @staticmethod
+    def _whole(kind: str, column: list[Any]) -> bool:
+        if kind == _DROP:
+            return not column
+        return len(column) == 1 and (kind == _JOIN or column[0][1] == 1.0)
 
     def _changed(self, spec: TreeSpec) -> NoReturn:
         raise ValueError(
@@ -139,6 +135,13 @@ class Results:
     def finish(self) -> Any:
         if self.spec is _LEAF_SPEC and len(self.columns[0]) == 1:  # one loss, as it came
             return self.columns[0][0][0]
+        if all(self._whole(kind, column) for kind, column in zip(self.kinds, self.columns, strict=True)):
+            # One micro-batch of weight 1, the whole batch: each part as it came (detached).
+            parts = [
+                None if kind == _DROP else column[0] if kind == _JOIN else column[0][0]
+                for kind, column in zip(self.kinds, self.columns, strict=True)
+            ]
+            return tree_unflatten(parts, cast(TreeSpec, self.spec))
         combined: list[Any] = []
         for kind, column in zip(self.kinds, self.columns, strict=True):
             if kind == _DROP:
@@ -178,12 +181,9 @@ class Results:
 
 
 def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
-    """Return a loss or another number of a result detached, copied if it is a view of a larger storage.
-
-    Kept until the step ends, each micro-batch's loss would otherwise hold all of its
-    storage: the CPU's ``mse_loss`` returns its mean in the buffer of the elementwise
-    losses, as large as the model's output.
-    """
+    """Return a loss or another number of a result detached, copied if it is a view of a larger storage."""
+    # Kept until the step ends, a view would hold its whole storage: the CPU's mse_loss returns its
+    # mean in the buffer of the elementwise losses, as large as the model's output.
     kept = tensor.detach()
     try:
         larger = kept.untyped_storage().nbytes() > kept.numel() * kept.element_size()
