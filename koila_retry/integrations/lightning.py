@@ -1,77 +1,12 @@
 """Lightning: ``OOMRecovery``, a callback that runs a step that does not fit as micro-batches.
 
-``trainer = Trainer(callbacks=[OOMRecovery()])`` makes an unchanged ``LightningModule``
-with automatic optimisation survive out-of-memory errors without changing its training:
-the batch stays the batch the data loader gave, and the optimizer step, gradient
-clipping and schedulers see that whole batch's gradient, once.
-
-How it works. In ``setup`` the callback puts a wrapper in front of the module's
-``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` (instance
-attributes, removed in ``teardown``); the class and the trainer are not changed.
-
-* ``training_step`` runs through :func:`koila_retry.accumulate` from the first step on,
-  with the trainer's precision plugin as its ``backward=``: each micro-batch's loss,
-  weighted by its share of the rows, is scaled by the plugin's gradient scaler, if any
-  (16-bit AMP), and its backward runs through ``precision_plugin.backward``, that is
-  through the module's own ``backward`` hook. The whole batch is tried first; an
-  out-of-memory error, in the forward or in the backward, throws that attempt's
-  gradients away and runs the step again in micro-batches (the engine releases the
-  memory outside the ``except`` block, as everywhere in koila-retry). The backward has
-  to run inside ``training_step`` for that: after it returns, an out-of-memory error in
-  the loop's own backward could not be recovered, since the loop holds the whole
-  batch's graph.
-* The step's gradients never stay in ``.grad``: Lightning calls ``zero_grad`` after
-  ``training_step`` and before the backward. The gradients already in ``.grad`` are
-  released as the step begins where that ``zero_grad`` is about to set them to ``None``
-  (the first batch of each group of ``accumulate_grad_batches``, with Lightning's and
-  PyTorch's own ``zero_grad`` and no ``on_before_zero_grad`` hook), so the step runs in
-  the memory of a hand-written loop; elsewhere they are set aside while the step runs
-  and put back after it. The step's own gradients, which ``accumulate`` leaves in
-  ``.grad``, are then taken out. ``training_step`` returns the whole batch's loss
-  (detached, the weighted sum of the micro-batches') as the output of a small autograd
-  function of the parameters, whose backward hands those gradients over. So the loop's own backward,
-  ``trainer.strategy.backward``, runs once per batch as it always does: its scaling
-  and its ``1/accumulate_grad_batches``, the ``on_before_backward`` and
-  ``on_after_backward`` hooks, then ``optimizer_step``, the scaler's unscaling, gradient
-  clipping and schedulers all see the whole batch, once. No forward graph reaches that
-  backward, so nothing runs backward twice.
-* ``validation_step``, ``test_step`` and ``predict_step`` run through ``accumulate``
-  with no backward (the loop runs them under ``inference_mode`` or ``no_grad``): whole
-  until one runs out of memory, then in chunks, whose outputs are joined as
-  ``accumulate`` joins them (tensors with a row per row; numbers and 0-dimensional
-  tensors weighed by rows, so a mean stays the batch's mean; counts added up), so they
-  are the whole batch's.
-* Under DDP (``strategy="ddp"``), Lightning runs ``training_step`` inside DDP's
-  forward. The ranks agree on every micro-batch size, evaluation steps' included, so a
-  rank that runs out of memory makes every rank run the same step again in
-  micro-batches (or give up with it) instead of leaving the others in a collective.
-  The micro-batches call the module itself, not DDP, so they make no collective of
-  their own, and the step's gradients reach the loop's backward through DDP: DDP
-  all-reduces them there, once per batch, as it always does (its communication hook,
-  ``no_sync`` under ``accumulate_grad_batches`` and unused parameters included).
-* ``self.log`` inside a wrapped step is held back while the step runs and replayed
-  once it succeeded: as it was called when the step ran whole; once per name, with the
-  values of the successful attempt's micro-batches combined by ``reduce_fx`` (a mean
-  weighted by rows, a sum, a max or a min) and ``batch_size`` the rows, when it was
-  split. Values logged by failed attempts are dropped.
-* A ``training_step`` that returns ``None``, Lightning's "skip this batch", is
-  skipped: no gradient of it reaches ``.grad``, and Lightning goes on as it does
-  without the callback. Split, a ``None`` from any micro-batch skips the whole batch
-  (a guard against a non-finite loss returns ``None`` for the batch whole), and what
-  the micro-batches computed and logged is dropped, as a failed attempt's is.
-* A batch that ``accumulate`` cannot take apart (an object of a class of its own,
-  such as PyTorch Geometric's ``Batch``; tensors that do not share their rows) runs
-  whole, as without the callback; if it runs out of memory, ``BatchSizeExhausted``
-  says why it could not be split and how to make it splittable.
-
-What it does not do (yet): manual optimisation (``training_step`` is left as it is,
-with a warning; use :func:`koila_retry.accumulate` inside it); strategies other than
-one device and DDP (FSDP, DeepSpeed, XLA and model parallelism communicate inside the
-forward and backward, and are refused in ``setup``); a step that makes collectives of
-its own under DDP (``self.all_gather`` inside the step; ``self.log(sync_dist=True)`` is
-fine, being replayed after the step): a rank that splits it would make them once per
-micro-batch; torchmetrics objects
-updated inside a step are updated by every micro-batch, failed attempts included.
+It exists so that an unchanged ``LightningModule`` survives out-of-memory errors without
+changing its training (docs/trainers.rst says how, and what it does not do). The one fact
+to know: Lightning runs ``training_step``, then ``zero_grad``, then its own backward, so
+the step runs its micro-batches' backward inside ``training_step`` (the only place an OOM
+can still be recovered), takes the gradients out of ``.grad``, and hands them to the
+loop's backward through ``_Delivery``: everything after the backward sees the whole
+batch's gradient, once.
 """
 
 from __future__ import annotations
@@ -230,7 +165,7 @@ class _Step:
         self.trainer: pl.Trainer | None = None
         self.module: pl.LightningModule | None = None
         self.target: Callable[..., Any] = _unset
-        self.owner: tuple[type, bool] | None = None  # the module class and whether its backward is plain
+        self.owner: tuple[type, str | None] | None = None  # the module class and its micro-batches' backward
         self.run: Callable[..., Any] = _unset
         self.unsplit: Callable[..., Any] = _unset  # runs a batch that cannot be split, whole (see _call)
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
@@ -251,16 +186,10 @@ class _Step:
         self.log = module.log
         self.signature = inspect.signature(self.log)
         self.keywords = frozenset(self.signature.parameters)
-        # Where the loop's backward is Lightning's own without a scaler, a micro-batch's is
-        # loss.backward(), run as accumulate's default: no engine to go through.
-        plain = (
-            self.train
-            and _plain_backward(trainer, module)
-            and getattr(trainer.precision_plugin, "scaler", None) is None
-        )
-        if self.owner != (type(module), plain):  # a new decorated step per module class: its own cache
-            self.owner = (type(module), plain)
-            self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", plain)
+        how = _micro_backward(trainer) if self.train else None
+        if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
+            self.owner = (type(module), how)
+            self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", how)
         run = self._train if self.train else self._evaluate
 
         @functools.wraps(self.target)
@@ -281,7 +210,7 @@ class _Step:
             raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
         return self.trainer, self.module
 
-    def _decorated(self, name: str, plain: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _decorated(self, name: str, how: str | None) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """Return the step as ``koila.accumulate`` runs it, named after the module's own, and as it runs whole."""
         if self.train:
 
@@ -317,14 +246,21 @@ class _Step:
         # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
         decorate = accumulator(
             initial=initial,
-            backward=self._backward if self.train and not plain else None,
+            backward={None: None, _SCALED: self._scaled, _PLUGIN: self._backward}[how],
             averages=False,
             options=cast(Options, options),
         )
         return decorate(part), decorate(whole)
 
+    def _scaled(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Run one micro-batch's backward of the loss scaled by AMP's gradient scaler."""
+        scaler = self.installed()[0].precision_plugin.scaler  # type: ignore[attr-defined]
+        if self.scale is None:
+            self.scale = scaler.scale(torch.ones((), device=loss.device))
+        scaler.scale(loss).backward(**kwargs)
+
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Run one micro-batch's backward through the trainer's precision plugin."""
+        """Run one micro-batch's backward through the trainer's precision plugin, which has a backward of its own."""
         trainer, module = self.installed()
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
@@ -512,6 +448,29 @@ class _Step:
 
 class _Skipped(Exception):
     """A training step (or one of its micro-batches) returned ``None``: the batch is skipped, whole."""
+
+
+# How a split step's micro-batches run their backward (None: loss.backward(), accumulate's default).
+_SCALED, _PLUGIN = "scaled by AMP's scaler", "through the precision plugin"
+
+
+def _micro_backward(trainer: pl.Trainer) -> str | None:
+    """Return how a micro-batch's backward runs: as the loop's, less the module's ``backward`` and its hooks.
+
+    The loop's own backward of the delivered loss runs the module's ``backward`` (a
+    custom one too, with what it adds or scales) and the hooks once per batch; the
+    micro-batches run only what makes their gradients: the loss, scaled where a
+    gradient scaler runs. A precision plugin or strategy with a backward of its own
+    gets each micro-batch's loss.
+    """
+    plugin, strategy = trainer.precision_plugin, trainer.strategy
+    if (
+        type(strategy).backward is not Strategy.backward
+        or type(plugin).backward is not Precision.backward
+        or type(plugin).pre_backward not in (Precision.pre_backward, MixedPrecision.pre_backward)
+    ):
+        return _PLUGIN
+    return None if getattr(plugin, "scaler", None) is None else _SCALED
 
 
 def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
