@@ -1,40 +1,10 @@
 """A call's arguments as a tree: the tensors that hold its rows, found once, and the arguments of any slice.
 
-Every front end that splits rows (``accumulate``, ``chunked``, ``estimate`` and what is
-built on them) uses this one walk. Tensors are found inside dicts and other mappings
-(a Hugging Face ``BatchEncoding``, a ``UserDict``, a ``ModelOutput``, a read-only
-``Mapping``), lists, tuples, named tuples, struct sequences (``torch.return_types``),
-other tuple subclasses and dataclass instances, nested to any reasonable depth,
-positional or keyword. Each slice gets the same containers back, copied where a tensor
-changed.
-
-How a container is remade is decided as the walk finds it, on every call: a container
-that holds a tensor and cannot be remade around new items is an error then, whether or
-not the call is ever split, so that a loop does not fail only when memory first runs
-short. The ways, documented in ``docs/batches.rst``:
-
-- lists, tuples, dicts: built anew; named tuples: ``_replace``; dataclasses, dict and
-  list subclasses, and mappings with a ``__copy__`` of their own: ``copy.copy`` (which
-  keeps the rest of their state), then the new items assigned;
-- struct sequences: their type called with the new fields (and the hidden ones);
-- other tuple subclasses: ``tuple.__new__`` and the instance's attributes copied, where
-  the class keeps ``tuple.__new__``; else their constructor, with the items as one
-  iterable or as arguments, whichever gives back exactly the items it was given;
-- other mappings: their constructor, with a dict of the items or with the items as
-  keywords, or (a ``MutableMapping``) with no arguments and the items assigned, whichever
-  gives back exactly the items it was given. A mapping without a ``__copy__`` is never
-  copied with ``copy.copy``: the copy would share the storage the new items go into
-  with the caller's mapping.
-
-The rule for which tensors are split, documented in ``docs/accumulate.rst``:
-
-- a tensor with rows along ``dim`` is split; the rows are the size along ``dim`` the
-  tensors share;
-- a 0-dimensional tensor, and a tensor with one row along ``dim`` while the batch has
-  more, pass whole to every slice: they broadcast over the rows, as they would in the
-  whole call;
-- any other size along ``dim`` is ambiguous, and an error names it by its path;
-- everything that is not a tensor passes whole.
+Every front end that splits rows uses this one walk; each slice gets the same containers back, copied
+where a tensor changed. How each container is remade (``docs/batches.rst``) is decided as the walk finds
+it, on every call: one that holds a tensor and cannot be remade fails the first call, not the first that
+runs short of memory. The tensors that share the size along ``dim`` are split; 0-dimensional and one-row
+tensors broadcast and pass whole; any other size is ambiguous, an error (``docs/accumulate.rst``).
 """
 
 from __future__ import annotations
@@ -112,10 +82,7 @@ class _Node:
         return self.splits
 
     def remade(self, leaves: list[Any], every: bool) -> Any:
-        """Return a copy of the container with each child remade from ``leaves``.
-
-        Unless ``every``, a container in which no tensor is split is itself, not a copy.
-        """
+        """Return the container with each child remade from ``leaves``; unless ``every``, only where one is split."""
         kind, value = self.kind, self.value
         if not (every or self.splits):
             return value
@@ -205,28 +172,14 @@ def _items(value: Any, kind: int) -> Iterator[tuple[Any, Any]]:
 
 
 def is_structseq(cls: type) -> bool:
-    """Return whether ``cls`` is a struct sequence, such as ``torch.return_types.max`` or ``os.stat_result``.
-
-    Args:
-        cls (type): a subclass of tuple.
-
-    Returns:
-        bool: whether it is one.
-    """
+    """Return whether ``cls`` is a struct sequence, such as ``torch.return_types.max`` or ``os.stat_result``."""
     return cls.__bases__ == (tuple,) and all(
         isinstance(getattr(cls, name, None), int) for name in ("n_fields", "n_sequence_fields", "n_unnamed_fields")
     )
 
 
 def tuple_remaking(value: tuple[Any, ...]) -> int | None:
-    """Return how a tuple subclass that is not a named tuple is remade around new items, or ``None``.
-
-    Args:
-        value (tuple): an instance.
-
-    Returns:
-        int or None: the way (one of this module's kinds), or ``None`` if it cannot be remade.
-    """
+    """Return how a tuple subclass that is not a named tuple is remade around new items, or ``None``."""
     cls = type(value)
     if is_structseq(cls):
         return _STRUCTSEQ
@@ -242,6 +195,8 @@ def _remaking(value: Any, kind: int) -> int | None:
         return tuple_remaking(value)
     if kind != _MAPPING:
         return kind
+    # A copy.copy of a mapping without a __copy__ of its own would share with the caller's mapping the
+    # storage the new items go into.
     if isinstance(value, dict) or (isinstance(value, MutableMapping) and hasattr(type(value), "__copy__")):
         return _COPIED
     ways = (_MAPPING_DICT, _MAPPING_KEYWORDS, _MAPPING_FILLED)
@@ -261,17 +216,7 @@ def _first_faithful(value: Any, ways: tuple[int, ...], items: Any) -> int | None
 
 
 def remake(cls: type[Any], kind: int, items: Any, state: dict[str, Any] | None) -> Any:
-    """Return a container of type ``cls`` (a struct sequence, tuple subclass or mapping) around ``items``.
-
-    Args:
-        cls (type): the container's type.
-        kind (int): how it is remade: what :func:`tuple_remaking` or the walk chose.
-        items (list or dict): its new items, a list for a tuple, a dict for a mapping.
-        state (dict or None): what :func:`state_of` kept of the container it replaces.
-
-    Returns:
-        Any: the new container.
-    """
+    """Return a container of type ``cls`` (a struct sequence, tuple subclass or mapping) around ``items``."""
     if kind == _STRUCTSEQ:
         return cls(items, state) if state else cls(items)
     if kind == _TUPLE_NEW:
@@ -294,18 +239,9 @@ def remake(cls: type[Any], kind: int, items: Any, state: dict[str, Any] | None) 
 
 
 def state_of(value: Any, kind: int) -> dict[str, Any] | None:
-    """Return what of ``value`` besides its items a container remade the ``kind`` way needs.
-
-    Args:
-        value (Any): the container.
-        kind (int): how it is remade.
-
-    Returns:
-        dict or None: a struct sequence's fields beyond the sequence (``os.stat_result``'s
-        ``st_mtime_ns``), a tuple subclass's instance attributes, or ``None``.
-    """
+    """Return what of ``value`` besides its items a container remade the ``kind`` way needs, or ``None``."""
     cls = type(value)
-    if kind == _STRUCTSEQ:
+    if kind == _STRUCTSEQ:  # the fields beyond the sequence: os.stat_result's st_mtime_ns
         return value.__reduce__()[1][1] if cls.n_fields > cls.n_sequence_fields else None
     if kind == _TUPLE_NEW:
         return getattr(value, "__dict__", None) or None
@@ -313,16 +249,7 @@ def state_of(value: Any, kind: int) -> dict[str, Any] | None:
 
 
 def faithful(new: Any, cls: type[Any], items: Any) -> bool:
-    """Return whether ``new`` is a ``cls`` and holds exactly ``items``, the same objects in the same places.
-
-    Args:
-        new (Any): a container a constructor made.
-        cls (type): the type it should be.
-        items (list or dict): what it should hold.
-
-    Returns:
-        bool: whether it does.
-    """
+    """Return whether ``new`` is a ``cls`` and holds exactly ``items``, the same objects in the same places."""
     try:
         if type(new) is not cls or len(new) != len(items):
             return False
@@ -343,11 +270,7 @@ def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[t
 
 
 class Split:
-    """The tensors of one call's arguments, which of them hold its rows, and the arguments of any slice.
-
-    ``front_end`` names the caller in errors; ``fn`` is the function called, whose
-    parameter names label positional arguments in errors (read only when one is raised).
-    """
+    """The tensors of one call's arguments, which of them hold its rows, and the arguments of any slice."""
 
     __slots__ = (
         "args",
@@ -514,10 +437,7 @@ class Split:
         return label
 
     def rebuilt(self, leaves: list[Any], every: bool = False) -> tuple[list[Any], dict[str, Any]]:
-        """Return the arguments with the tensors replaced by their counterparts in ``leaves``.
-
-        Unless ``every``, only the containers that hold a tensor that is split are copied.
-        """
+        """Return the arguments with the tensors replaced by ``leaves``; unless ``every``, copied only where split."""
         args, kwargs = list(self.args), self.kwargs
         for position, node in self.positional:
             args[position] = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
@@ -571,14 +491,7 @@ def _field_names(value: Any) -> tuple[str, ...]:
 
 
 def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """Return the names of ``fn``'s positional parameters, or none if it has no signature.
-
-    Args:
-        fn (callable): the function.
-
-    Returns:
-        tuple[str, ...]: the names, in order.
-    """
+    """Return the names of ``fn``'s positional parameters, or none if it has no signature."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

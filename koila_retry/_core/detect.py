@@ -38,14 +38,12 @@ MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
     "CUBLAS_STATUS_NOT_INITIALIZED",
 )
 
-# Out-of-tree backends copy the caching allocator's sentence with their own device
-# name: "NPU out of memory." (Ascend), "MLU out of memory." (Cambricon), "MUSA out of
-# memory.".
-# The name must be a word in capitals, so "the worker ran out of memory." is not one.
+# Out-of-tree backends copy the caching allocator's sentence with their own device name: "NPU out of
+# memory." (Ascend), "MLU out of memory." (Cambricon), "MUSA out of memory.". The name must be a word in
+# capitals, so "the worker ran out of memory." is not one.
 OOM_PATTERN = re.compile(r"\b[A-Z][A-Z0-9]* out of memory\.")
 
-# How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also
-# loop.
+# How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also loop.
 MAX_CAUSES = 32
 
 

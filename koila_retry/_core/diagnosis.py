@@ -1,16 +1,9 @@
-"""Why a call ran out of memory: capacity or fragmentation, from the allocator's own figures.
+"""Why a call ran out of memory: capacity or fragmentation, from the caching allocator's own figures.
 
-PyTorch gives no measure of fragmentation (pytorch#29554). The caching allocator does
-say enough to tell the two apart at the moment of the error: how much it holds that no
-tensor uses (``memory_stats()``), the pieces those bytes are in (the segments of
-``memory_snapshot()``), and how much more it may take from the device within the
-process's share. If the request exceeds all of that together, the memory is not there:
-capacity. If it does not, but exceeds both the largest free piece and what may still
-be taken from the device, the memory is there in pieces too small: fragmentation.
-
-The rule (:func:`from_allocator`) reads PyTorch's own formats, so it is tested on the CPU
-with real states from an H100 (``tests/data/oom_states.json``); :func:`capture` reads
-them live at an out-of-memory error, and is the one part that needs the device.
+PyTorch gives no measure of fragmentation (pytorch#29554). A request above the cached unused bytes plus
+what may still be taken from the device is capacity; one below that, but above both the largest free
+piece and that room, is fragmentation. :func:`from_allocator` reads PyTorch's formats, so it is tested on
+the CPU with real H100 states (``tests/data/oom_states.json``); only :func:`capture` needs the device.
 """
 
 from __future__ import annotations
@@ -65,14 +58,7 @@ def _size(text: str) -> int | None:
 
 
 def requested_bytes(message: str) -> int | None:
-    """Return the bytes an out-of-memory error's message says were asked for, or ``None``.
-
-    Args:
-        message (str): the error's message.
-
-    Returns:
-        int or None: the bytes (to the message's rounding, ``"1.50 GiB"``).
-    """
+    """Return the bytes an out-of-memory message says were asked for (to its rounding), or ``None``."""
     found = _REQUESTED.search(message)
     return _size(found.group(1)) if found else None
 
@@ -84,21 +70,7 @@ def from_allocator(
     limit: int | None,
     device_free: int | None,
 ) -> Diagnosis:
-    """Diagnose an out-of-memory error of a caching allocator from its figures, in PyTorch's formats.
-
-    Args:
-        message (str): the error's message (the request is read from it).
-        stats (Mapping): ``torch.cuda.memory_stats()`` at the error.
-        segments (iterable of Mapping, optional): the segments of
-            ``torch.cuda.memory_snapshot()``, each with its ``blocks`` and their
-            ``size`` and ``state``.
-        limit (int, optional): the bytes the process may hold on the device: its
-            share under a memory fraction, else the device's total.
-        device_free (int, optional): the device's free bytes (``mem_get_info``).
-
-    Returns:
-        Diagnosis: the kind, the figures and the advice.
-    """
+    """Diagnose a caching allocator's out-of-memory error from ``memory_stats()`` and snapshot segments."""
     requested = requested_bytes(message)
     reserved = int(stats.get("reserved_bytes.all.current", 0))
     allocated = int(stats.get("allocated_bytes.all.current", 0))
@@ -139,25 +111,13 @@ def _allowed(message: str, limit: int | None) -> int | None:
 
 
 def capture(error: BaseException, device: torch.device) -> Diagnosis:
-    """Diagnose ``error``, an out-of-memory error on ``device``, from the allocator as it is now.
-
-    Call it before the failed attempt's memory is released: what the attempt held is
-    part of the picture. Never raises: a diagnosis that cannot be made is ``unknown``.
-    Inside a simulated device, only its own refusal is diagnosed from its figures; any
-    other error is diagnosed as it would be outside (one raised by hand: ``unknown``).
-
-    Args:
-        error (BaseException): the out-of-memory error; only its message is read.
-        device (torch.device): the device it ran out of.
-
-    Returns:
-        Diagnosis: the diagnosis.
-    """
+    """Diagnose an out-of-memory ``error`` from the allocator now: before the attempt's memory is released."""
     message = str(error)
     try:
         stand_in = simulated.device()
         if stand_in is not None and _STAND_IN in message:
-            # A simulated device is one pool with a limit: what it refused is capacity.
+            # A simulated device is one pool with a limit: what it refused is capacity. Other errors
+            # raised inside it (by a test) are diagnosed as they would be outside.
             return Diagnosis("capacity", requested_bytes(message), stand_in.free, None, None, CAPACITY)
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return _cuda(message, device)

@@ -338,13 +338,7 @@ def _special(mode: int) -> str | None:
 
 
 class _Entries(dict[str, int]):
-    """The sizes of a cache file, by key, with the bytes of one sample each was proven on (``samples``),
-    and ``refine=True``'s bounds (``bounds``: the smallest size that failed, and the bytes of its samples).
-
-    The file keeps the bytes under ``"samples"``, beside ``"sizes"``, and the bounds under
-    ``"bounds"`` and their bytes under ``"bound_samples"``: a file without them is read as
-    it was, and older readers ignore them. A bound is kept apart from the sizes, as in memory.
-    """
+    """A cache file's sizes by key, with each one's sample bytes (``samples``) and refine's bounds (``bounds``)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

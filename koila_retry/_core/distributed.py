@@ -1,16 +1,9 @@
-"""Agreement across the ranks of a ``torch.distributed`` job.
+"""Agreement across the ranks of a ``torch.distributed`` job: ranks try the same sizes and leave together.
 
-Every collective here runs outside any ``except`` block, on a tensor made
-before the attempt it concerns, so that a rank that just ran out of memory
-neither keeps the failed attempt's tensors alive while it waits nor needs
-fresh memory to take part.
-
-A call agrees twice over: before the first attempt, on the size to start at
-(the smallest over the ranks) and on the floor (the largest of the ranks'
-minimums, below which no rank goes), and, after every attempt, on whether
-any rank ran out of memory and on the size all of them try next (which each
-rank that failed chooses above the floor). Ranks therefore always try the
-same size and leave the retry loop together.
+Every collective here runs outside any ``except`` block, on a tensor made before the attempt, so that a
+rank that just ran out of memory neither keeps the failed attempt alive while it waits nor needs fresh
+memory to take part. A call agrees before its first attempt (the smallest start, and a floor: the largest
+minimum) and after every attempt (whether a rank failed, and the size all try next).
 """
 
 from __future__ import annotations
@@ -84,21 +77,7 @@ def check_group(group: object) -> None:
 
 
 def agreement(sync: bool | None, group: Any) -> Agreement | None:
-    """Return the agreement one call needs, or ``None`` if it runs alone.
-
-    Args:
-        sync (bool or None): ``None`` agrees when the default process group is
-            initialized with more than one rank; ``True`` always (and needs a
-            process group); ``False`` never.
-        group (ProcessGroup or None): the ranks that agree. Default: all.
-
-    Returns:
-        Agreement or None: the agreement, or ``None`` if there is nothing to agree with.
-
-    Raises:
-        RuntimeError: if ``sync=True`` and no process group is initialized, or
-            this process is not a member of ``group``.
-    """
+    """Return the agreement one call needs, or ``None`` if it runs alone (``sync=None``: fewer than 2 ranks)."""
     default = world._default_pg if FAST else dist.group.WORLD if AVAILABLE else None  # type: ignore[union-attr]
     if default is None:
         if sync:
@@ -134,13 +113,7 @@ _agreements: weakref.WeakKeyDictionary[Any, Agreement] = weakref.WeakKeyDictiona
 
 
 class Agreement:
-    """The collectives that agree on sizes across the ranks of ``group``.
-
-    One per process group, made at its first call and reused by every call after it.
-
-    Args:
-        group (ProcessGroup or None): the ranks that agree; ``None`` for all.
-    """
+    """The collectives that agree on sizes across the ranks of ``group`` (``None``: all)."""
 
     __slots__ = ("_after", "_group", "_start", "rank", "settled", "world_size")
 
@@ -174,29 +147,9 @@ class Agreement:
     def start(
         self, size: int, span: int | None = None, minimum: int = 1, initial: int | None = None
     ) -> tuple[int, int]:
-        """Agree on the size to start at and on the smallest size any rank may try.
-
-        One collective carries all of it: the smallest of the ranks' starting
-        sizes, the largest of their minimums (the floor below which no rank
-        goes, so that no rank tries a size another rank's ``minimum`` forbids),
-        the smallest of their initial sizes, and the spans.
-
-        Args:
-            size (int): this rank's starting size.
-            span (int, optional): the rows or indices a run of steps covers,
-                which must be the same on every rank.
-            minimum (int): this rank's ``minimum``.
-            initial (int, optional): this rank's ``initial``, if it has one:
-                no rank's minimum may exceed it.
-
-        Returns:
-            tuple: the smallest of the ranks' starting sizes, and the floor (see
-            :func:`koila_retry._core.decision.agreed_start`).
-
-        Raises:
-            ValueError: on every rank, if the ranks' spans differ, or one rank's
-                minimum exceeds another rank's initial.
-        """
+        """Return the smallest start over the ranks and the floor, their largest ``minimum``, in one collective."""
+        # The spans (rows a run covers) and initials ride in the same exchange, so that every rank refuses
+        # a mismatch alike; the floor keeps any rank from trying a size another rank's minimum forbids.
         ceiling = _NEUTRAL if initial is None else initial
         spans = (_NEUTRAL, _NEUTRAL) if span is None else (span, -span)
         agreed, fewest, most, floor, lowest = self._minimum(self._start, size, *spans, -minimum, ceiling)
@@ -223,15 +176,9 @@ class Agreement:
         return None if self.settled is None else self.settled[0]
 
     def heard_of_failure(self) -> bool:
-        """Make the exchange :meth:`after` makes, from inside an attempt that has not failed here.
-
-        A rank whose attempt failed makes its exchange after the attempt; the
-        others, still inside theirs, meet it here, before their next collective.
-        What it says is kept in :attr:`settled` for the exchange after the attempt.
-
-        Returns:
-            bool: whether a rank failed, so that this one must leave its attempt.
-        """
+        """Make :meth:`after`'s exchange inside an attempt that has not failed here; true if another rank failed."""
+        # A rank that failed makes its exchange after its attempt; the others meet it here, before their
+        # next collective, and keep what it said in settled for the exchange after the attempt.
         result = self.after(False, None)
         if result[0] is None:
             return False
@@ -239,21 +186,7 @@ class Agreement:
         return True
 
     def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
-        """Exchange the outcome of an attempt.
-
-        Args:
-            failed (bool): whether this rank ran out of memory.
-            next_size (int or None): if it did, the size it tries next;
-                ``None`` if it has none left.
-            vote (bool): a question of the front end's, answered by every rank
-                in the same exchange (whether it used every parameter, say).
-
-        Returns:
-            tuple: the lowest rank that ran out of memory (``None`` if none
-            did); the size every rank tries next: the smallest that the ranks
-            that failed chose (``None`` if one of them had none left); and
-            whether every rank voted yes.
-        """
+        """Exchange an attempt's outcome: the lowest failed rank, the size all try next, whether all voted yes."""
         if self.settled is not None:  # made inside the attempt already
             settled, self.settled = self.settled, None
             return settled
@@ -313,25 +246,10 @@ def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
 
 
 def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Module]:
-    """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang.
-
-    FSDP1 and tensor parallelism communicate inside the forward and backward,
-    where nothing of koila-retry's takes part: a rank that runs out of memory
-    there leaves the others waiting in a collective that it never joins,
-    whatever the retry loop agrees. FSDP2's collectives are covered (see
-    :mod:`koila_retry._core.sharded`), HSDP's all-reduce across replicas is not.
-
-    Args:
-        roots (iterable): the function, its arguments and what else the call reaches.
-        front_end (str): how errors name the caller.
-
-    Returns:
-        list: the ``DistributedDataParallel`` and FSDP2 modules found, each once.
-
-    Raises:
-        NotImplementedError: if a module is sharded with FSDP1 or HSDP, or has
-            DTensor parameters of tensor parallelism.
-    """
+    """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang."""
+    # FSDP1 and tensor parallelism communicate inside the forward and backward, where nothing of ours takes
+    # part: a rank that runs out of memory there leaves the others in a collective it never joins. FSDP2's
+    # collectives are covered (sharded.py); HSDP's all-reduce across replicas is not.
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
@@ -375,39 +293,21 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
 
 
 class GradientSync:
-    """Average the gradients of DDP modules once per step, after the ranks agreed on it.
+    """Average the step's gradients of DDP modules once, after the ranks agreed it succeeded everywhere."""
 
-    DDP all-reduces gradients inside ``backward()``. A rank that runs out of
-    memory in that backward never joins the all-reduce, and the others wait
-    for it forever. So every micro-batch runs under ``no_sync()``, and the
-    step's gradients are all-reduced here once the ranks agreed that the step
-    succeeded everywhere. They are the step's own, kept apart from ``.grad``
-    (``accumulate`` adds the averages into ``.grad`` afterwards): a mapping from
-    the ``id`` of each parameter to its gradient, where the averages replace
-    them. What the all-reduce needs (bucket buffers, gradients for parameters
-    another rank used) is made inside the attempt, so that running out of
-    memory for it is one more out-of-memory error of the attempt, agreed on
-    like any other.
-
-    Args:
-        modules (list): the ``DistributedDataParallel`` modules of the step.
-    """
-
+    # DDP all-reduces inside backward(): a rank that runs out of memory there never joins, and the others
+    # wait forever. So micro-batches run under no_sync(), and the step's own gradients (by id of parameter,
+    # never .grad) are averaged here. What the all-reduce needs is made inside the attempt (prepare), so
+    # that running out of memory for it is one more failure of the attempt, agreed on like any other.
     def __init__(self, modules: list[DistributedDataParallel]) -> None:
         self.modules = modules
         self._parts: list[_ModuleGradients] = []
 
     def before_step(self) -> None:
-        """Make, on every rank at once, the collectives DDP makes at the start of a forward.
-
-        A step's first forward would make them: rebuilding the gradient buckets
-        (once, after the first backward DDP synchronised) and broadcasting the
-        buffers from rank 0 (``broadcast_buffers=True``, at every step of a
-        hand-written loop). A rank that ran out of memory before its first
-        forward would never join them, so they are made here, between the
-        agreement on the starting size and the first attempt, and
-        :meth:`no_sync` keeps the forwards from making them again.
-        """
+        """Make, on every rank at once, the collectives DDP makes at the start of a forward."""
+        # Rebuilding the buckets (after the first backward DDP synchronised) and broadcasting buffers
+        # (broadcast_buffers=True): a rank that ran out of memory before its first forward would never
+        # join them. Made here, before the first attempt; no_sync keeps the forwards from making them again.
         for module in self.modules:
             # Private parts of DDP, each used only if this torch has it.
             rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
@@ -420,28 +320,19 @@ class GradientSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Run the block without any of DDP's own communication.
-
-        Besides ``no_sync()`` (no gradient all-reduce in the backward), the
-        forward must not broadcast buffers: :meth:`before_step` did. Afterwards
-        DDP is left as after a step it synchronised itself: its next forward
-        outside koila broadcasts the buffers.
-        """
+        """Run the block without any of DDP's own communication: no gradient all-reduce, no buffer broadcast."""
         with contextlib.ExitStack() as stack:
             for module in self.modules:
                 stack.enter_context(module.no_sync())
                 module.require_forward_param_sync = False
+                # As after a step DDP synchronised itself: its next forward outside koila broadcasts buffers.
                 stack.callback(setattr, module, "require_forward_param_sync", True)
             yield
 
     @contextlib.contextmanager
     def silent(self) -> Iterator[None]:
-        """Run the block with every DDP module calling the module it wraps directly.
-
-        For the memory estimate of ``initial="auto"``, which only some ranks
-        may run (those whose cache knows no size): DDP's forward makes
-        collectives, which the other ranks would never join.
-        """
+        """Run the block with every DDP module calling the module it wraps directly, making no collectives."""
+        # For initial="auto"'s estimate, which only the ranks whose cache knows no size run.
         with contextlib.ExitStack() as stack:
             for module in self.modules:
                 attributes = vars(module)
@@ -451,16 +342,7 @@ class GradientSync:
             yield
 
     def prepare(self, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]) -> None:
-        """Make what the all-reduce needs, after an attempt.
-
-        Args:
-            gradients (dict): the step's gradient of each leaf, by ``id`` of the
-                leaf; each may be written in place. :meth:`reduce` replaces them
-                with their averages, and adds those of the parameters that this
-                rank did not use and another rank did.
-            leaves (dict): the leaf of each gradient, by its ``id``: the
-                parameters :meth:`reduce` adds a gradient for are added here too.
-        """
+        """Make, after an attempt, what the all-reduce of ``gradients`` (by id of leaf, averaged in place) needs."""
         self._parts = [_ModuleGradients(module, gradients, leaves) for module in self.modules]
 
     def used_everything(self) -> bool:
@@ -468,13 +350,7 @@ class GradientSync:
         return all(all(part.mine) for part in self._parts)
 
     def reduce(self, used_everywhere: bool = False) -> None:
-        """All-reduce and average the step's gradients, where :meth:`prepare` found them; every rank must call it.
-
-        Args:
-            used_everywhere (bool): whether the ranks agreed that every rank
-                used every parameter: then which ones each used need not be
-                exchanged.
-        """
+        """All-reduce and average the step's gradients, where :meth:`prepare` found them; every rank must call it."""
         parts, self._parts = self._parts, []
         for part in parts:
             part.reduce(used_everywhere)
@@ -491,18 +367,7 @@ _ALONE_BYTES = 1024 * 1024
 
 
 class _ModuleGradients:
-    """One DDP module's gradients of one step, and what to all-reduce them in.
-
-    The gradients are the step's own (see :class:`GradientSync`), never ``.grad``:
-    a gradient from before the step stays where it is, and the average is added to
-    it afterwards, as a backward would.
-
-    Large parameters (``_ALONE_BYTES`` and up) are all-reduced in place, each on
-    its own and all at once, so their gradients are neither copied into a bucket
-    nor back; small ones share buckets, so that they take few collectives. Which
-    is which depends only on the parameters, so every rank issues the same
-    collectives in the same order.
-    """
+    """One DDP module's gradients of one step (the step's own, never ``.grad``), and what to all-reduce them in."""
 
     def __init__(
         self, module: DistributedDataParallel, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]
@@ -531,6 +396,8 @@ class _ModuleGradients:
             device=device,
         )
         self.mine = self.used.tolist()
+        # Large gradients are all-reduced in place, each alone; small ones share buckets. Which is which
+        # depends only on the parameters, so that every rank issues the same collectives in the same order.
         self.alone = {
             id(parameter)
             for parameter in self.parameters

@@ -125,12 +125,8 @@ _STACK_CODES = (stack_key.__code__, _ONE_FRAME.__code__)
 
 
 def is_stack_key(key: KeyFunction) -> bool:
-    """Return whether ``key`` is :func:`stack_key` or made by :func:`deep_stack_key`.
-
-    Their keys have the layout ``(function, device, bucket, ...)`` that
-    :class:`~koila_retry.StackMemoryCache` reads to fall back to a level with
-    more free memory.
-    """
+    """Return whether ``key`` makes ``(function, device, bucket, ...)`` keys: :func:`stack_key` or a deep one."""
+    # StackMemoryCache reads that layout to fall back to a level with more free memory.
     return getattr(key, "__code__", None) in _STACK_CODES
 
 

@@ -1,4 +1,7 @@
-"""Free memory per device, and releasing memory after a failed attempt."""
+"""Free memory per device, and releasing memory after a failed attempt.
+
+A :func:`koila_retry.testing.simulated_device` the calling thread entered stands for every device here.
+"""
 
 from __future__ import annotations
 
@@ -30,21 +33,7 @@ _free_readings: dict[torch.device, tuple[float, int]] = {}
 
 
 def resolve_device(device: DeviceLike = None) -> torch.device:
-    """Turn a device argument into a ``torch.device`` with an index.
-
-    ``None`` means the current accelerator device (``torch.accelerator``) when one
-    is available, else the CPU. An int is an index of the current accelerator.
-
-    Args:
-        device (torch.device, str, int or None): the device to resolve.
-
-    Returns:
-        torch.device: the device, with an index for accelerators.
-
-    Raises:
-        ValueError: if ``device`` is not a device PyTorch knows, or is an
-            accelerator index while no accelerator is available.
-    """
+    """Turn a device argument into an indexed ``torch.device``: ``None`` is the current accelerator, else the CPU."""
     if device is None:
         return default_device()
     if isinstance(device, torch.device):
@@ -74,11 +63,9 @@ _accelerator_known = False
 
 
 def default_device() -> torch.device:
-    """Return the current accelerator device, or the CPU when there is none.
-
-    Whether there is an accelerator is asked once per process; which device is
-    current (``torch.cuda.set_device``) is asked on every call.
-    """
+    """Return the current accelerator device, or the CPU when there is none."""
+    # Whether there is an accelerator is asked once per process; which device is current
+    # (torch.cuda.set_device may change it) on every call.
     global _accelerator_type, _accelerator_known
     if not _accelerator_known:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -160,18 +147,7 @@ def _device_free(device: torch.device) -> int:
 
 
 def memory_fraction(device: torch.device) -> float:
-    """Return the share of a device's memory this process's caching allocator may hold.
-
-    What ``torch.cuda.set_per_process_memory_fraction`` set (1.0 by default), or the
-    same setting of another accelerator backend that has one; 1.0 where the backend
-    has none or it cannot be read.
-
-    Args:
-        device (torch.device): an accelerator device.
-
-    Returns:
-        float: the fraction, between 0.0 and 1.0.
-    """
+    """Return what ``set_per_process_memory_fraction`` set for the device's backend; 1.0 where none is read."""
     read = getattr(getattr(torch, device.type, None), "get_per_process_memory_fraction", None)
     if read is None:
         return 1.0
@@ -183,17 +159,7 @@ def memory_fraction(device: torch.device) -> float:
 
 
 class PeakMeter:
-    """The most bytes a block of code allocated at once on a device, over what was allocated before it.
-
-    Read from the device's allocator (``torch.accelerator.max_memory_allocated``,
-    whose peak it resets on entry) or from the count of the
-    :func:`koila_retry.testing.simulated_device` the calling thread is inside. On a
-    real device, what other threads allocate meanwhile counts too, so the reading is
-    never below the block's own; a simulated device counts its own thread's alone.
-
-    Attributes:
-        rise (int): after the block, its peak less what was allocated as it began.
-    """
+    """Measure ``rise``: the most bytes a block allocated at once, over what was allocated before it."""
 
     def __init__(self, device: torch.device, simulated: tracking.Simulated | None) -> None:
         self.device, self.simulated = device, simulated
@@ -212,23 +178,14 @@ class PeakMeter:
 
     def __exit__(self, *exc: object) -> None:
         simulated = self.simulated
+        # On a real device other threads' allocations count too, so the rise is never below the
+        # block's own; a simulated device counts its own thread's alone.
         peak = simulated.peak if simulated is not None else torch.accelerator.max_memory_allocated(self.device)
         self.rise = max(peak - self.before, 0)
 
 
 def peak_meter(device: torch.device) -> PeakMeter | None:
-    """Return what measures the peak of real work on ``device``, or ``None`` where nothing keeps one.
-
-    The allocators of CUDA and the other accelerators keep a peak; so does a
-    :func:`koila_retry.testing.simulated_device` that the calling thread is inside
-    (which stands for any device). The CPU's allocator keeps none.
-
-    Args:
-        device (torch.device): the device the work runs on.
-
-    Returns:
-        PeakMeter or None: a context manager whose ``rise`` is the block's peak.
-    """
+    """Return a meter of the peak of work on ``device``, or ``None`` where no allocator keeps one (the CPU)."""
     simulated = tracking.simulated.device()
     if simulated is not None:
         return PeakMeter(device, simulated)
@@ -242,19 +199,7 @@ NEARLY_FULL = 0.05
 
 
 def nearly_full() -> bool:
-    """Return whether the device that library kernels run on is nearly out of memory now.
-
-    For errors that name no device (cuDNN's and cuBLAS's statuses), which run on the
-    current CUDA device. Nearly out of memory means at most :data:`NEARLY_FULL` of
-    the device free at the driver (what a library's own allocations draw from), or
-    at most that share of the process's limit left to PyTorch's allocator (under
-    ``torch.cuda.set_per_process_memory_fraction``). Inside a
-    :func:`koila_retry.testing.simulated_device` block that the calling thread
-    entered, that share of the simulated device's memory left. Never raises; ``False`` where nothing can be read.
-
-    Returns:
-        bool: whether the device is nearly full.
-    """
+    """Return whether the current CUDA device, where cuDNN and cuBLAS errors (naming none) ran, is nearly full."""
     simulated = tracking.simulated.device()
     if simulated is not None:
         return simulated.free <= NEARLY_FULL * simulated.allowed
@@ -263,9 +208,9 @@ def nearly_full() -> bool:
             return False
         device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
-        if free <= NEARLY_FULL * total:
+        if free <= NEARLY_FULL * total:  # a library's own allocations draw on the driver's free memory
             return True
-        allowed = memory_fraction(device) * total
+        allowed = memory_fraction(device) * total  # PyTorch's allocator stops at the process's share
         return allowed - torch.cuda.memory_allocated(device) <= NEARLY_FULL * allowed
     except (RuntimeError, AssertionError, ValueError):
         return False  # a device in an error state: the error itself is what the user needs
@@ -281,12 +226,7 @@ def _cpu_free() -> int:
 
 
 def recent_free_memory(device: torch.device) -> int:
-    """Return the device's free bytes, reusing a reading younger than ``FREE_MEMORY_TTL``.
-
-    Never raises: a device whose memory cannot be read (a backend without
-    ``torch.accelerator`` support) reads as ``-1``, so that a cache key or a log
-    line cannot break the user's call.
-    """
+    """Return the device's free bytes, reusing a reading younger than ``FREE_MEMORY_TTL``; ``-1`` if unreadable."""
     if tracking.anywhere[0]:
         simulated = tracking.simulated.free()
         if simulated is not None:
@@ -297,7 +237,7 @@ def recent_free_memory(device: torch.device) -> int:
         return reading[1]
     try:
         free = _device_free(device)
-    except (ValueError, RuntimeError):
+    except (ValueError, RuntimeError):  # a backend without torch.accelerator: a cache key must not break the call
         free = -1
     _free_readings[device] = (now + FREE_MEMORY_TTL, free)
     return free
@@ -307,13 +247,7 @@ _descriptions: dict[torch.device, str] = {}
 
 
 def describe_device(device: torch.device) -> str:
-    """Name a device by its kind, model and total memory, the same in every run.
-
-    A size that fits one device fits another of the same model and memory, so
-    keys that outlive the process (:class:`DiskCache`) use this and not the
-    device's index. Inside a simulated device, its limit stands for the memory.
-    Never raises: what cannot be read is left out.
-    """
+    """Name a device by kind, model and total memory, not index: keys that outlive the process use it."""
     limit = tracking.simulated.limit()
     if limit is not None:
         return f"simulated {limit}"
@@ -358,20 +292,9 @@ def release(device: DeviceLike = None) -> None:
 
 
 def release_young(device: DeviceLike = None) -> None:
-    """Release memory as :func:`release` does, collecting the young generations of objects only.
-
-    For a call that gives up. The reference cycles a failed attempt leaves (its
-    frames and the error's traceback) are made when it fails, so they are young;
-    collecting them costs time in proportion to what was made since the last
-    collection, where a full collection costs it in proportion to every object
-    of the process (a tenth of a second with torch and a few libraries imported).
-
-    Args:
-        device (torch.device, str, int or None): as for :func:`release`.
-
-    Raises:
-        ValueError: if ``device`` is not a device PyTorch knows.
-    """
+    """Release memory as :func:`release` does, for a call that gives up, collecting young objects only."""
+    # A failed attempt's cycles (its frames, the traceback) are young; a full collection walks
+    # every object of the process (a tenth of a second with torch and a few libraries imported).
     _release(resolve_device(device), 1)
 
 
@@ -381,23 +304,7 @@ def _release(device: torch.device, generation: int) -> None:
 
 
 def empty_caches(devices: Iterable[torch.device], *, host: bool = False) -> None:
-    """Give the cached, unused blocks of the devices' caching allocators back to the driver.
-
-    What :func:`release` does after its garbage collection, for any number of
-    devices (:func:`koila_retry.offload` frees the memory of a model on several).
-    Devices that are not of this process's accelerator type, the CPU among them,
-    have no such cache and are skipped. The free-memory readings that cache keys
-    reuse are forgotten, even if emptying fails.
-
-    Args:
-        devices (Iterable[torch.device]): the devices, with their indices.
-        host (bool): also give back the page-locked host memory that the
-            accelerator's host allocator caches (CUDA and XPU have one), which
-            copies to and from the device leave behind. Default: ``False``.
-
-    Raises:
-        RuntimeError: if the backend fails to empty a cache.
-    """
+    """Give the devices' cached, unused allocator blocks back to the driver; ``host`` also empties pinned memory."""
     try:
         for device in devices:
             if device.type != "cpu" and on_accelerator(device):

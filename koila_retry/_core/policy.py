@@ -157,34 +157,7 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class Policy:
-    """The options of one front end, checked once: what the engine needs to run its calls.
-
-    Front ends make it with :meth:`of`, from the ``initial`` they take and
-    the shared :class:`Options`.
-
-    Attributes:
-        initial (int or None): the first size; ``None`` lets each call bring
-            its own (the rows it was given).
-        minimum (int): the smallest size to try.
-        cache (SizeCache or None): where sizes are kept; ``None`` for the front
-            end's default.
-        max_attempts (int or None): the most attempts of a call, or of a step.
-        on_oom (callable or None): told of every out-of-memory failure.
-        device (torch.device or None): the device the calls use, when fixed.
-        grow (bool): whether to grow back after a reduction.
-        grow_after (int): successes in a row before growing.
-        grow_gain (float or None): the least gain in rows per second a size grown
-            to must bring over the one below it, or growth stops there; ``None``:
-            sizes grow whatever their throughput.
-        clock (callable): seconds, for timing the attempts that succeed while growing.
-        refine (bool): search between the size that fits and the one above that failed.
-        sync (bool or None): whether the ranks agree; ``None``: when a group runs.
-        group (ProcessGroup or None): the ranks that agree.
-        schedule (callable): the size after one that failed.
-        snapshot (str, path or callable, optional): where PyTorch's memory
-            snapshot of a call that gives up goes.
-        snapshot_each_oom (bool): also at every out-of-memory error.
-    """
+    """One front end's ``initial`` and :class:`Options`, checked once; ``initial=None``: each call's rows."""
 
     initial: int | None
     minimum: int = 1
@@ -205,23 +178,7 @@ class Policy:
 
     @classmethod
     def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any], *, rows: bool = False) -> Policy:
-        """Check a front end's options and return them as a policy.
-
-        Args:
-            front_end (str): how errors name the front end (``"koila.batch"``).
-            initial (int or None): the first size, or ``None`` for all the rows of each call.
-            options (Mapping): the keyword options the caller gave (see :class:`Options`).
-            rows (bool): whether each call of the front end knows its rows (or
-                indices), so that ``initial=None`` can mean all of them at once.
-
-        Returns:
-            Policy: the checked options.
-
-        Raises:
-            TypeError: if an option is unknown or has the wrong type, or
-                ``initial`` is ``None`` and ``rows`` is false.
-            ValueError: if an option is out of range.
-        """
+        """Check a front end's options; with ``rows`` its calls know their rows, so ``initial=None`` is allowed."""
         unknown = sorted(set(options) - _NAMES)
         if unknown:
             raise TypeError(

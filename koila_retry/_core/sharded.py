@@ -1,27 +1,11 @@
 """Steps over FSDP2 modules (``fully_shard``): collectives that learn of another rank's failure.
 
-FSDP2 all-gathers parameters before each sharded module's forward (and again in the
-backward) and reduce-scatters gradients after its backward. A rank that runs out of
-memory between two of those collectives never makes the next one, and the other ranks
-would wait in it forever: agreeing after the attempt, as under DDP, comes too late.
-
-So, while a call of koila-retry runs, every FSDP2 collective first takes part in one
-exchange of the attempt's agreement (:meth:`Agreement.after`), the same exchange a rank
-that ran out of memory makes after its attempt. Collectives of a process group are
-matched in the order they are issued, so a rank's exchange after its failure meets the
-exchange the others make before their next collective: they learn there that the
-attempt failed, raise :class:`RanksFailed` from inside FSDP's hook, and every rank
-leaves the attempt having made the same collectives. The agreement after the attempt
-then uses what that exchange said (:attr:`Agreement.settled`) instead of making another.
-The exchange before a collective is made after FSDP allocated its buffers for it, and
-nothing is allocated between the exchange and the collective, so a rank cannot run out
-of memory after saying that it had not.
-
-After an attempt that failed on any rank, :meth:`Shards.reset` puts FSDP2's state
-back to what a new forward expects. FSDP2 has no public way to abandon a forward or a
-backward part-way, so it resets private state, each place named where it is touched;
-``tests/test_fsdp.py`` pins every attribute it reads, so that a PyTorch that renames
-one fails there first.
+A rank that runs out of memory between two FSDP2 collectives (all-gathers, reduce-scatters) never makes
+the next, and the others would wait in it forever: agreeing after the attempt, as under DDP, is too late.
+So while a call runs, every FSDP2 collective first joins the attempt's exchange (:meth:`Agreement.after`).
+Collectives of a group match in the order they are issued, so a failed rank's exchange after its attempt
+meets the others' before their next collective: they raise :class:`RanksFailed` inside FSDP's hook, every
+rank leaves having made the same collectives, and the agreement after the attempt reuses that exchange.
 """
 
 from __future__ import annotations
@@ -52,21 +36,14 @@ if distributed.AVAILABLE:
 
 
 class RanksFailed(Exception):
-    """Another rank's attempt ran out of memory: raised inside this rank's collective, which it never made.
-
-    Raised only inside an attempt of koila-retry, which catches it: the attempt
-    failed on every rank, as the exchange before the collective said.
-    """
+    """Another rank's attempt ran out of memory: raised inside this rank's collective; the attempt catches it."""
 
 
 class _Armed:
-    """The agreement of the call running in this process, or None: FSDP2's collectives exchange with it first.
+    """The agreement of the call running in this process, or None: FSDP2's collectives exchange with it first."""
 
-    One for the process, not per thread: autograd runs the backward of a GPU's
-    nodes, FSDP2's hooks included, on a thread of its own. Calls of one process
-    do not overlap in a process group.
-    """
-
+    # One for the process, not per thread: autograd runs a GPU's backward, FSDP2's hooks included, on a
+    # thread of its own. Calls of one process do not overlap in a process group.
     agreement: distributed.Agreement | None = None
 
 
@@ -101,13 +78,9 @@ def state_of(module: torch.nn.Module) -> Any:
 
 
 def param_groups(module: torch.nn.Module) -> list[Any]:
-    """Return an FSDP2 module's FSDPParamGroup objects, one per mesh of its parameters (private state).
-
-    torch 2.13 keeps a list of them, ``_fsdp_param_groups``; torch 2.11 kept one or
-    ``None``, ``_fsdp_param_group``.
-    """
+    """Return an FSDP2 module's FSDPParamGroup objects, one per mesh of its parameters (private state)."""
     state = state_of(module)
-    groups = getattr(state, "_fsdp_param_groups", None)
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; torch 2.11 kept one or None
     if groups is not None:
         return list(groups)
     group = state._fsdp_param_group
@@ -130,12 +103,7 @@ def is_fsdp_hook(hook: object) -> bool:
 
 
 def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None:
-    """Refuse an FSDP2 module whose collectives are not those of one group of the agreeing ranks.
-
-    Raises:
-        NotImplementedError: for HSDP (a mesh with replicas), or a sharding group
-            other than the ranks that agree.
-    """
+    """Refuse an FSDP2 module sharded with HSDP, or over other ranks than those that agree."""
     for group in param_groups(module):
         mesh = group.mesh_info  # private: the FSDPMeshInfo of the group's parameters
         if getattr(mesh, "replicate_process_group", None) is not None:
@@ -153,12 +121,7 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
 
 
 class _Voting:
-    """An FSDP2 collective that first takes part in the running call's exchange, then runs as it would.
-
-    Args:
-        comm: the comm object FSDP had for the collective, which allocates its
-            buffers and runs it.
-    """
+    """An FSDP2 collective that first takes part in the running call's exchange, then runs FSDP's ``comm``."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
@@ -168,6 +131,8 @@ class _Voting:
         return tensor
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # FSDP allocated the collective's buffers (allocate) before this, and allocates nothing between
+        # the exchange and the collective: a rank cannot run out of memory after saying it had not.
         agreement = _armed.agreement
         if agreement is not None and agreement.heard_of_failure():
             raise RanksFailed(
@@ -190,12 +155,7 @@ def _install(module: torch.nn.Module) -> None:
 
 
 class Shards:
-    """The FSDP2 modules a call reaches, under the call's agreement: what its attempts arm and reset.
-
-    Args:
-        modules (list): the FSDP2 modules.
-        agreement (Agreement): the ranks' agreement for the call.
-    """
+    """The FSDP2 modules a call reaches, under the call's agreement: what its attempts arm and reset."""
 
     __slots__ = ("agreement", "modules", "previous")
 
@@ -220,23 +180,10 @@ class Shards:
 
 
 class ShardedStep:
-    """What a training step over FSDP2 modules does about their gradients (``accumulate``).
-
-    FSDP2's hooks turn the unsharded gradients into the sharded parameters'
-    ``.grad``, so the step's backward runs as it is, writing ``.grad``: the
-    gradients the parameters had are set aside by reference before the step and
-    added back after it.
-
-    Args:
-        modules (list): every module the step reaches, sharded or not: the
-            gradients of all their parameters are set aside; the FSDP2 roots among
-            them are the ones :meth:`micro_batch` tells about gradient sync.
-        alone (bool): whether the step runs without agreement (one rank, or
-            ``sync=False``): the engine then resets no FSDP2 state, and
-            :meth:`undo` does.
-    """
+    """What a training step over FSDP2 modules (``accumulate``) does about the gradients of all they reach."""
 
     def __init__(self, modules: list[torch.nn.Module], alone: bool = False) -> None:
+        # alone (one rank, or sync=False): no agreement resets FSDP2 state after a failure, so undo does.
         self.alone = alone
         sharded = [module for module in modules if is_fsdp2(module)]
         inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
@@ -249,6 +196,8 @@ class ShardedStep:
 
     def before(self) -> None:
         """Set the gradients the parameters have aside (by reference), so the step's start from none."""
+        # FSDP2's hooks write the sharded parameters' .grad, so the step's backward runs as it is;
+        # restore adds these back.
         self.aside = [parameter.grad for parameter in self.parameters]
         for parameter in self.parameters:
             parameter.grad = None
@@ -296,6 +245,8 @@ def reset(modules: Iterable[torch.nn.Module]) -> None:
 
 def _reset(module: torch.nn.Module) -> None:
     """Put one FSDP2 module's private state back to what a new forward expects."""
+    # FSDP2 has no public way to abandon a forward or a backward part-way. tests/test_fsdp.py pins every
+    # attribute read here, so that a PyTorch that renames one fails there first.
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     state = state_of(module)

@@ -1,15 +1,10 @@
 """PyTorch's memory snapshot of a call that runs out of memory, on request (``snapshot=``).
 
-Nothing here runs unless a front end is given ``snapshot=``: the engine then makes one
-:class:`Snapshots` per call. At the call's first out-of-memory error it starts the CUDA
-caching allocator's history (``torch.cuda.memory._record_memory_history``), so that the
-retries are recorded; when the call gives up (or at every such error, with
-``snapshot_each_oom=True``) it writes PyTorch's own snapshot
-(``torch.cuda.memory._snapshot()``, the format of ``torch.cuda.memory._dump_snapshot``),
-which https://pytorch.org/memory_viz opens, while the failed attempt's memory is still
-held. The history is process-wide: calls that record at once share it, and it stops when
-the last of them ends, unless something else had started it before, which it then leaves
-running. These are PyTorch's private functions: the ones its memory documentation names.
+At a call's first out-of-memory error the CUDA allocator's history starts, so that the retries are
+recorded; at a give-up (or every such error, with ``snapshot_each_oom``) PyTorch's own snapshot, which
+https://pytorch.org/memory_viz opens, is written while the failed attempt's memory is still held. The
+history is process-wide: it stops when the last recording call ends, unless something else started it.
+These are PyTorch's private functions, the ones its memory documentation names.
 """
 
 from __future__ import annotations
@@ -36,12 +31,7 @@ MAX_ENTRIES = 100_000
 
 
 def check_target(target: object, each: object) -> None:
-    """Refuse a ``snapshot=`` or ``snapshot_each_oom=`` a call could not use, when the front end is made.
-
-    Raises:
-        TypeError: if ``target`` is neither a path nor a callable, or ``each`` is not a bool.
-        ValueError: if the path names a field other than ``{rank}`` and ``{attempt}``.
-    """
+    """Refuse a ``snapshot=`` or ``snapshot_each_oom=`` a call could not use, when the front end is made."""
     if not isinstance(each, bool):
         raise TypeError(f"snapshot_each_oom must be a bool, got {type(each).__name__} {each!r}")
     if target is None or (callable(target) and not isinstance(target, (str, os.PathLike))):
@@ -93,14 +83,7 @@ _NOTHING_TO_RECORD = (
 
 
 class Snapshots:
-    """One call's snapshots: the history it records, and what it writes.
-
-    Args:
-        target (Target): where the snapshots go.
-        each (bool): whether to write one at every out-of-memory error, not only at a give-up.
-        device (torch.device): the call's device.
-        name (str): the call's function or block, for warnings.
-    """
+    """One call's snapshots: the history it records, and what it writes; ``name`` is for warnings."""
 
     def __init__(self, target: Target, each: bool, device: torch.device, name: str) -> None:
         self.target, self.each, self.device, self.name = target, each, device, name
@@ -108,10 +91,7 @@ class Snapshots:
         self.warned = False
 
     def failed(self, attempt: int, giving_up: bool) -> None:
-        """At an out-of-memory error, while the attempt's memory is held: record from now on, and write if due.
-
-        Never raises: a snapshot must not hide the error it is about.
-        """
+        """At an out-of-memory error, while the attempt's memory is held: record from now on, and write if due."""
         if self.device.type != "cuda" or not torch.cuda.is_available() or simulated.device() is not None:
             if not self.warned:  # once a call
                 self.warned = True

@@ -56,11 +56,7 @@ class Batched(Protocol[P, R_co]):
 
 
 class _Injection:
-    """Where the batch size goes in the wrapped function's arguments, called one way.
-
-    ``after`` is how many positional arguments come before the size: 0 for a plain
-    call, 1 for a method's (after the object it is bound to).
-    """
+    """Where the batch size goes in the wrapped function's arguments: after ``after`` of them (1 for a method)."""
 
     def __init__(self, fn: Callable[..., Any], param: str | None, after: int) -> None:
         signature = _signature(fn)
@@ -121,16 +117,7 @@ _METHOD, _CLASSMETHOD, _STATICMETHOD = "method", "classmethod", "staticmethod"
 
 
 class Bindable:
-    """A wrapper that learns from binding whether its function is called as a method.
-
-    Called as it is, it runs its plain form. Looked up on an instance, it is bound
-    as a function is, and its method form runs with the instance first; looked up
-    on the class, it is the method form itself, which takes the instance as its
-    first argument, as a :class:`functools.partialmethod` does. One that wrapped a
-    ``classmethod`` binds to the class; one that wrapped a ``staticmethod`` never
-    binds. Made by :func:`bindable`; both forms share its attributes (``stats``,
-    ``cache_info()``, ``cache_clear()``).
-    """
+    """A wrapper that learns from binding whether its function is called as a method, made by :func:`bindable`."""
 
     _method: Callable[..., Any]
     _binding: str
@@ -164,17 +151,7 @@ def unwrap_binding(fn: Any) -> tuple[Any, str]:
 def bindable(
     fn: Callable[..., Any], plain: Callable[..., Any], method: Callable[..., Any], binding: str = _METHOD
 ) -> Any:
-    """Return a :class:`Bindable` that runs ``plain`` when called, and ``method`` when bound.
-
-    Args:
-        fn (callable): the wrapped function, whose name and metadata it takes.
-        plain (callable): the plain form, a ``functools.wraps`` wrapper of ``fn``.
-        method (callable): the method form, which takes the bound object first.
-        binding (str): how it binds, from :func:`unwrap_binding`.
-
-    Returns:
-        Bindable: the wrapper, with ``plain``'s attributes.
-    """
+    """Return a :class:`Bindable` that runs ``plain`` when called, and ``method`` (object first) when bound."""
     # A class of its own, whose __call__ is the plain form itself: calling the wrapper then
     # costs about what calling a function does, where a __call__ that forwarded would add
     # a Python frame to every call.
@@ -190,11 +167,7 @@ def bindable(
 
 
 def refuse_generator(fn: Callable[..., Any], front_end: str) -> None:
-    """Refuse a generator or async generator function, whose work runs after the call returns.
-
-    Raises:
-        TypeError: if ``fn`` is one.
-    """
+    """Refuse a generator or async generator function, whose work runs after the call returns."""
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
@@ -309,25 +282,7 @@ def batch(
 
 
 def batched(fn: Any, policy: Policy, param: str | None = None, *, keep_last: bool = False) -> Any:
-    """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected.
-
-    Called as it is, the wrapper injects the size first (or as ``param``); bound
-    to an instance, after the instance (see :class:`Bindable`).
-
-    Args:
-        fn (callable): the function that takes the batch size, or a
-            ``staticmethod`` or ``classmethod`` of one.
-        policy (Policy): the checked options.
-        param (str, optional): the keyword parameter the size goes to.
-        keep_last (bool): store every success's size (see :class:`Controller`).
-
-    Returns:
-        Batched: the wrapper.
-
-    Raises:
-        TypeError: if ``fn`` is not callable, is a generator function, or has
-            no parameter for the size.
-    """
+    """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected."""
     fn, binding = unwrap_binding(fn)
     if not callable(fn):
         raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")

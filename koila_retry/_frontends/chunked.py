@@ -303,16 +303,13 @@ def _run_chunked(
 
 
 class _Results:
-    """The results of the chunks: checked as they come, and written into one result (or ``out``) as they come.
-
-    The result is allocated once the first chunk's shapes are known, so the peak is the
-    result plus one chunk, and no final join can lose the finished chunks.
-    """
+    """The results of the chunks: checked as they come, and written into one result (or ``out``) as they come."""
 
     def __init__(self, dim: int, rows: int, out: Any) -> None:
         self.dim, self.rows, self.out = dim, rows, out
         self.spec: TreeSpec | None = None
-        # Where each leaf's rows go: ``out``'s tensors, or the result's, once allocated.
+        # Where each leaf's rows go: ``out``'s tensors, or the result's, allocated at the first chunk: the
+        # peak is the result plus one chunk, and no final join can lose the finished chunks.
         self.targets: list[torch.Tensor | None] | None = None
         self.single: Any = None  # a first chunk that held every row: the result as it is
         self.none = False
@@ -380,11 +377,7 @@ class _Results:
                 self._write(target, leaf, begin, end, result, index)
 
     def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | None]:
-        """Make the result's tensors, each with every row, where the first chunk's lie.
-
-        A leaf that is not a tensor (a model's key-value cache, a string) has none: it
-        is returned as ``None``, with a warning.
-        """
+        """Make the result's tensors, each with every row, where the first chunk's lie (``None`` for the rest)."""
         dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
         if dropped:
             paths = flatten_with_path(result)
@@ -430,12 +423,7 @@ class _Results:
         view.copy_(leaf)
 
     def _matched(self, result: Any) -> list[torch.Tensor | None]:
-        """Return ``out``'s tensors in the order of the first result's leaves, matched by key.
-
-        The dicts of ``out`` may list their keys in any order; a tensor of the result
-        with none at its place in ``out``, or one of ``out`` with none in the result,
-        is an error that lists both.
-        """
+        """Return ``out``'s tensors in the order of the first result's leaves, matched by key (in any order)."""
         paths = flatten_with_path(result)
         targets: list[torch.Tensor | None] = []
         used: set[int] = set()
@@ -564,10 +552,7 @@ _MISSING = object()
 
 
 def _at(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
-    """Return what ``value`` holds at a pytree key path (by key, for mappings) and how many keys were followed.
-
-    Where a key is missing, what is returned is ``_MISSING``, with the keys that were found.
-    """
+    """Return what ``value`` holds at a pytree key path, or ``_MISSING``, and how many keys were found."""
     for depth, key in enumerate(path):
         if isinstance(key, MappingKey):
             found = value[key.key] if isinstance(value, Mapping) and key.key in value else _MISSING

@@ -1,19 +1,10 @@
 """Refuse a backward pass that a step of ``accumulate`` runs itself, before it writes any ``.grad``.
 
-``accumulate`` runs the backward of each micro-batch's loss. A step that also runs one
-(``loss.backward()`` inside it) adds its gradients into ``.grad`` besides: twice the
-gradient with ``retain_graph=True``, more when split, and a plain one leaves ``.grad``
-written under PyTorch's "backward through the graph a second time". Every backward that
-writes ``.grad`` from Python, ``Tensor.backward`` and ``torch.autograd.backward``, goes
-through ``torch.autograd.graph._engine_run_backward`` with ``accumulate_grad=True``
-(``torch.autograd.grad`` with ``False``). That function is wrapped once, when the first
-step is decorated, as PyTorch wraps it itself for tracing
-(``torch.compiler._patch_engine_backward``): while a step's own code runs on a thread,
-a backward that would write ``.grad`` raises there, before the engine starts.
-
-What it costs: a thread-local name set and reset around each micro-batch's forward, and
-one Python call more per backward of the process. A hook on each parameter, or a
-``TorchFunctionMode`` over the forward, would cost per parameter or per operation.
+``accumulate`` runs each micro-batch's backward; one the step runs too would add into ``.grad`` again.
+Every backward that writes ``.grad`` from Python goes through ``torch.autograd.graph._engine_run_backward``
+with ``accumulate_grad=True``; it is wrapped once, as PyTorch wraps it for tracing, and raises while a
+step's own code runs on the thread. That costs one Python call per backward of the process: a hook per
+parameter, or a ``TorchFunctionMode`` over the forward, would cost per parameter or per operation.
 """
 
 from __future__ import annotations
@@ -42,18 +33,13 @@ _guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
 
 
 def guard() -> bool:
-    """Wrap PyTorch's entry into the autograd engine, once, so that :func:`call` can refuse a backward.
-
-    Returns:
-        bool: whether the entry is wrapped: ``False`` on a PyTorch without it,
-        where nothing is refused.
-    """
+    """Wrap PyTorch's entry into the autograd engine, once, so that :func:`call` can refuse a backward."""
     if _guarded:
         return True
     graph = torch.autograd.graph
     with _lock:
         original = getattr(graph, "_engine_run_backward", None)
-        if _guarded or original is None:
+        if _guarded or original is None:  # False on a PyTorch without the entry: nothing is refused
             return bool(_guarded)
 
         @functools.wraps(original)
@@ -74,21 +60,7 @@ def guard() -> bool:
 
 
 def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -> Any:
-    """Run a step's own code, ``fn(*args, **kwargs)``, with a backward pass inside it refused.
-
-    Args:
-        fn (callable): the step.
-        name (str): its name, for the error.
-        args (sequence): its positional arguments.
-        kwargs (dict): its keyword arguments.
-
-    Returns:
-        Any: what ``fn`` returned.
-
-    Raises:
-        RuntimeError: if ``fn`` started a backward that writes ``.grad``, even if it
-            caught the error raised there: nothing was written.
-    """
+    """Run a step's own code, ``fn(*args, **kwargs)``, with a backward pass inside it refused."""
     running = _running
     outer, refused = running.step, running.refused
     running.step = name
@@ -96,7 +68,7 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -
         result = fn(*args, **kwargs)
     finally:
         running.step = outer
-    if running.refused != refused:
+    if running.refused != refused:  # raised again even where the step caught the refusal
         raise RuntimeError(_refusal(name))
     return result
 
