@@ -70,18 +70,20 @@ that counts slows every operator, which is why these calls are not timed. The me
 table gives each candidate's peak and its ratio to the plain trainer's; the peers' rows
 say how many rows their steps ran (``BatchSizeFinder``'s call includes its search).
 
-The targets: with nothing failing, the adapted trainers' training step at most 5% slower
-than the plain trainer's (a ratio of at most 1.05), from the issue that asked for this
-benchmark; and their training call's peak memory at most 1.02 times the plain trainer's
-(issue 40). Evaluation is reported, without a target.
+The targets, from issue 40: with nothing failing, the adapted trainers' training step at
+most 2% slower than the plain trainer's (a ratio of at most 1.02; the issue that asked for
+this benchmark allowed 1.05), and their training call's peak memory at most 1.02 times
+the plain trainer's. Evaluation is reported, without a target.
 
 Run it with::
 
     tox -e bench                            # installs transformers and lightning, runs every benchmark
     tox -e bench -- --quick                 # a fast, noisier run
     python benchmarks/trainers.py --rst     # how docs/performance.rst was made
+    python benchmarks/trainers.py --clock cpu --no-peers   # on a busy machine
 
-``--no-peers`` leaves ``auto_find_batch_size`` and ``BatchSizeFinder`` out. Without
+``--clock cpu`` times the thread that runs the trainers in CPU time, which other jobs on the
+machine do not add to. ``--no-peers`` leaves ``auto_find_batch_size`` and ``BatchSizeFinder`` out. Without
 transformers or without lightning, that trainer's rows are skipped with a note. The exit
 status is 0 whether or not the target is met; the verdict is printed.
 """
@@ -119,7 +121,7 @@ from torch.nn import functional
 import koila_retry as koila
 from koila_retry.testing import simulated_device
 
-TARGET = 1.05  # an adapted trainer's training step / the plain trainer's
+TARGET = 1.02  # an adapted trainer's training step / the plain trainer's
 MEMORY_TARGET = 1.02  # an adapted trainer's peak memory in a training call / the plain trainer's
 MEMORY_LIMIT = "64GiB"  # the simulated device's: large enough that nothing fails
 BLOCK_SECONDS = 0.25  # about how long the training steps of one block take
@@ -134,6 +136,11 @@ AGAIN = "Trainer again (noise check)"
 
 # Timing -----------------------------------------------------------------------------------
 
+# The clock of every timed block: the wall clock, or with ``--clock cpu`` the CPU time of the
+# thread that runs the trainers (both run their steps on the calling thread, torch on one
+# thread), which the other jobs of a busy machine do not add to.
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
+
 
 class Stopwatch:
     """The durations of a trainer's steps, from its callback hooks: begin to end, or end to end (laps)."""
@@ -147,16 +154,16 @@ class Stopwatch:
         self.durations, self.rows, self.started = [], set(), None
 
     def begin(self) -> None:
-        self.started = time.perf_counter()
+        self.started = CLOCK[0]()
 
     def end(self) -> None:
-        now = time.perf_counter()
+        now = CLOCK[0]()
         if self.started is not None:
             self.durations.append(now - self.started)
         self.started = None
 
     def lap(self) -> None:
-        now = time.perf_counter()
+        now = CLOCK[0]()
         if self.started is not None:
             self.durations.append(now - self.started)
         self.started = now
@@ -164,9 +171,9 @@ class Stopwatch:
 
 def timed(call: Callable[[], Any]) -> float:
     """Return the seconds one call takes."""
-    start = time.perf_counter()
+    start = CLOCK[0]()
     call()
-    return time.perf_counter() - start
+    return CLOCK[0]() - start
 
 
 @dataclass
@@ -701,9 +708,13 @@ def peer_notes(settings: list[Setting]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, help="rounds (default 30; 4 with --quick)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall clock, or this thread's CPU time"
+    )
     add_run_flags(parser, no_peers="leave auto_find_batch_size and BatchSizeFinder out")
     args = parser.parse_args(argv)
     settle_rounds(parser, args)
+    CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     began = time.perf_counter()
     torch.set_num_threads(1)
@@ -714,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {version_of('transformers')}, lightning {version_of('lightning')}"
     )
     print_load("before")
+    print(f"clock: {'CPU time of this thread' if args.clock == 'cpu' else 'wall clock'}")
     print(
         f"HF: GPT-2, 2 layers of width 128, {HF_ROWS} rows of {HF_TOKENS} tokens a step; Lightning: MLP "
         f"{PL_FEATURES}-1024-1024-10, {PL_ROWS} rows a step; {args.rounds} rounds ...",
