@@ -1,13 +1,9 @@
-"""The front end that splits a training step into micro-batches: ``accumulate``.
+"""``accumulate``: a training step that does not fit runs as micro-batches with the full batch's gradient.
 
-A step is one call of the engine, and the whole step is the attempt: an
-out-of-memory error in any micro-batch throws away the gradients the step had
-computed so far and runs the step again at the next smaller size. The step's
-gradients reach ``.grad`` as ``gradients`` decides: by plain backward passes, as
-a hand-written loop's do, with what ``.grad`` held before set aside until the
-step is over; or, while another step shares the model (or for a training
-engine's ``backward=``, or DDP), kept apart and added in through autograd once
-the step succeeded. Either way a step that fails leaves ``.grad`` as it was.
+The whole step is one attempt of the engine: an out-of-memory error in any micro-batch
+throws away what the step computed and runs it again smaller, with ``.grad`` as it was.
+``gradients`` decides how a step's gradients reach ``.grad`` (docs/architecture.rst, "How
+accumulate keeps a step's gradients").
 """
 
 from __future__ import annotations
@@ -243,27 +239,12 @@ def accumulator(
     scaler: Any = None,
     backward: Callable[..., Any] | None = None,
     ddp: Any = None,
+    # False for a step inside a DDP module's forward (Lightning's training_step): DDP's own
+    # backward after it averages what the step left in .grad. The ranks still agree on sizes.
     averages: bool = True,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
-    """Check the arguments of :func:`accumulate` once; return what decorates a step with them.
-
-    Args:
-        initial, dim, reduction, weight, scaler, backward, ddp: as :func:`accumulate` takes them.
-        averages (bool): whether the step averages the gradients of the DDP
-            modules it trains, once the ranks agreed (what :func:`accumulate`
-            does). ``False`` for a step that runs inside a DDP module's forward,
-            as Lightning runs ``training_step``: DDP's own backward, after the
-            step, averages what the step left in ``.grad``. The ranks still agree
-            on every size.
-        options (Options): the shared options.
-
-    Returns:
-        callable: takes a step, returns it wrapped.
-
-    Raises:
-        TypeError, ValueError: as :func:`accumulate` raises them.
-    """
+    """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if weight is not None and not callable(weight):
@@ -434,11 +415,7 @@ class _Accumulator:
         return result
 
     def _refuse_sharded_estimate(self, roots: tuple[Any, ...]) -> None:
-        """Refuse ``initial="auto"`` over FSDP2 modules, at the first call, before any rank estimates.
-
-        The estimate would run FSDP2's hooks, whose collectives only the ranks
-        that estimate would make.
-        """
+        """Refuse ``initial="auto"`` over FSDP2 before any rank estimates: only those would join its collectives."""
         modules = modules_of(roots)
         self.alone_sharded = bool(fsdp_modules(modules))
         if self.alone_sharded:
@@ -455,30 +432,18 @@ class _Accumulator:
         return ShardedStep(modules_of(roots))
 
     def _sharded_alone(self, roots: tuple[Any, ...]) -> ShardedStep | None:
-        """Return what a step over FSDP2 modules that runs without agreement does about them, if any.
-
-        One rank, or ``sync=False``: nothing to exchange, but FSDP2's own hooks
-        must see the backward write ``.grad`` (captured, the gradients would
-        never reach them), and its state must be reset after a failed attempt.
-        Whether the step reaches any is looked at on its first call with a
-        process group only: every call would pay for the look otherwise.
-        """
+        """Return what a step without agreement (one rank, ``sync=False``) does about the FSDP2 modules it reaches."""
+        # Looked for on the first call with a process group only: every call would pay for the look otherwise.
         if self.alone_sharded is False or not distributed.is_running():
             return None
         modules = modules_of(roots)
         self.alone_sharded = bool(fsdp_modules(modules))
+        # Nothing to exchange, but FSDP2's hooks must see the backward write .grad (captured, the
+        # gradients would never reach them), and its state be reset after a failed attempt.
         return ShardedStep(modules, alone=True) if self.alone_sharded else None
 
     def _sharded(self, split: Split, attempt: Attempt, shards: ShardedStep) -> Any:
-        """Run a step over FSDP2 modules: micro-batches with a plain backward, FSDP reducing the last one's.
-
-        FSDP2's own hooks turn the unsharded gradients into sharded ones, so the
-        backward runs as it is, writing ``.grad``, not captured as elsewhere: the
-        gradients the parameters had are set aside by reference before the step
-        and added back after it (not safe while another thread trains the model,
-        which FSDP2 does not allow anyway). Gradient sync is off for every
-        micro-batch but the last, as FSDP2 documents for gradient accumulation.
-        """
+        """Run a step over FSDP2 modules: micro-batches with a plain backward, FSDP reducing the last one's."""
         rows = split.rows
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
 
@@ -488,9 +453,10 @@ class _Accumulator:
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
-                shards.micro_batch(index == len(pieces) - 1)
+                shards.micro_batch(index == len(pieces) - 1)  # sync on for the last only, as FSDP2 documents
                 loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and weight != 0.0:
+                    # Into .grad, not captured: FSDP2's hooks turn the unsharded gradients into sharded ones.
                     self.backward(loss * weight if weight != 1.0 else loss, retain)
                     backed = True
                 del loss, args, kwargs
@@ -498,6 +464,8 @@ class _Accumulator:
                 self._check_no_grad_wanted(split)
             return results
 
+        # The parameters' gradients set aside by reference, added back after: not safe while another
+        # thread trains the model, which FSDP2 does not allow anyway.
         shards.before()
         try:
             finished = run(attempt, work, rows=rows, undo=shards.undo)
@@ -525,15 +493,7 @@ class _Accumulator:
         return GradientSync(modules)
 
     def _estimated(self, split: Split, device: torch.device) -> AutoFirst:
-        """Return what asks the memory estimates for the first micro-batch size (``initial="auto"``).
-
-        Two steps are estimated: one micro-batch (the whole batch's step), and, when
-        that does not fit, two, the second adding its gradients into the first's. A
-        split step holds every gradient from its second micro-batch on, and autograd
-        computes each incoming gradient into a new buffer before it is added into the
-        step's; a whole step holds neither. The steps run as ``_run`` runs them: on
-        the direct path outside ``torch.distributed``, else captured, then delivered.
-        """
+        """Return what asks the estimates of a whole and a split step for the first size (``initial="auto"``)."""
         name = self.controller.name
 
         def micro_batch(gradients: Gradients, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -548,7 +508,7 @@ class _Accumulator:
 
         def steps(count: int) -> Callable[..., None]:
             def step(*args: Any, **kwargs: Any) -> None:
-                gradients = Gradients(not distributed.is_running())
+                gradients = Gradients(not distributed.is_running())  # as _run runs it: direct, or captured
                 try:
                     for _ in builtins.range(count):
                         micro_batch(gradients, args, kwargs)
@@ -649,16 +609,12 @@ class _Accumulator:
         retain: bool,
         auto: AutoFirst | None,
     ) -> bool:
-        """Run the step with its first micro-batch measured, and the rest at the size the measurement corrects.
-
-        The measured micro-batch is part of the step, weighed as any other: the
-        micro-batches need not be of one size, since each is weighed by its own rows
-        (or items, with ``weight=``). Returns whether any loss needed a gradient.
-        """
+        """Run the first micro-batch measured, the rest at the corrected size; return whether a loss needed grad."""
         rows = split.rows
         first = min(size, rows)
         total = self._items(split, first)
         args, kwargs = split.chunk(0, first)
+        # Part of the step, weighed as any other: each micro-batch by its own rows (or items), whatever its size.
         weight = self._weight_of(args, kwargs, first, total)
         with meter:
             backed = self._micro_batch(args, kwargs, first, weight, results, gradients, retain)
@@ -766,11 +722,7 @@ def _ignores_labels(split: Split) -> bool:
 
 
 def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Name a module the step can reach that has parameters requiring grad, if there is one.
-
-    Looked at: the step itself and what it is bound to, its arguments, the variables
-    it closes over and the globals it names. Only asked when the loss needs no grad.
-    """
+    """Name a module with parameters requiring grad that the step reaches (its self, arguments, closure, globals)."""
     for label, value in call_references(fn, args, kwargs):
         if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
             return f"the module {label} ({type(value).__name__})"

@@ -1,21 +1,11 @@
-"""The gradients of a step of ``accumulate``: written into ``.grad`` directly, or captured apart from it.
+"""The gradients of a step of ``accumulate``, kept so that a step that fails leaves ``.grad`` as it was.
 
-A step's backward passes reach ``.grad`` in one of two ways, chosen per step.
-
-*Direct*: each backward runs as a plain ``torch.autograd.backward`` into ``.grad``, as a
-hand-written accumulation loop runs it, and costs what that loop costs. Before a
-backward first writes a leaf, its ``.grad`` is remembered: ``None`` is set back to
-``None`` if the step fails, and a gradient that is there is moved aside, to be added
-back (in place, into the same tensor) when the step succeeded, or put back as it was
-when it failed. That costs one gradient buffer more than the hand loop while ``.grad``
-holds one at the start, and nothing when it is ``None``. It is chosen for steps whose
-backward is a plain one (or a ``GradScaler``'s), that no other koila step shares a
-leaf with (see :data:`IN_FLIGHT`), and whose leaves have no post-accumulate-grad hooks.
-
-*Captured*: each backward runs as ``torch.autograd.grad`` into buffers of the step's
-own, and ``.grad`` is written once, through autograd, when the step succeeded: the way
-for steps that share leaves with another koila step in flight (threads training one
-model), for training engines' ``backward=`` and for DDP.
+*Direct*: a plain backward into ``.grad``, at a hand loop's cost, with what was there set
+aside. *Captured*: ``torch.autograd.grad`` into buffers of the step's own, added into
+``.grad`` through autograd once it succeeded. The one rule: no Python assignment to a
+``.grad`` that another thread's backward may be adding into (autograd's lock does not
+cover it), hence ``IN_FLIGHT``. docs/architecture.rst, "How accumulate keeps a step's
+gradients", says which path a step takes and how each works.
 """
 
 from __future__ import annotations
@@ -111,48 +101,13 @@ class Scaled:
 
 
 class Gradients:
-    """The gradients of one step: written into ``.grad`` directly, or kept apart until the step succeeded.
-
-    Every backward the step runs goes through :meth:`backward`. On the direct path
-    (``direct=True``, kept while no other step holds a leaf the step reaches, see
-    :class:`InFlight`), it runs as a plain backward into ``.grad``; before it first
-    writes a leaf, the leaf's gradient, if it has one, is set aside (:attr:`aside`), to
-    be added back by :meth:`restore` once the step is over, and :meth:`discard` sets the
-    leaves the step wrote back to ``None`` after a failed attempt.
-
-    Otherwise it is captured: it runs as ``torch.autograd.grad`` over the leaves its
-    graph reaches, and what comes back is added into buffers of this object's own, one
-    per leaf (:attr:`sums`). ``.grad`` is not written while the step runs: another
-    thread may be running a backward through the same model, and autograd adds into
-    ``.grad`` under a lock of its own that a Python assignment to ``.grad`` does not
-    take. When the step succeeded, :meth:`deliver` adds the sums into ``.grad`` through
-    autograd, in one backward; when an attempt failed, :meth:`discard` drops them, and
-    nothing of it was ever in ``.grad``. A direct step that meets a leaf another step
-    holds moves what it wrote into the sums and goes on captured.
-
-    A backward that ``torch.autograd.grad`` cannot run (the graph holds a reentrant
-    checkpoint, or the call asks for ``create_graph`` or gives ``inputs`` that are not
-    leaves) runs as it is, writing ``.grad``: for it, the gradients the leaves had are
-    set aside first (:attr:`aside`), what it wrote is moved into the sums after it, and
-    the gradients set aside are given back by :meth:`restore`. That fallback writes
-    ``.grad`` from Python, so it is not safe while another thread trains the model.
-
-    Args:
-        direct (bool): whether the step may take the direct path: its backward is a
-            plain one or a ``GradScaler``'s, with no DDP module to average.
-
-    Attributes:
-        sums (dict): the step's captured gradient of each leaf so far, by ``id`` of the leaf.
-        leaves (dict): the leaf of each sum, by its ``id``.
-        hidden (bool): whether a backward may have written leaves the walk cannot find.
-        batchnorm (bool): whether a batch normalisation in training mode took part.
-    """
+    """The gradients of one step: written into ``.grad`` directly, or captured until the step succeeded."""
 
     __slots__ = ("aside", "batchnorm", "direct", "exposed", "hidden", "leaves", "lock", "owned", "sums", "thread")
 
     def __init__(self, direct: bool = False) -> None:
-        self.sums: dict[int, torch.Tensor] = {}
-        self.leaves: dict[int, torch.Tensor] = {}
+        self.sums: dict[int, torch.Tensor] = {}  # the step's captured gradient of each leaf, by id of the leaf
+        self.leaves: dict[int, torch.Tensor] = {}  # the leaf of each sum
         # The sums that are tensors of this object's own, safe to add into in place; the
         # others are as autograd returned them, possibly views or shared between leaves.
         self.owned: set[int] = set()
@@ -160,23 +115,16 @@ class Gradients:
         # fallback's), and the gradients they had before it.
         self.exposed: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.hidden = False
-        self.batchnorm = False
-        self.direct = direct
+        self.hidden = False  # whether a backward may have written leaves the walk cannot find
+        self.batchnorm = False  # whether a BatchNorm in training mode took part
+        self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.thread = threading.get_ident()
         # Autograd runs the nodes of each device on a thread of its own; hooks that add into
         # the sums (see ``_taker``) may run on two at once.
         self.lock = threading.Lock()
 
     def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
-        """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured.
-
-        Args:
-            run (callable): what runs the backward of the loss: ``loss.backward()``,
-                a scaler's or a training engine's ``backward``.
-            loss (torch.Tensor): the (weighted) loss of a micro-batch.
-            retain (bool): whether to keep the graph for another backward.
-        """
+        """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured."""
         # Known backward passes are captured directly, without the function mode, which
         # would send every call the backward makes through Python.
         if run is plain_backward or type(run) is Scaled:
@@ -195,12 +143,7 @@ class Gradients:
             run(loss, retain)
 
     def started(self, call: BackwardCall, plain: Callable[[], None]) -> None:
-        """Run a backward that an engine's ``backward=`` started: into ``.grad`` on the direct path, else captured.
-
-        Args:
-            call (BackwardCall): the backward as it was asked for.
-            plain (callable): runs it as it was asked for, writing ``.grad``.
-        """
+        """Run a backward that an engine's ``backward=`` started (``plain()`` runs it as asked): direct or captured."""
         # Only the plain form writes exactly the leaves a walk of its outputs finds; the
         # others (some inputs only, a graph of the gradients) are captured as before.
         if (
@@ -215,19 +158,14 @@ class Gradients:
         self.capture(call, plain)
 
     def _expose(self, loss: torch.Tensor) -> bool:
-        """Get the leaves a backward of ``loss`` writes ready for a direct backward; return whether it may run.
-
-        Each leaf it writes for the first time in the step is held (see :class:`InFlight`)
-        and its gradient set aside. When another step holds one, or one has
-        post-accumulate-grad hooks (which run once per step, when the step's gradient
-        is delivered), the step goes on captured instead, and ``False`` is returned.
-        """
+        """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""
         exposed = self.exposed
         leaves = self._leaves(loss)
         new = [leaf for leaf in leaves if id(leaf) not in exposed] if exposed else leaves
         if not new:
             return True
         keys = [id(leaf) for leaf in new]
+        # Post-accumulate-grad hooks must run once per step, when the step's gradient is delivered.
         if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, keys):
             self._captured_from_now()
             return False
@@ -251,12 +189,7 @@ class Gradients:
         self.direct = False
 
     def capture(self, call: BackwardCall, plain: Callable[[], None]) -> None:
-        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``.
-
-        Args:
-            call (BackwardCall): the backward as it was asked for.
-            plain (callable): runs it as it was asked for, writing ``.grad``.
-        """
+        """Run one backward as ``torch.autograd.grad`` into :attr:`sums`, or, when it cannot, as ``plain()``."""
         outputs, inputs = call.outputs, call.inputs
         found, reentrant, early = self._walk(outputs)
         odd = (
@@ -325,48 +258,27 @@ class Gradients:
                 torch._foreach_add_(totals, added)
 
     def _taker(self, taken: list[tuple[int, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
-        """Return a node's post hook that adds the gradients it computes for ``taken``'s leaves into their sums.
-
-        The hook hands autograd ``None`` in their place: nothing is left to capture.
-        It runs on the engine's thread for the node's device, one per device:
-        :meth:`_add` locks.
-
-        Args:
-            taken (list): ``(output, leaf)``: which output of the node goes to which leaf.
-
-        Returns:
-            callable: the hook, for ``Node.register_hook``.
-        """
+        """Return a node's post hook that adds its gradients of ``taken``'s ``(output, leaf)`` into their sums."""
 
         def take(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> tuple[torch.Tensor | None, ...]:
             replaced = list(grad_inputs)
             for slot, leaf in taken:
                 gradient = replaced[slot]
                 if gradient is not None:
-                    replaced[slot] = None
-                    self._add(leaf, gradient)
+                    replaced[slot] = None  # nothing is left for autograd.grad to capture
+                    self._add(leaf, gradient)  # on autograd's thread for the node's device: _add locks
             return tuple(replaced)
 
         return take
 
     def _add(self, leaf: torch.Tensor, gradient: torch.Tensor, private: bool = False) -> None:
-        """Add one backward's gradient of ``leaf`` into its sum.
-
-        The first becomes the sum as it is when it is ``private`` (nothing else can
-        see it) and laid out as ``leaf`` (the layout autograd gives ``.grad``), or a
-        copy of it in that layout, made now, when it is private only: what
-        ``AccumulateGrad`` would do with it. Sums that are not private are added into
-        out of place, and the new sum is.
-
-        Args:
-            leaf (torch.Tensor): the leaf.
-            gradient (torch.Tensor): its gradient from one backward.
-            private (bool): whether nothing but this call holds ``gradient``.
-        """
+        """Add one backward's gradient of ``leaf`` into its sum; ``private``: nothing but this call holds it."""
         key = id(leaf)
         with self.lock:
             total = self.sums.get(key)
             if total is None:
+                # As AccumulateGrad does: a private gradient becomes the sum, in the leaf's layout (copied
+                # if it is not); one that others may see is kept as it is, and added into out of place.
                 if private and gradient.layout == torch.strided:
                     if gradient.stride() != leaf.stride():
                         gradient = torch.empty_like(leaf, dtype=gradient.dtype).copy_(gradient)
@@ -389,17 +301,10 @@ class Gradients:
                 self.owned.add(key)
 
     def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool, dict[Any, list[tuple[int, Any]]]]:
-        """Return what a backward of ``outputs`` writes.
-
-        Returns:
-            tuple: the leaves it reaches; whether it runs a reentrant checkpoint; and, for
-            each node that computes a gradient of a leaf that has a sum (of
-            ``EARLY_BYTES`` or more, and without tensor hooks, which must see the
-            gradient), which of its outputs go to which leaf.
-        """
+        """Return the leaves a backward of ``outputs`` writes, whether it runs a reentrant checkpoint, and ``early``."""
         found: dict[int, torch.Tensor] = {}
         sums = self.sums
-        early: dict[Any, list[tuple[int, Any]]] = {}
+        early: dict[Any, list[tuple[int, Any]]] = {}  # by node: the (output, leaf) whose sum takes it early
         reentrant = False
         stack: list[Any] = []
         for output in outputs:
@@ -424,6 +329,7 @@ class Gradients:
                         continue
                     key = id(leaf)
                     found[key] = leaf
+                    # Taken early by the node that computes it, unless tensor hooks must see the gradient.
                     if key in sums and not leaf._backward_hooks and leaf.numel() * leaf.element_size() >= EARLY_BYTES:
                         early.setdefault(parent, []).append((slot, leaf))
                     continue
@@ -441,12 +347,9 @@ class Gradients:
         return list(found.values()), reentrant, early
 
     def _leaves(self, loss: torch.Tensor) -> list[torch.Tensor]:
-        """Return the leaves a backward of ``loss`` writes: :meth:`_walk`'s first result, for the direct path.
-
-        Each micro-batch's backward pays for it (some 0.2 us a node), so it visits each
-        node once, ``AccumulateGrad`` included, and looks for nothing ``early``: the
-        direct path holds no sums.
-        """
+        """Return the leaves a backward of ``loss`` writes: :meth:`_walk`'s first result, for the direct path."""
+        # Each micro-batch's backward pays for this walk (some 0.2 us a node): each node is
+        # visited once, AccumulateGrad included, and nothing is taken early (no sums here).
         root = loss.grad_fn
         if root is None:  # the loss is itself a leaf
             return [loss] if loss.requires_grad else []
@@ -490,16 +393,8 @@ class Gradients:
         return []
 
     def _plain(self, found: list[torch.Tensor], run: Callable[[], None]) -> None:
-        """Run a backward that writes ``.grad`` itself, and move what it wrote into :attr:`sums`.
-
-        Not safe while another thread trains the same model: ``.grad`` is set from
-        Python, outside autograd's lock. Only for what ``torch.autograd.grad``
-        cannot run (see the class).
-
-        Args:
-            found (list): the leaves the backward reaches.
-            run (callable): runs the backward.
-        """
+        """Run a backward that ``autograd.grad`` cannot, writing ``.grad``; move what it wrote into :attr:`sums`."""
+        # Not safe while another thread trains the model: .grad is set from Python, outside autograd's lock.
         exposed, aside, sums = self.exposed, self.aside, self.sums
         for leaf in found:
             key = id(leaf)
@@ -524,11 +419,7 @@ class Gradients:
                 self._add(leaf, written, private=True)  # AccumulateGrad's: nothing else holds it
 
     def own(self, key: int | None = None) -> None:
-        """Make a sum a tensor of this object's own, which may be written in place: by default, every sum.
-
-        Args:
-            key (int, optional): the ``id`` of the leaf whose sum to make one.
-        """
+        """Make a sum (leaf ``id`` ``key``'s, or every one) a tensor of this object's own, to write in place."""
         for each in list(self.sums) if key is None else [key]:
             if each not in self.owned:
                 total = self.sums[each]
@@ -539,38 +430,18 @@ class Gradients:
                 self.owned.add(each)
 
     def gradients_aside(self) -> dict[int, torch.Tensor]:
-        """Return the gradients set aside while the step runs, by the ``id`` of their leaf.
-
-        :func:`koila.report <koila_retry.report>` names them as the gradients of
-        their parameters when a step gives up. Only a backward that writes ``.grad``
-        itself sets any aside (see the class).
-
-        Returns:
-            dict[int, torch.Tensor]: each gradient set aside, by ``id`` of its leaf.
-        """
+        """Return the gradients set aside while the step runs, by ``id`` of their leaf (for ``koila.report``)."""
         return {id(leaf): gradient for leaf, gradient in self.aside}
 
     def gradients_of_step(self) -> dict[int, torch.Tensor]:
-        """Return the step's own gradients so far, by the ``id`` of their leaf.
-
-        :func:`koila.report <koila_retry.report>` names them as the step's
-        gradients of their parameters.
-
-        Returns:
-            dict[int, torch.Tensor]: the sum of each leaf's gradients, by ``id`` of the leaf.
-        """
+        """Return the step's own gradients so far, by ``id`` of their leaf (for ``koila.report``)."""
         if not self.direct:
             return dict(self.sums)
         written = {key: leaf.grad for key, leaf in self.exposed.items() if leaf.grad is not None}
         return {**self.sums, **written}
 
     def written_bytes(self) -> int:
-        """Return the bytes of the gradients the step has computed so far.
-
-        Returns:
-            int: the bytes of the storages of :attr:`sums` and of what the direct path
-            wrote into ``.grad``, each counted once.
-        """
+        """Return the bytes of the step's gradients so far, sums and what the direct path wrote, each storage once."""
         storages = {}
         for total in self.gradients_of_step().values():
             if total.layout == torch.strided:
@@ -601,25 +472,11 @@ class Gradients:
         self.exposed.clear()
 
     def deliver(self) -> None:
-        """Add the step's gradients into ``.grad`` through autograd, and forget them.
-
-        One backward through :class:`Deliver` hands each sum to its leaf's
-        ``AccumulateGrad``, which takes the leaf's lock: where ``.grad`` is ``None``
-        it becomes the sum itself (no copy, since nothing else holds it by then),
-        and otherwise the sum is added into it in place, exactly as a plain
-        ``backward()`` from another thread would add. Post-accumulate-grad hooks run
-        there, once per step. A leaf with tensor hooks (``register_hook``) had them
-        applied to each backward's gradient when it was captured: its sum is handed
-        to its ``AccumulateGrad`` directly, which adds it under the same lock without
-        running the hooks a second time.
-
-        It waits until no direct step of another thread holds any of the leaves (see
-        :class:`InFlight`): that step sets ``.grad`` from Python.
-        """
+        """Add the step's gradients into ``.grad`` through autograd, and forget them."""
         if not self.sums:
             return
         keys = list(self.sums)
-        IN_FLIGHT.enter(keys, self.thread)
+        IN_FLIGHT.enter(keys, self.thread)  # a direct step of another thread sets .grad from Python: wait for it
         try:
             self._hand_over()
         finally:
@@ -646,7 +503,7 @@ class Gradients:
                 done = Deliver.apply(box, *plain)  # type: ignore[no-untyped-call]
             del plain
             torch.autograd.backward(done)
-        if hooked:
+        if hooked:  # their tensor hooks saw each backward's gradient: to AccumulateGrad, which runs none
             with torch.no_grad():
                 for leaf, total in hooked:
                     accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
@@ -654,19 +511,7 @@ class Gradients:
 
 
 class InFlight:
-    """The leaves that koila steps in flight write, by ``id``: whose ``.grad`` is whose to touch now.
-
-    A step on the direct path writes ``.grad`` from Python (moving a gradient aside,
-    setting one back to ``None``), which must never happen while another thread's
-    autograd adds into the same ``.grad``. So a step takes the direct path only if none
-    of its leaves is held by another step: it holds them (:meth:`take`) until it is
-    over (:meth:`release`). A captured step adds its gradients into ``.grad`` only once
-    no direct step of another thread holds any of its leaves (:meth:`enter`), and holds
-    them shared while it waits and delivers (:meth:`leave`), so that no new direct step
-    takes them meanwhile. A step that waits holds nothing exclusively: no two wait on
-    each other. One thread alone pays the dictionary operations, under a lock no one
-    else takes.
-    """
+    """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
 
     __slots__ = ("condition", "lock", "owners", "shared", "waiting")
 
@@ -680,15 +525,7 @@ class InFlight:
         self.waiting = 0
 
     def take(self, owner: Gradients, keys: Sequence[int]) -> bool:
-        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any.
-
-        Args:
-            owner (Gradients): the step.
-            keys (sequence): the ``id`` of each leaf its next backward writes first.
-
-        Returns:
-            bool: whether ``owner`` holds them now.
-        """
+        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any."""
         with self.lock:
             owners, shared = self.owners, self.shared
             if owners or shared:  # another step may be in flight: the one case that pays per leaf
@@ -712,18 +549,13 @@ class InFlight:
                 self.condition.notify_all()
 
     def enter(self, keys: Sequence[int], thread: int) -> None:
-        """Wait until no direct step of another thread holds any of ``keys``, then hold them shared.
-
-        Args:
-            keys (sequence): the ``id`` of each leaf a captured step delivers into.
-            thread (int): the step's thread: a step of the same thread (a step called
-                inside another) cannot be running a backward now, and is not waited for.
-        """
+        """Wait until no direct step of another ``thread`` holds any of ``keys``, then hold them shared."""
         with self.condition:
             shared, owners = self.shared, self.owners
             for key in keys:  # first, so that no direct step takes them from now on
                 shared[key] = shared.get(key, 0) + 1
             try:
+                # A step of this thread (one called inside another) runs no backward now: not waited for.
                 while any(key in owners and owners[key].thread != thread for key in keys):
                     self.waiting += 1
                     try:
@@ -840,12 +672,7 @@ _AUTOGRAD_BACKWARD = torch.autograd.backward
 
 
 class Capture(TorchFunctionMode):
-    """Run the backward passes started inside it (``Tensor.backward``, ``torch.autograd.backward``) as captures.
-
-    A function mode is this thread's only: other threads' backward passes through the
-    same model are not seen. It is on only while a backward of the step runs, not
-    during its forward.
-    """
+    """On this thread, while a backward of the step runs: hand each backward pass it starts to ``Gradients.started``."""
 
     def __init__(self, gradients: Gradients) -> None:
         super().__init__()

@@ -276,16 +276,10 @@ class _Step:
         return 1 if self.held is not None else Split(args, kwargs, 0, "OOMRecovery").rows
 
     def _call(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the step through ``accumulate``; a batch it cannot split, whole, as it runs without the callback.
-
-        ``accumulate`` takes tuples, lists, dicts, dataclasses ... apart (docs/batches.rst);
-        a batch of a class of its own (PyTorch Geometric's ``Batch``), or whose tensors do not
-        share their rows, runs as one piece of one row, and an out-of-memory error then says
-        why it could not be split.
-        """
+        """Run the step through ``accumulate``; a batch it cannot split, whole, as it runs without the callback."""
         try:
             self.rows = Split(args, kwargs, 0, "OOMRecovery").rows
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError) as error:  # a class of its own (PyG's Batch), or tensors of unequal rows
             reason = str(error)
         else:
             return self.run(*args, **kwargs)
@@ -313,19 +307,14 @@ class _Step:
             self.held = None
 
     def _released(self, trainer: pl.Trainer, module: pl.LightningModule) -> set[int]:
-        """Return the ids of the parameters whose ``.grad`` Lightning sets to ``None`` right after this step.
-
-        Lightning's loop runs ``training_step``, then ``zero_grad`` on the first batch of each
-        group of ``accumulate_grad_batches``, then the backward: those gradients are dead
-        while the step runs, and it may free them first, as a hand loop has. Only where the
-        zero_grad is the default one, ``optimizer.zero_grad()`` with ``set_to_none=True``, and
-        no ``on_before_zero_grad`` hook could look at them; else none.
-        """
+        """Return the ids of the parameters whose ``.grad`` Lightning sets to ``None`` right after this step."""
         batch_idx = self.batch_idx
         if batch_idx is None or getattr(trainer.fit_loop, "_skip_backward", True) or len(trainer.optimizers) != 1:
             return set()
-        if batch_idx % trainer.accumulate_grad_batches != 0:
+        if batch_idx % trainer.accumulate_grad_batches != 0:  # zero_grad runs on a group's first batch only
             return set()
+        # Only the default zero_grad (optimizer.zero_grad(), set_to_none=True), and no on_before_zero_grad
+        # hook that could look at the gradients.
         lightning = pl.LightningModule
         if "optimizer_zero_grad" in vars(module) or "on_before_zero_grad" in vars(module):
             return set()
@@ -455,14 +444,9 @@ _SCALED, _PLUGIN = "scaled by AMP's scaler", "through the precision plugin"
 
 
 def _micro_backward(trainer: pl.Trainer) -> str | None:
-    """Return how a micro-batch's backward runs: as the loop's, less the module's ``backward`` and its hooks.
-
-    The loop's own backward of the delivered loss runs the module's ``backward`` (a
-    custom one too, with what it adds or scales) and the hooks once per batch; the
-    micro-batches run only what makes their gradients: the loss, scaled where a
-    gradient scaler runs. A precision plugin or strategy with a backward of its own
-    gets each micro-batch's loss.
-    """
+    """Return how a micro-batch's backward runs: as the loop's, less the module's ``backward`` and its hooks."""
+    # Those run once per batch, in the loop's backward of the delivered loss; a precision plugin or
+    # strategy with a backward of its own gets each micro-batch's loss.
     plugin, strategy = trainer.precision_plugin, trainer.strategy
     if (
         type(strategy).backward is not Strategy.backward

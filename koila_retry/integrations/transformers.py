@@ -1,21 +1,12 @@
-"""Adapt a constructed Hugging Face ``transformers.Trainer`` to the memory it has: ``adapt``.
+"""Hugging Face: ``adapt``, which runs a ``Trainer``'s step that does not fit as micro-batches.
 
-Hugging Face's callbacks cannot change a step, so :func:`adapt` replaces the
-trainer instance's ``training_step`` and ``prediction_step`` with wrappers that
-run the original through :func:`koila_retry.accumulate`: the whole batch first,
-and, after an out-of-memory error, micro-batches of the same batch. Each
-micro-batch's loss is weighed by its share of the batch's items (labels that are
-not -100, shifted for a causal language model), or of its rows when there are no
-labels; and the ``num_items_in_batch`` it is given is the window's count times
-that share. A loss that is a mean over the micro-batch's items ignores the
-count, one that divides its sum by the count is divided by the share too, and
-either way the weighed micro-batches add up to the whole batch's loss: the step
-need not know which of the two a custom ``compute_loss`` or
-``compute_loss_func`` is. Every Hugging Face loss is linear in the loss the step
-backs through (the division by the accumulation steps, loss scaling), so the
-same weighing serves every version of ``Trainer.training_step``.
-
-``transformers`` is imported when :func:`adapt` is called, never before.
+Hugging Face's callbacks cannot change a step, so ``adapt`` replaces the instance's
+``training_step`` and ``prediction_step`` with the originals run through ``accumulate``.
+The one fact to know: every Hugging Face loss is linear in the loss the step backs through
+(the division by the accumulation steps, loss scaling), so weighing each micro-batch by its
+share of the batch's items serves every ``Trainer.training_step`` (docs/huggingface.rst,
+"Custom losses under adapt"). ``transformers`` is imported when ``adapt`` is called, never
+before.
 """
 
 from __future__ import annotations
@@ -226,14 +217,10 @@ def _names(code: Any) -> set[str]:
 
 
 def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
-    """Whether the trainer's model shifts its labels (a causal language model): its first label predicts nothing.
-
-    The trainer's own answer (transformers 5), else the model's loss type or class;
-    for a module that is no ``PreTrainedModel`` (a wrapper, a PEFT model), that of
-    the outermost models it holds, which must all shift.
-    """
-    if getattr(trainer, "_loss_shifts_labels", False):
+    """Whether the trainer's model shifts its labels (a causal language model): its first label predicts nothing."""
+    if getattr(trainer, "_loss_shifts_labels", False):  # the trainer's own answer (transformers 5)
         return True
+    # A module that is no PreTrainedModel (a wrapper, a PEFT model) shifts if every outermost one it holds does.
     models = _outermost(trainer.model, transformers.PreTrainedModel)
     return bool(models) and all(_causal(model) for model in models)
 
@@ -263,11 +250,7 @@ def _causal(model: Any) -> bool:
 
 
 def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
-    """The labels whose entries that are not -100 a loss averages over, or ``None``.
-
-    As Hugging Face counts them: ``shift_labels`` where the batch has them, else
-    ``labels``, less the first of each row for a model that shifts them.
-    """
+    """The labels whose entries that are not -100 a loss averages over, as Hugging Face counts them, or ``None``."""
     if not isinstance(inputs, Mapping):
         return None
     labels = inputs.get("shift_labels")
@@ -279,15 +262,11 @@ def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | N
 
 
 def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None) -> Any:
-    """Return ``num_items_in_batch`` for a micro-batch: ``count`` times its share of the batch's items.
-
-    ``count`` itself for the whole batch, and for a micro-batch without items
-    (weighed 0, whose loss counts for nothing), whose share would divide by 0.
-    """
+    """Return ``num_items_in_batch`` for a micro-batch: ``count`` times its share of the batch's items."""
     if count is None or labels is None or whole is None or labels.shape[:1] == whole.shape[:1]:
         return count
     items, total = labels.ne(IGNORED).sum(), whole.ne(IGNORED).sum()
-    if not bool(items):
+    if not bool(items):  # weighed 0, its loss counts for nothing; its share would divide by 0
         return count
     if isinstance(count, torch.Tensor):
         return count * items.to(count.device) / total.to(count.device)
@@ -295,21 +274,13 @@ def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None)
 
 
 def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
-    """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them.
-
-    Counted on this rank only, without a collective: ranks may split their batches
-    into different micro-batches.
-
-    Args:
-        trainer (transformers.Trainer): the trainer.
-        shifts (bool): whether the model shifts its labels (see :func:`_shifts_labels`).
-    """
+    """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them."""
 
     def items(model: Any, inputs: Any, *rest: Any) -> Any:
         labels = _labels_counted(trainer, inputs, shifts)
         if labels is None:  # checked before the weighted step is chosen
             raise RuntimeError("the batch lost its labels")
-        return labels.ne(IGNORED).sum()
+        return labels.ne(IGNORED).sum()  # this rank's, without a collective: ranks may split differently
 
     return items
 
@@ -386,13 +357,7 @@ class _Training:
 
 
 def _chosen(steps: _Training | _Prediction, counted: bool, inputs: Any) -> Any:
-    """Choose the decorated step that weighs this batch's micro-batches, and keep its ``stats``.
-
-    By the labels a loss averages over where the batch has them (each call's
-    ``num_items_in_batch`` then scaled by the same share); else by rows, or, for
-    a batch with a count (``counted``) but no labels, unweighted: a loss divided
-    by the count adds up.
-    """
+    """Choose the step that weighs this batch's micro-batches (by labels, unweighted, by rows); keep its ``stats``."""
     if _labels_counted(steps.trainer, inputs, steps.shifts) is not None:
         step = steps.weighted
     elif counted:
@@ -424,16 +389,7 @@ def _gradients(model: Any) -> list[tuple[int, int]]:
 
 
 class _Prediction:
-    """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients.
-
-    Hugging Face's ``prediction_step`` counts the batch's items itself, and under
-    DDP gathers that count from every rank: a collective inside the step, which a
-    rank that split its batch would make once per micro-batch, and one that ran
-    out of memory might never make. So the count is taken once per step, before
-    any attempt, with the trainer's own ``_get_num_items_in_batch``, and every
-    call of the original inside the step is given that count times its chunk's
-    share of the items, by which the chunk's loss is weighed, as in training.
-    """
+    """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients."""
 
     def __init__(self, trainer: Any, options: Options, transformers: ModuleType) -> None:
         self.trainer = trainer
@@ -461,12 +417,14 @@ class _Prediction:
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> tuple[Any, Any, Any]:
         trainer = self.trainer
+        # Counted once per step, before any attempt: under DDP the trainer gathers the count from every
+        # rank, a collective that a split rank would make per chunk and a rank out of memory never.
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
         step = _chosen(self, counted is not None, inputs)
         whole = _labels_counted(trainer, inputs, self.shifts)
         self.lossless = False
 
-        def shared(batches: list[Any], device: Any) -> Any:
+        def shared(batches: list[Any], device: Any) -> Any:  # each chunk's share of that count, as in training
             return _shared(counted, _labels_counted(trainer, batches[0], self.shifts), whole)
 
         swap = (
