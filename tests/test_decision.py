@@ -6,14 +6,24 @@ No work runs here: each row is the facts a call has after an attempt, and what m
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import koila_retry as koila
 from koila_retry._core import decision
+from koila_retry._core.call import Call
 from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Try
+from koila_retry._core.growing import Growing, streaks
+from koila_retry._core.outcomes import Failure, store
+from koila_retry._core.policy import Policy
+from koila_retry._core.stats import Stats
+from koila_retry._core.strategies import compose
+from koila_retry._core.strategy import HOOKS, Strategy
+from koila_retry._core.throughput import Throughput
 
 OOM, OK, AGREED = Outcome.OUT_OF_MEMORY, Outcome.SUCCEEDED, Outcome.AGREED
 RULES = Rules("f", initial=512)
@@ -413,3 +423,175 @@ def test_an_estimates_size_presumes_twice_it_failed() -> None:
     made = decision.first(REFINE, None, 0, estimate=lambda: 64)
     assert made.estimated
     assert not decision.first(REFINE, 64, 0, estimate=lambda: 32).estimated  # the cache's size
+
+
+# -- the strategies composed into the decision ------------------------------------------------
+# Each feature that changes what follows is a Strategy of a wrapper's Plan (issue 41). A row is
+# the facts a call has at one event, and where the strategy leaves it; a fake course stands in
+# for the driver, so that no work runs.
+
+
+class FakeCourse:
+    """What a strategy sees of a call's attempts: a state, a key, a cache; resize as the driver does."""
+
+    def __init__(self, rules: Rules, before: State, cache: koila.SizeCache, policy: Policy) -> None:
+        self.owner = SimpleNamespace(name="f", rules=rules, policy=policy, cache=cache, stats=Stats(0))
+        self.call = Call(None, None, torch.device("cpu"))
+        self.state, self.key, self.phase, self.clocked, self.unanimous, self.failure = before, "key", 0, 0.0, True, None
+
+    def resize(self, size: int) -> None:
+        self.state.size = self.owner.stats.batch_size = size
+
+
+STRATEGY_PLANS = [
+    # (id, options, the strategies in the order each event runs them, whether a call may take the short way)
+    ("nothing", {}, [], True),
+    ("grow", {"grow": True}, ["Growing"], False),
+    ("refine", {"refine": True}, ["Refining", "Presuming"], False),
+    ("grow and gain", {"grow": True, "grow_gain": 0.05}, ["Growing", "Throughput"], False),
+    (
+        "all",
+        {"grow": True, "refine": True, "grow_gain": 0.05},
+        ["Growing", "Refining", "Presuming", "Throughput"],
+        False,
+    ),
+    ("a snapshot acts only on a failure", {"snapshot": "oom.pickle"}, ["Snapshotting"], True),
+    ("on_oom is told last", {"on_oom": print, "refine": True}, ["Refining", "Presuming", "Notifying"], False),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "names", "short"), [row[1:] for row in STRATEGY_PLANS], ids=[row[0] for row in STRATEGY_PLANS]
+)
+def test_the_plan_table(options: dict[str, object], names: list[str], short: bool) -> None:
+    policy = Policy(initial=512, **options)  # type: ignore[arg-type]
+    plan = compose(policy, Rules.of("f", policy), koila.GlobalCache())
+    assert [type(each).__name__ for each in plan.strategies] == names
+    assert plan.short is short
+    # Each event runs only the hooks a strategy overrides: none is a no-op call.
+    for hook in HOOKS:
+        assert all(
+            getattr(type(owner), hook) is not getattr(Strategy, hook)
+            for owner in plan.strategies
+            if getattr(owner, hook) in getattr(plan, hook)
+        )
+
+
+GROWING = [
+    # (id, state before, the key's streak before, size after, probe_from after, streak after)
+    ("not followed", state(64, ceiling=512), None, 64, None, None),
+    ("not yet due", state(64, ceiling=512), (2, 3), 64, None, (2, 3)),
+    ("due: a probe, and the count starts again", state(64, ceiling=512), (3, 3), 128, 64, (0, 3)),
+    ("at the ceiling, nothing is asked", state(512), (3, 3), 512, None, (3, 3)),
+    ("no attempt left to go back", replace(state(64), number=2), (3, 3), 64, None, (0, 3)),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "streak", "size", "probe_from", "after"), [row[1:] for row in GROWING], ids=[row[0] for row in GROWING]
+)
+def test_the_growing_strategy_table(
+    before: State, streak: tuple[int, int] | None, size: int, probe_from: int | None, after: tuple[int, int] | None
+) -> None:
+    cache = koila.GlobalCache()
+    rules = replace(RULES, max_attempts=2) if before.number == 2 else RULES
+    course = FakeCourse(rules, before, cache, Policy(initial=512, grow=True, grow_after=3))
+    growing = Growing(streaks(cache), wait=3)
+    growing.streaks.update("key", lambda _: streak)
+    growing.start(course, True)  # type: ignore[arg-type]
+    assert (course.state.size, course.state.probe_from, growing.streaks.get("key")) == (size, probe_from, after)
+    assert course.owner.stats.batch_size == size  # the driver's resize: the one writer of the size
+
+
+def test_the_streaks_are_the_engines_and_follow_the_cache() -> None:
+    cache = koila.GlobalCache()
+    assert not hasattr(cache, "growth")  # the user's cache stores sizes (and refine's failed sizes)
+    assert streaks(cache) is streaks(cache)  # one per cache: koila.attempts makes a controller per run
+    streaks(cache).update("key", lambda _: (2, 3))
+    cache.cache_clear()
+    assert streaks(cache).get("key") is None
+
+
+THROUGHPUT = [
+    # (id, gain over the size below, size after, what the cache holds after, too slow)
+    ("enough faster: kept", 0.10, 128, 128, False),
+    ("hardly faster: back below", 0.01, 64, 64, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("gain", "size", "cached", "too_slow"), [row[1:] for row in THROUGHPUT], ids=[row[0] for row in THROUGHPUT]
+)
+def test_the_throughput_strategy_table(gain: float, size: int, cached: int, too_slow: bool) -> None:
+    ticks = iter([0.0, 1.0])
+    policy = Policy(initial=512, grow=True, grow_gain=0.05, clock=lambda: next(ticks))
+    course = FakeCourse(Rules.of("f", policy), state(128, cached=64, probe_from=64), koila.GlobalCache(), policy)
+    course.owner.stats.record_time(64, 1.0, int(128 / (1 + gain)))  # the size below ran at this rate
+    throughput = Throughput()
+    throughput.begin(course)  # type: ignore[arg-type]
+    done = throughput.judge(course, Done(128, False, True, True, True))  # type: ignore[arg-type]
+    store(course.owner.cache, course.key, done, course.state, 0)
+    throughput.stored(course, done)  # type: ignore[arg-type]
+    assert (done.too_slow, course.state.size, course.state.cached, course.owner.stats.batch_size) == (
+        too_slow,
+        size,
+        cached,
+        size if too_slow else 0,  # only a move back is the driver's resize
+    )
+
+
+ITERATORS = [
+    # (id, state, outcome, agreed, the step with an iterator argument, and without)
+    ("a retry becomes giving up", state(512), OOM, None, GiveUp("iterator"), Try(256)),
+    ("giving up stays as it was", state(1), OOM, None, GiveUp("minimum"), GiveUp("minimum")),
+    ("a probe's fallback too", state(256, probe_from=128), OOM, None, GiveUp("iterator", True), Try(128, True)),
+    ("after the ranks agreed", state(512), AGREED, 256, GiveUp("iterator"), Try(256)),
+    ("when a rank has no size left", state(512), AGREED, None, GiveUp("iterator"), GiveUp("ranks")),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "outcome", "agreed", "step", "alone"), [row[1:] for row in ITERATORS], ids=[row[0] for row in ITERATORS]
+)
+def test_the_iterator_table(
+    before: State, outcome: Outcome, agreed: int | None, step: decision.Step, alone: decision.Step
+) -> None:
+    # A retry would see only what the failed attempt left of an iterator argument.
+    assert decision.decide(RULES, before, outcome, agreed=agreed, reused=True) == step
+    assert decision.decide(RULES, before, outcome, agreed=agreed, reused=False) == alone
+
+
+class Estimate:
+    """A first size whose run is measured, and whose smaller probe after an out-of-memory error is ``probe``."""
+
+    def __init__(self, probe: int) -> None:
+        self.meter, self.probe = object(), probe
+
+    def after_oom(self, size: int) -> int:
+        return self.probe
+
+
+CALIBRATING = [
+    # (id, state after the failure, the estimate's probe, the step)
+    ("the estimate's probe, below the schedule's", state(256, measures=2), 40, Try(40)),
+    ("the schedule's, below the estimate's", state(256, measures=2), 200, Try(128)),
+    ("never below the floor", state(256, measures=2, floor=64), 40, Try(64)),
+    ("measured already: the schedule", state(256, measures=0), 40, Try(128)),
+    ("giving up stays", state(1, measures=2), 1, GiveUp("minimum")),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "probe", "step"), [row[1:] for row in CALIBRATING], ids=[row[0] for row in CALIBRATING]
+)
+def test_the_calibrating_strategy_table(before: State, probe: int, step: decision.Step) -> None:
+    policy = Policy(initial=512)
+    estimate = Estimate(probe)
+    plan = compose(policy, RULES, koila.GlobalCache(), first=estimate)  # type: ignore[arg-type]
+    assert [type(each).__name__ for each in plan.strategies] == ["Calibrating"]
+    course = FakeCourse(RULES, before, koila.GlobalCache(), policy)
+    failure = Failure()
+    failure.step = decision.decide(RULES, before, OOM)
+    for out_of_memory in plan.out_of_memory:
+        out_of_memory(course, failure, False)  # type: ignore[arg-type]
+    assert failure.step == step

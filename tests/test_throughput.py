@@ -138,12 +138,12 @@ def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:
     rules = Rules("f", 128, grow_gain=0.03)
     probe = State(size=64, ceiling=128, floor=1, cached=32, probe_from=32)
     short = decision.decide(rules, probe, Outcome.SUCCEEDED, gain=0.01)
-    assert short == Done(None, False, conclusive=True, reduced=True, probe=True, enough=True)
+    assert short == Done(None, False, conclusive=True, reduced=True, probe=True, too_slow=True)
     assert decision.counted((1, 1), short, 1) == (0, decision.NEVER)  # the key grows no more
     assert not decision.due(decision.counted((5, decision.NEVER), Done(32, False, True, True, False), 1))
     enough = decision.decide(rules, probe, Outcome.SUCCEEDED, gain=0.05)
     assert isinstance(enough, Done)
-    assert (enough.store, enough.enough) == (64, False)
+    assert (enough.store, enough.too_slow) == (64, False)
     # Untimed (a clock that did not move), or throughput not weighed: the plain rule.
     assert decision.decide(rules, probe, Outcome.SUCCEEDED, gain=None) == enough
     unweighed = Rules("f", 128)

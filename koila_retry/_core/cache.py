@@ -23,13 +23,12 @@ __all__ = [
     "Bound",
     "CacheInfo",
     "GlobalCache",
-    "Growth",
     "NoCache",
+    "PerKey",
     "SizeCache",
     "Sizes",
     "StackMemoryCache",
     "Streak",
-    "checked_size",
     "function_identity",
 ]
 
@@ -96,22 +95,11 @@ Bound = tuple[int, int]
 Kept = TypeVar("Kept")
 
 
-class Growth(Generic[Kept]):
-    """What the engine follows of each key of one cache besides its size: its :data:`Streak` towards growing
-    back, or (``refine=True``) the smallest size that failed.
+class PerKey(Generic[Kept]):
+    """A locked, bounded LRU of what the engine follows per key beside a size, telling ``changed`` of each change.
 
-    A cache owns one of each, beside its sizes, so growing back and refining follow a
-    key for as long as its size is remembered (``attempts`` makes a controller per run;
-    the cache outlives it). It only stores: when a key is due and how what it keeps
-    moves are the engine's decision (``koila_retry._core.decision``), applied under the lock.
-
-    Args:
-        maxsize (int): how many keys to follow; the least recently used go first.
-        changed (callable, optional): called with a key and the change after each
-            update that changed what the key keeps, outside the lock (a
-            :class:`DiskCache` applies the change to its file).
-
-    .. versionadded:: 0.1.0
+    The engine keeps each key's growth :data:`Streak` in one, and a cache keeps its
+    keys' :data:`Bound` in another (:class:`DiskCache` writes them to its file).
     """
 
     def __init__(
@@ -382,11 +370,11 @@ class SizeCache(Sizes, ABC):
             # engine calls koila's own key function directly, saving a call. (Those accept
             # the three-argument call the engine makes; a user's function gets all four.)
             vars(self)["key"] = key
-        #: When the sizes kept here grow back (see :class:`Growth`).
-        self.growth: Growth[Streak] = Growth(maxsize)
         #: With ``refine=True``, the smallest size that failed under each key, with the bytes
-        #: of one sample it failed on (a :data:`Bound`).
-        self.bounds: Growth[Bound] = Growth(maxsize)
+        #: of one sample it failed on (a :data:`Bound`): a size too, which a DiskCache keeps.
+        self.bounds: PerKey[Bound] = PerKey(maxsize)
+        #: How many times the cache was cleared: what the engine follows beside it follows this.
+        self.generation = 0
         #: What front ends work out for this cache's calls besides their sizes, under keys of
         #: their own (``initial="auto"``'s memory estimates); forgotten with the sizes.
         self.derived: dict[Hashable, Any] = {}
@@ -467,10 +455,30 @@ class SizeCache(Sizes, ABC):
             if key in self._sizes:
                 self._samples[key] = nbytes
 
+    def checked_size(self, key: Hashable, size: object) -> int | None:
+        """Return ``size`` if it can be a batch size (an int >= 1), else ``None``, warning once per cache.
+
+        The engine checks what :meth:`lookup` returns with this before using it: a
+        subclass may keep sizes anywhere, and a corrupt value must cost a call its
+        cached start, never the call itself.
+        """
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return int(size)  # an int subclass too, such as an IntEnum member
+        if not self._warned_size:  # a cache that returns junk for every key would warn on every call
+            self._warned_size = True
+            warnings.warn(
+                f"koila_retry: ignoring {size!r} ({type(size).__name__}), returned by {type(self).__name__} for the "
+                f"key {key!r}: a batch size is an int >= 1. The call starts as if nothing were stored; further "
+                "values of this cache that are not sizes are ignored without a warning.",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+        return None
+
     def cache_clear(self) -> None:
         """Forget every size, what grows back and what was derived, and reset the hit and miss counts."""
         super().cache_clear()
-        self.growth.clear()
+        self.generation += 1  # the engine forgets each key's growth streak with it
         self.bounds.clear()
         self.derived.clear()
 
@@ -480,35 +488,6 @@ def _apply_key(
 ) -> Hashable | None:
     # The key() of the caches below: what their key function makes.
     return self._key_function(function, caller, device, sample)
-
-
-def checked_size(cache: SizeCache, key: Hashable, size: object) -> int | None:
-    """Return ``size`` if it can be a batch size (an int >= 1), else ``None``, warning once per cache.
-
-    The engine checks what a cache's :meth:`~SizeCache.lookup` returns with this
-    before using it: a subclass may keep sizes anywhere, and a corrupt value must
-    cost a call its cached start, never the call itself.
-
-    Args:
-        cache (SizeCache): the cache ``size`` came from.
-        key (Hashable): the key it was found under, named in the warning.
-        size (object): what the cache returned.
-
-    Returns:
-        int or None: the size, or ``None`` to start as if nothing were stored.
-    """
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-        return int(size)  # an int subclass too, such as an IntEnum member
-    if not cache._warned_size:  # a cache that returns junk for every key would warn on every call
-        cache._warned_size = True
-        warnings.warn(
-            f"koila_retry: ignoring {size!r} ({type(size).__name__}), returned by {type(cache).__name__} for the "
-            f"key {key!r}: a batch size is an int >= 1. The call starts as if nothing were stored; further values "
-            "of this cache that are not sizes are ignored without a warning.",
-            UserWarning,
-            stacklevel=levels_to_caller(),
-        )
-    return None
 
 
 class StackMemoryCache(SizeCache):

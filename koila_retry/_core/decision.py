@@ -10,8 +10,9 @@ Every size rule of the engine lives here, and nowhere else:
   and the size above a reduced one, by the schedule (:func:`grown`);
 - what follows an attempt (:func:`decide`): shrinking by the schedule, the fall
   back from a growth probe, the smaller probe of a measured run, the size the
-  ranks agreed on, the floor and ``max_attempts``, or what a success stores,
-  and whether a probe that fitted ran enough faster to keep (``grow_gain``);
+  ranks agreed on, the floor and ``max_attempts``, giving up rather than retry
+  with an iterator argument a failed attempt consumed in part, or what a success
+  stores, and whether a probe that fitted ran enough faster to keep (``grow_gain``);
 - with ``refine=True``, the probe between the size that fits and the smallest
   that failed (:func:`between`, :func:`refined`), that bound in rows of other
   samples of a size class (:func:`bound_rows`), how it moves (:func:`failed_at`,
@@ -20,10 +21,11 @@ Every size rule of the engine lives here, and nowhere else:
 - where ranks agree, their common start (:func:`agreed_start`);
 - a measured run's correction (:func:`calibrated`).
 
-It is pure: no tensor, no cache, no collective, no clock. The engine gathers
-the facts (what the cache holds, whether growth is due, what the ranks agreed
-on), asks, and carries the step out. ``tests/test_decision.py`` tests it as a
-table of (state, outcome) and the step that follows, without running any work.
+It is pure: no tensor, no cache, no collective, no clock. The strategies of a
+call's plan (:mod:`koila_retry._core.strategy`) gather the facts (what the cache
+holds, whether growth is due, what the ranks agreed on), ask, and carry the step
+out. ``tests/test_decision.py`` tests it as a table of (state, outcome) and the
+step that follows, without running any work.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ class Done:
         reduced (bool): whether the size is below the call's ceiling: growing
             back waits for such successes in a row.
         probe (bool): whether the size was a growth probe (above the size that fitted).
-        enough (bool): the probe fitted but ran too few more rows per second than
+        too_slow (bool): the probe fitted but ran too few more rows per second than
             the size below it: the call goes back there, and the key grows no more.
     """
 
@@ -204,7 +206,7 @@ class Done:
     conclusive: bool
     reduced: bool
     probe: bool
-    enough: bool = False
+    too_slow: bool = False
 
 
 #: The next step of a call.
@@ -306,9 +308,8 @@ def in_samples(size: int, proven: int, per_sample: int) -> int:
 def settled(rules: Rules, cached: int | None, rows: int) -> int:
     """Return the size a call without an estimate starts at when a success there stores nothing, or 0.
 
-    The common case, decided without making a :class:`State`: the cache holds
-    nothing (the call starts at its ceiling) or a size within the call's range
-    (it starts there). It agrees with :func:`first` wherever it answers.
+    The engine's fast path runs such a call's first attempt before it makes
+    anything; the answer is :func:`first`'s, so the two cannot disagree.
 
     Args:
         rules (Rules): the wrapper's rules.
@@ -318,15 +319,8 @@ def settled(rules: Rules, cached: int | None, rows: int) -> int:
     Returns:
         int: the size, or 0 if the call needs a state.
     """
-    initial, minimum = rules.initial, rules.minimum
-    if cached is None:
-        if rules.keep_last:
-            return 0  # its first success is stored
-        return max(rows, minimum) if initial is None else initial
-    if cached < minimum:
-        return 0
-    # Without an initial, the ceiling is at least the stored size.
-    return cached if initial is None or cached <= initial else 0
+    state = first(rules, cached, rows)
+    return state.size if state.cached == state.size else 0
 
 
 def grown(rules: Rules, state: State, due: bool) -> int:
@@ -394,6 +388,7 @@ def decide(
     agreed: int | None = None,
     hint: int | None = None,
     gain: float | None = None,
+    reused: bool = False,
 ) -> Step:
     """Return what follows the attempt that just ran.
 
@@ -408,6 +403,9 @@ def decide(
         gain (float or None): with :attr:`Outcome.SUCCEEDED` at a growth probe,
             its rows per second over those of the size below it, less 1 (0.05
             for 5% more); ``None`` if either was not timed.
+        reused (bool): after a failure, whether an argument of the call is an
+            iterator, which the failed attempt may have consumed in part: where
+            the call would retry, it gives up (``"iterator"``) instead.
 
     Returns:
         Step: :class:`Try`, :class:`GiveUp` or :class:`Done`.
@@ -423,7 +421,7 @@ def decide(
             # It fits, but runs hardly faster: keep the size below, and stop growing.
             below = cast(int, state.probe_from)
             store = below if state.cached != below else None
-            return Done(store, False, conclusive=True, reduced=True, probe=True, enough=True)
+            return Done(store, False, conclusive=True, reduced=True, probe=True, too_slow=True)
         store, forget = None, False
         # Only a size below the ceiling says something about memory: one at it says only what
         # was asked for, and stored, it would hold back a later call that asks for more.
@@ -434,7 +432,15 @@ def decide(
                 forget = True
         return Done(store, forget, conclusive=True, reduced=state.size < state.ceiling, probe=probe)
     if outcome is Outcome.AGREED:
+        if reused:  # a retry would see only what the failed attempt left of the iterator
+            return GiveUp("iterator", probing)
         return GiveUp("ranks", probing) if agreed is None else Try(max(agreed, state.floor), probing)
+    step = _after_oom(rules, state, size, probing, hint)
+    return GiveUp("iterator", step.probe) if reused and isinstance(step, Try) else step
+
+
+def _after_oom(rules: Rules, state: State, size: int, probing: bool, hint: int | None) -> Try | GiveUp:
+    """Return the step after an out-of-memory error here, the iterator aside."""
     if probing:
         if rules.max_attempts is not None and state.number >= rules.max_attempts:
             return GiveUp("max_attempts", True)  # a hard cap: can_probe makes no probe it would reach
@@ -597,7 +603,7 @@ def counted(streak: Streak | None, done: Done, wait: int) -> Streak | None:
     """
     if not done.conclusive:
         return (streak[1], streak[1]) if done.probe and streak is not None else streak
-    if done.enough:
+    if done.too_slow:
         return (0, NEVER)
     if not done.reduced:
         return None

@@ -1,6 +1,6 @@
 """The retry engine: the one attempt loop that every front end hands its work to.
 
-A :class:`Controller` holds one wrapper's policy, cache and statistics. A call
+A :class:`Controller` holds one wrapper's policy, cache, statistics and plan. A call
 is described by a :class:`~koila_retry._core.call.Call`;
 :meth:`Controller.start` looks up its starting size (and, when ranks agree,
 agrees on it) and returns its :class:`~koila_retry.Attempt`. Then one of the
@@ -15,59 +15,60 @@ drivers runs it, each a thin loop around the attempt's own ``with`` protocol:
   call that does not fail.
 
 What size comes next is never decided here: every size rule is in
-:mod:`koila_retry._core.decision`, which the attempt asks.
+:mod:`koila_retry._core.decision`, which the attempt and the strategies of its
+plan (:mod:`koila_retry._core.strategies`) ask.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import FrameType
 from typing import Any, TypeVar, cast
 
 import torch
 
-from koila_retry._core import decision, distributed, sharded
-from koila_retry._core.attempt import Attempt, Course
-from koila_retry._core.cache import SizeCache, StackMemoryCache, checked_size
+from koila_retry._core import decision, distributed, ranks, sharded
+from koila_retry._core.attempt import Attempt, Mechanics
+from koila_retry._core.cache import SizeCache, StackMemoryCache
 from koila_retry._core.call import Call, FirstSize
-from koila_retry._core.decision import settled
 from koila_retry._core.outcomes import Exhaustion, Explain, plain_message
 from koila_retry._core.policy import Policy
 from koila_retry._core.stats import Stats
+from koila_retry._core.strategies import compose
 from koila_retry.exceptions import BatchSizeExhausted
 
 __all__ = ["ROWS", "Attempt", "Call", "Controller", "Exhaustion", "Explain", "FirstSize", "cover", "run", "run_async"]
 
 R = TypeVar("R")
 
-# torch.distributed's record of the default process group, when this torch has the layout
-# that distributed reads: whether it is None decides, on every call, that nothing agrees.
-_WORLD: Any = distributed.world if distributed.FAST else None
-# How many runs of a call that measures are measured: a probe, then a run at the size it chose.
-MEASURES = 2
 _clock = time.perf_counter
-_SHORT, _UNLESS_A_GROUP, _LONG = 0, 1, 2
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
 
 
-class Controller:
-    """The policy, cache and statistics of one decorated function or block.
+class Route(enum.IntEnum):
+    """Which way :meth:`Controller.call` goes: whether a call's first attempt may run before anything is made."""
 
-    Args:
-        name (str): how logs, events and errors name the function.
-        policy (Policy): the checked options.
-        default_cache (SizeCache, optional): the cache when the policy names
-            none. Default: a new :class:`StackMemoryCache`.
-        explain (callable, optional): builds the message of a call that gives
-            up. Default: one line with the sizes tried.
-        keep_last (bool): store the size of every success, the initial size
-            too (toma's caches do); by default only sizes below the initial
-            one are stored, since only they say something about memory.
+    SHORT = 0  #: always: nothing agrees, and no strategy acts before a failure
+    SHORT_UNLESS_A_GROUP = 1  #: unless a default process group runs, looked up on each call
+    LONG = 2  #: never: a strategy acts on every call, or ranks always agree
+
+
+_LONG = Route.LONG
+_WORLD = ranks.WORLD  # read on every call of the short way, so a global of this module
+
+
+class Controller:
+    """The policy, cache, statistics and plan of one decorated function or block.
+
+    ``default_cache`` is the cache when the policy names none (a new
+    :class:`StackMemoryCache` if ``None``); ``explain`` builds the message of a call
+    that gives up; ``keep_last`` stores every success's size, the initial one too
+    (toma's caches do), where by default only sizes below it say something about memory.
     """
 
     def __init__(
@@ -82,84 +83,64 @@ class Controller:
         self.name = name
         self.policy = policy
         self.rules = decision.Rules.of(name, policy, keep_last=keep_last)
-        self.sync = policy.sync
         if policy.cache is not None:
             default_cache = policy.cache
         self.cache: SizeCache = StackMemoryCache() if default_cache is None else default_cache
         self.explain = explain or plain_message
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
-        # Whether a call may take the short way (see call): always, when no process group runs
-        # (the usual case, looked up on each call), or never.
-        self._mode = (
-            _LONG
-            if policy.grow or policy.refine or policy.sync is True
-            else _SHORT
-            if policy.sync is False
-            else _UNLESS_A_GROUP
-        )
-        # What the decision settles a call with nothing stored at, asked once (0: ask each call).
-        self._unstored = 0 if policy.initial is None else decision.settled(self.rules, None, 0)
+        self.plan = compose(policy, self.rules, self.cache)  # a call's strategies, when it agrees with no rank
+        self.ranks = ranks.Ranks(name, policy, self.rules, self.cache)
+        short = Route.SHORT if policy.sync is False else Route.SHORT_UNLESS_A_GROUP
+        self._route = short if self.plan.short and policy.sync is not True else Route.LONG
+        # What the decision settles a call at, by what the cache holds (and the call's rows,
+        # without an initial): the fast path's first size, asked once per value.
+        self._settled: dict[Hashable, int] = {}
+        self._by_rows = policy.initial is None
+        self._settled_get = self._settled.get
+        self._unstored = 0 if self._by_rows else decision.settled(self.rules, None, 0)
         self._count_call = self.stats.calls_counter.increment
-        # The DDP and FSDP2 modules found at the first call that agrees.
-        self._parallel: list[weakref.ref[Any]] | None = None
 
     @property
     def ddp_modules(self) -> list[Any]:
         """The ``DistributedDataParallel`` modules the first agreeing call reached, still alive."""
-        return [module for module in self._alive() if not sharded.is_fsdp2(module)]
+        return [module for module in self.ranks.alive() if not sharded.is_fsdp2(module)]
 
     @property
     def fsdp_modules(self) -> list[Any]:
         """The FSDP2 modules the first agreeing call reached, still alive."""
-        return [module for module in self._alive() if sharded.is_fsdp2(module)]
-
-    def _alive(self) -> list[Any]:
-        return [module for module in (ref() for ref in self._parallel or ()) if module is not None]
+        return [module for module in self.ranks.alive() if sharded.is_fsdp2(module)]
 
     def start(self, call: Call) -> Attempt:
-        """Begin one call: look up its starting size and return its attempts.
-
-        When ranks agree, they agree here on the starting size, and the call's
-        modules are looked at (see :meth:`reach`).
-
-        Args:
-            call (Call): the call.
-
-        Returns:
-            Attempt: the first attempt, which is also the iterable of all of them.
+        """Begin one call: look up its starting size and return its attempts (the ranks agree on it here).
 
         Raises:
             ValueError: if ranks agree and their spans differ.
             NotImplementedError: if ranks agree and the call reaches an FSDP1,
                 HSDP or tensor-parallel module.
         """
-        sync = self.sync
-        if sync is False or (sync is None and _WORLD is not None and _WORLD._default_pg is None):
-            agreement = None  # the usual case, decided without a call: it costs every call
-        else:
-            agreement = distributed.agreement(sync, self.policy.group)
+        agreement = self.ranks.agreement()
         key, cached = self._look_up(call.function, call.caller, call.device, call.sample)
+        return self._attempts(call, key, cached, agreement)
+
+    def _attempts(
+        self,
+        call: Call,
+        key: Hashable | None,
+        cached: int | None,
+        agreement: distributed.Agreement | None = None,
+        started: float | None = None,
+    ) -> Attempt:
+        """Return the attempts of a call looked up, its first one running since ``started`` if given."""
         first = call.first
-        measure = agreement is None
         state = decision.first(
             self.rules,
             cached,
             call.rows,
-            estimate=None if first is None else lambda: first(measure),
+            estimate=None if first is None else lambda: first(agreement is None),  # measured alone only
             proven=self.cache.sample_bytes(key) if call.per_sample and cached is not None else None,
             per_sample=call.per_sample,
         )
-        if first is not None and first.meter is not None:
-            state.measures = MEASURES
-        self.stats.batch_size = state.size
-        if agreement is None:
-            return Attempt(Course(self, call, state, key))
-        self.reach(call.roots, agreement)
-        course = Course(self, call, state, key, agreement)
-        modules = self.fsdp_modules
-        if modules:  # their collectives learn of another rank's failure (see sharded.py)
-            course.shards = sharded.Shards(modules, agreement)
-        return Attempt(course)
+        return Attempt(Mechanics(self, call, state, key, self.ranks.plan(self.plan, agreement, call), started))
 
     def _look_up(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable
@@ -170,7 +151,7 @@ class Controller:
         key = cache.key(function, caller, device) if sample is None else cache.key(function, caller, device, sample)
         cached = cache.lookup(key) if key is not None else None
         if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
-            cached = checked_size(cache, key, cached)
+            cached = cache.checked_size(key, cached)
         self._count_call()
         return key, cached
 
@@ -183,52 +164,41 @@ class Controller:
         roots: Iterable[Any] = (),
         rows: int = 0,
     ) -> R:
-        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`.
+        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`; return what succeeded.
 
-        The common case, where no rank agrees, nothing grows and the decision
-        settles the first size without a state (:func:`~koila_retry._core.decision.settled`),
-        runs its first attempt before anything is made; its :class:`Attempt` is
-        made only if that attempt fails.
-
-        Args:
-            function (object): what the cache key names.
-            caller (FrameType or None): the frame that made the call.
-            device (torch.device): the device the call runs on.
-            work (callable): runs one attempt at the size it is given.
-            roots (iterable): what the call reaches, looked at when ranks agree.
-            rows (int): the call's own first size, when the policy has no ``initial``.
-
-        Returns:
-            What the attempt that succeeded returned.
-
-        Raises:
-            BatchSizeExhausted: if the smallest size runs out of memory too.
+        Where no rank agrees and no strategy acts before a failure (``Plan.short``), the
+        first attempt runs at :func:`~koila_retry._core.decision.settled`'s size before
+        anything is made; the attempts are made, as :meth:`start` makes them, only if it
+        fails. ``roots`` is what the call reaches; ``rows``, its own first size without an
+        ``initial``.
         """
-        mode = self._mode
-        if mode and (mode == _LONG or _WORLD is None or _WORLD._default_pg is not None):
+        route = self._route
+        if route and (route is _LONG or _WORLD is None or _WORLD._default_pg is not None):  # ranks.alone(), inline
             return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
-        # _look_up, spelled out: a method call is a tenth of what a cached call costs.
+        # _look_up without a sample, spelled out: a method call is a twentieth of what a cached call costs.
         cache = self.cache
         key = cache.key(function, caller, device)
         cached = cache.lookup(key) if key is not None else None
-        if cached is None:  # the usual case: a call that never ran out of memory stores nothing
-            size = self._unstored or settled(self.rules, None, rows)
-        else:
-            if type(cached) is not int or cached < 1:
-                cached = checked_size(cache, key, cached)
-            size = settled(self.rules, cached, rows)
+        if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
+            cached = cache.checked_size(key, cached)
         self._count_call()
+        size: int | None = self._unstored if cached is None else 0  # the usual case: a call that never failed
         if not size:
-            state = decision.first(self.rules, cached, rows)
-            self.stats.batch_size = state.size
-            return run(Attempt(Course(self, Call(function, caller, device, rows=rows, roots=roots), state, key)), work)
+            at = (cached, rows) if self._by_rows else cached
+            size = self._settled_get(at)
+            if size is None:
+                size = decision.settled(self.rules, cached, rows)
+                if len(self._settled) < 64:  # a few values of what the cache holds; rows may vary more
+                    self._settled[at] = size
+        if not size:
+            return run(self._attempts(Call(function, caller, device, rows=rows, roots=roots), key, cached), work)
         self.stats.batch_size = size
         started = _clock()
         try:
             return work(size)
         except BaseException as exc:
             call = Call(function, caller, device, rows=rows, roots=roots)
-            attempt = Attempt(Course(self, call, decision.first(self.rules, cached, rows), key, started=started))
+            attempt = self._attempts(call, key, cached, started=started)
             if not attempt.__exit__(type(exc), exc, exc.__traceback__):
                 raise
         attempt.retry()  # outside the handler: the failed frames are gone
@@ -236,30 +206,7 @@ class Controller:
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
-        if self.sync is not False:
-            agreement = distributed.agreement(self.sync, self.policy.group)
-            if agreement is not None:
-                agreement.start(0, span=0)
-
-    def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> None:
-        """Look, once, at the modules a call that agrees across ranks reaches from ``roots``.
-
-        Every rank does, before the first attempt, so an error here is raised
-        on every rank at once.
-
-        Args:
-            roots (iterable): the function, its arguments and what else the call reaches.
-            agreement (Agreement): the call's agreement.
-
-        Raises:
-            NotImplementedError: if the call reaches an FSDP1, HSDP or tensor-parallel
-                module, or an FSDP2 module sharded over other ranks than agree.
-        """
-        if self._parallel is None:
-            found = distributed.supported_modules(roots, self.name)
-            for module in sharded.fsdp_modules(found):
-                sharded.check_mesh(module, agreement.world_size, self.name)
-            self._parallel = [weakref.ref(module) for module in found]
+        self.ranks.agree_on_nothing()
 
 
 def run(

@@ -11,15 +11,16 @@ import logging
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from types import FrameType
+from typing import NoReturn
 
 import torch
 
 from koila_retry._common.units import format_free
 from koila_retry._core.cache import SizeCache
-from koila_retry._core.decision import Done, GiveUp, State, Step, counted
+from koila_retry._core.decision import Done, GiveUp, State, Step
 from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import OOMEvent, Stats
-from koila_retry.exceptions import Diagnosis
+from koila_retry.exceptions import BatchSizeExhausted, Diagnosis
 
 __all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store"]
 
@@ -158,9 +159,17 @@ class Failure:
         return event
 
     def exhaustion(
-        self, name: str, minimum: int, max_attempts: int | None, device: torch.device, free: int
+        self,
+        name: str,
+        minimum: int,
+        max_attempts: int | None,
+        device: torch.device,
+        free: int,
+        ranks: tuple[int | None, int | None],
+        figures: tuple[int, int] | None,
+        frame: FrameType | None,
     ) -> Exhaustion:
-        """Return what the call that gives up knows, for its message; the rank and estimate are filled in after."""
+        """Return what the call that gives up knows, for its message; ``ranks``: this rank and how many agree."""
         return Exhaustion(
             name=name,
             tried=tuple(self.tried),
@@ -168,14 +177,24 @@ class Failure:
             max_attempts=max_attempts,
             where=self.where,
             failing_rank=self.rank,
-            rank=None,
-            world_size=None,
+            rank=ranks[0],
+            world_size=ranks[1],
             device=device,
             free_bytes=free,
-            figures=None,
-            frame=None,
+            figures=figures,
+            frame=frame,
             diagnosis=self.diagnosis,
         )
+
+    def give_up(self, explain: Explain, facts: Exhaustion, number: int) -> NoReturn:
+        """Raise the error of a call that gives up after attempt ``number``, from its last out-of-memory error."""
+        self.close()
+        cause, self.final_oom = self.final_oom, None
+        failed = facts.tried[-1]
+        if self.reused is not None:
+            raise self.reuse_error(facts.name, failed) from cause
+        message = explain(facts)
+        raise BatchSizeExhausted(message, batch_size=failed, attempts=number, diagnosis=self.diagnosis) from cause
 
     def reuse_error(self, name: str, failed: int) -> TypeError:
         """Return the error of a call that cannot be retried because an argument is an iterator."""
@@ -187,8 +206,8 @@ class Failure:
         )
 
 
-def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_sample: int, grow: int | None) -> None:
-    """Carry out what the decision says a success stores, and count it towards growing back.
+def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_sample: int) -> None:
+    """Carry out what the decision says a success stores.
 
     Args:
         cache (SizeCache): the wrapper's cache.
@@ -197,7 +216,6 @@ def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_
         state (State): the call; its ``cached`` becomes what the cache now holds.
         per_sample (int): the bytes of one sample the size was proven on, if the
             key names a class of sample shapes; else 0.
-        grow (int or None): the policy's ``grow_after``, when it grows back.
     """
     if done.conclusive and key is not None and state.cached != state.size:
         if done.store is not None:
@@ -207,8 +225,6 @@ def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_
         elif done.forget:
             cache.pop(key, None)
         state.cached = state.size
-    if grow is not None:
-        cache.growth.update(key, lambda streak: counted(streak, done, grow))
 
 
 def iterator_among(roots: tuple[object, ...]) -> str | None:

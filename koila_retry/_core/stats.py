@@ -115,14 +115,12 @@ class Stats:
         return self.calls_counter.value
 
     def record_oom(self, seconds: float, next_size: int | None) -> None:
-        """Count one out-of-memory failure and the time it cost."""
+        """Count one out-of-memory failure and the time it cost; a call that gives up (``next_size`` None) too."""
         with self._lock:
             self.ooms += 1
             self.seconds_lost += seconds
             if next_size is None:
                 self.exhausted += 1
-            else:
-                self.batch_size = next_size
 
     def as_dict(self) -> dict[str, float]:
         """Return the counters as a dict, the failure counters read consistently."""

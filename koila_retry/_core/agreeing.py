@@ -1,0 +1,55 @@
+"""Agreement across ranks: every rank starts each call and step at one size, and settles each attempt together.
+
+The collectives run outside the ``except`` block: :meth:`Agreeing.settle` is the
+exchange after each attempt, and a rank that failed takes part in it as the others do.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from koila_retry._core import decision, distributed
+from koila_retry._core.decision import Outcome, Try
+from koila_retry._core.outcomes import Failure
+from koila_retry._core.strategy import FAILED, PENDING, Alone, Course, Strategy
+
+__all__ = ["Agreeing"]
+
+
+class Agreeing(Strategy, Alone):
+    """Start at the ranks' common size, and settle each attempt by their exchange after it."""
+
+    waits = True
+
+    def __init__(self, agreement: distributed.Agreement, on_steps: bool) -> None:
+        # on_steps: whether a step may start at another size than the last succeeded at (growing,
+        # refining); else the ranks agreed on the size that succeeded, the same everywhere.
+        self.agreement, self.on_steps, self.unanimous = agreement, on_steps, True
+        self.rank: int | None = agreement.rank
+        self.world_size: int | None = agreement.world_size
+
+    def start(self, course: Course, first: bool) -> None:
+        if first or self.on_steps:
+            rules, state = course.owner.rules, course.state
+            span = course.call.span if first else None
+            agreed, floor = self.agreement.start(state.size, span, rules.minimum, rules.initial)
+            decision.agreed_start(state, agreed, floor)
+            course.resize(state.size)
+
+    def succeeded(self, course: Course) -> None:
+        course.phase = PENDING  # a success here is kept only if every rank had one
+
+    def settle(self, course: Course, vote: bool) -> bool:
+        failed = course.phase == FAILED
+        proposal = course.failure.step if failed and course.failure is not None else None
+        failing, agreed, self.unanimous = self.agreement.after(
+            failed, proposal.size if isinstance(proposal, Try) else None, vote
+        )
+        if failing is None:
+            course.succeed()
+            return True
+        failure = course.fail(f"rank {failing}") if not failed else cast(Failure, course.failure)
+        failure.rank = failing
+        reused = failure.reused is not None
+        failure.step = decision.decide(course.owner.rules, course.state, Outcome.AGREED, agreed=agreed, reused=reused)
+        return False

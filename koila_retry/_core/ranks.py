@@ -1,0 +1,76 @@
+"""Where a wrapper's calls agree across ranks: each call's agreement and plan, and the parallel modules they reach."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from koila_retry._core import distributed, sharded
+from koila_retry._core.cache import SizeCache
+from koila_retry._core.call import Call
+from koila_retry._core.decision import Rules
+from koila_retry._core.policy import Policy
+from koila_retry._core.strategies import compose
+from koila_retry._core.strategy import Plan
+
+__all__ = ["Ranks", "alone"]
+
+# torch.distributed's record of the default process group, when this torch has the layout
+# that distributed reads: whether it is None decides, on every call, that nothing agrees.
+WORLD: Any = distributed.world if distributed.FAST else None
+
+
+def alone() -> bool:
+    """Return whether no default process group runs (the usual case), decided without a call when torch allows."""
+    return WORLD is not None and WORLD._default_pg is None
+
+
+class Ranks:
+    """One wrapper's agreement across ranks: whether a call agrees, and the plan of one that does."""
+
+    def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache) -> None:
+        self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
+        self.parallel: list[weakref.ref[Any]] | None = None  # the modules the first agreeing call reached
+
+    def agreement(self) -> distributed.Agreement | None:
+        """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
+        sync = self.policy.sync
+        if sync is False or (sync is None and alone()):
+            return None  # the usual case, decided without a call: it costs every call
+        return distributed.agreement(sync, self.policy.group)
+
+    def plan(self, base: Plan, agreement: distributed.Agreement | None, call: Call) -> Plan:
+        """Return the plan of a call: ``base``, unless it agrees (after a look at what it reaches) or measures."""
+        first = call.first if call.first is not None and call.first.meter is not None else None
+        if agreement is None:
+            return base if first is None else compose(self.policy, self.rules, self.cache, first=first)
+        self.reach(call.roots, agreement)
+        modules = [module for module in self.alive() if sharded.is_fsdp2(module)]
+        # Their collectives learn of another rank's failure (see sharded.py).
+        shards = sharded.Shards(modules, agreement) if modules else None
+        return compose(self.policy, self.rules, self.cache, agreement, shards, first)
+
+    def alive(self) -> list[Any]:
+        """Return the modules the first agreeing call reached, still alive."""
+        return [module for module in (ref() for ref in self.parallel or ()) if module is not None]
+
+    def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> None:
+        """Look, once, at the modules an agreeing call reaches from ``roots``; every rank does, so all raise alike.
+
+        Raises:
+            NotImplementedError: if the call reaches an FSDP1, HSDP or tensor-parallel
+                module, or an FSDP2 module sharded over other ranks than agree.
+        """
+        if self.parallel is None:
+            found = distributed.supported_modules(roots, self.name)
+            for module in sharded.fsdp_modules(found):
+                sharded.check_mesh(module, agreement.world_size, self.name)
+            self.parallel = [weakref.ref(module) for module in found]
+
+    def agree_on_nothing(self) -> None:
+        """Take part, with nothing to cover, in the ranks' check that they cover as much."""
+        if self.policy.sync is not False:
+            agreement = distributed.agreement(self.policy.sync, self.policy.group)
+            if agreement is not None:
+                agreement.start(0, span=0)
