@@ -1,12 +1,9 @@
 """The attempts of one call: the engine's driver, which every front end's loop and ``with`` block runs.
 
-Inside the ``except`` clause (or ``__exit__``) an attempt only classifies the
-error and asks the decision (:mod:`koila_retry._core.decision`) what follows:
-the exception, and through its traceback every frame and tensor of the failed
-attempt, is still alive there. Memory is released in :meth:`Attempt.retry`,
-after the handler has dropped the exception. Every feature that changes what
-follows is a strategy of the call's plan (:mod:`koila_retry._core.strategy`),
-run at its events: the driver holds no branch of its own for any.
+Inside ``__exit__`` an attempt only classifies the error and asks the decision what
+follows: the exception's traceback still pins the failed attempt's tensors there, so
+memory is released in :meth:`Attempt.retry`. Features are strategies of the call's
+plan (:mod:`koila_retry._core.strategy`); the driver holds no branch for any.
 """
 
 from __future__ import annotations

@@ -34,20 +34,9 @@ __all__ = [
 
 
 def function_identity(function: object) -> tuple[str, int, str]:
-    """Name a callable by where it is defined, without keeping it alive.
-
-    A key that held the callable itself would keep a model, or a lambda's
-    captured tensors, alive for as long as the key is cached.
-
-    Args:
-        function (object): a function, method, ``functools.partial``, module or
-            other callable, seen through ``functools.wraps`` decorators; a tuple
-            is taken to be a description already.
-
-    Returns:
-        Hashable: ``(filename, first line, qualified name)``; for callables
-        without Python code, ``(module, 0, qualified name of their type)``.
-    """
+    """Return ``(filename, first line, qualified name)`` of a callable; a tuple is a description already."""
+    # Never the callable itself: a key that held it would keep a model, or a lambda's captured
+    # tensors, alive for as long as the key is cached.
     if isinstance(function, tuple):
         return function
     for _ in range(100):  # look through methods, partials and decorators to the function that runs
@@ -70,7 +59,7 @@ def function_identity(function: object) -> tuple[str, int, str]:
         kind = type(function)
         method = getattr(kind, "forward", None) or kind.__call__
         code = getattr(method, "__code__", None)
-        if code is None:
+        if code is None:  # no Python code: (module, 0, qualified name of the type)
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
 
@@ -96,11 +85,7 @@ Kept = TypeVar("Kept")
 
 
 class PerKey(Generic[Kept]):
-    """A locked, bounded LRU of what the engine follows per key beside a size, telling ``changed`` of each change.
-
-    The engine keeps each key's growth :data:`Streak` in one, and a cache keeps its
-    keys' :data:`Bound` in another (:class:`DiskCache` writes them to its file).
-    """
+    """A locked, bounded LRU of what is followed per key beside a size (streaks, bounds); tells ``changed``."""
 
     def __init__(
         self, maxsize: int, changed: Callable[[Hashable, Callable[[Kept | None], Kept | None]], None] | None = None
@@ -110,15 +95,7 @@ class PerKey(Generic[Kept]):
         self.changed = changed
 
     def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
-        """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before.
-
-        Args:
-            key (Hashable): the call's key.
-            change (callable): the new value from the old one, ``None`` for a key not followed.
-
-        Returns:
-            The value before the change, or ``None``.
-        """
+        """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before."""
         with self._lock:
             before = self._keys.get(key)
             after = change(before)
@@ -142,20 +119,7 @@ class PerKey(Generic[Kept]):
 
 
 class Sizes(MutableMapping[Hashable, int]):
-    """A thread-safe, bounded least-recently-used mapping from keys to sizes: the store of :class:`SizeCache`.
-
-    Reads take no lock, so a cached call stays cheap; stores, deletions and
-    evictions take one. No operation fails because another thread changed the
-    mapping meanwhile: ``pop(key, default)`` is atomic, and iteration and the
-    ``keys()``, ``items()`` and ``values()`` views are snapshots. Beside each
-    size it keeps the bytes of one sample the size was proven on, if told.
-
-    Args:
-        maxsize (int): how many keys to keep; the least recently used go first.
-
-    Raises:
-        ValueError: if ``maxsize`` is not a positive int.
-    """
+    """A thread-safe, bounded LRU mapping from keys to sizes and what each was proven on: :class:`SizeCache`'s."""
 
     def __init__(self, maxsize: int = 256) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:

@@ -15,14 +15,9 @@ __all__ = ["Call", "FirstSize"]
 
 
 class FirstSize(Protocol):
-    """The first size of a call the cache knows nothing of, from an estimate (``initial="auto"``).
+    """The first size of a call the cache knows nothing of, from an estimate (``initial="auto"``)."""
 
-    Attributes:
-        meter (PeakMeter or None): after the call: what measures the first run, when
-            the first size is a probe whose run corrects the estimate.
-    """
-
-    meter: PeakMeter | None
+    meter: PeakMeter | None  # after the call: what measures the first run, when it is a probe that corrects
 
     def __call__(self, measure: bool) -> int:
         """Return the first size; a probe to measure only if ``measure``."""
@@ -39,36 +34,16 @@ class FirstSize(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """What one call is: what its key names, where it runs, and what it is given.
+    """What one call is: what its key names, where it runs, and what it is given."""
 
-    Attributes:
-        function (object): what the cache key names (a function or a
-            description of one).
-        caller (FrameType or None): the frame that made the call.
-        device (torch.device): the device the call runs on.
-        sample (Hashable): the shape class of one input sample, for the key;
-            ``None`` if unknown.
-        rows (int): the rows the call was given; its first size when the
-            policy has no ``initial``.
-        first (FirstSize or None): asked for the first size when the cache
-            knows none (an estimate's suggestion). When it gives a probe to
-            measure, the front end measures the first run that succeeds
-            (:attr:`Attempt.meter`) and hands the measurement back
-            (:meth:`Attempt.calibrate`).
-        span (int or None): the rows or indices a run of steps covers; ranks
-            that agree must have the same.
-        roots (iterable): what the call reaches (the function, its arguments),
-            looked at when ranks agree or an attempt fails.
-        per_sample (int): the bytes of one sample, when ``sample`` names a class
-            of sizes rather than one (see :func:`koila_retry._core.decision.first`).
-    """
-
-    function: object
+    function: object  # what the cache key names: a function or a description of one
     caller: FrameType | None
     device: torch.device
-    sample: Hashable = None
-    rows: int = 0
+    sample: Hashable = None  # the shape class of one input sample, for the key
+    rows: int = 0  # the call's first size when the policy has no initial
+    # Asked for the first size when the cache knows none. For a probe to measure, the front end
+    # measures the first run that succeeds (Attempt.meter) and hands it back (Attempt.calibrate).
     first: FirstSize | None = None
-    span: int | None = None
-    roots: Iterable[Any] = ()
-    per_sample: int = 0
+    span: int | None = None  # the rows a run of steps covers; ranks that agree must have the same
+    roots: Iterable[Any] = ()  # what the call reaches, looked at when ranks agree or an attempt fails
+    per_sample: int = 0  # the bytes of one sample, when sample names a class of sizes rather than one

@@ -1,31 +1,9 @@
 """The engine's one decision: which size a call tries next, and when it stops.
 
-Every size rule of the engine lives here, and nowhere else:
-
-- the first size of a call (:func:`first`): the size the cache holds, scaled down
-  when it was proven on smaller samples of a class of sizes, or else the
-  estimate's, kept within the floor and the ceiling;
-- growing back: when a key is due (:func:`started_growing`, :func:`due`,
-  :func:`counted`, :func:`failed_growing`, on each key's streak of successes),
-  and the size above a reduced one, by the schedule (:func:`grown`);
-- what follows an attempt (:func:`decide`): shrinking by the schedule, the fall
-  back from a growth probe, the smaller probe of a measured run, the size the
-  ranks agreed on, the floor and ``max_attempts``, giving up rather than retry
-  with an iterator argument a failed attempt consumed in part, or what a success
-  stores, and whether a probe that fitted ran enough faster to keep (``grow_gain``);
-- with ``refine=True``, the probe between the size that fits and the smallest
-  that failed (:func:`between`, :func:`refined`), that bound in rows of other
-  samples of a size class (:func:`bound_rows`), how it moves (:func:`failed_at`,
-  :func:`still_failed`), and the one an estimate's size stands for (:func:`presumed`);
-- that a probe is made only with an attempt left to go back from it (:func:`can_probe`);
-- where ranks agree, their common start (:func:`agreed_start`);
-- a measured run's correction (:func:`calibrated`).
-
-It is pure: no tensor, no cache, no collective, no clock. The strategies of a
-call's plan (:mod:`koila_retry._core.strategy`) gather the facts (what the cache
-holds, whether growth is due, what the ranks agreed on), ask, and carry the step
-out. ``tests/test_decision.py`` tests it as a table of (state, outcome) and the
-step that follows, without running any work.
+Every size rule of the engine lives here, and it is pure: no tensor, no cache, no
+collective, no clock. The strategies of a call's plan (:mod:`koila_retry._core.strategy`)
+gather the facts, ask, and carry the step out; ``tests/test_decision.py`` tests it
+as tables of (state, outcome) and the step that follows.
 """
 
 from __future__ import annotations
@@ -72,28 +50,15 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """What a wrapper's options say about sizes.
+    """What a wrapper's options say about sizes."""
 
-    Attributes:
-        name (str): how errors name the function.
-        initial (int or None): the policy's first size; ``None``: each call's rows.
-        minimum (int): the smallest size to try.
-        schedule (callable): the size after one that failed.
-        max_attempts (int or None): the most attempts of a call, or of a step.
-        keep_last (bool): store the size of every success (toma's caches do),
-            not only of those below the call's ceiling.
-        grow_gain (float or None): the least gain in rows per second a growth
-            probe must bring over the size below it; ``None``: throughput is not weighed.
-        refine (bool): search between the size that fits and the smallest that failed.
-    """
-
-    name: str
-    initial: int | None
+    name: str  # how errors name the function
+    initial: int | None  # None: each call's rows
     minimum: int = 1
     schedule: Schedule = powers_of_two
-    max_attempts: int | None = None
-    keep_last: bool = False
-    grow_gain: float | None = None
+    max_attempts: int | None = None  # of a call, or of a step
+    keep_last: bool = False  # store every success's size (toma's caches do), not only those below the ceiling
+    grow_gain: float | None = None  # the least gain in rows/s a growth probe must bring; None: not weighed
     refine: bool = False
 
     @classmethod
@@ -113,34 +78,17 @@ class Rules:
 
 @dataclass(slots=True)
 class State:
-    """Where one call stands; its attempt owns it and carries each step out on it.
-
-    Attributes:
-        size (int): the size of the current attempt.
-        ceiling (int): the call's largest size: the policy's ``initial``, or its rows.
-        floor (int): the smallest size: the policy's ``minimum``, or, when ranks
-            agree, the largest of theirs.
-        cached (int): the size the cache holds for the call; the ceiling when it
-            holds none (a success there stores nothing), 0 when every success is stored.
-        number (int): the current attempt's number, from 1.
-        rows (int or None): the rows of a short last step, fewer than ``size``.
-        probe_from (int or None): the size that fitted, when ``size`` is a
-            growth probe above it.
-        measures (int): how many more successful runs are to be measured, while
-            an estimate waits for its correction.
-        estimated (bool): whether ``size`` is an estimate's (``initial="auto"``),
-            the cache holding none.
-    """
+    """Where one call stands; its attempt owns it and carries each step out on it."""
 
     size: int
-    ceiling: int
-    floor: int
-    cached: int
+    ceiling: int  # the policy's initial, or the call's rows
+    floor: int  # the policy's minimum, or, when ranks agree, the largest of theirs
+    cached: int  # what the cache holds; the ceiling when none (nothing to store), 0 when every success is stored
     number: int = 1
-    rows: int | None = None
-    probe_from: int | None = None
-    measures: int = 0
-    estimated: bool = False
+    rows: int | None = None  # the rows of a short last step, fewer than size
+    probe_from: int | None = None  # the size that fitted, when size is a growth probe above it
+    measures: int = 0  # how many more successful runs are measured for the estimate's correction
+    estimated: bool = False  # size is an estimate's (initial="auto"), the cache holding none
 
 
 class Outcome(enum.Enum):
@@ -156,57 +104,32 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Try:
-    """Run the next attempt at ``size``.
-
-    Attributes:
-        size (int): the size.
-        probe (bool): whether the attempt that failed was a growth probe (its
-            key then waits longer before growing again).
-    """
+    """Run the next attempt at ``size``."""
 
     size: int
-    probe: bool = False
+    probe: bool = False  # the attempt that failed was a growth probe: its key waits longer to grow again
 
 
 @dataclass(frozen=True, slots=True)
 class GiveUp:
-    """Try nothing more: the call raises :class:`~koila_retry.BatchSizeExhausted`.
+    """Try nothing more: the call raises :class:`~koila_retry.BatchSizeExhausted`."""
 
-    Attributes:
-        reason (str): why, in words: ``"minimum"``, ``"max_attempts"``,
-            ``"schedule"`` (it returned ``None``), ``"ranks"`` (a rank that
-            failed has no size left) or ``"iterator"`` (an argument is an
-            iterator, which the failed attempt may have consumed in part).
-        probe (bool): as :attr:`Try.probe`.
-    """
-
+    # "minimum", "max_attempts", "schedule" (it returned None), "ranks" (a rank that failed has
+    # no size left) or "iterator" (an argument is an iterator the failed attempt may have consumed)
     reason: str
     probe: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The call succeeded: what its cache keeps.
-
-    Attributes:
-        store (int or None): the size to store under the call's key; ``None``: none.
-        forget (bool): remove what is stored (the call reached its ceiling, which
-            lifts the limit stored before).
-        conclusive (bool): whether the success proves its size (a short last
-            step does not); growing back counts only those.
-        reduced (bool): whether the size is below the call's ceiling: growing
-            back waits for such successes in a row.
-        probe (bool): whether the size was a growth probe (above the size that fitted).
-        too_slow (bool): the probe fitted but ran too few more rows per second than
-            the size below it: the call goes back there, and the key grows no more.
-    """
+    """The call succeeded: what its cache keeps."""
 
     store: int | None
-    forget: bool
-    conclusive: bool
-    reduced: bool
+    forget: bool  # the call reached its ceiling, which lifts the limit stored before
+    conclusive: bool  # the success proves its size (a short last step does not); growing back counts only those
+    reduced: bool  # below the ceiling: growing back waits for such successes in a row
     probe: bool
-    too_slow: bool = False
+    too_slow: bool = False  # a probe that fitted with too little gain: back below, and the key grows no more
 
 
 #: The next step of a call.
@@ -214,24 +137,9 @@ Step = Try | GiveUp | Done
 
 
 def grow_by(schedule: Schedule, size: int) -> int:
-    """Return the size above ``size``, by the schedule's own ``grow`` if it has one, else doubled.
-
-    A schedule that shrinks by a factor grows by it too (:class:`~koila_retry.scaled`);
-    plain callables, :func:`~koila_retry.powers_of_two` among them, grow to the
-    next power of two.
-
-    Args:
-        schedule (callable): the policy's schedule.
-        size (int): the size that fitted.
-
-    Returns:
-        int: a size above ``size``.
-
-    Raises:
-        ValueError: if the schedule's ``grow`` returns no int above ``size``.
-    """
+    """Return the size above ``size``: by the schedule's own ``grow`` (:class:`~koila_retry.scaled`), else doubled."""
     grow = getattr(schedule, "grow", None)
-    if grow is None:
+    if grow is None:  # plain callables, powers_of_two among them: the next power of two
         return 1 << size.bit_length()
     larger = grow(size)
     if isinstance(larger, bool) or not isinstance(larger, int) or larger <= size:
@@ -250,22 +158,7 @@ def first(
     proven: int | None = None,
     per_sample: int = 0,
 ) -> State:
-    """Return the state of a call as it begins: its first size, ceiling and floor.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        cached (int or None): the size the cache holds for the call, if any.
-        rows (int): the rows the call was given (0 if unknown).
-        estimate (callable, optional): the estimate's size, asked only when the
-            cache holds none.
-        proven (int or None): the bytes of one sample the cached size was proven on.
-        per_sample (int): the bytes of one sample of this call, when the key names
-            a class of sample shapes: a size proven on smaller samples is scaled
-            down to as many bytes of samples, never as many rows of larger ones.
-
-    Returns:
-        State: the first attempt's state.
-    """
+    """Return the state of a call as it begins; ``estimate`` is asked only when the cache holds none."""
     floor = rules.minimum
     if cached is not None and proven is not None:
         cached = in_samples(cached, proven, per_sample)
@@ -285,21 +178,10 @@ def first(
 
 
 def in_samples(size: int, proven: int, per_sample: int) -> int:
-    """Return ``size`` rows proven on samples of ``proven`` bytes, as rows of samples of ``per_sample`` bytes.
-
-    A size class holds samples of several sizes (rows padded to 37 tokens and to 50
-    share one): a size proven on smaller samples of the class is scaled down to as
-    many bytes of samples, never as many rows of larger ones; one proven on larger
-    samples stays as it is.
-
-    Args:
-        size (int): the size proven.
-        proven (int): the bytes of one sample it was proven on; 0 if unknown.
-        per_sample (int): the bytes of one sample now; 0 if unknown.
-
-    Returns:
-        int: the size, at least 1 unless ``size`` is 0.
-    """
+    """Return ``size`` rows proven on samples of ``proven`` bytes, as rows of samples of ``per_sample`` bytes."""
+    # A size class holds samples of several sizes (rows padded to 37 tokens and to 50 share one):
+    # a size proven on smaller samples is scaled down to as many bytes, never as many rows; one
+    # proven on larger samples (or with either unknown, 0) stays as it is.
     if size and proven and per_sample > proven:
         return max(size * proven // per_sample, 1)
     return size
@@ -308,33 +190,15 @@ def in_samples(size: int, proven: int, per_sample: int) -> int:
 def settled(rules: Rules, cached: int | None, rows: int) -> int:
     """Return the size a call without an estimate starts at when a success there stores nothing, or 0.
 
-    The engine's fast path runs such a call's first attempt before it makes
-    anything; the answer is :func:`first`'s, so the two cannot disagree.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        cached (int or None): the size the cache holds for the call, if any.
-        rows (int): the rows the call was given (0 if unknown).
-
-    Returns:
-        int: the size, or 0 if the call needs a state.
+    The engine's fast path runs that first attempt before it makes anything; the
+    answer is :func:`first`'s, so the two cannot disagree.
     """
     state = first(rules, cached, rows)
     return state.size if state.cached == state.size else 0
 
 
 def grown(rules: Rules, state: State, due: bool) -> int:
-    """Return the size to start a call or a step at: the state's, or the probe above it when ``due``.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        state (State): the call, at the size that last fitted.
-        due (bool): whether the key's successes in a row are enough to grow.
-
-    Returns:
-        int: ``state.size``, or a probe above it, never above the ceiling; no probe
-        without an attempt left to go back from it (:func:`can_probe`).
-    """
+    """Return the size to start a call or a step at: the state's, or the probe above it when ``due``."""
     size = state.size
     if not due or size >= state.ceiling or not can_probe(rules, state):
         return size
@@ -345,24 +209,7 @@ def grown(rules: Rules, state: State, due: bool) -> int:
 
 
 def shrink(rules: Rules, failed: int, number: int, floor: int) -> Try | GiveUp:
-    """Return the step after ``failed`` ran out of memory on attempt ``number``, by the schedule.
-
-    The schedule proposes; the rules keep it within bounds: never below ``floor``
-    (a proposal below is raised to it), nothing after ``floor`` or after
-    ``max_attempts`` attempts.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        failed (int): the size that ran out of memory.
-        number (int): the number of the attempt that failed, from 1.
-        floor (int): the smallest size.
-
-    Returns:
-        Try or GiveUp: the next size, or why there is none.
-
-    Raises:
-        ValueError: if the schedule returns a size that does not shrink, or is not a size.
-    """
+    """Return the step after ``failed`` ran out of memory on attempt ``number``: the schedule's, raised to ``floor``."""
     if rules.max_attempts is not None and number >= rules.max_attempts:
         return GiveUp("max_attempts")
     if failed <= floor:
@@ -392,23 +239,10 @@ def decide(
 ) -> Step:
     """Return what follows the attempt that just ran.
 
-    Args:
-        rules (Rules): the wrapper's rules.
-        state (State): the call, as the attempt left it.
-        outcome (Outcome): what the attempt did.
-        agreed (int or None): with :attr:`Outcome.AGREED`, the size the ranks
-            agreed on; ``None`` if a rank that failed had none left.
-        hint (int or None): with :attr:`Outcome.OUT_OF_MEMORY` while a run is to
-            be measured: the estimate's smaller probe, once it knows it was short.
-        gain (float or None): with :attr:`Outcome.SUCCEEDED` at a growth probe,
-            its rows per second over those of the size below it, less 1 (0.05
-            for 5% more); ``None`` if either was not timed.
-        reused (bool): after a failure, whether an argument of the call is an
-            iterator, which the failed attempt may have consumed in part: where
-            the call would retry, it gives up (``"iterator"``) instead.
-
-    Returns:
-        Step: :class:`Try`, :class:`GiveUp` or :class:`Done`.
+    ``agreed``: the ranks' size after :attr:`Outcome.AGREED` (``None``: a rank that
+    failed had none left); ``hint``: the estimate's smaller probe while a run is
+    measured; ``gain``: a growth probe's rows/s over the size below, less 1 (0.05 for
+    5% more); ``reused``: an argument is an iterator, so a retry gives up instead.
     """
     size = state.size if state.rows is None else min(state.size, state.rows)
     probing = state.probe_from is not None and size > state.probe_from
@@ -454,72 +288,35 @@ def _after_oom(rules: Rules, state: State, size: int, probing: bool, hint: int |
 
 
 def between(fits: int, failed: int) -> int:
-    """Return the size halfway from one that fits to one that failed, or ``fits`` when none is left between.
-
-    In multiples of 8 rows from 64 up (the sizes tensor cores run whole), so that the
-    search ends within 8 rows, about log2(fits / 8) probes from a power of two. Where
-    halfway rounds down to ``fits``, the next multiple above it, if below ``failed``
-    (a bound scaled from other samples need not be a multiple of 8).
-
-    Args:
-        fits (int): the largest size known to fit.
-        failed (int): the smallest size known to fail, above it.
-
-    Returns:
-        int: the probe, above ``fits`` and below ``failed``; ``fits`` if there is none.
-    """
+    """Return the size halfway from one that fits to one that failed, or ``fits`` when none is left between."""
+    # Multiples of 8 from 64 up (the sizes tensor cores run whole): the search ends within 8
+    # rows, about log2(fits / 8) probes from a power of two.
     step = 8 if fits >= 64 else 1
     middle = (fits + failed) // 2 // step * step
-    if middle <= fits:
+    if middle <= fits:  # a bound scaled from other samples need not be a multiple of 8
         middle = (fits // step + 1) * step
     return middle if fits < middle < failed else fits
 
 
 def refined(rules: Rules, state: State, failed: int | None) -> int:
-    """Return the size to start a call or a step at, with ``refine=True``: a probe between, or ``state.size``.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        state (State): the call, at the size that fits.
-        failed (int or None): the smallest size that failed under the call's key, in
-            rows of this call's samples (:func:`bound_rows`).
-
-    Returns:
-        int: the size, never above the ceiling; no probe without an attempt left to
-        go back from it (:func:`can_probe`).
-    """
+    """Return the size to start at with ``refine=True``: a probe below ``failed`` (in rows), or ``state.size``."""
     if not rules.refine or failed is None or failed <= state.size or not can_probe(rules, state):
         return state.size
     return min(between(state.size, failed), state.ceiling)
 
 
 def can_probe(rules: Rules, state: State) -> bool:
-    """Return whether a probe may start the call's next attempt: one that fails needs another to go back.
-
-    ``max_attempts`` is a hard cap: with none left after the probe, there is none.
-    """
+    """Return whether a probe may start the call's next attempt: one that fails needs another to go back."""
+    # max_attempts is a hard cap: with no attempt left after the probe, there is no probe.
     return rules.max_attempts is None or state.number < rules.max_attempts
 
 
 def bound_rows(bound: Bound | None, per_sample: int) -> int | None:
-    """Return a key's bound in rows of samples of ``per_sample`` bytes: the fewest that hold as many bytes as failed.
-
-    A key of a size class holds samples of several sizes (rows padded to 37 tokens
-    and to 50 share one): a bound that failed on other samples is scaled as sizes
-    are (:func:`in_samples`), up for smaller samples and down for larger ones,
-    rounded up, so that no size at or above it holds fewer bytes of samples.
-
-    Args:
-        bound (tuple or None): the smallest size that failed and the bytes of one
-            sample it failed on (0 if unknown); ``None``: none failed.
-        per_sample (int): the bytes of one sample now; 0 if unknown.
-
-    Returns:
-        int or None: the bound, in rows; as it is when either bytes are unknown.
-    """
+    """Return a key's bound in rows of samples of ``per_sample`` bytes: the fewest that hold as many bytes as failed."""
     if bound is None:
         return None
     size, nbytes = bound
+    # Rounded up, so that no size at or above it holds fewer bytes; as it is when either is unknown (0).
     if nbytes and per_sample and nbytes != per_sample:
         return max(-(-size * nbytes // per_sample), 1)
     return size
@@ -538,20 +335,9 @@ def still_failed(bound: Bound | None, size: int, per_sample: int = 0) -> Bound |
 
 
 def presumed(rules: Rules, state: State) -> int | None:
-    """Return the size an estimate's first size stands for as the one that failed, with ``refine=True``; or ``None``.
-
-    ``initial="auto"`` starts at the largest power of two the estimate finds to fit
-    (in rows of the call's samples): twice that does not, by the estimate, and
-    stands for the size that failed, which the search stays below. None for a
-    size at the ceiling, where there is nothing to search.
-
-    Args:
-        rules (Rules): the wrapper's rules.
-        state (State): the call, at the estimate's size (or its corrected one).
-
-    Returns:
-        int or None: twice ``state.size``, or ``None``.
-    """
+    """Return the size an estimate's first size stands for as the one that failed, with ``refine=True``; or ``None``."""
+    # initial="auto" starts at the largest power of two the estimate finds to fit: twice that does
+    # not, by the estimate. At the ceiling there is nothing to search.
     if not rules.refine or state.size >= state.ceiling:
         return None
     return 2 * state.size
@@ -562,18 +348,9 @@ NEVER = 1 << 62
 
 
 def started_growing(streak: Streak | None) -> Streak | None:
-    """Return a key's streak as a call asks whether to grow: restarted, when it is due.
-
-    A key is due once its successes in a row reach its wait (``grow_after``, doubled
-    after each probe that failed); the probe then starts a new count.
-
-    Args:
-        streak (tuple or None): the key's successes in a row and its wait; ``None``
-            for a key not followed (it never shrank, or reached its ceiling again).
-
-    Returns:
-        tuple or None: the streak after the question.
-    """
+    """Return a key's streak (``None``: not followed) as a call asks whether to grow: restarted, when it is due."""
+    # Due once its successes in a row reach its wait (grow_after, doubled after each probe that
+    # failed); the probe then starts a new count.
     if streak is None or streak[0] < streak[1]:
         return streak
     return (0, streak[1])
@@ -585,29 +362,14 @@ def due(streak: Streak | None) -> bool:
 
 
 def counted(streak: Streak | None, done: Done, wait: int) -> Streak | None:
-    """Return a key's streak after a success the decision called ``done``.
-
-    A success at the ceiling ends the streak (nothing to grow back to); a probe that
-    brought too little throughput makes the wait endless (growth stops there); one
-    below it counts, the first with the policy's ``wait``; a growth probe that fitted starts
-    the wait afresh. A success that proves nothing (a short step) counts nothing,
-    and a probe on one leaves the key due again.
-
-    Args:
-        streak (tuple or None): the key's streak before.
-        done (Done): the decision on the success.
-        wait (int): the policy's ``grow_after``.
-
-    Returns:
-        tuple or None: the streak after.
-    """
-    if not done.conclusive:
+    """Return a key's streak after a success the decision called ``done``; ``wait`` is the policy's ``grow_after``."""
+    if not done.conclusive:  # a short step counts nothing; a probe on one leaves the key due again
         return (streak[1], streak[1]) if done.probe and streak is not None else streak
-    if done.too_slow:
+    if done.too_slow:  # growth stops there
         return (0, NEVER)
-    if not done.reduced:
+    if not done.reduced:  # at the ceiling: nothing to grow back to
         return None
-    if streak is None or done.probe:
+    if streak is None or done.probe:  # a growth probe that fitted starts the wait afresh
         return (1, wait)
     return (streak[0] + 1, streak[1])
 
@@ -620,33 +382,13 @@ def failed_growing(streak: Streak | None, probe: bool) -> Streak | None:
 
 
 def agreed_start(state: State, agreed: int, floor: int) -> None:
-    """Move a call that agrees across ranks to the ranks' start: their smallest size, never below their floor.
-
-    A growth probe stays one only if every rank was due one.
-
-    Args:
-        state (State): the call; changed in place.
-        agreed (int): the smallest of the ranks' starting sizes.
-        floor (int): the largest of the ranks' minimums.
-    """
+    """Move a call that agrees across ranks to the ranks' start: their smallest size, never below their floor."""
     state.floor = floor
     state.size = max(agreed, floor)
-    if state.probe_from is not None and state.size <= state.probe_from:
+    if state.probe_from is not None and state.size <= state.probe_from:  # a probe only if every rank was due one
         state.probe_from = None
 
 
 def calibrated(state: State, wanted: int, rows: int) -> int:
-    """Return the size a measured run's corrected estimate leads to.
-
-    Never below the rows measured, which ran, whatever the corrected estimate's
-    margin says; within the floor and the ceiling.
-
-    Args:
-        state (State): the call.
-        wanted (int): the corrected estimate's size.
-        rows (int): the rows of the run measured.
-
-    Returns:
-        int: the size for the rest of the call.
-    """
+    """Return the size a measured run's corrected estimate leads to: never below the rows measured, which ran."""
     return min(max(wanted, rows, state.floor), state.ceiling)

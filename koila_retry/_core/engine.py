@@ -1,22 +1,9 @@
 """The retry engine: the one attempt loop that every front end hands its work to.
 
-A :class:`Controller` holds one wrapper's policy, cache, statistics and plan. A call
-is described by a :class:`~koila_retry._core.call.Call`;
-:meth:`Controller.start` looks up its starting size (and, when ranks agree,
-agrees on it) and returns its :class:`~koila_retry.Attempt`. Then one of the
-drivers runs it, each a thin loop around the attempt's own ``with`` protocol:
-
-- :func:`run` runs ``work(size)`` until an attempt succeeds;
-- :func:`run_async` is the same loop for coroutines;
-- :func:`cover` covers ``[start, stop)`` in steps, each step run by
-  :func:`run` and resumed where it failed;
-- :meth:`Controller.call` is :meth:`~Controller.start` then :func:`run`, with
-  the first attempt run before anything is made: the whole cost of a decorated
-  call that does not fail.
-
-What size comes next is never decided here: every size rule is in
-:mod:`koila_retry._core.decision`, which the attempt and the strategies of its
-plan (:mod:`koila_retry._core.strategies`) ask.
+A :class:`Controller` holds one wrapper's policy, cache, statistics and plan;
+:meth:`Controller.start` returns a call's :class:`~koila_retry.Attempt`, and :func:`run`,
+:func:`run_async` or :func:`cover` drives it. No size is decided here: every size rule
+is in :mod:`koila_retry._core.decision`.
 """
 
 from __future__ import annotations
@@ -63,13 +50,7 @@ _WORLD = ranks.WORLD  # read on every call of the short way, so a global of this
 
 
 class Controller:
-    """The policy, cache, statistics and plan of one decorated function or block.
-
-    ``default_cache`` is the cache when the policy names none (a new
-    :class:`StackMemoryCache` if ``None``); ``explain`` builds the message of a call
-    that gives up; ``keep_last`` stores every success's size, the initial one too
-    (toma's caches do), where by default only sizes below it say something about memory.
-    """
+    """The policy, cache, statistics and plan of one decorated function or block."""
 
     def __init__(
         self,
@@ -78,7 +59,7 @@ class Controller:
         *,
         default_cache: SizeCache | None = None,
         explain: Explain | None = None,
-        keep_last: bool = False,
+        keep_last: bool = False,  # store every success's size, the initial one too (toma's caches do)
     ) -> None:
         self.name = name
         self.policy = policy
@@ -111,13 +92,7 @@ class Controller:
         return [module for module in self.ranks.alive() if sharded.is_fsdp2(module)]
 
     def start(self, call: Call) -> Attempt:
-        """Begin one call: look up its starting size and return its attempts (the ranks agree on it here).
-
-        Raises:
-            ValueError: if ranks agree and their spans differ.
-            NotImplementedError: if ranks agree and the call reaches an FSDP1,
-                HSDP or tensor-parallel module.
-        """
+        """Begin one call: look up its starting size and return its attempts (the ranks agree on it here)."""
         agreement = self.ranks.agreement()
         key, cached = self._look_up(call.function, call.caller, call.device, call.sample)
         return self._attempts(call, key, cached, agreement)
@@ -164,14 +139,9 @@ class Controller:
         roots: Iterable[Any] = (),
         rows: int = 0,
     ) -> R:
-        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`; return what succeeded.
-
-        Where no rank agrees and no strategy acts before a failure (``Plan.short``), the
-        first attempt runs at :func:`~koila_retry._core.decision.settled`'s size before
-        anything is made; the attempts are made, as :meth:`start` makes them, only if it
-        fails. ``roots`` is what the call reaches; ``rows``, its own first size without an
-        ``initial``.
-        """
+        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`; return what succeeded."""
+        # Where no rank agrees and no strategy acts before a failure (Plan.short), the first attempt
+        # runs at decision.settled's size before anything is made; the attempts are made only if it fails.
         route = self._route
         if route and (route is _LONG or _WORLD is None or _WORLD._default_pg is not None):  # ranks.alone(), inline
             return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
@@ -219,26 +189,9 @@ def run(
 ) -> R:
     """Run ``work(size)`` at the attempt's size until it succeeds; return its result.
 
-    Each attempt runs in the attempt's ``with`` protocol: an out-of-memory error
-    is recorded inside it, and outside it the failed attempt's memory is
-    released and the next size tried (:meth:`Attempt.retry`), or the call gives
-    up. Any other error propagates untouched.
-
-    Args:
-        attempt (Attempt): from :meth:`Controller.start`.
-        work (callable): runs one attempt at the size it is given.
-        rows (int, optional): the most rows an attempt can use; a larger size
-            runs them as a short step (see :meth:`Attempt.narrow`).
-        vote (callable, optional): asked after each attempt, when ranks agree;
-            whether every rank said yes is then in ``attempt.unanimous``.
-        undo (callable, optional): called after an attempt that failed (on any
-            rank), before its memory is released.
-
-    Returns:
-        What the attempt that succeeded returned.
-
-    Raises:
-        BatchSizeExhausted: if the smallest size runs out of memory too.
+    ``rows``: the most rows an attempt can use (a larger size runs them as a short
+    step); ``vote``: asked after each attempt when ranks agree; ``undo``: called after
+    an attempt that failed on any rank, before its memory is released.
     """
     while True:
         size = attempt.batch_size
@@ -257,18 +210,7 @@ def run(
 
 
 async def run_async(attempt: Attempt, work: Callable[[int], Awaitable[R]]) -> R:
-    """Await ``work(size)`` until an attempt succeeds: :func:`run` for coroutines.
-
-    Args:
-        attempt (Attempt): from :meth:`Controller.start`.
-        work (callable): returns the awaitable of one attempt at the size it is given.
-
-    Returns:
-        What the attempt that succeeded returned.
-
-    Raises:
-        BatchSizeExhausted: if the smallest size runs out of memory too.
-    """
+    """Await ``work(size)`` until an attempt succeeds: :func:`run` for coroutines."""
     while True:
         with attempt:
             result = await work(attempt.batch_size)
@@ -294,30 +236,12 @@ def cover(
     progress: Callable[..., Any] | None = None,
     unit: tuple[str, str, str] = ROWS,
 ) -> None:
-    """Run ``work(begin, end)`` over ``[start, stop)`` in steps, each retried alone.
+    """Run ``work(begin, end)`` over ``[start, stop)`` in steps, each retried alone from its own first row.
 
-    A step that runs out of memory is run again from its own first row at the
-    next size; finished steps are kept, never run again. Each step's result goes
-    to ``keep(begin, end, result)`` once it succeeded (on every rank, when ranks agree).
-
-    Args:
-        controller (Controller): the wrapper.
-        attempt (Attempt or None): from :meth:`Controller.start`; ``None`` when
-            there is nothing to cover (``start == stop``): the call still takes
-            part in the ranks' check that they cover as much.
-        start (int): the first row or index.
-        stop (int): one past the last.
-        work (callable): runs one step over ``[begin, end)``.
-        keep (callable): takes a finished step's result.
-        progress (callable, optional): makes a tqdm progress bar.
-        unit (tuple of str): what is covered, in the singular and plural, and
-            what a step of it is called.
-
-    Raises:
-        BatchSizeExhausted: if a step runs out of memory at the smallest size;
-            a note says how much was finished before it.
+    Each finished step goes to ``keep(begin, end, result)`` once it succeeded (on every
+    rank), and is never run again.
     """
-    if attempt is None:
+    if attempt is None:  # nothing to cover: the call still takes part in the ranks' check
         controller.agree_on_nothing()
         return
     bar = None if progress is None else progress(total=stop - start, unit=unit[0], desc=controller.name)

@@ -29,39 +29,20 @@ logger = logging.getLogger("koila_retry")
 
 @dataclass(frozen=True)
 class Exhaustion:
-    """What a call that gives up knows: the facts an :data:`Explain` turns into its message.
-
-    Plain values only: no exception, no tensor.
-
-    Attributes:
-        name (str): the function or block.
-        tried (tuple of int): the sizes tried, in order; the last failed last.
-        minimum (int): the smallest size allowed: the policy's minimum or, when
-            ranks agree, the largest of theirs.
-        max_attempts (int or None): the policy's bound on attempts.
-        where (str): where the last error was raised.
-        failing_rank (int or None): when ranks agree, the rank that ran out of memory.
-        rank (int or None): this process's rank, when ranks agree.
-        world_size (int or None): how many ranks agree.
-        device (torch.device): the device.
-        free_bytes (int): its free memory after the release; -1 if unknown.
-        figures (tuple or None): an ``initial="auto"`` estimate's per-sample and fixed bytes.
-        frame (FrameType or None): the engine's frame; the ones above it hold the call's objects.
-        diagnosis (Diagnosis or None): why this process's last attempt ran out of memory.
-    """
+    """What a call that gives up knows, in plain values: the facts an :data:`Explain` turns into its message."""
 
     name: str
-    tried: tuple[int, ...]
-    minimum: int
+    tried: tuple[int, ...]  # in order; the last failed last
+    minimum: int  # the policy's, or when ranks agree the largest of theirs
     max_attempts: int | None
     where: str
-    failing_rank: int | None
+    failing_rank: int | None  # when ranks agree, the rank that ran out of memory
     rank: int | None
     world_size: int | None
     device: torch.device
-    free_bytes: int
-    figures: tuple[int, int] | None
-    frame: FrameType | None
+    free_bytes: int  # after the release; -1 if unknown
+    figures: tuple[int, int] | None  # an initial="auto" estimate's per-sample and fixed bytes
+    frame: FrameType | None  # the engine's frame: the ones above it hold the call's objects
     diagnosis: Diagnosis | None = None
 
 
@@ -79,32 +60,19 @@ def plain_message(exhaustion: Exhaustion) -> str:
 
 
 class Failure:
-    """What a call keeps of its failed attempts: plain values, never the exception.
-
-    Attributes:
-        step (Step): what the decision said follows the attempt that failed.
-        where (str): where it failed (a place in the code, or ``"rank N"``).
-        rank (int or None): when ranks agree, the lowest that failed.
-        seconds (float): the time lost since the last report.
-        tried (list of int): the sizes that failed, in order.
-        reused (str or None): an iterator argument, which a retry would reuse.
-        final_oom (BaseException or None): the cause of the coming
-            :class:`~koila_retry.BatchSizeExhausted`, without its traceback.
-        diagnosis (Diagnosis or None): why the last attempt ran out of memory here,
-            read before its memory was released; ``None`` when another rank's failure ended it.
-        snapshots (Snapshots or None): the call's memory snapshots, when asked for.
-    """
+    """What a call keeps of its failed attempts: plain values, never the exception."""
 
     __slots__ = ("diagnosis", "final_oom", "rank", "reused", "seconds", "snapshots", "step", "tried", "where")
 
     def __init__(self) -> None:
-        self.step: Step = GiveUp("minimum")
-        self.where = ""
-        self.rank: int | None = None
-        self.seconds = 0.0
+        self.step: Step = GiveUp("minimum")  # what the decision said follows the attempt that failed
+        self.where = ""  # a place in the code, or "rank N"
+        self.rank: int | None = None  # when ranks agree, the lowest that failed
+        self.seconds = 0.0  # lost since the last report
         self.tried: list[int] = []
-        self.reused: str | None = None
-        self.final_oom: BaseException | None = None
+        self.reused: str | None = None  # an iterator argument, which a retry would reuse
+        self.final_oom: BaseException | None = None  # the coming BatchSizeExhausted's cause, without its traceback
+        # Read before the memory was released; None when another rank's failure ended the call.
         self.diagnosis: Diagnosis | None = None
         self.snapshots: Snapshots | None = None
 
@@ -116,20 +84,7 @@ class Failure:
     def report(
         self, name: str, failed: int, next_size: int | None, number: int, device: torch.device, free: int, stats: Stats
     ) -> OOMEvent:
-        """Count the failure in ``stats``, log it, and return its event.
-
-        Args:
-            name (str): the function or block.
-            failed (int): the size that failed.
-            next_size (int or None): the size tried next; ``None`` when the call gives up.
-            number (int): the attempt's number.
-            device (torch.device): the device.
-            free (int): its free bytes after the release.
-            stats (Stats): the wrapper's statistics.
-
-        Returns:
-            OOMEvent: what ``on_oom`` hooks are told.
-        """
+        """Count the failure in ``stats``, log it, and return its event; ``next_size`` is ``None`` on giving up."""
         self.tried.append(failed)
         stats.record_oom(self.seconds, next_size)
         event = OOMEvent(
@@ -207,16 +162,7 @@ class Failure:
 
 
 def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_sample: int) -> None:
-    """Carry out what the decision says a success stores.
-
-    Args:
-        cache (SizeCache): the wrapper's cache.
-        key (Hashable or None): the call's key; ``None`` stores nothing.
-        done (Done): the decision.
-        state (State): the call; its ``cached`` becomes what the cache now holds.
-        per_sample (int): the bytes of one sample the size was proven on, if the
-            key names a class of sample shapes; else 0.
-    """
+    """Carry out what the decision says a success stores; ``state.cached`` becomes what the cache holds."""
     if done.conclusive and key is not None and state.cached != state.size:
         if done.store is not None:
             cache[key] = done.store
@@ -244,12 +190,8 @@ def iterator_among(roots: tuple[object, ...]) -> str | None:
 
 
 def detached(exc: BaseException) -> BaseException:
-    """Return ``exc`` without the tracebacks that pin a failed attempt's frames and tensors.
-
-    The traceback of the error, of every error it was raised from, and the
-    errors they were raised while handling are dropped. The explicit causes
-    stay: they hold the out-of-memory error a wrapper was raised from.
-    """
+    """Return ``exc`` without the tracebacks that pin a failed attempt's frames and tensors."""
+    # Contexts are dropped; the explicit causes stay: they hold the OOM error a wrapper was raised from.
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:

@@ -56,12 +56,7 @@ class Ranks:
         return [module for module in (ref() for ref in self.parallel or ()) if module is not None]
 
     def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> None:
-        """Look, once, at the modules an agreeing call reaches from ``roots``; every rank does, so all raise alike.
-
-        Raises:
-            NotImplementedError: if the call reaches an FSDP1, HSDP or tensor-parallel
-                module, or an FSDP2 module sharded over other ranks than agree.
-        """
+        """Look, once, at the modules an agreeing call reaches from ``roots``; every rank does, so all raise alike."""
         if self.parallel is None:
             found = distributed.supported_modules(roots, self.name)
             for module in sharded.fsdp_modules(found):

@@ -1,11 +1,8 @@
 """What a strategy is: the hooks a call's attempts run at each event, each a no-op unless a strategy overrides it.
 
-A feature that changes what happens next (growing back, ``refine``, throughput,
-agreement across ranks, sharded models, snapshots) is one :class:`Strategy` in a
-module of its own, composed into a wrapper's :class:`Plan` by
-:func:`koila_retry._core.strategies.compose`; the driver
-(:class:`koila_retry._core.attempt.Mechanics`) only runs the hooks of its plan.
-A strategy asks :mod:`koila_retry._core.decision` what follows and carries it out.
+Each feature that changes what happens next is one :class:`Strategy` in a module of its
+own, composed into a :class:`Plan` by :func:`koila_retry._core.strategies.compose`; the
+driver (``Mechanics``) only runs the plan's hooks.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Attribute the memory of one call to the modules or source lines that allocated it.
 
-A dispatch mode counts the storages alive on one device while scopes open and close around each module's
-forward and backward, or each watched line. With ``fake=True`` the same runs on meta copies lent as
-:func:`koila_retry.estimate` lends them: only the tensors' source differs, so the figures are a real CPU run's.
+Scopes open and close around each module's forward and backward, or each watched line, while
+:mod:`koila_retry._diagnostics.counting` counts the storages alive. With ``fake=True`` the same runs on meta
+copies lent as :func:`koila_retry.estimate` lends them: only the tensors' source differs, so the figures are a
+real CPU run's.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from koila_retry._common.tensors import same_device, tensors_in
-from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
 from koila_retry._core.memory import DeviceLike, resolve_device
+from koila_retry._diagnostics.counting import Scope, StorageCounter, Tally, storage_of
 from koila_retry._diagnostics.table import html_table, text_table
 from koila_retry._estimation.lending import Owned
-from koila_retry._estimation.recorder import META, Recorder
+from koila_retry._estimation.recorder import META
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
 
@@ -198,132 +198,14 @@ def _line_cells(row: LineRow) -> list[str]:
     return [where, str(row.runs), format_bytes(row.peak), _signed(row.net), row.source]
 
 
-# --- counting ---------------------------------------------------------------------
-
-
-class _Scope:
-    """Bytes alive when a scope opened, and the most alive since."""
-
-    __slots__ = ("high", "start")
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.high = start
-
-
-class _Counter(Recorder):  # type: ignore[no-untyped-call]
-    """Count the bytes of storages alive on one device, for the scopes open now."""
-
-    def __init__(self, device: torch.device, fake: bool) -> None:
-        super().__init__(None, None)
-        self.device = device
-        self.fake = fake
-        self.scopes: list[_Scope] = []
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if self.fake:
-            # The estimator's recorder: every tensor made on meta, and all counted.
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
-        # A result sharing an input's storage (a view, an in-place result) allocated nothing.
-        seen: set[int] | None = None
-        for tensor in tensors_in(out):
-            if not same_device(tensor.device, self.device):
-                continue
-            storage = _storage(tensor)
-            if storage is None or id(storage) in self._storages:
-                continue
-            key = id(storage)
-            if seen is None:
-                seen = {id(found) for found in map(_storage, tensors_in([args, kwargs or {}])) if found is not None}
-            if key not in seen:
-                seen.add(key)
-                self._add(storage)
-        return out
-
-    def _add(self, storage: torch.UntypedStorage) -> None:
-        # The plain count of live bytes: not the estimator's log of categories and moments.
-        LiveStorageTracker._add(self, storage)
-
-    def _rose(self, live: int) -> None:
-        super()._rose(live)
-        for scope in self.scopes:
-            if live > scope.high:
-                scope.high = live
-
-    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count the storages of tensors made before the call, once each."""
-        for tensor in tensors:
-            if not self.fake and not same_device(tensor.device, self.device):
-                continue
-            storage = _storage(tensor)
-            if storage is not None and id(storage) not in self._storages:
-                self._add(storage)
-
-    def open(self) -> _Scope:
-        with self._lock:
-            scope = _Scope(self.live)
-            self.scopes.append(scope)
-        return scope
-
-    def close(self, scope: _Scope) -> tuple[int, int]:
-        """Close ``scope``; return how far the bytes alive rose in it, and their net change."""
-        with self._lock:
-            # Scopes mostly close in the reverse order of opening: look from the end.
-            for index in range(len(self.scopes) - 1, -1, -1):
-                if self.scopes[index] is scope:
-                    del self.scopes[index]
-                    break
-            return scope.high - scope.start, self.live - scope.start
-
-    def clear(self) -> None:
-        """Forget every storage and scope, so that nothing of the run outlives it."""
-        with self._lock:
-            self._storages.clear()
-            self._sizes.clear()
-            self.scopes.clear()
-
-
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """Return a tensor's storage, or ``None`` for a layout without one (sparse, nested)."""
-    if tensor.layout != torch.strided:
-        return None
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-class _Tally:
-    """The figures of one module direction or one line, over its runs."""
-
-    __slots__ = ("net", "peak", "runs")
-
-    def __init__(self) -> None:
-        self.runs = 0
-        self.peak = 0
-        self.net = 0
-
-    def add(self, rise: int, net: int) -> None:
-        self.runs += 1
-        self.peak = max(self.peak, rise)
-        self.net += net
-
-
 class _ModuleTally:
     __slots__ = ("backward", "forward", "name", "type")
 
     def __init__(self, name: str, type_name: str) -> None:
         self.name = name
         self.type = type_name
-        self.forward = _Tally()
-        self.backward = _Tally()
+        self.forward = Tally()
+        self.backward = Tally()
 
     def row(self) -> ModuleRow:
         ran = self.backward.runs > 0
@@ -344,7 +226,7 @@ class _LineTally:
     def __init__(self, code: types.CodeType, line: int) -> None:
         self.code = code
         self.line = line
-        self.tally = _Tally()
+        self.tally = Tally()
 
     def row(self) -> LineRow:
         file = self.code.co_filename
@@ -427,14 +309,14 @@ class _Backward:
     # grad, when the gradients of its parameters are accumulated, or else when the backward ends.
     __slots__ = ("accumulators", "inputs", "profiler", "remaining", "scope", "tally", "task", "uses_inputs")
 
-    def __init__(self, profiler: _ModuleProfiler, tally: _Tally) -> None:
+    def __init__(self, profiler: _ModuleProfiler, tally: Tally) -> None:
         self.profiler = profiler
         self.tally = tally
         self.uses_inputs = False
         self.inputs: set[int] = set()  # ids of the nodes that made the inputs, alive while the forward runs
         self.accumulators: list[Any] = []
         self.task = -1
-        self.scope: _Scope | None = None
+        self.scope: Scope | None = None
         self.remaining = 0
 
     def begin(self, *_: Any) -> None:
@@ -468,7 +350,7 @@ class _Backward:
 class _Call:
     __slots__ = ("backward", "module", "scope", "tally")
 
-    def __init__(self, module: torch.nn.Module, tally: _ModuleTally, scope: _Scope, backward: _Backward) -> None:
+    def __init__(self, module: torch.nn.Module, tally: _ModuleTally, scope: Scope, backward: _Backward) -> None:
         self.module = module
         self.tally = tally
         self.scope = scope
@@ -478,7 +360,7 @@ class _Call:
 class _ModuleProfiler:
     """Open and close a scope around every module's forward, and every module's backward."""
 
-    def __init__(self, counter: _Counter, names: _Names) -> None:
+    def __init__(self, counter: StorageCounter, names: _Names) -> None:
         self.counter = counter
         self.names = names
         self.thread = threading.get_ident()
@@ -580,12 +462,12 @@ def _grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
 class _LineProfiler:
     """Open and close a scope around every line of the watched code objects, with ``sys.settrace``."""
 
-    def __init__(self, counter: _Counter, codes: frozenset[types.CodeType]) -> None:
+    def __init__(self, counter: StorageCounter, codes: frozenset[types.CodeType]) -> None:
         self.counter = counter
         self.codes = codes
         self.tallies: dict[tuple[types.CodeType, int], _LineTally] = {}
         # Frames by id, not by reference: holding a frame would hold its tensors.
-        self.running: dict[int, tuple[_LineTally, _Scope]] = {}
+        self.running: dict[int, tuple[_LineTally, Scope]] = {}
 
     def trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "call" and frame.f_code in self.codes:
@@ -678,7 +560,7 @@ def _remade_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        storage = _storage(leaf)
+        storage = storage_of(leaf)
         if storage is not None:
             shared = storages.get(id(storage))
             if shared is None:
@@ -700,7 +582,7 @@ def _argument_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
 class _Steps:
     """Whether an optimizer's step is running: inside one, a value read from a meta tensor reads as 1.0."""
 
-    def __init__(self, counter: _Counter) -> None:
+    def __init__(self, counter: StorageCounter) -> None:
         self.counter = counter
 
     def attach(self) -> list[RemovableHandle]:
@@ -717,7 +599,7 @@ def _call(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    counter: _Counter,
+    counter: StorageCounter,
     attach: Callable[[], list[RemovableHandle]],
     tracer: Callable[..., Any] | None,
 ) -> None:
@@ -743,7 +625,7 @@ def _run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     owned: Owned,
-    counter: _Counter,
+    counter: StorageCounter,
     attach: Callable[[], list[RemovableHandle]],
     tracer: Callable[..., Any] | None,
 ) -> int:
@@ -886,7 +768,7 @@ def profile(
     importlib.import_module("torch._dynamo")
     owned = Owned((fn, args, kwargs))
     target = resolve_device(device) if device is not None else _default_device(args, kwargs, owned)
-    counter = _Counter(target, fake)
+    counter = StorageCounter(target, fake)
     modules: _ModuleProfiler | None = None
     lines: _LineProfiler | None = None
     if by == "module":
