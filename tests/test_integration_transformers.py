@@ -164,6 +164,8 @@ def test_label_smoothing_split_gives_what_the_plain_trainer_gives(tmp_path: Path
     assert_same_training(trainer, reference)
 
 
+# transformers before 4.41 autocasts through torch.cpu.amp.autocast, which torch deprecates.
+@pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast\\(args...\\)` is deprecated:FutureWarning")
 def test_bf16_mixed_precision_on_the_cpu(tmp_path: Path) -> None:
     try:
         reference = make_trainer(tmp_path, bf16=True)
