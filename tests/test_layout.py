@@ -116,3 +116,28 @@ def test_only_the_engine_drives_attempts() -> None:
 def test_the_public_namespace_is_sorted_and_complete() -> None:
     assert koila.__all__ == sorted(koila.__all__)
     assert all(hasattr(koila, name) for name in koila.__all__)
+
+
+def test_no_module_is_over_900_lines() -> None:
+    sizes = {
+        path.relative_to(PACKAGE.parent).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {name: lines for name, lines in sizes.items() if lines > 900} == {}
+
+
+@pytest.mark.parametrize(("module", "name"), [("_core.attempt", "Mechanics"), ("_core.engine", "Controller")])
+def test_the_engines_driver_and_controller_stay_small_and_free_of_feature_branches(module: str, name: str) -> None:
+    """At most 150 lines each, and no branch on an option: features are strategies (``_core.strategies``)."""
+    tree = modules()[f"koila_retry.{module}"]
+    (found,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name]
+    assert found.end_lineno is not None
+    assert found.end_lineno - found.lineno + 1 <= 150
+    features = ("grow", "grow_gain", "refine", "snapshot", "on_oom")
+    branches = [
+        ast.unparse(node.test)
+        for node in ast.walk(found)
+        if isinstance(node, (ast.If, ast.IfExp))
+        and any(isinstance(part, ast.Attribute) and part.attr in features for part in ast.walk(node.test))
+    ]
+    assert branches == []
