@@ -172,7 +172,9 @@ class Results:
                 # Each weight rounded once, from its float to the dtype summed in, as a float64
                 # tensor converted would hold it, in one call.
                 weights = torch.tensor([weight for _, weight in column], dtype=exact, device=values.device)
-                total = torch.tensordot(weights, values.to(exact), dims=1)
+                # One number per micro-batch (a loss), the usual case: a dot, where tensordot reshapes first.
+                summed = values.to(exact)
+                total = torch.dot(weights, summed) if summed.dim() == 1 else torch.tensordot(weights, summed, dims=1)
                 combined.append(total.to(dtype))
             else:
                 combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
