@@ -593,7 +593,11 @@ class _Accumulator:
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
         if not loss.requires_grad or weight == 0.0:
             return False
-        weighted = loss * weight if weight != 1.0 else loss
+        if weight != 1.0:
+            weighted = loss * weight
+            results.weighed(weighted)
+        else:
+            weighted = loss
         del loss
         gradients.backward(self.backward, weighted, retain)
         return True
