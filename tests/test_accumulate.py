@@ -1718,3 +1718,31 @@ def test_a_warning_that_ends_an_attempt_under_warnings_as_errors_leaves_grad_as_
         with pytest.raises(UserWarning, match="returns other objects"):
             step(data(8, 6))
     before.assert_unchanged()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_batch_shorter_than_initial_that_fails_whole_retries_below_its_own_rows(where: str) -> None:
+    """``initial`` above the batch's rows runs it whole; after an OOM the next size is below those rows.
+
+    The short way, where the first attempt runs before the call's attempts are made, narrows
+    the failed attempt to the rows it had, as the loop does: 100 rows fail, then 64 + 36.
+    """
+    model, x, y = build("mlp", 100)
+    expected_loss, expected_grads = full_step(model, x, y)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=1024, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(len(x))
+        h = model[:2](x)
+        if len(x) == 100:
+            if where == "forward":
+                raise make_oom()
+            h = OOMInBackward.apply(h)
+        return F.mse_loss(model[2:](h), y)
+
+    loss = step(x, y)
+    assert seen == [100, 64, 36]
+    assert step.stats.ooms == 1
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)

@@ -13,7 +13,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import FrameType
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -27,7 +27,19 @@ from koila_retry._core.stats import Stats
 from koila_retry._core.strategies import compose
 from koila_retry.exceptions import BatchSizeExhausted
 
-__all__ = ["ROWS", "Attempt", "Call", "Controller", "Exhaustion", "Explain", "FirstSize", "cover", "run", "run_async"]
+__all__ = [
+    "ROWS",
+    "Attempt",
+    "Call",
+    "Controller",
+    "Exhaustion",
+    "Explain",
+    "FirstSize",
+    "Sampled",
+    "cover",
+    "run",
+    "run_async",
+]
 
 R = TypeVar("R")
 
@@ -138,45 +150,82 @@ class Controller:
         work: Callable[[int], R],
         roots: Iterable[Any] = (),
         rows: int = 0,
+        sampled: Sampled | None = None,
     ) -> R:
-        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`; return what succeeded."""
+        """Run one call of ``work(size)``: :meth:`start`, then :func:`run`; return what succeeded.
+
+        ``sampled`` is what ``accumulate`` adds: its sample's size class for the key, the rows
+        an attempt may use and what undoes a failed one (:class:`Sampled`).
+        """
         # Where no rank agrees and no strategy acts before a failure (Plan.short), the first attempt
         # runs at decision.settled's size before anything is made; the attempts are made only if it fails.
         route = self._route
         if route and (route is _LONG or _WORLD is None or _WORLD._default_pg is not None):  # ranks.alone(), inline
-            return run(self.start(Call(function, caller, device, rows=rows, roots=roots)), work)
-        # _look_up without a sample, spelled out: a method call is a twentieth of what a cached call costs.
-        cache = self.cache
-        key = cache.key(function, caller, device)
-        cached = cache.lookup(key) if key is not None else None
-        if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
-            cached = cache.checked_size(key, cached)
-        self._count_call()
-        size: int | None = self._unstored if cached is None else 0  # the usual case: a call that never failed
-        if not size:
-            at = (cached, rows) if self._by_rows else cached
-            size = self._settled_get(at)
-            if size is None:
-                size = decision.settled(self.rules, cached, rows)
-                if len(self._settled) < 64:  # a few values of what the cache holds; rows may vary more
-                    self._settled[at] = size
-        if not size:
-            return run(self._attempts(Call(function, caller, device, rows=rows, roots=roots), key, cached), work)
-        self.stats.batch_size = size
-        started = _clock()
-        try:
-            return work(size)
-        except BaseException as exc:
-            call = Call(function, caller, device, rows=rows, roots=roots)
-            attempt = self._attempts(call, key, cached, started=started)
-            if not attempt.__exit__(type(exc), exc, exc.__traceback__):
-                raise
-        attempt.retry()  # outside the handler: the failed frames are gone
-        return run(attempt, work)
+            attempt = self.start(_call_of(function, caller, device, roots, rows, sampled))
+        else:
+            # _look_up, spelled out: a method call is a twentieth of what a cached call costs.
+            cache = self.cache
+            if sampled is None:
+                key = cache.key(function, caller, device)
+            else:
+                key = cache.key(function, caller, device, sampled.sample)
+            cached = cache.lookup(key) if key is not None else None
+            if cached is not None and (type(cached) is not int or cached < 1):  # a subclass's lookup: 2.5, True
+                cached = cache.checked_size(key, cached)
+            self._count_call()
+            size: int | None = self._unstored if cached is None else 0  # the usual case: a call that never failed
+            # A size proven on samples of other bytes is scaled to these by decision.first: the long way.
+            if not size and (cached is None or sampled is None or not sampled.per_sample):
+                at = (cached, rows) if self._by_rows else cached
+                size = self._settled_get(at)
+                if size is None:
+                    size = decision.settled(self.rules, cached, rows)
+                    if len(self._settled) < 64:  # a few values of what the cache holds; rows may vary more
+                        self._settled[at] = size
+            if not size:
+                attempt = self._attempts(_call_of(function, caller, device, roots, rows, sampled), key, cached)
+            else:
+                self.stats.batch_size = size
+                started = _clock()
+                try:
+                    return work(size)
+                except BaseException as exc:
+                    call = _call_of(function, caller, device, roots, rows, sampled)
+                    attempt = self._attempts(call, key, cached, started=started)
+                    if sampled is not None and sampled.limit < size:
+                        attempt.narrow(sampled.limit)  # as run() does: the next size is below the rows there were
+                    if not attempt.__exit__(type(exc), exc, exc.__traceback__):
+                        raise
+                if sampled is not None:
+                    sampled.undo()  # as run() undoes a failed attempt, before its memory is released
+                attempt.retry()  # outside the handler: the failed frames are gone
+        return run(attempt, work) if sampled is None else run(attempt, work, rows=sampled.limit, undo=sampled.undo)
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
         self.ranks.agree_on_nothing()
+
+
+class Sampled(NamedTuple):
+    """What a call of ``accumulate`` adds to :meth:`Controller.call`: :class:`Call`'s and :func:`run`'s."""
+
+    sample: Hashable  # the shape class of one sample, for the key
+    per_sample: int  # its bytes
+    limit: int  # the rows an attempt can use: a larger size runs them, as a short step
+    undo: Callable[[], None]  # after an attempt that failed, before its memory is released
+
+
+def _call_of(
+    function: object,
+    caller: FrameType | None,
+    device: torch.device,
+    roots: Iterable[Any],
+    rows: int,
+    sampled: Sampled | None,
+) -> Call:
+    if sampled is None:
+        return Call(function, caller, device, rows=rows, roots=roots)
+    return Call(function, caller, device, sampled.sample, rows, roots=roots, per_sample=sampled.per_sample)
 
 
 def run(

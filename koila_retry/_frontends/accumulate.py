@@ -29,7 +29,7 @@ from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
-from koila_retry._core.engine import Attempt, Call, Controller, run
+from koila_retry._core.engine import Attempt, Call, Controller, Sampled, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
@@ -346,6 +346,8 @@ class _Accumulator:
         roots = (self.fn, split.args, split.kwargs)
         if self.auto and self.alone_sharded is None and distributed.is_running():
             self._refuse_sharded_estimate(roots)
+        if not self.auto and not distributed.is_running():
+            return self._alone(split, device, roots, caller)
         first = self._estimated(split, device) if self.auto else None
         call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
         attempt = self.controller.start(call)
@@ -386,6 +388,31 @@ class _Accumulator:
             gradients.discard()
             gradients.restore()
             raise
+        return self._delivered(gradients, finished, result, rows)
+
+    def _alone(self, split: Split, device: torch.device, roots: tuple[Any, ...], caller: FrameType) -> Any:
+        """Run a call no other rank takes part in and no estimate starts, the usual one.
+
+        Through the engine's short way, which makes the call's attempts only if the first fails.
+        """
+        rows = split.rows
+        gradients = Gradients(True)
+
+        def work(size: int) -> Results:
+            return self._run(split, size, gradients, None)
+
+        sampled = Sampled(split.sample, split.per_sample, rows, gradients.discard)
+        try:
+            finished = self.controller.call(self.identity, caller, device, work, roots, rows, sampled)
+            result = finished.finish()
+        except BaseException:
+            gradients.discard()
+            gradients.restore()
+            raise
+        return self._delivered(gradients, finished, result, rows)
+
+    def _delivered(self, gradients: Gradients, finished: Results, result: Any, rows: int) -> Any:
+        """Put the step's gradients in ``.grad``, warn of what the step could not do exactly, and return ``result``."""
         gradients.restore()
         gradients.deliver()
         # The step's gradients are in .grad now: a warning that a filter makes an error must
@@ -398,7 +425,7 @@ class _Accumulator:
                 "found, so an out-of-memory error part-way through a step could leave some of them written "
                 "twice. Use use_reentrant=False, or checkpoint a module. This warning is shown once.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=levels_to_caller(),
             )
         if gradients.batchnorm and finished.size < rows and not self.warned_batchnorm:
             self.warned_batchnorm = True
@@ -410,7 +437,7 @@ class _Accumulator:
                 "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
                 "instead. This warning is shown once.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=levels_to_caller(),
             )
         return result
 
@@ -544,7 +571,7 @@ class _Accumulator:
         )
 
     def _run(
-        self, split: Split, size: int, gradients: Gradients, attempt: Attempt, auto: AutoFirst | None = None
+        self, split: Split, size: int, gradients: Gradients, attempt: Attempt | None, auto: AutoFirst | None = None
     ) -> Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
         rows = split.rows
@@ -553,9 +580,9 @@ class _Accumulator:
         # through by every micro-batch, and again by a retry: that graph must outlive each
         # backward. It is freed with the arguments, as usual.
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
-        meter = attempt.meter
+        meter = None if attempt is None else attempt.meter
         if meter is not None:
-            backed = self._measured(split, size, gradients, attempt, meter, results, retain, auto)
+            backed = self._measured(split, size, gradients, cast(Attempt, attempt), meter, results, retain, auto)
         elif size >= rows:  # the happy path: the batch as given, one forward, one backward
             result = own_backward.call(self.fn, self.controller.name, split.args, split.kwargs)
             loss = results.add(result, 1.0, rows)
