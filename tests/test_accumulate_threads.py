@@ -101,9 +101,16 @@ class _OncePerThread:
         return OOMInBackward.apply(h)  # its backward runs after the head's gradients were computed
 
 
-def _step(model: nn.Module, fail: _OncePerThread) -> Any:
+def _engine(loss: torch.Tensor, **options: Any) -> None:
+    """A training engine's ``backward=``, as accelerate's calls ``torch.autograd.backward``."""
+    torch.autograd.backward(loss, **options)
+
+
+def _step(model: nn.Module, fail: _OncePerThread, engine: bool = False) -> Any:
+    backward = {"backward": _engine} if engine else {}
+
     # NoCache: no thread starts at a size another thread found, so every step fails once.
-    @koila.accumulate(initial=ROWS // 2, cache=koila.NoCache())
+    @koila.accumulate(initial=ROWS // 2, cache=koila.NoCache(), **backward)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = model[:2](x)
         return F.mse_loss(model[2:](fail(h)), y)
@@ -112,11 +119,28 @@ def _step(model: nn.Module, fail: _OncePerThread) -> Any:
 
 
 @pytest.mark.usefixtures("frequent_switches")
-@pytest.mark.parametrize("before", [False, True], ids=["no-grads-before", "grads-before"])
-@pytest.mark.parametrize("where", ["forward", "backward"])
-@pytest.mark.parametrize("shared", [True, False], ids=["one-decorated-function", "one-per-thread"])
+@pytest.mark.parametrize(
+    ("before", "where", "shared", "engine"),
+    [
+        *(
+            pytest.param(
+                before,
+                where,
+                shared,
+                False,
+                id=f"{'grads-before' if before else 'no-grads-before'}-{where}-"
+                f"{'one-decorated-function' if shared else 'one-per-thread'}",
+            )
+            for before in (False, True)
+            for where in ("forward", "backward")
+            for shared in (True, False)
+        ),
+        # An engine's backward=, direct as a plain one, where the threads meet.
+        pytest.param(True, "backward", True, True, id="grads-before-backward-one-decorated-function-engine"),
+    ],
+)
 def test_threads_sharing_a_model_leave_the_sum_of_their_batches_gradients(
-    shared: bool, where: str, before: bool
+    shared: bool, where: str, before: bool, engine: bool
 ) -> None:
     model, batches = _model(), _batches()
     expected = _plain_gradients(model, batches)
@@ -125,7 +149,10 @@ def test_threads_sharing_a_model_leave_the_sum_of_their_batches_gradients(
         given = _give_grads(model) if before else [None] * len(expected)
         values = [None if g is None else g.clone() for g in given]
         fail = _OncePerThread(where)
-        steps = [_step(model, fail)] * THREADS if shared else [_step(model, fail) for _ in range(THREADS)]
+        if shared:
+            steps = [_step(model, fail, engine)] * THREADS
+        else:
+            steps = [_step(model, fail, engine) for _ in range(THREADS)]
 
         def work(number: int, steps: list[Any] = steps) -> None:
             steps[number](*batches[number])
