@@ -169,6 +169,7 @@ class _Step:
         self.run: Callable[..., Any] = _unset
         self.unsplit: Callable[..., Any] = _unset  # runs a batch that cannot be split, whole (see _call)
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
+        self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
         self.stand_in: torch.Tensor | None = None
         self.parts: list[tuple[int, list[dict[str, Any]]]] = []
         self.rows = 0  # of the step running, as accumulate splits its batch (1 for one it cannot split)
@@ -273,7 +274,18 @@ class _Step:
 
     def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Return the rows of a micro-batch, as ``accumulate`` split them (1 for a batch that runs whole)."""
-        return 1 if self.held is not None else Split(args, kwargs, 0, "OOMRecovery").rows
+        if self.held is not None:
+            return 1
+        # The whole batch is the step's own arguments, not remade: no need to count its rows again.
+        given_args, given_kwargs = self.given
+        if (
+            len(args) == len(given_args)
+            and all(mine is given for mine, given in zip(args, given_args))
+            and kwargs.keys() == given_kwargs.keys()
+            and all(kwargs[name] is given_kwargs[name] for name in kwargs)
+        ):
+            return self.rows
+        return Split(args, kwargs, 0, "OOMRecovery").rows
 
     def _call(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the step through ``accumulate``; a batch it cannot split, whole, as it runs without the callback."""
@@ -282,7 +294,11 @@ class _Step:
         except (TypeError, ValueError) as error:  # a class of its own (PyG's Batch), or tensors of unequal rows
             reason = str(error)
         else:
-            return self.run(*args, **kwargs)
+            self.given = (args, kwargs)
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                self.given = ((), {})
         device = module.device
         if self.stand_in is None or self.stand_in.device != device:
             with torch.inference_mode(False):  # made in a validation loop, kept for training steps too
