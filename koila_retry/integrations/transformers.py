@@ -294,6 +294,7 @@ class _Training:
         self.given = True  # whether the trainer passed num_items_in_batch to this step (from transformers 4.46)
         self.shifts = _shifts_labels(trainer, transformers)
         self.whole: torch.Tensor | None = None  # the labels of the step's whole batch, while it runs
+        self.inputs: Any = None  # that batch, while it runs
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             trainer.accelerator.backward(loss, **kwargs)
@@ -312,12 +313,13 @@ class _Training:
         # The original is called as the trainer calls this: with num_items_in_batch only where given.
         self.given = num_items_in_batch is not ABSENT
         count = num_items_in_batch if self.given else None
-        step = _chosen(self, count is not None, inputs)
         self.whole = _labels_counted(self.trainer, inputs, self.shifts)
+        self.inputs = inputs
+        step = _chosen(self, count is not None, self.whole)
         try:
             return step(model, inputs, count)[1]
         finally:
-            self.whole = None
+            self.whole = self.inputs = None
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
         """Run the original step on (part of) the batch with its backward held back; return the loss and its result."""
@@ -335,7 +337,8 @@ class _Training:
         before = _gradients(model) if self.overridden else None
         with _swapped(accelerator, "backward", hold):
             if self.given:
-                labels = _labels_counted(self.trainer, inputs, self.shifts)
+                # The whole batch is the step's own inputs: their labels are counted already.
+                labels = self.whole if inputs is self.inputs else _labels_counted(self.trainer, inputs, self.shifts)
                 returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole))
             else:  # transformers before 4.46
                 returned = self.original(model, inputs)
@@ -356,9 +359,9 @@ class _Training:
         return loss, returned
 
 
-def _chosen(steps: _Training | _Prediction, counted: bool, inputs: Any) -> Any:
+def _chosen(steps: _Training | _Prediction, counted: bool, labels: torch.Tensor | None) -> Any:
     """Choose the step that weighs this batch's micro-batches (by labels, unweighted, by rows); keep its ``stats``."""
-    if _labels_counted(steps.trainer, inputs, steps.shifts) is not None:
+    if labels is not None:
         step = steps.weighted
     elif counted:
         step = steps.summed
@@ -420,8 +423,8 @@ class _Prediction:
         # Counted once per step, before any attempt: under DDP the trainer gathers the count from every
         # rank, a collective that a split rank would make per chunk and a rank out of memory never.
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
-        step = _chosen(self, counted is not None, inputs)
         whole = _labels_counted(trainer, inputs, self.shifts)
+        step = _chosen(self, counted is not None, whole)
         self.lossless = False
 
         def shared(batches: list[Any], device: Any) -> Any:  # each chunk's share of that count, as in training
