@@ -173,8 +173,12 @@ class Results:
                 else:
                     combined.append(sum(counts))
             elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
-                if all(weight == 1.0 for _, weight in column):  # one operation repeated, warm after the first
-                    combined.append(sum((value for value, _ in column[1:]), column[0][0]))
+                if all(weight == 1.0 for _, weight in column):
+                    first = column[0][0]
+                    if first.dtype in _EXACT:  # one operation repeated, warm after the first
+                        combined.append(sum((value for value, _ in column[1:]), first))
+                    else:  # half precision: summed as sum() sums it, in float32
+                        combined.append(torch.stack([value for value, _ in column]).sum(0))
                     continue
                 values = torch.stack([value for value, _ in column])
                 # A count's weighted sum is a fraction; a half-precision loss is summed in float32,
