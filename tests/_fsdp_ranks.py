@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._core import sharded
+from koila_retry._core import distributed, sharded
 from koila_retry.testing import make_oom
 
 GROUPS = {"one": (1, 60), "two": (2, 60), "three": (3, 60)}
@@ -85,7 +85,7 @@ class Allocations:
     def __init__(self, fail_at: set[int]) -> None:
         self.fail_at, self.made = fail_at, 0
         self.alive: list[weakref.ref[torch.Tensor]] = []
-        self.original = sharded._Voting.allocate
+        self.original = sharded._Watched.allocate
 
     def __enter__(self) -> Allocations:
         watch = self
@@ -98,26 +98,65 @@ class Allocations:
             watch.alive.append(weakref.ref(tensor))
             return tensor
 
-        sharded._Voting.allocate = allocate  # type: ignore[method-assign]
+        sharded._Watched.allocate = allocate  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sharded._Voting.allocate = self.original  # type: ignore[method-assign]
+        sharded._Watched.allocate = self.original  # type: ignore[method-assign]
 
     def live(self) -> int:
         return sum(ref() is not None for ref in self.alive)
 
 
-def unsharded_alive(net: nn.Module) -> int:
-    """Parameters whose unsharded storage is allocated (private FSDP2 state: FSDPParam._unsharded_param)."""
-    count = 0
+def _unsharded(net: nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters (private FSDP2 state: FSDPParam._unsharded_param) made so far."""
+    found = []
     for module in net.modules():
         if sharded.is_fsdp2(module):
             for group in sharded.param_groups(module):
                 for fsdp_param in group.fsdp_params:
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    count += unsharded is not None and unsharded.untyped_storage().size() > 0
-    return count
+                    if unsharded is not None:
+                        found.append(unsharded)
+    return found
+
+
+def unsharded_alive(net: nn.Module) -> int:
+    """Parameters whose unsharded storage is allocated."""
+    return sum(unsharded.untyped_storage().size() > 0 for unsharded in _unsharded(net))
+
+
+def unsharded_grads(net: nn.Module) -> int:
+    """Unsharded parameters that hold a gradient: a failed backward's, if the reset left it (the trap)."""
+    return sum(unsharded.grad is not None for unsharded in _unsharded(net))
+
+
+class Count:
+    """Counts, while in force, the collectives a failed rank played along and the agreement's exchanges."""
+
+    def __init__(self) -> None:
+        self.plays = self.exchanges = 0
+        self.play, self.minimum = sharded._Collective.play, distributed.Agreement._minimum
+
+    def __enter__(self) -> Count:
+        count = self
+
+        def play(collective: Any) -> None:
+            count.plays += 1
+            count.play(collective)
+
+        def minimum(agreement: Any, *args: Any) -> list[int]:
+            count.exchanges += 1
+            result: list[int] = count.minimum(agreement, *args)
+            return result
+
+        sharded._Collective.play = play  # type: ignore[method-assign]
+        distributed.Agreement._minimum = minimum  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sharded._Collective.play = self.play  # type: ignore[method-assign]
+        distributed.Agreement._minimum = self.minimum  # type: ignore[method-assign]
 
 
 def _step(
@@ -128,8 +167,13 @@ def _step(
     allocations: dict[int, set[int]] | None = None,
     initial: int | None = None,
     sync: bool | None = None,
+    failing: int = 1,
 ) -> dict[str, Any]:
-    """Two steps of a sharded model with SGD, OOMs injected on the first; compared with one process's."""
+    """Steps of a sharded model with SGD, OOMs injected on the first ``failing``, then one without; checked.
+
+    With ``failing=2`` the second step fails as the first did, after the first recorded its micro-batches'
+    collectives: a rank that fails then plays along the others' collectives.
+    """
     plain = model()
     reference = copy.deepcopy(plain)
     net = shard(plain)
@@ -142,6 +186,7 @@ def _step(
         events.append(event)
         # After the memory of the failed attempt is released: nothing of it may be left.
         seen["unsharded"] = max(seen.get("unsharded", 0), unsharded_alive(net))
+        seen["unsharded_grads"] = max(seen.get("unsharded_grads", 0), unsharded_grads(net))
         # gloo's worker thread drops a finished collective's last reference to its buffer itself,
         # once it holds the interpreter: let it (a buffer that koila kept would stay alive).
         deadline = time.monotonic() + 10
@@ -154,12 +199,13 @@ def _step(
         return F.mse_loss(net(x), y)
 
     steps = []
-    for number in range(2):
+    for number in range(failing + 1):
         x_all, y_all = batch(world, seed=10 + number)
         inject: Inject = net[1][1]
-        inject.failures = (failures or {}).get(rank, {}) if number == 0 else {}
+        inject.failures = (failures or {}).get(rank, {}) if number < failing else {}
         inject.rows = []
-        with Allocations((allocations or {}).get(rank, set()) if number == 0 else set()) as watch:
+        failing_allocations = (allocations or {}).get(rank, set()) if number < failing else set()
+        with Allocations(failing_allocations) as watch, Count() as count:
             loss = step(local(x_all, rank), local(y_all, rank))
         reference_optimizer.zero_grad()
         F.mse_loss(reference(x_all), y_all).backward()
@@ -170,6 +216,8 @@ def _step(
                 "expected": [p.grad.clone() for p in reference.parameters()],
                 "size": step.stats.batch_size,
                 "rows": list(inject.rows),
+                "plays": count.plays,
+                "exchanges": count.exchanges,
             }
         )
         optimizer.step()
@@ -205,18 +253,27 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 # The scenarios one rank runs, where there is nothing to agree on.
 ALONE = ("forward_first", "backward_first", "alone")
+# Run twice (failing=2): the second time, the failed ranks play along. "first_micro_batch": rank 1 fails the
+# whole batch, then the backward of its first micro-batch of 6 rows (gradient sync off).
+PLAYED = {
+    **{name: SCENARIOS[name] for name in ("forward_first", "backward_first", "every_rank", "later_attempt")},
+    "in_collectives": lambda world: {"allocations": {0: {3}, 1: {6}}},
+    "first_micro_batch": lambda world: {"failures": {1: {0: "forward", 1: "backward"}}},
+}
 
 
-def _register(name: str) -> None:
+def _register(name: str, played: bool) -> None:
     def run(rank: int, world: int) -> dict[str, Any]:
-        return _step(rank, world, **SCENARIOS[name](world))
+        return _step(rank, world, **(PLAYED if played else SCENARIOS)[name](world), failing=2 if played else 1)
 
-    run.__name__ = f"fsdp_{name}"
-    scenario("two", "three", *(("one",) if name in ALONE else ()))(run)
+    run.__name__ = f"fsdp_{'played_' if played else ''}{name}"
+    scenario("two", "three", *(("one",) if name in ALONE and not played else ()))(run)
 
 
 for _name in SCENARIOS:
-    _register(_name)
+    _register(_name, played=False)
+for _name in PLAYED:
+    _register(_name, played=True)
 
 
 @scenario("two")
@@ -262,6 +319,8 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
                 "mesh_info",
                 "post_forward_mesh_info",
                 "reduce_grads",
+                "reshard_after_backward",
+                "_sharded_state",
                 "is_unsharded",
             ],
         ),
@@ -285,13 +344,16 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
 Forward = Callable[[nn.Module, torch.Tensor, Callable[[koila.OOMEvent], None]], torch.Tensor]
 
 
-def _forward_only(rank: int, world: int, run: Forward) -> dict[str, Any]:
-    """A sharded model's forward over this rank's rows, its last rank failing the first call's forward."""
+def _forward_only(rank: int, world: int, run: Forward, warm: bool = False) -> dict[str, Any]:
+    """A sharded model's forward over this rank's rows, its last rank failing the first call's forward.
+
+    With ``warm``, two calls that fail nowhere run first and record the collectives (the first call's forward
+    gathers the root, which a forward without backward leaves gathered): the failed rank plays along.
+    """
     plain = model()
     reference = copy.deepcopy(plain)
     net = shard(plain)
     inject: Inject = net[1][1]
-    inject.failures = {0: "forward"} if rank == world - 1 else {}
     x = local(batch(world, seed=20)[0], rank)
     unsharded: list[int] = []
 
@@ -299,32 +361,36 @@ def _forward_only(rank: int, world: int, run: Forward) -> dict[str, Any]:
         unsharded.append(unsharded_alive(net))  # after the failed attempt's memory was released
 
     with torch.no_grad():
-        got = run(net, x, on_oom)
+        for _ in range(2 if warm else 0):
+            run(net, x, on_oom)
+            inject.rows = []
+        inject.failures = {0: "forward"} if rank == world - 1 else {}
+        with Count() as count:
+            got = run(net, x, on_oom)
         expected = reference(x)
-    return {"got": got, "expected": expected, "rows": inject.rows, "unsharded": unsharded}
+    return {"got": got, "expected": expected, "rows": inject.rows, "unsharded": unsharded, "plays": count.plays}
 
 
-@scenario("two", "three")
-def fsdp_batch(rank: int, world: int) -> dict[str, Any]:
+def _batch() -> Forward:
+    # One wrapper for both calls of a scenario, as a user's would be.
+    options: dict[str, Any] = {}
+
+    @koila.batch(initial=ROWS, cache=koila.NoCache(), on_oom=lambda event: options["on_oom"](event))
+    def predict(batch_size: int, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([net(x[begin : begin + batch_size]) for begin in range(0, len(x), batch_size)])
+
     def run(net: nn.Module, x: torch.Tensor, on_oom: Callable[[koila.OOMEvent], None]) -> torch.Tensor:
-        @koila.batch(initial=ROWS, cache=koila.NoCache(), on_oom=on_oom)
-        def predict(batch_size: int, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([net(x[begin : begin + batch_size]) for begin in range(0, len(x), batch_size)])
-
+        options["on_oom"] = on_oom
         return predict(net, x)
 
-    return _forward_only(rank, world, run)
+    return run
 
 
-@scenario("two", "three")
-def fsdp_chunked(rank: int, world: int) -> dict[str, Any]:
-    return _forward_only(
-        rank, world, lambda net, x, on_oom: koila.chunked(net, x, initial=ROWS, cache=koila.NoCache(), on_oom=on_oom)
-    )
+def _chunked() -> Forward:
+    return lambda net, x, on_oom: koila.chunked(net, x, initial=ROWS, cache=koila.NoCache(), on_oom=on_oom)
 
 
-@scenario("two", "three")
-def fsdp_attempts(rank: int, world: int) -> dict[str, Any]:
+def _attempts() -> Forward:
     def run(net: nn.Module, x: torch.Tensor, on_oom: Callable[[koila.OOMEvent], None]) -> torch.Tensor:
         for attempt in koila.attempts(initial=ROWS, cache=koila.NoCache(), on_oom=on_oom):
             with attempt:
@@ -332,7 +398,24 @@ def fsdp_attempts(rank: int, world: int) -> dict[str, Any]:
                 out = torch.cat([net(x[begin : begin + size]) for begin in range(0, ROWS, size)])
         return out
 
-    return _forward_only(rank, world, run)
+    return run
+
+
+FORWARDS = {"batch": _batch, "chunked": _chunked, "attempts": _attempts}
+
+
+def _register_forward(name: str, warm: bool) -> None:
+    def run(rank: int, world: int) -> dict[str, Any]:
+        return _forward_only(rank, world, FORWARDS[name](), warm=warm)
+
+    run.__name__ = f"fsdp_{'played_' if warm else ''}{name}"
+    scenario("two", "three")(run)
+
+
+for _name in FORWARDS:
+    _register_forward(_name, warm=False)
+for _name in FORWARDS:
+    _register_forward(_name, warm=True)
 
 
 @scenario("two")

@@ -19,6 +19,7 @@ DEADLINE = 300.0
 pytestmark = pytest.mark.timeout(2 * DEADLINE + 120)
 WORLDS = ["two", "three"]
 SCENARIOS = [f"fsdp_{name}" for name in _fsdp_ranks.SCENARIOS]
+PLAYED = [f"fsdp_played_{name}" for name in _fsdp_ranks.PLAYED]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,35 @@ def test_a_sharded_step_recovers_to_the_whole_batchs_gradient(groups: Groups, wo
         for got, want in zip(value["parameters"], value["expected_parameters"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         # Nothing of a failed attempt outlives it: no unsharded parameter, no communication buffer.
-        assert value["seen"] == {"unsharded": 0, "buffers": 0}, value["seen"]
+        # The trap: a failed backward's gradients left on FSDP2's unsharded parameters would add into the retry's.
+        assert value["seen"] == {"unsharded": 0, "buffers": 0, "unsharded_grads": 0}, value["seen"]
+
+
+@pytest.mark.parametrize(("world", "name"), [(world, name) for world in WORLDS for name in PLAYED])
+def test_a_rank_that_fails_after_the_collectives_were_recorded_plays_along(
+    groups: Groups, world: str, name: str
+) -> None:
+    values = groups(world)[name]
+    first = values[0]
+    # The second step failed as the first did, with every kind of micro-batch it ran recorded by then.
+    assert sum(value["steps"][1]["plays"] for value in values) > 0, "no rank played along: the test tests nothing"
+    for rank, value in enumerate(values):
+        assert value["events"] == first["events"], f"rank {rank} tried other sizes than rank 0"
+        assert len(value["events"]) >= 2 * (len(value["events"]) // 2) > 0
+        for number, step in enumerate(value["steps"]):
+            assert step["size"] == first["steps"][number]["size"]
+            for index, (got, want) in enumerate(zip(step["grads"], step["expected"], strict=True)):
+                torch.testing.assert_close(
+                    got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index, n=number: f"step {n}, param {i}: {m}"
+                )
+        for got, want in zip(value["parameters"], value["expected_parameters"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert value["seen"] == {"unsharded": 0, "buffers": 0, "unsharded_grads": 0}, value["seen"]
+        # With nothing failing, a whole batch's step makes two exchanges (the start's and the one after
+        # the attempt), not one before each of FSDP2's collectives.
+        last = value["steps"][-1]
+        assert last["rows"] == [_fsdp_ranks.ROWS], last["rows"]
+        assert (last["exchanges"], last["plays"]) == (2, 0)
 
 
 def test_the_private_fsdp2_state_the_reset_touches_is_still_there(groups: Groups) -> None:
@@ -67,9 +96,14 @@ def test_the_private_fsdp2_state_the_reset_touches_is_still_there(groups: Groups
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["fsdp_batch", "fsdp_chunked", "fsdp_attempts"])
-def test_the_forward_front_ends_recover_over_a_sharded_model(groups: Groups, world: str, name: str) -> None:
-    values = groups(world)[name]
+@pytest.mark.parametrize("played", [False, True], ids=["voted", "played"])
+@pytest.mark.parametrize("name", ["batch", "chunked", "attempts"])
+def test_the_forward_front_ends_recover_over_a_sharded_model(
+    groups: Groups, world: str, name: str, played: bool
+) -> None:
+    values = groups(world)[f"fsdp_{'played_' if played else ''}{name}"]
+    # After a call that recorded the forward's collectives, the failed rank played along the rest of them.
+    assert (values[-1]["plays"] > 0) is played, values[-1]["plays"]
     for rank, value in enumerate(values):
         torch.testing.assert_close(value["got"], value["expected"], rtol=1e-12, atol=1e-12)
         # The first forward ran the whole batch, and failed on the last rank: every rank then ran smaller.

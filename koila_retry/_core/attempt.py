@@ -126,8 +126,7 @@ class Mechanics:
         reused = iterator_among(roots) if isinstance(roots, tuple) else None
         failure.step = decision.decide(self.owner.rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
         # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
-        step = failure.step
-        failure.reused = reused if isinstance(step, GiveUp) and step.reason == "iterator" else None
+        failure.reused = reused if isinstance(failure.step, GiveUp) and failure.step.reason == "iterator" else None
         state.size, state.rows = size, None  # a short last step failed: go on below what it tried
         self.phase = FAILED
         return failure
@@ -138,6 +137,8 @@ class Mechanics:
             return True
         if self.phase not in (FAILED, PENDING):
             raise RuntimeError("each attempt must run its body inside `with attempt:`")
+        for exchanging in self.plan.exchanging:
+            exchanging(self)
         return self.plan.settling.settle(self, vote)
 
     def retry(self) -> None:
@@ -152,10 +153,7 @@ class Mechanics:
             releasing(self)
         # After giving up nothing runs, and what the attempt left in cycles is young: a full
         # collection would cost what the whole process holds.
-        if next_size is None:
-            memory.release_young(device)
-        else:
-            memory.release(device)
+        (memory.release_young if next_size is None else memory.release)(device)
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)

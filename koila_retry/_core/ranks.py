@@ -47,7 +47,7 @@ class Ranks:
             return base if first is None else compose(self.policy, self.rules, self.cache, first=first)
         self.reach(call.roots, agreement)
         modules = [module for module in self.alive() if sharded.is_fsdp2(module)]
-        # Their collectives learn of another rank's failure (see sharded.py).
+        # A rank that fails plays along their collectives (see sharded.py).
         shards = sharded.Shards(modules, agreement) if modules else None
         return compose(self.policy, self.rules, self.cache, agreement, shards, first)
 

@@ -1,18 +1,21 @@
-"""Steps over FSDP2 modules (``fully_shard``): collectives that learn of another rank's failure.
+"""Steps over FSDP2 modules (``fully_shard``): a rank that fails plays along the others' collectives, then all agree.
 
 A rank that runs out of memory between two FSDP2 collectives (all-gathers, reduce-scatters) never makes
-the next, and the others would wait in it forever: agreeing after the attempt, as under DDP, is too late.
-So while a call runs, every FSDP2 collective first joins the attempt's exchange (:meth:`Agreement.after`).
-Collectives of a group match in the order they are issued, so a failed rank's exchange after its attempt
-meets the others' before their next collective: they raise :class:`RanksFailed` inside FSDP's hook, every
-rank leaves having made the same collectives, and the agreement after the attempt reuses that exchange.
+the next, and the others would wait in it forever. FSDP2's collectives come from the parameters, not the
+data: a micro-batch makes the same ones, in the same order, on every rank and in every micro-batch of its
+kind. So the first micro-batch of each kind runs with an exchange (:meth:`Agreement.heard_of_failure`)
+before each collective, and its collectives are recorded once every rank got through it. After that, a
+rank that fails makes the rest of its micro-batch's recorded collectives with buffers of zeros, and the
+ranks agree once, as the next micro-batch begins or after the attempt. Collectives of a group match in
+the order they are issued, so every rank leaves having made the same ones.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,15 +39,15 @@ if distributed.AVAILABLE:
 
 
 class RanksFailed(Exception):
-    """Another rank's attempt ran out of memory: raised inside this rank's collective; the attempt catches it."""
+    """Another rank's attempt ran out of memory: raised inside this rank's step; the attempt catches it."""
 
 
 class _Armed:
-    """The agreement of the call running in this process, or None: FSDP2's collectives exchange with it first."""
+    """The shards of the call running in this process, or None: FSDP2's collectives report to them."""
 
     # One for the process, not per thread: autograd runs a GPU's backward, FSDP2's hooks included, on a
     # thread of its own. Calls of one process do not overlap in a process group.
-    agreement: distributed.Agreement | None = None
+    shards: Shards | None = None
 
 
 _armed = _Armed()
@@ -70,6 +73,13 @@ def fsdp_modules(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     """Return the FSDP2 modules among ``modules``, each once."""
     found = {id(module): module for module in modules if is_fsdp2(module)}
     return list(found.values())
+
+
+def roots_of(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Return the FSDP2 modules among ``modules`` that no other FSDP2 module among them holds."""
+    sharded = fsdp_modules(modules)
+    inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
+    return [module for module in sharded if id(module) not in inner]
 
 
 def state_of(module: torch.nn.Module) -> Any:
@@ -120,59 +130,193 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
             )
 
 
-class _Voting:
-    """An FSDP2 collective that first takes part in the running call's exchange, then runs FSDP's ``comm``."""
+class _Collective(NamedTuple):
+    """One FSDP2 collective as a micro-batch made it: what a rank that failed makes again to play along."""
 
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
+    gather: bool  # an all-gather, else a reduce-scatter
+    output: int
+    input: int
+    dtype: torch.dtype
+    device: torch.device
+    group: weakref.ref[Any]
+    op: Any
+
+    def play(self) -> None:
+        """Make this collective with zeros: the others' results are thrown away with their attempt."""
+        group = self.group()
+        if group is None:  # the module is gone, and its collectives with it
+            return
+        source = torch.zeros(self.input, dtype=self.dtype, device=self.device)
+        target = torch.empty(self.output, dtype=self.dtype, device=self.device)
+        if self.gather:
+            dist.all_gather_into_tensor(target, source, group=group)
+        else:
+            dist.reduce_scatter_tensor(target, source, op=self.op, group=group)
+
+
+# FSDP2's own comm objects, whose collectives a plain torch.distributed call matches; a custom
+# one (set_custom_all_gather) may make others, so micro-batches that use one keep the vote.
+_PLAIN = {"DefaultAllGather", "DefaultReduceScatter", "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter"}
+_NAMES = ("output_tensor", "input_tensor", "group", "op")
+
+
+class _Watched:
+    """An FSDP2 collective that reports to the running call's shards, after an exchange while they vote."""
+
+    def __init__(self, comm: Any, gather: bool) -> None:
+        self.comm, self.gather = comm, gather
+        self.plain = type(comm).__name__ in _PLAIN
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         tensor: torch.Tensor = self.comm.allocate(size, dtype=dtype, device=device)
         return tensor
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # FSDP allocated the collective's buffers (allocate) before this, and allocates nothing between
-        # the exchange and the collective: a rank cannot run out of memory after saying it had not.
-        agreement = _armed.agreement
-        if agreement is not None and agreement.heard_of_failure():
-            raise RanksFailed(
-                f"rank {agreement.settled_rank} ran out of memory; every rank abandons the attempt "
-                "before FSDP's next collective"
-            )
-        return self.comm(*args, **kwargs)
+        shards = _armed.shards
+        if shards is None:
+            return self.comm(*args, **kwargs)
+        recording = shards.recording
+        if recording is not None:
+            # FSDP allocated the collective's buffers (allocate) before this, and allocates nothing between
+            # the exchange and the collective: a rank cannot run out of memory after saying it had not.
+            shards.vote()
+        result = self.comm(*args, **kwargs)
+        shards.count += 1
+        if recording is not None:
+            recording.append(self._described(args, kwargs) if self.plain else None)
+        return result
+
+    def _described(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Collective:
+        values = dict(zip(_NAMES, args)) | kwargs  # FSDP2 passes keywords; an older one may not
+        output, source = values["output_tensor"], values["input_tensor"]
+        return _Collective(
+            self.gather,
+            *(output.numel(), source.numel(), source.dtype, source.device),
+            weakref.ref(values["group"]),
+            values.get("op"),
+        )
 
 
 def _install(module: torch.nn.Module) -> None:
-    """Put a voting comm in front of each of the module's FSDP collectives, once."""
+    """Put a watching comm in front of each of the module's FSDP collectives, once."""
     for group in param_groups(module):
         # Private: FSDPParamGroup._all_gather_comm and _reduce_scatter_comm, the comm objects that
         # set_custom_all_gather and set_custom_reduce_scatter (public) replace. Read so that a
-        # custom comm of the user's is kept behind the vote.
-        if not isinstance(group._all_gather_comm, _Voting):
-            group._all_gather_comm = _Voting(group._all_gather_comm)
-        if not isinstance(group._reduce_scatter_comm, _Voting):
-            group._reduce_scatter_comm = _Voting(group._reduce_scatter_comm)
+        # custom comm of the user's is kept behind the watch.
+        if not isinstance(group._all_gather_comm, _Watched):
+            group._all_gather_comm = _Watched(group._all_gather_comm, gather=True)
+        if not isinstance(group._reduce_scatter_comm, _Watched):
+            group._reduce_scatter_comm = _Watched(group._reduce_scatter_comm, gather=False)
+
+
+# The roots whose forward begins a micro-batch of the forward front ends: hooked once, for good.
+_hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _root_forward(module: torch.nn.Module, args: Any) -> None:
+    """Before FSDP2's own pre-forward (its all-gather): a micro-batch of a call that is not a training step begins."""
+    shards = _armed.shards
+    if shards is not None and not shards.steps:
+        shards.micro_batch("forward", exchange=True)
+
+
+# What the calls over a model recorded, by its first root: a micro-batch kind's collectives, in order.
+# By model, not by wrapper: chunked() and attempts() make a wrapper per call.
+_schedules: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], list[_Collective]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Shards:
-    """The FSDP2 modules a call reaches, under the call's agreement: what its attempts arm and reset."""
+    """The FSDP2 modules a call reaches, under the call's agreement: what its attempts arm, play along and reset.
 
-    __slots__ = ("agreement", "modules", "previous")
+    A micro-batch starts at :meth:`micro_batch`: a training step's (``accumulate``), or a root's forward
+    otherwise. Its kind is the front end's and FSDP2's switches that change its collectives.
+    """
+
+    __slots__ = (
+        "agreement",
+        "count",
+        "groups",
+        "kind",
+        "modules",
+        "previous",
+        "recording",
+        "roots",
+        "schedules",
+        "steps",
+    )
 
     def __init__(self, modules: list[torch.nn.Module], agreement: distributed.Agreement) -> None:
         self.modules, self.agreement = modules, agreement
-        self.previous: distributed.Agreement | None = None
+        self.previous: Shards | None = None
+        roots = roots_of(modules)
+        self.schedules = _schedules.setdefault(roots[0], {})
+        self.roots = tuple(id(root) for root in roots)
+        self.groups = [group for module in modules for group in param_groups(module)]
+        self.kind: tuple[Any, ...] | None = None  # the micro-batch running, if any
+        self.count = 0  # the collectives it made
+        self.recording: list[_Collective | None] | None = None  # while it votes: what it made
+        self.steps = False
         for module in modules:
             _install(module)
+        for root in roots:
+            if root not in _hooked:
+                # prepend: before FSDP2's pre-forward, registered as fully_shard ran.
+                root.register_forward_pre_hook(_root_forward, prepend=True)
+                _hooked.add(root)
 
     def arm(self) -> None:
-        """From now until :meth:`disarm`, the modules' collectives exchange with the agreement first."""
-        self.previous = _armed.agreement
-        _armed.agreement = self.agreement
+        """From now until :meth:`disarm`, the modules' collectives report to these shards."""
+        self.previous, _armed.shards = _armed.shards, self
+        self.kind, self.recording, self.steps = None, None, False
 
     def disarm(self) -> None:
-        """Stop the exchanges :meth:`arm` began, at the end of the attempt's block."""
-        _armed.agreement, self.previous = self.previous, None
+        """Stop the reports :meth:`arm` began, at the end of the attempt's block."""
+        _armed.shards, self.previous = self.previous, None
+
+    def vote(self) -> None:
+        """Make the exchange after an attempt now, inside it; raise :class:`RanksFailed` if a rank failed."""
+        agreement = self.agreement
+        if agreement.heard_of_failure():
+            raise RanksFailed(
+                f"rank {agreement.settled_rank} ran out of memory; every rank abandons the attempt together"
+            )
+
+    def micro_batch(self, front: str, exchange: bool) -> None:
+        """Begin a micro-batch; with ``exchange``, first agree that none failed since the last exchange."""
+        if exchange:
+            self.vote()
+        self.settled()
+        # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), and
+        # which groups are gathered already (a root stays gathered after a forward without backward).
+        switches = tuple(
+            (group.reduce_grads, group.reshard_after_backward, group._sharded_state) for group in self.groups
+        )
+        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches)
+        self.count = 0
+        self.recording = [] if kind not in self.schedules else None
+
+    def settled(self) -> None:
+        """The micro-batch that ran got through on every rank: record its collectives, or check their number."""
+        kind, recording = self.kind, self.recording
+        if kind is None:
+            return
+        self.kind = None
+        if recording is not None:
+            if None not in recording:  # a custom comm's collectives are not played: its kind keeps the vote
+                self.schedules[kind] = recording  # type: ignore[assignment]
+        elif self.count != len(self.schedules[kind]):
+            del self.schedules[kind]  # the model's collectives changed: record them again, under the vote
+
+    def play_along(self) -> None:
+        """On a rank that failed: FSDP2 back to idle, then the rest of its micro-batch's collectives, with zeros."""
+        reset(self.modules)
+        kind, self.kind = self.kind, None
+        if kind is None or self.recording is not None:
+            return  # between micro-batches, or voting: the others learn of it at their next exchange
+        for collective in self.schedules[kind][self.count :]:
+            collective.play()
 
     def reset(self) -> None:
         """After an attempt that failed on some rank: every module back to idle, resharded."""
@@ -185,10 +329,8 @@ class ShardedStep:
     def __init__(self, modules: list[torch.nn.Module], alone: bool = False) -> None:
         # alone (one rank, or sync=False): no agreement resets FSDP2 state after a failure, so undo does.
         self.alone = alone
-        sharded = [module for module in modules if is_fsdp2(module)]
-        inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
-        self.roots = [module for module in sharded if id(module) not in inner]
-        self.sharded = sharded
+        self.sharded = fsdp_modules(modules)
+        self.roots = roots_of(self.sharded)
         self.parameters = list(
             {id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values()
         )
@@ -202,10 +344,14 @@ class ShardedStep:
         for parameter in self.parameters:
             parameter.grad = None
 
-    def micro_batch(self, last: bool) -> None:
-        """Reduce-scatter the gradients after this micro-batch's backward only if it is the last."""
+    def micro_batch(self, last: bool, first: bool) -> None:
+        """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""
         for root in self.roots:
             root.set_requires_gradient_sync(last)  # type: ignore[operator]
+        shards = _armed.shards
+        if shards is not None:  # under agreement: the ranks agree that the one before got through
+            shards.steps = True
+            shards.micro_batch("step", exchange=not first)
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, gradient sync back on."""

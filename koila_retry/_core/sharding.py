@@ -1,15 +1,16 @@
-"""Sharded models (FSDP2) under agreement: their collectives learn of another rank's failure inside an attempt."""
+"""Sharded models (FSDP2) under agreement: a rank that fails plays along the others' collectives (see sharded.py)."""
 
 from __future__ import annotations
 
+from koila_retry._core.decision import Done
 from koila_retry._core.sharded import Shards
-from koila_retry._core.strategy import Course, Strategy
+from koila_retry._core.strategy import FAILED, Course, Strategy
 
 __all__ = ["Sharding"]
 
 
 class Sharding(Strategy):
-    """Arm the call's FSDP2 modules while an attempt runs, and reset their state before a failure is released."""
+    """Arm the call's FSDP2 modules while an attempt runs, play along after a failure here, reset them after any."""
 
     def __init__(self, shards: Shards) -> None:
         self.shards = shards
@@ -19,6 +20,13 @@ class Sharding(Strategy):
 
     def end(self, course: Course) -> None:
         self.shards.disarm()
+
+    def stored(self, course: Course, done: Done) -> None:
+        self.shards.settled()  # every rank got through the attempt's last micro-batch
+
+    def exchanging(self, course: Course) -> None:
+        if course.phase == FAILED:
+            self.shards.play_along()
 
     def releasing(self, course: Course) -> None:
         self.shards.reset()  # FSDP2's state holds the attempt's buffers

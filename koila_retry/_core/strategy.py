@@ -89,6 +89,9 @@ class Strategy:
     def out_of_memory(self, course: Course, failure: Failure, final: bool) -> None:
         """Inside the handler of an out-of-memory error here (plain values only); ``final``: it may end the call."""
 
+    def exchanging(self, course: Course) -> None:
+        """Before the exchange that settles an attempt across ranks, outside the handler."""
+
     def releasing(self, course: Course) -> None:
         """Outside the handler, before the failed attempt's memory is released."""
 
@@ -100,7 +103,18 @@ class Strategy:
 
 
 #: The events of :class:`Strategy`, in the order a call meets them.
-HOOKS = ("start", "begin", "end", "judge", "stored", "out_of_memory", "releasing", "failed", "calibrated")
+HOOKS = (
+    "start",
+    "begin",
+    "end",
+    "judge",
+    "stored",
+    "out_of_memory",
+    "exchanging",
+    "releasing",
+    "failed",
+    "calibrated",
+)
 
 
 class Alone:
@@ -134,6 +148,7 @@ class Plan:
     judge: tuple[Callable[[Course, Done], Done], ...]
     stored: tuple[Callable[[Course, Done], None], ...]
     out_of_memory: tuple[Callable[[Course, Failure, bool], None], ...]
+    exchanging: tuple[Callable[[Course], None], ...]
     releasing: tuple[Callable[[Course], None], ...]
     failed: tuple[Callable[[Course, OOMEvent, Step], None], ...]
     calibrated: tuple[Callable[[Course], None], ...]

@@ -475,12 +475,17 @@ class _Accumulator:
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
 
         def work(size: int) -> Results:
+            # Sync on for the last micro-batch only, as FSDP2 documents. The first begins before anything
+            # of the attempt can run out of memory: a rank that fails then plays along all of it.
+            last = -(-rows // size) - 1
+            shards.micro_batch(last == 0, first=True)
             results = Results(self, size)
             weights = self._weights(split, size) if size < rows else [1.0]
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
-                shards.micro_batch(index == len(pieces) - 1)  # sync on for the last only, as FSDP2 documents
+                if index:
+                    shards.micro_batch(index == last, first=False)
                 loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and weight != 0.0:
                     # Into .grad, not captured: FSDP2's hooks turn the unsharded gradients into sharded ones.
