@@ -168,15 +168,20 @@ def _step(
     initial: int | None = None,
     sync: bool | None = None,
     failing: int = 1,
+    custom: bool = False,
 ) -> dict[str, Any]:
     """Steps of a sharded model with SGD, OOMs injected on the first ``failing``, then one without; checked.
 
     With ``failing=2`` the second step fails as the first did, after the first recorded its micro-batches'
-    collectives: a rank that fails then plays along the others' collectives.
+    collectives: a rank that fails then plays along the others' collectives. With ``custom``, the model's
+    all-gathers go through a comm of the user's (:class:`Gather`).
     """
     plain = model()
     reference = copy.deepcopy(plain)
     net = shard(plain)
+    if custom:
+        for module in sharded.fsdp_modules(net.modules()):
+            module.set_custom_all_gather(Gather())  # type: ignore[operator]
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     events: list[koila.OOMEvent] = []
@@ -262,6 +267,49 @@ PLAYED = {
 }
 
 
+class Gather:
+    """A comm of the user's for FSDP2's all-gathers (``set_custom_all_gather``): the plain collective, as FSDP2's."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        import torch.distributed as dist
+
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@scenario("two")
+def fsdp_custom_comm(rank: int, world: int) -> dict[str, Any]:
+    """A custom all-gather: koila cannot tell what its collectives are, so every micro-batch votes, none plays."""
+    return _step(rank, world, failures={0: {0: "backward"}}, failing=2, custom=True)
+
+
+@scenario("two", "three")
+def fsdp_played_before_forward(rank: int, world: int) -> dict[str, Any]:
+    """The last rank fails in the function, before its first forward: the others learn of it as theirs begins."""
+    before = [rank == world - 1]
+    options: dict[str, Any] = {}
+
+    @koila.batch(initial=ROWS, cache=koila.NoCache(), on_oom=lambda event: options["on_oom"](event))
+    def predict(batch_size: int, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if options["armed"] and before[0]:
+            before[0] = False
+            raise make_oom()
+        return torch.cat([net(x[begin : begin + batch_size]) for begin in range(0, len(x), batch_size)])
+
+    def run(net: nn.Module, x: torch.Tensor, on_oom: Callable[[koila.OOMEvent], None]) -> torch.Tensor:
+        options["on_oom"], options["armed"] = on_oom, len(options.get("calls", ())) == 2
+        options.setdefault("calls", []).append(None)
+        return predict(net, x)
+
+    value = _forward_only(rank, world, run, warm=True, inject=False)
+    value["failed_before"] = not before[0] and rank == world - 1
+    return value
+
+
 def _register(name: str, played: bool) -> None:
     def run(rank: int, world: int) -> dict[str, Any]:
         return _step(rank, world, **(PLAYED if played else SCENARIOS)[name](world), failing=2 if played else 1)
@@ -344,7 +392,7 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
 Forward = Callable[[nn.Module, torch.Tensor, Callable[[koila.OOMEvent], None]], torch.Tensor]
 
 
-def _forward_only(rank: int, world: int, run: Forward, warm: bool = False) -> dict[str, Any]:
+def _forward_only(rank: int, world: int, run: Forward, warm: bool = False, inject: bool = True) -> dict[str, Any]:
     """A sharded model's forward over this rank's rows, its last rank failing the first call's forward.
 
     With ``warm``, two calls that fail nowhere run first and record the collectives (the first call's forward
@@ -353,7 +401,7 @@ def _forward_only(rank: int, world: int, run: Forward, warm: bool = False) -> di
     plain = model()
     reference = copy.deepcopy(plain)
     net = shard(plain)
-    inject: Inject = net[1][1]
+    layer: Inject = net[1][1]
     x = local(batch(world, seed=20)[0], rank)
     unsharded: list[int] = []
 
@@ -363,12 +411,12 @@ def _forward_only(rank: int, world: int, run: Forward, warm: bool = False) -> di
     with torch.no_grad():
         for _ in range(2 if warm else 0):
             run(net, x, on_oom)
-            inject.rows = []
-        inject.failures = {0: "forward"} if rank == world - 1 else {}
+            layer.rows = []
+        layer.failures = {0: "forward"} if rank == world - 1 and inject else {}
         with Count() as count:
             got = run(net, x, on_oom)
         expected = reference(x)
-    return {"got": got, "expected": expected, "rows": inject.rows, "unsharded": unsharded, "plays": count.plays}
+    return {"got": got, "expected": expected, "rows": layer.rows, "unsharded": unsharded, "plays": count.plays}
 
 
 def _batch() -> Forward:

@@ -86,6 +86,32 @@ def test_a_rank_that_fails_after_the_collectives_were_recorded_plays_along(
         assert (last["exchanges"], last["plays"]) == (2, 0)
 
 
+def test_a_custom_comm_keeps_the_vote_before_each_collective(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_custom_comm"]):
+        # Its collectives may be other than the plain ones a failed rank would play: nothing is recorded.
+        assert [step["plays"] for step in value["steps"]] == [0, 0, 0], rank
+        assert value["steps"][0]["size"] == value["steps"][1]["size"] < _fsdp_ranks.ROWS
+        last = value["steps"][-1]
+        assert last["rows"] == [_fsdp_ranks.ROWS], last
+        assert last["exchanges"] > 2, last
+        for number, step in enumerate(value["steps"]):
+            for got, want in zip(step["grads"], step["expected"], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, n=number: f"step {n}: {m}")
+        assert value["seen"] == {"unsharded": 0, "buffers": 0, "unsharded_grads": 0}, value["seen"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_that_fails_before_its_forward_meets_the_others_as_theirs_begins(groups: Groups, world: str) -> None:
+    values = groups(world)["fsdp_played_before_forward"]
+    assert values[-1]["failed_before"], "the last rank did not fail: the test tests nothing"
+    for value in values:
+        torch.testing.assert_close(value["got"], value["expected"], rtol=1e-12, atol=1e-12)
+        # Nothing was left to play: the failed rank had made no collective of the call.
+        assert value["plays"] == 0
+        # The others' first forward stopped at the exchange before it, then every rank ran smaller.
+        assert max(value["rows"]) < _fsdp_ranks.ROWS, value["rows"]
+
+
 def test_the_private_fsdp2_state_the_reset_touches_is_still_there(groups: Groups) -> None:
     """FSDP2 has no public way to abandon a step; the reset (koila_retry/_core/sharded.py) writes these."""
     for missing in groups("two")["fsdp_private_state"]:
