@@ -140,10 +140,11 @@ def test_the_forward_front_ends_recover_over_a_sharded_model(
         assert value["unsharded"] == [0], value["unsharded"]
 
 
-def test_hsdp_and_the_estimate_are_refused_on_every_rank(groups: Groups) -> None:
+def test_hsdp_the_estimate_and_an_fsdp2_without_the_private_state_are_refused_on_every_rank(groups: Groups) -> None:
     for value in groups("two")["fsdp_refusals"]:
         assert "sharded over a 2-D mesh: HSDP (replicated and sharded)" in value["hsdp"], value
         assert "with initial='auto': the estimate does not cover sharded modules yet" in value["auto"], value
+        assert "private state lacks FSDPParamGroup._post_reduce_event" in value["private"], value
 
 
 def test_a_module_outside_fsdp_keeps_no_gradient_of_a_failed_attempt(groups: Groups) -> None:

@@ -61,6 +61,7 @@ class Ranks:
             found = distributed.supported_modules(roots, self.name)
             for module in sharded.fsdp_modules(found):
                 sharded.check_mesh(module, agreement.world_size, self.name)
+                sharded.check_state(module, self.name)
             self.parallel = [weakref.ref(module) for module in found]
 
     def agree_on_nothing(self) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "ShardedStep",
     "Shards",
     "check_mesh",
+    "check_state",
     "fsdp_modules",
     "is_fsdp2",
     "is_fsdp_hook",
@@ -128,6 +129,49 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
                 f"{front_end} found {type(module).__name__} sharded over {size} ranks while {world_size} ranks "
                 "agree: every rank that shards the module must agree. Pass group= the mesh's process group"
             )
+
+
+# The private state of FSDP2 that the reset writes and the play-along reads, as fully_shard makes it
+# (FSDP2 makes its communication context, and each parameter's unsharded tensor, at the first forward).
+_PRIVATE = {
+    "FSDPState": ("_training_state", "_modules_to_run_forward", "_state_ctx", "_comm_ctx"),
+    "FSDPStateContext": ("iter_forward_root", "post_backward_final_callback_queued"),
+    "FSDPParamGroup": (
+        "_all_gather_result",
+        "_post_reduce_event",
+        "_partial_reduce_output",
+        "_all_reduce_state",
+        "_all_gather_comm",
+        "_reduce_scatter_comm",
+        "_training_state",
+        "_sharded_state",
+        "fsdp_params",
+        "reduce_grads",
+        "reshard_after_backward",
+    ),
+    "FSDPParam": ("unsharded_accumulated_grad",),
+}
+
+
+def check_state(module: torch.nn.Module, front_end: str) -> None:
+    """Refuse an FSDP2 module whose private state lacks what a failed attempt's reset needs (another torch)."""
+    state = state_of(module)
+    owners = {"FSDPState": [state], "FSDPStateContext": [state._state_ctx], "FSDPParamGroup": param_groups(module)}
+    owners["FSDPParam"] = [group.fsdp_params[0] for group in owners["FSDPParamGroup"] if group.fsdp_params]
+    missing = [
+        f"{kind}.{name}"
+        for kind, names in _PRIVATE.items()
+        for owner in owners[kind][:1]
+        for name in names
+        if not hasattr(owner, name)
+    ]
+    if missing:
+        raise NotImplementedError(
+            f"{front_end} found {type(module).__name__} sharded with FSDP2 by torch {torch.__version__}, whose "
+            f"private state lacks {', '.join(missing)}: after an out-of-memory error koila-retry puts FSDP2 back "
+            "through that state, and cannot here. Use a torch release whose FSDP2 has it (2.13 has), or pass "
+            "sync=False and choose a size that fits on every rank"
+        )
 
 
 class _Collective(NamedTuple):
