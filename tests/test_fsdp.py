@@ -112,6 +112,49 @@ def test_a_rank_that_fails_before_its_forward_meets_the_others_as_theirs_begins(
         assert max(value["rows"]) < _fsdp_ranks.ROWS, value["rows"]
 
 
+class _Shards:
+    """What a watched collective reads of the running call's shards."""
+
+    def __init__(self, kind: tuple[str, ...] | None, recording: list[object] | None) -> None:
+        self.kind, self.recording, self.count, self.votes = kind, recording, 0, 0
+
+    def vote(self) -> None:
+        self.votes += 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "recording", "votes", "recorded"),
+    [
+        (None, None, 0, None),  # no call running: the collective as it is
+        (("step",), [], 1, 1),  # the first micro-batch of its kind: a vote, and a record
+        (("step",), None, 0, None),  # recorded: neither
+        ((), None, 1, None),  # outside any micro-batch (an inner module called alone): a vote
+    ],
+)
+def test_a_watched_collective_votes_only_where_a_failed_rank_could_not_play_it(
+    kind: tuple[str, ...] | None, recording: list[object] | None, votes: int, recorded: int | None
+) -> None:
+    from koila_retry._core import sharded
+
+    class Comm:
+        def __call__(self, *args: object, **kwargs: object) -> str:
+            return "made"
+
+    made = sharded._Watched(Comm(), gather=True)
+    shards = None if kind is None else _Shards(None if kind == () else kind, recording)
+    sharded._armed.shards = shards  # type: ignore[assignment]
+    try:
+        tensor = torch.zeros(2)
+        assert made(output_tensor=tensor, input_tensor=tensor, group=Comm()) == "made"
+    finally:
+        sharded._armed.shards = None
+    if shards is not None:
+        assert (shards.votes, shards.count) == (votes, 1)
+        assert (None if shards.recording is None else len(shards.recording)) == recorded
+        if recorded:  # a custom comm's collective is recorded as one no rank can play
+            assert shards.recording == [None]
+
+
 def test_the_private_fsdp2_state_the_reset_touches_is_still_there(groups: Groups) -> None:
     """FSDP2 has no public way to abandon a step; the reset (koila_retry/_core/sharded.py) writes these."""
     for missing in groups("two")["fsdp_private_state"]:

@@ -220,9 +220,10 @@ class _Watched:
         if shards is None:
             return self.comm(*args, **kwargs)
         recording = shards.recording
-        if recording is not None:
-            # FSDP allocated the collective's buffers (allocate) before this, and allocates nothing between
-            # the exchange and the collective: a rank cannot run out of memory after saying it had not.
+        if recording is not None or shards.kind is None:  # unrecorded, or outside any micro-batch (an inner module
+            # called alone): a rank that fails could not play it. FSDP allocated the collective's buffers (allocate)
+            # before this, and nothing between the exchange and the collective: a rank cannot run out of memory
+            # after saying it had not.
             shards.vote()
         result = self.comm(*args, **kwargs)
         shards.count += 1
