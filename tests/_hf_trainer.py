@@ -21,6 +21,33 @@ def tiny_gpt2() -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
+def float64_gpt2(failures: dict[int, str] | None = None) -> Any:
+    """The tiny GPT-2 in float64, with an Inject layer (tests/_layers.py) before its first block's activation."""
+    from _layers import Inject
+
+    model = tiny_gpt2()
+    inject = Inject()
+    inject.failures = dict(failures or {})
+    mlp = model.transformer.h[0].mlp
+    mlp.act = torch.nn.Sequential(inject, mlp.act)
+    return model.double()
+
+
+def injected(model: Any) -> Any:
+    """The Inject layer of a :func:`float64_gpt2`."""
+    return model.transformer.h[0].mlp.act[0]
+
+
+def float64_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """A causal LM's loss as Hugging Face divides it, in the logits' precision: the summed loss over the count.
+
+    The model's own loss computes in float32 (``ForCausalLMLoss`` casts the logits); this keeps a float64
+    model's step in float64, so that a split step can be compared with the whole one closely.
+    """
+    logits, labels = outputs.logits[..., :-1, :].flatten(0, 1), labels[..., 1:].flatten()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="sum") / num_items_in_batch
+
+
 class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """Token rows of very different lengths, so that padded batches have rows of different token counts."""
 

@@ -20,6 +20,8 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     Rows,
     SummedLoss,
     assert_same_training,
+    float64_gpt2,
+    float64_loss_func,
     logged,
     make_trainer,
     mean_loss_func,
@@ -128,6 +130,20 @@ def test_a_custom_loss_split_gives_what_the_plain_trainer_gives(tmp_path: Path, 
     assert trainer.training_step.stats.batch_size < rows
     assert_same_training(trainer, reference)
     assert evaluated == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_float64_model_split_keeps_its_precision(tmp_path: Path) -> None:
+    """Each micro-batch's num_items_in_batch is its share of the count in float64 here, not rounded to float32."""
+    reference = make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=float64_loss_func)
+    reference.train()
+    # Out of memory in the forward of the first whole batch: every later step runs in micro-batches.
+    trainer = adapt(make_trainer(tmp_path, model=float64_gpt2({0: "forward"}), compute_loss_func=float64_loss_func))
+    trainer.train()
+    assert trainer.training_step.stats.ooms == 1
+    assert trainer.training_step.stats.batch_size < 8
+    torch.testing.assert_close(logged(trainer, "grad_norm"), logged(reference, "grad_norm"), rtol=1e-13, atol=0)
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)
 
 
 def test_a_module_around_a_causal_lm_is_weighed_by_its_shifted_labels(tmp_path: Path) -> None:

@@ -89,10 +89,21 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     the backward runs. The batch's item count, which ``prediction_step`` gathers
     from every rank, is gathered once per step, before any attempt.
 
+    FSDP2 (accelerate's FSDP plugin, ``fsdp_config={"version": 2, ...}``, which
+    shards the model with ``fully_shard``): each ``training_step`` runs through
+    :func:`~koila_retry.accumulate` over the sharded model, as any step over
+    FSDP2 modules runs (docs/distributed.rst, "Training with FSDP2"): a rank
+    that runs out of memory plays along the others' collectives, and every rank
+    runs the step again in the same micro-batches. Gradient sync is off for all
+    but the last micro-batch, and on for the last: each ``training_step``
+    reduce-scatters its gradients once, also one that the trainer runs under
+    ``no_sync`` for its gradient accumulation (as under DDP, where each is
+    averaged once). Gradient clipping runs as before, on the sharded gradients.
+
     Args:
         trainer (transformers.Trainer): a constructed ``Trainer``, or an instance
             of any subclass, on one device per process: one process, or several
-            under DistributedDataParallel. A subclass's own
+            under DistributedDataParallel or FSDP2. A subclass's own
             ``training_step`` must run its backward through
             ``self.accelerator.backward``, once per call (as ``Trainer``'s does, and
             any override that calls ``super().training_step``).
@@ -109,8 +120,10 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
         TypeError: if ``trainer`` is not a ``transformers.Trainer``, or an option is
             unknown or has the wrong type.
         ValueError: if an option is out of range, or the trainer is adapted already.
-        NotImplementedError: if the trainer runs under DeepSpeed, FSDP, XLA or
-            Megatron-LM, over several GPUs of one process (``DataParallel``), with
+        NotImplementedError: if the trainer runs under DeepSpeed, FSDP1, XLA or
+            Megatron-LM, on a model sharded as ``transformers`` loaded it
+            (``distributed_config``), over several GPUs of one process
+            (``DataParallel``), with
             tensor, context or sequence parallelism, SageMaker model parallelism
             or a LOMO optimizer, or its
             ``training_step`` runs no ``self.accelerator.backward``: each of those
@@ -172,10 +185,20 @@ def _refuse_unservable(trainer: Any, transformers: ModuleType) -> None:
             "it runs under DeepSpeed, whose engine runs the backward and the gradient accumulation itself "
             "(and partitions the gradients with ZeRO)"
         )
-    if getattr(trainer, "is_fsdp_enabled", False):
-        reasons.append("it runs under FSDP, whose gradients are sharded and reduced in each backward")
+    fsdp = _fsdp_version(trainer)
+    if fsdp not in (None, 2):
+        reasons.append(
+            f"it runs under FSDP{fsdp} (FullyShardedDataParallel), whose flat parameters adapt cannot reset after "
+            "a failed forward or backward; adapt serves FSDP2: fsdp_config={'version': 2, ...}"
+        )
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        reasons.append(
+            "its model was sharded as transformers loaded it (from_pretrained(distributed_config=...)), whose "
+            "trainer all-reduces the gradients of trainable parameters outside FSDP2 inside each backward; adapt "
+            "serves FSDP2 through accelerate's FSDP plugin: fsdp_config={'version': 2, ...}"
+        )
     distributed = str(getattr(trainer.accelerator, "distributed_type", "NO")).split(".")[-1]
-    if distributed not in ("NO", *DDP_TYPES):
+    if distributed not in ("NO", *DDP_TYPES) and not (distributed == "FSDP" and fsdp is not None):
         reasons.append(
             f"it runs distributed as {distributed}, which communicates inside each forward or backward; adapt "
             "serves one process, or several under DistributedDataParallel"
@@ -205,6 +228,14 @@ def _refuse_unservable(trainer: Any, transformers: ModuleType) -> None:
                 "which adapt cannot split into micro-batches (it runs each micro-batch's backward through "
                 "self.accelerator.backward)"
             )
+
+
+def _fsdp_version(trainer: Any) -> int | None:
+    """The FSDP version the trainer shards its model with (accelerate's FSDP plugin), or ``None`` without FSDP."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1))  # accelerate before 1.6 knew FSDP1 only
 
 
 def _names(code: Any) -> set[str]:
@@ -261,7 +292,7 @@ def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | N
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None) -> Any:
+def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None, model: Any) -> Any:
     """Return ``num_items_in_batch`` for a micro-batch: ``count`` times its share of the batch's items."""
     if count is None or labels is None or whole is None or labels.shape[:1] == whole.shape[:1]:
         return count
@@ -269,8 +300,23 @@ def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None)
     if not bool(items):  # weighed 0, its loss counts for nothing; its share would divide by 0
         return count
     if isinstance(count, torch.Tensor):
-        return count * items.to(count.device) / total.to(count.device)
+        # Computed in float64 and rounded once to the finest of the default dtype (an integer count's quotient
+        # was in it), the model's parameters' and the count's: in float32, a float64 model's split step would
+        # lose digits; in a bfloat16 model's dtype, every model's would.
+        dtype = torch.promote_types(torch.get_default_dtype(), _precision(model))
+        if count.is_floating_point():
+            dtype = torch.promote_types(count.dtype, dtype)
+        device = count.device
+        share = count.double() * items.to(device, torch.float64) / total.to(device, torch.float64)
+        return share.to(dtype)
     return count * int(items) / int(total)
+
+
+def _precision(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter: the precision its losses are computed in."""
+    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    found = next((p.dtype for p in parameters if p.is_floating_point()), None)
+    return torch.get_default_dtype() if found is None else found
 
 
 def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
@@ -339,7 +385,7 @@ class _Training:
             if self.given:
                 # The whole batch is the step's own inputs: their labels are counted already.
                 labels = self.whole if inputs is self.inputs else _labels_counted(self.trainer, inputs, self.shifts)
-                returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole))
+                returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole, model))
             else:  # transformers before 4.46
                 returned = self.original(model, inputs)
         if before is not None and _gradients(model) != before:
@@ -428,7 +474,7 @@ class _Prediction:
         self.lossless = False
 
         def shared(batches: list[Any], device: Any) -> Any:  # each chunk's share of that count, as in training
-            return _shared(counted, _labels_counted(trainer, batches[0], self.shifts), whole)
+            return _shared(counted, _labels_counted(trainer, batches[0], self.shifts), whole, trainer.model)
 
         swap = (
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
