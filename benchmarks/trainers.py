@@ -81,9 +81,11 @@ Run it with::
     tox -e bench -- --quick                 # a fast, noisier run
     python benchmarks/trainers.py --rst     # how docs/performance.rst was made
     python benchmarks/trainers.py --clock cpu --no-peers   # on a busy machine
+    python benchmarks/trainers.py --only lightning         # one trainer's rows
 
 ``--clock cpu`` times the thread that runs the trainers in CPU time, which other jobs on the
-machine do not add to. ``--no-peers`` leaves ``auto_find_batch_size`` and ``BatchSizeFinder`` out. Without
+machine do not add to. ``--no-peers`` leaves ``auto_find_batch_size`` and ``BatchSizeFinder`` out.
+``--only hf`` or ``--only lightning`` runs that trainer's rows alone. Without
 transformers or without lightning, that trainer's rows are skipped with a note. The exit
 status is 0 whether or not the target is met; the verdict is printed.
 """
@@ -711,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall", help="wall clock, or this thread's CPU time"
     )
+    parser.add_argument(
+        "--only", choices=("hf", "lightning"), help="run one trainer's rows: Hugging Face's or Lightning's"
+    )
     add_run_flags(parser, no_peers="leave auto_find_batch_size and BatchSizeFinder out")
     args = parser.parse_args(argv)
     settle_rounds(parser, args)
@@ -719,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     torch.set_num_threads(1)
     notes: list[str] = ["peers skipped (--no-peers)"] if args.no_peers else []
+    if args.only:
+        notes.append(f"only {'Hugging Face' if args.only == 'hf' else 'Lightning'}'s rows (--only {args.only})")
     print(f"Python {platform.python_version()} on {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} thread), koila-retry {koila.__version__}, "
@@ -732,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     with tempfile.TemporaryDirectory() as folder:
-        settings = hugging_face(args, folder, notes) + lightning(args, folder, notes)
+        settings = (hugging_face(args, folder, notes) if args.only != "lightning" else []) + (
+            lightning(args, folder, notes) if args.only != "hf" else []
+        )
         for setting in settings:
             print(f"  {setting.label}: the integration's {setting.agreement} allclose to the plain trainer's")
         for note in notes:

@@ -20,6 +20,7 @@ from koila_retry.testing import simulated_device
 
 L = pytest.importorskip("lightning")
 from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
+from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
 
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
@@ -400,6 +401,32 @@ def test_a_batch_that_cannot_be_split_runs_whole_exactly_as_without_the_callback
         assert torch.equal(batch["logits"], reference_batch["logits"])
 
 
+class Raising(MLP):
+    """A training step that raises a ValueError of its own, or is given a batch of no rows."""
+
+    def __init__(self, empty: bool) -> None:
+        super().__init__()
+        self.empty, self.calls = empty, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.calls += 1
+        if not self.empty:
+            raise ValueError("the step's own error")
+        return super().training_step(batch, batch_idx)
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        return [tensor[:0] for tensor in batch] if self.empty else batch
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["the-steps-error", "no-rows"])
+def test_an_error_of_a_splittable_batch_is_raised_as_it_is_and_the_step_is_not_run_again(empty: bool) -> None:
+    model = Raising(empty)
+    match = "batch of 0 rows" if empty else "the step's own error"
+    with pytest.raises(ValueError, match=match):
+        trainer(OOMRecovery()).fit(model, loader())
+    assert model.calls == (0 if empty else 1)
+
+
 class Primed(AnyBatch):
     """Gradients in ``.grad`` as the step starts (as the batches of an accumulate_grad_batches window leave them)."""
 
@@ -621,3 +648,90 @@ def test_a_log_call_with_positional_options_is_replayed_as_called() -> None:
     torch.testing.assert_close(
         limited.callback_metrics["train_loss"], unlimited.callback_metrics["train_loss"], rtol=1e-12, atol=1e-12
     )
+
+
+class Actions(PassThroughProfiler):
+    """A profiler that keeps the names of what Lightning runs: a callback's hook calls among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actions: list[str] = []
+
+    def start(self, action_name: str) -> None:
+        self.actions.append(action_name)
+
+
+def test_lightning_calls_none_of_the_callbacks_hooks_that_do_nothing_in_a_step() -> None:
+    """Per training or validation batch, Lightning calls ``on_train_batch_start`` of the callback, and nothing else."""
+    profiler = Actions()
+    fitting = trainer(OOMRecovery(), profiler=profiler, limit_val_batches=2, val_check_interval=2)
+    fitting.fit(MLP(), loader(rows=128), loader(rows=128))
+    called = [action for action in profiler.actions if action.startswith("[Callback]OOMRecovery.")]
+    assert fitting.global_step == 3
+    assert called.count("[Callback]OOMRecovery.on_train_batch_start") == 3
+    per_batch = [action for action in called if "batch" in action or "backward" in action or "optimizer" in action]
+    assert per_batch == ["[Callback]OOMRecovery.on_train_batch_start"] * 3
+
+
+class Counting(OOMRecovery):
+    """A subclass with hooks of its own: Lightning calls them as it calls any callback's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.calls.append("on_before_zero_grad")
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        super().on_after_backward(trainer, pl_module)
+        self.calls.append("on_after_backward")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.calls.append("on_train_batch_end")
+
+
+def test_a_subclass_of_the_callback_has_its_own_hooks_called_and_still_releases_the_gradients() -> None:
+    reference, model = Lean(), Lean()
+    trainer(max_steps=4).fit(reference, loader(rows=64, batch=16))
+    counting = Counting()
+    trainer(counting, max_steps=4).fit(model, loader(rows=64, batch=16))
+    assert counting.calls == ["on_before_zero_grad", "on_after_backward", "on_train_batch_end"] * 4
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+    # Its on_before_zero_grad, which could look at the gradients, keeps the previous step's
+    # gradients alive until Lightning zeroes them, as without the callback.
+    plain, _ = _peak_of_fit()
+    peak, _ = _peak_of_fit(Counting())
+    assert peak > plain, "a hook that may look at the gradients Lightning zeroes must see them"
+
+
+class Wrapped(torch.nn.Sequential):
+    """A container whose ``named_modules`` is its own: the parameters are found through it."""
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+        return super().named_modules(*args, **kwargs)
+
+
+class Tied(Lean):
+    """Tied weights, a layer used twice, a layer without bias and a frozen one; the head in a container."""
+
+    def __init__(self, container: type[torch.nn.Sequential] = torch.nn.Sequential) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = torch.nn.Linear(16, 16).double()
+        first, last = torch.nn.Linear(16, 16, bias=False).double(), torch.nn.Linear(16, 16).double()
+        last.weight = first.weight
+        frozen = torch.nn.Linear(16, 16).double().requires_grad_(False)
+        head = container(torch.nn.Linear(16, 4).double())
+        self.net = torch.nn.Sequential(first, torch.nn.Tanh(), shared, torch.nn.Tanh(), shared, frozen, last, head)
+        self.spare = shared  # the same module again, under another name
+
+
+@pytest.mark.parametrize("container", [torch.nn.Sequential, Wrapped], ids=["torchs", "its-own"])
+def test_tied_shared_and_frozen_parameters_train_as_without_the_callback(container: type[torch.nn.Sequential]) -> None:
+    reference, model = Tied(container), Tied(container)
+    trainer(max_steps=4).fit(reference, loader(rows=64, batch=16))
+    trainer(OOMRecovery(), max_steps=4).fit(model, loader(rows=64, batch=16))
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+    assert len(list(model.parameters())) == 8  # each once: the tied weight and the shared layer too
+    assert not torch.equal(next(model.parameters()), next(Tied().parameters())), "the tied weight trained"

@@ -11,6 +11,7 @@ gradients", says which path a step takes and how each works.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
@@ -54,6 +55,8 @@ _BatchNormNodes = frozenset(
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
 # The nodes a walk looks at more closely: one test per node for both.
 _WATCHED = _BatchNormNodes | {_ReentrantCheckpoint}
+# A leaf's post-accumulate-grad hooks, read in C (see Gradients._expose).
+_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 # The gradients from this size up are added into the step's sums as soon as autograd has
 # computed them (see ``Gradients.capture``); smaller ones are held until the end of their
@@ -164,9 +167,10 @@ class Gradients:
         new = [leaf for leaf in leaves if id(leaf) not in exposed] if exposed else leaves
         if not new:
             return True
-        keys = [id(leaf) for leaf in new]
+        keys = list(map(id, new))
         # Post-accumulate-grad hooks must run once per step, when the step's gradient is delivered.
-        if any(leaf._post_accumulate_grad_hooks for leaf in new) or not IN_FLIGHT.take(self, keys):
+        # Looked for in C, through map: a generator would be a call into Python per leaf.
+        if any(map(_HOOKS, new)) or not IN_FLIGHT.take(self, keys):
             self._captured_from_now()
             return False
         exposed.update(zip(keys, new))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -36,6 +37,21 @@ if TYPE_CHECKING:
 __all__ = ["OOMRecovery"]
 
 _EVALUATION = ("validation_step", "test_step", "predict_step")
+# The hooks Lightning calls once per batch (or per backward) that do nothing here; ``on_train_batch_start``
+# notes the batch's index.
+_IDLE = (
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
 _MEAN = ("mean", "avg", torch.mean)
 _SUM = ("sum", torch.sum)
 _MAX = ("max", torch.max)
@@ -78,6 +94,12 @@ class OOMRecovery(Callback):
         Policy.of("OOMRecovery", initial, options, rows=True)
         self._options: dict[str, Any] = {"initial": initial, **options}
         self._steps: dict[str, _Step] = {}
+        # Lightning calls a callback's hook only if it is callable: a hook that does nothing,
+        # unless a subclass gave it a body, is None on the instance, which spares each batch
+        # its call (a profiler context, the callback's state key, the call itself).
+        for hook in _IDLE:
+            if getattr(type(self), hook) is getattr(Callback, hook):
+                vars(self)[hook] = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the wrappers in front of the module's steps (Lightning calls it)."""
@@ -172,7 +194,9 @@ class _Step:
         self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
         self.stand_in: torch.Tensor | None = None
         self.parts: list[tuple[int, list[dict[str, Any]]]] = []
-        self.rows = 0  # of the step running, as accumulate splits its batch (1 for one it cannot split)
+        # Of the step running, as accumulate splits its batch (1 for one it cannot split), counted
+        # only once a micro-batch needs it (0 until then): a batch that runs whole needs no count.
+        self.rows = 0
         self.whole: Any = None  # its output, while its last attempt ran the whole batch
         self.logging: list[dict[str, Any]] = []
         self.log: Callable[..., Any] = _unset
@@ -230,8 +254,11 @@ class _Step:
                 output = self.target(*args, **kwargs)
                 rows = self._rows_of(args, kwargs)
                 self.parts.append((rows, self.logging))
-                if rows == self.rows:  # returned as it is, strings and objects included, if it stays the last
+                if rows == _WHOLE or rows == self.rows:
+                    # Returned as it is, strings and objects included, if it stays the last:
+                    # nothing for accumulate to join.
                     self.whole = output
+                    return torch.zeros(())
                 if output is None:  # the usual validation_step: nothing to join, and nothing to warn about
                     return torch.zeros(())
                 return torch.zeros(()), output  # no loss: accumulate only splits and joins
@@ -273,32 +300,35 @@ class _Step:
         plugin.backward(loss, module, optimizer, **kwargs)
 
     def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Return the rows of a micro-batch, as ``accumulate`` split them (1 for a batch that runs whole)."""
+        """Return the rows of a micro-batch, as ``accumulate`` split them, or ``_WHOLE`` for the batch as given."""
         if self.held is not None:
-            return 1
-        # The whole batch is the step's own arguments, not remade: no need to count its rows again.
+            return _WHOLE
+        # The whole batch is the step's own arguments, not remade: no need to count its rows.
         given_args, given_kwargs = self.given
-        if (
+        if (  # compared in C, through map: a generator would be a call per step
             len(args) == len(given_args)
-            and all(mine is given for mine, given in zip(args, given_args))
+            and all(map(operator.is_, args, given_args))
             and kwargs.keys() == given_kwargs.keys()
-            and all(kwargs[name] is given_kwargs[name] for name in kwargs)
+            and all(map(operator.is_, map(kwargs.__getitem__, given_kwargs), given_kwargs.values()))
         ):
-            return self.rows
+            return _WHOLE
+        if not self.rows:  # the whole batch's, counted once, for the logs of its micro-batches (see _replay)
+            self.rows = Split(*self.given, 0, "OOMRecovery").rows
         return Split(args, kwargs, 0, "OOMRecovery").rows
 
     def _call(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the step through ``accumulate``; a batch it cannot split, whole, as it runs without the callback."""
+        # accumulate splits the batch before it calls the step: whether it could is asked only
+        # when it raised before that, so that a batch it can split is looked at once, by accumulate.
+        self.rows, self.given = 0, (args, kwargs)
         try:
-            self.rows = Split(args, kwargs, 0, "OOMRecovery").rows
-        except (TypeError, ValueError) as error:  # a class of its own (PyG's Batch), or tensors of unequal rows
-            reason = str(error)
-        else:
-            self.given = (args, kwargs)
-            try:
-                return self.run(*args, **kwargs)
-            finally:
-                self.given = ((), {})
+            return self.run(*args, **kwargs)
+        except (TypeError, ValueError):
+            reason = _unsplittable(args, kwargs)
+            if reason is None:  # splittable: the step's own error, or a batch of 0 rows
+                raise
+        finally:
+            self.given = ((), {})
         device = module.device
         if self.stand_in is None or self.stand_in.device != device:
             with torch.inference_mode(False):  # made in a validation loop, kept for training steps too
@@ -324,8 +354,8 @@ class _Step:
 
     def _released(self, trainer: pl.Trainer, module: pl.LightningModule) -> set[int]:
         """Return the ids of the parameters whose ``.grad`` Lightning sets to ``None`` right after this step."""
-        batch_idx = self.batch_idx
-        if batch_idx is None or getattr(trainer.fit_loop, "_skip_backward", True) or len(trainer.optimizers) != 1:
+        batch_idx, optimizers = self.batch_idx, trainer.optimizers
+        if batch_idx is None or getattr(trainer.fit_loop, "_skip_backward", True) or len(optimizers) != 1:
             return set()
         if batch_idx % trainer.accumulate_grad_batches != 0:  # zero_grad runs on a group's first batch only
             return set()
@@ -339,27 +369,24 @@ class _Step:
         if type(module).on_before_zero_grad is not lightning.on_before_zero_grad:
             return set()
         callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # set by Lightning, not declared
-        if any(  # a LambdaCallback sets its hooks on the instance
-            "on_before_zero_grad" in vars(callback)
-            or type(callback).on_before_zero_grad is not Callback.on_before_zero_grad
-            for callback in callbacks
-        ):
-            return set()
-        optimizer = trainer.optimizers[0]
+        for callback in callbacks:
+            if _looks_before_zero_grad(callback):
+                return set()
+        optimizer = optimizers[0]
         if "zero_grad" in vars(optimizer) or type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
             return set()
         return {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
 
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()
-        parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
+        parameters = _trainable(module)
         # Those Lightning is about to set to None are released now, not set aside: the step
         # then runs as a hand loop does, with no earlier gradient alive (see _released).
         released = self._released(trainer, module)
         self.batch_idx = None
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
         self.parts, self.scale, skipped = [], None, False
-        module.log = self._record  # type: ignore[method-assign]
+        vars(module)["log"] = self._record  # not through Module.__setattr__, which looks for tensors
         try:
             for parameter in parameters:
                 parameter.grad = None
@@ -369,24 +396,28 @@ class _Step:
                 skipped = True
             gradients = [parameter.grad for parameter in parameters]
         finally:
-            del module.log
+            del vars(module)["log"]
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
         if skipped:
             # Returned None: skipped as Lightning skips it, with no gradient of it. Ran whole, it logs
             # as it called, as without the callback; split, the batch has no whole value to log.
-            ran_whole = bool(self.parts) and self.parts[-1][0] == self.rows
+            ran_whole = bool(self.parts) and self.parts[-1][0] in (_WHOLE, self.rows)
             self.parts = self.parts[-1:] if ran_whole else []
-            self._replay(self.rows)
+            self._replay()
             return None
-        self._replay(self.rows)
-        held = [(parameter, gradient) for parameter, gradient in zip(parameters, gradients) if gradient is not None]
-        parts = [gradient for _, gradient in held]
+        self._replay()
+        leaves: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        for parameter, gradient in zip(parameters, gradients):
+            if gradient is not None:
+                leaves.append(parameter)
+                parts.append(gradient)
         scale, self.scale = self.scale, None
         unit = scale is None and trainer.accumulate_grad_batches == 1 and _plain_backward(trainer, module)
 
         def deliver(loss: torch.Tensor) -> torch.Tensor:
-            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale, unit), loss, *(p for p, _ in held))  # type: ignore[no-untyped-call]
+            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale, unit), loss, *leaves)  # type: ignore[no-untyped-call]
             return delivered
 
         if isinstance(output, torch.Tensor):
@@ -398,16 +429,16 @@ class _Step:
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         _, module = self.installed()
         self.parts = []
-        module.log = self._record  # type: ignore[method-assign]
+        vars(module)["log"] = self._record
         try:
             result = self._call(module, args, kwargs)
             output = result[1] if isinstance(result, tuple) else None
             if self.whole is not None:  # it ran whole: the step's own output, not a copy joined by accumulate
                 output = self.whole
         finally:
-            del module.log
+            del vars(module)["log"]
             self.whole = None
-        self._replay(self.rows)
+        self._replay()
         return output
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -421,12 +452,15 @@ class _Step:
             call["value"] = value.detach()  # as Lightning keeps it: the graph would hold the activations
         self.logging.append(call)
 
-    def _replay(self, rows: int) -> None:
+    def _replay(self) -> None:
         """Log what the successful attempt logged: as it was when whole, combined when split."""
         kept: list[tuple[int, list[dict[str, Any]]]] = []
         covered = 0
         for part in reversed(self.parts):  # the successful attempt's micro-batches are the last ones
-            if covered >= rows:
+            if part[0] == _WHOLE:  # the batch as given, which the last attempt ran, or an earlier one
+                kept = kept or [part]
+                break
+            if covered >= self.rows:
                 break
             kept.insert(0, part)
             covered += part[0]
@@ -449,6 +483,19 @@ class _Step:
             sizes = [entry.get("batch_size") for _, entry in entries]
             call["batch_size"] = sum(sizes) if all(size is not None for size in sizes) else sum(n for n, _ in entries)
             self.log(**call)
+
+
+# The rows of a part that ran the batch as given (see _Step._rows_of).
+_WHOLE = -1
+
+
+def _unsplittable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Return why ``accumulate`` cannot split a step's batch (a class of its own, tensors of unequal rows), or None."""
+    try:
+        Split(args, kwargs, 0, "OOMRecovery")
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
 
 
 class _Skipped(Exception):
@@ -483,6 +530,47 @@ def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
         and type(plugin).backward is Precision.backward
         and type(plugin).pre_backward in (Precision.pre_backward, MixedPrecision.pre_backward)
     )
+
+
+def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Return ``module.parameters()`` that require a gradient, in their order, each once."""
+    # Read from the modules' own tables, without a generator per module: what
+    # Module.parameters() yields, unless a module changes how they are found.
+    kind, plain = type(module), torch.nn.Module
+    if (
+        kind.parameters is not plain.parameters
+        or kind.named_parameters is not plain.named_parameters
+        or kind._named_members is not plain._named_members
+        or kind.named_modules is not plain.named_modules
+    ):
+        return [parameter for parameter in module.parameters() if parameter.requires_grad]
+    found: list[torch.nn.Parameter] = []
+    seen: set[int] = set()  # ids, of the parameters and the modules: a tensor's hash is a call into Python
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        if type(current).named_modules is not torch.nn.Module.named_modules:
+            return [parameter for parameter in module.parameters() if parameter.requires_grad]
+        seen.add(id(current))
+        for parameter in current._parameters.values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                if parameter.requires_grad:
+                    found.append(parameter)
+        children = current._modules
+        if children:  # depth first, in order, as named_modules
+            stack.extend([child for child in reversed(children.values()) if child is not None])
+    return found
+
+
+def _looks_before_zero_grad(callback: Callback) -> bool:
+    """Return whether Lightning calls an ``on_before_zero_grad`` of ``callback`` that does something."""
+    # Its own or its class's (a LambdaCallback sets its hooks on the instance); one that is not
+    # callable, Lightning skips (see OOMRecovery.__init__).
+    hook = getattr(callback, "on_before_zero_grad", None)
+    return callable(hook) and getattr(hook, "__func__", None) is not Callback.on_before_zero_grad
 
 
 def _unset(*args: Any, **kwargs: Any) -> Any:
