@@ -210,7 +210,10 @@ def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> N
     callback = OOMRecovery()
     stand_in = type("Trainer", (), {"strategy": FSDPStrategy()})()  # setup reads only the strategy first
     model = MLP()
-    with pytest.raises(RuntimeError, match="OOMRecovery serves one device or DDP; the trainer runs FSDPStrategy"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"OOMRecovery serves one device, DDP or FSDP2 \(ModelParallelStrategy\); the trainer runs FSDPStrategy",
+    ):
         callback.setup(stand_in, model, "fit")
     assert "training_step" not in vars(model)
 

@@ -23,7 +23,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from lightning.pytorch.strategies.xla import XLAStrategy
 
 from koila_retry._common.batches import Split
@@ -67,8 +73,9 @@ class OOMRecovery(Callback):
     that gradient once; a ``validation_step``, ``test_step`` or ``predict_step`` that
     does not fit runs in chunks whose outputs are joined into the whole batch's. The
     batch size, the number of optimizer steps and the learning-rate schedule do not
-    change. On one device or under DDP, where the ranks agree on every size. See the
-    module's documentation for how.
+    change. On one device, under DDP or under FSDP2 (``ModelParallelStrategy`` with
+    ``fully_shard`` in ``configure_model``), where the ranks agree on every size. See
+    the module's documentation for how.
 
     Args:
         initial (int or None): the first micro-batch size to try; ``None``, the
@@ -80,8 +87,9 @@ class OOMRecovery(Callback):
     Raises:
         TypeError: if an option is unknown or has the wrong type.
         ValueError: if an option is out of range.
-        RuntimeError: in ``setup``, if the trainer's strategy is neither one device
-            nor DDP.
+        RuntimeError: in ``setup``, if the trainer's strategy is none of one device,
+            DDP and ``ModelParallelStrategy`` (FSDP1's ``FSDPStrategy``, DeepSpeed
+            and XLA are refused by name).
 
     Example::
 
@@ -104,12 +112,15 @@ class OOMRecovery(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the wrappers in front of the module's steps (Lightning calls it)."""
         strategy = trainer.strategy
-        served = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+        # ModelParallelStrategy: the module shards itself with fully_shard (FSDP2) in configure_model, and
+        # accumulate plays FSDP2's collectives along; FSDPStrategy (FSDP1) and DeepSpeed stay refused.
+        served = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
         if not served or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy)):
             raise RuntimeError(
-                f"OOMRecovery serves one device or DDP; the trainer runs {type(trainer.strategy).__name__}, "
-                "whose forward or backward communicates between the ranks, so a rank that splits its step "
-                "while another does not would leave that one waiting. Use strategy='ddp', or one device"
+                f"OOMRecovery serves one device, DDP or FSDP2 (ModelParallelStrategy); the trainer runs "
+                f"{type(trainer.strategy).__name__}, whose forward or backward communicates between the ranks, "
+                "so a rank that splits its step while another does not would leave that one waiting. Use "
+                "strategy='ddp', ModelParallelStrategy with fully_shard in configure_model, or one device"
             )
         names = list(_EVALUATION)
         if pl_module.automatic_optimization:
