@@ -738,3 +738,37 @@ def test_tied_shared_and_frozen_parameters_train_as_without_the_callback(contain
     assert_same_parameters(model, reference, rtol=0, atol=0)
     assert len(list(model.parameters())) == 8  # each once: the tied weight and the shared layer too
     assert not torch.equal(next(model.parameters()), next(Tied().parameters())), "the tied weight trained"
+
+
+class Hooked(MLP):
+    """The MLP with a hook of each kind on its first weight: one that clamps the gradient, one that counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accumulated = 0
+        weight = self.net[0].weight
+        weight.register_hook(lambda gradient: gradient.clamp(-1e-3, 1e-3) * 2)
+        weight.register_post_accumulate_grad_hook(self.count)
+
+    def count(self, parameter: torch.Tensor) -> None:
+        self.accumulated += 1
+
+
+@pytest.mark.parametrize("limit", [None, FIT_LIMIT], ids=["whole", "split"])
+def test_a_parameters_hooks_run_once_per_batch_on_its_whole_gradient_as_without_the_callback(
+    limit: str | None,
+) -> None:
+    """Not in the step's micro-batches, and not a second time as its gradients reach Lightning's backward."""
+    reference = Hooked()
+    trainer().fit(reference, loader())
+    model, events = Hooked(), []
+    with simulated_device(limit) if limit else contextlib.nullcontext():
+        trainer(OOMRecovery(on_oom=events.append)).fit(model, loader())
+    assert bool(events) == bool(limit), events
+    assert (model.accumulated, reference.accumulated) == (3, 3)
+    # The hook clamps: on each micro-batch's gradient, the sum would differ from the whole batch's.
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    # Put back: the hooks run in a backward after the fit as before it.
+    model.net[0].weight.grad = None
+    model.net(torch.ones(1, 16, dtype=torch.float64)).sum().backward()
+    assert model.accumulated == 4

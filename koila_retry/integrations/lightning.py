@@ -189,6 +189,49 @@ class _Delivery(torch.autograd.Function):
         return (None, None, *gradients)
 
 
+_Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
+
+
+def _suspended(parameters: list[torch.nn.Parameter]) -> _Hooks:
+    """Take the hooks off the parameters that have any (``register_hook``, post-accumulate); return them."""
+    # Emptied in place: autograd holds these dicts themselves.
+    taken: _Hooks = []
+    for parameter in parameters:
+        before, after = parameter._backward_hooks, getattr(parameter, "_post_accumulate_grad_hooks", None)
+        if before or after:
+            taken.append((parameter, dict(before or {}), dict(after or {})))
+            if before:
+                before.clear()
+            if after:
+                after.clear()
+    return taken
+
+
+def _restored(taken: _Hooks) -> None:
+    """Put back the hooks :func:`_suspended` took, before any the step added."""
+    for parameter, before, after in taken:
+        for name, kept in (("_backward_hooks", before), ("_post_accumulate_grad_hooks", after)):
+            hooks: dict[Any, Any] | None = getattr(parameter, name)
+            if kept and hooks is not None:  # emptied, never replaced
+                added = dict(hooks)
+                hooks.clear()
+                hooks.update(kept)
+                hooks.update(added)
+
+
+def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """Write the step's gradients into ``.grad`` as the loop's backward reaches the loss, as accumulation would."""
+    gradients = held.take()
+    factor = grad if held.scale is None else grad / held.scale
+    if gradients and not held.unit:
+        torch._foreach_mul_(gradients, factor)
+    for leaf, gradient in zip(leaves, gradients):
+        if leaf.grad is None:
+            leaf.grad = gradient
+        else:  # accumulate_grad_batches: Lightning keeps the window's gradients
+            leaf.grad += gradient
+
+
 class _Step:
     """One step hook of a module (``training_step``, ``validation_step`` ...), wrapped."""
 
@@ -398,6 +441,9 @@ class _Step:
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
         self.parts, self.scale, skipped = [], None, False
         vars(module)["log"] = self._record  # not through Module.__setattr__, which looks for tensors
+        # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
+        # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
+        hooks = _suspended(parameters)
         try:
             for parameter in parameters:
                 parameter.grad = None
@@ -408,6 +454,7 @@ class _Step:
             gradients = [parameter.grad for parameter in parameters]
         finally:
             del vars(module)["log"]
+            _restored(hooks)
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
         if skipped:
@@ -426,9 +473,18 @@ class _Step:
                 parts.append(gradient)
         scale, self.scale = self.scale, None
         unit = scale is None and trainer.accumulate_grad_batches == 1 and _plain_backward(trainer, module)
+        # On one device, where no parameter has a hook to run, the gradients need not go through the
+        # engine's accumulation of each parameter (a node each): a leaf stands in for the loss, and its
+        # hook writes them.
+        direct = type(trainer.strategy) is SingleDeviceStrategy and not hooks
 
         def deliver(loss: torch.Tensor) -> torch.Tensor:
-            delivered: torch.Tensor = _Delivery.apply(_Held(parts, scale, unit), loss, *leaves)  # type: ignore[no-untyped-call]
+            held = _Held(parts, scale, unit)
+            if direct:
+                stand_in = loss.detach().requires_grad_()
+                stand_in.register_hook(functools.partial(_hand_over, held, leaves))  # type: ignore[no-untyped-call]
+                return stand_in
+            delivered: torch.Tensor = _Delivery.apply(held, loss, *leaves)  # type: ignore[no-untyped-call]
             return delivered
 
         if isinstance(output, torch.Tensor):
