@@ -228,6 +228,28 @@ def lightning_unused_parameters(rank: int, world: int) -> dict[str, Any]:
 
 
 @scenario("two")
+def lightning_parameter_hooks(rank: int, world: int) -> dict[str, Any]:
+    """Hooks on a parameter: they run once per batch, on the whole batch's gradient, as without the callback."""
+    from _lightning_trainer import MLP
+
+    class Hooked(MLP):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.accumulated = 0
+            weight = self.net[0].weight
+            weight.register_hook(lambda gradient: gradient.clamp(-1e-3, 1e-3) * 2)  # not additive over micro-batches
+            weight.register_post_accumulate_grad_hook(self.count)
+
+        def count(self, parameter: torch.Tensor) -> None:
+            self.accumulated += 1
+
+    model, reference = Hooked(), Hooked()
+    value = _lightning_run(rank, model, reference)
+    value["accumulated"] = (model.accumulated, reference.accumulated)
+    return value
+
+
+@scenario("two")
 def lightning_exhausted_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 cannot run its smallest micro-batch allowed, the whole batch: every rank raises, none waits."""
     from _lightning_trainer import FIT_LIMIT, MLP, loader

@@ -82,7 +82,9 @@ def test_hf_trainer_under_ddp_gives_up_on_every_rank_together(ranks: Any) -> Non
     assert "Rank 1 of 2 ran out of memory" in values[0]["message"]
 
 
-@pytest.mark.parametrize("name", ["lightning_training_and_validation", "lightning_unused_parameters"])
+@pytest.mark.parametrize(
+    "name", ["lightning_training_and_validation", "lightning_unused_parameters", "lightning_parameter_hooks"]
+)
 def test_lightning_under_ddp_trains_and_validates_as_with_all_the_memory(ranks: Any, name: str) -> None:
     values = ranks[name]
     assert_equal_on_both_ranks(values)
@@ -99,6 +101,12 @@ def test_lightning_under_ddp_trains_and_validates_as_with_all_the_memory(ranks: 
         assert validated[0].keys() == expected[0].keys() == {"val_loss", "val_max"}
         for metric in expected[0]:
             assert validated[0][metric] == pytest.approx(expected[0][metric], rel=1e-12)
+
+
+def test_lightning_under_ddp_runs_a_parameters_hooks_once_per_batch(ranks: Any) -> None:
+    for value in ranks["lightning_parameter_hooks"]:
+        mine, plain = value["accumulated"]
+        assert mine == plain > 0, value["accumulated"]
 
 
 def test_lightning_under_ddp_gives_up_on_every_rank_together(ranks: Any) -> None:
