@@ -45,13 +45,14 @@ def model() -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(8, 1)).to(DTYPE)
 
 
-def shard(net: nn.Sequential) -> nn.Sequential:
+def shard(net: nn.Sequential, **options: Any) -> nn.Sequential:
+    """Shard each block, then the whole net, with ``fully_shard``'s ``options`` for the blocks."""
     from torch.distributed.fsdp import fully_shard
 
     # On the CPU, also where CUDA is present (fully_shard's default mesh is on the accelerator).
     mesh = cpu_mesh()
     for block in net[:3]:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, **options)
     fully_shard(net, mesh=mesh)
     return net
 
@@ -169,6 +170,7 @@ def _step(
     sync: bool | None = None,
     failing: int = 1,
     custom: bool = False,
+    sharding: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Steps of a sharded model with SGD, OOMs injected on the first ``failing``, then one without; checked.
 
@@ -178,7 +180,7 @@ def _step(
     """
     plain = model()
     reference = copy.deepcopy(plain)
-    net = shard(plain)
+    net = shard(plain, **(sharding or {}))
     if custom:
         for module in sharded.fsdp_modules(net.modules()):
             module.set_custom_all_gather(Gather())  # type: ignore[operator]
@@ -264,6 +266,11 @@ PLAYED = {
     **{name: SCENARIOS[name] for name in ("forward_first", "backward_first", "every_rank", "later_attempt")},
     "in_collectives": lambda world: {"allocations": {0: {3}, 1: {6}}},
     "first_micro_batch": lambda world: {"failures": {1: {0: "forward", 1: "backward"}}},
+    # Blocks kept gathered after their forward: no all-gather in the backward, another schedule.
+    "kept_gathered": lambda world: {
+        "failures": {1: {0: "backward"}},
+        "sharding": {"reshard_after_forward": False},
+    },
 }
 
 
