@@ -9,7 +9,6 @@ backward (tests/_layers.py). How the scenarios run and what they save: tests/_sp
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from _fsdp_ranks import Count
 from _layers import Inject
-from _spawn import Scenarios
+from _spawn import Scenarios, launched
 from _trainer_ranks import caught, koila_warnings
 
 import koila_retry as koila
@@ -33,17 +32,7 @@ FAILURES = {0: "forward", 4: "backward"}
 
 def main(rank: int, group: str, port: int, directory: str) -> None:
     """The body of one spawned rank: its place in the group where Lightning looks for it."""
-    world = GROUPS[group][0]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    launched(rank, GROUPS[group][0], port)
     scenario.run(rank, group, port, directory)
 
 

@@ -88,6 +88,20 @@ class Scenarios:
             dist.destroy_process_group()
 
 
+def launched(rank: int, world: int, port: int) -> None:
+    """Set the environment a launcher (torchrun) gives a rank: where a trainer looks for its place in the group."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",  # as accelerate sets it, without its warning
+    )
+
+
 def free_port() -> int:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -9,13 +9,12 @@ scenarios run and what they save: tests/_spawn.py.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
 import torch
 from _fsdp_ranks import Count
-from _spawn import Scenarios
+from _spawn import Scenarios, launched
 from _trainer_ranks import caught, koila_warnings
 
 import koila_retry as koila
@@ -35,17 +34,7 @@ FAILURES = {0: "forward", 5: "backward"}
 
 def main(rank: int, group: str, port: int, directory: str) -> None:
     """The body of one spawned rank: its place in the group where the trainer looks for it."""
-    world = GROUPS[group][0]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    launched(rank, GROUPS[group][0], port)
     fsdp_on_the_cpu()
     scenario.run(rank, group, port, directory)
 

@@ -10,7 +10,6 @@ run and what they save: tests/_spawn.py.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import tempfile
 import warnings
@@ -18,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from _spawn import Scenarios
+from _spawn import Scenarios, launched
 
 import koila_retry as koila
 from koila_retry._core import distributed
@@ -32,17 +31,7 @@ scenario = Scenarios(GROUPS)
 
 def main(rank: int, group: str, port: int, directory: str) -> None:
     """The body of one spawned rank: its place in the group where the trainers look for it."""
-    world = GROUPS[group][0]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",  # as accelerate sets it, without its warning
-    )
+    launched(rank, GROUPS[group][0], port)
     scenario.run(rank, group, port, directory)
 
 
