@@ -487,22 +487,14 @@ def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(hsdp(x), y)
 
-    try:
-        step(local(x, rank), local(y, rank))
-        outcomes["hsdp"] = "ran"
-    except NotImplementedError as error:
-        outcomes["hsdp"] = str(error)
+    outcomes["hsdp"] = _refusal(lambda: step(local(x, rank), local(y, rank)))
     net = shard(model())
 
     @koila.accumulate(initial="auto", cache=koila.NoCache())
     def estimated(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(net(x), y)
 
-    try:
-        estimated(local(x, rank), local(y, rank))
-        outcomes["auto"] = "ran"
-    except NotImplementedError as error:
-        outcomes["auto"] = str(error)
+    outcomes["auto"] = _refusal(lambda: estimated(local(x, rank), local(y, rank)))
     # A torch whose FSDP2 lacks private state the reset writes: refused before the step, not at a failure.
     older = shard(model())
     group = sharded.param_groups(older[1])[0]
@@ -512,12 +504,17 @@ def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
     def old_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(older(x), y)
 
-    try:
-        old_step(local(x, rank), local(y, rank))
-        outcomes["private"] = "ran"
-    except NotImplementedError as error:
-        outcomes["private"] = str(error)
+    outcomes["private"] = _refusal(lambda: old_step(local(x, rank), local(y, rank)))
     return outcomes
+
+
+def _refusal(call: Callable[[], object]) -> str:
+    """What ``call`` raised as NotImplementedError, or "ran"."""
+    try:
+        call()
+    except NotImplementedError as error:
+        return str(error)
+    return "ran"
 
 
 @scenario("two")
