@@ -164,8 +164,14 @@ class _Held:
         self.gradients, self.scale = gradients, scale
         self.unit = unit  # the loop's backward is known to bring a gradient of exactly 1
 
-    def take(self) -> list[torch.Tensor]:
+    def take(self, grad: torch.Tensor) -> list[torch.Tensor]:
+        """Return the gradients, once, at the scale of the loop's backward, whose gradient of the loss is ``grad``."""
         gradients, self.gradients = self.gradients, []
+        # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
+        # the gradients were computed at the scaler's scale already.
+        factor = grad if self.scale is None else grad / self.scale
+        if gradients and not self.unit:  # times 1 would be a pass over every gradient for nothing
+            torch._foreach_mul_(gradients, factor)  # one call for every gradient
         return gradients
 
 
@@ -180,13 +186,7 @@ class _Delivery(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         held: _Held = ctx.held
-        gradients = held.take()
-        # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
-        # the gradients were computed at the scaler's scale already.
-        factor = grad if held.scale is None else grad / held.scale
-        if gradients and not held.unit:  # times 1 would be a pass over every gradient for nothing
-            torch._foreach_mul_(gradients, factor)  # one call for every gradient
-        return (None, None, *gradients)
+        return (None, None, *held.take(grad))
 
 
 _Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
@@ -221,11 +221,7 @@ def _restored(taken: _Hooks) -> None:
 
 def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
     """Write the step's gradients into ``.grad`` as the loop's backward reaches the loss, as accumulation would."""
-    gradients = held.take()
-    factor = grad if held.scale is None else grad / held.scale
-    if gradients and not held.unit:
-        torch._foreach_mul_(gradients, factor)
-    for leaf, gradient in zip(leaves, gradients):
+    for leaf, gradient in zip(leaves, held.take(grad)):
         if leaf.grad is None:
             leaf.grad = gradient
         else:  # accumulate_grad_batches: Lightning keeps the window's gradients
