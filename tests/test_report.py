@@ -163,7 +163,9 @@ def test_storages_no_tensor_holds_are_shown_inside_a_simulated_device() -> None:
 
 def test_output_forms_agree() -> None:
     model, optimizer = _trained()
-    found = koila.report(model, optimizer, top=5)
+    # Every storage a row: the report covers the process's, and what other tests in this process
+    # left alive (a trainer's modules, say) would outrank this small model's in a top five.
+    found = koila.report(model, optimizer, top=100_000)
     text = str(found)
     lines = text.splitlines()
     assert lines[0].startswith("Memory on cpu: ")
