@@ -16,10 +16,15 @@ For k = 1, 4 and 8 micro-batches of m = rows / k (64, 16 and 8 rows), two candid
   small (1 MiB): here it holds the last two layers and is all-reduced while the first
   layer's backward runs;
 - ``@koila.accumulate(initial=m, ddp=ddp)`` on ``lambda xb, yb: loss_fn(ddp(xb), yb)``:
-  every micro-batch under ``no_sync()``, then the agreement across ranks that the step
-  succeeded, then the gradients all-reduced and averaged by koila after the backward
-  rather than during it: the large ones in place, all at once, the small ones in
-  buckets. It also agrees on the starting size (an all-reduce of a few numbers).
+  the same micro-batches, the last one's backward all-reducing as DDP does it, overlapped
+  (a rank that fails plays along the buckets it never launched: docs/distributed.rst,
+  "DDP: the overlap, kept"); then the agreement across ranks that the step succeeded. It
+  also agrees on the starting size (an all-reduce of a few numbers).
+
+A fourth candidate, *bare exchanges*, is the hand loop with the agreement's two exchanges
+around it, made without koila (an ``all_reduce`` of five int64 before the step and one of
+three after it, each read back): what agreeing costs by itself, a floor for any step that
+agrees with the other ranks.
 
 Every candidate calls ``opt.zero_grad(set_to_none=True)`` before its step; the hand loop
 runs a second time as a check of the noise. Once per run and per k, the script checks
@@ -33,8 +38,8 @@ together after a barrier. A block's time is the slower rank's. The table gives t
 median and the minimum over rounds of the time per step and, paired within each round,
 the median of the ratio to the hand loop. The garbage collector stays enabled.
 
-The target, from the issue that asked for this benchmark: ``@koila.accumulate`` at most 5%
-slower than the hand loop at the same micro-batch size (a ratio of at most 1.05).
+The target, from issue 42: ``@koila.accumulate`` at 97% or more of the hand loop's
+throughput at the same micro-batch size (a ratio of time of at most 1 / 0.97 = 1.031).
 
 Run it with::
 
@@ -80,10 +85,11 @@ import koila_retry as koila
 WORLD_SIZE = 2
 ROWS = 64  # per rank and step, by default
 SPLITS = (1, 4, 8)  # micro-batches per step
-TARGET = 1.05  # koila / hand loop, per step
+TARGET = 1 / 0.97  # koila / hand loop, per step: 97% of the hand loop's throughput
 BLOCK_SECONDS = 0.25  # about how long one block of steps takes
 HAND = "hand loop, no_sync() but the last"
 KOILA = "@koila.accumulate"
+BARE = "hand loop and the agreement's 2 exchanges (bare)"
 
 
 @dataclass
@@ -137,6 +143,17 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
         opt.zero_grad(set_to_none=True)
         step(x, y)
 
+    # The agreement by itself: its two exchanges (the start before the step, the outcome after it),
+    # as koila makes them, around the hand loop. What any step that agrees pays, whatever else it does.
+    start_cells, after_cells = torch.zeros(5, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+
+    def bare_agreement() -> None:
+        dist.all_reduce(start_cells, op=dist.ReduceOp.MIN)
+        start_cells.tolist()
+        hand()
+        dist.all_reduce(after_cells, op=dist.ReduceOp.MIN)
+        after_cells.tolist()
+
     def koila_check() -> str | None:
         stats = step.stats
         return f"{stats!r}" if stats.ooms or stats.batch_size != m else None
@@ -168,6 +185,7 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
         Candidate(HAND, hand),
         Candidate(f"{KOILA}(initial={m})", koila_step, koila_check),
         Candidate(f"{HAND} again (noise check)", hand),
+        Candidate(BARE, bare_agreement),
     ]
     for candidate in setting.candidates:  # a warm-up block each
         for _ in range(setting.steps):
@@ -226,10 +244,10 @@ def table_rows(settings: list[Setting]) -> tuple[list[str], list[list[str]]]:
 
 
 def verdicts(settings: list[Setting]) -> tuple[list[str], list[list[str]], bool]:
-    header = ["split", "hand loop per step", "koila / hand loop", "noise check", "gradients allclose", "met"]
+    header = ["split", "hand loop per step", "koila / hand loop", "bare exchanges", "noise check", "allclose", "met"]
     table, all_met = [], True
     for setting in settings:
-        base, koila_row, again = setting.candidates
+        base, koila_row, again, bare = setting.candidates
         measured = ratio(koila_row, base)
         met = measured <= TARGET
         all_met = all_met and met
@@ -238,6 +256,7 @@ def verdicts(settings: list[Setting]) -> tuple[list[str], list[list[str]], bool]
                 setting.label,
                 duration(statistics.median(base.times)),
                 f"{measured:.3f}",
+                f"{ratio(bare, base):.3f}",
                 f"{ratio(again, base):.3f}",
                 "yes" if setting.equal else "NO",
                 "yes" if met else "NO",
@@ -299,7 +318,7 @@ def measure(rank: int, args: argparse.Namespace) -> None:
         print("\nload average after the run: " + ", ".join(f"{value:.2f}" for value in os.getloadavg()))
     print(f"the run took {time.perf_counter() - began:.0f} s")
     print()
-    print(f"Target: @koila.accumulate at most {percent(TARGET)} over the hand loop (a ratio of at most {TARGET}).")
+    print(f"Target: @koila.accumulate at most {percent(TARGET)} over the hand loop (a ratio of at most {TARGET:.3f}).")
     missed = [row[0] for row in summary if row[-1] != "yes"]
     verdict = "meets" if all_met else "does NOT meet"
     print(f"Measured: @koila.accumulate {verdict} it" + (f" (missed: {'; '.join(missed)})." if missed else "."))

@@ -10,7 +10,8 @@ import asyncio
 import collections
 import contextlib
 import copy
-import sys
+import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -21,12 +22,12 @@ import torch.distributed as dist
 from _layers import Inject
 from _spawn import Scenarios
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import koila_retry as koila
-from koila_retry._core import distributed
-from koila_retry._diagnostics.report import HoldsGradients
+from koila_retry._core import distributed, overlap
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -48,17 +49,6 @@ def main(rank: int, group: str, port: int, directory: str) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def gradients_of_step() -> dict[int, torch.Tensor]:
-    """Return the gradients that the running ``koila.accumulate`` step computed so far, kept apart from ``.grad``."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        for value in frame.f_locals.values():
-            if isinstance(value, HoldsGradients):
-                return value.gradients_of_step()
-        frame = frame.f_back
-    raise AssertionError("no koila.accumulate step is running")
 
 
 def data(n: int, *shape: int, seed: int) -> torch.Tensor:
@@ -429,6 +419,157 @@ def accumulate_two_ddp_modules(rank: int, world: int) -> dict[str, Any]:
         }
     results["expected"] = expected
     return results
+
+
+# --------------------------------------------------------------------------- 2b. DDP's overlap, and playing along
+
+
+def _overlapped(
+    rank: int, world: int, *, failures: dict[int, dict[int, str]], initial: int | None, hooked: bool, view: bool = False
+) -> dict[str, Any]:
+    """A step that succeeds, then one a rank fails, of a DDP model in four buckets; no zero_grad between them.
+
+    ``failures[rank][forward call]`` as in ``_accumulate_ddp`` (the first step's forwards come first). With
+    ``hooked``, a comm hook records, for each bucket it all-reduces, whether a backward was running.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), Inject(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+    ).to(DTYPE)
+    rows = 12
+    batches = [global_batch(world, rows, seed=80), global_batch(world, rows, seed=82)]
+    firsts = [full_grads(model, lambda m, b=b: F.mse_loss(m(b[0]), b[1])) for b in batches]
+    expected = [_add(a, b) for a, b in zip(*firsts, strict=True)]
+    # Buckets of about one layer each, once DDP rebuilt them after the first step.
+    ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=view)
+    in_backward: list[bool] = []
+    if hooked:
+        # Unannotated: DDP checks a hook's annotations, which are strings here (PEP 563).
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            in_backward.append(torch._C._current_graph_task_id() != -1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+    model[4].failures = failures.get(rank, {})
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    buckets = []
+    for x_all, y_all in batches:
+        step(local(x_all, rank, rows), local(y_all, rank, rows))
+        buckets.append(len(ddp.reducer._get_zeros_like_grad_buckets()))
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "in_backward": in_backward,
+        "buckets": buckets,
+        "ooms": len(events),
+        "rows": model[4].rows,
+    }
+
+
+@scenario("two", "three")
+def overlap_whole_batch_fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
+    # The second step's whole batch (call 1): rank 1's backward fails after the two last layers' buckets.
+    return _overlapped(rank, world, failures={1: {1: "backward"}}, initial=None, hooked=True)
+
+
+@scenario("two", "three")
+def overlap_last_micro_batch_fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
+    # Micro-batches of 4 (calls 0-2, then 3-5): the last rank fails the second step's last backward.
+    return _overlapped(rank, world, failures={world - 1: {5: "backward"}}, initial=4, hooked=True)
+
+
+@scenario("two", "three")
+def overlap_earlier_micro_batch_fails(rank: int, world: int) -> dict[str, Any]:
+    # Rank 0 fails the second step's second forward, under no_sync: it plays every bucket along.
+    return _overlapped(rank, world, failures={0: {4: "forward"}}, initial=4, hooked=True)
+
+
+@scenario("two")
+def overlap_default_hook(rank: int, world: int) -> dict[str, Any]:
+    return _overlapped(rank, world, failures={1: {1: "backward"}}, initial=None, hooked=False)
+
+
+@scenario("two")
+def overlap_gradients_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
+    # The first step's gradients are views of DDP's buckets, which the second step's backward writes.
+    return _overlapped(rank, world, failures={1: {5: "backward"}}, initial=4, hooked=False, view=True)
+
+
+@scenario("two")
+def overlap_peak_memory(rank: int, world: int) -> dict[str, Any]:
+    """Peak bytes of a DDP step on a simulated device: the hand loop's, then koila's, whole and in 4."""
+    model = _wide()
+    ddp = DDP(model)
+    x, y = data(32, 4, seed=90 + rank), data(32, 1, seed=92 + rank)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def hand(k: int) -> None:
+        pieces = list(zip(x.split(32 // k), y.split(32 // k), strict=True))
+        for index, (xb, yb) in enumerate(pieces):
+            with ddp.no_sync() if index < k - 1 else contextlib.nullcontext():
+                (F.mse_loss(ddp(xb), yb) * len(xb) / 32).backward()
+
+    peaks: dict[str, int] = {}
+    for k in (1, 4):
+        step = koila.accumulate(initial=32 // k, cache=koila.NoCache())(lambda a, b: F.mse_loss(ddp(a), b))
+        for present in (False, True):
+            for name, run in (("hand", functools.partial(hand, k)), ("koila", functools.partial(step, x, y))):
+                run()  # .grad as bucket views or not, DDP's buckets rebuilt: as in a loop's later steps
+                if not present:
+                    model.zero_grad(set_to_none=True)
+                with simulated_device("1GiB") as device:
+                    run()
+                peaks[f"{name} k={k}{' .grad present' if present else ''}"] = device.peak
+    return {"peaks": peaks, "gradient_bytes": gradient_bytes}
+
+
+@scenario("two")
+def overlap_served(rank: int, world: int) -> dict[str, Any]:
+    """Which DDP set-ups keep the overlap, and what a communication hook sees on each path."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+
+    hooked = net()
+    hooked[0].weight.register_post_accumulate_grad_hook(lambda parameter: None)
+    embedding = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)).to(DTYPE)
+    cases = {
+        "default": [DDP(net())],
+        "gradient_as_bucket_view": [DDP(net(), gradient_as_bucket_view=True)],
+        "find_unused_parameters": [DDP(net(), find_unused_parameters=True)],
+        "static_graph": [DDP(net(), static_graph=True)],
+        "sparse embedding": [DDP(embedding)],
+        "post-accumulate-grad hook": [DDP(hooked)],
+        "two modules": [DDP(net()), DDP(net())],
+    }
+    served = {name: overlap.overlaps(modules) for name, modules in cases.items()}
+    # A communication hook: called by DDP's reducer when the step keeps the overlap; on the
+    # fallback (find_unused_parameters=True here) not called, and a warning says so, once.
+    hooks: dict[str, Any] = {}
+    for name, options in (("overlap", {}), ("fallback", {"find_unused_parameters": True})):
+        ddp = DDP(net(), **options)
+        calls: list[int] = []
+
+        def hook(state, bucket, calls=calls):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        step = koila.accumulate(cache=koila.NoCache())(lambda x, y, ddp=ddp: F.mse_loss(ddp(x), y))
+        x, y = data(8, 4, seed=95 + rank), data(8, 1, seed=97 + rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(x, y)
+            step(x, y)
+        said = [str(w.message) for w in caught if "communication hook" in str(w.message)]
+        hooks[name] = {"calls": len(calls), "warnings": said}
+    return {"served": served, "hooks": hooks}
 
 
 # --------------------------------------------------------------------------- 3. gradients from before the call
@@ -873,8 +1014,9 @@ def discarded_attempt_is_released(rank: int, world: int) -> dict[str, Any]:
         call = len(model[2].rows)
         if call in (0, 3):  # the first micro-batch of each attempt
             accumulate_dead.append([ref() is None for ref in grad_refs])
-        if call == 2:  # the last micro-batch of the first attempt: earlier ones computed the gradients
-            grad_refs.extend(weakref.ref(gradient) for gradient in gradients_of_step().values())
+        if call == 2:  # the last micro-batch of the first attempt: earlier ones wrote the gradients
+            # into .grad, the step's own (DDP all-reduces them in the last one's backward)
+            grad_refs.extend(weakref.ref(p.grad) for p in model.parameters() if p.grad is not None)
         return F.mse_loss(ddp(x), y)
 
     step(x, y)

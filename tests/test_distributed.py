@@ -171,6 +171,75 @@ def test_accumulate_with_ddp_gives_the_full_batch_gradient_on_every_rank(
             assert event["where"] == f"rank {failing}"
 
 
+OVERLAPPED = [
+    # (scenario, the rank that fails)
+    ("overlap_whole_batch_fails_mid_backward", lambda world: 1),
+    ("overlap_last_micro_batch_fails_mid_backward", lambda world: world - 1),
+    ("overlap_earlier_micro_batch_fails", lambda world: 0),
+]
+
+
+@pytest.mark.parametrize("group", WORLDS)
+@pytest.mark.parametrize(("name", "failing"), OVERLAPPED, ids=[name for name, _ in OVERLAPPED])
+def test_ddp_all_reduces_during_the_backward_and_a_failed_rank_plays_along(
+    groups: Groups, group: str, name: str, failing: Any
+) -> None:
+    values = groups(group)[name]
+    failed = failing(len(values))
+    # Four buckets once DDP rebuilt them after the first step, one before: what the play-along reads.
+    assert same_on_every_rank(values, "buckets") == [1, 4]
+    for rank, value in enumerate(values):
+        assert value["ooms"] == 1, f"rank {rank}"
+        # Exact: the first step's average plus the second's, after the retry.
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+        calls = value["in_backward"]
+        if rank == failed:  # the buckets its reducer never launched: made after the backward, with zeros
+            assert False in calls, f"rank {rank} played no bucket along"
+        else:  # every bucket all-reduced while the backward ran: DDP's overlap
+            assert all(calls), f"rank {rank}: {calls}"
+    # The same number of all-reduces on every rank: none waits for one another rank never makes.
+    same_on_every_rank([{"count": len(value["in_backward"])} for value in values], "count")
+
+
+@pytest.mark.parametrize("name", ["overlap_default_hook", "overlap_gradients_as_bucket_views"])
+def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: Groups, name: str) -> None:
+    values = groups("two")[name]
+    assert same_on_every_rank(values, "buckets") == [1, 4]
+    for rank, value in enumerate(values):
+        assert value["ooms"] == 1, f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["overlap_served"]):
+        assert value["served"] == {
+            "default": True,
+            "gradient_as_bucket_view": True,
+            "find_unused_parameters": False,
+            "static_graph": False,
+            "sparse embedding": False,
+            "post-accumulate-grad hook": False,
+            "two modules": False,
+        }, f"rank {rank}"
+        hooks = value["hooks"]
+        assert hooks["overlap"] == {"calls": 2, "warnings": []}, f"rank {rank}"  # one bucket, two steps
+        assert hooks["fallback"]["calls"] == 0, f"rank {rank}"
+        assert len(hooks["fallback"]["warnings"]) == 1, f"rank {rank}"
+        assert "the hook is not called" in hooks["fallback"]["warnings"][0]
+
+
+def test_ddp_step_peaks_as_the_hand_loop(groups: Groups) -> None:
+    # Peak bytes counted exactly on a simulated device, against the hand loop in the same process.
+    for rank, value in enumerate(groups("two")["overlap_peak_memory"]):
+        peaks = value["peaks"]
+        for k in (1, 4):
+            assert peaks[f"koila k={k}"] <= 1.02 * peaks[f"hand k={k}"], f"rank {rank}: {peaks}"
+            # .grad present: set aside while the step runs, the one gradient buffer exactness costs.
+            present = peaks[f"koila k={k} .grad present"]
+            allowed = 1.02 * peaks[f"hand k={k} .grad present"] + value["gradient_bytes"]
+            assert present <= allowed, f"rank {rank}: {peaks}"
+
+
 @pytest.mark.parametrize("group", WORLDS)
 def test_accumulate_ranks_with_different_memory_limits(groups: Groups, group: str) -> None:
     # Simulated devices fitting micro-batches of 16, 4 and 8 of 32 rows: all settle on 4.

@@ -31,6 +31,7 @@ from koila_retry._core.cache import function_identity
 from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
 from koila_retry._core.engine import Attempt, Call, Controller, Sampled, run
 from koila_retry._core.memory import PeakMeter
+from koila_retry._core.overlap import Overlap, overlaps
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
 from koila_retry._diagnostics import exhausted
@@ -164,9 +165,11 @@ def accumulate(
             plain backward. Default: ``None``, ``loss.backward()``. See
             :doc:`accumulate`.
         ddp (DistributedDataParallel or list, optional): the DDP module the
-            step trains, or a list of them. Their micro-batches run under
-            ``no_sync()`` and the gradients are averaged across ranks once
-            per step, after the ranks agreed that it succeeded everywhere.
+            step trains, or a list of them. Every micro-batch but the last
+            runs under ``no_sync()``, and the last one's backward all-reduces
+            as DDP does it; a rank that fails plays along the all-reduces it
+            did not make, and the ranks agree (docs/distributed.rst, "DDP:
+            the overlap, kept").
             Default: the DDP modules the step reaches (through its
             arguments, closure, globals or ``self``), found at its first call.
         **options (Options): the shared options, the sizes being those of
@@ -353,10 +356,13 @@ class _Accumulator:
         attempt = self.controller.start(call)
         shards = self._sharded_step(roots) if attempt.agrees else self._sharded_alone(roots)
         if shards is not None:
-            return self._sharded(split, attempt, shards)
+            return self._planned(split, attempt, shards)
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
             sync.before_step()
+            if overlaps(sync.modules):
+                return self._planned(split, attempt, Overlap(sync.modules[0]))
+            self._warn_comm_hook(sync.modules)
         # Direct into .grad where nothing else may see it (see Gradients), an engine's backward=
         # included: each backward it starts is seen there. Under a process group, DDP's hooks
         # would see a direct backward: captured.
@@ -428,18 +434,21 @@ class _Accumulator:
                 stacklevel=levels_to_caller(),
             )
         if gradients.batchnorm and finished.size < rows and not self.warned_batchnorm:
-            self.warned_batchnorm = True
-            warn_or_log(
-                f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
-                f"{finished.size} rows while a BatchNorm layer in training mode took part: it normalises "
-                "each micro-batch with that micro-batch's statistics and updates its running statistics "
-                "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
-                "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
-                "instead. This warning is shown once.",
-                UserWarning,
-                stacklevel=levels_to_caller(),
-            )
+            self._warn_batchnorm(finished.size)
         return result
+
+    def _warn_batchnorm(self, size: int) -> None:
+        self.warned_batchnorm = True
+        warn_or_log(
+            f"koila.accumulate split a step of {self.controller.name} into micro-batches of "
+            f"{size} rows while a BatchNorm layer in training mode took part: it normalises "
+            "each micro-batch with that micro-batch's statistics and updates its running statistics "
+            "once per micro-batch, so the step differs from the full batch's. Use GroupNorm or "
+            "LayerNorm, or never split the batch: minimum=<batch size> raises BatchSizeExhausted "
+            "instead. This warning is shown once.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
 
     def _refuse_sharded_estimate(self, roots: tuple[Any, ...]) -> None:
         """Refuse ``initial="auto"`` over FSDP2 before any rank estimates: only those would join its collectives."""
@@ -469,43 +478,52 @@ class _Accumulator:
         # gradients would never reach them), and its state be reset after a failed attempt.
         return ShardedStep(modules, alone=True) if self.alone_sharded else None
 
-    def _sharded(self, split: Split, attempt: Attempt, shards: ShardedStep) -> Any:
-        """Run a step over FSDP2 modules: micro-batches with a plain backward, FSDP reducing the last one's."""
+    def _planned(self, split: Split, attempt: Attempt, plan: ShardedStep | Overlap) -> Any:
+        """Run a step over FSDP2 or DDP modules: micro-batches with a plain backward, the last one's reduced."""
         rows = split.rows
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
+        overlap = plan if isinstance(plan, Overlap) else None
+        # DDP expects the backward of a forward that syncs: the last micro-batch's runs even if it weighs 0.
+        ddp = overlap is not None
 
         def work(size: int) -> Results:
-            # Sync on for the last micro-batch only, as FSDP2 documents. The first begins before anything
-            # of the attempt can run out of memory: a rank that fails then plays along all of it.
+            # Sync on for the last micro-batch only, as FSDP2 and DDP document. The first begins before
+            # anything of the attempt can run out of memory: a rank that fails then plays along all of it.
             last = -(-rows // size) - 1
-            shards.micro_batch(last == 0, first=True)
+            plan.micro_batch(last == 0, first=True)
             results = Results(self, size)
             weights = self._weights(split, size) if size < rows else [1.0]
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
                 if index:
-                    shards.micro_batch(index == last, first=False)
+                    plan.micro_batch(index == last, first=False)
                 loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
-                if loss.requires_grad and weight != 0.0:
-                    # Into .grad, not captured: FSDP2's hooks turn the unsharded gradients into sharded ones.
+                if loss.requires_grad and (weight != 0.0 or (ddp and index == last)):
+                    # Into .grad, not captured: FSDP2's and DDP's hooks reduce what the backward writes.
                     self.backward(loss * weight if weight != 1.0 else loss, retain)
                     backed = True
                 del loss, args, kwargs
             if not backed:
                 self._check_no_grad_wanted(split)
+            if overlap is not None:
+                overlap.finished()
             return results
 
-        # The parameters' gradients set aside by reference, added back after: not safe while another
-        # thread trains the model, which FSDP2 does not allow anyway.
-        shards.before()
+        # The parameters' gradients set aside, added back after: not safe while another thread trains
+        # the model, which neither FSDP2 nor DDP allows anyway.
+        plan.before()
         try:
-            finished = run(attempt, work, rows=rows, undo=shards.undo)
+            # A rank that failed plays along DDP's buckets before the ranks agree (see overlap.py).
+            vote = None if overlap is None else overlap.play_along
+            finished = run(attempt, work, rows=rows, vote=vote, undo=plan.undo)
             result = finished.finish()
         except BaseException:
-            shards.give_back()
+            plan.give_back()
             raise
-        shards.restore()
+        plan.restore()
+        if overlap is not None and finished.size < rows and not self.warned_batchnorm and overlap.batchnorm_trains():
+            self._warn_batchnorm(finished.size)
         return result
 
     def _gradient_sync(self) -> GradientSync | None:
@@ -513,16 +531,20 @@ class _Accumulator:
         modules = self.ddp or self.controller.ddp_modules
         if not modules or not self.averages or not torch.is_grad_enabled():
             return None
+        return GradientSync(modules)
+
+    def _warn_comm_hook(self, modules: list[Any]) -> None:
+        """Warn, once, that a step all-reducing after its backward does not call a DDP communication hook."""
         if not self.warned_comm_hook and any(getattr(module, "_comm_hooks", None) for module in modules):
             self.warned_comm_hook = True
             warnings.warn(
-                f"{self.controller.name} trains a DistributedDataParallel module with a communication hook: "
-                "koila.accumulate averages the gradients with a plain all-reduce once the ranks agree that the "
-                "step succeeded, and the hook is not called. This warning is shown once.",
+                f"{self.controller.name} trains a DistributedDataParallel module with a communication hook "
+                "in a way that keeps DDP's overlap off (see docs/distributed.rst): koila.accumulate averages "
+                "the gradients with a plain all-reduce once the ranks agree that the step succeeded, and the "
+                "hook is not called. This warning is shown once.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=levels_to_caller(),
             )
-        return GradientSync(modules)
 
     def _estimated(self, split: Split, device: torch.device) -> AutoFirst:
         """Return what asks the estimates of a whole and a split step for the first size (``initial="auto"``)."""

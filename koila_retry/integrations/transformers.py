@@ -82,11 +82,11 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     DDP (several processes, ``torchrun``): the ranks agree on every micro-batch
     size, as :func:`~koila_retry.accumulate` makes them agree, so a rank that
     runs out of memory makes every rank run the same step again in micro-batches
-    (or give up with it) instead of leaving them waiting in an all-reduce. Each
-    micro-batch runs under DDP's ``no_sync()``, and the step's gradients are
-    averaged across the ranks once, after they agreed that it succeeded: the
-    averaged gradient is the one DDP gives, but it is no longer all-reduced while
-    the backward runs. The batch's item count, which ``prediction_step`` gathers
+    (or give up with it) instead of leaving them waiting in an all-reduce. Every
+    micro-batch but the last runs under DDP's ``no_sync()``; the last one's
+    backward all-reduces as DDP does it, and a rank that fails plays along the
+    all-reduces it did not make (docs/distributed.rst, "DDP: the overlap,
+    kept"). The batch's item count, which ``prediction_step`` gathers
     from every rank, is gathered once per step, before any attempt.
 
     FSDP2 (accelerate's FSDP plugin, ``fsdp_config={"version": 2, ...}``, which
