@@ -353,6 +353,18 @@ def test_an_integer_sum_reads_a_copy_in_int64() -> None:
     assert workspace_of(_aten.sum.default, (flags,)) >= 8 * 10**6
 
 
+def test_the_copy_of_a_strided_input_keeps_its_dims_order() -> None:
+    # x.to(int64), the copy a sum of int32 reads, gives a non-dense input dense strides in its own
+    # dims' order (empty_like's preserve_format), not contiguous ones: here the rows stay the fastest
+    # dim, so the lanes run along the reduced dim and no block stages its outputs.
+    x = torch.empty(4096, 1024, dtype=torch.int32, device="meta")[::2].t()  # [1024, 2048], strides (1, 2048)
+    copy = x.to(torch.int64)
+    assert copy.stride() == (1, 1024)
+    converted = workspace.cuda_rounding(copy.numel() * copy.element_size())
+    expected = converted + workspace_of(_aten.sum.dim_IntList, (copy, [0], True))
+    assert workspace_of(_aten.sum.dim_IntList, (x, [0], True)) == expected == 16 * MiB
+
+
 @pytest.mark.parametrize(
     ("memory_format", "expected"),
     [(torch.channels_last, 32 * MiB + 512), (torch.contiguous_format, 2560 + 512)],

@@ -363,7 +363,7 @@ def _import(module: str) -> Any:
             spec.loader.exec_module(loaded)
         except Exception as exc:
             del sys.modules[name]
-            raise Failure(f"importing {module} raised {type(exc).__name__}: {_one_line(str(exc))}") from None
+            raise Failure(_raised(f"importing {module}", exc)) from None
         return loaded
     try:
         return importlib.import_module(module)
@@ -372,9 +372,9 @@ def _import(module: str) -> Any:
             raise Failure(
                 f"no module named {exc.name!r} (looked in the current directory and on sys.path)", status=2
             ) from None
-        raise Failure(f"importing {module} raised ModuleNotFoundError: {_one_line(str(exc))}") from None
+        raise Failure(_raised(f"importing {module}", exc)) from None
     except Exception as exc:
-        raise Failure(f"importing {module} raised {type(exc).__name__}: {_one_line(str(exc))}") from None
+        raise Failure(_raised(f"importing {module}", exc)) from None
 
 
 def _build(target: Target, dtype: torch.dtype) -> nn.Module:
@@ -390,16 +390,14 @@ def _build(target: Target, dtype: torch.dtype) -> nn.Module:
         with _META:
             model = value()
     except Exception as exc:
-        raise Failure(f"{target.text}() raised {type(exc).__name__}: {_one_line(str(exc))}") from None
+        raise Failure(_raised(f"{target.text}()", exc)) from None
     if not isinstance(model, nn.Module):
         raise Failure(f"{target.text}() returned an object of type {type(model).__name__}, not a torch.nn.Module")
     try:
         # Whatever the factory made elsewhere moves to the meta device too: nothing is held as data.
         return model.to(device=_META, dtype=dtype)
     except Exception as exc:
-        raise Failure(
-            f"moving the model to the meta device raised {type(exc).__name__}: {_one_line(str(exc))}"
-        ) from None
+        raise Failure(_raised("moving the model to the meta device", exc)) from None
 
 
 def _step(model: nn.Module, mode: str, optimizer: str) -> Callable[..., None]:
@@ -490,14 +488,8 @@ def _table(found: MemoryEstimate, sizes: Sequence[int], budget: int, margin: flo
         parts = found.breakdown(size)
         fits = found.fits(size, budget, margin=margin)
         marker = "fits, the largest" if size == largest else "fits" if fits else ""
-        amounts = [
-            found.peak(size),
-            parts["parameters"],
-            parts["gradients"],
-            parts["optimizer state"],
-            parts["activations"] + parts["inputs"],
-            parts["temporaries"],
-        ]
+        amounts = [found.peak(size), *(parts[part] for part in ("parameters", "gradients", "optimizer state"))]
+        amounts += [parts["activations"] + parts["inputs"], parts["temporaries"]]
         rows.append([str(size), *map(format_bytes, amounts), marker])
         if following is not None and following > 2 * size:
             rows.append(["...", *[""] * (len(header) - 1)])
@@ -567,6 +559,10 @@ def _count(parameters: int) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _raised(what: str, exc: BaseException) -> str:
+    return f"{what} raised {type(exc).__name__}: {_one_line(str(exc))}"
 
 
 def _one_line(text: str) -> str:

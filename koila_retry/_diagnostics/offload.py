@@ -207,33 +207,24 @@ def offload(
 
     .. versionadded:: 0.1.0
     """
-    return Offload(_modules(model), _optimizers(optimizer))
+    modules = _listed(model, "model", torch.nn.Module, "a torch.nn.Module")
+    optimizers = _listed(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer", none_ok=True)
+    return Offload(modules, optimizers)
 
 
-def _modules(model: object) -> list[torch.nn.Module]:
-    allowed = "a torch.nn.Module, or a list or tuple of them"
-    if isinstance(model, torch.nn.Module):
-        return [model]
-    if not isinstance(model, (list, tuple)):
-        raise TypeError(f"koila.offload: model must be {allowed}, got {_describe(model)}")
-    for index, item in enumerate(model):
-        if not isinstance(item, torch.nn.Module):
-            raise TypeError(f"koila.offload: model[{index}] must be a torch.nn.Module, got {_describe(item)}")
-    return list(model)
-
-
-def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
-    allowed = "a torch.optim.Optimizer, a list or tuple of them, or None"
-    if optimizer is None:
+def _listed(value: object, name: str, kind: type, what: str, *, none_ok: bool = False) -> list[Any]:
+    """Return ``value``, one ``kind`` or a list or tuple of them (or ``None``, if ``none_ok``), as a list."""
+    if value is None and none_ok:
         return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    if not isinstance(optimizer, (list, tuple)):
-        raise TypeError(f"koila.offload: optimizer must be {allowed}, got {_describe(optimizer)}")
-    for index, item in enumerate(optimizer):
-        if not isinstance(item, torch.optim.Optimizer):
-            raise TypeError(f"koila.offload: optimizer[{index}] must be a torch.optim.Optimizer, got {_describe(item)}")
-    return list(optimizer)
+    if isinstance(value, kind):
+        return [value]
+    allowed = f"{what}, a list or tuple of them, or None" if none_ok else f"{what}, or a list or tuple of them"
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"koila.offload: {name} must be {allowed}, got {_describe(value)}")
+    for index, item in enumerate(value):
+        if not isinstance(item, kind):
+            raise TypeError(f"koila.offload: {name}[{index}] must be {what}, got {_describe(item)}")
+    return list(value)
 
 
 def _describe(value: object) -> str:

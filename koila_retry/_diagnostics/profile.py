@@ -198,14 +198,11 @@ def _line_cells(row: LineRow) -> list[str]:
     return [where, str(row.runs), format_bytes(row.peak), _signed(row.net), row.source]
 
 
-class _ModuleTally:
-    __slots__ = ("backward", "forward", "name", "type")
-
-    def __init__(self, name: str, type_name: str) -> None:
-        self.name = name
-        self.type = type_name
-        self.forward = Tally()
-        self.backward = Tally()
+class _ModuleTally(NamedTuple):
+    name: str
+    type: str
+    forward: Tally
+    backward: Tally
 
     def row(self) -> ModuleRow:
         ran = self.backward.runs > 0
@@ -220,13 +217,10 @@ class _ModuleTally:
         )
 
 
-class _LineTally:
-    __slots__ = ("code", "line", "tally")
-
-    def __init__(self, code: types.CodeType, line: int) -> None:
-        self.code = code
-        self.line = line
-        self.tally = Tally()
+class _LineTally(NamedTuple):
+    code: types.CodeType
+    line: int
+    tally: Tally
 
     def row(self) -> LineRow:
         file = self.code.co_filename
@@ -347,14 +341,11 @@ class _Backward:
             self.tally.add(*self.profiler.counter.close(scope))
 
 
-class _Call:
-    __slots__ = ("backward", "module", "scope", "tally")
-
-    def __init__(self, module: torch.nn.Module, tally: _ModuleTally, scope: Scope, backward: _Backward) -> None:
-        self.module = module
-        self.tally = tally
-        self.scope = scope
-        self.backward = backward
+class _Call(NamedTuple):
+    module: torch.nn.Module
+    tally: _ModuleTally
+    scope: Scope
+    backward: _Backward
 
 
 class _ModuleProfiler:
@@ -381,7 +372,7 @@ class _ModuleProfiler:
         name = self.names(module)
         tally = self.tallies.get(name)
         if tally is None:
-            tally = self.tallies[name] = _ModuleTally(name, type(module).__name__)
+            tally = self.tallies[name] = _ModuleTally(name, type(module).__name__, Tally(), Tally())
         backward = _Backward(self, tally.backward)
         if torch.is_grad_enabled():
             # Hooked before the forward runs, on the node that made the input as it came
@@ -480,7 +471,7 @@ class _LineProfiler:
             key = (frame.f_code, frame.f_lineno)
             tally = self.tallies.get(key)
             if tally is None:
-                tally = self.tallies[key] = _LineTally(frame.f_code, frame.f_lineno)
+                tally = self.tallies[key] = _LineTally(frame.f_code, frame.f_lineno, Tally())
             self.running[id(frame)] = (tally, self.counter.open())
         elif event == "return":  # also when an exception leaves the frame, and at a generator's yield
             self.end(id(frame))
@@ -494,6 +485,12 @@ class _LineProfiler:
 
     def rows(self) -> list[LineRow]:
         return [tally.row() for tally in self.tallies.values()]
+
+    def attach(self) -> list[RemovableHandle]:
+        return []  # no hooks: _call sets ``trace`` as the tracer
+
+    def detach(self) -> None:
+        self.running.clear()
 
 
 def _code_of(target: Any) -> types.CodeType:
@@ -529,14 +526,12 @@ def _watched(fn: Callable[..., Any], watch: Any) -> frozenset[types.CodeType]:
             f"by='line' profiles the lines of fn, and {fn!r} has none written in Python; "
             "pass the Python functions or modules it runs as watch="
         )
-    if isinstance(watch, (str, bytes)):
-        raise TypeError(f"watch= takes a function, a method, a module or an iterable of them, got {watch!r}")
-    if callable(watch) or isinstance(watch, torch.nn.Module):
-        return frozenset({_code_of(watch)})
-    if not isinstance(watch, Iterable):
+    if isinstance(watch, (str, bytes)) or not (callable(watch) or isinstance(watch, (torch.nn.Module, Iterable))):
         raise TypeError(
             f"watch= takes a function, a method, a module or an iterable of them, got {type(watch).__name__} {watch!r}"
         )
+    if callable(watch) or isinstance(watch, torch.nn.Module):
+        return frozenset({_code_of(watch)})
     return frozenset(_code_of(target) for target in watch)
 
 
@@ -579,36 +574,28 @@ def _argument_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
     return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
 
 
-class _Steps:
-    """Whether an optimizer's step is running: inside one, a value read from a meta tensor reads as 1.0."""
-
-    def __init__(self, counter: StorageCounter) -> None:
-        self.counter = counter
-
-    def attach(self) -> list[RemovableHandle]:
-        return [register_optimizer_step_pre_hook(self.entered), register_optimizer_step_post_hook(self.left)]
-
-    def entered(self, *_: Any) -> None:
-        self.counter.in_step += 1
-
-    def left(self, *_: Any) -> None:
-        self.counter.in_step -= 1
-
-
 def _call(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     counter: StorageCounter,
-    attach: Callable[[], list[RemovableHandle]],
-    tracer: Callable[..., Any] | None,
+    profiler: _ModuleProfiler | _LineProfiler,
 ) -> None:
-    """Call ``fn`` with the hooks (and tracer) on; take them off again however it ends."""
+    """Call ``fn`` with the profiler's hooks (or tracer) on; take them off again however it ends."""
     handles: list[RemovableHandle] = []
     previous = sys.gettrace()
+    tracer = profiler.trace if isinstance(profiler, _LineProfiler) else None
+
+    # Inside an optimizer's step, a value read from a meta tensor reads as 1.0.
+    def entered(*_: Any) -> None:
+        counter.in_step += 1
+
+    def left(*_: Any) -> None:
+        counter.in_step -= 1
+
     try:
-        handles += attach()
-        handles += _Steps(counter).attach()
+        handles += profiler.attach()
+        handles += [register_optimizer_step_pre_hook(entered), register_optimizer_step_post_hook(left)]
         counter.reset_peak()
         if tracer is not None:
             sys.settrace(tracer)
@@ -626,8 +613,7 @@ def _run(
     kwargs: dict[str, Any],
     owned: Owned,
     counter: StorageCounter,
-    attach: Callable[[], list[RemovableHandle]],
-    tracer: Callable[..., Any] | None,
+    profiler: _ModuleProfiler | _LineProfiler,
 ) -> int:
     """Run the call once, real or on meta tensors; return the bytes alive at its start."""
     if not counter.fake:
@@ -635,7 +621,7 @@ def _run(
             counter.adopt(tensor for _, tensor in owned.tensors())
             counter.adopt(_argument_tensors(args, kwargs))
             start = counter.live
-            _call(fn, args, kwargs, counter, attach, tracer)
+            _call(fn, args, kwargs, counter, profiler)
         return start
     meta_args, meta_kwargs = _remade_on_meta(args, kwargs)
     rng = torch.get_rng_state()
@@ -646,7 +632,7 @@ def _run(
             counter.adopt(_argument_tensors(meta_args, meta_kwargs))
             start = counter.live
             try:
-                _call(fn, meta_args, meta_kwargs, counter, attach, tracer)
+                _call(fn, meta_args, meta_kwargs, counter, profiler)
             except Exception as error:
                 if sys.version_info >= (3, 11):
                     error.add_note(
@@ -769,28 +755,22 @@ def profile(
     owned = Owned((fn, args, kwargs))
     target = resolve_device(device) if device is not None else _default_device(args, kwargs, owned)
     counter = StorageCounter(target, fake)
-    modules: _ModuleProfiler | None = None
-    lines: _LineProfiler | None = None
+    profiler: _ModuleProfiler | _LineProfiler = _LineProfiler(counter, codes)
     if by == "module":
-        modules = _ModuleProfiler(counter, _Names(fn, args, kwargs))
-        attach, tracer = modules.attach, None
-    else:
-        lines = _LineProfiler(counter, codes)
-        attach, tracer = list, lines.trace
+        profiler = _ModuleProfiler(counter, _Names(fn, args, kwargs))
     # A collection in the middle would free cyclic garbage at a moment of its own choosing, which
     # would differ from run to run, and was seen to fire weak-reference callbacks of meta storages
     # still in use: the figures follow reference counts alone.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        start = _run(fn, args, kwargs, owned, counter, attach, tracer)
+        start = _run(fn, args, kwargs, owned, counter, profiler)
     finally:
-        if modules is not None:
-            modules.detach()
+        profiler.detach()
         counter.clear()
         if collecting:
             gc.enable()
-    rows: list[Any] = modules.rows() if modules is not None else lines.rows() if lines is not None else []
+    rows: list[Any] = profiler.rows()
     named = fn.func if isinstance(fn, functools.partial) else fn
     name = getattr(named, "__qualname__", None) or type(named).__name__
     return MemoryProfile(by, target, fake, start, counter.peak, rows, name)

@@ -166,14 +166,7 @@ class MemoryReport:
             "reserved": self.reserved,
             "simulated": None if self.simulated is None else dict(zip(("live", "limit"), self.simulated, strict=True)),
             "rows": [
-                {
-                    "names": list(row.names),
-                    "kind": row.kind,
-                    "shape": None if row.shape is None else list(row.shape),
-                    "dtype": row.dtype,
-                    "nbytes": row.nbytes,
-                    "views": list(row.views),
-                }
+                {key: list(value) if isinstance(value, tuple) else value for key, value in row._asdict().items()}
                 for row in self.rows
             ],
         }

@@ -434,18 +434,12 @@ def suggest_batch_size(
     fitting: Fitting = _calibrated(fn, batch, found, available, margin) if calibrate else found
     size = fitting.largest_fitting(available, margin=margin, maximum=maximum)
     if size is None:
-        first, *notes = found.describe(1).splitlines()
-        raise BatchSizeExhausted(
-            "\n".join(
-                [
-                    f"even a batch of 1 does not fit: {first}, plus a margin of {margin:.0%}, "
-                    f"and {format_bytes(available)} are available on {found.device}",
-                    *notes,
-                ]
-            ),
-            batch_size=1,
-            attempts=0,
+        described, *notes = found.describe(1).splitlines()
+        message = (
+            f"even a batch of 1 does not fit: {described}, plus a margin of {margin:.0%}, "
+            f"and {format_bytes(available)} are available on {found.device}"
         )
+        raise BatchSizeExhausted("\n".join([message, *notes]), batch_size=1, attempts=0)
     if found.notes and fitting is found:  # a measured run followed the real branches
         warn_inexact(found, f"koila.suggest_batch_size chose {size} for {_name_of(fn)}")
     return size

@@ -108,12 +108,10 @@ def _envelope(lines: Iterable[Line], low: float) -> list[Line]:
         # The last line is never above both neighbours once the new one crosses the one before it first.
         while len(hull) >= 2:
             first, last = hull[-2], hull[-1]
-            if (line.intercept - first.intercept) * (last.slope - first.slope) >= (last.intercept - first.intercept) * (
-                line.slope - first.slope
-            ):
-                hull.pop()
-            else:
+            crossing = (line.intercept - first.intercept) * (last.slope - first.slope)
+            if crossing < (last.intercept - first.intercept) * (line.slope - first.slope):
                 break
+            hull.pop()
         hull.append(line)
     while len(hull) >= 2 and hull[1].at(low) >= hull[0].at(low):
         hull.pop(0)

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -112,77 +112,25 @@ class Lent:
 
 
 # Methods that only read, and methods that write (after which the mirror follows the real container).
-_DICT_READS = [
-    "__getitem__",
-    "__contains__",
-    "__iter__",
-    "__reversed__",
-    "__len__",
-    "__eq__",
-    "__ne__",
-    "__repr__",
-    "__or__",
-    "__ror__",
-    "get",
-    "keys",
-    "values",
-    "items",
-    "copy",
-]
+_READS = ["__getitem__", "__contains__", "__iter__", "__reversed__", "__len__", "__eq__", "__ne__", "__repr__", "copy"]
+_DICT_READS = [*_READS, "__or__", "__ror__", "get", "keys", "values", "items"]
 _DICT_WRITES = ["__setitem__", "__delitem__", "pop", "popitem", "setdefault", "update", "clear", "move_to_end"]
-_LIST_READS = [
-    "__getitem__",
-    "__contains__",
-    "__iter__",
-    "__reversed__",
-    "__len__",
-    "__eq__",
-    "__ne__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__repr__",
-    "__add__",
-    "__mul__",
-    "__rmul__",
-    "index",
-    "count",
-    "copy",
-]
+_LIST_READS = [*_READS, "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__mul__", "__rmul__", "index", "count"]
 _LIST_WRITES = ["__setitem__", "__delitem__", "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"]
 
 
-def _forwarding(name: str, writes: bool) -> Callable[..., Any]:
+def _forwarding(name: str, writes: bool, in_place: str | None = None) -> Callable[..., Any]:
+    """Return the proxy's method ``name``; with ``in_place``, an operator that calls that one and returns the proxy."""
+
     def method(self: Lent, /, *args: Any, **kwargs: Any) -> Any:
         view = self._view()
-        out = getattr(view, name)(*args, **kwargs)
+        out = getattr(view, in_place or name)(*args, **kwargs)
         if writes and view is self._real:
             self._mirror()
-        return out
+        return out if in_place is None else self
 
     method.__name__ = method.__qualname__ = name
     return method
-
-
-def _in_place(name: str, method_name: str) -> Callable[..., Any]:
-    def method(self: Lent, other: Any) -> Any:
-        view = self._view()
-        getattr(view, method_name)(other)
-        if view is self._real:
-            self._mirror()
-        return self
-
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-def _imul(self: Lent, times: Any) -> Any:
-    view = self._view()
-    view *= times
-    if view is self._real:
-        self._mirror()
-    return self
 
 
 class _LentMapping(Lent):
@@ -210,9 +158,9 @@ for _name in _LIST_READS:
 for _name in _LIST_WRITES:
     setattr(_LentSequence, _name, _forwarding(_name, writes=True))
 # In-place operators give back the proxy, so that ``proxy += x`` keeps the attribute a proxy.
-_LentMapping.__ior__ = _in_place("__ior__", "update")  # type: ignore[attr-defined]
-_LentSequence.__iadd__ = _in_place("__iadd__", "extend")  # type: ignore[attr-defined]
-_LentSequence.__imul__ = _imul  # type: ignore[attr-defined]
+_LentMapping.__ior__ = _forwarding("__ior__", True, "update")  # type: ignore[attr-defined]
+_LentSequence.__iadd__ = _forwarding("__iadd__", True, "extend")  # type: ignore[attr-defined]
+_LentSequence.__imul__ = _forwarding("__imul__", True, "__imul__")  # type: ignore[attr-defined]
 
 
 class _LentDict(_LentMapping, dict):  # type: ignore[type-arg]
@@ -303,13 +251,12 @@ class Swapping(TorchFunctionMode):
         return value
 
 
-class _Installed:
+class _Installed(NamedTuple):
     """The proxies put on one object, and its attributes as they were."""
 
-    __slots__ = ("owner", "proxies", "saved")
-
-    def __init__(self, owner: Any, saved: dict[str, Any], proxies: list[Lent]) -> None:
-        self.owner, self.saved, self.proxies = owner, saved, proxies
+    owner: Any
+    saved: dict[str, Any]
+    proxies: list[Lent]
 
 
 # Proxies that something still refers to weakly (a hook's RemovableHandle, made by another
@@ -469,24 +416,28 @@ class Owned:
         self.optimizers = list(optimizers.values())
         self.others = list(others.values())
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield every tensor the modules and optimizers hold, with its category."""
+    def _held(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """Yield the modules' and optimizers' tensors (not gradients), with their category and owning parameter."""
         for module in self.modules:
             for tensor in (*module._parameters.values(), *module._buffers.values()):
                 if tensor is not None:
-                    yield "parameters", tensor
-                    if tensor.grad is not None:
-                        yield "gradients", tensor.grad
+                    yield "parameters", tensor, None
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
-                    yield "parameters", parameter
-                    if parameter.grad is not None:
-                        yield "gradients", parameter.grad
-            for state in optimizer.state.values():
+                    yield "parameters", parameter, None
+            for parameter, state in optimizer.state.items():
+                yield "parameters", parameter, None
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        yield "optimizer state", value
+                        yield "optimizer state", value, parameter
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every tensor the modules and optimizers hold, with its category."""
+        for category, tensor, _ in self._held():
+            yield category, tensor
+            if category == "parameters" and tensor.grad is not None:
+                yield "gradients", tensor.grad
 
     def resident(self, device: torch.device, round_bytes: Callable[[int], int] | None) -> int:
         """Return the bytes of the tensors held that lie on ``device`` now."""
@@ -518,11 +469,10 @@ class Owned:
                 shape = sharding.shape_of(tensor, owner) if sharding is not None else None
                 if shape is not None:
                     fake = torch.empty(shape, dtype=tensor.dtype, device=META)
-                elif sharding is not None and sharding.held(tensor):
-                    with _disable_current_modes():  # counted as FSDP2's gathered buffers instead
-                        fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
                 else:
-                    fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
+                    held = sharding is not None and sharding.held(tensor)  # counted as FSDP2's gathered buffers
+                    with _disable_current_modes() if held else contextlib.nullcontext():
+                        fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
                 if isinstance(tensor, torch.nn.Parameter):
                     fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
                 elif tensor.requires_grad:
@@ -534,20 +484,8 @@ class Owned:
             return fake
 
         try:
-            for module in self.modules:
-                for table in (module._parameters, module._buffers):
-                    for tensor in table.values():
-                        if tensor is not None:
-                            fake_of(tensor, "parameters")
-            for optimizer in self.optimizers:
-                for group in optimizer.param_groups:
-                    for parameter in group["params"]:
-                        fake_of(parameter, "parameters")
-                for parameter, values in optimizer.state.items():
-                    fake_of(parameter, "parameters")
-                    for value in values.values():
-                        if isinstance(value, torch.Tensor):
-                            fake_of(value, "optimizer state", parameter)
+            for category, tensor, owner in self._held():
+                fake_of(tensor, category, owner)
             if sharding is not None:
                 # FSDP2 keeps every shard, also of a module whose gathered parameters it holds now.
                 for unit in sharding.units:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -360,8 +361,7 @@ class _GenericLayer(torch.autograd.Function):
         device, dtype = x.device, x.dtype
         piece = rows * hidden * x.element_size()
 
-        def new(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
+        new = functools.partial(torch.empty, dtype=dtype, device=device)
 
         # The input projection of the whole sequence, in one product: a 2-D view of a
         # contiguous input is multiplied as it is, the bias added in the same call; any
@@ -377,8 +377,7 @@ class _GenericLayer(torch.autograd.Function):
             if not keeps_input:
                 copy = None
             if b_ih is not None:
-                biased = new(steps, rows, gates)
-                projected = biased
+                projected = new(steps, rows, gates)  # allocated before the product it replaces is freed
         layer.pending.clear()  # what the direction before left alive until this projection was made
         if recording:
             # The last step's states are the results, kept for backward only by a plain RNN
@@ -420,8 +419,7 @@ class _GenericLayer(torch.autograd.Function):
         size = dtype.itemsize
         piece = rows * hidden * size
 
-        def new(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
+        new = functools.partial(torch.empty, dtype=dtype, device=device)
 
         # Steps run last to first, each freeing what it kept: the first ones, with
         # everything still kept, hold the most.

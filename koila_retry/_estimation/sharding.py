@@ -26,9 +26,9 @@ __all__ = ["Emulation", "Sharding", "plan"]
 _META = torch.device("meta")
 
 
-def padded_rows(rows: int, world: int) -> int:
-    """Return the rows of one rank's shard of a dim 0 of ``rows``: FSDP2 pads it to a multiple of ``world``."""
-    return -(-rows // world) if rows else 0
+def shard_size(size: torch.Size, world: int) -> torch.Size:
+    """Return the shape of one rank's shard of ``size``: FSDP2 pads dim 0 to a multiple of ``world``."""
+    return torch.Size([-(-size[0] // world), *size[1:]]) if size else size
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Sharding:
 
     def __init__(self, world: int, units: list[Unit]) -> None:
         self.world = world
-        self.units = units
+        self.units = sorted(units, key=lambda unit: not unit.root)
         self._shapes: dict[int, torch.Size] = {}
         self._held = {id(held) for unit in units for held in (*unit.holding.values(), *unit.swapped)}
         for unit in units:
@@ -72,12 +72,7 @@ class Sharding:
             if unit.params:
                 unit.dtype = unit.params[0].dtype
             for param, size in zip(unit.params, unit.sizes, strict=True):
-                self._shapes[id(param)] = self._shard(size)
-
-    def _shard(self, size: torch.Size) -> torch.Size:
-        if not size:
-            return size
-        return torch.Size([padded_rows(size[0], self.world), *size[1:]])
+                self._shapes[id(param)] = shard_size(size, world)
 
     def shape_of(self, tensor: torch.Tensor, owner: torch.Tensor | None = None) -> torch.Size | None:
         """Return the padded shape of one rank's copy of ``tensor`` (of ``owner``'s, for its grad or state), or None."""
@@ -85,7 +80,7 @@ class Sharding:
         if found is not None:
             return found
         if _is_dtensor(tensor):
-            return self._shard(tensor.size()) if tensor.dim() > 0 else None
+            return shard_size(tensor.size(), self.world) if tensor.dim() > 0 else None
         if owner is not None and id(owner) in self._shapes and tensor.size() == owner.size():
             # A managed parameter's gradient or moment, as it is before FSDP2 shards it.
             return self._shapes[id(owner)]
@@ -197,7 +192,6 @@ def _from_fsdp(modules: list[torch.nn.Module], fsdp: int | None) -> Sharding:
             f"fsdp={fsdp} differs from the {world} ranks the model is sharded over with fully_shard; "
             "leave fsdp out to estimate for the mesh it has"
         )
-    units.sort(key=lambda unit: not unit.root)
     return Sharding(world, units)
 
 
@@ -230,7 +224,6 @@ def _recipe(modules: list[torch.nn.Module], world: int) -> Sharding:
                         unit.params.append(param)
                     unit.places.append((owner, name, param))
             units.append(unit)
-    units.sort(key=lambda unit: not unit.root)
     return Sharding(world, units)
 
 
@@ -291,11 +284,7 @@ class Emulation:
 
     def _numels(self, unit: Unit) -> list[int]:
         """Each parameter's padded full numel, as FSDP2 gathers it."""
-        numels = []
-        for size in unit.sizes:
-            rest = math.prod(size[1:]) if len(size) > 1 else 1
-            numels.append(padded_rows(size[0], self.world) * self.world * rest if size else 1)
-        return numels
+        return [math.prod(shard_size(size, self.world)) * self.world if size else 1 for size in unit.sizes]
 
     def _alloc(self, numel: int, dtype: torch.dtype, category: str) -> torch.Tensor:
         tensor = torch.empty((numel,), dtype=dtype, device=_META)
@@ -449,7 +438,7 @@ class Emulation:
                 grads.append(full.grad)
                 full.grad = None
                 numels.append(numel)
-                shards.append((self.shards.get(id(param)), self._shard_size(size)))
+                shards.append((self.shards.get(id(param)), shard_size(size, self.world)))
         self.reshard(unit)
         self.reduce_scatters.clear()  # the previous module's input, kept until now
         if not grads:
@@ -472,9 +461,6 @@ class Emulation:
             offset += numel
         del output
         self.reduce_scatters.append(scatter)
-
-    def _shard_size(self, size: torch.Size) -> torch.Size:
-        return torch.Size([padded_rows(size[0], self.world), *size[1:]]) if size else size
 
     def _final(self) -> None:
         self.callback_queued = False

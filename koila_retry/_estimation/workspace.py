@@ -299,24 +299,6 @@ def _accumulator_size(kernel_input: torch.dtype, result: torch.Tensor) -> int:
     return int(result.element_size())
 
 
-def _dense_strides(x: torch.Tensor) -> list[int]:
-    """Return the strides ``x.to(dtype)`` gives its copy: the same where ``x`` is dense, else contiguous."""
-    order = sorted(range(x.dim()), key=lambda d: x.stride(d))
-    expected, dense = 1, True
-    for d in order:
-        if x.shape[d] != 1 and x.stride(d) != expected:
-            dense = False
-            break
-        expected *= x.shape[d]
-    if dense:
-        return list(x.stride())
-    contiguous, running = [0] * x.dim(), 1
-    for d in reversed(range(x.dim())):
-        contiguous[d] = running
-        running *= max(x.shape[d], 1)
-    return contiguous
-
-
 def _result_strides(x: torch.Tensor, dims: Sequence[int] | None, result: torch.Tensor) -> list[int]:
     """Return the result's strides, one per dim of ``x``, as the reduction views its result."""
     if result.dim() == x.dim():
@@ -335,7 +317,7 @@ def _reduction_bytes(x: torch.Tensor, dims: Sequence[int] | None, result: torch.
     kernel_input = x.dtype if x.dtype in _HALF_FLOATS and result.dtype == torch.float32 else result.dtype
     converted = 0
     if kernel_input != x.dtype:
-        x = torch.empty_strided(x.shape, _dense_strides(x), dtype=kernel_input, device="meta")
+        x = torch.empty_like(x, dtype=kernel_input, device="meta")  # the strides x.to(kernel_input) gives its copy
         converted = cuda_rounding(x.numel() * x.element_size())
     staging, semaphores = cuda_reduction_buffers(
         x, dims, _result_strides(x, dims, result), _accumulator_size(kernel_input, result), card
