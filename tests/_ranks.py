@@ -549,11 +549,23 @@ def overlap_served(rank: int, world: int) -> dict[str, Any]:
         "two modules": [DDP(net()), DDP(net())],
     }
     served = {name: overlap.overlaps(modules) for name, modules in cases.items()}
+    # The reducer's order, which play_along reads its backward stats by: as DDP builds it, with a
+    # shared layer, a frozen weight, nested modules and an ignored parameter.
+    shared = nn.Linear(4, 4)
+    tricky = nn.Sequential(shared, nn.Sequential(nn.Linear(4, 4), shared), nn.Linear(4, 1)).to(DTYPE)
+    tricky[1][0].weight.requires_grad_(False)
+    DDP._set_params_and_buffers_to_ignore_for_model(tricky, ["2.bias"])
+    ddp = DDP(tricky)
+    order_matches = overlap._reducer_order(ddp) == ddp._build_params_for_reducer()[0]
+    order_length = len(overlap._reducer_order(ddp))
     # A communication hook: called by DDP's reducer when the step keeps the overlap; on the
-    # fallback (find_unused_parameters=True here) not called, and a warning says so, once.
+    # fallback (a post-accumulate-grad hook here) not called, and a warning says so, once.
     hooks: dict[str, Any] = {}
-    for name, options in (("overlap", {}), ("fallback", {"find_unused_parameters": True})):
-        ddp = DDP(net(), **options)
+    for name in ("overlap", "fallback"):
+        model = net()
+        if name == "fallback":
+            model[0].weight.register_post_accumulate_grad_hook(lambda parameter: None)
+        ddp = DDP(model)
         calls: list[int] = []
 
         def hook(state, bucket, calls=calls):  # type: ignore[no-untyped-def]
@@ -569,7 +581,7 @@ def overlap_served(rank: int, world: int) -> dict[str, Any]:
             step(x, y)
         said = [str(w.message) for w in caught if "communication hook" in str(w.message)]
         hooks[name] = {"calls": len(calls), "warnings": said}
-    return {"served": served, "hooks": hooks}
+    return {"served": served, "hooks": hooks, "order_matches": order_matches, "order_length": order_length}
 
 
 # --------------------------------------------------------------------------- 3. gradients from before the call
@@ -626,7 +638,12 @@ class Branchy(nn.Module):
         return out + self.extra(h).sum(dim=1, keepdim=True) if extra else out
 
 
-def _unused(rank: int, world: int, **ddp_options: Any) -> dict[str, Any]:
+def _unused(rank: int, world: int, *, fallback: bool = False, **ddp_options: Any) -> dict[str, Any]:
+    """Two steps of ``Branchy``; rank 1 fails the first's forward, rank 0 the second's backward (whole batch).
+
+    ``fallback``: a post-accumulate-grad hook on ``never`` keeps the step off DDP's overlap (see
+    koila_retry/_core/overlap.py); else a comm hook records, per bucket, whether a backward was running.
+    """
     rows = 8
     model = Branchy()
     batches = [global_batch(world, rows, seed=30), global_batch(world, rows, seed=32)]
@@ -645,6 +662,16 @@ def _unused(rank: int, world: int, **ddp_options: Any) -> dict[str, Any]:
     ]
     ddp = DDP(model, find_unused_parameters=True, **ddp_options)
     model.inject.failures = {1: {0: "forward"}, 0: {3: "backward"}}.get(rank, {})
+    in_backward: list[bool] = []
+    if fallback:
+        model.never.weight.register_post_accumulate_grad_hook(lambda parameter: None)
+    else:
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            in_backward.append(torch._C._current_graph_task_id() != -1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
 
     @koila.accumulate(cache=koila.NoCache())
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -657,7 +684,8 @@ def _unused(rank: int, world: int, **ddp_options: Any) -> dict[str, Any]:
     names = [name for name, _ in model.named_parameters()]
     # No zero_grad() between the calls: after each, the sum of the averages so far.
     expected = [per_call[0], [_add(a, b) for a, b in zip(*per_call, strict=True)]]
-    return {"names": names, "after": after, "expected": expected, "rows": model.inject.rows}
+    buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+    return {"names": names, "after": after, "expected": expected, "in_backward": in_backward, "buckets": buckets}
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -669,15 +697,22 @@ def accumulate_unused_parameters(rank: int, world: int) -> dict[str, Any]:
     return _unused(rank, world)
 
 
-@scenario("two")
+@scenario("two", "three")
 def accumulate_unused_parameters_small_buckets(rank: int, world: int) -> dict[str, Any]:
-    # Buckets of 13 float64 values, and gradients of 128 bytes and up all-reduced in place, each alone
-    # (from 1 MiB up, usually): the weights of trunk and extra (used on rank 0 only) go alone, the rest
-    # share buckets, and more than one bucket is used.
+    # Four buckets, in order [extra.bias, never.*], [main.bias, extra.weight], [trunk.bias, main.weight],
+    # [trunk.weight]: rank 0's backward fails after main's and extra's gradients, the first two buckets
+    # launched (never's marked ready by DDP as unused), the other two and the used map played along.
+    return _unused(rank, world, bucket_cap_mb=0.0001)
+
+
+@scenario("two")
+def accumulate_unused_parameters_fallback(rank: int, world: int) -> dict[str, Any]:
+    # Off the overlap: gradients of 128 bytes and up all-reduced in place, each alone (from 1 MiB up,
+    # usually), the rest in buckets of 13 float64 values, more than one used.
     alone = distributed._ALONE_BYTES
     distributed._ALONE_BYTES = 128
     try:
-        return _unused(rank, world, bucket_cap_mb=0.0001)
+        return _unused(rank, world, fallback=True, bucket_cap_mb=0.0001)
     finally:
         distributed._ALONE_BYTES = alone
 

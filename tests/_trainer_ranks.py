@@ -131,6 +131,7 @@ def hf_training_and_evaluation(rank: int, world: int) -> dict[str, Any]:
     return {
         "distributed": str(trainer.accelerator.distributed_type).split(".")[-1],
         "wrapped": type(trainer.model_wrapped).__name__,
+        "find_unused": getattr(trainer.model_wrapped, "find_unused_parameters", None),
         "parameters": parameters(trainer.model),
         "expected": parameters(reference.model),
         "steps": (trainer.state.global_step, reference.state.global_step),

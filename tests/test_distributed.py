@@ -215,12 +215,14 @@ def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Gr
         assert value["served"] == {
             "default": True,
             "gradient_as_bucket_view": True,
-            "find_unused_parameters": False,
+            "find_unused_parameters": True,
             "static_graph": False,
             "sparse embedding": False,
             "post-accumulate-grad hook": False,
             "two modules": False,
         }, f"rank {rank}"
+        # shared (2), the nested layer's bias, the last weight: not the frozen weight or the ignored bias
+        assert (value["order_matches"], value["order_length"]) == (True, 4), f"rank {rank}"
         hooks = value["hooks"]
         assert hooks["overlap"] == {"calls": 2, "warnings": []}, f"rank {rank}"  # one bucket, two steps
         assert hooks["fallback"]["calls"] == 0, f"rank {rank}"
@@ -293,11 +295,25 @@ def test_accumulate_twice_adds_both_full_batch_gradients(groups: Groups, group: 
         ("two", "accumulate_unused_parameters"),
         ("three", "accumulate_unused_parameters"),
         ("two", "accumulate_unused_parameters_small_buckets"),
+        ("three", "accumulate_unused_parameters_small_buckets"),
+        ("two", "accumulate_unused_parameters_fallback"),
     ],
 )
 def test_parameters_used_on_some_ranks_or_none(groups: Groups, group: str, scenario: str) -> None:
     values = groups(group)[scenario]
     for rank, value in enumerate(values):
+        calls = value["in_backward"]
+        if scenario.endswith("fallback"):  # all-reduced by koila after the backward; the hook never called
+            assert calls == [], f"rank {rank}"
+        elif scenario.endswith("small_buckets"):
+            assert value["buckets"] == 4
+            # Per attempt, each bucket all-reduced in the backward (True) or played along after it (False).
+            # Rank 1 failed the first call's forward: it played all four. Rank 0 failed the second call's
+            # backward after two buckets had gone, never's marked ready by DDP as unused: it played two.
+            played = {1: [False] * 4, 0: [True] * 2 + [False] * 2}.get(rank, [True] * 4)
+            first = played if rank == 1 else [True] * 4
+            second = played if rank == 0 else [True] * 4
+            assert calls == first + [True] * 4 + second + [True] * 4, f"rank {rank}"
         names = value["names"]
         for call, (after, expected) in enumerate(zip(value["after"], value["expected"], strict=True)):
             assert_grads(after, expected, f"rank {rank}, after call {call + 1}: ")

@@ -2,17 +2,18 @@
 
 A rank that runs out of memory before or inside that backward never launches some of the buckets the
 other ranks wait in. So, before the ranks agree, it *plays along*: it works out which buckets its
-reducer launched (those whose every gradient was written, in the reducer's order) and makes the rest,
-with zeros, through DDP's own comm hook, as DDP's ``Join`` does for a rank with no input left. Then the
-ranks agree once, and every rank resets its reducer (``_reset_state``), as DDP does when its process
-group changes. docs/distributed.rst, "DDP: the overlap, kept", explains it to users.
+reducer launched (in the reducer's order, those whose every parameter it marked ready: its backward
+stats record when, so a changed entry is one of this backward) and makes the rest, with zeros, through
+DDP's own comm hook, as DDP's ``Join`` does for a rank with no input left, then the all-reduce of the
+used parameters that ``find_unused_parameters`` adds. Then the ranks agree once, and every rank resets
+its reducer (``_reset_state``), as DDP does when its process group changes. docs/distributed.rst, "DDP: the overlap, kept", explains it to users.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -21,51 +22,71 @@ if TYPE_CHECKING:
 
 __all__ = ["Overlap", "overlaps"]
 
+
 # Per DDP module, looked at once: its parameters if a failed rank can play along (else None), its BatchNorms.
-_KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[torch.nn.Parameter] | None, list[torch.nn.Module]]] = (
-    weakref.WeakKeyDictionary()
-)
+class _Known(NamedTuple):
+    """What a DDP module's step needs, looked at once: DDP fixes its parameters when it is built."""
+
+    parameters: list[torch.nn.Parameter]  # all of them, to set aside: DDP leaves ignored ones to accumulate
+    reduced: list[torch.nn.Parameter]  # the reducer's, in its order (a variable's index into backward stats)
+    norms: list[torch.nn.Module]  # BatchNorm layers, for the warning of a split step
+
+
+# Per DDP module: what its steps need, or None where a failed rank cannot play along.
+_KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.WeakKeyDictionary()
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
-_REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state")
+_REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state", "get_backward_stats")
 
 
 def overlaps(modules: list[DistributedDataParallel]) -> bool:
     """Return whether a step over ``modules`` can keep DDP's overlap; else it all-reduces after the backward."""
     if len(modules) != 1:  # two reducers interleave their buckets by readiness: no order to play along in
         return False
-    module = modules[0]
-    parameters = _parameters(module)
+    known = _known(modules[0])
     # A hook that runs after a gradient is written may fail before DDP's sees it.
-    return parameters is not None and not any(map(_HOOKS, parameters))
+    return known is not None and not any(map(_HOOKS, known.parameters))
 
 
-def _parameters(module: DistributedDataParallel) -> list[torch.nn.Parameter] | None:
-    """Return the module's parameters if its reducer lets a failed rank play along, else None (looked at once)."""
-    known = _KNOWN.get(module)
-    if known is not None:
-        return known[0]
-    reducer = getattr(module, "reducer", None)
-    # Readiness is read from the gradients: static graphs delay or count their hooks, the unused parameters
-    # DDP finds are marked ready without one, a sparse gradient has no bucket of zeros, delayed parameters
-    # are all-reduced by a hook of their own.
+def _known(module: DistributedDataParallel) -> _Known | None:
+    """Return what the module's steps need, or None if a failed rank cannot play along its reducer."""
+    if module in _KNOWN:
+        return _KNOWN[module]
+    reducer: Any = getattr(module, "reducer", None)
+    # Static graphs delay or count their hooks, a sparse gradient has no bucket of zeros, delayed
+    # parameters and skipped buckets are all-reduced, or not, by rules of their own.
     served = (
         reducer is not None
         and all(hasattr(reducer, name) for name in _REDUCER)
         and not getattr(module, "static_graph", False)
-        and not module.find_unused_parameters
         and not getattr(module, "skip_all_reduce_unused_params", False)
         and not getattr(module, "_use_python_reducer", False)
         and not getattr(module, "_delay_all_reduce_params", None)
         and not any(getattr(each, "sparse", False) for each in module.module.modules())
     )
-    # DDP's parameters are fixed when it is built; so, usually, are the layers that hold them.
-    parameters = list(module.parameters()) if served else None
-    norms: list[torch.nn.Module] = [
-        each for each in module.modules() if isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
-    ]
-    _KNOWN[module] = (parameters, norms)
-    return parameters
+    known = None
+    if served:
+        reduced = _reducer_order(module)
+        if len(reduced) == len(reducer.get_backward_stats()):
+            norms: list[torch.nn.Module] = [
+                each for each in module.modules() if isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
+            ]
+            known = _Known(list(module.parameters()), reduced, norms)
+    _KNOWN[module] = known
+    return known
+
+
+def _reducer_order(module: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """Return the parameters DDP gave its reducer, in its order: each module's own, those that need a gradient."""
+    ignored: set[str] = getattr(module, "parameters_to_ignore", set())
+    seen: set[int] = set()
+    order = []
+    for prefix, each in module.module.named_modules():
+        for name, parameter in each.named_parameters(recurse=False):
+            if parameter.requires_grad and f"{prefix}.{name}" not in ignored and id(parameter) not in seen:
+                seen.add(id(parameter))
+                order.append(parameter)
+    return order
 
 
 class Overlap:
@@ -74,14 +95,16 @@ class Overlap:
     def __init__(self, module: DistributedDataParallel) -> None:
         self.module = module
         self.reducer: Any = module.reducer
-        self.parameters = [parameter for parameter in _parameters(module) or () if parameter.requires_grad]
+        self.known = cast(_Known, _known(module))  # overlaps() said there is one
+        self.parameters = [parameter for parameter in self.known.parameters if parameter.requires_grad]
         # With gradients as bucket views, the reducer writes the bucket that .grad is a view of: what is
         # set aside must be a copy (the one buffer the exact rollback costs, and only when .grad is present).
         self.copies = bool(getattr(module, "gradient_as_bucket_view", False))
         self.aside: list[torch.Tensor | None] = []
         self.running = False  # an attempt began and has not finished its last micro-batch
-        self.synced = False  # the last micro-batch began: its backward launches buckets
-        self.before_sync: list[tuple[torch.Tensor | None, int]] | None = None  # each gradient, and its version
+        # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
+        # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
+        self.stats: list[int] | None = None
 
     def before(self) -> None:
         """Set the gradients the parameters have aside, so that the step's start from none."""
@@ -98,55 +121,51 @@ class Overlap:
         # rank that failed before its forward would miss the broadcast.
         attributes = vars(self.module)
         if first:
-            self.running, self.synced, self.before_sync = True, False, None
+            self.running, self.stats = True, None
             attributes["require_forward_param_sync"] = False
             attributes["require_backward_grad_sync"] = last
         elif last:
             attributes["require_backward_grad_sync"] = True
         if last:
-            self.synced = True
-            if not first:  # what the earlier micro-batches wrote: the backward adds into it, or replaces it
-                self.before_sync = [
-                    (grad, -1 if grad is None else grad._version)
-                    for grad in (parameter.grad for parameter in self.parameters)
-                ]
+            self.stats = self.reducer.get_backward_stats()
 
     def finished(self) -> None:
         """End an attempt whose micro-batches all ran."""
-        self.running, self.before_sync = False, None
+        self.running, self.stats = False, None
 
     def play_along(self) -> bool:
-        """After an attempt that failed here: make the buckets this rank never launched; return True (the vote)."""
+        """After an attempt that failed here: make the collectives this rank never made; return True (the vote)."""
         if not self.running:
             return True
         self.running = False
-        before, self.before_sync = self.before_sync, None
-        written = set()
-        if self.synced:
-            for index, parameter in enumerate(self.parameters):
-                grad = parameter.grad
-                was, version = (None, -1) if before is None else before[index]
-                if grad is not None and (grad is not was or grad._version != version):
-                    written.add(id(parameter))
-        del before
+        before, self.stats = self.stats, None
+        ready = set()
+        if before is not None:
+            now = self.reducer.get_backward_stats()
+            ready = {id(p) for p, was, is_ in zip(self.known.reduced, before, now, strict=True) if is_ != was}
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
         # Each bucket's zeros are made here, while no activation of the attempt is left.
         buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
         for bucket in buckets:
-            if not all(id(parameter) in written for parameter in bucket.parameters()):
+            if not all(id(parameter) in ready for parameter in bucket.parameters()):
                 break
             launched += 1
+        played = len(buckets) - launched
         futures = [self.reducer._run_comm_hook(bucket) for bucket in buckets[launched:]]
         del buckets
         for future in futures:
             future.wait()
+        if played and self.module.find_unused_parameters:
+            # Which parameters each rank used, all-reduced once the last bucket was launched.
+            used = torch.zeros_like(self.reducer._get_local_used_map())
+            torch.distributed.all_reduce(used, group=self.module.process_group)
         return True
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
-        self.running, self.before_sync = False, None
+        self.running, self.stats = False, None
         for parameter in self.parameters:
             parameter.grad = None
         # Every rank: a reducer that finished its backward expects a rebuild of its buckets otherwise
@@ -176,8 +195,7 @@ class Overlap:
 
     def batchnorm_trains(self) -> bool:
         """Return whether a BatchNorm layer of the module is in training mode."""
-        norms = _KNOWN[self.module][1]
-        return any(norm.training for norm in norms) if norms else False
+        return any(norm.training for norm in self.known.norms)
 
     def _sync_on(self) -> None:
         # As after a step DDP synchronised itself: its next forward outside koila broadcasts buffers.
