@@ -6,7 +6,8 @@ reducer launched (in the reducer's order, those whose every parameter it marked 
 stats record when, so a changed entry is one of this backward) and makes the rest, with zeros, through
 DDP's own comm hook, as DDP's ``Join`` does for a rank with no input left, then the all-reduce of the
 used parameters that ``find_unused_parameters`` adds. Then the ranks agree once, and every rank resets
-its reducer (``_reset_state``), as DDP does when its process group changes. docs/distributed.rst, "DDP: the overlap, kept", explains it to users.
+its reducer (``_reset_state``), as DDP does when its process group changes. docs/distributed.rst,
+"DDP: the overlap, kept", explains it to users.
 """
 
 from __future__ import annotations
