@@ -11,6 +11,7 @@ import collections
 import contextlib
 import copy
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import koila_retry as koila
 from koila_retry._core import distributed, overlap
+from koila_retry._diagnostics.report import HoldsGradients
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -49,6 +51,17 @@ def main(rank: int, group: str, port: int, directory: str) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def gradients_of_step() -> dict[int, torch.Tensor]:
+    """Return the gradients that the running ``koila.accumulate`` step computed so far (tests/test_hygiene.py)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, HoldsGradients):
+                return value.gradients_of_step()
+        frame = frame.f_back
+    raise AssertionError("no koila.accumulate step is running")
 
 
 def data(n: int, *shape: int, seed: int) -> torch.Tensor:
