@@ -597,6 +597,22 @@ def overlap_served(rank: int, world: int) -> dict[str, Any]:
     return {"served": served, "hooks": hooks, "order_matches": order_matches, "order_length": order_length}
 
 
+@scenario("two")
+def overlap_step_bypassing_ddp(rank: int, world: int) -> dict[str, Any]:
+    """A step that calls ``ddp.module``: DDP would average nothing, so every rank raises, .grad as it was."""
+    model = _wide()
+    ddp = DDP(model)
+    before = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for parameter, grad in zip(model.parameters(), before, strict=True):
+        parameter.grad = grad.clone()
+    step = koila.accumulate(cache=koila.NoCache())(lambda x, y: F.mse_loss(ddp.module(x), y))
+    caught_error = caught(lambda: step(data(8, 4, seed=99), data(8, 1, seed=98)))
+    # Still in step with each other: a collective after it completes.
+    dist.barrier()
+    kept = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))
+    return {"caught": caught_error, "kept": kept}
+
+
 # --------------------------------------------------------------------------- 3. gradients from before the call
 
 

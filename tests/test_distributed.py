@@ -230,6 +230,12 @@ def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Gr
         assert "the hook is not called" in hooks["fallback"]["warnings"][0]
 
 
+def test_a_step_that_bypasses_ddp_raises_on_every_rank(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["overlap_step_bypassing_ddp"]):
+        assert_error(value["caught"], RuntimeError, "did not call the module itself", "would not be averaged")
+        assert value["kept"], f"rank {rank}: .grad changed"
+
+
 def test_ddp_step_peaks_as_the_hand_loop(groups: Groups) -> None:
     # Peak bytes counted exactly on a simulated device, against the hand loop in the same process.
     for rank, value in enumerate(groups("two")["overlap_peak_memory"]):

@@ -130,9 +130,23 @@ class Overlap:
         if last:
             self.stats = self.reducer.get_backward_stats()
 
-    def finished(self) -> None:
-        """End an attempt whose micro-batches all ran."""
+    def finished(self, name: str) -> None:
+        """End an attempt whose micro-batches all ran.
+
+        Raises:
+            RuntimeError: if the module's parameters got gradients while its own forward did not run
+                in the last micro-batch: nothing all-reduced them.
+        """
         self.running, self.stats = False, None
+        # DDP sets the flag after a forward that syncs; it was cleared as the micro-batch began. Every rank
+        # raises alike, before any collective: none was made.
+        if not vars(self.module)["require_forward_param_sync"] and any(p.grad is not None for p in self.parameters):
+            raise RuntimeError(
+                f"{name} trains a DistributedDataParallel module whose parameters got gradients in a micro-batch "
+                "that did not call the module itself (its .module, say): DDP all-reduces only the gradients of a "
+                "backward that follows its own forward, so they would not be averaged across the ranks. Call the "
+                "DDP module itself in the step, as DDP requires"
+            )
 
     def play_along(self) -> bool:
         """After an attempt that failed here: make the collectives this rank never made; return True (the vote)."""

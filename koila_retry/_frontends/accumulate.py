@@ -507,7 +507,7 @@ class _Accumulator:
             if not backed:
                 self._check_no_grad_wanted(split)
             if overlap is not None:
-                overlap.finished()
+                overlap.finished(self.controller.name)
             return results
 
         # The parameters' gradients set aside, added back after: not safe while another thread trains
