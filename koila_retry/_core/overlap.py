@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
+from koila_retry._core.aside import SetAside
+
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -90,30 +92,21 @@ def _reducer_order(module: DistributedDataParallel) -> list[torch.nn.Parameter]:
     return order
 
 
-class Overlap:
+class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
     def __init__(self, module: DistributedDataParallel) -> None:
+        self.known = cast(_Known, _known(module))  # overlaps() said there is one
+        super().__init__([parameter for parameter in self.known.parameters if parameter.requires_grad])
         self.module = module
         self.reducer: Any = module.reducer
-        self.known = cast(_Known, _known(module))  # overlaps() said there is one
-        self.parameters = [parameter for parameter in self.known.parameters if parameter.requires_grad]
         # With gradients as bucket views, the reducer writes the bucket that .grad is a view of: what is
         # set aside must be a copy (the one buffer the exact rollback costs, and only when .grad is present).
         self.copies = bool(getattr(module, "gradient_as_bucket_view", False))
-        self.aside: list[torch.Tensor | None] = []
         self.running = False  # an attempt began and has not finished its last micro-batch
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
         self.stats: list[int] | None = None
-
-    def before(self) -> None:
-        """Set the gradients the parameters have aside, so that the step's start from none."""
-        aside = self.aside = [parameter.grad for parameter in self.parameters]
-        if self.copies:
-            self.aside = [None if grad is None else grad.clone() for grad in aside]
-        for parameter in self.parameters:
-            parameter.grad = None
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
@@ -181,32 +174,16 @@ class Overlap:
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
         self.running, self.stats = False, None
-        for parameter in self.parameters:
-            parameter.grad = None
+        super().undo()
         # Every rank: a reducer that finished its backward expects a rebuild of its buckets otherwise
         # that the failed rank's would not make.
         self.reducer._reset_state()
         self._sync_on()
 
     def restore(self) -> None:
-        """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
+        """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
         self._sync_on()
-        aside, self.aside = self.aside, []
-        for parameter, before in zip(self.parameters, aside, strict=True):
-            if before is None:
-                continue
-            if parameter.grad is not None:
-                before.add_(parameter.grad)
-            parameter.grad = before
-
-    def give_back(self) -> None:
-        """After a step that raised: the gradients set aside, as they were."""
-        for parameter in self.parameters:
-            parameter.grad = None
-        self._sync_on()
-        aside, self.aside = self.aside, []
-        for parameter, before in zip(self.parameters, aside, strict=True):
-            parameter.grad = before
+        super().restore()
 
     def batchnorm_trains(self) -> bool:
         """Return whether a BatchNorm layer of the module is in training mode."""

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from koila_retry._core import distributed
+from koila_retry._core.aside import SetAside
 
 __all__ = [
     "RanksFailed",
@@ -368,26 +369,18 @@ class Shards:
         reset(self.modules)
 
 
-class ShardedStep:
+class ShardedStep(SetAside):
     """What a training step over FSDP2 modules (``accumulate``) does about the gradients of all they reach."""
 
     def __init__(self, modules: list[torch.nn.Module], alone: bool = False) -> None:
+        # Every module the step reaches: FSDP2's hooks write the sharded parameters' .grad, a plain
+        # backward the others'.
+        reached = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
+        super().__init__(list(reached.values()))
         # alone (one rank, or sync=False): no agreement resets FSDP2 state after a failure, so undo does.
         self.alone = alone
         self.sharded = fsdp_modules(modules)
         self.roots = roots_of(self.sharded)
-        self.parameters = list(
-            {id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values()
-        )
-        self.aside: list[torch.Tensor | None] = []
-
-    def before(self) -> None:
-        """Set the gradients the parameters have aside (by reference), so the step's start from none."""
-        # FSDP2's hooks write the sharded parameters' .grad, so the step's backward runs as it is;
-        # restore adds these back.
-        self.aside = [parameter.grad for parameter in self.parameters]
-        for parameter in self.parameters:
-            parameter.grad = None
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""
@@ -402,27 +395,9 @@ class ShardedStep:
         """After an attempt that failed on some rank: its gradients dropped, gradient sync back on."""
         if self.alone:
             reset(self.sharded)
-        for parameter in self.parameters:
-            parameter.grad = None
+        super().undo()
         for root in self.roots:
             root.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    def restore(self) -> None:
-        """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
-        aside, self.aside = self.aside, []
-        for parameter, before in zip(self.parameters, aside, strict=True):
-            if before is None:
-                continue
-            if parameter.grad is not None:
-                before.add_(parameter.grad)
-            parameter.grad = before
-
-    def give_back(self) -> None:
-        """After a step that raised: the gradients set aside, as they were."""
-        self.undo()
-        aside, self.aside = self.aside, []
-        for parameter, before in zip(self.parameters, aside, strict=True):
-            parameter.grad = before
 
 
 def reset(modules: Iterable[torch.nn.Module]) -> None:

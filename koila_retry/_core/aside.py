@@ -1,0 +1,52 @@
+"""A training step whose backward writes ``.grad`` directly, with what was there set aside meanwhile.
+
+Steps over FSDP2 modules and over a DDP module that keeps its overlap run a plain backward, since
+their hooks must see it write ``.grad``. Exactness then rests on this: the gradients from before the
+call wait here, and the step's start from none, so a failed attempt's can be dropped whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SetAside"]
+
+
+class SetAside:
+    """The parameters' gradients from before a step, set aside while it runs and added back after it."""
+
+    copies = False  # set aside copies, where the step's backward writes into the tensors .grad holds
+
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        self.parameters = parameters
+        self.aside: list[torch.Tensor | None] = []
+
+    def before(self) -> None:
+        """Set the gradients the parameters have aside, so that the step's start from none."""
+        aside = self.aside = [parameter.grad for parameter in self.parameters]
+        if self.copies:
+            self.aside = [None if grad is None else grad.clone() for grad in aside]
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def undo(self) -> None:
+        """After an attempt that failed on some rank: drop its gradients."""
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def restore(self) -> None:
+        """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
+        aside, self.aside = self.aside, []
+        for parameter, before in zip(self.parameters, aside, strict=True):
+            if before is None:
+                continue
+            if parameter.grad is not None:
+                before.add_(parameter.grad)
+            parameter.grad = before
+
+    def give_back(self) -> None:
+        """After a step that raised: the gradients set aside, as they were."""
+        self.undo()
+        aside, self.aside = self.aside, []
+        for parameter, before in zip(self.parameters, aside, strict=True):
+            parameter.grad = before
