@@ -594,6 +594,11 @@ def overlap_served(rank: int, world: int) -> dict[str, Any]:
             step(x, y)
         said = [str(w.message) for w in caught if "communication hook" in str(w.message)]
         hooks[name] = {"calls": len(calls), "warnings": said}
+        # Inside the caller's own no_sync(): the step's gradients averaged once, and no_sync still on after it.
+        with ddp.no_sync():
+            step(x, y)
+            hooks[name]["no_sync kept"] = not ddp.require_backward_grad_sync
+        hooks[name]["calls in no_sync"] = len(calls) - hooks[name]["calls"]
     return {"served": served, "hooks": hooks, "order_matches": order_matches, "order_length": order_length}
 
 

@@ -103,6 +103,8 @@ class Overlap(SetAside):
         # With gradients as bucket views, the reducer writes the bucket that .grad is a view of: what is
         # set aside must be a copy (the one buffer the exact rollback costs, and only when .grad is present).
         self.copies = bool(getattr(module, "gradient_as_bucket_view", False))
+        # Gradient sync as the step found it: off inside the caller's own ``no_sync()``.
+        self.syncs = bool(vars(module).get("require_backward_grad_sync", True))
         self.running = False  # an attempt began and has not finished its last micro-batch
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
@@ -178,18 +180,20 @@ class Overlap(SetAside):
         # Every rank: a reducer that finished its backward expects a rebuild of its buckets otherwise
         # that the failed rank's would not make.
         self.reducer._reset_state()
-        self._sync_on()
+        self._settle_sync()
 
     def restore(self) -> None:
         """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
-        self._sync_on()
+        self._settle_sync()
         super().restore()
 
     def batchnorm_trains(self) -> bool:
         """Return whether a BatchNorm layer of the module is in training mode."""
         return any(norm.training for norm in self.known.norms)
 
-    def _sync_on(self) -> None:
-        # As after a step DDP synchronised itself: its next forward outside koila broadcasts buffers.
+    def _settle_sync(self) -> None:
+        # As after a step DDP synchronised itself: its next forward outside koila broadcasts buffers. The
+        # step's own gradients are averaged once even inside the caller's no_sync(), which stays on after it.
         attributes = vars(self.module)
-        attributes["require_backward_grad_sync"] = attributes["require_forward_param_sync"] = True
+        attributes["require_forward_param_sync"] = True
+        attributes["require_backward_grad_sync"] = self.syncs
