@@ -47,6 +47,12 @@ Run it with::
     tox -e bench -- --quick             # a fast, noisier run
     python benchmarks/ddp.py --rst      # how docs/performance.rst was made
     python benchmarks/ddp.py --rows 256 # more compute per all-reduce
+    python benchmarks/ddp.py --nccl     # one GPU: a process group of one over nccl
+
+With ``--nccl``, one process on one GPU (``cuda:0``) forms a process group of one over
+``nccl``. koila then agrees with itself (``sync=True``), so the table gives what the
+agreement and the overlap cost where collectives and the backward run on a GPU. Without
+a CUDA device that run says so and exits with status 1.
 
 The exit status is 0 whether or not the target is met; the verdict is printed.
 ``--no-peers`` is accepted, as by every benchmark, and changes nothing: there is no peer.
@@ -135,7 +141,7 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
             else:  # the last backward all-reduces the gradients, overlapped with itself
                 (loss_fn(ddp(xb), yb) * len(xb) / rows).backward()
 
-    @koila.accumulate(initial=m, ddp=ddp)
+    @koila.accumulate(initial=m, ddp=ddp, sync=True)  # sync=True: a group of one (--nccl) agrees too
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return loss_fn(ddp(xb), yb)
 
@@ -145,7 +151,8 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
 
     # The agreement by itself: its two exchanges (the start before the step, the outcome after it),
     # as koila makes them, around the hand loop. What any step that agrees pays, whatever else it does.
-    start_cells, after_cells = torch.zeros(5, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    start_cells = torch.zeros(5, dtype=torch.int64, device=x.device)
+    after_cells = torch.zeros(3, dtype=torch.int64, device=x.device)
 
     def bare_agreement() -> None:
         dist.all_reduce(start_cells, op=dist.ReduceOp.MIN)
@@ -164,7 +171,7 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
     found = gradients(ddp.module)
     equal = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(found, expected, strict=True))
     # Equal on every rank, or the run stops on every rank.
-    flag = torch.tensor([int(equal)])
+    flag = torch.tensor([int(equal)], device=x.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     setting.equal = bool(flag.item())
     if not setting.equal:
@@ -178,7 +185,8 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
     dist.barrier()
     start = time.perf_counter()
     hand()
-    steps = torch.tensor([max(1, round(BLOCK_SECONDS / (time.perf_counter() - start)))])
+    synchronize(x.device)
+    steps = torch.tensor([max(1, round(BLOCK_SECONDS / (time.perf_counter() - start)))], device=x.device)
     dist.broadcast(steps, 0)
     setting.steps = int(steps.item())
     setting.candidates = [
@@ -193,25 +201,33 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
     return setting
 
 
-def time_block(candidate: Candidate, steps: int) -> float:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, before a clock is read (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_block(candidate: Candidate, steps: int, device: torch.device) -> float:
     """Return the seconds per step of one block, on the slower rank; every rank calls it."""
     call = candidate.call
     dist.barrier()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         call()
-    seconds = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    synchronize(device)
+    seconds = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds.item())
 
 
-def run(settings: list[Setting], rounds: int, rank: int) -> None:
+def run(settings: list[Setting], rounds: int, rank: int, device: torch.device) -> None:
     """Time every candidate of every setting, interleaved: a block of each per round, rotated."""
     blocks = [(setting, candidate) for setting in settings for candidate in setting.candidates]
     for number in range(rounds):
         shift = number % len(blocks)
         for setting, candidate in blocks[shift:] + blocks[:shift]:
-            candidate.times.append(time_block(candidate, setting.steps))
+            candidate.times.append(time_block(candidate, setting.steps, device))
             problem = candidate.check() if candidate.check is not None else None
             if problem:
                 raise SystemExit(f"{candidate.name} left its happy path: {problem}")
@@ -267,7 +283,8 @@ def verdicts(settings: list[Setting]) -> tuple[list[str], list[list[str]], bool]
 
 def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    backend = "nccl" if args.nccl else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size(args))
     try:
         measure(rank, args)
     finally:
@@ -277,17 +294,17 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
 def measure(rank: int, args: argparse.Namespace) -> None:
     began = time.perf_counter()
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(
-        nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.ReLU(), nn.Linear(512, 10))
-    )
+    device = torch.device("cuda", rank) if args.nccl else torch.device("cpu")
+    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.ReLU(), nn.Linear(512, 10))
+    ddp = DistributedDataParallel(model.to(device), device_ids=[rank] if args.nccl else None)
     generator = torch.Generator().manual_seed(1 + rank)  # each rank its own rows
-    x = torch.randn(args.rows, 512, generator=generator)
-    y = torch.randint(0, 10, (args.rows,), generator=generator)
+    x = torch.randn(args.rows, 512, generator=generator).to(device)
+    y = torch.randint(0, 10, (args.rows,), generator=generator).to(device)
     parameters = sum(p.numel() for p in ddp.parameters())
     if rank == 0:
         print(
             f"MLP 512-2048-512-10 ({parameters / 1e6:.1f} M parameters) in DistributedDataParallel on "
-            f"{WORLD_SIZE} gloo processes, {args.rows} rows per rank; k = {', '.join(map(str, SPLITS))}, "
+            f"{place(args)}, {args.rows} rows per rank; k = {', '.join(map(str, SPLITS))}, "
             f"{args.rounds} rounds ...",
             flush=True,
         )
@@ -295,7 +312,7 @@ def measure(rank: int, args: argparse.Namespace) -> None:
     if rank == 0:
         for setting in settings:
             print(f"  {setting.label}: gradients of koila and the hand loop allclose: {setting.equal}", flush=True)
-    run(settings, args.rounds, rank)
+    run(settings, args.rounds, rank, x.device)
     if rank != 0:
         return
 
@@ -311,7 +328,7 @@ def measure(rank: int, args: argparse.Namespace) -> None:
     print_text(summary_header, summary)
     if args.rst:
         print()
-        print_rst(header, table, "@koila.accumulate with DDP, 2 gloo processes")
+        print_rst(header, table, f"@koila.accumulate with DDP, {place(args)}")
         print()
         print_rst(summary_header, summary, "@koila.accumulate with DDP against the target")
     if hasattr(os, "getloadavg"):
@@ -324,6 +341,14 @@ def measure(rank: int, args: argparse.Namespace) -> None:
     print(f"Measured: @koila.accumulate {verdict} it" + (f" (missed: {'; '.join(missed)})." if missed else "."))
 
 
+def world_size(args: argparse.Namespace) -> int:
+    return 1 if args.nccl else WORLD_SIZE
+
+
+def place(args: argparse.Namespace) -> str:
+    return "a process group of one over nccl, on one GPU" if args.nccl else f"{WORLD_SIZE} gloo processes"
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -334,16 +359,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, help="rounds (default 30; 4 with --quick)")
     parser.add_argument("--rows", type=int, default=ROWS, help="rows per rank and step (default %(default)s)")
+    parser.add_argument(
+        "--nccl", action="store_true", help="one process on one GPU, agreeing over nccl (sync=True) with itself"
+    )
     add_run_flags(parser, no_peers="accepted for tox -e bench; there is no peer here")
     args = parser.parse_args(argv)
     settle_rounds(parser, args)
     if args.rows < max(SPLITS) or args.rows % max(SPLITS):
         parser.error(f"--rows must be a multiple of {max(SPLITS)}")
     print(f"Python {platform.python_version()} on {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
-    print(f"torch {torch.__version__} (gloo, 1 thread per process), koila-retry {koila.__version__}")
+    print(f"torch {torch.__version__} (1 thread per process), koila-retry {koila.__version__}")
     if hasattr(os, "getloadavg"):
         print("load average before the run: " + ", ".join(f"{value:.2f}" for value in os.getloadavg()), flush=True)
-    mp.spawn(worker, args=(free_port(), args), nprocs=WORLD_SIZE)
+    if args.nccl and not torch.cuda.is_available():
+        print("--nccl needs a CUDA device; there is none here")
+        return 1
+    mp.spawn(worker, args=(free_port(), args), nprocs=world_size(args))
     return 0
 
 
