@@ -177,8 +177,8 @@ class Overlap(SetAside):
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
         self.running, self.stats = False, None
         super().undo()
-        # Every rank: a reducer that finished its backward expects a rebuild of its buckets otherwise
-        # that the failed rank's would not make.
+        # Every rank, not only the failed one: a reset reducer rebuilds its buckets (a broadcast) after
+        # its next backward, and a rebuild that only some ranks made would leave the others waiting.
         self.reducer._reset_state()
         self._settle_sync()
 
