@@ -608,3 +608,34 @@ def test_a_step_that_returns_a_tuple_subclass_gets_it_back_when_split() -> None:
     torch.testing.assert_close(result[0], whole[0].detach())
     torch.testing.assert_close(result[1].values, whole[1].values.detach())
     torch.testing.assert_close(result[1].indices, whole[1].indices)
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 3), max_size=3), min_size=1, max_size=4),
+    dim=st.integers(-2, 2),
+    half=st.booleans(),
+)
+def test_tensor_arguments_by_position_split_as_by_keyword(shapes: list[list[int]], dim: int, half: bool) -> None:
+    # Tensors by position take a shorter way than by keyword or in containers: the same split, or the same refusal.
+    tensors = [
+        torch.zeros(shape, dtype=torch.float16 if half and i else torch.float32) for i, shape in enumerate(shapes)
+    ]
+    names = [f"t{i}" for i in range(len(tensors))]
+    made: list[Split | str] = []
+    for args, kwargs in ((tuple(tensors), {}), ((), dict(zip(names, tensors, strict=True)))):
+        try:
+            made.append(Split(args, kwargs, dim, "test"))
+        except ValueError as error:
+            made.append(type(error).__name__)
+    by_position, by_keyword = made
+    if isinstance(by_position, str) or isinstance(by_keyword, str):
+        assert by_position == by_keyword
+        return
+    assert (by_position.rows, by_position.split) == (by_keyword.rows, by_keyword.split)
+    assert (by_position.sample, by_position.per_sample) == (by_keyword.sample, by_keyword.per_sample)
+    assert by_position.device == by_keyword.device
+    assert all(mine is theirs for mine, theirs in zip(by_position.tensors, by_keyword.tensors, strict=True))
+    end = min(by_position.rows, 1)
+    positional, _ = by_position.chunk(0, end)
+    _, named = by_keyword.chunk(0, end)
+    assert [tensor.shape for tensor in positional] == [named[name].shape for name in names]

@@ -300,3 +300,19 @@ def test_disk_cache_with_a_users_key_starts_the_next_run_at_the_size_that_worked
     assert run_once() == (16, 2)
     assert json.loads(path.read_text())["sizes"] == {f"('evaluation', {describe_device(CPU)})": 16}
     assert run_once() == (16, 0)  # a new cache on the file: a hit, with no OOM
+
+
+def test_stack_key_with_a_sample_is_the_innermost_frame_of_a_deep_key() -> None:
+    # accumulate's keys (with a sample) are made without the deep key's walk: the same tuple.
+    def keys_of(caller: FrameType) -> tuple[Hashable, Hashable, int]:
+        # The caller waits at one bytecode offset while this runs.
+        made = koila.stack_key(evaluate, caller, CPU, SAMPLE), koila.deep_stack_key(2)(evaluate, caller, CPU, SAMPLE)
+        return (*made, caller.f_lasti)
+
+    frame = sys._getframe(0)
+    with simulated_device("64MiB"):
+        shallow, deep, offset = keys_of(frame)
+    code = frame.f_code
+    assert shallow == (evaluate, CPU, 27, SAMPLE, code.co_filename, code.co_name, offset)
+    assert isinstance(deep, tuple)
+    assert deep[:7] == shallow

@@ -61,6 +61,10 @@ def stack_key(function: object, caller: FrameType | None, device: torch.device, 
         code = caller.f_code
         bucket = recent_free_memory(device).bit_length()
         return (function, device, bucket, code.co_filename, code.co_name, caller.f_lasti)
+    if caller is not None:  # every call of accumulate or chunked: _ONE_FRAME's tuple, made without its walk
+        code = caller.f_code
+        bucket = recent_free_memory(device).bit_length()
+        return (function, device, bucket, sample, code.co_filename, code.co_name, caller.f_lasti)
     return _ONE_FRAME(function, caller, device, sample)
 
 

@@ -605,8 +605,13 @@ class _Accumulator:
         results = Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each
-        # backward. It is freed with the arguments, as usual.
-        retain = any(tensor.grad_fn is not None for tensor in split.tensors)
+        # backward. It is freed with the arguments, as usual. A loop, not any() over a
+        # generator: every call of a step pays for this.
+        retain = False
+        for tensor in split.tensors:
+            if tensor.grad_fn is not None:
+                retain = True
+                break
         meter = None if attempt is None else attempt.meter
         if meter is not None:
             backed = self._measured(split, size, gradients, cast(Attempt, attempt), meter, results, retain, auto)

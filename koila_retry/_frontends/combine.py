@@ -45,14 +45,16 @@ class Results:
 
     def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
         """Check one micro-batch's result, keep its parts (weighted by ``weight``), and return its loss."""
-        loss = loss_of(result, self.step.controller.name)
-        if loss is result:  # the usual case, kept without flattening
+        # The usual case, a scalar tensor, kept without flattening: what loss_of would return, checked as it checks.
+        if isinstance(result, TensorBase) and result.numel() == 1:
             if self.spec is None:
                 self.spec, self.kinds, self.columns = _LEAF_SPEC, [_LOSS], [[]]
             elif self.spec is not _LEAF_SPEC:
                 self._changed(_LEAF_SPEC)
-            self.columns[0].append((_kept(loss), weight))
-            return cast(torch.Tensor, loss)  # the identity check above leaves mypy with Any
+            self.columns[0].append((_kept(result), weight))
+            # Not cast(), a call, which every call of a step would make.
+            return result  # type: ignore[return-value]  # a TensorBase, as loss_of returns it
+        loss = loss_of(result, self.step.controller.name)  # a container's loss, or the error for any other result
         leaves, spec = flatten(result)
         kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
         if self.spec is None:
