@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,8 +115,10 @@ class Float32MLP(MLP):
     def __init__(self) -> None:
         super().__init__()
         self.net = self.net.float()
+        self.autocast: list[bool] = []  # per call of the step: whether autocast was on
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
         x, y = batch
         return F.cross_entropy(self.net(x.float()), y)
 
@@ -133,6 +136,10 @@ def test_bf16_mixed_precision_under_the_limit_matches_the_unlimited_run() -> Non
             model, loader(rows=128)
         )
     assert events
+    # The whole batch's backward ran out of memory in Lightning's, outside the step's autocast:
+    # the step ran again under it.
+    assert len(model.autocast) > 3
+    assert all(model.autocast), model.autocast
     # The micro-batches' bf16 matmuls round differently from the whole batch's.
     assert_same_parameters(model, reference, rtol=2e-2, atol=2e-3)
 
@@ -769,3 +776,112 @@ def test_a_parameters_hooks_run_once_per_batch_on_its_whole_gradient_as_without_
     model.net[0].weight.grad = None
     model.net(torch.ones(1, 16, dtype=torch.float64)).sum().backward()
     assert len(model.accumulations) == 4
+
+
+class Staged(L.pytorch.callbacks.Callback):  # type: ignore[misc]
+    """Says whether the loop's backward is running: between ``on_before_backward`` and ``on_after_backward``."""
+
+    def __init__(self) -> None:
+        self.in_loop_backward = False
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.in_loop_backward = True
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.in_loop_backward = False
+
+
+class Traced(Lean):
+    """Records where the backward of each step's loss runs, and keeps a weak reference to each step's graph."""
+
+    def __init__(self, staged: Staged) -> None:
+        super().__init__()
+        self.staged = staged
+        self.backward_in_loop: list[bool] = []
+        self.activations: list[weakref.ref[torch.Tensor]] = []
+        self.dead_before: list[bool] = []  # per call of the step: whether every earlier call's graph is gone
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.dead_before.append(all(reference() is None for reference in self.activations))
+        x, y = batch
+        # A copy of the batch that only the graph holds, saved by the node a backward runs last.
+        copy = x.clone()
+        self.activations.append(weakref.ref(copy))
+        loss = F.cross_entropy(self.net(copy), y)
+        loss.register_hook(lambda gradient: self.backward_in_loop.append(self.staged.in_loop_backward))
+        return loss
+
+
+def test_nothing_failing_a_training_step_runs_whole_and_lightnings_backward_backpropagates_it() -> None:
+    """As without the callback: one forward of the batch in the step, its backward in the loop's."""
+    reference = Lean()
+    trainer().fit(reference, loader(rows=128))
+    staged = Staged()
+    model = Traced(staged)
+    events: list[Any] = []
+    trainer(OOMRecovery(on_oom=events.append), staged).fit(model, loader(rows=128))
+    assert events == []
+    assert model.backward_in_loop == [True, True, True], "backpropagated by Lightning's backward, once a step"
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+    assert "backward" not in vars(model), "the module's backward is its class's again"
+
+
+# Batches of 64 rows of Lean: its forward fits in this and its backward does not (660 KiB fits neither
+# the whole step nor less than its forward, 890 KiB the whole step).
+BACKWARD_LIMIT = "700KiB"
+
+
+def test_an_oom_in_lightnings_backward_of_a_step_that_ran_whole_runs_it_again_in_micro_batches() -> None:
+    reference = Lean()
+    trainer().fit(reference, loader(rows=128))
+    staged = Staged()
+    model = Traced(staged)
+    events: list[Any] = []
+    inside: list[bool] = []
+
+    def on_oom(event: Any) -> None:
+        events.append(event)
+        inside.append(staged.in_loop_backward)
+
+    with simulated_device(BACKWARD_LIMIT):
+        trainer(OOMRecovery(on_oom=on_oom), staged).fit(model, loader(rows=128))
+    assert events, "the training step never ran out of memory: the limit is too high to test anything"
+    # The step ran whole and its loss's backward, Lightning's, ran out of memory; the step then ran
+    # again inside that backward, through accumulate: whole (out of memory again), then split.
+    assert model.backward_in_loop[0] is True
+    assert inside[0] is True
+    assert events[0].batch_size == 64
+    # The graph of the attempt that failed was gone before the step ran again.
+    assert model.dead_before[1] is True
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    assert "backward" not in vars(model)
+
+
+def test_an_oom_in_the_forward_of_a_step_that_ran_whole_runs_it_again_in_micro_batches() -> None:
+    reference = Lean()
+    trainer().fit(reference, loader(rows=128))
+    staged = Staged()
+    model = Traced(staged)
+    events: list[Any] = []
+    with simulated_device("400KiB"):  # less than the whole batch's forward
+        trainer(OOMRecovery(on_oom=events.append), staged).fit(model, loader(rows=128))
+    assert events
+    assert events[0].batch_size == 64
+    assert model.dead_before[1] is True, "the failed forward's tensors were gone before the step ran again"
+    # Every backward since ran inside the step, as accumulate runs it: a size is known now.
+    assert True not in model.backward_in_loop
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("setting", ["initial", "accumulate_grad_batches", "hook"])
+def test_where_the_whole_step_cannot_be_undone_it_runs_through_accumulate_from_the_start(setting: str) -> None:
+    """With ``initial=``, a window of batches in ``.grad`` or a hook on a parameter, every backward runs in the step."""
+    staged = Staged()
+    model = Traced(staged)
+    options: dict[str, Any] = {"accumulate_grad_batches": 2} if setting == "accumulate_grad_batches" else {}
+    if setting == "hook":
+        model.net[0].bias.register_hook(lambda gradient: gradient)
+    recovery = OOMRecovery(initial=64) if setting == "initial" else OOMRecovery()
+    trainer(recovery, staged, **options).fit(model, loader(rows=256))
+    assert model.backward_in_loop
+    assert True not in model.backward_in_loop

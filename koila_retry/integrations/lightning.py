@@ -2,11 +2,12 @@
 
 It exists so that an unchanged ``LightningModule`` survives out-of-memory errors without
 changing its training (docs/trainers.rst says how, and what it does not do). The one fact
-to know: Lightning runs ``training_step``, then ``zero_grad``, then its own backward, so
-the step runs its micro-batches' backward inside ``training_step`` (the only place an OOM
-can still be recovered), takes the gradients out of ``.grad``, and hands them to the
-loop's backward through ``_Delivery``: everything after the backward sees the whole
-batch's gradient, once.
+to know: Lightning runs ``training_step``, then ``zero_grad``, then its own backward. On
+one device a step first runs whole, its backward left to the loop's, where a failure can
+be undone and the step run again inside that backward (``_Step._whole``). Otherwise the
+step runs its micro-batches' backward inside ``training_step``, takes the gradients out
+of ``.grad``, and hands them to the loop's backward through ``_Delivery``: everything
+after the backward sees the whole batch's gradient, once.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.xla import XLAStrategy
 
 from koila_retry._common.batches import Split
+from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
+from koila_retry._frontends.batch import Batched
 from koila_retry.exceptions import BatchSizeExhausted
 
 if TYPE_CHECKING:
@@ -192,6 +195,13 @@ class _Delivery(torch.autograd.Function):
 _Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
 
 
+def _watched(parameters: list[torch.nn.Parameter]) -> bool:
+    """Return whether a parameter has a hook (``register_hook``, post-accumulate)."""
+    return any(
+        parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None) for parameter in parameters
+    )
+
+
 def _suspended(parameters: list[torch.nn.Parameter]) -> _Hooks:
     """Take the hooks off the parameters that have any (``register_hook``, post-accumulate); return them."""
     # Emptied in place: autograd holds these dicts themselves.
@@ -238,8 +248,10 @@ class _Step:
         self.module: pl.LightningModule | None = None
         self.target: Callable[..., Any] = _unset
         self.owner: tuple[type, str | None] | None = None  # the module class and its micro-batches' backward
-        self.run: Callable[..., Any] = _unset
-        self.unsplit: Callable[..., Any] = _unset  # runs a batch that cannot be split, whole (see _call)
+        self.run: Batched[..., Any] = cast("Batched[..., Any]", _unset)
+        self.unsplit: Batched[..., Any] = cast(
+            "Batched[..., Any]", _unset
+        )  # runs a batch that cannot be split, whole (see _call)
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
         self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
         self.stand_in: torch.Tensor | None = None
@@ -254,6 +266,11 @@ class _Step:
         self.keywords: frozenset[str] = frozenset()  # its parameters' names
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
+        # Whether a training step may run whole with the loop's own backward (see _whole): until one
+        # runs out of memory there.
+        self.trusting = True
+        # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
+        self.pending: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any], list[torch.nn.Parameter]] | None = None
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -265,6 +282,9 @@ class _Step:
         if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
             self.owner = (type(module), how)
             self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", how)
+            self.trusting = True
+        # A cache that knows a size (a DiskCache of an earlier run, say) knows better than the whole batch.
+        self.trusting = self.trusting and not self.run.cache_info().currsize
         run = self._train if self.train else self._evaluate
 
         @functools.wraps(self.target)
@@ -276,6 +296,8 @@ class _Step:
     def uninstall(self, module: pl.LightningModule) -> None:
         if self.module is module and self.name in vars(module):
             delattr(module, self.name)
+        if self.module is module:
+            self._forget(module)
         self.module = self.trainer = None
         self.target = self.log = _unset
         self.signature, self.stand_in = None, None
@@ -285,7 +307,7 @@ class _Step:
             raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
         return self.trainer, self.module
 
-    def _decorated(self, name: str, how: str | None) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _decorated(self, name: str, how: str | None) -> tuple[Batched[..., Any], Batched[..., Any]]:
         """Return the step as ``koila.accumulate`` runs it, named after the module's own, and as it runs whole."""
         if self.train:
 
@@ -429,11 +451,16 @@ class _Step:
 
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()
+        self._forget(module)  # a step whose loss the loop did not backpropagate
         parameters = _trainable(module)
         # Those Lightning is about to set to None are released now, not set aside: the step
         # then runs as a hand loop does, with no earlier gradient alive (see _released).
         released = self._released(trainer, module)
         self.batch_idx = None
+        if self._trusted(trainer, module, parameters, released) and not _no_rows(args, kwargs):
+            output = self._whole(module, parameters, args, kwargs)
+            if output is not _FAILED:
+                return output
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
         self.parts, self.scale, skipped = [], None, False
         vars(module)["log"] = self._record  # not through Module.__setattr__, which looks for tensors
@@ -488,6 +515,103 @@ class _Step:
         if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
             return {**output, "loss": deliver(output["loss"])}
         return output
+
+    def _trusted(
+        self, trainer: pl.Trainer, module: pl.LightningModule, parameters: list[torch.nn.Parameter], released: set[int]
+    ) -> bool:
+        """Return whether the step may run whole, its backward left to the loop (see :meth:`_whole`)."""
+        # The loop's backward must be a plain one of the loss, on one device, into gradients that
+        # are None (released) and that no hook watches: a failure there can then be undone by
+        # setting them to None, and the step run again in micro-batches in its place.
+        return (
+            self.trusting
+            and self.options.get("initial") is None
+            and type(trainer.strategy) is SingleDeviceStrategy
+            and trainer.accumulate_grad_batches == 1
+            and self.owner is not None
+            and self.owner[1] is None
+            and bool(parameters)
+            and all(id(parameter) in released for parameter in parameters)
+            and not _watched(parameters)
+            and _plain_backward(trainer, module)
+        )
+
+    def _whole(
+        self, module: pl.LightningModule, parameters: list[torch.nn.Parameter], args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """Run the step whole, as without the callback, its loss's backward left to the loop; ``_FAILED`` on an OOM."""
+        for parameter in parameters:  # Lightning sets them to None after this step (see _released)
+            parameter.grad = None
+        self.logging = []
+        vars(module)["log"] = self._record
+        failed = False
+        try:
+            output = self.target(*args, **kwargs)
+        except BaseException as error:
+            if not is_oom(error):
+                raise
+            failed = True  # handled outside the except block, so that the attempt's frames are gone
+        finally:
+            del vars(module)["log"]
+        if failed:
+            self.trusting, self.logging = False, []
+            return _FAILED
+        calls, self.logging = self.logging, []
+        for call in calls:
+            self.log(**call)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return output  # skipped (None), or nothing to backpropagate: as without the callback
+        # The loop backpropagates a leaf of the same value; the module's backward, in front of its
+        # own until then, backpropagates the loss itself (see _backward_of_whole).
+        self.pending = (loss, args, kwargs, parameters)
+        vars(module)["backward"] = self._backward_of_whole
+        stand_in = loss.detach().requires_grad_()
+        return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
+
+    def _backward_of_whole(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Run the backward of the step that ran whole; if it runs out of memory, the step again in micro-batches."""
+        trainer, module = self.installed()
+        pending, self.pending = self.pending, None
+        vars(module).pop("backward", None)
+        if pending is None:
+            module.backward(tensor, *args, **kwargs)
+            return
+        loss, batch_args, batch_kwargs, parameters = pending
+        del pending
+        failed = False
+        try:
+            # The module's class's backward (Lightning's), of the loss itself: _trusted made sure that the
+            # loop divides it by 1 and scales nothing.
+            type(module).backward(module, loss, *args, **kwargs)
+        except BaseException as error:
+            if not is_oom(error):
+                raise
+            failed = True
+        if not failed:
+            return
+        del loss  # the graph, and what its nodes not yet run hold
+        for parameter in parameters:  # None before this backward (see _whole)
+            parameter.grad = None
+        self.trusting = False
+        # Through accumulate, from the whole batch: its gradients reach .grad directly. What the
+        # step logs is dropped: the whole batch's values were logged after its forward.
+        self.parts, self.rows = [], 0
+        vars(module)["log"] = self._record
+        try:
+            with trainer.precision_plugin.train_step_context():  # autocast, as for the step itself
+                self._call(module, batch_args, batch_kwargs)
+        except _Skipped:
+            pass  # a micro-batch returned None: the batch is skipped, with no gradient, as the step asked
+        finally:
+            del vars(module)["log"]
+            self.parts = []
+
+    def _forget(self, module: pl.LightningModule) -> None:
+        """Drop the loss of a step that ran whole and whose backward did not come, with the module's backward."""
+        if self.pending is not None:
+            self.pending = None
+            vars(module).pop("backward", None)
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         _, module = self.installed()
@@ -550,6 +674,30 @@ class _Step:
 
 # The rows of a part that ran the batch as given (see _Step._rows_of).
 _WHOLE = -1
+# What _Step._whole returns for a step that ran out of memory (a step may return None).
+_FAILED = object()
+
+
+def _no_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Return whether a batch has no rows, as ``accumulate`` counts them (it refuses such a batch)."""
+    # The usual batch, tensors in tuples, lists and dicts, told by its first tensor with a row count
+    # that decides (not one row, which broadcasts); any other, by a Split, which costs more.
+    stack: list[Any] = [args]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.dim() and value.shape[0] != 1:
+                return value.shape[0] == 0
+        elif type(value) in (tuple, list):
+            stack.extend(reversed(value))
+        elif type(value) is dict:
+            stack.extend(reversed(value.values()))
+        elif value is not None and not isinstance(value, (int, float, str)):
+            try:
+                return Split(args, kwargs, 0, "OOMRecovery").rows == 0
+            except (TypeError, ValueError):
+                return False  # cannot be split: runs whole, as accumulate would run it
+    return bool(kwargs) and _no_rows(tuple(kwargs.values()), {})
 
 
 def _unsplittable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
