@@ -800,10 +800,12 @@ class Traced(Lean):
         self.backward_in_loop: list[bool] = []
         self.activations: list[weakref.ref[torch.Tensor]] = []
         self.dead_before: list[bool] = []  # per call of the step: whether every earlier call's graph is gone
+        self.rows: list[int] = []  # per call of the step
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self.dead_before.append(all(reference() is None for reference in self.activations))
         x, y = batch
+        self.rows.append(len(x))
         # A copy of the batch that only the graph holds, saved by the node a backward runs last.
         copy = x.clone()
         self.activations.append(weakref.ref(copy))
@@ -849,8 +851,11 @@ def test_an_oom_in_lightnings_backward_of_a_step_that_ran_whole_runs_it_again_in
     # The step ran whole and its loss's backward, Lightning's, ran out of memory; the step then ran
     # again inside that backward, through accumulate: whole (out of memory again), then split.
     assert model.backward_in_loop[0] is True
-    assert inside[0] is True
-    assert events[0].batch_size == 64
+    # That failure is accumulate's first attempt: reported once, inside the loop's backward, and the
+    # step runs again in micro-batches at once, not whole a second time.
+    assert inside == [True]
+    assert [event.batch_size for event in events] == [64]
+    assert model.rows[:3] == [64, 32, 32]
     # The graph of the attempt that failed was gone before the step ran again.
     assert model.dead_before[1] is True
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
@@ -865,8 +870,10 @@ def test_an_oom_in_the_forward_of_a_step_that_ran_whole_runs_it_again_in_micro_b
     events: list[Any] = []
     with simulated_device("400KiB"):  # less than the whole batch's forward
         trainer(OOMRecovery(on_oom=events.append), staged).fit(model, loader(rows=128))
-    assert events
-    assert events[0].batch_size == 64
+    # Reported once at 64 rows (and again at 32, which does not fit either here), and run again in
+    # micro-batches at once, not whole a second time.
+    assert [event.batch_size for event in events] == [64, 32]
+    assert model.rows[:2] == [64, 32]
     assert model.dead_before[1] is True, "the failed forward's tensors were gone before the step ran again"
     # Every backward since ran inside the step, as accumulate runs it: a size is known now.
     assert True not in model.backward_in_loop

@@ -245,6 +245,9 @@ def accumulator(
     # False for a step inside a DDP module's forward (Lightning's training_step): DDP's own
     # backward after it averages what the step left in .grad. The ranks still agree on sizes.
     averages: bool = True,
+    # For a trainer's integration that ran the whole batch itself and ran out of memory: returns that
+    # error's message, once, and the call's attempt of the whole batch raises it (see _run).
+    replay: Callable[[], str | None] | None = None,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
@@ -301,6 +304,7 @@ def accumulator(
         step.weight = weight
         step.ddp = given
         step.averages = averages
+        step.replay = replay
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -336,6 +340,7 @@ class _Accumulator:
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
+        self.replay: Callable[[], str | None] | None = None  # see accumulator()
         # Whether the step reaches FSDP2 modules, looked at once where that decides anything:
         # at the first call without agreement, or with initial="auto", while a process group runs.
         self.alone_sharded: bool | None = None
@@ -602,6 +607,10 @@ class _Accumulator:
     ) -> Results:
         """Run the step over every micro-batch of ``size`` rows, with backward unless none is needed."""
         rows = split.rows
+        if self.replay is not None and size >= rows:
+            failed = self.replay()
+            if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
+                raise torch.OutOfMemoryError(failed)
         results = Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each

@@ -269,6 +269,9 @@ class _Step:
         # Whether a training step may run whole with the loop's own backward (see _whole): until one
         # runs out of memory there.
         self.trusting = True
+        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
+        # attempt of the batch raises it (see accumulator's replay).
+        self.failure: str | None = None
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any], list[torch.nn.Parameter]] | None = None
 
@@ -348,9 +351,15 @@ class _Step:
             initial=initial,
             backward={None: None, _SCALED: self._scaled, _PLUGIN: self._backward}[how],
             averages=False,
+            replay=self._replayed,
             options=cast(Options, options),
         )
         return decorate(part), decorate(whole)
+
+    def _replayed(self) -> str | None:
+        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def _scaled(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run one micro-batch's backward of the loss scaled by AMP's gradient scaler."""
@@ -452,6 +461,7 @@ class _Step:
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()
         self._forget(module)  # a step whose loss the loop did not backpropagate
+        self.failure = None
         parameters = _trainable(module)
         # Those Lightning is about to set to None are released now, not set aside: the step
         # then runs as a hand loop does, with no earlier gradient alive (see _released).
@@ -550,7 +560,8 @@ class _Step:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            failed = True  # handled outside the except block, so that the attempt's frames are gone
+            # Handled outside the except block, so that the attempt's frames are gone; only its message is kept.
+            failed, self.failure = True, str(error)
         finally:
             del vars(module)["log"]
         if failed:
@@ -587,15 +598,15 @@ class _Step:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            failed = True
+            failed, self.failure = True, str(error)
         if not failed:
             return
         del loss  # the graph, and what its nodes not yet run hold
         for parameter in parameters:  # None before this backward (see _whole)
             parameter.grad = None
         self.trusting = False
-        # Through accumulate, from the whole batch: its gradients reach .grad directly. What the
-        # step logs is dropped: the whole batch's values were logged after its forward.
+        # Through accumulate, whose attempt of the whole batch is the failure above: its gradients
+        # reach .grad directly. What the step logs is dropped: the whole batch's were logged already.
         self.parts, self.rows = [], 0
         vars(module)["log"] = self._record
         try:
