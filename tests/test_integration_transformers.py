@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     assert_same_training,
     float64_gpt2,
     float64_loss_func,
+    injected,
     logged,
     make_trainer,
     mean_loss_func,
@@ -336,3 +338,62 @@ def test_import_koila_retry_imports_neither_transformers_nor_the_integrations() 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _backward_callers(trainer: Any) -> list[str]:
+    """Record, on the trainer, the function that calls ``accelerator.backward`` each time."""
+    callers: list[str] = []
+    real = trainer.accelerator.backward
+
+    def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        callers.append(sys._getframe(1).f_code.co_name)
+        real(loss, **kwargs)
+
+    trainer.accelerator.backward = backward
+    return callers
+
+
+def test_nothing_failing_a_step_runs_as_the_trainer_runs_it(tmp_path: Path, reference: Any) -> None:
+    """Trainer's own training_step, its backward included, with nothing of accumulate around it."""
+    trainer = adapt(make_trainer(tmp_path))
+    callers = _backward_callers(trainer)
+    trainer.train()
+    assert callers == ["training_step"] * 3
+    stats = trainer.training_step.stats
+    assert (stats.calls, stats.batch_size, stats.ooms) == (3, 8, 0)
+    assert_same_training(trainer, reference)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_oom_of_a_step_run_as_the_trainer_runs_it_is_accumulates_first_attempt(tmp_path: Path, where: str) -> None:
+    """Reported once, at the whole batch, and the step goes on in micro-batches without running it whole again."""
+    if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:
+        pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
+    reference = make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=float64_loss_func)
+    reference.train()
+    events: list[Any] = []
+    model = float64_gpt2({0: where})
+    # A weak reference to the input of the first block's MLP in each forward, which its first layer saves for
+    # a backward that reaches it after the Inject layer's: the failed attempt's must be gone by the next.
+    activations: list[weakref.ref[torch.Tensor]] = []
+    gone: list[bool] = []
+
+    def look(module: Any, args: tuple[torch.Tensor, ...]) -> None:
+        gone.append(all(reference() is None for reference in activations))
+        activations.append(weakref.ref(args[0]))
+
+    model.transformer.h[0].mlp.register_forward_pre_hook(look)
+    trainer = adapt(make_trainer(tmp_path, model=model, compute_loss_func=float64_loss_func), on_oom=events.append)
+    callers = _backward_callers(trainer)
+    trainer.train()
+    assert gone[1] is True, "the failed attempt's activations were alive when the step ran again"
+    assert [event.batch_size for event in events] == [8]
+    # The whole batch, which failed, then micro-batches of 4 for this step and the next ones.
+    assert injected(model).rows == [8, 4, 4, 4, 4, 4, 4]
+    # The whole step's own backward, where it got that far; then accumulate's of each micro-batch.
+    whole = 1 if where == "backward" else 0
+    assert callers[:whole] == ["training_step"] * whole
+    assert set(callers[whole:]) == {"backward"}
+    assert trainer.training_step.stats.ooms == 1
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)

@@ -122,6 +122,11 @@ class Stats:
             if next_size is None:
                 self.exhausted += 1
 
+    def ran_whole(self, rows: int) -> None:
+        """Count a call that ran its whole batch of ``rows`` as it came, outside the engine (a trainer's step)."""
+        self.calls_counter.increment()
+        self.batch_size = rows
+
     def as_dict(self) -> dict[str, float]:
         """Return the counters as a dict, the failure counters read consistently."""
         with self._lock:

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from koila_retry._core import distributed
+from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
-from koila_retry._frontends.accumulate import accumulate
+from koila_retry._frontends.accumulate import accumulate, accumulator
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -350,12 +352,25 @@ class _Training:
 
         training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
         # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
-        self.summed = accumulate(reduction="sum", backward=backward, **options)(training_step)
-        self.weighted = accumulate(weight=_items(trainer, self.shifts), backward=backward, **options)(training_step)
-        self.by_rows = accumulate(backward=backward, **options)(training_step)
+        replay = self._replayed
+        self.summed = accumulator(reduction="sum", backward=backward, replay=replay, options=options)(training_step)
+        weight = _items(trainer, self.shifts)
+        self.weighted = accumulator(weight=weight, backward=backward, replay=replay, options=options)(training_step)
+        self.by_rows = accumulator(backward=backward, replay=replay, options=options)(training_step)
         self.stats = self.summed.stats
+        # Whether a step may run as the trainer runs it, with its own backward (see _whole): Trainer's
+        # own training_step, until one runs out of memory, and no size in a cache that was given.
+        self.trusting = not overridden and not self.by_rows.cache_info().currsize
+        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
+        # attempt of the batch raises it (see accumulator's replay).
+        self.failure: str | None = None
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = ABSENT) -> Any:
+        self.failure = None
+        if self.trusting:
+            returned = self._whole(model, inputs, num_items_in_batch)
+            if returned is not _FAILED:
+                return returned
         # The original is called as the trainer calls this: with num_items_in_batch only where given.
         self.given = num_items_in_batch is not ABSENT
         count = num_items_in_batch if self.given else None
@@ -366,6 +381,41 @@ class _Training:
             return step(model, inputs, count)[1]
         finally:
             self.whole = self.inputs = None
+
+    def _whole(self, model: Any, inputs: Any, num_items_in_batch: Any) -> Any:
+        """Run the step as the trainer would, where an OOM can be undone; ``_FAILED`` if not run or it ran out."""
+        # One process, a batch whose rows show, and every gradient None with no hook: a step that
+        # fails part-way through its backward is undone by setting them to None again.
+        rows = _rows_of(inputs)
+        if not rows or distributed.is_running():
+            return _FAILED
+        parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        for parameter in parameters:
+            if parameter.grad is not None or parameter._backward_hooks or parameter._post_accumulate_grad_hooks:
+                return _FAILED
+        failed = False
+        try:
+            if num_items_in_batch is ABSENT:
+                returned = self.original(model, inputs)
+            else:
+                returned = self.original(model, inputs, num_items_in_batch)
+        except BaseException as error:
+            if not is_oom(error):
+                raise
+            # Undone outside the except block, once the attempt's frames are gone; only its message is kept.
+            failed, self.failure = True, str(error)
+        if failed:
+            for parameter in parameters:
+                parameter.grad = None
+            self.trusting = False  # accumulate runs every step from now on, this one first
+            return _FAILED
+        self.stats.ran_whole(rows)
+        return returned
+
+    def _replayed(self) -> str | None:
+        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
         """Run the original step on (part of) the batch with its backward held back; return the loss and its result."""
@@ -403,6 +453,19 @@ class _Training:
         if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
             returned = loss.detach()
         return loss, returned
+
+
+def _rows_of(inputs: Any) -> int | None:
+    """Return the rows of a batch of keyword inputs, by its first tensor, or ``None``."""
+    if isinstance(inputs, Mapping):
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor) and value.dim():
+                return int(value.shape[0])
+    return None
+
+
+# What _Training._whole returns for a step it did not run, or that ran out of memory.
+_FAILED: Any = object()
 
 
 def _chosen(steps: _Training | _Prediction, counted: bool, labels: torch.Tensor | None) -> Any:
