@@ -123,7 +123,11 @@ class Stats:
                 self.exhausted += 1
 
     def ran_whole(self, rows: int) -> None:
-        """Count a call that ran its whole batch of ``rows`` as it came, outside the engine (a trainer's step)."""
+        """Count a call that ran its whole batch as it came, outside the engine (a trainer's step that fit).
+
+        Args:
+            rows (int): the rows of that batch, the call's ``batch_size``.
+        """
         self.calls_counter.increment()
         self.batch_size = rows
 
