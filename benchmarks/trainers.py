@@ -10,8 +10,10 @@ surviving out-of-memory errors (the peer):
   order (``train_sampling_strategy="sequential"``), ``use_cpu=True``, ``report_to=[]``,
   ``save_strategy="no"``, ``logging_strategy="no"``, ``disable_tqdm=True``, no data
   loader workers. The candidates: the plain ``Trainer``;
-  ``koila_retry.integrations.transformers.adapt(Trainer(...))``, whose ``training_step`` and
-  ``prediction_step`` run through ``koila.accumulate``; and the peer, the plain trainer with
+  ``koila_retry.integrations.transformers.adapt(Trainer(...))``, whose ``training_step`` runs
+  as the trainer runs it while nothing fails, and through ``koila.accumulate`` after an
+  out-of-memory error, and whose ``prediction_step`` runs through ``koila.accumulate``; and
+  the peer, the plain trainer with
   ``auto_find_batch_size=True``, which restarts training at half the batch after an
   out-of-memory error. Evaluation: ``evaluate()`` over 8 batches of 8 rows, plain and
   adapted (``auto_find_batch_size`` does not touch evaluation).
