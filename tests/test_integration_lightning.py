@@ -892,3 +892,35 @@ def test_where_the_whole_step_cannot_be_undone_it_runs_through_accumulate_from_t
     trainer(recovery, staged, **options).fit(model, loader(rows=256))
     assert model.backward_in_loop
     assert True not in model.backward_in_loop
+
+
+class Counted(MLP):
+    """The MLP whose validation step records the rows of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.rows.append(len(batch[0]))
+        return super().validation_step(batch, batch_idx)
+
+
+def test_an_evaluation_step_that_fits_runs_as_lightning_runs_it_and_one_that_does_not_is_split_at_once() -> None:
+    expected = trainer().validate(MLP(), loader(rows=128), verbose=False)
+    recovery = OOMRecovery()
+    model = Counted()
+    assert trainer(recovery).validate(model, loader(rows=128), verbose=False) == expected
+    assert model.rows == [64, 64]
+    assert recovery._steps["validation_step"].run.stats.calls == 0, "accumulate was not called"
+
+    events: list[Any] = []
+    model = Counted()
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append)).validate(model, loader(rows=128), verbose=False)
+    # The whole batch's error is accumulate's first attempt: reported once, then chunks at once,
+    # and the next batch starts at the size that worked.
+    assert [event.batch_size for event in events] == [64]
+    assert model.rows == [64, 32, 32, 32, 32]
+    for name in expected[0]:
+        assert got[0][name] == pytest.approx(expected[0][name], rel=1e-12)

@@ -552,6 +552,21 @@ class _Step:
         """Run the step whole, as without the callback, its loss's backward left to the loop; ``_FAILED`` on an OOM."""
         for parameter in parameters:  # Lightning sets them to None after this step (see _released)
             parameter.grad = None
+        output = self._ran(module, args, kwargs)
+        if output is _FAILED:
+            return _FAILED
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return output  # skipped (None), or nothing to backpropagate: as without the callback
+        # The loop backpropagates a leaf of the same value; the module's backward, in front of its
+        # own until then, backpropagates the loss itself (see _backward_of_whole).
+        self.pending = (loss, args, kwargs, parameters)
+        vars(module)["backward"] = self._backward_of_whole
+        stand_in = loss.detach().requires_grad_()
+        return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
+
+    def _ran(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """Run the step as the loop would, its logs held until it returned; ``_FAILED`` if it ran out of memory."""
         self.logging = []
         vars(module)["log"] = self._record
         failed = False
@@ -565,20 +580,12 @@ class _Step:
         finally:
             del vars(module)["log"]
         if failed:
-            self.trusting, self.logging = False, []
+            self.trusting, self.logging = False, []  # accumulate runs this step from now on, this call first
             return _FAILED
         calls, self.logging = self.logging, []
         for call in calls:
             self.log(**call)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-            return output  # skipped (None), or nothing to backpropagate: as without the callback
-        # The loop backpropagates a leaf of the same value; the module's backward, in front of its
-        # own until then, backpropagates the loss itself (see _backward_of_whole).
-        self.pending = (loss, args, kwargs, parameters)
-        vars(module)["backward"] = self._backward_of_whole
-        stand_in = loss.detach().requires_grad_()
-        return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
+        return output
 
     def _backward_of_whole(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Run the backward of the step that ran whole; if it runs out of memory, the step again in micro-batches."""
@@ -625,7 +632,19 @@ class _Step:
             vars(module).pop("backward", None)
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        _, module = self.installed()
+        trainer, module = self.installed()
+        self.failure = None
+        # On one device, nothing to undo: an evaluation step writes no gradient. Under DDP the ranks
+        # agree on every size, so every rank runs through accumulate.
+        if (
+            self.trusting
+            and self.options.get("initial") is None
+            and type(trainer.strategy) is SingleDeviceStrategy
+            and not _no_rows(args, kwargs)
+        ):
+            output = self._ran(module, args, kwargs)
+            if output is not _FAILED:
+                return output
         self.parts = []
         vars(module)["log"] = self._record
         try:
