@@ -397,3 +397,30 @@ def test_an_oom_of_a_step_run_as_the_trainer_runs_it_is_accumulates_first_attemp
     assert trainer.training_step.stats.ooms == 1
     for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)
+
+
+def test_a_prediction_step_that_fits_runs_as_the_trainer_runs_it_and_one_that_does_not_in_chunks_at_once(
+    tmp_path: Path,
+) -> None:
+    expected = make_trainer(tmp_path).evaluate()
+    trainer = adapt(make_trainer(tmp_path))
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == expected["eval_loss"]
+    step = trainer.prediction_step
+    assert [each.cache_info().misses for each in (step.summed, step.weighted, step.by_rows)] == [0, 0, 0]
+    assert step.stats.batch_size == 8
+
+    events: list[Any] = []
+    trainer = adapt(make_trainer(tmp_path), on_oom=events.append)
+    rows: list[int] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    with simulated_device("128KiB"):
+        metrics = trainer.evaluate()
+    # The whole batch's error is accumulate's first attempt: reported once, at 8 rows, and the
+    # batch runs in chunks at once, not whole a second time.
+    assert [event.batch_size for event in events][:1] == [8]
+    assert rows[0] == 8
+    assert 8 not in rows[1:]
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)

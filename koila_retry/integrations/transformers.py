@@ -1,7 +1,8 @@
 """Hugging Face: ``adapt``, which runs a ``Trainer``'s step that does not fit as micro-batches.
 
 Hugging Face's callbacks cannot change a step, so ``adapt`` replaces the instance's
-``training_step`` and ``prediction_step`` with the originals run through ``accumulate``.
+``training_step`` and ``prediction_step``: the originals as the trainer runs them while
+that can be undone, and through ``accumulate`` from the first out-of-memory error on.
 The one fact to know: every Hugging Face loss is linear in the loss the step backs through
 (the division by the accumulation steps, loss scaling), so weighing each micro-batch by its
 share of the batch's items serves every ``Trainer.training_step`` (docs/huggingface.rst,
@@ -17,14 +18,14 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
-from koila_retry._frontends.accumulate import accumulate, accumulator
+from koila_retry._frontends.accumulate import accumulator
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -333,6 +334,23 @@ def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
     return items
 
 
+class _Whole:
+    """What an adapted step keeps of a whole batch the trainer's own step ran: whether it may, and its error."""
+
+    def __init__(self, trusting: bool) -> None:
+        # Whether a step may run as the trainer runs it: until one runs out of memory, and while a
+        # cache that was given knows no size.
+        self.trusting = trusting
+        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
+        # attempt of the batch raises it (see accumulator's replay).
+        self.failure: str | None = None
+
+    def replayed(self) -> str | None:
+        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
+        failure, self.failure = self.failure, None
+        return failure
+
+
 class _Training:
     """An adapted trainer's ``training_step``: the original, run by ``accumulate``, whole or in micro-batches."""
 
@@ -352,22 +370,19 @@ class _Training:
 
         training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
         # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
-        replay = self._replayed
+        self.kept = _Whole(not overridden)
+        replay = self.kept.replayed
         self.summed = accumulator(reduction="sum", backward=backward, replay=replay, options=options)(training_step)
         weight = _items(trainer, self.shifts)
         self.weighted = accumulator(weight=weight, backward=backward, replay=replay, options=options)(training_step)
         self.by_rows = accumulator(backward=backward, replay=replay, options=options)(training_step)
         self.stats = self.summed.stats
-        # Whether a step may run as the trainer runs it, with its own backward (see _whole): Trainer's
-        # own training_step, until one runs out of memory, and no size in a cache that was given.
-        self.trusting = not overridden and not self.by_rows.cache_info().currsize
-        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
-        # attempt of the batch raises it (see accumulator's replay).
-        self.failure: str | None = None
+        # With its own backward (see _whole): Trainer's own training_step only.
+        self.kept.trusting = not overridden and not self.by_rows.cache_info().currsize
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = ABSENT) -> Any:
-        self.failure = None
-        if self.trusting:
+        self.kept.failure = None
+        if self.kept.trusting:
             returned = self._whole(model, inputs, num_items_in_batch)
             if returned is not _FAILED:
                 return returned
@@ -403,19 +418,14 @@ class _Training:
             if not is_oom(error):
                 raise
             # Undone outside the except block, once the attempt's frames are gone; only its message is kept.
-            failed, self.failure = True, str(error)
+            failed, self.kept.failure = True, str(error)
         if failed:
             for parameter in parameters:
                 parameter.grad = None
-            self.trusting = False  # accumulate runs every step from now on, this one first
+            self.kept.trusting = False  # accumulate runs every step from now on, this one first
             return _FAILED
         self.stats.ran_whole(rows)
         return returned
-
-    def _replayed(self) -> str | None:
-        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
-        failure, self.failure = self.failure, None
-        return failure
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
         """Run the original step on (part of) the batch with its backward held back; return the loss and its result."""
@@ -520,15 +530,36 @@ class _Prediction:
             return {key: value for key, value in found.items() if value is not None}
 
         prediction_step.__qualname__ = f"{type(trainer).__name__}.prediction_step"
-        self.summed = accumulate(reduction="sum", **options)(prediction_step)
-        self.weighted = accumulate(weight=_items(trainer, self.shifts), **options)(prediction_step)
-        self.by_rows = accumulate(**options)(prediction_step)
+        self.kept = _Whole(True)
+        replay = self.kept.replayed
+        self.summed = accumulator(reduction="sum", replay=replay, options=options)(prediction_step)
+        weight = _items(trainer, self.shifts)
+        self.weighted = accumulator(weight=weight, replay=replay, options=options)(prediction_step)
+        self.by_rows = accumulator(replay=replay, options=options)(prediction_step)
         self.stats = self.weighted.stats
+        self.kept.trusting = not self.by_rows.cache_info().currsize
 
     def __call__(
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> tuple[Any, Any, Any]:
         trainer = self.trainer
+        kept = self.kept
+        kept.failure = None
+        # In one process, as the trainer runs it: a prediction step writes no gradient, so an error
+        # leaves nothing to undo. Under DDP every rank runs through accumulate, whose ranks agree.
+        rows = _rows_of(inputs) if kept.trusting else None
+        if rows and not distributed.is_running():
+            failed = False
+            try:
+                found = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            except BaseException as error:
+                if not is_oom(error):
+                    raise
+                failed, kept.failure = True, str(error)  # raised again as accumulate's first attempt
+            if not failed:
+                self.stats.ran_whole(rows)
+                return cast("tuple[Any, Any, Any]", found)
+            kept.trusting = False
         # Counted once per step, before any attempt: under DDP the trainer gathers the count from every
         # rank, a collective that a split rank would make per chunk and a rank out of memory never.
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
