@@ -249,9 +249,8 @@ class _Step:
         self.target: Callable[..., Any] = _unset
         self.owner: tuple[type, str | None] | None = None  # the module class and its micro-batches' backward
         self.run: Batched[..., Any] = cast("Batched[..., Any]", _unset)
-        self.unsplit: Batched[..., Any] = cast(
-            "Batched[..., Any]", _unset
-        )  # runs a batch that cannot be split, whole (see _call)
+        # Runs a batch that cannot be split, whole (see _call).
+        self.unsplit: Batched[..., Any] = cast("Batched[..., Any]", _unset)
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
         self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
         self.stand_in: torch.Tensor | None = None
@@ -704,7 +703,7 @@ class _Step:
 
 # The rows of a part that ran the batch as given (see _Step._rows_of).
 _WHOLE = -1
-# What _Step._whole returns for a step that ran out of memory (a step may return None).
+# What _Step._ran and _Step._whole return for a step that ran out of memory (a step may return None).
 _FAILED = object()
 
 
