@@ -424,3 +424,37 @@ def test_a_prediction_step_that_fits_runs_as_the_trainer_runs_it_and_one_that_do
     assert rows[0] == 8
     assert 8 not in rows[1:]
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+
+
+def test_every_step_of_an_accumulation_window_that_fits_runs_as_the_trainer_runs_it(tmp_path: Path) -> None:
+    """The window's gradients so far set aside and added back: the trainer's own sum, to the last bit."""
+    if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:
+        pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
+    window = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}
+    reference = make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=float64_loss_func, **window)
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=float64_loss_func, **window))
+    callers = _backward_callers(trainer)
+    trainer.train()
+    assert callers == ["training_step"] * 6
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_oom_in_a_later_step_of_a_window_puts_the_windows_gradients_back(tmp_path: Path, where: str) -> None:
+    """The second micro-step of the first window fails: the first's gradients are kept, the second runs split."""
+    if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:
+        pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
+    window = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}
+    reference = make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=float64_loss_func, **window)
+    reference.train()
+    events: list[Any] = []
+    model = float64_gpt2({1: where})
+    trainer = make_trainer(tmp_path, model=model, compute_loss_func=float64_loss_func, **window)
+    trainer = adapt(trainer, on_oom=events.append)
+    trainer.train()
+    assert [event.batch_size for event in events] == [4]
+    assert injected(model).rows[:4] == [4, 4, 2, 2]
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)

@@ -399,15 +399,27 @@ class _Training:
 
     def _whole(self, model: Any, inputs: Any, num_items_in_batch: Any) -> Any:
         """Run the step as the trainer would, where an OOM can be undone; ``_FAILED`` if not run or it ran out."""
-        # One process, a batch whose rows show, and every gradient None with no hook: a step that
-        # fails part-way through its backward is undone by setting them to None again.
+        # One process, a batch whose rows show, and no hook on a parameter: a step that fails part-way
+        # through its backward is undone by putting back the gradients it began with.
         rows = _rows_of(inputs)
         if not rows or distributed.is_running():
             return _FAILED
         parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
         for parameter in parameters:
-            if parameter.grad is not None or parameter._backward_hooks or parameter._post_accumulate_grad_hooks:
+            gradient = parameter.grad
+            if parameter._backward_hooks or parameter._post_accumulate_grad_hooks:
                 return _FAILED
+            if gradient is not None and gradient.layout != torch.strided:  # added back as accumulate adds it
+                return _FAILED
+        # Within an accumulation window, the window's gradients so far are set aside while the step's
+        # backward writes its own, and added back after it: the hand loop's sum, with one gradient
+        # buffer more while it runs (as through accumulate).
+        before = [parameter.grad for parameter in parameters]
+        if any(gradient is not None for gradient in before):
+            for parameter in parameters:
+                parameter.grad = None
+        else:
+            before = []
         failed = False
         try:
             if num_items_in_batch is ABSENT:
@@ -420,10 +432,12 @@ class _Training:
             # Undone outside the except block, once the attempt's frames are gone; only its message is kept.
             failed, self.kept.failure = True, str(error)
         if failed:
-            for parameter in parameters:
-                parameter.grad = None
+            for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
+                parameter.grad = gradient
             self.kept.trusting = False  # accumulate runs every step from now on, this one first
             return _FAILED
+        if before:
+            _added_back(parameters, before)
         self.stats.ran_whole(rows)
         return returned
 
@@ -463,6 +477,24 @@ class _Training:
         if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
             returned = loss.detach()
         return loss, returned
+
+
+def _added_back(parameters: list[torch.nn.Parameter], before: list[torch.Tensor | None]) -> None:
+    """Add the gradients a step began with into what its backward wrote, into the tensors they were."""
+    olds, news = [], []
+    for parameter, old in zip(parameters, before, strict=True):
+        new = parameter.grad
+        if old is None:
+            continue
+        if new is None:
+            parameter.grad = old
+        else:
+            olds.append(old)
+            news.append(new)
+            parameter.grad = old  # the same tensor as before the step, as a backward adds into it
+    if olds:
+        with torch.no_grad():
+            torch._foreach_add_(olds, news)
 
 
 def _rows_of(inputs: Any) -> int | None:
