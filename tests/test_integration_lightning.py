@@ -880,16 +880,22 @@ def test_an_oom_in_the_forward_of_a_step_that_ran_whole_runs_it_again_in_micro_b
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("setting", ["initial", "accumulate_grad_batches", "hook"])
+class TracedZeroing(Traced):
+    """A zero_grad of its own, which keeps the tensors: they cannot be released as the step begins."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("setting", ["initial", "zero_grad", "hook"])
 def test_where_the_whole_step_cannot_be_undone_it_runs_through_accumulate_from_the_start(setting: str) -> None:
-    """With ``initial=``, a window of batches in ``.grad`` or a hook on a parameter, every backward runs in the step."""
+    """With ``initial=``, a zero_grad of the module's own or a hook on a parameter, every backward runs in the step."""
     staged = Staged()
-    model = Traced(staged)
-    options: dict[str, Any] = {"accumulate_grad_batches": 2} if setting == "accumulate_grad_batches" else {}
+    model = TracedZeroing(staged) if setting == "zero_grad" else Traced(staged)
     if setting == "hook":
         model.net[0].bias.register_hook(lambda gradient: gradient)
     recovery = OOMRecovery(initial=64) if setting == "initial" else OOMRecovery()
-    trainer(recovery, staged, **options).fit(model, loader(rows=256))
+    trainer(recovery, staged).fit(model, loader(rows=256))
     assert model.backward_in_loop
     assert True not in model.backward_in_loop
 
@@ -924,3 +930,46 @@ def test_an_evaluation_step_that_fits_runs_as_lightning_runs_it_and_one_that_doe
     assert model.rows == [64, 32, 32, 32, 32]
     for name in expected[0]:
         assert got[0][name] == pytest.approx(expected[0][name], rel=1e-12)
+
+
+def test_under_gradient_accumulation_every_step_runs_whole_and_the_sum_is_the_trainers_own() -> None:
+    """The window's gradients so far are set aside while a later batch runs, and added back: to the last bit."""
+    reference = Lean()
+    trainer(accumulate_grad_batches=2, max_steps=2).fit(reference, loader(rows=256))
+    staged = Staged()
+    model = Traced(staged)
+    trainer(OOMRecovery(), staged, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
+    assert model.backward_in_loop == [True] * 4
+    assert_same_parameters(model, reference, rtol=0, atol=0)
+
+
+class Batches(L.pytorch.callbacks.Callback):  # type: ignore[misc]
+    """Says which batch of the epoch runs."""
+
+    def __init__(self) -> None:
+        self.index = -1
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.index = batch_idx
+
+
+def test_an_oom_in_the_backward_of_a_later_batch_of_a_window_puts_the_windows_gradients_back() -> None:
+    """At this limit the second batch of a window does not fit (the first's gradients are in .grad), the first does."""
+    reference = Lean()
+    trainer(accumulate_grad_batches=2, max_steps=2).fit(reference, loader(rows=256))
+    staged, batches = Staged(), Batches()
+    model = Traced(staged)
+    events: list[Any] = []
+    where: list[tuple[int, bool]] = []
+
+    def on_oom(event: Any) -> None:
+        events.append(event)
+        where.append((batches.index, staged.in_loop_backward))
+
+    recovery = OOMRecovery(on_oom=on_oom)
+    with simulated_device("860KiB"):
+        trainer(recovery, staged, batches, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
+    assert where[:1] == [(1, True)], "the second batch, in Lightning's backward"
+    assert [event.batch_size for event in events][:1] == [64]
+    assert model.rows[:3] == [64, 64, 32]
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)

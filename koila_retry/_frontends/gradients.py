@@ -31,6 +31,7 @@ __all__ = [
     "Gradients",
     "InFlight",
     "Scaled",
+    "added_back",
     "backward_of",
     "plain_backward",
 ]
@@ -84,6 +85,22 @@ def backward_of(engine: Callable[..., Any] | None, scaler: Any) -> Backward:
     if scaler is not None:
         return Scaled(scaler.scale)
     return plain_backward
+
+
+def added_back(leaves: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None]) -> None:
+    """Add the gradients ``leaves`` had before a backward into what it wrote, in the tensors they were."""
+    olds, news = [], []
+    for leaf, old in zip(leaves, before, strict=True):
+        new = leaf.grad
+        if old is None:
+            continue
+        leaf.grad = old  # the same tensor as before, as a backward adds into it
+        if new is not None:
+            olds.append(old)
+            news.append(new)
+    if olds:
+        with torch.no_grad():
+            torch._foreach_add_(olds, news)
 
 
 def plain_backward(loss: torch.Tensor, retain: bool) -> None:

@@ -38,6 +38,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
+from koila_retry._frontends.gradients import added_back
 from koila_retry.exceptions import BatchSizeExhausted
 
 if TYPE_CHECKING:
@@ -193,6 +194,9 @@ class _Delivery(torch.autograd.Function):
 
 
 _Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
+# A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
+# aside (none where they were released) and accumulate_grad_batches.
+_Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int]
 
 
 def _watched(parameters: list[torch.nn.Parameter]) -> bool:
@@ -272,7 +276,7 @@ class _Step:
         # attempt of the batch raises it (see accumulator's replay).
         self.failure: str | None = None
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
-        self.pending: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any], list[torch.nn.Parameter]] | None = None
+        self.pending: _Pending | None = None
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -465,9 +469,10 @@ class _Step:
         # Those Lightning is about to set to None are released now, not set aside: the step
         # then runs as a hand loop does, with no earlier gradient alive (see _released).
         released = self._released(trainer, module)
-        self.batch_idx = None
-        if self._trusted(trainer, module, parameters, released) and not _no_rows(args, kwargs):
-            output = self._whole(module, parameters, args, kwargs)
+        batch_idx, self.batch_idx = self.batch_idx, None
+        zeroes = self._trusted(trainer, module, parameters, released, batch_idx)
+        if zeroes is not None and not _no_rows(args, kwargs):
+            output = self._whole(module, parameters, args, kwargs, zeroes, trainer.accumulate_grad_batches)
             if output is not _FAILED:
                 return output
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
@@ -526,40 +531,70 @@ class _Step:
         return output
 
     def _trusted(
-        self, trainer: pl.Trainer, module: pl.LightningModule, parameters: list[torch.nn.Parameter], released: set[int]
-    ) -> bool:
-        """Return whether the step may run whole, its backward left to the loop (see :meth:`_whole`)."""
-        # The loop's backward must be a plain one of the loss, on one device, into gradients that
-        # are None (released) and that no hook watches: a failure there can then be undone by
-        # setting them to None, and the step run again in micro-batches in its place.
-        return (
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        parameters: list[torch.nn.Parameter],
+        released: set[int],
+        batch_idx: int | None,
+    ) -> bool | None:
+        """Return whether Lightning zeroes the gradients after a step that may run whole (see :meth:`_whole`).
+
+        ``None``: it may not.
+        """
+        # The loop's backward must be a plain one of the loss on one device, into gradients that
+        # no hook watches, and that are released (where Lightning zeroes them after the step) or
+        # can be set aside: a failure there can then be undone, and the step run again in
+        # micro-batches in its place.
+        if not (
             self.trusting
             and self.options.get("initial") is None
             and type(trainer.strategy) is SingleDeviceStrategy
-            and trainer.accumulate_grad_batches == 1
             and self.owner is not None
             and self.owner[1] is None
+            and batch_idx is not None
+            and not getattr(trainer.fit_loop, "_skip_backward", True)  # the loop's backward comes
+            and len(trainer.optimizers) == 1
             and bool(parameters)
-            and all(id(parameter) in released for parameter in parameters)
             and not _watched(parameters)
             and _plain_backward(trainer, module)
-        )
+        ):
+            return None
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # the first of a window: zeroed after the step
+            return True if all(id(parameter) in released for parameter in parameters) else None
+        for parameter in parameters:  # the window's gradients so far, set aside while the step runs
+            gradient = parameter.grad
+            if gradient is not None and gradient.layout != torch.strided:
+                return None
+        return False
 
     def _whole(
-        self, module: pl.LightningModule, parameters: list[torch.nn.Parameter], args: tuple[Any, ...], kwargs: Any
+        self,
+        module: pl.LightningModule,
+        parameters: list[torch.nn.Parameter],
+        args: tuple[Any, ...],
+        kwargs: Any,
+        zeroes: bool,
+        steps: int,
     ) -> Any:
         """Run the step whole, as without the callback, its loss's backward left to the loop; ``_FAILED`` on an OOM."""
-        for parameter in parameters:  # Lightning sets them to None after this step (see _released)
+        # Released where Lightning sets them to None after this step (see _released); else set aside.
+        before = [] if zeroes else [parameter.grad for parameter in parameters]
+        for parameter in parameters:
             parameter.grad = None
         output = self._ran(module, args, kwargs)
         if output is _FAILED:
+            for parameter, gradient in zip(parameters, before, strict=False):
+                parameter.grad = gradient
             return _FAILED
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            if before:
+                added_back(parameters, before)
             return output  # skipped (None), or nothing to backpropagate: as without the callback
         # The loop backpropagates a leaf of the same value; the module's backward, in front of its
         # own until then, backpropagates the loss itself (see _backward_of_whole).
-        self.pending = (loss, args, kwargs, parameters)
+        self.pending = (loss, args, kwargs, parameters, before, steps)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
         return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
@@ -594,18 +629,20 @@ class _Step:
         if pending is None:
             module.backward(tensor, *args, **kwargs)
             return
-        loss, batch_args, batch_kwargs, parameters = pending
+        loss, batch_args, batch_kwargs, parameters, before, steps = pending
         del pending
         failed = False
         try:
-            # The module's class's backward (Lightning's), of the loss itself: _trusted made sure that the
-            # loop divides it by 1 and scales nothing.
-            type(module).backward(module, loss, *args, **kwargs)
+            # The module's class's backward (Lightning's), of the loss as the loop divides it by
+            # accumulate_grad_batches (_trusted made sure that nothing scales it).
+            type(module).backward(module, loss / steps if steps != 1 else loss, *args, **kwargs)
         except BaseException as error:
             if not is_oom(error):
                 raise
             failed, self.failure = True, str(error)
         if not failed:
+            if before:
+                added_back(parameters, before)
             return
         del loss  # the graph, and what its nodes not yet run hold
         for parameter in parameters:  # None before this backward (see _whole)
@@ -620,15 +657,28 @@ class _Step:
                 self._call(module, batch_args, batch_kwargs)
         except _Skipped:
             pass  # a micro-batch returned None: the batch is skipped, with no gradient, as the step asked
+        except BaseException:
+            for parameter, gradient in zip(parameters, before, strict=False):
+                parameter.grad = gradient  # as the step found them
+            raise
         finally:
             del vars(module)["log"]
             self.parts = []
+        if steps != 1:  # accumulate's are the undivided loss's
+            divided = [parameter.grad for parameter in parameters if parameter.grad is not None]
+            with torch.no_grad():
+                torch._foreach_div_(divided, steps)
+        if before:
+            added_back(parameters, before)
 
     def _forget(self, module: pl.LightningModule) -> None:
-        """Drop the loss of a step that ran whole and whose backward did not come, with the module's backward."""
+        """Drop the loss of a step that ran whole and whose backward did not come; put back what was set aside."""
         if self.pending is not None:
+            parameters, before = self.pending[3], self.pending[4]
             self.pending = None
             vars(module).pop("backward", None)
+            if before:
+                added_back(parameters, before)
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()

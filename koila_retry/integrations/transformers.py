@@ -26,6 +26,7 @@ from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
+from koila_retry._frontends.gradients import added_back
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -437,7 +438,7 @@ class _Training:
             self.kept.trusting = False  # accumulate runs every step from now on, this one first
             return _FAILED
         if before:
-            _added_back(parameters, before)
+            added_back(parameters, before)
         self.stats.ran_whole(rows)
         return returned
 
@@ -477,24 +478,6 @@ class _Training:
         if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
             returned = loss.detach()
         return loss, returned
-
-
-def _added_back(parameters: list[torch.nn.Parameter], before: list[torch.Tensor | None]) -> None:
-    """Add the gradients a step began with into what its backward wrote, into the tensors they were."""
-    olds, news = [], []
-    for parameter, old in zip(parameters, before, strict=True):
-        new = parameter.grad
-        if old is None:
-            continue
-        if new is None:
-            parameter.grad = old
-        else:
-            olds.append(old)
-            news.append(new)
-            parameter.grad = old  # the same tensor as before the step, as a backward adds into it
-    if olds:
-        with torch.no_grad():
-            torch._foreach_add_(olds, news)
 
 
 def _rows_of(inputs: Any) -> int | None:
