@@ -1746,3 +1746,37 @@ def test_a_batch_shorter_than_initial_that_fails_whole_retries_below_its_own_row
     assert step.stats.ooms == 1
     torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
     assert_grads(model, expected_grads)
+
+
+def test_a_replayed_failure_is_the_first_attempt_of_the_whole_batch() -> None:
+    """``accumulator(replay=...)``: a whole batch that an integration ran itself and that ran out of memory."""
+    from koila_retry._frontends.accumulate import accumulator
+
+    model = nn.Linear(3, 1)
+    failures = ["CUDA out of memory. Tried to allocate 2.00 GiB"]
+    rows: list[int] = []
+    events: list[Any] = []
+
+    def replay() -> str | None:
+        return failures.pop() if failures else None
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        rows.append(len(x))
+        return F.mse_loss(model(x), y)
+
+    decorated = accumulator(replay=replay, options={"on_oom": events.append})(step)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    losses, grads = [], []
+    for _ in range(2):  # one call site: the second call finds the size the first stored
+        model.zero_grad()
+        losses.append(decorated(x, y))
+        grads.append(model.weight.grad.clone())
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    # The whole batch is never run: its failure is replayed once, as the first call's first attempt.
+    assert rows == [4, 4, 4, 4]
+    assert [event.batch_size for event in events] == [8]
+    assert decorated.stats.ooms == 1
+    for loss, grad in zip(losses, grads, strict=True):
+        torch.testing.assert_close(grad, model.weight.grad)
+        torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach())
