@@ -458,3 +458,13 @@ def test_an_oom_in_a_later_step_of_a_window_puts_the_windows_gradients_back(tmp_
     assert injected(model).rows[:4] == [4, 4, 2, 2]
     for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)
+
+
+def test_an_override_runs_through_accumulate_once_then_as_the_trainer_runs_it(tmp_path: Path, reference: Any) -> None:
+    """Its first step shows that it backpropagates through accelerator.backward, once; the others run as they are."""
+    trainer = adapt(make_trainer(tmp_path, Logging))
+    callers = _backward_callers(trainer)
+    trainer.train()
+    assert callers == ["backward", "training_step", "training_step"]
+    assert trainer.calls == 3
+    assert_same_training(trainer, reference)

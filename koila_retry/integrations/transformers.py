@@ -378,8 +378,10 @@ class _Training:
         self.weighted = accumulator(weight=weight, backward=backward, replay=replay, options=options)(training_step)
         self.by_rows = accumulator(backward=backward, replay=replay, options=options)(training_step)
         self.stats = self.summed.stats
-        # With its own backward (see _whole): Trainer's own training_step only.
+        # With its own backward (see _whole). An override first runs through accumulate once, whose checks
+        # see whether it runs its backward through accelerator.backward, once (see run).
         self.kept.trusting = not overridden and not self.by_rows.cache_info().currsize
+        self.checked = not overridden
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = ABSENT) -> Any:
         self.kept.failure = None
@@ -394,9 +396,13 @@ class _Training:
         self.inputs = inputs
         step = _chosen(self, count is not None, self.whole)
         try:
-            return step(model, inputs, count)[1]
+            returned = step(model, inputs, count)[1]
         finally:
             self.whole = self.inputs = None
+        if not self.checked:  # an override that passed accumulate's checks: as the trainer runs it from now on
+            self.checked = True
+            self.kept.trusting = not step.stats.ooms and not step.cache_info().currsize
+        return returned
 
     def _whole(self, model: Any, inputs: Any, num_items_in_batch: Any) -> Any:
         """Run the step as the trainer would, where an OOM can be undone; ``_FAILED`` if not run or it ran out."""
