@@ -538,7 +538,7 @@ class _Step:
         released: set[int],
         batch_idx: int | None,
     ) -> bool | None:
-        """Return whether Lightning zeroes the gradients after a step that may run whole (``_whole``); None: it may not."""
+        """Return whether Lightning zeroes the gradients after a step that may run whole; None if it may not."""
         # The loop's backward must be a plain one of the loss on one device, into gradients that
         # no hook watches, and that are released (where Lightning zeroes them after the step) or
         # can be set aside: a failure there can then be undone, and the step run again in
