@@ -1753,11 +1753,11 @@ def test_a_replayed_failure_is_the_first_attempt_of_the_whole_batch() -> None:
     from koila_retry._frontends.accumulate import accumulator
 
     model = nn.Linear(3, 1)
-    failures = ["CUDA out of memory. Tried to allocate 2.00 GiB"]
+    failures = [("CUDA out of memory. Tried to allocate 2.00 GiB", "model.py:12 in forward")]
     rows: list[int] = []
     events: list[Any] = []
 
-    def replay() -> str | None:
+    def replay() -> tuple[str, str] | None:
         return failures.pop() if failures else None
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -1776,6 +1776,8 @@ def test_a_replayed_failure_is_the_first_attempt_of_the_whole_batch() -> None:
     # The whole batch is never run: its failure is replayed once, as the first call's first attempt.
     assert rows == [4, 4, 4, 4]
     assert [event.batch_size for event in events] == [8]
+    # Named where the integration caught it, not where accumulate raised it again.
+    assert events[0].where == "model.py:12 in forward"
     assert decorated.stats.ooms == 1
     for loss, grad in zip(losses, grads, strict=True):
         torch.testing.assert_close(grad, model.weight.grad)

@@ -874,6 +874,8 @@ def test_an_oom_in_the_forward_of_a_step_that_ran_whole_runs_it_again_in_micro_b
     # micro-batches at once, not whole a second time.
     assert [event.batch_size for event in events] == [64, 32]
     assert model.rows[:2] == [64, 32]
+    # The first named where the step that ran whole raised it, not where accumulate raised it again.
+    assert events[0].where.endswith(" in training_step"), events[0].where
     assert model.dead_before[1] is True, "the failed forward's tensors were gone before the step ran again"
     # Every backward since ran inside the step, as accumulate runs it: a size is known now.
     assert True not in model.backward_in_loop

@@ -388,6 +388,9 @@ def test_an_oom_of_a_step_run_as_the_trainer_runs_it_is_accumulates_first_attemp
     trainer.train()
     assert gone[1] is True, "the failed attempt's activations were alive when the step ran again"
     assert [event.batch_size for event in events] == [8]
+    # Named where the trainer's own step raised it, not where accumulate raised it again.
+    assert "_layers.py:" in events[0].where
+    assert events[0].where.endswith(f" in {where}")
     # The whole batch, which failed, then micro-batches of 4 for this step and the next ones.
     assert injected(model).rows == [8, 4, 4, 4, 4, 4, 4]
     # The whole step's own backward, where it got that far; then accumulate's of each micro-batch.

@@ -10,7 +10,17 @@ from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["PACKAGE_DIR", "TORCH_DIR", "is_ours", "is_users", "levels_to_caller", "where"]
+__all__ = [
+    "PACKAGE_DIR",
+    "TORCH_DIR",
+    "Replayed",
+    "is_ours",
+    "is_users",
+    "levels_to_caller",
+    "place_of",
+    "replayable",
+    "where",
+]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -70,6 +80,26 @@ def where(tb: TracebackType | None) -> str:
     # deepest public frame: the layer that allocated, when ``chunked(model, x)`` calls the model from here.
     # Without that either (``accumulate`` runs ``backward()`` for the user), the user's line that called us.
     return users or torch_public or _callers(outermost) or deepest or "an unknown place"
+
+
+class Replayed(torch.OutOfMemoryError):
+    """An out-of-memory error that an integration caught, raised again from its message and first place."""
+
+    def __init__(self, message: str, place: str = "") -> None:
+        super().__init__(message)
+        self.place = place
+
+
+def replayable(error: BaseException) -> tuple[str, str]:
+    """Return what is kept of a caught error to raise it again as :class:`Replayed`: its message and place."""
+    return str(error), where(error.__traceback__)
+
+
+def place_of(error: BaseException) -> str:
+    """Return where ``error`` was raised: a replayed error's first place, else :func:`where` of its traceback."""
+    if isinstance(error, Replayed) and error.place:
+        return error.place
+    return where(error.__traceback__)
 
 
 def _callers(frame: FrameType | None) -> str | None:

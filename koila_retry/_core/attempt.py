@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterator
 from types import TracebackType
 from typing import cast
 
-from koila_retry._common.places import where
+from koila_retry._common.places import place_of
 from koila_retry._core import decision, diagnosis, memory
 from koila_retry._core.calibrating import calibrate
 from koila_retry._core.call import Call, FirstSize
@@ -88,7 +88,7 @@ class Mechanics:
                 self.failure.close()
             return False
         # Plain values only, and nothing released: the traceback still pins the failed attempt.
-        failure = self.fail(where(exc.__traceback__))
+        failure = self.fail(place_of(exc))
         # Where the call may give up (the ranks decide that after the attempt), read what the
         # allocator holds while the attempt's memory is still held: after the release it is gone.
         final = not isinstance(failure.step, Try) or plan.settling.waits

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overlo
 import torch
 
 from koila_retry._common.batches import Split
-from koila_retry._common.places import levels_to_caller
+from koila_retry._common.places import Replayed, levels_to_caller
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._common.warn import warn_or_log
@@ -246,8 +246,9 @@ def accumulator(
     # backward after it averages what the step left in .grad. The ranks still agree on sizes.
     averages: bool = True,
     # For a trainer's integration that ran the whole batch itself and ran out of memory: returns that
-    # error's message, once, and the call's attempt of the whole batch raises it (see _run).
-    replay: Callable[[], str | None] | None = None,
+    # error's message and place (places.replayable), once, and the call's attempt of the whole batch
+    # raises it again (see _run).
+    replay: Callable[[], tuple[str, str] | None] | None = None,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
@@ -340,7 +341,7 @@ class _Accumulator:
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
-        self.replay: Callable[[], str | None] | None = None  # see accumulator()
+        self.replay: Callable[[], tuple[str, str] | None] | None = None  # see accumulator()
         # Whether the step reaches FSDP2 modules, looked at once where that decides anything:
         # at the first call without agreement, or with initial="auto", while a process group runs.
         self.alone_sharded: bool | None = None
@@ -610,7 +611,7 @@ class _Accumulator:
         if self.replay is not None and size >= rows:
             failed = self.replay()
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
-                raise torch.OutOfMemoryError(failed)
+                raise Replayed(*failed)
         results = Results(self, size)
         # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
         # through by every micro-batch, and again by a retry: that graph must outlive each

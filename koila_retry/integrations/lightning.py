@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.xla import XLAStrategy
 
 from koila_retry._common.batches import Split
+from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
@@ -274,7 +275,7 @@ class _Step:
         self.trusting = True
         # The message of the out-of-memory error of a step that ran whole, until accumulate's first
         # attempt of the batch raises it (see accumulator's replay).
-        self.failure: str | None = None
+        self.failure: tuple[str, str] | None = None
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
 
@@ -359,8 +360,8 @@ class _Step:
         )
         return decorate(part), decorate(whole)
 
-    def _replayed(self) -> str | None:
-        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
+    def _replayed(self) -> tuple[str, str] | None:
+        """Return, once, the message and place of the error with which the step that ran whole ran out of memory."""
         failure, self.failure = self.failure, None
         return failure
 
@@ -606,8 +607,9 @@ class _Step:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            # Handled outside the except block, so that the attempt's frames are gone; only its message is kept.
-            failed, self.failure = True, str(error)
+            # Handled outside the except block, so that the attempt's frames are gone; only its message
+            # and place are kept.
+            failed, self.failure = True, replayable(error)
         finally:
             del vars(module)["log"]
         if failed:
@@ -636,7 +638,7 @@ class _Step:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            failed, self.failure = True, str(error)
+            failed, self.failure = True, replayable(error)
         if not failed:
             if before:
                 added_back(parameters, before)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
+from koila_retry._common.places import replayable
 from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
@@ -342,12 +343,12 @@ class _Whole:
         # Whether a step may run as the trainer runs it: until one runs out of memory, and while a
         # cache that was given knows no size.
         self.trusting = trusting
-        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
-        # attempt of the batch raises it (see accumulator's replay).
-        self.failure: str | None = None
+        # The message and place of the out-of-memory error of a step that ran whole, until accumulate's
+        # first attempt of the batch raises it again (see accumulator's replay).
+        self.failure: tuple[str, str] | None = None
 
-    def replayed(self) -> str | None:
-        """Return, once, the message of the error with which the step that ran whole ran out of memory."""
+    def replayed(self) -> tuple[str, str] | None:
+        """Return, once, the message and place of the error with which the step that ran whole ran out of memory."""
         failure, self.failure = self.failure, None
         return failure
 
@@ -436,8 +437,8 @@ class _Training:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            # Undone outside the except block, once the attempt's frames are gone; only its message is kept.
-            failed, self.kept.failure = True, str(error)
+            # Undone outside the except block, once the attempt's frames are gone; only its message and place are kept.
+            failed, self.kept.failure = True, replayable(error)
         if failed:
             for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
                 parameter.grad = gradient
@@ -576,7 +577,7 @@ class _Prediction:
             except BaseException as error:
                 if not is_oom(error):
                     raise
-                failed, kept.failure = True, str(error)  # raised again as accumulate's first attempt
+                failed, kept.failure = True, replayable(error)  # raised again as accumulate's first attempt
             if not failed:
                 self.stats.ran_whole(rows)
                 return cast("tuple[Any, Any, Any]", found)
