@@ -35,10 +35,11 @@ rounds (every round times a block of steps of each candidate, with
 of the ratio to the baseline:
 
 - ``@koila.accumulate`` when the whole batch fits, next to the plain step
-  ``loss_fn(model(x), y).backward()``; target: at most 2% slower;
+  ``loss_fn(model(x), y).backward()``; target: at most 1% slower (issue 40's target on a
+  GPU; 2% before it);
 - ``@koila.accumulate(initial=m)``, split into k = 2, 4 and 8 micro-batches, next to a
-  hand-written accumulation loop at the same ``m``; target: at least 95% of its
-  throughput;
+  hand-written accumulation loop at the same ``m``; target: at least 97% of its
+  throughput (issue 40; 95% before it);
 - ``@koila.batch`` on its happy path (an inference pass at the size its cache
   remembers), next to the same function called with that size.
 
@@ -84,8 +85,8 @@ import koila_retry as koila
 TARGET_MEDIAN = 0.03  # the median absolute relative error of the estimate
 TARGET_WORST = 0.08  # the worst absolute relative error of the estimate
 TARGET_UNDER = 0.03  # no row's estimate more than this under the truth
-TARGET_FITS = 1.02  # accumulate over the plain step, when the batch fits: at most this
-TARGET_SPLIT = 0.95  # accumulate's throughput over the hand loop's, when split: at least this
+TARGET_FITS = 1.01  # accumulate over the plain step, when the batch fits: at most this
+TARGET_SPLIT = 0.97  # accumulate's throughput over the hand loop's, when split: at least this
 MIB = 2**20
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = {
@@ -503,7 +504,8 @@ def speed(args: argparse.Namespace, device: torch.device, rows_total: int = 4096
     table = []
     times = timed_rounds({"plain": plain, "koila": wrapped(None)}, args.rounds, args.steps)
     fits = ratio(times, "koila", "plain")
-    table.append(["accumulate, whole batch", "plain step", percent(fits), "<= +2%", _yes(fits <= TARGET_FITS)])
+    limit = f"<= {TARGET_FITS - 1:+.0%}"
+    table.append(["accumulate, whole batch", "plain step", percent(fits), limit, _yes(fits <= TARGET_FITS)])
     for pieces in (2, 4, 8):
         size = rows_total // pieces
         times = timed_rounds({"hand": by_hand(size), "koila": wrapped(size)}, args.rounds, args.steps)
@@ -513,7 +515,7 @@ def speed(args: argparse.Namespace, device: torch.device, rows_total: int = 4096
                 f"accumulate, {pieces} x {size} rows",
                 "hand loop",
                 f"{throughput:.1%} throughput",
-                ">= 95%",
+                f">= {TARGET_SPLIT:.0%}",
                 _yes(throughput >= TARGET_SPLIT),
             ]
         )
