@@ -930,6 +930,7 @@ def test_an_evaluation_step_that_fits_runs_as_lightning_runs_it_and_one_that_doe
     # and the next batch starts at the size that worked.
     assert [event.batch_size for event in events] == [64]
     assert model.rows == [64, 32, 32, 32, 32]
+    assert events[0].where.endswith(" in validation_step"), "named where the whole batch's step raised it"
     for name in expected[0]:
         assert got[0][name] == pytest.approx(expected[0][name], rel=1e-12)
 

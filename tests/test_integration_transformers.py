@@ -425,6 +425,8 @@ def test_a_prediction_step_that_fits_runs_as_the_trainer_runs_it_and_one_that_do
     # batch runs in chunks at once, not whole a second time.
     assert [event.batch_size for event in events][:1] == [8]
     assert rows[0] == 8
+    # Named where the trainer's own prediction step raised it (inside the model), not at the evaluate() call.
+    assert "test_integration_transformers.py" not in events[0].where
     assert 8 not in rows[1:]
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
 
