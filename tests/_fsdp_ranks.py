@@ -518,6 +518,65 @@ def _refusal(call: Callable[[], object]) -> str:
 
 
 @scenario("two")
+def fsdp_leaves_outside_modules(rank: int, world: int) -> dict[str, Any]:
+    """A scale the step holds, with a gradient from before, and the input: leaves of no module it reaches."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    net[1][1].failures = {0: "backward"} if rank == 0 else {}
+    x_all, y_all = batch(world, seed=44)
+    x, y = local(x_all, rank), local(y_all, rank)
+    before = torch.full((1,), 0.25, dtype=DTYPE)
+    scale = torch.ones(1, dtype=DTYPE, requires_grad=True)
+    scale.grad = before.clone()
+    aside = scale.grad
+    x.requires_grad_(True)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x) * scale, y)
+
+    step(x, y)
+    # FSDP averages the sharded model's gradients over the ranks; the scale's and the input's are this rank's.
+    local_scale = torch.ones(1, dtype=DTYPE, requires_grad=True)
+    local_x = x.detach().clone().requires_grad_(True)
+    F.mse_loss(copy.deepcopy(reference)(local_x) * local_scale, y).backward()
+    F.mse_loss(reference(x_all), y_all).backward()
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "scale": scale.grad,
+        "expected_scale": before + local_scale.grad,
+        "same_tensor": scale.grad is aside,
+        "input": x.grad,
+        "expected_input": local_x.grad,
+        "size": step.stats.batch_size,
+    }
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync(rank: int, world: int) -> dict[str, Any]:
+    """A backward of the caller's own with gradient sync off, then a step: FSDP2's unsharded gradients add up."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    first_all, first_y_all = batch(world, seed=46)
+    x_all, y_all = batch(world, seed=48)
+    net.set_requires_gradient_sync(False)
+    F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
+    net.set_requires_gradient_sync(True)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x) * 1.0, y)
+
+    step(local(x_all, rank), local(y_all, rank))
+    F.mse_loss(reference(first_all), first_y_all).backward()
+    F.mse_loss(reference(x_all), y_all).backward()
+    return {"grads": full([p.grad for p in net.parameters()]), "expected": [p.grad for p in reference.parameters()]}
+
+
+@scenario("two")
 def fsdp_unsharded_head(rank: int, world: int) -> dict[str, Any]:
     """A head outside FSDP: its backward runs before the failing one, and what it wrote must not stay."""
     plain = model()

@@ -513,6 +513,61 @@ def overlap_gradients_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
     return _overlapped(rank, world, failures={1: {5: "backward"}}, initial=4, hooked=False, view=True)
 
 
+@scenario("two", "three")
+def overlap_leaves_outside_the_module(rank: int, world: int) -> dict[str, Any]:
+    """Leaves outside the DDP module: a scale the step holds, with a gradient from before, and the input.
+
+    Rank 1's whole-batch backward fails after both got their gradients; then micro-batches of 8. They
+    must end with what one step gives: the scale its gradient from before plus this rank's (DDP averages
+    only its module's), the input its own.
+    """
+    model = injected_mlp()
+    rows = 12
+    x_all, y_all = global_batch(world, rows, seed=90)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    before = torch.full((1,), 0.25, dtype=DTYPE)
+    scale = torch.ones(1, dtype=DTYPE, requires_grad=True)
+    reference, reference_scale, reference_x = copy.deepcopy(model), scale.detach().clone(), x.clone()
+    reference_scale.requires_grad_(True)
+    reference_x.requires_grad_(True)
+    F.mse_loss(reference(reference_x) * reference_scale, y).backward()
+    expected = mean_of(
+        [
+            full_grads(model, lambda m, r=r: F.mse_loss(m(local(x_all, r, rows)) * 1.0, local(y_all, r, rows)))
+            for r in range(world)
+        ]
+    )
+    ddp = DDP(model)
+    model[2].failures = {0: "backward"} if rank == 1 else {}
+    scale.grad = before.clone()
+    aside = scale.grad
+    x.requires_grad_(True)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x) * scale, y)
+
+    step(x, y)
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "scale": scale.grad.clone(),
+        "expected_scale": before + cast_grad(reference_scale),
+        "same_tensor": scale.grad is aside,
+        "input": x.grad.clone(),
+        "expected_input": cast_grad(reference_x),
+        "ooms": len(events),
+        "rows": model[2].rows,
+    }
+
+
+def cast_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor.grad``, which must be there."""
+    assert tensor.grad is not None
+    return tensor.grad.clone()
+
+
 @scenario("two")
 def overlap_peak_memory(rank: int, world: int) -> dict[str, Any]:
     """Peak bytes of a DDP step on a simulated device: the hand loop's, then koila's, whole and in 4."""

@@ -201,6 +201,20 @@ def test_ddp_all_reduces_during_the_backward_and_a_failed_rank_plays_along(
     same_on_every_rank([{"count": len(value["in_backward"])} for value in values], "count")
 
 
+@pytest.mark.parametrize("group", WORLDS)
+def test_a_failed_attempt_leaves_nothing_in_leaves_outside_the_ddp_module(groups: Groups, group: str) -> None:
+    """A tensor the step holds and the input, both needing a gradient: DDP's parameters are not all it writes."""
+    values = groups(group)["overlap_leaves_outside_the_module"]
+    for rank, value in enumerate(values):
+        assert value["ooms"] == 1, f"rank {rank}"
+        assert value["rows"] == [12, 8, 4], f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+        # Once, not the failed attempt's part and then the whole: added into the gradient from before, in place.
+        torch.testing.assert_close(value["scale"], value["expected_scale"], rtol=RTOL, atol=ATOL)
+        assert value["same_tensor"], f"rank {rank}: the gradient from before was not added into"
+        torch.testing.assert_close(value["input"], value["expected_input"], rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("name", ["overlap_default_hook", "overlap_gradients_as_bucket_views"])
 def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: Groups, name: str) -> None:
     values = groups("two")[name]

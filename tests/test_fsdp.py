@@ -190,6 +190,24 @@ def test_hsdp_the_estimate_and_an_fsdp2_without_the_private_state_are_refused_on
         assert "private state lacks FSDPParamGroup._post_reduce_event" in value["private"], value
 
 
+def test_leaves_of_no_module_keep_no_gradient_of_a_failed_attempt(groups: Groups) -> None:
+    """A tensor the step holds, with a gradient from before, and the input: once each, after the retry."""
+    for value in groups("two")["fsdp_leaves_outside_modules"]:
+        assert value["size"] < _fsdp_ranks.ROWS
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(value["scale"], value["expected_scale"], rtol=1e-10, atol=1e-12)
+        assert value["same_tensor"], "the gradient from before was not added into"
+        torch.testing.assert_close(value["input"], value["expected_input"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_step_after_a_backward_without_gradient_sync_adds_onto_fsdps_unsharded_gradients(groups: Groups) -> None:
+    """FSDP2's unsharded parameters are its own to clear: the walk for other leaves leaves them alone."""
+    for value in groups("two")["fsdp_after_a_backward_without_sync"]:
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_a_module_outside_fsdp_keeps_no_gradient_of_a_failed_attempt(groups: Groups) -> None:
     for value in groups("two")["fsdp_unsharded_head"]:
         assert value["size"] < _fsdp_ranks.ROWS

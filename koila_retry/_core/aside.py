@@ -29,6 +29,10 @@ class SetAside:
         for parameter in self.parameters:
             parameter.grad = None
 
+    def owned(self) -> set[int]:
+        """Return the ids of the leaves whose gradients this object looks after: its parameters."""
+        return {id(parameter) for parameter in self.parameters}
+
     def undo(self) -> None:
         """After an attempt that failed on some rank: drop its gradients."""
         for parameter in self.parameters:

@@ -382,6 +382,17 @@ class ShardedStep(SetAside):
         self.sharded = fsdp_modules(modules)
         self.roots = roots_of(self.sharded)
 
+    def owned(self) -> set[int]:
+        """Return the ids of the parameters and of the unsharded ones FSDP2 backpropagates into (it clears those)."""
+        owned = super().owned()
+        for module in self.sharded:
+            for group in param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        owned.add(id(unsharded))
+        return owned
+
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""
         for root in self.roots:

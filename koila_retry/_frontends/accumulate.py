@@ -40,7 +40,7 @@ from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
 from koila_retry._frontends.combine import Results, describe, loss_of
-from koila_retry._frontends.gradients import Backward, Gradients, backward_of, plain_backward
+from koila_retry._frontends.gradients import Backward, Gradients, OtherLeaves, backward_of, plain_backward
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -491,6 +491,8 @@ class _Accumulator:
         overlap = plan if isinstance(plan, Overlap) else None
         # DDP expects the backward of a forward that syncs: the last micro-batch's runs even if it weighs 0.
         ddp = overlap is not None
+        # The plan looks after its modules' parameters; what else the backward writes is found in each graph.
+        others = OtherLeaves(plan.owned)
 
         def work(size: int) -> Results:
             # Sync on for the last micro-batch only, as FSDP2 and DDP document. The first begins before
@@ -506,8 +508,11 @@ class _Accumulator:
                     plan.micro_batch(index == last, first=False)
                 loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and (weight != 0.0 or (ddp and index == last)):
+                    weighted = loss * weight if weight != 1.0 else loss
+                    others.see(weighted)
                     # Into .grad, not captured: FSDP2's and DDP's hooks reduce what the backward writes.
-                    self.backward(loss * weight if weight != 1.0 else loss, retain)
+                    self.backward(weighted, retain)
+                    del weighted
                     backed = True
                 del loss, args, kwargs
             if not backed:
@@ -518,16 +523,22 @@ class _Accumulator:
 
         # The parameters' gradients set aside, added back after: not safe while another thread trains
         # the model, which neither FSDP2 nor DDP allows anyway.
+        def undo() -> None:
+            plan.undo()
+            others.undo()
+
         plan.before()
         try:
             # A rank that failed plays along DDP's buckets before the ranks agree (see overlap.py).
             vote = None if overlap is None else overlap.play_along
-            finished = run(attempt, work, rows=rows, vote=vote, undo=plan.undo)
+            finished = run(attempt, work, rows=rows, vote=vote, undo=undo)
             result = finished.finish()
         except BaseException:
             plan.give_back()
+            others.give_back()
             raise
         plan.restore()
+        others.restore()
         if overlap is not None and finished.size < rows and not self.warned_batchnorm and overlap.batchnorm_trains():
             self._warn_batchnorm(finished.size)
         return result

@@ -30,6 +30,7 @@ __all__ = [
     "Deliver",
     "Gradients",
     "InFlight",
+    "OtherLeaves",
     "Scaled",
     "added_back",
     "backward_of",
@@ -529,6 +530,62 @@ class Gradients:
                 for leaf, total in hooked:
                     accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
                     cast(Any, accumulate)(total)
+
+
+class OtherLeaves:
+    """The leaves a plain backward writes besides those a plan looks after: found by a walk, set aside as first seen.
+
+    A step over DDP or FSDP2 modules sets aside their parameters' gradients; an argument or a
+    tensor of the step's own that needs a gradient is found in each micro-batch's graph instead.
+    """
+
+    __slots__ = ("aside", "known", "owned", "walker")
+
+    def __init__(self, owned: Callable[[], set[int]]) -> None:
+        # Asked once a graph has been made: FSDP2 makes its unsharded parameters in the first forward.
+        self.owned = owned
+        self.known: set[int] | None = None
+        self.walker = Gradients()
+        self.aside: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def see(self, loss: torch.Tensor) -> None:
+        """Before a backward of ``loss``: set aside the gradient of each leaf it writes that nothing looks after yet."""
+        aside, known = self.aside, self.known
+        for leaf in self.walker._leaves(loss):
+            key = id(leaf)
+            if key in aside:
+                continue
+            if known is None:
+                known = self.known = self.owned()
+            if key not in known:
+                aside[key] = (leaf, leaf.grad)
+                leaf.grad = None
+
+    def undo(self) -> None:
+        """After an attempt that failed: drop what it wrote."""
+        for leaf, _ in self.aside.values():
+            leaf.grad = None
+
+    def restore(self) -> None:
+        """After the step: add the gradients set aside back into what it wrote, as a backward adds into ``.grad``."""
+        for leaf, before in self.aside.values():
+            if before is None:
+                continue
+            written = leaf.grad
+            if written is not None:
+                with torch.no_grad():
+                    if before.layout == torch.strided or written.layout == before.layout:
+                        before.add_(written)
+                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
+                        before = before + written
+            leaf.grad = before
+        self.aside = {}
+
+    def give_back(self) -> None:
+        """After a step that raised: the gradients set aside, as they were."""
+        for leaf, before in self.aside.values():
+            leaf.grad = before
+        self.aside = {}
 
 
 class InFlight:
