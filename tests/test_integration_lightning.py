@@ -821,9 +821,12 @@ def test_nothing_failing_a_training_step_runs_whole_and_lightnings_backward_back
     staged = Staged()
     model = Traced(staged)
     events: list[Any] = []
-    trainer(OOMRecovery(on_oom=events.append), staged).fit(model, loader(rows=128))
+    recovery = OOMRecovery(on_oom=events.append)
+    trainer(recovery, staged).fit(model, loader(rows=128))
     assert events == []
     assert model.backward_in_loop == [True, True, True], "backpropagated by Lightning's backward, once a step"
+    # The first step's graph reached nothing but the parameters: the later steps' are not walked.
+    assert recovery._steps["training_step"].walks is False
     assert_same_parameters(model, reference, rtol=0, atol=0)
     assert "backward" not in vars(model), "the module's backward is its class's again"
 
@@ -860,6 +863,35 @@ def test_an_oom_in_lightnings_backward_of_a_step_that_ran_whole_runs_it_again_in
     assert model.dead_before[1] is True
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
     assert "backward" not in vars(model)
+
+
+class Scaled(Lean):
+    """A scale of the module's own that needs a gradient but is no parameter: Lightning never zeroes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones((), dtype=torch.float64, requires_grad=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x) * self.scale, y)
+
+
+def test_a_tensor_of_the_modules_own_keeps_nothing_of_a_whole_step_whose_backward_failed() -> None:
+    """Found in the graph, as accumulate finds it: its gradient adds up over the steps as without the callback."""
+    reference = Scaled()
+    trainer().fit(reference, loader(rows=128))
+    model = Scaled()
+    events: list[Any] = []
+    recovery = OOMRecovery(on_oom=events.append)
+    with simulated_device(BACKWARD_LIMIT):
+        trainer(recovery).fit(model, loader(rows=128))
+    assert [event.batch_size for event in events] == [64], "the first step's whole backward ran out of memory"
+    assert recovery._steps["training_step"].walks is True
+    assert reference.scale.grad is not None
+    # The failed backward had written the scale's gradient before the error: not kept, not added twice.
+    torch.testing.assert_close(model.scale.grad, reference.scale.grad, rtol=1e-12, atol=1e-12)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
 
 
 def test_an_oom_in_the_forward_of_a_step_that_ran_whole_runs_it_again_in_micro_batches() -> None:
@@ -944,6 +976,30 @@ def test_under_gradient_accumulation_every_step_runs_whole_and_the_sum_is_the_tr
     trainer(OOMRecovery(), staged, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
     assert model.backward_in_loop == [True] * 4
     assert_same_parameters(model, reference, rtol=0, atol=0)
+
+
+def test_a_tensor_of_the_modules_own_is_walked_in_every_step_once_the_first_found_it() -> None:
+    """The second batch of a window fails in Lightning's backward: its graph was walked too."""
+    reference = Scaled()
+    trainer(accumulate_grad_batches=2, max_steps=1).fit(reference, loader(rows=256))
+    batches = Batches()
+    model = Scaled()
+    events: list[Any] = []
+    where: list[int] = []
+
+    def on_oom(event: Any) -> None:
+        events.append(event)
+        where.append(batches.index)
+
+    with simulated_device("860KiB"):
+        trainer(OOMRecovery(on_oom=on_oom), batches, accumulate_grad_batches=2, max_steps=1).fit(
+            model, loader(rows=256)
+        )
+    # One window: the second batch fails in Lightning's backward and runs through accumulate there, its
+    # gradients divided by accumulate_grad_batches as Lightning divides the loss, the scale's too.
+    assert where[:1] == [1], "the second batch of the window"
+    torch.testing.assert_close(model.scale.grad, reference.scale.grad, rtol=1e-12, atol=1e-12)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
 
 
 class Batches(L.pytorch.callbacks.Callback):  # type: ignore[misc]

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import pytest
 import torch
@@ -346,7 +347,10 @@ def _backward_callers(trainer: Any) -> list[str]:
     real = trainer.accelerator.backward
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
-        callers.append(sys._getframe(1).f_code.co_name)
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "walked":  # adapt's, which walks the graph first: its caller's
+            caller = cast(FrameType, caller.f_back)
+        callers.append(caller.f_code.co_name)
         real(loss, **kwargs)
 
     trainer.accelerator.backward = backward
@@ -359,6 +363,8 @@ def test_nothing_failing_a_step_runs_as_the_trainer_runs_it(tmp_path: Path, refe
     callers = _backward_callers(trainer)
     trainer.train()
     assert callers == ["training_step"] * 3
+    # The first step's graph reached nothing but the parameters: the later steps' are not walked.
+    assert trainer.training_step.walks is False
     stats = trainer.training_step.stats
     assert (stats.calls, stats.batch_size, stats.ooms) == (3, 8, 0)
     assert_same_training(trainer, reference)
@@ -400,6 +406,36 @@ def test_an_oom_of_a_step_run_as_the_trainer_runs_it_is_accumulates_first_attemp
     assert trainer.training_step.stats.ooms == 1
     for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), reference.model.named_parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first step", "later step of a window"])
+def test_a_tensor_of_your_own_keeps_nothing_of_a_whole_step_whose_backward_failed(tmp_path: Path, later: bool) -> None:
+    """A loss scale that needs a gradient, no parameter: found in the graph as accelerator.backward begins."""
+    if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:
+        pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
+
+    def scaled(scale: torch.Tensor) -> Any:
+        def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+            return float64_loss_func(outputs, labels, num_items_in_batch) * scale
+
+        return loss_func
+
+    # A window of two steps of 4 rows, the second failing, or the first step of 8 rows failing: after the
+    # loss's scale got its gradient, in the backward of the first block.
+    window = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4} if later else {}
+    scale = torch.ones((), dtype=torch.float64, requires_grad=True)
+    reference = make_trainer(tmp_path, model=float64_gpt2(), compute_loss_func=scaled(scale), **window)
+    reference.train()
+    expected, scale.grad = scale.grad, None
+    assert expected is not None
+    events: list[Any] = []
+    model = float64_gpt2({1 if later else 0: "backward"})
+    trainer = make_trainer(tmp_path, model=model, compute_loss_func=scaled(scale), **window)
+    trainer = adapt(trainer, on_oom=events.append)
+    trainer.train()
+    assert [event.batch_size for event in events] == [4 if later else 8]
+    torch.testing.assert_close(scale.grad, expected, rtol=1e-12, atol=1e-15)
+    assert trainer.training_step.walks is True
 
 
 def test_a_prediction_step_that_fits_runs_as_the_trainer_runs_it_and_one_that_does_not_in_chunks_at_once(

@@ -545,13 +545,16 @@ class OtherLeaves:
         # Asked once a graph has been made: FSDP2 makes its unsharded parameters in the first forward.
         self.owned = owned
         self.known: set[int] | None = None
-        self.walker = Gradients()
+        self.walker: Gradients | None = None  # made at the first walk: a trainer's step may make none
         self.aside: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def see(self, loss: torch.Tensor) -> None:
         """Before a backward of ``loss``: set aside the gradient of each leaf it writes that nothing looks after yet."""
         aside, known = self.aside, self.known
-        for leaf in self.walker._leaves(loss):
+        walker = self.walker
+        if walker is None:
+            walker = self.walker = Gradients()
+        for leaf in walker._leaves(loss):
             key = id(leaf)
             if key in aside:
                 continue
@@ -560,6 +563,14 @@ class OtherLeaves:
             if key not in known:
                 aside[key] = (leaf, leaf.grad)
                 leaf.grad = None
+
+    def found(self) -> bool:
+        """Return whether a walk found any leaf that nothing else looks after."""
+        return bool(self.aside)
+
+    def written(self) -> list[torch.Tensor]:
+        """Return the gradients written into those leaves since they were set aside."""
+        return [leaf.grad for leaf, _ in self.aside.values() if leaf.grad is not None]
 
     def undo(self) -> None:
         """After an attempt that failed: drop what it wrote."""

@@ -39,7 +39,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
-from koila_retry._frontends.gradients import added_back
+from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
 
 if TYPE_CHECKING:
@@ -278,6 +278,9 @@ class _Step:
         self.failure: tuple[str, str] | None = None
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
+        # Whether the graph of a step that runs whole reaches leaves besides the parameters: None until the
+        # first such step's walk says (see _backward_of_whole).
+        self.walks: bool | None = None
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -289,7 +292,7 @@ class _Step:
         if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
             self.owner = (type(module), how)
             self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", how)
-            self.trusting = True
+            self.trusting, self.walks = True, None
         # A cache that knows a size (a DiskCache of an earlier run, say) knows better than the whole batch.
         self.trusting = self.trusting and not self.run.cache_info().currsize
         run = self._train if self.train else self._evaluate
@@ -630,6 +633,14 @@ class _Step:
             return
         loss, batch_args, batch_kwargs, parameters, before, steps = pending
         del pending
+        # What the backward writes besides the parameters (a tensor of the module's own, an input that
+        # needs a gradient) is found in its graph and set aside, as accumulate finds it: in every step if
+        # the first step's graph reached any, else in none (a walk costs tens of microseconds a step).
+        others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
+        if self.walks is not False:
+            others.see(loss)
+            if self.walks is None:
+                self.walks = others.found()
         failed = False
         try:
             # The module's class's backward (Lightning's), of the loss as the loop divides it by
@@ -640,10 +651,12 @@ class _Step:
                 raise
             failed, self.failure = True, replayable(error)
         if not failed:
+            others.restore()
             if before:
                 added_back(parameters, before)
             return
         del loss  # the graph, and what its nodes not yet run hold
+        others.undo()  # what they had before stays aside: accumulate's gradients are divided first
         for parameter in parameters:  # None before this backward (see _whole)
             parameter.grad = None
         self.trusting = False
@@ -659,16 +672,19 @@ class _Step:
         except BaseException:
             for parameter, gradient in zip(parameters, before, strict=False):
                 parameter.grad = gradient  # as the step found them
+            others.give_back()
             raise
         finally:
             del vars(module)["log"]
             self.parts = []
         if steps != 1:  # accumulate's are the undivided loss's
             divided = [parameter.grad for parameter in parameters if parameter.grad is not None]
+            divided += others.written()
             with torch.no_grad():
                 torch._foreach_div_(divided, steps)
         if before:
             added_back(parameters, before)
+        others.restore()
 
     def _forget(self, module: pl.LightningModule) -> None:
         """Drop the loss of a step that ran whole and whose backward did not come; put back what was set aside."""
