@@ -278,9 +278,7 @@ class _Step:
         self.failure: tuple[str, str] | None = None
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
-        # Whether the graph of a step that runs whole reaches leaves besides the parameters: None until the
-        # first such step's walk says (see _backward_of_whole).
-        self.walks: bool | None = None
+        self.walks: bool | None = None  # whether a whole step's graph reaches other leaves (_backward_of_whole)
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -633,9 +631,8 @@ class _Step:
             return
         loss, batch_args, batch_kwargs, parameters, before, steps = pending
         del pending
-        # What the backward writes besides the parameters (a tensor of the module's own, an input that
-        # needs a gradient) is found in its graph and set aside, as accumulate finds it: in every step if
-        # the first step's graph reached any, else in none (a walk costs tens of microseconds a step).
+        # Leaves besides the parameters (a tensor of the module's own) are found in the graph and set aside:
+        # in every step if the first step's walk found any, else in none (a walk costs tens of microseconds).
         others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
         if self.walks is not False:
             others.see(loss)
