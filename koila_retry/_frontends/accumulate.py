@@ -521,12 +521,12 @@ class _Accumulator:
                 overlap.finished(self.controller.name)
             return results
 
-        # The parameters' gradients set aside, added back after: not safe while another thread trains
-        # the model, which neither FSDP2 nor DDP allows anyway.
         def undo() -> None:
             plan.undo()
             others.undo()
 
+        # The parameters' gradients set aside, added back after: not safe while another thread trains
+        # the model, which neither FSDP2 nor DDP allows anyway.
         plan.before()
         try:
             # A rank that failed plays along DDP's buckets before the ranks agree (see overlap.py).
