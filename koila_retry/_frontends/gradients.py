@@ -104,6 +104,16 @@ def added_back(leaves: Sequence[torch.Tensor], before: Sequence[torch.Tensor | N
             torch._foreach_add_(olds, news)
 
 
+def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
+    """Return a gradient set aside with what a step wrote since added into it, in place where autograd would."""
+    if written is None:
+        return before
+    with torch.no_grad():
+        if before.layout == torch.strided or written.layout == before.layout:
+            return before.add_(written)
+        return before + written  # a dense gradient onto a sparse one: as autograd does, a new sum
+
+
 def plain_backward(loss: torch.Tensor, retain: bool) -> None:
     """Run ``loss.backward()``: the step's backward without a scaler or an engine, and the estimate's."""
     loss.backward(retain_graph=retain)  # type: ignore[no-untyped-call]
@@ -480,14 +490,8 @@ class Gradients:
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""
         for leaf, before in self.aside:
-            written = leaf.grad  # None, unless a backward wrote leaves the walk could not find
-            if written is not None:
-                with torch.no_grad():
-                    if before.layout == torch.strided or written.layout == before.layout:
-                        before.add_(written)
-                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
-                        before = before + written
-            leaf.grad = before
+            # leaf.grad is None, unless a backward wrote leaves the walk could not find.
+            leaf.grad = summed(before, leaf.grad)
         self.aside.clear()
         if self.direct:
             IN_FLIGHT.release(self, self.exposed)
@@ -580,16 +584,8 @@ class OtherLeaves:
     def restore(self) -> None:
         """After the step: add the gradients set aside back into what it wrote, as a backward adds into ``.grad``."""
         for leaf, before in self.aside.values():
-            if before is None:
-                continue
-            written = leaf.grad
-            if written is not None:
-                with torch.no_grad():
-                    if before.layout == torch.strided or written.layout == before.layout:
-                        before.add_(written)
-                    else:  # a dense gradient onto a sparse one: as autograd does, a new sum
-                        before = before + written
-            leaf.grad = before
+            if before is not None:
+                leaf.grad = summed(before, leaf.grad)
         self.aside = {}
 
     def give_back(self) -> None:
