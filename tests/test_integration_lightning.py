@@ -981,7 +981,7 @@ def test_under_gradient_accumulation_every_step_runs_whole_and_the_sum_is_the_tr
 def test_a_tensor_of_the_modules_own_is_walked_in_every_step_once_the_first_found_it() -> None:
     """The second batch of a window fails in Lightning's backward: its graph was walked too."""
     reference = Scaled()
-    trainer(accumulate_grad_batches=2, max_steps=1).fit(reference, loader(rows=256))
+    trainer(accumulate_grad_batches=2, max_steps=2).fit(reference, loader(rows=256))
     batches = Batches()
     model = Scaled()
     events: list[Any] = []
@@ -992,12 +992,25 @@ def test_a_tensor_of_the_modules_own_is_walked_in_every_step_once_the_first_foun
         where.append(batches.index)
 
     with simulated_device("860KiB"):
-        trainer(OOMRecovery(on_oom=on_oom), batches, accumulate_grad_batches=2, max_steps=1).fit(
+        trainer(OOMRecovery(on_oom=on_oom), batches, accumulate_grad_batches=2, max_steps=2).fit(
             model, loader(rows=256)
         )
-    # One window: the second batch fails in Lightning's backward and runs through accumulate there, its
-    # gradients divided by accumulate_grad_batches as Lightning divides the loss, the scale's too.
-    assert where[:1] == [1], "the second batch of the window"
+    # The first window's second batch fails in Lightning's backward and runs through accumulate there,
+    # the second window's batches through accumulate: their gradients divided by accumulate_grad_batches
+    # as Lightning divides the loss, the scale's too.
+    assert where[:1] == [1], "the second batch of the first window"
+    torch.testing.assert_close(model.scale.grad, reference.scale.grad, rtol=1e-12, atol=1e-12)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tensor_of_the_modules_own_gets_through_accumulate_what_lightning_gives_it_in_a_window() -> None:
+    """Every step through accumulate (initial=): handed over with the parameters' gradients, and divided alike."""
+    reference = Scaled()
+    trainer(accumulate_grad_batches=2, max_steps=2).fit(reference, loader(rows=256))
+    model = Scaled()
+    recovery = OOMRecovery(initial=32)
+    trainer(recovery, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
+    assert recovery._steps["training_step"].run.stats.batch_size == 32
     torch.testing.assert_close(model.scale.grad, reference.scale.grad, rtol=1e-12, atol=1e-12)
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
 

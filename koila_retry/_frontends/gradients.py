@@ -576,6 +576,17 @@ class OtherLeaves:
         """Return the gradients written into those leaves since they were set aside."""
         return [leaf.grad for leaf, _ in self.aside.values() if leaf.grad is not None]
 
+    def taken(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return the leaves a step wrote and what it wrote, each leaf given back the gradient it had before."""
+        leaves, written = [], []
+        for leaf, before in self.aside.values():
+            if leaf.grad is not None:
+                leaves.append(leaf)
+                written.append(leaf.grad)
+            leaf.grad = before
+        self.aside = {}
+        return leaves, written
+
     def undo(self) -> None:
         """After an attempt that failed: drop what it wrote."""
         for leaf, _ in self.aside.values():

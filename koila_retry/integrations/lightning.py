@@ -107,9 +107,8 @@ class OOMRecovery(Callback):
         Policy.of("OOMRecovery", initial, options, rows=True)
         self._options: dict[str, Any] = {"initial": initial, **options}
         self._steps: dict[str, _Step] = {}
-        # Lightning calls a callback's hook only if it is callable: a hook that does nothing,
-        # unless a subclass gave it a body, is None on the instance, which spares each batch
-        # its call (a profiler context, the callback's state key, the call itself).
+        # Lightning calls a callback's hook only if it is callable: one that does nothing is None on the
+        # instance, unless a subclass gave it a body, which spares each batch its call (a profiler context...).
         for hook in _IDLE:
             if getattr(type(self), hook) is getattr(Callback, hook):
                 vars(self)[hook] = None
@@ -172,8 +171,7 @@ class _Held:
     def take(self, grad: torch.Tensor) -> list[torch.Tensor]:
         """Return the gradients, once, at the scale of the loop's backward, whose gradient of the loss is ``grad``."""
         gradients, self.gradients = self.gradients, []
-        # The loop's backward scales the loss (AMP) and divides it by accumulate_grad_batches;
-        # the gradients were computed at the scaler's scale already.
+        # The loop's backward scales (AMP) and divides the loss; the gradients are at the scaler's scale already.
         factor = grad if self.scale is None else grad / self.scale
         if gradients and not self.unit:  # times 1 would be a pass over every gradient for nothing
             torch._foreach_mul_(gradients, factor)  # one call for every gradient
@@ -270,15 +268,12 @@ class _Step:
         self.keywords: frozenset[str] = frozenset()  # its parameters' names
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
-        # Whether a training step may run whole with the loop's own backward (see _whole): until one
-        # runs out of memory there.
-        self.trusting = True
-        # The message of the out-of-memory error of a step that ran whole, until accumulate's first
-        # attempt of the batch raises it (see accumulator's replay).
-        self.failure: tuple[str, str] | None = None
+        self.trusting = True  # whether a training step may run whole (see _whole): until one runs out of memory there
+        self.failure: tuple[str, str] | None = None  # a whole step's OOM, until accumulate raises it again (replay)
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
         self.walks: bool | None = None  # whether a whole step's graph reaches other leaves (_backward_of_whole)
+        self.others: OtherLeaves | None = None  # a split step's leaves besides the parameters (_train)
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -325,6 +320,9 @@ class _Step:
                 self.parts.append((self._rows_of(args, kwargs), self.logging))
                 if output is None:  # Lightning's "skip this batch"; accumulate needs a loss to go on
                     raise _Skipped
+                loss = output.get("loss") if isinstance(output, Mapping) else output
+                if self.others is not None and isinstance(loss, torch.Tensor):
+                    self.others.see(loss)  # handed over with the parameters' gradients (_train)
                 return output
 
         else:
@@ -335,8 +333,7 @@ class _Step:
                 rows = self._rows_of(args, kwargs)
                 self.parts.append((rows, self.logging))
                 if rows == _WHOLE or rows == self.rows:
-                    # Returned as it is, strings and objects included, if it stays the last:
-                    # nothing for accumulate to join.
+                    # Returned as it is, strings and objects included, if it stays the last: nothing to join.
                     self.whole = output
                     return torch.zeros(())
                 if output is None:  # the usual validation_step: nothing to join, and nothing to warn about
@@ -445,8 +442,7 @@ class _Step:
             return set()
         if batch_idx % trainer.accumulate_grad_batches != 0:  # zero_grad runs on a group's first batch only
             return set()
-        # Only the default zero_grad (optimizer.zero_grad(), set_to_none=True), and no on_before_zero_grad
-        # hook that could look at the gradients.
+        # Only the default zero_grad (set_to_none=True), and no on_before_zero_grad hook to look at the gradients.
         lightning = pl.LightningModule
         if "optimizer_zero_grad" in vars(module) or "on_before_zero_grad" in vars(module):
             return set()
@@ -479,6 +475,8 @@ class _Step:
                 return output
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
         self.parts, self.scale, skipped = [], None, False
+        # Other leaves, found in each micro-batch's graph, are handed over too: Lightning's backward divides them.
+        self.others = OtherLeaves(lambda: {id(p) for p in parameters}) if self.walks is not False else None
         vars(module)["log"] = self._record  # not through Module.__setattr__, which looks for tensors
         # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
         # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
@@ -496,6 +494,10 @@ class _Step:
             _restored(hooks)
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
+            others, self.others = self.others, None
+            if others is not None and self.walks is None:
+                self.walks = others.found()
+            extra = ([], []) if others is None else others.taken()
         if skipped:
             # Returned None: skipped as Lightning skips it, with no gradient of it. Ran whole, it logs
             # as it called, as without the callback; split, the batch has no whole value to log.
@@ -510,6 +512,8 @@ class _Step:
             if gradient is not None:
                 leaves.append(parameter)
                 parts.append(gradient)
+        leaves += extra[0]
+        parts += extra[1]
         scale, self.scale = self.scale, None
         unit = scale is None and trainer.accumulate_grad_batches == 1 and _plain_backward(trainer, module)
         # On one device, where no parameter has a hook to run, the gradients need not go through the
@@ -591,8 +595,7 @@ class _Step:
             if before:
                 added_back(parameters, before)
             return output  # skipped (None), or nothing to backpropagate: as without the callback
-        # The loop backpropagates a leaf of the same value; the module's backward, in front of its
-        # own until then, backpropagates the loss itself (see _backward_of_whole).
+        # The loop backpropagates a leaf of the same value; the module's backward the loss (_backward_of_whole).
         self.pending = (loss, args, kwargs, parameters, before, steps)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
@@ -608,8 +611,7 @@ class _Step:
         except BaseException as error:
             if not is_oom(error):
                 raise
-            # Handled outside the except block, so that the attempt's frames are gone; only its message
-            # and place are kept.
+            # Handled outside the except block, once the attempt's frames are gone; its message and place kept.
             failed, self.failure = True, replayable(error)
         finally:
             del vars(module)["log"]
@@ -631,8 +633,7 @@ class _Step:
             return
         loss, batch_args, batch_kwargs, parameters, before, steps = pending
         del pending
-        # Leaves besides the parameters (a tensor of the module's own) are found in the graph and set aside:
-        # in every step if the first step's walk found any, else in none (a walk costs tens of microseconds).
+        # Other leaves (a tensor of the module's own) are set aside: in every step if the first step's walk found any.
         others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
         if self.walks is not False:
             others.see(loss)
@@ -640,8 +641,7 @@ class _Step:
                 self.walks = others.found()
         failed = False
         try:
-            # The module's class's backward (Lightning's), of the loss as the loop divides it by
-            # accumulate_grad_batches (_trusted made sure that nothing scales it).
+            # Lightning's backward, of the loss divided by accumulate_grad_batches (_trusted: nothing scales it).
             type(module).backward(module, loss / steps if steps != 1 else loss, *args, **kwargs)
         except BaseException as error:
             if not is_oom(error):
