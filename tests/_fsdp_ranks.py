@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -554,26 +555,109 @@ def fsdp_leaves_outside_modules(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-@scenario("two")
-def fsdp_after_a_backward_without_sync(rank: int, world: int) -> dict[str, Any]:
-    """A backward of the caller's own with gradient sync off, then a step: FSDP2's unsharded gradients add up."""
+def _after_a_backward_without_sync(
+    rank: int, world: int, failing: set[int], where: str, sync: bool, played: bool = False
+) -> dict[str, Any]:
+    """A backward of the caller's own with gradient sync off, then a step whose first attempt fails on ``failing``.
+
+    ``played``: a step before records the collectives, so that the failed rank plays along.
+    """
     plain = model()
     reference = copy.deepcopy(plain)
     net = shard(plain)
     first_all, first_y_all = batch(world, seed=46)
     x_all, y_all = batch(world, seed=48)
-    net.set_requires_gradient_sync(False)
-    F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
-    net.set_requires_gradient_sync(True)
 
-    @koila.accumulate(cache=koila.NoCache())
+    @koila.accumulate(cache=koila.NoCache(), sync=sync)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(net(x) * 1.0, y)
 
-    step(local(x_all, rank), local(y_all, rank))
+    calls = 0
+    if played:
+        step(local(first_all, rank), local(first_y_all, rank))
+        net.zero_grad(set_to_none=True)
+        calls = 1
+    net.set_requires_gradient_sync(False)
+    F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
+    net.set_requires_gradient_sync(True)
+    kept = [fsdp_param.unsharded_param.grad for fsdp_param in sharded.param_groups(net[1])[0].fsdp_params]
+    copies = [grad.clone() for grad in kept]
+    net[1][1].failures = {calls + 1: where} if rank in failing else {}  # the caller's own forward came before
+    with warnings.catch_warnings(record=True) as caught, Count() as count:
+        warnings.simplefilter("always")
+        step(local(x_all, rank), local(y_all, rank))
     F.mse_loss(reference(first_all), first_y_all).backward()
     F.mse_loss(reference(x_all), y_all).backward()
-    return {"grads": full([p.grad for p in net.parameters()]), "expected": [p.grad for p in reference.parameters()]}
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "kept_unchanged": all(torch.equal(grad, copy) for grad, copy in zip(kept, copies, strict=True)),
+        "size": step.stats.batch_size,
+        "unsharded_grads": unsharded_grads(net),
+        "warnings": [str(each.message) for each in caught],
+        "played": count.plays > 0,
+    }
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_gives_up(rank: int, world: int) -> dict[str, Any]:
+    """A step that gives up hands back the very tensors the caller's backward left unsharded, unwritten."""
+    net = shard(model())
+    first_all, first_y_all = batch(world, seed=46)
+    x_all, y_all = batch(world, seed=48)
+    net.set_requires_gradient_sync(False)
+    F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
+    net.set_requires_gradient_sync(True)
+    fsdp_params = sharded.param_groups(net[1])[0].fsdp_params
+    kept = [fsdp_param.unsharded_param.grad for fsdp_param in fsdp_params]
+    copies = [grad.clone() for grad in kept]
+    net[1][1].failures = {1: "backward"} if rank == 0 else {}
+
+    @koila.accumulate(cache=koila.NoCache(), minimum=ROWS)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x) * 1.0, y)
+
+    try:
+        step(local(x_all, rank), local(y_all, rank))
+    except koila.BatchSizeExhausted:
+        gave_up = True
+    else:
+        gave_up = False
+    now = [fsdp_param.unsharded_param.grad for fsdp_param in fsdp_params]
+    return {
+        "gave_up": gave_up,
+        "same_tensors": all(a is b for a, b in zip(now, kept, strict=True)),
+        "unchanged": all(torch.equal(grad, copy) for grad, copy in zip(kept, copies, strict=True)),
+        "sharded_grads": sum(p.grad is not None for p in net.parameters()),
+    }
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync(rank: int, world: int) -> dict[str, Any]:
+    """A backward of the caller's own with gradient sync off, then a step: FSDP2's unsharded gradients add up."""
+    return _after_a_backward_without_sync(rank, world, set(), "", sync=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_a_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0}, "forward", sync=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_a_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0}, "backward", sync=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_a_played_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    """As above, after a step that recorded the collectives: the failed rank plays along the rest."""
+    return _after_a_backward_without_sync(rank, world, {0}, "backward", sync=True, played=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_every_backward_fails_alone(rank: int, world: int) -> dict[str, Any]:
+    """Without agreement (``sync=False``): every rank fails alike, and each resets FSDP2 itself."""
+    return _after_a_backward_without_sync(rank, world, {0, 1}, "backward", sync=False)
 
 
 @scenario("two")

@@ -204,8 +204,37 @@ def test_leaves_of_no_module_keep_no_gradient_of_a_failed_attempt(groups: Groups
 def test_a_step_after_a_backward_without_gradient_sync_adds_onto_fsdps_unsharded_gradients(groups: Groups) -> None:
     """FSDP2's unsharded parameters are its own to clear: the walk for other leaves leaves them alone."""
     for value in groups("two")["fsdp_after_a_backward_without_sync"]:
+        assert value["size"] == _fsdp_ranks.ROWS
+        assert value["unsharded_grads"] == 0  # reduce-scattered, then cleared by FSDP2
         for got, want in zip(value["grads"], value["expected"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp_after_a_backward_without_sync_a_forward_fails",
+        "fsdp_after_a_backward_without_sync_a_backward_fails",
+        "fsdp_after_a_backward_without_sync_a_played_backward_fails",
+        "fsdp_after_a_backward_without_sync_every_backward_fails_alone",
+    ],
+)
+def test_a_failed_attempt_keeps_the_unsharded_gradients_of_the_callers_own_backward(groups: Groups, name: str) -> None:
+    """What a backward of the caller's own left unsharded (sync off) survives the reset after a failed attempt."""
+    values = groups("two")[name]
+    assert [value["played"] for value in values] == ["played" in name, False]
+    for value in values:
+        assert value["size"] < _fsdp_ranks.ROWS  # the first attempt failed
+        assert value["kept_unchanged"]  # the tensors the caller's backward left were never written
+        assert value["unsharded_grads"] == 0
+        assert value["warnings"] == []  # the play-along's collectives by their current names (torch 2.13)
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_step_that_gives_up_hands_back_the_unsharded_gradients_of_the_callers_own_backward(groups: Groups) -> None:
+    for value in groups("two")["fsdp_after_a_backward_without_sync_gives_up"]:
+        assert value == {"gave_up": True, "same_tensors": True, "unchanged": True, "sharded_grads": 0}
 
 
 def test_a_module_outside_fsdp_keeps_no_gradient_of_a_failed_attempt(groups: Groups) -> None:

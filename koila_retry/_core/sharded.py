@@ -194,9 +194,20 @@ class _Collective(NamedTuple):
         source = torch.zeros(self.input, dtype=self.dtype, device=self.device)
         target = torch.empty(self.output, dtype=self.dtype, device=self.device)
         if self.gather:
-            dist.all_gather_into_tensor(target, source, group=group)
+            _all_gather()(target, source, group=group)
         else:
-            dist.reduce_scatter_tensor(target, source, op=self.op, group=group)
+            _reduce_scatter()(target, source, op=self.op, group=group)
+
+
+# torch 2.13 renamed the single-tensor collectives; the old names warn (FutureWarning) there.
+@functools.cache
+def _all_gather() -> Any:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@functools.cache
+def _reduce_scatter() -> Any:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # FSDP2's own comm objects, whose collectives a plain torch.distributed call matches; a custom
@@ -381,6 +392,22 @@ class ShardedStep(SetAside):
         self.alone = alone
         self.sharded = fsdp_modules(modules)
         self.roots = roots_of(self.sharded)
+        # What a backward of the caller's own with gradient sync off left unsharded: (FSDPParam, .grad of its
+        # unsharded parameter, its unsharded_accumulated_grad). Each attempt adds onto copies, since a failed
+        # one's reset drops them: the one buffer the exact rollback costs, and only where such gradients are.
+        self.unsharded: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def before(self) -> None:
+        """Set the gradients aside: the parameters', and what FSDP2 holds unsharded from the caller's backward."""
+        super().before()
+        self.unsharded = [
+            (fsdp_param, grad, accumulated)
+            for module in self.sharded
+            for group in param_groups(module)
+            for fsdp_param in group.fsdp_params
+            for grad, accumulated in [(_unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad)]
+            if grad is not None or accumulated is not None
+        ]
 
     def owned(self) -> set[int]:
         """Return the ids of the parameters and of the unsharded ones FSDP2 backpropagates into (it clears those)."""
@@ -395,6 +422,8 @@ class ShardedStep(SetAside):
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""
+        if first and self.unsharded:
+            self._put_back(copy=True)
         for root in self.roots:
             root.set_requires_gradient_sync(last)  # type: ignore[operator]
         shards = _armed.shards
@@ -409,6 +438,31 @@ class ShardedStep(SetAside):
         super().undo()
         for root in self.roots:
             root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def restore(self) -> None:
+        """After the step: the parameters' gradients set aside added back (the unsharded ones went into the step's)."""
+        self.unsharded = []
+        super().restore()
+
+    def give_back(self) -> None:
+        """After a step that raised: every gradient set aside as it was, the unsharded ones included."""
+        super().give_back()
+        self._put_back(copy=False)
+        self.unsharded = []
+
+    def _put_back(self, copy: bool) -> None:
+        def kept(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return tensor.clone() if copy and tensor is not None else tensor
+
+        for fsdp_param, grad, accumulated in self.unsharded:
+            fsdp_param._unsharded_param.grad = kept(grad)
+            fsdp_param.unsharded_accumulated_grad = kept(accumulated)
+
+
+def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
+    """Return the gradient on an FSDPParam's unsharded parameter (private), if it has one."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
 
 
 def reset(modules: Iterable[torch.nn.Module]) -> None:
