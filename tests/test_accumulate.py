@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import warnings
@@ -343,11 +344,21 @@ def test_parameter_reached_only_by_a_later_micro_batch(before: bool) -> None:
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("where", ["inside", "after"])
-def test_checkpointed_module_grads_are_discarded_on_oom(where: str, reentrant: bool) -> None:
-    """Reentrant checkpointing writes its module's grads in a backward of its own, out of the graph's sight."""
+@pytest.mark.parametrize("form", ["module", "partial-of-forward", "partial-of-call"])
+def test_checkpointed_module_grads_are_discarded_on_oom(where: str, reentrant: bool, form: str) -> None:
+    """Reentrant checkpointing writes its module's grads in a backward of its own, out of the graph's sight.
+
+    ``form``: what is checkpointed. Hugging Face checkpoints a layer as ``partial(forward, layer, **kwargs)``
+    (transformers 5) or ``partial(super().__call__, **kwargs)`` (transformers 4).
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 1)).double()
     stem, block, head = model
+    run = {
+        "module": block,
+        "partial-of-forward": functools.partial(type(block).forward, block),
+        "partial-of-call": functools.partial(block.__call__),
+    }[form]
     x, y = data(40, 6), data(40, 1, seed=1)
     expected_loss, expected_grads = full_step(model, x, y)
     give_grads(model, lambda i: i % 2 == 0)
@@ -361,7 +372,7 @@ def test_checkpointed_module_grads_are_discarded_on_oom(where: str, reentrant: b
         h = stem(x)
         if fail and where == "inside":  # runs after the checkpoint's backward wrote the block's grads
             h = OOMInBackward.apply(h)
-        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
+        h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=reentrant)
         if fail and where == "after":  # runs before it: only micro-batch 0 wrote the block's grads
             h = OOMInBackward.apply(h)
         return F.mse_loss(head(h), y)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from types import FrameType
@@ -179,6 +181,26 @@ def test_label_smoothing_split_gives_what_the_plain_trainer_gives(tmp_path: Path
     reference.train()
     trainer = adapt(make_trainer(tmp_path, label_smoothing_factor=0.1))
     with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    assert trainer.training_step.stats.batch_size < 8
+    assert_same_training(trainer, reference)
+
+
+def test_reentrant_gradient_checkpointing_split_gives_what_the_plain_trainer_gives(tmp_path: Path) -> None:
+    """Each layer's own backward writes its parameters out of the graph's sight: they are found through the layer.
+
+    transformers 5 checkpoints ``partial(forward, layer, **kwargs)``; before, a layer's bound ``__call__``.
+    """
+    fields = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    options = {name: True, f"{name}_kwargs": {"use_reentrant": True}}
+    reference = make_trainer(tmp_path, **options)
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, **options))
+    # A limit where a step's backward fails after a checkpointed layer's own backward wrote its gradients.
+    with simulated_device("500KiB"), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # not "cannot be found" (a checkpointed function)
         trainer.train()
     assert trainer.training_step.stats.ooms >= 1
     assert trainer.training_step.stats.batch_size < 8

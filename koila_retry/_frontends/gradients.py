@@ -11,6 +11,7 @@ gradients", says which path a step takes and how each works.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from collections.abc import Callable, Collection, Sequence
@@ -417,8 +418,7 @@ class Gradients:
 
     def _checkpointed(self, node: Any) -> list[torch.Tensor]:
         """Return the parameters a reentrant checkpoint's own backward writes, when it can tell."""
-        function = getattr(node, "run_function", None)
-        owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+        owner = _owner(getattr(node, "run_function", None))
         if isinstance(owner, torch.nn.Module):
             return [parameter for parameter in owner.parameters() if parameter.requires_grad]
         self.hidden = True
@@ -790,3 +790,15 @@ class Capture(TorchFunctionMode):
             return func(*args, **kwargs)
         self.gradients.started(call, lambda: func(*args, **kwargs))
         return None
+
+
+def _owner(function: Any) -> Any:
+    """Return the module whose forward a checkpointed function runs, or what stands in its place."""
+    # Hugging Face checkpoints a layer as partial(forward, layer, **kwargs) (transformers 5), or as
+    # partial(super().__call__, **kwargs) (transformers 4).
+    while isinstance(function, functools.partial):
+        first = function.args[0] if function.args else None
+        if isinstance(first, torch.nn.Module) and getattr(function.func, "__self__", None) is None:
+            return first
+        function = function.func
+    return function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
