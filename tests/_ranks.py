@@ -1206,6 +1206,31 @@ def sharded_modules_are_refused(rank: int, world: int) -> dict[str, Any]:
     return outcomes
 
 
+@scenario("two")
+def sync_batchnorm_in_training_is_refused(rank: int, world: int) -> dict[str, Any]:
+    """SyncBatchNorm communicates inside forward and backward: refused while it trains, served in eval mode."""
+    # No DDP around it: DDP refuses SyncBatchNorm on the CPU, and the layer is refused with or without one.
+    net = nn.Sequential(nn.Linear(6, 4), nn.SyncBatchNorm(4), nn.Linear(4, 1)).to(DTYPE)
+    x, y = data(8, 6, seed=82), data(8, 1, seed=83)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def predict(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        return net(x[:batch_size])
+
+    outcomes = {}
+    net.eval()  # SyncBatchNorm in eval mode normalises with its running statistics: nothing to exchange
+    outcomes["accumulate eval"] = caught(lambda: step(x, y).item())
+    net.train()  # the same wrappers, now training: each call looks again
+    outcomes["accumulate train"] = caught(lambda: step(x, y))
+    outcomes["batch train"] = caught(lambda: predict(x))
+    outcomes["grads"] = [p.grad is None for p in net.parameters()]
+    return outcomes
+
+
 # --------------------------------------------------------------------------- options
 
 

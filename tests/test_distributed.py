@@ -522,6 +522,14 @@ def test_fsdp1_and_tensor_parallel_modules_are_refused_on_every_rank(groups: Gro
             assert_error(caught, NotImplementedError, *expected[kind])
 
 
+def test_sync_batchnorm_is_refused_on_every_rank_while_it_trains(groups: Groups) -> None:
+    for value in groups("two")["sync_batchnorm_in_training_is_refused"]:
+        assert "returned" in value["accumulate eval"], value["accumulate eval"]
+        for name in ("accumulate train", "batch train"):
+            assert_error(value[name], NotImplementedError, "SyncBatchNorm", "training mode", "eval mode")
+        assert value["grads"] == [False, False, False, False, False, False]  # the eval step's; none since
+
+
 # --------------------------------------------------------------------------- options
 
 

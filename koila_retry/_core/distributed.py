@@ -25,11 +25,13 @@ __all__ = [
     "GradientSync",
     "agreement",
     "check_group",
+    "check_norms",
     "check_sync",
     "ddp_modules",
     "is_running",
     "modules_of",
     "supported_modules",
+    "synced_norms",
 ]
 
 AVAILABLE = torch.distributed.is_available()
@@ -287,6 +289,32 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
                 "collective. Pass sync=False and choose the size yourself"
             )
     return list(found.values())
+
+
+def synced_norms(roots: Iterable[Any]) -> list[torch.nn.Module]:
+    """Return the SyncBatchNorm layers reachable from ``roots`` that synchronise over more than one rank."""
+    found = {}
+    for module in _modules(roots):
+        if isinstance(module, torch.nn.SyncBatchNorm):
+            group = module.process_group or dist.group.WORLD
+            if dist.get_world_size(group) > 1:
+                found[id(module)] = module
+    return list(found.values())
+
+
+def check_norms(norms: Iterable[torch.nn.Module], front_end: str) -> None:
+    """Refuse a call while a SyncBatchNorm layer it reaches trains: its collectives would hang a rank that failed."""
+    # In training mode SyncBatchNorm all-gathers its statistics in every forward and all-reduces in every
+    # backward, collectives that nothing of ours can play along: every rank raises alike, before any exchange.
+    training = [norm for norm in norms if norm.training]
+    if training:
+        raise NotImplementedError(
+            f"{front_end} reaches {len(training)} SyncBatchNorm layer(s) in training mode, which is not supported: "
+            "they exchange statistics across the ranks inside every forward and backward, so a rank that runs "
+            "out of memory there would leave the others waiting in a collective it never joins. Use BatchNorm in "
+            "their place (each rank then normalises over its own micro-batches), put them in eval mode, or pass "
+            "sync=False and choose a size that fits on every rank"
+        )
 
 
 # --- gradients of DDP modules -------------------------------------------------------

@@ -32,6 +32,7 @@ class Ranks:
     def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache) -> None:
         self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
         self.parallel: list[weakref.ref[Any]] | None = None  # the modules the first agreeing call reached
+        self.norms: list[weakref.ref[Any]] = []  # its SyncBatchNorm layers: refused while they train
 
     def agreement(self) -> distributed.Agreement | None:
         """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
@@ -46,6 +47,8 @@ class Ranks:
         if agreement is None:
             return base if first is None else compose(self.policy, self.rules, self.cache, first=first)
         self.reach(call.roots, agreement)
+        if self.norms:
+            distributed.check_norms((norm for norm in (ref() for ref in self.norms) if norm is not None), self.name)
         modules = [module for module in self.alive() if sharded.is_fsdp2(module)]
         # A rank that fails plays along their collectives (see sharded.py).
         shards = sharded.Shards(modules, agreement) if modules else None
@@ -63,6 +66,7 @@ class Ranks:
                 sharded.check_mesh(module, agreement.world_size, self.name)
                 sharded.check_state(module, self.name)
             self.parallel = [weakref.ref(module) for module in found]
+            self.norms = [weakref.ref(norm) for norm in distributed.synced_norms(roots)]
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
