@@ -639,3 +639,57 @@ def test_tensor_arguments_by_position_split_as_by_keyword(shapes: list[list[int]
     positional, _ = by_position.chunk(0, end)
     _, named = by_keyword.chunk(0, end)
     assert [tensor.shape for tensor in positional] == [named[name].shape for name in names]
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_a_sparse_coo_tensor_is_split_by_rows_along_any_dim(dim: int) -> None:
+    """A sparse tensor has no views: each slice is a copy of its rows (``narrow_copy``), by ``pieces`` and ``chunk``."""
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(7, 5, generator=generator)
+    dense[dense < 0.3] = 0
+    sparse = dense.to_sparse()
+    split = Split((sparse, dense), {}, dim, "koila.chunked")
+    rows = dense.shape[dim]
+    pieces = list(split.pieces(3))
+    assert [count for _, _, count in pieces] == [min(3, rows - begin) for begin in range(0, rows, 3)]
+    for number, (args, _, count) in enumerate(pieces):
+        assert args[0].layout is torch.sparse_coo
+        expected = dense.narrow(dim, number * 3, count)
+        assert torch.equal(args[0].to_dense(), expected)
+        assert torch.equal(args[1], expected)
+    args, _ = split.chunk(2, 5)
+    assert torch.equal(args[0].to_dense(), dense.narrow(dim, 2, 3))
+
+
+def test_chunked_and_accumulate_split_a_sparse_coo_input() -> None:
+    torch.manual_seed(0)
+    dense = torch.randn(10, 3)
+    dense[dense < 0.3] = 0
+    layer = torch.nn.Linear(3, 2)
+    joined = koila.chunked(
+        lambda rows: torch.sparse.mm(rows, layer.weight.t()) + layer.bias, dense.to_sparse(), initial=4
+    )
+    torch.testing.assert_close(joined, layer(dense))
+
+    y = torch.randn(10, 2)
+
+    @koila.accumulate(initial=4)
+    def step(rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.sparse.mm(rows, layer.weight.t()) + layer.bias, y)
+
+    step(dense.to_sparse(), y)
+    assert step.stats.batch_size == 4
+    got = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    torch.nn.functional.mse_loss(layer(dense), y).backward()
+    for mine, expected in zip(got, [p.grad for p in layer.parameters()], strict=True):
+        torch.testing.assert_close(mine, expected)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_a_tensor_of_another_layout_is_refused_by_its_layout_and_a_sparse_result_by_its_place() -> None:
+    compressed = torch.eye(6).to_sparse_csr()
+    with pytest.raises(ValueError, match="cannot split a tensor of layout torch.sparse_csr along dim 0"):
+        koila.chunked(lambda rows: rows.to_dense(), compressed, initial=4)
+    with pytest.raises(ValueError, match=r"layout torch.sparse_coo at the result\['out'\]: .* Return it dense"):
+        koila.chunked(lambda rows: {"out": rows * 2}, torch.eye(6).to_sparse(), initial=4)

@@ -269,6 +269,20 @@ def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[t
     return (classes, str(dtype)), math.prod(rest) * dtype.itemsize
 
 
+_STRIDED = torch.strided
+
+
+def _narrowed(tensor: torch.Tensor, dim: int, begin: int, length: int, front_end: str) -> torch.Tensor:
+    """Return rows ``[begin, begin + length)`` of a tensor that is not strided: a copy (sparse ones have no views)."""
+    if tensor.layout is not torch.sparse_coo:
+        raise ValueError(
+            f"{front_end} cannot split a tensor of layout {tensor.layout} along dim {dim}: it splits strided tensors "
+            "and sparse COO ones. Pass it dense (.to_dense()) or as COO (.to_sparse())"
+        )
+    axis = dim + tensor.dim() if dim < 0 else dim
+    return tensor.narrow_copy(axis, begin, min(length, tensor.shape[axis] - begin))
+
+
 class Split:
     """The tensors of one call's arguments, which of them hold its rows, and the arguments of any slice."""
 
@@ -449,9 +463,14 @@ class Split:
 
     def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
         """Yield the arguments of each slice of ``size`` rows (the last takes the rest), and its rows."""
-        dim, leaves = self.dim, list(self.tensors)
+        dim, leaves, tensors = self.dim, list(self.tensors), self.tensors
         # One split() per tensor makes every slice's view at once, where narrow() makes one.
-        columns = [torch.split(self.tensors[index], size, dim) for index in self.split]
+        columns = [
+            torch.split(tensors[index], size, dim)
+            if tensors[index].layout is _STRIDED
+            else [_narrowed(tensors[index], dim, begin, size, self.front_end) for begin in range(0, self.rows, size)]
+            for index in self.split
+        ]
         for number, begin in enumerate(builtins.range(0, self.rows, size)):
             for index, column in zip(self.split, columns, strict=True):
                 leaves[index] = column[number]
@@ -462,7 +481,11 @@ class Split:
         """Return the arguments of rows ``[begin, end)``."""
         leaves, dim = list(self.tensors), self.dim
         for index in self.split:
-            leaves[index] = leaves[index].narrow(dim, begin, end - begin)
+            tensor = leaves[index]
+            if tensor.layout is _STRIDED:
+                leaves[index] = tensor.narrow(dim, begin, end - begin)
+            else:
+                leaves[index] = _narrowed(tensor, dim, begin, end - begin, self.front_end)
         return self.rebuilt(leaves)
 
     def resized(

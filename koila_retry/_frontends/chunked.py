@@ -392,6 +392,14 @@ class _Results:
             )
             leaves = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
         tensors = [leaf for leaf in leaves if leaf is not None]
+        for index, leaf in enumerate(leaves):
+            if leaf is not None and leaf.layout is not torch.strided:
+                path = keystr(flatten_with_path(result)[index][0])
+                raise ValueError(
+                    f"fn returned a tensor of layout {leaf.layout} at the result{path}: koila.chunked writes each "
+                    "chunk's rows into one tensor of every row, which only a strided tensor can be. Return it dense "
+                    "(.to_dense()), or join the chunks yourself under koila.batch"
+                )
         dim, shapes = self.dim, []
         for leaf in tensors:
             shape = list(leaf.shape)
