@@ -519,6 +519,31 @@ def _refusal(call: Callable[[], object]) -> str:
 
 
 @scenario("two")
+def fsdp_uneven_rows(rank: int, world: int) -> dict[str, Any]:
+    """Ranks with different numbers of rows would run different numbers of micro-batches: refused on both."""
+    net = shard(model())
+    rows = ROWS if rank == 0 else ROWS - 4
+    x, y = torch.randn(rows, 6, dtype=DTYPE), torch.randn(rows, 1, dtype=DTYPE)
+
+    @koila.accumulate(initial=4, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    try:
+        step(x, y)
+        refused = "ran"
+    except ValueError as error:
+        refused = f"ValueError: {error}"
+    even = torch.randn(ROWS, 6, dtype=DTYPE), torch.randn(ROWS, 1, dtype=DTYPE)
+    step(*even)  # the same wrapper, given as many rows as the other rank: served
+    return {
+        "refused": refused,
+        "then": step.stats.batch_size,
+        "grads": sum(p.grad is not None for p in net.parameters()),
+    }
+
+
+@scenario("two")
 def fsdp_leaves_outside_modules(rank: int, world: int) -> dict[str, Any]:
     """A scale the step holds, with a gradient from before, and the input: leaves of no module it reaches."""
     plain = model()

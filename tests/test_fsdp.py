@@ -237,6 +237,16 @@ def test_a_step_that_gives_up_hands_back_the_unsharded_gradients_of_the_callers_
         assert value == {"gave_up": True, "same_tensors": True, "unchanged": True, "sharded_grads": 0}
 
 
+def test_ranks_with_different_numbers_of_rows_are_refused_on_every_rank_before_any_collective(groups: Groups) -> None:
+    """Else the rank with more rows runs a micro-batch more, and waits in its all-gather forever."""
+    for rank, value in enumerate(groups("two")["fsdp_uneven_rows"]):
+        assert value["refused"].startswith("ValueError: ranks agreeing on a chunk size, or on a micro-batch size")
+        assert f"this rank has {_fsdp_ranks.ROWS - 4 * rank}" in value["refused"]
+        assert "Pad the inputs to the same length" in value["refused"]
+        assert value["then"] == 4
+        assert value["grads"] == 8
+
+
 def test_a_module_outside_fsdp_keeps_no_gradient_of_a_failed_attempt(groups: Groups) -> None:
     for value in groups("two")["fsdp_unsharded_head"]:
         assert value["size"] < _fsdp_ranks.ROWS

@@ -21,17 +21,21 @@ class Agreeing(Strategy, Alone):
 
     waits = True
 
-    def __init__(self, agreement: distributed.Agreement, on_steps: bool) -> None:
+    def __init__(self, agreement: distributed.Agreement, on_steps: bool, sharded: bool = False) -> None:
         # on_steps: whether a step may start at another size than the last succeeded at (growing,
         # refining); else the ranks agreed on the size that succeeded, the same everywhere.
         self.agreement, self.on_steps, self.unanimous = agreement, on_steps, True
+        # sharded: the call reaches FSDP2 modules, whose collectives every micro-batch or chunk makes, so
+        # the ranks must cover as many rows (at any size, or one rank runs a micro-batch more and hangs).
+        self.sharded = sharded
         self.rank: int | None = agreement.rank
         self.world_size: int | None = agreement.world_size
 
     def start(self, course: Course, first: bool) -> None:
         if first or self.on_steps:
             rules, state = course.owner.rules, course.state
-            span = course.call.span if first else None
+            call = course.call
+            span = (call.span or (call.rows if self.sharded else None) or None) if first else None
             agreed, floor = self.agreement.start(state.size, span, rules.minimum, rules.initial)
             decision.agreed_start(state, agreed, floor)
             course.resize(state.size)

@@ -158,10 +158,11 @@ class Agreement:
         floor = -floor
         if span is not None and fewest != -most:
             raise ValueError(
-                f"ranks agreeing on a chunk size must cover the same number of rows or indices, so that "
-                f"they run the same chunks: this rank has {span}, and the ranks have from {fewest} to {-most}. "
-                "Pad the inputs to the same length (DistributedSampler does, unless drop_last=True), or "
-                "pass sync=False to let each rank choose alone"
+                f"ranks agreeing on a chunk size, or on a micro-batch size over FSDP2, must cover the same number "
+                f"of rows or indices, so that they run the same chunks or micro-batches (and FSDP2 the same "
+                f"collectives): this rank has {span}, and the ranks have from {fewest} to {-most}. "
+                "Pad the inputs to the same length (DistributedSampler does, unless drop_last=True); for "
+                "chunks of a model that is not sharded, sync=False lets each rank choose alone"
             )
         if floor > lowest:
             raise ValueError(

@@ -44,7 +44,11 @@ def compose(
         strategies.append(Growing(streaks(cache), policy.grow_after))
     if rules.refine:
         strategies.append(Refining())
-    agreeing = None if agreement is None else Agreeing(agreement, on_steps=policy.grow or policy.refine)
+    agreeing = (
+        None
+        if agreement is None
+        else Agreeing(agreement, on_steps=policy.grow or policy.refine, sharded=shards is not None)
+    )
     if agreeing is not None:
         strategies.append(agreeing)
     if rules.refine:
