@@ -450,6 +450,23 @@ def test_exhaustion_message_for_max_attempts() -> None:
         run()
 
 
+def test_exhaustion_message_for_a_schedule_that_gives_up() -> None:
+    """A schedule that returns None ends the call there: the message says so, not max_attempts."""
+
+    def halve_once(size: int) -> int | None:
+        return size // 2 if size > 50 else None
+
+    @koila.batch(initial=100, schedule=halve_once, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted) as caught:
+        run()
+    message = str(caught.value)
+    assert "(100 -> 50); the schedule gave up after batch size 50 (it returned None)." in message
+    assert "max_attempts" not in message
+
+
 def test_batch_size_exhausted_pickles() -> None:
     import pickle
 

@@ -44,6 +44,7 @@ class Exhaustion:
     figures: tuple[int, int] | None  # an initial="auto" estimate's per-sample and fixed bytes
     frame: FrameType | None  # the engine's frame: the ones above it hold the call's objects
     diagnosis: Diagnosis | None = None
+    reason: str = ""  # why the decision gave up: "max_attempts", "minimum", "schedule", "ranks", "iterator"
 
 
 #: Builds the message of :class:`BatchSizeExhausted` from what a call that gives up knows.
@@ -139,6 +140,7 @@ class Failure:
             figures=figures,
             frame=frame,
             diagnosis=self.diagnosis,
+            reason=self.step.reason if isinstance(self.step, GiveUp) else "",
         )
 
     def give_up(self, explain: Explain, facts: Exhaustion, number: int) -> NoReturn:

@@ -17,7 +17,9 @@ def message(exhaustion: Exhaustion) -> str:
     """Say why a call gave up: the sizes tried, why no other was, where, and what holds the memory."""
     tried = " -> ".join(str(size) for size in exhaustion.tried)
     failed, minimum = exhaustion.tried[-1], exhaustion.minimum
-    if failed > minimum:
+    if exhaustion.reason == "schedule":
+        reason = f"the schedule gave up after batch size {failed} (it returned None)"
+    elif failed > minimum:
         reason = f"gave up after max_attempts={exhaustion.max_attempts} attempts"
     elif failed == minimum:
         reason = f"batch size {failed} is the minimum"
