@@ -705,6 +705,81 @@ def accumulate_twice(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _after_a_backward_without_sync(
+    rank: int, world: int, failures: dict[int, str], fallback: bool = False, inside: bool = False, **ddp_options: Any
+) -> dict[str, Any]:
+    """A backward of the caller's own under ``no_sync()``, then a step: averaged together, as by a hand loop.
+
+    ``failures``: by rank, the step's forward calls (from 0, after the caller's own) that run out of memory.
+    ``inside``: the step runs inside the caller's ``no_sync()`` too; its own gradients alone are averaged.
+    """
+    rows = 8
+    model = injected_mlp()
+    first, second = global_batch(world, rows, seed=14), global_batch(world, rows, seed=16)
+    own = [
+        full_grads(model, lambda m, r=r: F.mse_loss(m(local(first[0], r, rows)), local(first[1], r, rows)))
+        for r in range(world)
+    ]
+    steps = [
+        full_grads(model, lambda m, r=r: F.mse_loss(m(local(second[0], r, rows)), local(second[1], r, rows)))
+        for r in range(world)
+    ]
+    if inside:  # this rank's own, and the step's average
+        expected = [a + b for a, b in zip(own[rank], mean_of(steps), strict=True)]
+    else:  # each rank's own gradients of both losses, averaged over the ranks: what the hand loop gives
+        expected = mean_of([[a + b for a, b in zip(o, t, strict=True)] for o, t in zip(own, steps, strict=True)])
+    ddp = DDP(model, **ddp_options)
+    if fallback:  # off DDP's overlap: the step all-reduces its gradients after its backward
+        model[0].weight.register_post_accumulate_grad_hook(lambda parameter: None)
+    with ddp.no_sync():
+        F.mse_loss(ddp(local(first[0], rank, rows)), local(first[1], rank, rows)).backward()
+    kept = [p.grad for p in model.parameters()]
+    model[2].failures = {1 + call: where for call, where in failures.items()} if rank == 1 else {}
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    with ddp.no_sync() if inside else contextlib.nullcontext():
+        step(local(second[0], rank, rows), local(second[1], rank, rows))
+    return {
+        "grads": grads(model),
+        "expected": expected,
+        "same_tensors": all(p.grad is g for p, g in zip(model.parameters(), kept, strict=True)),
+        "size": step.stats.batch_size,
+    }
+
+
+@scenario("two", "three")
+def ddp_after_a_backward_without_sync(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {})
+
+
+@scenario("two", "three")
+def ddp_after_a_backward_without_sync_a_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0: "backward", 2: "backward"})
+
+
+@scenario("two")
+def ddp_after_a_backward_without_sync_a_step_inside_it(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0: "backward"}, inside=True)
+
+
+@scenario("two")
+def ddp_after_a_backward_without_sync_a_step_inside_it_off_the_overlap(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0: "backward"}, fallback=True, inside=True)
+
+
+@scenario("two")
+def ddp_after_a_backward_without_sync_off_the_overlap(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0: "backward"}, fallback=True)
+
+
+@scenario("two")
+def ddp_after_a_backward_without_sync_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_backward_without_sync(rank, world, {0: "forward"}, gradient_as_bucket_view=True)
+
+
 # --------------------------------------------------------------------------- 4. parameters some ranks do not use
 
 

@@ -257,6 +257,34 @@ def test_a_step_that_bypasses_ddp_raises_on_every_rank(groups: Groups) -> None:
         assert value["kept"], f"rank {rank}: .grad changed"
 
 
+@pytest.mark.parametrize(
+    ("name", "worlds", "size"),
+    [
+        ("ddp_after_a_backward_without_sync", ("two", "three"), 8),
+        ("ddp_after_a_backward_without_sync_a_backward_fails", ("two", "three"), 2),
+        ("ddp_after_a_backward_without_sync_as_bucket_views", ("two",), 4),
+        ("ddp_after_a_backward_without_sync_off_the_overlap", ("two",), 4),
+        ("ddp_after_a_backward_without_sync_a_step_inside_it", ("two",), 4),
+        ("ddp_after_a_backward_without_sync_a_step_inside_it_off_the_overlap", ("two",), 4),
+    ],
+)
+def test_a_backward_of_the_callers_own_without_sync_is_averaged_with_the_step(
+    groups: Groups, name: str, worlds: tuple[str, ...], size: int
+) -> None:
+    """As a hand loop's synced backward averages all that .grad holds: the ranks end with the same gradients.
+
+    Inside the caller's own ``no_sync()`` too, the step's gradients alone are averaged, added to each rank's own.
+    """
+    for world in worlds:
+        values = groups(world)[name]
+        for value in values:
+            assert value["size"] == size
+            # Added into the tensors the caller's backward made; with bucket views, .grad views DDP's bucket.
+            assert value["same_tensors"] is ("bucket_views" not in name)
+            for got, want in zip(value["grads"], value["expected"], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_ddp_step_peaks_as_the_hand_loop(groups: Groups) -> None:
     # Peak bytes counted exactly on a simulated device, against the hand loop in the same process.
     for rank, value in enumerate(groups("two")["overlap_peak_memory"]):

@@ -331,12 +331,16 @@ class GradientSync:
     def __init__(self, modules: list[DistributedDataParallel]) -> None:
         self.modules = modules
         self._parts: list[_ModuleGradients] = []
+        self.syncs = True  # gradient sync as the step found it: off inside the caller's own no_sync()
+        # The step's sums that hold a gradient from before it, and that gradient (see prepare).
+        self._merged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def before_step(self) -> None:
         """Make, on every rank at once, the collectives DDP makes at the start of a forward."""
         # Rebuilding the buckets (after the first backward DDP synchronised) and broadcasting buffers
         # (broadcast_buffers=True): a rank that ran out of memory before its first forward would never
         # join them. Made here, before the first attempt; no_sync keeps the forwards from making them again.
+        self.syncs = all(vars(module).get("require_backward_grad_sync", True) for module in self.modules)
         for module in self.modules:
             # Private parts of DDP, each used only if this torch has it.
             rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
@@ -372,7 +376,30 @@ class GradientSync:
 
     def prepare(self, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]) -> None:
         """Make, after an attempt, what the all-reduce of ``gradients`` (by id of leaf, averaged in place) needs."""
-        self._parts = [_ModuleGradients(module, gradients, leaves) for module in self.modules]
+        # A hand loop's synced backward averages all that .grad holds, a backward of the caller's own under
+        # no_sync() included, and the .grad of a parameter this rank did not use: so does this all-reduce,
+        # and reduce() takes it back out of the sum that delivery adds to .grad. Else one rank's own
+        # gradients would stay its own, and the ranks' parameters drift apart.
+        self._merged = []
+        reduced = [_reduced(module) for module in self.modules]
+        seen: set[int] = set()  # a parameter two modules share is summed once
+        for parameters in reduced if self.syncs else ():
+            for parameter in parameters:
+                before = parameter.grad
+                if before is None or id(parameter) in seen:
+                    continue
+                seen.add(id(parameter))
+                total = gradients.get(id(parameter))
+                if total is None:  # not used here: its .grad is this rank's part, as DDP's reducer takes it
+                    total = gradients[id(parameter)] = before.clone()
+                    leaves[id(parameter)] = parameter
+                else:
+                    total.add_(before)
+                self._merged.append((total, before))
+        self._parts = [
+            _ModuleGradients(module, parameters, gradients, leaves)
+            for module, parameters in zip(self.modules, reduced, strict=True)
+        ]
 
     def used_everything(self) -> bool:
         """Return whether this rank's step wrote a gradient for every parameter (after :meth:`prepare`)."""
@@ -383,10 +410,23 @@ class GradientSync:
         parts, self._parts = self._parts, []
         for part in parts:
             part.reduce(used_everywhere)
+        merged, self._merged = self._merged, []
+        for total, before in merged:
+            total.sub_(before)
 
     def forget(self) -> None:
         """Drop what :meth:`prepare` made, after an attempt that failed on some rank."""
-        self._parts = []
+        self._parts, self._merged = [], []
+
+
+def _reduced(module: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """Return the parameters whose gradients DDP averages: those that need one, but the ones it ignores."""
+    ignored: set[str] = getattr(module, "parameters_to_ignore", set())
+    return [
+        parameter
+        for name, parameter in module.module.named_parameters()
+        if parameter.requires_grad and name not in ignored
+    ]
 
 
 _BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -399,17 +439,16 @@ class _ModuleGradients:
     """One DDP module's gradients of one step (the step's own, never ``.grad``), and what to all-reduce them in."""
 
     def __init__(
-        self, module: DistributedDataParallel, gradients: dict[int, torch.Tensor], leaves: dict[int, torch.Tensor]
+        self,
+        module: DistributedDataParallel,
+        parameters: list[torch.nn.Parameter],
+        gradients: dict[int, torch.Tensor],
+        leaves: dict[int, torch.Tensor],
     ) -> None:
         self.group = module.process_group
         self.world_size = dist.get_world_size(self.group)
         self.gradients, self.leaves = gradients, leaves
-        ignored: set[str] = getattr(module, "parameters_to_ignore", set())
-        self.parameters = [
-            parameter
-            for name, parameter in module.module.named_parameters()
-            if parameter.requires_grad and name not in ignored
-        ]
+        self.parameters = parameters  # what DDP averages (_reduced)
         for parameter in self.parameters:
             gradient = gradients.get(id(parameter))
             if gradient is not None and gradient.layout != torch.strided:

@@ -106,9 +106,18 @@ class Overlap(SetAside):
         # Gradient sync as the step found it: off inside the caller's own ``no_sync()``.
         self.syncs = bool(vars(module).get("require_backward_grad_sync", True))
         self.running = False  # an attempt began and has not finished its last micro-batch
+        self.merging = False  # see before()
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
         self.stats: list[int] | None = None
+
+    def before(self) -> None:
+        """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
+        super().before()
+        # A hand loop's synced backward averages all that .grad holds, a backward of the caller's own under
+        # no_sync() included: so the last micro-batch starts from them added to the step's (see micro_batch).
+        # Without it, one rank's own gradients would stay its own, and the ranks' parameters drift apart.
+        self.merging = self.syncs and any(grad is not None for grad in self.aside)
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
@@ -123,7 +132,19 @@ class Overlap(SetAside):
         elif last:
             attributes["require_backward_grad_sync"] = True
         if last:
+            if self.merging:
+                self._merge()
             self.stats = self.reducer.get_backward_stats()
+
+    def _merge(self) -> None:
+        # Into the step's own tensors, or a copy: what was set aside stays as it was until the step succeeds.
+        for parameter, before in zip(self.parameters, self.aside, strict=True):
+            if before is not None:
+                grad = parameter.grad
+                if grad is None:
+                    parameter.grad = before.clone()
+                else:
+                    grad.add_(before)
 
     def finished(self, name: str) -> None:
         """End an attempt whose micro-batches all ran.
@@ -185,7 +206,16 @@ class Overlap(SetAside):
     def restore(self) -> None:
         """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
         self._settle_sync()
-        super().restore()
+        if not self.merging:
+            super().restore()
+            return
+        # The step's average already holds them. Written into the tensors .grad held before, unless those were
+        # bucket views: the average is in DDP's bucket, which .grad views again.
+        aside, self.aside, self.merging = self.aside, [], False
+        if not self.copies:
+            for parameter, before in zip(self.parameters, aside, strict=True):
+                if before is not None and parameter.grad is not None:
+                    parameter.grad = before.copy_(parameter.grad)
 
     def batchnorm_trains(self) -> bool:
         """Return whether a BatchNorm layer of the module is in training mode."""
