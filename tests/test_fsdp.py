@@ -232,6 +232,14 @@ def test_a_failed_attempt_keeps_the_unsharded_gradients_of_the_callers_own_backw
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_failed_attempt_keeps_the_callers_own_unsharded_sum_in_mixed_precision(groups: Groups) -> None:
+    for value in groups("two")["fsdp_after_a_backward_without_sync_in_mixed_precision"]:
+        assert value["kept_dtype"] == "torch.float64"  # FSDP2's unsharded_accumulated_grad, in the reduce dtype
+        assert value["size"] == 8
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_a_step_that_gives_up_hands_back_the_unsharded_gradients_of_the_callers_own_backward(groups: Groups) -> None:
     for value in groups("two")["fsdp_after_a_backward_without_sync_gives_up"]:
         assert value == {"gave_up": True, "same_tensors": True, "unchanged": True, "sharded_grads": 0}
