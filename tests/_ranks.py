@@ -658,6 +658,39 @@ def overlap_served(rank: int, world: int) -> dict[str, Any]:
 
 
 @scenario("two")
+def static_graph_first_iteration(rank: int, world: int) -> dict[str, Any]:
+    """DDP(static_graph=True) records its graph from a first backward that all-reduces: refused before it ran."""
+    rows = 8
+    model = injected_mlp()
+    first, second = global_batch(world, rows, seed=18), global_batch(world, rows, seed=20)
+    expected = mean_of(
+        [
+            full_grads(model, lambda m, r=r: F.mse_loss(m(local(second[0], r, rows)), local(second[1], r, rows)))
+            for r in range(world)
+        ]
+    )
+    ddp = DDP(model, static_graph=True)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    refused = caught(lambda: step(local(first[0], rank, rows), local(first[1], rank, rows)))
+    untouched = all(p.grad is None for p in model.parameters())
+    F.mse_loss(ddp(local(first[0], rank, rows)), local(first[1], rank, rows)).backward()  # the first iteration
+    model.zero_grad(set_to_none=True)
+    model[2].failures = {1: {1: "backward"}}.get(rank, {})  # the whole batch's backward, on rank 1
+    step(local(second[0], rank, rows), local(second[1], rank, rows))
+    return {
+        "refused": refused,
+        "untouched": untouched,
+        "grads": grads(model),
+        "expected": expected,
+        "size": step.stats.batch_size,
+    }
+
+
+@scenario("two")
 def overlap_step_bypassing_ddp(rank: int, world: int) -> dict[str, Any]:
     """A step that calls ``ddp.module``: DDP would average nothing, so every rank raises, .grad as it was."""
     model = _wide()

@@ -285,6 +285,16 @@ def test_a_backward_of_the_callers_own_without_sync_is_averaged_with_the_step(
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_static_graph_before_its_first_iteration_is_refused_then_served(groups: Groups) -> None:
+    """PyTorch fails a first static-graph iteration under no_sync() with an internal assertion: said plainly."""
+    for value in groups("two")["static_graph_first_iteration"]:
+        assert_error(value["refused"], NotImplementedError, "static_graph=True", "has not run its first iteration")
+        assert value["untouched"]
+        assert value["size"] == 4  # rank 1's whole batch failed: both ranks ran two micro-batches
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_ddp_step_peaks_as_the_hand_loop(groups: Groups) -> None:
     # Peak bytes counted exactly on a simulated device, against the hand loop in the same process.
     for rank, value in enumerate(groups("two")["overlap_peak_memory"]):

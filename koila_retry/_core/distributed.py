@@ -335,8 +335,25 @@ class GradientSync:
         # The step's sums that hold a gradient from before it, and that gradient (see prepare).
         self._merged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def before_step(self) -> None:
-        """Make, on every rank at once, the collectives DDP makes at the start of a forward."""
+    def before_step(self, front_end: str) -> None:
+        """Make, on every rank at once, the collectives DDP makes at the start of a forward.
+
+        Raises:
+            NotImplementedError: if a module was built with ``static_graph=True`` and has not run its first
+                iteration, which DDP needs to all-reduce in its backward (every rank raises alike).
+        """
+        for module in self.modules:
+            # Private: DDP sets it in the first backward of a static graph, which records the graph.
+            if getattr(module, "static_graph", False) and not getattr(
+                module, "_static_graph_delay_allreduce_enqueued", True
+            ):
+                raise NotImplementedError(
+                    f"{front_end} trains a DistributedDataParallel module built with static_graph=True that has "
+                    "not run its first iteration: DDP records a static graph from a first backward that "
+                    "all-reduces, and fails with an internal assertion when that backward runs under no_sync(), as "
+                    "the micro-batches of koila.accumulate do. Run one step without koila first (a forward and a "
+                    "backward of the DDP module), or build DDP without static_graph=True"
+                )
         # Rebuilding the buckets (after the first backward DDP synchronised) and broadcasting buffers
         # (broadcast_buffers=True): a rank that ran out of memory before its first forward would never
         # join them. Made here, before the first attempt; no_sync keeps the forwards from making them again.

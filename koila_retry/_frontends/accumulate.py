@@ -365,7 +365,7 @@ class _Accumulator:
             return self._planned(split, attempt, shards)
         sync = self._gradient_sync() if attempt.agrees else None
         if sync is not None:
-            sync.before_step()
+            sync.before_step(self.controller.name)
             if overlaps(sync.modules):
                 return self._planned(split, attempt, Overlap(sync.modules[0]))
             self._warn_comm_hook(sync.modules)
