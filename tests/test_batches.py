@@ -686,6 +686,14 @@ def test_chunked_and_accumulate_split_a_sparse_coo_input() -> None:
         torch.testing.assert_close(mine, expected)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_a_nested_tensor_to_split_is_refused_with_what_to_pass_instead(layout: torch.layout) -> None:
+    rows = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3), torch.ones(1, 3)], layout=layout)
+    with pytest.raises(ValueError, match="cannot split a nested tensor: .*to_padded_tensor"):
+        koila.chunked(lambda part: part, rows, initial=2)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_a_tensor_of_another_layout_is_refused_by_its_layout_and_a_sparse_result_by_its_place() -> None:
     compressed = torch.eye(6).to_sparse_csr()

@@ -328,7 +328,11 @@ class Split:
             found = self._walk(value, (name,), paths)
             if found is not None:
                 self.named.append((name, found))
-        self.rows, self.split = self._rows(paths)
+        try:
+            self.rows, self.split = self._rows(paths)
+        except (RuntimeError, AttributeError, TypeError):
+            self._refuse_nested()
+            raise
         chosen = set(self.split)
         for _, node in (*self.positional, *self.named):
             if not isinstance(node, int):
@@ -340,7 +344,11 @@ class Split:
         # the size the other settled on; ``per_sample``, the exact bytes, tells them apart.
         sample, per_sample = [], 0
         for tensor in tensors:
-            entry, size = _sample_of(tensor.shape, tensor.dtype, dim)
+            try:
+                entry, size = _sample_of(tensor.shape, tensor.dtype, dim)
+            except (RuntimeError, AttributeError, TypeError):
+                self._refuse_nested()
+                raise
             sample.append(entry)
             per_sample += size
         if len(tensors) < len(self.tensors):
@@ -437,6 +445,15 @@ class Split:
                 )
             rows = 1
         return rows, [index for index, size in enumerate(sizes) if size == rows]
+
+    def _refuse_nested(self) -> None:
+        """Raise the error that names a nested tensor among the arguments, whose shape torch cannot give whole."""
+        if any(tensor.is_nested for tensor in self.tensors):
+            raise ValueError(
+                f"{self.front_end} cannot split a nested tensor: torch gives no size along its ragged dimension "
+                "and cannot narrow it along the rows. Pass the rows padded (torch.nested.to_padded_tensor) with a "
+                "mask, or as a list of tensors the function stacks"
+            ) from None
 
     def _label(self, path: tuple[Any, ...]) -> str:
         """Name a value by where it lies: ``batch['input_ids']``, ``args[1][0]``, ``mask``."""
