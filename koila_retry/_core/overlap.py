@@ -117,7 +117,7 @@ class Overlap(SetAside):
         # A hand loop's synced backward averages all that .grad holds, a backward of the caller's own under
         # no_sync() included: so the last micro-batch starts from them added to the step's (see micro_batch).
         # Without it, one rank's own gradients would stay its own, and the ranks' parameters drift apart.
-        self.merging = self.syncs and any(grad is not None for grad in self.aside)
+        self.merging = self.syncs and self.aside.count(None) < len(self.aside)  # in C: every step asks
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
