@@ -400,14 +400,13 @@ class ShardedStep(SetAside):
     def before(self) -> None:
         """Set the gradients aside: the parameters', and what FSDP2 holds unsharded from the caller's backward."""
         super().before()
-        self.unsharded = [
-            (fsdp_param, grad, accumulated)
-            for module in self.sharded
-            for group in param_groups(module)
-            for fsdp_param in group.fsdp_params
-            for grad, accumulated in [(_unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad)]
-            if grad is not None or accumulated is not None
-        ]
+        unsharded = self.unsharded = []
+        for module in self.sharded:
+            for group in param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    grad, accumulated = _unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad
+                    if grad is not None or accumulated is not None:
+                        unsharded.append((fsdp_param, grad, accumulated))
 
     def owned(self) -> set[int]:
         """Return the ids of the parameters and of the unsharded ones FSDP2 backpropagates into (it clears those)."""
