@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from torch.nn import functional as F
 
 import koila_retry as koila
+from koila_retry.testing import simulated_device
 
 IGNORED = -100
 
@@ -74,13 +77,35 @@ def test_a_micro_batch_that_counts_nothing_adds_nothing() -> None:
         torch.testing.assert_close(parameter.grad, grad)
 
 
-def test_a_batch_that_counts_nothing_is_refused_and_leaves_gradients_alone() -> None:
-    model, batch = token_batch(rows=4)
+def _mean_over_nothing(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A token mean written as a sum over a count, as Hugging Face's losses are: 0 / 0 over no tokens."""
+    logits = model(batch["ids"])
+    total = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORED, reduction="sum")
+    return total / (batch["labels"] != IGNORED).sum()
+
+
+@pytest.mark.parametrize("loss", [mean_over_tokens, _mean_over_nothing], ids=["cross_entropy mean", "sum over count"])
+@pytest.mark.parametrize("initial", [None, 2, "auto"])
+def test_a_batch_that_counts_nothing_gives_what_the_whole_batch_gives_split_or_not(
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor], initial: int | str | None
+) -> None:
+    """A mean over no items is the loss's own business (nan here): split or not, whatever the memory, the same.
+
+    ``"auto"``: an estimated first size on a simulated device, its first micro-batch measured.
+    """
+    model, batch = token_batch(rows=64)
     batch["labels"][:] = IGNORED
-    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=2, weight=counted)
-    with pytest.raises(ValueError, match="weight= counted 0 items in the whole batch"):
-        step(batch)
-    assert all(p.grad is None for p in model.parameters())
+    whole = loss(model, batch)
+    whole.backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    step = koila.accumulate(lambda batch: loss(model, batch), initial=initial, weight=counted, cache=koila.NoCache())
+    with simulated_device("64KiB") if initial == "auto" else contextlib.nullcontext():
+        got = step(batch)
+    assert step.stats.batch_size == 64 if initial is None else step.stats.batch_size < 64
+    torch.testing.assert_close(got, whole.detach(), equal_nan=True)
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad, equal_nan=True)
 
 
 @pytest.mark.parametrize(

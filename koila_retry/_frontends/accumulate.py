@@ -696,10 +696,10 @@ class _Accumulator:
         """Run the first micro-batch measured, the rest at the corrected size; return whether a loss needed grad."""
         rows = split.rows
         first = min(size, rows)
-        total = self._items(split, first)
+        total, by_items = self._items(split, first)
         args, kwargs = split.chunk(0, first)
         # Part of the step, weighed as any other: each micro-batch by its own rows (or items), whatever its size.
-        weight = self._weight_of(args, kwargs, first, total)
+        weight = self._weight_of(args, kwargs, first, total, by_items)
         with meter:
             backed = self._micro_batch(args, kwargs, first, weight, results, gradients, retain)
             del args, kwargs
@@ -717,38 +717,32 @@ class _Accumulator:
             for begin in builtins.range(first, rows, size):
                 end = min(begin + size, rows)
                 args, kwargs = split.chunk(begin, end)
-                weight = self._weight_of(args, kwargs, end - begin, total)
+                weight = self._weight_of(args, kwargs, end - begin, total, by_items)
                 backed = self._micro_batch(args, kwargs, end - begin, weight, results, gradients, retain) or backed
                 del args, kwargs
         if attempt.meter is not None:
             attempt.calibrate(min(size, rows - first), meter.rise + held)
         return backed
 
-    def _items(self, split: Split, first: int) -> float:
-        """Return the items of the whole batch that ``weight=`` counts (its rows without), counted in two parts."""
-        if self.weight is None:
-            return float(split.rows)
-        counts = [self._count_of(*split.chunk(0, first))]
-        if first < split.rows:
-            counts.append(self._count_of(*split.chunk(first, split.rows)))
-        return self._checked_total(math.fsum(counts))
+    def _items(self, split: Split, first: int) -> tuple[float, bool]:
+        """Return the items of the whole batch that ``weight=`` counts, counted in two parts, and True; or its rows."""
+        if self.weight is not None:
+            counts = [self._count_of(*split.chunk(0, first))]
+            if first < split.rows:
+                counts.append(self._count_of(*split.chunk(first, split.rows)))
+            total = math.fsum(counts)
+            if total:
+                return total, True
+        return float(split.rows), False  # none counted: see _weights
 
     def _count_of(self, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
         return _count(cast(Callable[..., Any], self.weight)(*args, **kwargs), self.controller.name)
 
-    def _weight_of(self, args: Sequence[Any], kwargs: dict[str, Any], rows: int, total: float) -> float:
+    def _weight_of(self, args: Sequence[Any], kwargs: dict[str, Any], rows: int, total: float, by_items: bool) -> float:
         """Return one micro-batch's weight: its share of the items (or rows) of a mean loss; 1 for a sum."""
         if not self.mean:
             return 1.0
-        return (rows if self.weight is None else self._count_of(args, kwargs)) / total
-
-    def _checked_total(self, total: float) -> float:
-        if total == 0:
-            raise ValueError(
-                f"weight= counted 0 items in the whole batch of {self.controller.name}: the mean loss over them "
-                "is undefined"
-            )
-        return total
+        return (self._count_of(args, kwargs) if by_items else rows) / total
 
     def _weights(self, split: Split, size: int) -> list[float]:
         """Return each micro-batch's weight: its share of the items ``weight=`` counts, or of the rows."""
@@ -769,7 +763,11 @@ class _Accumulator:
                 )
             return [min(size, rows - begin) / rows if self.mean else 1.0 for begin in builtins.range(0, rows, size)]
         counts = [self._count_of(args, kwargs) for args, kwargs, _ in split.pieces(size)]
-        total = self._checked_total(math.fsum(counts))
+        total = math.fsum(counts)
+        if not total:
+            # A mean over no items: whatever the whole batch's loss gives (nan, most often, and a gradient of
+            # zeros or nan), each micro-batch's weighed by its rows gives too, whatever the memory.
+            return [min(size, rows - begin) / rows for begin in builtins.range(0, rows, size)]
         return [count / total for count in counts]
 
     def _check_no_grad_wanted(self, split: Split) -> None:
