@@ -761,13 +761,13 @@ class _Accumulator:
                     UserWarning,
                     stacklevel=levels_to_caller(),
                 )
-            return [min(size, rows - begin) / rows if self.mean else 1.0 for begin in builtins.range(0, rows, size)]
+            return _row_weights(rows, size) if self.mean else [1.0] * -(-rows // size)
         counts = [self._count_of(args, kwargs) for args, kwargs, _ in split.pieces(size)]
         total = math.fsum(counts)
         if not total:
             # A mean over no items: whatever the whole batch's loss gives (nan, most often, and a gradient of
             # zeros or nan), each micro-batch's weighed by its rows gives too, whatever the memory.
-            return [min(size, rows - begin) / rows for begin in builtins.range(0, rows, size)]
+            return _row_weights(rows, size)
         return [count / total for count in counts]
 
     def _check_no_grad_wanted(self, split: Split) -> None:
@@ -780,6 +780,11 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
+
+
+def _row_weights(rows: int, size: int) -> list[float]:
+    """Return each micro-batch's share of the rows, in slices of ``size``."""
+    return [min(size, rows - begin) / rows for begin in builtins.range(0, rows, size)]
 
 
 def _count(value: Any, name: str) -> float:
