@@ -83,6 +83,27 @@ def test_gradient_accumulation_windows_are_kept(tmp_path: Path) -> None:
     assert_same_training(trainer, reference)
 
 
+def _finder_recognises_our_give_up() -> bool:
+    """Whether accelerate's finder takes any error with " out of memory." for one (1.x; 0.26 looks for CUDA's words)."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return bool(should_reduce_batch_size(RuntimeError("step: out of memory. Batch sizes tried: 4")))
+
+
+@pytest.mark.skipif(not _finder_recognises_our_give_up(), reason="this accelerate's finder looks for CUDA's words only")
+def test_auto_find_batch_size_answers_a_give_up_at_the_minimum_with_a_smaller_batch(tmp_path: Path) -> None:
+    limit = "540KiB"  # 8 rows and 4 rows do not fit a step, 2 rows do
+    reference = make_trainer(tmp_path / "plain", auto_find_batch_size=True)
+    with simulated_device(limit):
+        reference.train()
+    assert reference._train_batch_size == 2
+    trainer = adapt(make_trainer(tmp_path / "adapted", auto_find_batch_size=True), minimum=4)
+    with simulated_device(limit):
+        trainer.train()  # 8 rows give up at 4 (the minimum); the finder restarts at 4, which gives up; then 2
+    assert trainer._train_batch_size == 2
+    assert_same_training(trainer, reference)
+
+
 def test_a_mean_loss_without_num_items_in_batch_is_weighed_by_tokens(tmp_path: Path) -> None:
     """With model_accepts_loss_kwargs off, HF divides each batch's token mean by its accumulation steps."""
     reference = make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
