@@ -34,7 +34,9 @@ def test_success_ends_the_loop_at_once() -> None:
 
 def test_exhaustion_raises_from_the_loop() -> None:
     tried: list[int] = []
-    with pytest.raises(koila.BatchSizeExhausted, match=r"out of memory\. Batch sizes tried: 4 -> 2 -> 1;"):
+    with pytest.raises(
+        koila.BatchSizeExhausted, match=r"out of memory\. Every batch size tried failed \(4 -> 2 -> 1\);"
+    ):
         for attempt in koila.attempts(initial=4):
             with attempt:
                 tried.append(attempt.batch_size)

@@ -701,3 +701,131 @@ def test_a_tensor_of_another_layout_is_refused_by_its_layout_and_a_sparse_result
         koila.chunked(lambda rows: rows.to_dense(), compressed, initial=4)
     with pytest.raises(ValueError, match=r"layout torch.sparse_coo at the result\['out'\]: .* Return it dense"):
         koila.chunked(lambda rows: {"out": rows * 2}, torch.eye(6).to_sparse(), initial=4)
+
+
+# --- lists of records: one mapping per row (a detection batch's targets) ------------------
+
+
+def detection_batch(boxes: list[int], seed: int = 0) -> dict[str, Any]:
+    """Images and, per image, a dict of its boxes: as Hugging Face's DETR and YOLOS take their labels."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = [
+        {
+            "class_labels": torch.randint(0, 3, (count,), generator=generator),
+            "boxes": torch.rand(count, 4, generator=generator),
+        }
+        for count in boxes
+    ]
+    return {"pixel_values": torch.randn(len(boxes), 6, generator=generator, dtype=torch.float64), "labels": labels}
+
+
+def detection_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """A mean over images of each image's loss against its own targets, paired by position as DETR pairs them."""
+    predicted = model(batch["pixel_values"])
+    assert len(batch["labels"]) == len(predicted)
+    losses = [
+        ((box - target["boxes"].double()) ** 2).mean() + 0.1 * target["class_labels"].double().sum() * box.sum()
+        for box, target in zip(predicted.view(-1, 1, 4), batch["labels"])
+    ]
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("boxes", [[1] * 8, [2, 1, 3, 1, 8, 2, 1, 4], [3, 3, 3, 3, 3, 3, 3, 3]])
+def test_a_list_of_one_mapping_per_row_is_split_with_the_rows(boxes: list[int]) -> None:
+    # One box per image made every target pass whole to every micro-batch (one row broadcasts); other counts
+    # were refused as ambiguous; three boxes each would have been split along the boxes.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    batch = detection_batch(boxes)
+    detection_loss(model, batch).backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    seen: list[list[int]] = []
+
+    @koila.accumulate(initial=2)
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        seen.append([len(target["boxes"]) for target in batch["labels"]])
+        return detection_loss(model, batch)
+
+    step(batch)
+    assert seen == [boxes[begin : begin + 2] for begin in range(0, 8, 2)]
+    for parameter, grad in zip(model.parameters(), expected):
+        torch.testing.assert_close(parameter.grad, grad, rtol=1e-12, atol=1e-12)
+    assert type(batch["labels"]) is list
+    assert len(batch["labels"]) == 8
+
+
+def test_a_step_over_records_that_runs_out_of_memory_gives_the_whole_batch_gradient() -> None:
+    from koila_retry.testing import oom_above
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    batch = detection_batch([2, 1, 3, 1, 8, 2, 1, 4])
+    detection_loss(model, batch).backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+
+    inject = oom_above(2)  # more than two images do not fit
+
+    @koila.accumulate
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        inject(len(batch["pixel_values"]))
+        return detection_loss(model, batch)
+
+    # The second batch, with other numbers of boxes, meets the size the first settled on.
+    for number, each in enumerate([batch, detection_batch([5, 1, 1, 2, 2, 7, 1, 1], seed=1)]):
+        step(each)
+        if number == 0:
+            for parameter, grad in zip(model.parameters(), expected):
+                torch.testing.assert_close(parameter.grad, grad, rtol=1e-12, atol=1e-12)
+    assert step.stats.ooms == 2
+    assert step.stats.batch_size == 2
+
+
+def test_records_as_a_tuple_or_inside_a_record_and_chunks_of_them() -> None:
+    images = torch.arange(6.0).view(6, 1)
+    targets = tuple(
+        {"id": torch.tensor([index]), "parts": [{"a": torch.zeros(1)}, {"b": torch.ones(2)}]} for index in range(6)
+    )
+    got: list[Any] = []
+
+    def fn(images: torch.Tensor, targets: tuple[dict[str, Any], ...]) -> torch.Tensor:
+        got.append(targets)
+        return images[:, 0] + torch.cat([target["id"] for target in targets])
+
+    result = koila.chunked(fn, images, targets, initial=4)
+    assert torch.equal(result, torch.arange(6.0) * 2)
+    assert [type(piece) for piece in got] == [tuple, tuple]
+    assert [[target["id"].item() for target in piece] for piece in got] == [[0, 1, 2, 3], [4, 5]]
+    assert got[0][0] is targets[0]  # records pass as they are; a list of two records inside one is not per row
+    split = Split((images, targets), {}, 0, "test")
+    assert split.rows == 6
+    assert split.split == [0]
+
+
+def test_a_list_of_mappings_that_is_not_one_per_row_is_a_container_as_before() -> None:
+    # Two tasks' batches of 4 rows each: the list has 2 items, the rows are 4.
+    batch = [{"x": torch.arange(4.0)}, {"x": torch.arange(4.0) * 10}]
+    got: list[Any] = []
+
+    def fn(batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        got.append(batch)
+        return batch[0]["x"] + batch[1]["x"]
+
+    assert torch.equal(koila.chunked(fn, batch, initial=2), torch.arange(4.0) * 11)
+    assert [[len(part["x"]) for part in piece] for piece in got] == [[2, 2], [2, 2]]
+    with pytest.raises(ValueError, match=r"args\[0\]\[1\]\['x'\] has 3"):
+        Split(([{"x": torch.zeros(4)}, {"x": torch.zeros(3)}],), {}, 0, "test")
+
+
+def test_records_are_left_out_of_the_key_and_taken_again_for_a_larger_estimate() -> None:
+    few, many = (
+        Split((detection_batch([1] * 8),), {}, 0, "test"),
+        Split((detection_batch([9] * 8, seed=3),), {}, 0, "test"),
+    )
+    assert few.sample == many.sample
+    args, _ = few.resized(11, lambda tensor, shape: torch.empty(shape, dtype=tensor.dtype, device="meta"))
+    labels = args[0]["labels"]
+    assert args[0]["pixel_values"].shape == (11, 6)
+    assert len(labels) == 11
+    assert all(label["boxes"].device.type == "meta" for label in labels)

@@ -81,7 +81,7 @@ def test_giving_up_raises_batch_size_exhausted_from_the_last_oom() -> None:
         train()
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
     assert caught.value.__cause__.__traceback__ is None  # it cannot pin the failed attempt
-    assert "out of memory. Batch sizes tried: 2 -> 1;" in str(caught.value)
+    assert "out of memory. Every batch size tried failed (2 -> 1);" in str(caught.value)
 
 
 def test_after_giving_up_the_next_call_tries_again() -> None:

@@ -467,7 +467,7 @@ def test_a_range_that_gives_up_says_how_far_it_got() -> None:
         if begin >= 4:
             raise oom()
 
-    with pytest.raises(koila.BatchSizeExhausted, match="out of memory. Batch sizes tried:") as excinfo:
+    with pytest.raises(koila.BatchSizeExhausted, match="out of memory. Every batch size tried failed") as excinfo:
         ct.explicit.range(run, 0, 10, 4)
     assert "4 of 10 indices were finished before it gave up." in excinfo.value.__notes__
 

@@ -83,11 +83,82 @@ def test_gradient_accumulation_windows_are_kept(tmp_path: Path) -> None:
     assert_same_training(trainer, reference)
 
 
+class Detector(torch.nn.Module):
+    """A box per image, each scored against its own image's targets, paired by position as DETR pairs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 4)
+        self.seen: list[list[int]] = []  # per forward: the first box of each image's targets, as ids
+
+    def forward(self, pixel_values: torch.Tensor, labels: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        boxes = self.head(torch.relu(self.conv(pixel_values)).mean((2, 3)))
+        self.seen.append([int(target["class_labels"][0]) for target in labels])
+        losses = [torch.nn.functional.l1_loss(box, target["boxes"].mean(0)) for box, target in zip(boxes, labels)]
+        return {"loss": torch.stack(losses).mean(), "pred_boxes": boxes}
+
+
+class Images(torch.utils.data.Dataset[dict[str, Any]]):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.images = torch.randn(16, 3, 32, 32, generator=generator)
+        self.boxes = [torch.rand(1 + index % 3, 4, generator=generator) for index in range(16)]
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        boxes = self.boxes[index]
+        labels = {"class_labels": torch.full((len(boxes),), index), "boxes": boxes}
+        return {"pixel_values": self.images[index], "labels": labels}
+
+
+def detection_trainer(tmp_path: Path) -> Any:
+    """A trainer whose batches hold one dict of targets per image, as Hugging Face's detection models take them."""
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "pixel_values": torch.stack([item["pixel_values"] for item in items]),
+            "labels": [i["labels"] for i in items],
+        }
+
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=2,
+        learning_rate=0.1,
+        optim="sgd",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+    return transformers.Trainer(model=Detector(), args=arguments, train_dataset=Images(), data_collator=collate)
+
+
+def test_a_detection_batch_is_split_with_each_images_own_targets(tmp_path: Path) -> None:
+    reference = detection_trainer(tmp_path / "plain")
+    reference.train()
+    trainer = adapt(detection_trainer(tmp_path / "adapted"))
+    with simulated_device("600KiB"):  # 8 images do not fit a step, 4 do
+        trainer.train()
+    assert trainer.training_step.stats.ooms >= 1
+    # Each micro-batch saw its own images' targets: all eight were passed to every one, paired by position.
+    assert min(len(seen) for seen in trainer.model.seen) < 8
+    assert_same_training(trainer, reference)
+
+
 def _finder_recognises_our_give_up() -> bool:
     """Whether accelerate's finder takes any error with " out of memory." for one (1.x; 0.26 looks for CUDA's words)."""
     from accelerate.utils.memory import should_reduce_batch_size
 
-    return bool(should_reduce_batch_size(RuntimeError("step: out of memory. Batch sizes tried: 4")))
+    return bool(should_reduce_batch_size(RuntimeError("step: out of memory. Every batch size tried failed (4)")))
 
 
 @pytest.mark.skipif(not _finder_recognises_our_give_up(), reason="this accelerate's finder looks for CUDA's words only")

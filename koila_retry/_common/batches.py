@@ -68,26 +68,44 @@ _TUPLES = frozenset({_STRUCTSEQ, _TUPLE_NEW, _TUPLE_ITERABLE, _TUPLE_ARGUMENTS})
 class _Node:
     """A container that holds tensors: its children that do, by key, and how to remake it."""
 
-    __slots__ = ("children", "kind", "splits", "value")
+    __slots__ = ("children", "kind", "per_row", "splits", "value")
 
     def __init__(self, value: Any, kind: int, children: list[tuple[Any, _Node | int]]) -> None:
         self.value, self.kind, self.children = value, kind, children
         self.splits = True  # whether a tensor that is split lies below: else the container passes as it is
+        self.per_row = False  # a list of records, one per row: each piece gets its rows' records (see Split)
 
     def marked(self, split: set[int]) -> bool:
-        """Note whether a tensor in ``split`` lies below, and return it."""
-        self.splits = any(
+        """Note whether a tensor in ``split`` lies below, or the node is per row, and return it."""
+        self.splits = self.per_row or any(
             child in split if isinstance(child, int) else child.marked(split) for _, child in self.children
         )
         return self.splits
 
-    def remade(self, leaves: list[Any], every: bool) -> Any:
+    def leaves(self) -> Iterator[int]:
+        """Yield the index of every tensor below."""
+        for _, child in self.children:
+            if isinstance(child, int):
+                yield child
+            else:
+                yield from child.leaves()
+
+    def remade(self, leaves: list[Any], every: bool, span: tuple[int, int]) -> Any:
         """Return the container with each child remade from ``leaves``; unless ``every``, only where one is split."""
         kind, value = self.kind, self.value
         if not (every or self.splits):
             return value
+        if self.per_row:  # the records of the rows in span, remade only to take other leaves (every)
+            records = [*value] if not every else self._remade(leaves, every, span)
+            begin, end = span
+            taken = [records[row % len(records)] for row in builtins.range(begin, end)]  # past the end: again
+            return taken if kind == _LIST else tuple(taken)
+        return self._remade(leaves, every, span)
+
+    def _remade(self, leaves: list[Any], every: bool, span: tuple[int, int]) -> Any:
+        kind, value = self.kind, self.value
         changed = [
-            (key, leaves[child] if isinstance(child, int) else child.remade(leaves, every))
+            (key, leaves[child] if isinstance(child, int) else child.remade(leaves, every, span))
             for key, child in self.children
         ]
         if kind in (_LIST, _TUPLE):
@@ -296,6 +314,7 @@ class Split:
         "named",
         "per_sample",
         "positional",
+        "records",
         "rows",
         "sample",
         "split",
@@ -320,6 +339,9 @@ class Split:
         # What holds tensors, by position and by keyword: a tensor's index, or a container.
         self.positional: list[tuple[int, _Node | int]] = []
         self.named: list[tuple[str, _Node | int]] = []
+        # Lists and tuples of mappings (a detection batch's targets, one dict per image): one record per row
+        # where there are as many as the rows the other tensors share (see _rows), else containers.
+        self.records: list[_Node] = []
         for position, value in enumerate(args):
             found = self._walk(value, (position,), paths)
             if found is not None:
@@ -352,11 +374,13 @@ class Split:
             sample.append(entry)
             per_sample += size
         if len(tensors) < len(self.tensors):
-            # What passes whole takes memory too: its shape is part of the workload.
+            # What passes whole takes memory too: its shape is part of the workload. Not the records' tensors,
+            # whose sizes change from batch to batch (boxes per image): a key per batch would learn nothing.
+            recorded = {index for node in self.records if node.per_row for index in node.leaves()}
             sample.extend(
                 (tuple(tensor.shape), str(tensor.dtype))
                 for index, tensor in enumerate(self.tensors)
-                if index not in chosen
+                if index not in chosen and index not in recorded
             )
         self.sample = tuple(sample)
         self.per_sample = per_sample
@@ -388,7 +412,10 @@ class Split:
         how = _remaking(value, kind)
         if how is None:
             raise TypeError(self._unremakable(value, kind, path))
-        return _Node(value, how, children)
+        node = _Node(value, how, children)
+        if kind in (_LIST, _TUPLE) and len(value) > 1 and all(isinstance(item, Mapping) for item in value):
+            self.records.append(node)
+        return node
 
     def _unremakable(self, value: Any, kind: int, path: tuple[Any, ...]) -> str:
         """Say that the container at ``path`` cannot be remade around slices, why, and what to do."""
@@ -412,6 +439,36 @@ class Split:
 
     def _rows(self, paths: list[tuple[Any, ...]]) -> tuple[int, list[int]]:
         """Return the rows and which tensors hold them; raise the error that names an ambiguous one."""
+        sizes = self._sizes(paths)
+        if self.records:
+            # The rows the tensors outside every list of records share decide which lists are per row: those
+            # that hold as many records. Their tensors belong to their records, and pass whole with them.
+            inner = {id(node): set(node.leaves()) for node in self.records}
+            beneath = set().union(*inner.values())
+            outside = [size if index not in beneath else -1 for index, size in enumerate(sizes)]
+            rows = self._shared(outside, paths)[0]
+            for node in reversed(self.records):  # found innermost first: a list inside a record is the record's
+                node.per_row = (
+                    rows > 1
+                    and len(node.value) == rows
+                    and not any(inner[id(node)] <= inner[id(other)] for other in self.records if other.per_row)
+                )
+            whole = {index for node in self.records if node.per_row for index in inner[id(node)]}
+            sizes = [-1 if index in whole else size for index, size in enumerate(sizes)]
+        rows = self._shared(sizes, paths)[0]
+        if rows == -1:
+            if 1 not in sizes:
+                shown = [type(value).__name__ for value in (*self.args, *self.kwargs.values())]
+                what = "none of the arguments is a tensor" if not sizes else "every tensor is 0-dimensional"
+                raise ValueError(
+                    f"{self.front_end} splits the tensors in its arguments along dim {self.dim}, and {what} "
+                    f"(got {shown})"
+                )
+            rows = 1
+        return rows, [index for index, size in enumerate(sizes) if size == rows]
+
+    def _sizes(self, paths: list[tuple[Any, ...]]) -> list[int]:
+        """Return each tensor's size along ``dim``, -1 for a 0-dimensional one."""
         dim, sizes = self.dim, []
         for index, tensor in enumerate(self.tensors):
             shape = tensor.shape
@@ -425,6 +482,10 @@ class Split:
                     f"allowed: [{-len(shape)}, {len(shape) - 1}]"
                 )
             sizes.append(shape[axis])
+        return sizes
+
+    def _shared(self, sizes: list[int], paths: list[tuple[Any, ...]]) -> tuple[int, int]:
+        """Return the size along ``dim`` that the tensors which are not broadcast share, and the first; -1 if none."""
         rows = first = -1
         for index, size in enumerate(sizes):
             if size > 1 or size == 0:
@@ -432,19 +493,11 @@ class Split:
                     rows, first = size, index
                 elif size != rows:
                     raise ValueError(
-                        f"every tensor that is split must have the same size along dim {dim} (one row broadcasts, "
+                        f"every tensor that is split must have the same size along dim {self.dim} (one row broadcasts, "
                         f"and passes whole): the tensor {self._label(paths[first])} has {rows}, "
                         f"the tensor {self._label(paths[index])} has {size}"
                     )
-        if rows == -1:
-            if 1 not in sizes:
-                shown = [type(value).__name__ for value in (*self.args, *self.kwargs.values())]
-                what = "none of the arguments is a tensor" if not sizes else "every tensor is 0-dimensional"
-                raise ValueError(
-                    f"{self.front_end} splits the tensors in its arguments along dim {dim}, and {what} (got {shown})"
-                )
-            rows = 1
-        return rows, [index for index, size in enumerate(sizes) if size == rows]
+        return rows, first
 
     def _refuse_nested(self) -> None:
         """Raise the error that names a nested tensor among the arguments, whose shape torch cannot give whole."""
@@ -467,15 +520,17 @@ class Split:
             label += f".{key}" if isinstance(key, _Attribute) else f"[{key!r}]"
         return label
 
-    def rebuilt(self, leaves: list[Any], every: bool = False) -> tuple[list[Any], dict[str, Any]]:
-        """Return the arguments with the tensors replaced by ``leaves``; unless ``every``, copied only where split."""
+    def rebuilt(
+        self, leaves: list[Any], span: tuple[int, int], every: bool = False
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Return the arguments of rows ``span``, tensors replaced by ``leaves`` (unless ``every``, where split)."""
         args, kwargs = list(self.args), self.kwargs
         for position, node in self.positional:
-            args[position] = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
+            args[position] = leaves[node] if isinstance(node, int) else node.remade(leaves, every, span)
         if self.named:
             kwargs = dict(kwargs)
             for name, node in self.named:
-                kwargs[name] = leaves[node] if isinstance(node, int) else node.remade(leaves, every)
+                kwargs[name] = leaves[node] if isinstance(node, int) else node.remade(leaves, every, span)
         return args, kwargs
 
     def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
@@ -491,8 +546,9 @@ class Split:
         for number, begin in enumerate(builtins.range(0, self.rows, size)):
             for index, column in zip(self.split, columns, strict=True):
                 leaves[index] = column[number]
-            args, kwargs = self.rebuilt(leaves)
-            yield args, kwargs, min(size, self.rows - begin)
+            end = min(begin + size, self.rows)
+            args, kwargs = self.rebuilt(leaves, (begin, end))
+            yield args, kwargs, end - begin
 
     def chunk(self, begin: int, end: int) -> tuple[list[Any], dict[str, Any]]:
         """Return the arguments of rows ``[begin, end)``."""
@@ -503,19 +559,20 @@ class Split:
                 leaves[index] = tensor.narrow(dim, begin, end - begin)
             else:
                 leaves[index] = _narrowed(tensor, dim, begin, end - begin, self.front_end)
-        return self.rebuilt(leaves)
+        return self.rebuilt(leaves, (begin, end))
 
     def resized(
         self, rows: int, make: Callable[[torch.Tensor, list[int]], torch.Tensor]
     ) -> tuple[list[Any], dict[str, Any]]:
         """Return the arguments with each tensor replaced by ``make(tensor, shape)``, the split ones at ``rows``."""
+        # Records (one per row) are taken again from the first where rows is more than the batch has.
         leaves, dim = [make(tensor, list(tensor.shape)) for tensor in self.tensors], self.dim
         for index in self.split:
             tensor = self.tensors[index]
             shape = list(tensor.shape)
             shape[dim] = rows
             leaves[index] = make(tensor, shape)
-        return self.rebuilt(leaves, every=True)
+        return self.rebuilt(leaves, (0, rows), every=True)
 
 
 class _Attribute(str):

@@ -34,7 +34,7 @@ def message(exhaustion: Exhaustion) -> str:
         last = f"The last error was raised at {exhaustion.where}."
     why = "" if exhaustion.diagnosis is None else f" Diagnosis: {exhaustion.diagnosis}"
     return (
-        f"{exhaustion.name}: out of memory. Batch sizes tried: {tried}; {reason}. "
+        f"{exhaustion.name}: out of memory. Every batch size tried failed ({tried}); {reason}. "
         f"{last} {_memory_summary(exhaustion.device, exhaustion.free_bytes)}{why}{_explanation(exhaustion)}"
     )
 
