@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import logging
+import sys
 import threading
 import warnings
 import weakref
@@ -1212,6 +1213,35 @@ def test_argument_made_by_a_graph_outside_the_step(oom: bool) -> None:
     assert step.stats.ooms == int(oom)
     torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
     assert_grads(model, expected_grads)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
+def test_a_graph_from_before_the_call_reached_without_an_argument_is_named_when_a_split_step_meets_it() -> None:
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(3, 4).double(), nn.Linear(4, 1).double()
+    x, y = data(8, 4), data(8, 1, seed=1)
+    shift = encoder(data(1, 3, seed=2))  # a graph, used by the step from outside its arguments
+    head.weight.grad = torch.ones_like(head.weight)
+    before = head.weight.grad.clone()
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(head(x + shift), y)
+
+    with pytest.raises(RuntimeError, match="a second time") as caught:
+        step(x, y)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("Pass it to the step as an argument" in note for note in notes), notes
+    assert torch.equal(head.weight.grad, before)  # as it was
+    assert encoder.weight.grad is None
+
+    @koila.accumulate(initial=4)
+    def passed(x: torch.Tensor, y: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(head(x + shift), y)
+
+    shift = encoder(data(1, 3, seed=2))
+    passed(x, y, shift)  # as the note says: its graph is kept for the whole step
+    assert encoder.weight.grad is not None
 
 
 def test_dense_grad_from_before_keeps_its_identity_under_a_sparse_step_grad() -> None:

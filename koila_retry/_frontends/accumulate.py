@@ -317,6 +317,17 @@ def accumulator(
     return decorate
 
 
+# What autograd says of a graph that a backward freed; a micro-batch's backward meets it in a graph from before
+# the call that the step reaches without an argument, which koila cannot keep (a retry's, too).
+_FREED = "backward through the graph a second time"
+_OUTSIDE_GRAPH = (
+    "{name} ran in micro-batches, and each one's backward runs through what the step reaches from before the call. "
+    "A tensor made by a graph outside the step that is not one of its arguments (a closure, a global, an "
+    "attribute) is freed by the first micro-batch's backward. Pass it to the step as an argument, whose graph is "
+    "kept for the whole step, or compute it inside the step."
+)
+
+
 class _Accumulator:
     """One decorated step: runs calls of it, whole or in micro-batches."""
 
@@ -679,7 +690,12 @@ class _Accumulator:
         else:
             weighted = loss
         del loss
-        gradients.backward(self.backward, weighted, retain)
+        try:
+            gradients.backward(self.backward, weighted, retain)
+        except RuntimeError as error:
+            if _FREED in str(error) and hasattr(error, "add_note"):  # Python 3.11 on
+                error.add_note(_OUTSIDE_GRAPH.format(name=self.controller.name))
+            raise
         return True
 
     def _measured(

@@ -79,7 +79,7 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     A custom loss that is a mean over something else than those labels (a mean
     over rows of labels with -100 entries, say) is weighed wrongly when a step
     is split; ``Trainer`` scales such a loss the same way in its own gradient
-    accumulation.
+    accumulation. So is a sum that is not divided by ``num_items_in_batch``.
 
     Any ``transformers`` from 4.40 on: a ``Trainer`` older than 4.46 passes no
     ``num_items_in_batch`` to its ``training_step``, and none is passed on.
