@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import io
 import logging
 import os
 import sys
@@ -1795,3 +1797,263 @@ def test_the_warning_of_a_split_an_oom_made_cannot_stop_the_recovery(caplog: pyt
     (record,) = [r for r in caplog.records if r.name == "koila_retry" and "the result['tag'] (str)" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert "a warnings filter made this warning an error" in record.getMessage()
+
+
+# --------------------------------------------------------------------------- 12. what fn may be, and what reaches it
+
+
+async def load(begin: int, end: int) -> tuple[int, int]:
+    return begin, end
+
+
+async def embed(rows: torch.Tensor) -> torch.Tensor:
+    return rows * 2
+
+
+ASYNC_FORMS: list[tuple[str, Callable[[], Any]]] = [
+    ("koila.range", lambda: koila.range(load, 0, 10, initial=4)),
+    ("koila.range", lambda: koila.range(initial=4)(load)),
+    ("koila.range", lambda: koila.range(load)),
+    ("koila.chunked", lambda: koila.chunked(embed, torch.ones(8, 2), initial=4)),
+    ("koila.chunked", lambda: koila.chunked(initial=4)(embed)),
+    ("koila.chunked", lambda: koila.chunked(embed)),
+    ("koila.chunked", lambda: koila.chunked(initial=4)(staticmethod(embed))),
+    ("koila.range", lambda: koila.range(initial=4)(classmethod(load))),
+]
+
+
+@pytest.mark.parametrize(("front_end", "form"), ASYNC_FORMS)
+def test_an_async_function_is_refused_when_decorated_or_called(front_end: str, form: Callable[[], Any]) -> None:
+    # Its calls would only make coroutines: the body would never run, nor its OOMs be retried.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match=rf"{front_end} cannot run .*\(\): it is an async function"):
+            form()
+        gc.collect()
+    assert [w for w in caught if "never awaited" in str(w.message)] == []  # no coroutine was made
+
+
+def test_a_function_that_returns_a_coroutine_is_refused_at_its_first_call() -> None:
+    # A plain function (or an object with an async __call__) cannot be told from its signature.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match=r"koila.range: fn returned a coroutine for the range 0 to 4"):
+            koila.range(lambda begin, end: load(begin, end), 0, 10, initial=4)
+        with pytest.raises(TypeError, match=r"koila.chunked: fn returned a coroutine for the rows 0 to 4"):
+            koila.chunked(lambda rows: embed(rows), torch.ones(8, 2), initial=4)
+        gc.collect()
+    assert [w for w in caught if "never awaited" in str(w.message)] == []  # the coroutine was closed
+
+
+def scaler_class() -> type[Any]:
+    """Make, when a test runs (a refused decorator fails that test only), methods of every kind."""
+
+    class Scaler:
+        """Each decorated above and below ``staticmethod`` and ``classmethod``."""
+
+        factor: ClassVar[float] = 3.0
+
+        def __init__(self) -> None:
+            self.factor = 2.0
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        @staticmethod
+        def double_above(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def double_below(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        @classmethod
+        def triple_above(cls, x: torch.Tensor) -> torch.Tensor:
+            return x * cls.factor
+
+        @classmethod
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def triple_below(cls, x: torch.Tensor) -> torch.Tensor:
+            return x * cls.factor
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def scale(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.factor
+
+        @koila.range(initial=2, cache=koila.NoCache())
+        @classmethod
+        def spans_above(cls, begin: int, end: int) -> tuple[str, int, int]:
+            return cls.__name__, begin, end
+
+        @classmethod
+        @koila.range(initial=2, cache=koila.NoCache())
+        def spans_below(cls, begin: int, end: int) -> tuple[str, int, int]:
+            return cls.__name__, begin, end
+
+        @koila.range(initial=2, cache=koila.NoCache())
+        @staticmethod
+        def plain_spans(begin: int, end: int) -> tuple[int, int]:
+            return begin, end
+
+    return Scaler
+
+
+@pytest.mark.parametrize("on_instance", [False, True], ids=["class", "instance"])
+def test_static_and_class_methods_in_either_order_bind_as_they_would_undecorated(on_instance: bool) -> None:
+    Scaler = scaler_class()
+    owner = Scaler() if on_instance else Scaler
+    x = torch.arange(5.0)
+    for name in ("double_above", "double_below"):
+        assert torch.equal(getattr(owner, name)(x), x * 2), name
+    for name in ("triple_above", "triple_below"):
+        assert torch.equal(getattr(owner, name)(x), x * 3), name
+    # From Python 3.13, a classmethod above no longer lets @koila.range bind (docs/chunked.rst).
+    for name in ("spans_above", "spans_below")[: 1 if sys.version_info >= (3, 13) else 2]:
+        assert getattr(owner, name)(0, 5) == [("Scaler", 0, 2), ("Scaler", 2, 4), ("Scaler", 4, 5)], name
+    assert owner.plain_spans(0, 3) == [(0, 2), (2, 3)]
+    assert owner.double_above.stats.calls == 1
+    assert torch.equal(Scaler().scale(x), x * 2)
+    assert torch.equal(Scaler.scale(Scaler(), x), x * 2)
+
+
+def test_a_method_s_instance_is_not_split_nor_checked_as_an_argument() -> None:
+    @dataclasses.dataclass
+    class Encoder:
+        weight: torch.Tensor  # as many rows as the input: it must pass whole, not be split with it
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.T
+
+    class Stream:  # an iterator itself: an argument that is one is refused, the instance is not
+        def __iter__(self) -> Stream:
+            return self
+
+        def __next__(self) -> int:
+            raise StopIteration
+
+        @koila.chunked(initial=2, cache=koila.NoCache())
+        def double(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    encoder, x = Encoder(torch.ones(4, 3)), torch.ones(4, 3)
+    assert torch.equal(encoder.encode(x), x @ encoder.weight.T)  # (4, 4): each row against all 4
+    assert torch.equal(encoder.encode(torch.ones(6, 3)), torch.full((6, 4), 3.0))
+    assert torch.equal(Stream().double(x), x * 2)
+
+
+def test_a_keyword_that_is_neither_an_option_nor_fn_s_is_refused_before_anything_runs() -> None:
+    calls: list[int] = []
+
+    def encode(rows: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * scale
+
+    def spans(begin: int, end: int, /, tag: str = "") -> tuple[int, int, str]:
+        calls.append(begin)
+        return begin, end, tag
+
+    x = torch.ones(4, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"koila.chunked\(\) got an unexpected keyword argument 'minimun', which is neither one of its "
+        r"options nor a parameter of encode\(\) \(did you mean 'minimum'\?\); its options are initial, dim, "
+        r"progress, out and cache, .*, minimum, .*; encode\(\) takes rows and scale by keyword",
+    ):
+        koila.chunked(encode, x, initial=2, minimun=2)
+    with pytest.raises(TypeError, match=r"'scael', .* \(did you mean 'scale'\?\)"):
+        koila.chunked(encode, x, scael=2.0)  # close to a parameter of fn's: said too
+    with pytest.raises(
+        TypeError,
+        match=r"koila.range\(\) got an unexpected keyword argument 'max_attemps', .*\(did you mean 'max_attempts'\?\); "
+        r"its options are initial, progress and cache, ",
+    ):
+        koila.range(spans, 0, 4, initial=2, max_attemps=1)
+    with pytest.raises(TypeError, match=r"'zzz', which is neither .* spans\(\); its options"):
+        koila.range(spans, 0, 4, zzz=1)  # nothing close: no guess
+    with pytest.raises(TypeError, match=r"'begin', which is neither"):
+        koila.range(spans, 0, 4, begin=1)  # positional-only: not a keyword fn takes
+    assert calls == []
+    # What fn takes by keyword it is given, split like the positional arguments.
+    assert torch.equal(koila.chunked(encode, x, scale=3.0, initial=2), x * 3)
+    assert koila.range(spans, 0, 3, tag="t", initial=2) == [(0, 2, "t"), (2, 3, "t")]
+
+
+def test_a_keyword_fn_may_take_through_its_kwargs_or_unknown_signature_is_passed_on() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def anything(rows: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return rows
+
+    koila.chunked(anything, torch.ones(4), minimun=2, initial=2)  # fn takes **kwargs: it is fn's
+    assert seen == [{"minimun": 2}, {"minimun": 2}]
+    # torch.add has no signature to read: the keyword goes to it, as before.
+    assert torch.equal(
+        koila.chunked(torch.add, torch.ones(4), torch.ones(4), alpha=3, initial=2), torch.full((4,), 4.0)
+    )
+    model = nn.Linear(2, 1)  # a module: its __call__ takes **kwargs
+    with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
+        koila.chunked(model, torch.ones(4, 2), minimun=2)
+
+
+def scale_by(rows: torch.Tensor, factors: Any) -> torch.Tensor:
+    return rows * sum(factors)
+
+
+ITERATORS: list[Callable[[], Any]] = [
+    lambda: iter([1, 2]),
+    lambda: (n for n in (1, 2)),
+    lambda: map(int, "12"),
+    lambda: iter({1: None, 2: None}),
+]
+
+
+@pytest.mark.parametrize("make", ITERATORS)
+@pytest.mark.parametrize("rows", [1, 2, 6])  # one chunk or many: refused alike, whatever the memory
+def test_an_iterator_argument_is_refused_before_anything_runs(make: Callable[[], Any], rows: int) -> None:
+    calls: list[int] = []
+
+    def scale(rows: torch.Tensor, factors: Any) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * sum(factors)
+
+    x = torch.ones(rows, 1)
+    kind = type(make()).__name__
+    with pytest.raises(
+        TypeError,
+        match=rf"koila.chunked passes the argument factors \(a {kind}\) whole to every chunk's call of scale\(\), "
+        r"and an iterator is used up by the first chunk.*Pass a list",
+    ):
+        koila.chunked(scale, x, make(), initial=2)
+    with pytest.raises(TypeError, match=rf"the argument factors \(a {kind}\)"):
+        koila.chunked(scale, x, factors=make(), initial=2)
+    decorated = koila.chunked(initial=2)(scale)
+    with pytest.raises(TypeError, match=rf"the argument factors \(a {kind}\)"):
+        decorated(x, make())
+
+    @koila.range(initial=2)
+    def spans(begin: int, end: int, weights: Any, *, more: Any = ()) -> int:
+        calls.append(begin)
+        return sum(weights)
+
+    with pytest.raises(
+        TypeError, match=rf"koila.range passes the argument weights \(a {kind}\) whole to every range's call of spans"
+    ):
+        spans(0, rows, make())
+    with pytest.raises(TypeError, match=rf"the argument more \(a {kind}\)"):
+        spans(0, rows, [1], more=make())
+    with pytest.raises(TypeError, match=rf"the argument weights \(a {kind}\)"):
+        koila.range(spans.__wrapped__, 0, rows, weights=make())  # type: ignore[attr-defined]
+    assert calls == []
+
+
+def test_collections_and_files_pass_to_every_chunk() -> None:
+    x = torch.ones(6, 1)
+    for factors in ([1, 2], (1, 2), {1: "a", 2: "b"}, range(1, 3)):
+        assert torch.equal(koila.chunked(scale_by, x, factors, initial=2), x * 3), factors
+    assert koila.range(lambda begin, end, word: word, 0, 3, initial=2, word="ab") == ["ab", "ab"]
+    # A file is an iterator too, and the usual way for each range to write its results.
+    log = io.StringIO()
+    koila.range(lambda begin, end, to: to.write(f"{begin}-{end};"), 0, 5, initial=2, to=log)
+    assert log.getvalue() == "0-2;2-4;4-5;"

@@ -8,18 +8,21 @@ nor dropped.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
+import inspect
+import io
 import math
 import sys
-from collections.abc import Callable, Mapping
-from types import MethodType
+from collections.abc import Callable, Iterator, Mapping
+from types import CoroutineType, MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
-from koila_retry._common.batches import Split
+from koila_retry._common.batches import Split, positional_names
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
@@ -53,12 +56,96 @@ _NONE_SPEC = tree_flatten(None)[1]
 # The keywords of a call form that are options; every other keyword is the function's.
 _OPTIONS = frozenset(Options.__annotations__)
 
+# The options each front end takes besides the shared ones, as its errors list them.
+_OWN_OPTIONS = {"koila.chunked": ("initial", "dim", "progress", "out"), "koila.range": ("initial", "progress")}
 
-def _arguments_of_fn(fn: object, options: dict[str, Any]) -> dict[str, Any]:
-    """Take the keywords that are not options out of a call form's, as the function's own."""
+# What a keyword argument that a function takes may be.
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _arguments_of_fn(fn: object, options: dict[str, Any], front_end: str) -> dict[str, Any]:
+    """Take the keywords that are not options out of a call form's, as the function's own, and check fn takes them."""
     if fn is None or options.keys() <= _OPTIONS:
         return {}
-    return {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
+    given = {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
+    try:
+        parameters = inspect.signature(cast(Callable[..., Any], fn)).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin such as torch.add): fn is the judge
+        return given
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return given
+    takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
+    for name in given:
+        if name not in takes:
+            _refuse_keyword(fn, name, takes, front_end)
+    return given
+
+
+def _refuse_keyword(fn: object, name: str, takes: list[str], front_end: str) -> NoReturn:
+    """Raise the error for a keyword that is neither an option nor fn's, with the name it is closest to."""
+    own = _OWN_OPTIONS[front_end]
+    close = difflib.get_close_matches(name, [*own, *sorted(_OPTIONS), *takes], n=1)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    function = _name(fn)
+    taken = f"takes {_listed(takes)} by keyword" if takes else "takes no keyword argument"
+    raise TypeError(
+        f"{front_end}() got an unexpected keyword argument {name!r}, which is neither one of its options nor a "
+        f"parameter of {function}(){guess}; its options are {', '.join(own)} and {', '.join(sorted(_OPTIONS))}; "
+        f"{function}() {taken}. In the call form, a keyword argument that is not an option is passed to fn, "
+        "and refused before anything runs if fn's signature does not take it"
+    )
+
+
+def _listed(names: list[str]) -> str:
+    """Join names as a sentence does: ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _name(fn: object) -> str:
+    """Name a function as its errors do: its own name, or its type's."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _refuse_iterators(fn: object, args: tuple[Any, ...], kwargs: dict[str, Any], front_end: str, before: int) -> None:
+    """Refuse an argument that is an iterator: passed whole to every chunk, the first chunk would use it up."""
+    # Refused on every call, one chunk or many: how many chunks a call takes depends on the memory
+    # free, and whether a call works must not. Files are iterators too, but a chunk writes to one
+    # or reads it by position: they pass.
+    for key, value in (*enumerate(args, before), *kwargs.items()):
+        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+            if isinstance(key, int):
+                names = positional_names(cast(Callable[..., Any], fn))
+                key = names[key] if key < len(names) else f"args[{key}]"
+            step = "chunk" if front_end == "koila.chunked" else "range"
+            function = _name(fn)
+            raise TypeError(
+                f"{front_end} passes the argument {key} (a {type(value).__name__}) whole to every {step}'s call "
+                f"of {function}(), and an iterator is used up by the first {step}: the others would see it empty. "
+                f"Pass a list (list(...) of the iterator) or a tuple, or make the iterator inside {function}(); an "
+                f"iterator that {function}() uses without iterating it can reach it through a closure or "
+                f"functools.partial. This is checked on every call, however many {step}s it would take"
+            )
+
+
+def _refuse_async(fn: object, front_end: str) -> None:
+    """Refuse an async function: its calls only make coroutines, whose bodies run after the pass returned."""
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{front_end} cannot run {getattr(fn, '__qualname__', repr(fn))}(): it is an async function, whose "
+            f"body runs only when the coroutine each call returns is awaited, after {front_end} has returned, "
+            "where an out-of-memory error cannot be retried. Pass a plain function (one that runs what is async "
+            "with asyncio.run, say), or use @koila.batch, which awaits an async function itself"
+        )
+
+
+def _refuse_coroutine(result: CoroutineType[Any, Any, Any], front_end: str, where: str) -> NoReturn:
+    """Close a coroutine fn returned, unawaited, and raise the error that says why it cannot be run."""
+    result.close()  # never awaited, and never warned of as such
+    raise TypeError(
+        f"{front_end}: fn returned a coroutine for {where}: its body runs only when it is awaited, after "
+        f"{front_end} has returned, where an out-of-memory error cannot be retried. Pass a function that "
+        "returns the results themselves (one that runs what is async with asyncio.run, say)"
+    )
 
 
 class _Pass:
@@ -84,6 +171,7 @@ class _Pass:
         if not callable(fn):
             raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}")
         refuse_generator(fn, self.front_end)
+        _refuse_async(fn, self.front_end)
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         default = StackMemoryCache() if decorated else calls_cache
         return Controller(name, self.policy, default_cache=default, explain=exhausted.message)
@@ -196,7 +284,9 @@ def chunked(
             :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls,
             a new one per decorated function. In the call form, every other
             keyword argument is ``fn``'s, split like ``args``:
-            ``koila.chunked(model, input_ids=ids, attention_mask=mask)``.
+            ``koila.chunked(model, input_ids=ids, attention_mask=mask)``; one
+            that ``fn``'s signature does not take (it has no ``**kwargs``) is
+            refused.
 
     Returns:
         The joined results (or ``out``); or, used as a decorator, the decorated
@@ -208,8 +298,11 @@ def chunked(
             ``out`` does not match (a tensor missing or extra, a shape or a
             dtype that does not fit) or requires grad as a leaf, or an option is
             out of range.
-        TypeError: if ``fn`` is not callable, it returns something other than
-            tensors (or ``None``), or an option has the wrong type.
+        TypeError: if ``fn`` is not callable or is an async or generator
+            function, it returns something other than tensors (or ``None``), an
+            argument is an iterator (which the first chunk would use up: pass a
+            list), a keyword argument is neither an option nor ``fn``'s, or an
+            option has the wrong type.
         BatchSizeExhausted: if a chunk runs out of memory at ``minimum``; rows
             before it are finished (and written to ``out``, if given).
 
@@ -226,7 +319,7 @@ def chunked(
 
     .. versionadded:: 0.1.0
     """
-    given = _arguments_of_fn(fn, options)
+    given = _arguments_of_fn(fn, options, "koila.chunked")
     chunks = _Pass("koila.chunked", initial, progress, cast(Options, options))
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
@@ -237,6 +330,7 @@ def chunked(
         raise TypeError("out= is given per call: koila.chunked(fn, x, out=buffer), not to a decorator")
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
+        function, binding = unwrap_binding(function)
         controller = chunks.controller(function, decorated=True)
         getframe = sys._getframe
 
@@ -244,7 +338,15 @@ def chunked(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return _run_chunked(controller, function, args, kwargs, dim, chunks, None, getframe(1))
 
-        return cast(Batched[P, R], with_controller(wrapper, controller))
+        # Bound to an instance (or a class), that is bound to the function, not split with the
+        # arguments: a dataclass's tensors are the object's, whatever their rows.
+        @functools.wraps(function)
+        def method(instance: Any, /, *args: Any, **kwargs: Any) -> Any:
+            bound = MethodType(function, instance)
+            return _run_chunked(controller, bound, args, kwargs, dim, chunks, None, getframe(1))
+
+        plain, method = with_controller(wrapper, controller), with_controller(method, controller)
+        return cast(Batched[P, R], bindable(function, plain, method, binding))
 
     return decorate if fn is None else decorate(fn)
 
@@ -259,6 +361,7 @@ def _run_chunked(
     out: Any,
     caller: Any,
 ) -> Any:
+    _refuse_iterators(fn, args, kwargs, "koila.chunked", 0)
     split = Split(args, kwargs, dim, "koila.chunked", fn)
     results = _Results(dim, split.rows, out)
     attempt: Attempt | None = None
@@ -267,10 +370,13 @@ def _run_chunked(
         chunk_args, chunk_kwargs = split.chunk(begin, end)
         meter = None if attempt is None else attempt.meter
         if meter is None:
-            return fn(*chunk_args, **chunk_kwargs)
-        with meter:  # initial="auto": the first chunk that fits corrects the estimate
             result = fn(*chunk_args, **chunk_kwargs)
-        cast(Attempt, attempt).calibrate(end - begin, meter.rise)
+        else:
+            with meter:  # initial="auto": the first chunk that fits corrects the estimate
+                result = fn(*chunk_args, **chunk_kwargs)
+            cast(Attempt, attempt).calibrate(end - begin, meter.rise)
+        if type(result) is CoroutineType:  # an object with an async __call__, which no signature tells
+            _refuse_coroutine(result, "koila.chunked", f"the rows {begin} to {end}")
         return result
 
     if split.rows == 0:
@@ -653,15 +759,18 @@ def range(
             :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls,
             a new one per decorated function. In the call form, every other
             keyword argument is passed to every call of ``fn``, after ``begin``
-            and ``end``.
+            and ``end``; one that ``fn``'s signature does not take (it has no
+            ``**kwargs``) is refused.
 
     Returns:
         list: what ``fn`` returned for each range, in order; or, used as a
         decorator, the decorated function.
 
     Raises:
-        TypeError: if ``fn`` is not callable, or ``start``, ``stop`` or an
-            option has the wrong type.
+        TypeError: if ``fn`` is not callable or is an async or generator
+            function, an argument is an iterator (which the first range would
+            use up: pass a list), a keyword argument is neither an option nor
+            ``fn``'s, or ``start``, ``stop`` or an option has the wrong type.
         ValueError: if ``stop`` is below ``start``, or an option is out of range.
         BatchSizeExhausted: if a range runs out of memory at ``minimum``.
 
@@ -673,7 +782,7 @@ def range(
 
     .. versionadded:: 0.1.0
     """
-    given = _arguments_of_fn(fn if start is not None or stop is not None else None, options)
+    given = _arguments_of_fn(fn if start is not None or stop is not None else None, options, "koila.range")
     ranges = _Pass("koila.range", initial, progress, cast(Options, options))
     if fn is not None and (start is not None or stop is not None):
         controller = ranges.controller(fn, decorated=False)
@@ -715,10 +824,14 @@ def _run_range(
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if stop < start:
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
+    _refuse_iterators(fn, args, kwargs, "koila.range", 2)
     results: list[Any] = []
 
     def work(begin: int, end: int) -> Any:
-        return fn(begin, end, *args, **kwargs)
+        result = fn(begin, end, *args, **kwargs)
+        if type(result) is CoroutineType:  # an object with an async __call__, which no signature tells
+            _refuse_coroutine(result, "koila.range", f"the range {begin} to {end}")
+        return result
 
     def keep(begin: int, end: int, result: Any) -> None:
         results.append(result)
