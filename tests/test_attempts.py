@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -73,13 +77,20 @@ def test_entering_an_attempt_inside_its_own_block_is_an_error() -> None:
 
 def test_entering_an_attempt_again_after_its_block_is_an_error() -> None:
     tried: list[int] = []
-    with pytest.raises(RuntimeError, match=r"attempt 1 \(batch size 8\) already ran its block, which ran out of"):
+
+    def enter_twice() -> None:
         for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
             with attempt:
                 tried.append(attempt.batch_size)
                 raise make_oom()
             with attempt:  # once, this block's success hid the first one's OOM: size 8 "fitted"
                 tried.append(attempt.batch_size)
+
+    with (
+        pytest.warns(RuntimeWarning, match="left before it could retry it"),
+        pytest.raises(RuntimeError, match=r"attempt 1 \(batch size 8\) already ran its block, which ran out of"),
+    ):
+        enter_twice()
     assert tried == [8]
 
     with pytest.raises(RuntimeError, match=r"already ran its block, which succeeded"):
@@ -167,11 +178,13 @@ def test_retry_without_a_failed_attempt_is_an_error() -> None:
 
 
 def test_retry_moves_to_the_next_size() -> None:
-    attempt = next(iter(koila.attempts(initial=100, cache=koila.NoCache())))
+    loop = iter(koila.attempts(initial=100, cache=koila.NoCache()))
+    attempt = next(loop)
     with attempt:
         raise make_oom()
     assert attempt.retry() is attempt
     assert (attempt.batch_size, attempt.number) == (64, 2)
+    loop.close()
 
 
 def test_next_step_requires_a_step_that_succeeded() -> None:
@@ -181,49 +194,183 @@ def test_next_step_requires_a_step_that_succeeded() -> None:
 
 
 def test_steps_keep_the_reduced_size_and_count_attempts_per_step() -> None:
-    attempt = koila.attempts(initial=8, cache=koila.NoCache(), max_attempts=2)
-    with attempt:
-        raise make_oom()
-    attempt.retry()
-    with attempt:
-        pass
-    assert (attempt.batch_size, attempt.number) == (4, 2)
-    attempt.next_step()
-    assert (attempt.batch_size, attempt.number) == (4, 1)
+    steps = koila.attempts(initial=8, cache=koila.NoCache(), max_attempts=2)
+    for attempt in steps:
+        with attempt:
+            if attempt.number == 1:
+                raise make_oom()
+    assert (steps.batch_size, steps.number) == (4, 2)
+    steps.next_step()
+    assert (steps.batch_size, steps.number) == (4, 1)
     # A fresh step may again make max_attempts=2 attempts: one failure is retried.
-    with attempt:
-        raise make_oom()
-    attempt.retry()
-    assert (attempt.batch_size, attempt.number) == (2, 2)
+    for attempt in steps:
+        with attempt:
+            if attempt.number == 1:
+                raise make_oom()
+    assert (steps.batch_size, steps.number) == (2, 2)
 
 
 def test_a_narrowed_step_that_fails_continues_below_the_rows_it_tried() -> None:
     events: list[koila.OOMEvent] = []
-    attempt = koila.attempts(initial=256, cache=koila.NoCache(), on_oom=events.append)
-    attempt.narrow(100)
-    with attempt:
-        raise make_oom()
-    attempt.retry()
-    assert attempt.batch_size == 64
+    steps = koila.attempts(initial=256, cache=koila.NoCache(), on_oom=events.append)
+    steps.narrow(100)
+    for attempt in steps:
+        with attempt:
+            if attempt.number == 1:
+                raise make_oom()
+    assert steps.batch_size == 64
     assert (events[0].batch_size, events[0].next_batch_size) == (100, 64)
 
 
 def test_a_narrowed_step_that_succeeds_stores_nothing() -> None:
     # Fewer rows than the size in force prove neither that size nor a smaller one.
     cache = koila.GlobalCache()
-    attempt = koila.attempts(initial=256, cache=cache)
-    attempt.narrow(100)
-    with attempt:
-        pass
+    steps = koila.attempts(initial=256, cache=cache)
+    steps.narrow(100)
+    for attempt in steps:
+        with attempt:
+            pass
     assert len(cache) == 0
-    attempt = koila.attempts(initial=256, cache=cache)
+    steps = koila.attempts(initial=256, cache=cache)
+    for attempt in steps:
+        with attempt:  # a whole step at 128: stored
+            if attempt.number == 1:
+                raise make_oom()
+    steps.next_step()
+    steps.narrow(10)
+    for attempt in steps:
+        with attempt:
+            pass
+    assert list(cache.values()) == [128]
+
+
+# --------------------------------------------------------------------------- what the block's frame keeps
+
+
+def _fits_after_the_cache_is_dropped() -> tuple[int, bool]:
+    with simulated_device("1MiB"):
+        cache: torch.Tensor | None = torch.zeros(150_000)  # 600 KiB, made before the loop
+        reference = weakref.ref(cache)
+        for attempt in koila.attempts(initial=4, minimum=1, cache=koila.NoCache()):
+            with attempt:
+                if attempt.number > 1:
+                    cache = None  # made room for the retry
+                work = torch.zeros(150_000)  # 600 KiB more: fits only once the cache is gone
+        del work
+    return attempt.number, reference() is None
+
+
+def test_a_tensor_the_block_drops_is_freed_for_its_retry() -> None:
+    # Once, attempts() kept every variable of its caller, the cache here, for the whole loop.
+    assert _fits_after_the_cache_is_dropped() == (2, True)
+
+
+def test_the_loop_keeps_no_variable_of_its_frame_alive() -> None:
+    features = torch.zeros(1000)
+    reference = weakref.ref(features)
+    for attempt in koila.attempts(initial=64, cache=koila.NoCache()):
+        with attempt:
+            features[: attempt.batch_size].sum()
+    del features
+    assert reference() is None  # attempt is still bound
+    assert attempt.batch_size == 64
+
+
+def _block_returning_its_attempt(references: list[weakref.ref[torch.Tensor]]) -> koila.Attempt:
+    features = torch.zeros(1000)
+    references.append(weakref.ref(features))
+    for attempt in koila.attempts(initial=64, cache=koila.NoCache()):
+        with attempt:
+            features.sum()
+    return attempt
+
+
+def test_after_the_function_returns_its_variables_die_without_a_collection() -> None:
+    references: list[weakref.ref[torch.Tensor]] = []
+    gc.disable()  # once, the attempt held the frame that held the attempt: a cycle only a collection freed
+    try:
+        _block_returning_its_attempt(references)
+        assert references[0]() is None
+        attempt = _block_returning_its_attempt(references)
+        assert references[1]() is None
+    finally:
+        gc.enable()
+    assert attempt.batch_size == 64
+
+
+def test_a_namespace_taken_with_locals_is_left_as_it_was() -> None:
+    epoch, loss = 3, 0.5
+    namespace = locals()
+    before = dict(namespace)
+    for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+        with attempt:
+            pass
+    assert namespace == before
+    assert "{epoch}: {loss}".format(**namespace) == f"{epoch}: {loss}"
+    assert attempt.number == 1
+
+
+# --------------------------------------------------------------------------- the block needs its loop
+
+
+def test_a_block_entered_without_its_loop_is_refused() -> None:
+    # Once, the OOM was swallowed and nothing retried it: the block's work silently did not happen.
+    done: list[int] = []
+
+    def block() -> None:
+        with koila.attempts(initial=8, cache=koila.NoCache()):
+            raise make_oom()
+        done.append(1)  # pragma: no cover - the with statement raises
+
+    with pytest.raises(RuntimeError, match=r"for attempt in koila\.attempts\(\.\.\.\):"):
+        block()
+    assert done == []
+
+
+def test_a_block_entered_without_its_loop_is_refused_even_when_it_would_succeed() -> None:
+    ran: list[int] = []
+    attempt = koila.attempts(initial=8, cache=koila.NoCache())
+    with pytest.raises(RuntimeError, match=r"entered outside the `for` loop that retries it"), attempt:
+        ran.append(attempt.batch_size)
+    assert ran == []
+    assert attempt.stats.ooms == 0
+
+
+def test_an_attempt_outlived_by_its_finished_loop_is_refused() -> None:
+    attempt = next(iter(koila.attempts(initial=8, cache=koila.NoCache())))  # the iterator is gone at once
+    with pytest.raises(RuntimeError, match=r"outside the `for` loop that retries it"), attempt:
+        raise make_oom()
+
+
+def test_leaving_the_loop_after_an_attempt_that_ran_out_of_memory_warns() -> None:
+    tried: list[int] = []
+
+    def leave() -> None:
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+            with attempt:
+                tried.append(attempt.batch_size)
+                raise make_oom()
+            break  # the mistake: nothing retries the failed attempt
+
+    with pytest.warns(RuntimeWarning, match=r"attempt 1 \(batch size 8\) ran out of memory.*left before it"):
+        leave()
+    assert tried == [8]
+
+
+def test_an_iterator_closed_after_an_attempt_that_ran_out_of_memory_warns() -> None:
+    loop = iter(koila.attempts(initial=8, cache=koila.NoCache()))
+    attempt = next(loop)
     with attempt:
         raise make_oom()
-    attempt.retry()
-    with attempt:  # a whole step at 128: stored
-        pass
-    attempt.next_step()
-    attempt.narrow(10)
-    with attempt:
-        pass
-    assert list(cache.values()) == [128]
+    with pytest.warns(RuntimeWarning, match=r"ran out of memory, and the loop over koila.attempts\(\) was left"):
+        loop.close()
+
+
+def test_leaving_the_loop_after_a_success_does_not_warn() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+            with attempt:
+                pass
+            break
+    assert attempt.number == 1

@@ -84,6 +84,37 @@ def test_caller_passing_a_named_size_gets_a_type_error() -> None:
         run(1, bs=2)
 
 
+def test_param_makes_the_parameters_after_it_keyword_only_in_the_signature() -> None:
+    # The size goes by keyword, so a later parameter passed by position would land on it.
+    @koila.batch(param="n", initial=8)
+    def predict(x: int, n: int, scale: float = 1.0, *rest: int, flag: bool = False) -> tuple[int, int, float]:
+        return x, n, scale
+
+    signature = inspect.signature(predict)
+    assert str(signature) == ("(x: 'int', *, scale: 'float' = 1.0, flag: 'bool' = False) -> 'tuple[int, int, float]'")
+    assert predict(1, scale=2.0) == (1, 8, 2.0)
+    assert signature.bind(1, scale=2.0).arguments == {"x": 1, "scale": 2.0}
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        signature.bind(1, 2.0)
+    message = (
+        r"predict\(\) takes 1 positional argument \('x'\) under @koila.batch\(param='n'\), which passes 'n' "
+        r"by keyword, but got 2: pass 'scale' by keyword"
+    )
+    with pytest.raises(TypeError, match=message):
+        predict(1, 2.0)  # type: ignore[call-arg]
+
+
+def test_param_keeps_the_signature_of_a_keyword_only_size_and_of_what_comes_before_it() -> None:
+    @koila.batch(param="n", initial=8)
+    def predict(x: int, /, y: int, *rest: int, n: int, scale: float = 1.0) -> tuple[int, ...]:
+        return (x, y, *rest, n)
+
+    assert str(inspect.signature(predict)) == (
+        "(x: 'int', /, y: 'int', *rest: 'int', scale: 'float' = 1.0) -> 'tuple[int, ...]'"
+    )
+    assert predict(1, 2, 3, 4) == (1, 2, 3, 4, 8)
+
+
 class Evaluator:
     def __init__(self, offset: int) -> None:
         self.offset = offset

@@ -223,6 +223,45 @@ def test_giving_up_frees_a_cycle_the_last_attempt_made() -> None:
         gc.enable()
 
 
+def _train_taking_locals(lr: float) -> dict[str, Any]:
+    config = locals()  # {'lr': lr}, for a log line say
+
+    @koila.batch(initial=4, minimum=2, cache=koila.NoCache())
+    def evaluate(batch_size: int) -> None:
+        raise make_oom()
+
+    with pytest.raises(koila.BatchSizeExhausted):
+        evaluate()
+    return config
+
+
+def test_giving_up_leaves_a_namespace_taken_with_locals_in_the_users_frames() -> None:
+    # The message walks the user's frames; before Python 3.13, reading a frame's variables
+    # fills the dict locals() returned, and emptying it after the read emptied the user's.
+    config = _train_taking_locals(0.1)
+    assert config["lr"] == 0.1
+    assert "{lr}".format(**config) == "0.1"
+
+
+def _holds_then_drops(references: list[weakref.ref[torch.Tensor]]) -> None:
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        raise make_oom()
+
+    kept = torch.zeros(1000)
+    references.append(weakref.ref(kept))
+    with pytest.raises(koila.BatchSizeExhausted):
+        run()  # the message's walk reads this frame's variables, kept among them
+    del kept
+    assert references[0]() is None  # the read left no copy of them behind in the frame
+
+
+def test_giving_up_leaves_no_copy_of_the_users_variables_behind() -> None:
+    references: list[weakref.ref[torch.Tensor]] = []
+    _holds_then_drops(references)
+    assert len(references) == 1
+
+
 def test_the_full_report_still_lists_every_tensor() -> None:
     kept = torch.zeros(3, 5, 7)
     rows = koila.report(device="cpu", top=10_000).rows

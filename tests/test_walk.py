@@ -14,6 +14,7 @@ import torch
 from koila_retry._common.walk import (
     MAX_DEPTH,
     MAX_ITEMS,
+    FrameValues,
     call_references,
     frame_locals,
     global_names,
@@ -299,3 +300,42 @@ def test_frame_locals_leaves_no_snapshot_behind() -> None:
     assert kept_reference() is not None
     frame.f_locals.clear()
     del frame
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="f_locals keeps no snapshot from Python 3.13 (PEP 667)")
+def test_frame_locals_leaves_a_namespace_the_user_took_with_locals_as_it_is() -> None:
+    # Before PEP 667, locals() returns the very dict that f_locals fills: emptying it, once
+    # done to drop the snapshot, emptied the user's namespace too.
+    epoch, loss = 3, 0.5
+    namespace = locals()
+    found = dict(frame_locals(sys._getframe()))
+    assert (found["epoch"], found["loss"]) == (3, 0.5)
+    assert (namespace["epoch"], namespace["loss"]) == (epoch, loss)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="f_locals keeps no snapshot from Python 3.13 (PEP 667)")
+def test_frame_locals_leaves_a_namespace_a_caller_holds_as_it_is() -> None:
+    def inner(frame: types.FrameType) -> list[tuple[str, Any]]:
+        return frame_locals(frame)
+
+    def outer() -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+        value = 7
+        namespace = locals()  # the frame's snapshot, held by its own variable and returned
+        return namespace, [*inner(sys._getframe()), ("value", value)]
+
+    namespace, found = outer()
+    assert namespace["value"] == 7
+    assert ("value", 7) in found
+
+
+def test_frame_values_are_read_afresh_on_every_iteration_and_kept_by_nobody() -> None:
+    model = torch.nn.Linear(2, 2)
+    tensor = torch.zeros(10)
+    reference = weakref.ref(tensor)
+    values = FrameValues(sys._getframe())
+    assert any(value is model for value in values)
+    assert any(value is tensor for value in values)  # a second walk (the ranks make two) sees them too
+    del tensor
+    assert reference() is None
+    later = torch.ones(3)
+    assert any(value is later for value in values)

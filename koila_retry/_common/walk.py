@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_DEPTH", "MAX_ITEMS", "call_references", "frame_locals", "global_names", "reachable", "references"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_ITEMS",
+    "FrameValues",
+    "call_references",
+    "frame_locals",
+    "global_names",
+    "reachable",
+    "references",
+]
 
 # Models and optimizers sit a few references from a call (a closure's trainer's model);
 # past this, a walk would wander into whole libraries' state.
@@ -30,6 +39,9 @@ _PLAIN_KEYS = (str, int)
 # variables into a dict that the frame keeps until it returns: a tensor the function
 # deletes afterwards would stay alive through it.
 _SNAPSHOTS = sys.version_info < (3, 13)
+# The references to a snapshot that nobody else holds, as frame_locals counts them: the
+# frame's own, frame_locals' variable and sys.getrefcount's argument.
+_UNSHARED = 3
 
 
 def global_names(code: types.CodeType) -> set[str]:
@@ -142,7 +154,21 @@ def frame_locals(frame: FrameType) -> list[tuple[str, Any]]:
     """Return the variables of ``frame`` as ``(name, value)`` pairs, leaving no copy behind in the frame."""
     variables = frame.f_locals
     items = list(variables.items())
-    if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-        # A function's snapshot, not its namespace (which a module's or class body's is).
+    # A function's snapshot, not its namespace (which a module's or class body's is), and one
+    # that only the frame holds: it is also the dict locals() returned, so one the user holds
+    # (or a debugger does) must keep its contents, which the read refreshed as any would.
+    if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(variables) <= _UNSHARED:
         variables.clear()
     return items
+
+
+class FrameValues:
+    """The values of a frame's variables, read afresh each time they are iterated: none is kept between reads."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: FrameType) -> None:
+        self.frame = frame
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([value for _, value in frame_locals(self.frame)])

@@ -8,8 +8,10 @@ plan (:mod:`koila_retry._core.strategy`); the driver holds no branch for any.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+import warnings
 from collections.abc import Hashable, Iterator
 from types import TracebackType
 from typing import cast
@@ -25,13 +27,18 @@ from koila_retry._core.sharded import RanksFailed
 from koila_retry._core.stats import Stats
 from koila_retry._core.strategy import FAILED, PENDING, READY, RUNNING, SUCCEEDED, Owner, Plan
 
-__all__ = ["Attempt", "Mechanics", "Owner"]
+__all__ = ["Attempt", "Block", "Mechanics", "Owner"]
 
 _DONE = {
     RUNNING: "is already inside `with attempt:`",
     FAILED: "already ran its block, which ran out of memory",
     SUCCEEDED: "already ran its block, which succeeded",
     PENDING: "already ran its block, whose outcome the ranks have yet to agree on",
+}
+# What a loop left before it retried its attempt leaves undone.
+_UNRETRIED = {
+    FAILED: "ran out of memory",
+    PENDING: "ran out of memory on another rank",
 }
 
 
@@ -328,3 +335,58 @@ class Attempt:
         """
         self._course.next_step()
         return self
+
+
+class Block(Attempt):
+    """The attempts of a block under :func:`~koila_retry.attempts`: entered only inside the loop that retries it."""
+
+    # Nothing else calls retry() for the user: a `with attempt:` outside the loop would swallow an
+    # out-of-memory error and let the code after it go on without the block's work.
+
+    __slots__ = ("_loops",)
+
+    def __init__(self, attempt: Attempt) -> None:
+        course = attempt._course
+        # The caller's frame and variables served the start only (the cache key, the modules
+        # the ranks agree on): held by an attempt that the frame itself holds, they would keep
+        # its variables alive in a cycle, after the frame returned, until a collection.
+        course.call = dataclasses.replace(course.call, caller=None, roots=())
+        super().__init__(course)
+        self._loops = 0  # the loops iterating it now
+
+    def __iter__(self) -> Iterator[Attempt]:
+        self._loops += 1
+        try:
+            yield self
+            while not self.succeeded():
+                yield self.retry()
+        except GeneratorExit:
+            self._left()
+            raise
+        finally:
+            self._loops -= 1
+
+    def __enter__(self) -> Attempt:
+        if not self._loops:
+            state = self._course.state
+            raise RuntimeError(
+                f"{self._course.owner.name}: attempt {state.number} (batch size {state.size}) was entered outside "
+                "the `for` loop that retries it, where an out-of-memory error would be swallowed with nothing to "
+                "run the block again; write `for attempt in koila.attempts(...):` around `with attempt:`"
+            )
+        self._course.begin()
+        return self
+
+    def _left(self) -> None:
+        """Warn that the loop was left with its last attempt neither retried nor given up."""
+        course = self._course
+        undone = _UNRETRIED.get(course.phase)
+        if undone is not None:
+            state = course.state
+            warnings.warn(
+                f"{course.owner.name}: attempt {state.number} (batch size {state.size}) {undone}, and the loop over "
+                "koila.attempts() was left before it could retry it: the block's work was not done. Leave the "
+                "loop only by its end, which comes once `with attempt:` succeeds",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -10,7 +10,8 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from koila_retry._common.tensors import TensorBase
-from koila_retry._common.walk import frame_locals
+from koila_retry._common.walk import FrameValues
+from koila_retry._core.attempt import Block
 from koila_retry._core.cache import CacheInfo, StackMemoryCache
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
@@ -92,13 +93,40 @@ class _Injection:
             target = params[after]
         self.name = target.name
         self.function_name = name
-        rest = [p for p in params if p is not target]
-        self.signature = signature.replace(parameters=rest)
+        index = params.index(target)
+        earlier, later = params[:index], params[index + 1 :]
         has_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
         # The most positional arguments a caller may pass; more means they passed the size.
-        self.max_args = sys.maxsize if has_varargs or self.position is None else sum(p.kind in positional for p in rest)
+        self.max_args = (
+            sys.maxsize if has_varargs or self.position is None else sum(p.kind in positional for p in earlier + later)
+        )
+        self.by_keyword = [p.name for p in later if p.kind in positional]
+        # A size passed by keyword to a parameter that could be positional takes its place: a
+        # positional argument for a later parameter would land on it, so those are keyword-only
+        # in the signature, the parameters before it are all a caller may pass by position, and
+        # *args is out of reach.
+        self.takes_place = self.position is None and target.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        if self.takes_place:
+            self.max_args = len(earlier)
+            later = [
+                p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind in positional else p
+                for p in later
+                if p.kind is not inspect.Parameter.VAR_POSITIONAL
+            ]
+        self.signature = signature.replace(parameters=earlier + later)
 
-    def refuse(self) -> TypeError:
+    def refuse(self, given: int, named: bool) -> TypeError:
+        """Return the error for a call that passed the size by name, or more positional arguments than it takes."""
+        if self.takes_place and not named:
+            names = [repr(p.name) for p in self.signature.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+            takes = f"{len(names)} positional argument{'' if len(names) == 1 else 's'}"
+            if names:
+                takes += f" ({', '.join(names)})"
+            later = ", ".join(repr(name) for name in self.by_keyword)
+            return TypeError(
+                f"{self.function_name}() takes {takes} under @koila.batch(param={self.name!r}), which passes "
+                f"{self.name!r} by keyword, but got {given}" + (f": pass {later} by keyword" if later else "")
+            )
         return TypeError(
             f"{self.function_name}() gets {self.name!r} from @koila.batch; call it without "
             f"{self.name!r} (the size is chosen and injected for you)"
@@ -239,7 +267,8 @@ def batch(
             ``classmethod`` of one.
         initial (int): the first size to try. Default: 512.
         param (str, optional): inject the size as this keyword argument instead
-            of the first positional one.
+            of the first positional one. The parameters after it are then
+            keyword-only: a positional argument would land on the size.
         **options (Options): the shared options; see :ref:`options`. ``cache``
             defaults to a new :class:`StackMemoryCache` for this function.
 
@@ -251,7 +280,8 @@ def batch(
         TypeError: if the function has no parameter to inject into, is a
             generator function, or an option is unknown or has the wrong type
             (``initial=None`` too). When called: if an attempt ran out of memory
-            and an argument is an iterator.
+            and an argument is an iterator; if it is given the size, or, with
+            ``param``, a positional argument for a parameter after it.
         ValueError: if an option is out of range.
 
     Example::
@@ -314,7 +344,7 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
-                raise injection.refuse()
+                raise injection.refuse(len(args), name in kwargs)
             attempt = start(Call(fn, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs)))
             if position == 0:
                 return await run_async(attempt, lambda size: fn(size, *args, **kwargs))
@@ -328,7 +358,7 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
         @functools.wraps(fn)
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
-                raise injection.refuse()
+                raise injection.refuse(len(args), name in kwargs)
             device = fixed_device or device_of(args, kwargs)
             if position == 0:
                 return call(fn, getframe(1), device, lambda size: fn(size, *args, **kwargs), (fn, args, kwargs))
@@ -377,7 +407,11 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     still bound in your frame: rebind or delete them if they hold large tensors.
 
     Each turn of the loop enters ``with attempt:`` once: entering it again,
-    inside the block or after it, raises ``RuntimeError``.
+    inside the block or after it, raises ``RuntimeError``, and so does entering
+    it outside the loop (``with koila.attempts() as attempt:``), where nothing
+    would retry the block. Leaving the loop (``break``, ``return``) after an
+    attempt that ran out of memory, before the loop retried it, warns with a
+    ``RuntimeWarning``: the block's work was not done.
 
     When the ranks of a ``torch.distributed`` job agree (see :doc:`distributed`),
     every rank must run the block, and run the loop to its end (no ``break``).
@@ -396,7 +430,8 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
         TypeError: if an option is unknown or has the wrong type (``initial=None`` too).
         ValueError: if an option is out of range.
         BatchSizeExhausted: from the loop, when even ``minimum`` runs out of memory.
-        RuntimeError: from the loop, if an attempt's ``with`` block is entered twice.
+        RuntimeError: from the loop, if an attempt's ``with`` block is entered
+            twice; from ``with``, if it is entered outside the loop.
 
     Example::
 
@@ -425,6 +460,8 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
         default_cache=attempts_cache,
         explain=exhausted.message,
     )
-    # The block's modules are those its function's variables hold.
-    roots = (value for _, value in frame_locals(caller))
-    return controller.start(Call(block, caller, policy.device or resolve_device(None), roots=roots))
+    # The block's modules are those its function's variables hold: read only if the ranks
+    # agree (on the modules they reach), and only then, so that no copy of them outlives the
+    # start, which a tensor the block deletes to make room for its retry would otherwise do.
+    roots = FrameValues(caller)
+    return Block(controller.start(Call(block, caller, policy.device or resolve_device(None), roots=roots)))
