@@ -1244,6 +1244,28 @@ def test_a_graph_from_before_the_call_reached_without_an_argument_is_named_when_
     assert encoder.weight.grad is not None
 
 
+@pytest.mark.parametrize("initial", [None, 2], ids=["whole", "split"])
+def test_an_iterator_argument_is_refused_before_the_step_runs_split_or_not(initial: int | None) -> None:
+    # Passed whole to every micro-batch, the first used it up and the others saw it empty: a wrong gradient.
+    model = nn.Linear(1, 1, bias=False)
+    ran: list[int] = []
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def step(rows: torch.Tensor, weights: Any) -> torch.Tensor:
+        ran.append(len(rows))
+        return (model(rows) * sum(weights)).mean()
+
+    for weights in (iter([1.0, 2.0]), (w for w in [1.0, 2.0]), map(float, [1, 2])):
+        with pytest.raises(TypeError, match=r"argument weights \(a \w+\) whole to every micro-batch"):
+            step(torch.ones(6, 1), weights)
+        with pytest.raises(TypeError, match=r"argument weights"):
+            step(torch.ones(6, 1), weights=weights)
+    assert ran == []
+    assert model.weight.grad is None
+    step(torch.ones(6, 1), [1.0, 2.0])  # a list passes, and every micro-batch sees all of it
+    torch.testing.assert_close(model.weight.grad, torch.full((1, 1), 3.0))
+
+
 def test_dense_grad_from_before_keeps_its_identity_under_a_sparse_step_grad() -> None:
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 3, sparse=True).double()

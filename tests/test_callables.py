@@ -202,7 +202,7 @@ def test_every_front_end_refuses_to_retry_with_an_iterator() -> None:
     def step(x: torch.Tensor, weights: Iterator[float]) -> torch.Tensor:
         return x.sum() * consume(weights, len(x), limit=4)
 
-    with pytest.raises(TypeError, match=r"step: out of memory .* argument 1 \(list_iterator\)"):
+    with pytest.raises(TypeError, match=r"the argument weights \(a list_iterator\)"):  # refused before it runs
         step(rows, iter([1.0] * 10))
 
     def scaled(x: torch.Tensor, weights: Iterator[float]) -> torch.Tensor:

@@ -38,7 +38,7 @@ from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
 from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends import own_backward
-from koila_retry._frontends.batch import Batched, refuse_generator, with_controller
+from koila_retry._frontends.batch import Batched, refuse_generator, refuse_iterators, with_controller
 from koila_retry._frontends.combine import Results, describe, loss_of
 from koila_retry._frontends.gradients import Backward, Gradients, OtherLeaves, backward_of, plain_backward
 
@@ -358,6 +358,7 @@ class _Accumulator:
         self.alone_sharded: bool | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
+        refuse_iterators(self.fn, args, kwargs, "koila.accumulate", "micro-batch")
         split = Split(args, kwargs, self.dim, "koila.accumulate", self.fn)
         rows = split.rows
         if rows == 0:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MethodType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
+from koila_retry._common.batches import positional_names
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
@@ -31,6 +33,7 @@ __all__ = [
     "bindable",
     "device_of",
     "refuse_generator",
+    "refuse_iterators",
     "unwrap_binding",
     "with_controller",
 ]
@@ -204,6 +207,34 @@ def refuse_generator(fn: Callable[..., Any], front_end: str) -> None:
             "Decorate a function that returns the results instead (a list of them, say), or one that "
             "consumes the generator"
         )
+
+
+def refuse_iterators(
+    fn: object, args: Sequence[Any], kwargs: Mapping[str, Any], front_end: str, piece: str, before: int = 0
+) -> None:
+    """Refuse an argument that is an iterator: passed whole to every ``piece`` of a call, the first would use it up."""
+    # Refused on every call, one piece or many: how many a call takes depends on the memory free,
+    # and whether a call works must not. Files are iterators too, but a piece writes to one or
+    # reads it by position: they pass. Two plain loops: accumulate's every step pays for them.
+    for position, value in enumerate(args):
+        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+            names = positional_names(cast(Callable[..., Any], fn))
+            at = position + before
+            _refuse_iterator(fn, names[at] if at < len(names) else f"args[{at}]", value, front_end, piece)
+    for name, value in kwargs.items():
+        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+            _refuse_iterator(fn, name, value, front_end, piece)
+
+
+def _refuse_iterator(fn: object, name: str, value: object, front_end: str, piece: str) -> NoReturn:
+    function = getattr(fn, "__name__", None) or type(fn).__name__
+    raise TypeError(
+        f"{front_end} passes the argument {name} (a {type(value).__name__}) whole to every {piece}'s call "
+        f"of {function}(), and an iterator is used up by the first {piece}: the others would see it empty. "
+        f"Pass a list (list(...) of the iterator) or a tuple, or make the iterator inside {function}(); an "
+        f"iterator that {function}() uses without iterating it can reach it through a closure or "
+        "functools.partial. This is checked on every call, however many pieces it would take"
+    )
 
 
 def device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

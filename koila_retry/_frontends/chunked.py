@@ -12,17 +12,16 @@ import difflib
 import functools
 import importlib
 import inspect
-import io
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import CoroutineType, MethodType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
-from koila_retry._common.batches import Split, positional_names
+from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path
 from koila_retry._common.tensors import TensorBase
@@ -36,7 +35,14 @@ from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
 from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
-from koila_retry._frontends.batch import Batched, bindable, refuse_generator, unwrap_binding, with_controller
+from koila_retry._frontends.batch import (
+    Batched,
+    bindable,
+    refuse_generator,
+    refuse_iterators,
+    unwrap_binding,
+    with_controller,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -104,27 +110,6 @@ def _listed(names: list[str]) -> str:
 def _name(fn: object) -> str:
     """Name a function as its errors do: its own name, or its type's."""
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _refuse_iterators(fn: object, args: tuple[Any, ...], kwargs: dict[str, Any], front_end: str, before: int) -> None:
-    """Refuse an argument that is an iterator: passed whole to every chunk, the first chunk would use it up."""
-    # Refused on every call, one chunk or many: how many chunks a call takes depends on the memory
-    # free, and whether a call works must not. Files are iterators too, but a chunk writes to one
-    # or reads it by position: they pass.
-    for key, value in (*enumerate(args, before), *kwargs.items()):
-        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
-            if isinstance(key, int):
-                names = positional_names(cast(Callable[..., Any], fn))
-                key = names[key] if key < len(names) else f"args[{key}]"
-            step = "chunk" if front_end == "koila.chunked" else "range"
-            function = _name(fn)
-            raise TypeError(
-                f"{front_end} passes the argument {key} (a {type(value).__name__}) whole to every {step}'s call "
-                f"of {function}(), and an iterator is used up by the first {step}: the others would see it empty. "
-                f"Pass a list (list(...) of the iterator) or a tuple, or make the iterator inside {function}(); an "
-                f"iterator that {function}() uses without iterating it can reach it through a closure or "
-                f"functools.partial. This is checked on every call, however many {step}s it would take"
-            )
 
 
 def _refuse_async(fn: object, front_end: str) -> None:
@@ -361,7 +346,7 @@ def _run_chunked(
     out: Any,
     caller: Any,
 ) -> Any:
-    _refuse_iterators(fn, args, kwargs, "koila.chunked", 0)
+    refuse_iterators(fn, args, kwargs, "koila.chunked", "chunk")
     split = Split(args, kwargs, dim, "koila.chunked", fn)
     results = _Results(dim, split.rows, out)
     attempt: Attempt | None = None
@@ -824,7 +809,7 @@ def _run_range(
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if stop < start:
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
-    _refuse_iterators(fn, args, kwargs, "koila.range", 2)
+    refuse_iterators(fn, args, kwargs, "koila.range", "range", before=2)
     results: list[Any] = []
 
     def work(begin: int, end: int) -> Any:
