@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import io
+import signal
 import subprocess
 import sys
 import warnings
@@ -23,6 +26,7 @@ L = pytest.importorskip("lightning")
 from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
 from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
 
+from koila_retry.integrations._lightning_logging import batch_size, combined  # noqa: E402
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
 # Lightning's own notices, not this library's: a module without a val_dataloader, and its
@@ -1045,3 +1049,259 @@ def test_an_oom_in_the_backward_of_a_later_batch_of_a_window_puts_the_windows_gr
     assert [event.batch_size for event in events][:1] == [64]
     assert model.rows[:3] == [64, 64, 32]
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+def _attached(model: Any) -> dict[str, Any]:
+    """Return what the module object holds under the names OOMRecovery may set on it while a trainer runs it."""
+    names = ("training_step", "validation_step", "test_step", "predict_step", "log", "backward")
+    return {name: vars(model)[name] for name in names if name in vars(model)}
+
+
+class Failing(MLP):
+    """Fails in its second training step as ``failure`` says: its own error, an interrupt, a hook's error."""
+
+    def __init__(self, failure: str | None = None) -> None:
+        super().__init__()
+        self.failure = failure
+        self.hidden: list[weakref.ref[torch.Tensor]] = []  # each step's activations, which its graph holds
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if self.failure in ("step", "interrupt") and self.trainer.global_step == 1:
+            raise ValueError("the step's own error") if self.failure == "step" else KeyboardInterrupt
+        hidden = self.net[1](self.net[0](x))
+        self.hidden.append(weakref.ref(hidden))
+        loss = F.cross_entropy(self.net[2](hidden), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if self.failure == "hook" and self.trainer.global_step == 1:
+            raise RuntimeError("a hook's own error")
+
+
+@contextlib.contextmanager
+def _sigint_kept() -> Iterator[None]:
+    """Put back the SIGINT handler that Lightning sets aside when it meets a KeyboardInterrupt."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.parametrize("failure", ["exhausted", "step", "interrupt", "hook"])
+def test_a_fit_that_raises_leaves_the_module_as_it_was_and_later_fits_train_as_the_plain_one(failure: str) -> None:
+    model = Failing(failure)
+    raised = {"exhausted": BatchSizeExhausted, "step": ValueError, "interrupt": SystemExit, "hook": RuntimeError}
+    limit = simulated_device("150KiB") if failure == "exhausted" else contextlib.nullcontext()
+    # Lightning answers a KeyboardInterrupt with sys.exit(1), and ignores SIGINT from then on.
+    with _sigint_kept(), pytest.raises(raised[failure]), limit:
+        trainer(OOMRecovery(), max_steps=4).fit(model, loader(rows=256))
+    gc.collect()
+    assert _attached(model) == {}, "nothing the callback put on the module object is left"
+    hidden, model.hidden = model.hidden, []
+    assert [ref() for ref in hidden if ref() is not None] == [], "nothing of a failed step's graph is kept"
+    torch.save(model, io.BytesIO())  # nothing on it that cannot be pickled
+    model.failure = None
+    reference = Failing()
+    trainer(accumulate_grad_batches=2, max_steps=2).fit(reference, loader(rows=256))
+    for callbacks, limit in (((), None), ((OOMRecovery(),), FIT_LIMIT)):
+        model.load_state_dict(Failing().state_dict())
+        with simulated_device(limit) if limit else contextlib.nullcontext():
+            trainer(*callbacks, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
+        assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    assert _attached(model) == {}
+
+
+def test_validate_that_raises_leaves_the_module_as_it_was() -> None:
+    model = Shared()
+    own = _attached(model)
+    recovery = OOMRecovery(minimum=64)
+    with pytest.raises(BatchSizeExhausted), simulated_device(EVAL_LIMIT):
+        trainer(recovery).validate(model, loader(rows=128), verbose=False)
+    assert _attached(model) == own
+    # The callback, which may serve the next trainer, keeps nothing of the module; Lightning's own
+    # log and log_dict, which it gives every callback, aside.
+    vars(recovery).pop("log", None)
+    vars(recovery).pop("log_dict", None)
+    gone = weakref.ref(model)
+    del model, own
+    gc.collect()
+    assert gone() is None
+
+
+class Shared(MLP):
+    """Its steps are set on the instance, to share code between them: a usual Lightning pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.training_step = self._shared_train
+        self.validation_step = self._shared_eval
+
+    def _shared_train(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def _shared_eval(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+
+def test_steps_set_on_the_instance_are_served_and_put_back_as_they_were() -> None:
+    model = Shared()
+    own = _attached(model)
+    assert own.keys() == {"training_step", "validation_step"}
+    expected = trainer().validate(model, loader(rows=128), verbose=False)
+    events: list[Any] = []
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append)).validate(model, loader(rows=128), verbose=False)
+    assert events, "the validation step was split"
+    assert got[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=1e-12)
+    assert _attached(model) == own
+
+    reference = Shared()
+    trainer().fit(reference, loader(rows=128))
+    events.clear()
+    with simulated_device(FIT_LIMIT):
+        trainer(OOMRecovery(on_oom=events.append)).fit(model, loader(rows=128))
+    assert events, "the training step was split"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    assert _attached(model) == own
+
+
+class Sized(MLP):
+    """Logs its loss with the ``batch_size`` its kind says, and a count of correct predictions, per epoch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def _size(self, x: torch.Tensor) -> Any:
+        return {"fixed": 64, "rows": len(x), "tensor": torch.tensor(len(x)), "none": None}[self.kind]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("loss", loss, on_step=False, on_epoch=True, batch_size=self._size(x))
+        self.log("correct", (logits.argmax(1) == y).sum(), on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", F.cross_entropy(logits, y), batch_size=self._size(x))
+        self.log("val_correct", (logits.argmax(1) == y).sum())
+        self.log("val_any", (logits.argmax(1) == y).any())
+
+
+def _sized_metrics(kind: str, limit: str | None, fit: bool) -> dict[str, float]:
+    model = Sized(kind)
+    events: list[Any] = []
+    callbacks = (OOMRecovery(on_oom=events.append),) if limit else ()
+    with simulated_device(limit) if limit else contextlib.nullcontext():
+        if fit:  # 160 rows in batches of 64, 64 and 32: a fixed batch_size is not the last batch's rows
+            run = trainer(*callbacks, max_steps=-1, max_epochs=1)
+            run.fit(model, loader(rows=160))
+            metrics = {name: float(value) for name, value in run.callback_metrics.items()}
+        else:
+            metrics = trainer(*callbacks).validate(model, loader(rows=160), verbose=False)[0]
+    assert bool(events) == bool(limit), "split where limited"
+    return metrics
+
+
+@pytest.mark.parametrize("kind", ["fixed", "rows", "tensor", "none"])
+@pytest.mark.parametrize("fit", [True, False], ids=["fit", "validate"])
+def test_a_split_step_logs_the_batch_size_the_whole_batchs_call_passes(kind: str, fit: bool) -> None:
+    expected = _sized_metrics(kind, None, fit)
+    got = _sized_metrics(kind, FIT_LIMIT if fit else EVAL_LIMIT, fit)
+    name = "loss" if fit else "val_loss"
+    assert got[name] == pytest.approx(expected[name], rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("fit", [True, False], ids=["fit", "validate"])
+def test_a_count_logged_by_a_split_step_is_added_up_as_accumulate_adds_counts(fit: bool) -> None:
+    expected = _sized_metrics("none", None, fit)
+    got = _sized_metrics("none", FIT_LIMIT if fit else EVAL_LIMIT, fit)
+    names = ["correct"] if fit else ["val_correct", "val_any"]
+    assert {name: got[name] for name in names} == pytest.approx({name: expected[name] for name in names}, rel=1e-12)
+
+
+class Prefixed(MLP):
+    """Overrides ``log`` to prefix the names, as modules do, passing the options on to Lightning's."""
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        super().log(f"train/{name}", value, *args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("loss", loss, prog_bar=True, on_epoch=True)
+        self.log("max", logits.max(), True, reduce_fx="max")  # prog_bar by position, as Lightning's log reads it
+        return loss
+
+
+class Tagged(MLP):
+    """Overrides ``log`` with a parameter of its own, given by position or by name, and passes the rest on."""
+
+    def log(self, name: str, value: Any, tag: str = "train", **kwargs: Any) -> None:
+        super().log(f"{tag}/{name}", value, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("loss", loss, "fit", prog_bar=True, on_epoch=True)
+        self.log("max", logits.max(), tag="fit", prog_bar=True, reduce_fx="max")
+        return loss
+
+
+@pytest.mark.parametrize("limit", [None, FIT_LIMIT])
+@pytest.mark.parametrize("module", [Prefixed, Tagged])
+def test_a_modules_own_log_that_passes_its_options_on_gets_them_as_called(module: type, limit: str | None) -> None:
+    unlimited = trainer()
+    unlimited.fit(module(), loader(rows=128))
+    limited = trainer(OOMRecovery())
+    with simulated_device(limit) if limit else contextlib.nullcontext():
+        limited.fit(module(), loader(rows=128))
+    assert limited.callback_metrics.keys() == unlimited.callback_metrics.keys()
+    shown = limited.progress_bar_metrics.keys()
+    prefix = "train" if module is Prefixed else "fit"
+    assert shown == unlimited.progress_bar_metrics.keys() >= {f"{prefix}/loss_step", f"{prefix}/max"}
+    for name, value in unlimited.callback_metrics.items():
+        torch.testing.assert_close(limited.callback_metrics[name], value, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rows", "expected"),
+    [
+        ([None, None], [32, 32], 64),  # none passed: the whole batch's rows, as Lightning counts them
+        ([64, 64], [32, 32], 64),  # a fixed size: as passed
+        ([64, 64, 64], [16, 8, 8], 64),
+        ([32, 32], [32, 32], 64),  # each micro-batch's rows (len(x)), even if also a fixed size could be that
+        ([32, 16], [32, 16], 48),
+        ([300, 250], [32, 32], 550),  # another count (tokens): added up
+        ([40, 40], [32, 32], 40),  # ... but the same in each micro-batch, and not its rows: taken for a fixed size
+        ([None, 64], [32, 32], 64),
+    ],
+)
+def test_a_split_steps_batch_size_follows_the_documented_rule(sizes: list[Any], rows: list[int], expected: int) -> None:
+    assert batch_size(sizes, rows) == expected
+    tensors = [None if size is None else torch.tensor(size) for size in sizes]
+    assert int(batch_size(tensors, rows)) == expected
+
+
+def test_a_split_steps_logged_values_combine_as_accumulate_combines_outputs() -> None:
+    counts = [torch.tensor(3), torch.tensor(5)]
+    assert torch.equal(combined(counts, [32, 16], "mean"), torch.tensor(8))
+    flags = [torch.tensor(False), torch.tensor(True)]
+    assert torch.equal(combined(flags, [32, 16], "mean"), torch.tensor(True))
+    means = [torch.tensor(3.0, dtype=torch.float64), torch.tensor(6.0, dtype=torch.float64)]
+    assert torch.equal(combined(means, [32, 16], "mean"), torch.tensor(4.0, dtype=torch.float64))
+    assert combined([3, 6], [32, 16], "mean") == 4.0  # a Python number is taken for a mean
+    assert torch.equal(combined(counts, [32, 16], "max"), torch.tensor(5))
+    assert torch.equal(combined(counts, [32, 16], "sum"), torch.tensor(8))

@@ -13,12 +13,11 @@ after the backward sees the whole batch's gradient, once.
 from __future__ import annotations
 
 import functools
-import inspect
-import math
 import operator
+import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -41,8 +40,12 @@ from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
+from koila_retry.integrations._lightning_logging import WHOLE, Logs
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = ["OOMRecovery"]
@@ -63,10 +66,6 @@ _IDLE = (
     "on_predict_batch_start",
     "on_predict_batch_end",
 )
-_MEAN = ("mean", "avg", torch.mean)
-_SUM = ("sum", torch.sum)
-_MAX = ("max", torch.max)
-_MIN = ("min", torch.min)
 
 
 class OOMRecovery(Callback):
@@ -138,8 +137,14 @@ class OOMRecovery(Callback):
                 stacklevel=2,
             )
         for name in names:
-            if name in vars(pl_module):  # wrapped already, by this callback or another
-                continue
+            # A step set on the module object is the module's own, and served; a wrapper of ours is
+            # told by its mark: another OOMRecovery of this trainer serves it, one of an earlier
+            # trainer that never took it away is taken away first.
+            wrapper = _wrapper_of(vars(pl_module).get(name))
+            if wrapper is not None:
+                if wrapper.trainer is trainer:
+                    continue
+                wrapper.uninstall(pl_module)
             step = self._steps.get(name)
             if step is None:
                 step = self._steps[name] = _Step(name, self._options)
@@ -155,6 +160,12 @@ class OOMRecovery(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Take the wrappers away (Lightning calls it)."""
+        for step in self._steps.values():
+            step.uninstall(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Take the wrappers away, and what a step held, when ``fit``, ``validate`` ... raise (Lightning calls it)."""
+        # Lightning calls teardown only when they return. The exception is not kept.
         for step in self._steps.values():
             step.uninstall(pl_module)
 
@@ -257,15 +268,12 @@ class _Step:
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
         self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
         self.stand_in: torch.Tensor | None = None
-        self.parts: list[tuple[int, list[dict[str, Any]]]] = []
         # Of the step running, as accumulate splits its batch (1 for one it cannot split), counted
         # only once a micro-batch needs it (0 until then): a batch that runs whole needs no count.
         self.rows = 0
         self.whole: Any = None  # its output, while its last attempt ran the whole batch
-        self.logging: list[dict[str, Any]] = []
-        self.log: Callable[..., Any] = _unset
-        self.signature: inspect.Signature | None = None  # of the module's log, to bind its calls
-        self.keywords: frozenset[str] = frozenset()  # its parameters' names
+        self.logs = Logs()
+        self.saved: Any = _ABSENT  # a step of the module object's own, which the wrapper wraps
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
         self.trusting = True  # whether a training step may run whole (see _whole): until one runs out of memory there
@@ -277,10 +285,9 @@ class _Step:
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
+        self.saved = vars(module).get(self.name, _ABSENT)
         self.target = getattr(module, self.name)
-        self.log = module.log
-        self.signature = inspect.signature(self.log)
-        self.keywords = frozenset(self.signature.parameters)
+        self.logs.attach(module)
         how = _micro_backward(trainer) if self.train else None
         if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
             self.owner = (type(module), how)
@@ -294,16 +301,24 @@ class _Step:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return run(*args, **kwargs)
 
-        setattr(module, self.name, wrapper)
+        vars(wrapper)[_MARK] = self  # tells it from a step the module object has of its own
+        vars(module)[self.name] = wrapper
 
     def uninstall(self, module: pl.LightningModule) -> None:
-        if self.module is module and self.name in vars(module):
-            delattr(module, self.name)
-        if self.module is module:
-            self._forget(module)
+        """Leave the module object as :meth:`install` found it, and keep nothing of it or of a step that ran."""
+        if self.module is not module:
+            return
+        if _wrapper_of(vars(module).get(self.name)) is self:
+            if self.saved is _ABSENT:
+                del vars(module)[self.name]
+            else:
+                vars(module)[self.name] = self.saved
+        self._forget(module)
         self.module = self.trainer = None
-        self.target = self.log = _unset
-        self.signature, self.stand_in = None, None
+        self.target, self.saved = _unset, _ABSENT
+        self.logs.detach()
+        self.stand_in = self.scale = self.whole = self.others = self.held = None
+        self.given, self.rows, self.batch_idx = ((), {}), 0, None
 
     def installed(self) -> tuple[pl.Trainer, pl.LightningModule]:
         if self.trainer is None or self.module is None:
@@ -315,9 +330,9 @@ class _Step:
         if self.train:
 
             def part(*args: Any, **kwargs: Any) -> Any:
-                self.logging = []
+                self.logs.calls = []
                 output = self.target(*args, **kwargs)
-                self.parts.append((self._rows_of(args, kwargs), self.logging))
+                self.logs.parts.append((self._rows_of(args, kwargs), self.logs.calls))
                 if output is None:  # Lightning's "skip this batch"; accumulate needs a loss to go on
                     raise _Skipped
                 loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -328,11 +343,11 @@ class _Step:
         else:
 
             def part(*args: Any, **kwargs: Any) -> Any:
-                self.logging, self.whole = [], None
+                self.logs.calls, self.whole = [], None
                 output = self.target(*args, **kwargs)
                 rows = self._rows_of(args, kwargs)
-                self.parts.append((rows, self.logging))
-                if rows == _WHOLE or rows == self.rows:
+                self.logs.parts.append((rows, self.logs.calls))
+                if rows == WHOLE or rows == self.rows:
                     # Returned as it is, strings and objects included, if it stays the last: nothing to join.
                     self.whole = output
                     return torch.zeros(())
@@ -383,9 +398,9 @@ class _Step:
         plugin.backward(loss, module, optimizer, **kwargs)
 
     def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Return the rows of a micro-batch, as ``accumulate`` split them, or ``_WHOLE`` for the batch as given."""
+        """Return the rows of a micro-batch, as ``accumulate`` split them, or ``WHOLE`` for the batch as given."""
         if self.held is not None:
-            return _WHOLE
+            return WHOLE
         # The whole batch is the step's own arguments, not remade: no need to count its rows.
         given_args, given_kwargs = self.given
         if (  # compared in C, through map: a generator would be a call per step
@@ -394,8 +409,8 @@ class _Step:
             and kwargs.keys() == given_kwargs.keys()
             and all(map(operator.is_, map(kwargs.__getitem__, given_kwargs), given_kwargs.values()))
         ):
-            return _WHOLE
-        if not self.rows:  # the whole batch's, counted once, for the logs of its micro-batches (see _replay)
+            return WHOLE
+        if not self.rows:  # the whole batch's, counted once, for the logs of its micro-batches (see Logs.replay)
             self.rows = Split(*self.given, 0, "OOMRecovery").rows
         return Split(args, kwargs, 0, "OOMRecovery").rows
 
@@ -474,10 +489,10 @@ class _Step:
             if output is not _FAILED:
                 return output
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
-        self.parts, self.scale, skipped = [], None, False
+        self.logs.parts, self.scale, skipped = [], None, False
         # Other leaves, found in each micro-batch's graph, are handed over too: Lightning's backward divides them.
         self.others = OtherLeaves(lambda: {id(p) for p in parameters}) if self.walks is not False else None
-        vars(module)["log"] = self._record  # not through Module.__setattr__, which looks for tensors
+        self.logs.hold(module)
         # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
         # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
         hooks = _suspended(parameters)
@@ -490,7 +505,7 @@ class _Step:
                 skipped = True
             gradients = [parameter.grad for parameter in parameters]
         finally:
-            del vars(module)["log"]
+            self.logs.release(module)
             _restored(hooks)
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
@@ -501,11 +516,12 @@ class _Step:
         if skipped:
             # Returned None: skipped as Lightning skips it, with no gradient of it. Ran whole, it logs
             # as it called, as without the callback; split, the batch has no whole value to log.
-            ran_whole = bool(self.parts) and self.parts[-1][0] in (_WHOLE, self.rows)
-            self.parts = self.parts[-1:] if ran_whole else []
-            self._replay()
+            ran = self.logs.parts
+            ran_whole = bool(ran) and ran[-1][0] in (WHOLE, self.rows)
+            self.logs.parts = ran[-1:] if ran_whole else []
+            self.logs.replay(self.rows)
             return None
-        self._replay()
+        self.logs.replay(self.rows)
         leaves: list[torch.Tensor] = []
         parts: list[torch.Tensor] = []
         for parameter, gradient in zip(parameters, gradients):
@@ -603,8 +619,8 @@ class _Step:
 
     def _ran(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> Any:
         """Run the step as the loop would, its logs held until it returned; ``_FAILED`` if it ran out of memory."""
-        self.logging = []
-        vars(module)["log"] = self._record
+        self.logs.calls = []
+        self.logs.hold(module)
         failed = False
         try:
             output = self.target(*args, **kwargs)
@@ -614,13 +630,11 @@ class _Step:
             # Handled outside the except block, once the attempt's frames are gone; its message and place kept.
             failed, self.failure = True, replayable(error)
         finally:
-            del vars(module)["log"]
+            self.logs.release(module)
         if failed:
-            self.trusting, self.logging = False, []  # accumulate runs this step from now on, this call first
+            self.trusting, self.logs.calls = False, []  # accumulate runs this step from now on, this call first
             return _FAILED
-        calls, self.logging = self.logging, []
-        for call in calls:
-            self.log(**call)
+        self.logs.flush()
         return output
 
     def _backward_of_whole(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -659,8 +673,8 @@ class _Step:
         self.trusting = False
         # Through accumulate, whose attempt of the whole batch is the failure above: its gradients
         # reach .grad directly. What the step logs is dropped: the whole batch's were logged already.
-        self.parts, self.rows = [], 0
-        vars(module)["log"] = self._record
+        self.logs.parts, self.rows = [], 0
+        self.logs.hold(module)
         try:
             with trainer.precision_plugin.train_step_context():  # autocast, as for the step itself
                 self._call(module, batch_args, batch_kwargs)
@@ -672,8 +686,8 @@ class _Step:
             others.give_back()
             raise
         finally:
-            del vars(module)["log"]
-            self.parts = []
+            self.logs.release(module)
+            self.logs.parts = []
         if steps != 1:  # accumulate's are the undivided loss's
             divided = [parameter.grad for parameter in parameters if parameter.grad is not None]
             divided += others.written()
@@ -706,65 +720,23 @@ class _Step:
             output = self._ran(module, args, kwargs)
             if output is not _FAILED:
                 return output
-        self.parts = []
-        vars(module)["log"] = self._record
+        self.logs.parts = []
+        self.logs.hold(module)
         try:
             result = self._call(module, args, kwargs)
             output = result[1] if isinstance(result, tuple) else None
             if self.whole is not None:  # it ran whole: the step's own output, not a copy joined by accumulate
                 output = self.whole
         finally:
-            del vars(module)["log"]
+            self.logs.release(module)
             self.whole = None
-        self._replay()
+        self.logs.replay(self.rows)
         return output
 
-    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        """Hold back a call of ``self.log`` until the step succeeded."""
-        if not args and kwargs.keys() <= self.keywords:  # keywords only, as usual: the call as bind makes it
-            call = {"name": name, "value": value, **kwargs}
-        else:
-            signature = self.signature or inspect.signature(self.log)
-            call = dict(signature.bind(name, value, *args, **kwargs).arguments)
-        if isinstance(value, torch.Tensor) and not call.get("enable_graph", False):
-            call["value"] = value.detach()  # as Lightning keeps it: the graph would hold the activations
-        self.logging.append(call)
 
-    def _replay(self) -> None:
-        """Log what the successful attempt logged: as it was when whole, combined when split."""
-        kept: list[tuple[int, list[dict[str, Any]]]] = []
-        covered = 0
-        for part in reversed(self.parts):  # the successful attempt's micro-batches are the last ones
-            if part[0] == _WHOLE:  # the batch as given, which the last attempt ran, or an earlier one
-                kept = kept or [part]
-                break
-            if covered >= self.rows:
-                break
-            kept.insert(0, part)
-            covered += part[0]
-        self.parts = []
-        if len(kept) <= 1:
-            for _, calls in kept:
-                for call in calls:
-                    self.log(**call)
-            return
-        names: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        for part_rows, calls in kept:
-            last = {call["name"]: call for call in calls}
-            for name, call in last.items():
-                names.setdefault(name, []).append((part_rows, call))
-        for entries in names.values():
-            call = dict(entries[-1][1])
-            call["value"] = _combined(
-                [entry["value"] for _, entry in entries], [n for n, _ in entries], call.get("reduce_fx", "mean")
-            )
-            sizes = [entry.get("batch_size") for _, entry in entries]
-            call["batch_size"] = sum(sizes) if all(size is not None for size in sizes) else sum(n for n, _ in entries)
-            self.log(**call)
-
-
-# The rows of a part that ran the batch as given (see _Step._rows_of).
-_WHOLE = -1
+# Where a wrapper of ours keeps its _Step, which tells it from a step of the module object's own.
+_MARK = "_koila_step"
+_ABSENT = object()
 # What _Step._ran and _Step._whole return for a step that ran out of memory (a step may return None).
 _FAILED = object()
 
@@ -879,22 +851,7 @@ def _unset(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("OOMRecovery: the step is not installed on a module")
 
 
-def _combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
-    """Combine the values one name was logged with in each micro-batch, as ``reduce_fx`` reduces."""
-    numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values)
-    if not numbers and not all(isinstance(value, torch.Tensor) for value in values):
-        return values[-1]  # a torchmetrics Metric: it kept its own state
-    if reduce_fx in _MEAN:
-        total = sum(rows)
-        if numbers:
-            return math.fsum(value * n for value, n in zip(values, rows)) / total
-        return sum(value.detach() * (n / total) for value, n in zip(values, rows))
-    if reduce_fx in _SUM:
-        return sum(values[1:], values[0])
-    if reduce_fx in _MAX or reduce_fx in _MIN:
-        pick = max if reduce_fx in _MAX else min
-        if numbers:
-            return pick(values)
-        stacked = torch.stack([torch.as_tensor(value).detach().reshape(()) for value in values])
-        return stacked.max() if pick is max else stacked.min()
-    return values[-1]
+def _wrapper_of(step: Any) -> _Step | None:
+    """Return the ``_Step`` whose wrapper ``step`` is, or None for a step that is not one of ours."""
+    owner = getattr(step, "__dict__", {}).get(_MARK) if callable(step) else None
+    return owner if isinstance(owner, _Step) else None

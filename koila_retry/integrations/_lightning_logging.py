@@ -1,0 +1,181 @@
+"""Lightning: the ``self.log`` calls of a step that ``OOMRecovery`` runs, held back and logged once it succeeded.
+
+A step that ran whole logs its calls as they were made. A split step logs each name once, as
+the whole batch's call would have logged it: its micro-batches' values combined as
+``reduce_fx`` reduces (integer tensors, counts, added up, as ``accumulate`` joins a step's
+outputs), and the ``batch_size`` the whole call would have passed (see :func:`batch_size`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["WHOLE", "Logs", "batch_size", "combined"]
+
+# The rows of a part that ran the batch as given, not one of accumulate's micro-batches.
+WHOLE = -1
+
+_MEAN = ("mean", "avg", torch.mean)
+_SUM = ("sum", torch.sum)
+_MAX = ("max", torch.max)
+_MIN = ("min", torch.min)
+_ABSENT = object()
+_NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+# LightningModule.log's own parameters, less self: what the options given by position mean to
+# Lightning, where the module's log passes them on through *args.
+_LIGHTNING = inspect.signature(pl.LightningModule.log)
+_LIGHTNING = _LIGHTNING.replace(parameters=list(_LIGHTNING.parameters.values())[1:])
+
+# A call of self.log: the name, the value, and the options as keywords.
+Call = tuple[str, Any, dict[str, Any]]
+
+
+def _unset(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("OOMRecovery: the step is not installed on a module")
+
+
+class Logs:
+    """The ``self.log`` calls of one step hook of a module, held while it runs and logged once it succeeded."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []  # of the part (the whole batch, or a micro-batch) running
+        self.parts: list[tuple[int, list[Call]]] = []  # the parts that ran, with their rows (WHOLE: as given)
+        self.log: Callable[..., Any] = _unset  # the module's own, through which the calls are logged
+        self.signature: inspect.Signature | None = None  # to bind options given by position
+        self.keywords: frozenset[str] = frozenset()  # the names the module's log takes
+        self.open = False  # whether it takes any keyword (**kwargs)
+        self.saved: Any = _ABSENT  # a log of the module object's own, while the step runs
+
+    def attach(self, module: pl.LightningModule) -> None:
+        """Log through ``module.log``, an override of the module's included."""
+        self.log = module.log
+        try:
+            own = inspect.signature(self.log)
+        except (TypeError, ValueError):  # not introspectable: taken for Lightning's
+            own = _LIGHTNING
+        kinds = [parameter.kind for parameter in own.parameters.values()]
+        self.keywords = frozenset(own.parameters)
+        self.open = inspect.Parameter.VAR_KEYWORD in kinds
+        # An override that takes *args hands the options given by position on to Lightning's log.
+        named = len(kinds) >= 2 and kinds[0] in _NAMED and kinds[1] in _NAMED
+        self.signature = own if named and inspect.Parameter.VAR_POSITIONAL not in kinds else _LIGHTNING
+
+    def detach(self) -> None:
+        """Forget the module and every call held."""
+        self.calls, self.parts = [], []
+        self.log, self.signature, self.saved = _unset, None, _ABSENT
+        self.keywords, self.open = frozenset(), False
+
+    def hold(self, module: pl.LightningModule) -> None:
+        """Hold the module's ``self.log`` calls back from now on (on the module object, not its class)."""
+        self.saved = vars(module).get("log", _ABSENT)
+        vars(module)["log"] = self.record  # not through Module.__setattr__, which looks for tensors
+
+    def release(self, module: pl.LightningModule) -> None:
+        """Let the module's ``self.log`` calls through again."""
+        saved, self.saved = self.saved, _ABSENT
+        if saved is _ABSENT:
+            vars(module).pop("log", None)
+        else:
+            vars(module)["log"] = saved
+
+    def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Hold back a call of ``self.log`` until the step succeeded."""
+        options = kwargs  # keywords only, as usual: kept as the call made them
+        if args or not (self.open or kwargs.keys() <= self.keywords):
+            # By position, as the module's log (or Lightning's, behind *args) reads them; a wrong
+            # call raises here, in the step, as it does without the callback.
+            signature = self.signature or _LIGHTNING
+            bound = signature.bind(name, value, *args, **kwargs).arguments
+            first, second = list(signature.parameters)[:2]
+            name, value, options = bound[first], bound[second], {}
+            for key, item in bound.items():
+                if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+                    options.update(item)
+                elif key not in (first, second):
+                    options[key] = item
+        if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
+            value = value.detach()  # as Lightning keeps it: the graph would hold the activations
+        self.calls.append((name, value, options))
+
+    def flush(self) -> None:
+        """Log the calls of a step that ran whole, as they were made."""
+        calls, self.calls = self.calls, []
+        for name, value, options in calls:
+            self.log(name, value, **options)
+
+    def replay(self, rows: int) -> None:
+        """Log what the successful attempt logged: as it was when whole, combined when split over ``rows``."""
+        kept: list[tuple[int, list[Call]]] = []
+        covered = 0
+        for part in reversed(self.parts):  # the successful attempt's micro-batches are the last ones
+            if part[0] == WHOLE:  # the batch as given, which the last attempt ran, or an earlier one
+                kept = kept or [part]
+                break
+            if covered >= rows:
+                break
+            kept.insert(0, part)
+            covered += part[0]
+        self.parts = []
+        if len(kept) <= 1:
+            for _, calls in kept:
+                for name, value, options in calls:
+                    self.log(name, value, **options)
+            return
+        names: dict[str, list[tuple[int, Call]]] = {}
+        for part_rows, calls in kept:
+            last = {call[0]: call for call in calls}
+            for name, call in last.items():
+                names.setdefault(name, []).append((part_rows, call))
+        for name, entries in names.items():
+            options = dict(entries[-1][1][2])
+            counts = [n for n, _ in entries]
+            value = combined([call[1] for _, call in entries], counts, options.get("reduce_fx", "mean"))
+            options["batch_size"] = batch_size([call[2].get("batch_size") for _, call in entries], counts)
+            self.log(name, value, **options)
+
+
+def batch_size(sizes: list[Any], rows: list[int]) -> Any:
+    """Return the ``batch_size`` the whole batch's call passes, from its micro-batches' (``None``: passed none)."""
+    # None passed: the whole batch's rows, which Lightning finds in the batch. The same number in every call,
+    # not their rows: a fixed size (self.hparams.batch_size). Else their sum (len(x), or another count).
+    if any(size is None for size in sizes):
+        return sum(rows)
+    numbers = [size.item() if isinstance(size, torch.Tensor) else size for size in sizes]
+    if len(set(numbers)) == 1 and numbers != rows:
+        return sizes[-1]
+    return sum(sizes[1:], sizes[0])
+
+
+def combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
+    """Return the values one name was logged with in each micro-batch, combined as ``reduce_fx`` reduces."""
+    # Under a mean: integer tensors (counts) added up, boolean ones whether any is true, other tensors and
+    # numbers weighted by rows. A sum, a max or a min as they say. Anything else (a torchmetrics Metric,
+    # which keeps its own state): the last value.
+    numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values)
+    if not numbers and not all(isinstance(value, torch.Tensor) for value in values):
+        return values[-1]
+    if reduce_fx in _MEAN:
+        if not numbers and not (values[0].is_floating_point() or values[0].is_complex()):
+            # A count, as accumulate joins a step's outputs: the whole batch's is the sum.
+            total = torch.stack([value.detach() for value in values]).sum(0)
+            return total.to(values[0].dtype)
+        everything = sum(rows)
+        if numbers:
+            return math.fsum(value * n for value, n in zip(values, rows)) / everything
+        return sum(value.detach() * (n / everything) for value, n in zip(values, rows))
+    if reduce_fx in _SUM:
+        return sum(values[1:], values[0])
+    if reduce_fx in _MAX or reduce_fx in _MIN:
+        pick = max if reduce_fx in _MAX else min
+        if numbers:
+            return pick(values)
+        stacked = torch.stack([torch.as_tensor(value).detach().reshape(()) for value in values])
+        return stacked.max() if pick is max else stacked.min()
+    return values[-1]
