@@ -51,3 +51,23 @@ def test_testing_is_public_and_other_names_still_raise() -> None:
     assert koila.testing is testing
     with pytest.raises(AttributeError, match="module 'koila_retry' has no attribute 'tesitng'"):
         koila.tesitng  # noqa: B018
+
+
+def test_every_public_callable_s_type_hints_resolve_at_run_time() -> None:
+    # Tools that read annotations (sphinx-autodoc-typehints, typeguard, pydantic) call get_type_hints:
+    # a name the annotations use only under TYPE_CHECKING (Unpack, os) raised NameError there.
+    import inspect
+    import typing
+
+    from koila_retry.compat import accelerate, toma
+    from koila_retry.integrations import lightning, transformers
+
+    checked = []
+    for owner in (koila, toma, accelerate, transformers, lightning):
+        for name in getattr(owner, "__all__", ()):
+            value = getattr(owner, name)
+            if inspect.isfunction(value) or inspect.isclass(value):
+                for target in (value, value.__init__) if inspect.isclass(value) else (value,):
+                    typing.get_type_hints(target)
+                    checked.append(name)
+    assert {"Options", "accumulate", "attempts", "batch", "chunked", "range", "OOMRecovery", "adapt"} <= set(checked)

@@ -55,7 +55,10 @@ def plain_message(exhaustion: Exhaustion) -> str:
     """Return one line with the sizes tried: the message of a call that gives up, by default."""
     tried = " -> ".join(str(size) for size in exhaustion.tried)
     why = "" if exhaustion.diagnosis is None else f" Diagnosis: {exhaustion.diagnosis}"
-    return f"{exhaustion.name}: out of memory. Every batch size tried failed ({tried}); last raised at {exhaustion.where}.{why}"
+    return (
+        f"{exhaustion.name}: out of memory. Every batch size tried failed ({tried}); "
+        f"last raised at {exhaustion.where}.{why}"
+    )
 
 
 class Failure:

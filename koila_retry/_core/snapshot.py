@@ -13,7 +13,7 @@ import os
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -24,7 +24,8 @@ __all__ = ["Snapshots", "Target", "check_target"]
 
 #: Where a snapshot goes: a path (``"{rank}"`` and ``"{attempt}"`` are filled in), or a
 #: callable given the snapshot, a dict.
-Target = Union[str, "os.PathLike[str]", Callable[[dict[str, Any]], None]]
+# Evaluated, not a string: typing.get_type_hints() reads it from the modules that use it.
+Target = str | os.PathLike[str] | Callable[[dict[str, Any]], None]
 
 # Events kept in the history: enough for the retries of a step, bounded for a long job.
 MAX_ENTRIES = 100_000

@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
+from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 import torch
 
@@ -42,7 +42,10 @@ from koila_retry._frontends.batch import Batched, refuse_generator, refuse_itera
 from koila_retry._frontends.combine import Results, describe, loss_of
 from koila_retry._frontends.gradients import Backward, Gradients, OtherLeaves, backward_of, plain_backward
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = ["accumulate"]

@@ -8,7 +8,7 @@ import io
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MethodType
-from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
 from koila_retry._common.batches import positional_names
 from koila_retry._common.tensors import TensorBase
@@ -21,7 +21,10 @@ from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
 from koila_retry._core.stats import Stats
 from koila_retry._diagnostics import exhausted
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = [

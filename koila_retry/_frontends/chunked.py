@@ -16,7 +16,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from types import CoroutineType, MethodType
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
+from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
@@ -44,7 +44,10 @@ from koila_retry._frontends.batch import (
     with_controller,
 )
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = ["chunked", "range"]

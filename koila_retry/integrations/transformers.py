@@ -16,9 +16,10 @@ import contextlib
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -29,7 +30,10 @@ from koila_retry._core.policy import Options, Policy
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = ["adapt"]

@@ -45,7 +45,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, cast, overload
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, cast, overload
 
 import cachetools
 import torch
@@ -64,7 +64,10 @@ from koila_retry.compat.toma.batchsize_cache import (
     StacktraceMemoryBatchsizeCache,
 )
 
-if TYPE_CHECKING:
+# At run time too: typing.get_type_hints() reads the options' annotations.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # the backport torch depends on
     from typing_extensions import Unpack
 
 __all__ = [
