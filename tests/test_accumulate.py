@@ -1056,6 +1056,30 @@ def test_result_entry_that_cannot_be_combined_comes_back_as_none_with_one_warnin
         step(x, y)  # once per step
 
 
+@pytest.mark.parametrize("initial", [None, 8])
+def test_a_result_entry_that_is_none_stays_none_without_a_warning(initial: int | None) -> None:
+    model, x, y = build("mlp", 20)
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        return {"loss": F.mse_loss(model(x), y), "attentions": None, "nested": (None, {"cache": None})}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = step(x, y)
+    assert result["attentions"] is None
+    assert result["nested"] == (None, {"cache": None})
+
+    @koila.accumulate(initial=initial)
+    def other(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        return {"loss": F.mse_loss(model(x), y), "attentions": None, "name": "mlp"}
+
+    with pytest.warns(UserWarning, match="returns other objects") as caught:
+        other(x, y)
+    assert "['name'] (str)" in str(caught[0].message)
+    assert "attentions" not in str(caught[0].message)
+
+
 # --------------------------------------------------------------------------- 9. mixed precision
 
 

@@ -131,13 +131,15 @@ class Results:
         step = self.step
         if step.warned_dropped:
             return
-        step.warned_dropped = True
         paths = flatten_with_path(result)
         dropped = [
             f"the result{keystr(path)} ({type(leaf).__name__})"
             for (path, leaf), kind in zip(paths, kinds, strict=True)
-            if kind == _DROP
+            if kind == _DROP and leaf is not None  # None stays None: nothing is lost
         ]
+        if not dropped:
+            return
+        step.warned_dropped = True
         warnings.warn(
             f"{step.controller.name} returned {', '.join(dropped)}: koila.accumulate combines tensors and "
             "numbers across micro-batches, and returns other objects (a model's key-value cache, strings, "
