@@ -109,7 +109,7 @@ DECORATORS: list[tuple[str, Callable[[Any], Any]]] = [
     ("@koila.accumulate", koila.accumulate),
     ("koila.chunked", koila.chunked),
     ("koila.range", koila.range),
-    ("@koila.batch", find_executable_batch_size),
+    ("find_executable_batch_size", find_executable_batch_size),
 ]
 
 

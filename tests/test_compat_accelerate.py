@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -395,3 +395,16 @@ def test_importing_needs_no_accelerate() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["8", "[None]"]
+
+
+def test_errors_at_wrapping_name_this_function_and_give_advice_that_it_takes() -> None:
+    def keyword_only(*, batch_size: int) -> int:
+        return batch_size
+
+    def generator(batch_size: int) -> Iterator[int]:
+        yield batch_size
+
+    with pytest.raises(TypeError, match=r"no first positional parameter to receive the batch size; add one$"):
+        compat.find_executable_batch_size(keyword_only, 8)  # which takes no param=
+    with pytest.raises(TypeError, match=r"^find_executable_batch_size cannot retry .*generator\(\)"):
+        compat.find_executable_batch_size(generator, 8)

@@ -65,7 +65,8 @@ class Batched(Protocol[P, R_co]):
 class _Injection:
     """Where the batch size goes in the wrapped function's arguments: after ``after`` of them (1 for a method)."""
 
-    def __init__(self, fn: Callable[..., Any], param: str | None, after: int) -> None:
+    def __init__(self, fn: Callable[..., Any], param: str | None, after: int, named: bool = True) -> None:
+        # named: whether the front end offers param= (find_executable_batch_size does not).
         signature = _signature(fn)
         params = list(signature.parameters.values())
         name = getattr(fn, "__qualname__", repr(fn))
@@ -86,15 +87,15 @@ class _Injection:
         else:
             self.position = after
             if len(params) <= after or params[after].kind not in positional:
+                keyword = ", or name a keyword parameter with param=..." if named else ""
                 if after:
                     raise TypeError(
                         f"{name}() is called through an instance (or its class), so the batch size goes after "
                         "the object it is bound to, and it has no second positional parameter to receive it; "
-                        "add one, make it a staticmethod, or name a keyword parameter with param=..."
+                        f"add one, make it a staticmethod{keyword}"
                     )
                 raise TypeError(
-                    f"{name}() has no first positional parameter to receive the batch size; "
-                    "add one, or name a keyword parameter with param=..."
+                    f"{name}() has no first positional parameter to receive the batch size; add one{keyword}"
                 )
             target = params[after]
         self.name = target.name
@@ -345,20 +346,23 @@ def batch(
     return decorate(fn)
 
 
-def batched(fn: Any, policy: Policy, param: str | None = None, *, keep_last: bool = False) -> Any:
+def batched(
+    fn: Any, policy: Policy, param: str | None = None, *, keep_last: bool = False, front_end: str = "@koila.batch"
+) -> Any:
     """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected."""
     fn, binding = unwrap_binding(fn)
     if not callable(fn):
-        raise TypeError(f"@koila.batch decorates a callable, got {type(fn).__name__} {fn!r}")
-    refuse_generator(fn, "@koila.batch")
-    injection = _Injection(fn, param, 0)
+        raise TypeError(f"{front_end} decorates a callable, got {type(fn).__name__} {fn!r}")
+    refuse_generator(fn, front_end)
+    named = front_end == "@koila.batch"
+    injection = _Injection(fn, param, 0, named)
     controller = Controller(injection.function_name, policy, explain=exhausted.message, keep_last=keep_last)
     plain = _wrapper(fn, injection, controller, policy.device)
     if param is not None or binding is _STATICMETHOD:
         method = plain  # by keyword, the size goes to one place, bound or not; a staticmethod never binds
     else:
         try:
-            method = _wrapper(fn, _Injection(fn, None, 1), controller, policy.device)
+            method = _wrapper(fn, _Injection(fn, None, 1, named), controller, policy.device)
         except TypeError as exc:
             # Too few parameters to be a method: an error if it is ever called as one.
             method = _refusing(fn, str(exc), controller)

@@ -154,7 +154,7 @@ def find_executable_batch_size(
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
     batched_function: Any = None  # a koila.batch wrapper (it binds as a method does), or None
     if settings["initial"] != 0:
-        batched_function = batched(function, TABLE.policy(settings))
+        batched_function = batched(function, TABLE.policy(settings), front_end="find_executable_batch_size")
 
     def run(target: Callable[..., Any], given: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if len(parameters) < len(given) + 1:
