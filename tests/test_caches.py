@@ -505,3 +505,15 @@ def test_contract_reading_a_key_keeps_it_and_looking_does_not(
     assert dict(cache.items()) == {a: 1, c: 3}
     cache[d] = 4
     assert sorted(cache) == sorted([c, d])
+
+
+def test_a_key_function_that_returns_an_unhashable_key_is_named_in_the_error() -> None:
+    def per_phase(function: object, caller: object, device: object, sample: object = None) -> Any:
+        return ["eval", device]  # a list, not a tuple
+
+    @koila.batch(initial=8, cache=koila.GlobalCache(key=per_phase))
+    def work(batch_size: int) -> int:
+        return batch_size
+
+    with pytest.raises(TypeError, match=r"key must be hashable, and its key function returned list \['eval'"):
+        work()

@@ -188,6 +188,17 @@ def test_run_demo_in_process_returns_the_settled_power_of_two() -> None:
     assert "straight from the cache" in epochs[1]
 
 
+def test_run_demo_whose_first_size_fits_says_so_and_not_that_it_does_not() -> None:
+    lines: list[str] = []
+    assert run_demo("1GiB", initial=256, epochs=1, print_=lines.append) == 256
+    text = "\n".join(lines)
+    assert "does not fit" not in text
+    assert "out of memory" not in text
+    (epoch,) = [line for line in lines if line.startswith("epoch ")]
+    assert "at the first size tried, no error" in epoch
+    assert "straight from the cache" not in epoch  # the cache knew nothing yet: "0 hits, 1 misses"
+
+
 # --- python -m koila_retry estimate ------------------------------------------------------
 
 MODELS = """
@@ -252,6 +263,16 @@ class DataDependent(nn.Module):
         return self.linear(x)[x.nonzero()[:, 0]]
 
 
+class ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return hidden * 2 if hidden.sum().item() > 0 else hidden
+
+
 settings = {"not": "callable"}
 """
 
@@ -278,6 +299,16 @@ def estimate_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, s
     status = cli.main(["estimate", *args])
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def test_estimate_prints_the_notes_of_what_it_could_not_see(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = estimate_cli(capsys, "koila_cli_models:ReadsAValue", "--input", "4", "--memory", "1MiB")
+    assert status == 0
+    notes = re.findall(r"^note: (.*)$", out, re.MULTILINE)
+    assert len(notes) == 1
+    assert notes[0].startswith("reading a float from a tensor")
+    _, plain, _ = estimate_cli(capsys, "koila_cli_models:SmallCNN", "--input", "3x32x32", "--memory", "64MiB")
+    assert "note:" not in plain
 
 
 def table(out: str) -> dict[int, tuple[int, str]]:

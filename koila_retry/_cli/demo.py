@@ -41,7 +41,7 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
         return total / rows
 
     print_(f"Training a 3-layer MLP on {rows} random rows, in a simulated device of {limit}.")
-    print_(f"The epoch starts at batch size {initial}, which does not fit.\n")
+    print_(f"The epoch starts at batch size {initial}.\n")
     with simulated_device(limit) as device:
         model = nn.Sequential(
             nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
@@ -50,11 +50,16 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
         # and the cache, keyed by call site and free memory, is hit from epoch 2 on.
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for epoch in range(1, epochs + 1):
-            before = train_epoch.stats.ooms
+            before, hits = train_epoch.stats.ooms, train_epoch.cache_info().hits
             started = time.perf_counter()
             loss = train_epoch(model, optimizer)
             ooms = train_epoch.stats.ooms - before
-            how = f"after {ooms} out-of-memory errors" if ooms else "straight from the cache, no error"
+            if ooms:
+                how = f"after {ooms} out-of-memory error{'s' if ooms > 1 else ''}"
+            elif train_epoch.cache_info().hits > hits:
+                how = "straight from the cache, no error"
+            else:
+                how = "at the first size tried, no error"
             print_(
                 f"epoch {epoch}: loss {loss:.4f} at batch size {train_epoch.stats.batch_size} ({how}, "
                 f"{time.perf_counter() - started:.1f} s, peak {format_bytes(device.peak)})"

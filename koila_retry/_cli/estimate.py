@@ -268,6 +268,8 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
     print()
     runs = ", ".join(map(str, found.sizes))
     print(f"the estimate took {found.seconds:.2f} s (runs on meta tensors at batch sizes {runs})")
+    for note in found.notes:  # what the estimate could not see, as suggest_batch_size warns of it
+        print(f"note: {note}")
     within = f"in {format_bytes(budget)} (with a {margin * 100:g}% margin)"
     if largest is None:
         needed = found.peak(1)

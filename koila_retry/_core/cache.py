@@ -158,7 +158,13 @@ class Sizes(MutableMapping[Hashable, int]):
             else:
                 self._hits.increment()
             return recent[1]
-        size = self._sizes.get(key)
+        try:
+            size = self._sizes.get(key)
+        except TypeError:  # zero-cost until raised
+            raise TypeError(
+                f"a size cache's key must be hashable, and its key function returned {type(key).__name__} "
+                f"{key!r:.200}: return a tuple (not a list), a string or a number"
+            ) from None
         if size is None:
             size = self._fallback(key)
             if size is None:
