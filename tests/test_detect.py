@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import builtins
+import sys
 import weakref
 
 import pytest
@@ -353,3 +356,34 @@ def test_a_library_status_with_memory_to_spare_reaches_the_caller_unchanged() ->
     assert excinfo.value is raised[0]
     assert len(raised) == 1
     assert run.stats.ooms == 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are from Python 3.11")
+def test_an_exception_group_is_out_of_memory_when_every_error_it_holds_is() -> None:
+    group = builtins.ExceptionGroup  # type: ignore[attr-defined]  # not in Python 3.10's builtins
+    oom = make_oom()
+    assert koila.is_oom(group("tasks", [oom]))
+    assert koila.is_oom(group("tasks", [oom, group("inner", [make_oom(), make_oom()])]))
+    assert not koila.is_oom(group("tasks", [oom, ValueError("shape mismatch")]))
+    assert not koila.is_oom(builtins.BaseExceptionGroup("tasks", [oom, KeyboardInterrupt()]))  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is from Python 3.11")
+def test_an_out_of_memory_error_in_a_task_group_is_retried() -> None:
+    tried: list[int] = []
+
+    @koila.batch(initial=4, cache=koila.NoCache())
+    async def infer(batch_size: int) -> int:
+        async def shard() -> int:
+            tried.append(batch_size)
+            if batch_size > 1:
+                raise make_oom()
+            return batch_size
+
+        async with asyncio.TaskGroup() as group:  # type: ignore[attr-defined]
+            task = group.create_task(shard())
+        return task.result()
+
+    assert asyncio.run(infer()) == 1
+    assert tried == [4, 2, 1]
+    assert infer.stats.ooms == 2

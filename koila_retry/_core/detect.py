@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 
 import torch
@@ -43,6 +44,9 @@ MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
 # capitals, so "the worker ran out of memory." is not one.
 OOM_PATTERN = re.compile(r"\b[A-Z][A-Z0-9]* out of memory\.")
 
+# Python 3.11's exception groups (asyncio.TaskGroup raises one); None before.
+_GROUP: type[Exception] | None = getattr(builtins, "ExceptionGroup", None)
+
 # How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also loop.
 MAX_CAUSES = 32
 
@@ -76,7 +80,9 @@ def is_oom(exc: BaseException) -> bool:
     one (its ``__context__``, such as a failure in an ``except`` block that logs
     the out-of-memory error) is a different failure, and does not count. Neither
     do ``KeyboardInterrupt``, ``SystemExit`` and the other exceptions that are not
-    an ``Exception``, whatever their cause.
+    an ``Exception``, whatever their cause. An ``ExceptionGroup`` (what
+    ``asyncio.TaskGroup`` raises, Python 3.11 on) counts when every error it
+    holds does.
 
     Args:
         exc (BaseException): the exception to classify.
@@ -103,6 +109,9 @@ def is_oom(exc: BaseException) -> bool:
         raise TypeError(f"is_oom() takes an exception, got {type(exc).__name__} {exc!r}")
     if not isinstance(exc, Exception):
         return False  # an interrupt or an exit is never retried, whatever it was raised from
+    if _GROUP is not None and isinstance(exc, _GROUP):
+        # asyncio.TaskGroup's, say: out of memory when every error it holds is (cancellations are not held).
+        return all(map(is_oom, exc.exceptions))  # type: ignore[attr-defined]
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and len(seen) <= MAX_CAUSES and id(link) not in seen:
