@@ -124,22 +124,9 @@ def detection_trainer(tmp_path: Path) -> Any:
             "labels": [i["labels"] for i in items],
         }
 
-    arguments = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        max_steps=2,
-        learning_rate=0.1,
-        optim="sgd",
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=0,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-    )
-    return transformers.Trainer(model=Detector(), args=arguments, train_dataset=Images(), data_collator=collate)
+    trainer = make_trainer(tmp_path, model=Detector(), max_steps=2, remove_unused_columns=False)
+    trainer.train_dataset, trainer.data_collator = Images(), collate
+    return trainer
 
 
 def test_a_detection_batch_is_split_with_each_images_own_targets(tmp_path: Path) -> None:
