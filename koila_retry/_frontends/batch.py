@@ -221,12 +221,12 @@ def refuse_iterators(
     # and whether a call works must not. Files are iterators too, but a piece writes to one or
     # reads it by position: they pass. Two plain loops: accumulate's every step pays for them.
     for position, value in enumerate(args):
-        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+        if not isinstance(value, TensorBase) and isinstance(value, Iterator) and not isinstance(value, io.IOBase):
             names = positional_names(cast(Callable[..., Any], fn))
             at = position + before
             _refuse_iterator(fn, names[at] if at < len(names) else f"args[{at}]", value, front_end, piece)
     for name, value in kwargs.items():
-        if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+        if not isinstance(value, TensorBase) and isinstance(value, Iterator) and not isinstance(value, io.IOBase):
             _refuse_iterator(fn, name, value, front_end, piece)
 
 
