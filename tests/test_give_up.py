@@ -55,6 +55,10 @@ def test_an_oom_in_the_backward_that_accumulate_runs_names_the_users_call() -> N
             step(inputs)
     message = str(caught.value)
     assert f"The last error was raised at {__file__}:{line} in " in message
+    assert (
+        f":{line} in test_an_oom_in_the_backward_that_accumulate_runs_names_the_users_call (in the backward pass"
+        in message
+    )
     assert "graph.py" not in message
 
 

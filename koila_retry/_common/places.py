@@ -30,6 +30,9 @@ _APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAG
 # Inside PyTorch, the machinery between the user's call and the layer that allocated;
 # ``overrides`` dispatches to function modes, such as the one accumulate runs backward in.
 _TORCH_MACHINERY = ("_", "utils", "autograd", "overrides")
+# Autograd's functions that run a backward pass, and where they live.
+_BACKWARDS = frozenset({"backward", "_engine_run_backward", "grad"})
+_AUTOGRAD = os.path.join(TORCH_DIR, "autograd") + os.sep
 
 
 def _installed() -> tuple[str, ...]:
@@ -66,6 +69,7 @@ def levels_to_caller() -> int:
 def where(tb: TracebackType | None) -> str:
     """Return ``"file:line in function"`` of the frame of a traceback (from its outermost) worth naming."""
     deepest = users = torch_public = None
+    backward = False
     outermost = tb.tb_frame if tb is not None else None
     while tb is not None:
         code = tb.tb_frame.f_code
@@ -75,11 +79,20 @@ def where(tb: TracebackType | None) -> str:
             users = deepest
         elif kind is _TORCH:
             torch_public = deepest
+        elif code.co_name in _BACKWARDS and code.co_filename.startswith(_AUTOGRAD):
+            backward = True
         tb = tb.tb_next
     # An OOM surfaces inside PyTorch, but the line worth naming is the user's deepest. Without one, PyTorch's
     # deepest public frame: the layer that allocated, when ``chunked(model, x)`` calls the model from here.
-    # Without that either (``accumulate`` runs ``backward()`` for the user), the user's line that called us.
-    return users or torch_public or _callers(outermost) or deepest or "an unknown place"
+    # Without that either (``accumulate`` runs ``backward()`` for the user), the user's line that called us,
+    # said to be the backward's: the line itself allocated nothing.
+    found = users or torch_public
+    if found is not None:
+        return found
+    caller = _callers(outermost)
+    if caller is not None:
+        return f"{caller} (in the backward pass it ran)" if backward else caller
+    return deepest or "an unknown place"
 
 
 class Replayed(torch.OutOfMemoryError):
