@@ -6,10 +6,13 @@ by a ``DistributedSampler``. The training step is decorated with ``koila.accumul
 Each rank trains inside a simulated device that stands in for its GPU, and rank 1's
 is smaller: its whole batch does not fit. It runs out of memory in the first step,
 and the ranks agree on it through ``torch.distributed``: both throw the step away and
-run it again in micro-batches of the same smaller size, and later steps start there.
-Every micro-batch runs under DDP's ``no_sync()``, and the gradients are averaged
-across the ranks once per step, after both ranks agreed that the step succeeded, so
-an out-of-memory error on one rank never leaves the other waiting in an all-reduce.
+run it again in micro-batches of the same smaller size, and later steps start there
+(in the second step, the optimizer's momentum leaves rank 1 too little for that size,
+and the ranks agree on a smaller one). Every micro-batch but the last runs under DDP's
+``no_sync()``, and the last one's backward all-reduces as DDP does it; a rank that runs
+out of memory plays along the all-reduces it did not make, and the ranks agree on the
+step before anyone keeps it, so an out-of-memory error on one rank never leaves the
+other waiting in an all-reduce.
 
 At the end, the parameters of both ranks are gathered and compared: they must be
 identical, as in any DDP training.

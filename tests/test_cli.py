@@ -188,6 +188,14 @@ def test_run_demo_in_process_returns_the_settled_power_of_two() -> None:
     assert "straight from the cache" in epochs[1]
 
 
+def test_each_epoch_of_the_demo_reports_its_own_peak() -> None:
+    lines: list[str] = []
+    run_demo(initial=3000, epochs=2, print_=lines.append)
+    peaks = [float(peak) for peak in re.findall(r"peak ([\d.]+) MiB\)$", "\n".join(lines), re.MULTILINE)]
+    assert len(peaks) == 2
+    assert peaks[1] < peaks[0]  # the first epoch's failed attempt at 3000 rows is not the second's
+
+
 def test_run_demo_whose_first_size_fits_says_so_and_not_that_it_does_not() -> None:
     lines: list[str] = []
     assert run_demo("1GiB", initial=256, epochs=1, print_=lines.append) == 256

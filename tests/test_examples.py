@@ -120,6 +120,21 @@ def test_the_readme_names_the_extra_of_the_hugging_face_example() -> None:
     assert "transformers" in _setup_requirements()[1]
 
 
+def test_the_readmes_install_section_names_every_example_that_needs_another_extra() -> None:
+    readme = (ROOT / "README.rst").read_text(encoding="utf-8")
+    install = readme[readme.index("Install\n-------") : readme.index("Example\n-------")]
+    own = {"progress", "plot"}
+    needing = []
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        named = {extra for group in re.findall(r"'\.\[([a-z,]+)\]'", docstring) for extra in group.split(",")}
+        if named - own:
+            needing.append(path.name)
+    assert needing  # the trainers' examples
+    for script in needing:
+        assert f"examples/{script}" in install, f"README's Install section does not say examples/{script} needs more"
+
+
 @pytest.mark.slow
 def test_evaluate_in_batches_settles_and_matches() -> None:
     completed = _run_example("evaluate_in_batches.py")

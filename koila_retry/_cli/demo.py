@@ -51,6 +51,7 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for epoch in range(1, epochs + 1):
             before, hits = train_epoch.stats.ooms, train_epoch.cache_info().hits
+            device.reset_peak()  # this epoch's peak, failed attempts included
             started = time.perf_counter()
             loss = train_epoch(model, optimizer)
             ooms = train_epoch.stats.ooms - before

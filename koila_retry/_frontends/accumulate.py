@@ -192,8 +192,7 @@ def accumulate(
             ``sync=False``, ``backward`` with ``scaler``, or ``weight`` with
             ``reduction="sum"``. When called: if the batch has no rows, tensor
             arguments differ in size along ``dim``, the loss is not a scalar,
-            or ``weight`` counts something other than a number >= 0, or
-            nothing in the whole batch.
+            or ``weight`` counts something other than a number >= 0.
         NotImplementedError: when called, if ranks agree and the step
             reaches an FSDP or tensor-parallel module.
         RuntimeError: when called, if the loss needs no gradient while grad
