@@ -902,7 +902,7 @@ def test_the_result_is_written_as_the_chunks_come_so_the_end_needs_no_second_cop
     assert peak <= 11 * 2**20  # the result and one chunk's
 
 
-def test_a_result_that_cannot_be_allocated_is_said_after_the_first_chunk() -> None:
+def test_a_result_that_does_not_fit_beside_even_the_smallest_first_chunk_is_said_before_any_other_chunk() -> None:
     x = torch.zeros(10, 2**18)  # 1 MiB a row
     calls: list[int] = []
 
@@ -912,16 +912,76 @@ def test_a_result_that_cannot_be_allocated_is_said_after_the_first_chunk() -> No
 
     with simulated_device("6MiB"), pytest.raises(torch.OutOfMemoryError) as info:
         koila.chunked(double, x, initial=2, cache=koila.NoCache())
-    assert calls == [2]
+    assert calls == [2, 1]  # the first chunk was tried smaller, down to one row; no other chunk ran
     message = str(info.value)
-    assert "koila.chunked cannot allocate its result: 10 rows (10.00 MiB on cpu)" in message
+    assert "koila.chunked cannot allocate its result: 10 rows (10.00 MiB on cpu) do not fit beside the" in message
+    assert "even at 1 row, the smallest size it could try" in message
     assert "Pass out= a tensor with room for every row, on the CPU" in message
     assert not isinstance(info.value, koila.BatchSizeExhausted)
-    # With out= on the host, the same pass runs.
+    assert info.value.__context__ is None  # raised outside the handler: no attempt's frames pinned
+    assert info.value.__cause__ is None
+    # The same at minimum: the first chunk is not tried below it.
+    calls.clear()
+    with simulated_device("6MiB"), pytest.raises(torch.OutOfMemoryError, match="even at 2 rows, the smallest"):
+        koila.chunked(double, x, initial=4, minimum=2, cache=koila.NoCache())
+    assert calls == [4, 2]
+    # With out= on the host, the same pass runs: a result given needs no allocation.
+    calls.clear()
     out = torch.empty(10, 2**18)
     with simulated_device("6MiB"):
         koila.chunked(double, x, initial=2, cache=koila.NoCache(), out=out)
     assert torch.equal(out, x * 2)
+    assert calls == [2] * 5
+
+
+def test_a_result_that_does_not_fit_beside_the_first_chunk_makes_it_smaller() -> None:
+    """300 rows of 1 KiB on 450 KiB: the result and a chunk of 128 rows fit, with one of 256 they do not."""
+    x = torch.randn(300, 256)  # made outside the device: not counted
+    calls: list[int] = []
+    outputs: list[weakref.ref[torch.Tensor]] = []
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        # The output of the first chunk that was too large is gone before its retry starts.
+        assert all(output() is None for output in outputs)
+        calls.append(len(rows))
+        result = rows * 2
+        if len(rows) == 256:
+            outputs.append(weakref.ref(result))
+        return result
+
+    wrapped = koila.chunked(initial=256, cache=koila.NoCache())(double)
+    with simulated_device("450KiB"):
+        result = wrapped(x)
+    assert torch.equal(result, x * 2)
+    assert calls == [256, 128, 128, 44]
+    assert wrapped.stats.ooms == 1
+    assert wrapped.stats.exhausted == 0
+
+
+def test_a_cached_first_chunk_beside_which_the_result_does_not_fit_is_made_smaller() -> None:
+    x = torch.randn(300, 256)  # 1 KiB a row
+    first_pass = [True]
+    calls: list[int] = []
+    inject = oom_above(256)
+
+    @koila.chunked(initial=512)
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        if first_pass[0]:  # 300 rows fail, and half a row of result each leaves room beside 256
+            inject(len(rows))
+            return rows[:, :128] * 2
+        return rows * 2
+
+    passes: list[list[int]] = []
+    expected = [x[:, :128] * 2, x * 2]  # made outside the device
+    with simulated_device("450KiB"):  # one device and one call site: the cache's key
+        for _ in range(2):
+            first_pass[0], calls[:] = not passes, []
+            equal = torch.equal(double(x), expected[len(passes)])  # and the result is gone
+            passes.append(list(calls))
+            assert equal
+    assert passes == [[300, 256, 44], [256, 128, 128, 44]]  # the second pass starts at the 256 cached
+    assert double.stats.ooms == 2
 
 
 def test_out_given_to_the_decorator_factory() -> None:

@@ -204,6 +204,29 @@ def test_the_message_counts_what_the_call_does_not_reach_on_a_simulated_device()
     assert live == 3 * 2**20
 
 
+def test_the_message_counts_each_storage_the_call_does_not_reach_in_its_totals() -> None:
+    with simulated_device("6MiB") as device:
+        _ELSEWHERE.extend(torch.zeros(1024) for _ in range(20))  # 20 storages of 4 KiB no variable of the call holds
+
+        @koila.batch(initial=2, cache=koila.NoCache())
+        def run(batch_size: int) -> None:
+            raise make_oom()
+
+        def caller() -> None:
+            first, second = torch.zeros(512, 1024), torch.zeros(256, 1024)  # 2 MiB and 1 MiB, variables of the caller
+            run()
+            del first, second
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            caller()
+        storages = len(device.live_storages())
+        _ELSEWHERE.clear()
+    message = str(caught.value)
+    assert storages == 22
+    assert "(3.08 MiB in 22 storages)" in message
+    assert "20 storages the call does not reach 80.00 KiB" in message
+
+
 def test_giving_up_frees_a_cycle_the_last_attempt_made() -> None:
     refs: list[weakref.ref[torch.Tensor]] = []
 

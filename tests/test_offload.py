@@ -781,3 +781,53 @@ def test_a_failed_move_releases_the_copies_target(
     with pytest.raises(torch.OutOfMemoryError), koila.offload(model):
         pass
     assert emptied == [Emptied({torch.device("cpu")}, False)]
+
+
+class CausalMask(nn.Module):
+    """An attention layer's mask buffer as nanoGPT registers it: a view of a tensor nothing else holds."""
+
+    def __init__(self, size: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
+
+
+def _mask_buffer() -> nn.Module:
+    return CausalMask()
+
+
+def _transposed_grad() -> nn.Module:
+    module = nn.Linear(32, 32)
+    module.weight.grad = torch.randn(32, 32).t()  # a non-contiguous view; nothing else holds its base
+    return module
+
+
+def _buffers_cut_from_a_dropped_flat_buffer() -> nn.Module:
+    module = nn.Module()
+    flat = torch.randn(2, 32, 32)
+    module.register_buffer("x", flat[0])
+    module.register_buffer("y", flat[1])
+    return module
+
+
+@pytest.mark.parametrize("make", [_mask_buffer, _transposed_grad, _buffers_cut_from_a_dropped_flat_buffer])
+def test_a_lent_view_lets_its_old_storage_go_and_leaves_nothing_behind_after_the_block(
+    make: Callable[[], nn.Module],
+) -> None:
+    with simulated_device("10MiB") as device:
+        module = make()
+        tensors = held(module)
+        assert any(tensor._base is not None for tensor in tensors.values())
+        before = snapshot(tensors)
+        old = [weakref.ref(tensor.untyped_storage()) for tensor in tensors.values()]
+        live = device.live
+        with koila.offload(module) as lent:
+            assert all(storage() is None for storage in old)
+            assert device.live == live  # the lent copies take the place of the memory they came from
+            assert lent.retained_nbytes == 0
+        assert device.live == live
+    assert_as_before(held(module), before)
+    assert all(tensor._base is None for tensor in tensors.values())
+    if "x" in tensors:  # views of one storage still share one afterwards
+        assert tensors["x"].untyped_storage().data_ptr() == tensors["y"].untyped_storage().data_ptr()
+        assert tensors["y"].storage_offset() == 32 * 32

@@ -161,6 +161,19 @@ def test_storages_no_tensor_holds_are_shown_inside_a_simulated_device() -> None:
     del out, bare
 
 
+def test_a_row_of_several_storages_no_tensor_holds_counts_each_of_them() -> None:
+    with simulated_device("1GiB"):
+        bare = [torch.zeros(10).untyped_storage() for _ in range(5)]
+        found = koila.report(device="cpu", top=10_000_000)
+    (hidden,) = [row for row in found.rows if row.kind == "no tensor"]
+    assert hidden.names == ("5 storages no Python tensor holds",)
+    # Every row shown, one of them for 5 storages: none left out, and each counted in the total.
+    assert found.storages == len(found.rows) + 4
+    assert "not shown" not in str(found)
+    assert f"in {found.storages} storages" in found.summary(top=10_000_000)
+    del bare
+
+
 def test_output_forms_agree() -> None:
     model, optimizer = _trained()
     # Every storage a row: the report covers the process's, and what other tests in this process

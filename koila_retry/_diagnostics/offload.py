@@ -346,8 +346,13 @@ def _copy_storage(storage: torch.UntypedStorage, device: torch.device, *, pin: b
     return copy.untyped_storage()
 
 
-def _point(tensor: torch.Tensor, storage: torch.UntypedStorage) -> None:
-    """Make ``tensor`` view ``storage`` at the offset, size and strides it has now."""
+def _point(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor | None:
+    """Make ``tensor`` view ``storage`` at the offset, size and strides it has now; return what it was, if replaced.
+
+    ``tensor.data = ...`` leaves a view's ``_base``, and with it the old storage, in place; a view that
+    nothing else references gets a new implementation under the same Python object instead. The one
+    returned then holds the old storage: dropping it lets that go, and :func:`_unpoint` puts it back.
+    """
     # .data= makes the tensor what the view is: an inference tensor, or not, whatever mode the caller is in.
     with torch.inference_mode(tensor.is_inference()):
         view = torch.empty(0, dtype=tensor.dtype, device=storage.device)
@@ -357,7 +362,36 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage) -> None:
             view = view._neg_view()
         if tensor.is_conj():
             view = view.conj()
-    tensor.data = view
+        if not _replaceable(tensor):
+            tensor.data = view
+            return None
+        # A tensor made by .data= is no view, whatever ``view`` is (a conjugate is a view of its own).
+        fresh = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+    fresh.data = view
+    torch._C._autograd._unsafe_set_version_counter((fresh,), (tensor._version,))
+    torch._C._swap_tensor_impl(tensor, fresh)
+    return fresh
+
+
+def _replaceable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view whose implementation can be swapped for another without anyone noticing."""
+    # Not when it requires grad (its autograd state: grad, hooks, graph), is weakly referenced
+    # (as torch.utils.swap_tensors refuses) or referenced from C++ (an autograd graph, DDP's gradient buckets).
+    return (
+        tensor._base is not None
+        and not tensor.requires_grad
+        and tensor.grad is None
+        and not weakref.getweakrefs(tensor)
+        and tensor._use_count() == 1
+    )
+
+
+def _unpoint(tensor: torch.Tensor, storage: torch.UntypedStorage, old: torch.Tensor | None) -> None:
+    """Undo :func:`_point`: give ``tensor`` back the implementation it had, or point it at ``storage`` again."""
+    if old is None:
+        _point(tensor, storage)
+    else:
+        torch._C._swap_tensor_impl(tensor, old)
 
 
 def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torch.UntypedStorage], int]]:
@@ -365,7 +399,7 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
     targets = [shared.home if back else _CPU for shared in lent]
     devices = {shared.storage.device for shared in lent} | set(targets)
     copies: list[torch.UntypedStorage] = []
-    moved: list[tuple[torch.Tensor, torch.UntypedStorage]] = []
+    moved: list[tuple[torch.Tensor, torch.UntypedStorage, torch.Tensor | None]] = []
     try:
         # All or nothing: every copy is made before any tensor moves, so an error (a full device, most often)
         # leaves every tensor on the storage it had. Work queued on a stream that writes these tensors lands first.
@@ -378,11 +412,10 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
             for tensor in shared.tensors:
                 # A tensor given another storage inside the block is the user's now.
                 if tensor.untyped_storage()._cdata == shared.storage._cdata:
-                    _point(tensor, copies[index])
-                    moved.append((tensor, shared.storage))
+                    moved.append((tensor, shared.storage, _point(tensor, copies[index])))
     except BaseException as error:
-        for tensor, storage in reversed(moved):
-            _point(tensor, storage)
+        for tensor, storage, old in reversed(moved):
+            _unpoint(tensor, storage, old)
         moved.clear()
         copies.clear()
         # The traceback keeps the frames it passed through, and their locals would keep

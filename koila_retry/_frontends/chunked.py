@@ -43,6 +43,7 @@ from koila_retry._frontends.batch import (
     unwrap_binding,
     with_controller,
 )
+from koila_retry.exceptions import BatchSizeExhausted
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -356,15 +357,21 @@ def _run_chunked(
 
     def work(begin: int, end: int) -> Any:
         chunk_args, chunk_kwargs = split.chunk(begin, end)
+        results.unfit = None  # what the attempt that gives up failed at: fn, or the result beside it
         meter = None if attempt is None else attempt.meter
         if meter is None:
             result = fn(*chunk_args, **chunk_kwargs)
         else:
             with meter:  # initial="auto": the first chunk that fits corrects the estimate
                 result = fn(*chunk_args, **chunk_kwargs)
-            cast(Attempt, attempt).calibrate(end - begin, meter.rise)
         if type(result) is CoroutineType:  # an object with an async __call__, which no signature tells
             _refuse_coroutine(result, "koila.chunked", f"the rows {begin} to {end}")
+        if results.targets is None and end - begin < split.rows:
+            # Made inside the attempt: a result that does not fit beside this chunk is this
+            # chunk's out-of-memory error, which a smaller first chunk may avoid.
+            results.make(begin, end, result)
+        if meter is not None:  # after the result is made, which the size chosen must leave room for
+            cast(Attempt, attempt).calibrate(end - begin, meter.rise)
         return result
 
     if split.rows == 0:
@@ -392,7 +399,13 @@ def _run_chunked(
         roots = (fn, args, kwargs)
         call = Call(identity, caller, device, split.sample, split.rows, first, split.rows, roots, split.per_sample)
         attempt = controller.start(call)
-        cover(controller, attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
+        try:
+            cover(controller, attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
+        except BatchSizeExhausted:
+            if results.unfit is None:  # fn itself ran out of memory at the last size
+                raise
+        if results.unfit is not None:
+            results.refuse()  # outside the handler: the error raised holds nothing of the attempts
     return results.finish()
 
 
@@ -406,6 +419,9 @@ class _Results:
         # peak is the result plus one chunk, and no final join can lose the finished chunks.
         self.targets: list[torch.Tensor | None] | None = None
         self.single: Any = None  # a first chunk that held every row: the result as it is
+        # The rows of the first chunk beside which the result could not be made, in the last attempt
+        # that ran, and the result's bytes and device.
+        self.unfit: tuple[int, int, torch.device] | None = None
         self.none = False
         self.plain = False  # whether results are plain tensors, written without flattening
         self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
@@ -443,14 +459,34 @@ class _Results:
                 self._changed(self.spec, _NONE_SPEC)
             self.none, self.spec = True, _NONE_SPEC
             return
+        leaves = self._checked(result, begin)
+        targets = self.targets
+        if targets is None:
+            if end - begin == self.rows:
+                self.single = result
+                return
+            targets = self._allocate(leaves, end - begin, result)
+        for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
+            if target is not None:
+                self._write(target, leaf, begin, end, result, index)
+
+    def make(self, begin: int, end: int, result: Any) -> None:
+        """Check the first chunk's result, of fewer than every row, and make the result's tensors beside it."""
+        if result is not None or self.out is not None:  # None throughout: there is nothing to make
+            leaves = self._checked(result, begin)
+            if self.targets is None:
+                self._allocate(leaves, end - begin, result)
+
+    def _checked(self, result: Any, begin: int) -> list[Any]:
+        """Check a chunk's result against the first chunk's structure (or ``out``), and return its leaves."""
         leaves, spec = flatten(result)
         if self.spec is None:
             if self.out is not None:
-                targets = self.targets = self._matched(result)
+                self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
             self._changed(self.spec, spec)
-        dim, joined = self.dim, False
+        dim, joined, targets = self.dim, False, self.targets
         for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
             if isinstance(leaf, TensorBase):
                 joined = True
@@ -460,33 +496,18 @@ class _Results:
                 self._explain(result, begin)
         if not joined:
             self._explain(result, begin)
-        if targets is None:
-            if end - begin == self.rows:
-                self.single = result
-                return
-            targets = self.targets = self._allocate(leaves, end - begin, result)
-            self.plain = type(result) is torch.Tensor
-        for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
-            if target is not None:
-                self._write(target, leaf, begin, end, result, index)
+        return leaves
 
     def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | None]:
-        """Make the result's tensors, each with every row, where the first chunk's lie (``None`` for the rest)."""
+        """Make the result's tensors, each with every row, where the first chunk's lie (``None`` for the rest).
+
+        An allocation that runs out of memory records what did not fit, in ``unfit``, and
+        propagates: it is the first chunk's attempt's error, retried smaller like any other.
+        """
         dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
-        if dropped:
-            paths = flatten_with_path(result)
-            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
-            # Warned at the first chunk of a split, which is often the retry an out-of-memory error
-            # made: raised by a filter, it would end the recovery.
-            warn_or_log(
-                f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
-                "key-value cache, strings, flags) as None when the rows take more than one chunk",
-                UserWarning,
-                stacklevel=levels_to_caller(),
-            )
-            leaves = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
-        tensors = [leaf for leaf in leaves if leaf is not None]
-        for index, leaf in enumerate(leaves):
+        kept = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
+        tensors = [leaf for leaf in kept if leaf is not None]
+        for index, leaf in enumerate(kept):
             if leaf is not None and leaf.layout is not torch.strided:
                 path = keystr(flatten_with_path(result)[index][0])
                 raise ValueError(
@@ -501,18 +522,36 @@ class _Results:
             shapes.append(shape)
         try:
             made = iter([leaf.new_empty(shape) for leaf, shape in zip(tensors, shapes, strict=True)])
-            return [None if leaf is None else next(made) for leaf in leaves]
         except RuntimeError as error:
-            if not is_oom(error):
-                raise
-        # Raised here, once the frame no longer holds the allocator's error.
-        size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
+            if is_oom(error):
+                size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
+                self.unfit = (first, size, tensors[0].device)
+            raise
+        targets = self.targets = [None if leaf is None else next(made) for leaf in kept]
+        self.plain = type(result) is torch.Tensor
+        if dropped:
+            paths = flatten_with_path(result)
+            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
+            # Warned once the result is made (not at each retry of a first chunk beside which it did not
+            # fit), and logged where a filter would raise it: raised, it would end the recovery.
+            warn_or_log(
+                f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
+                "key-value cache, strings, flags) as None when the rows take more than one chunk",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+        return targets
+
+    def refuse(self) -> NoReturn:
+        """Raise the error that says the result does not fit beside even the smallest first chunk tried."""
+        first, size, device = cast(tuple[int, int, torch.device], self.unfit)
+        rows = "1 row" if first == 1 else f"{first} rows"
         raise torch.OutOfMemoryError(
-            f"koila.chunked cannot allocate its result: {self.rows} rows ({format_bytes(size)} on "
-            f"{tensors[0].device}) do not fit beside the first chunk of {first} rows, before any other "
-            "chunk ran. Pass out= a tensor with room for every row, on the CPU (pinned memory for a "
-            "fast copy) if the device has no room, or cover fewer rows per call"
-        ) from None
+            f"koila.chunked cannot allocate its result: {self.rows} rows ({format_bytes(size)} on {device}) do "
+            f"not fit beside the first chunk even at {rows}, the smallest size it could try, before any other "
+            "chunk ran: smaller chunks would not help. Pass out= a tensor with room for every row, on the CPU "
+            "(pinned memory for a fast copy) if the device has no room, or cover fewer rows per call"
+        )
 
     def _write(self, target: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int) -> None:
         """Check one leaf of a chunk's result against where its rows go, and write them there."""
