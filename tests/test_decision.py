@@ -59,11 +59,13 @@ DECISIONS = [
         GiveUp("schedule"),
     ),
     # -- the probe fallback: back to what fitted, within max_attempts (a hard cap: see can_probe)
-    ("a probe falls back", RULES, state(256, probe_from=128), OOM, None, None, Try(128, probe=True)),
+    ("a probe falls back", RULES, state(256, probe_from=128, growing=True), OOM, None, None, Try(128, probe=True)),
+    # A refine probe falls back as a growth probe does, but it is no growth probe: growing back waits no longer.
+    ("a refine probe falls back", RULES, state(96, probe_from=64), OOM, None, None, Try(64, probe=False)),
     (
         "a probe falls back within max_attempts",
         replace(RULES, max_attempts=2),
-        state(256, probe_from=128),
+        state(256, probe_from=128, growing=True),
         OOM,
         None,
         None,
@@ -72,7 +74,7 @@ DECISIONS = [
     (
         "never past max_attempts",
         replace(RULES, max_attempts=1),
-        state(256, probe_from=128),
+        state(256, probe_from=128, growing=True),
         OOM,
         None,
         None,
@@ -88,7 +90,8 @@ DECISIONS = [
     ("the ranks' size", RULES, state(256), AGREED, 64, None, Try(64)),
     ("never below the floor", RULES, state(256, floor=100), AGREED, 64, None, Try(100)),
     ("a rank has none left", RULES, state(256), AGREED, None, None, GiveUp("ranks")),
-    ("a probe the ranks failed", RULES, state(256, probe_from=128), AGREED, 128, None, Try(128, probe=True)),
+    ("a probe the ranks failed", RULES, state(256, probe_from=128, growing=True), AGREED, 128, None, Try(128, True)),
+    ("a refine probe the ranks failed", RULES, state(96, probe_from=64), AGREED, 64, None, Try(64)),
     # -- successes: what is stored
     ("at the ceiling: nothing", RULES, state(512), OK, None, None, Done(None, False, True, False, False)),
     ("below it: stored", RULES, state(256), OK, None, None, Done(256, False, True, True, False)),
@@ -112,15 +115,34 @@ DECISIONS = [
         None,
         Done(None, False, False, False, False),
     ),
-    ("a probe that fitted", RULES, state(256, probe_from=128), OK, None, None, Done(256, False, True, True, True)),
+    (
+        "a probe that fitted",
+        RULES,
+        state(256, probe_from=128, growing=True),
+        OK,
+        None,
+        None,
+        Done(256, False, True, True, True),
+    ),
     (
         "a probe on a short step",
         RULES,
-        state(256, probe_from=128, rows=100),
+        state(256, probe_from=128, rows=100, growing=True),
         OK,
         None,
         None,
         Done(None, False, False, False, True),
+    ),
+    # A refine probe is no growth probe: its success counts towards growing back as any other.
+    ("a refine probe that fitted", RULES, state(96, probe_from=64), OK, None, None, Done(96, False, True, True, False)),
+    (
+        "a refine probe on a short step",
+        RULES,
+        state(96, probe_from=64, rows=58),
+        OK,
+        None,
+        None,
+        Done(None, False, False, False, False),
     ),
     (
         "keep_last stores the ceiling",
@@ -154,6 +176,14 @@ def test_the_decision_table(
     snapshot = replace(before)
     assert decision.decide(rules, before, outcome, agreed=agreed, hint=hint) == step
     assert before == snapshot  # pure: the attempt carries the step out
+
+
+def test_only_a_growth_probe_is_weighed_by_grow_gain() -> None:
+    rules = replace(RULES, grow_gain=0.05)
+    hardly = decision.decide(rules, state(128, probe_from=64, growing=True), OK, gain=0.01)
+    assert hardly == Done(64, False, True, True, True, too_slow=True)
+    # A refine probe searches for what fits, not for speed: it stays, and growing back goes on.
+    assert decision.decide(rules, state(96, probe_from=64), OK, gain=0.01) == Done(96, False, True, True, False)
 
 
 FIRSTS = [
@@ -500,6 +530,7 @@ def test_the_growing_strategy_table(
     growing.streaks.update("key", lambda _: streak)
     growing.start(course, True)  # type: ignore[arg-type]
     assert (course.state.size, course.state.probe_from, growing.streaks.get("key")) == (size, probe_from, after)
+    assert course.state.growing is (probe_from is not None)  # what tells a growth probe from refine's
     assert course.owner.stats.batch_size == size  # the driver's resize: the one writer of the size
 
 
@@ -525,7 +556,8 @@ THROUGHPUT = [
 def test_the_throughput_strategy_table(gain: float, size: int, cached: int, too_slow: bool) -> None:
     ticks = iter([0.0, 1.0])
     policy = Policy(initial=512, grow=True, grow_gain=0.05, clock=lambda: next(ticks))
-    course = FakeCourse(Rules.of("f", policy), state(128, cached=64, probe_from=64), koila.GlobalCache(), policy)
+    before = state(128, cached=64, probe_from=64, growing=True)
+    course = FakeCourse(Rules.of("f", policy), before, koila.GlobalCache(), policy)
     course.owner.stats.record_time(64, 1.0, int(128 / (1 + gain)))  # the size below ran at this rate
     throughput = Throughput()
     throughput.begin(course)  # type: ignore[arg-type]
@@ -544,7 +576,14 @@ ITERATORS = [
     # (id, state, outcome, agreed, the step with an iterator argument, and without)
     ("a retry becomes giving up", state(512), OOM, None, GiveUp("iterator"), Try(256)),
     ("giving up stays as it was", state(1), OOM, None, GiveUp("minimum"), GiveUp("minimum")),
-    ("a probe's fallback too", state(256, probe_from=128), OOM, None, GiveUp("iterator", True), Try(128, True)),
+    (
+        "a probe's fallback too",
+        state(256, probe_from=128, growing=True),
+        OOM,
+        None,
+        GiveUp("iterator", True),
+        Try(128, True),
+    ),
     ("after the ranks agreed", state(512), AGREED, 256, GiveUp("iterator"), Try(256)),
     ("when a rank has no size left", state(512), AGREED, None, GiveUp("iterator"), GiveUp("ranks")),
 ]

@@ -338,3 +338,30 @@ def test_max_attempts_1_chunks_make_no_probe() -> None:
     out = koila.chunked(double, x, initial=128, refine=True, max_attempts=1, cache=cache)
     assert torch.equal(out, x * 2)
     assert tried == [64] * 15 + [40]
+
+
+def test_a_refine_probe_is_no_growth_probe_so_growing_back_keeps_its_wait() -> None:
+    """250 rows, of which 100 fit: a refine probe on the short last chunk made the key due to grow at once."""
+    x = torch.arange(250.0).unsqueeze(1)
+    seen: list[list[int]] = []
+
+    def run(refine: bool) -> int:
+        seen.clear()
+
+        @koila.chunked(initial=128, grow=True, grow_after=50, refine=refine)
+        def double(chunk: torch.Tensor) -> torch.Tensor:
+            seen[-1].append(len(chunk))
+            torch.empty(len(chunk), ROW)
+            return chunk * 2
+
+        with simulated_device(LIMIT):
+            for _ in range(6):  # far fewer chunks than grow_after: no growth probe is due
+                seen.append([])
+                assert torch.equal(double(x), x * 2)
+        return double.stats.ooms
+
+    assert run(refine=False) == 1
+    assert all(128 not in sizes for sizes in seen[1:])
+    ooms = run(refine=True)
+    assert all(128 not in sizes for sizes in seen[1:]), seen  # no pass after the first starts with a probe to 128
+    assert ooms == 3  # 128, then refine's probes between 64 and 128 that do not fit (112, 104)

@@ -136,7 +136,7 @@ def test_without_grow_and_a_gain_the_clock_is_never_read(options: dict[str, obje
 
 def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:
     rules = Rules("f", 128, grow_gain=0.03)
-    probe = State(size=64, ceiling=128, floor=1, cached=32, probe_from=32)
+    probe = State(size=64, ceiling=128, floor=1, cached=32, probe_from=32, growing=True)
     short = decision.decide(rules, probe, Outcome.SUCCEEDED, gain=0.01)
     assert short == Done(None, False, conclusive=True, reduced=True, probe=True, too_slow=True)
     assert decision.counted((1, 1), short, 1) == (0, decision.NEVER)  # the key grows no more

@@ -86,7 +86,10 @@ class State:
     cached: int  # what the cache holds; the ceiling when none (nothing to store), 0 when every success is stored
     number: int = 1
     rows: int | None = None  # the rows of a short last step, fewer than size
-    probe_from: int | None = None  # the size that fitted, when size is a growth probe above it
+    probe_from: int | None = None  # the size that fitted, when size is a probe above it (growth's or refine's)
+    # Whether a probe above probe_from is growth's (grow=True): only a growth probe moves growing back
+    # (its streak, grow_gain); refine's searches below a size that failed. Set at each start.
+    growing: bool = False
     measures: int = 0  # how many more successful runs are measured for the estimate's correction
     estimated: bool = False  # size is an estimate's (initial="auto"), the cache holding none
 
@@ -128,7 +131,7 @@ class Done:
     forget: bool  # the call reached its ceiling, which lifts the limit stored before
     conclusive: bool  # the success proves its size (a short last step does not); growing back counts only those
     reduced: bool  # below the ceiling: growing back waits for such successes in a row
-    probe: bool
+    probe: bool  # a growth probe (refine's are none): its success starts growing back's wait afresh
     too_slow: bool = False  # a probe that fitted with too little gain: back below, and the key grows no more
 
 
@@ -246,12 +249,13 @@ def decide(
     """
     size = state.size if state.rows is None else min(state.size, state.rows)
     probing = state.probe_from is not None and size > state.probe_from
+    grew = probing and state.growing  # a growth probe, which the steps' probe flags tell growing back of
     if outcome is Outcome.SUCCEEDED:
-        probe = state.probe_from is not None
+        probe = state.probe_from is not None and state.growing
         if state.rows is not None and not rules.keep_last:
             # A short last step proves nothing about its full size: nothing is stored.
             return Done(None, False, conclusive=False, reduced=False, probe=probe)
-        if probing and rules.grow_gain is not None and gain is not None and gain < rules.grow_gain:
+        if grew and rules.grow_gain is not None and gain is not None and gain < rules.grow_gain:
             # It fits, but runs hardly faster: keep the size below, and stop growing.
             below = cast(int, state.probe_from)
             store = below if state.cached != below else None
@@ -267,18 +271,18 @@ def decide(
         return Done(store, forget, conclusive=True, reduced=state.size < state.ceiling, probe=probe)
     if outcome is Outcome.AGREED:
         if reused:  # a retry would see only what the failed attempt left of the iterator
-            return GiveUp("iterator", probing)
-        return GiveUp("ranks", probing) if agreed is None else Try(max(agreed, state.floor), probing)
-    step = _after_oom(rules, state, size, probing, hint)
+            return GiveUp("iterator", grew)
+        return GiveUp("ranks", grew) if agreed is None else Try(max(agreed, state.floor), grew)
+    step = _after_oom(rules, state, size, probing, grew, hint)
     return GiveUp("iterator", step.probe) if reused and isinstance(step, Try) else step
 
 
-def _after_oom(rules: Rules, state: State, size: int, probing: bool, hint: int | None) -> Try | GiveUp:
+def _after_oom(rules: Rules, state: State, size: int, probing: bool, grew: bool, hint: int | None) -> Try | GiveUp:
     """Return the step after an out-of-memory error here, the iterator aside."""
     if probing:
         if rules.max_attempts is not None and state.number >= rules.max_attempts:
-            return GiveUp("max_attempts", True)  # a hard cap: can_probe makes no probe it would reach
-        return Try(state.probe_from, True)  # type: ignore[arg-type]  # back to the size that fitted
+            return GiveUp("max_attempts", grew)  # a hard cap: can_probe makes no probe it would reach
+        return Try(state.probe_from, grew)  # type: ignore[arg-type]  # back to the size that fitted
     step = shrink(rules, size, state.number, state.floor)
     if isinstance(step, Try) and state.measures and hint is not None:
         # The estimate is under the truth by more than its margin: the next run, still the one

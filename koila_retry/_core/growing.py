@@ -72,6 +72,7 @@ class Growing(Strategy):
         streak = self.streaks.update(course.key, decision.started_growing) if state.size < state.ceiling else None
         size = decision.grown(course.owner.rules, state, decision.due(streak))
         state.probe_from = state.size if size != state.size else None
+        state.growing = size != state.size  # refine's probe, which may start instead, is none of growth's
         if size != state.size:
             wait = None if streak is None else streak[1]
             logger.info("%s: succeeded %s times in a row at batch size %d; trying %d", name, wait, state.size, size)

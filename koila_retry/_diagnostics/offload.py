@@ -382,7 +382,7 @@ def _replaceable(tensor: torch.Tensor) -> bool:
         and not tensor.requires_grad
         and tensor.grad is None
         and not weakref.getweakrefs(tensor)
-        and tensor._use_count() == 1
+        and tensor._use_count() == 1  # type: ignore[attr-defined]  # untyped, as swap_tensors uses it
     )
 
 
@@ -400,6 +400,8 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
     devices = {shared.storage.device for shared in lent} | set(targets)
     copies: list[torch.UntypedStorage] = []
     moved: list[tuple[torch.Tensor, torch.UntypedStorage, torch.Tensor | None]] = []
+    owners = _grad_owners(lent, targets)
+    taken: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its .grad) while the .grad is replaced
     try:
         # All or nothing: every copy is made before any tensor moves, so an error (a full device, most often)
         # leaves every tensor on the storage it had. Work queued on a stream that writes these tensors lands first.
@@ -412,11 +414,22 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
             for tensor in shared.tensors:
                 # A tensor given another storage inside the block is the user's now.
                 if tensor.untyped_storage()._cdata == shared.storage._cdata:
+                    owner = owners.get(id(tensor))
+                    if owner is not None:
+                        # Its parameter refers to it from C++, which would keep the old implementation as its
+                        # .grad: let go of it while it is replaced, and take it again once both have moved.
+                        owner.grad = None
+                        taken.append((owner, tensor))
                     moved.append((tensor, shared.storage, _point(tensor, copies[index])))
+        _give_grads(taken)
     except BaseException as error:
         for tensor, storage, old in reversed(moved):
             _unpoint(tensor, storage, old)
         moved.clear()
+        for owner, grad in taken:  # both are where they were again
+            with contextlib.suppress(RuntimeError):  # the error being raised is the one to report
+                owner.grad = grad
+        taken.clear()
         copies.clear()
         # The traceback keeps the frames it passed through, and their locals would keep
         # the copies made so far on the device that just ran out.
@@ -431,6 +444,33 @@ def _transfer(lent: list[_Shared], *, back: bool) -> list[tuple[weakref.ref[torc
     for index, shared in enumerate(lent):
         shared.storage = copies[index]
     return probes
+
+
+def _grad_owners(lent: list[_Shared], targets: list[torch.device]) -> dict[int, torch.Tensor]:
+    """Return, by ``id`` of a lent ``.grad`` that is a view, the parameter that has it, where both move to one place."""
+    # Only a view's implementation is replaced (_point), and only when nothing else refers to it.
+    going: dict[int, torch.device] = {}
+    for shared, target in zip(lent, targets, strict=True):
+        for tensor in shared.tensors:
+            if tensor.untyped_storage()._cdata == shared.storage._cdata:
+                going[id(tensor)] = target
+    owners = {}
+    for shared in lent:
+        for tensor in shared.tensors:
+            grad = tensor.grad if tensor.is_leaf else None
+            if grad is None or grad._base is None or id(grad) not in going or id(tensor) not in going:
+                continue
+            if going[id(grad)] == going[id(tensor)]:  # .grad= refuses a gradient on another device
+                owners[id(grad)] = tensor
+    return owners
+
+
+def _give_grads(taken: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each parameter its ``.grad`` back, the same object; each one given is forgotten."""
+    while taken:
+        owner, grad = taken[-1]
+        owner.grad = grad
+        taken.pop()
 
 
 def _synchronize(devices: Iterable[torch.device]) -> None:

@@ -44,6 +44,9 @@ class ReportRow(NamedTuple):
             tensors share it.
         views (tuple of str): the other tensors on the storage that no name
             reaches (views or aliases of it), as ``"float32[10, 4]"``.
+        storages (int): how many storages the row stands for: 1, or, in the
+            one row of ``"no tensor"`` or ``"not reached"``, all of them.
+            Default: 1.
     """
 
     names: tuple[str, ...]
@@ -52,6 +55,7 @@ class ReportRow(NamedTuple):
     dtype: str | None
     nbytes: int
     views: tuple[str, ...]
+    storages: int = 1
 
 
 class MemoryReport:
@@ -102,7 +106,7 @@ class MemoryReport:
             list of str: one sentence per line.
         """
         lines = []
-        hidden = self.storages - len(self.rows)
+        hidden = self.storages - sum(row.storages for row in self.rows)
         if hidden > 0:
             lines.append(
                 f"{hidden} smaller storage{'s' if hidden > 1 else ''} not shown: {format_bytes(self.omitted)}."
@@ -185,8 +189,10 @@ class MemoryReport:
             for row in self.rows[:top]
         ]
         rest = self.total - sum(row.nbytes for row in self.rows[:top])
-        if self.storages > top:
-            named.append(f"{self.storages - top} more {format_bytes(rest)}")
+        # One row may stand for many storages (those the call does not reach): count storages, not rows.
+        more = self.storages - sum(row.storages for row in self.rows[:top])
+        if more > 0:
+            named.append(f"{more} more {format_bytes(rest)}")
         plural = "" if self.storages == 1 else "s"
         found = f"{format_bytes(self.total)} in {self.storages} storage{plural}"
         return f"Largest on {self.device} ({found}): {'; '.join(named) or 'nothing'}."
@@ -295,7 +301,7 @@ def build(
         reserved = torch.accelerator.memory_reserved(device)
     rows = sorted(found.rows(), key=lambda row: -row.nbytes)
     total = sum(row.nbytes for row in rows)
-    return MemoryReport(device, rows[:top], total, len(rows), allocated, reserved, simulated)
+    return MemoryReport(device, rows[:top], total, sum(row.storages for row in rows), allocated, reserved, simulated)
 
 
 class _Held(NamedTuple):
@@ -346,10 +352,11 @@ def _optimizer_tensors(
 class _Storage:
     """A storage being described: its names, its kind and the tensors that view it."""
 
-    __slots__ = ("dtype", "kind", "names", "nbytes", "shape", "views")
+    __slots__ = ("count", "dtype", "kind", "names", "nbytes", "shape", "views")
 
-    def __init__(self, nbytes: int, kind: str, tensor: torch.Tensor | None, name: str = "") -> None:
+    def __init__(self, nbytes: int, kind: str, tensor: torch.Tensor | None, name: str = "", count: int = 1) -> None:
         self.nbytes = nbytes
+        self.count = count  # the storages it stands for
         self.kind = kind
         self.names: list[str] = [name] if name else []
         self.views: list[str] = []
@@ -438,12 +445,13 @@ class _Found:
             nbytes = sum(storage.nbytes() for storage in hidden)
             plural = "s" if len(hidden) > 1 else ""
             holds = "no Python tensor holds" if kind == "no tensor" else "the call does not reach"
-            self.storages[-1] = _Storage(nbytes, kind, None, f"{len(hidden)} storage{plural} {holds}")
+            self.storages[-1] = _Storage(nbytes, kind, None, f"{len(hidden)} storage{plural} {holds}", len(hidden))
         return device.live, device.limit
 
     def rows(self) -> Iterable[ReportRow]:
         for entry in self.storages.values():
-            yield ReportRow(tuple(entry.names), entry.kind, entry.shape, entry.dtype, entry.nbytes, tuple(entry.views))
+            names, views = tuple(entry.names), tuple(entry.views)
+            yield ReportRow(names, entry.kind, entry.shape, entry.dtype, entry.nbytes, views, entry.count)
 
 
 def _what(row: ReportRow) -> str:
