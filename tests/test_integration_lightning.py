@@ -1279,7 +1279,7 @@ def test_a_modules_own_log_that_passes_its_options_on_gets_them_as_called(module
 @pytest.mark.parametrize(
     ("sizes", "rows", "expected"),
     [
-        ([None, None], [32, 32], 64),  # none passed: the whole batch's rows, as Lightning counts them
+        ([None, None], [32, 32], None),  # none passed: none, for Lightning to find in the whole batch
         ([64, 64], [32, 32], 64),  # a fixed size: as passed
         ([64, 64, 64], [16, 8, 8], 64),
         ([32, 32], [32, 32], 64),  # each micro-batch's rows (len(x)), even if also a fixed size could be that
@@ -1292,7 +1292,48 @@ def test_a_modules_own_log_that_passes_its_options_on_gets_them_as_called(module
 def test_a_split_steps_batch_size_follows_the_documented_rule(sizes: list[Any], rows: list[int], expected: int) -> None:
     assert batch_size(sizes, rows) == expected
     tensors = [None if size is None else torch.tensor(size) for size in sizes]
-    assert int(batch_size(tensors, rows)) == expected
+    got = batch_size(tensors, rows)
+    assert (got if got is None else int(got)) == expected
+
+
+class ScaledFirst(MLP):
+    """Takes dict batches whose first tensor is a number, from which Lightning infers a batch_size of 1."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = F.cross_entropy(self.net(batch["x"]) * batch["scale"], batch["y"])
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("val_loss", F.cross_entropy(self.net(batch["x"]) * batch["scale"], batch["y"]))
+
+
+def _scaled_first(rows: int) -> torch.utils.data.DataLoader[Any]:
+    def collate(samples: list[Any]) -> dict[str, torch.Tensor]:
+        x, y = default_collate(samples)
+        return {"scale": torch.tensor(1.0, dtype=torch.float64), "x": x, "y": y}
+
+    return torch.utils.data.DataLoader(loader(rows).dataset, batch_size=64, collate_fn=collate)
+
+
+@pytest.mark.parametrize("fit", [True, False], ids=["fit", "validate"])
+def test_a_split_step_that_passes_no_batch_size_is_weighed_as_lightning_weighs_the_whole_batch(fit: bool) -> None:
+    """3 batches of 64 rows and one of 10: each counts once in the epoch's mean, as Lightning weighs them."""
+
+    def run(limit: str | None) -> float:
+        model, events = ScaledFirst(), []
+        callbacks = (OOMRecovery(on_oom=events.append),) if limit else ()
+        with simulated_device(limit) if limit else contextlib.nullcontext():
+            if fit:
+                limited = trainer(*callbacks, max_steps=-1, max_epochs=1)
+                limited.fit(model, _scaled_first(202))
+                value = float(limited.callback_metrics["train_loss"])
+            else:
+                value = trainer(*callbacks).validate(model, _scaled_first(202), verbose=False)[0]["val_loss"]
+        assert bool(events) == bool(limit), "split where limited"
+        return value
+
+    assert run(FIT_LIMIT if fit else EVAL_LIMIT) == pytest.approx(run(None), rel=1e-12)
 
 
 def test_a_split_steps_logged_values_combine_as_accumulate_combines_outputs() -> None:

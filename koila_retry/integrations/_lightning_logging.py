@@ -143,8 +143,12 @@ class Logs:
 
 def batch_size(sizes: list[Any], rows: list[int]) -> Any:
     """Return the ``batch_size`` the whole batch's call passes, from its micro-batches' (``None``: passed none)."""
-    # None passed: the whole batch's rows, which Lightning finds in the batch. The same number in every call,
-    # not their rows: a fixed size (self.hparams.batch_size). Else their sum (len(x), or another count).
+    # None passed: None, for Lightning to find in the whole batch, which it still holds, as for the whole
+    # batch's call (the first tensor's rows, or 1 for a number first). None in some calls only: the rows.
+    # The same number in every call, not their rows: a fixed size (self.hparams.batch_size). Else their sum
+    # (len(x), or another count).
+    if all(size is None for size in sizes):
+        return None
     if any(size is None for size in sizes):
         return sum(rows)
     numbers = [size.item() if isinstance(size, torch.Tensor) else size for size in sizes]
