@@ -556,6 +556,46 @@ def test_no_batchnorm_warning_without_a_split_training_batchnorm(
     assert recorded(twice) == []
 
 
+def instancenorm_step(norm: nn.Module, initial: int) -> tuple[Callable[..., torch.Tensor], nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), norm, nn.Flatten(), nn.Linear(4 * 6, 1)).double()
+
+    @koila.accumulate(initial=initial)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    return step, model
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("running", [False, True], ids=["no-running-stats", "running-stats"])
+def test_instancenorm_in_a_split_step_is_exact_and_warns_of_no_batchnorm(train: bool, running: bool) -> None:
+    """InstanceNorm runs batch normalisation on a batch of one row: each row normalised alone, split or not."""
+    x = torch.randn(12, 3, 8, dtype=torch.float64)
+    step, model = instancenorm_step(nn.InstanceNorm1d(4, affine=True, track_running_stats=running), initial=4)
+    model.train(train)
+    assert recorded(lambda: step(x)) == []
+    split = [parameter.grad.clone() for parameter in model.parameters()]
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    for got, expected in zip(split, (parameter.grad for parameter in model.parameters()), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_batchnorm_on_micro_batches_of_one_row_warns() -> None:
+    """A BatchNorm2d can train on one row (its statistics over the pixels): split to one row, it differs, and warns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(3 * 4 * 4, 1)).double()
+
+    @koila.accumulate(initial=1)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    caught = recorded(lambda: step(torch.randn(3, 2, 6, 6, dtype=torch.float64)))
+    assert len(caught) == 1
+    assert "BatchNorm layer in training mode" in str(caught[0].message)
+
+
 # --------------------------------------------------------------------------- 6. errors
 
 

@@ -352,7 +352,7 @@ def test_a_direct_step_that_meets_a_held_leaf_part_way_goes_on_captured(before: 
     _assert_both_batches_added(model, whole, given, values)
 
 
-def _graphs() -> list[tuple[str, Callable[[], torch.Tensor], bool]]:
+def _graphs() -> list[tuple[str, Callable[[], torch.Tensor], int]]:
     """Losses whose backward writes leaves in the ways a walk must see: (name, loss, batch norm in training)."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -374,13 +374,13 @@ def _graphs() -> list[tuple[str, Callable[[], torch.Tensor], bool]]:
         return outer(hidden).sum()
 
     return [
-        ("mlp", lambda: F.mse_loss(mlp(x), torch.zeros(6, 2)), False),
-        ("a layer used twice", lambda: shared(shared(x)).sum() + mlp(x).sum(), False),
-        ("a leaf turned off", turned_off, False),
-        ("batch norm", lambda: norm(x).sum(), True),
-        ("a reentrant checkpoint", checkpointed, False),
-        ("the loss a leaf", lambda: leaf, False),
-        ("no leaf", lambda: torch.ones(2, requires_grad=True).detach().sum(), False),
+        ("mlp", lambda: F.mse_loss(mlp(x), torch.zeros(6, 2)), 0),
+        ("a layer used twice", lambda: shared(shared(x)).sum() + mlp(x).sum(), 0),
+        ("a leaf turned off", turned_off, 0),
+        ("batch norm", lambda: norm(x).sum(), 2),  # over the rows: 2 (1: over one row, as InstanceNorm)
+        ("a reentrant checkpoint", checkpointed, 0),
+        ("the loss a leaf", lambda: leaf, 0),
+        ("no leaf", lambda: torch.ones(2, requires_grad=True).detach().sum(), 0),
     ]
 
 

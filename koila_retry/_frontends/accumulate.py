@@ -453,7 +453,9 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
-        if gradients.batchnorm and finished.size < rows and not self.warned_batchnorm:
+        # Over one row: InstanceNorm, exact split or not, unless the micro-batches have one row.
+        statistics = gradients.batchnorm == 2 or (gradients.batchnorm == 1 and finished.size == 1)
+        if statistics and finished.size < rows and not self.warned_batchnorm:
             self._warn_batchnorm(finished.size)
         return result
 

@@ -144,7 +144,7 @@ class Gradients:
         self.exposed: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.hidden = False  # whether a backward may have written leaves the walk cannot find
-        self.batchnorm = False  # whether a BatchNorm in training mode took part
+        self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.thread = threading.get_ident()
         # Autograd runs the nodes of each device on a thread of its own; hooks that add into
@@ -366,7 +366,7 @@ class Gradients:
                     continue
                 seen.add(node)
                 if kind in _BatchNormNodes:
-                    self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                    self.batchnorm = max(self.batchnorm, _statistics(node))
                 elif kind is _ReentrantCheckpoint:
                     reentrant = True
                     for parameter in self._checkpointed(node):
@@ -405,7 +405,7 @@ class Gradients:
                         checkpointed = True
                         found.extend(self._checkpointed(node))
                     else:
-                        self.batchnorm = self.batchnorm or getattr(node, "_saved_training", True)
+                        self.batchnorm = max(self.batchnorm, _statistics(node))
                 push(node)
         del seen, stack
         # Turned off since the forward: autograd writes nothing.
@@ -753,6 +753,16 @@ def _autograd_backward(
     outputs = (tensors,) if not isinstance(tensors, Sequence) else tuple(tensors)
     given = grad_variables if grad_tensors is None else grad_tensors
     return BackwardCall(outputs, given, retain_graph, create_graph, inputs)
+
+
+def _statistics(node: Any) -> int:
+    """Return 2 for a batch normalisation in training mode over several rows, 1 over one row, 0 out of it."""
+    if not getattr(node, "_saved_training", True):
+        return 0
+    # InstanceNorm normalises through one: each row alone, folded into the channels of a
+    # batch of one row. So does BatchNorm on a micro-batch of one row, which the caller tells.
+    saved = getattr(node, "_saved_input", None)
+    return 1 if saved is not None and saved.dim() > 0 and saved.shape[0] == 1 else 2
 
 
 def _is_leaf(tensor: Any) -> bool:
