@@ -803,6 +803,41 @@ def test_records_as_a_tuple_or_inside_a_record_and_chunks_of_them() -> None:
     assert split.split == [0]
 
 
+def test_records_without_tensors_are_split_with_the_rows_as_records_with_them() -> None:
+    """Records of plain values (ids, per-row scales) went whole to every piece, which zip paired with other rows."""
+    rows = torch.arange(1.0, 9.0, dtype=torch.float64).unsqueeze(1)
+    scales = [{"scale": float(index + 1), "name": f"row {index}"} for index in range(8)]
+    ids = tuple({"id": index} for index in range(8))  # a second list of records beside the first, a tuple
+    got: list[tuple[int, list[str], list[int]]] = []
+
+    def scaled(x: torch.Tensor, records: list[dict[str, Any]], ids: tuple[dict[str, int], ...]) -> torch.Tensor:
+        got.append((len(x), [record["name"] for record in records], [each["id"] for each in ids]))
+        return torch.stack([row * record["scale"] for row, record in zip(x, records)])
+
+    expected = scaled(rows, scales, ids)
+    got.clear()
+    assert torch.equal(koila.chunked(scaled, rows, scales, ids, initial=3), expected)
+    assert got == [
+        (3, ["row 0", "row 1", "row 2"], [0, 1, 2]),
+        (3, ["row 3", "row 4", "row 5"], [3, 4, 5]),
+        (2, ["row 6", "row 7"], [6, 7]),
+    ]
+    split = Split((rows, scales, ids), {}, 0, "test")
+    assert (split.rows, split.split) == (8, [0])
+
+    # Through accumulate, the per-row scales weigh each micro-batch's rows: the whole batch's gradient.
+    weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
+
+    def loss(x: torch.Tensor, records: list[dict[str, Any]]) -> torch.Tensor:
+        return (x[:, 0] * weight * torch.tensor([record["scale"] for record in records])).pow(2).mean()
+
+    loss(rows, scales).backward()
+    whole = weight.grad.clone()  # type: ignore[union-attr]
+    weight.grad = None
+    koila.accumulate(loss, initial=2)(rows, scales)
+    torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
+
+
 def test_a_list_of_mappings_that_is_not_one_per_row_is_a_container_as_before() -> None:
     # Two tasks' batches of 4 rows each: the list has 2 items, the rows are 4.
     batch = [{"x": torch.arange(4.0)}, {"x": torch.arange(4.0) * 10}]

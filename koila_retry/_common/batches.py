@@ -82,6 +82,13 @@ class _Node:
         )
         return self.splits
 
+    def below(self) -> Iterator[int]:
+        """Yield the ``id`` of every node below."""
+        for _, child in self.children:
+            if not isinstance(child, int):
+                yield id(child)
+                yield from child.below()
+
     def leaves(self) -> Iterator[int]:
         """Yield the index of every tensor below."""
         for _, child in self.children:
@@ -405,7 +412,9 @@ class Split:
             found = self._walk(item, (*path, label), paths)
             if found is not None:
                 children.append((key, found))
-        if not children:
+        # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node.
+        records = kind in (_LIST, _TUPLE) and len(value) > 1 and all(isinstance(item, Mapping) for item in value)
+        if not children and not records:
             return None
         # Decided here, on every call, and not when a slice is first made: a container
         # that cannot be remade fails the first call, not the first that runs short.
@@ -413,7 +422,7 @@ class Split:
         if how is None:
             raise TypeError(self._unremakable(value, kind, path))
         node = _Node(value, how, children)
-        if kind in (_LIST, _TUPLE) and len(value) > 1 and all(isinstance(item, Mapping) for item in value):
+        if records:
             self.records.append(node)
         return node
 
@@ -447,12 +456,11 @@ class Split:
             beneath = set().union(*inner.values())
             outside = [size if index not in beneath else -1 for index, size in enumerate(sizes)]
             rows = self._shared(outside, paths)[0]
+            taken: set[int] = set()  # the nodes inside a list of records per row, which are its records'
             for node in reversed(self.records):  # found innermost first: a list inside a record is the record's
-                node.per_row = (
-                    rows > 1
-                    and len(node.value) == rows
-                    and not any(inner[id(node)] <= inner[id(other)] for other in self.records if other.per_row)
-                )
+                node.per_row = rows > 1 and len(node.value) == rows and id(node) not in taken
+                if node.per_row:
+                    taken.update(node.below())
             whole = {index for node in self.records if node.per_row for index in inner[id(node)]}
             sizes = [-1 if index in whole else size for index, size in enumerate(sizes)]
         rows = self._shared(sizes, paths)[0]
