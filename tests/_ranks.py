@@ -1456,6 +1456,45 @@ def ddp_buffers_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
     return {"seen": seen}
 
 
+class Hog(nn.Module):
+    """Passes its input on, after allocating 10 kB a row, on the simulated device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.empty(len(x) * 10_000, dtype=torch.uint8)
+        return x
+
+
+@scenario("crash")
+def ddp_inference_with_buffers_after_a_failed_first_forward(rank: int, world: int) -> dict[str, Any]:
+    """DDP broadcasts buffers at a first forward without grad: rank 1's retry would broadcast again, alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Hog() if rank == 1 else nn.Identity(), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = model.to(DTYPE)
+    ddp = DDP(model)
+    x, y = data(32, 6, seed=111 + rank), data(32, 2, seed=113 + rank)
+    outcomes: dict[str, Any] = {}
+    # A training step (DDP then broadcasts at the next forward), and each front end in eval after it.
+    step = koila.accumulate(cache=koila.NoCache())(lambda x, y: F.mse_loss(ddp(x), y))
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "chunked": lambda: koila.chunked(ddp, x, initial=32, cache=koila.NoCache()),
+        "batch": lambda: koila.batch(initial=32, cache=koila.NoCache())(
+            lambda batch_size: torch.cat([ddp(x[i : i + batch_size]) for i in range(0, 32, batch_size)])
+        )(),
+    }
+    for name, run in runs.items():
+        ddp.train()
+        step(x, y)
+        ddp.eval()
+        with torch.no_grad():
+            with simulated_device("100KB"):  # rank 1 fits 8 rows, rank 0 every row
+                outcome = caught(run)
+            expected = model(x)  # with the buffers DDP broadcast from rank 0
+        if "returned" in outcome:
+            outcome["returned"] = torch.allclose(outcome["returned"], expected, rtol=1e-12, atol=1e-12)
+        outcomes[name] = outcome
+    return outcomes
+
+
 @scenario("two", "three")
 def refine_agrees(rank: int, world: int) -> dict[str, Any]:
     """refine=True across ranks (issue 31): the last rank fits 100 rows, the others 120; every rank probes the same."""

@@ -251,6 +251,13 @@ def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Gr
         assert "the hook is not called" in hooks["fallback"]["warnings"][0]
 
 
+def test_inference_over_ddp_with_buffers_survives_a_failed_first_forward(groups: Groups) -> None:
+    # Rank 1 ran out of memory in its first forward without grad, after DDP's broadcast of the buffers:
+    # its retry broadcast again, alone, and the ranks hung until gloo's timeout.
+    for outcome in groups("crash")["ddp_inference_with_buffers_after_a_failed_first_forward"]:
+        assert outcome == {"chunked": {"returned": True}, "batch": {"returned": True}}
+
+
 def test_a_step_that_bypasses_ddp_raises_on_every_rank(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["overlap_step_bypassing_ddp"]):
         assert_error(value["caught"], RuntimeError, "did not call the module itself", "would not be averaged")

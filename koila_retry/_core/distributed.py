@@ -24,6 +24,7 @@ __all__ = [
     "Agreement",
     "GradientSync",
     "agreement",
+    "broadcast_before_inference",
     "check_group",
     "check_norms",
     "check_sync",
@@ -290,6 +291,25 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
                 "collective. Pass sync=False and choose the size yourself"
             )
     return list(found.values())
+
+
+def broadcast_before_inference(modules: Iterable[torch.nn.Module]) -> None:
+    """Make, on every rank, the buffer broadcast a DDP module makes at the start of a forward without grad."""
+    # DDP broadcasts buffers before the first such forward and stops after it, in its post-forward: a rank
+    # that ran out of memory in between would broadcast again at its retry, alone. Made here, before the
+    # attempts, with the flag cleared as that post-forward clears it, no attempt's forward makes it.
+    if torch.is_grad_enabled():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    for module in modules:
+        if not isinstance(module, DistributedDataParallel) or not getattr(module, "require_forward_param_sync", False):
+            continue
+        syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
+        sync_buffers = getattr(module, "_sync_buffers", None)
+        if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
+            sync_buffers()
+        module.require_forward_param_sync = False
 
 
 def synced_norms(roots: Iterable[Any]) -> list[torch.nn.Module]:

@@ -49,7 +49,9 @@ class Ranks:
         self.reach(call.roots, agreement)
         if self.norms:
             distributed.check_norms((norm for norm in (ref() for ref in self.norms) if norm is not None), self.name)
-        modules = [module for module in self.alive() if sharded.is_fsdp2(module)]
+        alive = self.alive()
+        distributed.broadcast_before_inference(alive)
+        modules = [module for module in alive if sharded.is_fsdp2(module)]
         # A rank that fails plays along their collectives (see sharded.py).
         shards = sharded.Shards(modules, agreement) if modules else None
         return compose(self.policy, self.rules, self.cache, agreement, shards, first)
