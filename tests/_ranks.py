@@ -1495,6 +1495,37 @@ def ddp_inference_with_buffers_after_a_failed_first_forward(rank: int, world: in
     return outcomes
 
 
+class TokenHog(nn.Module):
+    """Passes its input on, after allocating 500 bytes a token, on the simulated device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.empty(x.shape[0] * x.shape[1] * 500, dtype=torch.uint8)
+        return x
+
+
+@scenario("two")
+def ddp_lengths_that_differ_between_ranks_keep_their_sizes(rank: int, world: int) -> dict[str, Any]:
+    """Rows of 16 and 32 tokens, each rank the other way round: the agreed start must not ratchet down."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), TokenHog(), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    ddp = DDP(model)
+
+    @koila.accumulate(cache=koila.GlobalCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x).mean(1), y)
+
+    sizes = []
+    for number in range(6):
+        tokens = 16 if number == 0 or (number + rank) % 2 == 0 else 32
+        x, y = data(16 * tokens * 4, 1, seed=number).view(16, tokens, 4), data(16, 1, seed=number + 50)
+        model.zero_grad()
+        # Only the first step is limited: 8 rows of 16 tokens (64 KB) do not fit, 4 do.
+        with simulated_device("50KB") if number == 0 else contextlib.nullcontext():
+            step(x, y)
+        sizes.append(step.stats.batch_size)
+    return {"sizes": sizes, "ooms": step.stats.ooms}
+
+
 @scenario("two", "three")
 def refine_agrees(rank: int, world: int) -> dict[str, Any]:
     """refine=True across ranks (issue 31): the last rank fits 100 rows, the others 120; every rank probes the same."""

@@ -183,6 +183,29 @@ def test_a_method_gets_the_size_after_its_instance_whatever_its_first_parameter_
     assert list(inspect.signature(model.run).parameters) == ["x"]
 
 
+def test_a_method_under_another_decorator_that_binds_gets_the_size_after_its_instance() -> None:
+    """@torch.no_grad() above @koila.batch binds and calls the wrapper with the instance first: not as the size."""
+
+    class Scorer:
+        scale = 3
+
+        @torch.no_grad()
+        @koila.batch(initial=16)
+        def score(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([chunk * self.scale for chunk in x.split(batch_size)]) + batch_size
+
+        @property
+        @koila.batch(initial=4)
+        def size(self, batch_size: int) -> tuple[object, int]:
+            return self, batch_size
+
+    scorer = Scorer()
+    assert torch.equal(scorer.score(torch.ones(4)), torch.full((4,), 19.0))
+    assert scorer.size == (scorer, 4)
+    # A first parameter of another name is the size when called as it is, as documented.
+    assert koila.batch(initial=2)(lambda n, x: n + x)(1) == 3
+
+
 def test_a_method_looked_up_on_its_class_takes_the_instance_first() -> None:
     model = Renamed()
     assert Renamed.run(model, 1) == (model, 32, 1)

@@ -326,20 +326,36 @@ def test_scaled_grows_back_to_the_smallest_size_that_shrinks_to_it(factor: float
 
 
 AGREEMENTS = [
-    # (id, state, agreed, floor, (size, floor, probe_from))
-    ("the smallest start", state(256), 64, 1, (64, 1, None)),
-    ("the largest floor", state(256), 64, 100, (100, 100, None)),
-    ("a probe every rank was due", state(256, probe_from=128), 256, 1, (256, 1, 128)),
-    ("a probe another rank was not due", state(256, probe_from=128), 128, 1, (128, 1, None)),
+    # (id, state, agreed, floor, (size, floor, probe_from, cached))
+    # Another rank's smaller start: a success there is not stored under this rank's key (its rows may be
+    # shorter), which would pull every later start down.
+    ("the smallest start", state(256), 64, 1, (64, 1, None, 64)),
+    ("the same start", state(256, cached=256), 256, 1, (256, 1, None, 256)),
+    ("below what this rank stored", state(128, cached=128), 32, 1, (32, 1, None, 32)),
+    ("every success stored (keep_last)", state(256, cached=0), 64, 1, (64, 1, None, 0)),
+    ("the largest floor", state(256), 64, 100, (100, 100, None, 100)),
+    ("a probe every rank was due", state(256, probe_from=128), 256, 1, (256, 1, 128, 512)),
+    ("a probe another rank was not due", state(256, probe_from=128), 128, 1, (128, 1, None, 128)),
 ]
 
 
 @pytest.mark.parametrize(
     ("before", "agreed", "floor", "expected"), [row[1:] for row in AGREEMENTS], ids=[row[0] for row in AGREEMENTS]
 )
-def test_the_agreed_start_table(before: State, agreed: int, floor: int, expected: tuple[int, int, int | None]) -> None:
+def test_the_agreed_start_table(
+    before: State, agreed: int, floor: int, expected: tuple[int, int, int | None, int]
+) -> None:
     decision.agreed_start(before, agreed, floor)
-    assert (before.size, before.floor, before.probe_from) == expected
+    assert (before.size, before.floor, before.probe_from, before.cached) == expected
+
+
+def test_a_success_at_another_ranks_smaller_start_stores_nothing_but_one_below_it_does() -> None:
+    started = state(128, cached=128)
+    decision.agreed_start(started, 32, 1)
+    assert decision.decide(RULES, started, OK) == Done(None, False, True, True, False)
+    # After the ranks agreed on a failure below it, the size that fits everywhere is stored, as before.
+    started.size = 16
+    assert decision.decide(RULES, started, OK) == Done(16, False, True, True, False)
 
 
 @pytest.mark.parametrize(

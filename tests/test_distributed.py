@@ -258,6 +258,13 @@ def test_inference_over_ddp_with_buffers_survives_a_failed_first_forward(groups:
         assert outcome == {"chunked": {"returned": True}, "batch": {"returned": True}}
 
 
+def test_a_start_agreed_below_a_ranks_own_is_not_stored_for_that_ranks_rows(groups: Groups) -> None:
+    # Each rank stored the other's smaller start for its own shorter rows, scaled it down for its longer
+    # ones the step after, and the agreed start fell to one row for good (4, 2, 1, 1, 1, 1).
+    for outcome in groups("two")["ddp_lengths_that_differ_between_ranks_keep_their_sizes"]:
+        assert outcome == {"sizes": [4, 2, 2, 2, 2, 2], "ooms": 2}  # 16, then 8, in the first step
+
+
 def test_a_step_that_bypasses_ddp_raises_on_every_rank(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["overlap_step_bypassing_ddp"]):
         assert_error(value["caught"], RuntimeError, "did not call the module itself", "would not be averaged")

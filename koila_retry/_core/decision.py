@@ -388,7 +388,11 @@ def failed_growing(streak: Streak | None, probe: bool) -> Streak | None:
 def agreed_start(state: State, agreed: int, floor: int) -> None:
     """Move a call that agrees across ranks to the ranks' start: their smallest size, never below their floor."""
     state.floor = floor
-    state.size = max(agreed, floor)
+    own, state.size = state.size, max(agreed, floor)
+    if state.size < own and state.cached > state.size:
+        # Another rank's start: a success there says nothing of what fits here (that rank's rows may be
+        # longer), and stored under this rank's key, scaled to its rows, it would pull every start down.
+        state.cached = state.size
     if state.probe_from is not None and state.size <= state.probe_from:  # a probe only if every rank was due one
         state.probe_from = None
 

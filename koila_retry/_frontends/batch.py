@@ -190,7 +190,10 @@ def bindable(
     # A class of its own, whose __call__ is the plain form itself: calling the wrapper then
     # costs about what calling a function does, where a __call__ that forwarded would add
     # a Python frame to every call.
-    kind = type("Bindable", (Bindable,), {"__slots__": (), "__call__": staticmethod(plain)})
+    # A function whose first parameter is ``self`` is a method even when called as it is: through a
+    # decorator above this one (@torch.no_grad() on a method), which binds and passes the instance on.
+    call = method if binding is _METHOD and positional_names(fn)[:1] == ("self",) else plain
+    kind = type("Bindable", (Bindable,), {"__slots__": (), "__call__": staticmethod(call)})
     wrapper = kind()
     functools.update_wrapper(wrapper, fn)
     vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
