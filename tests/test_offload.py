@@ -831,3 +831,28 @@ def test_a_lent_view_lets_its_old_storage_go_and_leaves_nothing_behind_after_the
     if "x" in tensors:  # views of one storage still share one afterwards
         assert tensors["x"].untyped_storage().data_ptr() == tensors["y"].untyped_storage().data_ptr()
         assert tensors["y"].storage_offset() == 32 * 32
+
+
+@pytest.mark.parametrize("whole_outside", [True, False], ids=["whole-outside", "part-outside"])
+def test_nested_blocks_over_shared_tensors_each_move_back_what_they_lent(whole_outside: bool) -> None:
+    """The inner block took lent tensors for its own, moved them to new CPU storages, and the outer left them."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = snapshot(held(model))
+    outer_modules, inner_modules = (model, model[0]) if whole_outside else (model[0], model)
+    homes = {name: tensor.untyped_storage()._cdata for name, tensor in held(model).items()}
+    with koila.offload(outer_modules) as outer:
+        lent_outside = {name: tensor.untyped_storage()._cdata for name, tensor in held(model).items()}
+        with koila.offload(inner_modules) as inner:
+            # The tensors the outer block lent stay where it put them; the inner lends only the others.
+            for name, tensor in held(model).items():
+                if lent_outside[name] != homes[name]:
+                    assert tensor.untyped_storage()._cdata == lent_outside[name], name
+        assert inner.nbytes == (0 if whole_outside else outer.nbytes)
+        assert not inner.offloaded
+        after_inner = {name: tensor.untyped_storage()._cdata for name, tensor in held(model).items()}
+    assert not outer.offloaded
+    # Every tensor the outer block lent was moved back by it: none stays on the storage it had in the block.
+    moved = [name for name in homes if lent_outside[name] != homes[name]]
+    assert moved
+    assert all(held(model)[name].untyped_storage()._cdata != after_inner[name] for name in moved)
+    assert_as_before(held(model), before)

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import reprlib
 import sys
+import threading
 import traceback
 import warnings
 import weakref
@@ -27,6 +28,10 @@ from koila_retry._core import memory
 __all__ = ["Offload", "offload"]
 
 _CPU = torch.device("cpu")
+# The storages (by _cdata) that live Offload blocks hold lent tensors on: a nested block leaves their
+# tensors to the block that lent them, which alone knows where they go back.
+_LENT: set[int] = set()
+_LENT_LOCK = threading.Lock()
 _PYTHON_KEY = torch._C.DispatchKey.Python
 
 
@@ -92,12 +97,15 @@ class Offload:
                 "before entering it again"
             )
         found = _lendable(self._modules, self._optimizers)  # refuses before anything moves
-        lent = _by_storage(found)
+        with _LENT_LOCK:
+            lent = [shared for shared in _by_storage(found) if shared.storage._cdata not in _LENT]
         try:
             probes = _transfer(lent, back=False)
         except BaseException as error:
             _note(error, "koila.offload: nothing was moved; every tensor is where it was")
             raise
+        with _LENT_LOCK:
+            _LENT.update(shared.storage._cdata for shared in lent)
         self._lent, self._offloaded = lent, True
         self._tensors = sum(len(shared.tensors) for shared in lent)
         self._nbytes = sum(shared.storage.nbytes() for shared in lent)
@@ -134,6 +142,7 @@ class Offload:
         """
         if not self._offloaded:
             return
+        copies = [shared.storage._cdata for shared in self._lent]
         try:
             _transfer(self._lent, back=True)
         except BaseException as error:
@@ -144,6 +153,8 @@ class Offload:
                 "offload() returned (`with koila.offload(...) as lent:`, then `lent.restore()`) tries again",
             )
             raise
+        with _LENT_LOCK:
+            _LENT.difference_update(copies)
         pinned = _used_pinned(self._lent)
         self._lent, self._offloaded = [], False
         # The tensors are back: nothing to give back on their devices. But left in the
