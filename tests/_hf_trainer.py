@@ -175,3 +175,80 @@ def assert_same_training(adapted: Any, reference: Any) -> None:
     torch.testing.assert_close(logged(adapted, "learning_rate"), logged(reference, "learning_rate"))
     for (name, mine), (_, theirs) in zip(adapted.model.named_parameters(), reference.model.named_parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def tiny_bart(eos: int | None) -> Any:
+    """A 1-layer BART in float64 whose generation stops at ``eos`` (none: at max_length only)."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=1024,  # wide: a prediction step of 8 rows runs out of memory where 2 rows fit
+        decoder_ffn_dim=1024,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=eos,
+        decoder_start_token_id=0,
+        forced_eos_token_id=None,
+        init_std=1.0,  # confident logits: greedy tokens that rounding does not change
+    )
+    model = transformers.BartForConditionalGeneration(config).double()
+    generation = model.generation_config
+    generation.max_length = 20
+    generation.eos_token_id, generation.forced_eos_token_id = eos, None
+    generation.no_repeat_ngram_size, generation.num_beams = 0, 1
+    return model
+
+
+class Pairs(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Source and target token rows of different lengths, for a sequence-to-sequence model."""
+
+    def __init__(self, count: int = 8, seed: int = 11) -> None:
+        generator = torch.Generator().manual_seed(seed)
+
+        def rows() -> list[torch.Tensor]:
+            lengths = torch.randint(4, 20, (count,), generator=generator).tolist()
+            return [torch.randint(3, VOCAB, (length,), generator=generator) for length in lengths]
+
+        self.sources, self.targets = rows(), rows()
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.sources[index], "labels": self.targets[index]}
+
+
+def collate_pairs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad the sources with BART's pad token (1), the labels with -100."""
+    sources = torch.nn.utils.rnn.pad_sequence([row["input_ids"] for row in rows], batch_first=True, padding_value=1)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(row["input_ids"]) for row in rows], batch_first=True)
+    labels = torch.nn.utils.rnn.pad_sequence([row["labels"] for row in rows], batch_first=True, padding_value=IGNORED)
+    return {"input_ids": sources, "attention_mask": mask, "labels": labels}
+
+
+def make_seq2seq_trainer(tmp_path: Path, eos: int | None) -> Any:
+    """A ``Seq2SeqTrainer`` over :func:`tiny_bart` that predicts by generating up to 40 tokens."""
+    arguments = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_eval_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        predict_with_generate=True,
+        generation_max_length=40,  # beyond the model's own max_length, 20, up to which the trainer pads
+        generation_num_beams=1,
+    )
+    return transformers.Seq2SeqTrainer(
+        model=tiny_bart(eos), args=arguments, data_collator=collate_pairs, eval_dataset=Pairs()
+    )

@@ -1653,6 +1653,24 @@ def test_a_backward_refused_inside_the_step_is_refused_even_if_the_step_catches_
     before.assert_unchanged()
 
 
+def test_a_step_that_calls_another_step_is_refused_and_says_steps_do_not_nest() -> None:
+    model, x, y = build("mlp", 12)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate
+    def inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    @koila.accumulate
+    def outer(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return inner(x, y) + F.mse_loss(model(x), y)
+
+    with pytest.raises(RuntimeError, match=r"outer ran a backward pass itself .*steps do not nest"):
+        outer(x, y)
+    before.assert_unchanged()
+
+
 def test_a_backward_in_another_thread_while_a_step_runs_is_not_refused() -> None:
     # What is refused is the step's own code, on its thread: a plain loop on another thread
     # keeps its backward.
@@ -1909,3 +1927,41 @@ def test_a_replayed_failure_is_the_first_attempt_of_the_whole_batch() -> None:
     for loss, grad in zip(losses, grads, strict=True):
         torch.testing.assert_close(grad, model.weight.grad)
         torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach())
+
+
+def test_an_integrations_pad_joins_parts_that_differ_outside_the_rows_dim() -> None:
+    """``accumulator(pad=...)``: joined parts of different sizes padded at the end of each other dim."""
+    from koila_retry._frontends.accumulate import accumulator
+
+    model = nn.Linear(3, 1)
+    x, lengths = torch.randn(7, 3), torch.tensor([1, 3, 2, 2, 5, 1, 4])
+
+    def step(x: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        # As generate pads: each row's tokens, then -1 up to its batch's longest row (in two dims here).
+        longest = int(lengths.max())
+        tokens = torch.full((len(x), longest, longest), -1)
+        for row, length in enumerate(lengths.tolist()):
+            tokens[row, :length, :length] = length
+        return {"loss": model(x).sum(), "tokens": tokens, "outputs": model(x)}
+
+    asked: list[int] = []
+
+    def pad() -> float | None:
+        asked.append(1)
+        return -1
+
+    expected = step(x, lengths)
+    # Micro-batches of 2 rows, then 1: 3, 2, 5 and 4 tokens long.
+    padded = accumulator(initial=2, reduction="sum", pad=pad, options={"cache": koila.NoCache()})(step)
+    joined = padded(x, lengths)
+    assert joined["tokens"].shape == (7, 5, 5)
+    assert torch.equal(joined["tokens"], expected["tokens"])
+    torch.testing.assert_close(joined["outputs"], expected["outputs"].detach())
+    assert asked == [1]  # once, for the parts that differ outside dim: not for those that differ in rows only
+
+    # Without a pad, or with one that gives none, the parts are not joined: torch.cat's own error.
+    plain = accumulator(initial=2, reduction="sum", options={"cache": koila.NoCache()})(step)
+    refused = accumulator(initial=2, reduction="sum", pad=lambda: None, options={"cache": koila.NoCache()})(step)
+    for decorated in (plain, refused):
+        with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
+            decorated(x, lengths)

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from _hf_trainer import (  # noqa: E402 (after the skip)
     CausalWrapper,
     MeanLoss,
+    Pairs,
     Rows,
     SummedLoss,
     assert_same_training,
@@ -28,6 +29,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     float64_loss_func,
     injected,
     logged,
+    make_seq2seq_trainer,
     make_trainer,
     mean_loss_func,
     summed_loss_func,
@@ -353,6 +355,34 @@ def test_evaluate_and_predict_in_chunks_give_the_whole_batches_results(tmp_path:
     torch.testing.assert_close(torch.as_tensor(chunked.predictions), torch.as_tensor(predicted.predictions))
     torch.testing.assert_close(torch.as_tensor(chunked.label_ids), torch.as_tensor(predicted.label_ids))
     assert chunked.metrics["test_loss"] == pytest.approx(predicted.metrics["test_loss"], rel=1e-6)
+
+
+def test_a_seq2seq_prediction_split_pads_each_chunks_generated_tokens_as_the_whole_batchs(tmp_path: Path) -> None:
+    # Each chunk generates as long as its own longest row, which the trainer pads up to the model's max_length
+    # (20) only: chunks whose rows stop at different lengths, past 20, return tokens of different widths.
+    # Greedy tokens do not depend on the EOS token before a row emits it: a run without one shows where
+    # each row stops for every token.
+    probe = make_seq2seq_trainer(tmp_path, eos=None).predict(Pairs()).predictions.tolist()
+
+    def widths(token: int, size: int) -> set[int]:
+        stops = [next((at + 1 for at, each in enumerate(row) if at and each == token), len(row)) for row in probe]
+        return {max(20, *stops[start : start + size]) for start in range(0, len(stops), size)}
+
+    eos = next(token for token in range(3, 100) if all(len(widths(token, size)) > 1 for size in (2, 4)))
+    expected = make_seq2seq_trainer(tmp_path, eos).predict(Pairs())
+    with simulated_device(TRAIN_LIMIT), pytest.raises(torch.OutOfMemoryError):
+        make_seq2seq_trainer(tmp_path, eos).predict(Pairs())
+    trainer = adapt(make_seq2seq_trainer(tmp_path, eos))
+    with simulated_device(TRAIN_LIMIT):
+        predicted = trainer.predict(Pairs())
+    stats = trainer.prediction_step.stats
+    assert stats.ooms >= 1
+    assert stats.batch_size in (2, 4)  # chunks whose tokens differ in width (chosen above)
+    assert expected.predictions.shape[1] > 20
+    assert predicted.predictions.shape == expected.predictions.shape
+    assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+    assert torch.equal(torch.as_tensor(predicted.label_ids), torch.as_tensor(expected.label_ids))
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
 
 
 def test_options_are_checked_when_adapting(tmp_path: Path) -> None:

@@ -251,6 +251,11 @@ def accumulator(
     # error's message and place (places.replayable), once, and the call's attempt of the whole batch
     # raises it again (see _run).
     replay: Callable[[], tuple[str, str] | None] | None = None,
+    # For a trainer's integration whose step returns tensors that differ in size outside dim from
+    # one micro-batch to the next (a Seq2SeqTrainer's generated tokens): returns the value they are
+    # padded with at the end of those dims to be joined, or None to leave torch.cat's error. Asked
+    # only when the sizes differ (see combine.Results).
+    pad: Callable[[], float | None] | None = None,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
@@ -308,6 +313,7 @@ def accumulator(
         step.ddp = given
         step.averages = averages
         step.replay = replay
+        step.pad = pad
         getframe = sys._getframe
 
         @functools.wraps(function)
@@ -355,6 +361,7 @@ class _Accumulator:
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
         self.replay: Callable[[], tuple[str, str] | None] | None = None  # see accumulator()
+        self.pad: Callable[[], float | None] | None = None  # see accumulator()
         # Whether the step reaches FSDP2 modules, looked at once where that decides anything:
         # at the first call without agreement, or with initial="auto", while a process group runs.
         self.alone_sharded: bool | None = None

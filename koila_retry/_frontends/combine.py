@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, NoReturn, Protocol, cast
 
 import torch
@@ -22,6 +24,9 @@ class Step(Protocol):
     controller: Controller
     dim: int
     warned_dropped: bool
+    # An integration's (accumulator's pad=): the value that pads joined parts which differ outside dim,
+    # or None to leave torch.cat's error. Asked only when they differ.
+    pad: Callable[[], float | None] | None
 
 
 # What becomes of each leaf of a result: the loss; one row per row of the batch, joined;
@@ -167,7 +172,7 @@ class Results:
                 # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
                 column = [entry for entry in column if entry[1] != 0.0]
             if kind == _JOIN:
-                combined.append(column[0] if len(column) == 1 else torch.cat(column, dim=self.step.dim))
+                combined.append(column[0] if len(column) == 1 else self._joined(column))
             elif kind == _COUNT:  # counts add up to the whole batch's, in their own type
                 counts = [value for value, _ in column]
                 if len(counts) == 1:
@@ -200,6 +205,55 @@ class Results:
                 combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
         self.columns.clear()
         return tree_unflatten(combined, cast(TreeSpec, self.spec))
+
+    def _joined(self, column: list[torch.Tensor]) -> torch.Tensor:
+        """Join the micro-batches' parts along ``dim``: padded to the largest where the step pads and sizes differ."""
+        dim, pad = self.step.dim, self.step.pad
+        if pad is not None:
+            shape = _padded_shape(column, dim)
+            value = None if shape is None else pad()
+            if shape is not None and value is not None:
+                return _padded_cat(column, dim, shape, value)
+        # Tensors that differ outside dim, not padded: torch.cat's own error, which names the sizes.
+        return torch.cat(column, dim=dim)
+
+
+def _padded_shape(column: list[torch.Tensor], dim: int) -> list[int] | None:
+    """The shape of ``column`` joined along ``dim``, each other dim the largest; ``None`` if none differs (or can)."""
+    first = column[0]
+    count = first.dim()
+    if not -count <= dim < count:
+        return None
+    dim %= count
+    largest = list(first.shape)
+    differ = False
+    for part in column[1:]:
+        if part.dim() != count:
+            return None
+        for index, size in enumerate(part.shape):
+            if size != largest[index] and index != dim:
+                differ = True
+                largest[index] = max(largest[index], size)
+    if not differ:
+        return None
+    largest[dim] = sum(part.shape[dim] for part in column)
+    return largest
+
+
+def _padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: float) -> torch.Tensor:
+    """``torch.cat(column, dim)`` into a tensor of ``shape`` filled with ``value``: each part at the start."""
+    first = column[0]
+    dim %= first.dim()
+    dtype = functools.reduce(torch.promote_types, (part.dtype for part in column))
+    joined = torch.full(shape, value, dtype=dtype, device=first.device)
+    start = 0
+    for part in column:
+        rows = part.shape[dim]
+        where = [slice(0, size) for size in part.shape]
+        where[dim] = slice(start, start + rows)
+        joined[tuple(where)] = part
+        start += rows
+    return joined
 
 
 def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:

@@ -76,7 +76,8 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -
 def _refusal(name: str) -> str:
     """Return the error of a step that ran a backward pass itself."""
     return (
-        f"{name} ran a backward pass itself (loss.backward() or torch.autograd.backward inside the step), "
+        f"{name} ran a backward pass itself (loss.backward() or torch.autograd.backward inside the step, or "
+        "another step decorated with koila.accumulate, which runs its own: steps do not nest), "
         "refused before it wrote any .grad: koila.accumulate runs the backward of the loss the step returns, "
         "once per micro-batch, so that backward would add the gradient a second time, and again in every "
         "micro-batch and retry. Return the loss and let accumulate run its backward; for a training engine's "

@@ -579,10 +579,14 @@ class _Prediction:
         prediction_step.__qualname__ = f"{type(trainer).__name__}.prediction_step"
         self.kept = _Whole(True)
         replay = self.kept.replayed
-        self.summed = accumulator(reduction="sum", replay=replay, options=options)(prediction_step)
+
+        def pad() -> float | None:  # asked only when the chunks' tokens differ in length, at the step
+            return _generated_pad(trainer)
+
+        self.summed = accumulator(reduction="sum", replay=replay, pad=pad, options=options)(prediction_step)
         weight = _items(trainer, self.shifts)
-        self.weighted = accumulator(weight=weight, replay=replay, options=options)(prediction_step)
-        self.by_rows = accumulator(replay=replay, options=options)(prediction_step)
+        self.weighted = accumulator(weight=weight, replay=replay, pad=pad, options=options)(prediction_step)
+        self.by_rows = accumulator(replay=replay, pad=pad, options=options)(prediction_step)
         self.stats = self.weighted.stats
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
@@ -624,3 +628,30 @@ class _Prediction:
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
         return loss, found.get("logits"), found.get("labels")
+
+
+def _generated_pad(trainer: Any) -> float | None:
+    """The token that pads a ``Seq2SeqTrainer``'s generated tokens, or ``None`` for a trainer that generates none."""
+    # Each chunk of a split prediction step generates as long as its own longest row: joined, the
+    # shorter are padded where the whole batch's generate padded its shorter rows, with generate's pad
+    # token, else its first EOS token (the trainer's gen_kwargs first, then the model's generation
+    # config); else the trainer's own pad token.
+    if not getattr(trainer.args, "predict_with_generate", False):
+        return None
+    given = getattr(trainer, "_gen_kwargs", None) or {}
+    configs = (given.get("generation_config"), getattr(trainer.model, "generation_config", None))
+    for name in ("pad_token_id", "eos_token_id"):
+        token = given.get(name)
+        for config in configs:
+            token = getattr(config, name, None) if token is None else token
+        if isinstance(token, (list, tuple)):
+            token = token[0] if token else None
+        if token is not None:
+            return cast(float, token)
+    padded = getattr(trainer, "_pad_tensors_to_max_len", None)
+    if not callable(padded):
+        return None
+    try:  # the trainer's own choice: its tokenizer's pad (or EOS) token, else the model config's pad token
+        return cast(float, padded(torch.zeros((1, 0), dtype=torch.long), 1).item())
+    except ValueError:  # none: the chunks' tokens are not joined (torch.cat's error)
+        return None
