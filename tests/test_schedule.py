@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import pytest
@@ -165,6 +166,34 @@ def test_a_schedule_that_returns_none_gives_up() -> None:
 def test_a_schedule_must_shrink_within_the_range(returned: object) -> None:
     with pytest.raises(ValueError, match=rf"the schedule returned {returned!r} after batch size 100 .* from 1"):
         run_with_schedule(lambda failed: returned)
+
+
+@pytest.mark.parametrize("front_end", ["batch", "attempts"])
+def test_a_schedules_bad_size_is_raised_without_the_failed_attempt_and_its_tensors(front_end: str) -> None:
+    """Raised in the handler, the ValueError kept the out-of-memory error, its frames and their tensors."""
+    from koila_retry.testing import simulated_device
+
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def work(size: int) -> int:
+        activations = torch.ones(size, 4096)  # 1 MiB at 64 rows
+        refs.append(weakref.ref(activations))
+        torch.ones(size, 8192)  # over the limit: a real out-of-memory error
+        return size
+
+    def run() -> None:
+        if front_end == "batch":
+            koila.batch(initial=64, schedule=lambda failed: failed, cache=koila.NoCache())(work)()
+            return
+        for attempt in koila.attempts(initial=64, schedule=lambda failed: failed, cache=koila.NoCache()):
+            with attempt:
+                work(attempt.batch_size)
+
+    with simulated_device("1536KiB"), pytest.raises(ValueError, match="the schedule returned 64") as caught:
+        run()
+    assert caught.value.__context__ is None
+    assert caught.value.__cause__ is None
+    assert [ref() for ref in refs] == [None]
 
 
 def test_a_schedule_must_be_callable() -> None:

@@ -131,7 +131,13 @@ class Mechanics:
         size = state.size if state.rows is None else min(state.size, state.rows)
         # A front end's (function, args, kwargs): looked at only when an attempt fails.
         reused = iterator_among(roots) if isinstance(roots, tuple) else None
-        failure.step = decision.decide(self.owner.rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
+        failure.invalid = None
+        try:
+            failure.step = decision.decide(self.owner.rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
+        except ValueError as error:
+            # Raised here, in the handler, it would keep the out-of-memory error and the failed
+            # attempt's frames as its context: retry() raises it, outside, once the memory is released.
+            failure.step, failure.invalid = GiveUp("schedule"), str(error)
         # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
         failure.reused = reused if isinstance(failure.step, GiveUp) and failure.step.reason == "iterator" else None
         state.size, state.rows = size, None  # a short last step failed: go on below what it tried
@@ -161,6 +167,8 @@ class Mechanics:
         # After giving up nothing runs, and what the attempt left in cycles is young: a full
         # collection would cost what the whole process holds.
         (memory.release_young if next_size is None else memory.release)(device)
+        if failure.invalid is not None:
+            raise ValueError(failure.invalid)
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)

@@ -64,7 +64,18 @@ def plain_message(exhaustion: Exhaustion) -> str:
 class Failure:
     """What a call keeps of its failed attempts: plain values, never the exception."""
 
-    __slots__ = ("diagnosis", "final_oom", "rank", "reused", "seconds", "snapshots", "step", "tried", "where")
+    __slots__ = (
+        "diagnosis",
+        "final_oom",
+        "invalid",
+        "rank",
+        "reused",
+        "seconds",
+        "snapshots",
+        "step",
+        "tried",
+        "where",
+    )
 
     def __init__(self) -> None:
         self.step: Step = GiveUp("minimum")  # what the decision said follows the attempt that failed
@@ -73,6 +84,7 @@ class Failure:
         self.seconds = 0.0  # lost since the last report
         self.tried: list[int] = []
         self.reused: str | None = None  # an iterator argument, which a retry would reuse
+        self.invalid: str | None = None  # why the schedule's next size is none a call can use: raised by retry()
         self.final_oom: BaseException | None = None  # the coming BatchSizeExhausted's cause, without its traceback
         # Read before the memory was released; None when another rank's failure ended the call.
         self.diagnosis: Diagnosis | None = None
