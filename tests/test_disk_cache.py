@@ -362,6 +362,26 @@ def test_a_read_only_folder_warns_once_and_keeps_sizes_in_memory(tmp_path: Path)
         folder.chmod(0o700)
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_a_read_only_file_is_read_and_never_replaced_even_in_a_writable_folder(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    koila.DiskCache(path)["frozen"] = 16
+    text = path.read_text(encoding="utf-8")
+    path.chmod(0o444)  # frozen: a new file renamed over it would replace it all the same (as root too)
+    try:
+        cache = koila.DiskCache(path)
+        assert cache["frozen"] == 16
+        with pytest.warns(koila.CacheFileWarning, match="cannot write the size cache file.*read-only") as record:
+            cache["new"] = 8
+        assert len(record) == 1
+        _keeps_working_without_warning(cache)
+        assert cache["new"] == 8
+        assert path.read_text(encoding="utf-8") == text
+        assert stat.S_IMODE(path.stat().st_mode) == 0o444
+    finally:
+        path.chmod(0o644)
+
+
 def test_a_path_below_a_file_warns_once_and_keeps_sizes_in_memory(tmp_path: Path) -> None:
     # Unusable even for root: the folder would have to be where a file is. Reading it
     # already fails (not a directory), so the warning comes when the cache is made.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -81,8 +82,9 @@ class DiskCache(SizeCache):
 
     Args:
         path (str or os.PathLike): the JSON file. Its folder is made if missing.
-        maxsize (int): how many keys to keep, in memory and in the file; the
-            least recently stored go first.
+        maxsize (int): how many keys to keep, in memory and in the file. In
+            memory the least recently used go first; in the file, which
+            other processes write too, the least recently stored.
         key (KeyFunction, optional): another key function. Default: ``None``,
             :func:`~koila_retry.size_class_key`.
 
@@ -285,6 +287,9 @@ def _replace(
         mode = None
         with contextlib.suppress(FileNotFoundError):
             mode = stat.S_IMODE(os.stat(target).st_mode)
+        if mode is not None and not mode & 0o222:
+            # Made read-only to freeze it: renaming over it would write it all the same (and does, as root).
+            raise PermissionError(errno.EACCES, "the file is read-only (no write permission for anyone)", target)
         with tempfile.NamedTemporaryFile(
             "w", encoding="utf-8", dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False
         ) as temporary:
