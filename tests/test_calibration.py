@@ -252,6 +252,19 @@ def test_chunked_keeps_the_measured_chunk() -> None:
         torch.testing.assert_close(out, model(x))
 
 
+def test_chunked_leaves_room_for_the_result_it_makes_after_the_measured_chunk() -> None:
+    """A 2 MiB result on 3 MiB: the size corrected by the probe ran out of memory beside it, twice at one size."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64)).double().eval()
+    x = torch.randn(4096, 64, dtype=torch.float64)
+    ooms: list[int] = []
+    with simulated_device("3MiB"), torch.no_grad():
+        out = koila.chunked(model, x, initial="auto", cache=koila.NoCache(), on_oom=lambda e: ooms.append(e.batch_size))
+    assert ooms == []
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+
+
 @pytest.mark.parametrize("weighed", [False, True], ids=["by rows", "by items"])
 def test_accumulate_keeps_the_measured_micro_batch_and_the_gradient_is_exact(weighed: bool) -> None:
     model = net(**UNDER["train"], dtype=torch.float64)

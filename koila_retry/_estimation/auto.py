@@ -196,11 +196,13 @@ class AutoFirst:
     """The first size of an ``initial="auto"`` call, asked by the engine on a cache miss, and its correction."""
 
     __slots__ = (
+        "_budget",
         "_cache",
         "_device",
         "_estimates",
         "_figures",
         "_fit",
+        "_held",
         "_key",
         "_make",
         "_measured",
@@ -234,6 +236,8 @@ class AutoFirst:
         self._figures: tuple[int, int] | None = None
         self._estimates: _Estimates | None = None
         self._fit: _Fit | None = None
+        self._budget: int | None = None  # the free bytes the call began with
+        self._held = 0  # bytes the call made after its measured run, and holds for the rest (see hold)
         self.meter: PeakMeter | None = None  # measures the first run, when it is to be measured
 
     def __call__(self, measure: bool = True) -> int:
@@ -247,6 +251,7 @@ class AutoFirst:
         if whole.notes and memo.first_time((name, whole.notes)):
             warn_inexact(whole, f"initial='auto' chose the first size of {name}")
         fit = self._fit = memo.fit(self._key, self._device, estimates)
+        self._budget = fit.budget
         first = self._decide(fit)
         if measure and estimates.calibration is None:
             # Where the device keeps a peak the estimate is a prior: a probe's real run is measured,
@@ -298,9 +303,15 @@ class AutoFirst:
         self._measured += 1
         known = estimates.calibration or Calibration(())
         estimates.calibration = known.adding(rows, gap_of(found, rows, rise))
-        # At the budget the call began with: what the call holds by now is in the estimates.
-        fit = self._fit = _memo_of(self._cache).fit(self._key, self._device, estimates, fit.budget)
+        # At the budget the call began with: what the call holds by now is in the estimates, but for
+        # what it made after the run (chunked's result), which the runs that follow must leave room for.
+        budget = (fit.budget if self._budget is None else self._budget) - self._held
+        fit = self._fit = _memo_of(self._cache).fit(self._key, self._device, estimates, budget)
         return self._decide(fit)
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` the call made after its measured run and holds while the rest runs."""
+        self._held += nbytes
 
     def split_rows(self) -> int:
         """Return the micro-batch size of a step already split, as the (corrected) estimate of a split step fits it."""

@@ -370,6 +370,9 @@ def _run_chunked(
             # Made inside the attempt: a result that does not fit beside this chunk is this
             # chunk's out-of-memory error, which a smaller first chunk may avoid.
             results.make(begin, end, result)
+            if meter is not None and first is not None:  # the chunks that follow run beside it
+                made: list[torch.Tensor | None] = results.targets or []
+                first.hold(sum(target.nbytes for target in made if target is not None))
         if meter is not None:  # after the result is made, which the size chosen must leave room for
             cast(Attempt, attempt).calibrate(end - begin, meter.rise)
         return result
@@ -381,7 +384,7 @@ def _run_chunked(
     else:
         device = chunks.device or split.device
         identity = function_identity(fn)
-        first = None
+        first: AutoFirst | None = None
         if chunks.auto:
 
             def make() -> MemoryEstimate:
