@@ -20,7 +20,7 @@ from koila_retry._common.places import place_of
 from koila_retry._core import decision, diagnosis, memory
 from koila_retry._core.calibrating import calibrate
 from koila_retry._core.call import Call, FirstSize
-from koila_retry._core.decision import Done, GiveUp, Outcome, State, Try
+from koila_retry._core.decision import Done, Outcome, State, Try
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import Failure, detached, iterator_among, store
 from koila_retry._core.sharded import RanksFailed
@@ -131,15 +131,7 @@ class Mechanics:
         size = state.size if state.rows is None else min(state.size, state.rows)
         # A front end's (function, args, kwargs): looked at only when an attempt fails.
         reused = iterator_among(roots) if isinstance(roots, tuple) else None
-        failure.invalid = None
-        try:
-            failure.step = decision.decide(self.owner.rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
-        except ValueError as error:
-            # Raised here, in the handler, it would keep the out-of-memory error and the failed
-            # attempt's frames as its context: retry() raises it, outside, once the memory is released.
-            failure.step, failure.invalid = GiveUp("schedule"), str(error)
-        # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
-        failure.reused = reused if isinstance(failure.step, GiveUp) and failure.step.reason == "iterator" else None
+        failure.decided(self.owner.rules, state, reused)
         state.size, state.rows = size, None  # a short last step failed: go on below what it tried
         self.phase = FAILED
         return failure

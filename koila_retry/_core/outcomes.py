@@ -16,8 +16,9 @@ from typing import NoReturn
 import torch
 
 from koila_retry._common.units import format_free
+from koila_retry._core import decision
 from koila_retry._core.cache import SizeCache
-from koila_retry._core.decision import Done, GiveUp, State, Step
+from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Step
 from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import BatchSizeExhausted, Diagnosis
@@ -89,6 +90,18 @@ class Failure:
         # Read before the memory was released; None when another rank's failure ended the call.
         self.diagnosis: Diagnosis | None = None
         self.snapshots: Snapshots | None = None
+
+    def decided(self, rules: Rules, state: State, reused: str | None) -> None:
+        """Take the decision after an out-of-memory error; ``reused``: an iterator argument, if any."""
+        self.invalid = None
+        try:
+            self.step = decision.decide(rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
+        except ValueError as error:
+            # Raised here, in the handler, it would keep the out-of-memory error and the failed
+            # attempt's frames as its context: retry() raises it, outside, once the memory is released.
+            self.step, self.invalid = GiveUp("schedule"), str(error)
+        # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
+        self.reused = reused if isinstance(self.step, GiveUp) and self.step.reason == "iterator" else None
 
     def close(self) -> None:
         """End what the call records for its snapshots, if anything."""
