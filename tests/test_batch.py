@@ -693,3 +693,24 @@ def test_recursion_limit_is_not_touched() -> None:
     assert len(depth) == 11
     assert len(set(depth[1:])) == 1
     assert depth[1] - depth[0] == 1
+
+
+def test_stats_copy_and_pickle_as_a_snapshot_that_counts_no_more() -> None:
+    import copy
+    import pickle
+
+    fits = oom_above(8)
+
+    @koila.batch(initial=32, cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    run()
+    for snapshot in (copy.copy(run.stats), copy.deepcopy(run.stats), pickle.loads(pickle.dumps(run.stats))):
+        assert snapshot.as_dict() == run.stats.as_dict()
+        assert (snapshot.calls, snapshot.ooms) == (1, 2)
+        assert repr(snapshot) == repr(run.stats)
+    taken = copy.copy(run.stats)
+    run()
+    assert (taken.calls, run.stats.calls) == (1, 2)  # the copy's counter is its own

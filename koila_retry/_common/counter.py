@@ -10,8 +10,8 @@ class Counter:
 
     __slots__ = ("_count", "increment")
 
-    def __init__(self) -> None:
-        self._count = itertools.count()
+    def __init__(self, start: int = 0) -> None:
+        self._count = itertools.count(start)
         # One C call, atomic in CPython, where ``self.n += 1`` can lose updates between threads
         # and a lock costs more than the rest of a cached call.
         self.increment = self._count.__next__

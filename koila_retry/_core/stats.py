@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +72,9 @@ class Stats:
             second of the attempts that succeeded, by size (the mean of each
             size's); for ``accumulate``, by micro-batch size, of the whole steps.
 
+    ``copy.copy``, ``copy.deepcopy`` and ``pickle`` take a snapshot, which
+    counts nothing more (to send from a worker process, say).
+
     .. versionadded:: 0.1.0
     """
 
@@ -134,14 +138,29 @@ class Stats:
     def as_dict(self) -> dict[str, float]:
         """Return the counters as a dict, the failure counters read consistently."""
         with self._lock:
-            return {
-                "calls": self.calls,
-                "ooms": self.ooms,
-                "exhausted": self.exhausted,
-                "batch_size": self.batch_size,
-                "seconds_lost": self.seconds_lost,
-            }
+            return self._counters()
+
+    def _counters(self) -> dict[str, float]:
+        """The counters as a dict, read under the caller's hold of the lock."""
+        return {
+            "calls": self.calls,
+            "ooms": self.ooms,
+            "exhausted": self.exhausted,
+            "batch_size": self.batch_size,
+            "seconds_lost": self.seconds_lost,
+        }
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={value!r}" for name, value in self.as_dict().items())
         return f"Stats({fields})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle, copy.copy and copy.deepcopy take a snapshot, with a lock and a counter of its own.
+        with self._lock:
+            return {**self._counters(), "timed": dict(self._timed)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["batch_size"])  # type: ignore[misc]
+        self.calls_counter = Counter(state["calls"])
+        self.ooms, self.exhausted, self.seconds_lost = state["ooms"], state["exhausted"], state["seconds_lost"]
+        self._timed = state["timed"]
