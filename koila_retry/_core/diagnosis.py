@@ -21,7 +21,7 @@ from koila_retry.exceptions import Diagnosis
 __all__ = ["capture", "from_allocator", "requested_bytes"]
 
 CAPACITY = (
-    "The memory is not there for this call: run less at once (a smaller batch, or a lower minimum=), "
+    "The memory is not there for this call: run less at once (a smaller batch, or a lower minimum= if one is set), "
     "shard the model (FSDP2) or offload what waits (koila.offload), or use less precision or "
     "activation checkpointing."
 )
