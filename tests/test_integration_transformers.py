@@ -385,6 +385,19 @@ def test_a_seq2seq_prediction_split_pads_each_chunks_generated_tokens_as_the_who
     assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
 
 
+def test_a_seq2seq_prediction_split_keeps_every_sequence_of_each_row(tmp_path: Path) -> None:
+    # num_return_sequences=2 gives two rows of tokens per row of the batch: taken for a count, the chunks'
+    # tokens were added up into a quarter of the rows (4 of 16), silently.
+    options = {"num_beams": 2, "num_return_sequences": 2}
+    expected = make_seq2seq_trainer(tmp_path, 5).predict(Pairs(), **options)
+    trainer = adapt(make_seq2seq_trainer(tmp_path, 5))
+    with simulated_device(TRAIN_LIMIT):
+        predicted = trainer.predict(Pairs(), **options)
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert predicted.predictions.shape == expected.predictions.shape == (2 * len(Pairs()), 40)
+    assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+
+
 def test_options_are_checked_when_adapting(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path)
     with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):

@@ -566,12 +566,19 @@ class _Prediction:
         self.shifts = _shifts_labels(trainer, transformers)
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
+        self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
             if loss is None:  # accumulate needs a loss to weigh; this one stands for none
                 self.lossless = True
                 loss = torch.zeros((), device=trainer.args.device)
+            rows = _rows_of(inputs)
+            if getattr(trainer.args, "predict_with_generate", False) and _several_per_row(logits, rows):
+                # num_return_sequences: each row's sequences follow one another. Folded to a row per row, they
+                # are joined as rows (not taken for a count and added up), and unfolded after the join.
+                logits = logits.unflatten(0, (rows, -1))
+                self.folded = True
             # Only what there is: a None would be warned about as an object accumulate cannot combine.
             found = {"loss": loss, "logits": logits, "labels": labels}
             return {key: value for key, value in found.items() if value is not None}
@@ -624,10 +631,19 @@ class _Prediction:
         swap = (
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
+        self.folded = False
         with swap, torch.no_grad():
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
-        return loss, found.get("logits"), found.get("labels")
+        logits = found.get("logits")
+        return loss, logits.flatten(0, 1) if self.folded else logits, found.get("labels")
+
+
+def _several_per_row(tokens: Any, rows: int | None) -> bool:
+    """Whether ``tokens`` hold several sequences for each of ``rows`` rows, one after another."""
+    if not isinstance(tokens, torch.Tensor) or not rows or tokens.dim() < 2:
+        return False
+    return tokens.shape[0] != rows and tokens.shape[0] % rows == 0
 
 
 def _generated_pad(trainer: Any) -> float | None:
