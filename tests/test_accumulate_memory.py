@@ -396,3 +396,14 @@ def test_the_direct_paths_walk_finds_the_leaves_the_full_walk_finds(case: int) -
     assert len(found) == len({id(leaf) for leaf in found}), f"{name}: a leaf found twice"
     assert all(leaf.requires_grad for leaf in found), name
     assert fast.batchnorm == full.batchnorm == batchnorm, name
+
+
+def test_the_walk_reads_a_batch_norm_freed_by_an_earlier_backward_as_one_over_rows() -> None:
+    # Its saved input is gone: reading it raises, and the walk must not, so the step's own backward says why.
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    hidden = torch.nn.BatchNorm1d(3)(torch.nn.Linear(3, 3)(x))
+    torch.autograd.grad(hidden.sum(), x)  # frees the graph's saved tensors
+    gradients = Gradients(True)
+    assert len(gradients._leaves(hidden.sum())) == 5  # x, and the weights and biases of the linear and the norm
+    assert gradients.batchnorm == 2

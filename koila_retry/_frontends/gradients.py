@@ -761,7 +761,10 @@ def _statistics(node: Any) -> int:
         return 0
     # InstanceNorm normalises through one: each row alone, folded into the channels of a
     # batch of one row. So does BatchNorm on a micro-batch of one row, which the caller tells.
-    saved = getattr(node, "_saved_input", None)
+    try:
+        saved = getattr(node, "_saved_input", None)
+    except RuntimeError:  # freed by a backward that already ran through it: say rows, to warn
+        return 2
     return 1 if saved is not None and saved.dim() > 0 and saved.shape[0] == 1 else 2
 
 
