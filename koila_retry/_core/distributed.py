@@ -305,11 +305,17 @@ def broadcast_before_inference(modules: Iterable[torch.nn.Module]) -> None:
     for module in modules:
         if not isinstance(module, DistributedDataParallel) or not getattr(module, "require_forward_param_sync", False):
             continue
-        syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
-        sync_buffers = getattr(module, "_sync_buffers", None)
-        if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
-            sync_buffers()
+        _broadcast_buffers(module)
         module.require_forward_param_sync = False
+
+
+def _broadcast_buffers(module: DistributedDataParallel) -> None:
+    """Make the broadcast of buffers from rank 0 that DDP makes at the start of a forward, if it makes one."""
+    # Private parts of DDP, each used only if this torch has it.
+    syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
+    sync_buffers = getattr(module, "_sync_buffers", None)
+    if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
+        sync_buffers()
 
 
 def synced_norms(roots: Iterable[Any]) -> list[torch.nn.Module]:
@@ -383,10 +389,7 @@ class GradientSync:
             rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
             if torch.is_grad_enabled() and callable(rebuild):
                 rebuild()  # a no-op unless DDP is due to rebuild
-            syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
-            sync_buffers = getattr(module, "_sync_buffers", None)
-            if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
-                sync_buffers()
+            _broadcast_buffers(module)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
