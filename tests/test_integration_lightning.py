@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+import koila_retry as koila
 from koila_retry import BatchSizeExhausted
 from koila_retry.testing import simulated_device
 
@@ -200,6 +201,38 @@ def test_manual_optimisation_leaves_the_training_step_alone_and_says_so() -> Non
     with pytest.warns(UserWarning, match="manual optimisation: OOMRecovery leaves its training_step as it is"):
         trainer(OOMRecovery(), Look(), max_steps=1).fit(model, loader())
     assert seen == {"training": False, "validation": True}
+
+
+class ManualWithItsOwnStep(Manual):
+    """Manual optimisation as docs/trainers.rst shows it: the loss computation decorated in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = koila.accumulate(backward=self.manual_backward)(self.compute_loss)
+
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.step(*batch)
+        optimizer.step()
+        return loss
+
+
+class ManualWithADecoratedMethod(Manual):
+    @koila.accumulate
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("module", [ManualWithItsOwnStep, ManualWithADecoratedMethod])
+def test_manual_optimisation_that_follows_the_docs_is_not_warned(module: type[Manual]) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(OOMRecovery(), max_steps=1).fit(module(), loader())
+    assert not [str(each.message) for each in caught if "OOMRecovery" in str(each.message)]
 
 
 def test_options_are_checked_when_the_callback_is_made() -> None:

@@ -13,6 +13,7 @@ after the backward sees the whole batch's gradient, once.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import sys
 import warnings
@@ -36,6 +37,7 @@ from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
+from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
 from koila_retry._frontends.gradients import OtherLeaves, added_back
@@ -128,7 +130,7 @@ class OOMRecovery(Callback):
         names = list(_EVALUATION)
         if pl_module.automatic_optimization:
             names.append("training_step")
-        elif stage == "fit":
+        elif stage == "fit" and not _holds_a_wrapper(pl_module):
             warnings.warn(
                 f"{type(pl_module).__name__} uses manual optimisation: OOMRecovery leaves its training_step as it "
                 "is (evaluation steps are still split). Decorate the loss computation inside training_step with "
@@ -168,6 +170,14 @@ class OOMRecovery(Callback):
         # Lightning calls teardown only when they return. The exception is not kept.
         for step in self._steps.values():
             step.uninstall(pl_module)
+
+
+def _holds_a_wrapper(pl_module: pl.LightningModule) -> bool:
+    """Return whether the module or its class holds a koila-retry wrapper, as the manual-optimisation docs show."""
+    # Its own: no warning that tells it to do what it did (a decorated attribute, or a decorated method).
+    values = [*vars(pl_module).values(), *(value for kind in type(pl_module).__mro__ for value in vars(kind).values())]
+    # Looked up statically: nothing of the user's runs (a Trainer's, a submodule's __getattr__).
+    return any(isinstance(inspect.getattr_static(value, "stats", None), Stats) for value in values)
 
 
 class _Held:
