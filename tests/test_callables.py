@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -231,6 +232,66 @@ def test_every_front_end_refuses_to_retry_with_an_iterator() -> None:
 
     with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\)"):
         accelerate_total(iter(list(range(10))))
+
+
+@dataclasses.dataclass
+class Settings:
+    scales: Any
+
+
+@pytest.mark.parametrize(
+    ("wrap", "named"),
+    [
+        (lambda it: {"scales": it}, r"argument 0\['scales'\] \(list_iterator\)"),
+        (lambda it: [1, (2, it)], r"argument 0\[1\]\[1\] \(list_iterator\)"),
+        (lambda it: Settings(it), r"argument 0\.scales \(list_iterator\)"),
+    ],
+    ids=["dict", "list-of-tuple", "dataclass"],
+)
+def test_an_iterator_inside_an_argument_is_not_reused(wrap: Callable[[Any], Any], named: str) -> None:
+    def scales_of(settings: Any) -> Iterator[int]:
+        if isinstance(settings, dict):
+            return cast(Iterator[int], settings["scales"])
+        if isinstance(settings, list):
+            return cast(Iterator[int], settings[1][1])
+        return cast(Iterator[int], settings.scales)
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def total(batch_size: int, settings: Any) -> int:
+        return consume(scales_of(settings), batch_size, limit=4)
+
+    assert total(wrap(list(range(10)))) == 45  # a list inside is iterated afresh
+    with pytest.raises(TypeError, match=named):
+        total(wrap(iter(list(range(10)))))  # the retry would add up 4..9: 39
+
+    rows = torch.ones(8, 2)
+
+    def scaled(x: torch.Tensor, settings: Any) -> torch.Tensor:
+        return x * consume(scales_of(settings), len(x), limit=4)
+
+    # chunked and accumulate refuse a top-level iterator before they run; one inside, at the failure.
+    with pytest.raises(TypeError, match=named.replace("argument 0", "argument 1")):
+        koila.chunked(scaled, rows, wrap(iter(list(range(10)))), initial=8, cache=koila.NoCache())
+
+    @koila.accumulate(initial=8, cache=koila.NoCache())
+    def step(x: torch.Tensor, settings: Any) -> torch.Tensor:
+        return scaled(x, settings).sum()
+
+    with pytest.raises(TypeError, match=named.replace("argument 0", "argument 1")):
+        step(rows.requires_grad_(), wrap(iter(list(range(10)))))
+
+
+def test_a_file_nothing_reads_from_does_not_stop_a_retry(tmp_path: Any) -> None:
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def logged(batch_size: int, log: Any, settings: dict[str, Any]) -> int:
+        print(batch_size, file=log)
+        return consume(iter(range(10)), batch_size, limit=4)
+
+    with open(tmp_path / "log.txt", "w") as log:
+        assert logged(log, {"also": log}) == 45  # written to, never read: retried
+    assert (tmp_path / "log.txt").read_text().split() == ["8", "4"]
+    with open(tmp_path / "log.txt", "r+") as log, pytest.raises(TypeError, match=r"argument 0 \(TextIOWrapper\)"):
+        logged(log, {})  # readable: a retry would read on from where the failed attempt stopped
 
 
 def test_an_iterator_is_fine_when_nothing_fails_or_nothing_is_retried() -> None:

@@ -7,9 +7,10 @@ and dropped with it. The one exception kept is the cause of a coming
 
 from __future__ import annotations
 
+import io
 import logging
-from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, fields, is_dataclass
 from types import FrameType
 from typing import NoReturn
 
@@ -202,19 +203,47 @@ def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_
 
 
 def iterator_among(roots: tuple[object, ...]) -> str | None:
-    """Name the first iterator among a call's arguments (the tuples and dicts in its roots)."""
+    """Name the first iterator among a call's arguments (the tuples and dicts in its roots), nested ones included."""
     # Tensors, lists and data loaders are iterated afresh by each attempt; an iterator
-    # (a generator, iter(...), a file) goes on from where the failed attempt stopped.
+    # (a generator, iter(...), a file) goes on from where the failed attempt stopped, at any
+    # depth ({"scales": iter(...)}). Looked at only after a failure: the walk costs no call.
+    stack: list[tuple[str, object]] = []
     for root in roots:
         if isinstance(root, (tuple, list)):
-            for index, value in enumerate(root):
-                if isinstance(value, Iterator):
-                    return f"argument {index} ({type(value).__name__})"
+            stack.extend((f"argument {index}", value) for index, value in enumerate(root))
         elif isinstance(root, dict):
-            for name, value in root.items():
-                if isinstance(value, Iterator):
-                    return f"keyword argument {name!r} ({type(value).__name__})"
+            stack.extend((f"keyword argument {name!r}", value) for name, value in root.items())
+    stack.reverse()
+    budget = _WALKED
+    while stack and budget:
+        budget -= 1
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, Iterator):
+            if not _write_only(value):
+                return f"{path} ({type(value).__name__})"
+        elif isinstance(value, (tuple, list)):
+            stack.extend((f"{path}[{index}]", item) for index, item in reversed(list(enumerate(value))))
+        elif isinstance(value, Mapping):
+            stack.extend((f"{path}[{key!r}]", item) for key, item in reversed(list(value.items())))
+        elif is_dataclass(value) and not isinstance(value, type):
+            stack.extend((f"{path}.{field.name}", getattr(value, field.name)) for field in reversed(fields(value)))
     return None
+
+
+def _write_only(value: object) -> bool:
+    """Return whether ``value`` is a file nothing reads from (a log, ``sys.stdout``): a retry writes on."""
+    if not isinstance(value, io.IOBase):
+        return False
+    try:
+        return not value.readable()
+    except ValueError:  # closed: the function cannot read it either
+        return True
+
+
+# The most values a failure's look for iterators visits: a long list of numbers is not walked whole.
+_WALKED = 10_000
 
 
 def detached(exc: BaseException) -> BaseException:
