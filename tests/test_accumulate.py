@@ -665,6 +665,44 @@ def test_non_scalar_loss_names_its_shape() -> None:
 
 
 @pytest.mark.parametrize("initial", [None, 4])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize(
+    "returned",
+    [lambda out: (out > 0).sum(), lambda out: (out > 0).any(), lambda out: ((out > 0).sum(), out.mean())],
+    ids=["count", "flag", "count-first-in-a-tuple"],
+)
+def test_a_loss_that_is_not_floating_point_is_refused(
+    initial: int | None, grad: bool, returned: Callable[[torch.Tensor], Any]
+) -> None:
+    # Weighted by each micro-batch's rows, a count became 0.6 and a flag 2 only when the step was split.
+    model, x, y = build("mlp", 10)
+    give_grads(model)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return returned(model(x))
+
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(TypeError, match=r"step returned a loss of dtype torch\.(int64|bool)"),
+    ):
+        step(x, y)
+    before.assert_unchanged()
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def beside(x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = model(x)
+        return F.mse_loss(out, y), (out > 0).sum()  # a count beside the loss: added up, in its own type
+
+    with torch.set_grad_enabled(grad):
+        loss, count = beside(x, y)
+    assert loss.dtype == x.dtype
+    assert count.dtype == torch.int64
+    assert count.item() == int((model(x) > 0).sum())
+
+
+@pytest.mark.parametrize("initial", [None, 4])
 def test_detached_loss_names_the_module(initial: int | None) -> None:
     model, x, y = build("mlp", 10)
     give_grads(model, lambda i: i % 2 == 0)
@@ -1306,6 +1344,38 @@ def test_a_graph_from_before_the_call_reached_without_an_argument_is_named_when_
     shift = encoder(data(1, 3, seed=2))
     passed(x, y, shift)  # as the note says: its graph is kept for the whole step
     assert encoder.weight.grad is not None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
+def test_a_parametrization_cached_around_a_split_step_is_named_and_inside_it_is_exact() -> None:
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(3, 1).double())
+    x, y = data(8, 3), data(8, 1, seed=1)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(layer(x), y)
+
+    loss_of(x, y).backward()
+    expected = [p.grad.clone() for p in layer.parameters()]  # type: ignore[union-attr]
+    layer.zero_grad()
+
+    around = koila.accumulate(initial=4)(loss_of)
+    with parametrize.cached(), pytest.raises(RuntimeError, match="a second time") as caught:
+        around(x, y)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("parametrize.cached()" in note for note in notes), notes
+    assert all(p.grad is None for p in layer.parameters())  # as it was
+
+    @koila.accumulate(initial=4)
+    def inside(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with parametrize.cached():
+            return loss_of(x, y)
+
+    inside(x, y)
+    for parameter, want in zip(layer.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, want)
 
 
 @pytest.mark.parametrize("initial", [None, 2], ids=["whole", "split"])

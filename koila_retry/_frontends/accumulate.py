@@ -332,7 +332,9 @@ _OUTSIDE_GRAPH = (
     "{name} ran in micro-batches, and each one's backward runs through what the step reaches from before the call. "
     "A tensor made by a graph outside the step that is not one of its arguments (a closure, a global, an "
     "attribute) is freed by the first micro-batch's backward. Pass it to the step as an argument, whose graph is "
-    "kept for the whole step, or compute it inside the step."
+    "kept for the whole step, or compute it inside the step. A cache entered around the call does the same "
+    "(torch.nn.utils.parametrize.cached()): its first micro-batch builds the weight, whose graph that "
+    "micro-batch's backward frees; enter it inside the step."
 )
 
 

@@ -51,7 +51,7 @@ class Results:
     def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
         """Check one micro-batch's result, keep its parts (weighted by ``weight``), and return its loss."""
         # The usual case, a scalar tensor, kept without flattening: what loss_of would return, checked as it checks.
-        if isinstance(result, TensorBase) and result.numel() == 1:
+        if isinstance(result, TensorBase) and result.numel() == 1 and result.is_floating_point():
             if self.spec is None:
                 self.spec, self.kinds, self.columns = _LEAF_SPEC, [_LOSS], [[]]
             elif self.spec is not _LEAF_SPEC:
@@ -285,6 +285,13 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
         raise ValueError(
             f"{name} returned a loss of shape {tuple(loss.shape)}; it must be a scalar: reduce it with "
             ".mean() or .sum() (and say which with reduction=)"
+        )
+    if not (loss.is_floating_point() or loss.is_complex()):
+        # Weighted by each micro-batch's share of the rows, a count or a flag would change type and value.
+        raise TypeError(
+            f"{name} returned a loss of dtype {loss.dtype}; it must be a floating-point tensor, which can be "
+            "weighted by each micro-batch's rows. Return it as a float (.float()), or beside the loss in a "
+            "tuple or dict, where integers and flags are added up in their own type"
         )
     return cast(torch.Tensor, loss)
 
