@@ -645,6 +645,32 @@ def test_an_oom_in_a_later_step_of_a_window_puts_the_windows_gradients_back(tmp_
         torch.testing.assert_close(mine, theirs, rtol=1e-13, atol=1e-15, msg=name)
 
 
+class RetainingBackward(transformers.Trainer):  # type: ignore[misc]
+    """An override that computes its loss and passes a keyword to accelerator.backward."""
+
+    keyword: dict[str, Any] | None = None  # by default, retain_graph=False
+
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=count[0] if count else None)
+        self.accelerator.backward(loss, **(self.keyword or {"retain_graph": False}))
+        return loss.detach()
+
+
+def test_an_override_that_passes_retain_graph_to_the_backward_is_served(tmp_path: Path) -> None:
+    plain = make_trainer(tmp_path, RetainingBackward)
+    plain.train()
+    trainer = adapt(make_trainer(tmp_path, RetainingBackward))  # its first step runs through accumulate
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    assert trainer.training_step.stats.ooms
+    assert_same_training(trainer, plain)
+    refused = adapt(make_trainer(tmp_path, RetainingBackward))
+    refused.keyword = {"retain_graph": True, "create_graph": False}  # on the instance
+    with pytest.raises(NotImplementedError, match=r"with \['create_graph'\], .*it accepts retain_graph"):
+        refused.train()
+
+
 def test_an_override_runs_through_accumulate_once_then_as_the_trainer_runs_it(tmp_path: Path, reference: Any) -> None:
     """Its first step shows that it backpropagates through accelerator.backward, once; the others run as they are."""
     trainer = adapt(make_trainer(tmp_path, Logging))

@@ -480,10 +480,13 @@ class _Training:
         held: list[torch.Tensor] = []
 
         def hold(loss: torch.Tensor, **kwargs: Any) -> None:
+            # The backward runs after the step, kept as long as its micro-batches need: retain_graph says nothing.
+            kwargs.pop("retain_graph", None)
             if kwargs:
                 raise NotImplementedError(
                     f"{NAME}: the trainer's training_step called accelerator.backward with {sorted(kwargs)}, "
-                    "which adapt cannot pass on per micro-batch"
+                    "which adapt cannot pass on per micro-batch (it accepts retain_graph, and runs the backward "
+                    "after the step). Call self.accelerator.backward(loss) without them"
                 )
             held.append(loss)
 
