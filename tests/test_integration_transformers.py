@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import subprocess
@@ -411,6 +412,19 @@ def test_options_are_checked_when_adapting(tmp_path: Path) -> None:
     assert adapt(trainer, minimum=2) is trainer
     with pytest.raises(ValueError, match="adapted already"):
         adapt(trainer)
+
+
+def test_an_adapted_trainer_refuses_a_deep_copy(tmp_path: Path, reference: Any) -> None:
+    # A copy's steps were the original's wrappers, weighing micro-batches with the original's state:
+    # the copy trained to other weights once a step was split.
+    trainer = adapt(make_trainer(tmp_path))
+    with pytest.raises(TypeError, match=r"adapted cannot be deep-copied: .* Copy the trainer before"):
+        copy.deepcopy(trainer)
+    copied = adapt(copy.deepcopy(make_trainer(tmp_path)))  # as the message says
+    with simulated_device(TRAIN_LIMIT):
+        copied.train()
+    assert copied.training_step.stats.ooms
+    assert_same_training(copied, reference)
 
 
 def test_a_trainer_it_cannot_serve_is_refused_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 
@@ -357,7 +357,18 @@ class _Whole:
         return failure
 
 
-class _Training:
+class _Bound:
+    """A step bound to the trainer it adapted: its wrappers close over it, so a deep copy would share them."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(
+            f"a Trainer that {NAME}() adapted cannot be deep-copied: its steps' wrappers are bound to it, so "
+            "the copy's steps would weigh its micro-batches with the original's state. Copy the trainer before "
+            f"{NAME}(), and adapt the copy"
+        )
+
+
+class _Training(_Bound):
     """An adapted trainer's ``training_step``: the original, run by ``accumulate``, whole or in micro-batches."""
 
     def __init__(self, trainer: Any, overridden: bool, options: Options, transformers: ModuleType) -> None:
@@ -560,7 +571,7 @@ def _gradients(model: Any) -> list[tuple[int, int]]:
     return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0) for p in model.parameters()]
 
 
-class _Prediction:
+class _Prediction(_Bound):
     """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients."""
 
     def __init__(self, trainer: Any, options: Options, transformers: ModuleType) -> None:
