@@ -235,6 +235,35 @@ def test_manual_optimisation_that_follows_the_docs_is_not_warned(module: type[Ma
     assert not [str(each.message) for each in caught if "OOMRecovery" in str(each.message)]
 
 
+class FindsItsSize(MLP):
+    """A module whose loader reads its batch_size, as Lightning's batch-size finder needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 4
+
+    def train_dataloader(self) -> Any:
+        return loader(batch=self.batch_size)
+
+
+def test_a_batch_size_finder_in_the_same_trainer_is_refused_before_any_step() -> None:
+    # OOMRecovery splits what does not fit: the finder doubled up to the dataset's size, then crashed
+    # on a BatchSizeExhausted it does not take for an out-of-memory error.
+    from lightning.pytorch.callbacks import BatchSizeFinder
+    from lightning.pytorch.tuner import Tuner
+
+    model = FindsItsSize()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    with pytest.raises(RuntimeError, match="OOMRecovery and BatchSizeFinder in one trainer"):
+        trainer(OOMRecovery(), BatchSizeFinder(max_trials=2)).fit(model)
+    with pytest.raises(RuntimeError, match="OOMRecovery and BatchSizeFinder in one trainer"):
+        Tuner(trainer(OOMRecovery())).scale_batch_size(model, max_trials=2)
+    assert "training_step" not in vars(model)
+    assert model.batch_size == 4
+    for parameter, was in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter, was)
+
+
 def test_options_are_checked_when_the_callback_is_made() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
         OOMRecovery(minimun=8)  # type: ignore[call-arg]

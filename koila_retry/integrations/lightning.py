@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -95,7 +95,8 @@ class OOMRecovery(Callback):
         ValueError: if an option is out of range.
         RuntimeError: in ``setup``, if the trainer's strategy is none of one device,
             DDP and ``ModelParallelStrategy`` (FSDP1's ``FSDPStrategy``, DeepSpeed
-            and XLA are refused by name).
+            and XLA are refused by name), or if a ``BatchSizeFinder`` is among its
+            callbacks (``Tuner.scale_batch_size`` adds one).
 
     Example::
 
@@ -126,6 +127,15 @@ class OOMRecovery(Callback):
                 f"{type(trainer.strategy).__name__}, whose forward or backward communicates between the ranks, "
                 "so a rank that splits its step while another does not would leave that one waiting. Use "
                 "strategy='ddp', ModelParallelStrategy with fully_shard in configure_model, or one device"
+            )
+        finders = [type(each).__name__ for each in cast(Any, trainer).callbacks if isinstance(each, BatchSizeFinder)]
+        if finders:
+            raise RuntimeError(
+                f"OOMRecovery and {finders[0]} in one trainer: OOMRecovery splits every step that does not fit, "
+                f"so {finders[0]} would never see an out-of-memory error and would double the batch size up to "
+                "the dataset's, and it does not count OOMRecovery's BatchSizeExhausted as one. Use one of them: "
+                f"{finders[0]} (or Tuner.scale_batch_size) to pick a batch size that fits whole, then OOMRecovery "
+                "in the trainer that trains with it"
             )
         names = list(_EVALUATION)
         if pl_module.automatic_optimization:
