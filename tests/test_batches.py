@@ -362,8 +362,20 @@ def parts(value: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
+def per_row(value: Any, n: int) -> bool:
+    """Return whether ``value`` is a list of records or strings, one per row (the outermost such list wins)."""
+    if type(value) not in (list, tuple) or len(value) != n or n < 2:
+        return False
+    return all(isinstance(item, Mapping) for item in value) or all(isinstance(item, str) for item in value)
+
+
 def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int) -> None:
     """Check that ``piece`` is ``whole`` with the rows ``[begin, end)`` of the tensors that have ``n``."""
+    if per_row(whole, n):  # each piece gets its rows' records, as they are
+        assert type(piece) is type(whole)
+        assert len(piece) == end - begin
+        assert all(got is want for got, want in zip(piece, whole[begin:end], strict=True))
+        return
     if isinstance(whole, torch.Tensor):
         if whole.dim() and whole.size(0) == n:
             assert torch.equal(piece, whole[begin:end])
@@ -382,9 +394,14 @@ def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int) -> None:
         check_slice(item, whole_item, begin, end, n)
 
 
-def leaves(value: Any) -> list[Any]:
-    found = parts(value)
-    return [value] if found is None else [leaf for _, item in found for leaf in leaves(item)]
+def leaves(value: Any, n: int = 0, like: Any = None) -> list[Any]:
+    """Return the leaves of ``value``; with ``n``, a list per row (in ``like``, the whole) is one leaf."""
+    like = value if like is None else like
+    found = None if n and per_row(like, n) else parts(value)
+    if found is None:
+        return [value]
+    shape = parts(like) or []
+    return [leaf for (_, item), (_, whole) in zip(found, shape, strict=True) for leaf in leaves(item, n, whole)]
 
 
 @given(shape=nested, n=st.integers(2, 9), size=st.integers(1, 10))
@@ -401,11 +418,13 @@ def test_slices_are_the_arguments_rows_in_the_same_containers(shape: Any, n: int
         begin += count
     # Put back together, the slices are the arguments; the arguments themselves are untouched.
     assert [(leaf, getattr(leaf, "shape", None)) for leaf in leaves(batch)] == before
-    chunks = [leaves(args) for args, _, _ in pieces]
-    for index, whole in enumerate(leaves(batch)):
+    chunks = [leaves(list(args), n, batch) for args, _, _ in pieces]
+    for index, whole in enumerate(leaves(batch, n)):
         column = [chunk[index] for chunk in chunks]
         if isinstance(whole, torch.Tensor) and whole.dim() and whole.size(0) == n:
             assert torch.equal(torch.cat(column), whole)
+        elif per_row(whole, n):
+            assert [item for piece in column for item in piece] == list(whole)
         else:
             assert all(item is whole for item in column)
 
@@ -835,6 +854,39 @@ def test_records_without_tensors_are_split_with_the_rows_as_records_with_them() 
     whole = weight.grad.clone()  # type: ignore[union-attr]
     weight.grad = None
     koila.accumulate(loss, initial=2)(rows, scales)
+    torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_strings_one_per_row_are_split_with_the_rows() -> None:
+    """A collated string field (file names, texts) went whole to every piece, which zip paired with other rows."""
+    rows = torch.arange(1.0, 9.0, dtype=torch.float64).unsqueeze(1)
+    names = [f"image {index}.png" for index in range(8)]
+    tags = tuple("ab"[index % 2] for index in range(8))  # a tuple of them, beside the list
+    labels = ["cat", "dog"]  # two strings: not one per row, passed whole
+    got: list[tuple[list[str], tuple[str, ...], list[str]]] = []
+
+    def scaled(x: torch.Tensor, names: list[str], tags: tuple[str, ...], labels: list[str]) -> torch.Tensor:
+        got.append((names, tags, labels))
+        return torch.stack([row * float(name.split()[1][0]) for row, name in zip(x, names, strict=True)])
+
+    expected = scaled(rows, names, tags, labels)
+    got.clear()
+    assert torch.equal(koila.chunked(scaled, rows, names, tags, labels, initial=4), expected)
+    assert got == [(names[:4], tags[:4], labels), (names[4:], tags[4:], labels)]
+    mixed = ["a", None, "c", "d", "e", "f", "g", "h"]  # not all strings: passes whole, as before
+    assert Split((rows, mixed), {}, 0, "test").pieces(4).__next__()[0][1] is mixed
+
+    # Through accumulate: each micro-batch's rows weighed by their own names' numbers.
+    weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
+
+    def loss(x: torch.Tensor, names: list[str]) -> torch.Tensor:
+        scale = torch.tensor([float(name.split()[1][0]) for name in names], dtype=torch.float64)
+        return (x[:, 0] * weight * scale).pow(2).mean()
+
+    loss(rows, names).backward()
+    whole = weight.grad.clone()  # type: ignore[union-attr]
+    weight.grad = None
+    koila.accumulate(loss, initial=2)(rows, names)
     torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -160,6 +160,14 @@ def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any
             "and got back other items than it gave: the constructor treats these items differently"
         )
     return new
+
+
+def _records(items: Sequence[Any]) -> bool:
+    """Return whether ``items`` are all mappings, or all strings: one per row where there are as many as rows."""
+    first = items[0]
+    if isinstance(first, Mapping):
+        return all(isinstance(item, Mapping) for item in items)
+    return isinstance(first, str) and all(isinstance(item, str) for item in items)
 
 
 def _kind(value: Any) -> int | None:
@@ -412,8 +420,9 @@ class Split:
             found = self._walk(item, (*path, label), paths)
             if found is not None:
                 children.append((key, found))
-        # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node.
-        records = kind in (_LIST, _TUPLE) and len(value) > 1 and all(isinstance(item, Mapping) for item in value)
+        # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node. So is a
+        # list of strings (file names, texts: what a DataLoader's collate makes of a string field).
+        records = kind in (_LIST, _TUPLE) and len(value) > 1 and _records(value)
         if not children and not records:
             return None
         # Decided here, on every call, and not when a slice is first made: a container
