@@ -680,34 +680,38 @@ def test_non_tensor_result_from_a_later_chunk_names_the_place() -> None:
 
 
 @pytest.mark.parametrize(
-    "results",
+    ("results", "shown"),
     [
-        [lambda r: (r, r), lambda r: {"a": r}],
-        [lambda r: None, lambda r: r],
-        [lambda r: None, lambda r: (r,)],
-        [lambda r: (r, r), lambda r: (r, r, r)],
-        [lambda r: {"a": r}, lambda r: {"b": r}],
+        ([lambda r: (r, r), lambda r: {"a": r}], "(*, *) and then {'a': *}"),
+        ([lambda r: None, lambda r: r], "None and then a value"),
+        ([lambda r: None, lambda r: (r,)], "None and then (*)"),
+        ([lambda r: (r, r), lambda r: (r, r, r)], "(*, *) and then (*, *, *)"),
+        ([lambda r: {"a": r}, lambda r: {"b": r}], "{'a': *} and then {'b': *}"),
+        ([lambda r: r, lambda r: None], "a value and then None"),
+        ([lambda r: [r, {"a": r}], lambda r: [r, r]], "[*, {'a': *}] and then [*, *]"),
     ],
-    ids=["tuple-then-dict", "none-then-tensor", "none-then-tuple", "pair-then-triple", "other-keys"],
+    ids=[
+        "tuple-then-dict",
+        "none-then-tensor",
+        "none-then-tuple",
+        "pair-then-triple",
+        "other-keys",
+        "tensor-then-none",
+        "nested",
+    ],
 )
-def test_structure_changing_between_chunks(results: list[Callable[[torch.Tensor], Any]]) -> None:
+def test_structure_changing_between_chunks_is_shown_on_one_line(
+    results: list[Callable[[torch.Tensor], Any]], shown: str
+) -> None:
+    # Printed as TreeSpecs, None and a tensor both read "*", and containers spread over lines.
     calls = iter(range(100))
 
     def fn(rows: torch.Tensor) -> Any:
         return results[min(next(calls), 1)](rows)
 
-    with pytest.raises(ValueError, match="fn returned results of different structures for different chunks"):
+    with pytest.raises(ValueError, match="fn returned results of different structures for different chunks") as caught:
         koila.chunked(fn, torch.arange(6.0), initial=2)
-
-
-def test_none_after_a_tensor_is_a_structure_change() -> None:
-    calls = iter(range(100))
-
-    def fn(rows: torch.Tensor) -> torch.Tensor | None:
-        return rows if next(calls) == 0 else None
-
-    with pytest.raises(ValueError, match="fn returned results of different structures for different chunks"):
-        koila.chunked(fn, torch.arange(6.0), initial=2)
+    assert str(caught.value).endswith(f"chunks: {shown}")
 
 
 def test_out_with_wrong_rows() -> None:

@@ -22,7 +22,7 @@ from torch.utils._pytree import (
 
 from koila_retry._common.batches import CONSTRUCTED, faithful, remake, state_of, tuple_remaking
 
-__all__ = ["flatten", "flatten_with_path"]
+__all__ = ["flatten", "flatten_with_path", "structure"]
 
 
 class _Remade:
@@ -107,3 +107,30 @@ def flatten(result: Any) -> tuple[list[Any], TreeSpec]:
 def flatten_with_path(result: Any) -> list[tuple[KeyPath, Any]]:
     """Return the ``(path, leaf)`` pairs of a piece's result, in the order of :func:`flatten`."""
     return tree_flatten_with_path(_lifted(result))[0]
+
+
+def structure(spec: TreeSpec | None) -> str:
+    """Return a result's structure on one line for an error: ``None``, a value, or its containers of ``*``."""
+    if spec is None:
+        return "None"
+    if spec.is_leaf():
+        return "a value"
+    return _shape(spec)
+
+
+def _shape(spec: TreeSpec) -> str:
+    if spec.is_leaf():
+        return "*"
+    # torch 2.13 deprecates children_specs for children(), which earlier releases lack.
+    every = spec.children() if hasattr(spec, "children") else spec.children_specs
+    children = [_shape(child) for child in every]
+    kind, context = spec.type, spec.context
+    if isinstance(context, _Remade):
+        kind = context.cls
+    if isinstance(context, list) and len(context) == len(children):  # a mapping's keys
+        inside = ", ".join(f"{key!r}: {child}" for key, child in zip(context, children, strict=True))
+        return "{" + inside + "}" if kind is dict else f"{kind.__name__}({{{inside}}})"
+    inside = ", ".join(children)
+    if kind is list:
+        return f"[{inside}]"
+    return f"({inside})" if kind is tuple else f"{kind.__name__}({inside})"

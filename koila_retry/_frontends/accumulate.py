@@ -112,8 +112,8 @@ def accumulate(
     step. See :doc:`accumulate` for how the gradients reach ``.grad``.
 
     The call returns the full-batch loss, detached: the weighted sum of the
-    micro-batches' losses. Other items of a tuple, list, dict or dataclass
-    result (a Hugging Face ``ModelOutput``) are combined too, leaf by leaf, and
+    micro-batches' losses. Other items of a tuple, list or dict result (a
+    Hugging Face ``ModelOutput``) are combined too, leaf by leaf, and
     detached: tensors with a ``dim`` are concatenated along it; numbers and
     0-dimensional tensors are weighted like the loss; other objects (a model's
     key-value cache, strings) come back as ``None``, with a warning, once.

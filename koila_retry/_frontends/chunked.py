@@ -23,7 +23,7 @@ from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, k
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path
+from koila_retry._common.results import flatten, flatten_with_path, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._common.warn import warn_or_log
@@ -459,7 +459,7 @@ class _Results:
             return  # the usual case, checked and written without flattening
         if result is None and self.out is None:
             if self.spec is not None and not self.none:
-                self._changed(self.spec, _NONE_SPEC)
+                self._changed(self.spec, None)
             self.none, self.spec = True, _NONE_SPEC
             return
         leaves = self._checked(result, begin)
@@ -488,7 +488,7 @@ class _Results:
                 self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
-            self._changed(self.spec, spec)
+            self._changed(None if self.none else self.spec, spec)
         dim, joined, targets = self.dim, False, self.targets
         for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
             if isinstance(leaf, TensorBase):
@@ -648,8 +648,12 @@ class _Results:
         )
 
     @staticmethod
-    def _changed(before: TreeSpec, after: TreeSpec) -> NoReturn:
-        raise ValueError(f"fn returned results of different structures for different chunks: {before} and then {after}")
+    def _changed(before: TreeSpec | None, after: TreeSpec | None) -> NoReturn:
+        # None: the chunk returned None (a spec of a leaf would read as a value).
+        raise ValueError(
+            "fn returned results of different structures for different chunks: "
+            f"{structure(before)} and then {structure(after)}"
+        )
 
     def _explain(self, result: Any, begin: int) -> NoReturn:
         """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""

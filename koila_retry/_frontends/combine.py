@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path
+from koila_retry._common.results import flatten, flatten_with_path, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._core.engine import Controller
 
@@ -99,7 +99,7 @@ class Results:
     def _changed(self, spec: TreeSpec) -> NoReturn:
         raise ValueError(
             f"{self.step.controller.name} returned results of different structures for different "
-            f"micro-batches: {self.spec} and then {spec}"
+            f"micro-batches: {structure(self.spec)} and then {structure(spec)}"
         )
 
     def _kind(self, leaf: Any, loss: torch.Tensor, rows: int) -> str:
