@@ -75,6 +75,24 @@ def test_an_adapted_trainer_trains_as_with_all_the_memory(tmp_path: Path, refere
     assert_same_training(trainer, reference)
 
 
+def test_the_steps_statistics_count_every_step_in_one_object(tmp_path: Path) -> None:
+    # Three accumulators weigh micro-batches three ways; the wrapper showed the Stats of whichever ran last.
+    trainer = adapt(make_trainer(tmp_path))
+    stats = trainer.training_step.stats
+    trainer.train()  # with memory to spare: 3 steps run whole
+    assert (stats.calls, stats.ooms) == (3, 0)
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()  # 3 more, split
+    assert trainer.training_step.stats is stats
+    assert stats.calls == 6
+    assert stats.ooms >= 1
+    assert stats.batch_size < 8
+    predicted = trainer.prediction_step.stats
+    trainer.evaluate()
+    assert trainer.prediction_step.stats is predicted
+    assert predicted.calls >= 1
+
+
 def test_gradient_accumulation_windows_are_kept(tmp_path: Path) -> None:
     reference = make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
     reference.train()

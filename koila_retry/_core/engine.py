@@ -72,6 +72,7 @@ class Controller:
         default_cache: SizeCache | None = None,
         explain: Explain | None = None,
         keep_last: bool = False,  # store every success's size, the initial one too (toma's caches do)
+        stats: Stats | None = None,  # shared by the steps of one integration's wrapper, which shows one
     ) -> None:
         self.name = name
         self.policy = policy
@@ -80,7 +81,7 @@ class Controller:
             default_cache = policy.cache
         self.cache: SizeCache = StackMemoryCache() if default_cache is None else default_cache
         self.explain = explain or plain_message
-        self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial)
+        self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial) if stats is None else stats
         self.plan = compose(policy, self.rules, self.cache)  # a call's strategies, when it agrees with no rank
         self.ranks = ranks.Ranks(name, policy, self.rules, self.cache)
         short = Route.SHORT if policy.sync is False else Route.SHORT_UNLESS_A_GROUP

@@ -34,6 +34,7 @@ from koila_retry._core.memory import PeakMeter
 from koila_retry._core.overlap import Overlap, overlaps
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
+from koila_retry._core.stats import Stats
 from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
 from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
@@ -256,6 +257,8 @@ def accumulator(
     # padded with at the end of those dims to be joined, or None to leave torch.cat's error. Asked
     # only when the sizes differ (see combine.Results).
     pad: Callable[[], float | None] | None = None,
+    # For an integration whose wrapper runs one of several steps per call: the statistics they all write.
+    stats: Stats | None = None,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
@@ -306,7 +309,7 @@ def accumulator(
         refuse_generator(function, "@koila.accumulate")
         own_backward.guard()  # a backward the step runs itself is refused (see own_backward)
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
-        controller = Controller(name, policy, explain=exhausted.message)
+        controller = Controller(name, policy, explain=exhausted.message, stats=stats)
         auto = initial == AUTO
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
         step.weight = weight

@@ -27,6 +27,7 @@ from koila_retry._common.places import replayable
 from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
+from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 
@@ -389,11 +390,12 @@ class _Training(_Bound):
         # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.kept = _Whole(not overridden)
         replay = self.kept.replayed
-        self.summed = accumulator(reduction="sum", backward=backward, replay=replay, options=options)(training_step)
-        weight = _items(trainer, self.shifts)
-        self.weighted = accumulator(weight=weight, backward=backward, replay=replay, options=options)(training_step)
-        self.by_rows = accumulator(backward=backward, replay=replay, options=options)(training_step)
-        self.stats = self.summed.stats
+        # One Stats for the three, which the wrapper shows: a step counts whichever of them runs it.
+        self.stats = stats = Stats(batch_size=0)
+        shared: Any = {"backward": backward, "replay": replay, "stats": stats, "options": options}
+        self.summed = accumulator(reduction="sum", **shared)(training_step)
+        self.weighted = accumulator(weight=_items(trainer, self.shifts), **shared)(training_step)
+        self.by_rows = accumulator(**shared)(training_step)
         # With its own backward (see _whole). An override first runs through accumulate once, whose checks
         # see whether it runs its backward through accelerator.backward, once (see run).
         self.kept.trusting = not overridden and not self.by_rows.cache_info().currsize
@@ -540,14 +542,13 @@ _FAILED: Any = object()
 
 
 def _chosen(steps: _Training | _Prediction, counted: bool, labels: torch.Tensor | None) -> Any:
-    """Choose the step that weighs this batch's micro-batches (by labels, unweighted, by rows); keep its ``stats``."""
+    """Choose the step that weighs this batch's micro-batches (by labels, unweighted, by rows)."""
     if labels is not None:
         step = steps.weighted
     elif counted:
         step = steps.summed
     else:
         step = steps.by_rows
-    steps.stats = step.stats
     return step
 
 
@@ -604,11 +605,11 @@ class _Prediction(_Bound):
         def pad() -> float | None:  # asked only when the chunks' tokens differ in length, at the step
             return _generated_pad(trainer)
 
-        self.summed = accumulator(reduction="sum", replay=replay, pad=pad, options=options)(prediction_step)
-        weight = _items(trainer, self.shifts)
-        self.weighted = accumulator(weight=weight, replay=replay, pad=pad, options=options)(prediction_step)
-        self.by_rows = accumulator(replay=replay, pad=pad, options=options)(prediction_step)
-        self.stats = self.weighted.stats
+        self.stats = stats = Stats(batch_size=0)  # one for the three, as in training
+        shared: Any = {"replay": replay, "pad": pad, "stats": stats, "options": options}
+        self.summed = accumulator(reduction="sum", **shared)(prediction_step)
+        self.weighted = accumulator(weight=_items(trainer, self.shifts), **shared)(prediction_step)
+        self.by_rows = accumulator(**shared)(prediction_step)
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
     def __call__(
