@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from koila_retry._common.units import format_bytes, parse_bytes
+import koila_retry as koila
+from koila_retry._common.units import format_bytes, format_free, parse_bytes
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
@@ -188,3 +189,12 @@ def test_format_then_parse_is_close(n: int) -> None:
     # Two decimals: the parsed value is within half a hundredth of the unit.
     factor = {"KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}[unit]
     assert abs(parse_bytes(format_bytes(n)) - n) <= 0.006 * factor
+
+
+def test_a_free_reading_is_unknown_or_unlimited_at_its_ends() -> None:
+    # The meta device reads 2**63 - 1 free: "8388608.00 TiB free on meta" said nothing true.
+    assert format_free(-1) == "unknown memory"
+    assert format_free(2**63 - 1) == "unlimited memory"
+    assert format_free(koila.free_memory("meta")) == "unlimited memory"
+    assert format_free(2**62) == format_bytes(2**62)
+    assert format_free(1536) == "1.50 KiB"

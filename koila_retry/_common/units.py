@@ -54,5 +54,10 @@ def format_bytes(count: int | float) -> str:
 
 
 def format_free(count: int) -> str:
-    """Format a reading of free memory, where ``-1`` means it could not be read."""
-    return "unknown memory" if count < 0 else format_bytes(count)
+    """Format a reading of free memory, where ``-1`` means it could not be read and ``2**63 - 1`` no limit (meta)."""
+    if count < 0:
+        return "unknown memory"
+    return "unlimited memory" if count >= _NO_LIMIT else format_bytes(count)
+
+
+_NO_LIMIT = 2**63 - 1  # what free_memory reads on the meta device, which stores no data
