@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,37 @@ def test_batch_third_size_runs_without_a_new_compile(device: Callable[[], Simula
         for rows in (100, 64, 3, 2):  # any other size from 2 up runs the same graph
             torch.testing.assert_close(compiled(data[:rows]), model(data[:rows]))
     assert compiles() == 2
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["decorated", "caller"])
+def test_batch_compiled_whole_retries(device: Callable[[], SimulatedDevice], outer: bool) -> None:
+    # torch.compile over the decorated function itself, or over a function that calls it.
+    # Dynamo would trace the engine's first attempt, its try with it, and the user's function
+    # into one graph, whose out-of-memory error then passed the handler by: the caller got it.
+    torch.manual_seed(0)
+    model = Wide().eval()
+    data = torch.randn(1000, 16)
+
+    @koila.batch(initial=512, cache=koila.NoCache())
+    def predict(batch_size: int, data: torch.Tensor) -> torch.Tensor:
+        return model(data[:batch_size])
+
+    def caller(data: torch.Tensor) -> torch.Tensor:
+        return predict(data)
+
+    compiled = torch.compile(caller if outer else predict, backend=BACKEND)
+    with device(), torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(data)
+    # The wrapper's frames run as written: Dynamo no longer meets sys._getframe in them, and says nothing.
+    assert not [str(each.message) for each in caught if "_getframe" in str(each.message)]
+    assert predict.stats.ooms == 2
+    assert predict.stats.batch_size == 128
+    # The user's function is still compiled: 512 with static shapes, 256 with a dynamic
+    # batch dimension, and 128 ran that graph.
+    assert compiles() == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(data[:128]))
 
 
 def test_chunked_shrinks_and_runs_the_remainder_without_a_new_compile(

@@ -246,7 +246,7 @@ class FindsItsSize(MLP):
         return loader(batch=self.batch_size)
 
 
-def test_a_batch_size_finder_in_the_same_trainer_is_refused_before_any_step() -> None:
+def test_a_batch_size_finder_in_the_same_trainer_is_refused_before_any_step(tmp_path: Any) -> None:
     # OOMRecovery splits what does not fit: the finder doubled up to the dataset's size, then crashed
     # on a BatchSizeExhausted it does not take for an out-of-memory error.
     from lightning.pytorch.callbacks import BatchSizeFinder
@@ -255,9 +255,10 @@ def test_a_batch_size_finder_in_the_same_trainer_is_refused_before_any_step() ->
     model = FindsItsSize()
     before = [parameter.detach().clone() for parameter in model.parameters()]
     with pytest.raises(RuntimeError, match="OOMRecovery and BatchSizeFinder in one trainer"):
-        trainer(OOMRecovery(), BatchSizeFinder(max_trials=2)).fit(model)
+        trainer(OOMRecovery(), BatchSizeFinder(max_trials=2), default_root_dir=tmp_path).fit(model)
     with pytest.raises(RuntimeError, match="OOMRecovery and BatchSizeFinder in one trainer"):
-        Tuner(trainer(OOMRecovery())).scale_batch_size(model, max_trials=2)
+        Tuner(trainer(OOMRecovery(), default_root_dir=tmp_path)).scale_batch_size(model, max_trials=2)
+    assert not list(tmp_path.iterdir())  # refused before the finder saved its checkpoint
     assert "training_step" not in vars(model)
     assert model.batch_size == 4
     for parameter, was in zip(model.parameters(), before, strict=True):

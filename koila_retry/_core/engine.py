@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
+from koila_retry._common.dynamo import not_traced
 from koila_retry._core import decision, distributed, ranks, sharded
 from koila_retry._core.attempt import Attempt, Mechanics
 from koila_retry._core.cache import SizeCache, StackMemoryCache
@@ -44,6 +45,7 @@ __all__ = [
 R = TypeVar("R")
 
 _clock = time.perf_counter
+
 
 #: What a run of steps covers, as its progress bar and notes name it: one, many, a step.
 ROWS = ("row", "rows", "chunk")
@@ -143,6 +145,7 @@ class Controller:
         self._count_call()
         return key, cached
 
+    @not_traced
     def call(
         self,
         function: object,
@@ -229,6 +232,7 @@ def _call_of(
     return Call(function, caller, device, sampled.sample, rows, roots=roots, per_sample=sampled.per_sample)
 
 
+@not_traced
 def run(
     attempt: Attempt,
     work: Callable[[int], R],
@@ -259,6 +263,7 @@ def run(
         attempt.retry()
 
 
+@not_traced
 async def run_async(attempt: Attempt, work: Callable[[int], Awaitable[R]]) -> R:
     """Await ``work(size)`` until an attempt succeeds: :func:`run` for coroutines."""
     while True:

@@ -11,6 +11,7 @@ from types import MethodType
 from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
 from koila_retry._common.batches import positional_names
+from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
@@ -426,6 +427,8 @@ def _refusing(fn: Callable[..., Any], message: str, controller: Controller) -> A
 
 def with_controller(wrapper: Any, controller: Controller) -> Any:
     """Give a wrapper its controller's ``stats``, ``cache_info()`` and ``cache_clear()``."""
+    # Every front end's wrapper comes here: torch.compile runs it as written (see _common/dynamo.py).
+    not_traced(wrapper)
     wrapper.stats = controller.stats
     wrapper.cache_info = controller.cache.cache_info
     wrapper.cache_clear = controller.cache.cache_clear

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.batches import Split
+from koila_retry._common.dynamo import not_traced
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path, structure
 from koila_retry._common.tensors import TensorBase
@@ -218,6 +219,7 @@ def chunked(
 ) -> R: ...
 
 
+@not_traced  # called inside a compiled function, it runs as written (see _common/dynamo.py)
 def chunked(
     fn: Callable[..., Any] | None = None,
     /,
@@ -757,6 +759,7 @@ def range(
 ) -> Callable[[Callable[P, R]], Batched[P, list[R]]]: ...
 
 
+@not_traced  # called inside a compiled function, it runs as written (see _common/dynamo.py)
 def range(
     fn: Callable[..., Any] | None = None,
     start: int | None = None,
