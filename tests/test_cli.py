@@ -550,6 +550,13 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         ("koila_cli_models:mlp", ["--input", "3x3"], 1, "the estimate failed: RuntimeError: "),
         ("koila_cli_models:DataDependent", ["--input", "4"], 1, "the estimate failed: NotImplementedError: "),
         ("koila_cli_models:mlp", ["--device", "bogus"], 2, "--device: 'bogus' is not a device"),
+        ("koila_cli_models:mlp", ["--input", "64", "--device", "meta"], 2, "--device meta has no memory to fill"),
+        (
+            "koila_cli_models:mlp",
+            ["--input", "64", "--input-dtype", "float16"],
+            1,
+            "its operands must have the same dtype, but got float16 and float32",
+        ),
         ("koila_cli_models:mlp", ["--memory", "1GiB", "--plot", "/no/such/folder/x.png"], 2, "--plot: no folder"),
         (
             "koila_cli_models:mlp",
@@ -570,6 +577,8 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         "wrong-shape",
         "data-dependent",
         "bad-device",
+        "meta-device-without-memory",
+        "input-of-another-dtype",
         "no-plot-folder",
         "overflowing-shape",
         "size-past-int64",

@@ -1173,6 +1173,32 @@ def test_real_tensor_requiring_grad_reached_outside_a_module_is_refused() -> Non
     assert torch.equal(weight, value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 8), (4, 3, 8)], ids=["rows", "sequences"])
+def test_inputs_of_another_dtype_than_the_model_are_refused_as_the_device_refuses_them(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    # PyTorch's meta kernels of mm and addmm take two dtypes: the estimate answered, and
+    # suggest_batch_size named a size, for a call that fails at every size.
+    model = nn.Linear(8, 4)
+    x = torch.ones(shape, dtype=dtype)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        step(x)  # the device's own refusal
+    refused = r"its operands must have the same dtype, but got .+ and float32"
+    for estimated in (lambda: koila.estimate(step, x), lambda: koila.suggest_batch_size(step, x, budget="1MiB")):
+        with pytest.raises(RuntimeError, match=refused) as info:
+            estimated()
+        notes = getattr(info.value, "__notes__", [])
+        assert any("meta tensors" in note for note in notes) or sys.version_info < (3, 11)
+    assert koila.estimate(step, x.float()).peak(4) > 0  # the model's dtype: estimated
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts both before the product
+        assert koila.estimate(step, x.float()).peak(4) > 0
+
+
 def test_real_constant_reached_outside_a_module_is_read_not_written() -> None:
     counter = torch.zeros(3)
 

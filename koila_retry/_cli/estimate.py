@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from koila_retry._common.units import format_bytes, parse_bytes
 from koila_retry._core.memory import free_memory, resolve_device
+from koila_retry._estimation.calibration import LARGEST
 from koila_retry._estimation.estimate import MemoryEstimate, estimate
 
 __all__ = ["configure", "run"]
@@ -312,6 +313,8 @@ def _device(text: str | None) -> torch.device:
 def _budget(memory: int | None, text: str | None, device: torch.device) -> tuple[int, str]:
     if memory is not None:
         return memory, "--memory"
+    if device.type == "meta":  # stores no data: its free memory is no budget (suggest_batch_size refuses it too)
+        raise Failure("--device meta has no memory to fill; give the budget with --memory", status=2)
     try:
         free = free_memory(device)
     except (TypeError, ValueError) as exc:
@@ -475,7 +478,9 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
 
 def _table_sizes(largest: int | None) -> list[int]:
     """Return the powers of two shown: 1 to 64, then to one past the largest that fits, at most ``MAX_ROWS``."""
-    end = max(MIN_ROWS_SHOWN, 2 * largest if largest is not None else 0)
+    # Past the search's last size, a row would read "fits" under "fits, the largest".
+    beyond = largest if largest is None or largest >= LARGEST else 2 * largest
+    end = max(MIN_ROWS_SHOWN, beyond or 0)
     sizes = [1 << power for power in range(end.bit_length())]
     if len(sizes) <= MAX_ROWS:
         return sizes

@@ -197,7 +197,7 @@ class MemoryEstimate:
         Args:
             budget (int or str): bytes available to the call, everything counted.
             margin (float): the fraction of the peak kept free. Default: 0.1.
-            maximum (int, optional): no larger size is returned.
+            maximum (int, optional): no larger size is returned. Default: ``2**40``.
 
         Returns:
             int or None: the batch size, or ``None`` if even 1 does not fit.

@@ -125,6 +125,9 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             # A tensor asked for on another device (x.to("cuda"), .cpu(), device="cpu")
             # is made on the meta device too: everything stays shapes without data.
             kwargs = {**kwargs, "device": META}
+        operands = _SAME_DTYPE.get(func)
+        if operands is not None:
+            _check_dtypes(func, args, operands)
         seen: set[int] = set()
         args = _on_meta(args, seen, func)
         if kwargs:
@@ -257,6 +260,31 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
 
 
 _aten = torch.ops.aten
+
+# Matrix products whose meta kernels, unlike the CPU's and CUDA's, take operands of two dtypes: by
+# the positions of the operands that must share one. A float32 Linear given float64 or int64 rows
+# would be estimated, and a size suggested, for a call that fails at every size.
+_SAME_DTYPE: dict[Any, tuple[int, ...]] = {
+    _aten.mm.default: (0, 1),
+    _aten.addmm.default: (1, 2, 0),
+    _aten.mv.default: (0, 1),
+    _aten.addmv.default: (1, 2, 0),
+    _aten.dot.default: (0, 1),
+}
+
+
+def _check_dtypes(func: Any, args: tuple[Any, ...], operands: tuple[int, ...]) -> None:
+    """Raise the error the device's kernel raises for ``func``'s operands of different dtypes."""
+    dtypes = [args[index].dtype for index in operands if index < len(args) and isinstance(args[index], torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        names = " and ".join(str(dtype).removeprefix("torch.") for dtype in dict.fromkeys(dtypes))
+        raise RuntimeError(
+            f"{func.__name__}: its operands must have the same dtype, but got {names} (as on the device: PyTorch's "
+            "meta kernel does not check it). Give the model inputs of its parameters' dtype, or run it under "
+            "torch.autocast"
+        )
+
+
 # What a truth value made by these operators usually is, for a read of it on meta tensors:
 # ``True``/``False``; ``"not"``, ``"and"``, ``"or"`` of their arguments' usual values;
 # ``"all"``/``"any"``, their argument's, or (when nothing is known of it) True for all()
