@@ -1339,6 +1339,30 @@ def sync_batchnorm_in_training_is_refused(rank: int, world: int) -> dict[str, An
     return outcomes
 
 
+@scenario("two")
+def join_is_refused(rank: int, world: int) -> dict[str, Any]:
+    """Under Join, DDP's forwards make collectives a failed or joined rank cannot match: refused, before any."""
+    from torch.distributed.algorithms import Join
+
+    ddp = DDP(nn.Linear(6, 1).to(DTYPE))
+    x, y = data(8, 6, seed=84), data(8, 1, seed=85)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def predict(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        return ddp(x[:batch_size])
+
+    outcomes = {}
+    with contextlib.suppress(NotImplementedError), Join([ddp]):  # an error leaves Join at once
+        outcomes["accumulate"] = caught(lambda: step(x, y))
+        outcomes["batch"] = caught(lambda: predict(x))
+    outcomes["grads"] = [p.grad is None for p in ddp.parameters()]
+    return outcomes
+
+
 # --------------------------------------------------------------------------- options
 
 

@@ -582,6 +582,15 @@ def test_sync_batchnorm_is_refused_on_every_rank_while_it_trains(groups: Groups)
         assert value["grads"] == [False, False, False, False, False, False]  # the eval step's; none since
 
 
+def test_join_over_a_ddp_module_is_refused_on_every_rank(groups: Groups) -> None:
+    # Under Join each DDP forward all-reduces of its own: a rank that failed before its forward, or had
+    # joined, met the others' collectives with other sizes, and gloo aborted the process.
+    for value in groups("two")["join_is_refused"]:
+        for name in ("accumulate", "batch"):
+            assert_error(value[name], NotImplementedError, "torch.distributed.algorithms.Join", "leave Join out")
+        assert value["grads"] == [True, True]
+
+
 # --------------------------------------------------------------------------- options
 
 

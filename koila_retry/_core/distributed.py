@@ -344,6 +344,22 @@ def check_norms(norms: Iterable[torch.nn.Module], front_end: str) -> None:
         )
 
 
+def check_join(modules: Iterable[Any], front_end: str) -> None:
+    """Refuse a call inside ``torch.distributed.algorithms.Join`` over a DDP module it reaches."""
+    # Under Join every DDP forward all-reduces twice of its own (whether this rank has joined), and a rank
+    # that joined shadows DDP's collectives, not the agreement: a failed rank, or a joined one, mismatches.
+    joined = [module for module in modules if getattr(getattr(module, "_join_config", None), "enable", False)]
+    if joined:
+        raise NotImplementedError(
+            f"{front_end} runs inside torch.distributed.algorithms.Join over a DistributedDataParallel module, "
+            "which is not supported: under Join each DDP forward makes collectives of its own, which a rank that "
+            "runs out of memory before its forward cannot make, and a rank that has joined shadows DDP's "
+            "collectives, not the agreement on sizes, so the ranks' collectives no longer match (gloo aborts the "
+            "process). Give every rank as many batches (DistributedSampler pads them; or drop the last ones) "
+            "and leave Join out"
+        )
+
+
 # --- gradients of DDP modules -------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ class Ranks:
         if self.norms:
             distributed.check_norms((norm for norm in (ref() for ref in self.norms) if norm is not None), self.name)
         alive = self.alive()
+        distributed.check_join(alive, self.name)
         distributed.broadcast_before_inference(alive)
         modules = [module for module in alive if sharded.is_fsdp2(module)]
         # A rank that fails plays along their collectives (see sharded.py).
