@@ -1392,6 +1392,30 @@ def group_of_some_ranks(rank: int, world: int) -> dict[str, Any]:
     return {"group": repr(group), "result": result, "seen": seen_first, "forced": forced}
 
 
+@scenario("three")
+def ddp_over_a_subgroup_found_in_the_closure(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0 and 1 train DDP over their own group, reached without ddp=; rank 2 only meets them after."""
+    group = dist.new_group([0, 1])
+    outcome: dict[str, Any] = {}
+    if rank in (0, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+        ddp = DDP(model, process_group=group)
+        x, y = data(8, 3, seed=94 + rank), data(8, 1, seed=96 + rank)
+        seen: list[int] = []
+
+        @koila.accumulate(cache=koila.NoCache())
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            seen.append(x.shape[0])
+            if rank == 1 and x.shape[0] > 4:
+                raise make_oom()
+            return F.mse_loss(ddp(x), y)
+
+        outcome = {"outcome": caught(lambda: step(x, y)), "seen": seen, "grads": grads(model)}
+    dist.barrier()  # the agreement was over the DDP module's group: rank 2 was never waited for
+    return outcome
+
+
 # --------------------------------------------------------------------------- found while building it
 
 

@@ -582,6 +582,16 @@ def test_sync_batchnorm_is_refused_on_every_rank_while_it_trains(groups: Groups)
         assert value["grads"] == [False, False, False, False, False, False]  # the eval step's; none since
 
 
+def test_a_ddp_module_over_a_subgroup_found_in_the_closure_agrees_over_its_group(groups: Groups) -> None:
+    # It agreed over all the ranks: the members waited for rank 2, which never makes the call.
+    values = groups("three")["ddp_over_a_subgroup_found_in_the_closure"]
+    assert values[2] == {}
+    for value in values[:2]:
+        assert "returned" in value["outcome"], value["outcome"]
+        assert value["seen"] == [8, 4, 4]  # rank 1 failed whole; both ran the same micro-batches
+    assert all(torch.equal(a, b) for a, b in zip(values[0]["grads"], values[1]["grads"], strict=True))
+
+
 def test_join_over_a_ddp_module_is_refused_on_every_rank(groups: Groups) -> None:
     # Under Join each DDP forward all-reduces of its own: a rank that failed before its forward, or had
     # joined, met the others' collectives with other sizes, and gloo aborted the process.

@@ -249,6 +249,16 @@ def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
     return list(found.values())
 
 
+def ddp_group(module: Any) -> Any:
+    """Return the process group of a DDP module if it is a subgroup of the default one's ranks, else ``None``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = getattr(module, "process_group", None) if isinstance(module, DistributedDataParallel) else None
+    if group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
+        return None
+    return group
+
+
 def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Module]:
     """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang."""
     # FSDP1 and tensor parallelism communicate inside the forward and backward, where nothing of ours takes

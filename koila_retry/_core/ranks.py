@@ -33,6 +33,9 @@ class Ranks:
         self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
         self.parallel: list[weakref.ref[Any]] | None = None  # the modules the first agreeing call reached
         self.norms: list[weakref.ref[Any]] = []  # its SyncBatchNorm layers: refused while they train
+        # The process group of the DDP modules it reached, where they share one of a subgroup and no group
+        # was given: the ranks outside it never make the call (accumulate's ddp= sets the same).
+        self.group: weakref.ref[Any] | None = None
 
     def agreement(self) -> distributed.Agreement | None:
         """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
@@ -47,6 +50,9 @@ class Ranks:
         if agreement is None:
             return base if first is None else compose(self.policy, self.rules, self.cache, first=first)
         self.reach(call.roots, agreement)
+        group = None if self.group is None else self.group()
+        if group is not None:
+            agreement = distributed.agreement(self.policy.sync, group) or agreement
         if self.norms:
             distributed.check_norms((norm for norm in (ref() for ref in self.norms) if norm is not None), self.name)
         alive = self.alive()
@@ -70,6 +76,9 @@ class Ranks:
                 sharded.check_state(module, self.name)
             self.parallel = [weakref.ref(module) for module in found]
             self.norms = [weakref.ref(norm) for norm in distributed.synced_norms(roots)]
+            groups = [distributed.ddp_group(module) for module in found]
+            if self.policy.group is None and groups and groups[0] is not None and all(g is groups[0] for g in groups):
+                self.group = weakref.ref(groups[0])
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
