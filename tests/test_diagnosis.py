@@ -210,6 +210,9 @@ def test_on_a_simulated_device_its_own_error_is_capacity_and_an_injected_one_unk
     # As outside a simulated device: unknown, with the request as the message says it and no figures.
     assert injected.value.diagnosis == koila.Diagnosis("unknown", 2 * GiB, None, None, None, diagnosis.UNKNOWN)
     assert "Diagnosis: unknown (asked for 2.00 GiB)." in str(injected.value)
+    # On the CPU (as on the meta device), no advice to read CUDA's memory summary.
+    assert "cuda" not in diagnosis.UNKNOWN.lower()
+    assert "torch.cuda.memory_summary()" in diagnosis.capture(make_oom("cuda"), torch.device("cuda")).advice
 
 
 def test_the_cpu_allocators_refusal_is_capacity() -> None:

@@ -31,7 +31,8 @@ FRAGMENTATION = (
     "(koila.release(), torch.cuda.empty_cache()) between phases that allocate differently; "
     "a smaller batch may not help."
 )
-UNKNOWN = (
+UNKNOWN = "Nothing this device reports says whether the memory was short or in pieces."
+UNKNOWN_CUDA = (
     "The allocator's figures do not say whether the memory was short or in pieces: "
     "torch.cuda.memory_summary() shows what it held."
 )
@@ -98,7 +99,7 @@ def from_allocator(
             kind = "capacity"
         elif (largest is not None and largest < requested) and (room is not None and room < requested):
             kind = "fragmentation"
-    advice = {"capacity": CAPACITY, "fragmentation": FRAGMENTATION}.get(kind, UNKNOWN)
+    advice = {"capacity": CAPACITY, "fragmentation": FRAGMENTATION}.get(kind, UNKNOWN_CUDA)
     return Diagnosis(kind, requested, room, unused, largest, advice)
 
 
@@ -128,7 +129,8 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
             return Diagnosis("capacity", requested_bytes(message), None, None, None, CAPACITY)
     except Exception:  # a diagnosis must never hide the error it explains
         pass
-    return Diagnosis("unknown", requested_bytes(message), None, None, None, UNKNOWN)
+    advice = UNKNOWN_CUDA if device.type == "cuda" else UNKNOWN  # the summary is CUDA's alone
+    return Diagnosis("unknown", requested_bytes(message), None, None, None, advice)
 
 
 def _cuda(message: str, device: torch.device) -> Diagnosis:
