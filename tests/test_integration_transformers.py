@@ -684,7 +684,8 @@ class RetainingBackward(transformers.Trainer):  # type: ignore[misc]
 
     def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
         model.train()
-        loss = self.compute_loss(model, inputs, num_items_in_batch=count[0] if count else None)
+        # num_items_in_batch only where the trainer passes it: transformers before 4.46 takes none.
+        loss = self.compute_loss(model, inputs, **({"num_items_in_batch": count[0]} if count else {}))
         self.accelerator.backward(loss, **(self.keyword or {"retain_graph": False}))
         return loss.detach()
 
