@@ -69,7 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description="koila-retry: OOM becomes a smaller batch.")
     parser.add_argument("--version", action="version", version=f"koila-retry {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser("demo", help="train a small model in a simulated device that is too small for its batch")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model in a simulated device that is too small for its batch",
+        description="Train a small model in a simulated device too small for its batch: koila.accumulate splits "
+        "each step, and the gradients are the whole batch's. Nothing is written to disk.",
+    )
     demo.add_argument("--memory", default="48MiB", help="the simulated device's memory (default: 48MiB)")
     demo.add_argument("--initial", type=int, default=8192, help="the batch size to start from (default: 8192)")
     demo.add_argument("--epochs", type=int, default=3, help="how many epochs to train (default: 3)")
@@ -105,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.initial < 1 or args.epochs < 1:
                 raise ValueError(f"--initial and --epochs must be >= 1, got {args.initial} and {args.epochs}")
         except (TypeError, ValueError) as exc:
-            parser.error(str(exc))
+            demo.error(str(exc))  # with the demo's usage, as argparse's own errors of its options
         import torch
 
         from koila_retry.exceptions import BatchSizeExhausted

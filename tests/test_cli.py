@@ -130,10 +130,10 @@ def test_unreadable_memory_is_a_one_line_usage_error() -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.splitlines()
-    assert lines[0].startswith("usage: ")
-    assert len(lines) == 2
-    assert lines[1].startswith("python -m koila_retry: error: ")
-    assert "'notasize'" in lines[1]
+    assert lines[0].startswith("usage: python -m koila_retry demo ")  # the demo's usage, as for its options
+    assert lines[-1].startswith("python -m koila_retry demo: error: ")
+    assert [line for line in lines if "error" in line] == lines[-1:]
+    assert "'notasize'" in lines[-1]
     assert "Traceback" not in result.stderr
 
 
@@ -158,6 +158,8 @@ def test_bad_demo_arguments_exit_2(args: list[str], shown: str, capsys: pytest.C
     errors = [line for line in captured.err.splitlines() if ": error: " in line]
     assert len(errors) == 1
     assert shown in errors[0]
+    assert errors[0].startswith("python -m koila_retry demo: error: ")
+    assert captured.err.startswith("usage: python -m koila_retry demo ")
     assert captured.out == ""
 
 
@@ -784,7 +786,7 @@ def test_usage_names_the_command_as_it_was_invoked(tmp_path: Path) -> None:
             check=False,
         )
         assert wrong.returncode == 2
-        assert wrong.stderr.splitlines()[-1].startswith(f"{prog}: error: cannot read 'notasize'"), wrong.stderr
+        assert wrong.stderr.splitlines()[-1].startswith(f"{prog} demo: error: cannot read 'notasize'"), wrong.stderr
 
 
 def test_estimate_in_a_subprocess_imports_from_the_current_directory(models_folder: Path) -> None:
