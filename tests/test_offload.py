@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import sys
 import warnings
 import weakref
@@ -539,6 +541,22 @@ def test_an_error_in_the_block_and_a_failure_on_the_way_back_raise_the_failure(
     monkeypatch.undo()
     lent.restore()
     assert not lent.offloaded
+
+
+def test_a_block_given_up_on_after_its_way_back_failed_leaves_nothing_lent() -> None:
+    # Its storages' addresses stayed lent for the rest of the process: a later offload skipped, and did
+    # not move, any tensor whose storage was made at one of them again (27 of 30 rounds here).
+    skipped = []
+    for _ in range(30):
+        model = nn.Linear(64, 64)  # 16.25 KiB in 2 tensors: the way back needs more than 24 KiB
+        with contextlib.suppress(torch.OutOfMemoryError), simulated_device("24KiB"), koila.offload(model) as lent:
+            pass
+        assert lent.offloaded  # still on the CPU, and given up on
+        skipped.append(16640 - lent.nbytes)  # weight and bias, each storage counted once
+        del lent, model
+        gc.collect()
+    assert skipped == [0] * 30
+    assert not offload._LENT
 
 
 def test_restore_inside_the_block_moves_back_early_and_leaving_does_nothing_more() -> None:

@@ -15,7 +15,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -33,6 +33,11 @@ _CPU = torch.device("cpu")
 _LENT: set[int] = set()
 _LENT_LOCK = threading.Lock()
 _PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def _forget(addresses: list[int]) -> None:
+    with _LENT_LOCK:
+        _LENT.difference_update(addresses)
 
 
 @dataclass(eq=False)
@@ -63,6 +68,7 @@ class Offload:
         self._nbytes = 0
         self._retained = 0
         self._devices: list[str] = []
+        self._forget: Callable[[], object] | None = None
 
     @property
     def offloaded(self) -> bool:
@@ -104,8 +110,13 @@ class Offload:
         except BaseException as error:
             _note(error, "koila.offload: nothing was moved; every tensor is where it was")
             raise
+        addresses = [shared.storage._cdata for shared in lent]
         with _LENT_LOCK:
-            _LENT.update(shared.storage._cdata for shared in lent)
+            _LENT.update(addresses)
+        # A block given up on (its way back failed, and the object dropped) must not leave its addresses
+        # lent: storages made later at them would be skipped by every offload after. The object holds the
+        # lent storages, so no other storage has their addresses while it lives.
+        self._forget = weakref.finalize(self, _forget, addresses)
         self._lent, self._offloaded = lent, True
         self._tensors = sum(len(shared.tensors) for shared in lent)
         self._nbytes = sum(shared.storage.nbytes() for shared in lent)
@@ -142,7 +153,6 @@ class Offload:
         """
         if not self._offloaded:
             return
-        copies = [shared.storage._cdata for shared in self._lent]
         try:
             _transfer(self._lent, back=True)
         except BaseException as error:
@@ -153,8 +163,8 @@ class Offload:
                 "offload() returned (`with koila.offload(...) as lent:`, then `lent.restore()`) tries again",
             )
             raise
-        with _LENT_LOCK:
-            _LENT.difference_update(copies)
+        if self._forget is not None:
+            self._forget()  # the addresses are no longer lent (once: the finalizer runs no more)
         pinned = _used_pinned(self._lent)
         self._lent, self._offloaded = [], False
         # The tensors are back: nothing to give back on their devices. But left in the
