@@ -668,8 +668,13 @@ def test_non_scalar_loss_names_its_shape() -> None:
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize(
     "returned",
-    [lambda out: (out > 0).sum(), lambda out: (out > 0).any(), lambda out: ((out > 0).sum(), out.mean())],
-    ids=["count", "flag", "count-first-in-a-tuple"],
+    [
+        lambda out: (out > 0).sum(),
+        lambda out: (out > 0).any(),
+        lambda out: ((out > 0).sum(), out.mean()),
+        lambda out: torch.complex(out.mean(), out.sum()),
+    ],
+    ids=["count", "flag", "count-first-in-a-tuple", "complex"],
 )
 def test_a_loss_that_is_not_floating_point_is_refused(
     initial: int | None, grad: bool, returned: Callable[[torch.Tensor], Any]
@@ -685,7 +690,7 @@ def test_a_loss_that_is_not_floating_point_is_refused(
 
     with (
         torch.set_grad_enabled(grad),
-        pytest.raises(TypeError, match=r"step returned a loss of dtype torch\.(int64|bool)"),
+        pytest.raises(TypeError, match=r"step returned a loss of dtype torch\.(int64|bool|complex\d+)"),
     ):
         step(x, y)
     before.assert_unchanged()

@@ -362,16 +362,20 @@ def parts(value: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
-def per_row(value: Any, n: int) -> bool:
-    """Return whether ``value`` is a list of records or strings, one per row (the outermost such list wins)."""
+def per_row(value: Any, n: int, depth: int) -> bool:
+    """Return whether ``value`` is a list of records, or of strings inside an argument, one per row.
+
+    ``depth``: 1 for an argument, more inside one; the outermost such list wins.
+    """
     if type(value) not in (list, tuple) or len(value) != n or n < 2:
         return False
-    return all(isinstance(item, Mapping) for item in value) or all(isinstance(item, str) for item in value)
+    strings = depth > 1 and all(isinstance(item, str) for item in value)
+    return all(isinstance(item, Mapping) for item in value) or strings
 
 
-def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int) -> None:
+def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int, depth: int = 0) -> None:
     """Check that ``piece`` is ``whole`` with the rows ``[begin, end)`` of the tensors that have ``n``."""
-    if per_row(whole, n):  # each piece gets its rows' records, as they are
+    if per_row(whole, n, depth):  # each piece gets its rows' records, as they are
         assert type(piece) is type(whole)
         assert len(piece) == end - begin
         assert all(got is want for got, want in zip(piece, whole[begin:end], strict=True))
@@ -391,17 +395,18 @@ def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int) -> None:
     assert found is not None
     assert [key for key, _ in found] == [key for key, _ in expected]
     for (_, item), (_, whole_item) in zip(found, expected, strict=True):
-        check_slice(item, whole_item, begin, end, n)
+        check_slice(item, whole_item, begin, end, n, depth + 1)
 
 
-def leaves(value: Any, n: int = 0, like: Any = None) -> list[Any]:
+def leaves(value: Any, n: int = 0, like: Any = None, depth: int = 0) -> list[Any]:
     """Return the leaves of ``value``; with ``n``, a list per row (in ``like``, the whole) is one leaf."""
     like = value if like is None else like
-    found = None if n and per_row(like, n) else parts(value)
+    found = None if n and per_row(like, n, depth) else parts(value)
     if found is None:
         return [value]
     shape = parts(like) or []
-    return [leaf for (_, item), (_, whole) in zip(found, shape, strict=True) for leaf in leaves(item, n, whole)]
+    pairs = zip(found, shape, strict=True)
+    return [leaf for (_, item), (_, whole) in pairs for leaf in leaves(item, n, whole, depth + 1)]
 
 
 @given(shape=nested, n=st.integers(2, 9), size=st.integers(1, 10))
@@ -423,7 +428,7 @@ def test_slices_are_the_arguments_rows_in_the_same_containers(shape: Any, n: int
         column = [chunk[index] for chunk in chunks]
         if isinstance(whole, torch.Tensor) and whole.dim() and whole.size(0) == n:
             assert torch.equal(torch.cat(column), whole)
-        elif per_row(whole, n):
+        elif isinstance(whole, (list, tuple)) and column[0] is not whole:  # per row: each piece its rows'
             assert [item for piece in column for item in piece] == list(whole)
         else:
             assert all(item is whole for item in column)
@@ -857,37 +862,53 @@ def test_records_without_tensors_are_split_with_the_rows_as_records_with_them() 
     torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
 
 
-def test_strings_one_per_row_are_split_with_the_rows() -> None:
+def test_strings_one_per_row_in_a_batch_are_split_with_the_rows() -> None:
     """A collated string field (file names, texts) went whole to every piece, which zip paired with other rows."""
     rows = torch.arange(1.0, 9.0, dtype=torch.float64).unsqueeze(1)
     names = [f"image {index}.png" for index in range(8)]
     tags = tuple("ab"[index % 2] for index in range(8))  # a tuple of them, beside the list
     labels = ["cat", "dog"]  # two strings: not one per row, passed whole
+    batch = {"x": rows, "names": names, "tags": tags, "labels": labels}  # as default_collate makes it
     got: list[tuple[list[str], tuple[str, ...], list[str]]] = []
 
-    def scaled(x: torch.Tensor, names: list[str], tags: tuple[str, ...], labels: list[str]) -> torch.Tensor:
-        got.append((names, tags, labels))
-        return torch.stack([row * float(name.split()[1][0]) for row, name in zip(x, names, strict=True)])
+    def scaled(batch: dict[str, Any]) -> torch.Tensor:
+        got.append((batch["names"], batch["tags"], batch["labels"]))
+        pairs = zip(batch["x"], batch["names"], strict=True)
+        return torch.stack([row * float(name.split()[1][0]) for row, name in pairs])
 
-    expected = scaled(rows, names, tags, labels)
+    expected = scaled(batch)
     got.clear()
-    assert torch.equal(koila.chunked(scaled, rows, names, tags, labels, initial=4), expected)
+    assert torch.equal(koila.chunked(scaled, batch, initial=4), expected)
     assert got == [(names[:4], tags[:4], labels), (names[4:], tags[4:], labels)]
     mixed = ["a", None, "c", "d", "e", "f", "g", "h"]  # not all strings: passes whole, as before
-    assert Split((rows, mixed), {}, 0, "test").pieces(4).__next__()[0][1] is mixed
+    assert next(Split(({"x": rows, "mixed": mixed},), {}, 0, "test").pieces(4))[0][0]["mixed"] is mixed
 
     # Through accumulate: each micro-batch's rows weighed by their own names' numbers.
     weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
 
-    def loss(x: torch.Tensor, names: list[str]) -> torch.Tensor:
-        scale = torch.tensor([float(name.split()[1][0]) for name in names], dtype=torch.float64)
-        return (x[:, 0] * weight * scale).pow(2).mean()
+    def loss(batch: dict[str, Any]) -> torch.Tensor:
+        scale = torch.tensor([float(name.split()[1][0]) for name in batch["names"]], dtype=torch.float64)
+        return (batch["x"][:, 0] * weight * scale).pow(2).mean()
 
-    loss(rows, names).backward()
+    loss(batch).backward()
     whole = weight.grad.clone()  # type: ignore[union-attr]
     weight.grad = None
-    koila.accumulate(loss, initial=2)(rows, names)
+    koila.accumulate(loss, initial=2)(batch)
     torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_strings_given_as_an_argument_of_their_own_pass_whole_whatever_their_length() -> None:
+    # Class prompts scored against every row: split where their count met the rows, each chunk was
+    # scored against some of the classes, and the pieces joined into a result of the wrong width.
+    prompts = ["a cat", "a dog", "a bird", "a fish"]
+    classes = torch.arange(1.0, 5.0, dtype=torch.float64)
+
+    def scores(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return images * classes[: len(prompts)]
+
+    for rows in (3, 4, 5):
+        images = torch.ones(rows, 1, dtype=torch.float64)
+        torch.testing.assert_close(koila.chunked(scores, images, prompts, initial=2), scores(images, prompts))
 
 
 def test_a_list_of_mappings_that_is_not_one_per_row_is_a_container_as_before() -> None:

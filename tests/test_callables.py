@@ -281,6 +281,27 @@ def test_an_iterator_inside_an_argument_is_not_reused(wrap: Callable[[Any], Any]
         step(rows.requires_grad_(), wrap(iter(list(range(10)))))
 
 
+@dataclasses.dataclass
+class Lazy:
+    rows: int
+    cache: dict[str, int] = dataclasses.field(init=False)  # filled later, if ever: reading it raises
+
+
+def test_the_look_for_iterators_never_replaces_the_retry() -> None:
+    @koila.batch(initial=8, cache=koila.NoCache())
+    def total(batch_size: int, settings: Any) -> int:
+        return consume(iter(range(10)), batch_size, limit=4)
+
+    assert total(Lazy(3)) == 45  # an unset field: its read raised AttributeError in place of the retry
+    node: dict[str, Any] = {}
+    node.update({f"edge {index}": node for index in range(50)})  # holds itself: walked once
+    assert total(node) == 45
+    long: list[Any] = [*range(3_000_000), iter([1])]  # only the first 10,000 values are taken in
+    assert total(long) == 45  # the iterator past them: not seen (as documented), and no time lost
+    with pytest.raises(TypeError, match=r"argument 0\[1\] \(list_iterator\)"):
+        total([long, iter([1])])  # read level by level: the long list's items come after it
+
+
 def test_a_file_nothing_reads_from_does_not_stop_a_retry(tmp_path: Any) -> None:
     @koila.batch(initial=8, cache=koila.NoCache())
     def logged(batch_size: int, log: Any, settings: dict[str, Any]) -> int:

@@ -162,12 +162,14 @@ def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any
     return new
 
 
-def _records(items: Sequence[Any]) -> bool:
-    """Return whether ``items`` are all mappings, or all strings: one per row where there are as many as rows."""
+def _records(items: Sequence[Any], nested: bool) -> bool:
+    """Return whether ``items`` are all mappings, or all strings inside an argument: one per row if as many."""
     first = items[0]
     if isinstance(first, Mapping):
         return all(isinstance(item, Mapping) for item in items)
-    return isinstance(first, str) and all(isinstance(item, str) for item in items)
+    # Strings only inside an argument (a batch's field, as a collate makes it): a list given as an argument
+    # of its own (class prompts, label names) is the call's, and would be split where its length met the rows.
+    return nested and isinstance(first, str) and all(isinstance(item, str) for item in items)
 
 
 def _kind(value: Any) -> int | None:
@@ -421,8 +423,8 @@ class Split:
             if found is not None:
                 children.append((key, found))
         # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node. So is a
-        # list of strings (file names, texts: what a DataLoader's collate makes of a string field).
-        records = kind in (_LIST, _TUPLE) and len(value) > 1 and _records(value)
+        # list of strings in an argument (file names, texts: what a DataLoader's collate makes of a string field).
+        records = kind in (_LIST, _TUPLE) and len(value) > 1 and _records(value, nested=len(path) > 1)
         if not children and not records:
             return None
         # Decided here, on every call, and not when a slice is first made: a container

@@ -8,6 +8,7 @@ and dropped with it. The one exception kept is the cause of a coming
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
@@ -206,30 +207,51 @@ def iterator_among(roots: tuple[object, ...]) -> str | None:
     """Name the first iterator among a call's arguments (the tuples and dicts in its roots), nested ones included."""
     # Tensors, lists and data loaders are iterated afresh by each attempt; an iterator
     # (a generator, iter(...), a file) goes on from where the failed attempt stopped, at any
-    # depth ({"scales": iter(...)}). Looked at only after a failure: the walk costs no call.
-    stack: list[tuple[str, object]] = []
+    # depth ({"scales": iter(...)}). Looked at only after a failure, so the walk costs no call;
+    # it must never replace the retry, whatever the arguments do when read.
+    try:
+        return _iterator_among(roots)
+    except Exception:
+        return None
+
+
+def _iterator_among(roots: tuple[object, ...]) -> str | None:
+    # (value, index of the entry it was found in, how it was reached): the path is made only for an
+    # iterator found. At most _WALKED values are taken in, each container once (one may hold itself).
+    entries: list[tuple[object, int, str]] = []
     for root in roots:
         if isinstance(root, (tuple, list)):
-            stack.extend((f"argument {index}", value) for index, value in enumerate(root))
+            entries.extend((value, -1, f"argument {index}") for index, value in enumerate(root))
         elif isinstance(root, dict):
-            stack.extend((f"keyword argument {name!r}", value) for name, value in root.items())
-    stack.reverse()
-    budget = _WALKED
-    while stack and budget:
-        budget -= 1
-        path, value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            continue
-        if isinstance(value, Iterator):
+            entries.extend((value, -1, f"keyword argument {name!r}") for name, value in root.items())
+    seen: set[int] = set()
+    position = 0
+    while position < len(entries):
+        value, _, _ = entries[position]
+        room = _WALKED - len(entries)
+        if isinstance(value, Iterator) and not isinstance(value, torch.Tensor):
             if not _write_only(value):
-                return f"{path} ({type(value).__name__})"
-        elif isinstance(value, (tuple, list)):
-            stack.extend((f"{path}[{index}]", item) for index, item in reversed(list(enumerate(value))))
-        elif isinstance(value, Mapping):
-            stack.extend((f"{path}[{key!r}]", item) for key, item in reversed(list(value.items())))
-        elif is_dataclass(value) and not isinstance(value, type):
-            stack.extend((f"{path}.{field.name}", getattr(value, field.name)) for field in reversed(fields(value)))
+                return f"{_path(entries, position)} ({type(value).__name__})"
+        elif room > 0 and id(value) not in seen and not isinstance(value, (str, bytes, torch.Tensor)):
+            seen.add(id(value))
+            if isinstance(value, (tuple, list)):
+                entries.extend((item, position, f"[{index}]") for index, item in enumerate(value[:room]))
+            elif isinstance(value, Mapping):
+                pairs = itertools.islice(value.items(), room)
+                entries.extend((item, position, f"[{key!r}]") for key, item in pairs)
+            elif is_dataclass(value) and not isinstance(value, type):
+                named = fields(value)[:room]
+                entries.extend((getattr(value, field.name, None), position, f".{field.name}") for field in named)
+        position += 1
     return None
+
+
+def _path(entries: list[tuple[object, int, str]], position: int) -> str:
+    parts = []
+    while position >= 0:
+        _, position, part = entries[position]
+        parts.append(part)
+    return "".join(reversed(parts))
 
 
 def _write_only(value: object) -> bool:

@@ -286,12 +286,14 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
             f"{name} returned a loss of shape {tuple(loss.shape)}; it must be a scalar: reduce it with "
             ".mean() or .sum() (and say which with reduction=)"
         )
-    if not (loss.is_floating_point() or loss.is_complex()):
-        # Weighted by each micro-batch's share of the rows, a count or a flag would change type and value.
+    if not loss.is_floating_point():
+        # Weighted by each micro-batch's share of the rows, a count or a flag would change type and value,
+        # and a complex value would lose its imaginary part (nor can autograd start from one).
         raise TypeError(
-            f"{name} returned a loss of dtype {loss.dtype}; it must be a floating-point tensor, which can be "
-            "weighted by each micro-batch's rows. Return it as a float (.float()), or beside the loss in a "
-            "tuple or dict, where integers and flags are added up in their own type"
+            f"{name} returned a loss of dtype {loss.dtype}; it must be a real floating-point tensor, which can "
+            "be weighted by each micro-batch's rows. Return it as a float (.float(), or .abs() of a complex "
+            "value), or beside the loss in a tuple or dict, where integers and flags are added up in their own "
+            "type"
         )
     return cast(torch.Tensor, loss)
 
