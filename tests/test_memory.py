@@ -20,6 +20,7 @@ from _fake_cuda import FakeCuda
 
 import koila_retry as koila
 from koila_retry._core import memory
+from koila_retry.testing import simulated_device
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -460,3 +461,13 @@ def test_release_empties_the_device_through_empty_caches(monkeypatch: pytest.Mon
     koila.release("cpu")
     memory.release_young("meta")
     assert devices == [[torch.device("cpu")], [torch.device("meta")]]
+
+
+def test_a_simulated_device_refuses_the_device_arguments_a_real_one_refuses() -> None:
+    # It answered True, 1.5, "bogus" and -1 with its free bytes: a test passed that would fail for real.
+    with simulated_device("1MiB") as device:
+        for wrong, error in ((True, TypeError), (1.5, TypeError), ("bogus", ValueError), (-1, ValueError)):
+            with pytest.raises(error):
+                koila.free_memory(wrong)  # type: ignore[arg-type]
+        # The device it stands for: named as the code under test names it, on a machine without one.
+        assert koila.free_memory("cuda") == koila.free_memory("cuda:1") == koila.free_memory() == device.free

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable
+from typing import cast
 
 import psutil
 import torch
@@ -36,26 +37,32 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
     """Turn a device argument into an indexed ``torch.device``: ``None`` is the current accelerator, else the CPU."""
     if device is None:
         return default_device()
+    parsed = _parsed(device)
+    if parsed is None and isinstance(device, int):  # an index
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise ValueError(f"device index {device} given, but no accelerator is available")
+        parsed = torch.device(accelerator.type, device)
+    return _indexed(cast(torch.device, parsed))
+
+
+def _parsed(device: DeviceLike) -> torch.device | None:
+    """Return the device a str or ``torch.device`` names, ``None`` for an index; raise for anything else."""
     if isinstance(device, torch.device):
-        resolved = device
-    elif isinstance(device, bool) or not isinstance(device, (str, int)):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
         raise TypeError(
             f"device must be a torch.device, a str such as 'cuda:1', an int index or None, "
             f"got {type(device).__name__} {device!r}"
         )
-    elif isinstance(device, int):
+    if isinstance(device, int):
         if device < 0:
             raise ValueError(f"device index must be >= 0, got {device}")
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is None:
-            raise ValueError(f"device index {device} given, but no accelerator is available")
-        resolved = torch.device(accelerator.type, device)
-    else:
-        try:
-            resolved = torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(f"{device!r} is not a device PyTorch knows: {exc}") from None
-    return _indexed(resolved)
+        return None
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{device!r} is not a device PyTorch knows: {exc}") from None
 
 
 _accelerator_type: str | None = None
@@ -106,8 +113,8 @@ def free_memory(device: DeviceLike = None) -> int:
     reports available, capped by what is left of the process's ``RLIMIT_AS``
     address-space limit. On the meta device, which stores no data, ``2**63 - 1``. Inside
     a :func:`koila_retry.testing.simulated_device` block that the calling thread
-    entered, the simulated device's free bytes, whatever ``device`` says; other
-    threads read the real device.
+    entered, the simulated device's free bytes, whatever device ``device`` names (an
+    accelerator absent here included); other threads read the real device.
 
     Args:
         device (torch.device, str, int or None): the device; ``None`` means the
@@ -117,11 +124,14 @@ def free_memory(device: DeviceLike = None) -> int:
         int: free bytes, never negative.
 
     Raises:
-        ValueError: if ``device`` is not a device PyTorch knows, or is of a type
-            this process has no accelerator for.
+        TypeError: if ``device`` is of none of the types above.
+        ValueError: if ``device`` is not a device PyTorch knows, or (outside a
+            simulated device) is of a type this process has no accelerator for.
     """
     simulated = tracking.simulated.free()
     if simulated is not None:
+        if device is not None:
+            _parsed(device)  # refused as outside: a test must not pass what would fail for real
         return simulated
     return _device_free(resolve_device(device))
 
