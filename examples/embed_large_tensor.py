@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,12 +38,13 @@ FEATURES, HIDDEN, DIMENSIONS = 32, 512, 16
 class Tally:
     """The rows whose chunk finished, to say where an out-of-memory error happened."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: Callable[[str], object] = print) -> None:
         self.rows = 0
+        self.write = write  # tqdm.write under a progress bar, which a plain print would break
 
     def report(self, event: koila.OOMEvent) -> None:
         """Print each out-of-memory error as ``koila.chunked`` recovers from it."""
-        print(
+        self.write(
             f"  after {self.rows:>7} rows: a chunk of {event.batch_size} rows ran out of memory; "
             f"resuming at row {self.rows} with chunks of {event.next_batch_size}"
         )
@@ -80,8 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIMENSIONS)).eval()
     inputs = torch.randn(args.rows, FEATURES)
 
+    # Under a progress bar, tqdm.write keeps the messages off the bar's line.
+    write: Callable[[str], object] = print
+    if args.progress:
+        from tqdm import tqdm
+
+        write = tqdm.write
+
     # The decorated function has stats; the options apply to every call.
-    tally = Tally()
+    tally = Tally(write)
     embed = koila.chunked(initial=args.initial, on_oom=tally.report, progress=args.progress)(encode)
     print(f"Embedding {args.rows} rows with {args.memory} of simulated memory, in chunks of {args.initial} at first:")
     with simulated_device(args.memory) as device:
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # out=: each chunk's result is copied into the buffer, and nothing is joined at the end.
-    tally = Tally()
+    tally = Tally(write)
     print("Writing into a preallocated buffer with out=:")
     with simulated_device(args.memory) as device:
         buffer = torch.empty(args.rows, DIMENSIONS)
