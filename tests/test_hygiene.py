@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import _ranks
@@ -97,6 +98,33 @@ def test_exhausted_error_does_not_pin_the_failed_attempt() -> None:
     assert cause.__traceback__ is None
     assert cause.__context__ is None
     # While the caller holds the error, the failed attempts' tensors are already gone.
+    assert [ref() for ref in refs] == [None, None]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are from Python 3.11")
+def test_exhausted_error_from_a_group_of_errors_does_not_pin_the_failed_attempt() -> None:
+    # The group's own traceback was dropped, its members' were not: they held the attempt's frames.
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def task(batch_size: int) -> None:
+        activations = torch.ones(batch_size, 1024)
+        refs.append(weakref.ref(activations))
+        raise make_oom()
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def run(batch_size: int) -> None:
+        try:
+            task(batch_size)
+        except torch.OutOfMemoryError as error:
+            raise ExceptionGroup("tasks", [error]) from None  # noqa: F821 (Python 3.11 on)
+
+    with pytest.raises(koila.BatchSizeExhausted) as excinfo:
+        run()
+    group = excinfo.value.__cause__
+    assert isinstance(group, BaseException)
+    members = getattr(group, "exceptions", ())
+    assert members
+    assert all(member.__traceback__ is None for member in members)
     assert [ref() for ref in refs] == [None, None]
 
 

@@ -196,6 +196,48 @@ def test_a_schedules_bad_size_is_raised_without_the_failed_attempt_and_its_tenso
     assert [ref() for ref in refs] == [None]
 
 
+@pytest.mark.parametrize("front_end", ["batch", "attempts", "accumulate"])
+def test_an_error_of_the_schedules_own_is_raised_without_the_failed_attempt_and_its_tensors(front_end: str) -> None:
+    """A schedule's own bug (not a bad size) raised in the handler: it kept the failed attempt alive too."""
+    import sys
+
+    from koila_retry.testing import simulated_device
+
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def work(size: int) -> torch.Tensor:
+        activations = torch.ones(size, 4096)  # 1 MiB at 64 rows
+        refs.append(weakref.ref(activations))
+        torch.ones(size, 8192)  # over the limit: a real out-of-memory error
+        return activations.sum()
+
+    def broken(failed: int) -> int:
+        return failed // 0
+
+    weight = torch.ones(1, requires_grad=True)
+
+    def run() -> None:
+        if front_end == "batch":
+            koila.batch(initial=64, schedule=broken, cache=koila.NoCache())(work)()
+        elif front_end == "accumulate":
+            koila.accumulate(initial=64, schedule=broken, cache=koila.NoCache())(lambda rows: work(len(rows)) * weight)(
+                torch.ones(64, 1)
+            )
+        else:
+            for attempt in koila.attempts(initial=64, schedule=broken, cache=koila.NoCache()):
+                with attempt:
+                    work(attempt.batch_size)
+
+    with simulated_device("1536KiB") as device, pytest.raises(ZeroDivisionError) as caught:
+        run()
+    assert caught.value.__context__ is None
+    assert [ref() for ref in refs] == [None]
+    assert device.live == 0  # nothing of the attempt, while the error is held
+    if sys.version_info >= (3, 11):
+        assert any("raised by the schedule= function" in note for note in caught.value.__notes__)
+    assert weight.grad is None
+
+
 def test_a_schedule_must_be_callable() -> None:
     with pytest.raises(TypeError, match="schedule must be callable, got int 3"):
         run_with_schedule(3)

@@ -161,7 +161,7 @@ class Mechanics:
         (memory.release_young if next_size is None else memory.release)(device)
         if failure.invalid is not None:
             failure.close()  # as giving up does: a snapshot's recording ends with the call
-            raise ValueError(failure.invalid)
+            raise failure.invalid
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)

@@ -7,13 +7,14 @@ and dropped with it. The one exception kept is the cause of a coming
 
 from __future__ import annotations
 
+import builtins
 import io
 import itertools
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -87,7 +88,9 @@ class Failure:
         self.seconds = 0.0  # lost since the last report
         self.tried: list[int] = []
         self.reused: str | None = None  # an iterator argument, which a retry would reuse
-        self.invalid: str | None = None  # why the schedule's next size is none a call can use: raised by retry()
+        # What the schedule raised, or why its next size is none a call can use, without traceback or context:
+        # raised by retry(), outside the handler, once the memory is released.
+        self.invalid: BaseException | None = None
         self.final_oom: BaseException | None = None  # the coming BatchSizeExhausted's cause, without its traceback
         # Read before the memory was released; None when another rank's failure ended the call.
         self.diagnosis: Diagnosis | None = None
@@ -98,10 +101,16 @@ class Failure:
         self.invalid = None
         try:
             self.step = decision.decide(rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
-        except ValueError as error:
-            # Raised here, in the handler, it would keep the out-of-memory error and the failed
-            # attempt's frames as its context: retry() raises it, outside, once the memory is released.
-            self.step, self.invalid = GiveUp("schedule"), str(error)
+        except Exception as error:  # a schedule's, or the check of what it returned
+            # Raised here, in the handler, it would keep the out-of-memory error and the failed attempt's
+            # frames as its context, and its traceback the frames above: retry() raises it, outside, once
+            # the memory is released, without them.
+            if not isinstance(error, ValueError) and hasattr(error, "add_note"):
+                error.add_note(
+                    "raised by the schedule= function after an out-of-memory error; its traceback was dropped, "
+                    "since it would have kept the failed attempt's memory alive"
+                )
+            self.step, self.invalid = GiveUp("schedule"), detached(error)
         # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
         self.reused = reused if isinstance(self.step, GiveUp) and self.step.reason == "iterator" else None
 
@@ -271,11 +280,21 @@ _WALKED = 10_000
 def detached(exc: BaseException) -> BaseException:
     """Return ``exc`` without the tracebacks that pin a failed attempt's frames and tensors."""
     # Contexts are dropped; the explicit causes stay: they hold the OOM error a wrapper was raised from.
+    # An exception group's members are errors of the attempt too, each with its traceback and chain.
     seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
+    waiting: list[BaseException] = [exc]
+    while waiting:
+        link = waiting.pop()
+        if id(link) in seen:
+            continue
         seen.add(id(link))
         link.__traceback__ = None
         link.__context__ = None
-        link = link.__cause__
+        if link.__cause__ is not None:
+            waiting.append(link.__cause__)
+        if _GROUP is not None and isinstance(link, _GROUP):
+            waiting.extend(link.exceptions)
     return exc
+
+
+_GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11 on
