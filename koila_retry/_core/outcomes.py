@@ -107,8 +107,9 @@ class Failure:
             # the memory is released, without them.
             if not isinstance(error, ValueError) and hasattr(error, "add_note"):
                 error.add_note(
-                    "raised by the schedule= function after an out-of-memory error; its traceback was dropped, "
-                    "since it would have kept the failed attempt's memory alive"
+                    "raised while the next size was chosen after an out-of-memory error (by the schedule= "
+                    "function, where one is given); its traceback was dropped, since it would have kept the "
+                    "failed attempt's memory alive"
                 )
             self.step, self.invalid = GiveUp("schedule"), detached(error)
         # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
