@@ -448,6 +448,49 @@ def test_on_oom_hook_sees_the_final_failure() -> None:
     assert [e.next_batch_size for e in events] == [1, None]
 
 
+def test_stats_name_a_size_that_ran_when_an_on_oom_hook_raises() -> None:
+    class Stop(Exception):
+        pass
+
+    def hook(event: koila.OOMEvent) -> None:
+        seen.append(run.stats.batch_size)
+        if len(seen) == 1:
+            raise Stop
+
+    seen: list[int] = []
+    fits = oom_above(300)
+
+    @koila.batch(initial=1000, on_oom=hook)
+    def run(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    with pytest.raises(Stop):
+        run()
+    # The hook sees the size that failed, and 512 never ran: the stats keep 1000.
+    assert (seen, run.stats.batch_size) == ([1000], 1000)
+    assert run() == 256  # the next call, whose hook lets it go on
+    assert (seen, run.stats.batch_size) == ([1000, 1000, 512], 256)
+
+
+def test_a_hook_that_calls_the_wrapper_again_leaves_the_outer_calls_size_in_the_stats() -> None:
+    sizes: list[tuple[int, int]] = []
+
+    def hook(event: koila.OOMEvent) -> None:
+        if len(sizes) < 2:
+            run(fits=10**6)  # an inner call at the start size, which fits
+
+    def body(batch_size: int, fits: int) -> int:
+        sizes.append((batch_size, run.stats.batch_size))  # each attempt's size, and what the stats say it is
+        oom_above(fits)(batch_size)
+        return batch_size
+
+    run = koila.batch(initial=1000, cache=koila.NoCache(), on_oom=hook)(body)
+    assert run(fits=300) == 256
+    assert sizes == [(1000, 1000), (1000, 1000), (512, 512), (256, 256)]
+    assert run.stats.batch_size == 256
+
+
 def test_each_reduction_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     fits = oom_above(200)
 

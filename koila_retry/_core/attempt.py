@@ -165,10 +165,11 @@ class Mechanics:
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)
-        if next_size is not None:
-            self.resize(next_size)
         for failed_hook in self.plan.failed:
             failed_hook(self, event, step)
+        if next_size is not None:
+            # After the hooks: one that raises, or calls the wrapper again, leaves stats naming a size that ran.
+            self.resize(next_size)
         if next_size is None:
             first, settling = self.call.first, self.plan.settling
             facts = failure.exhaustion(
