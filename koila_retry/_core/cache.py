@@ -310,6 +310,7 @@ class SizeCache(Sizes, ABC):
 
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
+            Default: 256.
         key (KeyFunction, optional): makes each call's key from
             ``(function, caller, device, sample)``, or ``None`` for a call to
             neither look up nor store (see :ref:`key-functions`). Default:
@@ -477,6 +478,7 @@ class StackMemoryCache(SizeCache):
 
     Args:
         maxsize (int): how many keys to keep; the least recently used go first.
+            Default: 256.
         depth (int): how many calling frames identify a call site. Default: 1,
             the line that calls.
         fallback_buckets (int): how many free-memory buckets above the current
@@ -537,6 +539,7 @@ class GlobalCache(SizeCache):
 
     Args:
         maxsize (int): how many functions to keep; the least recently used go first.
+            Default: 256.
         key (KeyFunction, optional): another key function. Default: ``None``,
             :func:`~koila_retry.global_key`.
 

@@ -84,7 +84,7 @@ class DiskCache(SizeCache):
         path (str or os.PathLike): the JSON file. Its folder is made if missing.
         maxsize (int): how many keys to keep, in memory and in the file. In
             memory the least recently used go first; in the file, which
-            other processes write too, the least recently stored.
+            other processes write too, the least recently stored. Default: 256.
         key (KeyFunction, optional): another key function. Default: ``None``,
             :func:`~koila_retry.size_class_key`.
 

@@ -43,8 +43,11 @@ __all__ = [
 ]
 
 P = ParamSpec("P")
+P2 = ParamSpec("P2")
 R = TypeVar("R")
+R2 = TypeVar("R2")
 R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")
 
 
 class Batched(Protocol[P, R_co]):
@@ -52,6 +55,12 @@ class Batched(Protocol[P, R_co]):
 
     Besides being callable, it has ``stats`` (a :class:`Stats`), and
     ``cache_info()`` and ``cache_clear()`` for its cache.
+
+    Type checkers see the wrapped function's parameters (without the batch size,
+    for :func:`batch`) and its result. A wrapped method, looked up on an
+    instance, binds it as a function does. Under ``@classmethod``, mypy does
+    not bind the class to a callable object (it does only for a function):
+    there a checker asks for the class as the first argument.
     """
 
     stats: Stats
@@ -61,6 +70,25 @@ class Batched(Protocol[P, R_co]):
     def cache_info(self) -> CacheInfo: ...
 
     def cache_clear(self) -> None: ...
+
+    # Bound as a function is: looked up on an instance, the wrapper of a method takes its other arguments.
+    @overload
+    def __get__(self, instance: None, owner: type[Any] | None = None) -> Batched[P, R_co]: ...
+
+    @overload
+    def __get__(
+        self: Batched[Concatenate[S, P2], R2], instance: S, owner: type[Any] | None = None
+    ) -> Batched[P2, R2]: ...
+
+
+class _BatchDecorator(Protocol):
+    """What ``batch(...)`` with options returns: it decorates a function, or a method (the size after ``self``)."""
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[int, P], R], /) -> Batched[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[S, int, P], R], /) -> Batched[Concatenate[S, P], R]: ...
 
 
 class _Injection:
@@ -262,9 +290,11 @@ def batch(fn: Callable[Concatenate[int, P], R], /) -> Batched[P, R]: ...
 
 
 @overload
-def batch(
-    *, initial: int = ..., param: None = ..., **options: Unpack[Options]
-) -> Callable[[Callable[Concatenate[int, P], R]], Batched[P, R]]: ...
+def batch(fn: Callable[Concatenate[S, int, P], R], /) -> Batched[Concatenate[S, P], R]: ...
+
+
+@overload
+def batch(*, initial: int = ..., param: None = ..., **options: Unpack[Options]) -> _BatchDecorator: ...
 
 
 @overload
