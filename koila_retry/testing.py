@@ -40,8 +40,13 @@ def make_oom(kind: str = "cuda", nbytes: int = 2**31) -> RuntimeError:
         RuntimeError: the error, not raised.
 
     Raises:
-        ValueError: if ``kind`` is not one of the kinds above.
+        TypeError: if ``nbytes`` is not an int.
+        ValueError: if ``kind`` is not one of the kinds above, or ``nbytes`` is negative.
     """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"nbytes must be an int, the bytes of the allocation that failed, got {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, the bytes of the allocation that failed, got {nbytes}")
     if kind == "cuda":
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. GPU 0 has a total capacity of "
@@ -326,12 +331,12 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         OOMInjector: call it as ``inject()``.
 
     Raises:
-        TypeError: if ``calls`` is a bool.
+        TypeError: if ``calls`` is a bool, or neither an int nor an iterable.
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
-    if isinstance(calls, bool):
-        raise TypeError(f"calls must be an int or an iterable of ints, got {calls!r}")
+    if isinstance(calls, bool) or not isinstance(calls, (int, Iterable)):
+        raise TypeError(f"calls must be an int or an iterable of ints, got {type(calls).__name__} {calls!r}")
     if isinstance(calls, int):
         if calls < 0:
             raise ValueError(f"calls must be >= 0, got {calls}")

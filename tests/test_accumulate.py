@@ -878,6 +878,7 @@ async def _coroutine(x: torch.Tensor) -> torch.Tensor:
         ({"dim": "0"}, TypeError, "dim"),
         ({"dim": True}, TypeError, "dim"),
         ({"scaler": object()}, TypeError, "scaler"),
+        ({"scaler": 3}, TypeError, "(or have its scale()), got int 3"),
         ({"initial": 0}, ValueError, "initial"),
         ({"initial": -4}, ValueError, "initial"),
         ({"minimum": 0}, ValueError, "minimum"),

@@ -632,6 +632,12 @@ def test_non_oom_after_an_oom_passes_through() -> None:
         ({"max_attempts": 0}, ValueError, "max_attempts must be >= 1, got 0"),
         ({"on_oom": "print"}, TypeError, "on_oom must be callable, got str 'print'"),
         ({"cache": {}}, TypeError, "cache must be a koila_retry cache"),
+        (
+            {"cache": koila.GlobalCache},
+            TypeError,
+            r"got ABCMeta <class .*GlobalCache'>: give an instance, GlobalCache\(\)",
+        ),
+        ({"schedule": koila.scaled}, TypeError, r"got the class scaled: give an instance of it \(koila.scaled\(0.5\)"),
         ({"device": 3.5}, TypeError, "device must be a torch.device"),
         ({"device": "nonsense"}, ValueError, "'nonsense' is not a device PyTorch knows"),
     ],

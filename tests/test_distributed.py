@@ -726,8 +726,9 @@ def test_group_that_is_not_a_process_group_is_refused_when_decorating(front_end:
 
 @pytest.mark.parametrize("ddp", [nn.Linear(2, 1), [nn.Linear(2, 1)], "model"])
 def test_ddp_that_is_not_a_ddp_module_is_refused(ddp: object) -> None:
-    with pytest.raises(TypeError, match="ddp must be a torch.nn.parallel.DistributedDataParallel module"):
+    with pytest.raises(TypeError, match="ddp must be a torch.nn.parallel.DistributedDataParallel module") as caught:
         koila.accumulate(ddp=ddp)
+    assert str(caught.value).endswith(" 'model'" if ddp == "model" else "in_features=2, out_features=1, bias=True)")
 
 
 def test_accumulate_broadcasts_ddp_buffers_from_rank_zero_before_the_step(groups: Groups) -> None:

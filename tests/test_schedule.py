@@ -243,6 +243,18 @@ def test_a_schedule_must_be_callable() -> None:
         run_with_schedule(3)
 
 
+def test_a_schedules_class_is_refused_before_any_attempt() -> None:
+    # Called with a size, the class makes a schedule: the first failure used to raise "factor must be ...".
+    with pytest.raises(TypeError, match="got the class scaled: give an instance of it"):
+        run_with_schedule(koila.scaled)
+
+
+@pytest.mark.parametrize("failed", [1.5, "8", True, None])
+def test_powers_of_two_takes_an_int(failed: object) -> None:
+    with pytest.raises(TypeError, match=f"powers_of_two takes the size that failed, an int, got .*{failed!r}"):
+        koila.powers_of_two(failed)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- initial=None
 
 

@@ -485,6 +485,12 @@ def test_make_oom_defaults_to_cuda() -> None:
     assert type(make_oom()) is torch.OutOfMemoryError
 
 
+@pytest.mark.parametrize(("nbytes", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_make_oom_rejects_sizes_that_are_no_allocation(nbytes: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"nbytes must be .*, got {nbytes!r}"):
+        make_oom(nbytes=nbytes)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("kind", ["tpu", "CUDA", ""])
 def test_make_oom_rejects_unknown_kinds(kind: str) -> None:
     with pytest.raises(ValueError, match=repr(kind)):
@@ -591,6 +597,12 @@ def test_oom_for_rejects_bad_call_numbers(calls: object, shown: str) -> None:
     with pytest.raises(ValueError) as excinfo:
         oom_for(calls)  # type: ignore[arg-type]
     assert shown in str(excinfo.value)
+
+
+@pytest.mark.parametrize("calls", [1.5, None, True])
+def test_oom_for_rejects_what_is_neither_a_count_nor_call_numbers(calls: object) -> None:
+    with pytest.raises(TypeError, match=f"calls must be an int or an iterable of ints, got .*{calls!r}"):
+        oom_for(calls)  # type: ignore[arg-type]
 
 
 def test_oom_for_rejects_unknown_kinds() -> None:

@@ -37,6 +37,9 @@ def powers_of_two(failed: int) -> int | None:
     Returns:
         int or None: the next size, or ``None`` to give up.
 
+    Raises:
+        TypeError: if ``failed`` is not an int.
+
     Example::
 
         >>> import koila_retry as koila
@@ -45,6 +48,8 @@ def powers_of_two(failed: int) -> int | None:
 
     .. versionadded:: 0.1.0
     """
+    if isinstance(failed, bool) or not isinstance(failed, int):
+        raise TypeError(f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}")
     return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
 
 
@@ -206,7 +211,8 @@ class Policy:
         if self.cache is not None and not isinstance(self.cache, SizeCache):
             raise TypeError(
                 "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or "
-                f"another SizeCache), got {type(self.cache).__name__}"
+                f"another SizeCache), got {type(self.cache).__name__} {self.cache!r:.200}"
+                + (f": give an instance, {self.cache.__name__}()" if isinstance(self.cache, type) else "")
             )
         if self.on_oom is not None and not callable(self.on_oom):
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
@@ -239,5 +245,10 @@ class Policy:
             )
         if not callable(self.schedule):
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
+        if isinstance(self.schedule, type):  # koila.scaled: its first call would make a schedule, not a size
+            raise TypeError(
+                f"schedule must be a schedule, a callable given the size that failed, got the class "
+                f"{self.schedule.__name__}: give an instance of it (koila.scaled(0.5), say)"
+            )
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))

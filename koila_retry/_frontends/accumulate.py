@@ -277,7 +277,9 @@ def accumulator(
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__}")
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__} {scaler!r:.200}"
+        )
     if backward is not None and not callable(backward):
         raise TypeError(
             "backward must be a callable that runs the backward pass of a loss, such as accelerator.backward "
@@ -859,6 +861,6 @@ def _given_ddp(ddp: Any) -> list[Any]:
         if not isinstance(module, parallel):
             raise TypeError(
                 f"ddp must be a torch.nn.parallel.DistributedDataParallel module (the wrapped model) or a list "
-                f"of them, got {type(module).__name__}"
+                f"of them, got {type(module).__name__} {module!r:.200}"
             )
     return modules
