@@ -221,3 +221,47 @@ def test_estimate_takes_a_batch_encoding() -> None:
         found = koila.estimate(step, batch)
     assert found.peak(12) > found.peak(6) > 0
     assert all(p.grad is None for p in model.parameters())  # the estimate wrote nothing
+
+
+def fast_tokenizer() -> Any:
+    """A fast tokenizer built from a word-level vocabulary: its encodings are per row (word_ids, tokens)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["the", "a", "cat", "dog", "sat", "on", "mat", "big", "small", "red", "blue", "ran"]
+    vocab = {"[PAD]": 0, "[UNK]": 1} | {word: index + 2 for index, word in enumerate(words)}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="[PAD]", unk_token="[UNK]")
+
+
+TEXTS = ["the cat", "a big red dog sat", "the mat", "small blue cat ran on the mat", "dog", "the a", "red", "cat"]
+
+
+def last_words(batch: Any) -> torch.Tensor:
+    """Each row's position of its last word's first token, read from the tokenizer's per-row alignment."""
+    positions = []
+    for row in range(len(batch["input_ids"])):
+        words = batch.word_ids(row)
+        positions.append(words.index(max(word for word in words if word is not None)))
+    return torch.tensor(positions) + 0 * batch["input_ids"][:, 0]
+
+
+def test_a_chunk_of_a_fast_tokenizers_batch_reads_its_own_rows_alignment() -> None:
+    batch = fast_tokenizer()(TEXTS, padding=True, return_tensors="pt")
+    expected = last_words(batch)
+    assert len(set(expected.tolist())) > 2  # the rows differ: another row's answer would show
+    # A real out-of-memory error splits the pass: each chunk's word_ids(i) is its own row i's.
+    events: list[koila.OOMEvent] = []
+    with simulated_device("1KiB"):
+        got = koila.chunked(
+            lambda b: last_words(b) + torch.zeros(len(b["input_ids"]), 64)[:, 0].long(), batch, on_oom=events.append
+        )
+    assert torch.equal(got, expected)
+    assert events
+    assert torch.equal(koila.chunked(last_words, batch, initial=3), expected)
+    assert batch.word_ids(0) == [0, 1, None, None, None, None, None]  # the caller's batch keeps its encodings
+
+
+def test_a_fast_tokenizers_batch_split_along_tokens_has_no_alignment_to_give() -> None:
+    batch = fast_tokenizer()(TEXTS, padding=True, return_tensors="pt")
+    with pytest.raises(ValueError, match="word_ids"):
+        koila.chunked(last_words, batch, initial=3, dim=1)

@@ -68,17 +68,19 @@ _TUPLES = frozenset({_STRUCTSEQ, _TUPLE_NEW, _TUPLE_ITERABLE, _TUPLE_ARGUMENTS})
 class _Node:
     """A container that holds tensors: its children that do, by key, and how to remake it."""
 
-    __slots__ = ("children", "kind", "per_row", "splits", "value")
+    __slots__ = ("children", "kind", "per_row", "rows", "splits", "value")
 
     def __init__(self, value: Any, kind: int, children: list[tuple[Any, _Node | int]]) -> None:
         self.value, self.kind, self.children = value, kind, children
         self.splits = True  # whether a tensor that is split lies below: else the container passes as it is
         self.per_row = False  # a list of records, one per row: each piece gets its rows' records (see Split)
+        self.rows = 0  # the call's rows where they are along dim 0, else 0
 
-    def marked(self, split: set[int]) -> bool:
+    def marked(self, split: set[int], rows: int) -> bool:
         """Note whether a tensor in ``split`` lies below, or the node is per row, and return it."""
+        self.rows = rows
         self.splits = self.per_row or any(
-            child in split if isinstance(child, int) else child.marked(split) for _, child in self.children
+            child in split if isinstance(child, int) else child.marked(split, rows) for _, child in self.children
         )
         return self.splits
 
@@ -139,6 +141,12 @@ class _Node:
                 )
             for key, item in changed:
                 new[key] = item
+            encodings = getattr(value, "_encodings", None)
+            if isinstance(encodings, list) and self.splits:
+                # A fast tokenizer's BatchEncoding, whose word_ids(i), tokens(i) ... read encoding i: a piece
+                # keeps its own rows' encodings, or none (those raise) where they are not one per row.
+                begin, end = span
+                new._encodings = encodings[begin:end] if len(encodings) == self.rows else None  # type: ignore[attr-defined]
             return new
         return _remade_around(value, kind, changed)
 
@@ -375,7 +383,7 @@ class Split:
         chosen = set(self.split)
         for _, node in (*self.positional, *self.named):
             if not isinstance(node, int):
-                node.marked(chosen)
+                node.marked(chosen, self.rows if dim == 0 else 0)
         tensors = [self.tensors[i] for i in self.split]
         self.device: torch.device = tensors[0].device
         # The key of the workload: each sample's shape in size classes (each length up to
