@@ -12,24 +12,16 @@ import difflib
 import functools
 import importlib
 import inspect
-import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import CoroutineType, MethodType
 from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
-from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.batches import Split
 from koila_retry._common.dynamo import not_traced
-from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path, structure
-from koila_retry._common.tensors import TensorBase
-from koila_retry._common.units import format_bytes
-from koila_retry._common.warn import warn_or_log
 from koila_retry._core.cache import StackMemoryCache, function_identity
-from koila_retry._core.detect import is_oom
 from koila_retry._core.engine import Attempt, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -44,6 +36,7 @@ from koila_retry._frontends.batch import (
     unwrap_binding,
     with_controller,
 )
+from koila_retry._frontends.joining import Results
 from koila_retry.exceptions import BatchSizeExhausted
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
@@ -60,8 +53,6 @@ R = TypeVar("R")
 # Passes started by ``koila.chunked(fn, x)`` and ``koila.range(fn, 0, n)`` share one
 # cache; keys hold the function's place in the code and the call site.
 calls_cache = StackMemoryCache()
-
-_NONE_SPEC = tree_flatten(None)[1]
 
 
 # The keywords of a call form that are options; every other keyword is the function's.
@@ -354,7 +345,7 @@ def _run_chunked(
 ) -> Any:
     refuse_iterators(fn, args, kwargs, "koila.chunked", "chunk")
     split = Split(args, kwargs, dim, "koila.chunked", fn)
-    results = _Results(dim, split.rows, out)
+    results = Results(dim, split.rows, out)
     attempt: Attempt | None = None
 
     def work(begin: int, end: int) -> Any:
@@ -412,325 +403,6 @@ def _run_chunked(
         if results.unfit is not None:
             results.refuse()  # outside the handler: the error raised holds nothing of the attempts
     return results.finish()
-
-
-class _Results:
-    """The results of the chunks: checked as they come, and written into one result (or ``out``) as they come."""
-
-    def __init__(self, dim: int, rows: int, out: Any) -> None:
-        self.dim, self.rows, self.out = dim, rows, out
-        self.spec: TreeSpec | None = None
-        # Where each leaf's rows go: ``out``'s tensors, or the result's, allocated at the first chunk: the
-        # peak is the result plus one chunk, and no final join can lose the finished chunks.
-        self.targets: list[torch.Tensor | None] | None = None
-        self.single: Any = None  # a first chunk that held every row: the result as it is
-        # The rows of the first chunk beside which the result could not be made, in the last attempt
-        # that ran, and the result's bytes and device.
-        self.unfit: tuple[int, int, torch.device] | None = None
-        self.none = False
-        self.plain = False  # whether results are plain tensors, written without flattening
-        self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
-        if out is not None:
-            self.plain = type(out) is torch.Tensor
-            if self.plain:
-                self.targets = [out]
-            # Everything about out is checked before any chunk runs; what it is matched
-            # with is known at the first chunk's result (_matched).
-            writes_record_grad = torch.is_grad_enabled()
-            for path, leaf in flatten_with_path(out):
-                where = f"out{keystr(path)}"
-                if not isinstance(leaf, TensorBase):
-                    raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
-                if not -leaf.dim() <= dim < leaf.dim() or leaf.size(dim) != rows:
-                    raise ValueError(
-                        f"{where} has shape {tuple(leaf.shape)}; it needs {rows} rows along dim {dim}, "
-                        "one per input row"
-                    )
-                if writes_record_grad and _grad_leaf(cast(torch.Tensor, leaf)):
-                    raise ValueError(
-                        f"{where} requires grad and is a leaf tensor (or a view of one): koila.chunked writes "
-                        "each chunk's rows into out in place, and autograd refuses in-place writes into a leaf "
-                        f"that requires grad. Pass {where}.detach() (or a tensor made without "
-                        "requires_grad=True), or call koila.chunked under torch.no_grad()"
-                    )
-
-    def add(self, begin: int, end: int, result: Any) -> None:
-        targets = self.targets
-        if self.plain and type(result) is torch.Tensor and result.dim() >= self.least_dims:
-            self._write(cast(torch.Tensor, cast(list[Any], targets)[0]), result, begin, end, result, 0)
-            return  # the usual case, checked and written without flattening
-        if result is None and self.out is None:
-            if self.spec is not None and not self.none:
-                self._changed(self.spec, None)
-            self.none, self.spec = True, _NONE_SPEC
-            return
-        leaves = self._checked(result, begin)
-        targets = self.targets
-        if targets is None:
-            if end - begin == self.rows:
-                self.single = result
-                return
-            targets = self._allocate(leaves, end - begin, result)
-        for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
-            if target is not None:
-                self._write(target, leaf, begin, end, result, index)
-
-    def make(self, begin: int, end: int, result: Any) -> None:
-        """Check the first chunk's result, of fewer than every row, and make the result's tensors beside it."""
-        if result is not None or self.out is not None:  # None throughout: there is nothing to make
-            leaves = self._checked(result, begin)
-            if self.targets is None:
-                self._allocate(leaves, end - begin, result)
-
-    def _checked(self, result: Any, begin: int) -> list[Any]:
-        """Check a chunk's result against the first chunk's structure (or ``out``), and return its leaves."""
-        leaves, spec = flatten(result)
-        if self.spec is None:
-            if self.out is not None:
-                self.targets = self._matched(result)
-            self.spec = spec
-        elif spec != self.spec or self.none:
-            self._changed(None if self.none else self.spec, spec)
-        dim, joined, targets = self.dim, False, self.targets
-        for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
-            if isinstance(leaf, TensorBase):
-                joined = True
-                if not -leaf.dim() <= dim < leaf.dim() or (targets is not None and targets[index] is None):
-                    self._explain(result, begin)
-            elif self.out is not None or (targets is not None and targets[index] is not None):
-                self._explain(result, begin)
-        if not joined:
-            self._explain(result, begin)
-        return leaves
-
-    def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | None]:
-        """Make the result's tensors, each with every row, where the first chunk's lie (``None`` for the rest).
-
-        An allocation that runs out of memory records what did not fit, in ``unfit``, and
-        propagates: it is the first chunk's attempt's error, retried smaller like any other.
-        """
-        dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
-        kept = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
-        tensors = [leaf for leaf in kept if leaf is not None]
-        for index, leaf in enumerate(kept):
-            if leaf is not None and leaf.layout is not torch.strided:
-                path = keystr(flatten_with_path(result)[index][0])
-                raise ValueError(
-                    f"fn returned a tensor of layout {leaf.layout} at the result{path}: koila.chunked writes each "
-                    "chunk's rows into one tensor of every row, which only a strided tensor can be. Return it dense "
-                    "(.to_dense()), or join the chunks yourself under koila.batch"
-                )
-        dim, shapes = self.dim, []
-        for leaf in tensors:
-            shape = list(leaf.shape)
-            shape[dim] = self.rows
-            shapes.append(shape)
-        try:
-            made = iter([leaf.new_empty(shape) for leaf, shape in zip(tensors, shapes, strict=True)])
-        except RuntimeError as error:
-            if is_oom(error):
-                size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
-                self.unfit = (first, size, tensors[0].device)
-            raise
-        targets = self.targets = [None if leaf is None else next(made) for leaf in kept]
-        self.plain = type(result) is torch.Tensor
-        if dropped:
-            paths = flatten_with_path(result)
-            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
-            # Warned once the result is made (not at each retry of a first chunk beside which it did not
-            # fit), and logged where a filter would raise it: raised, it would end the recovery.
-            warn_or_log(
-                f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
-                "key-value cache, strings, flags) as None when the rows take more than one chunk",
-                UserWarning,
-                stacklevel=levels_to_caller(),
-            )
-        return targets
-
-    def refuse(self) -> NoReturn:
-        """Raise the error that says the result does not fit beside even the smallest first chunk tried."""
-        first, size, device = cast(tuple[int, int, torch.device], self.unfit)
-        rows = "1 row" if first == 1 else f"{first} rows"
-        raise torch.OutOfMemoryError(
-            f"koila.chunked cannot allocate its result: {self.rows} rows ({format_bytes(size)} on {device}) do "
-            f"not fit beside the first chunk even at {rows}, the smallest size it could try, before any other "
-            "chunk ran: smaller chunks would not help. Pass out= a tensor with room for every row, on the CPU "
-            "(pinned memory for a fast copy) if the device has no room, or cover fewer rows per call"
-        )
-
-    def _write(self, target: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int) -> None:
-        """Check one leaf of a chunk's result against where its rows go, and write them there."""
-        dim, rows = self.dim, end - begin
-        view = target.narrow(dim, begin, rows)
-        if view.shape != leaf.shape or (
-            leaf.dtype != target.dtype and (self.out is None or not torch.can_cast(leaf.dtype, target.dtype))
-        ):
-            self._mismatch(view, leaf, begin, end, result, index)
-        view.copy_(leaf)
-
-    def _matched(self, result: Any) -> list[torch.Tensor | None]:
-        """Return ``out``'s tensors in the order of the first result's leaves, matched by key (in any order)."""
-        paths = flatten_with_path(result)
-        targets: list[torch.Tensor | None] = []
-        used: set[int] = set()
-        for path, leaf in paths:
-            target, depth = _at(self.out, path)
-            if not isinstance(target, TensorBase):
-                what = "a tensor" if isinstance(leaf, TensorBase) else f"a {type(leaf).__name__}"
-                if target is _MISSING:
-                    holder = _at(self.out, path[:depth])[0]
-                    there = (
-                        f"nothing there (out{keystr(path[:depth])} is a {type(holder).__name__} "
-                        f"without {keystr(path[depth : depth + 1])})"
-                    )
-                else:
-                    there = f"a {type(target).__name__} there"
-                self._unmatched(paths, f"fn returned {what} at the result{keystr(path)}, and out has {there}")
-            targets.append(cast(torch.Tensor, target))
-            used.add(id(target))
-        extra = [path for path, leaf in flatten_with_path(self.out) if id(leaf) not in used]
-        if extra:
-            self._unmatched(paths, f"out has a tensor at out{keystr(extra[0])}, and fn's result has none there")
-        return targets
-
-    def _unmatched(self, paths: list[tuple[Any, Any]], first: str) -> NoReturn:
-        """Raise the error that says where ``out`` and the result differ, listing where each has tensors."""
-
-        def listed(name: str, found: list[tuple[Any, Any]]) -> str:
-            shown = [f"{name}{keystr(path)}" for path, _ in found[:_LISTED]]
-            return ", ".join(shown) + (f" and {len(found) - _LISTED} more" if len(found) > _LISTED else "")
-
-        raise ValueError(
-            f"{first}: out needs one tensor at each place where fn's result has one, matched by key (the keys "
-            f"of a dict in any order). The result has them at {listed('the result', paths)}; out has them at "
-            f"{listed('out', flatten_with_path(self.out))}"
-        )
-
-    def _mismatch(
-        self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
-    ) -> NoReturn:
-        """Raise the error that says how a chunk's result does not fit where its rows go, and what to do."""
-        path = keystr(flatten_with_path(result)[index][0])
-        rows, dim = end - begin, self.dim
-        at = f"at the result{path} for rows {begin} to {end}"
-        if leaf.size(dim) != rows:
-            raise ValueError(
-                f"fn returned a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} {at}: it has "
-                f"{leaf.size(dim)} rows along dim {dim}, and koila.chunked needs one result row per input row, "
-                f"{rows} here"
-            )
-        returned, needed = _row_shape(leaf.shape, dim), _row_shape(view.shape, dim)
-        if self.out is not None:
-            target = cast(list[torch.Tensor], self.targets)[index]
-            if view.shape != leaf.shape:
-                shape = list(leaf.shape)
-                shape[dim] = self.rows
-                raise ValueError(
-                    f"fn returned a tensor of shape {tuple(leaf.shape)} {at}, whose rows have shape {returned}, "
-                    f"and out{path} has shape {tuple(target.shape)}, whose rows have shape {needed}: out's rows "
-                    f"need the shape of the result's (out is never filled by broadcasting). Give out{path} the "
-                    f"shape {tuple(shape)}"
-                )
-            raise ValueError(
-                f"fn returned a tensor of dtype {leaf.dtype} {at}, and out{path} has dtype {target.dtype}, which "
-                f"{leaf.dtype} cannot be cast to without changing its kind (torch.can_cast({leaf.dtype}, "
-                f"{target.dtype}) is False). Give out{path} the dtype {leaf.dtype}, or one that it can be cast "
-                f"to, or return {target.dtype} from fn"
-            )
-        if view.shape != leaf.shape:
-            raise ValueError(
-                f"fn returned a tensor of shape {tuple(leaf.shape)} {at}, whose rows have shape {returned}, and "
-                f"the first chunk's rows there have shape {needed}: every chunk's result must have the first "
-                f"chunk's shape, but for its number of rows along dim {dim}"
-            )
-        raise ValueError(
-            f"fn returned a tensor of dtype {leaf.dtype} {at}, and the first chunk returned {view.dtype} there: "
-            f"every chunk's result must have the first chunk's dtype at each place. Return {view.dtype} from fn "
-            f"for every chunk (with .to({view.dtype}), say)"
-        )
-
-    @staticmethod
-    def _changed(before: TreeSpec | None, after: TreeSpec | None) -> NoReturn:
-        # None: the chunk returned None (a spec of a leaf would read as a value).
-        raise ValueError(
-            "fn returned results of different structures for different chunks: "
-            f"{structure(before)} and then {structure(after)}"
-        )
-
-    def _explain(self, result: Any, begin: int) -> NoReturn:
-        """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
-        leaves = flatten_with_path(result)
-        targets = self.targets
-        alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
-        for index, (path, leaf) in enumerate(leaves):
-            where = f"the result{keystr(path)}"
-            target = None if targets is None else targets[index]
-            if not isinstance(leaf, TensorBase):
-                if self.out is not None or target is not None or alone:
-                    raise TypeError(
-                        f"fn returned {type(leaf).__name__} at {where} for the chunk from row {begin}; "
-                        f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), so fn "
-                        "must return tensors, or a tuple, list or dict that holds them, or None"
-                    )
-            elif not -leaf.dim() <= self.dim < leaf.dim():
-                raise ValueError(
-                    f"fn returned a tensor of shape {tuple(leaf.shape)} at {where}, which has no dim "
-                    f"{self.dim} to join chunks along"
-                )
-            elif targets is not None and target is None:
-                raise ValueError(
-                    f"fn returned a tensor at {where} for the chunk from row {begin}, where the first chunk "
-                    "returned an object that is not a tensor"
-                )
-        raise AssertionError(f"no leaf of the result of the chunk from row {begin} is wrong")  # pragma: no cover
-
-    def finish(self) -> Any:
-        if self.out is not None:
-            return self.out
-        if self.none:
-            return None
-        if self.targets is None:
-            return self.single
-        return tree_unflatten(self.targets, cast(TreeSpec, self.spec))
-
-
-# Where out and a result differ, the places an error lists of each.
-_LISTED = 8
-
-# What _at finds where a container has no such key.
-_MISSING = object()
-
-
-def _at(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
-    """Return what ``value`` holds at a pytree key path, or ``_MISSING``, and how many keys were found."""
-    for depth, key in enumerate(path):
-        if isinstance(key, MappingKey):
-            found = value[key.key] if isinstance(value, Mapping) and key.key in value else _MISSING
-        elif isinstance(key, SequenceKey):
-            inside = isinstance(value, (list, tuple)) and 0 <= key.idx < len(value)
-            found = value[key.idx] if inside else _MISSING
-        elif isinstance(key, GetAttrKey):
-            found = getattr(value, key.name, _MISSING)
-        else:
-            found = _MISSING
-        if found is _MISSING:
-            return found, depth
-        value = found
-    return value, len(path)
-
-
-def _row_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
-    """Return a shape without ``dim``: the shape of each of its rows."""
-    axis = dim + len(shape) if dim < 0 else dim
-    return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
-
-
-def _grad_leaf(tensor: torch.Tensor) -> bool:
-    """Return whether autograd refuses in-place writes into ``tensor``: a leaf that requires grad, or a view of one."""
-    if not tensor.requires_grad:
-        return False
-    base = tensor._base
-    return tensor.is_leaf or (base is not None and base.is_leaf)
 
 
 @overload
