@@ -653,6 +653,79 @@ def test_other_objects_beside_tensors_come_back_as_none_with_a_warning() -> None
     assert isinstance(whole["past_key_values"], Cache)
 
 
+def labelled(rows: torch.Tensor) -> dict[str, Any]:
+    """Per row: a total, and a string, as a decoder returns text."""
+    totals = rows.sum(1)
+    scratch = torch.zeros(len(rows), 64)  # memory per row, for the simulated device to run short of
+    return {"total": totals + scratch[:, 0], "text": [f"row of {int(total)}" for total in totals.tolist()]}
+
+
+def test_lists_of_one_string_per_row_are_joined_when_an_oom_changes_the_chunks() -> None:
+    x = torch.arange(24.0).reshape(12, 2)
+    expected = labelled(x)
+    events: list[koila.OOMEvent] = []
+    with simulated_device("2KiB"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing comes back as None
+        got = koila.chunked(labelled, x, initial=8, on_oom=events.append)
+    assert [(event.batch_size, event.next_batch_size) for event in events] == [(8, 4)]
+    assert torch.equal(got["total"], expected["total"])
+    assert got["text"] == expected["text"]
+
+
+def test_a_result_that_is_only_a_list_of_strings_is_joined() -> None:
+    got = koila.chunked(lambda rows: [f"<{int(v)}>" for v in rows.tolist()], torch.arange(5.0), initial=2)
+    assert got == ["<0>", "<1>", "<2>", "<3>", "<4>"]
+
+
+@pytest.mark.parametrize("rows", [5, 8, 11])
+def test_a_list_of_strings_that_is_not_one_per_row_comes_back_as_none_whatever_the_chunks(rows: int) -> None:
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        return {"rows": x, "classes": ["cat", "dog", "bird"]}
+
+    # 5 rows in chunks of 3: one per row in the first chunk, not in the second; 8 and 11: never, or not at first.
+    with pytest.warns(UserWarning, match=r"the result\['classes'\]|3 strings in a list for the rows 3 to 5"):
+        got = koila.chunked(fn, torch.arange(float(rows)), initial=3 if rows == 5 else 4)
+    assert got["classes"] is None
+    assert torch.equal(got["rows"], torch.arange(float(rows)))
+
+
+def test_a_list_of_strings_per_row_in_a_later_chunk_only_stays_none() -> None:
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        return {"rows": x, "names": ["a", "b"]}  # a chunk of 2 rows has as many
+
+    with pytest.warns(UserWarning, match=r"the result\['names'\] \(list\)"):
+        got = koila.chunked(fn, torch.arange(6.0), initial=4)
+    assert got["names"] is None
+
+
+def test_lists_of_numbers_per_row_are_not_joined() -> None:
+    with pytest.raises(TypeError, match=r"fn returned float at the result\[0\] for the chunk from row 0"):
+        koila.chunked(lambda rows: rows.tolist(), torch.arange(4.0), initial=2)
+
+
+def test_a_list_of_strings_without_a_row_each_and_no_tensor_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"fn returned list at the result for the chunk from row 0"):
+        koila.chunked(lambda rows: ["one"], torch.arange(4.0), initial=2)
+
+
+def test_a_list_of_strings_per_row_with_out_is_refused() -> None:
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"rows": rows, "text": ["x"] * len(rows)}
+
+    with pytest.raises(ValueError, match=r"fn returned a str at the result\['text'\]\[0\], and out has nothing"):
+        koila.chunked(fn, torch.arange(4.0), initial=2, out={"rows": torch.empty(4)})
+
+
+def test_a_later_chunk_that_returns_a_tensor_where_the_first_returned_strings_names_the_place() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"a": rows, "b": ["s"] * len(rows) if next(calls) == 0 else rows}
+
+    with pytest.raises(ValueError, match=r"a tensor at the result\['b'\] for the chunk from row 2, where the first"):
+        koila.chunked(fn, torch.arange(4.0), initial=2)
+
+
 def test_zero_dim_result() -> None:
     with pytest.raises(ValueError, match=r"fn returned a tensor of shape \(\) at the result, which has no dim 0"):
         koila.chunked(lambda r: r.sum(), torch.arange(4.0), initial=2)

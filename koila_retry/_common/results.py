@@ -8,6 +8,7 @@ sees it, in a node type registered here, which unflattens to the user's type, re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils._pytree import (
@@ -81,32 +82,42 @@ register_pytree_node(
 )
 
 
-def _lifted(result: Any) -> Any:
+def _lifted(result: Any, whole: Callable[[Any], bool] | None) -> Any:
     """Return ``result`` with each tuple subclass pytree leaves whole wrapped as a node, if it can be remade."""
-    leaves, spec = tree_flatten(result)
+    leaves, spec = tree_flatten(result, is_leaf=whole)
     # The usual result holds no such tuple, and is flattened once.
     if not any(isinstance(leaf, tuple) for leaf in leaves):
         return result
-    return tree_unflatten([_lift(leaf) for leaf in leaves], spec)
+    return tree_unflatten([_lift(leaf, whole) for leaf in leaves], spec)
 
 
-def _lift(leaf: Any) -> Any:
+def _lift(leaf: Any, whole: Callable[[Any], bool] | None) -> Any:
     if not isinstance(leaf, tuple):
         return leaf
     how = tuple_remaking(leaf)
     if how is None:  # left a leaf: the front end says it cannot join it
         return leaf
-    return _Lifted([_lifted(item) for item in leaf], _Remade(type(leaf), how, state_of(leaf, how)))
+    return _Lifted([_lifted(item, whole) for item in leaf], _Remade(type(leaf), how, state_of(leaf, how)))
 
 
-def flatten(result: Any) -> tuple[list[Any], TreeSpec]:
-    """Return the leaves of a piece's result and its ``TreeSpec``, tuple subclasses taken apart."""
-    return tree_flatten(_lifted(result))
+def _strings(value: Any) -> bool:
+    """Return whether ``value`` is a list of strings, which a front end may take whole: one per row."""
+    return type(value) is list and bool(value) and all(type(item) is str for item in value)
 
 
-def flatten_with_path(result: Any) -> list[tuple[KeyPath, Any]]:
+def flatten(result: Any, strings: bool = False) -> tuple[list[Any], TreeSpec]:
+    """Return the leaves of a piece's result and its ``TreeSpec``, tuple subclasses taken apart.
+
+    With ``strings``, a list of strings is one leaf: the same structure whatever its length.
+    """
+    whole = _strings if strings else None
+    return tree_flatten(_lifted(result, whole), is_leaf=whole)
+
+
+def flatten_with_path(result: Any, strings: bool = False) -> list[tuple[KeyPath, Any]]:
     """Return the ``(path, leaf)`` pairs of a piece's result, in the order of :func:`flatten`."""
-    return tree_flatten_with_path(_lifted(result))[0]
+    whole = _strings if strings else None
+    return tree_flatten_with_path(_lifted(result, whole), is_leaf=whole)[0]
 
 
 def structure(spec: TreeSpec | None) -> str:

@@ -364,8 +364,8 @@ def _run_chunked(
             # chunk's out-of-memory error, which a smaller first chunk may avoid.
             results.make(begin, end, result)
             if meter is not None and first is not None:  # the chunks that follow run beside it
-                made: list[torch.Tensor | None] = results.targets or []
-                first.hold(sum(target.nbytes for target in made if target is not None))
+                made: list[Any] = results.targets or []
+                first.hold(sum(target.nbytes for target in made if isinstance(target, torch.Tensor)))
         if meter is not None:  # after the result is made, which the size chosen must leave room for
             cast(Attempt, attempt).calibrate(end - begin, meter.rise)
         return result

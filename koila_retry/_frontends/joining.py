@@ -33,8 +33,10 @@ class Results:
         self.dim, self.rows, self.out = dim, rows, out
         self.spec: TreeSpec | None = None
         # Where each leaf's rows go: ``out``'s tensors, or the result's, allocated at the first chunk: the
-        # peak is the result plus one chunk, and no final join can lose the finished chunks.
-        self.targets: list[torch.Tensor | None] | None = None
+        # peak is the result plus one chunk, and no final join can lose the finished chunks. A list of
+        # one string per row goes into a list of every row's.
+        self.targets: list[torch.Tensor | list[Any] | None] | None = None
+        self.strings = out is None  # whether lists of strings are leaves, joined where one per row
         self.single: Any = None  # a first chunk that held every row: the result as it is
         # The rows of the first chunk beside which the result could not be made, in the last attempt
         # that ran, and the result's bytes and device.
@@ -76,7 +78,7 @@ class Results:
                 self._changed(self.spec, None)
             self.none, self.spec = True, _NONE_SPEC
             return
-        leaves = self._checked(result, begin)
+        leaves = self._checked(result, begin, end)
         targets = self.targets
         if targets is None:
             if end - begin == self.rows:
@@ -84,49 +86,68 @@ class Results:
                 return
             targets = self._allocate(leaves, end - begin, result)
         for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
-            if target is not None:
-                self._write(target, leaf, begin, end, result, index)
+            if type(target) is list:
+                target[begin:end] = leaf  # one per row: _checked saw as many as the rows
+            elif target is not None:
+                self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
 
     def make(self, begin: int, end: int, result: Any) -> None:
         """Check the first chunk's result, of fewer than every row, and make the result's tensors beside it."""
         if result is not None or self.out is not None:  # None throughout: there is nothing to make
-            leaves = self._checked(result, begin)
+            leaves = self._checked(result, begin, end)
             if self.targets is None:
                 self._allocate(leaves, end - begin, result)
 
-    def _checked(self, result: Any, begin: int) -> list[Any]:
+    def _checked(self, result: Any, begin: int, end: int) -> list[Any]:
         """Check a chunk's result against the first chunk's structure (or ``out``), and return its leaves."""
-        leaves, spec = flatten(result)
+        leaves, spec = flatten(result, self.strings)
         if self.spec is None:
             if self.out is not None:
                 self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
             self._changed(None if self.none else self.spec, spec)
-        dim, joined, targets = self.dim, False, self.targets
+        dim, joined, targets, rows = self.dim, False, self.targets, end - begin
         for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
+            target = None if targets is None else targets[index]
             if isinstance(leaf, TensorBase):
                 joined = True
-                if not -leaf.dim() <= dim < leaf.dim() or (targets is not None and targets[index] is None):
-                    self._explain(result, begin)
-            elif self.out is not None or (targets is not None and targets[index] is not None):
-                self._explain(result, begin)
+                if not -leaf.dim() <= dim < leaf.dim() or (targets is not None and not isinstance(target, TensorBase)):
+                    self._explain(result, begin, end)
+            elif type(leaf) is list and self.strings and not isinstance(target, TensorBase):  # strings
+                if len(leaf) == rows:
+                    joined = True
+                elif type(target) is list:  # one per row before, not here: as a few strings would be
+                    self._unjoined(index, leaf, begin, end)
+            elif self.out is not None or target is not None:
+                self._explain(result, begin, end)
         if not joined:
-            self._explain(result, begin)
+            self._explain(result, begin, end)
         return leaves
 
-    def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | None]:
-        """Make the result's tensors, each with every row, where the first chunk's lie (``None`` for the rest).
+    def _unjoined(self, index: int, leaf: list[str], begin: int, end: int) -> None:
+        """Return as ``None`` a list of strings that was one per row until the chunk ``begin``-``end``."""
+        cast(list[Any], self.targets)[index] = None
+        warn_or_log(
+            f"fn returned {len(leaf)} strings in a list for the rows {begin} to {end}, where it had returned one "
+            f"per row for the chunks before: koila.chunked returns that list as None",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
+
+    def _allocate(self, leaves: list[Any], first: int, result: Any) -> list[torch.Tensor | list[Any] | None]:
+        """Make the result's tensors (and lists), each with every row, where the first chunk's lie (else ``None``).
 
         An allocation that runs out of memory records what did not fit, in ``unfit``, and
         propagates: it is the first chunk's attempt's error, retried smaller like any other.
         """
-        dropped = [index for index, leaf in enumerate(leaves) if not isinstance(leaf, TensorBase)]
+        rowed = [type(leaf) is list and len(leaf) == first for leaf in leaves]  # strings, one per row
+        dropped = [index for index, leaf in enumerate(leaves) if not (isinstance(leaf, TensorBase) or rowed[index])]
         kept = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
         tensors = [leaf for leaf in kept if leaf is not None]
         for index, leaf in enumerate(kept):
             if leaf is not None and leaf.layout is not torch.strided:
-                path = keystr(flatten_with_path(result)[index][0])
+                path = keystr(flatten_with_path(result, self.strings)[index][0])
                 raise ValueError(
                     f"fn returned a tensor of layout {leaf.layout} at the result{path}: koila.chunked writes each "
                     "chunk's rows into one tensor of every row, which only a strided tensor can be. Return it dense "
@@ -144,16 +165,20 @@ class Results:
                 size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
                 self.unfit = (first, size, tensors[0].device)
             raise
-        targets = self.targets = [None if leaf is None else next(made) for leaf in kept]
+        targets = self.targets = [
+            next(made) if leaf is not None else [None] * self.rows if per_row else None
+            for leaf, per_row in zip(kept, rowed, strict=True)
+        ]
         self.plain = type(result) is torch.Tensor
         if dropped:
-            paths = flatten_with_path(result)
+            paths = flatten_with_path(result, self.strings)
             named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
             # Warned once the result is made (not at each retry of a first chunk beside which it did not
             # fit), and logged where a filter would raise it: raised, it would end the recovery.
             warn_or_log(
-                f"fn returned {named}: koila.chunked joins tensors, and returns other objects (a model's "
-                "key-value cache, strings, flags) as None when the rows take more than one chunk",
+                f"fn returned {named}: koila.chunked joins tensors, and lists of one string per row, and returns "
+                "other objects (a model's key-value cache, a string, a flag) as None when the rows take more than "
+                "one chunk",
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
@@ -180,10 +205,10 @@ class Results:
             self._mismatch(view, leaf, begin, end, result, index)
         view.copy_(leaf)
 
-    def _matched(self, result: Any) -> list[torch.Tensor | None]:
+    def _matched(self, result: Any) -> list[torch.Tensor | list[Any] | None]:
         """Return ``out``'s tensors in the order of the first result's leaves, matched by key (in any order)."""
         paths = flatten_with_path(result)
-        targets: list[torch.Tensor | None] = []
+        targets: list[torch.Tensor | list[Any] | None] = []
         used: set[int] = set()
         for path, leaf in paths:
             target, depth = _at(self.out, path)
@@ -222,7 +247,7 @@ class Results:
         self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
     ) -> NoReturn:
         """Raise the error that says how a chunk's result does not fit where its rows go, and what to do."""
-        path = keystr(flatten_with_path(result)[index][0])
+        path = keystr(flatten_with_path(result, self.strings)[index][0])
         rows, dim = end - begin, self.dim
         at = f"at the result{path} for rows {begin} to {end}"
         if leaf.size(dim) != rows:
@@ -269,27 +294,30 @@ class Results:
             f"{structure(before)} and then {structure(after)}"
         )
 
-    def _explain(self, result: Any, begin: int) -> NoReturn:
+    def _explain(self, result: Any, begin: int, end: int) -> NoReturn:
         """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
-        leaves = flatten_with_path(result)
+        leaves = flatten_with_path(result, self.strings)
         targets = self.targets
         alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
         for index, (path, leaf) in enumerate(leaves):
             where = f"the result{keystr(path)}"
             target = None if targets is None else targets[index]
+            if type(leaf) is list and len(leaf) == end - begin and not isinstance(target, TensorBase):
+                continue  # strings, one per row: joined
             if not isinstance(leaf, TensorBase):
                 if self.out is not None or target is not None or alone:
                     raise TypeError(
                         f"fn returned {type(leaf).__name__} at {where} for the chunk from row {begin}; "
-                        f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), so fn "
-                        "must return tensors, or a tuple, list or dict that holds them, or None"
+                        f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), and lists "
+                        "of one string per row, so fn must return those, or a tuple, list or dict that holds them, "
+                        "or None"
                     )
             elif not -leaf.dim() <= self.dim < leaf.dim():
                 raise ValueError(
                     f"fn returned a tensor of shape {tuple(leaf.shape)} at {where}, which has no dim "
                     f"{self.dim} to join chunks along"
                 )
-            elif targets is not None and target is None:
+            elif targets is not None and not isinstance(target, TensorBase):
                 raise ValueError(
                     f"fn returned a tensor at {where} for the chunk from row {begin}, where the first chunk "
                     "returned an object that is not a tensor"
