@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import typing
 
 import torch
 from torch import Tensor
@@ -108,3 +110,12 @@ def test_a_method_looked_up_on_its_class_takes_the_instance_first() -> None:
     assert_type(Model.step(model, data), Tensor)
     assert_type(Model.encode(model, data), Tensor)
     assert Model.encode(model, data).shape == (2, 1)
+
+
+def test_type_hints_omit_the_injected_size_as_the_signature_does() -> None:
+    for wrapper in (doubled, Model.evaluate, Model().evaluate, Model.made):
+        hints = typing.get_type_hints(wrapper)
+        assert "batch_size" not in hints
+        assert hints.keys() - {"return"} == inspect.signature(wrapper).parameters.keys() - {"self", "cls"}
+    assert typing.get_type_hints(doubled) == {"data": Tensor, "return": Tensor}
+    assert "batch_size" in typing.get_type_hints(inspect.unwrap(doubled))  # the user's function is left alone

@@ -226,6 +226,7 @@ def bindable(
     wrapper = kind()
     functools.update_wrapper(wrapper, fn)
     vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
+    wrapper.__annotations__ = getattr(plain, "__annotations__", {})  # without an injected size
     wrapper._method, wrapper._binding = method, binding
     if inspect.iscoroutinefunction(plain):
         # inspect.iscoroutinefunction() takes an object with a function's attributes for one.
@@ -442,6 +443,8 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
 
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
+    # As the signature: typing.get_type_hints() (jsonargparse, pydantic) must not see the size either.
+    wrapper.__annotations__ = {key: value for key, value in getattr(fn, "__annotations__", {}).items() if key != name}
     return with_controller(wrapper, controller)
 
 
