@@ -27,6 +27,17 @@ def test_block_retries_with_smaller_sizes_until_it_fits() -> None:
     assert attempt.stats.ooms == 4
 
 
+def test_an_attempt_shows_its_size_and_number_under_the_public_name() -> None:
+    shown = []
+    for attempt in koila.attempts(initial=8):
+        shown.append(repr(attempt))
+        with attempt:
+            if attempt.batch_size > 4:
+                raise make_oom()
+    assert shown[0].startswith("<koila_retry.Attempt of block at ")
+    assert [entry.split(": ")[-1] for entry in shown] == ["batch_size=8, number=1>", "batch_size=4, number=2>"]
+
+
 def test_success_ends_the_loop_at_once() -> None:
     bodies = 0
     for attempt in koila.attempts(initial=32):

@@ -233,6 +233,9 @@ class Attempt:
         """After :meth:`succeeded` with agreement across ranks, whether every rank's ``vote`` was yes."""
         return self._course.plan.settling.unanimous
 
+    def __repr__(self) -> str:
+        return f"<koila_retry.Attempt of {self._course.owner.name}: batch_size={self.batch_size}, number={self.number}>"
+
     def __iter__(self) -> Iterator[Attempt]:
         # A generator, so that ending the loop costs no StopIteration raised in Python.
         yield self
