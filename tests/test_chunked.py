@@ -1113,6 +1113,13 @@ def test_fn_must_be_callable() -> None:
         koila.range(3, 0, 4)  # type: ignore[call-overload]
 
 
+def test_range_called_as_pythons_after_a_star_import_says_whose_it_is() -> None:
+    with pytest.raises(TypeError, match=r"got int 3 \(this is koila.range, not Python's range, which `from koila"):
+        koila.range(3)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"got str 'f'$"):
+        koila.range("f")  # type: ignore[call-overload]
+
+
 @pytest.mark.parametrize(("start", "stop"), [(5, 2), (5, 4), (-3, -4)])
 def test_range_stop_below_start(start: int, stop: int) -> None:
     calls: list[int] = []

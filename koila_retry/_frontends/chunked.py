@@ -150,7 +150,11 @@ class _Pass:
     def controller(self, fn: object, *, decorated: bool) -> Controller:
         """Make the controller of one call, or of a decorated function (with a cache of its own)."""
         if not callable(fn):
-            raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}")
+            # range(3) after `from koila_retry import *` calls koila's: say whose it is.
+            shadow = ""
+            if self.front_end == "koila.range" and isinstance(fn, int):
+                shadow = " (this is koila.range, not Python's range, which `from koila_retry import *` hides)"
+            raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}{shadow}")
         refuse_generator(fn, self.front_end)
         _refuse_async(fn, self.front_end)
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
