@@ -311,8 +311,16 @@ def test_a_file_nothing_reads_from_does_not_stop_a_retry(tmp_path: Any) -> None:
     with open(tmp_path / "log.txt", "w") as log:
         assert logged(log, {"also": log}) == 45  # written to, never read: retried
     assert (tmp_path / "log.txt").read_text().split() == ["8", "4"]
-    with open(tmp_path / "log.txt", "r+") as log, pytest.raises(TypeError, match=r"argument 0 \(TextIOWrapper\)"):
+    with (
+        open(tmp_path / "log.txt", "r+") as log,
+        pytest.raises(TypeError, match=r"argument 0 \(TextIOWrapper") as caught,
+    ):
         logged(log, {})  # readable: a retry would read on from where the failed attempt stopped
+    assert "(TextIOWrapper, a file open for reading) is an iterator" in str(caught.value)
+    assert str(caught.value).endswith(
+        "Open it for writing only ('w' or 'a') if the function only writes to it, "
+        "or pass its path and open it inside the function"
+    )
 
 
 def test_an_iterator_is_fine_when_nothing_fails_or_nothing_is_retried() -> None:
