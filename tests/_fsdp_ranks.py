@@ -36,14 +36,15 @@ def main(rank: int, group: str, port: int, directory: str) -> None:
     scenario.run(rank, group, port, directory)
 
 
-def model() -> nn.Sequential:
+def model(twice: bool = False) -> nn.Sequential:
+    """Three blocks and a head; with ``twice``, the last block runs twice in each forward (shared weights)."""
     torch.manual_seed(0)
     blocks = [
         nn.Sequential(nn.Linear(6, 8), nn.Tanh()),
         nn.Sequential(nn.Linear(8, 8), Inject(), nn.Tanh()),
         nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
     ]
-    return nn.Sequential(*blocks, nn.Linear(8, 1)).to(DTYPE)
+    return nn.Sequential(*blocks, *blocks[2:] * twice, nn.Linear(8, 1)).to(DTYPE)
 
 
 def shard(net: nn.Sequential, **options: Any) -> nn.Sequential:
@@ -172,14 +173,17 @@ def _step(
     failing: int = 1,
     custom: bool = False,
     sharding: dict[str, Any] | None = None,
+    twice: bool = False,
+    warm: bool = False,
 ) -> dict[str, Any]:
     """Steps of a sharded model with SGD, OOMs injected on the first ``failing``, then one without; checked.
 
     With ``failing=2`` the second step fails as the first did, after the first recorded its micro-batches'
-    collectives: a rank that fails then plays along the others' collectives. With ``custom``, the model's
-    all-gathers go through a comm of the user's (:class:`Gather`).
+    collectives: a rank that fails then plays along the others' collectives. With ``warm``, a step without
+    failures comes first, and records the whole batch's. With ``custom``, the model's all-gathers go through
+    a comm of the user's (:class:`Gather`).
     """
-    plain = model()
+    plain = model(twice)
     reference = copy.deepcopy(plain)
     net = shard(plain, **(sharding or {}))
     if custom:
@@ -207,12 +211,13 @@ def _step(
         return F.mse_loss(net(x), y)
 
     steps = []
-    for number in range(failing + 1):
+    for number in range(warm + failing + 1):
         x_all, y_all = batch(world, seed=10 + number)
         inject: Inject = net[1][1]
-        inject.failures = (failures or {}).get(rank, {}) if number < failing else {}
+        fails = warm <= number < warm + failing
+        inject.failures = (failures or {}).get(rank, {}) if fails else {}
         inject.rows = []
-        failing_allocations = (allocations or {}).get(rank, set()) if number < failing else set()
+        failing_allocations = (allocations or {}).get(rank, set()) if fails else set()
         with Allocations(failing_allocations) as watch, Count() as count:
             loss = step(local(x_all, rank), local(y_all, rank))
         reference_optimizer.zero_grad()
@@ -261,7 +266,8 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 # The scenarios one rank runs, where there is nothing to agree on.
 ALONE = ("forward_first", "backward_first", "alone")
-# Run twice (failing=2): the second time, the failed ranks play along. "first_micro_batch": rank 1 fails the
+# After a step that records the whole batch's collectives, run twice (failing=2): the second time, the failed
+# ranks play along. "first_micro_batch": rank 1 fails the
 # whole batch, then the backward of its first micro-batch of 6 rows (gradient sync off).
 PLAYED = {
     **{name: SCENARIOS[name] for name in ("forward_first", "backward_first", "every_rank", "later_attempt")},
@@ -272,6 +278,9 @@ PLAYED = {
         "failures": {1: {0: "backward"}},
         "sharding": {"reshard_after_forward": False},
     },
+    # A block that runs twice per forward reduce-scatters once more in a micro-batch that follows one with
+    # gradient sync off than in one that does not: a failed rank must play the schedule of the right one.
+    "block_used_twice": lambda world: {"failures": {1: {0: "forward", 2: "backward"}}, "twice": True},
 }
 
 
@@ -320,7 +329,8 @@ def fsdp_played_before_forward(rank: int, world: int) -> dict[str, Any]:
 
 def _register(name: str, played: bool) -> None:
     def run(rank: int, world: int) -> dict[str, Any]:
-        return _step(rank, world, **(PLAYED if played else SCENARIOS)[name](world), failing=2 if played else 1)
+        options = (PLAYED if played else SCENARIOS)[name](world)
+        return _step(rank, world, **options, failing=2 if played else 1, warm=played)
 
     run.__name__ = f"fsdp_{'played_' if played else ''}{name}"
     scenario("two", "three", *(("one",) if name in ALONE and not played else ()))(run)
@@ -598,10 +608,13 @@ def _after_a_backward_without_sync(
         return F.mse_loss(net(x) * 1.0, y)
 
     calls = 0
-    if played:
+    if played:  # a step after a backward of the caller's own, as below: it records that kind of micro-batch
+        net.set_requires_gradient_sync(False)
+        F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
+        net.set_requires_gradient_sync(True)
         step(local(first_all, rank), local(first_y_all, rank))
         net.zero_grad(set_to_none=True)
-        calls = 1
+        calls = 2
     net.set_requires_gradient_sync(False)
     F.mse_loss(net(local(first_all, rank)), local(first_y_all, rank)).backward()
     net.set_requires_gradient_sync(True)

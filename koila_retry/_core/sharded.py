@@ -345,10 +345,12 @@ class Shards:
         if exchange:
             self.vote()
         self.settled()
-        # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), and
-        # which groups are gathered already (a root stays gathered after a forward without backward).
+        # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), which
+        # groups are gathered already (a root stays gathered after a forward without backward), and which hold
+        # gradients accumulated unsharded (a block used twice reduce-scatters once more after those).
         switches = tuple(
-            (group.reduce_grads, group.reshard_after_backward, group._sharded_state) for group in self.groups
+            (group.reduce_grads, group.reshard_after_backward, group._sharded_state, _accumulated(group))
+            for group in self.groups
         )
         self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches)
         self.count = 0
@@ -456,6 +458,14 @@ class ShardedStep(SetAside):
         for fsdp_param, grad, accumulated in self.unsharded:
             fsdp_param._unsharded_param.grad = kept(grad)
             fsdp_param.unsharded_accumulated_grad = kept(accumulated)
+
+
+def _accumulated(group: Any) -> bool:
+    """Return whether an FSDP2 parameter group holds gradients accumulated unsharded, with gradient sync off."""
+    return any(
+        _unsharded_grad(fsdp_param) is not None or fsdp_param.unsharded_accumulated_grad is not None
+        for fsdp_param in group.fsdp_params
+    )
 
 
 def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
