@@ -1409,3 +1409,38 @@ def test_a_split_steps_logged_values_combine_as_accumulate_combines_outputs() ->
     assert combined([3, 6], [32, 16], "mean") == 4.0  # a Python number is taken for a mean
     assert torch.equal(combined(counts, [32, 16], "max"), torch.tensor(5))
     assert torch.equal(combined(counts, [32, 16], "sum"), torch.tensor(8))
+
+
+class _GraphLogged(MLP):
+    """Logs its loss with ``enable_graph=True``; the second micro-batch of the first split runs out of memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+        self.logged: list[weakref.ref[torch.Tensor]] = []
+        self.alive: list[bool] = []  # at each call, whether the previous calls' logged values are alive
+        self.told: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        gc.collect()
+        self.alive.append(any(ref() is not None for ref in self.logged))
+        self.rows.append(len(x))
+        hidden = self.net[1](self.net[0](x))
+        if len(self.rows) == 3:  # a real out-of-memory error in this micro-batch's backward
+            hidden.register_hook(lambda grad: torch.empty(2**24))
+        loss = F.cross_entropy(self.net[2](hidden), y)
+        self.log("train_loss", loss, enable_graph=True)  # the value holds the micro-batch's graph
+        self.logged.append(weakref.ref(loss))
+        return loss
+
+
+def test_what_a_failed_attempt_logged_with_its_graph_is_gone_when_the_retry_starts() -> None:
+    model = _GraphLogged()
+    with simulated_device(FIT_LIMIT):
+        trainer(OOMRecovery(on_oom=lambda event: model.told.append(event.batch_size)), max_steps=1).fit(model, loader())
+    # The whole batch, then micro-batches of 32 whose second failed in its backward, then of 16.
+    assert model.rows == [64, 32, 32, 16, 16, 16, 16], model.rows
+    assert model.told == [64, 32]  # the user's own on_oom is still told
+    # The first split's micro-batches had logged their losses, each holding its graph: dropped with the attempt.
+    assert model.alive[3] is False, model.alive

@@ -37,7 +37,7 @@ from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
-from koila_retry._core.stats import Stats
+from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
 from koila_retry._frontends.gradients import OtherLeaves, added_back
@@ -382,6 +382,15 @@ class _Step:
         part.__qualname__ = part.__name__ = whole.__qualname__ = whole.__name__ = name
         options = dict(self.options)
         initial = options.pop("initial")
+        told = options.get("on_oom")
+
+        def on_oom(event: OOMEvent) -> None:
+            # What the failed attempt logged goes with it: with enable_graph=True, a value holds its graph.
+            self.logs.parts = []
+            if told is not None:
+                told(event)
+
+        options["on_oom"] = on_oom
         # Under DDP the step runs inside DDP's forward, and the loop's backward after it, through DDP,
         # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
         decorate = accumulator(
