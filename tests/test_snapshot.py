@@ -152,6 +152,7 @@ def test_on_the_simulated_device_there_is_nothing_to_record(tmp_path: Path) -> N
     ):
         run()
     assert len(seen) == 1  # once a call, not once an attempt
+    assert seen[0].filename == __file__  # the caller's line, for the filters and the message's place
     assert list(tmp_path.iterdir()) == []
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tracking import simulated
 from koila_retry._common.warn import warn_or_log
 
@@ -99,7 +100,10 @@ class Snapshots:
                 why = " (a simulated device)" if simulated.device() is not None else ""
                 # Warned while the out-of-memory error is handled: a filter that makes it an error
                 # must not end the recovery, or take the place of BatchSizeExhausted.
-                warn_or_log(_NOTHING_TO_RECORD.format(device=self.device, why=why, name=self.name), stacklevel=2)
+                warn_or_log(
+                    _NOTHING_TO_RECORD.format(device=self.device, why=why, name=self.name),
+                    stacklevel=levels_to_caller(),
+                )
             return
         try:
             if not self.recording:
@@ -108,7 +112,7 @@ class Snapshots:
             if self.each or giving_up:
                 self._write(attempt)
         except Exception as exc:  # a snapshot never hides the out-of-memory error
-            warn_or_log(f"snapshot= could not be taken for {self.name}: {exc}", stacklevel=2)
+            warn_or_log(f"snapshot= could not be taken for {self.name}: {exc}", stacklevel=levels_to_caller())
 
     def _write(self, attempt: int) -> None:
         data = torch.cuda.memory._snapshot(self.device)
