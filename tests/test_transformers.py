@@ -261,6 +261,23 @@ def test_a_chunk_of_a_fast_tokenizers_batch_reads_its_own_rows_alignment() -> No
     assert batch.word_ids(0) == [0, 1, None, None, None, None, None]  # the caller's batch keeps its encodings
 
 
+def test_a_fast_tokenizers_batch_beside_tensors_or_another_batch_keeps_its_rows_alignment() -> None:
+    tokenizer = fast_tokenizer()
+    batch, other = (
+        tokenizer(TEXTS, padding=True, return_tensors="pt"),
+        tokenizer(TEXTS[::-1], return_tensors="pt", padding=True),
+    )
+    expected = last_words(batch)
+    got = koila.chunked(lambda b: last_words(b["batch"]), {"mask": batch["attention_mask"], "batch": batch}, initial=3)
+    assert torch.equal(got, expected)
+    both = koila.chunked(
+        lambda pair: torch.stack([last_words(pair[0]), last_words(pair[1])], 1), (other, batch), initial=3
+    )
+    assert torch.equal(both, torch.stack([last_words(other), expected], 1))
+    along = koila.chunked(lambda b: last_words(b)[:, None], batch, initial=3, dim=-2)  # rows along dim -2 too
+    assert torch.equal(along, expected[:, None])
+
+
 def test_a_fast_tokenizers_batch_split_along_tokens_has_no_alignment_to_give() -> None:
     batch = fast_tokenizer()(TEXTS, padding=True, return_tensors="pt")
     with pytest.raises(ValueError, match="word_ids"):

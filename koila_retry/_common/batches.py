@@ -79,9 +79,9 @@ class _Node:
     def marked(self, split: set[int], rows: int) -> bool:
         """Note whether a tensor in ``split`` lies below, or the node is per row, and return it."""
         self.rows = rows
-        self.splits = self.per_row or any(
-            child in split if isinstance(child, int) else child.marked(split, rows) for _, child in self.children
-        )
+        # Every child is marked (a list, not a generator that any() would stop): each needs its rows.
+        marks = [child in split if isinstance(child, int) else child.marked(split, rows) for _, child in self.children]
+        self.splits = self.per_row or any(marks)
         return self.splits
 
     def below(self) -> Iterator[int]:
@@ -381,9 +381,11 @@ class Split:
             self._refuse_nested()
             raise
         chosen = set(self.split)
+        # Whether the split is along each tensor's first dim, where a tokenizer's encodings are one per row.
+        along_rows = dim == 0 or (dim < 0 and all(self.tensors[i].dim() + dim == 0 for i in self.split))
         for _, node in (*self.positional, *self.named):
             if not isinstance(node, int):
-                node.marked(chosen, self.rows if dim == 0 else 0)
+                node.marked(chosen, self.rows if along_rows else 0)
         tensors = [self.tensors[i] for i in self.split]
         self.device: torch.device = tensors[0].device
         # The key of the workload: each sample's shape in size classes (each length up to
