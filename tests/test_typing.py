@@ -56,6 +56,10 @@ class Model:
     def count(self, begin: int, end: int) -> int:
         return end - begin
 
+    @koila.batch(param="size")
+    def evaluate_by_keyword(self, data: Tensor, *, size: int) -> Tensor:
+        return data[:size]
+
     @koila.batch
     async def evaluate_async(self, batch_size: int, data: Tensor) -> Tensor:
         return data[:batch_size]
@@ -89,6 +93,9 @@ def test_methods_bind_their_instance() -> None:
     assert_type(model.encode(data), Tensor)
     assert_type(model.count(0, 10), list[int])
     assert_type(Model.scaled(data), Tensor)
+    assert_type(model.evaluate_by_keyword(data), Tensor)  # any arguments: a checker cannot drop a named one
+    # On an instance, mypy binds a staticmethod's wrapper as a method's: look it up on the class (Batched's doc).
+    assert_type(model.scaled(data), Tensor)  # type: ignore[call-arg]
     # mypy binds ``cls`` under @classmethod only for a function, not for a callable object such as the wrapper.
     assert_type(Model.made(), int)  # type: ignore[call-arg]
     assert_type(model.step.stats.ooms, int)
@@ -102,6 +109,8 @@ def test_methods_bind_their_instance() -> None:
     assert model.step_split(data).shape == ()
     assert sum(model.count(0, 10)) == 10
     assert torch.equal(Model.scaled(data), data * 3)
+    assert torch.equal(model.scaled(data), data * 3)  # type: ignore[call-arg]
+    assert model.evaluate_by_keyword(data).shape == (6, 3)
     assert Model.made() == Model.made.stats.batch_size  # type: ignore[call-arg]
 
 

@@ -57,10 +57,12 @@ class Batched(Protocol[P, R_co]):
     ``cache_info()`` and ``cache_clear()`` for its cache.
 
     Type checkers see the wrapped function's parameters (without the batch size,
-    for :func:`batch`) and its result. A wrapped method, looked up on an
-    instance, binds it as a function does. Under ``@classmethod``, mypy does
-    not bind the class to a callable object (it does only for a function):
-    there a checker asks for the class as the first argument.
+    for :func:`batch`; any, with ``param=``) and its result. A wrapped method,
+    looked up on an instance, binds it as a function does. mypy binds the class
+    or instance only that way: under ``@classmethod`` it asks for the class as
+    the first argument, and a ``@staticmethod`` or a wrapper of a
+    ``*args``-only function set on a class, looked up on an instance, loses its
+    first parameter there. Look those up on the class.
     """
 
     stats: Stats
@@ -79,6 +81,18 @@ class Batched(Protocol[P, R_co]):
     def __get__(
         self: Batched[Concatenate[S, P2], R2], instance: S, owner: type[Any] | None = None
     ) -> Batched[P2, R2]: ...
+
+
+class _Keyworded(Protocol[R_co]):
+    """A function wrapped by :func:`batch` with ``param=``: any arguments, since a checker cannot drop a named one."""
+
+    stats: Stats
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
+
+    def cache_info(self) -> CacheInfo: ...
+
+    def cache_clear(self) -> None: ...
 
 
 class _BatchDecorator(Protocol):
@@ -301,7 +315,7 @@ def batch(*, initial: int = ..., param: None = ..., **options: Unpack[Options]) 
 @overload
 def batch(
     *, initial: int = ..., param: str, **options: Unpack[Options]
-) -> Callable[[Callable[..., R]], Batched[..., R]]: ...
+) -> Callable[[Callable[..., R]], _Keyworded[R]]: ...
 
 
 def batch(
