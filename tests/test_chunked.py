@@ -7,6 +7,7 @@ import gc
 import io
 import logging
 import os
+import re
 import sys
 import warnings
 import weakref
@@ -683,7 +684,7 @@ def test_a_list_of_strings_that_is_not_one_per_row_comes_back_as_none_whatever_t
         return {"rows": x, "classes": ["cat", "dog", "bird"]}
 
     # 5 rows in chunks of 3: one per row in the first chunk, not in the second; 8 and 11: never, or not at first.
-    with pytest.warns(UserWarning, match=r"the result\['classes'\]|3 strings in a list for the rows 3 to 5"):
+    with pytest.warns(UserWarning, match=r"the result\['classes'\]|a list of 3 strings for the rows 3 to 5, where"):
         got = koila.chunked(fn, torch.arange(float(rows)), initial=3 if rows == 5 else 4)
     assert got["classes"] is None
     assert torch.equal(got["rows"], torch.arange(float(rows)))
@@ -714,6 +715,23 @@ def test_a_list_of_strings_per_row_with_out_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"fn returned a str at the result\['text'\]\[0\], and out has nothing"):
         koila.chunked(fn, torch.arange(4.0), initial=2, out={"rows": torch.empty(4)})
+
+
+def test_a_later_chunk_that_returns_strings_where_the_first_returned_a_tensor_names_the_place() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"a": rows, "b": rows if next(calls) == 0 else ["s"] * len(rows)}
+
+    with pytest.raises(ValueError, match=r"a list of strings at the result\['b'\] for the chunk from row 2, where"):
+        koila.chunked(fn, torch.arange(4.0), initial=2)
+
+
+def test_no_rows_give_the_empty_list_of_strings_and_a_result_of_nothing_is_refused() -> None:
+    assert koila.chunked(lambda rows: [str(v) for v in rows.tolist()], torch.zeros(0)) == []
+    for empty in ({}, []):
+        with pytest.raises(TypeError, match=rf"fn returned {re.escape(repr(empty))} for the chunk from row 0, which"):
+            koila.chunked(lambda rows, empty=empty: empty, torch.zeros(4), initial=2)
 
 
 def test_a_later_chunk_that_returns_a_tensor_where_the_first_returned_strings_names_the_place() -> None:

@@ -121,7 +121,7 @@ class Results:
                     self._unjoined(index, leaf, begin, end)
             elif self.out is not None or target is not None:
                 self._explain(result, begin, end)
-        if not joined:
+        if not joined and (leaves or end > begin):  # no rows at all: an empty result is the whole one
             self._explain(result, begin, end)
         return leaves
 
@@ -129,8 +129,8 @@ class Results:
         """Return as ``None`` a list of strings that was one per row until the chunk ``begin``-``end``."""
         cast(list[Any], self.targets)[index] = None
         warn_or_log(
-            f"fn returned {len(leaf)} strings in a list for the rows {begin} to {end}, where it had returned one "
-            f"per row for the chunks before: koila.chunked returns that list as None",
+            f"fn returned a list of {len(leaf)} {'string' if len(leaf) == 1 else 'strings'} for the rows {begin} to "
+            f"{end}, where it had returned one per row for the chunks before: koila.chunked returns that list as None",
             UserWarning,
             stacklevel=levels_to_caller(),
         )
@@ -304,6 +304,11 @@ class Results:
             target = None if targets is None else targets[index]
             if type(leaf) is list and len(leaf) == end - begin and not isinstance(target, TensorBase):
                 continue  # strings, one per row: joined
+            if type(leaf) is list and isinstance(target, TensorBase) and self.out is None:
+                raise ValueError(
+                    f"fn returned a list of strings at {where} for the chunk from row {begin}, where the first chunk "
+                    "returned a tensor"
+                )
             if not isinstance(leaf, TensorBase):
                 if self.out is not None or target is not None or alone:
                     raise TypeError(
@@ -322,7 +327,10 @@ class Results:
                     f"fn returned a tensor at {where} for the chunk from row {begin}, where the first chunk "
                     "returned an object that is not a tensor"
                 )
-        raise AssertionError(f"no leaf of the result of the chunk from row {begin} is wrong")  # pragma: no cover
+        raise TypeError(
+            f"fn returned {structure(flatten(result, self.strings)[1])} for the chunk from row {begin}, which holds "
+            "nothing to join: no tensor, and no list of one string per row"
+        )
 
     def finish(self) -> Any:
         if self.out is not None:
