@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterable
 from types import TracebackType
@@ -43,8 +44,9 @@ def make_oom(kind: str = "cuda", nbytes: int = 2**31) -> RuntimeError:
         TypeError: if ``nbytes`` is not an int.
         ValueError: if ``kind`` is not one of the kinds above, or ``nbytes`` is negative.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+    if isinstance(nbytes, bool) or not hasattr(type(nbytes), "__index__"):  # numpy's ints too
         raise TypeError(f"nbytes must be an int, the bytes of the allocation that failed, got {nbytes!r}")
+    nbytes = operator.index(nbytes)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, the bytes of the allocation that failed, got {nbytes}")
     if kind == "cuda":

@@ -635,7 +635,7 @@ def test_non_oom_after_an_oom_passes_through() -> None:
         (
             {"cache": koila.GlobalCache},
             TypeError,
-            r"got ABCMeta <class .*GlobalCache'>: give an instance, GlobalCache\(\)",
+            r"another SizeCache\), got the class GlobalCache: give an instance, GlobalCache\(\)",
         ),
         ({"schedule": koila.scaled}, TypeError, r"got the class scaled: give an instance of it \(koila.scaled\(0.5\)"),
         ({"device": 3.5}, TypeError, "device must be a torch.device"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import io
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
@@ -317,6 +318,11 @@ def test_a_file_nothing_reads_from_does_not_stop_a_retry(tmp_path: Any) -> None:
     ):
         logged(log, {})  # readable: a retry would read on from where the failed attempt stopped
     assert "(TextIOWrapper, a file open for reading) is an iterator" in str(caught.value)
+    with pytest.raises(TypeError, match=r"argument 0 \(StringIO, a buffer that can be read\)") as buffered:
+        logged(io.StringIO(), {})
+    assert str(buffered.value).endswith(
+        "Append what the function writes to a list instead, or make the buffer inside the function"
+    )
     assert str(caught.value).endswith(
         "Open it for writing only ('w' or 'a') if the function only writes to it, "
         "or pass its path and open it inside the function"

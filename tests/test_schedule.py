@@ -249,6 +249,14 @@ def test_a_schedules_class_is_refused_before_any_attempt() -> None:
         run_with_schedule(koila.scaled)
 
 
+def test_a_class_whose_instances_are_no_schedules_is_taken_as_one() -> None:
+    class Halves:  # called with the size that failed, it makes the next one: a schedule, if an odd one
+        def __new__(cls, failed: int) -> Any:
+            return failed // 2 or None
+
+    assert run_with_schedule(Halves, initial=100, fits=20) == [100, 50, 25, 12]
+
+
 @pytest.mark.parametrize("failed", [1.5, "8", True, None])
 def test_powers_of_two_takes_an_int(failed: object) -> None:
     with pytest.raises(TypeError, match=f"powers_of_two takes the size that failed, an int, got .*{failed!r}"):

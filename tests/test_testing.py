@@ -485,6 +485,11 @@ def test_make_oom_defaults_to_cuda() -> None:
     assert type(make_oom()) is torch.OutOfMemoryError
 
 
+def test_make_oom_takes_any_integer_such_as_numpys() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert "you tried to allocate 8 bytes" in str(make_oom("cpu", nbytes=numpy.int64(8)))
+
+
 @pytest.mark.parametrize(("nbytes", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_make_oom_rejects_sizes_that_are_no_allocation(nbytes: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=f"nbytes must be .*, got {nbytes!r}"):

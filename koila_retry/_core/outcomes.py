@@ -193,13 +193,19 @@ class Failure:
 
     def reuse_error(self, name: str, failed: int) -> TypeError:
         """Return the error of a call that cannot be retried because an argument is an iterator."""
-        advice = (
-            "Open it for writing only ('w' or 'a') if the function only writes to it, or pass its path and "
-            "open it inside the function"
-            if self.reused is not None and self.reused.endswith(_READABLE)
-            else "Pass a list, a tuple or another collection that can be iterated again (list(...) of the "
-            "iterator), or make the iterator inside the function"
-        )
+        reused = self.reused or ""
+        if reused.endswith(_READABLE):
+            advice = (
+                "Open it for writing only ('w' or 'a') if the function only writes to it, or pass its path and "
+                "open it inside the function"
+            )
+        elif reused.endswith(_BUFFER):
+            advice = "Append what the function writes to a list instead, or make the buffer inside the function"
+        else:
+            advice = (
+                "Pass a list, a tuple or another collection that can be iterated again (list(...) of the "
+                "iterator), or make the iterator inside the function"
+            )
         return TypeError(
             f"{name}: out of memory at batch size {failed}, and the call cannot be retried: "
             f"{self.reused} is an iterator, which the failed attempt may have consumed in part, so a "
@@ -247,7 +253,8 @@ def _iterator_among(roots: tuple[object, ...]) -> str | None:
         room = _WALKED - len(entries)
         if isinstance(value, Iterator) and not isinstance(value, torch.Tensor):
             if not _write_only(value):
-                readable = _READABLE if isinstance(value, io.IOBase) else ")"
+                buffer = isinstance(value, (io.StringIO, io.BytesIO))
+                readable = (_BUFFER if buffer else _READABLE) if isinstance(value, io.IOBase) else ")"
                 return f"{_path(entries, position)} ({type(value).__name__}{readable}"
         elif room > 0 and id(value) not in seen and not isinstance(value, (str, bytes, torch.Tensor)):
             seen.add(id(value))
@@ -281,8 +288,9 @@ def _write_only(value: object) -> bool:
         return True
 
 
-# How a failure names a file that may be read from: its advice is another.
+# How a failure names a file, or a buffer in memory, that may be read from: the advice is another.
 _READABLE = ", a file open for reading)"
+_BUFFER = ", a buffer that can be read)"
 
 # The most values a failure's look for iterators visits: a long list of numbers is not walked whole.
 _WALKED = 10_000

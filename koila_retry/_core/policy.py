@@ -53,6 +53,11 @@ def powers_of_two(failed: int) -> int | None:
     return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
 
 
+def _makes_schedules(cls: type) -> bool:
+    """Return whether ``cls``'s instances are callable: called with a size, it makes a schedule, not a size."""
+    return any("__call__" in vars(base) for base in cls.__mro__[:-1])
+
+
 class scaled:  # named like a function: a strategy, called like the schedules it stands beside
     """A schedule that multiplies the size that failed by ``factor``, rounded down.
 
@@ -210,9 +215,12 @@ class Policy:
             _positive_int("max_attempts", self.max_attempts)
         if self.cache is not None and not isinstance(self.cache, SizeCache):
             raise TypeError(
-                "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or "
-                f"another SizeCache), got {type(self.cache).__name__} {self.cache!r:.200}"
-                + (f": give an instance, {self.cache.__name__}()" if isinstance(self.cache, type) else "")
+                "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or another SizeCache), "
+                + (
+                    f"got the class {self.cache.__name__}: give an instance, {self.cache.__name__}()"
+                    if isinstance(self.cache, type)
+                    else f"got {type(self.cache).__name__} {self.cache!r:.200}"
+                )
             )
         if self.on_oom is not None and not callable(self.on_oom):
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
@@ -245,7 +253,7 @@ class Policy:
             )
         if not callable(self.schedule):
             raise TypeError(f"schedule must be callable, got {type(self.schedule).__name__} {self.schedule!r}")
-        if isinstance(self.schedule, type):  # koila.scaled: its first call would make a schedule, not a size
+        if isinstance(self.schedule, type) and _makes_schedules(self.schedule):  # koila.scaled, not scaled(0.5)
             raise TypeError(
                 f"schedule must be a schedule, a callable given the size that failed, got the class "
                 f"{self.schedule.__name__}: give an instance of it (koila.scaled(0.5), say)"
