@@ -93,7 +93,9 @@ def test_methods_bind_their_instance() -> None:
     assert_type(model.encode(data), Tensor)
     assert_type(model.count(0, 10), list[int])
     assert_type(Model.scaled(data), Tensor)
-    assert_type(model.evaluate_by_keyword(data), Tensor)  # any arguments: a checker cannot drop a named one
+    # With param=, any arguments (a checker cannot drop a named one), and mypy binds them as a method's too.
+    assert_type(model.evaluate_by_keyword(data), Tensor)  # type: ignore[call-arg]
+    assert_type(Model.evaluate_by_keyword(model, data), Tensor)
     # On an instance, mypy binds a staticmethod's wrapper as a method's: look it up on the class (Batched's doc).
     assert_type(model.scaled(data), Tensor)  # type: ignore[call-arg]
     # mypy binds ``cls`` under @classmethod only for a function, not for a callable object such as the wrapper.
@@ -110,7 +112,7 @@ def test_methods_bind_their_instance() -> None:
     assert sum(model.count(0, 10)) == 10
     assert torch.equal(Model.scaled(data), data * 3)
     assert torch.equal(model.scaled(data), data * 3)  # type: ignore[call-arg]
-    assert model.evaluate_by_keyword(data).shape == (6, 3)
+    assert model.evaluate_by_keyword(data).shape == (6, 3)  # type: ignore[call-arg]
     assert Model.made() == Model.made.stats.batch_size  # type: ignore[call-arg]
 
 

@@ -60,9 +60,10 @@ class Batched(Protocol[P, R_co]):
     for :func:`batch`; any, with ``param=``) and its result. A wrapped method,
     looked up on an instance, binds it as a function does. mypy binds the class
     or instance only that way: under ``@classmethod`` it asks for the class as
-    the first argument, and a ``@staticmethod`` or a wrapper of a
-    ``*args``-only function set on a class, looked up on an instance, loses its
-    first parameter there. Look those up on the class.
+    the first argument, and a ``@staticmethod``, a method under ``batch`` with
+    ``param=``, or a wrapper of a ``*args``-only function set on a class, looked
+    up on an instance, loses its first parameter there. Look those up on the
+    class, or annotate the instance's attribute.
     """
 
     stats: Stats
@@ -81,18 +82,6 @@ class Batched(Protocol[P, R_co]):
     def __get__(
         self: Batched[Concatenate[S, P2], R2], instance: S, owner: type[Any] | None = None
     ) -> Batched[P2, R2]: ...
-
-
-class _Keyworded(Protocol[R_co]):
-    """A function wrapped by :func:`batch` with ``param=``: any arguments, since a checker cannot drop a named one."""
-
-    stats: Stats
-
-    def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
-
-    def cache_info(self) -> CacheInfo: ...
-
-    def cache_clear(self) -> None: ...
 
 
 class _BatchDecorator(Protocol):
@@ -315,7 +304,7 @@ def batch(*, initial: int = ..., param: None = ..., **options: Unpack[Options]) 
 @overload
 def batch(
     *, initial: int = ..., param: str, **options: Unpack[Options]
-) -> Callable[[Callable[..., R]], _Keyworded[R]]: ...
+) -> Callable[[Callable[..., R]], Batched[..., R]]: ...
 
 
 def batch(
