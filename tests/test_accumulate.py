@@ -404,6 +404,63 @@ def test_checkpointed_function_that_is_not_a_module_warns_once() -> None:
     assert caught[0].filename == __file__
 
 
+class _Recompute(torch.autograd.Function):
+    """A hand-made reentrant checkpoint (as fairscale's, DeepSpeed's): its backward runs one of its own."""
+
+    @staticmethod
+    def forward(ctx: Any, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.module(x)
+        torch.autograd.backward(out, grad)  # writes the module's .grad, which no walk of the graph finds
+        return None, x.grad
+
+
+@pytest.mark.parametrize("where", ["inside", "after", "gives-up"])
+@pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
+def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt(where: str, before: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 1)).double()
+    stem, block, head = model
+    x, y = data(40, 6), data(40, 1, seed=1)
+    expected_loss, expected_grads = full_step(model, x, y)
+    give_grads(model, lambda i: before and i % 2 == 0)
+    snapshot = Snapshot(model)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16, minimum=16 if where == "gives-up" else 1)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        fail = len(calls) == 2
+        h = stem(x)
+        if fail and where != "after":  # runs after the Function's backward wrote the block's grads
+            h = OOMInBackward.apply(h)
+        h = _Recompute.apply(block, h)
+        if fail and where == "after":  # runs before it
+            h = OOMInBackward.apply(h)
+        return F.mse_loss(head(h), y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if where == "gives-up":
+            with pytest.raises(koila.BatchSizeExhausted):
+                step(x, y)
+            snapshot.assert_unchanged()
+            return
+        loss = step(x, y)
+    assert calls == [16, 16] + [8] * 5
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    snapshot.assert_added(expected_grads)
+
+
 # --------------------------------------------------------------------------- 4. training
 
 

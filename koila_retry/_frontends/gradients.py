@@ -21,6 +21,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 
+from koila_retry._frontends import own_backward
+
 __all__ = [
     "EARLY_BYTES",
     "IN_FLIGHT",
@@ -153,6 +155,10 @@ class Gradients:
 
     def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured."""
+        with own_backward.running(self.nested):
+            self._backward(run, loss, retain)
+
+    def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         # Known backward passes are captured directly, without the function mode, which
         # would send every call the backward makes through Python.
         if run is plain_backward or type(run) is Scaled:
@@ -184,6 +190,24 @@ class Gradients:
             plain()
             return
         self.capture(call, plain)
+
+    def nested(self, outputs: Any, alone: bool) -> None:
+        """Take the leaves a backward run inside this step's writes (a custom Function's) before it writes them."""
+        # As a plain backward's: set aside, and dropped with a failed attempt. Beside another step's
+        # backward, or where another step holds them, whose they are cannot be told: warned of.
+        found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
+        exposed = self.exposed
+        # Parameters only: the other leaves are the Function's own, made in its backward (the input it
+        # recomputes from, whose .grad it returns), and held here they would outlive the attempt.
+        new = [leaf for leaf in found if id(leaf) not in exposed and isinstance(leaf, torch.nn.Parameter)]
+        if not alone or (self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new])):
+            self.hidden = True
+            return
+        for leaf in new:
+            exposed[id(leaf)] = leaf
+            if leaf.grad is not None:
+                self.aside.append((leaf, leaf.grad))
+                leaf.grad = None
 
     def _expose(self, loss: torch.Tensor) -> bool:
         """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["call", "guard"]
+__all__ = ["call", "guard", "running"]
 
 
 class _Running(threading.local):
@@ -30,6 +30,11 @@ class _Running(threading.local):
 _running = _Running()
 _lock = threading.Lock()
 _guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
+# The steps whose backward runs now, in any thread (autograd runs a device's nodes on a thread of its own):
+# each is told of a backward that a node of theirs runs inside it, before it writes any .grad.
+_backwards: list[Callable[[Any, bool], None]] = []
+# A backward started inside a node's backward (not from the code that started the outer one).
+_inside_a_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 def guard() -> bool:
@@ -49,6 +54,16 @@ def guard() -> bool:
             if step is not None and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True):
                 _running.refused += 1
                 raise RuntimeError(_refusal(step))
+            if (
+                _backwards
+                and _inside_a_node() is not None
+                and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True)
+            ):
+                # A custom Function's backward that runs one of its own (a hand-made recomputation):
+                # the steps take the leaves it writes as theirs first; alone tells whose it is.
+                told = list(_backwards)
+                for tell in told:
+                    tell(t_outputs, len(told) == 1)
             return original(t_outputs, *args, **kwargs)
 
         # Both names: torch.autograd calls it by the one it imported, and PyTorch's own
@@ -57,6 +72,21 @@ def guard() -> bool:
         setattr(torch.autograd, "_engine_run_backward", guarded)  # noqa: B010 (not in the stubs)
         _guarded.append(guarded)
     return True
+
+
+class running:  # named like a function: a context manager used as one
+    """While a step's backward runs, tell ``tell(outputs, alone)`` of each backward a node runs inside it."""
+
+    __slots__ = ("tell",)
+
+    def __init__(self, tell: Callable[[Any, bool], None]) -> None:
+        self.tell = tell
+
+    def __enter__(self) -> None:
+        _backwards.append(self.tell)
+
+    def __exit__(self, *exc: object) -> None:
+        _backwards.remove(self.tell)
 
 
 def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -> Any:
