@@ -17,6 +17,7 @@ import operator
 import threading
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Any, SupportsIndex, cast
 
 import torch
 
@@ -337,15 +338,17 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
-    if isinstance(calls, bool) or not isinstance(calls, (int, Iterable)):
+    if isinstance(calls, bool) or not (hasattr(type(calls), "__index__") or isinstance(calls, Iterable)):
         raise TypeError(f"calls must be an int or an iterable of ints, got {type(calls).__name__} {calls!r}")
-    if isinstance(calls, int):
-        if calls < 0:
-            raise ValueError(f"calls must be >= 0, got {calls}")
-        chosen = frozenset(range(1, calls + 1))
+    if hasattr(type(calls), "__index__"):  # numpy's ints too
+        count = operator.index(cast(SupportsIndex, calls))
+        if count < 0:
+            raise ValueError(f"calls must be >= 0, got {count}")
+        chosen = frozenset(range(1, count + 1))
     else:
-        chosen = frozenset(calls)
-        bad = [number for number in chosen if isinstance(number, bool) or not isinstance(number, int) or number < 1]
+        given = list(cast(Iterable[Any], calls))
+        bad = [n for n in given if isinstance(n, bool) or not hasattr(type(n), "__index__") or operator.index(n) < 1]
         if bad:
             raise ValueError(f"call numbers are ints counting from 1, got {sorted(bad, key=repr)}")
+        chosen = frozenset(map(operator.index, given))
     return OOMInjector(on_calls=chosen, kind=kind)

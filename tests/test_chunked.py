@@ -1136,6 +1136,9 @@ def test_range_called_as_pythons_after_a_star_import_says_whose_it_is() -> None:
         koila.range(3)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match=r"got str 'f'$"):
         koila.range("f")  # type: ignore[call-overload]
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"\(this is koila.range, not Python's range"):
+        koila.range(numpy.int64(3))  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize(("start", "stop"), [(5, 2), (5, 4), (-3, -4)])

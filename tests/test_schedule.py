@@ -257,6 +257,11 @@ def test_a_class_whose_instances_are_no_schedules_is_taken_as_one() -> None:
     assert run_with_schedule(Halves, initial=100, fits=20) == [100, 50, 25, 12]
 
 
+def test_powers_of_two_takes_numpys_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert koila.powers_of_two(numpy.int64(500)) == 256  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("failed", [1.5, "8", True, None])
 def test_powers_of_two_takes_an_int(failed: object) -> None:
     with pytest.raises(TypeError, match=f"powers_of_two takes the size that failed, an int, got .*{failed!r}"):

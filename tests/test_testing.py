@@ -604,6 +604,18 @@ def test_oom_for_rejects_bad_call_numbers(calls: object, shown: str) -> None:
     assert shown in str(excinfo.value)
 
 
+def test_oom_for_takes_numpys_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    inject = oom_for(numpy.int64(1))  # type: ignore[arg-type]
+    with pytest.raises(torch.OutOfMemoryError):
+        inject()
+    inject()
+    chosen = oom_for([numpy.int64(2)])
+    chosen()
+    with pytest.raises(torch.OutOfMemoryError):
+        chosen()
+
+
 @pytest.mark.parametrize("calls", [1.5, None, True])
 def test_oom_for_rejects_what_is_neither_a_count_nor_call_numbers(calls: object) -> None:
     with pytest.raises(TypeError, match=f"calls must be an int or an iterable of ints, got .*{calls!r}"):

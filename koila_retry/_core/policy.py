@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,8 +49,10 @@ def powers_of_two(failed: int) -> int | None:
 
     .. versionadded:: 0.1.0
     """
-    if isinstance(failed, bool) or not isinstance(failed, int):
-        raise TypeError(f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}")
+    if type(failed) is not int:  # the engine's sizes are; a schedule of the user's may pass numpy's
+        if isinstance(failed, bool) or not hasattr(type(failed), "__index__"):
+            raise TypeError(f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}")
+        failed = operator.index(failed)
     return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
 
 

@@ -152,7 +152,7 @@ class _Pass:
         if not callable(fn):
             # range(3) after `from koila_retry import *` calls koila's: say whose it is.
             shadow = ""
-            if self.front_end == "koila.range" and isinstance(fn, int):
+            if self.front_end == "koila.range" and hasattr(type(fn), "__index__"):  # numpy's ints too
                 shadow = " (this is koila.range, not Python's range, which `from koila_retry import *` hides)"
             raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}{shadow}")
         refuse_generator(fn, self.front_end)
