@@ -823,6 +823,26 @@ def test_bad_result_in_a_later_micro_batch_leaves_grads_as_they_were(failure: st
     before.assert_unchanged()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_value_whose_shape_changes_between_micro_batches_is_refused_before_its_backward(reduction: str) -> None:
+    model, x, y = build("mlp", 20)
+    give_grads(model, lambda i: i < 2)
+    before = Snapshot(model)
+    seen: list[int] = []
+
+    @koila.accumulate(initial=8, reduction=reduction)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.append(x.shape[0])
+        out = model(x)
+        # The outputs of the rows that pass a filter: neither one per row nor one shape (sum broadcast them).
+        return {"loss": F.mse_loss(out, y), "positive": out[out > 0].detach()[: len(seen)]}
+
+    with pytest.raises(ValueError, match=r"at the result\['positive'\] for a micro-batch of 8 rows, and a tensor"):
+        step(x, y)
+    assert seen == [8, 8]  # refused as the second micro-batch's result came, before its backward
+    before.assert_unchanged()
+
+
 def sum_over_labelled_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
     if not labelled.any():  # a common guard: no labelled rows, nothing to learn, a constant zero loss
         return x.new_zeros(())

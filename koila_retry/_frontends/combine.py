@@ -70,14 +70,29 @@ class Results:
             self._changed(spec)
         elif kinds != self.kinds:
             self._rows_changed(result, kinds, rows)
-        for column, kind, leaf in zip(self.columns, kinds, leaves, strict=True):
+        for index, (column, kind, leaf) in enumerate(zip(self.columns, kinds, leaves, strict=True)):
             if kind == _DROP:
                 continue
+            # A value of the whole micro-batch is added or stacked: its shape must be the first's (joined
+            # parts are padded by an integration's pad=, or refused by torch.cat).
+            if column and kind in (_WEIGH, _COUNT) and isinstance(leaf, TensorBase):
+                first = column[0][0]
+                if first.shape != leaf.shape:
+                    self._shape_changed(result, index, first, rows)
             if kind == _JOIN:
                 column.append(leaf.detach())
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
+
+    def _shape_changed(self, result: Any, index: int, first: torch.Tensor, rows: int) -> NoReturn:
+        path, leaf = flatten_with_path(result)[index]
+        raise ValueError(
+            f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
+            f"of {rows} rows, and {describe(first)} for the first: a value of the whole micro-batch (not one per "
+            f"row along dim {self.step.dim}) must have the same shape in every one, or the step's result would "
+            "depend on the split. Return one entry per row, or pad it to one shape"
+        )
 
     def weighed(self, weighted: torch.Tensor) -> None:
         """Keep the last micro-batch's loss as its backward ran it, weighted: it then adds up as it is.
