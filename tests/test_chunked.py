@@ -744,6 +744,20 @@ def test_a_later_chunk_that_returns_a_tensor_where_the_first_returned_strings_na
         koila.chunked(fn, torch.arange(4.0), initial=2)
 
 
+@pytest.mark.parametrize("initial", [4, 16], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize(
+    ("fn", "shown"),
+    [(lambda rows: rows[rows[:, 0] > 0], "rows along dim 0"), (lambda rows: rows.T, "has 2 rows along dim 0")],
+    ids=["filtered", "transposed"],
+)
+def test_a_result_without_a_row_per_input_row_is_refused_however_many_chunks(
+    initial: int, fn: Callable[[torch.Tensor], torch.Tensor], shown: str
+) -> None:
+    x = torch.arange(16.0).reshape(8, 2) - 6  # some rows pass the filter, some do not
+    with pytest.raises(ValueError, match=rf"{shown}, and koila.chunked needs one result row per input row"):
+        koila.chunked(fn, x, initial=initial)
+
+
 def test_zero_dim_result() -> None:
     with pytest.raises(ValueError, match=r"fn returned a tensor of shape \(\) at the result, which has no dim 0"):
         koila.chunked(lambda r: r.sum(), torch.arange(4.0), initial=2)

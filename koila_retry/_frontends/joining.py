@@ -82,6 +82,10 @@ class Results:
         targets = self.targets
         if targets is None:
             if end - begin == self.rows:
+                # As it is, but held to the rule every chunk is: one row per input row, whatever the memory.
+                for index, leaf in enumerate(leaves):
+                    if isinstance(leaf, TensorBase) and leaf.size(self.dim) != self.rows:
+                        self._mismatch(cast(torch.Tensor, leaf), cast(torch.Tensor, leaf), begin, end, result, index)
                 self.single = result
                 return
             targets = self._allocate(leaves, end - begin, result)
