@@ -843,6 +843,28 @@ def test_a_value_whose_shape_changes_between_micro_batches_is_refused_before_its
     before.assert_unchanged()
 
 
+def test_rows_returned_in_a_reused_buffer_are_refused_and_a_broadcast_parameter_is_joined() -> None:
+    model, x, y = build("mlp", 20)
+    buffer = torch.empty(20, 1, dtype=torch.float64)
+    token = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor, reuse: bool) -> dict[str, torch.Tensor]:
+        out = model(x)
+        kept = buffer[: len(x)]
+        kept.copy_(out.detach())  # a workspace written each time: the earlier micro-batch's rows are lost
+        per_row = kept if reuse else kept.clone()
+        return {"loss": F.mse_loss(out, y), "rows": per_row, "token": token.expand(len(x), 3)}
+
+    before = Snapshot(model)
+    with pytest.raises(ValueError, match=r"at the result\['rows'\] for a micro-batch of 8 rows, the memory it"):
+        step(x, y, True)
+    before.assert_unchanged()
+    result = step(x, y, False)
+    torch.testing.assert_close(result["rows"], model(x).detach())
+    assert result["token"].shape == (20, 3)  # the same memory every micro-batch, broadcast: joined as before
+
+
 def sum_over_labelled_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
     if not labelled.any():  # a common guard: no labelled rows, nothing to learn, a constant zero loss
         return x.new_zeros(())

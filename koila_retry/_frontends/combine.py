@@ -80,10 +80,23 @@ class Results:
                 if first.shape != leaf.shape:
                     self._shape_changed(result, index, first, rows)
             if kind == _JOIN:
+                # The memory of the micro-batch before, not broadcast along the rows (a parameter's expand):
+                # a buffer the function writes each time, whose earlier rows are lost.
+                if column and _same_memory(leaf, column[-1], self.step.dim):
+                    self._reused(result, index, rows)
                 column.append(leaf.detach())
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
+
+    def _reused(self, result: Any, index: int, rows: int) -> NoReturn:
+        path = keystr(flatten_with_path(result)[index][0])
+        raise ValueError(
+            f"{self.step.controller.name} returned, at the result{path} for a micro-batch of {rows} rows, the "
+            "memory it returned for the micro-batch before (a buffer it writes each time): the rows are joined "
+            "when the step ends, and the earlier ones would read as the later ones. Return a new tensor there "
+            "(buffer.clone())"
+        )
 
     def _shape_changed(self, result: Any, index: int, first: torch.Tensor, rows: int) -> NoReturn:
         path, leaf = flatten_with_path(result)[index]
@@ -269,6 +282,13 @@ def _padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: f
         joined[tuple(where)] = part
         start += rows
     return joined
+
+
+def _same_memory(leaf: torch.Tensor, previous: torch.Tensor, dim: int) -> bool:
+    """Return whether ``leaf`` is the memory of ``previous``, not broadcast along the rows nor a graph's."""
+    return (
+        leaf.data_ptr() == previous.data_ptr() and not leaf.requires_grad and leaf.numel() > 0 and leaf.stride(dim) != 0
+    )
 
 
 def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
