@@ -113,7 +113,14 @@ def test_a_batch_that_counts_nothing_gives_what_the_whole_batch_gives_split_or_n
 
 @pytest.mark.parametrize(
     ("returned", "shown"),
-    [(-1, "-1"), ("many", "'many'"), (float("nan"), "nan"), (True, "True"), (torch.ones(2), "shape (2,)")],
+    [
+        (-1, "-1"),
+        ("many", "'many'"),
+        (float("nan"), "nan"),
+        (True, "True"),
+        (torch.ones(2), "shape (2,)"),
+        (torch.tensor(1 + 0j), "shape () and dtype torch.complex64"),  # one element, but no count
+    ],
 )
 def test_weight_must_return_a_count(returned: Any, shown: str) -> None:
     model, batch = token_batch(rows=4)

@@ -335,7 +335,7 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
 
 def describe(value: Any) -> str:
     if isinstance(value, TensorBase):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, dict):
         return f"a dict with keys {list(value)}"
     return "None" if value is None else f"{type(value).__name__} {value!r}"[:200]
