@@ -1180,6 +1180,12 @@ def test_range_bounds_must_be_ints(start: object, stop: object, message: str) ->
         koila.range(lambda b, e: None)(start, stop)  # type: ignore[arg-type]
 
 
+def test_range_takes_bounds_with_an_index_as_pythons_range_does_and_passes_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    spans = koila.range(lambda b, e: (type(b), b, e), numpy.int64(0), numpy.int64(5), initial=2)
+    assert spans == [(int, 0, 2), (int, 2, 4), (int, 4, 5)]
+
+
 # --------------------------------------------------------------------------- 5. empty input
 
 

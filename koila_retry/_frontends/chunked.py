@@ -12,6 +12,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import operator
 import sys
 from collections.abc import Callable
 from types import CoroutineType, MethodType
@@ -533,8 +534,10 @@ def _run_range(
     caller: Any,
 ) -> list[Any]:
     for name, value in (("start", start), ("stop", stop)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        # As Python's range takes them: ints, and what has __index__ (numpy's ints); not bools.
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    start, stop = operator.index(start), operator.index(stop)  # fn gets Python ints
     if stop < start:
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
     refuse_iterators(fn, args, kwargs, "koila.range", "range", before=2)
