@@ -340,7 +340,7 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
     """
     if isinstance(calls, bool) or not (hasattr(type(calls), "__index__") or isinstance(calls, Iterable)):
         raise TypeError(f"calls must be an int or an iterable of ints, got {type(calls).__name__} {calls!r}")
-    if hasattr(type(calls), "__index__"):  # numpy's ints too
+    if not isinstance(calls, Iterable):  # an int, numpy's too (an array of them is iterable, and has __index__)
         count = operator.index(cast(SupportsIndex, calls))
         if count < 0:
             raise ValueError(f"calls must be >= 0, got {count}")

@@ -461,6 +461,59 @@ def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt
     snapshot.assert_added(expected_grads)
 
 
+@pytest.mark.parametrize("fails", [True, False], ids=["retried", "whole"])
+def test_a_backward_inside_another_threads_graph_is_left_to_it(fails: bool) -> None:
+    """Another thread's plain training runs a reentrant checkpoint while a step's backward waits in a node."""
+    torch.manual_seed(0)
+    mine, theirs = nn.Linear(4, 1).double(), nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    inside, done = threading.Event(), threading.Event()
+
+    class Gate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if not inside.is_set():
+                inside.set()
+                done.wait(30)  # the other thread's backward runs now, while this step's waits here
+            return grad
+
+    attempts: list[int] = []
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        attempts.append(len(x))
+        h = mine(x)
+        if fails and len(attempts) == 1:
+            h = OOMInBackward.apply(h)  # after the gate: the first attempt fails once the other thread is done
+        return F.mse_loss(Gate.apply(h), y)
+
+    xb = data(3, 4, seed=2)
+    for p in theirs.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.grad for p in theirs.parameters()]
+    copies = [p.detach().clone().requires_grad_() for p in theirs.parameters()]
+    added = list(torch.autograd.grad(torch.tanh(xb @ copies[0].T + copies[1]).sum(), copies))
+    seen: dict[str, Any] = {}
+
+    def other() -> None:
+        inside.wait(30)
+        torch.utils.checkpoint.checkpoint(theirs, xb.clone().requires_grad_(), use_reentrant=True).sum().backward()
+        seen["same"] = [p.grad is b for p, b in zip(theirs.parameters(), before, strict=True)]
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    step(data(8, 4), data(8, 1, seed=1))
+    thread.join()
+    assert attempts == ([8, 4, 4] if fails else [8])
+    assert seen["same"] == [True, True]  # the other thread's .grad was never set aside
+    for p, add in zip(theirs.parameters(), added, strict=True):
+        torch.testing.assert_close(p.grad, 1 + add, rtol=RTOL, atol=ATOL)
+
+
 # --------------------------------------------------------------------------- 4. training
 
 
@@ -863,6 +916,24 @@ def test_rows_returned_in_a_reused_buffer_are_refused_and_a_broadcast_parameter_
     result = step(x, y, False)
     torch.testing.assert_close(result["rows"], model(x).detach())
     assert result["token"].shape == (20, 3)  # the same memory every micro-batch, broadcast: joined as before
+
+
+def test_a_number_first_and_a_tensor_later_still_combine_and_outputs_without_memory_join() -> None:
+    model, x, y = build("mlp", 12)
+
+    seen: list[int] = []
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        seen.append(len(x))
+        out = model(x)
+        aux = 0.0 if len(seen) == 1 else out.detach().mean()  # 0.0 first, as a sum that starts from it
+        return {"loss": F.mse_loss(out, y), "aux": aux, "sparse": out.detach().to_sparse()}
+
+    result = step(x, y)
+    assert seen == [4, 4, 4]
+    assert isinstance(result["aux"], torch.Tensor)
+    torch.testing.assert_close(result["sparse"].to_dense(), model(x).detach())  # no memory of its own to compare
 
 
 def sum_over_labelled_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:

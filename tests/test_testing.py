@@ -610,7 +610,7 @@ def test_oom_for_takes_numpys_ints() -> None:
     with pytest.raises(torch.OutOfMemoryError):
         inject()
     inject()
-    chosen = oom_for([numpy.int64(2)])
+    chosen = oom_for(numpy.array([2]))  # an array of call numbers, not a count
     chosen()
     with pytest.raises(torch.OutOfMemoryError):
         chosen()

@@ -50,9 +50,13 @@ def powers_of_two(failed: int) -> int | None:
     .. versionadded:: 0.1.0
     """
     if type(failed) is not int:  # the engine's sizes are; a schedule of the user's may pass numpy's
+        shown = f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}"
         if isinstance(failed, bool) or not hasattr(type(failed), "__index__"):
-            raise TypeError(f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}")
-        failed = operator.index(failed)
+            raise TypeError(shown)
+        try:
+            failed = operator.index(failed)
+        except TypeError:  # a float tensor has __index__, and refuses it
+            raise TypeError(shown) from None
     return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
 
 

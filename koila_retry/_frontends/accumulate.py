@@ -461,10 +461,10 @@ class _Accumulator:
             self.warned_checkpoint = True
             warn_or_log(
                 f"{self.controller.name} runs a backward inside its own (torch.utils.checkpoint(use_reentrant=True) "
-                "around a function that is not a module, or a custom autograd Function's while another thread's "
-                "step ran one): the gradients that backward writes cannot all be found, so an out-of-memory error "
-                "part-way through a step could leave some of them written twice. Use use_reentrant=False, or "
-                "checkpoint a module. This warning is shown once.",
+                "around a function that is not a module, or a custom autograd Function's over parameters that "
+                "another thread's step holds): the gradients that backward writes cannot all be found, so an "
+                "out-of-memory error part-way through a step could leave some of them written twice. Use "
+                "use_reentrant=False, or checkpoint a module. This warning is shown once.",
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )

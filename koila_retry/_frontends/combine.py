@@ -77,7 +77,7 @@ class Results:
             # parts are padded by an integration's pad=, or refused by torch.cat).
             if column and kind in (_WEIGH, _COUNT) and isinstance(leaf, TensorBase):
                 first = column[0][0]
-                if first.shape != leaf.shape:
+                if isinstance(first, TensorBase) and first.shape != leaf.shape:
                     self._shape_changed(result, index, first, rows)
             if kind == _JOIN:
                 # The memory of the micro-batch before, not broadcast along the rows (a parameter's expand):
@@ -93,12 +93,12 @@ class Results:
         path = keystr(flatten_with_path(result)[index][0])
         raise ValueError(
             f"{self.step.controller.name} returned, at the result{path} for a micro-batch of {rows} rows, the "
-            "memory it returned for the micro-batch before (a buffer it writes each time): the rows are joined "
-            "when the step ends, and the earlier ones would read as the later ones. Return a new tensor there "
-            "(buffer.clone())"
+            "memory it returned for the micro-batch before: the rows are joined when the step ends, so where the "
+            "function writes there each time (a reused buffer), the earlier ones would read as the later ones. "
+            "Return a new tensor there (buffer.clone())"
         )
 
-    def _shape_changed(self, result: Any, index: int, first: torch.Tensor, rows: int) -> NoReturn:
+    def _shape_changed(self, result: Any, index: int, first: Any, rows: int) -> NoReturn:
         path, leaf = flatten_with_path(result)[index]
         raise ValueError(
             f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
@@ -286,8 +286,17 @@ def _padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: f
 
 def _same_memory(leaf: torch.Tensor, previous: torch.Tensor, dim: int) -> bool:
     """Return whether ``leaf`` is the memory of ``previous``, not broadcast along the rows nor a graph's."""
+    # Plain strided tensors with memory of their own only: a subclass, a sparse or a meta tensor has no
+    # data pointer to compare (0, or an error).
     return (
-        leaf.data_ptr() == previous.data_ptr() and not leaf.requires_grad and leaf.numel() > 0 and leaf.stride(dim) != 0
+        not leaf.requires_grad
+        and type(leaf) is torch.Tensor
+        and leaf.layout is torch.strided
+        and leaf.device.type != "meta"
+        and leaf.numel() > 0
+        and leaf.data_ptr() != 0
+        and leaf.data_ptr() == previous.data_ptr()
+        and leaf.stride(dim) != 0
     )
 
 

@@ -133,7 +133,19 @@ class Scaled:
 class Gradients:
     """The gradients of one step: written into ``.grad`` directly, or captured until the step succeeded."""
 
-    __slots__ = ("aside", "batchnorm", "direct", "exposed", "hidden", "leaves", "lock", "owned", "sums", "thread")
+    __slots__ = (
+        "aside",
+        "batchnorm",
+        "direct",
+        "exposed",
+        "hidden",
+        "leaves",
+        "lock",
+        "owned",
+        "sums",
+        "task",
+        "thread",
+    )
 
     def __init__(self, direct: bool = False) -> None:
         self.sums: dict[int, torch.Tensor] = {}  # the step's captured gradient of each leaf, by id of the leaf
@@ -149,14 +161,29 @@ class Gradients:
         self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.thread = threading.get_ident()
+        self.task = -1  # the autograd graph task that runs this step's backward now, once its first node ran
         # Autograd runs the nodes of each device on a thread of its own; hooks that add into
         # the sums (see ``_taker``) may run on two at once.
         self.lock = threading.Lock()
 
     def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured."""
-        with own_backward.running(self.nested):
+        node = loss.grad_fn
+        if node is None:  # a leaf: no node runs, so none runs a backward of its own
             self._backward(run, loss, retain)
+            return
+        # Which graph task is this step's, known as its first node runs: a backward started inside a
+        # node of another (another thread's training, koila's or not) is left alone.
+        handle = node.register_prehook(self._started)
+        try:
+            with own_backward.running(self.nested):
+                self._backward(run, loss, retain)
+        finally:
+            handle.remove()
+            self.task = -1
+
+    def _started(self, grad_outputs: Any) -> None:
+        self.task = _graph_task()
 
     def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         # Known backward passes are captured directly, without the function mode, which
@@ -191,16 +218,18 @@ class Gradients:
             return
         self.capture(call, plain)
 
-    def nested(self, outputs: Any, alone: bool) -> None:
+    def nested(self, outputs: Any) -> None:
         """Take the leaves a backward run inside this step's writes (a custom Function's) before it writes them."""
-        # As a plain backward's: set aside, and dropped with a failed attempt. Beside another step's
-        # backward, or where another step holds them, whose they are cannot be told: warned of.
+        # As a plain backward's: set aside, and dropped with a failed attempt. Where another step holds
+        # them, the two cannot share them: warned of.
+        if self.task < 0 or _graph_task() != self.task:
+            return  # run inside a node of another graph task: not this step's
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
         exposed = self.exposed
         # Parameters only: the other leaves are the Function's own, made in its backward (the input it
         # recomputes from, whose .grad it returns), and held here they would outlive the attempt.
         new = [leaf for leaf in found if id(leaf) not in exposed and isinstance(leaf, torch.nn.Parameter)]
-        if not alone or (self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new])):
+        if self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new]):
             self.hidden = True
             return
         for leaf in new:
@@ -823,6 +852,10 @@ class Capture(TorchFunctionMode):
             return func(*args, **kwargs)
         self.gradients.started(call, lambda: func(*args, **kwargs))
         return None
+
+
+# The graph task the autograd engine runs on this thread now, -1 outside one.
+_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _owner(function: Any) -> Any:

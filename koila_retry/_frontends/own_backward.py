@@ -31,8 +31,8 @@ _running = _Running()
 _lock = threading.Lock()
 _guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
 # The steps whose backward runs now, in any thread (autograd runs a device's nodes on a thread of its own):
-# each is told of a backward that a node of theirs runs inside it, before it writes any .grad.
-_backwards: list[Callable[[Any, bool], None]] = []
+# each is told of a backward that a node runs inside another, and takes it if the node is one of its own.
+_backwards: list[Callable[[Any], None]] = []
 # A backward started inside a node's backward (not from the code that started the outer one).
 _inside_a_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
@@ -60,10 +60,9 @@ def guard() -> bool:
                 and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True)
             ):
                 # A custom Function's backward that runs one of its own (a hand-made recomputation):
-                # the steps take the leaves it writes as theirs first; alone tells whose it is.
-                told = list(_backwards)
-                for tell in told:
-                    tell(t_outputs, len(told) == 1)
+                # the step whose graph the node is in takes the leaves it writes as its own first.
+                for tell in list(_backwards):
+                    tell(t_outputs)
             return original(t_outputs, *args, **kwargs)
 
         # Both names: torch.autograd calls it by the one it imported, and PyTorch's own
@@ -75,11 +74,11 @@ def guard() -> bool:
 
 
 class running:  # named like a function: a context manager used as one
-    """While a step's backward runs, tell ``tell(outputs, alone)`` of each backward a node runs inside it."""
+    """While a step's backward runs, tell ``tell(outputs)`` of each backward a node runs inside a backward."""
 
     __slots__ = ("tell",)
 
-    def __init__(self, tell: Callable[[Any, bool], None]) -> None:
+    def __init__(self, tell: Callable[[Any], None]) -> None:
         self.tell = tell
 
     def __enter__(self) -> None:
