@@ -142,6 +142,7 @@ class Gradients:
         "leaves",
         "lock",
         "owned",
+        "root",
         "sums",
         "task",
         "thread",
@@ -161,29 +162,20 @@ class Gradients:
         self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.thread = threading.get_ident()
-        self.task = -1  # the autograd graph task that runs this step's backward now, once its first node ran
+        self.root: Any = None  # the node this step's backward starts from, while it runs
+        self.task = -1  # the autograd graph task that runs it, once a backward inside one of its nodes was seen
         # Autograd runs the nodes of each device on a thread of its own; hooks that add into
         # the sums (see ``_taker``) may run on two at once.
         self.lock = threading.Lock()
 
     def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured."""
-        node = loss.grad_fn
-        if node is None:  # a leaf: no node runs, so none runs a backward of its own
-            self._backward(run, loss, retain)
-            return
-        # Which graph task is this step's, known as its first node runs: a backward started inside a
-        # node of another (another thread's training, koila's or not) is left alone.
-        handle = node.register_prehook(self._started)
+        self.root = loss.grad_fn  # which nodes are this step's: see nested()
         try:
             with own_backward.running(self.nested):
                 self._backward(run, loss, retain)
         finally:
-            handle.remove()
-            self.task = -1
-
-    def _started(self, grad_outputs: Any) -> None:
-        self.task = _graph_task()
+            self.root, self.task = None, -1
 
     def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         # Known backward passes are captured directly, without the function mode, which
@@ -222,8 +214,13 @@ class Gradients:
         """Take the leaves a backward run inside this step's writes (a custom Function's) before it writes them."""
         # As a plain backward's: set aside, and dropped with a failed attempt. Where another step holds
         # them, the two cannot share them: warned of.
-        if self.task < 0 or _graph_task() != self.task:
-            return  # run inside a node of another graph task: not this step's
+        # Only inside a node of this step's graph: another thread's training, koila's or not, runs its own
+        # graph task. The first such backward finds its node in the graph; the others compare tasks.
+        task = _graph_task()
+        if task != self.task:
+            if self.task >= 0 or not _reaches(self.root, _current_node()):
+                return
+            self.task = task
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
         exposed = self.exposed
         # Parameters only: the other leaves are the Function's own, made in its backward (the input it
@@ -854,8 +851,25 @@ class Capture(TorchFunctionMode):
         return None
 
 
-# The graph task the autograd engine runs on this thread now, -1 outside one.
+# The graph task the autograd engine runs on this thread now (-1 outside one), and the node it runs.
 _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _reaches(root: Any, node: Any) -> bool:
+    """Return whether ``node`` is ``root`` or one of the nodes the graph from it leads to."""
+    if root is None or node is None:
+        return False
+    stack, seen = [root], {root}
+    while stack:
+        current = stack.pop()
+        if current is node:
+            return True
+        for child, _ in current.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return False
 
 
 def _owner(function: Any) -> Any:
