@@ -13,16 +13,15 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, SupportsIndex, cast
+from typing import Any, cast
 
 import torch
 
 from koila_retry._common.tracking import LiveStorageTracker, following_resizes, simulated
-from koila_retry._common.units import format_bytes, parse_bytes
+from koila_retry._common.units import as_int, format_bytes, parse_bytes
 
 __all__ = ["OOMInjector", "SimulatedDevice", "make_oom", "oom_above", "oom_for", "simulated_device"]
 
@@ -45,9 +44,10 @@ def make_oom(kind: str = "cuda", nbytes: int = 2**31) -> RuntimeError:
         TypeError: if ``nbytes`` is not an int.
         ValueError: if ``kind`` is not one of the kinds above, or ``nbytes`` is negative.
     """
-    if isinstance(nbytes, bool) or not hasattr(type(nbytes), "__index__"):  # numpy's ints too
+    size = as_int(nbytes)  # numpy's ints too
+    if size is None:
         raise TypeError(f"nbytes must be an int, the bytes of the allocation that failed, got {nbytes!r}")
-    nbytes = operator.index(nbytes)
+    nbytes = size
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, the bytes of the allocation that failed, got {nbytes}")
     if kind == "cuda":
@@ -338,17 +338,19 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
-    if isinstance(calls, bool) or not (hasattr(type(calls), "__index__") or isinstance(calls, Iterable)):
+    # An array of call numbers is iterable, and has __index__ too: taken as numbers.
+    count = None if isinstance(calls, Iterable) else as_int(calls)
+    if count is None and not isinstance(calls, Iterable):
         raise TypeError(f"calls must be an int or an iterable of ints, got {type(calls).__name__} {calls!r}")
-    if not isinstance(calls, Iterable):  # an int, numpy's too (an array of them is iterable, and has __index__)
-        count = operator.index(cast(SupportsIndex, calls))
+    if count is not None:
         if count < 0:
             raise ValueError(f"calls must be >= 0, got {count}")
         chosen = frozenset(range(1, count + 1))
     else:
         given = list(cast(Iterable[Any], calls))
-        bad = [n for n in given if isinstance(n, bool) or not hasattr(type(n), "__index__") or operator.index(n) < 1]
+        numbers = [as_int(n) for n in given]
+        bad = [n for n, number in zip(given, numbers, strict=True) if number is None or number < 1]
         if bad:
             raise ValueError(f"call numbers are ints counting from 1, got {sorted(bad, key=repr)}")
-        chosen = frozenset(map(operator.index, given))
+        chosen = frozenset(cast(list[int], numbers))
     return OOMInjector(on_calls=chosen, kind=kind)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import koila_retry as koila
-from koila_retry._common.units import format_bytes, format_free, parse_bytes
+from koila_retry._common.units import as_int, format_bytes, format_free, parse_bytes
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
@@ -198,3 +199,11 @@ def test_a_free_reading_is_unknown_or_unlimited_at_its_ends() -> None:
     assert format_free(koila.free_memory("meta")) == "unlimited memory"
     assert format_free(2**62) == format_bytes(2**62)
     assert format_free(1536) == "1.50 KiB"
+
+
+def test_as_int_takes_what_pythons_range_takes() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert [as_int(value) for value in (3, numpy.int64(3), torch.tensor(3))] == [3, 3, 3]
+    assert type(as_int(numpy.int64(3))) is int
+    for refused in (True, 3.0, "3", None, torch.tensor(3.0), numpy.array([1, 2])):
+        assert as_int(refused) is None, refused

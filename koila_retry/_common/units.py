@@ -1,9 +1,11 @@
-"""Parse and format byte counts ("512MiB", 2.00 GiB)."""
+"""Parse and format byte counts ("512MiB", 2.00 GiB), and take the ints Python's ``range`` takes."""
 
 from __future__ import annotations
 
+import operator
 import re
 from fractions import Fraction
+from typing import Any
 
 _UNITS = {
     "": 1,
@@ -61,3 +63,15 @@ def format_free(count: int) -> str:
 
 
 _NO_LIMIT = 2**63 - 1  # what free_memory reads on the meta device, which stores no data
+
+
+def as_int(value: Any) -> int | None:
+    """Return ``value`` as an int where Python's ``range`` takes it (numpy's ints too), else ``None``; never a bool."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # a float tensor, or an array of several, has __index__ and refuses it
+        return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from koila_retry._common.units import as_int
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.memory import DeviceLike, resolve_device
@@ -50,13 +50,10 @@ def powers_of_two(failed: int) -> int | None:
     .. versionadded:: 0.1.0
     """
     if type(failed) is not int:  # the engine's sizes are; a schedule of the user's may pass numpy's
-        shown = f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}"
-        if isinstance(failed, bool) or not hasattr(type(failed), "__index__"):
-            raise TypeError(shown)
-        try:
-            failed = operator.index(failed)
-        except TypeError:  # a float tensor has __index__, and refuses it
-            raise TypeError(shown) from None
+        size = as_int(failed)
+        if size is None:
+            raise TypeError(f"powers_of_two takes the size that failed, an int, got {type(failed).__name__} {failed!r}")
+        failed = size
     return 1 << ((failed - 1).bit_length() - 1) if failed > 1 else None
 
 

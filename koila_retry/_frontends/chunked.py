@@ -12,7 +12,6 @@ import difflib
 import functools
 import importlib
 import inspect
-import operator
 import sys
 from collections.abc import Callable
 from types import CoroutineType, MethodType
@@ -22,6 +21,7 @@ import torch
 
 from koila_retry._common.batches import Split
 from koila_retry._common.dynamo import not_traced
+from koila_retry._common.units import as_int
 from koila_retry._core.cache import StackMemoryCache, function_identity
 from koila_retry._core.engine import Attempt, Call, Controller, cover
 from koila_retry._core.memory import default_device
@@ -153,7 +153,7 @@ class _Pass:
         if not callable(fn):
             # range(3) after `from koila_retry import *` calls koila's: say whose it is.
             shadow = ""
-            if self.front_end == "koila.range" and hasattr(type(fn), "__index__"):  # numpy's ints too
+            if self.front_end == "koila.range" and as_int(fn) is not None:  # numpy's ints too
                 shadow = " (this is koila.range, not Python's range, which `from koila_retry import *` hides)"
             raise TypeError(f"{self.front_end} needs a callable, got {type(fn).__name__} {fn!r}{shadow}")
         refuse_generator(fn, self.front_end)
@@ -533,11 +533,13 @@ def _run_range(
     ranges: _Pass,
     caller: Any,
 ) -> list[Any]:
+    bounds = []
     for name, value in (("start", start), ("stop", stop)):
-        # As Python's range takes them: ints, and what has __index__ (numpy's ints); not bools.
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        bound = as_int(value)  # as Python's range takes them (numpy's ints), and fn gets Python ints
+        if bound is None:
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    start, stop = operator.index(start), operator.index(stop)  # fn gets Python ints
+        bounds.append(bound)
+    start, stop = bounds
     if stop < start:
         raise ValueError(f"stop ({stop}) must be at least start ({start})")
     refuse_iterators(fn, args, kwargs, "koila.range", "range", before=2)

@@ -6,11 +6,11 @@ A stand-in lists its peer's options once, in a :class:`Table`, with what the pee
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, SupportsIndex, cast
+from typing import Any
 
+from koila_retry._common.units import as_int
 from koila_retry._core.policy import Options, Policy
 
 __all__ = ["REQUIRED", "Convert", "Option", "Table", "given", "integer"]
@@ -35,9 +35,10 @@ def integer(minimum: int | None = None, *, indexes: bool = True) -> Convert:
     def convert(value: object, name: str) -> int:
         if type(value) is not int:
             # A bool is never taken: more likely a mistake.
-            if isinstance(value, bool) or not (indexes and hasattr(type(value), "__index__")):
+            taken = as_int(value) if indexes else None
+            if taken is None:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-            value = operator.index(cast(SupportsIndex, value))
+            value = taken
         if minimum is not None and value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
         return value
