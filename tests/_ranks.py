@@ -513,6 +513,76 @@ def overlap_gradients_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
     return _overlapped(rank, world, failures={1: {5: "backward"}}, initial=4, hooked=False, view=True)
 
 
+@scenario("two")
+def overlap_bucket_views_with_gradients_from_before(rank: int, world: int) -> dict[str, Any]:
+    """Gradients as bucket views, present at the start: the step against the hand loop from the same ones.
+
+    For each split, on the simulated device: the hand loop's and the step's peaks and gradients, then
+    the step again with rank 1's last backward failing once (retried), and failing always (given up).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), Inject(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = model.to(DTYPE)
+    rows = 16
+    ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    x_all, y_all = global_batch(world, rows, seed=120)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    inject = model[2]
+    for _ in range(2):  # DDP rebuilds its buckets after the first; .grad then views them
+        F.mse_loss(ddp(x), y).backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    def reset() -> None:
+        # A backward first: one that follows a reset reducer rebuilds its buckets, which no peak should count.
+        inject.failures = {}
+        F.mse_loss(ddp(x), y).backward()
+        for parameter, value in zip(model.parameters(), before, strict=True):
+            parameter.grad.copy_(value)  # type: ignore[union-attr]
+
+    results: dict[str, Any] = {"gradient_bytes": sum(g.numel() * g.element_size() for g in before)}
+    for parts in (1, 4):
+        size = rows // parts
+        reset()
+        with simulated_device("1GiB") as device:
+            for index, (xb, yb) in enumerate(zip(x.split(size), y.split(size), strict=True)):
+                with ddp.no_sync() if index < parts - 1 else contextlib.nullcontext():
+                    (F.mse_loss(ddp(xb), yb) * len(xb) / rows).backward()
+            hand_peak = device.peak
+        hand = grads(model)
+        outcome: dict[str, Any] = {"hand_peak": hand_peak, "hand": hand}
+        for name, failures, minimum in (
+            ("fits", {}, 1),
+            ("retried", {parts - 1: "backward"}, 1),
+            ("gives up", None, 0),
+        ):
+            reset()
+            calls = len(inject.rows)
+            if failures is None:  # every backward of rank 1's last micro-batch, and no smaller size allowed
+                failures = {calls + n: "backward" for n in range(parts - 1, 4 * parts, parts)}
+                minimum = size
+            else:
+                failures = {calls + n: where for n, where in failures.items()}
+            inject.failures = failures if rank == 1 else {}
+
+            @koila.accumulate(initial=size, minimum=minimum, cache=koila.NoCache())
+            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return F.mse_loss(ddp(x), y)
+
+            # DDP rebuilds its buckets after a reset: the tensors .grad holds now, not those of the first step.
+            at_start = [p.grad for p in model.parameters()]
+            with simulated_device("1GiB") as device:
+                result = caught(lambda: step(x, y) is not None)
+                outcome[name] = {
+                    "peak": device.peak,
+                    "result": result,
+                    "grads": grads(model),
+                    "same_tensors": all(p.grad is g for p, g in zip(model.parameters(), at_start, strict=True)),
+                }
+        outcome["before"] = before
+        results[f"k={parts}"] = outcome
+    return results
+
+
 @scenario("two", "three")
 def overlap_leaves_outside_the_module(rank: int, world: int) -> dict[str, Any]:
     """Leaves outside the DDP module: a scale the step holds, with a gradient from before, and the input.

@@ -224,6 +224,28 @@ def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: G
         assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
 
 
+def test_gradients_as_bucket_views_from_before_cost_one_copy_and_roll_back_exactly(groups: Groups) -> None:
+    """The step adds into the buckets .grad views, as the hand loop does; the copy set aside is all it adds.
+
+    It added two gradients' worth: the copy, and the step's own gradients merged apart from the buckets.
+    """
+    for rank, value in enumerate(groups("two")["overlap_bucket_views_with_gradients_from_before"]):
+        gradient_bytes = value["gradient_bytes"]
+        for parts in (1, 4):
+            outcome = value[f"k={parts}"]
+            where = f"rank {rank}, k={parts}: "
+            for name in ("fits", "retried"):
+                run = outcome[name]
+                assert run["result"] == {"returned": True}, where + name
+                assert run["peak"] <= outcome["hand_peak"] + gradient_bytes + 1024, (where + name, run["peak"])
+                assert_grads(run["grads"], outcome["hand"], where + name + ": ")
+                assert run["same_tensors"], where + name + ": .grad no longer views the buckets"
+            # A hand loop would have all-reduced a partial bucket; the step leaves .grad as it was, on both ranks.
+            given_up = outcome["gives up"]
+            assert_error(given_up["result"], koila.BatchSizeExhausted)
+            assert_grads(given_up["grads"], outcome["before"], where + "gives up: ")
+
+
 def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["overlap_served"]):
         assert value["served"] == {

@@ -107,17 +107,31 @@ class Overlap(SetAside):
         self.syncs = bool(vars(module).get("require_backward_grad_sync", True))
         self.running = False  # an attempt began and has not finished its last micro-batch
         self.merging = False  # see before()
+        # Bucket views and a sync: .grad as the step found it, added to in place as a hand loop's (see before()).
+        self.in_place = False
+        self.kept: list[torch.Tensor | None] = []  # the tensors .grad held, with in_place
+        self.versions: list[int] = []  # their version counters as each attempt began, with in_place
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
         self.stats: list[int] | None = None
 
     def before(self) -> None:
         """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
-        super().before()
         # A hand loop's synced backward averages all that .grad holds, a backward of the caller's own under
         # no_sync() included: so the last micro-batch starts from them added to the step's (see micro_batch).
         # Without it, one rank's own gradients would stay its own, and the ranks' parameters drift apart.
-        self.merging = self.syncs and self.aside.count(None) < len(self.aside)  # in C: every step asks
+        present = any(parameter.grad is not None for parameter in self.parameters)
+        self.in_place = self.copies and self.syncs and present
+        if self.in_place:
+            # The step's backward writes the buckets .grad views: a copy is set aside in any case, so the
+            # step adds into .grad in place, as the hand loop does, and the copy alone is what it costs. Set
+            # aside and merged as below, it cost two gradients' worth.
+            self.merging = False
+            self.kept = [parameter.grad for parameter in self.parameters]
+            self.aside = [None if grad is None else grad.clone() for grad in self.kept]
+            return
+        super().before()
+        self.merging = self.syncs and present
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
@@ -127,6 +141,8 @@ class Overlap(SetAside):
         attributes = vars(self.module)
         if first:
             self.running, self.stats = True, None
+            if self.in_place:
+                self.versions = [-1 if grad is None else grad._version for grad in self.kept]
             attributes["require_forward_param_sync"] = False
             attributes["require_backward_grad_sync"] = last
         elif last:
@@ -156,13 +172,22 @@ class Overlap(SetAside):
         self.running, self.stats = False, None
         # DDP sets the flag after a forward that syncs; it was cleared as the micro-batch began. Every rank
         # raises alike, before any collective: none was made.
-        if not vars(self.module)["require_forward_param_sync"] and any(p.grad is not None for p in self.parameters):
+        if not vars(self.module)["require_forward_param_sync"] and self._written():
             raise RuntimeError(
                 f"{name} trains a DistributedDataParallel module whose parameters got gradients in a micro-batch "
                 "that did not call the module itself (its .module, say): DDP all-reduces only the gradients of a "
                 "backward that follows its own forward, so they would not be averaged across the ranks. Call the "
                 "DDP module itself in the step, as DDP requires"
             )
+
+    def _written(self) -> bool:
+        # Whether this attempt's backward wrote a gradient: with in_place, into one from before too.
+        if not self.in_place:
+            return any(parameter.grad is not None for parameter in self.parameters)
+        return any(
+            parameter.grad is not kept or (kept is not None and kept._version != version)
+            for parameter, kept, version in zip(self.parameters, self.kept, self.versions, strict=True)
+        )
 
     def play_along(self) -> bool:
         """After an attempt that failed here: make the collectives this rank never made; return True (the vote)."""
@@ -197,15 +222,39 @@ class Overlap(SetAside):
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
         self.running, self.stats = False, None
-        super().undo()
+        if self.in_place:
+            self._put_back()
+        else:
+            super().undo()
         # Every rank, not only the failed one: a reset reducer rebuilds its buckets (a broadcast) after
         # its next backward, and a rebuild that only some ranks made would leave the others waiting.
         self.reducer._reset_state()
         self._settle_sync()
 
+    def _put_back(self) -> None:
+        # The values from before into the tensors .grad held: an attempt may have added to them in place.
+        for parameter, kept, before in zip(self.parameters, self.kept, self.aside, strict=True):
+            if kept is not None and before is not None:
+                kept.copy_(before)
+            parameter.grad = kept
+
+    def give_back(self) -> None:
+        """After a step that raised: the gradients from before, as they were."""
+        if not self.in_place:
+            super().give_back()
+            return
+        self.undo()
+        self._done()
+
+    def _done(self) -> None:
+        self.aside, self.kept, self.versions, self.in_place = [], [], [], False
+
     def restore(self) -> None:
         """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
         self._settle_sync()
+        if self.in_place:  # the step's average of .grad already holds them
+            self._done()
+            return
         if not self.merging:
             super().restore()
             return
