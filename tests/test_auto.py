@@ -180,6 +180,32 @@ def test_auto_runs_the_whole_batch_where_only_the_whole_batch_fits() -> None:
     torch.testing.assert_close(gradient, reference.weight.grad)
 
 
+def test_inputs_already_on_the_device_are_not_counted_against_its_free_memory() -> None:
+    """2 MiB of inputs made on the device, and a step or a pass that needs little more: both run whole.
+
+    The estimate's peak counts the inputs, and the free memory had them taken already: counted twice,
+    the step was split in micro-batches of 16 rows and the pass in chunks of 16.
+    """
+    torch.manual_seed(0)
+    model = nn.Linear(4096, 1).double()
+    rows: list[int] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows.append(len(x))
+        return model(x)
+
+    with simulated_device("2700KiB"):
+        x, y = torch.randn(64, 4096, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64)
+        step = koila.accumulate(lambda x, y: F.mse_loss(forward(x), y), initial="auto", cache=koila.NoCache())
+        step(x, y)
+        assert rows[-1] == 64, rows
+        assert (step.stats.batch_size, step.stats.ooms) == (64, 0)
+        rows.clear()
+        with torch.no_grad():
+            koila.chunked(forward, x, initial="auto", cache=koila.NoCache())
+        assert rows[-1] == 64, rows
+
+
 def mlp_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)), *(torch.randn(1024, 1024),) * 2

@@ -62,6 +62,15 @@ def test_without_weight_a_dict_batch_with_ignored_labels_is_warned_about_once() 
         koila.accumulate(lambda batch: mean_over_tokens(model, batch))(batch)  # whole: no split, no warning
 
 
+def test_a_step_that_initial_auto_splits_is_warned_about_too() -> None:
+    # Its first micro-batch is measured, and weighed on another path: that path warned of nothing.
+    model, batch = token_batch(rows=16)
+    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial="auto", cache=koila.NoCache())
+    with simulated_device("6KiB"), pytest.warns(UserWarning, match=r"labels with ignored entries \(-100\)"):
+        step(batch)
+    assert step.stats.batch_size < 16, "the step ran whole: nothing to warn about"
+
+
 def test_a_micro_batch_that_counts_nothing_adds_nothing() -> None:
     model, batch = token_batch(rows=4)
     batch["labels"][:2] = IGNORED  # the first micro-batch of 2: every label ignored, its mean loss nan

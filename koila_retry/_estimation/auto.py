@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import cast
 
 import torch
 from cachetools import LRUCache
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from koila_retry._common import tracking
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.tensors import same_device
 from koila_retry._core.cache import NoCache, SizeCache
 from koila_retry._core.decision import in_samples
 from koila_retry._core.memory import PeakMeter, free_memory, peak_meter, recent_free_memory
@@ -142,9 +145,11 @@ class _Memo:
             making.set()
         return found
 
-    def fit(self, key: Hashable, device: torch.device, estimates: _Estimates, budget: int | None = None) -> _Fit:
+    def fit(
+        self, key: Hashable, device: torch.device, estimates: _Estimates, budget: int | None = None, inputs: int = 0
+    ) -> _Fit:
         """Return what fits at the device's level of free memory now (in ``budget`` bytes, if given)."""
-        level = (key, recent_free_memory(device).bit_length())
+        level = (key, recent_free_memory(device).bit_length(), inputs.bit_length())
         with self.lock:
             fit = self.fits.get(level)
         if (
@@ -155,7 +160,9 @@ class _Memo:
         ):
             return fit
         if budget is None:
-            budget = free_memory(device) + cast(MemoryEstimate, estimates.whole).resident
+            # The estimate's peak counts the parameters, gradients and optimizer state, and the inputs:
+            # those already on the device are not in its free memory.
+            budget = free_memory(device) + cast(MemoryEstimate, estimates.whole).resident + inputs
         fit = _Fit(estimates, budget)
         if self.keep:
             with self.lock:
@@ -185,6 +192,24 @@ class _Memo:
         return None
 
 
+def _bytes_on(device: torch.device, tensors: Iterable[torch.Tensor]) -> int:
+    """Return the bytes of the storages of ``tensors`` that ``device``'s free memory counts, each once."""
+    storages = {}
+    for tensor in tensors:
+        if (
+            tensor.layout == torch.strided
+            and not is_traceable_wrapper_subclass(tensor)  # a DTensor's storage is its rank's shard, or none
+            and same_device(tensor.device, device)
+        ):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    simulated = tracking.simulated.device()
+    if simulated is not None and storages:  # it counts what was made inside it, alone
+        made = {storage.data_ptr() for storage in simulated.live_storages()}
+        return sum(nbytes for pointer, nbytes in storages.items() if pointer in made)
+    return sum(storages.values())
+
+
 def _memo_of(cache: SizeCache) -> _Memo:
     memo = cache.derived.get(AUTO)
     if memo is None:
@@ -203,6 +228,7 @@ class AutoFirst:
         "_figures",
         "_fit",
         "_held",
+        "_inputs",
         "_key",
         "_make",
         "_measured",
@@ -226,12 +252,14 @@ class AutoFirst:
         *,
         step: bool = False,
         sample_bytes: int = 0,
+        inputs: Iterable[torch.Tensor] = (),
     ) -> None:
         self._key, self._rows, self._make, self._device, self._name = key, rows, make, device, name
         # split: makes the estimate of a split step (None: estimated as a whole one). step: a training
         # step (accumulate). sample_bytes: one input sample's bytes; key names a class of sample shapes
         # (rows padded to 37 tokens and to 50 share it), and sizes for larger samples are scaled down.
         self._cache, self._split, self._step, self._sample_bytes = cache, split, step, sample_bytes
+        self._inputs = _bytes_on(device, inputs)  # the call's inputs: on the device already, sliced as views
         self._measured = 0  # runs of this call measured so far
         self._figures: tuple[int, int] | None = None
         self._estimates: _Estimates | None = None
@@ -250,7 +278,7 @@ class AutoFirst:
             return rows
         if whole.notes and memo.first_time((name, whole.notes)):
             warn_inexact(whole, f"initial='auto' chose the first size of {name}")
-        fit = self._fit = memo.fit(self._key, self._device, estimates)
+        fit = self._fit = memo.fit(self._key, self._device, estimates, inputs=self._inputs)
         self._budget = fit.budget
         first = self._decide(fit)
         if measure and estimates.calibration is None:
@@ -306,7 +334,7 @@ class AutoFirst:
         # At the budget the call began with: what the call holds by now is in the estimates, but for
         # what it made after the run (chunked's result), which the runs that follow must leave room for.
         budget = (fit.budget if self._budget is None else self._budget) - self._held
-        fit = self._fit = _memo_of(self._cache).fit(self._key, self._device, estimates, budget)
+        fit = self._fit = _memo_of(self._cache).fit(self._key, self._device, estimates, budget, self._inputs)
         return self._decide(fit)
 
     def hold(self, nbytes: int) -> None:

@@ -643,6 +643,7 @@ class _Accumulator:
             estimated(2),
             step=True,
             sample_bytes=split.per_sample,
+            inputs=split.tensors,
         )
 
     def _run(
@@ -733,6 +734,8 @@ class _Accumulator:
         rows = split.rows
         first = min(size, rows)
         total, by_items = self._items(split, first)
+        if first < rows and self.weight is None:
+            self._warn_if_ignored(split)
         args, kwargs = split.chunk(0, first)
         # Part of the step, weighed as any other: each micro-batch by its own rows (or items), whatever its size.
         weight = self._weight_of(args, kwargs, first, total, by_items)
@@ -780,23 +783,27 @@ class _Accumulator:
             return 1.0
         return (self._count_of(args, kwargs) if by_items else rows) / total
 
+    def _warn_if_ignored(self, split: Split) -> None:
+        """Warn, once, that a split step of a mean loss over labels with ignored entries is weighed by rows."""
+        if self.mean and not self.warned_ignored and _ignores_labels(split):
+            self.warned_ignored = True
+            # Usually in the retry that an out-of-memory error made: raised by a filter, it
+            # would end the recovery.
+            warn_or_log(
+                f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
+                "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
+                "row counts as many items. For a loss that is a mean over tokens, pass weight=, such as "
+                "weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal language model "
+                "(see the docs: Training Hugging Face models). This warning is shown once.",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+
     def _weights(self, split: Split, size: int) -> list[float]:
         """Return each micro-batch's weight: its share of the items ``weight=`` counts, or of the rows."""
         rows = split.rows
         if self.weight is None:
-            if self.mean and not self.warned_ignored and _ignores_labels(split):
-                self.warned_ignored = True
-                # Usually in the retry that an out-of-memory error made: raised by a filter, it
-                # would end the recovery.
-                warn_or_log(
-                    f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
-                    "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
-                    "row counts as many items. For a loss that is a mean over tokens, pass weight=, such as "
-                    "weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal language model "
-                    "(see the docs: Training Hugging Face models). This warning is shown once.",
-                    UserWarning,
-                    stacklevel=levels_to_caller(),
-                )
+            self._warn_if_ignored(split)
             return _row_weights(rows, size) if self.mean else [1.0] * -(-rows // size)
         counts = [self._count_of(args, kwargs) for args, kwargs, _ in split.pieces(size)]
         total = math.fsum(counts)

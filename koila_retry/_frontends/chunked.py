@@ -396,6 +396,7 @@ def _run_chunked(
                 controller.name,
                 controller.cache,
                 sample_bytes=split.per_sample,
+                inputs=split.tensors,
             )
         roots = (fn, args, kwargs)
         call = Call(identity, caller, device, split.sample, split.rows, first, split.rows, roots, split.per_sample)
