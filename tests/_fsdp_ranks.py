@@ -485,6 +485,49 @@ for _name in FORWARDS:
 
 
 @scenario("two")
+def fsdp_two_models(rank: int, world: int) -> dict[str, Any]:
+    """Two models sharded apart, one after the other in each forward (a draft's and a target's), no grad.
+
+    For each forward front end, three calls; the last rank fails inside the second model's forward in the
+    first call, then in the third (after calls that recorded the collectives). Each root holds a head.
+    """
+    first = model()
+    torch.manual_seed(1)
+    second = nn.Sequential(nn.Sequential(nn.Linear(1, 8), nn.Tanh()), Inject(), nn.Linear(8, 2)).to(DTYPE)
+    references = copy.deepcopy(first), copy.deepcopy(second)
+    shard(first)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(second[0], mesh=cpu_mesh())
+    fully_shard(second, mesh=cpu_mesh())
+    layer: Inject = second[1]
+    x = local(batch(world, seed=24)[0], rank)
+    with torch.no_grad():
+        expected = references[1](references[0](x))
+    both = _Both(first, second)
+    outcomes: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, make in FORWARDS.items():
+            runs = []
+            for call in range(3):
+                layer.rows = []
+                layer.failures = {0: "forward"} if rank == world - 1 and call in (0, 2) else {}
+                got = make()(both, x, lambda event: None)
+                runs.append({"equal": bool(torch.allclose(got, expected, rtol=1e-12, atol=1e-12)), "rows": layer.rows})
+            outcomes[name] = runs
+    return outcomes
+
+
+class _Both(nn.Module):
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+@scenario("two")
 def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
     """HSDP (replicas of a sharded model) and an FSDP2 model over other ranks than agree are refused."""
     from torch.distributed.device_mesh import init_device_mesh

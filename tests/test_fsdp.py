@@ -184,6 +184,18 @@ def test_the_forward_front_ends_recover_over_a_sharded_model(
         assert value["unsharded"] == [0], value["unsharded"]
 
 
+def test_a_call_over_two_models_sharded_apart_recovers_in_the_second_ones_forward(groups: Groups) -> None:
+    # The second model's forward began a micro-batch of the same kind as the first's: the failed rank
+    # played the first model's all-gathers while the others made the second's, and gloo aborted the job.
+    for rank, value in enumerate(groups("two")["fsdp_two_models"]):
+        for name, runs in value.items():
+            for call, run in enumerate(runs):
+                assert run["equal"], f"rank {rank}, {name}, call {call}"
+                if call != 1:  # the last rank failed: every rank ran smaller after the whole batch
+                    assert run["rows"][0] == _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
+                    assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
+
+
 def test_hsdp_the_estimate_and_an_fsdp2_without_the_private_state_are_refused_on_every_rank(groups: Groups) -> None:
     for value in groups("two")["fsdp_refusals"]:
         assert "sharded over a 2-D mesh: HSDP (replicated and sharded)" in value["hsdp"], value

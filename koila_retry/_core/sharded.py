@@ -274,7 +274,7 @@ def _root_forward(module: torch.nn.Module, args: Any) -> None:
     """Before FSDP2's own pre-forward (its all-gather): a micro-batch of a call that is not a training step begins."""
     shards = _armed.shards
     if shards is not None and not shards.steps:
-        shards.micro_batch("forward", exchange=True)
+        shards.micro_batch("forward", exchange=True, root=module)
 
 
 # What the calls over a model recorded, by its first root: a micro-batch kind's collectives, in order.
@@ -340,19 +340,20 @@ class Shards:
                 f"rank {agreement.settled_rank} ran out of memory; every rank abandons the attempt together"
             )
 
-    def micro_batch(self, front: str, exchange: bool) -> None:
-        """Begin a micro-batch; with ``exchange``, first agree that none failed since the last exchange."""
+    def micro_batch(self, front: str, exchange: bool, root: torch.nn.Module | None = None) -> None:
+        """Begin a micro-batch (at ``root``'s forward, if given); with ``exchange``, agree that none failed yet."""
         if exchange:
             self.vote()
         self.settled()
         # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), which
         # groups are gathered already (a root stays gathered after a forward without backward), and which hold
-        # gradients accumulated unsharded (a block used twice reduce-scatters once more after those).
+        # gradients accumulated unsharded (a block used twice reduce-scatters once more after those); and the
+        # root whose forward began it, where a call runs several models (a draft's and a target's forwards).
         switches = tuple(
             (group.reduce_grads, group.reshard_after_backward, group._sharded_state, _accumulated(group))
             for group in self.groups
         )
-        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches)
+        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches, None if root is None else id(root))
         self.count = 0
         self.recording = [] if kind not in self.schedules else None
 
