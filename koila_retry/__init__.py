@@ -20,6 +20,7 @@ with _warnings.catch_warnings():
     )
     import torch as _torch  # noqa: F401
 
+from koila_retry._common.dynamo import not_traced_package as _not_traced_package
 from koila_retry._core.cache import CacheInfo, GlobalCache, NoCache, SizeCache, StackMemoryCache
 from koila_retry._core.detect import is_oom
 from koila_retry._core.disk import DiskCache
@@ -37,6 +38,8 @@ from koila_retry._frontends.batch import Batched, attempts, batch
 from koila_retry._frontends.chunked import chunked, range
 from koila_retry._version import __version__
 from koila_retry.exceptions import BatchSizeExhausted, CacheFileWarning, Diagnosis
+
+_not_traced_package(__name__)  # torch.compile over a call runs the library as written (docs/compile.rst)
 
 __all__ = [
     "Attempt",

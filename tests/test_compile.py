@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -140,6 +141,69 @@ def test_batch_compiled_whole_retries(device: Callable[[], SimulatedDevice], out
     assert compiles() == 2
     with torch.no_grad():
         torch.testing.assert_close(out, model(data[:128]))
+
+
+def _library_codes() -> list[types.CodeType]:
+    """The code of every function of the library's imported modules: methods and nested functions too."""
+    found: list[types.CodeType] = []
+
+    def add(code: types.CodeType) -> None:
+        found.append(code)
+        for constant in code.co_consts:
+            if isinstance(constant, types.CodeType):
+                add(constant)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("koila_retry"):
+            for value in vars(module).values():
+                owners = [*vars(value).values()] if isinstance(value, type) else [value]
+                for owner in owners:
+                    function = getattr(owner, "__func__", getattr(owner, "fget", owner))
+                    if isinstance(function, types.FunctionType) and function.__module__.startswith("koila_retry"):
+                        add(function.__code__)
+    return found
+
+
+def test_a_compiled_caller_compiles_no_frame_of_the_library(device: Callable[[], SimulatedDevice]) -> None:
+    """torch.compile over a caller of a split step, chunked and attempts: only the user's frames are compiled.
+
+    Dynamo compiled the library's frames that the skipped wrappers called, warned of what they use
+    (lru_cache, _thread.get_ident, sys._getframe) and recompiled them as the micro-batches went by.
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model = Wide()
+
+    @koila.accumulate(initial=64, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    caches = koila.NoCache(), koila.NoCache()  # made outside: a cache makes a lock, which Dynamo warns of
+
+    def caller(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = step(x, y)
+        with torch.no_grad():
+            out = koila.chunked(model, x, initial=64, cache=caches[0])
+            for attempt in koila.attempts(initial=64, cache=caches[1]):
+                with attempt:
+                    out = out + model(x[: attempt.batch_size]).sum()
+        return loss + out.sum()
+
+    compiled = torch.compile(caller, backend="eager")
+    x, y = torch.randn(640, 16), torch.randn(640, 4)
+    with device(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x, y)
+    assert step.stats.ooms == 0  # ten micro-batches of 64 rows, each a frame a compiled library would guard on
+    assert model.hidden.weight.grad is not None
+    assert [str(each.message) for each in caught] == []
+    codes = _library_codes()
+    assert len(codes) > 500
+    compiled_codes = [code.co_qualname for code in codes if _debug_get_cache_entry_list(code)]
+    assert compiled_codes == []
 
 
 def test_chunked_shrinks_and_runs_the_remainder_without_a_new_compile(

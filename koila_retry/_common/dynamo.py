@@ -2,16 +2,20 @@
 
 Dynamo traces a ``try`` (or ``with attempt:``) around work that it can trace whole as if
 nothing in it raised: the graph it makes runs outside the handler, and an out-of-memory error
-raised while that graph runs would pass the retry by. The engine's frames that hold an attempt,
-and the wrappers in front of them, are therefore skipped, without importing ``torch._dynamo``.
+raised while that graph runs would pass the retry by. The wrappers a compiled caller calls are
+therefore skipped, and so is every other frame of the library (Dynamo compiles each frame a
+skipped one calls: compiled, they warned of the library's internals and recompiled as the
+micro-batches went by), without importing ``torch._dynamo``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["not_traced"]
+__all__ = ["not_traced", "not_traced_package"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,3 +36,39 @@ def not_traced(function: F) -> F:
             set_code_exec_strategy(code, _SKIP)
             function._torchdynamo_disable = True  # type: ignore[attr-defined]
     return function
+
+
+def not_traced_package(package: str) -> None:
+    """Let torch.compile run every function of the imported modules of ``package`` as written."""
+    if _SKIP is None:
+        return
+    for name, module in list(sys.modules.items()):
+        if name == package or name.startswith(package + "."):
+            for code in _codes(vars(module).values(), package, set()):
+                set_code_exec_strategy(code, _SKIP)
+
+
+def _codes(values: Any, package: str, seen: set[int]) -> Iterator[types.CodeType]:
+    # The functions and classes defined in the package, with their methods and the functions they nest.
+    for value in values:
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            yield from _codes((value.fget, value.fset, value.fdel), package, seen)
+            continue
+        if not str(getattr(value, "__module__", "")).startswith(package):
+            continue
+        if isinstance(value, types.FunctionType):
+            yield from _nested(value.__code__)
+        elif isinstance(value, type):
+            yield from _codes(vars(value).values(), package, seen)
+
+
+def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _nested(constant)

@@ -475,6 +475,7 @@ def with_controller(wrapper: Any, controller: Controller) -> Any:
 attempts_cache = StackMemoryCache()
 
 
+@not_traced  # called inside a compiled function, it runs as written (see _common/dynamo.py)
 def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> Attempt:
     """Retry a block of code with smaller batch sizes until it fits in memory.
 
