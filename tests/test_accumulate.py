@@ -759,6 +759,23 @@ def test_result_without_a_loss_is_a_type_error(result: Callable[[torch.Tensor], 
     before.assert_unchanged()
 
 
+def test_a_micro_batch_without_a_loss_is_said_to_be_one() -> None:
+    # A step whose last rows are all masked returns None for them alone: only once split.
+    model, x, y = build("mlp", 10)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return None if len(x) < 4 else F.mse_loss(model(x), y)
+
+    with pytest.raises(TypeError, match="returned None") as excinfo:
+        step(x, y)
+    assert excinfo.value.__notes__ == [
+        "It was returned for a micro-batch of 2 rows; the micro-batches before it in the step returned a loss."
+    ]
+    before.assert_unchanged()
+
+
 def test_non_scalar_loss_names_its_shape() -> None:
     model, x, y = build("mlp", 10)
     give_grads(model)

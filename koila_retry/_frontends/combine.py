@@ -59,7 +59,15 @@ class Results:
             self.columns[0].append((_kept(result), weight))
             # Not cast(), a call, which every call of a step would make.
             return result  # type: ignore[return-value]  # a TensorBase, as loss_of returns it
-        loss = loss_of(result, self.step.controller.name)  # a container's loss, or the error for any other result
+        try:
+            loss = loss_of(result, self.step.controller.name)  # a container's loss, or the error for any other
+        except (TypeError, ValueError) as error:
+            if self.spec is not None:  # what the whole batch may never return: all its labels masked, say
+                error.add_note(
+                    f"It was returned for a micro-batch of {rows} rows; the micro-batches before it in the step "
+                    "returned a loss."
+                )
+            raise
         leaves, spec = flatten(result)
         kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
         if self.spec is None:
