@@ -770,9 +770,10 @@ def test_a_micro_batch_without_a_loss_is_said_to_be_one() -> None:
 
     with pytest.raises(TypeError, match="returned None") as excinfo:
         step(x, y)
-    assert excinfo.value.__notes__ == [
-        "It was returned for a micro-batch of 2 rows; the micro-batches before it in the step returned a loss."
-    ]
+    if sys.version_info >= (3, 11):  # exceptions have notes
+        assert excinfo.value.__notes__ == [
+            "It was returned for a micro-batch of 2 rows; the micro-batches before it in the step returned a loss."
+        ]
     before.assert_unchanged()
 
 

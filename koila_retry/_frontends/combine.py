@@ -62,7 +62,8 @@ class Results:
         try:
             loss = loss_of(result, self.step.controller.name)  # a container's loss, or the error for any other
         except (TypeError, ValueError) as error:
-            if self.spec is not None:  # what the whole batch may never return: all its labels masked, say
+            # What the whole batch may never return (all its labels masked, say). Notes: Python 3.11 on.
+            if self.spec is not None and hasattr(error, "add_note"):
                 error.add_note(
                     f"It was returned for a micro-batch of {rows} rows; the micro-batches before it in the step "
                     "returned a loss."
