@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._core import memory
+from koila_retry._estimation import auto
 from koila_retry._estimation.calibration import (
     DISTRUST,
     Calibration,
@@ -278,13 +279,18 @@ def test_accumulate_keeps_the_measured_micro_batch_and_the_gradient_is_exact(wei
         return (errors * counted).sum() / counted.sum() if weighed else errors.mean()
 
     options: dict[str, Any] = {"weight": lambda x, y, counted: counted.sum()} if weighed else {}
-    step = koila.accumulate(initial="auto", **options)(loss)
+    cache = koila.GlobalCache()
+    step = koila.accumulate(initial="auto", cache=cache, **options)(loss)
     layer = opaque(model)
     with simulated_device(limit * 2):  # float64: twice the bytes
         total = step(x, y, counted)
     assert sum(layer.real_rows) == 1024
     assert len(layer.real_rows) > 2
-    assert layer.real_rows[0] < max(layer.real_rows), "a probe, then larger pieces"
+    # A probe, measured, then pieces as large or larger. The probe no longer takes the gradients eight times
+    # over with the rest (see calibration.py): here it is the size the measurement then confirms.
+    assert layer.real_rows[0] <= max(layer.real_rows)
+    (estimates,) = auto._memo_of(cache).estimates.values()
+    assert estimates.calibration is not None, "the probe was measured"
     errors = (reference(x) - y).square().squeeze(1)
     expected = (errors * counted).sum() / counted.sum() if weighed else errors.mean()
     expected.backward()
@@ -435,7 +441,11 @@ def test_one_measurement_takes_the_reading_that_asks_more_and_two_draw_a_line() 
     assert corrected_own(line, 1024) == pytest.approx(own_bytes(found, 1024) - 16_000, abs=1)  # the line through both
     assert line.adding(256, -2000.0).points == ((64, -1000.0), (256, -2000.0))  # the latest at the same rows
     assert line.adding(1024, 0.0).points == ((256, -4000.0), (1024, 0.0))  # the two largest rows kept
-    assert Corrected(found, times=3).peak(64) == math.ceil(starting(found, 64) + 3 * own)
+    # Taken 3 times over: the activations and temporaries, not the gradients (the parameters' sizes, exactly).
+    parts = found.breakdown(64)
+    unseen = parts["activations"] + parts["temporaries"]
+    assert 0 < unseen < own
+    assert Corrected(found, times=3).peak(64) == math.ceil(starting(found, 64) + own + 2 * unseen)
 
 
 def test_the_probe_fits_an_estimate_distrusted_eightfold() -> None:
@@ -450,6 +460,30 @@ def test_the_probe_fits_an_estimate_distrusted_eightfold() -> None:
     assert not distrusted.fits(2 * probe, budget, margin=0.0)
     assert probe_size(found, 64 * budget, 1000, 0.0) == 1000  # the first size itself, when it fits so
     assert probe_size(found, 1, 1000, 0.0) == 1
+
+
+def test_a_probe_is_not_one_row_for_gradients_that_take_an_eighth_of_the_memory() -> None:
+    """4 MiB of gradients, a BatchNorm, and 16 MiB: the step is split, and its probe must hold a BatchNorm's rows.
+
+    Taken eight times over with the activations, the gradients left no probe but one row, and BatchNorm
+    raised PyTorch's ValueError (more than one value per channel), where a step without the estimate ran.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 1))
+    x, y = torch.randn(2048, 1024), torch.randn(2048, 1)
+    rows: list[int] = []
+
+    @koila.accumulate(initial="auto", cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            rows.append(len(x))
+        return F.mse_loss(model(x), y)
+
+    with simulated_device("16MiB"), pytest.warns(UserWarning, match="while a BatchNorm layer in training mode"):
+        step(x, y)
+    assert len(rows) > 1, "split: the whole step does not fit"
+    assert rows[0] > 1, rows
+    assert sum(rows) >= 2048
 
 
 # --------------------------------------------------------------------------- suggest_batch_size(calibrate=True)

@@ -5,7 +5,7 @@ dispatch mode sees. Where the device keeps a peak, a real run's rise is set agai
 estimate's own bytes (its peak less what the call started with, which is not corrected);
 one gap is read both as fixed and as growing with the rows, whichever asks more, until a
 second run at other rows draws a line. Before any run, the first is a probe that fits even
-if the truth were :data:`DISTRUST` times the estimate's own bytes.
+if the truth were :data:`DISTRUST` times the estimate's activations and temporaries.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ __all__ = [
     "starting",
 ]
 
-#: How many times its own bytes the truth may be, for the probe before the first measurement.
+#: How many times its activations and temporaries the truth may be, for the probe before the first measurement.
 DISTRUST = 8.0
 
 
@@ -38,6 +38,8 @@ class Estimated(Protocol):
     def started(self) -> dict[int, int]: ...
 
     def peak(self, batch_size: int) -> int: ...
+
+    def breakdown(self, batch_size: int) -> dict[str, int]: ...
 
 
 class Fitting(Protocol):
@@ -106,7 +108,14 @@ class Corrected:
 
     def peak(self, batch_size: int) -> int:
         """Return the corrected peak bytes at ``batch_size``; never below what the call starts with."""
-        own = self.times * own_bytes(self.found, batch_size)
+        own = own_bytes(self.found, batch_size)
+        if self.times != 1.0:
+            # What a kernel may allocate unseen (workspaces, a fused kernel's buffers) is activations and
+            # temporaries. Gradients and optimizer state are the parameters' sizes, exactly: distrusted too,
+            # a model whose gradients take an eighth of the free memory was probed at one row.
+            parts = self.found.breakdown(batch_size)
+            unseen = min(parts.get("activations", 0) + parts.get("temporaries", 0), own)
+            own += (self.times - 1.0) * unseen
         if self.calibration is not None:
             own = max(own + self.calibration.gap(batch_size), 0.0)
         return math.ceil(starting(self.found, batch_size) + own)
