@@ -612,6 +612,43 @@ def test_a_fifo_is_never_opened_nor_replaced(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["sizes.json"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_at_the_lock_path_is_warned_about_not_waited_on(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    lock = tmp_path / "sizes.json.lock"
+    os.mkfifo(lock)
+    cache = koila.DiskCache(path)
+    with pytest.warns(koila.CacheFileWarning, match="cannot write the size cache file") as record:
+        assert _without_hanging(_reducing(cache), lock) == 16
+    assert "sizes.json.lock" in str(record[0].message)  # no reader: ENXIO; with one, "not a regular file"
+    assert not path.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX permissions")
+def test_a_new_file_is_as_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """Others who share the cache can read it: a new file was the temporary file's 0600."""
+    path = tmp_path / "sizes.json"
+    old = os.umask(0o022)
+    try:
+        koila.DiskCache(path)["key"] = 8
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_temporary_files_of_a_writer_killed_before_its_rename_are_swept(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    koila.DiskCache(path)["key"] = 8
+    killed = [tmp_path / f"sizes.json.{name}.tmp" for name in ("k0bq9z1a", "x_7rt2mm")]
+    for each in killed:
+        each.write_text(path.read_text())  # each a whole copy, left by a writer killed before its rename
+    other = tmp_path / "other.json.k0bq9z1a.tmp"  # another cache's, in the same folder
+    other.write_text("{}")
+    koila.DiskCache(path)["another key"] = 16
+    assert _leftovers(tmp_path, path.name) == [other.name]  # another cache's is left alone
+    assert _sizes(path) == {"key": 8, "another key": 16}
+
+
 def _device_node(tmp_path: Path) -> Path:
     """Return a character device to give DiskCache, where no mistake of the cache could do harm."""
     null = os.stat("/dev/null") if os.path.exists("/dev/null") else None

@@ -268,7 +268,8 @@ def _replace(
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
-    with _locked(target + ".lock"):
+    with _locked(target + ".lock") as created:
+        _sweep(target)
         stored = read(target)  # other processes may have stored sizes since we last looked
         if stored is None:
             return
@@ -284,7 +285,8 @@ def _replace(
             nbytes_of = {key: nbytes for key, (_, nbytes) in bounds if nbytes}
             if nbytes_of:
                 content["bound_samples"] = nbytes_of
-        mode = None
+        # A new file as readable as the umask allows, as the lock file is: a temporary file is private.
+        mode = created
         with contextlib.suppress(FileNotFoundError):
             mode = stat.S_IMODE(os.stat(target).st_mode)
         if mode is not None and not mode & 0o222:
@@ -386,13 +388,36 @@ def _remove(temporary: IO[str]) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
+def _locked(path: str) -> Iterator[int | None]:
+    """Hold the lock file at ``path``; yield the mode a new file gets here (None where nothing locks)."""
     if fcntl is None:
-        yield
+        yield None
         return
-    with open(path, "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    # Not blocking: a FIFO put at the path would wait for a reader forever.
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o666)
+    with open(descriptor, "a"):  # closes the descriptor
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "the lock file is not a regular file", path)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
         try:
-            yield
+            yield stat.S_IMODE(found.st_mode) & 0o666
         finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(descriptor, fcntl.LOCK_UN)
+
+
+def _sweep(target: str) -> None:
+    # Under the lock, a temporary file of ours is a writer's that was killed before its rename: each is a
+    # whole copy of the cache, left there for good.
+    if fcntl is None:
+        return
+    folder, name = os.path.split(target)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if (
+                entry.name.startswith(name + ".")
+                and entry.name.endswith(".tmp")
+                and entry.is_file(follow_symlinks=False)
+            ):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
