@@ -244,7 +244,9 @@ def _mlp() -> torch.nn.Module:
 def test_an_exhausted_step_names_the_largest_parameters_and_the_per_sample_estimate() -> None:
     from koila_retry._estimation import auto
 
-    with simulated_device("33MiB"):  # 16 MiB of weights, 16 MiB of gradients: a sample more does not fit
+    # 16 MiB of weights, 16 MiB of gradients and the inputs: a sample more does not fit. (At 33 MiB the
+    # whole step fits, 32.8 MiB: it gave up only while initial="auto" counted the inputs twice.)
+    with simulated_device("32800KiB"):
         model = _mlp()
 
         @koila.accumulate(initial="auto")
