@@ -206,6 +206,22 @@ def test_inputs_already_on_the_device_are_not_counted_against_its_free_memory() 
         assert rows[-1] == 64, rows
 
 
+def test_inputs_sliced_from_a_dataset_on_the_device_count_for_their_own_bytes() -> None:
+    """A batch sliced from 16 MiB of rows on the device: the room it counts is the batch's, not the dataset's."""
+    torch.manual_seed(0)
+    with simulated_device("64GiB") as probe:
+        model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 1))
+        data = torch.randn(65536, 64)
+        held = probe.live
+    events: list[koila.OOMEvent] = []
+    with simulated_device(held + 512 * 1024), torch.no_grad():
+        model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 1))
+        data = torch.randn(65536, 64)
+        out = koila.chunked(model, data[:256], initial="auto", cache=koila.NoCache(), on_oom=events.append)
+    assert events == []  # the dataset counted as room: 8 out-of-memory errors, the size sent up after each
+    assert out.shape == (256, 1)
+
+
 def mlp_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)), *(torch.randn(1024, 1024),) * 2

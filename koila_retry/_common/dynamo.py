@@ -10,6 +10,7 @@ micro-batches went by), without importing ``torch._dynamo``.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -42,10 +43,13 @@ def not_traced_package(package: str) -> None:
     """Let torch.compile run every function of the imported modules of ``package`` as written."""
     if _SKIP is None:
         return
+    folder = os.path.dirname(os.path.abspath(getattr(sys.modules[package], "__file__", "") or "")) + os.sep
     for name, module in list(sys.modules.items()):
         if name == package or name.startswith(package + "."):
             for code in _codes(vars(module).values(), package, set()):
-                set_code_exec_strategy(code, _SKIP)
+                # The package's own: a decorator's wrapper (contextlib's, functools.wraps'd) is shared by others.
+                if code.co_filename.startswith(folder):
+                    set_code_exec_strategy(code, _SKIP)
 
 
 def _codes(values: Any, package: str, seen: set[int]) -> Iterator[types.CodeType]:

@@ -193,8 +193,10 @@ class _Memo:
 
 
 def _bytes_on(device: torch.device, tensors: Iterable[torch.Tensor]) -> int:
-    """Return the bytes of the storages of ``tensors`` that ``device``'s free memory counts, each once."""
-    storages = {}
+    """Return the bytes ``tensors`` on ``device`` cover, each storage's at most once, that its free memory counts."""
+    # What the views cover, not their storages: a batch sliced from a dataset on the device holds the
+    # dataset's storage, which the estimate, of the batch alone, does not count.
+    covered: dict[int, list[int]] = {}  # by storage: its bytes, and those its tensors cover
     for tensor in tensors:
         if (
             tensor.layout == torch.strided
@@ -202,12 +204,13 @@ def _bytes_on(device: torch.device, tensors: Iterable[torch.Tensor]) -> int:
             and same_device(tensor.device, device)
         ):
             storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            entry = covered.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+            entry[1] += tensor.numel() * tensor.element_size()
     simulated = tracking.simulated.device()
-    if simulated is not None and storages:  # it counts what was made inside it, alone
+    if simulated is not None and covered:  # it counts what was made inside it, alone
         made = {storage.data_ptr() for storage in simulated.live_storages()}
-        return sum(nbytes for pointer, nbytes in storages.items() if pointer in made)
-    return sum(storages.values())
+        covered = {pointer: entry for pointer, entry in covered.items() if pointer in made}
+    return sum(min(nbytes, tensors_bytes) for nbytes, tensors_bytes in covered.values())
 
 
 def _memo_of(cache: SizeCache) -> _Memo:
