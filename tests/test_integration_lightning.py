@@ -227,7 +227,22 @@ class ManualWithADecoratedMethod(Manual):
         return F.cross_entropy(self.net(x), y)
 
 
-@pytest.mark.parametrize("module", [ManualWithItsOwnStep, ManualWithADecoratedMethod])
+class ManualWithItsStepsInADict(ManualWithItsOwnStep):
+    """A GAN's way: one wrapper per loss, kept in a dict (was told to decorate what it had decorated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = {"main": vars(self).pop("step")}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.steps["main"](*batch)
+        optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize("module", [ManualWithItsOwnStep, ManualWithADecoratedMethod, ManualWithItsStepsInADict])
 def test_manual_optimisation_that_follows_the_docs_is_not_warned(module: type[Manual]) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -186,8 +186,14 @@ def _holds_a_wrapper(pl_module: pl.LightningModule) -> bool:
     """Return whether the module or its class holds a koila-retry wrapper, as the manual-optimisation docs show."""
     # Its own: no warning that tells it to do what it did (a decorated attribute, or a decorated method).
     values = [*vars(pl_module).values(), *(value for kind in type(pl_module).__mro__ for value in vars(kind).values())]
+    # Or kept in a dict, list or tuple of them (a GAN's losses, one wrapper each).
+    values += [item for value in values if type(value) in (dict, list, tuple) for item in _items(value)]
     # Looked up statically: nothing of the user's runs (a Trainer's, a submodule's __getattr__).
     return any(isinstance(inspect.getattr_static(value, "stats", None), Stats) for value in values)
+
+
+def _items(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> list[Any]:
+    return list(value.values()) if isinstance(value, dict) else list(value)
 
 
 class _Held:
