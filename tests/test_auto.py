@@ -222,6 +222,27 @@ def test_inputs_sliced_from_a_dataset_on_the_device_count_for_their_own_bytes() 
     assert out.shape == (256, 1)
 
 
+def test_a_split_pass_counts_as_room_the_inputs_of_its_chunks_not_of_every_row() -> None:
+    """16 MiB of inputs on the device and 2 MiB free: chunks of a size that fits, from the first.
+
+    Credited the whole batch's inputs at every size, a chunk's size was chosen with room that other
+    rows' inputs took: out-of-memory errors at 1024 and 512 rows, then back up to 1024 after the probe.
+    """
+    torch.manual_seed(0)
+    with simulated_device("64GiB") as probe:
+        model = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024)).eval()
+        data, out = torch.randn(4096, 1024), torch.empty(4096, 1024)
+        held = probe.live
+    events: list[koila.OOMEvent] = []
+    with simulated_device(held + 2 * MiB), torch.no_grad():
+        model = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1024)).eval()
+        data, out = torch.randn(4096, 1024), torch.empty(4096, 1024)  # out=: no result of chunked's own
+        koila.chunked(model, data, initial="auto", cache=koila.NoCache(), out=out, on_oom=events.append)
+    assert [event.batch_size for event in events] == []
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(data))
+
+
 def mlp_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)), *(torch.randn(1024, 1024),) * 2

@@ -21,7 +21,7 @@ from koila_retry._common.tensors import same_device
 from koila_retry._core.cache import NoCache, SizeCache
 from koila_retry._core.decision import in_samples
 from koila_retry._core.memory import PeakMeter, free_memory, peak_meter, recent_free_memory
-from koila_retry._estimation.calibration import Calibration, Corrected, Fitting, gap_of, probe_size
+from koila_retry._estimation.calibration import Calibration, Corrected, Credited, Fitting, gap_of, probe_size
 from koila_retry._estimation.estimate import DEFAULT_MARGIN, MemoryEstimate, warn_inexact
 from koila_retry._estimation.lending import borrowing
 
@@ -61,7 +61,7 @@ class _Estimates:
             self.split_made = True
         return self.split or cast(MemoryEstimate, self.whole)
 
-    def fitting(self, found: MemoryEstimate) -> Fitting:
+    def fitting(self, found: MemoryEstimate) -> MemoryEstimate | Corrected:
         """Return ``found`` as sizes are decided from it: corrected, once a run was measured."""
         return found if self.calibration is None else Corrected(found, self.calibration)
 
@@ -69,11 +69,13 @@ class _Estimates:
 class _Fit:
     """What fits at one level of free memory, with the margin and without: the most rows whole, the largest split."""
 
-    __slots__ = ("_split", "bare", "budget", "calibration", "estimates", "whole")
+    __slots__ = ("_split", "bare", "budget", "calibration", "estimates", "inputs", "whole")
 
-    def __init__(self, estimates: _Estimates, budget: int) -> None:
-        found = estimates.fitting(cast(MemoryEstimate, estimates.whole))
+    def __init__(self, estimates: _Estimates, budget: int, inputs: int = 0) -> None:
+        whole = cast(MemoryEstimate, estimates.whole)
+        found = Credited(estimates.fitting(whole), whole, inputs)
         self.estimates, self.budget, self.calibration = estimates, budget, estimates.calibration
+        self.inputs = inputs
         self.whole = _most_rows(found, budget, DEFAULT_MARGIN)
         self.bare = _most_rows(found, budget, 0.0)  # when nothing fits with the margin, still the best start
         self._split: tuple[int, int] | None = None
@@ -81,7 +83,8 @@ class _Fit:
     def split(self, make: Callable[[], MemoryEstimate] | None, name: str) -> tuple[int, int]:
         """Return the largest power of two a split step fits at, with the margin and without (0: none)."""
         if self._split is None:
-            found = self.estimates.fitting(self.estimates.split_of(make, name))
+            split = self.estimates.split_of(make, name)
+            found = Credited(self.estimates.fitting(split), split, self.inputs)
             self._split = (
                 found.largest_fitting(self.budget, margin=DEFAULT_MARGIN) or 0,
                 found.largest_fitting(self.budget, margin=0.0) or 0,
@@ -160,10 +163,10 @@ class _Memo:
         ):
             return fit
         if budget is None:
-            # The estimate's peak counts the parameters, gradients and optimizer state, and the inputs:
-            # those already on the device are not in its free memory.
-            budget = free_memory(device) + cast(MemoryEstimate, estimates.whole).resident + inputs
-        fit = _Fit(estimates, budget)
+            # The estimate's peak counts the parameters, gradients and optimizer state, already on the device
+            # and not in its free memory; and the inputs, credited at each size (Credited).
+            budget = free_memory(device) + cast(MemoryEstimate, estimates.whole).resident
+        fit = _Fit(estimates, budget, inputs)
         if self.keep:
             with self.lock:
                 self.fits[level] = fit
@@ -291,7 +294,7 @@ class AutoFirst:
             # more (every gradient, and the next micro-batch's) than whole.
             self.meter = peak_meter(self._device)
             if self.meter is not None and not (self._step and first >= rows):
-                return probe_size(whole, fit.budget, first, DEFAULT_MARGIN)
+                return probe_size(whole, fit.budget, first, DEFAULT_MARGIN, self._inputs)
         return first
 
     def after_oom(self, size: int) -> int:
@@ -302,7 +305,7 @@ class AutoFirst:
         below = max(size // 2, 1)
         if estimates is None or fit is None or estimates.whole is None or estimates.calibration is not None:
             return below
-        return probe_size(estimates.whole, fit.budget, below, DEFAULT_MARGIN)
+        return probe_size(estimates.whole, fit.budget, below, DEFAULT_MARGIN, self._inputs)
 
     def _scaled(self, size: int, estimates: _Estimates) -> int:
         """Return ``size`` rows of the samples the estimates were made on, as rows of this call's samples."""

@@ -19,6 +19,7 @@ __all__ = [
     "LARGEST",
     "Calibration",
     "Corrected",
+    "Credited",
     "Fitting",
     "gap_of",
     "largest_power",
@@ -130,9 +131,31 @@ class Corrected:
         return largest_power(lambda size: self.fits(size, budget, margin=margin), ceiling)
 
 
-def probe_size(found: Estimated, budget: int, first: int, margin: float) -> int:
+class Credited:
+    """A fit less the estimate's inputs at each size, where the call's inputs (``inputs`` bytes) lie on the device."""
+
+    # The peak counts each size's inputs as made for it; a call's micro-batches and chunks are views of
+    # inputs that hold their memory already, which the free memory lacks: counted twice, a step that fitted
+    # was split. Credited at each size, not the whole batch's at every size, which over-credits a split.
+    def __init__(self, found: Estimated | Corrected, estimate: Estimated, inputs: int) -> None:
+        self.found, self.estimate, self.inputs = found, estimate, inputs
+
+    def fits(self, batch_size: int, budget: int, *, margin: float = 0.1) -> bool:
+        """Return whether the peak less the inputs on the device, plus ``margin``, fits in ``budget`` bytes."""
+        peak = self.found.peak(batch_size)
+        if self.inputs:
+            peak -= min(self.inputs, self.estimate.breakdown(batch_size)["inputs"])
+        return peak * (1 + margin) <= budget
+
+    def largest_fitting(self, budget: int, *, margin: float = 0.1, maximum: int | None = None) -> int | None:
+        """Return the largest power of two that fits (``None`` if 1 does not)."""
+        ceiling = LARGEST if maximum is None else maximum
+        return largest_power(lambda size: self.fits(size, budget, margin=margin), ceiling)
+
+
+def probe_size(found: Estimated, budget: int, first: int, margin: float, inputs: int = 0) -> int:
     """Return the rows to measure first: ``first`` if it fits distrusted, else the largest power of two that does."""
-    distrusted = Corrected(found, times=DISTRUST)
+    distrusted = Credited(Corrected(found, times=DISTRUST), found, inputs)
     if distrusted.fits(first, budget, margin=margin):
         return first
     size = distrusted.largest_fitting(budget, margin=margin, maximum=first)
