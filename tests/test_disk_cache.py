@@ -642,11 +642,50 @@ def test_temporary_files_of_a_writer_killed_before_its_rename_are_swept(tmp_path
     killed = [tmp_path / f"sizes.json.{name}.tmp" for name in ("k0bq9z1a", "x_7rt2mm")]
     for each in killed:
         each.write_text(path.read_text())  # each a whole copy, left by a writer killed before its rename
-    other = tmp_path / "other.json.k0bq9z1a.tmp"  # another cache's, in the same folder
-    other.write_text("{}")
+    # Another cache's, one whose name starts with this one's (it may be writing it now), and a user's own.
+    others = ["other.json.k0bq9z1a.tmp", "sizes.json.eval.json.k0bq9z1a.tmp", "sizes.json.backup.tmp"]
+    for name in others:
+        (tmp_path / name).write_text("{}")
     koila.DiskCache(path)["another key"] = 16
-    assert _leftovers(tmp_path, path.name) == [other.name]  # another cache's is left alone
+    assert _leftovers(tmp_path, path.name) == sorted(others)  # left alone
     assert _sizes(path) == {"key": 8, "another key": 16}
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="symbolic links")
+def test_temporary_files_are_named_and_swept_after_the_target_of_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Named after the link, a killed writer's file was never swept: the sweep looks for the target's name.
+    target = tmp_path / "shared" / "sizes.json"
+    koila.DiskCache(target)["key"] = 8
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    renamed: list[str] = []
+    replace = os.replace
+    monkeypatch.setattr(disk.os, "replace", lambda source, to: (renamed.append(str(source)), replace(source, to)))
+    koila.DiskCache(link)["another key"] = 16
+    (source,) = renamed
+    assert Path(source).parent == target.parent
+    assert Path(source).name.startswith("sizes.json.")
+    assert _leftovers(target.parent, target.name) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX permissions")
+@pytest.mark.parametrize("lock_mode", [0o444, 0o200])
+def test_a_lock_file_of_another_mode_leaves_a_new_file_readable_and_writable_by_its_owner(
+    tmp_path: Path, lock_mode: int
+) -> None:
+    path = tmp_path / "sizes.json"
+    lock = tmp_path / "sizes.json.lock"
+    lock.touch()
+    lock.chmod(lock_mode)
+    try:
+        with no_warnings():
+            koila.DiskCache(path)["key"] = 8
+    finally:
+        lock.chmod(0o644)
+    assert stat.S_IMODE(path.stat().st_mode) & 0o600 == 0o600
+    assert _sizes(path) == {"key": 8}
 
 
 def _device_node(tmp_path: Path) -> Path:

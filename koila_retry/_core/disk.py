@@ -7,6 +7,7 @@ import errno
 import functools
 import json
 import os
+import re
 import stat
 import tempfile
 import warnings
@@ -285,15 +286,18 @@ def _replace(
             nbytes_of = {key: nbytes for key, (_, nbytes) in bounds if nbytes}
             if nbytes_of:
                 content["bound_samples"] = nbytes_of
-        # A new file as readable as the umask allows, as the lock file is: a temporary file is private.
-        mode = created
+        mode = None
         with contextlib.suppress(FileNotFoundError):
             mode = stat.S_IMODE(os.stat(target).st_mode)
         if mode is not None and not mode & 0o222:
             # Made read-only to freeze it: renaming over it would write it all the same (and does, as root).
             raise PermissionError(errno.EACCES, "the file is read-only (no write permission for anyone)", target)
+        if mode is None and created is not None:
+            # A new file as readable as the umask allows (a lock file made by us shows it): a temporary file
+            # is private. Its owner reads and writes it whatever the lock file's mode.
+            mode = created | 0o600
         with tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False
+            "w", encoding="utf-8", dir=folder, prefix=os.path.basename(target) + ".", suffix=".tmp", delete=False
         ) as temporary:
             try:
                 json.dump(content, temporary, indent=1, sort_keys=False)
@@ -412,12 +416,11 @@ def _sweep(target: str) -> None:
     if fcntl is None:
         return
     folder, name = os.path.split(target)
+    # Only tempfile's names for this file (8 of its characters between): not another cache's whose name
+    # starts with this one's, nor a file of the user's.
+    ours = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}\.tmp")
     with contextlib.suppress(OSError):
         for entry in os.scandir(folder):
-            if (
-                entry.name.startswith(name + ".")
-                and entry.name.endswith(".tmp")
-                and entry.is_file(follow_symlinks=False)
-            ):
+            if ours.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
