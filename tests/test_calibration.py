@@ -486,6 +486,29 @@ def test_a_probe_is_not_one_row_for_gradients_that_take_an_eighth_of_the_memory(
     assert sum(rows) >= 2048
 
 
+def test_an_optimizer_steps_temporaries_are_not_distrusted() -> None:
+    """Adam's foreach buffers (the parameters' sizes) taken eight times over: a one-row probe, where BatchNorm raised.
+
+    At small sizes the peak is the optimizer step's.
+    """
+    torch.manual_seed(0)
+    with simulated_device("48MiB"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 1))
+        optimizer = torch.optim.Adam(model.parameters())
+        x, y = torch.randn(256, 1024), torch.randn(256, 1)
+
+        def train(x: torch.Tensor, y: torch.Tensor) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+        found = koila.estimate(train, x, y)
+        assert found.phase(1) == "optimizer step"
+        assert found.breakdown(1)["temporaries"] > 0
+        assert Corrected(found, times=DISTRUST).peak(1) < found.peak(1) + found.breakdown(1)["temporaries"]
+        assert koila.suggest_batch_size(train, x, y, calibrate=True) > 1
+
+
 # --------------------------------------------------------------------------- suggest_batch_size(calibrate=True)
 
 

@@ -42,6 +42,8 @@ class Estimated(Protocol):
 
     def breakdown(self, batch_size: int) -> dict[str, int]: ...
 
+    def phase(self, batch_size: int) -> str: ...
+
 
 class Fitting(Protocol):
     """What decides a size: :class:`~koila_retry.MemoryEstimate`'s fit, or a :class:`Corrected` one's."""
@@ -114,8 +116,11 @@ class Corrected:
             # What a kernel may allocate unseen (workspaces, a fused kernel's buffers) is activations and
             # temporaries. Gradients and optimizer state are the parameters' sizes, exactly: distrusted too,
             # a model whose gradients take an eighth of the free memory was probed at one row.
+            # At the moment of the peak. An optimizer step's temporaries (foreach buffers) are the parameters'
+            # sizes too: taken 8 times over, Adam's alone left a probe of one row.
             parts = self.found.breakdown(batch_size)
-            unseen = min(parts.get("activations", 0) + parts.get("temporaries", 0), own)
+            temporaries = 0 if self.found.phase(batch_size) == "optimizer step" else parts.get("temporaries", 0)
+            unseen = min(parts.get("activations", 0) + temporaries, own)
             own += (self.times - 1.0) * unseen
         if self.calibration is not None:
             own = max(own + self.calibration.gap(batch_size), 0.0)
