@@ -43,7 +43,8 @@ def not_traced_package(package: str) -> None:
     """Let torch.compile run every function of the imported modules of ``package`` as written."""
     if _SKIP is None:
         return
-    folder = os.path.dirname(os.path.abspath(getattr(sys.modules[package], "__file__", "") or "")) + os.sep
+    # The folder as the code objects name it (a wheel compiled elsewhere names another than __file__).
+    folder = os.path.dirname(os.path.dirname(not_traced_package.__code__.co_filename)) + os.sep
     for name, module in list(sys.modules.items()):
         if name == package or name.startswith(package + "."):
             for code in _codes(vars(module).values(), package, set()):
