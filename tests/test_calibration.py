@@ -509,6 +509,35 @@ def test_an_optimizer_steps_temporaries_are_not_distrusted() -> None:
         assert koila.suggest_batch_size(train, x, y, calibrate=True) > 1
 
 
+def _wide_adam_step() -> tuple[Callable[[torch.Tensor, torch.Tensor], None], torch.Tensor, torch.Tensor]:
+    """A step whose peak is its optimizer step's at small sizes (foreach Adam over 4 MiB of weights)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(64, 4096), nn.Linear(4096, 64)
+    optimizer = torch.optim.Adam([*first.parameters(), *second.parameters()], foreach=True)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(second(F.relu(first(x))), y).backward()
+        optimizer.step()
+
+    return train, torch.randn(256, 64), torch.randn(256, 64)
+
+
+def test_the_probe_distrusts_every_phase_not_only_the_peaks() -> None:
+    """Where the peak is the optimizer step's, a backward's unseen workspace is what runs out: distrusted too."""
+    train, x, y = _wide_adam_step()
+    found = koila.estimate(train, x, y)
+    size = 32
+    moments = found.moments(size)
+    assert found.phase(size) == "optimizer step"
+    assert {"backward", "optimizer step"} <= set(moments)
+    assert moments[found.phase(size)] == found.breakdown(size)
+    assert max(sum(parts.values()) for parts in moments.values()) == pytest.approx(found.peak(size), abs=8)
+    backward = moments["backward"]
+    unseen = backward["activations"] + backward["temporaries"]
+    assert Corrected(found, times=DISTRUST).peak(size) >= sum(backward.values()) + (DISTRUST - 1) * unseen - 8
+
+
 # --------------------------------------------------------------------------- suggest_batch_size(calibrate=True)
 
 

@@ -42,7 +42,7 @@ class Estimated(Protocol):
 
     def breakdown(self, batch_size: int) -> dict[str, int]: ...
 
-    def phase(self, batch_size: int) -> str: ...
+    def moments(self, batch_size: int) -> dict[str, dict[str, int]]: ...
 
 
 class Fitting(Protocol):
@@ -116,12 +116,17 @@ class Corrected:
             # What a kernel may allocate unseen (workspaces, a fused kernel's buffers) is activations and
             # temporaries. Gradients and optimizer state are the parameters' sizes, exactly: distrusted too,
             # a model whose gradients take an eighth of the free memory was probed at one row.
-            # At the moment of the peak. An optimizer step's temporaries (foreach buffers) are the parameters'
-            # sizes too: taken 8 times over, Adam's alone left a probe of one row.
-            parts = self.found.breakdown(batch_size)
-            temporaries = 0 if self.found.phase(batch_size) == "optimizer step" else parts.get("temporaries", 0)
-            unseen = min(parts.get("activations", 0) + temporaries, own)
-            own += (self.times - 1.0) * unseen
+            # At each phase's highest moment: the peak's may be the optimizer step's, and a backward's unseen
+            # workspace the one that runs out. An optimizer step's temporaries (foreach buffers) are the
+            # parameters' sizes too: taken 8 times over, Adam's alone left a probe of one row.
+            peak = self.found.peak(batch_size)
+            distrusted = max(
+                sum(parts.values())
+                + (self.times - 1.0)
+                * (parts["activations"] + (0 if phase == "optimizer step" else parts["temporaries"]))
+                for phase, parts in self.found.moments(batch_size).items()
+            )
+            own += max(distrusted - peak, 0.0)
         if self.calibration is not None:
             own = max(own + self.calibration.gap(batch_size), 0.0)
         return math.ceil(starting(self.found, batch_size) + own)

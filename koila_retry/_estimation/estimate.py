@@ -146,11 +146,29 @@ class MemoryEstimate:
             the optimizer step, neither gradients nor state, and operators'
             workspaces); they add up to :meth:`peak`, give or take rounding.
         """
-        parts = self._highest(batch_size).parts
-        return {
-            category: max(round(intercept + slope * batch_size), 0)
-            for category, (slope, intercept) in zip(CATEGORIES, parts, strict=True)
-        }
+        return _parts_at(self._highest(batch_size), batch_size)
+
+    def moments(self, batch_size: int) -> dict[str, dict[str, int]]:
+        """Return the bytes held at the highest moment of each phase of the call, by what they are.
+
+        Args:
+            batch_size (int): the rows along ``dim``; at least 1.
+
+        Returns:
+            dict: per phase the call has (``"forward"``, ``"backward"``,
+            ``"optimizer step"``), the :meth:`breakdown` of its highest moment at
+            ``batch_size``; the highest of them is the peak's.
+
+        .. versionadded:: 0.1.0
+        """
+        _check_batch_size(batch_size)
+        highest: dict[str, Line] = {}
+        for segment in self._segments:
+            if segment.covers(batch_size):
+                for line in segment.lines:
+                    if line.phase not in highest or line.at(batch_size) > highest[line.phase].at(batch_size):
+                        highest[line.phase] = line
+        return {phase: _parts_at(line, batch_size) for phase, line in highest.items()}
 
     def module_peaks(self, batch_size: int) -> dict[str, tuple[int, int]]:
         """Return the peak bytes held while each module ran, forward and backward.
@@ -478,6 +496,13 @@ def _calibrated(fn: Callable[..., Any], batch: Split, found: MemoryEstimate, bud
     controller = Controller(f"koila.suggest_batch_size({name})", policy)
     rows, rise = controller.call(fn, None, device, measured)
     return Corrected(found, Calibration(((rows, gap_of(found, rows, rise)),)))
+
+
+def _parts_at(line: Line, batch_size: int) -> dict[str, int]:
+    return {
+        category: max(round(intercept + slope * batch_size), 0)
+        for category, (slope, intercept) in zip(CATEGORIES, line.parts, strict=True)
+    }
 
 
 def warn_inexact(found: MemoryEstimate, what: str) -> None:
