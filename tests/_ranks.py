@@ -16,7 +16,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -513,6 +513,50 @@ def overlap_gradients_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
     return _overlapped(rank, world, failures={1: {5: "backward"}}, initial=4, hooked=False, view=True)
 
 
+class BucketViews(NamedTuple):
+    """A DDP model whose ``.grad`` views its buckets, with gradients from before, and its local batch."""
+
+    ddp: DDP
+    x: torch.Tensor
+    y: torch.Tensor
+    inject: Inject
+    before: list[torch.Tensor]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.ddp.module
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(gradient.numel() * gradient.element_size() for gradient in self.before)
+
+    def reset(self) -> None:
+        """Give ``.grad`` the gradients from before again, in the tensors that view the buckets."""
+        # Two backward passes first: after a failed step reset the reducer, the first records the order of
+        # the gradients and the forward of the second rebuilds the buckets, which no step's memory should count.
+        self.inject.failures = {}
+        for _ in range(2):
+            F.mse_loss(self.ddp(self.x), self.y).backward()
+        for parameter, value in zip(self.model.parameters(), self.before, strict=True):
+            parameter.grad.copy_(value)  # type: ignore[union-attr]
+
+    def same_tensors(self, at_start: list[torch.Tensor | None]) -> bool:
+        return all(p.grad is g for p, g in zip(self.model.parameters(), at_start, strict=True))
+
+
+def bucket_views(rank: int, world: int, rows: int) -> BucketViews:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), Inject(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = model.to(DTYPE)
+    ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    x_all, y_all = global_batch(world, rows, seed=120)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    for _ in range(2):  # DDP rebuilds its buckets after the first; .grad then views them
+        F.mse_loss(ddp(x), y).backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return BucketViews(ddp, x, y, model[2], before)
+
+
 @scenario("two")
 def overlap_bucket_views_with_gradients_from_before(rank: int, world: int) -> dict[str, Any]:
     """Gradients as bucket views, present at the start: the step against the hand loop from the same ones.
@@ -520,26 +564,18 @@ def overlap_bucket_views_with_gradients_from_before(rank: int, world: int) -> di
     For each split, on the simulated device: the hand loop's and the step's peaks and gradients, then
     the step again with rank 1's last backward failing once (retried), and failing always (given up).
     """
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), Inject(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
-    model = model.to(DTYPE)
     rows = 16
-    ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
-    x_all, y_all = global_batch(world, rows, seed=120)
-    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
-    inject = model[2]
-    for _ in range(2):  # DDP rebuilds its buckets after the first; .grad then views them
-        F.mse_loss(ddp(x), y).backward()
-    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    def reset() -> None:
-        # A backward first: one that follows a reset reducer rebuilds its buckets, which no peak should count.
-        inject.failures = {}
-        F.mse_loss(ddp(x), y).backward()
-        for parameter, value in zip(model.parameters(), before, strict=True):
-            parameter.grad.copy_(value)  # type: ignore[union-attr]
-
-    results: dict[str, Any] = {"gradient_bytes": sum(g.numel() * g.element_size() for g in before)}
+    views = bucket_views(rank, world, rows)
+    ddp, x, y, inject, before, model, reset = (
+        views.ddp,
+        views.x,
+        views.y,
+        views.inject,
+        views.before,
+        views.model,
+        views.reset,
+    )
+    results: dict[str, Any] = {"gradient_bytes": views.gradient_bytes}
     for parts in (1, 4):
         size = rows // parts
         reset()
@@ -576,10 +612,61 @@ def overlap_bucket_views_with_gradients_from_before(rank: int, world: int) -> di
                     "peak": device.peak,
                     "result": result,
                     "grads": grads(model),
-                    "same_tensors": all(p.grad is g for p, g in zip(model.parameters(), at_start, strict=True)),
+                    "same_tensors": views.same_tensors(at_start),
                 }
         outcome["before"] = before
         results[f"k={parts}"] = outcome
+    return results
+
+
+@scenario("crash")
+def overlap_copy_set_aside_runs_out_of_memory(rank: int, world: int) -> dict[str, Any]:
+    """Gradients as bucket views, present at the start: rank 1 runs out of memory for the copy set aside.
+
+    Made before the first attempt, the copy left rank 1 raising while rank 0 waited in the attempt's
+    all-reduce. Now a failed attempt: where the copy never fits, both ranks give up (in the caller's
+    own ``no_sync()`` too); where ``on_oom`` frees a cache of rank 1's, the step retries and succeeds.
+    """
+    rows = 16
+    views = bucket_views(rank, world, rows)
+    results: dict[str, Any] = {"before": views.before}
+    views.reset()
+    F.mse_loss(views.ddp(views.x), views.y).backward()  # the hand loop's whole batch, from the same .grad
+    results["hand"] = grads(views.model)
+    hog: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(views.ddp(x), y)
+
+    for name, own_no_sync, frees in (
+        ("never fits", False, False),
+        ("inside no_sync", True, False),
+        ("freed", False, True),
+    ):
+        views.reset()
+        at_start = [p.grad for p in views.model.parameters()]
+        events: list[koila.OOMEvent] = []
+
+        def on_oom(event: koila.OOMEvent, frees: bool = frees, events: list[koila.OOMEvent] = events) -> None:
+            events.append(event)
+            if frees:
+                hog.clear()
+
+        decorated = koila.accumulate(step, initial=rows, cache=koila.NoCache(), on_oom=on_oom)
+        limit = 64 * KIB
+        with simulated_device(limit) if rank == 1 else contextlib.nullcontext():
+            # Room for all but the copy's last tensor, until on_oom frees the cache: enough for the largest
+            # bucket (8,448 bytes), which a rank plays along with, not for zeros of every bucket at once.
+            hog.append(torch.empty(limit - (views.gradient_bytes - 512), dtype=torch.uint8))
+            with views.ddp.no_sync() if own_no_sync else contextlib.nullcontext():
+                result = caught(functools.partial(decorated, views.x, views.y))
+            hog.clear()
+        results[name] = {
+            "result": result,
+            "grads": grads(views.model),
+            "same_tensors": views.same_tensors(at_start),
+            "failed": [(event.batch_size, event.rank) for event in events],
+        }
     return results
 
 

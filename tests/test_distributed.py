@@ -246,6 +246,26 @@ def test_gradients_as_bucket_views_from_before_cost_one_copy_and_roll_back_exact
             assert_grads(given_up["grads"], outcome["before"], where + "gives up: ")
 
 
+def test_a_rank_without_memory_for_the_copy_set_aside_fails_an_attempt_the_ranks_agree_on(groups: Groups) -> None:
+    """The copy of bucket-view gradients is made inside the first attempt: no rank is left waiting for it.
+
+    Made before the attempt, rank 1's out-of-memory error escaped alone while rank 0 waited in the
+    attempt's all-reduce.
+    """
+    for rank, value in enumerate(groups("crash")["overlap_copy_set_aside_runs_out_of_memory"]):
+        for name in ("never fits", "inside no_sync"):
+            outcome = value[name]
+            assert_error(outcome["result"], koila.BatchSizeExhausted)
+            assert_grads(outcome["grads"], value["before"], f"rank {rank}, {name}: ")
+        # Inside the caller's no_sync() the copies are what .grad gets back: DDP's next backward copies them in.
+        assert value["never fits"]["same_tensors"], f"rank {rank}: .grad no longer views the buckets"
+        freed = value["freed"]
+        assert "returned" in freed["result"], f"rank {rank}: {freed['result']}"
+        assert freed["failed"] == [(16, 1)], f"rank {rank}: {freed['failed']}"  # rank 1, once, at the whole batch
+        assert_grads(freed["grads"], value["hand"], f"rank {rank}, freed: ")
+        assert freed["same_tensors"], f"rank {rank}, freed: .grad no longer views the buckets"
+
+
 def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["overlap_served"]):
         assert value["served"] == {

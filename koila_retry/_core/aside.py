@@ -20,14 +20,23 @@ class SetAside:
     def __init__(self, parameters: list[torch.Tensor]) -> None:
         self.parameters = parameters
         self.aside: list[torch.Tensor | None] = []
+        self.copied = False
 
     def before(self) -> None:
         """Set the gradients the parameters have aside, so that the step's start from none."""
-        aside = self.aside = [parameter.grad for parameter in self.parameters]
-        if self.copies:
-            self.aside = [None if grad is None else grad.clone() for grad in aside]
+        self.aside = [parameter.grad for parameter in self.parameters]
+        self.copied = False
         for parameter in self.parameters:
             parameter.grad = None
+
+    def copy(self) -> None:
+        """Make the copies :attr:`copies` asks for, once: at the start of an attempt, before its first backward."""
+        # Inside the attempt, not before it: a rank that runs out of memory for them fails an attempt the
+        # ranks agree on, where before it, it would leave the others waiting in the attempt's collectives.
+        # Until they are made, what is set aside is the tensors themselves, which no backward wrote yet.
+        if self.copies and not self.copied:
+            self.aside = [None if grad is None else grad.clone() for grad in self.aside]
+            self.copied = True
 
     def owned(self) -> set[int]:
         """Return the ids of the leaves whose gradients this object looks after: its parameters."""

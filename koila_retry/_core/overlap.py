@@ -17,6 +17,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from koila_retry._core.aside import SetAside
 
@@ -92,6 +93,18 @@ def _reducer_order(module: DistributedDataParallel) -> list[torch.nn.Parameter]:
     return order
 
 
+class _Unallocated(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Make ``zeros_like`` return a zero expanded to the shape asked for: its size, without its memory."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.ops.aten.zeros_like.default:
+            like = args[0]
+            return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+        return func(*args, **(kwargs or {}))
+
+
 class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
@@ -126,9 +139,9 @@ class Overlap(SetAside):
             # The step's backward writes the buckets .grad views: a copy is set aside in any case, so the
             # step adds into .grad in place, as the hand loop does, and the copy alone is what it costs. Set
             # aside and merged as below, it cost two gradients' worth.
-            self.merging = False
+            self.merging, self.copied = False, False
             self.kept = [parameter.grad for parameter in self.parameters]
-            self.aside = [None if grad is None else grad.clone() for grad in self.kept]
+            self.aside = list(self.kept)  # copied as the first attempt begins (see SetAside.copy)
             return
         super().before()
         self.merging = self.syncs and present
@@ -141,6 +154,7 @@ class Overlap(SetAside):
         attributes = vars(self.module)
         if first:
             self.running, self.stats = True, None
+            self.copy()  # with running set: a rank that fails for the copies plays along the whole backward
             if self.in_place:
                 self.versions = [-1 if grad is None else grad._version for grad in self.kept]
             attributes["require_forward_param_sync"] = False
@@ -201,18 +215,29 @@ class Overlap(SetAside):
             ready = {id(p) for p, was, is_ in zip(self.known.reduced, before, now, strict=True) if is_ != was}
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
-        # Each bucket's zeros are made here, while no activation of the attempt is left.
-        buckets = self.reducer._get_zeros_like_grad_buckets()
+        # The rank ran out of memory: zeros for every bucket at once would be one more gradient's worth (where
+        # the model's gradients outweigh its activations, more than the failed attempt gave back). So the
+        # buckets come without memory, and one buffer, the largest played bucket's, serves them in turn.
+        with _Unallocated():  # type: ignore[no-untyped-call]
+            buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
         for bucket in buckets:
             if not all(id(parameter) in ready for parameter in bucket.parameters()):
                 break
             launched += 1
-        played = len(buckets) - launched
-        futures = [self.reducer._run_comm_hook(bucket) for bucket in buckets[launched:]]
+        played = buckets[launched:]
         del buckets
-        for future in futures:
-            future.wait()
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for bucket in played:
+            like = bucket.buffer()
+            sizes[like.dtype, like.device] = max(sizes.get((like.dtype, like.device), 0), like.numel())
+        buffers = {key: torch.empty(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
+        for bucket in played:
+            like = bucket.buffer()
+            bucket.set_buffer(buffers[like.dtype, like.device][: like.numel()].zero_())
+            del like
+            self.reducer._run_comm_hook(bucket).wait()  # the next bucket's zeros overwrite this one's sum
+        del buffers
         if played and self.module.find_unused_parameters:
             # Which parameters each rank used, all-reduced once the last bucket was launched.
             used = torch.zeros_like(self.reducer._get_local_used_map())
@@ -234,7 +259,7 @@ class Overlap(SetAside):
     def _put_back(self) -> None:
         # The values from before into the tensors .grad held: an attempt may have added to them in place.
         for parameter, kept, before in zip(self.parameters, self.kept, self.aside, strict=True):
-            if kept is not None and before is not None:
+            if kept is not None and before is not None and before is not kept:  # not copied: nothing wrote it
                 kept.copy_(before)
             parameter.grad = kept
 
