@@ -246,24 +246,34 @@ def test_gradients_as_bucket_views_from_before_cost_one_copy_and_roll_back_exact
             assert_grads(given_up["grads"], outcome["before"], where + "gives up: ")
 
 
+def test_a_failed_rank_plays_along_a_hook_that_completes_its_buckets_at_the_last_one(groups: Groups) -> None:
+    """DDP calls every bucket's hook before it waits for any: a hook may complete them all at the last."""
+    values = groups("crash")["overlap_hook_completing_at_the_last_bucket"]
+    assert same_on_every_rank(values, "buckets") == [1, 4]
+    for rank, value in enumerate(values):
+        assert value["ooms"] == 1, f"rank {rank}"
+        assert value["rows"] == [12, 12, 8, 4], f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
 def test_a_rank_without_memory_for_the_copy_set_aside_fails_an_attempt_the_ranks_agree_on(groups: Groups) -> None:
     """The copy of bucket-view gradients is made inside the first attempt: no rank is left waiting for it.
 
     Made before the attempt, rank 1's out-of-memory error escaped alone while rank 0 waited in the
-    attempt's all-reduce.
+    attempt's all-reduce. Inside the caller's own ``no_sync()``, ``.grad`` ended up the copies, beside
+    the buckets: one more gradient's worth until DDP's next synced backward.
     """
     for rank, value in enumerate(groups("crash")["overlap_copy_set_aside_runs_out_of_memory"]):
-        for name in ("never fits", "inside no_sync"):
-            outcome = value[name]
-            assert_error(outcome["result"], koila.BatchSizeExhausted)
-            assert_grads(outcome["grads"], value["before"], f"rank {rank}, {name}: ")
-        # Inside the caller's no_sync() the copies are what .grad gets back: DDP's next backward copies them in.
-        assert value["never fits"]["same_tensors"], f"rank {rank}: .grad no longer views the buckets"
-        freed = value["freed"]
-        assert "returned" in freed["result"], f"rank {rank}: {freed['result']}"
-        assert freed["failed"] == [(16, 1)], f"rank {rank}: {freed['failed']}"  # rank 1, once, at the whole batch
-        assert_grads(freed["grads"], value["hand"], f"rank {rank}, freed: ")
-        assert freed["same_tensors"], f"rank {rank}, freed: .grad no longer views the buckets"
+        for name in ("never fits", "inside no_sync", "freed", "freed inside no_sync"):
+            outcome, where = value[name], f"rank {rank}, {name}: "
+            if name.startswith("freed"):
+                assert "returned" in outcome["result"], where + str(outcome["result"])
+                assert outcome["failed"] == [(16, 1)], where + str(outcome["failed"])  # rank 1, at the whole batch
+                assert_grads(outcome["grads"], value["hand"], where)
+            else:
+                assert_error(outcome["result"], koila.BatchSizeExhausted)
+                assert_grads(outcome["grads"], value["before"], where)
+            assert outcome["same_tensors"], where + ".grad no longer views the buckets"
 
 
 def test_which_ddp_set_ups_keep_the_overlap_and_what_a_comm_hook_sees(groups: Groups) -> None:

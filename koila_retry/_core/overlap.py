@@ -41,6 +41,11 @@ _KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.Weak
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
 _REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state", "get_backward_stats")
+# PyTorch's own hooks whose every bucket's future completes by itself (not its wrappers of other hooks).
+_PER_BUCKET = {
+    ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", name)
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")
+}
 
 
 def overlaps(modules: list[DistributedDataParallel]) -> bool:
@@ -105,6 +110,26 @@ class _Unallocated(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+def _per_bucket(hook: Any) -> bool:
+    """Return whether a DDP communication hook completes each bucket's future without waiting for a later one."""
+    where = getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)
+    return where in _PER_BUCKET
+
+
+def _one_at_a_time(reducer: Any, played: list[Any]) -> None:
+    """Make the played buckets' collectives in turn, with one buffer of zeros per dtype and device."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for bucket in played:
+        like = bucket.buffer()
+        sizes[like.dtype, like.device] = max(sizes.get((like.dtype, like.device), 0), like.numel())
+    buffers = {key: torch.empty(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
+    for bucket in played:
+        like = bucket.buffer()
+        bucket.set_buffer(buffers[like.dtype, like.device][: like.numel()].zero_())
+        del like
+        reducer._run_comm_hook(bucket).wait()  # the next bucket's zeros overwrite this one's sum
+
+
 class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
@@ -122,7 +147,7 @@ class Overlap(SetAside):
         self.merging = False  # see before()
         # Bucket views and a sync: .grad as the step found it, added to in place as a hand loop's (see before()).
         self.in_place = False
-        self.kept: list[torch.Tensor | None] = []  # the tensors .grad held, with in_place
+        self.kept: list[torch.Tensor | None] = []  # the tensors .grad held, with copies
         self.versions: list[int] = []  # their version counters as each attempt began, with in_place
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
@@ -145,6 +170,8 @@ class Overlap(SetAside):
             return
         super().before()
         self.merging = self.syncs and present
+        # Inside the caller's own no_sync(): the copies go back into these, which .grad viewed (see restore()).
+        self.kept = list(self.aside) if self.copies else []
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
@@ -217,7 +244,9 @@ class Overlap(SetAside):
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
         # The rank ran out of memory: zeros for every bucket at once would be one more gradient's worth (where
         # the model's gradients outweigh its activations, more than the failed attempt gave back). So the
-        # buckets come without memory, and one buffer, the largest played bucket's, serves them in turn.
+        # buckets come without memory, and one buffer per dtype, the largest played bucket's, serves them in
+        # turn, each bucket's hook waited for before the next: unless a hook of the user's may complete a
+        # bucket only when a later one comes (DDP calls every bucket's before it waits for any).
         with _Unallocated():  # type: ignore[no-untyped-call]
             buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
@@ -227,17 +256,17 @@ class Overlap(SetAside):
             launched += 1
         played = buckets[launched:]
         del buckets
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        for bucket in played:
-            like = bucket.buffer()
-            sizes[like.dtype, like.device] = max(sizes.get((like.dtype, like.device), 0), like.numel())
-        buffers = {key: torch.empty(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
-        for bucket in played:
-            like = bucket.buffer()
-            bucket.set_buffer(buffers[like.dtype, like.device][: like.numel()].zero_())
-            del like
-            self.reducer._run_comm_hook(bucket).wait()  # the next bucket's zeros overwrite this one's sum
-        del buffers
+        if all(_per_bucket(hook) for hook, _ in getattr(self.module, "_comm_hooks", ())):
+            _one_at_a_time(self.reducer, played)
+        else:
+            for bucket in played:
+                like = bucket.buffer()
+                bucket.set_buffer(torch.zeros(like.shape, dtype=like.dtype, device=like.device))
+                del like
+            futures = [self.reducer._run_comm_hook(bucket) for bucket in played]
+            for future in futures:
+                future.wait()
+            del futures
         if played and self.module.find_unused_parameters:
             # Which parameters each rank used, all-reduced once the last bucket was launched.
             used = torch.zeros_like(self.reducer._get_local_used_map())
@@ -264,11 +293,13 @@ class Overlap(SetAside):
             parameter.grad = kept
 
     def give_back(self) -> None:
-        """After a step that raised: the gradients from before, as they were."""
-        if not self.in_place:
+        """After a step that raised: the gradients from before, as they were, in the tensors that held them."""
+        if not self.copies:
             super().give_back()
             return
         self.undo()
+        if not self.in_place:  # undo() put them back with in_place
+            self._put_back()
         self._done()
 
     def _done(self) -> None:
@@ -281,7 +312,10 @@ class Overlap(SetAside):
             self._done()
             return
         if not self.merging:
-            super().restore()
+            if self.copies:
+                self._added_back()
+            else:
+                super().restore()
             return
         # The step's average already holds them. Written into the tensors .grad held before, unless those were
         # bucket views: the average is in DDP's bucket, which .grad views again.
@@ -290,6 +324,22 @@ class Overlap(SetAside):
             for parameter, before in zip(self.parameters, aside, strict=True):
                 if before is not None and parameter.grad is not None:
                     parameter.grad = before.copy_(parameter.grad)
+
+    def _added_back(self) -> None:
+        # Into .grad, which DDP's synced backward made the bucket views again, as a hand loop leaves it: added
+        # the other way round, as SetAside does, .grad would end up a copy beside the buckets.
+        aside, kept = self.aside, self.kept
+        self._done()
+        for parameter, original, before in zip(self.parameters, kept, aside, strict=True):
+            if before is None:
+                continue
+            grad = parameter.grad
+            if grad is not None:
+                grad.add_(before)
+                continue
+            if original is not None and original is not before:
+                original.copy_(before)
+            parameter.grad = original
 
     def batchnorm_trains(self) -> bool:
         """Return whether a BatchNorm layer of the module is in training mode."""
