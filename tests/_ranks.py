@@ -11,6 +11,7 @@ import collections
 import contextlib
 import copy
 import functools
+import gc
 import sys
 import warnings
 import weakref
@@ -26,6 +27,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import koila_retry as koila
 from koila_retry._core import distributed, overlap
@@ -701,6 +703,112 @@ def overlap_copy_set_aside_runs_out_of_memory(rank: int, world: int) -> dict[str
             "grads": grads(views.model),
             "same_tensors": views.same_tensors(at_start),
             "failed": [(event.batch_size, event.rank) for event in events],
+        }
+    return results
+
+
+@scenario("crash")
+def overlap_play_along_after_an_attempt_held_in_a_cycle(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's first forward runs out of memory beside a tensor of 60 KiB its frame holds in a reference cycle.
+
+    On a simulated device of 64 KiB, the buffer rank 1 plays along with fits only once that frame is
+    collected, and automatic collection is off. Played before any collection, rank 1 raised alone.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = model.to(DTYPE)
+    rows = 16
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    x_all, y_all = global_batch(world, rows, seed=130)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    expected = mean_of(
+        [
+            full_grads(model, lambda m, r=r: F.mse_loss(m(local(x_all, r, rows)), local(y_all, r, rows)))
+            for r in range(world)
+        ]
+    )
+    for _ in range(2):  # DDP rebuilds its buckets after the first: four, each played with one buffer
+        F.mse_loss(ddp(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    limit, calls = 64 * KIB, []
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=rows, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not calls:
+            held = torch.empty(limit - 4 * KIB, dtype=torch.uint8)  # noqa: F841 (held by the frame)
+            frame = sys._getframe()  # noqa: F841 (the frame refers to itself: freed by a collection only)
+        calls.append(len(x))
+        return F.mse_loss(ddp(x), y)
+
+    gc.disable()
+    try:
+        with simulated_device(limit) if rank == 1 else contextlib.nullcontext():
+            result = caught(functools.partial(step, x, y))
+    finally:
+        gc.enable()
+    return {
+        "result": result,
+        "calls": calls,
+        "failed": [(event.batch_size, event.rank) for event in events],
+        "grads": grads(model),
+        "expected": expected,
+    }
+
+
+class _FailCombining(TorchDispatchMode):
+    """Run out of memory at the first operator of ``accumulate`` combining its micro-batches' results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        frame = sys._getframe(1)
+        while frame is not None and not self.failed:
+            if frame.f_code.co_name == "_combined":
+                self.failed = True
+                raise make_oom(nbytes=16)
+            frame = frame.f_back
+        return func(*args, **(kwargs or {}))
+
+
+def _mse_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+@scenario("crash")
+def combining_the_losses_runs_out_of_memory(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 runs out of memory combining the losses of two micro-batches, on DDP's overlap and its fallback.
+
+    Combined after the ranks agreed, rank 1 raised alone while rank 0 returned.
+    """
+    results: dict[str, Any] = {}
+    rows = 12
+    x_all, y_all = global_batch(world, rows, seed=140)
+    x, y = local(x_all, rank, rows), local(y_all, rank, rows)
+    expected = mean_of(
+        [
+            full_grads(injected_mlp(), lambda m, r=r: F.mse_loss(m(local(x_all, r, rows)), local(y_all, r, rows)))
+            for r in range(world)
+        ]
+    )
+    for path in ("overlap", "fallback"):
+        model = injected_mlp()
+        ddp = DDP(model)
+        if path == "fallback":  # a post-accumulate-grad hook keeps the overlap off
+            for parameter in model.parameters():
+                parameter.register_post_accumulate_grad_hook(lambda _: None)
+        events: list[koila.OOMEvent] = []
+
+        step = koila.accumulate(functools.partial(_mse_of, ddp), initial=8, cache=koila.NoCache(), on_oom=events.append)
+        with _FailCombining() if rank == 1 else contextlib.nullcontext():
+            result = caught(functools.partial(step, x, y))
+        results[path] = {
+            "result": result,
+            "failed": [(event.batch_size, event.rank) for event in events],
+            "grads": grads(model),
+            "expected": expected,
         }
     return results
 

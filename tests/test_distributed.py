@@ -256,6 +256,23 @@ def test_a_failed_rank_plays_along_a_hook_that_completes_its_buckets_at_the_last
         assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
 
 
+def test_a_failed_rank_plays_along_once_the_failed_attempt_held_in_a_cycle_is_collected(groups: Groups) -> None:
+    for rank, value in enumerate(groups("crash")["overlap_play_along_after_an_attempt_held_in_a_cycle"]):
+        assert "returned" in value["result"], f"rank {rank}: {value['result']}"
+        assert value["failed"] == [(16, 1)], f"rank {rank}: {value['failed']}"
+        assert value["calls"] == [16, 8, 8], f"rank {rank}: {value['calls']}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+@pytest.mark.parametrize("path", ["overlap", "fallback"])
+def test_combining_the_micro_batches_losses_is_part_of_the_attempt(groups: Groups, path: str) -> None:
+    for rank, value in enumerate(groups("crash")["combining_the_losses_runs_out_of_memory"]):
+        outcome = value[path]
+        assert "returned" in outcome["result"], f"rank {rank}: {outcome['result']}"
+        assert outcome["failed"] == [(8, 1)], f"rank {rank}: {outcome['failed']}"
+        assert_grads(outcome["grads"], outcome["expected"], f"rank {rank}: ")
+
+
 def test_a_rank_without_memory_for_the_copy_set_aside_fails_an_attempt_the_ranks_agree_on(groups: Groups) -> None:
     """The copy of bucket-view gradients is made inside the first attempt: no rank is left waiting for it.
 

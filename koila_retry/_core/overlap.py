@@ -12,6 +12,7 @@ its reducer (``_reset_state``), as DDP does when its process group changes. docs
 
 from __future__ import annotations
 
+import gc
 import operator
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -116,13 +117,21 @@ def _per_bucket(hook: Any) -> bool:
     return where in _PER_BUCKET
 
 
-def _one_at_a_time(reducer: Any, played: list[Any]) -> None:
-    """Make the played buckets' collectives in turn, with one buffer of zeros per dtype and device."""
+def _one_at_a_time(
+    reducer: Any, played: list[Any], buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor]
+) -> None:
+    """Play the buckets' collectives in turn, with one buffer of zeros per dtype and device (kept in ``buffers``)."""
+    # Kept for the call's later play-alongs, not made again: a collective's work may hold its tensor a
+    # moment after its wait returned (gloo's worker thread lets go after it marks the work done), and a
+    # new buffer beside one not yet let go ran out of memory where one fits.
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for bucket in played:
         like = bucket.buffer()
         sizes[like.dtype, like.device] = max(sizes.get((like.dtype, like.device), 0), like.numel())
-    buffers = {key: torch.empty(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
+    for key, size in sizes.items():
+        if key not in buffers or buffers[key].numel() < size:
+            buffers.pop(key, None)
+            buffers[key] = torch.empty(size, dtype=key[0], device=key[1])
     for bucket in played:
         like = bucket.buffer()
         bucket.set_buffer(buffers[like.dtype, like.device][: like.numel()].zero_())
@@ -152,6 +161,7 @@ class Overlap(SetAside):
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
         self.stats: list[int] | None = None
+        self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
 
     def before(self) -> None:
         """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
@@ -256,8 +266,12 @@ class Overlap(SetAside):
             launched += 1
         played = buckets[launched:]
         del buckets
+        if played:
+            # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
+            # engine releases them after the ranks agree, too late for the buffers played with.
+            gc.collect()
         if all(_per_bucket(hook) for hook, _ in getattr(self.module, "_comm_hooks", ())):
-            _one_at_a_time(self.reducer, played)
+            _one_at_a_time(self.reducer, played, self.played_with)
         else:
             for bucket in played:
                 like = bucket.buffer()
@@ -294,6 +308,7 @@ class Overlap(SetAside):
 
     def give_back(self) -> None:
         """After a step that raised: the gradients from before, as they were, in the tensors that held them."""
+        self.played_with = {}
         if not self.copies:
             super().give_back()
             return
@@ -307,6 +322,7 @@ class Overlap(SetAside):
 
     def restore(self) -> None:
         """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
+        self.played_with = {}
         self._settle_sync()
         if self.in_place:  # the step's average of .grad already holds them
             self._done()

@@ -13,6 +13,7 @@ the order they are issued, so every rank leaves having made the same ones.
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -375,7 +376,12 @@ class Shards:
         kind, self.kind = self.kind, None
         if kind is None or self.recording is not None:
             return  # between micro-batches, or voting: the others learn of it at their next exchange
-        for collective in self.schedules[kind][self.count :]:
+        rest = self.schedules[kind][self.count :]
+        if rest:
+            # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
+            # engine releases them after the ranks agree, too late for the buffers played with.
+            gc.collect()
+        for collective in rest:
             collective.play()
 
     def reset(self) -> None:

@@ -404,11 +404,13 @@ class _Accumulator:
 
         def work(size: int) -> Results:
             if sync is None:
-                return self._run(split, size, gradients, attempt, first)
-            with sync.no_sync():
                 results = self._run(split, size, gradients, attempt, first)
-            gradients.own()  # the averages are written into the sums, made now while memory may fail the attempt
-            sync.prepare(gradients.sums, gradients.leaves)
+            else:
+                with sync.no_sync():
+                    results = self._run(split, size, gradients, attempt, first)
+                gradients.own()  # the averages are written into the sums, made now while memory may fail the attempt
+                sync.prepare(gradients.sums, gradients.leaves)
+            results.finish()  # inside the attempt (see Results.finish)
             return results
 
         def undo() -> None:
@@ -550,6 +552,7 @@ class _Accumulator:
                 self._check_no_grad_wanted(split)
             if overlap is not None:
                 overlap.finished(self.controller.name)
+            results.finish()  # inside the attempt (see Results.finish)
             return results
 
         def undo() -> None:

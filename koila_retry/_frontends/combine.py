@@ -35,18 +35,20 @@ class Step(Protocol):
 _LOSS, _JOIN, _WEIGH, _COUNT, _DROP = "loss", "join", "weigh", "count", "drop"
 _LEAF_SPEC = tree_flatten(0)[1]
 _EXACT = (torch.float32, torch.float64)  # dtypes a loss times its weight keeps to the last bit or so
+_UNSET: Any = object()  # Results.combined before finish()
 
 
 class Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "kinds", "size", "spec", "step")
+    __slots__ = ("columns", "combined", "kinds", "size", "spec", "step")
 
     def __init__(self, step: Step, size: int) -> None:
         self.step, self.size = step, size
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
+        self.combined: Any = _UNSET  # finish()'s result, once made
 
     def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
         """Check one micro-batch's result, keep its parts (weighted by ``weight``), and return its loss."""
@@ -191,6 +193,14 @@ class Results:
         )
 
     def finish(self) -> Any:
+        """Return the step's result, combined from its micro-batches' once (the same object on later calls)."""
+        # A step under agreement combines inside its attempt: the combining may run out of memory too, and after
+        # the ranks agreed, a rank that raised there would leave alone.
+        if self.combined is _UNSET:
+            self.combined = self._combined()
+        return self.combined
+
+    def _combined(self) -> Any:
         if self.spec is _LEAF_SPEC and len(self.columns[0]) == 1:  # one loss, as it came
             return self.columns[0][0][0]
         if all(self._whole(kind, column) for kind, column in zip(self.kinds, self.columns, strict=True)):
