@@ -12,6 +12,7 @@ its reducer (``_reset_state``), as DDP does when its process group changes. docs
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import operator
 import weakref
@@ -121,9 +122,9 @@ def _one_at_a_time(
     reducer: Any, played: list[Any], buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor]
 ) -> None:
     """Play the buckets' collectives in turn, with one buffer of zeros per dtype and device (kept in ``buffers``)."""
-    # Kept for the call's later play-alongs, not made again: a collective's work may hold its tensor a
-    # moment after its wait returned (gloo's worker thread lets go after it marks the work done), and a
-    # new buffer beside one not yet let go ran out of memory where one fits.
+    # Kept for the call's later play-alongs, not made again: a new one each time ran out of memory now and
+    # then where one fits, most likely beside the last, which a collective's work (gloo's worker thread)
+    # may still hold a moment after its wait returned.
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for bucket in played:
         like = bucket.buffer()
@@ -252,12 +253,16 @@ class Overlap(SetAside):
             ready = {id(p) for p, was, is_ in zip(self.known.reduced, before, now, strict=True) if is_ != was}
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
+        # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
+        # engine releases them after the ranks agree, too late for the buffers played with.
+        gc.collect()
         # The rank ran out of memory: zeros for every bucket at once would be one more gradient's worth (where
         # the model's gradients outweigh its activations, more than the failed attempt gave back). So the
         # buckets come without memory, and one buffer per dtype, the largest played bucket's, serves them in
         # turn, each bucket's hook waited for before the next: unless a hook of the user's may complete a
         # bucket only when a later one comes (DDP calls every bucket's before it waits for any).
-        with _Unallocated():  # type: ignore[no-untyped-call]
+        one_buffer = all(_per_bucket(hook) for hook, _ in getattr(self.module, "_comm_hooks", ()))
+        with _Unallocated() if one_buffer else contextlib.nullcontext():  # type: ignore[no-untyped-call]
             buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
         for bucket in buckets:
@@ -266,17 +271,9 @@ class Overlap(SetAside):
             launched += 1
         played = buckets[launched:]
         del buckets
-        if played:
-            # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
-            # engine releases them after the ranks agree, too late for the buffers played with.
-            gc.collect()
-        if all(_per_bucket(hook) for hook, _ in getattr(self.module, "_comm_hooks", ())):
+        if one_buffer:
             _one_at_a_time(self.reducer, played, self.played_with)
-        else:
-            for bucket in played:
-                like = bucket.buffer()
-                bucket.set_buffer(torch.zeros(like.shape, dtype=like.dtype, device=like.device))
-                del like
+        else:  # the zeros DDP made, every bucket's hook called before any is waited for, as DDP does
             futures = [self.reducer._run_comm_hook(bucket) for bucket in played]
             for future in futures:
                 future.wait()
