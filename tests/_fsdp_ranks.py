@@ -8,7 +8,10 @@ their buffers. How the scenarios run and what they save: tests/_spawn.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import sys
 import time
 import warnings
 import weakref
@@ -23,7 +26,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._core import distributed, sharded
-from koila_retry.testing import make_oom
+from koila_retry.testing import make_oom, simulated_device
 
 GROUPS = {"one": (1, 60), "two": (2, 60), "three": (3, 60)}
 scenario = Scenarios(GROUPS)
@@ -812,4 +815,50 @@ def fsdp_unsharded_head(rank: int, world: int) -> dict[str, Any]:
         "head": [p.grad for p in head.parameters()],
         "expected_head": [p.grad for p in local_head.parameters()],
         "size": step.stats.batch_size,
+    }
+
+
+@scenario("two")
+def fsdp_play_along_after_an_attempt_held_in_a_cycle(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's first forward runs out of memory beside a tensor its frame holds in a reference cycle.
+
+    On rank 1's simulated device, that tensor leaves less than one all-gather's buffers free, and
+    automatic collection is off: the zeros rank 1 plays along with fit only once the frame is collected.
+    Played before any collection, rank 1 raised alone and rank 0 waited for its collectives.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    limit, calls = 64 * 1024, []
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=ROWS, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if calls == [ROWS] and rank == 1:
+            held = torch.empty(limit - 512, dtype=torch.uint8)  # noqa: F841 (held by the frame)
+            frame = sys._getframe()  # noqa: F841 (the frame refers to itself: freed by a collection only)
+        calls.append(len(x))
+        return F.mse_loss(net(x), y)
+
+    x_all, y_all = batch(world, seed=50)
+    x, y = local(x_all, rank), local(y_all, rank)
+    step(x, y)  # the whole batch's collectives, recorded
+    net.zero_grad(set_to_none=True)
+    with Count() as count:
+        gc.disable()
+        try:
+            with simulated_device(limit) if rank == 1 else contextlib.nullcontext():
+                result = "returned" if step(x, y) is not None else "none"
+        except Exception as exc:  # reported to the test
+            result = f"{type(exc).__name__}: {exc}"
+        finally:
+            gc.enable()
+    F.mse_loss(reference(x_all), y_all).backward()
+    return {
+        "result": result,
+        "calls": calls,
+        "failed": [(event.batch_size, event.rank) for event in events],
+        "plays": count.plays,
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
     }

@@ -275,3 +275,15 @@ def test_a_module_outside_fsdp_keeps_no_gradient_of_a_failed_attempt(groups: Gro
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         for got, want in zip(value["head"], value["expected_head"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_failed_rank_plays_along_once_the_failed_attempt_held_in_a_cycle_is_collected(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_play_along_after_an_attempt_held_in_a_cycle"]):
+        assert value["result"] == "returned", f"rank {rank}: {value['result']}"
+        assert value["failed"] == [(_fsdp_ranks.ROWS, 1)], f"rank {rank}: {value['failed']}"
+        assert value["calls"][:2] == [_fsdp_ranks.ROWS] * 2, f"rank {rank}: {value['calls']}"
+        assert max(value["calls"][2:]) < _fsdp_ranks.ROWS, f"rank {rank}: {value['calls']}"
+        # Rank 1 failed in its forward, and played the rest of the whole batch's collectives.
+        assert (value["plays"] > 0) == (rank == 1), f"rank {rank}: {value['plays']} played"
+        for got, want in zip(value["grads"], value["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
