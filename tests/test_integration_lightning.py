@@ -21,7 +21,7 @@ from torch.utils.data import default_collate
 
 import koila_retry as koila
 from koila_retry import BatchSizeExhausted
-from koila_retry.testing import simulated_device
+from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
 from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
@@ -1190,6 +1190,64 @@ def test_a_fit_that_raises_leaves_the_module_as_it_was_and_later_fits_train_as_t
             trainer(*callbacks, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
         assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
     assert _attached(model) == {}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the backward's own error")
+
+
+class FailingInAWindow(MLP):
+    """Fails in the second batch of an accumulation window, as ``failure`` says, with .grad holding the first's."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__()
+        self.failure, self.batch = failure, -1
+        self.before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.batch = batch_idx
+        if batch_idx == 1:
+            self.before = [parameter.grad.clone() for parameter in self.parameters()]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        failing = batch_idx == 1
+        if failing and self.failure in ("step", "interrupt"):
+            raise ValueError("the step's own error") if self.failure == "step" else KeyboardInterrupt
+        hidden = self.net[1](self.net[0](x))
+        if failing and self.failure == "backward":
+            hidden = _RaiseInBackward.apply(hidden)
+        loss = F.cross_entropy(self.net[2](hidden), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.failure == "log" and self.batch == 1:
+            raise make_oom()  # where Lightning's log allocates: held, it runs after the step returned
+        super().log(name, value, *args, **kwargs)
+
+
+@pytest.mark.parametrize("failure", ["step", "interrupt", "backward", "log"])
+def test_an_error_in_a_window_leaves_the_windows_gradients_as_they_were(failure: str) -> None:
+    # The step after the first of a window runs with the window's gradients set aside: they were lost.
+    raised = {"step": ValueError, "interrupt": SystemExit, "backward": ValueError, "log": torch.OutOfMemoryError}
+    for callbacks in ((), (OOMRecovery(),)):
+        model = FailingInAWindow(failure)
+        with _sigint_kept(), pytest.raises(raised[failure]):
+            trainer(*callbacks, accumulate_grad_batches=2, max_steps=2).fit(model, loader(rows=256))
+        assert len(model.before) == 4, "the first batch of the window ran its backward"
+        if failure == "backward" and not callbacks:
+            continue  # without the callback, the head's gradients of the failed backward stay added in
+        for parameter, before in zip(model.parameters(), model.before, strict=True):
+            assert parameter.grad is not None, f"{failure}, callbacks {callbacks}: a gradient was lost"
+            assert torch.equal(parameter.grad, before), f"{failure}, callbacks {callbacks}"
+        assert _attached(model) == {}
 
 
 def test_validate_that_raises_leaves_the_module_as_it_was() -> None:

@@ -712,3 +712,59 @@ def test_an_override_runs_through_accumulate_once_then_as_the_trainer_runs_it(tm
     assert callers == ["backward", "training_step", "training_step"]
     assert trainer.calls == 3
     assert_same_training(trainer, reference)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the backward's own error")
+
+
+class FailsInAWindow(transformers.Trainer):  # type: ignore[misc]
+    """Raises an error of its own in the second step of a window: in its loss, or in the loss's backward."""
+
+    failure = "step"
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2 and self.failure == "step":
+            raise ValueError("the step's own error")
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return _RaiseInBackward.apply(loss) if self.calls == 2 else loss
+
+
+class _Kept(transformers.TrainerCallback):  # type: ignore[misc]
+    """Keeps a copy of the gradients after the first step of a window, on the trainer."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        parameters = self.trainer.model.parameters()
+        self.trainer.before = [None if p.grad is None else p.grad.clone() for p in parameters]
+
+
+@pytest.mark.parametrize("failure", ["step", "backward"])
+@pytest.mark.parametrize("adapted", [False, True], ids=["plain", "adapted"])
+def test_an_error_in_a_window_leaves_the_windows_gradients_as_they_were(
+    tmp_path: Path, failure: str, adapted: bool
+) -> None:
+    # The second step of a window runs with the window's gradients set aside: they were lost.
+    trainer = make_trainer(tmp_path, FailsInAWindow, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer.failure = failure
+    trainer.add_callback(_Kept(trainer))
+    if adapted:
+        trainer = adapt(trainer)
+    with pytest.raises(ValueError, match="own error"):
+        trainer.train()
+    assert any(before is not None for before in trainer.before), "the first step of the window ran its backward"
+    for parameter, before in zip(trainer.model.parameters(), trainer.before, strict=True):
+        if before is None:
+            assert parameter.grad is None
+        else:
+            assert parameter.grad is not None, "a gradient of the window was lost"
+            assert torch.equal(parameter.grad, before)

@@ -636,7 +636,12 @@ class _Step:
         before = [] if zeroes else [parameter.grad for parameter in parameters]
         for parameter in parameters:
             parameter.grad = None
-        output = self._ran(module, args, kwargs)
+        try:
+            output = self._ran(module, args, kwargs)
+        except BaseException:  # an error of the step's own, or while its logs were replayed
+            for parameter, gradient in zip(parameters, before, strict=False):
+                parameter.grad = gradient
+            raise
         if output is _FAILED:
             for parameter, gradient in zip(parameters, before, strict=False):
                 parameter.grad = gradient
@@ -693,7 +698,10 @@ class _Step:
             # Lightning's backward, of the loss divided by accumulate_grad_batches (_trusted: nothing scales it).
             type(module).backward(module, loss / steps if steps != 1 else loss, *args, **kwargs)
         except BaseException as error:
-            if not is_oom(error):
+            if not is_oom(error):  # the gradients as the step found them, not part of a backward
+                for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
+                    parameter.grad = gradient
+                others.give_back()
                 raise
             failed, self.failure = True, replayable(error)
         if not failed:

@@ -470,15 +470,14 @@ class _Training(_Bound):
                 else:
                     returned = self.original(model, inputs, num_items_in_batch)
             except BaseException as error:
-                if not is_oom(error):
+                if not is_oom(error):  # the gradients as the step found them, not part of a backward
+                    _given_back(parameters, before, others)
                     raise
                 # Undone outside the except block, once the attempt's frames are gone; only its message
                 # and place are kept.
                 failed, self.kept.failure = True, replayable(error)
         if failed:
-            others.give_back()
-            for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
-                parameter.grad = gradient
+            _given_back(parameters, before, others)
             self.kept.trusting = False  # accumulate runs every step from now on, this one first
             return _FAILED
         others.restore()
@@ -535,6 +534,13 @@ def _rows_of(inputs: Any) -> int | None:
             if isinstance(value, torch.Tensor) and value.dim():
                 return int(value.shape[0])
     return None
+
+
+def _given_back(parameters: list[Any], before: list[Any], others: OtherLeaves) -> None:
+    """Give every gradient a step that raised wrote back as the step found it (``before`` empty: all None)."""
+    others.give_back()
+    for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
+        parameter.grad = gradient
 
 
 # What _Training._whole returns for a step it did not run, or that ran out of memory.
