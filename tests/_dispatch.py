@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from koila_retry.testing import make_oom
 
 
 @contextlib.contextmanager
@@ -35,4 +38,21 @@ class Operators(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.seen.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+class FailCombining(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Run out of memory at the first operator of ``accumulate`` combining its micro-batches' results."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.failed = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and not self.failed:
+            if frame.f_code.co_name == "_combined":
+                self.failed = True
+                raise make_oom(nbytes=16)
+            frame = frame.f_back
         return func(*args, **(kwargs or {}))

@@ -21,13 +21,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from _dispatch import FailCombining
 from _layers import Inject
 from _spawn import Scenarios
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import koila_retry as koila
 from koila_retry._core import distributed, overlap
@@ -756,23 +756,6 @@ def overlap_play_along_after_an_attempt_held_in_a_cycle(rank: int, world: int) -
     }
 
 
-class _FailCombining(TorchDispatchMode):
-    """Run out of memory at the first operator of ``accumulate`` combining its micro-batches' results."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        frame = sys._getframe(1)
-        while frame is not None and not self.failed:
-            if frame.f_code.co_name == "_combined":
-                self.failed = True
-                raise make_oom(nbytes=16)
-            frame = frame.f_back
-        return func(*args, **(kwargs or {}))
-
-
 def _mse_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
@@ -802,7 +785,7 @@ def combining_the_losses_runs_out_of_memory(rank: int, world: int) -> dict[str, 
         events: list[koila.OOMEvent] = []
 
         step = koila.accumulate(functools.partial(_mse_of, ddp), initial=8, cache=koila.NoCache(), on_oom=events.append)
-        with _FailCombining() if rank == 1 else contextlib.nullcontext():
+        with FailCombining() if rank == 1 else contextlib.nullcontext():
             result = caught(functools.partial(step, x, y))
         results[path] = {
             "result": result,

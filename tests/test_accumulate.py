@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dispatch import FailCombining
 from _layers import OOMInBackward
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -952,6 +953,30 @@ def test_a_number_first_and_a_tensor_later_still_combine_and_outputs_without_mem
     assert seen == [4, 4, 4]
     assert isinstance(result["aux"], torch.Tensor)
     torch.testing.assert_close(result["sparse"].to_dense(), model(x).detach())  # no memory of its own to compare
+
+
+@pytest.mark.parametrize("grad_before", [False, True], ids=["grad None", "grad present"])
+def test_combining_the_micro_batches_results_is_part_of_the_attempt(grad_before: bool) -> None:
+    # Combined after the attempt, an out-of-memory error there escaped as it was, unretried.
+    model, x, y = build("mlp", 16)
+    if grad_before:
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+    loss, expected = full_step(model, x, y)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=8, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = model(x)
+        return {"loss": F.mse_loss(out, y), "mean": out.detach().mean()}
+
+    with FailCombining() as failing:
+        result = step(x, y)
+    assert failing.failed
+    assert [(event.batch_size, event.next_batch_size) for event in events] == [(8, 4)]
+    torch.testing.assert_close(result["loss"], loss)
+    torch.testing.assert_close(result["mean"], model(x).detach().mean())
+    assert_grads(model, [want + 1 for want in expected] if grad_before else expected)
 
 
 def sum_over_labelled_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:

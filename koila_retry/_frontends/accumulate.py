@@ -441,7 +441,9 @@ class _Accumulator:
         gradients = Gradients(True)
 
         def work(size: int) -> Results:
-            return self._run(split, size, gradients, None)
+            results = self._run(split, size, gradients, None)
+            results.finish()  # inside the attempt (see Results.finish)
+            return results
 
         sampled = Sampled(split.sample, split.per_sample, rows, gradients.discard)
         try:

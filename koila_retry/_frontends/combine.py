@@ -194,8 +194,8 @@ class Results:
 
     def finish(self) -> Any:
         """Return the step's result, combined from its micro-batches' once (the same object on later calls)."""
-        # A step under agreement combines inside its attempt: the combining may run out of memory too, and after
-        # the ranks agreed, a rank that raised there would leave alone.
+        # Every step combines inside its attempt: the combining may run out of memory too, and after the attempt
+        # that error would escape unretried (after the ranks agreed, raised by one rank alone).
         if self.combined is _UNSET:
             self.combined = self._combined()
         return self.combined
