@@ -1517,3 +1517,25 @@ def test_what_a_failed_attempt_logged_with_its_graph_is_gone_when_the_retry_star
     assert model.told == [64, 32]  # the user's own on_oom is still told
     # The first split's micro-batches had logged their losses, each holding its graph: dropped with the attempt.
     assert model.alive[3] is False, model.alive
+
+
+class _GraphLoggedEnds(_GraphLogged):
+    """Also looks, as each batch ends, at whether any value its steps logged is alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: list[bool] = []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        gc.collect()
+        self.ended.append(any(ref() is not None for ref in self.logged))
+
+
+def test_what_a_split_step_logged_with_its_graph_is_gone_when_the_step_ends() -> None:
+    # Lightning keeps the combined value, detached; the last micro-batch's own, with its graph, stayed
+    # held through the optimizer's step, until the next step began.
+    model = _GraphLoggedEnds()
+    with simulated_device(FIT_LIMIT):
+        trainer(OOMRecovery(), max_steps=2).fit(model, loader(rows=128))
+    assert model.rows == [64, 32, 32, 16, 16, 16, 16, 16, 16, 16, 16], model.rows
+    assert model.ended == [False, False], model.ended

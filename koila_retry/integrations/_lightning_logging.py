@@ -104,6 +104,10 @@ class Logs:
             value = value.detach()  # as Lightning keeps it: the graph would hold the activations
         self.calls.append((name, value, options))
 
+    def drop(self) -> None:
+        """Let go of every call held: a value logged with ``enable_graph=True`` holds its graph."""
+        self.calls, self.parts = [], []
+
     def flush(self) -> None:
         """Log the calls of a step that ran whole, as they were made."""
         calls, self.calls = self.calls, []
@@ -122,7 +126,7 @@ class Logs:
                 break
             kept.insert(0, part)
             covered += part[0]
-        self.parts = []
+        self.drop()  # what is logged is in kept now
         if len(kept) <= 1:
             for _, calls in kept:
                 for name, value, options in calls:

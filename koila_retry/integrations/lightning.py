@@ -392,7 +392,7 @@ class _Step:
 
         def on_oom(event: OOMEvent) -> None:
             # What the failed attempt logged goes with it: with enable_graph=True, a value holds its graph.
-            self.logs.parts = []
+            self.logs.drop()
             if told is not None:
                 told(event)
 
@@ -730,7 +730,7 @@ class _Step:
             raise
         finally:
             self.logs.release(module)
-            self.logs.parts = []
+            self.logs.drop()
         if steps != 1:  # accumulate's are the undivided loss's
             divided = [parameter.grad for parameter in parameters if parameter.grad is not None]
             divided += others.written()
