@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
+from typing import Any
 
 import _ranks
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import koila_retry as koila
 from koila_retry.testing import make_oom, simulated_device
@@ -185,3 +187,58 @@ def test_accumulate_gradients_of_a_failed_attempt_are_dead_when_the_retry_starts
     assert rows == [8, 8, 8] + [4] * 8
     assert len(refs) == 4
     assert alive_at_start == [False]
+
+
+class _FailInTheMeansBackward(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Run out of memory once, in the backward of a mean (``aten.div.Scalar`` inside a backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.failed = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.failed and func is torch.ops.aten.div.Scalar and torch._C._current_graph_task_id() != -1:
+            self.failed = True
+            raise make_oom()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("front_end", ["accumulate", "batch", "given up"])
+def test_a_backward_that_failed_with_other_nodes_ready_leaves_its_graph_dead_when_the_retry_starts(
+    front_end: str,
+) -> None:
+    # PyTorch keeps the nodes that were ready when a backward raised in this thread's queue of the autograd
+    # engine, and the rest of the graph through them, until the thread's next backward: the retry's first
+    # forward ran beside the failed attempt's activations.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        hidden = model(x).tanh()
+        refs.append(weakref.ref(hidden))
+        # The square's node is ready, queued, as the mean's backward runs out of memory.
+        return hidden.square().sum() + hidden.mean()
+
+    x = torch.randn(16, 8)
+    with _FailInTheMeansBackward() as failing:
+        if front_end == "accumulate":
+            koila.accumulate(cache=koila.NoCache())(loss_of)(x)
+        elif front_end == "given up":
+            with pytest.raises(koila.BatchSizeExhausted):
+                koila.accumulate(cache=koila.NoCache(), minimum=16)(loss_of)(x)
+            alive_at_start.append(refs[0]() is not None)  # as the caller holds the error
+        else:
+
+            @koila.batch(initial=16, cache=koila.NoCache())
+            def step(batch_size: int) -> None:
+                model.zero_grad(set_to_none=True)
+                for part in x.split(batch_size):
+                    loss_of(part).backward()
+
+            step()
+    assert failing.failed
+    assert alive_at_start[:2] == [False, False], alive_at_start

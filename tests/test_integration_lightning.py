@@ -1539,3 +1539,17 @@ def test_what_a_split_step_logged_with_its_graph_is_gone_when_the_step_ends() ->
         trainer(OOMRecovery(), max_steps=2).fit(model, loader(rows=128))
     assert model.rows == [64, 32, 32, 16, 16, 16, 16, 16, 16, 16, 16], model.rows
     assert model.ended == [False, False], model.ended
+
+
+def test_handing_a_split_steps_gradients_to_lightning_makes_no_tensor() -> None:
+    # Under DDP it runs after the ranks agreed: a scalar it made could run out of memory on one rank alone.
+    from koila_retry.integrations.lightning import _Delivery, _Held
+
+    parameter = torch.nn.Parameter(torch.ones(3))
+    loss, held = torch.tensor(2.0), _Held([torch.full((3,), 5.0)], None, True)
+    with simulated_device("1KiB") as device:
+        delivered = _Delivery.apply(held, loss, parameter)
+        assert device.live == 0
+    delivered.backward()
+    assert delivered.item() == 2.0
+    assert torch.equal(parameter.grad, torch.full((3,), 5.0))

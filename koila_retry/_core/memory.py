@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import psutil
 import torch
@@ -288,8 +288,11 @@ def release(device: DeviceLike = None) -> None:
     Runs a full garbage collection (tensors held only by reference cycles, such
     as frames of a failed attempt, are freed) and empties the caching allocator
     of the device's backend, so other processes and differently sized blocks can
-    use the memory. Call it after leaving an ``except`` block: inside one, the
-    traceback still holds the failed frames and their tensors.
+    use the memory. Before collecting, it drains what a backward that raised on
+    this thread left in the autograd engine's queue: PyTorch keeps the nodes that
+    were ready, and the graph through them, until the thread's next backward.
+    Call it after leaving an ``except`` block: inside one, the traceback still
+    holds the failed frames and their tensors.
 
     Args:
         device (torch.device, str, int or None): the device whose cache to empty;
@@ -309,8 +312,27 @@ def release_young(device: DeviceLike = None) -> None:
 
 
 def _release(device: torch.device, generation: int) -> None:
-    gc.collect(generation)
+    collect(generation)
     empty_caches((device,))
+
+
+def collect(generation: int = 2) -> None:
+    """Free what a failed attempt held: what its backward left queued on this thread, then reference cycles."""
+    # A backward that raised while several of its nodes were ready leaves them in this thread's queue of
+    # the autograd engine, and through them the rest of its graph, activations included, until the
+    # thread's next backward. A backward of one leaf, run by the engine directly (no mode sees it), drains it.
+    if not torch.is_inference_mode_enabled() and _graph_task() == -1:
+        try:
+            leaf = torch.zeros((), requires_grad=True)
+            _ENGINE.run_backward((leaf,), (torch.ones(()),), False, False, (), True, True)
+        except RuntimeError:
+            pass  # not even a scalar fits: the queue waits for the next backward, as without this
+    gc.collect(generation)
+
+
+# The autograd engine, and the graph task it runs on this thread (-1 outside a backward).
+_ENGINE: Any = torch.autograd.Variable._execution_engine
+_graph_task: Any = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def empty_caches(devices: Iterable[torch.device], *, host: bool = False) -> None:

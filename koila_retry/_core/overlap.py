@@ -13,7 +13,6 @@ its reducer (``_reset_state``), as DDP does when its process group changes. docs
 from __future__ import annotations
 
 import contextlib
-import gc
 import operator
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from koila_retry._core import memory
 from koila_retry._core.aside import SetAside
 
 if TYPE_CHECKING:
@@ -253,9 +253,10 @@ class Overlap(SetAside):
             ready = {id(p) for p, was, is_ in zip(self.known.reduced, before, now, strict=True) if is_ != was}
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
-        # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
-        # engine releases them after the ranks agree, too late for the buffers played with.
-        gc.collect()
+        # The failed attempt's frames may hold its tensors in reference cycles, and its backward its graph in
+        # the autograd engine's queue: the engine releases them after the ranks agree, too late for the
+        # buffers played with.
+        memory.collect()
         # The rank ran out of memory: zeros for every bucket at once would be one more gradient's worth (where
         # the model's gradients outweigh its activations, more than the failed attempt gave back). So the
         # buckets come without memory, and one buffer per dtype, the largest played bucket's, serves them in

@@ -13,14 +13,13 @@ the order they are issued, so every rank leaves having made the same ones.
 from __future__ import annotations
 
 import functools
-import gc
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from koila_retry._core import distributed
+from koila_retry._core import distributed, memory
 from koila_retry._core.aside import SetAside
 
 __all__ = [
@@ -378,9 +377,10 @@ class Shards:
             return  # between micro-batches, or voting: the others learn of it at their next exchange
         rest = self.schedules[kind][self.count :]
         if rest:
-            # The failed attempt's frames may hold its tensors in reference cycles until a collection; the
-            # engine releases them after the ranks agree, too late for the buffers played with.
-            gc.collect()
+            # The failed attempt's frames may hold its tensors in reference cycles, and its backward its graph
+            # in the autograd engine's queue: the engine releases them after the ranks agree, too late for the
+            # buffers played with.
+            memory.collect()
         for collective in rest:
             collective.play()
 

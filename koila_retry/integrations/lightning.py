@@ -221,7 +221,7 @@ class _Delivery(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, held: _Held, loss: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
         ctx.held = held
-        return loss.clone()
+        return loss.view_as(loss)  # no memory of its own: after the ranks agreed, an allocation could fail on one alone
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
