@@ -10,6 +10,7 @@ from typing import Any
 import _ranks
 import pytest
 import torch
+from _devices import CUDA
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -203,15 +204,17 @@ class _FailInTheMeansBackward(TorchDispatchMode):  # type: ignore[no-untyped-cal
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("front_end", ["accumulate", "batch", "given up"])
 def test_a_backward_that_failed_with_other_nodes_ready_leaves_its_graph_dead_when_the_retry_starts(
-    front_end: str,
+    front_end: str, kind: str
 ) -> None:
     # PyTorch keeps the nodes that were ready when a backward raised in this thread's queue of the autograd
     # engine, and the rest of the graph through them, until the thread's next backward: the retry's first
-    # forward ran beside the failed attempt's activations.
+    # forward ran beside the failed attempt's activations. On CUDA, the device's own thread runs the
+    # backward: whether it keeps anything there is what the cuda case finds out.
     torch.manual_seed(0)
-    model = nn.Linear(8, 8)
+    model = nn.Linear(8, 8).to(kind)
     refs: list[weakref.ref[torch.Tensor]] = []
     alive_at_start: list[bool] = []
 
@@ -223,7 +226,7 @@ def test_a_backward_that_failed_with_other_nodes_ready_leaves_its_graph_dead_whe
         # The square's node is ready, queued, as the mean's backward runs out of memory.
         return hidden.square().sum() + hidden.mean()
 
-    x = torch.randn(16, 8)
+    x = torch.randn(16, 8, device=kind)
     with _FailInTheMeansBackward() as failing:
         if front_end == "accumulate":
             koila.accumulate(cache=koila.NoCache())(loss_of)(x)
