@@ -9,6 +9,18 @@ import torch
 from koila_retry.testing import make_oom
 
 
+class RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward raises an error of its own (not about memory)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the backward's own error")
+
+
 class OOMInBackward(torch.autograd.Function):
     """The identity, whose backward runs out of memory."""
 

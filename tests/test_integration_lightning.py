@@ -24,6 +24,7 @@ from koila_retry import BatchSizeExhausted
 from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
+from _layers import RaiseInBackward  # noqa: E402
 from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
 from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
 
@@ -1192,16 +1193,6 @@ def test_a_fit_that_raises_leaves_the_module_as_it_was_and_later_fits_train_as_t
     assert _attached(model) == {}
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("the backward's own error")
-
-
 class FailingInAWindow(MLP):
     """Fails in the second batch of an accumulation window, as ``failure`` says, with .grad holding the first's."""
 
@@ -1222,7 +1213,7 @@ class FailingInAWindow(MLP):
             raise ValueError("the step's own error") if self.failure == "step" else KeyboardInterrupt
         hidden = self.net[1](self.net[0](x))
         if failing and self.failure == "backward":
-            hidden = _RaiseInBackward.apply(hidden)
+            hidden = RaiseInBackward.apply(hidden)
         loss = F.cross_entropy(self.net[2](hidden), y)
         self.log("train_loss", loss)
         return loss

@@ -35,6 +35,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     mean_loss_func,
     summed_loss_func,
 )
+from _layers import RaiseInBackward  # noqa: E402
 
 from koila_retry.integrations.transformers import adapt  # noqa: E402
 
@@ -714,16 +715,6 @@ def test_an_override_runs_through_accumulate_once_then_as_the_trainer_runs_it(tm
     assert_same_training(trainer, reference)
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("the backward's own error")
-
-
 class FailsInAWindow(transformers.Trainer):  # type: ignore[misc]
     """Raises an error of its own in the second step of a window: in its loss, or in the loss's backward."""
 
@@ -734,7 +725,7 @@ class FailsInAWindow(transformers.Trainer):  # type: ignore[misc]
         if self.calls == 2 and self.failure == "step":
             raise ValueError("the step's own error")
         loss = super().compute_loss(model, inputs, *args, **kwargs)
-        return _RaiseInBackward.apply(loss) if self.calls == 2 else loss
+        return RaiseInBackward.apply(loss) if self.calls == 2 else loss
 
 
 class _Kept(transformers.TrainerCallback):  # type: ignore[misc]

@@ -6,6 +6,7 @@ A :func:`koila_retry.testing.simulated_device` the calling thread entered stands
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, cast
@@ -290,7 +291,9 @@ def release(device: DeviceLike = None) -> None:
     of the device's backend, so other processes and differently sized blocks can
     use the memory. Before collecting, it drains what a backward that raised on
     this thread left in the autograd engine's queue: PyTorch keeps the nodes that
-    were ready, and the graph through them, until the thread's next backward.
+    were ready, and the graph through them, until the thread's next backward. It
+    does so with a backward of one CPU scalar, except inside a backward or under
+    compiled autograd.
     Call it after leaving an ``except`` block: inside one, the traceback still
     holds the failed frames and their tensors.
 
@@ -320,14 +323,22 @@ def collect(generation: int = 2) -> None:
     """Free what a failed attempt held: what its backward left queued on this thread, then reference cycles."""
     # A backward that raised while several of its nodes were ready leaves them in this thread's queue of
     # the autograd engine, and through them the rest of its graph, activations included, until the
-    # thread's next backward. A backward of one leaf, run by the engine directly (no mode sees it), drains it.
-    if not torch.is_inference_mode_enabled() and _graph_task() == -1:
+    # thread's next backward. A backward of one CPU scalar drains it: through the engine directly, so
+    # that no hook on torch.autograd.backward takes it for a step's (its scalars pass the modes in force).
+    # Not inside a backward (reentrant), nor where compiled autograd would compile this one.
+    if _graph_task() == -1 and not _compiled_autograd():
         try:
-            leaf = torch.zeros((), requires_grad=True)
-            _ENGINE.run_backward((leaf,), (torch.ones(()),), False, False, (), True, True)
-        except RuntimeError:
-            pass  # not even a scalar fits: the queue waits for the next backward, as without this
+            with torch.inference_mode(False):
+                leaf = torch.zeros((), requires_grad=True, device="cpu")
+                _ENGINE.run_backward((leaf,), (torch.ones((), device="cpu"),), False, False, (), True, True)
+        except Exception:  # not even a scalar fits, or a mode refused one: best effort
+            pass  # the queue waits for the thread's next backward, as without this
     gc.collect(generation)
+
+
+def _compiled_autograd() -> bool:
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported: not in use
+    return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
 
 
 # The autograd engine, and the graph task it runs on this thread (-1 outside a backward).

@@ -636,15 +636,14 @@ class _Step:
         before = [] if zeroes else [parameter.grad for parameter in parameters]
         for parameter in parameters:
             parameter.grad = None
+        output: Any = _FAILED
         try:
             output = self._ran(module, args, kwargs)
-        except BaseException:  # an error of the step's own, or while its logs were replayed
-            for parameter, gradient in zip(parameters, before, strict=False):
-                parameter.grad = gradient
-            raise
+        finally:
+            if output is _FAILED:  # out of memory, an error of the step's own, or one replaying its logs
+                for parameter, gradient in zip(parameters, before, strict=False):
+                    parameter.grad = gradient
         if output is _FAILED:
-            for parameter, gradient in zip(parameters, before, strict=False):
-                parameter.grad = gradient
             return _FAILED
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
