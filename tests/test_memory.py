@@ -12,11 +12,13 @@ import types
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
 from _fake_cuda import FakeCuda
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import koila_retry as koila
 from koila_retry._core import memory
@@ -197,6 +199,61 @@ def test_release_collects_reference_cycles(device: object) -> None:
         assert tensor() is not None  # only the cycle keeps it alive
         koila.release(device)  # type: ignore[arg-type]
         assert tensor() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class _Refusing(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A mode of the user's that refuses every operator it was not written for."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AssertionError(f"unexpected {func}")
+
+
+class _FailInTheMeansBackward(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.div.Scalar and torch._C._current_graph_task_id() != -1:
+            raise torch.OutOfMemoryError("in the mean's backward")
+        return func(*args, **(kwargs or {}))
+
+
+def _graph_of_a_failed_backward() -> weakref.ref[torch.Tensor]:
+    """Return a weak reference to an activation that only the autograd queue a failed backward left holds."""
+    hidden = torch.ones(4, 4, requires_grad=True).tanh()
+    loss = hidden.square().sum() + hidden.mean()  # the square's node is queued as the mean's backward fails
+    activation = weakref.ref(hidden)
+    with _FailInTheMeansBackward(), contextlib.suppress(torch.OutOfMemoryError):
+        loss.backward()
+    del hidden, loss
+    return activation
+
+
+@pytest.mark.parametrize("context", ["a mode that refuses", "a backward", "inference mode", "a full device"])
+def test_release_still_collects_where_the_autograd_queue_cannot_be_drained(context: str) -> None:
+    # The drain of a failed backward's queue is best effort: whatever stops it, release collects and returns.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        graph = _graph_of_a_failed_backward()
+        assert graph() is not None, "PyTorch let go of the failed backward's graph by itself"
+        tensor = _cycle_holding_a_tensor()
+        if context == "a backward":
+            leaf = torch.ones((), requires_grad=True)
+            square = leaf.square()
+            square.register_hook(lambda grad: koila.release("cpu"))
+            square.backward()
+        else:
+            modes = {
+                "a mode that refuses": _Refusing,
+                "inference mode": torch.inference_mode,
+                "a full device": lambda: simulated_device(1),
+            }
+            with modes[context]():
+                koila.release("cpu")
+        assert tensor() is None
+        if context == "inference mode":  # drained all the same
+            assert graph() is None
     finally:
         if was_enabled:
             gc.enable()

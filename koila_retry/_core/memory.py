@@ -328,9 +328,8 @@ def collect(generation: int = 2) -> None:
     # Not inside a backward (reentrant), nor where compiled autograd would compile this one.
     if _graph_task() == -1 and not _compiled_autograd():
         try:
-            with torch.inference_mode(False):
-                leaf = torch.zeros((), requires_grad=True, device="cpu")
-                _ENGINE.run_backward((leaf,), (torch.ones((), device="cpu"),), False, False, (), True, True)
+            leaf = torch.zeros((), requires_grad=True, device="cpu")
+            _ENGINE.run_backward((leaf,), (torch.ones((), device="cpu"),), False, False, (), True, True)
         except Exception:  # not even a scalar fits, or a mode refused one: best effort
             pass  # the queue waits for the thread's next backward, as without this
     gc.collect(generation)
