@@ -521,6 +521,47 @@ def fsdp_two_models(rank: int, world: int) -> dict[str, Any]:
     return outcomes
 
 
+@scenario("two")
+def fsdp_two_steps_of_one_model(rank: int, world: int) -> dict[str, Any]:
+    """Two steps over one sharded model, the second with two forwards: each its own record of collectives.
+
+    The first step records its collectives; the last rank then fails the second step's first forward at its
+    first call, which must not play along the first step's (fewer, and others) as if they were its own.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    inject: Inject = net[1][1]
+
+    def two_forwards(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(x) + module(x * 0.5), y)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def once(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def twice(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return two_forwards(net, x, y)
+
+    x_all, y_all = batch(world, seed=30)
+    x, y = local(x_all, rank), local(y_all, rank)
+    once(x, y)
+    net.zero_grad()
+    inject.rows = []
+    inject.failures = {0: "forward"} if rank == world - 1 else {}
+    with Count() as count:
+        twice(x, y)
+    two_forwards(reference, x_all, y_all).backward()
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "rows": inject.rows,
+        "plays": count.plays,
+        "ooms": twice.stats.ooms,
+    }
+
+
 class _Both(nn.Module):
     def __init__(self, first: nn.Module, second: nn.Module) -> None:
         super().__init__()

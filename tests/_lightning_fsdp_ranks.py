@@ -75,6 +75,10 @@ def _module(failures: dict[int, str]) -> Any:
             self.log("val_loss", loss, sync_dist=True)
             return loss
 
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            x, _ = batch
+            return self.net(x) + self.net(x * 0.5)  # twice validation_step's collectives
+
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
@@ -148,6 +152,30 @@ def lightning_fsdp2_training_and_validation(rank: int, world: int) -> dict[str, 
         "plays": count.plays,
         "validated": (validated, expected),
         "warnings": said,
+    }
+
+
+@scenario("two")
+def lightning_fsdp2_predict_after_validate(rank: int, world: int) -> dict[str, Any]:
+    """A validation that records its collectives, then a prediction, of two forwards, that rank 1 fails at once."""
+    from koila_retry.integrations.lightning import OOMRecovery
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        reference = _module({})
+        expected = _trainer().predict(reference, _loader(ROWS * world))
+        model = _module({})
+        events: list[koila.OOMEvent] = []
+        adapted = _trainer(OOMRecovery(on_oom=events.append))
+        adapted.validate(model, _loader(ROWS * world), verbose=False)
+        if rank == 1:
+            model.inject.failures = {len(model.inject.rows): "forward"}
+        before = len(model.inject.rows)
+        predicted = adapted.predict(model, _loader(ROWS * world))
+    return {
+        "predicted": (predicted, expected),
+        "events": [(event.batch_size, event.rank) for event in events],
+        "rows": model.inject.rows[before:],
     }
 
 

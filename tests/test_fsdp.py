@@ -196,6 +196,19 @@ def test_a_call_over_two_models_sharded_apart_recovers_in_the_second_ones_forwar
                     assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
 
 
+def test_two_steps_over_one_model_keep_records_of_their_own(groups: Groups) -> None:
+    # The second step's micro-batch was of the same kind as the first's: the failed rank played the first
+    # step's collectives while the others made the second's two forwards', and gloo aborted the job.
+    for rank, value in enumerate(groups("two")["fsdp_two_steps_of_one_model"]):
+        assert value["ooms"] == 1, f"rank {rank}: {value['ooms']}"
+        # Its first call recorded under the vote: the failed rank had nothing to play along.
+        assert value["plays"] == 0, f"rank {rank} played {value['plays']} collectives"
+        assert value["rows"][0] == _fsdp_ranks.ROWS, (rank, value["rows"])
+        assert max(value["rows"][1:]) < _fsdp_ranks.ROWS, (rank, value["rows"])
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")
+
+
 def test_hsdp_the_estimate_and_an_fsdp2_without_the_private_state_are_refused_on_every_rank(groups: Groups) -> None:
     for value in groups("two")["fsdp_refusals"]:
         assert "sharded over a 2-D mesh: HSDP (replicated and sharded)" in value["hsdp"], value

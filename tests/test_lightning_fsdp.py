@@ -56,6 +56,17 @@ def test_lightning_under_fsdp2_trains_and_validates_as_with_nothing_failing(rank
     assert values[0]["plays"] == 0, values[0]["plays"]
 
 
+def test_predict_step_under_fsdp2_keeps_a_record_of_its_own(ranks: Group) -> None:
+    # predict_step makes other collectives than validation_step: the failed rank played validation's
+    # record along, while the other made predict_step's, and the ranks hung.
+    for rank, value in enumerate(ranks["lightning_fsdp2_predict_after_validate"]):
+        assert value["events"] == [(16, 1)], (rank, value["events"])
+        assert value["rows"] == [16, 8, 8, 8, 8], (rank, value["rows"])  # two forwards per micro-batch
+        predicted, expected = value["predicted"]
+        assert len(predicted) == len(expected) == 1
+        torch.testing.assert_close(predicted[0], expected[0], rtol=1e-12, atol=1e-14)
+
+
 def test_lightning_under_fsdp2_gives_up_on_every_rank_together(ranks: Group) -> None:
     values = ranks["lightning_fsdp2_exhausted_on_one_rank"]
     for value in values:

@@ -29,8 +29,9 @@ def alone() -> bool:
 class Ranks:
     """One wrapper's agreement across ranks: whether a call agrees, and the plan of one that does."""
 
-    def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache) -> None:
+    def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache, code: object = None) -> None:
         self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
+        self.source = (name, code)  # whose collectives FSDP2's records are (see sharded.Shards)
         self.parallel: list[weakref.ref[Any]] | None = None  # the modules the first agreeing call reached
         self.norms: list[weakref.ref[Any]] = []  # its SyncBatchNorm layers: refused while they train
         # The process group of the DDP modules it reached, where they share one of a subgroup and no group
@@ -60,7 +61,7 @@ class Ranks:
         distributed.broadcast_before_inference(alive)
         modules = [module for module in alive if sharded.is_fsdp2(module)]
         # A rank that fails plays along their collectives (see sharded.py).
-        shards = sharded.Shards(modules, agreement) if modules else None
+        shards = sharded.Shards(modules, agreement, self.source) if modules else None
         return compose(self.policy, self.rules, self.cache, agreement, shards, first)
 
     def alive(self) -> list[Any]:

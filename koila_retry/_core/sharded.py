@@ -301,11 +301,12 @@ class Shards:
         "recording",
         "roots",
         "schedules",
+        "source",
         "steps",
     )
 
-    def __init__(self, modules: list[torch.nn.Module], agreement: distributed.Agreement) -> None:
-        self.modules, self.agreement = modules, agreement
+    def __init__(self, modules: list[torch.nn.Module], agreement: distributed.Agreement, source: object = None) -> None:
+        self.modules, self.agreement, self.source = modules, agreement, source
         self.previous: Shards | None = None
         roots = roots_of(modules)
         self.schedules = _schedules.setdefault(roots[0], {})
@@ -348,12 +349,15 @@ class Shards:
         # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), which
         # groups are gathered already (a root stays gathered after a forward without backward), and which hold
         # gradients accumulated unsharded (a block used twice reduce-scatters once more after those); and the
-        # root whose forward began it, where a call runs several models (a draft's and a target's forwards).
+        # root whose forward began it, where a call runs several models (a draft's and a target's forwards);
+        # and whose call it is (its function's name and code): two steps over one model, Lightning's
+        # validation_step and predict_step say, make collectives of their own.
         switches = tuple(
             (group.reduce_grads, group.reshard_after_backward, group._sharded_state, _accumulated(group))
             for group in self.groups
         )
-        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches, None if root is None else id(root))
+        root_id = None if root is None else id(root)
+        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches, root_id, self.source)
         self.count = 0
         self.recording = [] if kind not in self.schedules else None
 

@@ -311,7 +311,8 @@ def accumulator(
         refuse_generator(function, "@koila.accumulate")
         own_backward.guard()  # a backward the step runs itself is refused (see own_backward)
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
-        controller = Controller(name, policy, explain=exhausted.message, stats=stats)
+        code = getattr(function, "__code__", None)
+        controller = Controller(name, policy, explain=exhausted.message, stats=stats, code=code)
         auto = initial == AUTO
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
         step.weight = weight
