@@ -224,6 +224,22 @@ def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: G
         assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
 
 
+@pytest.mark.parametrize("name", ["overlap_stats_that_tie", "overlap_stats_that_tie_hooked"])
+def test_a_failed_rank_knows_its_launched_buckets_when_the_reducers_stats_tie(groups: Groups, name: str) -> None:
+    # The reducer's stats of a backward tied with the last one's now and then: a bucket launched seemed not
+    # to be, the failed rank played it again, and gloo aborted the job on mismatched sizes.
+    values = groups("two")[name]
+    assert same_on_every_rank(values, "buckets") == [1, 4]
+    for rank, value in enumerate(values):
+        assert value["ooms"] == 1, f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+    if name.endswith("hooked"):
+        # The first step's one bucket; then the two last layers' buckets went during the failed backward, the
+        # two others were played after it; then the retry's four.
+        assert values[1]["in_backward"] == [True] * 3 + [False] * 2 + [True] * 4, values[1]["in_backward"]
+        same_on_every_rank([{"count": len(value["in_backward"])} for value in values], "count")
+
+
 def test_gradients_as_bucket_views_from_before_cost_one_copy_and_roll_back_exactly(groups: Groups) -> None:
     """The step adds into the buckets .grad views, as the hand loop does; the copy set aside is all it adds.
 

@@ -1,9 +1,9 @@
 """DDP's overlap under agreement: the last micro-batch's backward all-reduces as DDP does it, during the backward.
 
 A rank that runs out of memory before or inside that backward never launches some of the buckets the
-other ranks wait in. So, before the ranks agree, it *plays along*: it works out which buckets its
-reducer launched (in the reducer's order, those whose every parameter it marked ready: its backward
-stats record when, so a changed entry is one of this backward) and makes the rest, with zeros, through
+other ranks wait in. So, before the ranks agree, it *plays along*: it works out how many buckets its
+reducer launched (with one collective per bucket, the process group's count of those the backward made;
+else, in the reducer's order, those whose every parameter it marked ready) and makes the rest, with zeros, through
 DDP's own comm hook, as DDP's ``Join`` does for a rank with no input left, then the all-reduce of the
 used parameters that ``find_unused_parameters`` adds. Then the ranks agree once, and every rank resets
 its reducer (``_reset_state``), as DDP does when its process group changes. docs/distributed.rst,
@@ -112,6 +112,16 @@ class _Unallocated(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+def _counted(module: DistributedDataParallel) -> Any:
+    """Return the process group in which the module's backward makes one collective per bucket, or None."""
+    hooks = getattr(module, "_comm_hooks", ())
+    if not all(_per_bucket(hook) for hook, _ in hooks):
+        return None
+    # A hook of PyTorch's all-reduces in its state, the default group where that is None.
+    group = (hooks[0][1] or torch.distributed.group.WORLD) if hooks else module.process_group
+    return group if hasattr(group, "_get_sequence_number_for_group") else None
+
+
 def _per_bucket(hook: Any) -> bool:
     """Return whether a DDP communication hook completes each bucket's future without waiting for a later one."""
     where = getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)
@@ -162,6 +172,15 @@ class Overlap(SetAside):
         # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
         # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
         self.stats: list[int] | None = None
+        # As the last micro-batch's backward began, where each bucket is one collective: the process group
+        # and its count of collectives made. The stats above tie with the last backward's now and then (to
+        # the nanosecond, on a regular step), a bucket launched then seemed not to be, and the rank played it
+        # again: gloo aborted on mismatched sizes.
+        self.counted: Any = None
+        self.issued: int | None = None
+        # Else, without unused parameters or bucket views: each .grad and its version, which the backward
+        # changes exactly where it marks a parameter ready.
+        self.written: list[tuple[torch.Tensor | None, int]] | None = None
         self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
 
     def before(self) -> None:
@@ -191,7 +210,7 @@ class Overlap(SetAside):
         # rank that failed before its forward would miss the broadcast.
         attributes = vars(self.module)
         if first:
-            self.running, self.stats = True, None
+            self.running, self.stats, self.issued, self.written = True, None, None, None
             self.copy()  # with running set: a rank that fails for the copies plays along the whole backward
             if self.in_place:
                 self.versions = [-1 if grad is None else grad._version for grad in self.kept]
@@ -203,6 +222,14 @@ class Overlap(SetAside):
             if self.merging:
                 self._merge()
             self.stats = self.reducer.get_backward_stats()
+
+    def backward_begins(self) -> None:
+        """Note, as the last micro-batch's backward begins, what tells a play-along which buckets it launched."""
+        group = _counted(self.module)
+        if group is not None:
+            self.counted, self.issued = group, group._get_sequence_number_for_group()
+        elif not self.copies and not self.module.find_unused_parameters:
+            self.written = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.known.reduced]
 
     def _merge(self) -> None:
         # Into the step's own tensors, or a copy: what was set aside stays as it was until the step succeeds.
@@ -221,7 +248,7 @@ class Overlap(SetAside):
             RuntimeError: if the module's parameters got gradients while its own forward did not run
                 in the last micro-batch: nothing all-reduced them.
         """
-        self.running, self.stats = False, None
+        self.running, self.stats, self.issued, self.written = False, None, None, None
         # DDP sets the flag after a forward that syncs; it was cleared as the micro-batch began. Every rank
         # raises alike, before any collective: none was made.
         if not vars(self.module)["require_forward_param_sync"] and self._written():
@@ -246,11 +273,9 @@ class Overlap(SetAside):
         if not self.running:
             return True
         self.running = False
-        before, self.stats = self.stats, None
-        ready = set()
-        if before is not None:
-            now = self.reducer.get_backward_stats()
-            ready = {id(p) for p, was, is_ in zip(self.known.reduced, before, now, strict=True) if is_ != was}
+        issued, ready = self.issued, self._ready()
+        self.stats, self.issued, self.written = None, None, None
+        made = None if issued is None else self.counted._get_sequence_number_for_group() - issued
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
         # The failed attempt's frames may hold its tensors in reference cycles, and its backward its graph in
@@ -266,10 +291,13 @@ class Overlap(SetAside):
         with _Unallocated() if one_buffer else contextlib.nullcontext():  # type: ignore[no-untyped-call]
             buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
-        for bucket in buckets:
-            if not all(id(parameter) in ready for parameter in bucket.parameters()):
-                break
-            launched += 1
+        if made is not None:  # with find_unused_parameters, the used map's all-reduce follows the last
+            launched = min(made, len(buckets))
+        else:
+            for bucket in buckets:
+                if not all(id(parameter) in ready for parameter in bucket.parameters()):
+                    break
+                launched += 1
         played = buckets[launched:]
         del buckets
         if one_buffer:
@@ -285,9 +313,23 @@ class Overlap(SetAside):
             torch.distributed.all_reduce(used, group=self.module.process_group)
         return True
 
+    def _ready(self) -> set[int]:
+        """Return the ids of the parameters the reducer marked ready in the last micro-batch's backward."""
+        if self.written is not None:
+            return {
+                id(p)
+                for p, (grad, version) in zip(self.known.reduced, self.written, strict=True)
+                if p.grad is not grad or (grad is not None and grad._version != version)
+            }
+        if self.stats is None:
+            return set()
+        # Unused parameters (find_unused_parameters) are marked without a gradient: only their stats say so.
+        now = self.reducer.get_backward_stats()
+        return {id(p) for p, was, is_ in zip(self.known.reduced, self.stats, now, strict=True) if is_ != was}
+
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
-        self.running, self.stats = False, None
+        self.running, self.stats, self.issued, self.written = False, None, None, None
         if self.in_place:
             self._put_back()
         else:

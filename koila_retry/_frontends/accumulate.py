@@ -546,6 +546,8 @@ class _Accumulator:
                 if loss.requires_grad and (weight != 0.0 or (ddp and index == last)):
                     weighted = loss * weight if weight != 1.0 else loss
                     others.see(weighted)
+                    if overlap is not None and index == last:
+                        overlap.backward_begins()
                     # Into .grad, not captured: FSDP2's and DDP's hooks reduce what the backward writes.
                     self.backward(weighted, retain)
                     del weighted
