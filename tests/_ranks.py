@@ -591,6 +591,97 @@ def overlap_stats_that_tie_hooked(rank: int, world: int) -> dict[str, Any]:
         return _overlapped(rank, world, failures={1: {1: "backward"}}, initial=None, hooked=True)
 
 
+class _AllReducedInBackward(torch.autograd.Function):
+    """The identity, whose backward all-reduces its gradient: a collective of the step's own in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class _NoGradientFor(torch.autograd.Function):
+    """``x * scale``, whose backward gives ``scale`` no gradient: DDP marks it ready, its .grad stays as it was."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad * scale, None
+
+
+class _Between(nn.Module):
+    """Put between the layers where the rank fails and the last, so its part of the backward ran before the failure."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.scale = None if kind == "collective" else nn.Parameter(torch.ones((), dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return _AllReducedInBackward.apply(x)
+        return _NoGradientFor.apply(x, self.scale)
+
+
+def _backward_of_its_own(rank: int, world: int, kind: str, hooked: bool) -> dict[str, Any]:
+    """Two steps of a DDP model; rank 1 fails the second's backward once its own part (see _Between) ran."""
+    results = []
+    for failing in (True, False):
+        torch.manual_seed(0)
+        inject = Inject()
+        model = nn.Sequential(
+            nn.Linear(6, 8),
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            inject,
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            _Between(kind),
+            nn.Linear(8, 1),
+        ).to(DTYPE)
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        if hooked:
+
+            def hook(state, bucket):  # type: ignore[no-untyped-def]
+                return default_hooks.allreduce_hook(state, bucket)
+
+            ddp.register_comm_hook(None, hook)
+        inject.failures = {1: "backward"} if failing and rank == 1 else {}
+        events: list[koila.OOMEvent] = []
+
+        @koila.accumulate(cache=koila.NoCache(), on_oom=events.append)
+        def step(x: torch.Tensor, y: torch.Tensor, ddp: DDP = ddp) -> torch.Tensor:
+            return F.mse_loss(ddp(x), y)
+
+        for seed in (40, 42):
+            x_all, y_all = global_batch(world, 12, seed=seed)
+            step(local(x_all, rank, 12), local(y_all, rank, 12))
+        results.append({"grads": grads(model), "ooms": len(events)})
+    return {"grads": results[0]["grads"], "expected": results[1]["grads"], "ooms": results[0]["ooms"]}
+
+
+@scenario("two")
+def overlap_collective_of_the_steps_own_in_the_backward(rank: int, world: int) -> dict[str, Any]:
+    # It counts with DDP's: the collectives made since the backward began are not buckets alone.
+    with _stats_that_tie():
+        return _backward_of_its_own(rank, world, "collective", hooked=False)
+
+
+@scenario("two")
+def overlap_a_parameter_given_no_gradient(rank: int, world: int) -> dict[str, Any]:
+    # A hook of the user's: DDP marked the parameter ready, launching its bucket, but its .grad did not change.
+    return _backward_of_its_own(rank, world, "no gradient", hooked=True)
+
+
 class BucketViews(NamedTuple):
     """A DDP model whose ``.grad`` views its buckets, with gradients from before, and its local batch."""
 

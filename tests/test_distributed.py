@@ -19,7 +19,7 @@ from _spawn import Groups
 from torch import nn
 
 import koila_retry as koila
-from koila_retry._core import distributed
+from koila_retry._core import distributed, overlap
 
 # Seconds a group of processes may take for all its scenarios: a guard against ranks that hang, not a
 # measure of speed. About 40 s here when idle; a busy machine takes several times as long.
@@ -238,6 +238,30 @@ def test_a_failed_rank_knows_its_launched_buckets_when_the_reducers_stats_tie(gr
         # two others were played after it; then the retry's four.
         assert values[1]["in_backward"] == [True] * 3 + [False] * 2 + [True] * 4, values[1]["in_backward"]
         same_on_every_rank([{"count": len(value["in_backward"])} for value in values], "count")
+
+
+@pytest.mark.parametrize(
+    "name", ["overlap_collective_of_the_steps_own_in_the_backward", "overlap_a_parameter_given_no_gradient"]
+)
+def test_a_failed_rank_counts_only_the_buckets_its_reducer_launched(groups: Groups, name: str) -> None:
+    # A collective of the step's own in the backward counted as a bucket launched, and a parameter DDP marked
+    # ready without writing its .grad as one not launched: either way the rank played the wrong buckets.
+    for rank, value in enumerate(groups("two")[name]):
+        assert value["ooms"] == 1, f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+def test_a_backend_that_keeps_no_count_of_collectives_leaves_the_count_to_the_reducers_record() -> None:
+    # A plugin backend (oneCCL's, say) raises when asked: a DDP step over one raised, with nothing failing.
+    class Backend:
+        def _get_sequence_number_for_group(self) -> int:
+            raise RuntimeError("ProcessGroup custom does not yet support sequence numbers.")
+
+    class Group:
+        def _get_backend(self, device: torch.device) -> Backend:
+            return Backend()
+
+    assert overlap._sequence(Group(), torch.device("cpu")) is None
 
 
 def test_gradients_as_bucket_views_from_before_cost_one_copy_and_roll_back_exactly(groups: Groups) -> None:

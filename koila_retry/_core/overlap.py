@@ -40,6 +40,9 @@ class _Known(NamedTuple):
 
 # Per DDP module: what its steps need, or None where a failed rank cannot play along.
 _KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.WeakKeyDictionary()
+# Per DDP module: the collectives its last backward that got through made, and whether they were DDP's alone
+# (one per bucket): a step's own in its backward (torch.distributed.nn's) would count as buckets launched.
+_CLEAN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
 _REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state", "get_backward_stats")
@@ -118,8 +121,15 @@ def _counted(module: DistributedDataParallel) -> Any:
     if not all(_per_bucket(hook) for hook, _ in hooks):
         return None
     # A hook of PyTorch's all-reduces in its state, the default group where that is None.
-    group = (hooks[0][1] or torch.distributed.group.WORLD) if hooks else module.process_group
-    return group if hasattr(group, "_get_sequence_number_for_group") else None
+    return (hooks[0][1] or torch.distributed.group.WORLD) if hooks else module.process_group
+
+
+def _sequence(group: Any, device: torch.device) -> int | None:
+    """Return how many collectives the group's backend for ``device`` made, or None where it keeps no count."""
+    try:  # gloo, NCCL, XCCL and UCC count; other backends raise
+        return int(group._get_backend(device)._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _per_bucket(hook: Any) -> bool:
@@ -210,7 +220,8 @@ class Overlap(SetAside):
         # rank that failed before its forward would miss the broadcast.
         attributes = vars(self.module)
         if first:
-            self.running, self.stats, self.issued, self.written = True, None, None, None
+            self.running = True
+            self._forget()
             self.copy()  # with running set: a rank that fails for the copies plays along the whole backward
             if self.in_place:
                 self.versions = [-1 if grad is None else grad._version for grad in self.kept]
@@ -227,9 +238,25 @@ class Overlap(SetAside):
         """Note, as the last micro-batch's backward begins, what tells a play-along which buckets it launched."""
         group = _counted(self.module)
         if group is not None:
-            self.counted, self.issued = group, group._get_sequence_number_for_group()
-        elif not self.copies and not self.module.find_unused_parameters:
+            self.counted, self.issued = group, _sequence(group, self.known.reduced[0].device)
+        clean = _CLEAN.get(self.module)
+        if (self.issued is None or clean is None or not clean[1]) and not self.copies:
             self.written = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.known.reduced]
+
+    def _made(self) -> int | None:
+        """Return the collectives made since the last micro-batch's backward began, where that says which buckets."""
+        now = None if self.issued is None else _sequence(self.counted, self.known.reduced[0].device)
+        return None if now is None or self.issued is None else now - self.issued
+
+    def _learn(self) -> None:
+        # After a backward that got through: whether its collectives were DDP's alone, one per bucket and the
+        # used map's. Looked at again only when their number changes (a rebuild, a step's own collectives).
+        made = self._made()
+        seen = _CLEAN.get(self.module)
+        if made is not None and (seen is None or seen[0] != made):
+            with _Unallocated():  # type: ignore[no-untyped-call]
+                buckets = len(self.reducer._get_zeros_like_grad_buckets())
+            _CLEAN[self.module] = (made, made == buckets + bool(self.module.find_unused_parameters))
 
     def _merge(self) -> None:
         # Into the step's own tensors, or a copy: what was set aside stays as it was until the step succeeds.
@@ -248,7 +275,9 @@ class Overlap(SetAside):
             RuntimeError: if the module's parameters got gradients while its own forward did not run
                 in the last micro-batch: nothing all-reduced them.
         """
-        self.running, self.stats, self.issued, self.written = False, None, None, None
+        self._learn()
+        self.running = False
+        self._forget()
         # DDP sets the flag after a forward that syncs; it was cleared as the micro-batch began. Every rank
         # raises alike, before any collective: none was made.
         if not vars(self.module)["require_forward_param_sync"] and self._written():
@@ -273,9 +302,10 @@ class Overlap(SetAside):
         if not self.running:
             return True
         self.running = False
-        issued, ready = self.issued, self._ready()
-        self.stats, self.issued, self.written = None, None, None
-        made = None if issued is None else self.counted._get_sequence_number_for_group() - issued
+        clean = _CLEAN.get(self.module)
+        made = self._made() if clean is not None and clean[1] else None
+        ready = self._ready() if made is None else set()
+        self._forget()
         for parameter in self.parameters:
             parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
         # The failed attempt's frames may hold its tensors in reference cycles, and its backward its graph in
@@ -291,7 +321,7 @@ class Overlap(SetAside):
         with _Unallocated() if one_buffer else contextlib.nullcontext():  # type: ignore[no-untyped-call]
             buckets = self.reducer._get_zeros_like_grad_buckets()
         launched = 0
-        if made is not None:  # with find_unused_parameters, the used map's all-reduce follows the last
+        if made is not None:  # DDP's alone; with find_unused_parameters, the used map's follows the last bucket
             launched = min(made, len(buckets))
         else:
             for bucket in buckets:
@@ -313,23 +343,28 @@ class Overlap(SetAside):
             torch.distributed.all_reduce(used, group=self.module.process_group)
         return True
 
+    def _forget(self) -> None:
+        # What told a play-along which buckets went: of one attempt's last micro-batch only.
+        self.stats, self.issued, self.written = None, None, None
+
     def _ready(self) -> set[int]:
         """Return the ids of the parameters the reducer marked ready in the last micro-batch's backward."""
-        if self.written is not None:
-            return {
+        ready = set()
+        if self.written is not None:  # a .grad the backward wrote: its hook marked it (a tie in the stats or not)
+            ready = {
                 id(p)
                 for p, (grad, version) in zip(self.known.reduced, self.written, strict=True)
                 if p.grad is not grad or (grad is not None and grad._version != version)
             }
-        if self.stats is None:
-            return set()
-        # Unused parameters (find_unused_parameters) are marked without a gradient: only their stats say so.
-        now = self.reducer.get_backward_stats()
-        return {id(p) for p, was, is_ in zip(self.known.reduced, self.stats, now, strict=True) if is_ != was}
+        if self.stats is not None:  # marked without a gradient (unused, or None from a Function): the stats say
+            now = self.reducer.get_backward_stats()
+            ready |= {id(p) for p, was, is_ in zip(self.known.reduced, self.stats, now, strict=True) if is_ != was}
+        return ready
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, the reducer as before a backward."""
-        self.running, self.stats, self.issued, self.written = False, None, None, None
+        self.running = False
+        self._forget()
         if self.in_place:
             self._put_back()
         else:
