@@ -215,13 +215,17 @@ def test_a_failed_attempt_leaves_nothing_in_leaves_outside_the_ddp_module(groups
         torch.testing.assert_close(value["input"], value["expected_input"], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["overlap_default_hook", "overlap_gradients_as_bucket_views"])
-def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: Groups, name: str) -> None:
-    values = groups("two")[name]
+def recovered_in_four_buckets(values: list[Any]) -> None:
+    """Assert that every rank of an ``_overlapped`` scenario recovered from its one failure to the exact gradients."""
     assert same_on_every_rank(values, "buckets") == [1, 4]
     for rank, value in enumerate(values):
         assert value["ooms"] == 1, f"rank {rank}"
         assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
+@pytest.mark.parametrize("name", ["overlap_default_hook", "overlap_gradients_as_bucket_views"])
+def test_ddp_overlap_without_a_hook_and_with_gradients_as_bucket_views(groups: Groups, name: str) -> None:
+    recovered_in_four_buckets(groups("two")[name])
 
 
 @pytest.mark.parametrize("name", ["overlap_stats_that_tie", "overlap_stats_that_tie_hooked"])
@@ -229,10 +233,7 @@ def test_a_failed_rank_knows_its_launched_buckets_when_the_reducers_stats_tie(gr
     # The reducer's stats of a backward tied with the last one's now and then: a bucket launched seemed not
     # to be, the failed rank played it again, and gloo aborted the job on mismatched sizes.
     values = groups("two")[name]
-    assert same_on_every_rank(values, "buckets") == [1, 4]
-    for rank, value in enumerate(values):
-        assert value["ooms"] == 1, f"rank {rank}"
-        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+    recovered_in_four_buckets(values)
     if name.endswith("hooked"):
         # The first step's one bucket; then the two last layers' buckets went during the failed backward, the
         # two others were played after it; then the retry's four.
