@@ -179,17 +179,15 @@ class Overlap(SetAside):
         self.in_place = False
         self.kept: list[torch.Tensor | None] = []  # the tensors .grad held, with copies
         self.versions: list[int] = []  # their version counters as each attempt began, with in_place
-        # The reducer's time of each variable's readiness, as the last micro-batch began: one that has
-        # changed since was marked ready by this backward, unused ones (find_unused_parameters) included.
-        self.stats: list[int] | None = None
-        # As the last micro-batch's backward began, where each bucket is one collective: the process group
-        # and its count of collectives made. The stats above tie with the last backward's now and then (to
-        # the nanosecond, on a regular step), a bucket launched then seemed not to be, and the rank played it
-        # again: gloo aborted on mismatched sizes.
+        # As the last micro-batch's backward began (see backward_begins), where each bucket is one collective:
+        # the process group and its count of collectives made.
         self.counted: Any = None
         self.issued: int | None = None
-        # Else, without unused parameters or bucket views: each .grad and its version, which the backward
-        # changes exactly where it marks a parameter ready.
+        # Else, where that count is not trusted: the reducer's time of each variable's readiness (one that has
+        # changed since was marked by this backward, unused ones included; it ties with the last backward's
+        # now and then, to the nanosecond), and, without bucket views, each .grad and its version (one the
+        # backward changed was marked, tie or not).
+        self.stats: list[int] | None = None
         self.written: list[tuple[torch.Tensor | None, int]] | None = None
         self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
 
@@ -229,10 +227,8 @@ class Overlap(SetAside):
             attributes["require_backward_grad_sync"] = last
         elif last:
             attributes["require_backward_grad_sync"] = True
-        if last:
-            if self.merging:
-                self._merge()
-            self.stats = self.reducer.get_backward_stats()
+        if last and self.merging:
+            self._merge()
 
     def backward_begins(self) -> None:
         """Note, as the last micro-batch's backward begins, what tells a play-along which buckets it launched."""
@@ -240,7 +236,10 @@ class Overlap(SetAside):
         if group is not None:
             self.counted, self.issued = group, _sequence(group, self.known.reduced[0].device)
         clean = _CLEAN.get(self.module)
-        if (self.issued is None or clean is None or not clean[1]) and not self.copies:
+        if self.issued is not None and clean is not None and clean[1]:
+            return  # the count says which buckets went (see play_along)
+        self.stats = self.reducer.get_backward_stats()
+        if not self.copies:
             self.written = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.known.reduced]
 
     def _made(self) -> int | None:
@@ -302,8 +301,8 @@ class Overlap(SetAside):
         if not self.running:
             return True
         self.running = False
-        clean = _CLEAN.get(self.module)
-        made = self._made() if clean is not None and clean[1] else None
+        # Where backward_begins trusted the count it took no stats; else the parameters marked say.
+        made = self._made() if self.stats is None else None
         ready = self._ready() if made is None else set()
         self._forget()
         for parameter in self.parameters:
