@@ -8,12 +8,13 @@ reduce-scatters its gradients after. The training step is decorated with
 its GPU, and rank 1's is smaller: its whole batch does not fit.
 
 When rank 1 runs out of memory in the middle of a forward, rank 0 is already on its
-way to the next block's all-gather. Under koila, in the first micro-batch of each kind
-(here, the whole batch, then a micro-batch without gradient sync), every FSDP2
-collective first asks the ranks whether one of them failed: rank 0 learns it there,
-before the all-gather that rank 1 would never join, and both throw the step away, put
-FSDP2's state back and run the step again in micro-batches of the same smaller size,
-with gradient sync only after the last. Later steps start there. A micro-batch of a
+way to the next block's all-gather. Under koila, in a micro-batch of a kind that has
+not got through yet (the whole batch; in a split step the first micro-batch, the later
+ones and the last, which syncs the gradients), every FSDP2 collective first asks the
+ranks whether one of them failed: rank 0 learns it there, before the all-gather that
+rank 1 would never join, and both throw the step away, put FSDP2's state back and run
+the step again in micro-batches of the same smaller size, with gradient sync only
+after the last. Later steps start there. A micro-batch of a
 kind that got through once makes its collectives without asking: a rank that fails in
 it makes the rest of them itself, with zeros, and the ranks agree once it ends (see
 "Training with FSDP2" in docs/distributed.rst).

@@ -115,8 +115,9 @@ def accumulate(
     The call returns the full-batch loss, detached: the weighted sum of the
     micro-batches' losses. Other items of a tuple, list or dict result (a
     Hugging Face ``ModelOutput``) are combined too, leaf by leaf, and
-    detached: tensors with a ``dim`` are concatenated along it; numbers and
-    0-dimensional tensors are weighted like the loss; other objects (a model's
+    detached: tensors with a row per row of the batch along ``dim`` are
+    concatenated along it; floating-point numbers and tensors are weighted
+    like the loss; integers (counts) are added up; other objects (a model's
     key-value cache, strings) come back as ``None``, with a warning, once.
 
     The batch may be a tree: tensors inside dicts and other mappings (a
@@ -173,7 +174,9 @@ def accumulate(
             runs under ``no_sync()``, and the last one's backward all-reduces
             as DDP does it; a rank that fails plays along the all-reduces it
             did not make, and the ranks agree (docs/distributed.rst, "DDP:
-            the overlap, kept").
+            the overlap, kept"). Several modules, like the other cases that
+            page lists, run every micro-batch under ``no_sync()`` and
+            all-reduce after the ranks agree.
             Default: the DDP modules the step reaches (through its
             arguments, closure, globals or ``self``), found at its first call.
         **options (Options): the shared options, the sizes being those of
@@ -195,7 +198,9 @@ def accumulate(
             arguments differ in size along ``dim``, the loss is not a scalar,
             or ``weight`` counts something other than a number >= 0.
         NotImplementedError: when called, if ranks agree and the step
-            reaches an FSDP or tensor-parallel module.
+            reaches FSDP1, HSDP, a tensor-parallel module, a
+            ``SyncBatchNorm`` that trains or DDP under ``Join``, or FSDP2
+            with ``initial="auto"`` (docs/distributed.rst lists each).
         RuntimeError: when called, if the loss needs no gradient while grad
             mode is on and a module the step uses has parameters that do, or
             if the step runs a backward pass itself (``loss.backward()`` or

@@ -57,11 +57,14 @@ _OPTIONS = frozenset(Options.__annotations__)
 def adapt(trainer: T, **options: Unpack[Options]) -> T:
     """Make a Hugging Face ``Trainer`` run a step that does not fit as micro-batches of the same batch.
 
-    Training: each call of the trainer's ``training_step`` runs the original
-    once, on the whole batch, with its backward (``self.accelerator.backward``)
-    run by :func:`koila_retry.accumulate`. When that runs out of memory, the
-    memory is released and the step runs again over micro-batches of the batch
-    (powers of two rows), each with its own forward and backward. Each
+    Training: a step that fits runs as the trainer runs it, its
+    ``self.accelerator.backward`` included, where a failure can be undone (one
+    process, a batch of keyword tensors, no hook on a parameter); elsewhere,
+    under DDP or FSDP2 say, it runs through :func:`koila_retry.accumulate`.
+    When it runs out of memory, the gradients it began with are put back, the
+    memory is released and the step runs again through ``accumulate`` over
+    micro-batches of the batch (powers of two rows), each with its own forward
+    and backward, as every later step of the trainer does. Each
     micro-batch's loss is weighed by its share of the batch's labels that are
     not -100 (shifted by one for a causal language model, or a module that wraps
     one), or of its rows without labels, and its ``num_items_in_batch`` is the
@@ -149,7 +152,7 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
         trainer = adapt(Trainer(model=model, args=args, train_dataset=train))
         trainer.train()
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     transformers = _transformers()
     if not isinstance(trainer, transformers.Trainer):
@@ -183,7 +186,9 @@ def _transformers() -> ModuleType:
     try:
         return importlib.import_module("transformers")
     except ImportError as error:
-        raise ImportError(f"{NAME}() needs transformers: pip install 'koila-retry[transformers]' ({error})") from error
+        raise ImportError(
+            f"{NAME}() needs transformers: pip install transformers (koila-retry's transformers extra) ({error})"
+        ) from error
 
 
 def _refuse_unservable(trainer: Any, transformers: ModuleType) -> None:
