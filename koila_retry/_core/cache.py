@@ -149,7 +149,8 @@ class Sizes(MutableMapping[Hashable, int]):
         # read first: a writer that changed a size since then has put a new list in its
         # place, so a pair read before the change is never remembered after it.
         # Misses are remembered too: a function that never runs out of memory stores
-        # nothing (see Attempt.__exit__), and is asked about on every call.
+        # nothing (see decision.decide: a success at the ceiling stores nothing), and is asked about
+        # on every call.
         remembered = self._recent
         recent = remembered[0]
         if recent is not None and recent[0] == key:

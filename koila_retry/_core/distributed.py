@@ -132,8 +132,8 @@ class Agreement:
         device = backend_device(group)
         self._start = _Exchange(5, device)
         self._after = _Exchange(3, device)
-        # What an exchange made inside an attempt (before an FSDP collective) learned: that
-        # rank's failure, which the exchange after the attempt then takes instead of another.
+        # What an exchange made inside an attempt (as an FSDP2 micro-batch begins, or before a collective of a
+        # kind still recorded) learned: a rank's failure, which the exchange after the attempt takes as its own.
         self.settled: tuple[int | None, int | None, bool] | None = None
 
     @property
@@ -181,8 +181,8 @@ class Agreement:
 
     def heard_of_failure(self) -> bool:
         """Make :meth:`after`'s exchange inside an attempt that has not failed here; true if another rank failed."""
-        # A rank that failed makes its exchange after its attempt; the others meet it here, before their
-        # next collective, and keep what it said in settled for the exchange after the attempt.
+        # A rank that failed makes its exchange after its attempt (FSDP2: after playing along); the others
+        # meet it here, at their next exchange inside the attempt, and keep what it said in settled.
         result = self.after(False, None)
         if result[0] is None:
             return False
@@ -376,9 +376,9 @@ def check_join(modules: Iterable[Any], front_end: str) -> None:
 class GradientSync:
     """Average the step's gradients of DDP modules once, after the ranks agreed it succeeded everywhere."""
 
-    # DDP all-reduces inside backward(): a rank that runs out of memory there never joins, and the others
-    # wait forever. So micro-batches run under no_sync(), and the step's own gradients (by id of parameter,
-    # never .grad) are averaged here. What the all-reduce needs is made inside the attempt (prepare), so
+    # Where DDP's overlap cannot be kept (overlap.overlaps() is False: several modules, a post-accumulate-grad
+    # hook, a static graph...), micro-batches run under no_sync(), and the step's own gradients (by id of
+    # parameter, never .grad) are averaged here. What the all-reduce needs is made inside the attempt (prepare), so
     # that running out of memory for it is one more failure of the attempt, agreed on like any other.
     def __init__(self, modules: list[DistributedDataParallel]) -> None:
         self.modules = modules
@@ -408,7 +408,8 @@ class GradientSync:
                 )
         # Rebuilding the buckets (after the first backward DDP synchronised) and broadcasting buffers
         # (broadcast_buffers=True): a rank that ran out of memory before its first forward would never
-        # join them. Made here, before the first attempt; no_sync keeps the forwards from making them again.
+        # join them. Made here, before the first attempt; no_sync (or Overlap.micro_batch) keeps the forwards
+        # from making them again.
         self.syncs = all(vars(module).get("require_backward_grad_sync", True) for module in self.modules)
         for module in self.modules:
             # Private parts of DDP, each used only if this torch has it.

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["Overlap", "overlaps"]
 
 
-# Per DDP module, looked at once: its parameters if a failed rank can play along (else None), its BatchNorms.
 class _Known(NamedTuple):
     """What a DDP module's step needs, looked at once: DDP fixes its parameters when it is built."""
 

@@ -301,8 +301,8 @@ def accumulator(
     given = _given_ddp(ddp)
     if given and options.get("sync") is False:
         raise ValueError(
-            "ddp= averages gradients after the ranks agree on the step, and sync=False turns agreement off: "
-            "drop one of them"
+            "ddp= needs the ranks to agree on each step (a rank that runs out of memory plays along, then all "
+            "agree), and sync=False turns agreement off: drop one of them"
         )
     if given and options.get("group") is None:
         options = {**options, "group": given[0].process_group}

@@ -178,8 +178,8 @@ class Gradients:
             self.root, self.task = None, -1
 
     def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
-        # Known backward passes are captured directly, without the function mode, which
-        # would send every call the backward makes through Python.
+        # Known backward passes run without the function mode (direct into .grad, or captured),
+        # which would send every call the backward makes through Python.
         if run is plain_backward or type(run) is Scaled:
             if run is not plain_backward:
                 loss = cast(Scaled, run).scale(loss)

@@ -4,10 +4,10 @@ It exists so that an unchanged ``LightningModule`` survives out-of-memory errors
 changing its training (docs/trainers.rst says how, and what it does not do). The one fact
 to know: Lightning runs ``training_step``, then ``zero_grad``, then its own backward. On
 one device a step first runs whole, its backward left to the loop's, where a failure can
-be undone and the step run again inside that backward (``_Step._whole``). Otherwise the
-step runs its micro-batches' backward inside ``training_step``, takes the gradients out
-of ``.grad``, and hands them to the loop's backward through ``_Delivery``: everything
-after the backward sees the whole batch's gradient, once.
+be undone and the step run again inside that backward (``_whole``, ``_backward_of_whole``).
+Otherwise the step runs its micro-batches' backward inside ``training_step``, takes the
+gradients out of ``.grad`` and hands them to the loop's backward (``_hand_over``, or
+``_Delivery``): everything after the backward sees the whole batch's gradient, once.
 """
 
 from __future__ import annotations
@@ -302,11 +302,11 @@ class _Step:
         self.saved: Any = _ABSENT  # a step of the module object's own, which the wrapper wraps
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
-        self.trusting = True  # whether a training step may run whole (see _whole): until one runs out of memory there
+        self.trusting = True  # whether this step may run as the loop runs it (_whole, _evaluate): until an OOM there
         self.failure: tuple[str, str] | None = None  # a whole step's OOM, until accumulate raises it again (replay)
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
-        self.walks: bool | None = None  # whether a whole step's graph reaches other leaves (_backward_of_whole)
+        self.walks: bool | None = None  # whether its graph reaches other leaves (_train, _backward_of_whole)
         self.others: OtherLeaves | None = None  # a split step's leaves besides the parameters (_train)
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

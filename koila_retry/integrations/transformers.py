@@ -375,7 +375,7 @@ class _Bound:
 
 
 class _Training(_Bound):
-    """An adapted trainer's ``training_step``: the original, run by ``accumulate``, whole or in micro-batches."""
+    """An adapted ``training_step``: as the trainer runs it where an OOM can be undone, else through ``accumulate``."""
 
     def __init__(self, trainer: Any, overridden: bool, options: Options, transformers: ModuleType) -> None:
         self.trainer, self.overridden = trainer, overridden
@@ -392,12 +392,12 @@ class _Training(_Bound):
             return self.run(model, inputs, num_items_in_batch)
 
         training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
-        # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.kept = _Whole(not overridden)
         replay = self.kept.replayed
         # One Stats for the three, which the wrapper shows: a step counts whichever of them runs it.
         self.stats = stats = Stats(batch_size=0)
         shared: Any = {"backward": backward, "replay": replay, "stats": stats, "options": options}
+        # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.summed = accumulator(reduction="sum", **shared)(training_step)
         self.weighted = accumulator(weight=_items(trainer, self.shifts), **shared)(training_step)
         self.by_rows = accumulator(**shared)(training_step)
@@ -584,7 +584,7 @@ def _gradients(model: Any) -> list[tuple[int, int]]:
 
 
 class _Prediction(_Bound):
-    """An adapted trainer's ``prediction_step``: the original, run by ``accumulate`` without gradients."""
+    """An adapted ``prediction_step``: as the trainer runs it alone until an OOM, else through ``accumulate``."""
 
     def __init__(self, trainer: Any, options: Options, transformers: ModuleType) -> None:
         self.trainer = trainer
