@@ -562,6 +562,46 @@ def fsdp_two_steps_of_one_model(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@scenario("two")
+def fsdp_step_after_a_forward_without_backward(rank: int, world: int) -> dict[str, Any]:
+    """A step after a forward without backward, which leaves the root gathered, fails on the last rank.
+
+    FSDP2 does not reshard the root after its forward, and with no backward to follow, its unsharded
+    parameters stay registered on it: the step's gradients of the sharded ones must still be set aside.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    inject: Inject = net[1][1]
+    sharded = list(net.parameters())  # as the optimizer holds them
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    x_all, y_all = batch(world, seed=31)
+    x, y = local(x_all, rank), local(y_all, rank)
+    registered = []
+    for failures in ({}, {0: "forward"} if rank == world - 1 else {}):
+        with torch.no_grad():
+            net(x)  # an evaluation: the root stays gathered
+        registered.append(any(p is not q for p, q in zip(net.parameters(), sharded, strict=True)))
+        for parameter in sharded:
+            parameter.grad = None
+        inject.rows, inject.failures = [], failures
+        with Count() as count:
+            step(x, y)
+    F.mse_loss(reference(x_all), y_all).backward()
+    return {
+        "grads": full([p.grad for p in sharded]),
+        "expected": [p.grad for p in reference.parameters()],
+        "registered": registered,
+        "rows": inject.rows,
+        "plays": count.plays,
+        "ooms": step.stats.ooms,
+    }
+
+
 class _Both(nn.Module):
     def __init__(self, first: nn.Module, second: nn.Module) -> None:
         super().__init__()

@@ -28,6 +28,8 @@ ROWS = 16  # each rank's batch
 # agree before each of FSDP2's collectives; then in the backward of the last micro-batch (8 rows) of
 # the next batch, a kind recorded by then: rank 1 plays along the rest of the others' collectives.
 FAILURES = {0: "forward", 4: "backward"}
+# The first batch after the second validation: its kind (the root gathered) was recorded after the first.
+_AFTER_VALIDATION = {6: "forward"}
 
 
 def main(rank: int, group: str, port: int, directory: str) -> None:
@@ -151,6 +153,33 @@ def lightning_fsdp2_training_and_validation(rank: int, world: int) -> dict[str, 
         "rows": (model.inject.rows[:trained_rows], model.inject.rows[trained_rows:]),
         "plays": count.plays,
         "validated": (validated, expected),
+        "warnings": said,
+    }
+
+
+@scenario("two")
+def lightning_fsdp2_validation_inside_fit(rank: int, world: int) -> dict[str, Any]:
+    """Validation every two batches inside fit: each training step after it finds the root gathered."""
+    from koila_retry.integrations.lightning import OOMRecovery
+
+    failures = _AFTER_VALIDATION if rank == 1 else {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        reference = _module({})
+        plain = _trainer(val_check_interval=2)
+        plain.fit(reference, _loader(ROWS * world * 6), _loader(ROWS * world))
+        model = _module(failures)
+        events: list[koila.OOMEvent] = []
+        adapted = _trainer(OOMRecovery(on_oom=events.append), val_check_interval=2)
+        with koila_warnings() as said, Count() as count:
+            adapted.fit(model, _loader(ROWS * world * 6), _loader(ROWS * world))
+    return {
+        "parameters": gathered(model),
+        "expected": gathered(reference),
+        "steps": (adapted.global_step, plain.global_step),
+        "events": [(event.batch_size, event.rank) for event in events],
+        "rows": model.inject.rows,
+        "plays": count.plays,
         "warnings": said,
     }
 

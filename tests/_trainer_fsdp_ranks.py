@@ -137,6 +137,34 @@ def hf_fsdp2_training(rank: int, world: int) -> dict[str, Any]:
 
 
 @scenario("two")
+def hf_fsdp2_training_after_evaluation(rank: int, world: int) -> dict[str, Any]:
+    """An evaluation after every step, which leaves the root gathered; rank 1 fails the third step's forward.
+
+    The second step, after the first evaluation, recorded the kind (the root gathered) that the third is of.
+    """
+    from _hf_trainer import injected
+
+    from koila_retry.integrations.transformers import adapt
+
+    settings = {"gradient_accumulation_steps": 1, "eval_strategy": "steps", "eval_steps": 1}
+    reference = trainer(rank, **settings)
+    reference.train()
+    events: list[koila.OOMEvent] = []
+    adapted = adapt(trainer(rank, {4: "forward"}, **settings), on_oom=events.append)
+    with koila_warnings() as said, Count() as count:
+        adapted.train()
+    return {
+        "parameters": gathered(adapted.model),
+        "expected": gathered(reference.model),
+        "steps": (adapted.state.global_step, reference.state.global_step),
+        "events": [(event.batch_size, event.rank) for event in events],
+        "rows": injected(adapted.model).rows,
+        "plays": count.plays,
+        "warnings": said,
+    }
+
+
+@scenario("two")
 def hf_fsdp2_exhausted_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 cannot run its smallest micro-batch allowed, the whole batch: every rank raises, none waits."""
     from koila_retry.integrations.transformers import adapt

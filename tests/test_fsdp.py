@@ -196,6 +196,19 @@ def test_a_call_over_two_models_sharded_apart_recovers_in_the_second_ones_forwar
                     assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
 
 
+def test_a_step_after_a_forward_without_backward_sets_aside_the_sharded_gradients(groups: Groups) -> None:
+    # The root's unsharded parameters were registered on it: the sharded ones' gradients, which the healthy
+    # rank's finished attempt had reduce-scattered, were never dropped, and the retry added onto them.
+    values = groups("two")["fsdp_step_after_a_forward_without_backward"]
+    assert values[-1]["plays"] > 0, "the failed rank did not play along a recorded micro-batch"
+    for rank, value in enumerate(values):
+        assert value["registered"] == [True, True], f"rank {rank}: the root was not left gathered"
+        assert value["ooms"] == 1, f"rank {rank}: {value['ooms']}"
+        assert max(value["rows"][1:]) < _fsdp_ranks.ROWS, (rank, value["rows"])
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")
+
+
 def test_two_steps_over_one_model_keep_records_of_their_own(groups: Groups) -> None:
     # The second step's micro-batch was of the same kind as the first's: the failed rank played the first
     # step's collectives while the others made the second's two forwards', and gloo aborted the job.

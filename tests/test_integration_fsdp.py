@@ -70,6 +70,20 @@ def test_hf_trainer_under_fsdp2_trains_and_evaluates_as_with_nothing_failing(ran
     assert values[0]["plays"] == 0, values[0]["plays"]
 
 
+def test_hf_trainer_under_fsdp2_trains_after_each_evaluation_as_with_nothing_failing(ranks: Group) -> None:
+    # An evaluation leaves FSDP2's root gathered, its unsharded parameters registered on it: the sharded
+    # ones' gradients of the attempt rank 1 failed (rank 0's reduce-scattered) were never dropped.
+    values = ranks["hf_fsdp2_training_after_evaluation"]
+    assert values[1]["plays"] > 0, "rank 1 did not play along a recorded micro-batch"
+    for rank, value in enumerate(values):
+        assert value["warnings"] == []
+        assert value["steps"] == (3, 3)
+        assert value["events"] == [(4, 1)], value["events"]
+        assert value["rows"] == [4, 8, 4, 8, 4, 2, 2, 8], value["rows"]  # each step, then its evaluation
+        for index, (mine, theirs) in enumerate(zip(value["parameters"], value["expected"], strict=True)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14, msg=f"rank {rank}, parameter {index}")
+
+
 def test_hf_trainer_under_fsdp2_gives_up_on_every_rank_together(ranks: Group) -> None:
     values = ranks["hf_fsdp2_exhausted_on_one_rank"]
     for value in values:

@@ -56,6 +56,22 @@ def test_lightning_under_fsdp2_trains_and_validates_as_with_nothing_failing(rank
     assert values[0]["plays"] == 0, values[0]["plays"]
 
 
+def test_training_after_a_validation_inside_fit_hands_over_the_roots_gradients(ranks: Group) -> None:
+    # A validation leaves FSDP2's root gathered, its unsharded parameters registered on it: the step's
+    # gradients of the sharded ones, which the optimizer holds, were left in .grad for Lightning's
+    # zero_grad to drop, with nothing failing, and every parameter drifted from the plain trainer's.
+    values = ranks["lightning_fsdp2_validation_inside_fit"]
+    # Rank 1 ran out of memory in the forward of a kind recorded after the first validation: it played along.
+    assert values[1]["plays"] > 0, values[1]["plays"]
+    for rank, value in enumerate(values):
+        assert value["warnings"] == []
+        assert value["steps"][0] == value["steps"][1] == 3
+        assert value["events"] == [(16, 1)], value["events"]
+        assert value["rows"][6:11] == [16, 8, 8, 8, 8], value["rows"]  # the failed batch again, and the next
+        for index, (mine, theirs) in enumerate(zip(value["parameters"], value["expected"], strict=True)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14, msg=f"rank {rank}, parameter {index}")
+
+
 def test_predict_step_under_fsdp2_keeps_a_record_of_its_own(ranks: Group) -> None:
     # predict_step makes other collectives than validation_step: the failed rank played validation's
     # record along, while the other made predict_step's, and the ranks hung.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "RanksFailed",
     "ShardedStep",
     "Shards",
+    "as_sharded",
     "check_mesh",
     "check_state",
     "fsdp_modules",
@@ -38,6 +39,8 @@ __all__ = [
 
 if distributed.AVAILABLE:
     import torch.distributed as dist
+
+_T = TypeVar("_T", bound=torch.Tensor)
 
 
 class RanksFailed(Exception):
@@ -82,6 +85,25 @@ def roots_of(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     sharded = fsdp_modules(modules)
     inner = {id(sub) for module in sharded for sub in module.modules() if sub is not module and is_fsdp2(sub)}
     return [module for module in sharded if id(module) not in inner]
+
+
+def as_sharded(modules: Iterable[torch.nn.Module], parameters: Iterable[_T]) -> list[_T]:
+    """Return ``parameters``, each once, with the unsharded ones of the FSDP2 ``modules`` replaced by their shards."""
+    # A module left gathered (the root after a forward with no backward, which FSDP2 does not reshard) has
+    # its unsharded parameters registered in place of the sharded ones the optimizer holds and FSDP2's
+    # reduce-scatter writes.
+    shards = {}
+    for module in fsdp_modules(modules):
+        for group in param_groups(module):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    shards[id(unsharded)] = fsdp_param.sharded_param
+    found: dict[int, _T] = {}
+    for parameter in parameters:
+        parameter = shards.get(id(parameter), parameter)
+        found[id(parameter)] = parameter
+    return list(found.values())
 
 
 def state_of(module: torch.nn.Module) -> Any:
@@ -399,11 +421,11 @@ class ShardedStep(SetAside):
     def __init__(self, modules: list[torch.nn.Module], alone: bool = False) -> None:
         # Every module the step reaches: FSDP2's hooks write the sharded parameters' .grad, a plain
         # backward the others'.
-        reached = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
-        super().__init__(list(reached.values()))
+        self.sharded = fsdp_modules(modules)
+        reached: list[torch.Tensor] = [p for module in modules for p in module.parameters() if p.requires_grad]
+        super().__init__(as_sharded(self.sharded, reached))
         # alone (one rank, or sync=False): no agreement resets FSDP2 state after a failure, so undo does.
         self.alone = alone
-        self.sharded = fsdp_modules(modules)
         self.roots = roots_of(self.sharded)
         # What a backward of the caller's own with gradient sync off left unsharded: (FSDPParam, .grad of its
         # unsharded parameter, its unsharded_accumulated_grad). Each attempt adds onto copies, since a failed

@@ -1,8 +1,8 @@
 """Lightning: ``OOMRecovery``, a callback that runs a step that does not fit as micro-batches.
 
-It exists so that an unchanged ``LightningModule`` survives out-of-memory errors without
-changing its training (docs/trainers.rst says how, and what it does not do). The one fact
-to know: Lightning runs ``training_step``, then ``zero_grad``, then its own backward. On
+It lets an unchanged ``LightningModule`` survive out-of-memory errors with its training
+unchanged (docs/trainers.rst). The one fact to know: Lightning runs ``training_step``, then
+``zero_grad``, then its own backward. On
 one device a step first runs whole, its backward left to the loop's, where a failure can
 be undone and the step run again inside that backward (``_whole``, ``_backward_of_whole``).
 Otherwise the step runs its micro-batches' backward inside ``training_step``, takes the
@@ -37,6 +37,7 @@ from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
+from koila_retry._core.sharded import as_sharded
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
@@ -514,6 +515,8 @@ class _Step:
         self._forget(module)  # a step whose loss the loop did not backpropagate
         self.failure = None
         parameters = _trainable(module)
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # the sharded ones, a gathered root's too
+            parameters = as_sharded(module.modules(), parameters)
         # Those Lightning is about to set to None are released now, not set aside: the step
         # then runs as a hand loop does, with no earlier gradient alive (see _released).
         released = self._released(trainer, module)
@@ -849,9 +852,7 @@ def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
 
 
 def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Return ``module.parameters()`` that require a gradient, in their order, each once."""
-    # Read from the modules' own tables, without a generator per module: what
-    # Module.parameters() yields, unless a module changes how they are found.
+    """Return ``module.parameters()`` that require a gradient, each once, read without a generator per module."""
     kind, plain = type(module), torch.nn.Module
     if (
         kind.parameters is not plain.parameters
