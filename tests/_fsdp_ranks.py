@@ -114,6 +114,29 @@ class Allocations:
         return sum(ref() is not None for ref in self.alive)
 
 
+class CopyFails:
+    """The first copy koila's FSDP2 code makes (``Tensor.clone`` called from sharded.py) runs out of memory."""
+
+    def __init__(self, armed: bool) -> None:
+        self.armed, self.original = armed, torch.Tensor.clone
+
+    def __enter__(self) -> CopyFails:
+        watch = self
+
+        def clone(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if watch.armed and sys._getframe(1).f_code.co_filename == sharded.__file__:
+                watch.armed = False
+                raise make_oom()
+            copied: torch.Tensor = watch.original(tensor, *args, **kwargs)
+            return copied
+
+        torch.Tensor.clone = clone  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.Tensor.clone = self.original  # type: ignore[method-assign]
+
+
 def _unsharded(net: nn.Module) -> list[torch.Tensor]:
     """The unsharded parameters (private FSDP2 state: FSDPParam._unsharded_param) made so far."""
     found = []
@@ -747,10 +770,16 @@ def _after_a_backward_without_sync(
     net.set_requires_gradient_sync(True)
     kept = [fsdp_param.unsharded_param.grad for fsdp_param in sharded.param_groups(net[1])[0].fsdp_params]
     copies = [grad.clone() for grad in kept]
-    net[1][1].failures = {calls + 1: where} if rank in failing else {}  # the caller's own forward came before
-    with warnings.catch_warnings(record=True) as caught, Count() as count:
+    if where != "copy":
+        net[1][1].failures = {calls + 1: where} if rank in failing else {}  # the caller's own forward came before
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        Count() as count,
+        CopyFails(where == "copy" and rank in failing) as fails,
+    ):
         warnings.simplefilter("always")
         step(local(x_all, rank), local(y_all, rank))
+    assert not fails.armed, "no copy ran out of memory"
     F.mse_loss(reference(first_all), first_y_all).backward()
     F.mse_loss(reference(x_all), y_all).backward()
     return {
@@ -860,6 +889,48 @@ def fsdp_after_a_backward_without_sync_a_backward_fails(rank: int, world: int) -
 def fsdp_after_a_backward_without_sync_a_played_backward_fails(rank: int, world: int) -> dict[str, Any]:
     """As above, after a step that recorded the collectives: the failed rank plays along the rest."""
     return _after_a_backward_without_sync(rank, world, {0}, "backward", sync=True, played=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_a_played_copy_fails(rank: int, world: int) -> dict[str, Any]:
+    """As above, the copy of the caller's unsharded gradients running out of memory: the rank plays it all along."""
+    return _after_a_backward_without_sync(rank, world, {0}, "copy", sync=True, played=True)
+
+
+@scenario("two")
+def fsdp_after_a_backward_without_sync_a_forward_front_end_fails(rank: int, world: int) -> dict[str, Any]:
+    """A hand loop's first micro-batch (sync off), an evaluation in chunks that fails on the last rank, the second."""
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    x_all, y_all = batch(world, seed=49)
+    x, y = local(x_all, rank), local(y_all, rank)
+    outputs = []
+    for failing in (False, True):  # the first records the evaluation's collectives: the failed rank plays along
+        for p in net.parameters():
+            p.grad = None
+        net.set_requires_gradient_sync(False)
+        (F.mse_loss(net(x[:6]), y[:6]) * 0.5).backward()
+        net[1][1].rows = []
+        net[1][1].failures = {0: "forward"} if failing and rank == world - 1 else {}
+        with torch.no_grad(), Count() as count:
+            outputs.append(koila.chunked(net, x, cache=koila.NoCache()))
+        net.set_requires_gradient_sync(True)
+        (F.mse_loss(net(x[6:]), y[6:]) * 0.5).backward()
+    for part in (slice(0, 6), slice(6, ROWS)):
+        rows = torch.cat([local(x_all, r)[part] for r in range(world)])
+        targets = torch.cat([local(y_all, r)[part] for r in range(world)])
+        (F.mse_loss(reference(rows), targets) * 0.5).backward()
+    with torch.no_grad():
+        expected_output = reference(x)
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "outputs": outputs,
+        "expected_output": expected_output,
+        "rows": net[1][1].rows,
+        "plays": count.plays,
+    }
 
 
 @scenario("two")

@@ -255,6 +255,10 @@ def test_a_step_after_a_backward_without_gradient_sync_adds_onto_fsdps_unsharded
         "fsdp_after_a_backward_without_sync_a_forward_fails",
         "fsdp_after_a_backward_without_sync_a_backward_fails",
         "fsdp_after_a_backward_without_sync_a_played_backward_fails",
+        # The copy of those gradients the attempt adds onto: the healthy rank, in a micro-batch of a recorded
+        # kind, made its collectives without a vote, and the failed rank, not yet in that micro-batch, played
+        # none of them: both waited until the group's timeout.
+        "fsdp_after_a_backward_without_sync_a_played_copy_fails",
         "fsdp_after_a_backward_without_sync_every_backward_fails_alone",
     ],
 )
@@ -269,6 +273,22 @@ def test_a_failed_attempt_keeps_the_unsharded_gradients_of_the_callers_own_backw
         assert value["warnings"] == []  # the play-along's collectives by their current names (torch 2.13)
         for got, want in zip(value["grads"], value["expected"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_forward_front_end_that_fails_keeps_the_unsharded_gradients_of_the_callers_own_backward(
+    groups: Groups,
+) -> None:
+    # An evaluation in chunks between a hand loop's micro-batches: its reset after the failed attempt
+    # dropped what the first micro-batch had accumulated unsharded, and the step's gradient was the second's.
+    values = groups("two")["fsdp_after_a_backward_without_sync_a_forward_front_end_fails"]
+    assert values[-1]["plays"] > 0, "the failed rank did not play along"
+    for rank, value in enumerate(values):
+        # The evaluation's whole batch failed, then ran in chunks; then the hand loop's second micro-batch.
+        assert value["rows"] == [_fsdp_ranks.ROWS, 8, 4, 6], (rank, value["rows"])
+        for output in value["outputs"]:
+            torch.testing.assert_close(output, value["expected_output"], rtol=1e-10, atol=1e-12)
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")
 
 
 def test_a_failed_attempt_keeps_the_callers_own_unsharded_sum_in_mixed_precision(groups: Groups) -> None:

@@ -397,7 +397,7 @@ class Shards:
 
     def play_along(self) -> None:
         """On a rank that failed: FSDP2 back to idle, then the rest of its micro-batch's collectives, with zeros."""
-        reset(self.modules)
+        reset(self.modules, keep=not self.steps)
         kind, self.kind = self.kind, None
         if kind is None or self.recording is not None:
             return  # between micro-batches, or voting: the others learn of it at their next exchange
@@ -412,7 +412,7 @@ class Shards:
 
     def reset(self) -> None:
         """After an attempt that failed on some rank: every module back to idle, resharded."""
-        reset(self.modules)
+        reset(self.modules, keep=not self.steps)
 
 
 class ShardedStep(SetAside):
@@ -457,13 +457,17 @@ class ShardedStep(SetAside):
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""
         if first and self.unsharded:
-            self._put_back(copy=True)
+            self._put_back(copy=False)  # as the micro-batch will find them, for its kind; nothing allocated yet
         for root in self.roots:
             root.set_requires_gradient_sync(last)  # type: ignore[operator]
         shards = _armed.shards
         if shards is not None:  # under agreement: the ranks agree that the one before got through
             shards.steps = True
             shards.micro_batch("step", exchange=not first)
+        if first and self.unsharded:
+            # The copies the attempt adds onto, made inside the micro-batch: a rank that cannot make them
+            # plays all its collectives along, where the others make them without a vote.
+            self._put_back(copy=True)
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: its gradients dropped, gradient sync back on."""
@@ -507,13 +511,31 @@ def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
     return None if unsharded is None else unsharded.grad
 
 
-def reset(modules: Iterable[torch.nn.Module]) -> None:
-    """Put FSDP2 modules back to what a new forward expects, resharded, after an attempt that failed."""
+def reset(modules: Iterable[torch.nn.Module], keep: bool = False) -> None:
+    """Put FSDP2 modules back to what a new forward expects, resharded, after an attempt that failed.
+
+    ``keep``: with the gradients a backward of the caller's own left unsharded (gradient sync off), which
+    a forward's attempt cannot have written; a step's attempt added onto copies of them (see ShardedStep).
+    """
     modules = [module for module in modules if is_fsdp2(module)]
+    held = (
+        [
+            (fsdp_param, _unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad)
+            for module in modules
+            for group in param_groups(module)
+            for fsdp_param in group.fsdp_params
+        ]
+        if keep
+        else []
+    )
     for module in modules:
         _reset(module)
     for module in modules:
         module.reshard()  # type: ignore[operator]
+    for fsdp_param, grad, accumulated in held:
+        if grad is not None:
+            fsdp_param._unsharded_param.grad = grad
+        fsdp_param.unsharded_accumulated_grad = accumulated
 
 
 def _reset(module: torch.nn.Module) -> None:
