@@ -2,12 +2,12 @@
 
 It lets an unchanged ``LightningModule`` survive out-of-memory errors with its training
 unchanged (docs/trainers.rst). The one fact to know: Lightning runs ``training_step``, then
-``zero_grad``, then its own backward. On
-one device a step first runs whole, its backward left to the loop's, where a failure can
-be undone and the step run again inside that backward (``_whole``, ``_backward_of_whole``).
-Otherwise the step runs its micro-batches' backward inside ``training_step``, takes the
-gradients out of ``.grad`` and hands them to the loop's backward (``_hand_over``, or
-``_Delivery``): everything after the backward sees the whole batch's gradient, once.
+``zero_grad``, then its own backward. On one device a step first runs whole, its backward
+left to the loop's, where a failure can be undone and the step run again inside that
+backward (``_whole``, ``_backward_of_whole``). Otherwise the step runs its micro-batches'
+backward inside ``training_step``, takes the gradients out of ``.grad`` and hands them to
+the loop's backward (``_hand_over``, or ``_Delivery``): everything after the backward sees
+the whole batch's gradient, once.
 """
 
 from __future__ import annotations
