@@ -41,6 +41,9 @@ if distributed.AVAILABLE:
     import torch.distributed as dist
 
 _T = TypeVar("_T", bound=torch.Tensor)
+# What FSDP2 holds unsharded from a backward with gradient sync off: (FSDPParam, its unsharded parameter's
+# .grad, its unsharded_accumulated_grad).
+_Held = list[tuple[Any, torch.Tensor | None, torch.Tensor | None]]
 
 
 class RanksFailed(Exception):
@@ -93,17 +96,20 @@ def as_sharded(modules: Iterable[torch.nn.Module], parameters: Iterable[_T]) -> 
     # its unsharded parameters registered in place of the sharded ones the optimizer holds and FSDP2's
     # reduce-scatter writes.
     shards = {}
-    for module in fsdp_modules(modules):
-        for group in param_groups(module):
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    shards[id(unsharded)] = fsdp_param.sharded_param
+    for fsdp_param in _fsdp_params(modules):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            shards[id(unsharded)] = fsdp_param.sharded_param
     found: dict[int, _T] = {}
     for parameter in parameters:
         parameter = shards.get(id(parameter), parameter)
         found[id(parameter)] = parameter
     return list(found.values())
+
+
+def _fsdp_params(modules: Iterable[torch.nn.Module]) -> list[Any]:
+    """Return the FSDPParam objects (private state) of the FSDP2 modules among ``modules``."""
+    return [param for module in fsdp_modules(modules) for group in param_groups(module) for param in group.fsdp_params]
 
 
 def state_of(module: torch.nn.Module) -> Any:
@@ -427,31 +433,23 @@ class ShardedStep(SetAside):
         # alone (one rank, or sync=False): no agreement resets FSDP2 state after a failure, so undo does.
         self.alone = alone
         self.roots = roots_of(self.sharded)
-        # What a backward of the caller's own with gradient sync off left unsharded: (FSDPParam, .grad of its
-        # unsharded parameter, its unsharded_accumulated_grad). Each attempt adds onto copies, since a failed
-        # one's reset drops them: the one buffer the exact rollback costs, and only where such gradients are.
-        self.unsharded: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = []
+        # What a backward of the caller's own with gradient sync off left unsharded. Each attempt adds onto
+        # copies, since a failed one's reset drops them: the one buffer the exact rollback costs, and only
+        # where such gradients are.
+        self.unsharded: _Held = []
 
     def before(self) -> None:
         """Set the gradients aside: the parameters', and what FSDP2 holds unsharded from the caller's backward."""
         super().before()
-        unsharded = self.unsharded = []
-        for module in self.sharded:
-            for group in param_groups(module):
-                for fsdp_param in group.fsdp_params:
-                    grad, accumulated = _unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad
-                    if grad is not None or accumulated is not None:
-                        unsharded.append((fsdp_param, grad, accumulated))
+        self.unsharded = _held_unsharded(self.sharded)
 
     def owned(self) -> set[int]:
         """Return the ids of the parameters and of the unsharded ones FSDP2 backpropagates into (it clears those)."""
         owned = super().owned()
-        for module in self.sharded:
-            for group in param_groups(module):
-                for fsdp_param in group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if unsharded is not None:
-                        owned.add(id(unsharded))
+        for fsdp_param in _fsdp_params(self.sharded):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                owned.add(id(unsharded))
         return owned
 
     def micro_batch(self, last: bool, first: bool) -> None:
@@ -489,12 +487,24 @@ class ShardedStep(SetAside):
         self.unsharded = []
 
     def _put_back(self, copy: bool) -> None:
-        def kept(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return tensor.clone() if copy and tensor is not None else tensor
+        _hand_back(self.unsharded, copy)
 
-        for fsdp_param, grad, accumulated in self.unsharded:
-            fsdp_param._unsharded_param.grad = kept(grad)
-            fsdp_param.unsharded_accumulated_grad = kept(accumulated)
+
+def _held_unsharded(modules: Iterable[torch.nn.Module]) -> _Held:
+    """Return what the FSDP2 modules hold unsharded: (FSDPParam, its unsharded .grad, unsharded_accumulated_grad)."""
+    held = [(param, _unsharded_grad(param), param.unsharded_accumulated_grad) for param in _fsdp_params(modules)]
+    return [entry for entry in held if entry[1] is not None or entry[2] is not None]
+
+
+def _hand_back(held: _Held, copy: bool) -> None:
+    """Put what :func:`_held_unsharded` returned back on FSDP2's unsharded parameters, or copies of it."""
+
+    def kept(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor.clone() if copy and tensor is not None else tensor
+
+    for fsdp_param, grad, accumulated in held:
+        fsdp_param._unsharded_param.grad = kept(grad)
+        fsdp_param.unsharded_accumulated_grad = kept(accumulated)
 
 
 def _accumulated(group: Any) -> bool:
@@ -517,25 +527,13 @@ def reset(modules: Iterable[torch.nn.Module], keep: bool = False) -> None:
     ``keep``: with the gradients a backward of the caller's own left unsharded (gradient sync off), which
     a forward's attempt cannot have written; a step's attempt added onto copies of them (see ShardedStep).
     """
-    modules = [module for module in modules if is_fsdp2(module)]
-    held = (
-        [
-            (fsdp_param, _unsharded_grad(fsdp_param), fsdp_param.unsharded_accumulated_grad)
-            for module in modules
-            for group in param_groups(module)
-            for fsdp_param in group.fsdp_params
-        ]
-        if keep
-        else []
-    )
+    modules = fsdp_modules(modules)
+    held = _held_unsharded(modules) if keep else []
     for module in modules:
         _reset(module)
     for module in modules:
         module.reshard()  # type: ignore[operator]
-    for fsdp_param, grad, accumulated in held:
-        if grad is not None:
-            fsdp_param._unsharded_param.grad = grad
-        fsdp_param.unsharded_accumulated_grad = accumulated
+    _hand_back(held, copy=False)
 
 
 def _reset(module: torch.nn.Module) -> None:
