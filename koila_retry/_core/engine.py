@@ -75,7 +75,7 @@ class Controller:
         explain: Explain | None = None,
         keep_last: bool = False,  # store every success's size, the initial one too (toma's caches do)
         stats: Stats | None = None,  # shared by the steps of one integration's wrapper, which shows one
-        code: object = None,  # the function's code: two of one name make other collectives (see sharded.py)
+        function: object = None,  # whose collectives FSDP2's records are: its name and code (see sharded.py)
     ) -> None:
         self.name = name
         self.policy = policy
@@ -86,7 +86,7 @@ class Controller:
         self.explain = explain or plain_message
         self.stats = Stats(batch_size=0 if policy.initial is None else policy.initial) if stats is None else stats
         self.plan = compose(policy, self.rules, self.cache)  # a call's strategies, when it agrees with no rank
-        self.ranks = ranks.Ranks(name, policy, self.rules, self.cache, code)
+        self.ranks = ranks.Ranks(name, policy, self.rules, self.cache, getattr(function, "__code__", None))
         short = Route.SHORT if policy.sync is False else Route.SHORT_UNLESS_A_GROUP
         self._route = short if self.plan.short and policy.sync is not True else Route.LONG
         # What the decision settles a call at, by what the cache holds (and the call's rows,

@@ -316,8 +316,7 @@ def accumulator(
         refuse_generator(function, "@koila.accumulate")
         own_backward.guard()  # a backward the step runs itself is refused (see own_backward)
         name = getattr(function, "__qualname__", None) or type(function).__qualname__
-        code = getattr(function, "__code__", None)
-        controller = Controller(name, policy, explain=exhausted.message, stats=stats, code=code)
+        controller = Controller(name, policy, explain=exhausted.message, stats=stats, function=function)
         auto = initial == AUTO
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
         step.weight = weight

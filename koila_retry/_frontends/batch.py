@@ -394,8 +394,9 @@ def batched(
     refuse_generator(fn, front_end)
     named = front_end == "@koila.batch"
     injection = _Injection(fn, param, 0, named)
-    code = getattr(fn, "__code__", None)
-    controller = Controller(injection.function_name, policy, explain=exhausted.message, keep_last=keep_last, code=code)
+    controller = Controller(
+        injection.function_name, policy, explain=exhausted.message, keep_last=keep_last, function=fn
+    )
     plain = _wrapper(fn, injection, controller, policy.device)
     if param is not None or binding is _STATICMETHOD:
         method = plain  # by keyword, the size goes to one place, bound or not; a staticmethod never binds

@@ -160,8 +160,7 @@ class _Pass:
         _refuse_async(fn, self.front_end)
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         default = StackMemoryCache() if decorated else calls_cache
-        code = getattr(fn, "__code__", None)
-        return Controller(name, self.policy, default_cache=default, explain=exhausted.message, code=code)
+        return Controller(name, self.policy, default_cache=default, explain=exhausted.message, function=fn)
 
 
 def _tqdm() -> Callable[..., Any]:
