@@ -414,7 +414,7 @@ def measure(rank: int, args: argparse.Namespace) -> None:
                         f"{candidate.equal}",
                         flush=True,
                     )
-    run(settings, args.rounds, rank)
+    run(settings, args.rounds, rank, torch.device("cpu"))  # gloo, on the CPU
     if rank == 0:
         report(settings, args, began)
 
