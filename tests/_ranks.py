@@ -566,8 +566,8 @@ def _stats_that_tie() -> Iterator[None]:
     """Every step's reducer reports stats that tie with its last backward's (as they did now and then, to the ns)."""
     original = overlap.Overlap.__init__
 
-    def init(self: overlap.Overlap, module: DDP) -> None:
-        original(self, module)
+    def init(self: overlap.Overlap, module: DDP, agreement: distributed.Agreement) -> None:
+        original(self, module, agreement)
         self.reducer = _StillStats(self.reducer)
 
     overlap.Overlap.__init__ = init  # type: ignore[method-assign]
@@ -1228,6 +1228,118 @@ def ddp_after_a_backward_without_sync_off_the_overlap(rank: int, world: int) -> 
 @scenario("two")
 def ddp_after_a_backward_without_sync_as_bucket_views(rank: int, world: int) -> dict[str, Any]:
     return _after_a_backward_without_sync(rank, world, {0: "forward"}, gradient_as_bucket_view=True)
+
+
+def _after_a_stray_forward(
+    rank: int, world: int, failures: dict[int, str], *, hooked: bool = False, fallback: bool = False, stray: bool = True
+) -> dict[str, Any]:
+    """A forward of the DDP module in grad mode that no backward follows, then a step in three micro-batches.
+
+    DDP's reducer stays armed after such a forward, so the next backward all-reduces every bucket, the first
+    micro-batch's under ``no_sync()`` included, on every rank. ``failures``: rank 1's forward calls of the
+    step (from 0) that run out of memory. ``hooked``: a comm hook of the user's, so that the play-along reads
+    the reducer's stats, not the count of collectives; ``fallback``: off DDP's overlap (a post-accumulate-grad
+    hook), the step all-reduces after its backward; ``stray``: whether that forward runs.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), Inject(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+    ).to(DTYPE)
+    rows = 12
+    batches = [global_batch(world, rows, seed=seed) for seed in (90, 92, 94)]
+    first, second = batches[0], batches[2]
+    expected, hand = (
+        mean_of(
+            [
+                full_grads(model, lambda m, r=r, b=b: F.mse_loss(m(local(b[0], r, rows)), local(b[1], r, rows)))
+                for r in range(world)
+            ]
+        )
+        for b in (second, first)
+    )
+    ddp = DDP(model, bucket_cap_mb=0.0001)  # about one layer a bucket, once rebuilt after the first step
+    if hooked:
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's annotations
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+    if fallback:
+        model[0].weight.register_post_accumulate_grad_hook(lambda parameter: None)
+    F.mse_loss(ddp(local(first[0], rank, rows)), local(first[1], rank, rows)).backward()  # a hand step
+    model.zero_grad()
+    if stray:
+        ddp(local(batches[1][0], rank, rows))  # logged, say: no backward
+    before = len(model[4].rows)  # forward calls before the step's
+    model[4].failures = {before + call: where for call, where in failures.items()} if rank == 1 else {}
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=4, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's, that it calls no comm hook
+        step(local(second[0], rank, rows), local(second[1], rank, rows))
+    after = grads(model)
+    # Then a step of the hand loop's: the reducer is as DDP leaves it after a step.
+    model.zero_grad()
+    F.mse_loss(ddp(local(first[0], rank, rows)), local(first[1], rank, rows)).backward()
+    return {
+        "grads": after,
+        "expected": expected,
+        "hand": grads(model),
+        "hand_expected": hand,
+        "ooms": len(events),
+        "rows": model[4].rows[before:],
+    }
+
+
+@scenario("crash")
+def stray_forward_nothing_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {})
+
+
+@scenario("crash")
+def stray_forward_first_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {0: "forward"})
+
+
+@scenario("crash")
+def stray_forward_first_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    # Inject sits after the first two layers: the last two layers' buckets went before it failed.
+    return _after_a_stray_forward(rank, world, {0: "backward"})
+
+
+@scenario("crash")
+def stray_forward_second_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {1: "forward"})
+
+
+@scenario("crash")
+def stray_forward_last_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {2: "backward"})
+
+
+@scenario("crash")
+def stray_forward_first_backward_fails_hooked(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {0: "backward"}, hooked=True)
+
+
+@scenario("crash")
+def stray_forward_first_forward_fails_hooked(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {0: "forward"}, hooked=True)
+
+
+@scenario("crash")
+def stray_forward_none_first_backward_fails_hooked(rank: int, world: int) -> dict[str, Any]:
+    # No stray forward: the first backward, under no_sync(), wrote .grad with no bucket launched.
+    return _after_a_stray_forward(rank, world, {0: "backward"}, hooked=True, stray=False)
+
+
+@scenario("crash")
+def stray_forward_first_forward_fails_off_the_overlap(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {0: "forward"}, fallback=True)
 
 
 # --------------------------------------------------------------------------- 4. parameters some ranks do not use

@@ -314,6 +314,41 @@ def test_combining_the_micro_batches_losses_is_part_of_the_attempt(groups: Group
         assert_grads(outcome["grads"], outcome["expected"], f"rank {rank}: ")
 
 
+# (scenario, the rows each rank's Inject layer saw, step then retry, rank by rank)
+_RETRIED = [2] * 6
+STRAY = [
+    ("stray_forward_nothing_fails", [[4, 4, 4]] * 2),
+    # Rank 0 leaves after the first micro-batch: the exchange after its early buckets told it of rank 1.
+    ("stray_forward_first_forward_fails", [[4, *_RETRIED]] * 2),
+    ("stray_forward_first_backward_fails", [[4, *_RETRIED]] * 2),
+    ("stray_forward_second_forward_fails", [[4, 4, 4, *_RETRIED], [4, 4, *_RETRIED]]),
+    ("stray_forward_last_backward_fails", [[4, 4, 4, *_RETRIED]] * 2),
+    ("stray_forward_first_backward_fails_hooked", [[4, *_RETRIED]] * 2),
+    ("stray_forward_first_forward_fails_hooked", [[4, *_RETRIED]] * 2),
+    # Without a stray forward, the first backward writes .grad and launches no bucket: all four are played.
+    ("stray_forward_none_first_backward_fails_hooked", [[4, 4, 4, *_RETRIED], [4, *_RETRIED]]),
+    # Off the overlap the backward is captured: DDP's reducer sees none of it, and rank 0 agrees at the end.
+    ("stray_forward_first_forward_fails_off_the_overlap", [[4, 4, 4, *_RETRIED], [4, *_RETRIED]]),
+]
+
+
+@pytest.mark.parametrize(("name", "rows"), STRAY, ids=[name for name, _ in STRAY])
+def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_early_buckets(
+    groups: Groups, name: str, rows: list[list[int]]
+) -> None:
+    """A forward in grad mode left DDP's reducer expecting a backward: the first micro-batch's all-reduces.
+
+    On every rank, that backward all-reduced every bucket, under ``no_sync()`` too; a rank that failed before
+    its last micro-batch played only that one's buckets along, and gloo aborted the job ("40 vs 8").
+    """
+    for rank, value in enumerate(groups("crash")[name]):
+        assert value["ooms"] == (0 if name.endswith("nothing_fails") else 1), f"rank {rank}"
+        assert value["rows"] == [*rows[rank], 12], f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+        # A step of the hand loop's after it: the reducer is as DDP leaves a step.
+        assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
+
+
 def test_a_rank_without_memory_for_the_copy_set_aside_fails_an_attempt_the_ranks_agree_on(groups: Groups) -> None:
     """The copy of bucket-view gradients is made inside the first attempt: no rank is left waiting for it.
 

@@ -24,7 +24,8 @@ class Agreeing(Strategy, Alone):
     def __init__(self, agreement: distributed.Agreement, on_steps: bool, sharded: bool = False) -> None:
         # on_steps: whether a step may start at another size than the last succeeded at (growing,
         # refining); else the ranks agreed on the size that succeeded, the same everywhere.
-        self.agreement, self.on_steps, self.unanimous = agreement, on_steps, True
+        self.agreement: distributed.Agreement = agreement
+        self.on_steps, self.unanimous = on_steps, True
         # sharded: the call reaches FSDP2 modules, whose collectives every micro-batch or chunk makes, so
         # the ranks must cover as many rows (at any size, or one rank runs a micro-batch more and hangs).
         self.sharded = sharded

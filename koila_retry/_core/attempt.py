@@ -22,12 +22,12 @@ from koila_retry._core.calibrating import calibrate
 from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.decision import Done, Outcome, State, Try
 from koila_retry._core.detect import is_oom
+from koila_retry._core.distributed import Agreement, RanksFailed
 from koila_retry._core.outcomes import Failure, detached, iterator_among, store
-from koila_retry._core.sharded import RanksFailed
 from koila_retry._core.stats import Stats
 from koila_retry._core.strategy import FAILED, PENDING, READY, RUNNING, SUCCEEDED, Owner, Plan
 
-__all__ = ["Attempt", "Block", "Mechanics", "Owner"]
+__all__ = ["Attempt", "Block", "Mechanics", "Owner", "agreement_of"]
 
 _DONE = {
     RUNNING: "is already inside `with attempt:`",
@@ -85,8 +85,8 @@ class Mechanics:
             plan.settling.succeeded(self)
             return False
         if isinstance(exc, RanksFailed) and plan.settling.waits:
-            # Another rank failed, as an exchange inside this attempt learned (FSDP2): the
-            # exchange after it gives what that one said.
+            # Another rank failed, as an exchange inside this attempt learned (FSDP2, or DDP's
+            # reducer all-reducing early): the exchange after it gives what that one said.
             self.phase = PENDING
             return True
         if not is_oom(exc):
@@ -395,3 +395,8 @@ class Block(Attempt):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def agreement_of(attempt: Attempt) -> Agreement | None:
+    """Return the exchanges of the ranks a call's attempts agree with, or None where it agrees with none."""
+    return attempt._course.plan.settling.agreement

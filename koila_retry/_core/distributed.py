@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Agreement",
     "GradientSync",
+    "RanksFailed",
     "agreement",
     "broadcast_before_inference",
     "check_group",
@@ -115,6 +116,10 @@ def agreement(sync: bool | None, group: Any) -> Agreement | None:
 _agreements: weakref.WeakKeyDictionary[Any, Agreement] = weakref.WeakKeyDictionary()
 
 
+class RanksFailed(Exception):
+    """Another rank's attempt ran out of memory: raised inside this rank's step; the attempt catches it."""
+
+
 class Agreement:
     """The collectives that agree on sizes across the ranks of ``group`` (``None``: all)."""
 
@@ -174,20 +179,18 @@ class Agreement:
             )
         return agreed, floor
 
-    @property
-    def settled_rank(self) -> int | None:
-        """The lowest rank that failed, as the exchange inside the attempt learned it."""
-        return None if self.settled is None else self.settled[0]
+    def check_others(self) -> None:
+        """Make :meth:`after`'s exchange inside an attempt that has not failed here.
 
-    def heard_of_failure(self) -> bool:
-        """Make :meth:`after`'s exchange inside an attempt that has not failed here; true if another rank failed."""
-        # A rank that failed makes its exchange after its attempt (FSDP2: after playing along); the others
-        # meet it here, at their next exchange inside the attempt, and keep what it said in settled.
+        Raises:
+            RanksFailed: if another rank's attempt failed; every rank then abandons the attempt.
+        """
+        # A rank that failed makes its exchange after its attempt (after playing along); the others meet
+        # it here, at their next exchange inside the attempt, and keep what it said in settled.
         result = self.after(False, None)
-        if result[0] is None:
-            return False
-        self.settled = result
-        return True
+        if result[0] is not None:
+            self.settled = result
+            raise RanksFailed(f"rank {result[0]} ran out of memory; every rank abandons the attempt together")
 
     def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
         """Exchange an attempt's outcome: the lowest failed rank, the size all try next, whether all voted yes."""

@@ -6,7 +6,9 @@ reducer launched (with one collective per bucket, the process group's count of t
 else, in the reducer's order, those whose every parameter it marked ready) and makes the rest, with zeros, through
 DDP's own comm hook, as DDP's ``Join`` does for a rank with no input left, then the all-reduce of the
 used parameters that ``find_unused_parameters`` adds. Then the ranks agree once, and every rank resets
-its reducer (``_reset_state``), as DDP does when its process group changes. docs/distributed.rst,
+its reducer (``_reset_state``), as DDP does when its process group changes. After a forward in grad mode
+that no backward followed, the reducer all-reduces in a split step's first backward too: the ranks whose
+first backward did agree right after it, where a rank that failed meets them. docs/distributed.rst,
 "DDP: the overlap, kept", explains it to users.
 """
 
@@ -25,6 +27,8 @@ from koila_retry._core.aside import SetAside
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
+
+    from koila_retry._core.distributed import Agreement
 
 __all__ = ["Overlap", "overlaps"]
 
@@ -162,10 +166,10 @@ def _one_at_a_time(
 class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
-    def __init__(self, module: DistributedDataParallel) -> None:
+    def __init__(self, module: DistributedDataParallel, agreement: Agreement) -> None:
         self.known = cast(_Known, _known(module))  # overlaps() said there is one
         super().__init__([parameter for parameter in self.known.parameters if parameter.requires_grad])
-        self.module = module
+        self.module, self.agreement = module, agreement
         self.reducer: Any = module.reducer
         # With gradients as bucket views, the reducer writes the bucket that .grad is a view of: what is
         # set aside must be a copy (the one buffer the exact rollback costs, and only when .grad is present).
@@ -173,6 +177,9 @@ class Overlap(SetAside):
         # Gradient sync as the step found it: off inside the caller's own ``no_sync()``.
         self.syncs = bool(vars(module).get("require_backward_grad_sync", True))
         self.running = False  # an attempt began and has not finished its last micro-batch
+        # A split attempt's first backward has yet to run: DDP may all-reduce in it (see backward_begins).
+        self.unchecked = False
+        self.synced = False  # the backward last noted ran with gradient sync on
         self.merging = False  # see before()
         # Bucket views and a sync: .grad as the step found it, added to in place as a hand loop's (see before()).
         self.in_place = False
@@ -217,7 +224,7 @@ class Overlap(SetAside):
         # rank that failed before its forward would miss the broadcast.
         attributes = vars(self.module)
         if first:
-            self.running = True
+            self.running, self.unchecked = True, not last
             self._forget()
             self.copy()  # with running set: a rank that fails for the copies plays along the whole backward
             if self.in_place:
@@ -229,8 +236,16 @@ class Overlap(SetAside):
         if last and self.merging:
             self._merge()
 
-    def backward_begins(self) -> None:
-        """Note, as the last micro-batch's backward begins, what tells a play-along which buckets it launched."""
+    def backward_begins(self, last: bool) -> None:
+        """Note, as a backward that may all-reduce begins, what tells a play-along which buckets it launched.
+
+        That is the last micro-batch's, and a split attempt's first: after a forward in grad mode that no
+        backward followed (a sample logged, say), DDP's reducer all-reduces every bucket in the next
+        backward, under ``no_sync()`` too, on every rank.
+        """
+        if not (last or self.unchecked):
+            return
+        self.synced = last
         group = _counted(self.module)
         if group is not None:
             self.counted, self.issued = group, _sequence(group, self.known.reduced[0].device)
@@ -240,6 +255,25 @@ class Overlap(SetAside):
         self.stats = self.reducer.get_backward_stats()
         if not self.copies:
             self.written = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.known.reduced]
+
+    def backward_ended(self) -> None:
+        """After a backward that got through: if DDP all-reduced in a split attempt's first, agree that none failed.
+
+        Raises:
+            RanksFailed: if another rank failed: it played these buckets along, and agreed after them.
+        """
+        if not self.unchecked:
+            return
+        self.unchecked = False
+        made = self._made() if self.stats is None else None
+        early = bool(made) if self.stats is None else self.reducer.get_backward_stats() != self.stats
+        self._forget()  # a later failure plays along the last micro-batch's buckets, all of them
+        if early:
+            # A rank that failed in this backward, or before it, made the buckets and then the exchange
+            # after its attempt: made here too. A rank whose buckets all went has none to play along.
+            self.running = False
+            self.agreement.check_others()
+            self.running = True
 
     def _made(self) -> int | None:
         """Return the collectives made since the last micro-batch's backward began, where that says which buckets."""
@@ -348,15 +382,17 @@ class Overlap(SetAside):
     def _ready(self) -> set[int]:
         """Return the ids of the parameters the reducer marked ready in the last micro-batch's backward."""
         ready = set()
-        if self.written is not None:  # a .grad the backward wrote: its hook marked it (a tie in the stats or not)
-            ready = {
+        if self.stats is not None:  # marked without a gradient (unused, or None from a Function): the stats say
+            now = self.reducer.get_backward_stats()
+            ready = {id(p) for p, was, is_ in zip(self.known.reduced, self.stats, now, strict=True) if is_ != was}
+        # A .grad the backward wrote: its hook marked it (a tie in the stats or not), if the reducer expected
+        # the backward: under no_sync(), only where it marked any.
+        if self.written is not None and (self.synced or ready):
+            ready |= {
                 id(p)
                 for p, (grad, version) in zip(self.known.reduced, self.written, strict=True)
                 if p.grad is not grad or (grad is not None and grad._version != version)
             }
-        if self.stats is not None:  # marked without a gradient (unused, or None from a Function): the stats say
-            now = self.reducer.get_backward_stats()
-            ready |= {id(p) for p, was, is_ in zip(self.known.reduced, self.stats, now, strict=True) if is_ != was}
         return ready
 
     def undo(self) -> None:

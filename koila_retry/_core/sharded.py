@@ -23,7 +23,6 @@ from koila_retry._core import distributed, memory
 from koila_retry._core.aside import SetAside
 
 __all__ = [
-    "RanksFailed",
     "ShardedStep",
     "Shards",
     "as_sharded",
@@ -44,10 +43,6 @@ _T = TypeVar("_T", bound=torch.Tensor)
 # What FSDP2 holds unsharded from a backward with gradient sync off: (FSDPParam, its unsharded parameter's
 # .grad, its unsharded_accumulated_grad).
 _Held = list[tuple[Any, torch.Tensor | None, torch.Tensor | None]]
-
-
-class RanksFailed(Exception):
-    """Another rank's attempt ran out of memory: raised inside this rank's step; the attempt catches it."""
 
 
 class _Armed:
@@ -362,12 +357,8 @@ class Shards:
         _armed.shards, self.previous = self.previous, None
 
     def vote(self) -> None:
-        """Make the exchange after an attempt now, inside it; raise :class:`RanksFailed` if a rank failed."""
-        agreement = self.agreement
-        if agreement.heard_of_failure():
-            raise RanksFailed(
-                f"rank {agreement.settled_rank} ran out of memory; every rank abandons the attempt together"
-            )
+        """Make the exchange after an attempt now, inside it; raise ``RanksFailed`` if a rank failed."""
+        self.agreement.check_others()
 
     def micro_batch(self, front: str, exchange: bool, root: torch.nn.Module | None = None) -> None:
         """Begin a micro-batch (at ``root``'s forward, if given); with ``exchange``, agree that none failed yet."""

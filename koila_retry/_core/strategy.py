@@ -8,7 +8,7 @@ driver (``Mechanics``) only runs the plan's hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.call import Call
@@ -16,6 +16,9 @@ from koila_retry._core.decision import Done, Rules, State, Step
 from koila_retry._core.outcomes import Explain, Failure
 from koila_retry._core.policy import Policy
 from koila_retry._core.stats import OOMEvent, Stats
+
+if TYPE_CHECKING:
+    from koila_retry._core.distributed import Agreement
 
 __all__ = [
     "ALONE",
@@ -124,6 +127,7 @@ class Alone:
     unanimous = True  # after an exchange, whether every rank's vote was yes
     rank: int | None = None
     world_size: int | None = None
+    agreement: Agreement | None = None  # the exchanges of the ranks it agrees with
 
     def succeeded(self, course: Course) -> None:
         """Carry out a success at once."""

@@ -27,8 +27,9 @@ from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import call_references
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
+from koila_retry._core.attempt import agreement_of
 from koila_retry._core.cache import function_identity
-from koila_retry._core.distributed import GradientSync, ddp_modules, modules_of
+from koila_retry._core.distributed import Agreement, GradientSync, ddp_modules, modules_of
 from koila_retry._core.engine import Attempt, Call, Controller, Sampled, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.overlap import Overlap, overlaps
@@ -400,7 +401,8 @@ class _Accumulator:
         if sync is not None:
             sync.before_step(self.controller.name)
             if overlaps(sync.modules):
-                return self._planned(split, attempt, Overlap(sync.modules[0]))
+                agreement = cast(Agreement, agreement_of(attempt))  # the sync is made where the ranks agree
+                return self._planned(split, attempt, Overlap(sync.modules[0], agreement))
             self._warn_comm_hook(sync.modules)
         # Direct into .grad where nothing else may see it (see Gradients), an engine's backward=
         # included: each backward it starts is seen there. Under a process group, DDP's hooks
@@ -550,11 +552,13 @@ class _Accumulator:
                 if loss.requires_grad and (weight != 0.0 or (ddp and index == last)):
                     weighted = loss * weight if weight != 1.0 else loss
                     others.see(weighted)
-                    if overlap is not None and index == last:
-                        overlap.backward_begins()
+                    if overlap is not None:
+                        overlap.backward_begins(index == last)
                     # Into .grad, not captured: FSDP2's and DDP's hooks reduce what the backward writes.
                     self.backward(weighted, retain)
                     del weighted
+                    if overlap is not None:
+                        overlap.backward_ended()
                     backed = True
                 del loss, args, kwargs
             if not backed:
