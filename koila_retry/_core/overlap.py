@@ -246,6 +246,7 @@ class Overlap(SetAside):
         if not (last or self.unchecked):
             return
         self.synced = last
+        self.unchecked = self.unchecked and not last  # DDP all-reduces in a synced one anyway
         group = _counted(self.module)
         if group is not None:
             self.counted, self.issued = group, _sequence(group, self.known.reduced[0].device)
