@@ -126,7 +126,8 @@ class Encoder(nn.Module):
         self.head = nn.Linear(width, 10)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embedding(tokens) + self.position).mean(1))
+        logits: torch.Tensor = self.head(self.encoder(self.embedding(tokens) + self.position).mean(1))
+        return logits
 
 
 @dataclass
@@ -251,22 +252,24 @@ def build(setting: Setting, args: argparse.Namespace, notes: list[str]) -> None:
 
     def forward(rows_in: torch.Tensor) -> torch.Tensor:
         record(rows_in.shape[0])
-        return model(rows_in)
+        logits: torch.Tensor = model(rows_in)
+        return logits
 
     def plain() -> None:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(forward(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def hand() -> None:
         opt.zero_grad(set_to_none=True)
-        for xb, yb in zip(x.split(m), y.split(m)):
-            (loss_fn(forward(xb), yb) * len(xb) / rows).backward()
+        # Tensor.split and Tensor.backward are unannotated in torch (hence the type: ignores).
+        for xb, yb in zip(x.split(m), y.split(m)):  # type: ignore[no-untyped-call]
+            (loss_fn(forward(xb), yb) * len(xb) / rows).backward()  # type: ignore[no-untyped-call]
 
     def unweighted() -> None:
         opt.zero_grad(set_to_none=True)
-        for xb, yb in zip(x.split(m), y.split(m)):
-            loss_fn(forward(xb), yb).backward()
+        for xb, yb in zip(x.split(m), y.split(m)):  # type: ignore[no-untyped-call]  # unannotated in torch
+            loss_fn(forward(xb), yb).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return loss_fn(forward(xb), yb)
@@ -308,7 +311,7 @@ def build(setting: Setting, args: argparse.Namespace, notes: list[str]) -> None:
 
                 def accelerated() -> None:
                     opt.zero_grad(set_to_none=True)
-                    for xb, yb in zip(x.split(m), y.split(m)):
+                    for xb, yb in zip(x.split(m), y.split(m)):  # type: ignore[no-untyped-call]  # unannotated in torch
                         with accelerator.accumulate(model):
                             accelerator.backward(loss_fn(forward(xb), yb))
 
@@ -322,7 +325,7 @@ def build(setting: Setting, args: argparse.Namespace, notes: list[str]) -> None:
     # The full-batch gradient, then each candidate's, once; then a block of warm-up steps.
     loss = loss_fn(forward(x), y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
     full = gradients(model)
     for candidate in candidates:
         result = candidate.call()

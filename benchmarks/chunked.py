@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from common import duration, percent, print_rst, version_of  # the script's own folder is on sys.path
+from common import BatchSizeFinder, duration, percent, print_rst, version_of  # the script's own folder is on sys.path
 
 import koila_retry as koila
 from koila_retry.testing import make_oom
@@ -154,6 +154,7 @@ def toma_chunked(fn: ShortMemory, x: torch.Tensor) -> torch.Tensor:
 def accelerate_loop(fn: ShortMemory, x: torch.Tensor, halve: bool = False) -> torch.Tensor:
     from accelerate.utils import find_executable_batch_size
 
+    finder: BatchSizeFinder = find_executable_batch_size  # its signature: accelerate ships no types
     size = START
 
     def halving() -> int:
@@ -161,7 +162,7 @@ def accelerate_loop(fn: ShortMemory, x: torch.Tensor, halve: bool = False) -> to
         size //= 2
         return size
 
-    @find_executable_batch_size(starting_batch_size=START, reduce_batch_size_fn=halving if halve else None)
+    @finder(starting_batch_size=START, reduce_batch_size_fn=halving if halve else None)
     def run(batch_size: int) -> torch.Tensor:
         n = x.shape[0]
         return torch.cat([fn(x.narrow(0, b, min(batch_size, n - b))) for b in range(0, n, batch_size)])
@@ -402,8 +403,9 @@ def overhead_candidates(setting: Setting, args: argparse.Namespace) -> list[Cand
         except ImportError:
             pass
         else:
+            finder: BatchSizeFinder = find_executable_batch_size  # its signature: accelerate ships no types
 
-            @find_executable_batch_size(starting_batch_size=c)
+            @finder(starting_batch_size=c)
             def accelerated(batch_size: int) -> torch.Tensor:
                 return torch.cat([fn(x.narrow(0, b, min(batch_size, n - b))) for b in range(0, n, batch_size)])
 

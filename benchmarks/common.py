@@ -8,8 +8,26 @@ import io
 import os
 import subprocess
 import tarfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class BatchSizeRetry(Protocol):
+    """What ``find_executable_batch_size(starting_batch_size=...)`` returns: a decorator that passes the size."""
+
+    def __call__(self, function: Callable[[int], T], /) -> Callable[[], T]: ...
+
+
+class BatchSizeFinder(Protocol):
+    """accelerate's ``find_executable_batch_size`` as the scripts call it: accelerate ships no types."""
+
+    def __call__(
+        self, *, starting_batch_size: int = 128, reduce_batch_size_fn: Callable[[], int] | None = None
+    ) -> BatchSizeRetry: ...
 
 
 def version_of(distribution: str) -> str:

@@ -67,9 +67,9 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -119,8 +119,35 @@ class Setting:
         return f"k={self.k} ({self.k} x {self.size})"
 
 
+class TimedCandidate(Protocol):
+    """What :func:`run` and :func:`ratio` use of a candidate: this script's :class:`Candidate`, and fsdp.py's."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def call(self) -> Callable[[], Any]: ...
+
+    @property
+    def check(self) -> Callable[[], str | None] | None: ...
+
+    @property
+    def times(self) -> list[float]: ...
+
+
+class TimedSetting(Protocol):
+    """What :func:`run` uses of a setting: this script's :class:`Setting`, and fsdp.py's."""
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def candidates(self) -> Sequence[TimedCandidate]: ...
+
+
 def gradients(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() for p in model.parameters()]
+    # Every parameter has a gradient: the model's backward has just run.
+    return [cast(torch.Tensor, p.grad).detach().clone() for p in model.parameters()]
 
 
 def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor) -> Setting:
@@ -134,12 +161,13 @@ def build(k: int, ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor
     def hand() -> None:
         opt.zero_grad(set_to_none=True)
         last = k - 1
-        for i, (xb, yb) in enumerate(zip(x.split(m), y.split(m))):
+        # Tensor.split and Tensor.backward are unannotated in torch (hence the type: ignores).
+        for i, (xb, yb) in enumerate(zip(x.split(m), y.split(m))):  # type: ignore[no-untyped-call]
             if i < last:
                 with ddp.no_sync():
-                    (loss_fn(ddp(xb), yb) * len(xb) / rows).backward()
+                    (loss_fn(ddp(xb), yb) * len(xb) / rows).backward()  # type: ignore[no-untyped-call]
             else:  # the last backward all-reduces the gradients, overlapped with itself
-                (loss_fn(ddp(xb), yb) * len(xb) / rows).backward()
+                (loss_fn(ddp(xb), yb) * len(xb) / rows).backward()  # type: ignore[no-untyped-call]
 
     @koila.accumulate(initial=m, ddp=ddp, sync=True)  # sync=True: a group of one (--nccl) agrees too
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -207,7 +235,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_block(candidate: Candidate, steps: int, device: torch.device) -> float:
+def time_block(candidate: TimedCandidate, steps: int, device: torch.device) -> float:
     """Return the seconds per step of one block, on the slower rank; every rank calls it."""
     call = candidate.call
     dist.barrier()
@@ -221,7 +249,7 @@ def time_block(candidate: Candidate, steps: int, device: torch.device) -> float:
     return float(seconds.item())
 
 
-def run(settings: list[Setting], rounds: int, rank: int, device: torch.device) -> None:
+def run(settings: Sequence[TimedSetting], rounds: int, rank: int, device: torch.device) -> None:
     """Time every candidate of every setting, interleaved: a block of each per round, rotated."""
     blocks = [(setting, candidate) for setting in settings for candidate in setting.candidates]
     for number in range(rounds):
@@ -235,7 +263,7 @@ def run(settings: list[Setting], rounds: int, rank: int, device: torch.device) -
             print(f"  {number + 1} of {rounds} rounds done", file=sys.stderr, flush=True)
 
 
-def ratio(candidate: Candidate, base: Candidate) -> float:
+def ratio(candidate: TimedCandidate, base: TimedCandidate) -> float:
     """The median over rounds of the candidate's time over the baseline's in the same round."""
     return statistics.median(t / b for t, b in zip(candidate.times, base.times, strict=True))
 
@@ -374,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nccl and not torch.cuda.is_available():
         print("--nccl needs a CUDA device; there is none here")
         return 1
-    mp.spawn(worker, args=(free_port(), args), nprocs=world_size(args))
+    # torch.multiprocessing.spawn is public, but unannotated and missing from the module's __all__.
+    mp.spawn(worker, args=(free_port(), args), nprocs=world_size(args))  # type: ignore[attr-defined,no-untyped-call]
     return 0
 
 

@@ -132,7 +132,8 @@ class BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + self.shortcut(x))
+        activations: torch.Tensor = self.relu(out + self.shortcut(x))
+        return activations
 
 
 class ResNet(nn.Module):
@@ -151,7 +152,8 @@ class ResNet(nn.Module):
         self.head = nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+        logits: torch.Tensor = self.head(functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+        return logits
 
 
 class Transformer(nn.Module):
@@ -164,7 +166,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(1))
+        logits: torch.Tensor = self.head(self.encoder(x).mean(1))
+        return logits
 
 
 class Recurrent(nn.Module):
@@ -175,7 +178,7 @@ class Recurrent(nn.Module):
         features: int = 32,
         hidden: int = 128,
         classes: int = 10,
-        kind: type[nn.RNNBase] = nn.LSTM,
+        kind: type[nn.LSTM | nn.GRU] = nn.LSTM,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -185,7 +188,8 @@ class Recurrent(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, state = self.rnn(x)
         hidden = state[0] if isinstance(state, tuple) else state  # an LSTM's is (hidden, cell)
-        return self.head(hidden[-1])
+        logits: torch.Tensor = self.head(hidden[-1])
+        return logits
 
 
 class Attention(nn.Module):
@@ -202,7 +206,8 @@ class Attention(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embedding(tokens) + self.position
         attended, _ = self.attention(h, h, h)
-        return self.head(self.norm(h + attended).mean(1))
+        logits: torch.Tensor = self.head(self.norm(h + attended).mean(1))
+        return logits
 
 
 class HuggingFace(nn.Module):
@@ -245,7 +250,8 @@ class HuggingFace(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x).last_hidden_state.mean(1))
+        logits: torch.Tensor = self.head(self.body(x).last_hidden_state.mean(1))
+        return logits
 
 
 def _tokens(rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -418,7 +424,8 @@ def make_case(model_name: str, mode: str, batch: int) -> Case:
 
         def infer(x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
-                return model(x)
+                out: torch.Tensor = model(x)
+                return out
 
         infer(x)
         return Case(model, None, infer, (x,))
@@ -429,7 +436,7 @@ def make_case(model_name: str, mode: str, batch: int) -> Case:
     def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         opt.step()
         return loss.detach()
 
@@ -535,7 +542,7 @@ def measure_true_peak(model_name: str, mode: str, batch: int, repeats: int = 3, 
 # The estimate --------------------------------------------------------------------------------------
 
 
-class LiveTensors(TorchDispatchMode):
+class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated in torch
     """Count the bytes of live tensor storages while real operators run, and keep their peak.
 
     The stand-in for ``koila.estimate``: it runs the step for real, so what a kernel allocates inside
@@ -543,7 +550,7 @@ class LiveTensors(TorchDispatchMode):
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated in torch
         self.live = 0
         self.peak = 0
         self.counted: set[int] = set()
@@ -633,7 +640,8 @@ class Row:
 
     @property
     def share(self) -> float:
-        return (self.true_peak - self.truth["static"]) / self.true_peak
+        static: int = self.truth["static"]
+        return (self.true_peak - static) / self.true_peak
 
     @property
     def spread(self) -> int:

@@ -81,7 +81,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,8 @@ from common import add_run_flags, duration, labelled, percent, print_load, print
 from ddp import free_port, ratio, run  # the interleaved blocks of two ranks, as there
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
 import koila_retry as koila
@@ -178,17 +179,19 @@ def sharded_model(blocks: int, width: int, exchanging: bool = False) -> nn.Seque
         *(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)), nn.Linear(width, CLASSES)
     )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # fully_shard's default is CUDA where present
-    for block in [*model[:blocks], model]:
-        fully_shard(block, mesh=mesh)
+    for block in [*list(model)[:blocks], model]:
+        sharded = fully_shard(block, mesh=mesh)  # the block itself, now an FSDPModule
         if exchanging:
-            block.set_custom_all_gather(Exchanging("all_gather_single"))
-            block.set_custom_reduce_scatter(Exchanging("reduce_scatter_single"))
+            # torch types these as its ABCs AllGather and ReduceScatter; FSDP2 only calls them, with keywords.
+            sharded.set_custom_all_gather(Exchanging("all_gather_single"))  # type: ignore[arg-type]
+            sharded.set_custom_reduce_scatter(Exchanging("reduce_scatter_single"))  # type: ignore[arg-type]
     return model
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:
     """Each parameter's whole gradient, gathered from the ranks' shards (a collective)."""
-    return [p.grad.full_tensor() for p in model.parameters()]
+    # FSDP2 makes each gradient a DTensor, sharded as its parameter.
+    return [cast(DTensor, p.grad).full_tensor() for p in model.parameters()]
 
 
 def allclose_everywhere(found: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
@@ -242,17 +245,19 @@ def build(shape: str, k: int, models: tuple[nn.Module, nn.Module], x: torch.Tens
     def baseline(net: nn.Module) -> Callable[[], None]:
         """The plain step (k = 1) or the hand loop of ``net``, ``.grad`` set to None first."""
         parameters = list(net.parameters())
+        sharded = cast(FSDPModule, net)  # fully_shard made it one: the same object
 
         def step() -> None:
             for parameter in parameters:
                 parameter.grad = None
             last = k - 1
-            for i, (xb, yb) in enumerate(zip(x.split(m), y.split(m))):
+            # Tensor.split and Tensor.backward are unannotated in torch (hence the type: ignores).
+            for i, (xb, yb) in enumerate(zip(x.split(m), y.split(m))):  # type: ignore[no-untyped-call]
                 if k == 1:
-                    loss_fn(net(xb), yb).backward()
+                    loss_fn(net(xb), yb).backward()  # type: ignore[no-untyped-call]
                 else:
-                    net.set_requires_gradient_sync(i == last)
-                    (loss_fn(net(xb), yb) * len(xb) / rows).backward()
+                    sharded.set_requires_gradient_sync(i == last)
+                    (loss_fn(net(xb), yb) * len(xb) / rows).backward()  # type: ignore[no-untyped-call]
 
         return step
 
@@ -486,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Python {platform.python_version()} on {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
     print(f"torch {torch.__version__} (gloo, 1 thread per process), koila-retry {koila.__version__}")
     print_load("before")
-    mp.spawn(worker, args=(free_port(), args), nprocs=WORLD_SIZE)
+    # torch.multiprocessing.spawn is public, but unannotated and missing from the module's __all__.
+    mp.spawn(worker, args=(free_port(), args), nprocs=WORLD_SIZE)  # type: ignore[attr-defined,no-untyped-call]
     return 0
 
 

@@ -99,11 +99,11 @@ def measure(calls: int) -> dict[str, Any]:
         counts["object lists"] += 1
         return get_objects(*args, **kwargs)
 
-    gc.collect, gc.get_objects = counting_collect, counting_get_objects  # type: ignore[assignment]
+    gc.collect, gc.get_objects = counting_collect, counting_get_objects
     try:
         give_up()
     finally:
-        gc.collect, gc.get_objects = collect, get_objects  # type: ignore[assignment]
+        gc.collect, gc.get_objects = collect, get_objects
     return {
         "file": koila.__file__,
         "imported": imported,

@@ -110,7 +110,8 @@ class GRUNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, hidden = self.gru(x)
-        return self.head(hidden[-1])
+        logits: torch.Tensor = self.head(hidden[-1])
+        return logits
 
 
 def _tokens(rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -121,6 +122,7 @@ def _hugging_face(name: str) -> nn.Module:
     import transformers
 
     layers: dict[str, Any] = {"num_hidden_layers": 2, "num_attention_heads": 4, "attn_implementation": "sdpa"}
+    model: nn.Module  # transformers' classes are Any to mypy here (pyproject.toml)
     if name == "gpt2":
         config = transformers.GPT2Config(
             n_layer=2,
@@ -133,12 +135,15 @@ def _hugging_face(name: str) -> nn.Module:
             eos_token_id=0,
             attn_implementation="sdpa",
         )
-        return transformers.GPT2LMHeadModel(config)
+        model = transformers.GPT2LMHeadModel(config)
+        return model
     layers.update(hidden_size=128, intermediate_size=512, num_labels=10)
     if name == "bert":
         config = transformers.BertConfig(vocab_size=1000, max_position_embeddings=64, **layers)
-        return transformers.BertForSequenceClassification(config)
-    return transformers.ViTForImageClassification(transformers.ViTConfig(image_size=32, patch_size=4, **layers))
+        model = transformers.BertForSequenceClassification(config)
+        return model
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(image_size=32, patch_size=4, **layers))
+    return model
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,7 @@ def build(case: Case, device: torch.device, precision: str) -> tuple[Callable[..
         optimizer.zero_grad(set_to_none=True)
         with autocast():
             loss = spec.loss(model, x, y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         optimizer.step()
         return loss.detach()
 
@@ -477,7 +482,7 @@ def speed(args: argparse.Namespace, device: torch.device, rows_total: int = 4096
 
     def plain() -> None:
         model.zero_grad(set_to_none=True)
-        functional.cross_entropy(model(x), y).backward()
+        functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def wrapped(initial: int | None) -> Callable[[], None]:
         @koila.accumulate(initial=initial)
@@ -495,8 +500,9 @@ def speed(args: argparse.Namespace, device: torch.device, rows_total: int = 4096
     def by_hand(size: int) -> Callable[[], None]:
         def run() -> None:
             model.zero_grad(set_to_none=True)
-            for xb, yb in zip(x.split(size), y.split(size)):
-                (functional.cross_entropy(model(xb), yb) * len(xb) / rows_total).backward()
+            # Tensor.split and Tensor.backward are unannotated in torch (hence the type: ignores).
+            for xb, yb in zip(x.split(size), y.split(size)):  # type: ignore[no-untyped-call]
+                (functional.cross_entropy(model(xb), yb) * len(xb) / rows_total).backward()  # type: ignore[no-untyped-call]
 
         return run
 
@@ -523,7 +529,8 @@ def speed(args: argparse.Namespace, device: torch.device, rows_total: int = 4096
     @koila.batch(initial=rows_total)
     def evaluate(batch_size: int) -> torch.Tensor:
         with torch.no_grad():
-            return model(x[:batch_size])
+            logits: torch.Tensor = model(x[:batch_size])
+            return logits
 
     def plain_evaluate() -> None:
         with torch.no_grad():

@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 import torch
 from common import print_rst, version_of  # the script's own folder is on sys.path
@@ -124,7 +124,7 @@ def koila_candidates(calls: int, notes: list[str]) -> list[Candidate]:
             if cache_type is None:
                 continue
             cache = cache_type()
-            wrapped = koila.batch(initial=INITIAL, cache=cache)(f)
+            wrapped: Callable[..., Any] = koila.batch(initial=INITIAL, cache=cache)(f)  # as the stand-ins' below
             name = f"koila.batch, {cache_name}, {argument}"
             candidates.append(Candidate(name, wrapped, (value,), calls, cache=cache))
 
@@ -255,7 +255,7 @@ def signed(seconds: float) -> str:
     return f"{round(seconds * 1e6, 2) + 0.0:+.2f} us"  # + 0.0: no "-0.00"
 
 
-def send(channel: TextIO, message: dict[str, Any]) -> None:
+def send(channel: IO[str], message: dict[str, Any]) -> None:
     channel.write(json.dumps(message) + "\n")
     channel.flush()
 

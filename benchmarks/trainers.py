@@ -400,8 +400,8 @@ def lightning(args: argparse.Namespace, folder: str, notes: list[str]) -> list[S
     """Build, check and warm the Lightning candidates; none if lightning is missing."""
     try:
         import lightning as L
+        from lightning.fabric.utilities.warnings import PossibleUserWarning  # lightning.pytorch's only re-exports it
         from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-        from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
         from koila_retry.integrations.lightning import OOMRecovery
     except ImportError as error:
@@ -416,7 +416,7 @@ def lightning(args: argparse.Namespace, folder: str, notes: list[str]) -> list[S
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
 
-    class Classifier(L.LightningModule):  # type: ignore[misc]
+    class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
@@ -458,7 +458,7 @@ def lightning(args: argparse.Namespace, folder: str, notes: list[str]) -> list[S
         def val_dataloader(self) -> torch.utils.data.DataLoader[Any]:
             return torch.utils.data.DataLoader(self.data[1], batch_size=self.batch_size)
 
-    class Watch(Callback):  # type: ignore[misc]
+    class Watch(Callback):
         def __init__(self, watch: Stopwatch) -> None:
             self.watch = watch
 
