@@ -1231,7 +1231,14 @@ def ddp_after_a_backward_without_sync_as_bucket_views(rank: int, world: int) -> 
 
 
 def _after_a_stray_forward(
-    rank: int, world: int, failures: dict[int, str], *, hooked: bool = False, fallback: bool = False, stray: bool = True
+    rank: int,
+    world: int,
+    failures: dict[int, str],
+    *,
+    hooked: bool = False,
+    fallback: bool = False,
+    stray: bool = True,
+    masked: bool = False,
 ) -> dict[str, Any]:
     """A forward of the DDP module in grad mode that no backward follows, then a step in three micro-batches.
 
@@ -1239,7 +1246,9 @@ def _after_a_stray_forward(
     micro-batch's under ``no_sync()`` included, on every rank. ``failures``: rank 1's forward calls of the
     step (from 0) that run out of memory. ``hooked``: a comm hook of the user's, so that the play-along reads
     the reducer's stats, not the count of collectives; ``fallback``: off DDP's overlap (a post-accumulate-grad
-    hook), the step all-reduces after its backward; ``stray``: whether that forward runs.
+    hook), the step all-reduces after its backward; ``stray``: whether that forward runs; ``masked``: the
+    loss is a mean over the rows a mask keeps, ``weight=`` counts them, and the first micro-batch keeps none
+    (its backward is skipped: the second's is the one DDP all-reduces in).
     """
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -1248,14 +1257,24 @@ def _after_a_stray_forward(
     rows = 12
     batches = [global_batch(world, rows, seed=seed) for seed in (90, 92, 94)]
     first, second = batches[0], batches[2]
-    expected, hand = (
-        mean_of(
-            [
-                full_grads(model, lambda m, r=r, b=b: F.mse_loss(m(local(b[0], r, rows)), local(b[1], r, rows)))
-                for r in range(world)
-            ]
-        )
-        for b in (second, first)
+    mask = torch.ones(rows, 1, dtype=DTYPE)
+    if masked:
+        mask[:4] = 0  # the first micro-batch's rows
+
+    def loss_of(out: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2 * kept).sum() / kept.sum().clamp(min=1)
+
+    expected = mean_of(
+        [
+            full_grads(model, lambda m, r=r: loss_of(m(local(second[0], r, rows)), local(second[1], r, rows), mask))
+            for r in range(world)
+        ]
+    )
+    hand = mean_of(
+        [
+            full_grads(model, lambda m, r=r: F.mse_loss(m(local(first[0], r, rows)), local(first[1], r, rows)))
+            for r in range(world)
+        ]
     )
     ddp = DDP(model, bucket_cap_mb=0.0001)  # about one layer a bucket, once rebuilt after the first step
     if hooked:
@@ -1274,13 +1293,13 @@ def _after_a_stray_forward(
     model[4].failures = {before + call: where for call, where in failures.items()} if rank == 1 else {}
     events: list[koila.OOMEvent] = []
 
-    @koila.accumulate(initial=4, cache=koila.NoCache(), on_oom=events.append)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(ddp(x), y)
+    @koila.accumulate(initial=4, cache=koila.NoCache(), on_oom=events.append, weight=lambda x, y, kept: kept.sum())
+    def step(x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return loss_of(ddp(x), y, kept)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's, that it calls no comm hook
-        step(local(second[0], rank, rows), local(second[1], rank, rows))
+        step(local(second[0], rank, rows), local(second[1], rank, rows), mask)
     after = grads(model)
     # Then a step of the hand loop's: the reducer is as DDP leaves it after a step.
     model.zero_grad()
@@ -1329,6 +1348,16 @@ def stray_forward_first_backward_fails_hooked(rank: int, world: int) -> dict[str
 @scenario("crash")
 def stray_forward_first_forward_fails_hooked(rank: int, world: int) -> dict[str, Any]:
     return _after_a_stray_forward(rank, world, {0: "forward"}, hooked=True)
+
+
+@scenario("crash")
+def stray_forward_first_micro_batch_weighs_nothing_first_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {0: "forward"}, masked=True)
+
+
+@scenario("crash")
+def stray_forward_first_micro_batch_weighs_nothing(rank: int, world: int) -> dict[str, Any]:
+    return _after_a_stray_forward(rank, world, {}, masked=True)
 
 
 @scenario("crash")
