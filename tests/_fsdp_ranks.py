@@ -1014,3 +1014,59 @@ def fsdp_play_along_after_an_attempt_held_in_a_cycle(rank: int, world: int) -> d
         "grads": full([p.grad for p in net.parameters()]),
         "expected": [p.grad for p in reference.parameters()],
     }
+
+
+def _masked_loss(out: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The mean squared error over the rows ``kept`` holds: 0/0 (nan) where it holds none, as many losses are."""
+    return ((out - y) ** 2 * kept).sum() / kept.sum()
+
+
+def _weighing_nothing(rank: int, world: int, weightless: dict[int, slice], failures: dict[int, str]) -> dict[str, Any]:
+    """Micro-batches of 4 rows, some of which weigh nothing (``weight=`` counts no row of theirs), on some ranks.
+
+    ``weightless``: by rank, the rows its mask drops; ``failures``: the last rank's forward calls that fail.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    inject: Inject = net[1][1]
+    x_all, y_all = batch(world, seed=61)
+    masks = [torch.ones(ROWS, 1, dtype=DTYPE) for _ in range(world)]
+    for where, rows in weightless.items():
+        masks[where][rows] = 0
+    for other in range(world):  # each rank's own mean, averaged over the ranks by the reduce-scatter
+        (_masked_loss(reference(local(x_all, other)), local(y_all, other), masks[other]) / world).backward()
+    inject.failures = failures if rank == world - 1 else {}
+
+    @koila.accumulate(initial=4, cache=koila.NoCache(), weight=lambda x, y, kept: kept.sum())
+    def step(x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return _masked_loss(net(x), y, kept)
+
+    loss = step(local(x_all, rank), local(y_all, rank), masks[rank])
+    return {
+        "loss": float(loss),
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "rows": inject.rows,
+        "ooms": step.stats.ooms,
+    }
+
+
+@scenario("two")
+def fsdp_last_micro_batch_weighs_nothing(rank: int, world: int) -> dict[str, Any]:
+    # Its backward was skipped: the earlier micro-batches' gradients, accumulated unsharded, were never
+    # reduce-scattered, and the step returned with no gradient at all on the sharded parameters.
+    return _weighing_nothing(rank, world, {r: slice(8, None) for r in range(world)}, {})
+
+
+@scenario("two")
+def fsdp_first_micro_batch_weighs_nothing_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    # Rank 0 skipped the backward of its first micro-batch, and the re-gathering collectives of it that
+    # rank 1 made: the ranks waited in each other's collectives until the group's timeout.
+    return _weighing_nothing(rank, world, {0: slice(0, 4)}, {})
+
+
+@scenario("two")
+def fsdp_a_micro_batch_that_weighs_nothing_fails(rank: int, world: int) -> dict[str, Any]:
+    # The last rank runs out of memory in the backward of its last micro-batch, which weighs nothing.
+    return _weighing_nothing(rank, world, {r: slice(8, None) for r in range(world)}, {2: "backward"})

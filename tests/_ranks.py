@@ -1238,17 +1238,18 @@ def _after_a_stray_forward(
     hooked: bool = False,
     fallback: bool = False,
     stray: bool = True,
-    masked: bool = False,
+    weightless: dict[int, slice] | None = None,
+    size: int = 4,
 ) -> dict[str, Any]:
-    """A forward of the DDP module in grad mode that no backward follows, then a step in three micro-batches.
+    """A forward of the DDP module in grad mode that no backward follows, then a step in micro-batches of ``size``.
 
     DDP's reducer stays armed after such a forward, so the next backward all-reduces every bucket, the first
     micro-batch's under ``no_sync()`` included, on every rank. ``failures``: rank 1's forward calls of the
     step (from 0) that run out of memory. ``hooked``: a comm hook of the user's, so that the play-along reads
     the reducer's stats, not the count of collectives; ``fallback``: off DDP's overlap (a post-accumulate-grad
-    hook), the step all-reduces after its backward; ``stray``: whether that forward runs; ``masked``: the
-    loss is a mean over the rows a mask keeps, ``weight=`` counts them, and the first micro-batch keeps none
-    (its backward is skipped: the second's is the one DDP all-reduces in).
+    hook), the step all-reduces after its backward; ``stray``: whether that forward runs. The loss is a mean
+    over the rows a mask keeps, which ``weight=`` counts: ``weightless`` drops rows, by rank (a micro-batch it
+    drops whole weighs nothing, and its loss is 0/0).
     """
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -1257,16 +1258,16 @@ def _after_a_stray_forward(
     rows = 12
     batches = [global_batch(world, rows, seed=seed) for seed in (90, 92, 94)]
     first, second = batches[0], batches[2]
-    mask = torch.ones(rows, 1, dtype=DTYPE)
-    if masked:
-        mask[:4] = 0  # the first micro-batch's rows
+    masks = [torch.ones(rows, 1, dtype=DTYPE) for _ in range(world)]
+    for where, dropped in (weightless or {}).items():
+        masks[where][dropped] = 0
 
     def loss_of(out: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        return ((out - y) ** 2 * kept).sum() / kept.sum().clamp(min=1)
+        return ((out - y) ** 2 * kept).sum() / kept.sum()
 
     expected = mean_of(
         [
-            full_grads(model, lambda m, r=r: loss_of(m(local(second[0], r, rows)), local(second[1], r, rows), mask))
+            full_grads(model, lambda m, r=r: loss_of(m(local(second[0], r, rows)), local(second[1], r, rows), masks[r]))
             for r in range(world)
         ]
     )
@@ -1293,13 +1294,13 @@ def _after_a_stray_forward(
     model[4].failures = {before + call: where for call, where in failures.items()} if rank == 1 else {}
     events: list[koila.OOMEvent] = []
 
-    @koila.accumulate(initial=4, cache=koila.NoCache(), on_oom=events.append, weight=lambda x, y, kept: kept.sum())
+    @koila.accumulate(initial=size, cache=koila.NoCache(), on_oom=events.append, weight=lambda x, y, kept: kept.sum())
     def step(x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         return loss_of(ddp(x), y, kept)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's, that it calls no comm hook
-        step(local(second[0], rank, rows), local(second[1], rank, rows), mask)
+        loss = step(local(second[0], rank, rows), local(second[1], rank, rows), masks[rank])
     after = grads(model)
     # Then a step of the hand loop's: the reducer is as DDP leaves it after a step.
     model.zero_grad()
@@ -1310,6 +1311,7 @@ def _after_a_stray_forward(
         "hand": grads(model),
         "hand_expected": hand,
         "ooms": len(events),
+        "loss": float(loss),
         "rows": model[4].rows[before:],
     }
 
@@ -1352,12 +1354,55 @@ def stray_forward_first_forward_fails_hooked(rank: int, world: int) -> dict[str,
 
 @scenario("crash")
 def stray_forward_first_micro_batch_weighs_nothing_first_forward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _after_a_stray_forward(rank, world, {0: "forward"}, masked=True)
+    return _after_a_stray_forward(rank, world, {0: "forward"}, weightless={r: slice(0, 4) for r in range(world)})
 
 
 @scenario("crash")
 def stray_forward_first_micro_batch_weighs_nothing(rank: int, world: int) -> dict[str, Any]:
-    return _after_a_stray_forward(rank, world, {}, masked=True)
+    return _after_a_stray_forward(rank, world, {}, weightless={r: slice(0, 4) for r in range(world)})
+
+
+@scenario("crash")
+def stray_forward_first_micro_batch_weighs_nothing_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    # Two micro-batches. Rank 0 skipped that backward: its first backward was its last, and rank 1's check
+    # after its own first met rank 0's exchange after the attempt. Rank 0 returned a wrong gradient, and
+    # rank 1 waited in its last backward's buckets.
+    return _after_a_stray_forward(rank, world, {}, weightless={0: slice(0, 6)}, size=6)
+
+
+@scenario("crash")
+def ddp_last_micro_batch_weighs_nothing(rank: int, world: int) -> dict[str, Any]:
+    # DDP needs the last backward: it ran as loss * 0, whose 0/0 made every gradient nan.
+    return _after_a_stray_forward(rank, world, {}, stray=False, weightless={r: slice(8, None) for r in range(world)})
+
+
+@scenario("crash")
+def stray_forward_ranks_out_of_step(rank: int, world: int) -> dict[str, Any]:
+    """After a stray forward, rank 0's first backward is not its last, and rank 1's is (half the rows).
+
+    Rank 0 agreed after its first backward's buckets and rank 1 after its attempt, and the two exchanges,
+    alike in size, paired up: rank 1 returned a wrong gradient, and rank 0 waited in its last buckets.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    x, y = global_batch(world, 12, seed=96)
+    rows = 12 if rank == 0 else 6
+    F.mse_loss(ddp(local(x, rank, 12)), local(y, rank, 12)).backward()  # a hand step
+    model.zero_grad()
+    ddp(local(x, rank, 12))  # logged, say: no backward
+
+    @koila.accumulate(initial=6, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    outcome = caught(lambda: step(local(x, rank, 12)[:rows], local(y, rank, 12)[:rows]))
+    after = grads(model)
+    F.mse_loss(ddp(local(x, rank, 12)), local(y, rank, 12)).backward()  # the hand loop goes on
+    hand = mean_of(
+        [full_grads(model, lambda m, r=r: F.mse_loss(m(local(x, r, 12)), local(y, r, 12))) for r in range(world)]
+    )
+    return {"caught": outcome, "after": after, "grads": grads(model), "expected": hand}
 
 
 @scenario("crash")

@@ -8,6 +8,7 @@ seconds is killed, and the scenarios it did not finish fail with a message sayin
 
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 from typing import Any
@@ -325,9 +326,12 @@ STRAY = [
     ("stray_forward_last_backward_fails", [[4, 4, 4, *_RETRIED]] * 2),
     ("stray_forward_first_backward_fails_hooked", [[4, *_RETRIED]] * 2),
     ("stray_forward_first_forward_fails_hooked", [[4, *_RETRIED]] * 2),
-    # The first micro-batch weighs nothing and runs no backward: the second's is the one DDP all-reduces in.
+    # The first micro-batch weighs nothing: its backward runs all the same, and writes zeros.
     ("stray_forward_first_micro_batch_weighs_nothing", [[4, 4, 4]] * 2),
-    ("stray_forward_first_micro_batch_weighs_nothing_first_forward_fails", [[4, 4, *_RETRIED], [4, *_RETRIED]]),
+    ("stray_forward_first_micro_batch_weighs_nothing_first_forward_fails", [[4, *_RETRIED]] * 2),
+    ("stray_forward_first_micro_batch_weighs_nothing_on_one_rank", [[6, 6]] * 2),
+    # DDP's last backward runs though its micro-batch weighs nothing, and writes zeros, not 0/0's nan.
+    ("ddp_last_micro_batch_weighs_nothing", [[4, 4, 4]] * 2),
     # Without a stray forward, the first backward writes .grad and launches no bucket: all four are played.
     ("stray_forward_none_first_backward_fails_hooked", [[4, 4, 4, *_RETRIED], [4, *_RETRIED]]),
     # Off the overlap the backward is captured: DDP's reducer sees none of it, and rank 0 agrees at the end.
@@ -348,9 +352,18 @@ def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_earl
     for rank, value in enumerate(groups("crash")[name]):
         assert value["ooms"] == failed, f"rank {rank}"
         assert value["rows"] == [*rows[rank], 12], f"rank {rank}"
+        assert math.isfinite(value["loss"]), f"rank {rank}: {value['loss']}"
         assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
         # A step of the hand loop's after it: the reducer is as DDP leaves a step.
         assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
+
+
+def test_ranks_whose_first_backward_differs_after_a_stray_forward_raise_together(groups: Groups) -> None:
+    """Where one rank's first backward is its last and another's is not, DDP's early buckets cannot match up."""
+    for rank, value in enumerate(groups("crash")["stray_forward_ranks_out_of_step"]):
+        assert_error(value["caught"], RuntimeError, "went out of step", "torch.no_grad()", "as many rows")
+        assert value["after"] == [None] * 4, f"rank {rank}: the step left gradients"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}, the hand step after: ")
 
 
 def test_a_rank_without_memory_for_the_copy_set_aside_fails_an_attempt_the_ranks_agree_on(groups: Groups) -> None:

@@ -8,6 +8,8 @@ runs normally. A group that hangs is killed at ``DEADLINE``, and its scenarios f
 
 from __future__ import annotations
 
+import math
+
 import _fsdp_ranks
 import pytest
 import torch
@@ -333,3 +335,23 @@ def test_a_failed_rank_plays_along_once_the_failed_attempt_held_in_a_cycle_is_co
         assert (value["plays"] > 0) == (rank == 1), f"rank {rank}: {value['plays']} played"
         for got, want in zip(value["grads"], value["expected"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp_last_micro_batch_weighs_nothing",
+        "fsdp_first_micro_batch_weighs_nothing_on_one_rank",
+        "fsdp_a_micro_batch_that_weighs_nothing_fails",
+    ],
+)
+def test_a_micro_batch_that_weighs_nothing_runs_its_backward_with_zeros(groups: Groups, name: str) -> None:
+    """FSDP2's collectives follow the backward: a micro-batch that ``weight=`` gives no item still runs it.
+
+    Its loss is a mean over no rows (nan), whose own backward would spread 0/0: the gradients it writes are zeros.
+    """
+    for rank, value in enumerate(groups("two")[name]):
+        assert value["ooms"] == ("fails" in name), f"rank {rank}: {value['ooms']}"
+        assert math.isfinite(value["loss"]), f"rank {rank}: {value['loss']}"
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")

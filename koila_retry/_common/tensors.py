@@ -1,13 +1,14 @@
-"""Tensor checks more than one module needs: what is a tensor, where it lies, and which tensors a value holds."""
+"""Tensor checks more than one module needs: what is a tensor, where it lies, which tensors a value holds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["TensorBase", "same_device", "tensors_in"]
+__all__ = ["TensorBase", "same_device", "tensors_in", "zeroed"]
 
 # isinstance against torch.Tensor goes through its metaclass's __instancecheck__ (about
 # 0.3 us for each non-tensor argument); its C base class answers the same question directly.
@@ -33,3 +34,14 @@ def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
                 yield from tensors_in(item)
     elif isinstance(tree, dict):
         yield from tensors_in(list(tree.values()))
+
+
+@contextlib.contextmanager
+def zeroed(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Make every gradient that a backward in the block writes into ``leaves`` zeros, whatever it computed."""
+    handles = [leaf.register_hook(torch.zeros_like) for leaf in leaves]  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

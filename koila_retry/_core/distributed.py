@@ -43,6 +43,8 @@ if AVAILABLE:
 
 _CPU = torch.device("cpu")
 _NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value is above it
+# Where a rank makes the exchange of an attempt's outcome: inside it (Agreement.check_others), or after it.
+_INSIDE, _FAILED, _SUCCEEDED = 1, 2, 3
 
 
 # dist.is_initialized() and dist.group.WORLD read a property through a metaclass (~0.3 us),
@@ -136,7 +138,7 @@ class Agreement:
         # always reduced whole, so that no exchange slices it (slicing costs more than the fills).
         device = backend_device(group)
         self._start = _Exchange(5, device)
-        self._after = _Exchange(3, device)
+        self._after = _Exchange(5, device)
         # What an exchange made inside an attempt (as an FSDP2 micro-batch begins, or before a collective of a
         # kind still recorded) learned: a rank's failure, which the exchange after the attempt takes as its own.
         self.settled: tuple[int | None, int | None, bool] | None = None
@@ -187,22 +189,41 @@ class Agreement:
         """
         # A rank that failed makes its exchange after its attempt (after playing along); the others meet
         # it here, at their next exchange inside the attempt, and keep what it said in settled.
-        result = self.after(False, None)
+        result = self.after(False, None, inside=True)
         if result[0] is not None:
             self.settled = result
             raise RanksFailed(f"rank {result[0]} ran out of memory; every rank abandons the attempt together")
 
-    def after(self, failed: bool, next_size: int | None, vote: bool = True) -> tuple[int | None, int | None, bool]:
-        """Exchange an attempt's outcome: the lowest failed rank, the size all try next, whether all voted yes."""
+    def after(
+        self, failed: bool, next_size: int | None, vote: bool = True, inside: bool = False
+    ) -> tuple[int | None, int | None, bool]:
+        """Exchange an attempt's outcome: the lowest failed rank, the size all try next, whether all voted yes.
+
+        Raises:
+            RuntimeError: if a rank made this exchange inside its attempt (``inside``) while another made it
+                after an attempt that succeeded: their collectives went out of step (every rank raises).
+        """
         if self.settled is not None:  # made inside the attempt already
             settled, self.settled = self.settled, None
             return settled
         # A rank whose attempt worked says nothing about the next size: fewer rows of its
         # own (a short last micro-batch) must not hold back the ranks that failed.
         proposal = (next_size or 0) if failed else _NEUTRAL
-        failing, agreed, votes = self._minimum(
-            self._after, self.rank if failed else self.world_size, proposal, int(vote)
+        # Inside an attempt, a rank meets one that failed and agrees after it: never one whose attempt
+        # succeeded, which has the same exchange to make. The lowest and highest of these tell.
+        kind = _INSIDE if inside else _FAILED if failed else _SUCCEEDED
+        failing, agreed, votes, lowest, highest = self._minimum(
+            self._after, self.rank if failed else self.world_size, proposal, int(vote), kind, -kind
         )
+        if lowest == _INSIDE and -highest == _SUCCEEDED:
+            raise RuntimeError(
+                "the ranks' collectives went out of step: some ranks agreed inside their attempt, after DDP "
+                "all-reduced in their first backward, while others agreed after an attempt whose only "
+                "backward was its last (with fewer rows, or a first micro-batch whose loss needs no "
+                "gradient). DDP all-reduces in the first backward that follows a forward of the DDP module in "
+                "grad mode whose output got no backward (a sample logged, say): run such forwards under "
+                "torch.no_grad() or on model.module, or give every rank as many rows"
+            )
         return (None if failing >= self.world_size else failing), (agreed or None), votes == 1
 
 

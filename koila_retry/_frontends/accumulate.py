@@ -23,7 +23,7 @@ import torch
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import Replayed, levels_to_caller
-from koila_retry._common.tensors import TensorBase
+from koila_retry._common.tensors import TensorBase, zeroed
 from koila_retry._common.walk import call_references
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
@@ -531,8 +531,6 @@ class _Accumulator:
         rows = split.rows
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
         overlap = plan if isinstance(plan, Overlap) else None
-        # DDP expects the backward of a forward that syncs: the last micro-batch's runs even if it weighs 0.
-        ddp = overlap is not None
         # The plan looks after its modules' parameters; what else the backward writes is found in each graph.
         others = OtherLeaves(plan.owned)
 
@@ -549,14 +547,22 @@ class _Accumulator:
                 if index:
                     plan.micro_batch(index == last, first=False)
                 loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
-                if loss.requires_grad and (weight != 0.0 or (ddp and index == last)):
+                if loss.requires_grad:
+                    # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
+                    # reducer follow the backward, the same on every rank whatever its data weighs, and the
+                    # last one's reduces the step's gradients. What it writes is zeros: its loss's own
+                    # backward may be 0/0 (a mean over no items), which loss * 0 would spread.
                     weighted = loss * weight if weight != 1.0 else loss
-                    others.see(weighted)
+                    leaves = others.see(weighted)
                     if overlap is not None:
                         overlap.backward_begins(index == last)
                     # Into .grad, not captured: FSDP2's and DDP's hooks reduce what the backward writes.
-                    self.backward(weighted, retain)
-                    del weighted
+                    if weight != 0.0:
+                        self.backward(weighted, retain)
+                    else:
+                        with zeroed(leaves):
+                            self.backward(weighted, retain)
+                    del weighted, leaves
                     if overlap is not None:
                         overlap.backward_ended()
                     backed = True

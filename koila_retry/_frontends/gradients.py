@@ -598,13 +598,18 @@ class OtherLeaves:
         self.walker: Gradients | None = None  # made at the first walk: a trainer's step may make none
         self.aside: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def see(self, loss: torch.Tensor) -> None:
-        """Before a backward of ``loss``: set aside the gradient of each leaf it writes that nothing looks after yet."""
+    def see(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Before a backward of ``loss``: set aside the gradient of each leaf it writes that nothing looks after yet.
+
+        Returns:
+            list[torch.Tensor]: every leaf the backward writes, those looked after included.
+        """
         aside, known = self.aside, self.known
         walker = self.walker
         if walker is None:
             walker = self.walker = Gradients()
-        for leaf in walker._leaves(loss):
+        leaves = walker._leaves(loss)
+        for leaf in leaves:
             key = id(leaf)
             if key in aside:
                 continue
@@ -613,6 +618,7 @@ class OtherLeaves:
             if key not in known:
                 aside[key] = (leaf, leaf.grad)
                 leaf.grad = None
+        return leaves
 
     def found(self) -> bool:
         """Return whether a walk found any leaf that nothing else looks after."""
