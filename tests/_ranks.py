@@ -1126,6 +1126,36 @@ def overlap_step_bypassing_ddp(rank: int, world: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 3. gradients from before the call
 
 
+@scenario("two")
+def overlap_a_sample_logged_without_grad_in_the_step(rank: int, world: int) -> dict[str, Any]:
+    """A step logs a sample through the DDP module under ``torch.no_grad()``, after its loss's forward.
+
+    DDP clears ``require_forward_param_sync`` after such a forward, which the step read as its own forward not
+    having run: every rank raised that the step bypassed DDP, where a hand loop trains as usual.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    x, y = global_batch(world, 12, seed=98)
+    expected = mean_of(
+        [full_grads(model, lambda m, r=r: F.mse_loss(m(local(x, r, 12)), local(y, r, 12))) for r in range(world)]
+    )
+    outcomes = {}
+    for initial in (None, 4):
+
+        @koila.accumulate(initial=initial, cache=koila.NoCache())
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(ddp(x), y)
+            with torch.no_grad():
+                ddp(x[:1])  # a sample logged
+            return loss
+
+        model.zero_grad(set_to_none=True)
+        outcome = caught(lambda: step(local(x, rank, 12), local(y, rank, 12)))
+        outcomes[str(initial)] = {"raised": outcome.get("message"), "grads": grads(model)}
+    return {"outcomes": outcomes, "expected": expected}
+
+
 @scenario("two", "three")
 def accumulate_twice(rank: int, world: int) -> dict[str, Any]:
     """Two calls without zero_grad: the gradients are the sum of both full-batch gradients."""

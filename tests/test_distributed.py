@@ -427,6 +427,13 @@ def test_a_start_agreed_below_a_ranks_own_is_not_stored_for_that_ranks_rows(grou
         assert outcome == {"sizes": [4, 2, 2, 2, 2, 2], "ooms": 2}  # 16, then 8, in the first step
 
 
+def test_a_sample_logged_without_grad_through_ddp_in_the_step_is_no_bypass(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["overlap_a_sample_logged_without_grad_in_the_step"]):
+        for initial, outcome in value["outcomes"].items():
+            assert outcome["raised"] is None, f"rank {rank}, initial={initial}: {outcome['raised']}"
+            assert_grads(outcome["grads"], value["expected"], f"rank {rank}, initial={initial}: ")
+
+
 def test_a_step_that_bypasses_ddp_raises_on_every_rank(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["overlap_step_bypassing_ddp"]):
         assert_error(value["caught"], RuntimeError, "did not call the module itself", "would not be averaged")

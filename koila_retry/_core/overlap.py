@@ -266,8 +266,7 @@ class Overlap(SetAside):
         if not self.unchecked:
             return
         self.unchecked = False
-        made = self._made() if self.stats is None else None
-        early = bool(made) if self.stats is None else self.reducer.get_backward_stats() != self.stats
+        early = self._launched()
         self._forget()  # a later failure plays along the last micro-batch's buckets, all of them
         if early:
             # A rank that failed in this backward, or before it, made the buckets and then the exchange
@@ -275,6 +274,12 @@ class Overlap(SetAside):
             self.running = False
             self.agreement.check_others()
             self.running = True
+
+    def _launched(self) -> bool:
+        """Return whether DDP's reducer launched buckets in the backward that :meth:`backward_begins` noted last."""
+        if self.stats is None:  # the count is trusted, or no backward was noted
+            return bool(self._made())
+        return bool(self.reducer.get_backward_stats() != self.stats)
 
     def _made(self) -> int | None:
         """Return the collectives made since the last micro-batch's backward began, where that says which buckets."""
@@ -308,12 +313,14 @@ class Overlap(SetAside):
             RuntimeError: if the module's parameters got gradients while its own forward did not run
                 in the last micro-batch: nothing all-reduced them.
         """
+        launched = self._launched()
         self._learn()
         self.running = False
         self._forget()
-        # DDP sets the flag after a forward that syncs; it was cleared as the micro-batch began. Every rank
-        # raises alike, before any collective: none was made.
-        if not vars(self.module)["require_forward_param_sync"] and self._written():
+        # DDP sets the flag after a forward that syncs, and clears it after one without grad (a sample logged
+        # after the loss's): its reducer then still launched the buckets. It was cleared as the micro-batch
+        # began. Every rank raises alike, before any collective: none was made.
+        if not vars(self.module)["require_forward_param_sync"] and not launched and self._written():
             raise RuntimeError(
                 f"{name} trains a DistributedDataParallel module whose parameters got gradients in a micro-batch "
                 "that did not call the module itself (its .module, say): DDP all-reduces only the gradients of a "
