@@ -56,3 +56,19 @@ class FailCombining(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 raise make_oom(nbytes=16)
             frame = frame.f_back
         return func(*args, **(kwargs or {}))
+
+
+class FailCast(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Run out of memory at the ``at``-th cast to ``dtype`` (from 1): a comm hook compressing a bucket, say."""
+
+    def __init__(self, dtype: torch.dtype, at: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype, self.at, self.seen = dtype, at, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == self.dtype:
+            self.seen += 1
+            if self.seen == self.at:
+                raise make_oom(nbytes=16)
+        return func(*args, **kwargs)

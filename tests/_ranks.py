@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from _dispatch import FailCombining
+from _dispatch import FailCast, FailCombining
 from _layers import Inject
 from _spawn import Scenarios
 from torch import nn
@@ -1404,6 +1404,35 @@ def stray_forward_first_micro_batch_weighs_nothing_on_one_rank(rank: int, world:
 def ddp_last_micro_batch_weighs_nothing(rank: int, world: int) -> dict[str, Any]:
     # DDP needs the last backward: it ran as loss * 0, whose 0/0 made every gradient nan.
     return _after_a_stray_forward(rank, world, {}, stray=False, weightless={r: slice(8, None) for r in range(world)})
+
+
+@scenario("crash")
+def overlap_compressing_hook_fails_on_the_first_step(rank: int, world: int) -> dict[str, Any]:
+    """``fp16_compress_hook``; rank 1 runs out of memory casting the second bucket, in the first step's backward.
+
+    The reducer had marked that bucket's parameters ready before it called the hook: with no count of
+    collectives learned yet, the failed rank took the bucket for launched and played one bucket short.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    x, y = global_batch(world, 12, seed=97)
+    for _ in range(2):  # hand steps: DDP's buckets rebuilt, one a layer
+        F.mse_loss(ddp(local(x, rank, 12)), local(y, rank, 12)).backward()
+    model.zero_grad(set_to_none=True)
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=6, cache=koila.NoCache(), on_oom=events.append)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(ddp(x), y)
+
+    with FailCast(torch.float16, 2) if rank == 1 else contextlib.nullcontext():
+        outcome = caught(lambda: step(local(x, rank, 12), local(y, rank, 12)))
+    expected = mean_of(
+        [full_grads(model, lambda m, r=r: F.mse_loss(m(local(x, r, 12)), local(y, r, 12))) for r in range(world)]
+    )
+    return {"outcome": outcome, "ooms": len(events), "grads": grads(model), "expected": expected}
 
 
 @scenario("crash")

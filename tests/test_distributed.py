@@ -358,6 +358,17 @@ def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_earl
         assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
 
 
+def test_a_compressing_hook_that_fails_before_its_collective_on_the_first_step_is_played_along(
+    groups: Groups,
+) -> None:
+    for rank, value in enumerate(groups("crash")["overlap_compressing_hook_fails_on_the_first_step"]):
+        assert "returned" in value["outcome"], f"rank {rank}: {value['outcome']}"
+        assert value["ooms"] == 1, f"rank {rank}"
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            # All-reduced in float16: about three decimal digits.
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4, msg=lambda m, i=index, r=rank: f"{r}, {i}: {m}")
+
+
 def test_ranks_whose_first_backward_differs_after_a_stray_forward_raise_together(groups: Groups) -> None:
     """Where one rank's first backward is its last and another's is not, DDP's early buckets cannot match up."""
     for rank, value in enumerate(groups("crash")["stray_forward_ranks_out_of_step"]):

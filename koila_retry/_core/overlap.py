@@ -342,8 +342,11 @@ class Overlap(SetAside):
         if not self.running:
             return True
         self.running = False
-        # Where backward_begins trusted the count it took no stats; else the parameters marked say.
-        made = self._made() if self.stats is None else None
+        # Where backward_begins trusted the count it took no stats; else the parameters marked say, and the
+        # count, where there is one, caps them: the reducer marks a bucket's parameters before it calls the
+        # hook, which may run out of memory before its collective (fp16_compress_hook casting the bucket).
+        counted = self._made()
+        made = counted if self.stats is None else None
         ready = self._ready() if made is None else set()
         self._forget()
         for parameter in self.parameters:
@@ -368,6 +371,8 @@ class Overlap(SetAside):
                 if not all(id(parameter) in ready for parameter in bucket.parameters()):
                     break
                 launched += 1
+            if counted is not None:
+                launched = min(launched, counted)
         played = buckets[launched:]
         del buckets
         if one_buffer:
