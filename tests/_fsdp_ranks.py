@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _layers import Inject
+from _layers import CheckpointedMiddle, Inject
 from _spawn import Scenarios
 from torch import nn
 from torch.nn import functional as F
@@ -1070,3 +1070,34 @@ def fsdp_first_micro_batch_weighs_nothing_on_one_rank(rank: int, world: int) -> 
 def fsdp_a_micro_batch_that_weighs_nothing_fails(rank: int, world: int) -> dict[str, Any]:
     # The last rank runs out of memory in the backward of its last micro-batch, which weighs nothing.
     return _weighing_nothing(rank, world, {r: slice(8, None) for r in range(world)}, {2: "backward"})
+
+
+def _weightless_through_a_checkpoint(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """As ``_weighing_nothing``, the middle micro-batch on every rank, with ``CheckpointedMiddle(mode)``."""
+    plain = CheckpointedMiddle(mode)
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    x_all, y_all = batch(world, seed=63)
+    kept = torch.ones(ROWS, 1, dtype=DTYPE)
+    kept[4:8] = 0
+    for other in range(world):
+        (_masked_loss(reference(local(x_all, other)), local(y_all, other), kept) / world).backward()
+
+    @koila.accumulate(initial=4, cache=koila.NoCache(), weight=lambda x, y, kept: kept.sum())
+    def step(x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return _masked_loss(net(x), y, kept)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the walk's, that a reentrant checkpoint hides leaves
+        step(local(x_all, rank), local(y_all, rank), kept)
+    return {"grads": full([p.grad for p in net.parameters()]), "expected": [p.grad for p in reference.parameters()]}
+
+
+@scenario("two")
+def fsdp_weightless_micro_batch_through_reentrant_checkpoints(rank: int, world: int) -> dict[str, Any]:
+    """The middle micro-batch weighs nothing on every rank; the middle block is checkpointed reentrantly.
+
+    A checkpoint's own backward wrote the 0/0 of a mean over no rows into the unsharded parameters, which
+    the walk of the graph does not show, and the reduce-scatter spread nan to every rank.
+    """
+    return {mode: _weightless_through_a_checkpoint(rank, world, mode) for mode in ("module", "closure", "function")}

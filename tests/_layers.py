@@ -50,3 +50,51 @@ class Inject(torch.nn.Module):
         if where == "backward":
             return OOMInBackward.apply(x)
         return x
+
+
+class Recompute(torch.autograd.Function):
+    """A checkpoint written by hand (as DeepSpeed's and fairscale's): the backward runs the block again, and its own."""
+
+    @staticmethod
+    def forward(ctx: Any, run: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+class CheckpointedMiddle(torch.nn.Sequential):
+    """Three blocks, the middle one under a reentrant checkpoint: around itself (``"module"``), around a closure
+    that calls it (``"closure"``), or :class:`Recompute` (``"function"``). Each backward of it is one of its own."""
+
+    def __init__(self, mode: str) -> None:
+        torch.manual_seed(0)
+        super().__init__(
+            torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh()),
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
+            torch.nn.Linear(8, 1),
+        )
+        self.mode = mode
+        self.to(torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self[0](x)
+        middle = self[1]
+        if self.mode == "module":
+            x = checkpoint(middle, x, use_reentrant=True)
+        elif self.mode == "closure":
+            x = checkpoint(lambda h: middle(h), x, use_reentrant=True)
+        else:
+            x = Recompute.apply(middle, x)
+        return self[2](x)  # type: ignore[no-any-return]

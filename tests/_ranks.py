@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from _dispatch import FailCast, FailCombining
-from _layers import Inject
+from _layers import CheckpointedMiddle, Inject
 from _spawn import Scenarios
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -1433,6 +1433,41 @@ def overlap_compressing_hook_fails_on_the_first_step(rank: int, world: int) -> d
         [full_grads(model, lambda m, r=r: F.mse_loss(m(local(x, r, 12)), local(y, r, 12))) for r in range(world)]
     )
     return {"outcome": outcome, "ooms": len(events), "grads": grads(model), "expected": expected}
+
+
+def _weightless_through_a_checkpoint(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """The middle of three micro-batches weighs nothing, with ``CheckpointedMiddle(mode)`` under DDP."""
+    model = CheckpointedMiddle(mode)
+    ddp = DDP(model)
+    x, y = global_batch(world, 12, seed=99)
+    kept = torch.ones(12, 1, dtype=DTYPE)
+    kept[4:8] = 0
+
+    def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return ((net(x) - y) ** 2 * kept).sum() / kept.sum()
+
+    expected = mean_of(
+        [full_grads(model, lambda m, r=r: loss_of(m, local(x, r, 12), local(y, r, 12), kept)) for r in range(world)]
+    )
+
+    @koila.accumulate(initial=4, cache=koila.NoCache(), weight=lambda x, y, kept: kept.sum())
+    def step(x: torch.Tensor, y: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return loss_of(ddp, x, y, kept)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the walk's, that a reentrant checkpoint hides leaves
+        step(local(x, rank, 12), local(y, rank, 12), kept)
+    return {"grads": grads(model), "expected": expected}
+
+
+@scenario("two")
+def ddp_weightless_micro_batch_through_reentrant_checkpoints(rank: int, world: int) -> dict[str, Any]:
+    """The middle of three micro-batches weighs nothing; the model's middle block is checkpointed reentrantly.
+
+    Its backward ran as zeros only for the leaves its graph showed: a checkpoint's own backward wrote the 0/0
+    of a mean over no rows into the parameters it reaches unseen, and DDP averaged nan into every rank's.
+    """
+    return {mode: _weightless_through_a_checkpoint(rank, world, mode) for mode in ("module", "closure", "function")}
 
 
 @scenario("crash")

@@ -369,6 +369,12 @@ def test_a_compressing_hook_that_fails_before_its_collective_on_the_first_step_i
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4, msg=lambda m, i=index, r=rank: f"{r}, {i}: {m}")
 
 
+def test_a_weightless_micro_batch_writes_zeros_through_reentrant_checkpoints(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["ddp_weightless_micro_batch_through_reentrant_checkpoints"]):
+        for mode, found in value.items():
+            assert_grads(found["grads"], found["expected"], f"rank {rank}, {mode}: ")
+
+
 def test_ranks_whose_first_backward_differs_after_a_stray_forward_raise_together(groups: Groups) -> None:
     """Where one rank's first backward is its last and another's is not, DDP's early buckets cannot match up."""
     for rank, value in enumerate(groups("crash")["stray_forward_ranks_out_of_step"]):

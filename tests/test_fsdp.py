@@ -355,3 +355,12 @@ def test_a_micro_batch_that_weighs_nothing_runs_its_backward_with_zeros(groups: 
         assert math.isfinite(value["loss"]), f"rank {rank}: {value['loss']}"
         for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")
+
+
+def test_a_weightless_micro_batch_writes_zeros_through_reentrant_checkpoints(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_weightless_micro_batch_through_reentrant_checkpoints"]):
+        for mode, found in value.items():
+            for index, (got, want) in enumerate(zip(found["grads"], found["expected"], strict=True)):
+                torch.testing.assert_close(
+                    got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index, w=mode, r=rank: f"{r}, {w}, {i}: {m}"
+                )

@@ -39,7 +39,8 @@ def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
 @contextlib.contextmanager
 def zeroed(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     """Make every gradient that a backward in the block writes into ``leaves`` zeros, whatever it computed."""
-    handles = [leaf.register_hook(torch.zeros_like) for leaf in leaves]  # type: ignore[no-untyped-call]
+    once = {id(leaf): leaf for leaf in leaves if leaf.requires_grad}.values()
+    handles = [leaf.register_hook(torch.zeros_like) for leaf in once]  # type: ignore[no-untyped-call]
     try:
         yield
     finally:

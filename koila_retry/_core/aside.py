@@ -38,9 +38,13 @@ class SetAside:
             self.aside = [None if grad is None else grad.clone() for grad in self.aside]
             self.copied = True
 
+    def accumulated(self) -> list[torch.Tensor]:
+        """Return the leaves whose gradients this object looks after, which a backward accumulates into."""
+        return list(self.parameters)
+
     def owned(self) -> set[int]:
-        """Return the ids of the leaves whose gradients this object looks after: its parameters."""
-        return {id(parameter) for parameter in self.parameters}
+        """Return the ids of :meth:`accumulated`'s leaves."""
+        return {id(leaf) for leaf in self.accumulated()}
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: drop its gradients."""

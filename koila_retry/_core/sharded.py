@@ -434,14 +434,10 @@ class ShardedStep(SetAside):
         super().before()
         self.unsharded = _held_unsharded(self.sharded)
 
-    def owned(self) -> set[int]:
-        """Return the ids of the parameters and of the unsharded ones FSDP2 backpropagates into (it clears those)."""
-        owned = super().owned()
-        for fsdp_param in _fsdp_params(self.sharded):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                owned.add(id(unsharded))
-        return owned
+    def accumulated(self) -> list[torch.Tensor]:
+        """Return the parameters, and the unsharded ones FSDP2 backpropagates into (it clears those)."""
+        unsharded = (getattr(fsdp_param, "_unsharded_param", None) for fsdp_param in _fsdp_params(self.sharded))
+        return [*super().accumulated(), *(leaf for leaf in unsharded if leaf is not None)]
 
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: its gradients reduce-scattered after its backward only if it is the last."""

@@ -551,7 +551,8 @@ class _Accumulator:
                     # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
                     # reducer follow the backward, the same on every rank whatever its data weighs, and the
                     # last one's reduces the step's gradients. What it writes is zeros: its loss's own
-                    # backward may be 0/0 (a mean over no items), which loss * 0 would spread.
+                    # backward may be 0/0 (a mean over no items), which loss * 0 would spread. The plan's
+                    # leaves too, which a backward of a reentrant checkpoint's own writes unseen by the walk.
                     weighted = loss * weight if weight != 1.0 else loss
                     leaves = others.see(weighted)
                     if overlap is not None:
@@ -560,7 +561,7 @@ class _Accumulator:
                     if weight != 0.0:
                         self.backward(weighted, retain)
                     else:
-                        with zeroed(leaves):
+                        with zeroed([*leaves, *plan.accumulated()]):
                             self.backward(weighted, retain)
                     del weighted, leaves
                     if overlap is not None:
