@@ -14,7 +14,7 @@ per rank and step (``--rows``).
 While a call of koila-retry runs over FSDP2 modules, a rank that runs out of memory plays
 along the rest of its micro-batch's FSDP2 collectives (all-gathers, reduce-scatters), as
 the first micro-batch of each kind recorded them, and the ranks then agree once: one
-exchange of the ranks' agreement, an ``all_reduce`` of three int64, per micro-batch (see
+exchange of the ranks' agreement, an ``all_reduce`` of five int64, per micro-batch (see
 ``koila_retry/_core/sharded.py``). Only the first micro-batch of each kind, which records,
 makes an exchange before each collective; the checks below run it. Besides those, a call
 makes one exchange for the starting size before its first attempt. This script measures
@@ -33,7 +33,7 @@ what that costs. Per configuration:
 
 In both, the baseline again with bare exchanges: the same step of a twin model (the same
 weights, sharded the same way) whose FSDP2 collectives each first make an ``all_reduce`` of
-three int64 and read it back, without koila: the comm objects of FSDP2's public
+five int64 and read it back, without koila: the comm objects of FSDP2's public
 ``set_custom_all_gather`` and ``set_custom_reduce_scatter``, which then run the collective
 as FSDP2's default ones do. It is what koila's earlier design, an exchange before every
 collective, cost by itself.
@@ -146,7 +146,7 @@ class Setting:
 
 
 class Exchanging:
-    """An FSDP2 comm that first makes a bare exchange: an ``all_reduce`` of three int64, read back, as koila's.
+    """An FSDP2 comm that first makes a bare exchange: an ``all_reduce`` of five int64, read back, as koila's.
 
     Given to ``set_custom_all_gather`` or ``set_custom_reduce_scatter``; then runs the collective
     as FSDP2's default comm does. No koila in it: what one more small collective before each of
@@ -158,7 +158,7 @@ class Exchanging:
 
     def __init__(self, collective: str) -> None:
         self.collective = collective
-        self.buffer = torch.zeros(3, dtype=torch.int64)
+        self.buffer = torch.zeros(5, dtype=torch.int64)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
