@@ -427,6 +427,8 @@ def fsdp_private_state(rank: int, world: int) -> dict[str, list[str]]:
                 "unsharded_param",
                 "fsdp_placement",
                 "offload_to_cpu",
+                "free_unsharded_param",
+                "all_gather_outputs",
             ],
         ),
     }
@@ -1101,3 +1103,50 @@ def fsdp_weightless_micro_batch_through_reentrant_checkpoints(rank: int, world: 
     the walk of the graph does not show, and the reduce-scatter spread nan to every rank.
     """
     return {mode: _weightless_through_a_checkpoint(rank, world, mode) for mode in ("module", "closure", "function")}
+
+
+@scenario("two")
+def fsdp_gives_up_after_allocating_part_of_an_all_gathers_outputs(rank: int, world: int) -> dict[str, Any]:
+    """The last rank runs out of memory allocating the second parameter's all-gather output of a group.
+
+    The group stayed sharded, so the reset's reshard freed nothing of it: the first parameter's output, a
+    whole unsharded parameter, stayed allocated after the step gave up.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    net = shard(model())
+    x_all, y_all = batch(world, seed=65)
+    x, y = local(x_all, rank), local(y_all, rank)
+
+    @koila.accumulate(initial=ROWS, minimum=ROWS, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    step(x, y)  # FSDP2's buffers as they are between steps
+    net.zero_grad(set_to_none=True)
+    original = FSDPParam.alloc_all_gather_outputs
+    calls = [0]
+
+    def alloc_all_gather_outputs(self: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise make_oom()
+        original(self)
+
+    if rank == world - 1:
+        FSDPParam.alloc_all_gather_outputs = alloc_all_gather_outputs  # type: ignore[method-assign]
+    try:
+        step(x, y)
+        outcome = "returned"
+    except koila.BatchSizeExhausted:
+        outcome = "gave up"
+    finally:
+        FSDPParam.alloc_all_gather_outputs = original  # type: ignore[method-assign]
+    left = [
+        fsdp_param._param_fqn
+        for module in sharded.fsdp_modules(list(net.modules()))
+        for group in sharded.param_groups(module)
+        for fsdp_param in group.fsdp_params
+        if any(output.untyped_storage().nbytes() for output in fsdp_param.all_gather_outputs)
+    ]
+    return {"outcome": outcome, "calls": calls[0], "left": left, "grads": [p.grad for p in net.parameters()]}

@@ -364,3 +364,12 @@ def test_a_weightless_micro_batch_writes_zeros_through_reentrant_checkpoints(gro
                 torch.testing.assert_close(
                     got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index, w=mode, r=rank: f"{r}, {w}, {i}: {m}"
                 )
+
+
+def test_a_give_up_after_part_of_an_all_gathers_outputs_leaves_none_of_them_alive(groups: Groups) -> None:
+    values = groups("two")["fsdp_gives_up_after_allocating_part_of_an_all_gathers_outputs"]
+    assert values[-1]["calls"] >= 2, "the second allocation of all-gather outputs never came"
+    for rank, value in enumerate(values):
+        assert value["outcome"] == "gave up", f"rank {rank}: {value['outcome']}"
+        assert value["left"] == [], f"rank {rank}: all-gather outputs still allocated: {value['left']}"
+        assert value["grads"] == [None] * len(value["grads"]), f"rank {rank}: the step left gradients"

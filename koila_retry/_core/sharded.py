@@ -520,6 +520,12 @@ def reset(modules: Iterable[torch.nn.Module], keep: bool = False) -> None:
         _reset(module)
     for module in modules:
         module.reshard()  # type: ignore[operator]
+        for group in param_groups(module):
+            # A group whose all-gather ran out of memory part-way through allocating its outputs stays
+            # sharded, and the reshard frees nothing of it: the outputs made before would stay alive.
+            if group._sharded_state.name == "SHARDED":
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.free_unsharded_param()
     _hand_back(held, copy=False)
 
 
