@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _dispatch import FailCombining
-from _layers import OOMInBackward
+from _layers import OOMInBackward, Recompute
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -405,26 +405,6 @@ def test_checkpointed_function_that_is_not_a_module_warns_once() -> None:
     assert caught[0].filename == __file__
 
 
-class _Recompute(torch.autograd.Function):
-    """A hand-made reentrant checkpoint (as fairscale's, DeepSpeed's): its backward runs one of its own."""
-
-    @staticmethod
-    def forward(ctx: Any, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        ctx.module = module
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return module(x)  # type: ignore[no-any-return]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.module(x)
-        torch.autograd.backward(out, grad)  # writes the module's .grad, which no walk of the graph finds
-        return None, x.grad
-
-
 @pytest.mark.parametrize("where", ["inside", "after", "gives-up"])
 @pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
 def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt(where: str, before: bool) -> None:
@@ -444,7 +424,7 @@ def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt
         h = stem(x)
         if fail and where != "after":  # runs after the Function's backward wrote the block's grads
             h = OOMInBackward.apply(h)
-        h = _Recompute.apply(block, h)
+        h = Recompute.apply(block, h)
         if fail and where == "after":  # runs before it
             h = OOMInBackward.apply(h)
         return F.mse_loss(head(h), y)
