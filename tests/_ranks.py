@@ -1123,6 +1123,92 @@ def overlap_step_bypassing_ddp(rank: int, world: int) -> dict[str, Any]:
     return {"caught": caught_error, "kept": kept}
 
 
+class _Halved(nn.Module):
+    """Multiply by a buffer: something for DDP's ``broadcast_buffers=True`` to broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 0.5, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _two_views(rank: int, world: int, failures: dict[int, str], size: int) -> dict[str, Any]:
+    """A step that runs the DDP module twice, on two views of its micro-batch (a model with a buffer).
+
+    DDP broadcasts buffers in a forward that follows one that synced: the last micro-batch's second forward
+    did, on every rank but one that failed before it, and gloo aborted. ``failures``: rank 1's forward calls
+    of the step (from 0) that run out of memory.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), _Halved(), Inject(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+    ).to(DTYPE)
+    rows = 12
+    x, y = global_batch(world, rows, seed=88)
+
+    def loss_of(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(xb), yb) + F.mse_loss(module(xb * 0.5), yb)
+
+    expected = mean_of(
+        [full_grads(model, lambda m, r=r: loss_of(m, local(x, r, rows), local(y, r, rows))) for r in range(world)]
+    )
+    hand = mean_of(
+        [full_grads(model, lambda m, r=r: F.mse_loss(m(local(x, r, rows)), local(y, r, rows))) for r in range(world)]
+    )
+    ddp = DDP(model, bucket_cap_mb=0.0001)  # broadcast_buffers=True, DDP's default
+    F.mse_loss(ddp(local(x, rank, rows)), local(y, rank, rows)).backward()  # a hand step first
+    model.zero_grad()
+    before = len(model[3].rows)
+    model[3].failures = {before + call: where for call, where in failures.items()} if rank == 1 else {}
+    events: list[koila.OOMEvent] = []
+
+    @koila.accumulate(initial=size, cache=koila.NoCache(), on_oom=events.append)
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return loss_of(ddp, xb, yb)
+
+    step(local(x, rank, rows), local(y, rank, rows))
+    after, hooks = grads(model), len(ddp._forward_pre_hooks)
+    model.zero_grad()
+    F.mse_loss(ddp(local(x, rank, rows)), local(y, rank, rows)).backward()  # and one after
+    return {
+        "grads": after,
+        "expected": expected,
+        "hooks": hooks,
+        "hand": grads(model),
+        "hand_expected": hand,
+        "ooms": len(events),
+        "rows": model[3].rows[before:],
+        "scale": model[2].scale.tolist(),
+    }
+
+
+@scenario("crash")
+def two_views_nothing_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {}, size=4)
+
+
+@scenario("crash")
+def two_views_whole_first_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {0: "forward"}, size=16)
+
+
+@scenario("crash")
+def two_views_first_micro_batch_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {0: "forward"}, size=4)
+
+
+@scenario("crash")
+def two_views_last_micro_batch_first_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {4: "forward"}, size=4)
+
+
+@scenario("crash")
+def two_views_last_micro_batch_second_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {5: "forward"}, size=4)
+
+
 # --------------------------------------------------------------------------- 3. gradients from before the call
 
 

@@ -358,6 +358,30 @@ def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_earl
         assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
 
 
+# (scenario, the rows Inject saw, rank by rank: two forwards per micro-batch, then the retry's in twos)
+TWO_VIEWS = [
+    ("two_views_nothing_fails", [[4] * 6] * 2),
+    ("two_views_whole_first_forward_fails", [[12, 12, 8, 8, 4, 4], [12, 8, 8, 4, 4]]),
+    ("two_views_first_micro_batch_fails", [[4] * 6 + [2] * 12, [4] + [2] * 12]),
+    ("two_views_last_micro_batch_first_forward_fails", [[4] * 6 + [2] * 12, [4] * 5 + [2] * 12]),
+    ("two_views_last_micro_batch_second_forward_fails", [[4] * 6 + [2] * 12] * 2),
+]
+
+
+@pytest.mark.parametrize(("name", "rows"), TWO_VIEWS, ids=[name for name, _ in TWO_VIEWS])
+def test_a_step_that_runs_the_ddp_module_twice_broadcasts_no_buffers_inside(
+    groups: Groups, name: str, rows: list[list[int]]
+) -> None:
+    """The second forward of a micro-batch that syncs broadcast DDP's buffers: not on a rank that failed first."""
+    for rank, value in enumerate(groups("crash")[name]):
+        assert value["ooms"] == ("fails" in name.removesuffix("nothing_fails")), f"rank {rank}"
+        assert value["rows"] == [*rows[rank], 12], f"rank {rank}"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+        assert value["hooks"] == 0, f"rank {rank}: the step left a forward pre-hook on the DDP module"
+        assert value["scale"] == [0.5] * 8, f"rank {rank}"
+        assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
+
+
 def test_a_compressing_hook_that_fails_before_its_collective_on_the_first_step_is_played_along(
     groups: Groups,
 ) -> None:
