@@ -1134,12 +1134,13 @@ class _Halved(nn.Module):
         return x * self.scale
 
 
-def _two_views(rank: int, world: int, failures: dict[int, str], size: int) -> dict[str, Any]:
+def _two_views(rank: int, world: int, failures: dict[int, str], size: int, direct: bool = False) -> dict[str, Any]:
     """A step that runs the DDP module twice, on two views of its micro-batch (a model with a buffer).
 
     DDP broadcasts buffers in a forward that follows one that synced: the last micro-batch's second forward
     did, on every rank but one that failed before it, and gloo aborted. ``failures``: rank 1's forward calls
-    of the step (from 0) that run out of memory.
+    of the step (from 0) that run out of memory; ``direct``: the step calls ``ddp.forward``, which runs no
+    hook of the module's.
     """
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -1166,16 +1167,17 @@ def _two_views(rank: int, world: int, failures: dict[int, str], size: int) -> di
 
     @koila.accumulate(initial=size, cache=koila.NoCache(), on_oom=events.append)
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        return loss_of(ddp, xb, yb)
+        return loss_of(ddp.forward if direct else ddp, xb, yb)
 
     step(local(x, rank, rows), local(y, rank, rows))
-    after, hooks = grads(model), len(ddp._forward_pre_hooks)
+    after = grads(model)
     model.zero_grad()
+    if rank == 1:  # DDP's next forward broadcasts rank 0's again, as after a hand step
+        model[2].scale.fill_(2.0)
     F.mse_loss(ddp(local(x, rank, rows)), local(y, rank, rows)).backward()  # and one after
     return {
         "grads": after,
         "expected": expected,
-        "hooks": hooks,
         "hand": grads(model),
         "hand_expected": hand,
         "ooms": len(events),
@@ -1207,6 +1209,11 @@ def two_views_last_micro_batch_first_forward_fails(rank: int, world: int) -> dic
 @scenario("crash")
 def two_views_last_micro_batch_second_forward_fails(rank: int, world: int) -> dict[str, Any]:
     return _two_views(rank, world, {5: "forward"}, size=4)
+
+
+@scenario("crash")
+def two_views_through_forward_first_micro_batch_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_views(rank, world, {0: "forward"}, size=4, direct=True)
 
 
 # --------------------------------------------------------------------------- 3. gradients from before the call

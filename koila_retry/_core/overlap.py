@@ -47,6 +47,8 @@ _KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.Weak
 # (one per bucket): a step's own in its backward (torch.distributed.nn's) would count as buckets launched.
 _CLEAN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+# DDP's flags that say whether a forward broadcasts buffers: the first in recent PyTorch, the second before.
+_BROADCASTS = ("forward_sync_buffers", "broadcast_buffers")
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
 _REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state", "get_backward_stats")
 # PyTorch's own hooks whose every bucket's future completes by itself (not its wrappers of other hooks).
@@ -163,13 +165,6 @@ def _one_at_a_time(
         reducer._run_comm_hook(bucket).wait()  # the next bucket's zeros overwrite this one's sum
 
 
-def _no_broadcast(module: torch.nn.Module, args: Any) -> None:
-    """Keep DDP from broadcasting buffers in a forward of a step, the last micro-batch's second one say."""
-    # After a forward that syncs, DDP broadcasts them in the next: where the step runs the module twice (two
-    # views of a batch), on every rank but one that failed before it, which the others then waited for.
-    vars(module)["require_forward_param_sync"] = False
-
-
 class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
@@ -203,7 +198,7 @@ class Overlap(SetAside):
         self.stats: list[int] | None = None
         self.written: list[tuple[torch.Tensor | None, int]] | None = None
         self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
-        self.quiet: Any = None  # the handle of _no_broadcast on the module, while the step runs
+        self.quiet: dict[str, Any] = {}  # the module's flags that _BROADCASTS names, as the step found them
 
     def before(self) -> None:
         """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
@@ -228,8 +223,8 @@ class Overlap(SetAside):
     def micro_batch(self, last: bool, first: bool) -> None:
         """Begin a micro-batch: DDP all-reduces in its backward only if it is the last."""
         # Plain flags, written past Module.__setattr__ (some 5 us each). Buffers were broadcast once, before
-        # the step: no forward of it broadcasts them again (the flag here, _no_broadcast before each forward),
-        # or a rank that failed before that forward would miss the broadcast.
+        # the step: no forward of it broadcasts them again (the flag here, and _no_broadcast), or a rank that
+        # failed before that forward would miss the broadcast.
         attributes = vars(self.module)
         if first:
             self.running, self.unchecked = True, not last
@@ -239,8 +234,8 @@ class Overlap(SetAside):
                 self.versions = [-1 if grad is None else grad._version for grad in self.kept]
             attributes["require_forward_param_sync"] = False
             attributes["require_backward_grad_sync"] = last
-            if self.quiet is None:
-                self.quiet = self.module.register_forward_pre_hook(_no_broadcast)
+            if not self.quiet:
+                self._no_broadcast(attributes)
         elif last:
             attributes["require_backward_grad_sync"] = True
         if last and self.merging:
@@ -440,7 +435,7 @@ class Overlap(SetAside):
 
     def give_back(self) -> None:
         """After a step that raised: the gradients from before, as they were, in the tensors that held them."""
-        self._unhook()
+        self._loud_again()
         self.played_with = {}
         if not self.copies:
             super().give_back()
@@ -450,17 +445,28 @@ class Overlap(SetAside):
             self._put_back()
         self._done()
 
-    def _unhook(self) -> None:
-        if self.quiet is not None:
-            self.quiet.remove()
-            self.quiet = None
+    def _no_broadcast(self, attributes: dict[str, Any]) -> None:
+        # DDP broadcasts buffers in every forward that follows one with gradient sync on: where a step runs
+        # the module twice (two views of a batch), on every rank but one that failed before the second
+        # forward, which the others then waited for. Off until the step ends, whether the module is called
+        # or its forward() is: the broadcast before the first attempt is the step's only one.
+        for name in _BROADCASTS:
+            if name in attributes:
+                self.quiet[name] = attributes[name]
+                attributes[name] = False
+
+    def _loud_again(self) -> None:
+        attributes = vars(self.module)
+        for name, value in self.quiet.items():
+            attributes[name] = value
+        self.quiet = {}
 
     def _done(self) -> None:
         self.aside, self.kept, self.versions, self.in_place = [], [], [], False
 
     def restore(self) -> None:
         """After the step: gradient sync as DDP leaves it, and the gradients set aside added back."""
-        self._unhook()
+        self._loud_again()
         self.played_with = {}
         self._settle_sync()
         if self.in_place:  # the step's average of .grad already holds them
