@@ -353,6 +353,52 @@ def fsdp_played_before_forward(rank: int, world: int) -> dict[str, Any]:
     return value
 
 
+@scenario("two", "three")
+def fsdp_fails_before_the_models_first_forward(rank: int, world: int) -> dict[str, Any]:
+    """The last rank fails in the step before a new sharded model's first forward, which makes FSDP2's state.
+
+    Putting FSDP2 back read state that its first forward makes: the failed rank raised AttributeError and
+    the others waited in their forward's all-gather. A step and an inference, each on a model of its own.
+    """
+    values: dict[str, Any] = {}
+    for kind in ("accumulate", "batch"):
+        plain = model()
+        reference = copy.deepcopy(plain)
+        net = shard(plain)
+        armed = [rank == world - 1]
+
+        def fail_first(armed: list[bool] = armed) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise make_oom()
+
+        x_all, y_all = batch(world, seed=31)
+        x, y = local(x_all, rank), local(y_all, rank)
+        if kind == "accumulate":
+
+            @koila.accumulate(cache=koila.NoCache())
+            def step(xb: torch.Tensor, yb: torch.Tensor, net: nn.Module = net) -> torch.Tensor:
+                fail_first()
+                return F.mse_loss(net(xb), yb)
+
+            step(x, y)
+            F.mse_loss(reference(x_all), y_all).backward()
+            got, expected = full([p.grad for p in net.parameters()]), [p.grad for p in reference.parameters()]
+        else:
+
+            @koila.batch(initial=ROWS, cache=koila.NoCache())
+            def predict(batch_size: int, rows: torch.Tensor, net: nn.Module = net) -> torch.Tensor:
+                fail_first()
+                with torch.no_grad():
+                    return torch.cat([net(rows[at : at + batch_size]) for at in range(0, len(rows), batch_size)])
+
+            got, expected = [predict(x)], [reference(x).detach()]
+            step = predict
+        failed = rank == world - 1 and not armed[0]
+        values[kind] = {"got": got, "expected": expected, "failed": failed, "ooms": step.stats.ooms}
+    return values
+
+
 def _register(name: str, played: bool) -> None:
     def run(rank: int, world: int) -> dict[str, Any]:
         options = (PLAYED if played else SCENARIOS)[name](world)

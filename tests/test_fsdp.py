@@ -115,6 +115,18 @@ def test_a_rank_that_fails_before_its_forward_meets_the_others_as_theirs_begins(
         assert max(value["rows"]) < _fsdp_ranks.ROWS, value["rows"]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_that_fails_before_a_new_models_first_forward_meets_the_others(groups: Groups, world: str) -> None:
+    """FSDP2 makes part of its state at the first forward: there was none to put back, and the rank raised."""
+    values = groups(world)["fsdp_fails_before_the_models_first_forward"]
+    for rank, value in enumerate(values):
+        for kind, found in value.items():
+            assert found["failed"] == (rank == len(values) - 1), f"rank {rank}, {kind}"
+            assert found["ooms"] == 1, f"rank {rank}, {kind}"  # every rank ran the retry
+            for got, want in zip(found["got"], found["expected"], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, k=kind: f"{k}: {m}")
+
+
 class _Shards:
     """What a watched collective reads of the running call's shards."""
 

@@ -558,6 +558,8 @@ def _reset(module: torch.nn.Module) -> None:
     context, comms = state._state_ctx, state._comm_ctx
     context.iter_forward_root = None
     context.post_backward_final_callback_queued = False
+    if not hasattr(comms, "post_forward_order"):  # made at the root's first forward: an attempt failed before
+        return
     comms.all_gather_state = None
     comms.post_forward_order.clear()
     if hasattr(comms, "reduce_scatter_states"):  # torch 2.13: the inputs kept in flight
