@@ -26,6 +26,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     Rows,
     SummedLoss,
     assert_same_training,
+    collate,
     float64_gpt2,
     float64_loss_func,
     injected,
@@ -234,6 +235,62 @@ def test_a_custom_loss_split_gives_what_the_plain_trainer_gives(tmp_path: Path, 
     assert trainer.prediction_step.stats.ooms >= 1
     assert trainer.training_step.stats.ooms >= 1
     assert trainer.training_step.stats.batch_size < rows
+    assert_same_training(trainer, reference)
+    assert evaluated == pytest.approx(expected, rel=1e-6)
+
+
+@dataclasses.dataclass
+class DictLike:
+    """A batch that is not a Mapping but answers ``in`` and ``[]``, as Hugging Face's Trainer reads its labels."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def keys(self) -> list[str]:
+        return [field.name for field in dataclasses.fields(self)]
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(key, self[key]) for key in self.keys()]
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return cast(torch.Tensor, getattr(self, key))
+
+    def get(self, key: str, default: Any = None) -> Any:  # Trainer.prediction_step's
+        return getattr(self, key) if key in self.keys() else default
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("cls", [MeanLoss, SummedLoss], ids=["a mean", "a sum over num_items_in_batch"])
+def test_a_batch_that_is_not_a_mapping_is_weighed_by_its_labels(tmp_path: Path, cls: Any, accumulation: int) -> None:
+    """HF counts the labels of any batch that answers ``in`` and ``[]``: so does the split, mean or sum.
+
+    The labels were looked for in a Mapping only: such a batch's micro-batches were added up unweighted,
+    and a mean loss came out as the sum of the micro-batches' means.
+    """
+    settings = {
+        "cls": cls,
+        "gradient_accumulation_steps": accumulation,
+        "per_device_train_batch_size": 8 // accumulation,
+    }
+    reference = make_trainer(tmp_path, **settings)
+    reference.data_collator = lambda rows: DictLike(**collate(rows))
+    expected = reference.evaluate()["eval_loss"]
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, **settings))
+    trainer.data_collator = lambda rows: DictLike(**collate(rows))
+    with simulated_device("128KiB"):
+        evaluated = trainer.evaluate()["eval_loss"]
+    with simulated_device(TRAIN_LIMIT if accumulation == 1 else "512KiB"):
+        trainer.train()
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.training_step.stats.ooms >= 1
     assert_same_training(trainer, reference)
     assert evaluated == pytest.approx(expected, rel=1e-6)
 

@@ -297,14 +297,26 @@ def _causal(model: Any) -> bool:
 
 def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
     """The labels whose entries that are not -100 a loss averages over, as Hugging Face counts them, or ``None``."""
-    if not isinstance(inputs, Mapping):
-        return None
-    labels = inputs.get("shift_labels")
+    labels = _field(inputs, "shift_labels")
     if labels is None:
-        labels = inputs.get("labels")
+        labels = _field(inputs, "labels")
         if isinstance(labels, torch.Tensor) and shifts and labels.dim() >= 2:  # a sequence per row
             labels = labels[..., 1:]
     return labels if isinstance(labels, torch.Tensor) else None
+
+
+def _field(inputs: Any, name: str) -> Any:
+    """Return a batch's entry ``name`` as Hugging Face's Trainer reads it (``in``, then ``[]``), or ``None``."""
+    if isinstance(inputs, Mapping):
+        return inputs.get(name)
+    # A class of the user's that is not a Mapping but answers both, whose labels the trainer counts all the
+    # same: not weighed by them, a mean loss's micro-batches would add up to a sum of means.
+    if isinstance(inputs, (torch.Tensor, tuple, list)) or not hasattr(type(inputs), "__getitem__"):
+        return None
+    try:
+        return inputs[name] if name in inputs else None  # noqa: SIM401 (not a Mapping: may have no get)
+    except (TypeError, KeyError, IndexError, AttributeError):  # answers one of them only for some names
+        return None
 
 
 def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None, model: Any) -> Any:
