@@ -1169,7 +1169,9 @@ def _two_views(rank: int, world: int, failures: dict[int, str], size: int, direc
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return loss_of(ddp.forward if direct else ddp, xb, yb)
 
-    step(local(x, rank, rows), local(y, rank, rows))
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        step(local(x, rank, rows), local(y, rank, rows))
     after = grads(model)
     model.zero_grad()
     if rank == 1:  # DDP's next forward broadcasts rank 0's again, as after a hand step
@@ -1183,6 +1185,7 @@ def _two_views(rank: int, world: int, failures: dict[int, str], size: int, direc
         "ooms": len(events),
         "rows": model[3].rows[before:],
         "scale": model[2].scale.tolist(),
+        "warnings": [str(warning.message) for warning in caught_warnings],
     }
 
 
@@ -1214,6 +1217,43 @@ def two_views_last_micro_batch_second_forward_fails(rank: int, world: int) -> di
 @scenario("crash")
 def two_views_through_forward_first_micro_batch_fails(rank: int, world: int) -> dict[str, Any]:
     return _two_views(rank, world, {0: "forward"}, size=4, direct=True)
+
+
+class _RunningCentre(nn.Module):
+    """Subtract a running mean that each forward in training mode updates first: it reads what it changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.mean
+
+
+@scenario("crash")
+def two_views_reading_a_buffer_they_change(rank: int, world: int) -> dict[str, Any]:
+    """DDP alone would broadcast rank 0's running mean before the second view; the step warns, once, that it does not.
+
+    Two steps, each two views through a model with BatchNorm in training mode, whose running statistics change
+    too, and a layer that reads its own; nothing fails.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), _RunningCentre(), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    ddp = DDP(model)
+    x, y = (local(tensor, rank, 12) for tensor in global_batch(world, 12, seed=86))
+    F.mse_loss(ddp(x), y).backward()  # a hand step first
+    model.zero_grad()
+    step = koila.accumulate(cache=koila.NoCache())(lambda xb, yb: F.mse_loss(ddp(xb), yb) + F.mse_loss(ddp(-xb), yb))
+    messages = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught_warnings:
+            warnings.simplefilter("always")
+            loss = step(x, y)
+        messages.append([str(warning.message) for warning in caught_warnings])
+    return {"warnings": messages, "loss": float(loss), "synced": "_sync_buffers" not in vars(ddp)}
 
 
 # --------------------------------------------------------------------------- 3. gradients from before the call

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from koila_retry._common.places import levels_to_caller
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core import memory
 from koila_retry._core.aside import SetAside
 
@@ -39,6 +41,8 @@ class _Known(NamedTuple):
     parameters: list[torch.nn.Parameter]  # all of them, to set aside: DDP leaves ignored ones to accumulate
     reduced: list[torch.nn.Parameter]  # the reducer's, in its order (a variable's index into backward stats)
     norms: list[torch.nn.Module]  # BatchNorm layers, for the warning of a split step
+    # The buffers outside them, which a forward in training mode may read after it changed them (see _skipped).
+    read: list[torch.Tensor]
 
 
 # Per DDP module: what its steps need, or None where a failed rank cannot play along.
@@ -47,8 +51,9 @@ _KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.Weak
 # (one per bucket): a step's own in its backward (torch.distributed.nn's) would count as buckets launched.
 _CLEAN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-# DDP's flags that say whether a forward broadcasts buffers: the first in recent PyTorch, the second before.
-_BROADCASTS = ("forward_sync_buffers", "broadcast_buffers")
+_ABSENT: Any = object()
+# The modules warned of a broadcast of changed buffers that a step kept from happening (see Overlap._skipped).
+_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
 _REDUCER = ("_get_zeros_like_grad_buckets", "_run_comm_hook", "_reset_state", "get_backward_stats")
 # PyTorch's own hooks whose every bucket's future completes by itself (not its wrappers of other hooks).
@@ -82,6 +87,7 @@ def _known(module: DistributedDataParallel) -> _Known | None:
         and not getattr(module, "_use_python_reducer", False)
         and not getattr(module, "_delay_all_reduce_params", None)
         and not any(getattr(each, "sparse", False) for each in module.module.modules())
+        and callable(getattr(module, "_sync_buffers", None))  # what a forward calls to broadcast buffers
     )
     known = None
     if served:
@@ -90,7 +96,13 @@ def _known(module: DistributedDataParallel) -> _Known | None:
             norms: list[torch.nn.Module] = [
                 each for each in module.modules() if isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
             ]
-            known = _Known(list(module.parameters()), reduced, norms)
+            read = [
+                buffer
+                for each in module.module.modules()
+                if not isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
+                for buffer in each.buffers(recurse=False)
+            ]
+            known = _Known(list(module.parameters()), reduced, norms, read)
     _KNOWN[module] = known
     return known
 
@@ -198,7 +210,10 @@ class Overlap(SetAside):
         self.stats: list[int] | None = None
         self.written: list[tuple[torch.Tensor | None, int]] | None = None
         self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
-        self.quiet: dict[str, Any] = {}  # the module's flags that _BROADCASTS names, as the step found them
+        # While the step runs: what the module's own attributes held as _sync_buffers (_ABSENT: nothing), and the
+        # versions of the buffers _skipped looks at, as the step began.
+        self.quiet: Any = None
+        self.read_versions: list[int] = []
 
     def before(self) -> None:
         """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
@@ -234,7 +249,7 @@ class Overlap(SetAside):
                 self.versions = [-1 if grad is None else grad._version for grad in self.kept]
             attributes["require_forward_param_sync"] = False
             attributes["require_backward_grad_sync"] = last
-            if not self.quiet:
+            if self.quiet is None:
                 self._no_broadcast(attributes)
         elif last:
             attributes["require_backward_grad_sync"] = True
@@ -448,18 +463,40 @@ class Overlap(SetAside):
     def _no_broadcast(self, attributes: dict[str, Any]) -> None:
         # DDP broadcasts buffers in every forward that follows one with gradient sync on: where a step runs
         # the module twice (two views of a batch), on every rank but one that failed before the second
-        # forward, which the others then waited for. Off until the step ends, whether the module is called
-        # or its forward() is: the broadcast before the first attempt is the step's only one.
-        for name in _BROADCASTS:
-            if name in attributes:
-                self.quiet[name] = attributes[name]
-                attributes[name] = False
+        # forward, which the others then waited for. Its forward calls _sync_buffers for it, whether the
+        # module is called or its forward() is: the broadcast before the first attempt is the step's only one.
+        self.quiet = attributes.get("_sync_buffers", _ABSENT)
+        attributes["_sync_buffers"] = self._skipped
+        self.read_versions = [buffer._version for buffer in self.known.read]
+
+    def _skipped(self) -> None:
+        """Stand in for DDP's broadcast of buffers inside the step: warn, once, if one it would carry changed."""
+        if self.module in _WARNED or all(
+            buffer._version == version for buffer, version in zip(self.known.read, self.read_versions, strict=True)
+        ):
+            return  # BatchNorm's, which a forward reads only in eval mode, where nothing changes them
+        _WARNED.add(self.module)
+        warn_or_log(
+            "A koila.accumulate step ran a DistributedDataParallel module again after a forward that changed its "
+            "buffers: DDP alone would broadcast rank 0's buffers before this forward, which the step does not (a "
+            "rank that ran out of memory before it would never join that broadcast, and the others would wait "
+            "forever), so each rank's forward reads its own. Where a layer reads in training mode a buffer it "
+            "updates (a running normaliser, BatchRenorm), the other ranks' losses and gradients then differ from "
+            "DDP's alone. Run the views in one forward (torch.cat) to have both. This warning is shown once per "
+            "module.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
 
     def _loud_again(self) -> None:
+        if self.quiet is None:
+            return
         attributes = vars(self.module)
-        for name, value in self.quiet.items():
-            attributes[name] = value
-        self.quiet = {}
+        if self.quiet is _ABSENT:
+            attributes.pop("_sync_buffers", None)
+        else:
+            attributes["_sync_buffers"] = self.quiet
+        self.quiet, self.read_versions = None, []
 
     def _done(self) -> None:
         self.aside, self.kept, self.versions, self.in_place = [], [], [], False
