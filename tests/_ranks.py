@@ -17,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -1222,38 +1222,75 @@ def two_views_through_forward_first_micro_batch_fails(rank: int, world: int) -> 
 class _RunningCentre(nn.Module):
     """Subtract a running mean that each forward in training mode updates first: it reads what it changed."""
 
-    def __init__(self) -> None:
+    def __init__(self, reassigned: bool = False) -> None:
         super().__init__()
+        self.reassigned = reassigned  # a new tensor each time, not the buffer updated in place
         self.register_buffer("mean", torch.zeros(8, dtype=DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             with torch.no_grad():
-                self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+                if self.reassigned:
+                    self.mean = self.mean * 0.5 + x.mean(0) * 0.5
+                else:
+                    self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
         return x - self.mean
+
+
+class _Renorm(nn.BatchNorm1d):
+    """A BatchNorm whose training forward reads its running mean too, as BatchRenorm does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.1 * cast(torch.Tensor, self.running_mean)
+
+
+class _OverRows(nn.Module):
+    """An InstanceNorm1d over the rows of each of 8 features, with running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.InstanceNorm1d(8, track_running_stats=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.norm(x.t().unsqueeze(0))).squeeze(0).t()
+
+
+# The layer between two linear ones, and whether a step that runs the module twice warns of it.
+_READERS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
+    "in place": (_RunningCentre, True),
+    "reassigned": (functools.partial(_RunningCentre, reassigned=True), True),
+    "batchnorm reading its statistics": (functools.partial(_Renorm, 8), True),
+    # Their running statistics change, but their forwards read them only in eval mode.
+    "batchnorm": (functools.partial(nn.BatchNorm1d, 8), False),
+    "instancenorm": (_OverRows, False),
+}
 
 
 @scenario("crash")
 def two_views_reading_a_buffer_they_change(rank: int, world: int) -> dict[str, Any]:
-    """DDP alone would broadcast rank 0's running mean before the second view; the step warns, once, that it does not.
+    """DDP alone would broadcast rank 0's buffers before the second view; the step warns, once, where it matters.
 
-    Two steps, each two views through a model with BatchNorm in training mode, whose running statistics change
-    too, and a layer that reads its own; nothing fails.
+    For each layer of ``_READERS``, two steps of two views each; nothing fails.
     """
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), _RunningCentre(), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
-    ddp = DDP(model)
-    x, y = (local(tensor, rank, 12) for tensor in global_batch(world, 12, seed=86))
-    F.mse_loss(ddp(x), y).backward()  # a hand step first
-    model.zero_grad()
-    step = koila.accumulate(cache=koila.NoCache())(lambda xb, yb: F.mse_loss(ddp(xb), yb) + F.mse_loss(ddp(-xb), yb))
-    messages = []
-    for _ in range(2):
-        with warnings.catch_warnings(record=True) as caught_warnings:
-            warnings.simplefilter("always")
-            loss = step(x, y)
-        messages.append([str(warning.message) for warning in caught_warnings])
-    return {"warnings": messages, "loss": float(loss), "synced": "_sync_buffers" not in vars(ddp)}
+    values = {}
+    for name, (layer, _) in _READERS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), layer(), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+        ddp = DDP(model)
+        x, y = (local(tensor, rank, 12) for tensor in global_batch(world, 12, seed=86))
+        F.mse_loss(ddp(x), y).backward()  # a hand step first
+        model.zero_grad()
+        step = koila.accumulate(cache=koila.NoCache())(
+            lambda xb, yb, ddp=ddp: F.mse_loss(ddp(xb), yb) + F.mse_loss(ddp(-xb), yb)
+        )
+        messages = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                warnings.simplefilter("always")
+                loss = step(x, y)
+            messages.append([str(warning.message) for warning in caught_warnings])
+        values[name] = {"warnings": messages, "loss": float(loss), "synced": "_sync_buffers" not in vars(ddp)}
+    return values
 
 
 # --------------------------------------------------------------------------- 3. gradients from before the call

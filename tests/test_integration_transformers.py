@@ -272,7 +272,8 @@ def test_a_batch_that_is_not_a_mapping_is_weighed_by_its_labels(tmp_path: Path, 
     """HF counts the labels of any batch that answers ``in`` and ``[]``: so does the split, mean or sum.
 
     The labels were looked for in a Mapping only: such a batch's micro-batches were added up unweighted,
-    and a mean loss came out as the sum of the micro-batches' means.
+    and a mean loss came out as the sum of the micro-batches' means. A sum over the count adds up either
+    way: its variants check that weighing by labels keeps it exact.
     """
     settings = {
         "cls": cls,

@@ -41,8 +41,6 @@ class _Known(NamedTuple):
     parameters: list[torch.nn.Parameter]  # all of them, to set aside: DDP leaves ignored ones to accumulate
     reduced: list[torch.nn.Parameter]  # the reducer's, in its order (a variable's index into backward stats)
     norms: list[torch.nn.Module]  # BatchNorm layers, for the warning of a split step
-    # The buffers outside them, which a forward in training mode may read after it changed them (see _skipped).
-    read: list[torch.Tensor]
 
 
 # Per DDP module: what its steps need, or None where a failed rank cannot play along.
@@ -52,6 +50,8 @@ _KNOWN: weakref.WeakKeyDictionary[torch.nn.Module, _Known | None] = weakref.Weak
 _CLEAN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _ABSENT: Any = object()
+# The forwards of norm layers that read their running statistics only in eval mode, where nothing changes them.
+_NORMS = {torch.nn.modules.batchnorm._BatchNorm.forward, torch.nn.modules.instancenorm._InstanceNorm.forward}
 # The modules warned of a broadcast of changed buffers that a step kept from happening (see Overlap._skipped).
 _WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # What the reducer must have for a rank to play along and for the ranks to start again (torch >= 2.2).
@@ -96,13 +96,7 @@ def _known(module: DistributedDataParallel) -> _Known | None:
             norms: list[torch.nn.Module] = [
                 each for each in module.modules() if isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
             ]
-            read = [
-                buffer
-                for each in module.module.modules()
-                if not isinstance(each, torch.nn.modules.batchnorm._BatchNorm)
-                for buffer in each.buffers(recurse=False)
-            ]
-            known = _Known(list(module.parameters()), reduced, norms, read)
+            known = _Known(list(module.parameters()), reduced, norms)
     _KNOWN[module] = known
     return known
 
@@ -177,6 +171,25 @@ def _one_at_a_time(
         reducer._run_comm_hook(bucket).wait()  # the next bucket's zeros overwrite this one's sum
 
 
+def _changed(module: DistributedDataParallel, before: dict[str, tuple[torch.Tensor, int]]) -> bool:
+    """Return whether a buffer DDP broadcasts changed since ``before``, but those norm layers read only in eval mode."""
+    # Looked at only where DDP would broadcast inside the step. By name: a layer may assign a new tensor.
+    ignored: set[str] = getattr(module, "parameters_to_ignore", set())
+    stock = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, each in module.module.named_modules()
+        if type(each).forward in _NORMS
+        for name, _ in each.named_buffers(recurse=False)
+    }
+    for name, buffer in module.module.named_buffers():
+        if name in ignored or name in stock:
+            continue
+        was = before.get(name)
+        if was is None or was[0] is not buffer or was[1] != buffer._version:
+            return True
+    return False
+
+
 class Overlap(SetAside):
     """One DDP module's side of a step: gradients set aside, the last micro-batch synced, the play-along."""
 
@@ -210,10 +223,10 @@ class Overlap(SetAside):
         self.stats: list[int] | None = None
         self.written: list[tuple[torch.Tensor | None, int]] | None = None
         self.played_with: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # see _one_at_a_time
-        # While the step runs: what the module's own attributes held as _sync_buffers (_ABSENT: nothing), and the
-        # versions of the buffers _skipped looks at, as the step began.
+        # While the step runs: what the module's own attributes held as _sync_buffers (_ABSENT: nothing), and
+        # DDP's buffers by name, with their versions, as the step began (see _skipped).
         self.quiet: Any = None
-        self.read_versions: list[int] = []
+        self.buffers: dict[str, tuple[torch.Tensor, int]] = {}
 
     def before(self) -> None:
         """Set the gradients aside; those from before the step are averaged with its own, if it syncs."""
@@ -467,22 +480,22 @@ class Overlap(SetAside):
         # module is called or its forward() is: the broadcast before the first attempt is the step's only one.
         self.quiet = attributes.get("_sync_buffers", _ABSENT)
         attributes["_sync_buffers"] = self._skipped
-        self.read_versions = [buffer._version for buffer in self.known.read]
+        named = getattr(self.module, "named_module_buffers", None) or {}  # DDP's, made again at each broadcast
+        self.buffers = {name: (buffer, buffer._version) for name, buffer in named.items()}
 
     def _skipped(self) -> None:
         """Stand in for DDP's broadcast of buffers inside the step: warn, once, if one it would carry changed."""
-        if self.module in _WARNED or all(
-            buffer._version == version for buffer, version in zip(self.known.read, self.read_versions, strict=True)
-        ):
-            return  # BatchNorm's, which a forward reads only in eval mode, where nothing changes them
+        if self.module in _WARNED or not self.buffers or not _changed(self.module, self.buffers):
+            return
         _WARNED.add(self.module)
         warn_or_log(
             "A koila.accumulate step ran a DistributedDataParallel module again after a forward that changed its "
             "buffers: DDP alone would broadcast rank 0's buffers before this forward, which the step does not (a "
             "rank that ran out of memory before it would never join that broadcast, and the others would wait "
             "forever), so each rank's forward reads its own. Where a layer reads in training mode a buffer it "
-            "updates (a running normaliser, BatchRenorm), the other ranks' losses and gradients then differ from "
-            "DDP's alone. Run the views in one forward (torch.cat) to have both. This warning is shown once per "
+            "updates from the data (a running normaliser, BatchRenorm), the other ranks' losses and gradients then "
+            "differ from DDP's alone; a buffer every rank updates alike (a counter, spectral_norm's vectors) makes "
+            "no difference. Run the views in one forward (torch.cat) to have both. This warning is shown once per "
             "module.",
             UserWarning,
             stacklevel=levels_to_caller(),
@@ -496,7 +509,7 @@ class Overlap(SetAside):
             attributes.pop("_sync_buffers", None)
         else:
             attributes["_sync_buffers"] = self.quiet
-        self.quiet, self.read_versions = None, []
+        self.quiet, self.buffers = None, {}
 
     def _done(self) -> None:
         self.aside, self.kept, self.versions, self.in_place = [], [], [], False
