@@ -296,6 +296,37 @@ def test_a_batch_that_is_not_a_mapping_is_weighed_by_its_labels(tmp_path: Path, 
     assert evaluated == pytest.approx(expected, rel=1e-6)
 
 
+class FlatLogits(MeanLoss):
+    """Logits flattened over tokens, (rows * tokens, vocabulary), as an MoE model's router logits are."""
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        outputs = model(**inputs)
+        return (
+            (outputs.loss, {"loss": outputs.loss, "flat": outputs.logits.flatten(0, 1)})
+            if return_outputs
+            else outputs.loss
+        )
+
+
+@pytest.mark.parametrize("cls", [MeanLoss, FlatLogits], ids=["logits per row", "logits per token"])
+def test_a_split_evaluation_warns_once_of_logits_that_are_not_one_per_row(tmp_path: Path, cls: Any) -> None:
+    """Taken for a value of each chunk, such logits are averaged over the chunks: not the whole batch's."""
+    trainer = adapt(make_trainer(tmp_path, cls))
+    with warnings.catch_warnings(record=True) as caught, simulated_device("256KiB"):
+        warnings.simplefilter("always")
+        trainer.predict(trainer.eval_dataset)  # evaluate() asks for the loss alone, without compute_metrics
+        trainer.predict(trainer.eval_dataset)
+    assert trainer.prediction_step.stats.ooms >= 1
+    said = [str(warning.message) for warning in caught if "not one entry per row" in str(warning.message)]
+    if cls is MeanLoss:
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        assert "keys_to_ignore_at_inference" in said[0]
+
+
 def test_a_float64_model_split_keeps_its_precision(tmp_path: Path) -> None:
     """Each micro-batch's num_items_in_batch is its share of the count in float64 here, not rounded to float32."""
     if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:

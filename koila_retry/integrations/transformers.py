@@ -23,7 +23,9 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 
-from koila_retry._common.places import replayable
+from koila_retry._common.places import levels_to_caller, replayable
+from koila_retry._common.results import flatten
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
@@ -605,6 +607,7 @@ class _Prediction(_Bound):
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
         self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
+        self.warned_rows = False  # see _averaged
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -674,7 +677,30 @@ class _Prediction(_Bound):
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
         logits = found.get("logits")
+        if not self.warned_rows and logits is not None:
+            total = _rows_of(inputs)
+            if total and step.stats.batch_size < total:
+                self._averaged(logits, total)
         return loss, logits.flatten(0, 1) if self.folded else logits, found.get("labels")
+
+    def _averaged(self, logits: Any, rows: int) -> None:
+        """Warn, once, of the logits of a split step that were not one row per row: averaged over the chunks."""
+        # The trainer joins every batch's logits along their first dimension, as rows: one that is not (an MoE
+        # model's router logits, flattened over tokens) was taken by accumulate for a value of the whole chunk.
+        odd = [leaf for leaf in flatten(logits)[0] if isinstance(leaf, torch.Tensor) and leaf.shape[:1] != (rows,)]
+        if not odd:
+            return
+        self.warned_rows = True
+        warn_or_log(
+            f"adapt's prediction_step ran a batch of {rows} rows in chunks, and its logits hold {len(odd)} "
+            f"tensor(s) that are not one entry per row along their first dimension (the first has shape "
+            f"{tuple(odd[0].shape)}; an MoE model's router_logits, flattened over tokens, say): each was taken "
+            "for a value of the whole chunk, and the chunks' were averaged, weighed by rows, so they are not the "
+            "whole batch's. Leave them out of the logits (evaluate(ignore_keys=[...]), or the model config's "
+            "keys_to_ignore_at_inference), or set prediction_loss_only. This warning is shown once.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
 
 
 def _several_per_row(tokens: Any, rows: int | None) -> bool:
