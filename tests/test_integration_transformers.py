@@ -727,8 +727,10 @@ def test_a_prediction_step_that_fits_runs_as_the_trainer_runs_it_and_one_that_do
     # batch runs in chunks at once, not whole a second time.
     assert [event.batch_size for event in events][:1] == [8]
     assert rows[0] == 8
-    # Named where the trainer's own prediction step raised it (inside the model), not at the evaluate() call.
+    # Named where the trainer's own prediction step raised it (inside the model), not at the evaluate() call:
+    # at the forward of the layer that allocated (GPT-2's are transformers'), not PyTorch's Module.__call__.
     assert "test_integration_transformers.py" not in events[0].where
+    assert events[0].where.endswith(" in forward"), events[0].where
     assert 8 not in rows[1:]
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
 

@@ -28,8 +28,10 @@ TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # loop is named where a failure happened, as a user's would be.
 _APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAGE_DIR, "__main__.py"))
 # Inside PyTorch, the machinery between the user's call and the layer that allocated;
-# ``overrides`` dispatches to function modes, such as the one accumulate runs backward in.
-_TORCH_MACHINERY = ("_", "utils", "autograd", "overrides")
+# ``overrides`` dispatches to function modes, such as the one accumulate runs backward in, and
+# ``Module.__call__`` to a layer's forward, which may be another library's.
+_TORCH_MACHINERY = ("_", "utils", "autograd", "overrides", os.path.join("nn", "modules", "module.py"))
+_MODULE = os.path.join(TORCH_DIR, "nn", "modules", "module.py")
 # Autograd's functions that run a backward pass, and where they live.
 _BACKWARDS = frozenset({"backward", "_engine_run_backward", "grad"})
 _AUTOGRAD = os.path.join(TORCH_DIR, "autograd") + os.sep
@@ -68,13 +70,16 @@ def levels_to_caller() -> int:
 
 def where(tb: TracebackType | None) -> str:
     """Return ``"file:line in function"`` of the frame of a traceback (from its outermost) worth naming."""
-    deepest = users = torch_public = None
-    backward = False
+    deepest = users = torch_public = layer = None
+    backward = called = False
     outermost = tb.tb_frame if tb is not None else None
     while tb is not None:
         code = tb.tb_frame.f_code
         deepest = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         kind = _kind(code.co_filename)
+        if called:  # the forward that Module.__call__ ran: a layer's, PyTorch's or another library's
+            layer = deepest
+        called = code.co_filename == _MODULE
         if kind is _USER:
             users = deepest
         elif kind is _TORCH:
@@ -83,10 +88,10 @@ def where(tb: TracebackType | None) -> str:
             backward = True
         tb = tb.tb_next
     # An OOM surfaces inside PyTorch, but the line worth naming is the user's deepest. Without one, PyTorch's
-    # deepest public frame: the layer that allocated, when ``chunked(model, x)`` calls the model from here.
-    # Without that either (``accumulate`` runs ``backward()`` for the user), the user's line that called us,
-    # said to be the backward's: the line itself allocated nothing.
-    found = users or torch_public
+    # deepest public frame, else the deepest layer's forward: the layer that allocated, when
+    # ``chunked(model, x)`` calls the model from here. Without that either (``accumulate`` runs ``backward()``
+    # for the user), the user's line that called us, said to be the backward's: it allocated nothing itself.
+    found = users or torch_public or layer
     if found is not None:
         return found
     caller = _callers(outermost)
