@@ -224,17 +224,26 @@ def test_a_custom_loss_split_gives_what_the_plain_trainer_gives(tmp_path: Path, 
         pytest.skip(f"Trainer takes compute_loss_func from transformers 4.46 on, not {transformers.__version__}")
     rows = 8 // accumulation
     settings = {**LOSSES[loss], "gradient_accumulation_steps": accumulation, "per_device_train_batch_size": rows}
+    _split_as_the_plain_trainer(tmp_path, settings)
+
+
+def _split_as_the_plain_trainer(tmp_path: Path, settings: dict[str, Any], collator: Any = None) -> None:
+    """Evaluate and train a plain trainer, then an adapted one under limits that split both: the same results."""
     reference = make_trainer(tmp_path, **settings)
+    if collator is not None:
+        reference.data_collator = collator
     expected = reference.evaluate()["eval_loss"]
     reference.train()
     trainer = adapt(make_trainer(tmp_path, **settings))
+    if collator is not None:
+        trainer.data_collator = collator
     with simulated_device("128KiB"):
         evaluated = trainer.evaluate()["eval_loss"]
-    with simulated_device(TRAIN_LIMIT if accumulation == 1 else "512KiB"):
+    with simulated_device(TRAIN_LIMIT if settings["gradient_accumulation_steps"] == 1 else "512KiB"):
         trainer.train()
     assert trainer.prediction_step.stats.ooms >= 1
     assert trainer.training_step.stats.ooms >= 1
-    assert trainer.training_step.stats.batch_size < rows
+    assert trainer.training_step.stats.batch_size < settings["per_device_train_batch_size"]
     assert_same_training(trainer, reference)
     assert evaluated == pytest.approx(expected, rel=1e-6)
 
@@ -280,20 +289,7 @@ def test_a_batch_that_is_not_a_mapping_is_weighed_by_its_labels(tmp_path: Path, 
         "gradient_accumulation_steps": accumulation,
         "per_device_train_batch_size": 8 // accumulation,
     }
-    reference = make_trainer(tmp_path, **settings)
-    reference.data_collator = lambda rows: DictLike(**collate(rows))
-    expected = reference.evaluate()["eval_loss"]
-    reference.train()
-    trainer = adapt(make_trainer(tmp_path, **settings))
-    trainer.data_collator = lambda rows: DictLike(**collate(rows))
-    with simulated_device("128KiB"):
-        evaluated = trainer.evaluate()["eval_loss"]
-    with simulated_device(TRAIN_LIMIT if accumulation == 1 else "512KiB"):
-        trainer.train()
-    assert trainer.prediction_step.stats.ooms >= 1
-    assert trainer.training_step.stats.ooms >= 1
-    assert_same_training(trainer, reference)
-    assert evaluated == pytest.approx(expected, rel=1e-6)
+    _split_as_the_plain_trainer(tmp_path, settings, lambda rows: DictLike(**collate(rows)))
 
 
 class FlatLogits(MeanLoss):
