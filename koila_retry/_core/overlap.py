@@ -480,8 +480,9 @@ class Overlap(SetAside):
         # module is called or its forward() is: the broadcast before the first attempt is the step's only one.
         self.quiet = attributes.get("_sync_buffers", _ABSENT)
         attributes["_sync_buffers"] = self._skipped
-        named = getattr(self.module, "named_module_buffers", None) or {}  # DDP's, made again at each broadcast
-        self.buffers = {name: (buffer, buffer._version) for name, buffer in named.items()}
+        if self.module not in _WARNED:  # the warning's only: shown once
+            named = getattr(self.module, "named_module_buffers", None) or {}  # DDP's, made again at each broadcast
+            self.buffers = {name: (buffer, buffer._version) for name, buffer in named.items()}
 
     def _skipped(self) -> None:
         """Stand in for DDP's broadcast of buffers inside the step: warn, once, if one it would carry changed."""

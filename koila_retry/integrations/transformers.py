@@ -607,7 +607,7 @@ class _Prediction(_Bound):
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
         self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
-        self.warned_rows = False  # see _averaged
+        self.rows_checked = False  # see _averaged
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -677,20 +677,21 @@ class _Prediction(_Bound):
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
         logits = found.get("logits")
-        if not self.warned_rows and logits is not None:
+        if not self.rows_checked and logits is not None:
             total = _rows_of(inputs)
             if total and step.stats.batch_size < total:
                 self._averaged(logits, total)
         return loss, logits.flatten(0, 1) if self.folded else logits, found.get("labels")
 
     def _averaged(self, logits: Any, rows: int) -> None:
-        """Warn, once, of the logits of a split step that were not one row per row: averaged over the chunks."""
+        """Warn of the logits of the first split step if they were not one row per row: averaged over the chunks."""
         # The trainer joins every batch's logits along their first dimension, as rows: one that is not (an MoE
         # model's router logits, flattened over tokens) was taken by accumulate for a value of the whole chunk.
+        # Looked at once: a model's outputs keep their kinds from batch to batch.
+        self.rows_checked = True
         odd = [leaf for leaf in flatten(logits)[0] if isinstance(leaf, torch.Tensor) and leaf.shape[:1] != (rows,)]
         if not odd:
             return
-        self.warned_rows = True
         warn_or_log(
             f"adapt's prediction_step ran a batch of {rows} rows in chunks, and its logits hold {len(odd)} "
             f"tensor(s) that are not one entry per row along their first dimension (the first has shape "
