@@ -299,28 +299,48 @@ class FlatLogits(MeanLoss):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         outputs = model(**inputs)
-        return (
-            (outputs.loss, {"loss": outputs.loss, "flat": outputs.logits.flatten(0, 1)})
-            if return_outputs
-            else outputs.loss
-        )
+        flat = (outputs.logits.flatten(0, 1), (outputs.logits[..., :4].flatten(0, 1),))  # nested, as per layer
+        return (outputs.loss, {"loss": outputs.loss, "flat": flat}) if return_outputs else outputs.loss
 
 
-@pytest.mark.parametrize("cls", [MeanLoss, FlatLogits], ids=["logits per row", "logits per token"])
-def test_a_split_evaluation_warns_once_of_logits_that_are_not_one_per_row(tmp_path: Path, cls: Any) -> None:
-    """Taken for a value of each chunk, such logits are averaged over the chunks: not the whole batch's."""
+class ChunkValue(MeanLoss):
+    """Logits and a value of the whole batch beside them, as an MoE model's ``aux_loss`` is."""
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        outputs = model(**inputs)
+        found = {"loss": outputs.loss, "logits": outputs.logits, "aux": outputs.logits.mean((0, 1))[:3]}
+        return (outputs.loss, found) if return_outputs else outputs.loss
+
+
+@pytest.mark.parametrize(
+    "cls", [MeanLoss, FlatLogits, ChunkValue], ids=["logits per row", "logits per token", "a value of the batch"]
+)
+def test_a_split_evaluation_joins_logits_per_row_or_token_and_warns_of_others(tmp_path: Path, cls: Any) -> None:
+    """Logits per row or per token of the rows are the whole batch's; any other is averaged, warned of once.
+
+    Logits flattened over tokens (an MoE model's router logits) were taken for a value of each chunk and
+    averaged over the chunks, and warned of: they are joined now, as the trainer joins its batches.
+    """
+    expected = make_trainer(tmp_path, cls).predict(make_trainer(tmp_path).eval_dataset)
     trainer = adapt(make_trainer(tmp_path, cls))
     with warnings.catch_warnings(record=True) as caught, simulated_device("256KiB"):
         warnings.simplefilter("always")
-        trainer.predict(trainer.eval_dataset)  # evaluate() asks for the loss alone, without compute_metrics
-        trainer.predict(trainer.eval_dataset)
+        first = trainer.predict(trainer.eval_dataset)  # evaluate() asks for the loss alone, without compute_metrics
+        second = trainer.predict(trainer.eval_dataset)
     assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.prediction_step.stats.batch_size < 8
     said = [str(warning.message) for warning in caught if "not one entry per row" in str(warning.message)]
-    if cls is MeanLoss:
-        assert said == []
-    else:
+    if cls is ChunkValue:
         assert len(said) == 1, said
         assert "keys_to_ignore_at_inference" in said[0]
+        assert "(3,)" in said[0]
+    else:
+        assert said == []
+        for found in (first, second):
+            torch.testing.assert_close(found.predictions, expected.predictions, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(found.metrics["test_loss"], expected.metrics["test_loss"], rtol=1e-5, atol=0)
 
 
 def test_a_float64_model_split_keeps_its_precision(tmp_path: Path) -> None:

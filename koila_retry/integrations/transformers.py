@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any, NoReturn, TypeVar, cast
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
@@ -608,6 +609,7 @@ class _Prediction(_Bound):
         self.lossless = False
         self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
         self.rows_checked = False  # see _averaged
+        self.by_token: set[int] = set()  # the logits' leaves folded to a row per row (see _by_row)
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -620,6 +622,8 @@ class _Prediction(_Bound):
                 # are joined as rows (not taken for a count and added up), and unfolded after the join.
                 logits = logits.unflatten(0, (rows, -1))
                 self.folded = True
+            elif logits is not None and rows:
+                logits = self._by_row(logits, inputs, rows)
             # Only what there is: a None would be warned about as an object accumulate cannot combine.
             found = {"loss": loss, "logits": logits, "labels": labels}
             return {key: value for key, value in found.items() if value is not None}
@@ -673,6 +677,7 @@ class _Prediction(_Bound):
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
         self.folded = False
+        self.by_token.clear()
         with swap, torch.no_grad():
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
@@ -681,12 +686,31 @@ class _Prediction(_Bound):
             total = _rows_of(inputs)
             if total and step.stats.batch_size < total:
                 self._averaged(logits, total)
+        if self.by_token:
+            leaves, spec = tree_flatten(logits)
+            for index in self.by_token:
+                leaves[index] = leaves[index].flatten(0, 1)
+            logits = tree_unflatten(leaves, spec)
         return loss, logits.flatten(0, 1) if self.folded else logits, found.get("labels")
+
+    def _by_row(self, logits: Any, inputs: Any, rows: int) -> Any:
+        """Fold each tensor of ``logits`` flattened over its rows' tokens to one entry per row, to be joined as rows."""
+        # An MoE model's router logits are (rows * tokens, experts), row after row: joined by row, and unfolded
+        # after the join, they are the whole batch's, as the trainer joins its batches along that dimension.
+        tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
+        leaves, spec = tree_flatten(logits)
+        for index, leaf in enumerate(leaves):
+            if _per_row(leaf, rows) or not isinstance(leaf, torch.Tensor) or not leaf.dim():
+                continue
+            if leaf.shape[0] % rows == 0 and leaf.shape[0] // rows in tokens:
+                leaves[index] = leaf.reshape(rows, -1, *leaf.shape[1:])
+                self.by_token.add(index)
+        return tree_unflatten(leaves, spec) if self.by_token else logits
 
     def _averaged(self, logits: Any, rows: int) -> None:
         """Warn of the logits of the first split step if they were not one row per row: averaged over the chunks."""
-        # The trainer joins every batch's logits along their first dimension, as rows: one that is not (an MoE
-        # model's router logits, flattened over tokens) was taken by accumulate for a value of the whole chunk.
+        # The trainer joins every batch's logits along their first dimension, as rows: one that is neither per row
+        # nor per token (see _by_row) was taken by accumulate for a value of the whole chunk (an MoE aux_loss).
         # Looked at once: a model's outputs keep their kinds from batch to batch.
         self.rows_checked = True
         odd = [leaf for leaf in flatten(logits)[0] if isinstance(leaf, torch.Tensor) and leaf.shape[:1] != (rows,)]
@@ -694,14 +718,19 @@ class _Prediction(_Bound):
             return
         warn_or_log(
             f"adapt's prediction_step ran a batch of {rows} rows in chunks, and its logits hold {len(odd)} "
-            f"tensor(s) that are not one entry per row along their first dimension (the first has shape "
-            f"{tuple(odd[0].shape)}; an MoE model's router_logits, flattened over tokens, say): each was taken "
+            f"tensor(s) that are not one entry per row, nor per token of the rows, along their first dimension "
+            f"(the first has shape {tuple(odd[0].shape)}; an MoE model's aux_loss, say): each was taken "
             "for a value of the whole chunk, and the chunks' were averaged, weighed by rows, so they are not the "
             "whole batch's. Leave them out of the logits (evaluate(ignore_keys=[...]), or the model config's "
             "keys_to_ignore_at_inference), or set prediction_loss_only. This warning is shown once.",
             UserWarning,
             stacklevel=levels_to_caller(),
         )
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    """Whether ``value`` is a tensor of one entry per row of ``rows`` along its first dimension."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
 
 
 def _several_per_row(tokens: Any, rows: int | None) -> bool:
