@@ -72,8 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo",
         help="train a small model in a simulated device that is too small for its batch",
-        description="Train a small model in a simulated device too small for its batch: koila.accumulate splits "
-        "each step, and the gradients are the whole batch's. Nothing is written to disk.",
+        description="Train a small model in a simulated device too small for its batch: koila.batch runs the "
+        "epoch again at half the batch size until it fits, and the later epochs start at the size that fit. "
+        "Nothing is written to disk.",
     )
     demo.add_argument("--memory", default="48MiB", help="the simulated device's memory (default: 48MiB)")
     demo.add_argument("--initial", type=int, default=8192, help="the batch size to start from (default: 8192)")

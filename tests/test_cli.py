@@ -754,6 +754,16 @@ def test_bad_estimate_arguments_exit_2(
     assert "Traceback" not in captured.err
 
 
+def test_the_demos_help_names_the_front_end_the_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The help said koila.accumulate splits each step; the demo runs each epoch under koila.batch (probe 61A)."""
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["demo", "--help"])
+    assert excinfo.value.code == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "koila.batch runs the epoch again at half the batch size" in said
+    assert "accumulate" not in said
+
+
 def test_help_lists_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["--help"])

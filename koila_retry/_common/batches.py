@@ -534,7 +534,7 @@ class Split:
             raise ValueError(
                 f"{self.front_end} cannot split a nested tensor: torch gives no size along its ragged dimension "
                 "and cannot narrow it along the rows. Pass the rows padded (torch.nested.to_padded_tensor) with a "
-                "mask, or as a list of tensors the function stacks"
+                "mask"
             ) from None
 
     def _label(self, path: tuple[Any, ...]) -> str:
