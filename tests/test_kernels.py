@@ -846,3 +846,21 @@ def test_what_recurrent_layers_cannot_model_is_noted() -> None:
     assert [note for note in notes if note.startswith("torch.nn.LSTM: a packed sequence, or an LSTM with projections")]
     notes = koila.estimate(plain, x, device="mps").notes
     assert [note for note in notes if note.startswith("torch.nn.GRU: on mps the estimate counts PyTorch's")]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's LSTM only")  # type: ignore[no-untyped-call]
+def test_a_two_way_lstm_on_onednn_is_noted_as_possibly_below_the_real_peak() -> None:
+    """A real CPU run of two directions held up to 50% more than counted, silently (probe 61C): now noted."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 16)
+    for bidirectional in (False, True):
+        lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True, bidirectional=bidirectional)
+
+        def forward(x: torch.Tensor, lstm: nn.LSTM = lstm) -> torch.Tensor:
+            return lstm(x)[0]
+
+        said = [note for note in koila.estimate(forward, x).notes if "for two directions" in note]
+        assert len(said) == bidirectional, said
+        if bidirectional:
+            with pytest.warns(UserWarning, match="may be inexact.*two directions"):
+                koila.suggest_batch_size(forward, x, budget="64MiB")
