@@ -343,6 +343,62 @@ def test_a_split_evaluation_joins_logits_per_row_or_token_and_warns_of_others(tm
             torch.testing.assert_close(found.metrics["test_loss"], expected.metrics["test_loss"], rtol=1e-5, atol=0)
 
 
+class Layers(tuple):  # type: ignore[type-arg]
+    """A tuple subclass around router logits, which torch's pytree takes for one leaf."""
+
+
+class OddOutputs(MeanLoss):
+    """Out of memory above 4 rows; logits per token in a tuple subclass, or a table of the first chunk's size."""
+
+    table = False
+    capped = True
+    first_size: int | None = None
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        ids = inputs["input_ids"]
+        if self.capped and len(ids) > 4:
+            raise torch.OutOfMemoryError("more than 4 rows")
+        outputs = model(**inputs)
+        found: dict[str, Any] = {"loss": outputs.loss, "logits": outputs.logits}
+        if self.table:  # of the whole batch, as many rows as the first chunk's tokens: it fits that chunk only
+            self.first_size = self.first_size or ids.numel()
+            found["table"] = outputs.logits.mean((0, 1))[:2].expand(self.first_size, 2)
+        else:
+            found["router"] = Layers((outputs.logits[..., :4].flatten(0, 1),))
+        return (outputs.loss, found) if return_outputs else outputs.loss
+
+
+def test_logits_per_token_in_a_tuple_subclass_are_joined_by_row(tmp_path: Path) -> None:
+    """torch's pytree took a tuple subclass for a leaf: its logits per token were not folded (probe 61D)."""
+    expected = make_trainer(tmp_path, OddOutputs, per_device_eval_batch_size=7)
+    expected.capped = False
+    found = expected.predict(expected.eval_dataset)
+    trainer = adapt(make_trainer(tmp_path, OddOutputs, per_device_eval_batch_size=7))  # batches of 7 and 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = trainer.predict(trainer.eval_dataset)
+    assert trainer.prediction_step.stats.ooms == 1
+    assert [str(warning.message) for warning in caught if "per row" in str(warning.message)] == []
+    (logits, router), (expected_logits, expected_router) = split.predictions, found.predictions
+    torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(expected_logits), rtol=1e-5, atol=1e-6)
+    assert router[0].shape[0] > 8  # one entry per token
+    torch.testing.assert_close(torch.from_numpy(router[0]), torch.from_numpy(expected_router[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_value_of_the_batch_that_fits_one_chunks_tokens_is_refused_clearly(tmp_path: Path) -> None:
+    """One chunk decides what is folded, for every chunk and attempt: a misfit is a clear error, not an IndexError.
+
+    The fold was decided chunk by chunk: a tensor folded in an attempt that failed stayed marked, and the
+    step that then succeeded raised IndexError, or flattened a value of the whole batch (probe 61D).
+    """
+    trainer = adapt(make_trainer(tmp_path, OddOutputs, per_device_eval_batch_size=7))
+    trainer.table = True
+    with pytest.raises(ValueError, match=r"for one entry per token of the rows, \d+ per row, from the first chunk"):
+        trainer.predict(trainer.eval_dataset)
+
+
 def test_a_float64_model_split_keeps_its_precision(tmp_path: Path) -> None:
     """Each micro-batch's num_items_in_batch is its share of the count in float64 here, not rounded to float32."""
     if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:

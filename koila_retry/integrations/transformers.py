@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, NoReturn, TypeVar, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
@@ -609,7 +609,8 @@ class _Prediction(_Bound):
         self.lossless = False
         self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
         self.rows_checked = False  # see _averaged
-        self.by_token: set[int] = set()  # the logits' leaves folded to a row per row (see _by_row)
+        # The logits' leaves folded to a row per row, by index, and their tokens per row (see _by_row).
+        self.by_token: dict[int, int] | None = None
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -677,7 +678,7 @@ class _Prediction(_Bound):
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
         self.folded = False
-        self.by_token.clear()
+        self.by_token = None
         with swap, torch.no_grad():
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
@@ -687,7 +688,7 @@ class _Prediction(_Bound):
             if total and step.stats.batch_size < total:
                 self._averaged(logits, total)
         if self.by_token:
-            leaves, spec = tree_flatten(logits)
+            leaves, spec = flatten(logits)
             for index in self.by_token:
                 leaves[index] = leaves[index].flatten(0, 1)
             logits = tree_unflatten(leaves, spec)
@@ -697,15 +698,33 @@ class _Prediction(_Bound):
         """Fold each tensor of ``logits`` flattened over its rows' tokens to one entry per row, to be joined as rows."""
         # An MoE model's router logits are (rows * tokens, experts), row after row: joined by row, and unfolded
         # after the join, they are the whole batch's, as the trainer joins its batches along that dimension.
-        tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
-        leaves, spec = tree_flatten(logits)
-        for index, leaf in enumerate(leaves):
-            if _per_row(leaf, rows) or not isinstance(leaf, torch.Tensor) or not leaf.dim():
-                continue
-            if leaf.shape[0] % rows == 0 and leaf.shape[0] // rows in tokens:
-                leaves[index] = leaf.reshape(rows, -1, *leaf.shape[1:])
-                self.by_token.add(index)
-        return tree_unflatten(leaves, spec) if self.by_token else logits
+        # Which are is decided at the step's first chunk, for all of its chunks and attempts alike: a tensor
+        # of the whole batch whose size only happens to fit one chunk's rows must not be folded in some.
+        leaves, spec = flatten(logits)
+        if self.by_token is None:
+            tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
+            self.by_token = {
+                index: leaf.shape[0] // rows
+                for index, leaf in enumerate(leaves)
+                if isinstance(leaf, torch.Tensor)
+                and leaf.dim() > 1  # a vector of the whole batch (a count per expert) is too likely to fit
+                and leaf.shape[0] != rows
+                and leaf.shape[0] % rows == 0
+                and leaf.shape[0] // rows in tokens
+            }
+        if not self.by_token:
+            return logits
+        for index, per_row in self.by_token.items():
+            leaf = leaves[index]
+            if leaf.shape[0] != rows * per_row:
+                raise ValueError(
+                    f"adapt's prediction_step took the logits' tensor of shape {tuple(leaf.shape)} for one entry per "
+                    f"token of the rows, {per_row} per row, from the first chunk of the batch, and a chunk of {rows} "
+                    "rows returned another number: it is a value of the whole batch. Leave it out of the logits "
+                    "(evaluate(ignore_keys=[...]), or the model config's keys_to_ignore_at_inference)"
+                )
+            leaves[index] = leaf.reshape(rows, per_row, *leaf.shape[1:])
+        return tree_unflatten(leaves, spec)
 
     def _averaged(self, logits: Any, rows: int) -> None:
         """Warn of the logits of the first split step if they were not one row per row: averaged over the chunks."""
