@@ -395,7 +395,8 @@ def test_a_value_of_the_batch_that_fits_one_chunks_tokens_is_refused_clearly(tmp
     """
     trainer = adapt(make_trainer(tmp_path, OddOutputs, per_device_eval_batch_size=7))
     trainer.table = True
-    with pytest.raises(ValueError, match=r"for one entry per token of the rows, \d+ per row, from the first chunk"):
+    said = r"entry per token of the rows \(\d+ per row\) at the batch's first chunk, and a chunk of 3 rows"
+    with pytest.raises(ValueError, match=said):
         trainer.predict(trainer.eval_dataset)
 
 

@@ -700,6 +700,8 @@ class _Prediction(_Bound):
         # after the join, they are the whole batch's, as the trainer joins its batches along that dimension.
         # Which are is decided at the step's first chunk, for all of its chunks and attempts alike: a tensor
         # of the whole batch whose size only happens to fit one chunk's rows must not be folded in some.
+        if self.by_token is not None and not self.by_token:  # decided: nothing to fold
+            return logits
         leaves, spec = flatten(logits)
         if self.by_token is None:
             tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
@@ -714,13 +716,16 @@ class _Prediction(_Bound):
             }
         if not self.by_token:
             return logits
+        if max(self.by_token) >= len(leaves):  # another structure than the first chunk's: accumulate names it
+            return logits
         for index, per_row in self.by_token.items():
             leaf = leaves[index]
-            if leaf.shape[0] != rows * per_row:
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() < 2 or leaf.shape[0] != rows * per_row:
+                found = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
                 raise ValueError(
-                    f"adapt's prediction_step took the logits' tensor of shape {tuple(leaf.shape)} for one entry per "
-                    f"token of the rows, {per_row} per row, from the first chunk of the batch, and a chunk of {rows} "
-                    "rows returned another number: it is a value of the whole batch. Leave it out of the logits "
+                    f"adapt's prediction_step took a tensor of the logits for one entry per token of the rows "
+                    f"({per_row} per row) at the batch's first chunk, and a chunk of {rows} rows returned {found} "
+                    "there: it is a value of the whole batch. Leave it out of the logits "
                     "(evaluate(ignore_keys=[...]), or the model config's keys_to_ignore_at_inference)"
                 )
             leaves[index] = leaf.reshape(rows, per_row, *leaf.shape[1:])
