@@ -607,10 +607,9 @@ class _Prediction(_Bound):
         self.shifts = _shifts_labels(trainer, transformers)
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
-        self.folded = False  # the generated tokens of each chunk were folded to a row per row (see below)
         self.rows_checked = False  # see _averaged
-        # The logits' leaves folded to a row per row, by index, and their tokens per row (see _by_row).
-        self.by_token: dict[int, int] | None = None
+        # The logits' leaves folded to one entry per row, by index, with their entries per row (see _folded).
+        self.folds: dict[int, int] | None = None
 
         def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
             loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -618,13 +617,8 @@ class _Prediction(_Bound):
                 self.lossless = True
                 loss = torch.zeros((), device=trainer.args.device)
             rows = _rows_of(inputs)
-            if getattr(trainer.args, "predict_with_generate", False) and _several_per_row(logits, rows):
-                # num_return_sequences: each row's sequences follow one another. Folded to a row per row, they
-                # are joined as rows (not taken for a count and added up), and unfolded after the join.
-                logits = logits.unflatten(0, (rows, -1))
-                self.folded = True
-            elif logits is not None and rows:
-                logits = self._by_row(logits, inputs, rows)
+            if logits is not None and rows:
+                logits = self._folded(logits, inputs, rows)
             # Only what there is: a None would be warned about as an object accumulate cannot combine.
             found = {"loss": loss, "logits": logits, "labels": labels}
             return {key: value for key, value in found.items() if value is not None}
@@ -677,8 +671,7 @@ class _Prediction(_Bound):
         swap = (
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
-        self.folded = False
-        self.by_token = None
+        self.folds = None
         with swap, torch.no_grad():
             found = step(model, inputs, prediction_loss_only, ignore_keys)
         loss = None if self.lossless else found["loss"]
@@ -687,38 +680,40 @@ class _Prediction(_Bound):
             total = _rows_of(inputs)
             if total and step.stats.batch_size < total:
                 self._averaged(logits, total)
-        if self.by_token:
+        if self.folds:
             leaves, spec = flatten(logits)
-            for index in self.by_token:
+            for index in self.folds:
                 leaves[index] = leaves[index].flatten(0, 1)
             logits = tree_unflatten(leaves, spec)
-        return loss, logits.flatten(0, 1) if self.folded else logits, found.get("labels")
+        return loss, logits, found.get("labels")
 
-    def _by_row(self, logits: Any, inputs: Any, rows: int) -> Any:
-        """Fold each tensor of ``logits`` flattened over its rows' tokens to one entry per row, to be joined as rows."""
-        # An MoE model's router logits are (rows * tokens, experts), row after row: joined by row, and unfolded
-        # after the join, they are the whole batch's, as the trainer joins its batches along that dimension.
-        # Which are is decided at the step's first chunk, for all of its chunks and attempts alike: a tensor
-        # of the whole batch whose size only happens to fit one chunk's rows must not be folded in some.
-        if self.by_token is not None and not self.by_token:  # decided: nothing to fold
+    def _folded(self, logits: Any, inputs: Any, rows: int) -> Any:
+        """Fold each tensor of ``logits`` of several entries per row, row after row, to one per row: joined as rows."""
+        # Unfolded after the join: a Seq2SeqTrainer's num_return_sequences, each row's sequences one after another,
+        # and an MoE model's router logits, (rows * tokens, experts), are then the whole batch's, as the trainer
+        # joins its batches along that dimension. Which are is decided at the step's first chunk, for all of its
+        # chunks and attempts alike: a tensor of the whole batch whose size only happens to fit one chunk's rows
+        # must not be folded in some.
+        if self.folds is not None and not self.folds:  # decided: nothing to fold
             return logits
         leaves, spec = flatten(logits)
-        if self.by_token is None:
-            tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
-            self.by_token = {
-                index: leaf.shape[0] // rows
-                for index, leaf in enumerate(leaves)
-                if isinstance(leaf, torch.Tensor)
-                and leaf.dim() > 1  # a vector of the whole batch (a count per expert) is too likely to fit
-                and leaf.shape[0] != rows
-                and leaf.shape[0] % rows == 0
-                and leaf.shape[0] // rows in tokens
-            }
-        if not self.by_token:
+        if self.folds is None:
+            if getattr(self.trainer.args, "predict_with_generate", False):
+                self.folds = {0: len(logits) // rows} if _several_per_row(logits, rows) else {}
+            else:
+                tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
+                self.folds = {
+                    index: leaf.shape[0] // rows
+                    for index, leaf in enumerate(leaves)
+                    if isinstance(leaf, torch.Tensor)
+                    and leaf.dim() > 1  # a vector of the whole batch (a count per expert) is too likely to fit
+                    and leaf.shape[0] != rows
+                    and leaf.shape[0] % rows == 0
+                    and leaf.shape[0] // rows in tokens
+                }
+        if not self.folds or max(self.folds) >= len(leaves):  # nothing, or another structure: accumulate names it
             return logits
-        if max(self.by_token) >= len(leaves):  # another structure than the first chunk's: accumulate names it
-            return logits
-        for index, per_row in self.by_token.items():
+        for index, per_row in self.folds.items():
             leaf = leaves[index]
             if not isinstance(leaf, torch.Tensor) or leaf.dim() < 2 or leaf.shape[0] != rows * per_row:
                 found = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
@@ -734,7 +729,7 @@ class _Prediction(_Bound):
     def _averaged(self, logits: Any, rows: int) -> None:
         """Warn of the logits of the first split step if they were not one row per row: averaged over the chunks."""
         # The trainer joins every batch's logits along their first dimension, as rows: one that is neither per row
-        # nor per token (see _by_row) was taken by accumulate for a value of the whole chunk (an MoE aux_loss).
+        # nor per token (see _folded) was taken by accumulate for a value of the whole chunk (an MoE aux_loss).
         # Looked at once: a model's outputs keep their kinds from batch to batch.
         self.rows_checked = True
         odd = [leaf for leaf in flatten(logits)[0] if isinstance(leaf, torch.Tensor) and leaf.shape[:1] != (rows,)]
