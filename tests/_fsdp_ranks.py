@@ -593,6 +593,45 @@ def fsdp_two_models(rank: int, world: int) -> dict[str, Any]:
 
 
 @scenario("two")
+def fsdp_one_wrapper_two_models(rank: int, world: int) -> dict[str, Any]:
+    """One wrapper called over a sharded model, then another, the last rank failing in the second's forward.
+
+    The parallel modules were looked for at the first call only: the second model's forward had no hook of
+    koila's, a rank that failed there never played its all-gathers along, and the ranks hung.
+    """
+    first, second = model(), model()
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.mul_(0.5)
+    reference = copy.deepcopy(second)
+    shard(first)
+    shard(second)
+    x = local(batch(world, seed=25)[0], rank)
+    with torch.no_grad():
+        expected = reference(x)
+
+    @koila.chunked(initial=ROWS, cache=koila.NoCache())
+    def infer(x: torch.Tensor, net: nn.Module) -> torch.Tensor:
+        return net(x)
+
+    predict = _batch()
+    runs: dict[str, Callable[[nn.Module], torch.Tensor]] = {
+        "chunked": lambda net: infer(x, net=net),
+        "batch": lambda net: predict(net, x, lambda event: None),
+    }
+    layer: Inject = second[1][1]
+    outcomes: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, run in runs.items():
+            run(first)
+            layer.rows = []
+            layer.failures = {0: "forward"} if rank == world - 1 else {}
+            got = run(second)
+            outcomes[name] = {"equal": bool(torch.allclose(got, expected, rtol=1e-12, atol=1e-12)), "rows": layer.rows}
+    return outcomes
+
+
+@scenario("two")
 def fsdp_two_steps_of_one_model(rank: int, world: int) -> dict[str, Any]:
     """Two steps over one sharded model, the second with two forwards: each its own record of collectives.
 

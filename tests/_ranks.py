@@ -1189,6 +1189,74 @@ def _two_views(rank: int, world: int, failures: dict[int, str], size: int, direc
     }
 
 
+def _two_models(rank: int, world: int, where: str, method: bool) -> dict[str, Any]:
+    """One step called over one DDP model, then another: given as an argument, or held by two instances.
+
+    The parallel modules were looked for at the first call only: the second model's step kept the first's
+    plan, and a rank that ran out of memory in it crashed the job (``where`` "backward") or hung it ("forward").
+    """
+    rows = 8
+    x, y = global_batch(world, rows, seed=89)
+    models = [injected_mlp(), injected_mlp()]
+
+    def loss_of(module: nn.Module, r: int) -> torch.Tensor:
+        return F.mse_loss(module(local(x, r, rows)), local(y, r, rows))
+
+    expected = mean_of([full_grads(models[1], lambda m, r=r: loss_of(m, r)) for r in range(world)])
+    ddps = [DDP(model) for model in models]
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(xb), yb)
+
+    class Holder:
+        def __init__(self, module: nn.Module) -> None:
+            self.module = module
+
+        @koila.accumulate(cache=koila.NoCache())
+        def step(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.module(xb), yb)
+
+    holders = [Holder(ddp) for ddp in ddps]
+    for index in range(2):
+        models[1][2].failures = {0: where} if rank == 1 and index == 1 else {}
+        if method:
+            holders[index].step(local(x, rank, rows), local(y, rank, rows))
+        else:
+            step(ddps[index], local(x, rank, rows), local(y, rank, rows))
+    return {"grads": grads(models[1]), "expected": expected, "rows": models[1][2].rows}
+
+
+@scenario("crash")
+def two_models_one_step_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_models(rank, world, "backward", method=False)
+
+
+@scenario("crash")
+def two_models_one_step_forward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_models(rank, world, "forward", method=False)
+
+
+@scenario("crash")
+def two_models_one_method_backward_fails(rank: int, world: int) -> dict[str, Any]:
+    return _two_models(rank, world, "backward", method=True)
+
+
+@scenario("two")
+def exhausted_by_a_rank_with_one_row(rank: int, world: int) -> dict[str, Any]:
+    """The last rank has one row and runs out of memory with it: the others give up above their minimum."""
+    model = injected_mlp()
+    rows = 1 if rank == world - 1 else 8
+    x, y = data(rows, 6, seed=90), data(rows, 1, seed=91)
+    model[2].failures = {0: "forward"} if rank == world - 1 else {}
+
+    @koila.accumulate(initial=4, cache=koila.NoCache())
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(xb), yb)
+
+    return caught(lambda: step(x, y))
+
+
 @scenario("crash")
 def two_views_nothing_fails(rank: int, world: int) -> dict[str, Any]:
     return _two_views(rank, world, {}, size=4)

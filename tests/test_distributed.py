@@ -358,6 +358,17 @@ def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_earl
         assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["two_models_one_step_backward_fails", "two_models_one_step_forward_fails", "two_models_one_method_backward_fails"],
+)
+def test_a_step_over_another_ddp_model_than_its_first_recovers_it(groups: Groups, name: str) -> None:
+    """The modules a step reaches are looked for again when it is given another model, or runs for another instance."""
+    for rank, value in enumerate(groups("crash")[name]):
+        assert value["rows"] == [8, 4, 4], f"rank {rank}: the whole batch (rank 1's failed), then micro-batches of 4"
+        assert_grads(value["grads"], value["expected"], f"rank {rank}: ")
+
+
 # (scenario, the rows Inject saw, rank by rank: two forwards per micro-batch, then the retry's in twos)
 TWO_VIEWS = [
     ("two_views_nothing_fails", [[4] * 6] * 2),
@@ -674,6 +685,15 @@ def test_one_rank_exhausted_exhausts_every_rank(groups: Groups, group: str) -> N
         if rank != 0:
             assert f"Rank 0 of {world} ran out of memory" in accumulate["message"]
         assert value["grads"] == [None] * 4
+
+
+def test_a_rank_that_gives_up_with_another_says_why_not_max_attempts(groups: Groups) -> None:
+    healthy, failed = groups("two")["exhausted_by_a_rank_with_one_row"]
+    assert_error(failed, koila.BatchSizeExhausted, "(1)", "batch size 1 is the minimum")
+    # It could have gone below 4: the other rank, with its one row, could not (it said max_attempts=None).
+    assert_error(healthy, koila.BatchSizeExhausted, "(4)", "the rank that ran out of memory has no smaller batch")
+    assert "max_attempts" not in healthy["message"]
+    assert "Rank 1 of 2 ran out of memory" in healthy["message"]
 
 
 @pytest.mark.parametrize("group", WORLDS)

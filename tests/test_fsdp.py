@@ -210,6 +210,15 @@ def test_a_call_over_two_models_sharded_apart_recovers_in_the_second_ones_forwar
                     assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
 
 
+def test_one_wrapper_over_another_sharded_model_than_its_first_recovers_it(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_one_wrapper_two_models"]):
+        for name, run in value.items():
+            assert run["equal"], f"rank {rank}, {name}"
+            # The last rank failed the whole batch: every rank ran smaller after it.
+            assert run["rows"][0] == _fsdp_ranks.ROWS, (rank, name, run["rows"])
+            assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, run["rows"])
+
+
 def test_a_step_after_a_forward_without_backward_sets_aside_the_sharded_gradients(groups: Groups) -> None:
     # The root's unsharded parameters were registered on it: the sharded ones' gradients, which the healthy
     # rank's finished attempt had reduce-scattered, were never dropped, and the retry added onto them.

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from koila_retry._core import distributed, sharded
 from koila_retry._core.cache import SizeCache
@@ -32,11 +36,12 @@ class Ranks:
     def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache, code: object = None) -> None:
         self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
         self.source = (name, code)  # whose collectives FSDP2's records are (see sharded.Shards)
-        self.parallel: list[weakref.ref[Any]] | None = None  # the modules the first agreeing call reached
-        self.norms: list[weakref.ref[Any]] = []  # its SyncBatchNorm layers: refused while they train
-        # The process group of the DDP modules it reached, where they share one of a subgroup and no group
-        # was given: the ranks outside it never make the call (accumulate's ddp= sets the same).
-        self.group: weakref.ref[Any] | None = None
+        # What the agreeing calls reached, by the modules and the object the call is given (see _given):
+        # another model as an argument, or another instance for a method, reaches other parallel modules.
+        self.reached: dict[tuple[int, ...], _Reached] = {}
+        self.current = _NOTHING  # what the call starting reaches
+        # A method's function, decorated in its class: the instance is its first argument.
+        self.method = isinstance(code, types.CodeType) and code.co_argcount > 0 and code.co_varnames[0] == "self"
 
     def agreement(self) -> distributed.Agreement | None:
         """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
@@ -50,12 +55,12 @@ class Ranks:
         first = call.first if call.first is not None and call.first.meter is not None else None
         if agreement is None:
             return base if first is None else compose(self.policy, self.rules, self.cache, first=first)
-        self.reach(call.roots, agreement)
-        group = None if self.group is None else self.group()
+        reached = self.current = self.reach(call.roots, agreement)
+        group = None if reached.group is None else reached.group()
         if group is not None:
             agreement = distributed.agreement(self.policy.sync, group) or agreement
-        if self.norms:
-            distributed.check_norms((norm for norm in (ref() for ref in self.norms) if norm is not None), self.name)
+        if reached.norms:
+            distributed.check_norms((norm for norm in (ref() for ref in reached.norms) if norm is not None), self.name)
         alive = self.alive()
         distributed.check_join(alive, self.name)
         distributed.broadcast_before_inference(alive)
@@ -65,21 +70,29 @@ class Ranks:
         return compose(self.policy, self.rules, self.cache, agreement, shards, first)
 
     def alive(self) -> list[Any]:
-        """Return the modules the first agreeing call reached, still alive."""
-        return [module for module in (ref() for ref in self.parallel or ()) if module is not None]
+        """Return the parallel modules the call starting reaches, still alive."""
+        return [module for module in (ref() for ref in self.current.parallel) if module is not None]
 
-    def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> None:
-        """Look, once, at the modules an agreeing call reaches from ``roots``; every rank does, so all raise alike."""
-        if self.parallel is None:
-            found = distributed.supported_modules(roots, self.name)
-            for module in sharded.fsdp_modules(found):
-                sharded.check_mesh(module, agreement.world_size, self.name)
-                sharded.check_state(module, self.name)
-            self.parallel = [weakref.ref(module) for module in found]
-            self.norms = [weakref.ref(norm) for norm in distributed.synced_norms(roots)]
-            groups = [distributed.ddp_group(module) for module in found]
-            if self.policy.group is None and groups and groups[0] is not None and all(g is groups[0] for g in groups):
-                self.group = weakref.ref(groups[0])
+    def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> _Reached:
+        """Return what an agreeing call reaches from ``roots``, looked at once per :func:`_given`; every rank looks."""
+        given = _given(roots, self.method)
+        key = tuple(map(id, given))
+        reached = self.reached.get(key)
+        if reached is not None and all(ref() is not None for ref in reached.given):
+            return reached
+        found = distributed.supported_modules(roots, self.name)  # raises on every rank alike
+        for module in sharded.fsdp_modules(found):
+            sharded.check_mesh(module, agreement.world_size, self.name)
+            sharded.check_state(module, self.name)
+        groups = [distributed.ddp_group(module) for module in found]
+        shared = self.policy.group is None and groups and groups[0] is not None and all(g is groups[0] for g in groups)
+        reached = _Reached(given, found, distributed.synced_norms(roots), groups[0] if shared else None)
+        # The entries whose objects were freed go; a few are kept (a GAN's two models, say).
+        self.reached = {k: v for k, v in self.reached.items() if all(ref() is not None for ref in v.given)}
+        if len(self.reached) >= _KEPT:
+            del self.reached[next(iter(self.reached))]
+        self.reached[key] = reached
+        return reached
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
@@ -87,3 +100,40 @@ class Ranks:
             agreement = distributed.agreement(self.policy.sync, self.policy.group)
             if agreement is not None:
                 agreement.start(0, span=0)
+
+
+class _Reached:
+    """The parallel modules calls given the same objects reach, their SyncBatchNorm layers and DDP's subgroup."""
+
+    __slots__ = ("given", "group", "norms", "parallel")
+
+    def __init__(self, given: list[Any], parallel: list[Any], norms: Iterable[Any], group: Any) -> None:
+        self.given = [weakref.ref(value) for value in given]
+        self.parallel = [weakref.ref(module) for module in parallel]
+        self.norms = [weakref.ref(norm) for norm in norms]  # refused while they train
+        # Where they share a subgroup and no group was given: the ranks outside it never make the call.
+        self.group = None if group is None else weakref.ref(group)
+
+
+_NOTHING = _Reached([], [], [], None)
+_KEPT = 8
+
+
+def _given(roots: Iterable[Any], method: bool) -> list[Any]:
+    """Return the modules a call of ``(fn, args, kwargs)`` is given and the instance it runs for, if any."""
+    # Top-level only, a few microseconds: the rest of what a call reaches (its function's globals, a batch's
+    # containers) is looked at when these change, not at every call.
+    if type(roots) is not tuple or len(roots) != 3:  # an attempts block's frame: looked at once
+        return []
+    fn, args, kwargs = roots
+    owner = getattr(fn.func if isinstance(fn, functools.partial) else fn, "__self__", None)
+    if owner is None and method and args:
+        owner = args[0]
+    given = [value for value in (fn, *args, *kwargs.values()) if isinstance(value, torch.nn.Module)]
+    if owner is not None and not isinstance(owner, (types.ModuleType, torch.nn.Module)):
+        try:
+            weakref.ref(owner)
+        except TypeError:  # nothing to tell it by once it is freed: looked at as the first call found it
+            return given
+        given.append(owner)
+    return given

@@ -19,6 +19,8 @@ def message(exhaustion: Exhaustion) -> str:
     failed, minimum = exhaustion.tried[-1], exhaustion.minimum
     if exhaustion.reason == "schedule":
         reason = f"the schedule gave up after batch size {failed} (it returned None)"
+    elif exhaustion.reason == "ranks" and failed > minimum:  # this rank could go smaller, another could not
+        reason = "the rank that ran out of memory has no smaller batch size left"
     elif failed > minimum:
         reason = f"gave up after max_attempts={exhaustion.max_attempts} attempts"
     elif failed == minimum:
