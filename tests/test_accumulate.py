@@ -1357,6 +1357,43 @@ def test_a_result_entry_that_is_none_stays_none_without_a_warning(initial: int |
     assert "attentions" not in str(caught[0].message)
 
 
+@pytest.mark.parametrize("initial", [None, 8, 3])
+def test_a_list_of_one_string_per_row_is_joined_as_the_rows_are(initial: int | None) -> None:
+    # Names collated with the batch, returned beside the loss: pytree took each string for a leaf, each was
+    # dropped, and micro-batches of unequal rows (8, 8, 4) had results of different structures: a ValueError.
+    model, x, y = build("mlp", 20)
+    names = [f"row {index}" for index in range(20)]
+
+    @koila.accumulate(initial=initial)
+    def step(batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        # A field of the batch, split with its rows (docs/batches.rst).
+        return F.mse_loss(model(batch["x"]), batch["y"]), {"names": batch["names"], "labels": ["a", "b", "c"]}
+
+    with pytest.warns(UserWarning, match="returns other objects") as caught:
+        loss, extra = step({"x": x, "y": y, "names": names})
+    assert len(caught) == 1
+    assert "['labels'] (list)" in str(caught[0].message)  # the list, not each of its strings
+    assert "names" not in str(caught[0].message)
+    assert extra == {"names": names, "labels": None}
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_list_of_strings_one_per_row_in_some_micro_batches_only_comes_back_as_none() -> None:
+    model, x, y = build("mlp", 20)
+    classes = [f"class {index}" for index in range(8)]  # as many as the rows of 8, not of 4
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        return F.mse_loss(model(x), y), classes
+
+    with pytest.warns(UserWarning, match="returns other objects") as caught:
+        loss, joined = step(x, y)
+    assert len(caught) == 1
+    assert "the result[1] (list)" in str(caught[0].message)
+    assert joined is None
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach(), rtol=RTOL, atol=ATOL)
+
+
 # --------------------------------------------------------------------------- 9. mixed precision
 
 

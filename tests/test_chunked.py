@@ -704,6 +704,16 @@ def test_lists_of_numbers_per_row_are_not_joined() -> None:
         koila.chunked(lambda rows: rows.tolist(), torch.arange(4.0), initial=2)
 
 
+class _Out(dict):  # type: ignore[type-arg]
+    pass
+
+
+def test_a_dict_subclass_in_a_result_is_refused_saying_why() -> None:
+    # The message told to return "a dict", which the result was: pytree takes a subclass for one leaf.
+    with pytest.raises(TypeError, match=r"fn returned _Out \(a subclass of dict, which torch.utils._pytree takes"):
+        koila.chunked(lambda rows: _Out(rows=rows), torch.arange(4.0), initial=2)
+
+
 def test_a_list_of_strings_without_a_row_each_and_no_tensor_is_refused() -> None:
     with pytest.raises(TypeError, match=r"fn returned list at the result for the chunk from row 0"):
         koila.chunked(lambda rows: ["one"], torch.arange(4.0), initial=2)

@@ -245,3 +245,44 @@ def test_a_backward_that_failed_with_other_nodes_ready_leaves_its_graph_dead_whe
             step()
     assert failing.failed
     assert alive_at_start[:2] == [False, False], alive_at_start
+
+
+def _gives_up_at_row_6(front_end: str, error: BaseException, rows: torch.Tensor, weight: torch.Tensor) -> None:
+    """Run ``front_end`` over ``rows`` in pieces of 4, the piece with row 6 raising ``error`` at every size."""
+
+    def piece(begin: int, end: int) -> torch.Tensor:
+        if begin <= 6 < end:
+            raise error
+        return torch.ones(end - begin, 256, dtype=torch.float64)
+
+    options: dict[str, Any] = {"initial": 4, "cache": koila.NoCache()}
+    if front_end == "chunked":
+        koila.chunked(lambda x: piece(int(x[0]), int(x[-1]) + 1), rows, **options)
+    elif front_end == "range":
+        koila.range(piece, 0, len(rows), **options)
+    else:
+
+        @koila.accumulate(**options)
+        def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # The second result is one per row: each micro-batch's is kept until the step is joined.
+            return weight * x.double().mean(), piece(int(x[0]), int(x[-1]) + 1)
+
+        step(rows)
+
+
+@pytest.mark.parametrize("front_end", ["chunked", "range", "accumulate"])
+@pytest.mark.parametrize("kind", ["given up", "an error of the function"])
+def test_an_error_raised_part_way_does_not_pin_what_the_finished_pieces_made(front_end: str, kind: str) -> None:
+    # The error's traceback holds the front end's frames: they held the joined result of the
+    # chunks that had finished (or the list of a range's results), which nothing else reaches,
+    # for as long as the caller kept the error (logged, or sys.last_value in a notebook).
+    error: BaseException = make_oom() if kind == "given up" else KeyError("row 6")
+    expected = koila.BatchSizeExhausted if kind == "given up" else KeyError
+    rows, weight = torch.arange(10).unsqueeze(1), nn.Parameter(torch.ones((), dtype=torch.float64))
+    with simulated_device("64MiB") as device:
+        with pytest.raises(expected) as excinfo:
+            _gives_up_at_row_6(front_end, error, rows, weight)
+        gc.collect()
+        held = device.live
+    assert excinfo.value.__traceback__ is not None  # held, with its frames, as the caller holds it
+    assert held == 0

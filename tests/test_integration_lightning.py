@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import io
@@ -1132,8 +1133,48 @@ def test_an_oom_in_the_backward_of_a_later_batch_of_a_window_puts_the_windows_gr
 
 def _attached(model: Any) -> dict[str, Any]:
     """Return what the module object holds under the names OOMRecovery may set on it while a trainer runs it."""
-    names = ("training_step", "validation_step", "test_step", "predict_step", "log", "backward")
+    names = ("training_step", "validation_step", "test_step", "predict_step", "log", "backward", "__getstate__")
     return {name: vars(model)[name] for name in names if name in vars(model)}
+
+
+class _Copying(L.Callback):  # type: ignore[misc]
+    """Copy and pickle the module during ``fit``, as a callback that keeps the best model so far does."""
+
+    def __init__(self) -> None:
+        self.copies: list[Any] = []
+        self.shallow: list[Any] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.shallow.append(copy.copy(pl_module))  # its parameters are the module's
+        self.copies += [copy.deepcopy(pl_module), torch.load(_saved(pl_module), weights_only=False)]
+
+
+def _saved(module: Any) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_a_copy_or_a_pickle_of_the_module_made_during_fit_runs_its_own_steps() -> None:
+    # The wrappers are attributes of the module object: a copy ran the original's steps (through the
+    # original's _Step), after fit a trainer with OOMRecovery recursed on it, and a pickle failed.
+    copying = _Copying()
+    model = MLP()
+    with simulated_device(FIT_LIMIT):
+        trainer(OOMRecovery(), copying, max_steps=2).fit(model, loader())
+    assert len(copying.copies) == 4
+    assert [_attached(twin) for twin in copying.shallow] == [{}, {}]
+    x = next(iter(loader()))[0]
+    for twin in copying.copies:
+        assert _attached(twin) == {}, "nothing of the callback's on a copy"
+        with torch.no_grad():
+            for parameter in twin.parameters():
+                parameter.zero_()
+        assert not twin.predict_step((x,), 0)["logits"].any()  # its own weights, not the trained model's
+        predicted = trainer(OOMRecovery()).predict(twin, loader())
+        assert not predicted[0]["logits"].any()
+    assert _attached(model) == {}
 
 
 class Failing(MLP):

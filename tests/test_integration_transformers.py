@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -35,6 +36,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     make_trainer,
     mean_loss_func,
     summed_loss_func,
+    tiny_gpt2,
 )
 from _layers import RaiseInBackward  # noqa: E402
 
@@ -448,6 +450,56 @@ def test_label_smoothing_split_gives_what_the_plain_trainer_gives(tmp_path: Path
     assert trainer.training_step.stats.ooms >= 1
     assert trainer.training_step.stats.batch_size < 8
     assert_same_training(trainer, reference)
+
+
+class _SmoothedWrapper(CausalWrapper):
+    """A module around a causal LM with a config, as label smoothing needs: the smoother goes by its class name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = self.lm.config
+
+
+class _MyLM(transformers.GPT2LMHeadModel):  # type: ignore[misc]  # transformers is untyped
+    """A causal LM under a class name of its own, with no loss keywords: its mean loss shifts as GPT-2's does."""
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> Any:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
+
+
+def _my_lm() -> Any:
+    reference = tiny_gpt2()
+    model = _MyLM(reference.config)
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [
+        # The trainer's label smoother computes the loss: it shifts only for a class it names a causal LM,
+        # which the wrapper is not, though it holds one.
+        pytest.param(_SmoothedWrapper, {"label_smoothing_factor": 0.1}, id="label smoothing over a wrapper"),
+        # The model's own loss, a mean: an unknown class name's loss is a causal LM's in transformers.
+        pytest.param(_my_lm, {}, id="a subclass of a causal LM"),
+    ],
+)
+def test_the_labels_are_counted_as_the_loss_that_runs_counts_them(
+    tmp_path: Path, model: Callable[[], Any], options: dict[str, Any]
+) -> None:
+    reference = make_trainer(tmp_path, model=model(), **options)
+    assert not getattr(reference, "model_accepts_loss_kwargs", False)  # no num_items_in_batch: a mean, weighed
+    expected = reference.evaluate()["eval_loss"]
+    reference.train()
+    trainer = adapt(make_trainer(tmp_path, model=model(), **options))
+    with simulated_device("128KiB"):
+        evaluated = trainer.evaluate()["eval_loss"]
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.training_step.stats.batch_size < 8
+    assert_same_training(trainer, reference)
+    assert evaluated == pytest.approx(expected, rel=1e-6)
 
 
 def test_reentrant_gradient_checkpointing_split_gives_what_the_plain_trainer_gives(tmp_path: Path) -> None:

@@ -169,6 +169,15 @@ def test_a_schedule_must_shrink_within_the_range(returned: object) -> None:
         run_with_schedule(lambda failed: returned)
 
 
+@pytest.mark.parametrize(("minimum", "told"), [(1, "from 1 to 99, or None"), (4, "(raised to the minimum, 4,")])
+def test_a_schedules_bad_size_says_what_it_may_return(minimum: int, told: str) -> None:
+    # With minimum=1 it said "from 1 to 99 (raised to the minimum, 1, if below it)": a 0 would be raised.
+    with pytest.raises(ValueError, match="the schedule returned 0") as caught:
+        run_with_schedule(lambda failed: 0, minimum=minimum)
+    assert told in str(caught.value)
+    assert ("raised to the minimum" in str(caught.value)) == (minimum > 1)
+
+
 @pytest.mark.parametrize("front_end", ["batch", "attempts"])
 def test_a_schedules_bad_size_is_raised_without_the_failed_attempt_and_its_tensors(front_end: str) -> None:
     """Raised in the handler, the ValueError kept the out-of-memory error, its frames and their tensors."""

@@ -56,6 +56,9 @@ def test_without_weight_a_dict_batch_with_ignored_labels_is_warned_about_once() 
     with pytest.warns(UserWarning, match=r"labels with ignored entries \(-100\)") as caught:
         step(batch)
     assert [w.filename for w in caught] == [__file__]
+    # Where weight= is, and that Lightning's OOMRecovery, which takes none, weighs by rows (it told to pass it).
+    assert "pass weight= to koila.accumulate" in str(caught[0].message)
+    assert "OOMRecovery weighs by rows only" in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(batch)

@@ -222,10 +222,10 @@ def shrink(rules: Rules, failed: int, number: int, floor: int) -> Try | GiveUp:
         return GiveUp("schedule")
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < failed:
         # An endless loop (a size that does not shrink) or a size no call can use.
+        raised = f" (raised to the minimum, {floor}, if below it)" if floor > 1 else ""
         raise ValueError(
             f"{rules.name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
-            f"it must return an int from 1 to {failed - 1} (raised to the minimum, {floor}, "
-            "if below it), or None to give up"
+            f"it must return an int from 1 to {failed - 1}{raised}, or None to give up"
         )
     return Try(max(size, floor))
 

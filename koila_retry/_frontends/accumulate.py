@@ -679,37 +679,40 @@ class _Accumulator:
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
                 raise Replayed(*failed)
         results = Results(self, size)
-        # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed
-        # through by every micro-batch, and again by a retry: that graph must outlive each
-        # backward. It is freed with the arguments, as usual. A loop, not any() over a
-        # generator: every call of a step pays for this.
-        retain = False
-        for tensor in split.tensors:
-            if tensor.grad_fn is not None:
-                retain = True
-                break
-        meter = None if attempt is None else attempt.meter
-        if meter is not None:
-            backed = self._measured(split, size, gradients, cast(Attempt, attempt), meter, results, retain, auto)
-        elif size >= rows:  # the happy path: the batch as given, one forward, one backward
-            result = own_backward.call(self.fn, self.controller.name, split.args, split.kwargs)
-            loss = results.add(result, 1.0, rows)
-            if loss.requires_grad:
-                gradients.backward(self.backward, loss, retain)
+        try:
+            # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed through by
+            # every micro-batch and retry: that graph must outlive each backward (freed with the arguments).
+            # A loop, not any() over a generator: every call of a step pays for this.
+            retain = False
+            for tensor in split.tensors:
+                if tensor.grad_fn is not None:
+                    retain = True
+                    break
+            meter = None if attempt is None else attempt.meter
+            if meter is not None:
+                backed = self._measured(split, size, gradients, cast(Attempt, attempt), meter, results, retain, auto)
+            elif size >= rows:  # the happy path: the batch as given, one forward, one backward
+                result = own_backward.call(self.fn, self.controller.name, split.args, split.kwargs)
+                loss = results.add(result, 1.0, rows)
+                if loss.requires_grad:
+                    gradients.backward(self.backward, loss, retain)
+                else:
+                    self._check_no_grad_wanted(split)
+                return results
             else:
+                backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
+                weights = self._weights(split, size)
+                for (chunk_args, chunk_kwargs, count), weight in zip(split.pieces(size), weights, strict=True):
+                    backed = (
+                        self._micro_batch(chunk_args, chunk_kwargs, count, weight, results, gradients, retain) or backed
+                    )
+                    del chunk_args, chunk_kwargs  # not alive during the next forward
+            if not backed:
                 self._check_no_grad_wanted(split)
             return results
-        else:
-            backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
-            weights = self._weights(split, size)
-            for (chunk_args, chunk_kwargs, count), weight in zip(split.pieces(size), weights, strict=True):
-                backed = (
-                    self._micro_batch(chunk_args, chunk_kwargs, count, weight, results, gradients, retain) or backed
-                )
-                del chunk_args, chunk_kwargs  # not alive during the next forward
-        if not backed:
-            self._check_no_grad_wanted(split)
-        return results
+        except BaseException:
+            results.drop()  # the error's traceback holds this frame: what the micro-batches returned would outlive it
+            raise
 
     def _micro_batch(
         self,
@@ -810,14 +813,14 @@ class _Accumulator:
         """Warn, once, that a split step of a mean loss over labels with ignored entries is weighed by rows."""
         if self.mean and not self.warned_ignored and _ignores_labels(split):
             self.warned_ignored = True
-            # Usually in the retry that an out-of-memory error made: raised by a filter, it
-            # would end the recovery.
+            # Usually in the retry that an out-of-memory error made: raised by a filter, it would end the recovery.
             warn_or_log(
                 f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
                 "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
-                "row counts as many items. For a loss that is a mean over tokens, pass weight=, such as "
-                "weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal language model "
-                "(see the docs: Training Hugging Face models). This warning is shown once.",
+                "row counts as many items. For a loss that is a mean over tokens, pass weight= to "
+                "koila.accumulate, such as weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal "
+                "language model (see the docs: Training Hugging Face models); Lightning's OOMRecovery weighs by "
+                "rows only (see the docs: Trainers). This warning is shown once.",
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )

@@ -403,8 +403,11 @@ def _run_chunked(
         attempt = controller.start(call)
         try:
             cover(controller, attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
-        except BatchSizeExhausted:
-            if results.unfit is None:  # fn itself ran out of memory at the last size
+        except BaseException as error:
+            if not isinstance(error, BatchSizeExhausted) or results.unfit is None:  # fn's own error
+                # Its traceback holds this frame: the finished chunks' result, which nothing
+                # else reaches, would live as long as the caller keeps the error.
+                results.drop()
                 raise
         if results.unfit is not None:
             results.refuse()  # outside the handler: the error raised holds nothing of the attempts
@@ -562,5 +565,9 @@ def _run_range(
     identity, span = function_identity(fn), stop - start
     # rows: with initial=None, every index at once
     attempt = controller.start(Call(identity, caller, device, rows=span, span=span, roots=(fn, args, kwargs)))
-    cover(controller, attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
+    try:
+        cover(controller, attempt, start, stop, work, keep, progress=ranges.tqdm, unit=("index", "indices", "range"))
+    except BaseException:
+        results.clear()  # as a chunked pass's result (see _run_chunked)
+        raise
     return results

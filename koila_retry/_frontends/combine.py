@@ -30,9 +30,9 @@ class Step(Protocol):
 
 
 # What becomes of each leaf of a result: the loss; one row per row of the batch, joined;
-# a number or per-batch tensor of floats, weighted like the loss; one of integers (a
-# count), added up; anything else, dropped.
-_LOSS, _JOIN, _WEIGH, _COUNT, _DROP = "loss", "join", "weigh", "count", "drop"
+# a list of one string per row, joined; a number or per-batch tensor of floats, weighted
+# like the loss; one of integers (a count), added up; anything else, dropped.
+_LOSS, _JOIN, _STRINGS, _WEIGH, _COUNT, _DROP = "loss", "join", "strings", "weigh", "count", "drop"
 _LEAF_SPEC = tree_flatten(0)[1]
 _EXACT = (torch.float32, torch.float64)  # dtypes a loss times its weight keeps to the last bit or so
 _UNSET: Any = object()  # Results.combined before finish()
@@ -71,7 +71,7 @@ class Results:
                     "returned a loss."
                 )
             raise
-        leaves, spec = flatten(result)
+        leaves, spec = flatten(result, strings=True)  # a list of strings is one leaf, whatever its length
         kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
@@ -80,7 +80,7 @@ class Results:
         elif spec != self.spec:
             self._changed(spec)
         elif kinds != self.kinds:
-            self._rows_changed(result, kinds, rows)
+            kinds = self._rows_changed(result, kinds, rows)
         for index, (column, kind, leaf) in enumerate(zip(self.columns, kinds, leaves, strict=True)):
             if kind == _DROP:
                 continue
@@ -90,7 +90,9 @@ class Results:
                 first = column[0][0]
                 if isinstance(first, TensorBase) and first.shape != leaf.shape:
                     self._shape_changed(result, index, first, rows)
-            if kind == _JOIN:
+            if kind == _STRINGS:
+                column.append(leaf)
+            elif kind == _JOIN:
                 # The memory of the micro-batch before, not broadcast along the rows (a parameter's expand):
                 # a buffer the function writes each time, whose earlier rows are lost.
                 if column and _same_memory(leaf, column[-1], self.step.dim):
@@ -101,7 +103,7 @@ class Results:
         return loss
 
     def _reused(self, result: Any, index: int, rows: int) -> NoReturn:
-        path = keystr(flatten_with_path(result)[index][0])
+        path = keystr(flatten_with_path(result, strings=True)[index][0])
         raise ValueError(
             f"{self.step.controller.name} returned, at the result{path} for a micro-batch of {rows} rows, the "
             "memory it returned for the micro-batch before: the rows are joined when the step ends, so where the "
@@ -110,13 +112,17 @@ class Results:
         )
 
     def _shape_changed(self, result: Any, index: int, first: Any, rows: int) -> NoReturn:
-        path, leaf = flatten_with_path(result)[index]
+        path, leaf = flatten_with_path(result, strings=True)[index]
         raise ValueError(
             f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
             f"of {rows} rows, and {describe(first)} for the first: a value of the whole micro-batch (not one per "
             f"row along dim {self.step.dim}) must have the same shape in every one, or the step's result would "
             "depend on the split. Return one entry per row, or pad it to one shape"
         )
+
+    def drop(self) -> None:
+        """Let go of what the micro-batches returned: an error's traceback holds this object."""
+        self.columns = []
 
     def weighed(self, weighted: torch.Tensor) -> None:
         """Keep the last micro-batch's loss as its backward ran it, weighted: it then adds up as it is.
@@ -133,7 +139,7 @@ class Results:
     def _whole(kind: str, column: list[Any]) -> bool:
         if kind == _DROP:
             return not column
-        return len(column) == 1 and (kind == _JOIN or column[0][1] == 1.0)
+        return len(column) == 1 and (kind in (_JOIN, _STRINGS) or column[0][1] == 1.0)
 
     def _changed(self, spec: TreeSpec) -> NoReturn:
         raise ValueError(
@@ -145,6 +151,8 @@ class Results:
         if leaf is loss:
             return _LOSS
         if not isinstance(leaf, TensorBase):
+            if type(leaf) is list:  # of strings (see flatten)
+                return _STRINGS if len(leaf) == rows else _DROP
             if isinstance(leaf, bool) or not isinstance(leaf, (int, float)):
                 return _DROP
             return _COUNT if isinstance(leaf, int) else _WEIGH
@@ -155,8 +163,16 @@ class Results:
         # whatever the rows, so that the result's shape never depends on the split.
         return _WEIGH if leaf.is_floating_point() or leaf.is_complex() else _COUNT
 
-    def _rows_changed(self, result: Any, kinds: list[str], rows: int) -> NoReturn:
-        paths = flatten_with_path(result)
+    def _rows_changed(self, result: Any, kinds: list[str], rows: int) -> list[str]:
+        """Drop a list of strings one per row in some micro-batches only and return the kinds; raise for others."""
+        changed = [index for index, (kind, before) in enumerate(zip(kinds, self.kinds, strict=True)) if kind != before]
+        if all({kinds[index], self.kinds[index]} == {_STRINGS, _DROP} for index in changed):
+            for index in changed:
+                kinds[index] = self.kinds[index] = _DROP
+                self.columns[index].clear()
+            self._dropping(result, kinds)
+            return kinds
+        paths = flatten_with_path(result, strings=True)
         path, leaf, kind = next(
             (path, leaf, kind)
             for (path, leaf), kind, before in zip(paths, kinds, self.kinds, strict=True)
@@ -175,7 +191,7 @@ class Results:
         step = self.step
         if step.warned_dropped:
             return
-        paths = flatten_with_path(result)
+        paths = flatten_with_path(result, strings=True)
         dropped = [
             f"the result{keystr(path)} ({type(leaf).__name__})"
             for (path, leaf), kind in zip(paths, kinds, strict=True)
@@ -206,7 +222,7 @@ class Results:
         if all(self._whole(kind, column) for kind, column in zip(self.kinds, self.columns, strict=True)):
             # One micro-batch of weight 1, the whole batch: each part as it came (detached).
             parts = [
-                None if kind == _DROP else column[0] if kind == _JOIN else column[0][0]
+                None if kind == _DROP else column[0] if kind in (_JOIN, _STRINGS) else column[0][0]
                 for kind, column in zip(self.kinds, self.columns, strict=True)
             ]
             return tree_unflatten(parts, cast(TreeSpec, self.spec))
@@ -218,7 +234,9 @@ class Results:
             if kind in (_LOSS, _WEIGH):
                 # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
                 column = [entry for entry in column if entry[1] != 0.0]
-            if kind == _JOIN:
+            if kind == _STRINGS:
+                combined.append([string for part in column for string in part])
+            elif kind == _JOIN:
                 combined.append(column[0] if len(column) == 1 else self._joined(column))
             elif kind == _COUNT:  # counts add up to the whole batch's, in their own type
                 counts = [value for value, _ in column]

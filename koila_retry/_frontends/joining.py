@@ -315,8 +315,14 @@ class Results:
                 )
             if not isinstance(leaf, TensorBase):
                 if self.out is not None or target is not None or alone:
+                    # A subclass of dict or list is one leaf to pytree, unless registered with it.
+                    kind = next(
+                        (base.__name__ for base in (dict, list) if isinstance(leaf, base) and type(leaf) is not base),
+                        None,
+                    )
+                    subclass = "" if kind is None else f" (a subclass of {kind}, which torch.utils._pytree takes whole)"
                     raise TypeError(
-                        f"fn returned {type(leaf).__name__} at {where} for the chunk from row {begin}; "
+                        f"fn returned {type(leaf).__name__}{subclass} at {where} for the chunk from row {begin}; "
                         f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), and lists "
                         "of one string per row, so fn must return those, or a tuple, list or dict that holds them, "
                         "or None"
@@ -335,6 +341,10 @@ class Results:
             f"fn returned {structure(flatten(result, self.strings)[1])} for the chunk from row {begin}, which holds "
             "nothing to join: no tensor, and no list of one string per row"
         )
+
+    def drop(self) -> None:
+        """Let go of what the finished chunks made: an error's traceback holds this object."""
+        self.targets = self.single = None
 
     def finish(self) -> Any:
         if self.out is not None:

@@ -16,6 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from koila_retry.integrations._lightning_module import ABSENT
+
 __all__ = ["WHOLE", "Logs", "batch_size", "combined"]
 
 # The rows of a part that ran the batch as given, not one of accumulate's micro-batches.
@@ -25,7 +27,6 @@ _MEAN = ("mean", "avg", torch.mean)
 _SUM = ("sum", torch.sum)
 _MAX = ("max", torch.max)
 _MIN = ("min", torch.min)
-_ABSENT = object()
 _NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 # LightningModule.log's own parameters, less self: what the options given by position mean to
 # Lightning, where the module's log passes them on through *args.
@@ -50,7 +51,7 @@ class Logs:
         self.signature: inspect.Signature | None = None  # to bind options given by position
         self.keywords: frozenset[str] = frozenset()  # the names the module's log takes
         self.open = False  # whether it takes any keyword (**kwargs)
-        self.saved: Any = _ABSENT  # a log of the module object's own, while the step runs
+        self.saved: Any = ABSENT  # a log of the module object's own, while the step runs
 
     def attach(self, module: pl.LightningModule) -> None:
         """Log through ``module.log``, an override of the module's included."""
@@ -69,18 +70,18 @@ class Logs:
     def detach(self) -> None:
         """Forget the module and every call held."""
         self.calls, self.parts = [], []
-        self.log, self.signature, self.saved = _unset, None, _ABSENT
+        self.log, self.signature, self.saved = _unset, None, ABSENT
         self.keywords, self.open = frozenset(), False
 
     def hold(self, module: pl.LightningModule) -> None:
         """Hold the module's ``self.log`` calls back from now on (on the module object, not its class)."""
-        self.saved = vars(module).get("log", _ABSENT)
+        self.saved = vars(module).get("log", ABSENT)
         vars(module)["log"] = self.record  # not through Module.__setattr__, which looks for tensors
 
     def release(self, module: pl.LightningModule) -> None:
         """Let the module's ``self.log`` calls through again."""
-        saved, self.saved = self.saved, _ABSENT
-        if saved is _ABSENT:
+        saved, self.saved = self.saved, ABSENT
+        if saved is ABSENT:
             vars(module).pop("log", None)
         else:
             vars(module)["log"] = saved

@@ -13,7 +13,6 @@ the whole batch's gradient, once.
 from __future__ import annotations
 
 import functools
-import inspect
 import operator
 import sys
 import warnings
@@ -38,12 +37,13 @@ from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import as_sharded
-from koila_retry._core.stats import OOMEvent, Stats
+from koila_retry._core.stats import OOMEvent
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
+from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, leave_out, let_go, trainable
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -141,7 +141,7 @@ class OOMRecovery(Callback):
         names = list(_EVALUATION)
         if pl_module.automatic_optimization:
             names.append("training_step")
-        elif stage == "fit" and not _holds_a_wrapper(pl_module):
+        elif stage == "fit" and not holds_a_wrapper(pl_module):
             warnings.warn(
                 f"{type(pl_module).__name__} uses manual optimisation: OOMRecovery leaves its training_step as it "
                 "is (evaluation steps are still split). Decorate the loss computation inside training_step with "
@@ -181,20 +181,6 @@ class OOMRecovery(Callback):
         # Lightning calls teardown only when they return. The exception is not kept.
         for step in self._steps.values():
             step.uninstall(pl_module)
-
-
-def _holds_a_wrapper(pl_module: pl.LightningModule) -> bool:
-    """Return whether the module or its class holds a koila-retry wrapper, as the manual-optimisation docs show."""
-    # Its own: no warning that tells it to do what it did (a decorated attribute, or a decorated method).
-    values = [*vars(pl_module).values(), *(value for kind in type(pl_module).__mro__ for value in vars(kind).values())]
-    # Or kept in a dict, list or tuple of them (a GAN's losses, one wrapper each).
-    values += [item for value in values if type(value) in (dict, list, tuple) for item in _items(value)]
-    # Looked up statically: nothing of the user's runs (a Trainer's, a submodule's __getattr__).
-    return any(isinstance(inspect.getattr_static(value, "stats", None), Stats) for value in values)
-
-
-def _items(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> list[Any]:
-    return list(value.values()) if isinstance(value, dict) else list(value)
 
 
 class _Held:
@@ -300,7 +286,7 @@ class _Step:
         self.rows = 0
         self.whole: Any = None  # its output, while its last attempt ran the whole batch
         self.logs = Logs()
-        self.saved: Any = _ABSENT  # a step of the module object's own, which the wrapper wraps
+        self.saved: Any = ABSENT  # a step of the module object's own, which the wrapper wraps
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
         self.trusting = True  # whether this step may run as the loop runs it (_whole, _evaluate): until an OOM there
@@ -312,7 +298,7 @@ class _Step:
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
-        self.saved = vars(module).get(self.name, _ABSENT)
+        self.saved = vars(module).get(self.name, ABSENT)
         self.target = getattr(module, self.name)
         self.logs.attach(module)
         how = _micro_backward(trainer) if self.train else None
@@ -330,19 +316,22 @@ class _Step:
 
         vars(wrapper)[_MARK] = self  # tells it from a step the module object has of its own
         vars(module)[self.name] = wrapper
+        leave_out(module, _own)  # a copy made meanwhile (the best model so far, say) runs its own steps
 
     def uninstall(self, module: pl.LightningModule) -> None:
         """Leave the module object as :meth:`install` found it, and keep nothing of it or of a step that ran."""
         if self.module is not module:
             return
         if _wrapper_of(vars(module).get(self.name)) is self:
-            if self.saved is _ABSENT:
+            if self.saved is ABSENT:
                 del vars(module)[self.name]
             else:
                 vars(module)[self.name] = self.saved
+            if not any(map(_wrapper_of, vars(module).values())):
+                let_go(module)
         self._forget(module)
         self.module = self.trainer = None
-        self.target, self.saved = _unset, _ABSENT
+        self.target, self.saved = _unset, ABSENT
         self.logs.detach()
         self.stand_in = self.scale = self.whole = self.others = self.held = None
         self.given, self.rows, self.batch_idx = ((), {}), 0, None
@@ -514,7 +503,7 @@ class _Step:
         trainer, module = self.installed()
         self._forget(module)  # a step whose loss the loop did not backpropagate
         self.failure = None
-        parameters = _trainable(module)
+        parameters = trainable(module)
         if isinstance(trainer.strategy, ModelParallelStrategy):  # the sharded ones, a gathered root's too
             parameters = as_sharded(module.modules(), parameters)
         # Those Lightning is about to set to None are released now, not set aside: the step
@@ -781,7 +770,6 @@ class _Step:
 
 # Where a wrapper of ours keeps its _Step, which tells it from a step of the module object's own.
 _MARK = "_koila_step"
-_ABSENT = object()
 # What _Step._ran and _Step._whole return for a step that ran out of memory (a step may return None).
 _FAILED = object()
 
@@ -851,37 +839,6 @@ def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     )
 
 
-def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Return ``module.parameters()`` that require a gradient, each once, read without a generator per module."""
-    kind, plain = type(module), torch.nn.Module
-    if (
-        kind.parameters is not plain.parameters
-        or kind.named_parameters is not plain.named_parameters
-        or kind._named_members is not plain._named_members
-        or kind.named_modules is not plain.named_modules
-    ):
-        return [parameter for parameter in module.parameters() if parameter.requires_grad]
-    found: list[torch.nn.Parameter] = []
-    seen: set[int] = set()  # ids, of the parameters and the modules: a tensor's hash is a call into Python
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        if type(current).named_modules is not torch.nn.Module.named_modules:
-            return [parameter for parameter in module.parameters() if parameter.requires_grad]
-        seen.add(id(current))
-        for parameter in current._parameters.values():
-            if parameter is not None and id(parameter) not in seen:
-                seen.add(id(parameter))
-                if parameter.requires_grad:
-                    found.append(parameter)
-        children = current._modules
-        if children:  # depth first, in order, as named_modules
-            stack.extend([child for child in reversed(children.values()) if child is not None])
-    return found
-
-
 def _looks_before_zero_grad(callback: Callback) -> bool:
     """Return whether Lightning calls an ``on_before_zero_grad`` of ``callback`` that does something."""
     # Its own or its class's (a LambdaCallback sets its hooks on the instance); one that is not
@@ -892,6 +849,15 @@ def _looks_before_zero_grad(callback: Callback) -> bool:
 
 def _unset(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("OOMRecovery: the step is not installed on a module")
+
+
+def _own(value: Any) -> Any:
+    """Return what the module object holds in place of ``value`` without the callback (``ABSENT``: nothing)."""
+    step = _wrapper_of(value)
+    if step is not None:
+        return step.saved
+    holder = getattr(value, "__self__", None)  # a bound method: self.log held back, the whole step's backward
+    return holder.saved if isinstance(holder, Logs) else ABSENT if isinstance(holder, _Step) else value
 
 
 def _wrapper_of(step: Any) -> _Step | None:

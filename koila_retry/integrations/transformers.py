@@ -266,11 +266,18 @@ def _names(code: Any) -> set[str]:
 
 
 def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
-    """Whether the trainer's model shifts its labels (a causal language model): its first label predicts nothing."""
+    """Whether the trainer's loss shifts its labels (a causal language model's): its first label predicts nothing."""
+    model = trainer.model
+    if getattr(trainer, "label_smoother", None) is not None and getattr(trainer, "compute_loss_func", None) is None:
+        # The trainer's label smoothing computes the loss: it shifts for the class names it lists, as its code does.
+        peft = getattr(importlib.import_module("transformers.trainer"), "_is_peft_model", None)
+        if peft is not None and peft(model):  # as the trainer names a PEFT model: by the model it adapts
+            model = model.base_model.model
+        return type(model).__name__ in _causal_names()
     if getattr(trainer, "_loss_shifts_labels", False):  # the trainer's own answer (transformers 5)
         return True
     # A module that is no PreTrainedModel (a wrapper, a PEFT model) shifts if every outermost one it holds does.
-    models = _outermost(trainer.model, transformers.PreTrainedModel)
+    models = _outermost(model, transformers.PreTrainedModel)
     return bool(models) and all(_causal(model) for model in models)
 
 
@@ -293,9 +300,15 @@ def _causal(model: Any) -> bool:
             return bool(kind is losses.ForCausalLMLoss)
     except (ImportError, AttributeError):  # pragma: no cover - transformers before 4.46
         pass
-    # The models Trainer's label smoothing shifts for, in every version.
-    names = importlib.import_module("transformers.models.auto.modeling_auto").MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return type(model).__name__ in set(names.values())
+    # A class of its own (loss_type None) computes the loss of the Hugging Face class it derives from.
+    names = _causal_names()
+    return any(kind.__name__ in names for kind in type(model).__mro__)
+
+
+def _causal_names() -> set[str]:
+    """The class names of causal language models: those ``Trainer``'s label smoothing shifts for, in every version."""
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    return set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
