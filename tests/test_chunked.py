@@ -577,6 +577,16 @@ def test_tensors_of_different_sizes_name_both_arguments() -> None:
     assert calls == []
 
 
+def test_a_modules_arguments_are_named_as_its_forward_names_them() -> None:
+    # A module's own signature is (*args, **kwargs): they were args[0] and args[1].
+    class Masked(nn.Module):
+        def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return features * mask
+
+    with pytest.raises(ValueError, match=r"the tensor features has 4, the tensor mask has 3"):
+        koila.chunked(Masked(), torch.ones(4, 2), torch.ones(3, 2), initial=2)
+
+
 def test_keyword_tensor_of_different_size_is_named() -> None:
     @koila.chunked
     def fn(a: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:

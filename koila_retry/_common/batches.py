@@ -618,6 +618,8 @@ def _field_names(value: Any) -> tuple[str, ...]:
 
 def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
     """Return the names of ``fn``'s positional parameters, or none if it has no signature."""
+    if isinstance(fn, torch.nn.Module):  # called with its forward's arguments; its own signature is (*args, **kwargs)
+        fn = fn.forward
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
