@@ -1378,6 +1378,26 @@ def test_a_list_of_one_string_per_row_is_joined_as_the_rows_are(initial: int | N
     torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach(), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("initial", [None, 2, 3])
+def test_a_rows_list_of_labels_or_a_missing_name_is_joined_as_the_rows_are(initial: int | None) -> None:
+    # A list per row (a row's top labels) as long as a micro-batch's rows was taken for one of its rows, and the
+    # rows came back scrambled; a None among the names made the micro-batches' results of different structures.
+    model, x, y = build("mlp", 4)
+    names = ["a", "b", "c", "d"]
+
+    @koila.accumulate(initial=initial)
+    def step(batch: dict[str, Any]) -> tuple[torch.Tensor, list[list[str]], list[str | None]]:
+        labels = [[f"{name}:cat", f"{name}:dog"][: 2 if name != "b" else 0] for name in batch["names"]]
+        found = [None if name == "d" else name.upper() for name in batch["names"]]
+        return F.mse_loss(model(batch["x"]), batch["y"]), labels, found
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing comes back as None
+        _, labels, found = step({"x": x, "y": y, "names": names})
+    assert labels == [["a:cat", "a:dog"], [], ["c:cat", "c:dog"], ["d:cat", "d:dog"]]
+    assert found == ["A", "B", "C", None]
+
+
 def test_a_list_of_strings_one_per_row_in_some_micro_batches_only_comes_back_as_none() -> None:
     model, x, y = build("mlp", 20)
     classes = [f"class {index}" for index in range(8)]  # as many as the rows of 8, not of 4

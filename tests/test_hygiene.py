@@ -286,3 +286,24 @@ def test_an_error_raised_part_way_does_not_pin_what_the_finished_pieces_made(fro
         held = device.live
     assert excinfo.value.__traceback__ is not None  # held, with its frames, as the caller holds it
     assert held == 0
+
+
+def test_an_error_combining_a_steps_results_does_not_pin_them() -> None:
+    # torch.cat of per-row outputs whose other dims differ (padded to each micro-batch's longest row) raises
+    # as the step ends: its traceback held every micro-batch's outputs.
+    weight = nn.Parameter(torch.ones((), dtype=torch.float64))
+    rows = torch.ones(12, 40, dtype=torch.float64)
+
+    @koila.accumulate(initial=5, cache=koila.NoCache())
+    def step(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        padded = x[:, : 20 + len(x)]  # 5, 5 and 2 rows: widths 25, 25 and 22
+        return {"loss": (padded * weight).mean(), "hidden": padded * 2}
+
+    with simulated_device("64MiB") as device:
+        with pytest.raises(RuntimeError, match="Sizes of tensors must match") as excinfo:
+            step(rows)
+        gc.collect()
+        held = device.live
+    assert excinfo.value.__traceback__ is not None
+    assert weight.grad is None  # as it was
+    assert held == 0

@@ -475,23 +475,25 @@ def _my_lm() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("model", "options"),
+    ("model", "options", "cls"),
     [
         # The trainer's label smoother computes the loss: it shifts only for a class it names a causal LM,
         # which the wrapper is not, though it holds one.
-        pytest.param(_SmoothedWrapper, {"label_smoothing_factor": 0.1}, id="label smoothing over a wrapper"),
+        pytest.param(_SmoothedWrapper, {"label_smoothing_factor": 0.1}, None, id="label smoothing over a wrapper"),
         # The model's own loss, a mean: an unknown class name's loss is a causal LM's in transformers.
-        pytest.param(_my_lm, {}, id="a subclass of a causal LM"),
+        pytest.param(_my_lm, {}, None, id="a subclass of a causal LM"),
+        # A compute_loss of its own never runs the label smoother: the model's loss is the one.
+        pytest.param(_my_lm, {"label_smoothing_factor": 0.1}, MeanLoss, id="label smoothing, compute_loss overridden"),
     ],
 )
 def test_the_labels_are_counted_as_the_loss_that_runs_counts_them(
-    tmp_path: Path, model: Callable[[], Any], options: dict[str, Any]
+    tmp_path: Path, model: Callable[[], Any], options: dict[str, Any], cls: Any
 ) -> None:
-    reference = make_trainer(tmp_path, model=model(), **options)
+    reference = make_trainer(tmp_path, cls, model=model(), **options)
     assert not getattr(reference, "model_accepts_loss_kwargs", False)  # no num_items_in_batch: a mean, weighed
     expected = reference.evaluate()["eval_loss"]
     reference.train()
-    trainer = adapt(make_trainer(tmp_path, model=model(), **options))
+    trainer = adapt(make_trainer(tmp_path, cls, model=model(), **options))
     with simulated_device("128KiB"):
         evaluated = trainer.evaluate()["eval_loss"]
     with simulated_device(TRAIN_LIMIT):

@@ -101,8 +101,20 @@ def _lift(leaf: Any, whole: Callable[[Any], bool] | None) -> Any:
 
 
 def _strings(value: Any) -> bool:
-    """Return whether ``value`` is a list of strings, which a front end may take whole: one per row."""
-    return type(value) is list and bool(value) and all(type(item) is str for item in value)
+    """Return whether ``value`` is a list of strings, which a front end may take whole: one per row.
+
+    Some, or all, may be ``None`` (a name missing), and the items may be such lists themselves (a row's
+    labels or tokens, empty or not): whatever the values, one piece's structure is every piece's.
+    """
+    if type(value) is not list or not value:
+        return False
+    for item in value:
+        if type(item) is list:
+            if item and not _strings(item):
+                return False
+        elif type(item) is not str and item is not None:
+            return False
+    return True
 
 
 def flatten(result: Any, strings: bool = False) -> tuple[list[Any], TreeSpec]:

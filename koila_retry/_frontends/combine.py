@@ -213,7 +213,15 @@ class Results:
         # Every step combines inside its attempt: the combining may run out of memory too, and after the attempt
         # that error would escape unretried (after the ranks agreed, raised by one rank alone).
         if self.combined is _UNSET:
-            self.combined = self._combined()
+            try:
+                self.combined = self._combined()
+            except BaseException as error:
+                # Its traceback holds this object and _combined's frame: what the micro-batches returned would
+                # live as long as the error. Where it was raised is in its message (torch.cat's sizes, say).
+                self.columns = []
+                if error.__traceback__ is not None:
+                    error.__traceback__.tb_next = None
+                raise
         return self.combined
 
     def _combined(self) -> Any:

@@ -268,7 +268,11 @@ def _names(code: Any) -> set[str]:
 def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
     """Whether the trainer's loss shifts its labels (a causal language model's): its first label predicts nothing."""
     model = trainer.model
-    if getattr(trainer, "label_smoother", None) is not None and getattr(trainer, "compute_loss_func", None) is None:
+    if (
+        getattr(trainer, "label_smoother", None) is not None
+        and getattr(trainer, "compute_loss_func", None) is None
+        and type(trainer).compute_loss is transformers.Trainer.compute_loss
+    ):
         # The trainer's label smoothing computes the loss: it shifts for the class names it lists, as its code does.
         peft = getattr(importlib.import_module("transformers.trainer"), "_is_peft_model", None)
         if peft is not None and peft(model):  # as the trainer names a PEFT model: by the model it adapts
