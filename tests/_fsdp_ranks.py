@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._core import distributed, sharded
+from koila_retry.compat.toma import explicit
 from koila_retry.testing import make_oom, simulated_device
 
 GROUPS = {"one": (1, 60), "two": (2, 60), "three": (3, 60)}
@@ -592,6 +593,16 @@ def fsdp_two_models(rank: int, world: int) -> dict[str, Any]:
     return outcomes
 
 
+class _Predicting(nn.Sequential):
+    @koila.chunked(initial=ROWS, cache=koila.NoCache())
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+
+def _fill(chunk: torch.Tensor, begin: int, end: int, net: nn.Module, out: torch.Tensor) -> None:
+    out[begin:end] = net(chunk)
+
+
 @scenario("two")
 def fsdp_one_wrapper_two_models(rank: int, world: int) -> dict[str, Any]:
     """One wrapper called over a sharded model, then another, the last rank failing in the second's forward.
@@ -599,7 +610,7 @@ def fsdp_one_wrapper_two_models(rank: int, world: int) -> dict[str, Any]:
     The parallel modules were looked for at the first call only: the second model's forward had no hook of
     koila's, a rank that failed there never played its all-gathers along, and the ranks hung.
     """
-    first, second = model(), model()
+    first, second = _Predicting(*model()), _Predicting(*model())
     with torch.no_grad():
         for parameter in second.parameters():
             parameter.mul_(0.5)
@@ -614,10 +625,17 @@ def fsdp_one_wrapper_two_models(rank: int, world: int) -> dict[str, Any]:
     def infer(x: torch.Tensor, net: nn.Module) -> torch.Tensor:
         return net(x)
 
+    def toma(net: nn.Module) -> torch.Tensor:
+        out = torch.empty(ROWS, 1, dtype=DTYPE)
+        explicit.chunked(_fill, x, ROWS, net, out)  # toma's roots: (fn, tensor, args, kwargs)
+        return out
+
     predict = _batch()
-    runs: dict[str, Callable[[nn.Module], torch.Tensor]] = {
+    runs: dict[str, Callable[[_Predicting], torch.Tensor]] = {
         "chunked": lambda net: infer(x, net=net),
         "batch": lambda net: predict(net, x, lambda event: None),
+        "chunked method": lambda net: net.predict(x),  # the instance is the bound method's, not an argument
+        "toma": toma,
     }
     layer: Inject = second[1][1]
     outcomes: dict[str, Any] = {}

@@ -40,8 +40,8 @@ class Ranks:
         # another model as an argument, or another instance for a method, reaches other parallel modules.
         self.reached: dict[tuple[int, ...], _Reached] = {}
         self.current = _NOTHING  # what the call starting reaches
-        # A method's function, decorated in its class: the instance is its first argument.
-        self.method = isinstance(code, types.CodeType) and code.co_argcount > 0 and code.co_varnames[0] == "self"
+        # A method's function, decorated in its class, is given the instance first: told by this name on its class.
+        self.method = code.co_name if isinstance(code, types.CodeType) and code.co_argcount else None
 
     def agreement(self) -> distributed.Agreement | None:
         """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
@@ -76,8 +76,8 @@ class Ranks:
     def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> _Reached:
         """Return what an agreeing call reaches from ``roots``, looked at once per :func:`_given`; every rank looks."""
         given = _given(roots, self.method)
-        key = tuple(map(id, given))
-        reached = self.reached.get(key)
+        key = () if given is None else tuple(map(id, given))
+        reached = None if given is None else self.reached.get(key)
         if reached is not None and all(ref() is not None for ref in reached.given):
             return reached
         found = distributed.supported_modules(roots, self.name)  # raises on every rank alike
@@ -86,7 +86,9 @@ class Ranks:
             sharded.check_state(module, self.name)
         groups = [distributed.ddp_group(module) for module in found]
         shared = self.policy.group is None and groups and groups[0] is not None and all(g is groups[0] for g in groups)
-        reached = _Reached(given, found, distributed.synced_norms(roots), groups[0] if shared else None)
+        reached = _Reached(given or [], found, distributed.synced_norms(roots), groups[0] if shared else None)
+        if given is None:  # nothing to know the objects by: looked at on every call
+            return reached
         # The entries whose objects were freed go; a few are kept (a GAN's two models, say).
         self.reached = {k: v for k, v in self.reached.items() if all(ref() is not None for ref in v.given)}
         if len(self.reached) >= _KEPT:
@@ -117,23 +119,31 @@ class _Reached:
 
 _NOTHING = _Reached([], [], [], None)
 _KEPT = 8
+# What a first argument is when it is data, not the instance of a method (``sum(x)`` is not ``x.sum()``).
+_DATA = frozenset((str, bytes, int, float, list, tuple, dict, set))
 
 
-def _given(roots: Iterable[Any], method: bool) -> list[Any]:
-    """Return the modules a call of ``(fn, args, kwargs)`` is given and the instance it runs for, if any."""
+def _given(roots: Iterable[Any], method: str | None) -> list[Any] | None:
+    """Return the modules a call is given and the instance it runs for; None for an instance with no weak reference."""
     # Top-level only, a few microseconds: the rest of what a call reaches (its function's globals, a batch's
-    # containers) is looked at when these change, not at every call.
-    if type(roots) is not tuple or len(roots) != 3:  # an attempts block's frame: looked at once
+    # containers) is looked at when these change, not at every call. Roots are (fn, args, kwargs), or toma's
+    # (fn, tensor, args, kwargs); an attempts block's frame is looked at once.
+    if type(roots) is not tuple or not roots:
         return []
-    fn, args, kwargs = roots
+    fn, *rest = roots
+    values = [fn]
+    for root in rest:
+        values.extend(root.values() if type(root) is dict else root if type(root) is tuple else (root,))
     owner = getattr(fn.func if isinstance(fn, functools.partial) else fn, "__self__", None)
-    if owner is None and method and args:
-        owner = args[0]
-    given = [value for value in (fn, *args, *kwargs.values()) if isinstance(value, torch.nn.Module)]
-    if owner is not None and not isinstance(owner, (types.ModuleType, torch.nn.Module)):
+    if owner is None and method is not None and len(values) > 1:
+        first = values[1]  # a method decorated in its class is given its instance first
+        if type(first) not in _DATA and not isinstance(first, torch.Tensor) and hasattr(type(first), method):
+            owner = first
+    given = [value for value in values if isinstance(value, torch.nn.Module)]
+    if owner is not None and not isinstance(owner, types.ModuleType) and not any(owner is value for value in given):
         try:
             weakref.ref(owner)
-        except TypeError:  # nothing to tell it by once it is freed: looked at as the first call found it
-            return given
+        except TypeError:  # a named tuple's method, say
+            return None
         given.append(owner)
     return given
