@@ -1269,6 +1269,21 @@ def two_models_one_method_of_a_named_tuple_forward_fails(rank: int, world: int) 
     return _two_models(rank, world, "forward", "named tuple")
 
 
+@scenario("two")
+def exhausted_by_a_rank_with_one_row(rank: int, world: int) -> dict[str, Any]:
+    """The last rank has one row and runs out of memory with it: the others give up above their minimum."""
+    model = injected_mlp()
+    rows = 1 if rank == world - 1 else 8
+    x, y = data(rows, 6, seed=90), data(rows, 1, seed=91)
+    model[2].failures = {0: "forward"} if rank == world - 1 else {}
+
+    @koila.accumulate(initial=4, cache=koila.NoCache())
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(xb), yb)
+
+    return caught(lambda: step(x, y))
+
+
 @scenario("crash")
 def two_views_nothing_fails(rank: int, world: int) -> dict[str, Any]:
     return _two_views(rank, world, {}, size=4)
