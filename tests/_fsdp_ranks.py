@@ -650,6 +650,37 @@ def fsdp_one_wrapper_two_models(rank: int, world: int) -> dict[str, Any]:
 
 
 @scenario("two")
+def fsdp_alone_wrapper_given_a_sharded_model_after_a_plain_one(rank: int, world: int) -> dict[str, Any]:
+    """A ``sync=False`` step first given a model outside FSDP, then a sharded one whose backward fails on every rank.
+
+    The sharded modules were looked for at the first call only: the second model's gradients were captured
+    apart, FSDP2's hooks saw none to reduce, and its parameters kept no gradient.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    net = shard(plain)
+    inject: Inject = net[1][1]
+
+    @koila.accumulate(cache=koila.NoCache(), sync=False)
+    def step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(x), y)
+
+    x_all, y_all = batch(world, seed=27)
+    x, y = local(x_all, rank), local(y_all, rank)
+    step(model(), x, y)
+    inject.rows = []
+    inject.failures = {0: "backward"}
+    step(net, x, y)
+    F.mse_loss(reference(x_all), y_all).backward()
+    return {
+        "grads": full([p.grad for p in net.parameters()]),
+        "expected": [p.grad for p in reference.parameters()],
+        "rows": inject.rows,
+        "ooms": step.stats.ooms,
+    }
+
+
+@scenario("two")
 def fsdp_two_steps_of_one_model(rank: int, world: int) -> dict[str, Any]:
     """Two steps over one sharded model, the second with two forwards: each its own record of collectives.
 
@@ -761,6 +792,13 @@ def fsdp_refusals(rank: int, world: int) -> dict[str, Any]:
         return F.mse_loss(net(x), y)
 
     outcomes["auto"] = _refusal(lambda: estimated(local(x, rank), local(y, rank)))
+
+    @koila.accumulate(initial="auto", cache=koila.NoCache())
+    def given(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(x), y)
+
+    given(model(), local(x, rank), local(y, rank))  # estimated: no sharded module
+    outcomes["auto later"] = _refusal(lambda: given(net, local(x, rank), local(y, rank)))
     # A torch whose FSDP2 lacks private state the reset writes: refused before the step, not at a failure.
     older = shard(model())
     group = sharded.param_groups(older[1])[0]

@@ -219,6 +219,18 @@ def test_one_wrapper_over_another_sharded_model_than_its_first_recovers_it(group
             assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, run["rows"])
 
 
+def test_a_wrapper_without_agreement_given_a_sharded_model_after_a_plain_one_reduces_its_gradients(
+    groups: Groups,
+) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_alone_wrapper_given_a_sharded_model_after_a_plain_one"]):
+        assert value["ooms"] == 1, rank
+        assert value["rows"][0] == _fsdp_ranks.ROWS, value["rows"]
+        assert max(value["rows"][1:]) < _fsdp_ranks.ROWS, value["rows"]
+        for index, (got, want) in enumerate(zip(value["grads"], value["expected"], strict=True)):
+            assert got is not None, f"rank {rank}, param {index}: no gradient"
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index: f"param {i}: {m}")
+
+
 def test_a_step_after_a_forward_without_backward_sets_aside_the_sharded_gradients(groups: Groups) -> None:
     # The root's unsharded parameters were registered on it: the sharded ones' gradients, which the healthy
     # rank's finished attempt had reduce-scattered, were never dropped, and the retry added onto them.
@@ -248,7 +260,8 @@ def test_two_steps_over_one_model_keep_records_of_their_own(groups: Groups) -> N
 def test_hsdp_the_estimate_and_an_fsdp2_without_the_private_state_are_refused_on_every_rank(groups: Groups) -> None:
     for value in groups("two")["fsdp_refusals"]:
         assert "sharded over a 2-D mesh: HSDP (replicated and sharded)" in value["hsdp"], value
-        assert "with initial='auto': the estimate does not cover sharded modules yet" in value["auto"], value
+        for name in ("auto", "auto later"):  # a sharded model given after another is refused too
+            assert "with initial='auto': the estimate does not cover sharded modules yet" in value[name], value
         assert "private state lacks FSDPParamGroup._post_reduce_event" in value["private"], value
 
 

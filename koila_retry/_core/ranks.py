@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -18,7 +18,9 @@ from koila_retry._core.policy import Policy
 from koila_retry._core.strategies import compose
 from koila_retry._core.strategy import Plan
 
-__all__ = ["Ranks", "alone"]
+__all__ = ["Found", "Ranks", "alone"]
+
+T = TypeVar("T")
 
 # torch.distributed's record of the default process group, when this torch has the layout
 # that distributed reads: whether it is None decides, on every call, that nothing agrees.
@@ -36,12 +38,10 @@ class Ranks:
     def __init__(self, name: str, policy: Policy, rules: Rules, cache: SizeCache, code: object = None) -> None:
         self.name, self.policy, self.rules, self.cache = name, policy, rules, cache
         self.source = (name, code)  # whose collectives FSDP2's records are (see sharded.Shards)
-        # What the agreeing calls reached, by the modules and the object the call is given (see _given):
-        # another model as an argument, or another instance for a method, reaches other parallel modules.
-        self.reached: dict[tuple[int, ...], _Reached] = {}
+        # What the agreeing calls reached: another model as an argument, or another instance for a method,
+        # reaches other parallel modules.
+        self.reached: Found[_Reached] = Found(code)
         self.current = _NOTHING  # what the call starting reaches
-        # A method's function, decorated in its class, is given the instance first: told by this name on its class.
-        self.method = code.co_name if isinstance(code, types.CodeType) and code.co_argcount else None
 
     def agreement(self) -> distributed.Agreement | None:
         """Return the agreement of a call about to start, or ``None`` when it agrees with no other rank."""
@@ -74,27 +74,17 @@ class Ranks:
         return [module for module in (ref() for ref in self.current.parallel) if module is not None]
 
     def reach(self, roots: Iterable[Any], agreement: distributed.Agreement) -> _Reached:
-        """Return what an agreeing call reaches from ``roots``, looked at once per :func:`_given`; every rank looks."""
-        given = _given(roots, self.method)
-        key = () if given is None else tuple(map(id, given))
-        reached = None if given is None else self.reached.get(key)
-        if reached is not None and all(ref() is not None for ref in reached.given):
-            return reached
+        """Return what an agreeing call reaches from ``roots``, looked at once per :class:`Found`; every rank looks."""
+        return self.reached.get(roots, lambda: self._look(roots, agreement))
+
+    def _look(self, roots: Iterable[Any], agreement: distributed.Agreement) -> _Reached:
         found = distributed.supported_modules(roots, self.name)  # raises on every rank alike
         for module in sharded.fsdp_modules(found):
             sharded.check_mesh(module, agreement.world_size, self.name)
             sharded.check_state(module, self.name)
         groups = [distributed.ddp_group(module) for module in found]
         shared = self.policy.group is None and groups and groups[0] is not None and all(g is groups[0] for g in groups)
-        reached = _Reached(given or [], found, distributed.synced_norms(roots), groups[0] if shared else None)
-        if given is None:  # nothing to know the objects by: looked at on every call
-            return reached
-        # The entries whose objects were freed go; a few are kept (a GAN's two models, say).
-        self.reached = {k: v for k, v in self.reached.items() if all(ref() is not None for ref in v.given)}
-        if len(self.reached) >= _KEPT:
-            del self.reached[next(iter(self.reached))]
-        self.reached[key] = reached
-        return reached
+        return _Reached(found, distributed.synced_norms(roots), groups[0] if shared else None)
 
     def agree_on_nothing(self) -> None:
         """Take part, with nothing to cover, in the ranks' check that they cover as much."""
@@ -104,20 +94,45 @@ class Ranks:
                 agreement.start(0, span=0)
 
 
+class Found(Generic[T]):
+    """What was found from calls given the same objects (see :func:`_given`), a few kept while those live."""
+
+    def __init__(self, code: object) -> None:
+        self.entries: dict[tuple[int, ...], tuple[list[weakref.ref[Any]], T]] = {}
+        # A method's function, decorated in its class, is given the instance first: told by this name on its class.
+        self.method = code.co_name if isinstance(code, types.CodeType) and code.co_argcount else None
+
+    def get(self, roots: Iterable[Any], find: Callable[[], T]) -> T:
+        """Return what ``find`` found for a call given the objects ``roots`` give, found again when they change."""
+        given = _given(roots, self.method)
+        if given is None:  # nothing to know the objects by: found on every call
+            return find()
+        key = tuple(map(id, given))
+        entry = self.entries.get(key)
+        if entry is not None and all(ref() is not None for ref in entry[0]):
+            return entry[1]
+        value = find()
+        # The entries whose objects were freed go; a few are kept (a GAN's two models, say).
+        self.entries = {k: v for k, v in self.entries.items() if all(ref() is not None for ref in v[0])}
+        if len(self.entries) >= _KEPT:
+            del self.entries[next(iter(self.entries))]
+        self.entries[key] = ([weakref.ref(obj) for obj in given], value)
+        return value
+
+
 class _Reached:
     """The parallel modules calls given the same objects reach, their SyncBatchNorm layers and DDP's subgroup."""
 
-    __slots__ = ("given", "group", "norms", "parallel")
+    __slots__ = ("group", "norms", "parallel")
 
-    def __init__(self, given: list[Any], parallel: list[Any], norms: Iterable[Any], group: Any) -> None:
-        self.given = [weakref.ref(value) for value in given]
+    def __init__(self, parallel: list[Any], norms: Iterable[Any], group: Any) -> None:
         self.parallel = [weakref.ref(module) for module in parallel]
         self.norms = [weakref.ref(norm) for norm in norms]  # refused while they train
         # Where they share a subgroup and no group was given: the ranks outside it never make the call.
         self.group = None if group is None else weakref.ref(group)
 
 
-_NOTHING = _Reached([], [], [], None)
+_NOTHING = _Reached([], [], None)
 _KEPT = 8
 # What a first argument is when it is data, not the instance of a method (``sum(x)`` is not ``x.sum()``).
 _DATA = frozenset((str, bytes, int, float, list, tuple, dict, set))

@@ -15,6 +15,7 @@ import inspect
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
@@ -34,6 +35,7 @@ from koila_retry._core.engine import Attempt, Call, Controller, Sampled, run
 from koila_retry._core.memory import PeakMeter
 from koila_retry._core.overlap import Overlap, overlaps
 from koila_retry._core.policy import Options, Policy
+from koila_retry._core.ranks import Found
 from koila_retry._core.sharded import ShardedStep, fsdp_modules
 from koila_retry._core.stats import Stats
 from koila_retry._diagnostics import exhausted
@@ -375,9 +377,9 @@ class _Accumulator:
         self.averages = True  # see accumulator()
         self.replay: Callable[[], tuple[str, str] | None] | None = None  # see accumulator()
         self.pad: Callable[[], float | None] | None = None  # see accumulator()
-        # Whether the step reaches FSDP2 modules, looked at once where that decides anything:
-        # at the first call without agreement, or with initial="auto", while a process group runs.
-        self.alone_sharded: bool | None = None
+        # The modules a step reaches where one is an FSDP2 module, looked at where that decides anything
+        # (no agreement, or initial="auto", under a process group), again when it is given another model.
+        self.sharded: Found[list[weakref.ref[torch.nn.Module]]] = Found(getattr(fn, "__code__", None))
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
         refuse_iterators(self.fn, args, kwargs, "koila.accumulate", "micro-batch")
@@ -387,8 +389,11 @@ class _Accumulator:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
         roots = (self.fn, split.args, split.kwargs)
-        if self.auto and self.alone_sharded is None and distributed.is_running():
-            self._refuse_sharded_estimate(roots)
+        if self.auto and distributed.is_running() and self._sharded_modules(roots):
+            raise NotImplementedError(
+                f"{self.controller.name} trains an FSDP2 module (fully_shard) with initial='auto': the estimate "
+                "does not cover sharded modules yet. Pass initial=<rows> or None"
+            )
         if not self.auto and not distributed.is_running():
             return self._alone(split, device, roots, caller)
         first = self._estimated(split, device) if self.auto else None
@@ -498,16 +503,6 @@ class _Accumulator:
             stacklevel=levels_to_caller(),
         )
 
-    def _refuse_sharded_estimate(self, roots: tuple[Any, ...]) -> None:
-        """Refuse ``initial="auto"`` over FSDP2 before any rank estimates: only those would join its collectives."""
-        modules = modules_of(roots)
-        self.alone_sharded = bool(fsdp_modules(modules))
-        if self.alone_sharded:
-            raise NotImplementedError(
-                f"{self.controller.name} trains an FSDP2 module (fully_shard) with initial='auto': the estimate "
-                "does not cover sharded modules yet. Pass initial=<rows> or None"
-            )
-
     def _sharded_step(self, roots: tuple[Any, ...]) -> ShardedStep | None:
         """Return what a step over FSDP2 modules does about their gradients, if it reaches any."""
         if not self.controller.fsdp_modules:
@@ -517,14 +512,19 @@ class _Accumulator:
 
     def _sharded_alone(self, roots: tuple[Any, ...]) -> ShardedStep | None:
         """Return what a step without agreement (one rank, ``sync=False``) does about the FSDP2 modules it reaches."""
-        # Looked for on the first call with a process group only: every call would pay for the look otherwise.
-        if self.alone_sharded is False or not distributed.is_running():
-            return None
-        modules = modules_of(roots)
-        self.alone_sharded = bool(fsdp_modules(modules))
         # Nothing to exchange, but FSDP2's hooks must see the backward write .grad (captured, the
         # gradients would never reach them), and its state be reset after a failed attempt.
-        return ShardedStep(modules, alone=True) if self.alone_sharded else None
+        modules = self._sharded_modules(roots) if distributed.is_running() else []
+        return ShardedStep(modules, alone=True) if modules else None
+
+    def _sharded_modules(self, roots: tuple[Any, ...]) -> list[torch.nn.Module]:
+        """Return the modules a step reaches if one is an FSDP2 module, else none."""
+
+        def look() -> list[weakref.ref[torch.nn.Module]]:
+            modules = modules_of(roots)
+            return [weakref.ref(module) for module in modules] if fsdp_modules(modules) else []
+
+        return [module for module in (ref() for ref in self.sharded.get(roots, look)) if module is not None]
 
     def _planned(self, split: Split, attempt: Attempt, plan: ShardedStep | Overlap) -> Any:
         """Run a step over FSDP2 or DDP modules: micro-batches with a plain backward, the last one's reduced."""
