@@ -27,7 +27,7 @@ import koila_retry as koila
 from koila_retry._common import tracking
 from koila_retry._core import memory
 from koila_retry._estimation import estimate, versions
-from koila_retry._frontends import accumulate, batch, chunked, gradients
+from koila_retry._frontends import accumulate, batch, chunked, in_flight
 
 # Tests never time themselves: these machines are shared and noisy, and a deadline that
 # a loaded machine misses fails a test that proved what it should. Every settings object
@@ -117,10 +117,10 @@ def _reset_global_state() -> Iterator[None]:
     assert not leaked, "a test left a simulated device active"
     # A step that ends, however it ends, lets go of the parameters it held: one left held would
     # make a later step of another thread on a tensor with the same id wait for it forever.
-    held = dict(gradients.IN_FLIGHT.owners), dict(gradients.IN_FLIGHT.shared)
-    gradients.IN_FLIGHT.owners.clear()
-    gradients.IN_FLIGHT.shared.clear()
-    assert held == ({}, {}), "a test left accumulate steps holding parameters (gradients.IN_FLIGHT)"
+    held = dict(in_flight.IN_FLIGHT.owners), dict(in_flight.IN_FLIGHT.shared)
+    in_flight.IN_FLIGHT.owners.clear()
+    in_flight.IN_FLIGHT.shared.clear()
+    assert held == ({}, {}), "a test left accumulate steps holding parameters (in_flight.IN_FLIGHT)"
 
 
 @pytest.fixture

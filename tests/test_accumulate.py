@@ -442,6 +442,73 @@ def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt
     snapshot.assert_added(expected_grads)
 
 
+class _PlainWeights(nn.Module):
+    """A block whose weights are plain tensors that need a gradient, not parameters, as older code has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = data(6, 8, seed=3).requires_grad_()
+        self.bias = data(8, seed=4).requires_grad_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.weight + self.bias)
+
+
+@pytest.mark.parametrize("checkpoint", ["function", "reentrant"])
+@pytest.mark.parametrize("where", ["inside", "after", "gives-up"])
+@pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
+def test_plain_tensors_a_backward_inside_a_node_writes_count_once_and_go_with_a_failed_attempt(
+    checkpoint: str, where: str, before: bool
+) -> None:
+    """Their gradients were left to the backward: a failed attempt's stayed, added into the retry's."""
+    torch.manual_seed(0)
+    stem, block, head = nn.Linear(6, 6).double(), _PlainWeights(), nn.Linear(8, 1).double()
+    tensors = [*stem.parameters(), block.weight, block.bias, *head.parameters()]
+
+    def forward(x: torch.Tensor, fail: str | None = None) -> torch.Tensor:
+        h = stem(x)
+        if fail == "inside":  # runs after the block's own backward wrote its .grad
+            h = OOMInBackward.apply(h)
+        if checkpoint == "function":
+            h = Recompute.apply(block, h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        if fail == "after":  # runs before it
+            h = OOMInBackward.apply(h)
+        return head(h)
+
+    x, y = data(40, 6), data(40, 1, seed=1)
+    F.mse_loss(forward(x), y).backward()
+    expected = [tensor.grad.clone() for tensor in tensors]
+    given = [data(t.numel(), seed=100 + i).view_as(t) if before and i % 2 else None for i, t in enumerate(tensors)]
+    for tensor, grad in zip(tensors, given, strict=True):
+        tensor.grad = None if grad is None else grad.clone()
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16, minimum=16 if where == "gives-up" else 1)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return F.mse_loss(forward(x, ("after" if where == "after" else "inside") if len(calls) == 2 else None), y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if where == "gives-up":
+            with pytest.raises(koila.BatchSizeExhausted):
+                step(x, y)
+        else:
+            step(x, y)
+    for index, (tensor, want, grad) in enumerate(zip(tensors, expected, given, strict=True)):
+        if where == "gives-up":
+            want = grad
+        elif grad is not None:
+            want = want + grad
+        if want is None:
+            assert tensor.grad is None, index
+        else:
+            torch.testing.assert_close(tensor.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{i}: {m}")
+    assert calls == ([16, 16] if where == "gives-up" else [16, 16] + [8] * 5)
+
+
 @pytest.mark.parametrize("fails", [True, False], ids=["retried", "whole"])
 def test_a_backward_inside_another_threads_graph_is_left_to_it(fails: bool) -> None:
     """Another thread's plain training runs a reentrant checkpoint while a step's backward waits in a node."""

@@ -21,7 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import koila_retry as koila
-from koila_retry._frontends.gradients import IN_FLIGHT, Gradients
+from koila_retry._frontends.gradients import Gradients
+from koila_retry._frontends.in_flight import IN_FLIGHT
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 import koila_retry as koila
 from koila_retry._frontends.gradients import EARLY_BYTES as _EARLY_BYTES
 from koila_retry._frontends.gradients import Gradients as _Gradients
-from koila_retry._frontends.gradients import InFlight as _InFlight
+from koila_retry._frontends.in_flight import InFlight as _InFlight
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64

@@ -14,7 +14,8 @@ import contextlib
 import functools
 import operator
 import threading
-from collections.abc import Callable, Collection, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,13 +23,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 
 from koila_retry._frontends import own_backward
+from koila_retry._frontends.in_flight import IN_FLIGHT
 
 __all__ = [
     "EARLY_BYTES",
-    "IN_FLIGHT",
     "Backward",
     "Gradients",
-    "InFlight",
     "OtherLeaves",
     "Scaled",
     "added_back",
@@ -138,6 +138,7 @@ class Gradients:
         "batchnorm",
         "direct",
         "exposed",
+        "faint",
         "hidden",
         "leaves",
         "lock",
@@ -158,6 +159,9 @@ class Gradients:
         # fallback's), and the gradients they had before it.
         self.exposed: dict[int, torch.Tensor] = {}
         self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Leaves other than parameters that a backward inside a node writes: held weakly, the node's
+        # own (the input it recomputes from) dying with it.
+        self.faint: dict[int, weakref.ref[torch.Tensor]] = {}
         self.hidden = False  # whether a backward may have written leaves the walk cannot find
         self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
@@ -223,8 +227,17 @@ class Gradients:
             self.task = task
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
         exposed = self.exposed
-        # Parameters only: the other leaves are the Function's own, made in its backward (the input it
-        # recomputes from, whose .grad it returns), and held here they would outlive the attempt.
+        # The other leaves may be the Function's own, made in its backward (the input it recomputes from,
+        # whose .grad it returns): held here, they would outlive it. Held weakly, in no other step's way.
+        faint = self.faint
+        for leaf in found:
+            ref = faint.get(id(leaf))
+            if id(leaf) in exposed or isinstance(leaf, torch.nn.Parameter) or (ref is not None and ref() is leaf):
+                continue
+            faint[id(leaf)] = weakref.ref(leaf)
+            if leaf.grad is not None:  # not made in the node: held, as a parameter's
+                self.aside.append((leaf, leaf.grad))
+                leaf.grad = None
         new = [leaf for leaf in found if id(leaf) not in exposed and isinstance(leaf, torch.nn.Parameter)]
         if self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new]):
             self.hidden = True
@@ -259,7 +272,7 @@ class Gradients:
 
     def _captured_from_now(self) -> None:
         """Leave the direct path: move what the step wrote into :attr:`sums`, give back what was set aside."""
-        for leaf in self.exposed.values():
+        for leaf in [*self.exposed.values(), *self._faint()]:
             written = leaf.grad
             if written is not None:
                 leaf.grad = None
@@ -530,7 +543,7 @@ class Gradients:
     def discard(self) -> None:
         """Forget every gradient the step computed, and what a plain backward left in ``.grad``."""
         self.sums, self.leaves, self.owned = {}, {}, set()
-        for leaf in self.exposed.values():
+        for leaf in [*self.exposed.values(), *self._faint()]:
             leaf.grad = None
 
     def restore(self) -> None:
@@ -539,9 +552,13 @@ class Gradients:
             # leaf.grad is None, unless a backward wrote leaves the walk could not find.
             leaf.grad = summed(before, leaf.grad)
         self.aside.clear()
+        self.faint.clear()
         if self.direct:
             IN_FLIGHT.release(self, self.exposed)
         self.exposed.clear()
+
+    def _faint(self) -> list[torch.Tensor]:
+        return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]
 
     def deliver(self) -> None:
         """Add the step's gradients into ``.grad`` through autograd, and forget them."""
@@ -656,83 +673,6 @@ class OtherLeaves:
         for leaf, before in self.aside.values():
             leaf.grad = before
         self.aside = {}
-
-
-class InFlight:
-    """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
-
-    __slots__ = ("condition", "lock", "owners", "shared", "waiting")
-
-    def __init__(self) -> None:
-        # The condition's own lock, taken directly where nothing waits: the condition's
-        # ``with`` is a call into Python, which each step pays for.
-        self.lock = threading.Lock()
-        self.condition = threading.Condition(self.lock)
-        self.owners: dict[int, Gradients] = {}  # the direct step holding each leaf
-        self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
-        self.waiting = 0
-
-    def take(self, owner: Gradients, keys: Sequence[int]) -> bool:
-        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any."""
-        with self.lock:
-            owners, shared = self.owners, self.shared
-            if owners or shared:  # another step may be in flight: the one case that pays per leaf
-                for key in keys:
-                    if key in shared or owners.get(key, owner) is not owner:
-                        return False
-            owners.update(dict.fromkeys(keys, owner))
-        return True
-
-    def release(self, owner: Gradients, keys: Collection[int]) -> None:
-        """Let go of the leaves ``keys`` (their ``id``), each held by ``owner``, and wake the steps waiting for them."""
-        with self.lock:
-            owners = self.owners
-            if len(owners) == len(keys):  # held by ``owner`` alone: the step was the only one in flight
-                owners.clear()
-            else:
-                for key in keys:
-                    if owners.get(key) is owner:
-                        del owners[key]
-            if self.waiting:
-                self.condition.notify_all()
-
-    def enter(self, keys: Sequence[int], thread: int) -> None:
-        """Wait until no direct step of another ``thread`` holds any of ``keys``, then hold them shared."""
-        with self.condition:
-            shared, owners = self.shared, self.owners
-            for key in keys:  # first, so that no direct step takes them from now on
-                shared[key] = shared.get(key, 0) + 1
-            try:
-                # A step of this thread (one called inside another) runs no backward now: not waited for.
-                while any(key in owners and owners[key].thread != thread for key in keys):
-                    self.waiting += 1
-                    try:
-                        self.condition.wait()
-                    finally:
-                        self.waiting -= 1
-            except BaseException:  # interrupted while it waited: it delivers nothing
-                self._drop(keys)
-                raise
-
-    def leave(self, keys: Sequence[int]) -> None:
-        """Let go of what :meth:`enter` held."""
-        with self.condition:
-            self._drop(keys)
-
-    def _drop(self, keys: Sequence[int]) -> None:
-        shared = self.shared
-        for key in keys:
-            count = shared[key] - 1
-            if count:
-                shared[key] = count
-            else:
-                del shared[key]
-        if self.waiting:
-            self.condition.notify_all()
-
-
-# Every koila step's, for the process.
-IN_FLIGHT = InFlight()
 
 
 class Box:

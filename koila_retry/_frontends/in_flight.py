@@ -1,0 +1,96 @@
+"""Which leaves the koila steps in flight write, so that no step sets a ``.grad`` another adds into.
+
+Autograd's lock covers its own adds into ``.grad``, not an assignment from Python: a direct step
+holds its leaves alone, and a captured one waits for them before it delivers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+__all__ = ["IN_FLIGHT", "Holder", "InFlight"]
+
+
+class Holder(Protocol):
+    """A step that holds leaves: the thread its backward runs on."""
+
+    thread: int
+
+
+class InFlight:
+    """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
+
+    __slots__ = ("condition", "lock", "owners", "shared", "waiting")
+
+    def __init__(self) -> None:
+        # The condition's own lock, taken directly where nothing waits: the condition's
+        # ``with`` is a call into Python, which each step pays for.
+        self.lock = threading.Lock()
+        self.condition = threading.Condition(self.lock)
+        self.owners: dict[int, Holder] = {}  # the direct step holding each leaf
+        self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
+        self.waiting = 0
+
+    def take(self, owner: Holder, keys: Sequence[int]) -> bool:
+        """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any."""
+        with self.lock:
+            owners, shared = self.owners, self.shared
+            if owners or shared:  # another step may be in flight: the one case that pays per leaf
+                for key in keys:
+                    if key in shared or owners.get(key, owner) is not owner:
+                        return False
+            owners.update(dict.fromkeys(keys, owner))
+        return True
+
+    def release(self, owner: Holder, keys: Collection[int]) -> None:
+        """Let go of the leaves ``keys`` (their ``id``), each held by ``owner``, and wake the steps waiting for them."""
+        with self.lock:
+            owners = self.owners
+            if len(owners) == len(keys):  # held by ``owner`` alone: the step was the only one in flight
+                owners.clear()
+            else:
+                for key in keys:
+                    if owners.get(key) is owner:
+                        del owners[key]
+            if self.waiting:
+                self.condition.notify_all()
+
+    def enter(self, keys: Sequence[int], thread: int) -> None:
+        """Wait until no direct step of another ``thread`` holds any of ``keys``, then hold them shared."""
+        with self.condition:
+            shared, owners = self.shared, self.owners
+            for key in keys:  # first, so that no direct step takes them from now on
+                shared[key] = shared.get(key, 0) + 1
+            try:
+                # A step of this thread (one called inside another) runs no backward now: not waited for.
+                while any(key in owners and owners[key].thread != thread for key in keys):
+                    self.waiting += 1
+                    try:
+                        self.condition.wait()
+                    finally:
+                        self.waiting -= 1
+            except BaseException:  # interrupted while it waited: it delivers nothing
+                self._drop(keys)
+                raise
+
+    def leave(self, keys: Sequence[int]) -> None:
+        """Let go of what :meth:`enter` held."""
+        with self.condition:
+            self._drop(keys)
+
+    def _drop(self, keys: Sequence[int]) -> None:
+        shared = self.shared
+        for key in keys:
+            count = shared[key] - 1
+            if count:
+                shared[key] = count
+            else:
+                del shared[key]
+        if self.waiting:
+            self.condition.notify_all()
+
+
+# Every koila step's, for the process.
+IN_FLIGHT = InFlight()
