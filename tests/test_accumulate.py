@@ -509,6 +509,40 @@ def test_plain_tensors_a_backward_inside_a_node_writes_count_once_and_go_with_a_
     assert calls == ([16, 16] if where == "gives-up" else [16, 16] + [8] * 5)
 
 
+@pytest.mark.parametrize("initial", [None, 16], ids=["whole", "split"])
+@pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
+def test_a_backward_with_create_graph_leaves_grad_with_its_graph(initial: int | None, before: bool) -> None:
+    """A Hessian-vector product through ``.grad`` (AdaHessian, Sophia): ``.grad`` was handed over without a graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    reference = copy.deepcopy(model)
+    x, y = data(40, 6), data(40, 1, seed=1)
+    if before:
+        give_grads(model)
+        give_grads(reference)
+
+    def hessian_times_ones(net: nn.Module) -> list[torch.Tensor]:
+        params = list(net.parameters())
+        grads = [p.grad for p in params]
+        return list(torch.autograd.grad(grads, params, [torch.ones_like(p) for p in params]))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph")
+        F.mse_loss(reference(x), y).backward(create_graph=True)
+
+        @koila.accumulate(initial=initial, backward=lambda loss, **kw: loss.backward(create_graph=True, **kw))
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(model(x), y)
+
+        step(x, y)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert got.grad is not None
+        assert got.grad.requires_grad
+        torch.testing.assert_close(got.grad, want.grad, rtol=RTOL, atol=ATOL)
+    for got, want in zip(hessian_times_ones(model), hessian_times_ones(reference), strict=True):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("fails", [True, False], ids=["retried", "whole"])
 def test_a_backward_inside_another_threads_graph_is_left_to_it(fails: bool) -> None:
     """Another thread's plain training runs a reentrant checkpoint while a step's backward waits in a node."""

@@ -149,7 +149,9 @@ def test_weight_is_checked_when_decorating() -> None:
         koila.accumulate(weight=counted, reduction="sum")
 
 
-def test_weight_is_not_called_when_the_whole_batch_runs() -> None:
+@pytest.mark.parametrize("initial", [None, "auto"])
+def test_weight_is_not_called_when_the_whole_batch_runs(initial: str | None) -> None:
+    """``"auto"`` too, whose measured whole batch was counted twice."""
     model, batch = token_batch(rows=4)
     calls: list[int] = []
 
@@ -157,5 +159,30 @@ def test_weight_is_not_called_when_the_whole_batch_runs() -> None:
         calls.append(1)
         return 1
 
-    koila.accumulate(lambda batch: mean_over_tokens(model, batch), weight=weight)(batch)
+    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=initial, weight=weight)
+    with simulated_device("1GiB") if initial == "auto" else contextlib.nullcontext():
+        step(batch)
+    assert step.stats.batch_size == 4
     assert calls == []
+
+
+def test_weight_counts_a_split_that_initial_auto_measures_once_ahead_and_once_per_micro_batch() -> None:
+    """The first micro-batch is counted once, the rows after it once whole (their sizes follow its measure), then each.
+
+    The first was counted twice, and so was the whole batch when it ran at once.
+    """
+    model, batch = token_batch(rows=64)
+    rows: list[int] = []
+
+    def weight(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows.append(len(batch["labels"]))
+        return counted(batch)
+
+    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial="auto", weight=weight)
+    with simulated_device("64KiB"):
+        step(batch)
+    first, rest, *later = rows
+    assert first < 64
+    assert first + rest == 64
+    assert sum(later) == rest
+    assert len(later) == -(-rest // step.stats.batch_size)

@@ -759,12 +759,12 @@ class _Accumulator:
         """Run the first micro-batch measured, the rest at the corrected size; return whether a loss needed grad."""
         rows = split.rows
         first = min(size, rows)
-        total, by_items = self._items(split, first)
+        total, head, by_items = self._items(split, first)
         if first < rows and self.weight is None:
             self._warn_if_ignored(split)
         args, kwargs = split.chunk(0, first)
         # Part of the step, weighed as any other: each micro-batch by its own rows (or items), whatever its size.
-        weight = self._weight_of(args, kwargs, first, total, by_items)
+        weight = head / total if self.mean else 1.0
         with meter:
             backed = self._micro_batch(args, kwargs, first, weight, results, gradients, retain)
             del args, kwargs
@@ -789,16 +789,15 @@ class _Accumulator:
             attempt.calibrate(min(size, rows - first), meter.rise + held)
         return backed
 
-    def _items(self, split: Split, first: int) -> tuple[float, bool]:
-        """Return the items of the whole batch that ``weight=`` counts, counted in two parts, and True; or its rows."""
-        if self.weight is not None:
-            counts = [self._count_of(*split.chunk(0, first))]
-            if first < split.rows:
-                counts.append(self._count_of(*split.chunk(first, split.rows)))
-            total = math.fsum(counts)
+    def _items(self, split: Split, first: int) -> tuple[float, float, bool]:
+        """Return the items ``weight=`` counts in the batch and its ``first`` rows, and True; or rows, and False."""
+        # The later micro-batches' sizes follow the first's measure: the rest is counted whole before.
+        if self.weight is not None and first < split.rows:
+            head = self._count_of(*split.chunk(0, first))
+            total = math.fsum([head, self._count_of(*split.chunk(first, split.rows))])
             if total:
-                return total, True
-        return float(split.rows), False  # none counted: see _weights
+                return total, head, True
+        return float(split.rows), float(min(first, split.rows)), False  # none counted (or whole): see _weights
 
     def _count_of(self, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
         return _count(cast(Callable[..., Any], self.weight)(*args, **kwargs), self.controller.name)

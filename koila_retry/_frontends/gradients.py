@@ -10,7 +10,6 @@ gradients", says which path a step takes and how each works.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import threading
@@ -107,6 +106,8 @@ def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
     """Return a gradient set aside with what a step wrote since added into it, in place where autograd would."""
     if written is None:
         return before
+    if written.requires_grad:  # a backward's with create_graph=True: its graph kept, as autograd keeps it
+        return before + written
     with torch.no_grad():
         if before.layout == torch.strided or written.layout == before.layout:
             return before.add_(written)
@@ -378,19 +379,20 @@ class Gradients:
                 self.sums[key] = gradient
                 self.leaves[key] = leaf
                 return
-            # Gradients have no graph, except a fallback's with create_graph=True, which is not kept.
-            with torch.no_grad() if gradient.requires_grad else contextlib.nullcontext():
-                if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
-                    total.add_(gradient)
-                    return
-                if total.layout == torch.strided and gradient.layout == torch.strided:
-                    total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
-                elif total.layout == torch.strided:
-                    total = total + gradient
-                else:  # a dense gradient onto a sparse sum: as autograd does, a new sum
-                    total = gradient + total
-                self.sums[key] = total
-                self.owned.add(key)
+            if gradient.requires_grad:  # a fallback's with create_graph=True: its graph kept, as autograd keeps it
+                self.sums[key] = total + gradient if total.layout == torch.strided else gradient + total
+                return
+            if key in self.owned and (total.layout == torch.strided or total.layout == gradient.layout):
+                total.add_(gradient)
+                return
+            if total.layout == torch.strided and gradient.layout == torch.strided:
+                total = torch.add(total, gradient, out=torch.empty_like(leaf, dtype=total.dtype))
+            elif total.layout == torch.strided:
+                total = total + gradient
+            else:  # a dense gradient onto a sparse sum: as autograd does, a new sum
+                total = gradient + total
+            self.sums[key] = total
+            self.owned.add(key)
 
     def _walk(self, outputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool, dict[Any, list[tuple[int, Any]]]]:
         """Return the leaves a backward of ``outputs`` writes, whether it runs a reentrant checkpoint, and ``early``."""
@@ -588,10 +590,12 @@ class Gradients:
         # Only the box holds the sums now, so that AccumulateGrad may take them as they are.
         del sums, leaves, total
         if plain:
+            # A fallback's backward with create_graph=True gave gradients with a graph: kept, as autograd keeps it.
+            graph = any(gradient.requires_grad for gradient in box.gradients)
             with torch.enable_grad():
                 done = Deliver.apply(box, *plain)  # type: ignore[no-untyped-call]
             del plain
-            torch.autograd.backward(done)
+            torch.autograd.backward(done, create_graph=graph)
         if hooked:  # their tensor hooks saw each backward's gradient: to AccumulateGrad, which runs none
             with torch.no_grad():
                 for leaf, total in hooked:
