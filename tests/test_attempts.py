@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -145,6 +146,48 @@ def test_different_blocks_do_not_share_sizes() -> None:
         with attempt:
             fits(attempt.batch_size)
     assert attempt.batch_size == 64
+
+
+def _our_attempts(**options: Any) -> koila.Attempt:
+    """A project's helper around ``koila.attempts``: it is called here, its loops are elsewhere."""
+    return koila.attempts(initial=64, **options)
+
+
+def _through_the_helper(limit: int) -> list[int]:
+    fits, tried = oom_above(limit), []
+    for attempt in _our_attempts():
+        with attempt:
+            tried.append(attempt.batch_size)
+            fits(attempt.batch_size)
+    return tried
+
+
+def _another_block_through_the_helper(limit: int) -> list[int]:
+    fits, tried = oom_above(limit), []
+    for attempt in _our_attempts():
+        with attempt:
+            tried.append(attempt.batch_size)
+            fits(attempt.batch_size)
+    return tried
+
+
+def test_blocks_of_a_helper_that_returns_attempts_are_keyed_by_their_loops() -> None:
+    """They were named by the helper's line: every block through it shared one size."""
+    assert _through_the_helper(10) == [64, 32, 16, 8]
+    assert _another_block_through_the_helper(1000) == [64]
+    assert _through_the_helper(1000) == [8]  # its own block: where it settled
+    features = torch.zeros(1000)
+    reference = weakref.ref(features)
+    with pytest.raises(koila.BatchSizeExhausted) as info:
+        for attempt in _our_attempts(minimum=64):
+            with attempt:
+                features.sum()
+                raise make_oom()
+    # Named by its loop, here, not by the helper.
+    assert "in test_blocks_of_a_helper_that_returns_attempts_are_keyed_by_their_loops" in str(info.value)
+    assert "in _our_attempts" not in str(info.value)
+    del features, info
+    assert reference() is None  # the loop's variables are held by neither start
 
 
 def test_explicit_cache_and_hook() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import json
@@ -515,5 +516,39 @@ def test_a_key_function_that_returns_an_unhashable_key_is_named_in_the_error() -
     def work(batch_size: int) -> int:
         return batch_size
 
-    with pytest.raises(TypeError, match=r"key must be hashable, and its key function returned list \['eval'"):
+    with pytest.raises(TypeError, match=r"key must be hashable, and this call's key is list \['eval'") as info:
         work()
+    assert "A key function of yours (key=) must return a tuple" in str(info.value)
+
+
+def test_a_key_that_holds_an_unhashable_part_names_it() -> None:
+    def per_phase(function: object, caller: object, device: object, sample: object = None) -> Any:
+        return ("eval", {"phase": 1})
+
+    @koila.batch(initial=8, cache=koila.GlobalCache(key=per_phase))
+    def work(batch_size: int) -> int:
+        return batch_size
+
+    with pytest.raises(TypeError, match=r"of which dict \{'phase': 1\} cannot be\."):
+        work()
+
+
+@dataclasses.dataclass
+class _Evaluator:
+    """A callable object with ``__eq__`` and no ``__hash__``, as a dataclass makes it."""
+
+    scale: float
+
+    def __call__(self, batch_size: int) -> float:
+        if batch_size > 16:
+            raise make_oom()
+        return self.scale * batch_size
+
+
+@pytest.mark.parametrize("cache", [None, koila.GlobalCache()], ids=["default", "global"])
+def test_a_callable_that_cannot_be_hashed_is_keyed_by_its_code(cache: koila.GlobalCache | None) -> None:
+    """It was the key itself: every call raised that a key must be hashable."""
+    evaluate = koila.batch(_Evaluator(2.0), initial=64, **({} if cache is None else {"cache": cache}))
+    for _ in range(2):  # one line: one key for the default cache too
+        assert evaluate() == 32.0
+    assert evaluate.stats.ooms == 2  # 64 and 32 failed once; the second call started at the size that worked

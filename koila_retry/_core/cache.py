@@ -118,6 +118,24 @@ class PerKey(Generic[Kept]):
             self._keys.clear()
 
 
+def _unhashable(key: object) -> str:
+    """Return the error of a key that cannot be hashed, naming the part that cannot."""
+    parts = [part for part in key if not _hashes(part)] if isinstance(key, tuple) else []
+    part = f", of which {type(parts[0]).__name__} {parts[0]!r:.100} cannot be" if parts else ""
+    return (
+        f"a size cache's key must be hashable, and this call's key is {type(key).__name__} {key!r:.200}{part}. "
+        "A key function of yours (key=) must return a tuple of hashable values (not a list), a string or a number"
+    )
+
+
+def _hashes(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 class Sizes(MutableMapping[Hashable, int]):
     """A thread-safe, bounded LRU mapping from keys to sizes and what each was proven on: :class:`SizeCache`'s."""
 
@@ -162,10 +180,7 @@ class Sizes(MutableMapping[Hashable, int]):
         try:
             size = self._sizes.get(key)
         except TypeError:  # zero-cost until raised
-            raise TypeError(
-                f"a size cache's key must be hashable, and its key function returned {type(key).__name__} "
-                f"{key!r:.200}: return a tuple (not a list), a string or a number"
-            ) from None
+            raise TypeError(_unhashable(key)) from None
         if size is None:
             size = self._fallback(key)
             if size is None:

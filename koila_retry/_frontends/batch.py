@@ -7,7 +7,7 @@ import inspect
 import io
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import MethodType
+from types import FrameType, MethodType
 from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
 from koila_retry._common.batches import positional_names
@@ -15,7 +15,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, StackMemoryCache
+from koila_retry._core.cache import CacheInfo, StackMemoryCache, function_identity
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -409,11 +409,21 @@ def batched(
     return bindable(fn, plain, method, binding)
 
 
+def _keyed(fn: Callable[..., Any]) -> Any:
+    """Return what a cache keys ``fn``'s calls by: the function, or its code where it cannot be hashed."""
+    try:
+        hash(fn)
+    except TypeError:  # an instance with __eq__ and no __hash__, such as a dataclass's
+        return function_identity(fn)
+    return fn
+
+
 def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controller, fixed_device: Any) -> Any:
     """Return the function that runs a call of ``fn`` in ``controller``, with the size injected."""
     start, call = controller.start, controller.call
     getframe = sys._getframe
     name, position, max_args = injection.name, injection.position, injection.max_args
+    key = _keyed(fn)
 
     # The injection is spelled out inline: every call of the wrapper pays for each
     # extra Python call, and this is the whole cost of a cached call.
@@ -423,7 +433,7 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse(len(args), name in kwargs)
-            attempt = start(Call(fn, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs)))
+            attempt = start(Call(key, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs)))
             if position == 0:
                 return await run_async(attempt, lambda size: fn(size, *args, **kwargs))
             if position == 1:
@@ -439,12 +449,12 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
                 raise injection.refuse(len(args), name in kwargs)
             device = fixed_device or device_of(args, kwargs)
             if position == 0:
-                return call(fn, getframe(1), device, lambda size: fn(size, *args, **kwargs), (fn, args, kwargs))
+                return call(key, getframe(1), device, lambda size: fn(size, *args, **kwargs), (fn, args, kwargs))
             if position == 1:
                 work = lambda size: fn(args[0], size, *args[1:], **kwargs)  # noqa: E731
             else:
                 work = lambda size: fn(*args, **kwargs, **{name: size})  # noqa: E731
-            return call(fn, getframe(1), device, work, (fn, args, kwargs))
+            return call(key, getframe(1), device, work, (fn, args, kwargs))
 
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
@@ -530,13 +540,19 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     .. versionadded:: 0.1.0
     """
     caller = sys._getframe(1)
+    policy = Policy.of("koila.attempts", initial, options)
+    code = caller.f_code
+    return Block(_started(policy, caller), lambda frame: None if frame.f_code is code else _started(policy, frame))
+
+
+def _started(policy: Policy, caller: FrameType) -> Attempt:
+    """Start the attempts of a block, named by ``caller``: the frame of its loop."""
     code = caller.f_code
     line = caller.f_lineno
     # Names the block for the cache as a function is named, by file, line and name: strings
     # cache their hashes, where a code object would be rehashed on every use. The line is
     # the block's own, so two blocks in one function have keys of their own in every cache.
     block = (code.co_filename, line, getattr(code, "co_qualname", code.co_name))
-    policy = Policy.of("koila.attempts", initial, options)
     controller = Controller(
         f"block at {code.co_filename}:{line} in {code.co_name}",
         policy,
@@ -546,5 +562,4 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     # The block's modules are those its function's variables hold: read only if the ranks
     # agree (on the modules they reach), and only then, so that no copy of them outlives the
     # start, which a tensor the block deletes to make room for its retry would otherwise do.
-    roots = FrameValues(caller)
-    return Block(controller.start(Call(block, caller, policy.device or resolve_device(None), roots=roots)))
+    return controller.start(Call(block, caller, policy.device or resolve_device(None), roots=FrameValues(caller)))
