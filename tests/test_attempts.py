@@ -186,6 +186,13 @@ def test_blocks_of_a_helper_that_returns_attempts_are_keyed_by_their_loops() -> 
     # Named by its loop, here, not by the helper.
     assert "in test_blocks_of_a_helper_that_returns_attempts_are_keyed_by_their_loops" in str(info.value)
     assert "in _our_attempts" not in str(info.value)
+    steps = _our_attempts(cache=koila.NoCache())
+    steps.narrow(10)  # before the loop: kept when the loop starts it again
+    for attempt in steps:
+        with attempt:
+            if attempt.number == 1:
+                raise make_oom()
+    assert attempt.batch_size < 10
     del features, info
     assert reference() is None  # the loop's variables are held by neither start
 
@@ -274,6 +281,18 @@ def test_a_narrowed_step_that_fails_continues_below_the_rows_it_tried() -> None:
                 raise make_oom()
     assert steps.batch_size == 64
     assert (events[0].batch_size, events[0].next_batch_size) == (100, 64)
+
+
+@pytest.mark.parametrize(("rows", "error"), [(0, ValueError), (-5, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_narrow_takes_a_count_of_rows(rows: Any, error: type[Exception]) -> None:
+    """It took anything: 0 gave up naming 0 as a size tried, 2.5 failed in the schedule."""
+    steps = koila.attempts(initial=64, cache=koila.NoCache())
+    with pytest.raises(error, match=f"narrow takes the rows the coming attempt uses.*got .*{rows!r}"):
+        steps.narrow(rows)
+    for attempt in steps:  # unchanged: the loop runs at 64
+        with attempt:
+            pass
+    assert attempt.batch_size == 64
 
 
 def test_a_narrowed_step_that_succeeds_stores_nothing() -> None:

@@ -7,6 +7,7 @@ import inspect
 import logging
 import sys
 import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -763,3 +764,24 @@ def test_stats_copy_and_pickle_as_a_snapshot_that_counts_no_more() -> None:
     taken = copy.copy(run.stats)
     run()
     assert (taken.calls, run.stats.calls) == (1, 2)  # the copy's counter is its own
+
+
+@pytest.mark.parametrize(
+    ("front_end", "given", "guess", "own"),
+    [
+        (koila.batch, {"parm": "b"}, "param", "initial, param"),
+        (koila.chunked, {"dimm": 1}, "dim", "initial, dim, progress, out"),
+        (koila.range, {"progres": True}, "progress", "initial, progress"),
+        (koila.accumulate, {"reductoin": "sum"}, "reduction", "initial, dim, reduction, weight, scaler, backward, ddp"),
+        (koila.attempts, {"minimun": 2}, "minimum", "initial"),
+    ],
+)
+def test_a_misspelt_option_is_named_with_the_front_ends_own_options(
+    front_end: Any, given: dict[str, Any], guess: str, own: str
+) -> None:
+    """The list left out the front end's own options, which are the ones most often misspelt, and guessed none."""
+    (name,) = given
+    with pytest.raises(
+        TypeError, match=rf"argument '{name}' \(did you mean '{guess}'\?\); its options are {own} and cache,"
+    ):
+        front_end(**given)

@@ -323,8 +323,21 @@ class Attempt:
         If it runs out of memory, the next size is below ``rows``; if it
         succeeds, nothing is stored, because fewer rows prove nothing about ``batch_size``.
 
+        Args:
+            rows (int): the rows the coming attempt uses, at least 1.
+
+        Raises:
+            TypeError: if ``rows`` is not an int.
+            ValueError: if ``rows`` is below 1.
+
         .. versionadded:: 0.1.0
         """
+        if isinstance(rows, bool) or not isinstance(rows, int):
+            raise TypeError(
+                f"narrow takes the rows the coming attempt uses, an int, got {type(rows).__name__} {rows!r}"
+            )
+        if rows < 1:
+            raise ValueError(f"narrow takes the rows the coming attempt uses, at least 1, got {rows}")
         self._course.state.rows = rows
 
     def next_step(self) -> Attempt:
@@ -364,6 +377,7 @@ class Block(Attempt):
                 moved, self._moved = self._moved, None
                 again = moved(sys._getframe(1))  # the frame that iterates
                 if again is not None:
+                    again._course.state.rows = self._course.state.rows  # narrowed before the loop
                     self._course = _let_go(again._course)
             yield self
             while not self.succeeded():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -191,13 +192,23 @@ class Policy:
     snapshot_each_oom: bool = False
 
     @classmethod
-    def of(cls, front_end: str, initial: int | None, options: Mapping[str, Any], *, rows: bool = False) -> Policy:
-        """Check a front end's options; with ``rows`` its calls know their rows, so ``initial=None`` is allowed."""
+    def of(
+        cls,
+        front_end: str,
+        initial: int | None,
+        options: Mapping[str, Any],
+        *,
+        rows: bool = False,
+        own: Sequence[str] = ("initial",),
+    ) -> Policy:
+        """Check a front end's options (``own``: its own); with ``rows`` calls know their rows (``initial=None``)."""
         unknown = sorted(set(options) - _NAMES)
         if unknown:
+            close = difflib.get_close_matches(unknown[0], [*own, *sorted(_NAMES)], n=1)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(
-                f"{front_end}() got an unexpected keyword argument {unknown[0]!r}; "
-                f"its options are initial and {', '.join(sorted(_NAMES))}"
+                f"{front_end}() got an unexpected keyword argument {unknown[0]!r}{guess}; "
+                f"its options are {', '.join(own)} and {', '.join(sorted(_NAMES))}"
             )
         if initial is None and not rows:
             raise TypeError(

@@ -204,6 +204,37 @@ def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
 
 # --- the loan ---------------------------------------------------------------------
 
+_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu))
+
+
+def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.device) -> Any:
+    """Run a move of a tensor to a device as the run on ``target`` would: the tensor itself if it stays there."""
+    tensor, *rest = args
+    options = dict(kwargs)
+    copy = bool(options.pop("copy", False))
+    try:
+        if func is torch.Tensor.to:
+            device, dtype, non_blocking, layout = torch._C._nn._parse_to(*rest, **options)
+        else:
+            device = torch.device("cpu") if func is torch.Tensor.cpu else torch.device("cuda")
+            dtype, non_blocking, layout = None, bool(options.get("non_blocking", False)), None
+    except (TypeError, RuntimeError):
+        return func(*args, **kwargs)  # PyTorch's own error, or a form not parsed here
+    if device is not None and device != META:
+        here = target if tensor.device.type == "meta" else tensor.device  # a real tensor of the caller's
+        stays = device.type == here.type and (device.index is None or here.index in (None, device.index))
+        if stays and not copy and dtype in (None, tensor.dtype) and layout in (None, torch.preserve_format):
+            return tensor  # already there: a real move returns the tensor itself, making nothing
+        device = META  # on the meta device, as everything of the run, without starting CUDA
+    return torch.Tensor.to(
+        tensor,
+        device=device,
+        dtype=dtype,
+        non_blocking=non_blocking,
+        copy=copy,
+        memory_format=layout or torch.preserve_format,
+    )
+
 
 class Swapping(TorchFunctionMode):
     """Give torch functions the borrower's view: meta copies for lent tensors, plain lists for proxied ones."""
@@ -213,11 +244,12 @@ class Swapping(TorchFunctionMode):
     # never enters the graph, its meta copy does. It also answers the value reads that never reach a
     # dispatch mode (reads.py), rather than a second mode that would tax every torch function.
 
-    def __init__(self) -> None:
+    def __init__(self, target: torch.device = META) -> None:
         super().__init__()
         # id of a lent tensor -> (the tensor, its meta copy); the copy lives as long as what holds it.
         self.table: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
         self.reads: ValueReads | None = None
+        self.target = target  # the device the estimate is for, where the run's tensors are
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -228,6 +260,12 @@ class Swapping(TorchFunctionMode):
                 kwargs = {key: self._one(value) for key, value in kwargs.items()}
         if self.reads is not None and func in READS:
             return self.reads(func, args, kwargs or {})
+        if func in _MOVES:
+            return _moved(func, args, kwargs or {}, self.target)
+        if kwargs and "device" in kwargs:
+            # Made on the meta device as the recorder would, but before PyTorch's parsing of a
+            # device starts CUDA, which raises on a machine without one.
+            kwargs = {**kwargs, "device": META}
         return func(*args, **(kwargs or {}))
 
     def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -269,10 +307,10 @@ _RETAINED_LOCK = threading.Lock()
 class Loan:
     """One run's loan of meta copies to the calling thread: ``hold``, ``add`` each copy, ``lend``, then ``end``."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: torch.device = META) -> None:
         self.thread = threading.get_ident()
         self.installed: list[_Installed] = []
-        self.mode = Swapping()
+        self.mode = Swapping(target)
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._held = contextlib.ExitStack()
         self._entered = False
@@ -453,11 +491,13 @@ class Owned:
                     total += round_bytes(storage.nbytes()) if round_bytes else storage.nbytes()
         return total
 
-    def lend(self, recorder: Recorder, sharding: Sharding | None = None) -> Callable[[], None]:
+    def lend(
+        self, recorder: Recorder, sharding: Sharding | None = None, target: torch.device = META
+    ) -> Callable[[], None]:
         """Lend this thread meta copies of every tensor held, under ``recorder``; return what ends the loan."""
         # Under FSDP2 (sharding), sharded tensors are lent as one rank's shard. The loan holds the
         # estimate lock until it ends, on this thread.
-        loan = Loan()
+        loan = Loan(target)
         loan.mode.reads = ValueReads(recorder.placeholder)  # the reads that never reach the recorder
         loan.hold()
         emulation: Emulation | None = None

@@ -103,7 +103,7 @@ def run_on_meta(
     try:
         with META, recorder:
             try:
-                undo = owned.lend(recorder, sharding)
+                undo = owned.lend(recorder, sharding, target)
                 recorder.category = "inputs"
                 args, kwargs = batch.resized(batch_size, _on_meta_device)
                 recorder.mark(owned.gradients_and_state())

@@ -133,6 +133,9 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         if kwargs:
             kwargs = _on_meta(kwargs, seen, func)
         out = func(*args, **kwargs)
+        index = _UNREDUCED.get(func)
+        if index is not None and not (len(args) > index and args[index] == 0):  # reduction="none": nothing kept
+            out = _on_the_unreduced_loss(out, args)
         fresh = False
         for tensor in tensors_in(out):
             storage = tensor.untyped_storage()
@@ -260,6 +263,24 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
 
 
 _aten = torch.ops.aten
+
+# Losses whose kernel writes the loss of every element into a tensor the size of its inputs, and
+# returns its mean or sum as a 0-d tensor on that same storage: the whole buffer lives as long as
+# the loss does (measured on the CPU; the same ATen code runs on CUDA). The meta kernel makes the
+# 0-d result alone. By the index of their ``reduction`` argument (a mean by default).
+_UNREDUCED: dict[Any, int] = {
+    _aten.mse_loss.default: 2,
+    _aten.smooth_l1_loss.default: 2,
+    _aten.soft_margin_loss.default: 2,
+    _aten.binary_cross_entropy.default: 3,
+}
+
+
+def _on_the_unreduced_loss(out: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """Return a 0-d loss on a storage of its inputs' size, as the real kernel returns it."""
+    size = math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape))  # type: ignore[no-untyped-call]
+    return torch.empty(max(size, 1), dtype=out.dtype, device=META).as_strided((), ())
+
 
 # Matrix products whose meta kernels, unlike the CPU's and CUDA's, take operands of two dtypes: by
 # the positions of the operands that must share one. A float32 Linear given float64 or int64 rows

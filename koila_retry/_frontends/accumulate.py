@@ -58,6 +58,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _REDUCTIONS = ("mean", "sum")
+_OWN = ("initial", "dim", "reduction", "weight", "scaler", "backward", "ddp")  # its options besides Options
 
 
 @overload
@@ -256,9 +257,8 @@ def accumulator(
     # False for a step inside a DDP module's forward (Lightning's training_step): DDP's own
     # backward after it averages what the step left in .grad. The ranks still agree on sizes.
     averages: bool = True,
-    # For a trainer's integration that ran the whole batch itself and ran out of memory: returns that
-    # error's message and place (places.replayable), once, and the call's attempt of the whole batch
-    # raises it again (see _run).
+    # For a trainer's integration that ran the whole batch itself and ran out of memory: returns that error's
+    # message and place (places.replayable), once, and the call's attempt of the whole batch raises it again.
     replay: Callable[[], tuple[str, str] | None] | None = None,
     # For a trainer's integration whose step returns tensors that differ in size outside dim from
     # one micro-batch to the next (a Seq2SeqTrainer's generated tokens): returns the value they are
@@ -309,7 +309,8 @@ def accumulator(
         )
     if given and options.get("group") is None:
         options = {**options, "group": given[0].process_group}
-    policy = Policy.of("koila.accumulate", None if initial == AUTO else cast("int | None", initial), options, rows=True)
+    first = None if initial == AUTO else cast("int | None", initial)
+    policy = Policy.of("koila.accumulate", first, options, rows=True, own=_OWN)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         if not callable(function):
@@ -621,22 +622,22 @@ class _Accumulator:
         """Return what asks the estimates of a whole and a split step for the first size (``initial="auto"``)."""
         name = self.controller.name
 
-        def micro_batch(gradients: Gradients, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            # The forward, then the backward as ``_run`` runs it. A plain backward, never
-            # a scaler's or an engine's ``backward=``: they would run on meta tensors and
-            # keep state made from them (a GradScaler makes its scale on the loss's device,
-            # lazily), and an engine's may count micro-steps or communicate. Scaling a
-            # scalar loss, or weighing it, adds nothing to the peak.
+        def micro_batch(gradients: Gradients, args: tuple[Any, ...], kwargs: dict[str, Any], split: bool) -> None:
+            # As ``_micro_batch``: a split step's loss weighed and let go of, with the buffer some losses keep
+            # (mse_loss's). A plain backward, never a scaler's or an engine's ``backward=``: they would run on
+            # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
             loss = loss_of(own_backward.call(self.fn, name, args, kwargs), name)
             if loss.requires_grad:
-                gradients.backward(plain_backward, loss, False)
+                weighted = loss * 0.5 if split else loss
+                del loss
+                gradients.backward(plain_backward, weighted, False)
 
         def steps(count: int) -> Callable[..., None]:
             def step(*args: Any, **kwargs: Any) -> None:
                 gradients = Gradients(not distributed.is_running())  # as _run runs it: direct, or captured
                 try:
                     for _ in builtins.range(count):
-                        micro_batch(gradients, args, kwargs)
+                        micro_batch(gradients, args, kwargs, count > 1)
                 except BaseException:  # an estimate that fails: it must let go of the leaves it holds
                     gradients.discard()
                     gradients.restore()

@@ -374,7 +374,7 @@ def batch(
 
     .. versionadded:: 0.1.0
     """
-    policy = Policy.of("koila.batch", initial, options)
+    policy = Policy.of("koila.batch", initial, options, own=("initial", "param"))
 
     def decorate(function: Callable[..., Any]) -> Any:
         return batched(function, policy, param)

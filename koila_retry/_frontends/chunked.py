@@ -144,7 +144,8 @@ class _Pass:
                 "koila.range has no inputs to estimate memory from: initial='auto' is for koila.chunked "
                 "and koila.accumulate; give koila.range an int"
             )
-        self.policy = Policy.of(front_end, None if self.auto else cast("int | None", initial), options, rows=True)
+        initial = None if self.auto else cast("int | None", initial)
+        self.policy = Policy.of(front_end, initial, options, rows=True, own=_OWN_OPTIONS[front_end])
         self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
         self.device = self.policy.device
 
