@@ -182,6 +182,56 @@ def accelerate_compat(rank: int, world: int) -> dict[str, Any]:
     return {"seen": seen, "size": train()}
 
 
+@scenario("two")
+def toma_compat(rank: int, world: int) -> dict[str, Any]:
+    """toma's forms run on each rank alone, as toma does, unless a call reaches a DDP module.
+
+    They agreed under any process group: a call on rank 0 alone (an evaluation) paired its agreement
+    with the job's next collective (rank 1 aborted), and shards of their own sizes were refused.
+    """
+    from koila_retry.compat.toma import toma
+
+    @toma.batch(initial_batchsize=8)
+    def evaluate(batch_size: int) -> int:
+        return batch_size
+
+    evaluated = evaluate() if rank == 0 else None
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)  # the job's next collective, on every rank
+    shard = torch.arange(10.0 if rank == 0 else 7.0)  # shards of their own sizes
+    sums: list[float] = []
+
+    def add(chunk: torch.Tensor, begin: int, end: int) -> None:
+        if rank == 1 and len(chunk) > 2:  # rank 1 runs out of memory alone, and retries alone
+            raise make_oom()
+        sums.append(float(chunk.sum()))
+
+    toma.explicit.chunked(add, shard, 4)
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(3, 1).double())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    seen: list[int] = []
+
+    def forward(chunk: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
+        seen.append(len(chunk))
+        if rank == 1 and len(chunk) > 3:  # over a DDP module the ranks agree: both run smaller
+            raise make_oom()
+        with torch.no_grad():
+            out[begin:end] = ddp(chunk)
+
+    out = torch.empty(6, 1, dtype=torch.float64)
+    toma.explicit.chunked(forward, x, 6, out)
+    with torch.no_grad():
+        expected = ddp.module(x)
+    return {
+        "evaluated": evaluated,
+        "total": float(total),
+        "sum": sum(sums),
+        "seen": seen,
+        "equal": bool(torch.equal(out, expected)),
+    }
+
+
 @scenario("two", "three")
 def batch_async(rank: int, world: int) -> dict[str, Any]:
     seen: list[int] = []

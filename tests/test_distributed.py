@@ -93,6 +93,18 @@ def test_accelerate_compat_ranks_agree(groups: Groups) -> None:
     assert same_on_every_rank(values, "size") == 92
 
 
+def test_toma_compat_ranks_agree_only_over_a_parallel_module(groups: Groups) -> None:
+    first, second = groups("two")["toma_compat"]
+    assert first["evaluated"] == 8
+    assert second["evaluated"] is None
+    assert first["total"] == second["total"] == 3.0  # the all-reduce after rank 0's call alone
+    assert (first["sum"], second["sum"]) == (45.0, 21.0)
+    # Over the DDP module rank 1 failed at 6 and 4 rows: both ranks ran the same smaller sizes.
+    assert first["seen"] == second["seen"] == [6, 3, 3]
+    assert first["equal"]
+    assert second["equal"]
+
+
 @pytest.mark.parametrize("group", WORLDS)
 def test_async_batch_ranks_agree(groups: Groups, group: str) -> None:
     values = groups(group)["batch_async"]

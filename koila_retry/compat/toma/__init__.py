@@ -38,6 +38,7 @@ The differences from toma, each with its reason, are in :ref:`differences-from-t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -50,11 +51,14 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, 
 import cachetools
 import torch
 
+from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.detect import is_oom
 from koila_retry._core.engine import ROWS, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import scaled
+from koila_retry._core.ranks import Found
+from koila_retry._core.sharded import fsdp_modules
 from koila_retry._diagnostics import exhausted
 from koila_retry._frontends.batch import device_of
 from koila_retry.compat._adapter import Option, Table, integer
@@ -143,6 +147,9 @@ TABLE = Table(
     fixed={"schedule": lambda: scaled(0.5)},
 )
 _POLICY = TABLE.policy(TABLE.read({}), rows=True)
+# toma's calls run on each rank alone (evaluation on rank 0 only, shards of their own sizes): they
+# agree only where a rank retrying alone would hang the others, a call reaching a DDP or FSDP2 module.
+_ALONE = dataclasses.replace(_POLICY, sync=False)
 _index = integer()
 
 
@@ -151,10 +158,12 @@ _Where = tuple[CacheType | None, Hashable]
 
 
 class _Context(NamedTuple):
-    """One cache instance, and a controller per function name that uses it."""
+    """One cache instance, and a controller per function name that uses it, and whether its ranks agree."""
 
     cache: SizeCache
-    controllers: dict[str, Controller]
+    controllers: dict[tuple[str, bool], Controller]
+    # Whether a function's calls reach a DDP or FSDP2 module, under a process group (by its code).
+    parallel: dict[tuple[str, int, str], Found[bool]]
 
 
 _contexts: cachetools.LRUCache[tuple[CacheType, Hashable], _Context] = cachetools.LRUCache(CONTEXT_CACHE_SIZE)
@@ -175,7 +184,7 @@ def _context_for(where: _Where) -> _Context:
         except TypeError:  # an unhashable cache_type: the check below names it
             entry = None
         if entry is None:  # a type in the registry was checked when it got there
-            entry = _contexts[key] = _Context(TABLE.convert("cache_type", key[0])(), {})
+            entry = _contexts[key] = _Context(TABLE.convert("cache_type", key[0])(), {}, {})
     return entry
 
 
@@ -194,13 +203,15 @@ def _run(
     entry = _context_for(where)
     name = getattr(func, "__qualname__", None)
     name = name if isinstance(name, str) else type(func).__qualname__
-    controller = entry.controllers.get(name)
+    roots: tuple[Any, ...] = (func, args, kwargs) if tensor is None else (func, tensor, args, kwargs)
+    agrees = distributed.is_running() and _reaches_parallel(entry, func, roots)
+    controller = entry.controllers.get((name, agrees))
     if controller is None:  # two threads may both make one: either serves
-        controller = Controller(name, _POLICY, default_cache=entry.cache, explain=exhausted.message, keep_last=True)
-        entry.controllers[name] = controller
-    roots: tuple[Any, ...] = (func, args, kwargs)
+        policy = _POLICY if agrees else _ALONE
+        controller = Controller(name, policy, default_cache=entry.cache, explain=exhausted.message, keep_last=True)
+        entry.controllers[name, agrees] = controller
     if tensor is not None:
-        span, device, roots, unit = range(tensor.size(dim)), tensor.device, (func, tensor, args, kwargs), ROWS
+        span, device, unit = range(tensor.size(dim)), tensor.device, ROWS
         work = lambda begin, end: func(tensor.narrow(dim, begin, end - begin), begin, end, *args, **kwargs)  # noqa: E731
     elif span is not None:
         device, unit = default_device(), _INDICES
@@ -211,6 +222,15 @@ def _run(
     # An empty range runs nothing, as in toma; toma's ranges and chunks return nothing.
     attempt = controller.start(Call(where[1], caller, device, rows=size, span=len(span), roots=roots)) if span else None
     return cover(controller, attempt, span.start, span.stop, work, lambda *_: None, unit=unit)
+
+
+def _reaches_parallel(entry: _Context, func: Callable[..., Any], roots: tuple[Any, ...]) -> bool:
+    """Return whether a call reaches a DDP or FSDP2 module, looked at again when it is given other modules."""
+    identity = function_identity(func)
+    found = entry.parallel.get(identity)
+    if found is None:
+        found = entry.parallel[identity] = Found(getattr(func, "__code__", None))
+    return found.get(roots, lambda: bool(distributed.ddp_modules(roots) or fsdp_modules(distributed.modules_of(roots))))
 
 
 def _size(value: object, name: str, missing: str | None = None) -> int:
