@@ -213,9 +213,9 @@ NOT_OURS = {
     "invalid JSON": (b'{"format": "koila-retry size cache", "version": 1, "sizes": {"a": 1', "is not valid JSON"),
     "foreign JSON": (b'{"theme": "dark", "font size": 12}\n', "is not a koila-retry size cache"),
     "JSON list": (b"[1, 2, 3]", "is not a koila-retry size cache"),
-    "another version": (
+    "a newer version": (  # a newer koila-retry's, which shares the file: not to delete
         b'{"format": "koila-retry size cache", "version": 2, "sizes": {"a": 1}}',
-        "is not a koila-retry size cache",
+        r"was written by a newer koila-retry \(file version 2; this one reads 1\)",
     ),
     "version true": (  # True == 1 in Python, and is still not our version
         b'{"format": "koila-retry size cache", "version": true, "sizes": {"a": 1}}',
@@ -246,6 +246,8 @@ def test_a_file_that_is_not_ours_is_ignored_with_a_warning_and_never_overwritten
         cache = koila.DiskCache(path)
     assert len(record) == 1
     assert str(path) in str(record[0].message)
+    # Deleting is advised for a file that is not one (or no longer), never for one a newer version reads.
+    assert ("Delete the file" in str(record[0].message)) == (kind not in ("a newer version", "not text"))
     assert record[0].filename == __file__  # points at the line that made the cache
     assert len(cache) == 0
 

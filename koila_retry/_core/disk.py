@@ -170,23 +170,27 @@ class DiskCache(SizeCache):
         except FileNotFoundError:
             return _Entries()
         except (OSError, UnicodeDecodeError) as exc:
-            self._refuse(f"cannot be read ({exc})")
+            self._refuse(f"cannot be read ({exc})", delete=False)
             return None
         if kind is not None:
-            self._refuse(f"is a {kind}, not a regular file")
+            self._refuse(f"is a {kind}, not a regular file", delete=False)
             return None
         if not text.strip():
             return _Entries()  # an empty file, as `touch` leaves it: nothing stored yet
         try:
             content = json.loads(text)
         except ValueError as exc:
-            self._refuse(f"is not valid JSON ({exc})")
+            self._refuse(f"is not valid JSON ({exc})", delete=True)
             return None
         except RecursionError:
-            self._refuse("is not valid JSON (nested deeper than Python's parser goes)")
+            self._refuse("is not valid JSON (nested deeper than Python's parser goes)", delete=True)
             return None
         if not _is_ours(content):
-            self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})")
+            version = content.get("version") if isinstance(content, dict) and content.get("format") == _FORMAT else None
+            if type(version) is int and version > _VERSION:  # a newer koila-retry's, which shares the file
+                self._refuse(f"was written by a newer koila-retry (file version {version}; this one reads {_VERSION})")
+            else:
+                self._refuse(f"is not a koila-retry size cache (no {_FORMAT!r} version {_VERSION})", delete=True)
             return None
         entries = content["sizes"]
         sizes = _Entries(
@@ -214,11 +218,12 @@ class DiskCache(SizeCache):
             )
         return sizes
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str, delete: bool = False) -> None:
         self._writable = False
+        advice = "Delete the file, or give DiskCache another path" if delete else "Give DiskCache another path"
         self._warn(
             f"koila_retry: ignoring the size cache file {self.path}: it {reason}. It will not be "
-            "overwritten; sizes are kept in memory only. Delete the file, or give DiskCache another path."
+            f"overwritten; sizes are kept in memory only. {advice}."
         )
 
     def _warn(self, message: str) -> None:
