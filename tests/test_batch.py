@@ -785,3 +785,9 @@ def test_a_misspelt_option_is_named_with_the_front_ends_own_options(
         TypeError, match=rf"argument '{name}' \(did you mean '{guess}'\?\); its options are {own} and cache,"
     ):
         front_end(**given)
+
+
+@pytest.mark.parametrize("front_end", [koila.batch, koila.attempts])
+def test_initial_auto_is_refused_with_where_it_serves(front_end: Any) -> None:
+    with pytest.raises(TypeError, match=r"got initial='auto': the estimated first size is for koila.chunked and"):
+        front_end(initial="auto")

@@ -560,6 +560,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(
             "its operands must have the same dtype, but got float16 and float32",
         ),
         ("koila_cli_models:mlp", ["--memory", "1GiB", "--plot", "/no/such/folder/x.png"], 2, "--plot: no folder"),
+        ("koila_cli_models:mlp", ["--memory", "1GiB", "--plot", "/tmp"], 2, "--plot: '/tmp' is a folder"),
         (
             "koila_cli_models:mlp",
             ["--input", "100000000000x100000000000"],
@@ -582,6 +583,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(
         "meta-device-without-memory",
         "input-of-another-dtype",
         "no-plot-folder",
+        "plot-into-a-folder",
         "overflowing-shape",
         "size-past-int64",
     ],

@@ -329,6 +329,8 @@ def _matplotlib(path: str) -> tuple[Any, Any]:
     folder = Path(path).resolve().parent
     if not folder.is_dir():
         raise Failure(f"--plot: no folder {str(folder)!r} to write {Path(path).name} in", status=2)
+    if Path(path).is_dir():
+        raise Failure(f"--plot: {path!r} is a folder; give the PNG file to write, such as {path}/peak.png", status=2)
     try:
         figure = importlib.import_module("matplotlib.figure")
         agg = importlib.import_module("matplotlib.backends.backend_agg")

@@ -210,6 +210,11 @@ class Policy:
                 f"{front_end}() got an unexpected keyword argument {unknown[0]!r}{guess}; "
                 f"its options are {', '.join(own)} and {', '.join(sorted(_NAMES))}"
             )
+        if isinstance(initial, str) and initial == "auto":
+            raise TypeError(
+                f"{front_end}() got initial='auto': the estimated first size is for koila.chunked and "
+                f"koila.accumulate, which are given their inputs; give {front_end} an int"
+            )
         if initial is None and not rows:
             raise TypeError(
                 f"{front_end}() got initial=None: initial must be an int (default {DEFAULT_INITIAL}). None means "
