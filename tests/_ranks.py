@@ -223,12 +223,27 @@ def toma_compat(rank: int, world: int) -> dict[str, Any]:
     toma.explicit.chunked(forward, x, 6, out)
     with torch.no_grad():
         expected = ddp.module(x)
+
+    def predict(model: nn.Module) -> torch.Tensor:
+        # A helper's closure: one per call, each over the model it is given, looked at anew.
+        def fill(chunk: torch.Tensor, begin: int, end: int, out: torch.Tensor) -> None:
+            with torch.no_grad():
+                out[begin:end] = model(chunk)
+
+        out = torch.empty(6, 1, dtype=torch.float64)
+        toma.explicit.chunked(fill, x, 6, out)
+        return out
+
+    predict(ddp)  # over the DDP module, on every rank: agreed
+    alone = predict(ddp.module) if rank == 0 else None  # over the plain module, on rank 0 alone
+    dist.all_reduce(total)
     return {
         "evaluated": evaluated,
         "total": float(total),
         "sum": sum(sums),
         "seen": seen,
         "equal": bool(torch.equal(out, expected)),
+        "alone": alone is None or bool(torch.equal(alone, expected)),
     }
 
 

@@ -509,13 +509,76 @@ def test_plain_tensors_a_backward_inside_a_node_writes_count_once_and_go_with_a_
     assert calls == ([16, 16] if where == "gives-up" else [16, 16] + [8] * 5)
 
 
+@pytest.mark.parametrize("checkpoint", ["function", "reentrant"])
+@pytest.mark.parametrize("gives_up", [False, True], ids=["retried", "gives-up"])
+@pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
+def test_plain_tensors_written_in_a_node_then_by_the_graph_keep_nothing_of_a_failed_attempt(
+    checkpoint: str, gives_up: bool, before: bool
+) -> None:
+    """Checkpointed only in micro-batches of more than 8 rows, the block's weights are reached by the graph after.
+
+    The step set their gradient aside as one from before the step when the graph first reached them,
+    though it was the step's own, written in the node: a failed attempt's part of it stayed.
+    """
+    torch.manual_seed(0)
+    stem, block, head = nn.Linear(6, 6).double(), _PlainWeights(), nn.Linear(8, 1).double()
+    tensors = [*stem.parameters(), block.weight, block.bias, *head.parameters()]
+
+    def forward(x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        h = stem(x)
+        if x.shape[0] <= 8:
+            h = block(h)
+        elif checkpoint == "function":
+            h = Recompute.apply(block, h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return head(OOMInBackward.apply(h) if fail else h)
+
+    x, y = data(40, 6), data(40, 1, seed=1)
+    F.mse_loss(forward(x), y).backward()
+    expected = [tensor.grad.clone() for tensor in tensors]
+    given = [data(t.numel(), seed=100 + i).view_as(t) if before else None for i, t in enumerate(tensors)]
+    for tensor, grad in zip(tensors, given, strict=True):
+        tensor.grad = None if grad is None else grad.clone()
+    calls: list[int] = []
+
+    @koila.accumulate(initial=16, minimum=16 if gives_up else 1, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return F.mse_loss(forward(x, fail=len(calls) == 3), y)  # the 8 rows after two checkpointed 16s
+
+    if gives_up:
+        with pytest.raises(koila.BatchSizeExhausted):
+            step(x, y)
+    else:
+        step(x, y)
+    for index, (tensor, want, grad) in enumerate(zip(tensors, expected, given, strict=True)):
+        if gives_up:
+            want = grad
+        elif grad is not None:
+            want = want + grad
+        if want is None:
+            assert tensor.grad is None, index
+        else:
+            torch.testing.assert_close(tensor.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{i}: {m}")
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["", "hooked"])
 @pytest.mark.parametrize("initial", [None, 16], ids=["whole", "split"])
 @pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
-def test_a_backward_with_create_graph_leaves_grad_with_its_graph(initial: int | None, before: bool) -> None:
-    """A Hessian-vector product through ``.grad`` (AdaHessian, Sophia): ``.grad`` was handed over without a graph."""
+def test_a_backward_with_create_graph_leaves_grad_with_its_graph(
+    initial: int | None, before: bool, hooked: bool
+) -> None:
+    """A Hessian-vector product through ``.grad`` (AdaHessian, Sophia): ``.grad`` was handed over without a graph.
+
+    ``hooked``: a parameter with a tensor hook of the user's, whose sum goes to its AccumulateGrad directly.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     reference = copy.deepcopy(model)
+    if hooked:
+        for net in (model, reference):
+            net[0].weight.register_hook(lambda grad: grad * 2)
     x, y = data(40, 6), data(40, 1, seed=1)
     if before:
         give_grads(model)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _layers import OOMInBackward
+from _layers import OOMInBackward, Recompute
 from torch import nn
 from torch.nn import functional as F
 
@@ -473,3 +474,72 @@ def test_the_registry_holds_leaves_for_one_step_at_a_time_and_lets_go_of_only_it
     registry.release(first, [4])
     assert registry.owners == {}
     assert registry.shared == {}
+
+
+class _Gate(torch.autograd.Function):
+    """The identity, whose backward runs ``action`` first: it fixes when each thread's backward goes on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, action: Callable[[], None]) -> torch.Tensor:
+        ctx.action = action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.action()
+        return grad, None
+
+
+@pytest.mark.parametrize("parameter", [False, True], ids=["plain tensor", "parameter"])
+def test_two_steps_sharing_a_weight_a_node_writes_are_warned_of(parameter: bool) -> None:
+    """A weight two threads' steps share, written by a recompute in a node, while the first step's attempt fails.
+
+    The second step set the first's write aside as its own gradient from before, and the first's failure then
+    dropped the second's: the two cannot share it. Of a weight that is a parameter it was warned; of a plain
+    tensor it was not.
+    """
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
+    if not parameter:  # plain tensor attributes, as older code has weights
+        for name in ("weight", "bias"):
+            tensor = getattr(block[0], name).detach().clone().requires_grad_()
+            delattr(block[0], name)
+            setattr(block[0], name, tensor)
+        assert not list(block.parameters())
+    stems = {name: nn.Linear(6, 6).double() for name in "ab"}
+    heads = {name: nn.Linear(6, 1).double() for name in "ab"}
+    wrote, second_wrote = threading.Event(), threading.Event()
+    failed: list[int] = []
+
+    def first_action() -> None:
+        if not failed:
+            failed.append(1)
+            wrote.set()
+            second_wrote.wait(30)
+            raise make_oom()  # after the block's backward wrote the shared weight's .grad
+
+    def second_action() -> None:
+        second_wrote.set()
+
+    def loss_of(name: str, x: torch.Tensor, y: torch.Tensor, action: Callable[[], None]) -> torch.Tensor:
+        h = _Gate.apply(stems[name](x), action)  # its backward runs after the block's
+        return F.mse_loss(heads[name](Recompute.apply(block, h)), y)
+
+    first = koila.accumulate(lambda x, y: loss_of("a", x, y, first_action), initial=8, cache=koila.NoCache())
+    second = koila.accumulate(lambda x, y: loss_of("b", x, y, second_action), initial=8, cache=koila.NoCache())
+    xa, ya, xb, yb = _data(8, 6, seed=1), _data(8, 1, seed=2), _data(8, 6, seed=3), _data(8, 1, seed=4)
+    caught: list[warnings.WarningMessage] = []
+
+    def run_second() -> None:
+        wrote.wait(30)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            second(xb, yb)
+        caught.extend(record)
+
+    thread = threading.Thread(target=run_second)
+    thread.start()
+    first(xa, ya)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert any("cannot all be found" in str(warning.message) for warning in caught), [str(w.message) for w in caught]

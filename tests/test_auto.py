@@ -355,3 +355,22 @@ def test_more_free_memory_later_lets_a_larger_size_be_chosen(estimates: list[Cal
     assert sizes == [256, 1024, 256]
     assert events == []
     assert len(estimates) == 2  # a whole step and a split one: more memory needs no new estimate
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_auto_counts_the_loss_a_split_steps_backward_keeps(reduction: str) -> None:
+    """A sum's micro-batch weighs 1: its loss itself is backpropagated, and mse_loss's buffer lives through it.
+
+    The estimate weighed every split step's loss, which let the buffer go: with a sum, two sizes ran out of memory.
+    """
+    torch.manual_seed(0)
+    with simulated_device("6MiB"):
+        net = nn.Sequential(nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 1024))
+
+        @koila.accumulate(initial="auto", reduction=reduction, cache=koila.NoCache())
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(net(x), x, reduction=reduction)
+
+        step(torch.rand(512, 1024))
+    assert step.stats.ooms == 0
+    assert step.stats.batch_size < 512

@@ -97,7 +97,9 @@ def test_toma_compat_ranks_agree_only_over_a_parallel_module(groups: Groups) -> 
     first, second = groups("two")["toma_compat"]
     assert first["evaluated"] == 8
     assert second["evaluated"] is None
-    assert first["total"] == second["total"] == 3.0  # the all-reduce after rank 0's call alone
+    assert first["total"] == second["total"] == 6.0  # the all-reduces after rank 0's calls alone
+    assert first["alone"]
+    assert second["alone"]
     assert (first["sum"], second["sum"]) == (45.0, 21.0)
     # Over the DDP module rank 1 failed at 6 and 4 rows: both ranks ran the same smaller sizes.
     assert first["seen"] == second["seen"] == [6, 3, 3]

@@ -96,10 +96,30 @@ def test_a_move_that_makes_a_tensor_is_counted(move: str) -> None:
     assert truth > _peaks(plain)[0]
 
 
+@pytest.mark.parametrize("move", ["cpu", "to"])
+def test_a_move_to_another_memory_format_is_counted(move: str) -> None:
+    """``.cpu(memory_format=...)`` was taken for a move that stays: the copy it makes was not counted."""
+
+    def step(x: torch.Tensor) -> None:
+        y = (
+            x.cpu(memory_format=torch.channels_last)
+            if move == "cpu"
+            else x.to("cpu", memory_format=torch.channels_last)
+        )
+        del y
+
+    with simulated_device("1GiB") as device:
+        x = torch.randn(8, 3, 16, 16)
+        device.reset_peak()
+        step(x)
+        truth = device.peak
+    assert koila.estimate(step, x).peak(8) == truth == 2 * x.numel() * 4
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA is the case")
 @pytest.mark.parametrize(
     "ask",
-    ["to('cuda')", "cuda()", "zeros(device='cuda')", "to('cpu') for a GPU", "a real tensor to('cuda')"],
+    ["to('cuda')", "cuda()", "zeros(device='cuda')", "to('cpu') for a GPU", "a real tensor to('cuda')", "pinned"],
 )
 def test_a_step_that_asks_for_cuda_tensors_is_estimated_for_cuda_without_it(ask: str) -> None:
     with torch.device("meta"):
@@ -116,6 +136,8 @@ def test_a_step_that_asks_for_cuda_tensors_is_estimated_for_cuda_without_it(ask:
             x = x.to("cuda")
         elif ask == "cuda()":
             x = x.cuda()
+        elif ask == "pinned":
+            x = x.pin_memory().cuda(non_blocking=True)  # the host copy is not on the GPU
         elif ask == "to('cpu') for a GPU":
             x = x.to("cpu")  # a host copy: not on the device the estimate is for
         extra = None

@@ -12,8 +12,8 @@ import dataclasses
 import sys
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterator
-from types import FrameType, TracebackType
+from collections.abc import Hashable, Iterator
+from types import TracebackType
 from typing import cast
 
 from koila_retry._common.places import place_of
@@ -361,24 +361,20 @@ class Block(Attempt):
     # Nothing else calls retry() for the user: a `with attempt:` outside the loop would swallow an
     # out-of-memory error and let the code after it go on without the block's work.
 
-    __slots__ = ("_loops", "_moved")
+    __slots__ = ("_loops",)
 
-    def __init__(self, attempt: Attempt, moved: Callable[[FrameType], Attempt | None] | None = None) -> None:
-        super().__init__(_let_go(attempt._course))
+    def __init__(self, attempt: Attempt) -> None:
+        course = attempt._course
+        # The caller's frame and variables served the start only (the cache key, the modules
+        # the ranks agree on): held by an attempt that the frame itself holds, they would keep
+        # its variables alive in a cycle, after the frame returned, until a collection.
+        course.call = dataclasses.replace(course.call, caller=None, roots=())
+        super().__init__(course)
         self._loops = 0  # the loops iterating it now
-        # Started again where the loop first iterates it if that is another function's frame (a
-        # helper of the user's that returns koila.attempts()): keyed by the loop, not the helper.
-        self._moved = moved
 
     def __iter__(self) -> Iterator[Attempt]:
         self._loops += 1
         try:
-            if self._moved is not None:
-                moved, self._moved = self._moved, None
-                again = moved(sys._getframe(1))  # the frame that iterates
-                if again is not None:
-                    again._course.state.rows = self._course.state.rows  # narrowed before the loop
-                    self._course = _let_go(again._course)
             yield self
             while not self.succeeded():
                 yield self.retry()
@@ -412,14 +408,6 @@ class Block(Attempt):
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-
-def _let_go(course: Mechanics) -> Mechanics:
-    """Return ``course`` without its caller's frame and variables, which served its start only."""
-    # The cache key and the modules the ranks agree on: held by an attempt that the frame itself
-    # holds, they would keep its variables alive in a cycle, after the frame returned, until a collection.
-    course.call = dataclasses.replace(course.call, caller=None, roots=())
-    return course
 
 
 def agreement_of(attempt: Attempt) -> Agreement | None:

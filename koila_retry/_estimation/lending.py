@@ -204,7 +204,7 @@ def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
 
 # --- the loan ---------------------------------------------------------------------
 
-_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu))
+_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory))
 
 
 def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.device) -> Any:
@@ -212,12 +212,16 @@ def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: tor
     tensor, *rest = args
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
+    if func is torch.Tensor.pin_memory:  # a host copy for a GPU to read, where no CPU peak is estimated
+        return tensor if tensor.device.type == "meta" else func(*args, **kwargs)
+    layout: torch.memory_format | None
     try:
         if func is torch.Tensor.to:
             device, dtype, non_blocking, layout = torch._C._nn._parse_to(*rest, **options)
         else:
             device = torch.device("cpu") if func is torch.Tensor.cpu else torch.device("cuda")
-            dtype, non_blocking, layout = None, bool(options.get("non_blocking", False)), None
+            dtype, non_blocking = None, bool(options.get("non_blocking", False))
+            layout = options.get("memory_format")
     except (TypeError, RuntimeError):
         return func(*args, **kwargs)  # PyTorch's own error, or a form not parsed here
     if device is not None and device != META:

@@ -628,7 +628,7 @@ class _Accumulator:
             # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
             loss = loss_of(own_backward.call(self.fn, name, args, kwargs), name)
             if loss.requires_grad:
-                weighted = loss * 0.5 if split else loss
+                weighted = loss * 0.5 if split and self.mean else loss  # a sum's weighs 1: the loss itself
                 del loss
                 gradients.backward(plain_backward, weighted, False)
 

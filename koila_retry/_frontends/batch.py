@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import io
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import FrameType, MethodType
+from types import CodeType, FrameType, MethodType
 from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
 from koila_retry._common.batches import positional_names
@@ -541,8 +542,20 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     """
     caller = sys._getframe(1)
     policy = Policy.of("koila.attempts", initial, options)
-    code = caller.f_code
-    return Block(_started(policy, caller), lambda frame: None if frame.f_code is code else _started(policy, frame))
+    # A helper of the user's that returns koila.attempts(...) at once: its loop is its caller's.
+    if _returned(caller.f_code, caller.f_lasti) and caller.f_back is not None:
+        caller = caller.f_back
+    return Block(_started(policy, caller))
+
+
+@functools.lru_cache(maxsize=256)
+def _returned(code: CodeType, offset: int) -> bool:
+    """Return whether the call at ``offset`` in ``code`` is returned as soon as it returns."""
+    instructions = list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions[:-1]):
+        if instruction.offset in (offset, 2 * offset):  # Python 3.10 counts in instructions
+            return instructions[index + 1].opname == "RETURN_VALUE"
+    return False
 
 
 def _started(policy: Policy, caller: FrameType) -> Attempt:

@@ -227,24 +227,16 @@ class Gradients:
                 return
             self.task = task
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
-        exposed = self.exposed
-        # The other leaves may be the Function's own, made in its backward (the input it recomputes from,
-        # whose .grad it returns): held here, they would outlive it. Held weakly, in no other step's way.
-        faint = self.faint
-        for leaf in found:
-            ref = faint.get(id(leaf))
-            if id(leaf) in exposed or isinstance(leaf, torch.nn.Parameter) or (ref is not None and ref() is leaf):
-                continue
-            faint[id(leaf)] = weakref.ref(leaf)
-            if leaf.grad is not None:  # not made in the node: held, as a parameter's
-                self.aside.append((leaf, leaf.grad))
-                leaf.grad = None
-        new = [leaf for leaf in found if id(leaf) not in exposed and isinstance(leaf, torch.nn.Parameter)]
+        exposed, faint = self.exposed, self.faint
+        new = [leaf for leaf in found if id(leaf) not in exposed and not self._is_faint(leaf)]
         if self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new]):
             self.hidden = True
             return
         for leaf in new:
-            exposed[id(leaf)] = leaf
+            if isinstance(leaf, torch.nn.Parameter):
+                exposed[id(leaf)] = leaf
+            else:  # maybe the Function's own (the input it recomputes from): held weakly, it dies with the node
+                faint[id(leaf)] = weakref.ref(leaf)
             if leaf.grad is not None:
                 self.aside.append((leaf, leaf.grad))
                 leaf.grad = None
@@ -265,6 +257,9 @@ class Gradients:
         exposed.update(zip(keys, new))
         aside = self.aside
         for leaf in new:
+            if self.faint and self._is_faint(leaf):  # written in a node already, its gradient before set aside
+                del self.faint[id(leaf)]
+                continue
             before = leaf.grad
             if before is not None:
                 aside.append((leaf, before))
@@ -493,7 +488,9 @@ class Gradients:
             key = id(leaf)
             if key not in exposed:
                 exposed[key] = leaf
-                if leaf.grad is not None:
+                if self.faint and self._is_faint(leaf):  # written in a node already (see _expose)
+                    del self.faint[key]
+                elif leaf.grad is not None:
                     aside.append((leaf, leaf.grad))
                     leaf.grad = None
         # The step's gradients so far go into .grad, for the backward to add to in place, as
@@ -554,13 +551,17 @@ class Gradients:
             # leaf.grad is None, unless a backward wrote leaves the walk could not find.
             leaf.grad = summed(before, leaf.grad)
         self.aside.clear()
-        self.faint.clear()
         if self.direct:
-            IN_FLIGHT.release(self, self.exposed)
+            IN_FLIGHT.release(self, [*self.exposed, *self.faint] if self.faint else self.exposed)
+        self.faint.clear()
         self.exposed.clear()
 
     def _faint(self) -> list[torch.Tensor]:
         return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]
+
+    def _is_faint(self, leaf: torch.Tensor) -> bool:
+        ref = self.faint.get(id(leaf))
+        return ref is not None and ref() is leaf
 
     def deliver(self) -> None:
         """Add the step's gradients into ``.grad`` through autograd, and forget them."""
@@ -597,7 +598,7 @@ class Gradients:
             del plain
             torch.autograd.backward(done, create_graph=graph)
         if hooked:  # their tensor hooks saw each backward's gradient: to AccumulateGrad, which runs none
-            with torch.no_grad():
+            with torch.set_grad_enabled(any(total.requires_grad for _, total in hooked)):  # a graph kept, as above
                 for leaf, total in hooked:
                     accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
                     cast(Any, accumulate)(total)

@@ -45,6 +45,7 @@ import sys
 import threading
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, cast, overload
 
@@ -150,6 +151,7 @@ _POLICY = TABLE.policy(TABLE.read({}), rows=True)
 # toma's calls run on each rank alone (evaluation on rank 0 only, shards of their own sizes): they
 # agree only where a rank retrying alone would hang the others, a call reaching a DDP or FSDP2 module.
 _ALONE = dataclasses.replace(_POLICY, sync=False)
+_KEPT_FUNCTIONS = 64
 _index = integer()
 
 
@@ -162,8 +164,8 @@ class _Context(NamedTuple):
 
     cache: SizeCache
     controllers: dict[tuple[str, bool], Controller]
-    # Whether a function's calls reach a DDP or FSDP2 module, under a process group (by its code).
-    parallel: dict[tuple[str, int, str], Found[bool]]
+    # Whether a function's calls reach a DDP or FSDP2 module, under a process group (by id of the function).
+    parallel: dict[int, tuple[weakref.ref[Any], Found[bool]]]
 
 
 _contexts: cachetools.LRUCache[tuple[CacheType, Hashable], _Context] = cachetools.LRUCache(CONTEXT_CACHE_SIZE)
@@ -225,12 +227,24 @@ def _run(
 
 
 def _reaches_parallel(entry: _Context, func: Callable[..., Any], roots: tuple[Any, ...]) -> bool:
-    """Return whether a call reaches a DDP or FSDP2 module, looked at again when it is given other modules."""
-    identity = function_identity(func)
-    found = entry.parallel.get(identity)
-    if found is None:
-        found = entry.parallel[identity] = Found(getattr(func, "__code__", None))
-    return found.get(roots, lambda: bool(distributed.ddp_modules(roots) or fsdp_modules(distributed.modules_of(roots))))
+    """Return whether a call reaches a DDP or FSDP2 module, looked at again for another function or given modules."""
+
+    def look() -> bool:
+        return bool(distributed.ddp_modules(roots) or fsdp_modules(distributed.modules_of(roots)))
+
+    # By the function object, not its code: each closure a helper makes may hold another model.
+    target = getattr(func, "__func__", func)  # a bound method's instance is among what the call is given
+    try:
+        ref = weakref.ref(target)
+    except TypeError:
+        return look()  # nothing to know it by: looked at on every call
+    kept = entry.parallel.get(id(target))
+    if kept is None or kept[0]() is not target:
+        if len(entry.parallel) >= _KEPT_FUNCTIONS:  # closures made per call: the dead go
+            for key in [key for key, (each, _) in entry.parallel.items() if each() is None]:
+                del entry.parallel[key]
+        kept = entry.parallel[id(target)] = (ref, Found(getattr(target, "__code__", None)))
+    return kept[1].get(roots, look)
 
 
 def _size(value: object, name: str, missing: str | None = None) -> int:
