@@ -497,16 +497,20 @@ def test_plain_tensors_a_backward_inside_a_node_writes_count_once_and_go_with_a_
                 step(x, y)
         else:
             step(x, y)
+    _assert_added(tensors, expected, given, gave_up=where == "gives-up")
+    assert calls == ([16, 16] if where == "gives-up" else [16, 16] + [8] * 5)
+
+
+def _assert_added(
+    tensors: list[torch.Tensor], expected: list[torch.Tensor], given: list[torch.Tensor | None], gave_up: bool
+) -> None:
+    """Each tensor's .grad: what was given before the step, plus the step's gradient unless it gave up."""
     for index, (tensor, want, grad) in enumerate(zip(tensors, expected, given, strict=True)):
-        if where == "gives-up":
-            want = grad
-        elif grad is not None:
-            want = want + grad
-        if want is None:
+        wanted = grad if gave_up else want if grad is None else want + grad
+        if wanted is None:
             assert tensor.grad is None, index
         else:
-            torch.testing.assert_close(tensor.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{i}: {m}")
-    assert calls == ([16, 16] if where == "gives-up" else [16, 16] + [8] * 5)
+            torch.testing.assert_close(tensor.grad, wanted, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{i}: {m}")
 
 
 @pytest.mark.parametrize("checkpoint", ["function", "reentrant"])
@@ -552,15 +556,7 @@ def test_plain_tensors_written_in_a_node_then_by_the_graph_keep_nothing_of_a_fai
             step(x, y)
     else:
         step(x, y)
-    for index, (tensor, want, grad) in enumerate(zip(tensors, expected, given, strict=True)):
-        if gives_up:
-            want = grad
-        elif grad is not None:
-            want = want + grad
-        if want is None:
-            assert tensor.grad is None, index
-        else:
-            torch.testing.assert_close(tensor.grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, i=index: f"{i}: {m}")
+    _assert_added(tensors, expected, given, gave_up=gives_up)
 
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["", "hooked"])

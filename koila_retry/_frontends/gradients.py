@@ -255,10 +255,10 @@ class Gradients:
             self._captured_from_now()
             return False
         exposed.update(zip(keys, new))
-        aside = self.aside
+        aside, faint = self.aside, self.faint
         for leaf in new:
-            if self.faint and self._is_faint(leaf):  # written in a node already, its gradient before set aside
-                del self.faint[id(leaf)]
+            if faint and self._is_faint(leaf):  # written in a node already, its gradient before set aside
+                del faint[id(leaf)]
                 continue
             before = leaf.grad
             if before is not None:
