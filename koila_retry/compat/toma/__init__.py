@@ -241,8 +241,8 @@ def _reaches_parallel(entry: _Context, func: Callable[..., Any], roots: tuple[An
     kept = entry.parallel.get(id(target))
     if kept is None or kept[0]() is not target:
         if len(entry.parallel) >= _KEPT_FUNCTIONS:  # closures made per call: the dead go
-            for key in [key for key, (each, _) in entry.parallel.items() if each() is None]:
-                del entry.parallel[key]
+            for key in [key for key, (each, _) in list(entry.parallel.items()) if each() is None]:
+                entry.parallel.pop(key, None)  # another thread's prune may have taken it
         kept = entry.parallel[id(target)] = (ref, Found(getattr(target, "__code__", None)))
     return kept[1].get(roots, look)
 
