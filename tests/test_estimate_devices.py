@@ -36,7 +36,10 @@ def _peaks(make: Callable[[], Callable[[torch.Tensor], object]]) -> tuple[int, i
     return truth, koila.estimate(make(), torch.randn(ROWS, 256)).peak(ROWS)
 
 
-@pytest.mark.parametrize("move", ["to(device)", "to(device=device)", "cpu()", "model.to(device)", "to(dtype)"])
+@pytest.mark.parametrize(
+    "move",
+    ["to(device)", "to(device=device)", "cpu()", "model.to(device)", "to(dtype)", "type(FloatTensor)", "type(type())"],
+)
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_a_move_to_where_a_tensor_is_makes_nothing(move: str, grad: bool) -> None:
     device = torch.device("cpu")
@@ -65,6 +68,10 @@ def test_a_move_to_where_a_tensor_is_makes_nothing(move: str, grad: bool) -> Non
                     x = x.cpu()
                 elif move == "to(dtype)":
                     x = x.to(torch.float32)  # the dtype it has
+                elif move == "type(FloatTensor)":
+                    x = x.type(torch.FloatTensor)  # the legacy type it has
+                elif move == "type(type())":
+                    x = x.type(x.type())  # the name of the type on the CPU, not the meta device's
                 out = (model.to(device) if move == "model.to(device)" else model)(x).sum()
                 if grad:
                     out.backward()
@@ -119,7 +126,15 @@ def test_a_move_to_another_memory_format_is_counted(move: str) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA is the case")
 @pytest.mark.parametrize(
     "ask",
-    ["to('cuda')", "cuda()", "zeros(device='cuda')", "to('cpu') for a GPU", "a real tensor to('cuda')", "pinned"],
+    [
+        "to('cuda')",
+        "cuda()",
+        "type(cuda.FloatTensor)",
+        "zeros(device='cuda')",
+        "to('cpu') for a GPU",
+        "a real tensor to('cuda')",
+        "pinned",
+    ],
 )
 def test_a_step_that_asks_for_cuda_tensors_is_estimated_for_cuda_without_it(ask: str) -> None:
     with torch.device("meta"):
@@ -136,6 +151,9 @@ def test_a_step_that_asks_for_cuda_tensors_is_estimated_for_cuda_without_it(ask:
             x = x.to("cuda")
         elif ask == "cuda()":
             x = x.cuda()
+        elif ask == "type(cuda.FloatTensor)":
+            assert x.type() == "torch.cuda.FloatTensor"  # as on the GPU the estimate is for
+            x = x.type(torch.cuda.FloatTensor)
         elif ask == "pinned":
             x = x.pin_memory().cuda(non_blocking=True)  # the host copy is not on the GPU
         elif ask == "to('cpu') for a GPU":

@@ -204,7 +204,43 @@ def _proxy(real: Any, overlay: Any, thread: int) -> Lent:
 
 # --- the loan ---------------------------------------------------------------------
 
-_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory))
+_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory, torch.Tensor.type))
+# The legacy type names of Tensor.type, by dtype.
+_TYPES = {
+    torch.float32: "FloatTensor",
+    torch.float64: "DoubleTensor",
+    torch.float16: "HalfTensor",
+    torch.bfloat16: "BFloat16Tensor",
+    torch.int64: "LongTensor",
+    torch.int32: "IntTensor",
+    torch.int16: "ShortTensor",
+    torch.int8: "CharTensor",
+    torch.uint8: "ByteTensor",
+    torch.bool: "BoolTensor",
+    torch.complex64: "ComplexFloatTensor",
+    torch.complex128: "ComplexDoubleTensor",
+}
+_DTYPES = {name: dtype for dtype, name in _TYPES.items()}
+
+
+def _typed(tensor: torch.Tensor, rest: list[Any], options: dict[str, Any], target: torch.device) -> Any:
+    """Run ``Tensor.type`` as on ``target``: its name there, or a move to the legacy type's device and dtype."""
+    kind = rest[0] if rest else options.get("dtype")
+    if tensor.device.type != "meta" or (kind is not None and not isinstance(kind, (str, type))):
+        return torch.Tensor.type(tensor, *rest, **options)  # a real tensor of the caller's, or a dtype
+    if kind is None:  # the name: the target's, not the meta device's
+        cuda = "cuda." if target.type == "cuda" else ""
+        return f"torch.{cuda}{_TYPES.get(tensor.dtype, 'Tensor')}"
+    name = (
+        kind if isinstance(kind, str) else f"torch.{'cuda.' if getattr(kind, 'is_cuda', False) else ''}{kind.__name__}"
+    )
+    parts = name.split(".")
+    dtype = _DTYPES.get(parts[-1])
+    if dtype is None:
+        return torch.Tensor.type(tensor, *rest, **options)  # PyTorch's own error
+    device = torch.device("cuda") if "cuda" in parts else target if "meta" in parts else torch.device("cpu")
+    options = {key: value for key, value in options.items() if key == "non_blocking"}
+    return _moved(torch.Tensor.to, (tensor, device, dtype), options, target)
 
 
 def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.device) -> Any:
@@ -214,6 +250,8 @@ def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: tor
     copy = bool(options.pop("copy", False))
     if func is torch.Tensor.pin_memory:  # a host copy for a GPU to read, where no CPU peak is estimated
         return tensor if tensor.device.type == "meta" else func(*args, **kwargs)
+    if func is torch.Tensor.type:
+        return _typed(tensor, rest, options, target)
     layout: torch.memory_format | None
     try:
         if func is torch.Tensor.to:
