@@ -530,6 +530,15 @@ def test_exhaustion_raises_from_the_last_oom() -> None:
     assert run.stats.exhausted == 1
 
 
+def test_the_free_memory_a_give_up_reports_is_said_to_be_after_the_release() -> None:
+    """It read "12.00 KiB free" beside a diagnosis of 8 KiB asked for with 4 KiB free: two moments, unsaid."""
+    with simulated_device("16KiB"), pytest.raises(koila.BatchSizeExhausted) as info:
+        koila.batch(lambda batch_size: torch.ones(batch_size, 1024), initial=8, minimum=8, cache=koila.NoCache())()
+    message = str(info.value)
+    assert "Once the failed attempt was released, " in message
+    assert message.index("Once the failed attempt was released") < message.index("Diagnosis: capacity (asked for")
+
+
 def test_exhaustion_with_minimum() -> None:
     @koila.batch(initial=100, minimum=30)
     def run(batch_size: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -401,3 +402,44 @@ def test_the_gradients_a_step_holds_apart_are_named_as_the_steps() -> None:
     (message,) = seen
     assert "0.weight.grad (gradient) 8.00 MiB" in message
     assert "the step's 0.weight.grad (gradient) 8.00 MiB" in message
+
+
+def test_a_nested_tensor_alive_is_left_out_and_the_give_up_still_names_what_holds_memory() -> None:
+    """A nested tensor says it is strided but has no sizes: every report raised, and a give-up lost its list."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's note that nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(5)])
+    model = torch.nn.Linear(4, 4)
+    found = koila.report(model, device="cpu")
+    assert {row.names[0] for row in found.rows if row.kind == "parameter"} >= {"weight", "bias"}
+    with simulated_device("64KiB"):
+        weights = torch.zeros(1024)
+
+        @koila.batch(initial=64, minimum=64, cache=koila.NoCache())
+        def run(batch_size: int) -> torch.Tensor:
+            return torch.ones(batch_size, 1024)
+
+        with pytest.raises(koila.BatchSizeExhausted, match="Largest on cpu"):
+            run()
+    del nested, weights
+
+
+def test_a_give_up_numbers_modules_and_optimizers_of_one_kind_held_in_containers() -> None:
+    """Two Linear layers in a dict, and their optimizers in a list, were named alike in what holds memory."""
+    with simulated_device("40KiB"):
+        nets = {"encode": torch.nn.Linear(32, 32), "decode": torch.nn.Linear(32, 32)}
+        optimizers = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in nets.values()]
+        for net, optimizer in zip(nets.values(), optimizers, strict=True):
+            net(torch.randn(2, 32)).sum().backward()
+            optimizer.step()
+        del net, optimizer  # held by the containers alone
+
+        @koila.batch(initial=64, minimum=64, cache=koila.NoCache())
+        def run(batch_size: int) -> torch.Tensor:
+            return nets["decode"](nets["encode"](torch.randn(batch_size, 32)))
+
+        with torch.no_grad(), pytest.raises(koila.BatchSizeExhausted) as info:
+            run()
+    held = str(info.value).split("Largest on", 1)[1]
+    assert "Linear.weight (parameter)" in held
+    assert "Linear#2.weight (parameter)" in held

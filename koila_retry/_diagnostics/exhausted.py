@@ -42,7 +42,8 @@ def message(exhaustion: Exhaustion) -> str:
 
 
 def _memory_summary(device: torch.device, free: int) -> str:
-    parts = [f"{format_free(free)} free on {device}"]
+    # Read after the release, unlike the diagnosis's figures, read at the error: said, or the two would clash.
+    parts = [f"Once the failed attempt was released, {format_free(free)} free on {device}"]
     if tracking.simulated.free() is not None:
         parts.append("(a simulated device)")
     elif memory.on_accelerator(device):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -383,6 +383,8 @@ class _Found:
             return None
         if not same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
             return None
+        if tensor.is_nested:  # strided in name, with no sizes to describe it by
+            return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # subclasses and wrappers without one
@@ -531,8 +533,8 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     roots.clear()
     inner = {id(child) for _, module in modules.values() for child in module.modules() if child is not module}
     tops = [entry for key, entry in modules.items() if key not in inner]
-    named = [("" if len(tops) == 1 else prefix, module) for prefix, module in tops]
-    opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in optimizers.values()]
+    named = [("" if len(tops) == 1 else prefix, module) for prefix, module in _distinct(tops)]
+    opts = [("optimizer" if len(optimizers) == 1 else prefix, opt) for prefix, opt in _distinct(optimizers.values())]
     try:
         return build(device, named, opts, top, variables, aside, scan=False, step=step, counted=True).summary(top)
     finally:
@@ -550,3 +552,16 @@ def _held(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
         for label, child in references(value)
         if isinstance(child, torch.Tensor)
     ]
+
+
+T = TypeVar("T")
+
+
+def _distinct(entries: Iterable[tuple[str, T]]) -> list[tuple[str, T]]:
+    """Return ``(name, value)`` pairs, a repeated name numbered (``Linear``, ``Linear#2``) as profile numbers it."""
+    seen: dict[str, int] = {}
+    named = []
+    for name, value in entries:
+        seen[name] = seen.get(name, 0) + 1
+        named.append((name if seen[name] == 1 else f"{name}#{seen[name]}", value))
+    return named
