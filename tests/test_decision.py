@@ -312,8 +312,8 @@ def test_a_schedule_grows_by_its_own_rule_and_must_grow() -> None:
         def grow(self, size: int) -> int:
             return size
 
-    with pytest.raises(ValueError, match=r"grow returned 100 for batch size 100; it must return an int above 100"):
-        decision.grow_by(Stuck(), 100)
+    with pytest.raises(ValueError, match=r"^step: the schedule's grow returned 100 for batch size 100; it must return"):
+        decision.grow_by(Stuck(), 100, "step")
 
 
 @given(st.sampled_from([0.3, 0.5, 0.75, 0.9, 0.99]), st.integers(1, 100_000))

@@ -405,3 +405,24 @@ def test_a_plain_schedule_grows_to_the_next_power_of_two() -> None:
     budget.limit = 1000
     assert call() == [128]  # the next power of two above 76, where the schedule shrank by 30
     assert call() == [256]
+
+
+def test_a_schedules_grow_that_does_not_grow_is_named_by_the_function() -> None:
+    """Raised as a later call starts, it did not say which function's schedule it was."""
+
+    class Halves:
+        def __call__(self, failed: int) -> int | None:
+            return failed // 2 or None
+
+        def grow(self, size: int) -> int:
+            return size  # not above it
+
+    @koila.batch(initial=64, schedule=Halves(), grow=True, grow_after=1, cache=koila.GlobalCache())
+    def step(batch_size: int) -> int:
+        if batch_size > 16:
+            raise make_oom()
+        return batch_size
+
+    assert step() == 16
+    with pytest.raises(ValueError, match=r"\.step: the schedule.s grow returned 16 for batch size 16"):
+        step()

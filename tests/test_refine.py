@@ -6,7 +6,9 @@ The memory is real: a simulated device in which 100 rows fit and 101 do not.
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -365,3 +367,27 @@ def test_a_refine_probe_is_no_growth_probe_so_growing_back_keeps_its_wait() -> N
     ooms = run(refine=True)
     assert all(128 not in sizes for sizes in seen[1:]), seen  # no pass after the first starts with a probe to 128
     assert ooms == 3  # 128, then refine's probes between 64 and 128 that do not fit (112, 104)
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_deleting_a_key_forgets_what_refine_learnt_of_it(kind: str, tmp_path: Path) -> None:
+    """``del cache[key]`` dropped the size and kept the bound: a search afresh stayed below an old failure."""
+    cache = koila.GlobalCache() if kind == "memory" else koila.DiskCache(tmp_path / "sizes.json")
+    limit = [100]
+
+    @koila.batch(initial=128, refine=True, cache=cache)
+    def step(batch_size: int) -> int:
+        if batch_size > limit[0]:
+            raise make_oom()
+        return batch_size
+
+    for _ in range(5):
+        step()
+    (key,) = cache.keys()
+    assert cache.bounds.get(key) is not None
+    del cache[key]
+    assert cache.bounds.get(key) is None
+    if kind == "disk":  # nor in the file, for the next process
+        assert not json.loads((tmp_path / "sizes.json").read_text()).get("bounds")
+    limit[0] = 120  # memory was freed: a search afresh finds what a new cache finds
+    assert [step() for _ in range(6)][-1] == 120

@@ -462,6 +462,13 @@ class SizeCache(Sizes, ABC):
             )
         return None
 
+    def _discard(self, key: Hashable) -> int | None:
+        # With the size goes what refine learnt of the key (del, pop, an eviction, a call at its ceiling).
+        size = super()._discard(key)
+        if self.bounds.get(key) is not None:
+            self.bounds.update(key, lambda _: None)
+        return size
+
     def cache_clear(self) -> None:
         """Forget every size, what grows back and what was derived, and reset the hit and miss counts."""
         super().cache_clear()

@@ -139,7 +139,7 @@ class Done:
 Step = Try | GiveUp | Done
 
 
-def grow_by(schedule: Schedule, size: int) -> int:
+def grow_by(schedule: Schedule, size: int, name: str = "koila") -> int:
     """Return the size above ``size``: by the schedule's own ``grow`` (:class:`~koila_retry.scaled`), else doubled."""
     grow = getattr(schedule, "grow", None)
     if grow is None:  # plain callables, powers_of_two among them: the next power of two
@@ -147,7 +147,7 @@ def grow_by(schedule: Schedule, size: int) -> int:
     larger = grow(size)
     if isinstance(larger, bool) or not isinstance(larger, int) or larger <= size:
         raise ValueError(
-            f"the schedule's grow returned {larger!r} for batch size {size}; it must return an int above {size}"
+            f"{name}: the schedule's grow returned {larger!r} for batch size {size}; it must return an int above {size}"
         )
     return larger
 
@@ -205,7 +205,7 @@ def grown(rules: Rules, state: State, due: bool) -> int:
     size = state.size
     if not due or size >= state.ceiling or not can_probe(rules, state):
         return size
-    probe = grow_by(rules.schedule, size)
+    probe = grow_by(rules.schedule, size, rules.name)
     # Without an initial of its own, the call's rows are no cap: a probe above them runs
     # them as a short step, which proves nothing about the probe (and lifts nothing).
     return probe if rules.initial is None else min(probe, state.ceiling)
