@@ -1309,29 +1309,26 @@ def _two_models(rank: int, world: int, where: str, holder: str) -> dict[str, Any
     return {"grads": grads(models[1]), "expected": expected, "rows": models[1][2].rows}
 
 
-@scenario("crash")
-def two_models_one_step_backward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _two_models(rank, world, "backward", "argument")
+# Where rank 1 fails, and how the step is given the second model: by argument, or as a method of its holder.
+TWO_MODELS = {
+    "two_models_one_step_backward_fails": ("backward", "argument"),
+    "two_models_one_step_forward_fails": ("forward", "argument"),
+    "two_models_one_method_backward_fails": ("backward", "method"),
+    "two_models_one_method_of_another_name_forward_fails": ("forward", "this"),
+    "two_models_one_method_of_a_named_tuple_forward_fails": ("forward", "named tuple"),
+}
 
 
-@scenario("crash")
-def two_models_one_step_forward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _two_models(rank, world, "forward", "argument")
+def _register_two_models(name: str, where: str, holder: str) -> None:
+    def run(rank: int, world: int) -> dict[str, Any]:
+        return _two_models(rank, world, where, holder)
+
+    run.__name__ = name
+    scenario("crash")(run)
 
 
-@scenario("crash")
-def two_models_one_method_backward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _two_models(rank, world, "backward", "method")
-
-
-@scenario("crash")
-def two_models_one_method_of_another_name_forward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _two_models(rank, world, "forward", "this")
-
-
-@scenario("crash")
-def two_models_one_method_of_a_named_tuple_forward_fails(rank: int, world: int) -> dict[str, Any]:
-    return _two_models(rank, world, "forward", "named tuple")
+for _name, (_where, _holder) in TWO_MODELS.items():
+    _register_two_models(_name, _where, _holder)
 
 
 @scenario("two")

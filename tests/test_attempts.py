@@ -163,6 +163,7 @@ def _through_the_helper(limit: int) -> list[int]:
 
 
 def _another_block_through_the_helper(limit: int) -> list[int]:
+    # The same as the above on purpose: a block elsewhere in the code, whose key must be its own.
     fits, tried = oom_above(limit), []
     for attempt in _our_attempts():
         with attempt:

@@ -372,16 +372,7 @@ def test_a_step_after_a_forward_that_no_backward_followed_agrees_after_ddps_earl
         assert_grads(value["hand"], value["hand_expected"], f"rank {rank}, hand step after: ")
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "two_models_one_step_backward_fails",
-        "two_models_one_step_forward_fails",
-        "two_models_one_method_backward_fails",
-        "two_models_one_method_of_another_name_forward_fails",
-        "two_models_one_method_of_a_named_tuple_forward_fails",
-    ],
-)
+@pytest.mark.parametrize("name", list(_ranks.TWO_MODELS))
 def test_a_step_over_another_ddp_model_than_its_first_recovers_it(groups: Groups, name: str) -> None:
     """The modules a step reaches are looked for again when it is given another model, or runs for another instance."""
     for rank, value in enumerate(groups("crash")[name]):
