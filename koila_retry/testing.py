@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, cast
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from koila_retry._common.tracking import LiveStorageTracker, following_resizes, simulated
 from koila_retry._common.units import as_int, format_bytes, parse_bytes
@@ -81,6 +82,24 @@ class _DeviceTracker(LiveStorageTracker):  # type: ignore[no-untyped-call]
         # (with "eager" and "aot_eager"; inductor's kernels allocate past the dispatcher).
         return True
 
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if self.retired:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    # A device left while one entered after it is still active (a generator's block closed inside
+    # another) stops counting at once, but PyTorch's stack of modes is only popped from the top: it
+    # leaves the stack when the modes above it have.
+    retired = False
+
+
+def _pop_retired() -> None:
+    stack = _get_current_dispatch_mode_stack()
+    while stack and isinstance(stack[-1], _DeviceTracker) and stack[-1].retired:
+        stack.pop().__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
 
 class SimulatedDevice:
     """A memory limit on the tensors a block of code creates in one thread; see :func:`simulated_device`.
@@ -94,7 +113,7 @@ class SimulatedDevice:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.fraction = 1.0
-        self._tracker: LiveStorageTracker | None = None
+        self._tracker: _DeviceTracker | None = None
         self._resizes: contextlib.ExitStack | None = None
         self._peak = 0
 
@@ -170,6 +189,7 @@ class SimulatedDevice:
     def __enter__(self) -> SimulatedDevice:
         if self._tracker is not None:
             raise RuntimeError("this simulated device is already active; make a new one to nest")
+        _pop_retired()
         self._tracker = _DeviceTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
         self._resizes = contextlib.ExitStack()
@@ -187,7 +207,12 @@ class SimulatedDevice:
             resizes.close()
         if tracker is not None:
             self._peak = tracker.peak
-            tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+            stack = _get_current_dispatch_mode_stack()
+            if stack and stack[-1] is tracker:
+                tracker.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+                _pop_retired()
+            else:
+                tracker.retired = True
 
     def __repr__(self) -> str:
         share = "" if self.fraction == 1.0 else f", fraction={self.fraction}"

@@ -206,6 +206,73 @@ def test_a_compiled_caller_compiles_no_frame_of_the_library(device: Callable[[],
     assert compiled_codes == []
 
 
+def test_an_out_of_memory_error_under_a_compiled_caller_compiles_no_abstract_class_hook() -> None:
+    """Looking for iterators among the arguments of a call that ran out of memory used isinstance with
+    collections.abc's classes, whose __subclasshook__ Dynamo compiled once per class it met (every
+    Mapping subclass in the process, networkx's dozens among them) until its recompile limit."""
+    import collections.abc
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = nn.Linear(16, 4)
+    fits = koila.testing.oom_above(128)
+
+    @koila.batch(initial=512, cache=koila.NoCache())
+    def predict(batch_size: int, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = model(x[:batch_size])
+        fits(batch_size)
+        return out
+
+    def caller(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return predict(model, x)
+
+    out = torch.compile(caller, backend="eager")(torch.randn(1000, 16))
+    assert (tuple(out.shape), predict.stats.ooms) == ((128, 4), 2)
+    hooks = {
+        hook.__code__
+        for value in vars(collections.abc).values()
+        if isinstance(value, type)
+        for hook in [getattr(vars(value).get("__subclasshook__"), "__func__", None)]
+        if hook is not None
+    }
+    assert len(hooks) > 5
+    assert [code.co_qualname for code in hooks if _debug_get_cache_entry_list(code)] == []
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        pytest.param(lambda model, x: koila.estimate(model, x), id="estimate"),
+        pytest.param(lambda model, x: koila.suggest_batch_size(model, x), id="suggest_batch_size"),
+        pytest.param(lambda model, x: koila.profile(model, x), id="profile"),
+        pytest.param(lambda model, x: koila.profile(model, x, fake=True), id="profile-fake"),
+        pytest.param(
+            lambda model, x: koila.chunked(model, x, initial="auto", cache=koila.NoCache()), id="chunked-auto"
+        ),
+    ],
+)
+def test_an_estimate_or_a_profile_leaves_a_compiled_model_compiled(use: Callable[..., object]) -> None:
+    """The estimator's and profile's dispatch modes made Dynamo run the model eagerly and mark its code
+    never to be compiled again, for the process: every later call ran eagerly."""
+    from torch._dynamo.testing import CompileCounter
+
+    def graphs(used: bool) -> int:
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(Wide(), backend=counter)
+        x = torch.randn(16, 16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PyTorch's warning of global module hooks over the wrapper
+            if used:
+                use(compiled, x)
+            for rows in (8, 9, 10):
+                compiled(torch.randn(rows, 16))
+        return counter.frame_count
+
+    assert graphs(used=True) == graphs(used=False) > 0
+
+
 def test_chunked_shrinks_and_runs_the_remainder_without_a_new_compile(
     device: Callable[[], SimulatedDevice],
 ) -> None:

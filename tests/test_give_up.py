@@ -199,7 +199,7 @@ def test_the_message_counts_what_the_call_does_not_reach_on_a_simulated_device()
         _ELSEWHERE.clear()
     message = str(caught.value)
     assert "weights float32[512, 1024] 2.00 MiB" in message
-    assert "1 storage the call does not reach 1.00 MiB" in message
+    assert "1 storage not found among the call's names 1.00 MiB" in message
     assert "(3.00 MiB in 2 storages)" in message
     assert live == 3 * 2**20
 
@@ -224,7 +224,7 @@ def test_the_message_counts_each_storage_the_call_does_not_reach_in_its_totals()
     message = str(caught.value)
     assert storages == 22
     assert "(3.08 MiB in 22 storages)" in message
-    assert "20 storages the call does not reach 80.00 KiB" in message
+    assert "20 storages not found among the call's names 80.00 KiB" in message
 
 
 def test_giving_up_frees_a_cycle_the_last_attempt_made() -> None:

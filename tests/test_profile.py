@@ -157,6 +157,21 @@ def test_a_module_called_several_times_has_one_row_with_its_calls() -> None:
     assert row.forward_net == 3 * 32 * 64 * FLOAT  # summed over the calls (the caller frees them)
 
 
+def test_what_an_operator_grows_in_place_counts_as_what_it_makes() -> None:
+    rows = torch.ones(256, 256)
+
+    def grown(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(0)
+        torch.cat([rows] * 16, out=out)  # 4 MiB into an empty out=
+        return out, torch.empty(0).resize_(2**20)  # and 4 MiB by a resize
+
+    def made(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([rows] * 16), torch.empty(2**20)
+
+    found, expected = koila.profile(grown, rows, by="line"), koila.profile(made, rows, by="line")
+    assert found.peak - found.start == expected.peak - expected.start == 8 * 2**20
+
+
 def test_several_modules_are_named_by_what_the_call_binds_them_to(cnn: CNN) -> None:
     criterion = nn.CrossEntropyLoss()
 

@@ -228,6 +228,8 @@ def test_the_default_device_is_the_models() -> None:
     ("kwargs", "error", "message"),
     [
         ({"model": "model"}, TypeError, "model must be a torch.nn.Module or None, got str 'model'"),
+        # A tensor is described by its shape: its repr would print its values into the message.
+        ({"model": torch.nn.Parameter(torch.zeros(2, 3))}, TypeError, "got Parameter of shape (2, 3)"),
         ({"optimizer": torch.nn.Linear(1, 1)}, TypeError, "optimizer must be a torch.optim.Optimizer or None"),
         ({"top": 0}, ValueError, "top must be >= 1, got 0"),
         ({"top": 2.5}, TypeError, "top must be an int, got float 2.5"),

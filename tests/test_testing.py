@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -39,6 +39,11 @@ def test_simulated_device_reads_ints_and_sizes(limit: int | str, expected: int) 
     device = simulated_device(limit)
     assert isinstance(device, SimulatedDevice)
     assert device.limit == expected
+
+
+def test_simulated_device_takes_numpys_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert simulated_device(numpy.int64(5 * MiB)).limit == 5 * MiB  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -267,6 +272,68 @@ def test_views_and_in_place_ops_of_tensors_from_before_the_block_count_nothing(o
     assert result is not None
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lambda t: t.to_sparse(), id="coo"),
+        pytest.param(lambda t: t.to_sparse_csr(), id="csr"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_tensor_counts_its_parts_and_their_views_count_nothing(layout: object) -> None:
+    dense = torch.eye(256)
+    before = layout(dense)  # type: ignore[operator]
+    with simulated_device("1KiB") as device:
+        values = before.values()  # a view of a tensor made before the block
+        assert device.live == 0
+    with simulated_device("64MiB") as device:
+        made = layout(dense)  # type: ignore[operator]
+        indices = (made._indices(),) if made.layout == torch.sparse_coo else (made.crow_indices(), made.col_indices())
+        parts = (made.values(), *indices)
+        storages = {id(part.untyped_storage()): part.untyped_storage().nbytes() for part in parts}
+        assert device.live == sum(storages.values())  # a CSR's column indices may view a larger buffer
+    assert values.numel() == 256
+
+
+def test_an_operator_that_grows_a_tensor_it_is_given_counts_the_growth() -> None:
+    rows = torch.ones(128, 128)  # 64 KiB
+    before = torch.empty(0)
+    with simulated_device("1MiB") as device:
+        out = torch.empty(0)
+        torch.cat([rows] * 4, out=out)
+        assert device.live == out.nbytes == 4 * 64 * 1024
+        grown = torch.empty(0)
+        grown.resize_(1000)
+        assert device.live == out.nbytes + 4000
+        torch.cat([rows] * 2, out=before)  # made before the block, and empty: counts from empty
+        assert device.live == out.nbytes + 4000 + before.nbytes
+        target, left, right = torch.empty(5, 4).t(), torch.ones(512, 8), torch.ones(8, 512)
+        peak = device.peak
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4\.00 MiB"):
+            grown.resize_(MiB)
+        assert (grown.shape, grown.untyped_storage().nbytes()) == ((1000,), 4000)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.mm(left, right, out=target)  # 1 MiB: refused
+        # Put back as it was: shape, strides and storage, as a device that fails before the kernel leaves it.
+        assert (target.shape, target.stride(), target.untyped_storage().nbytes()) == ((4, 5), (1, 4), 80)
+        assert device.peak == peak
+        del out
+        assert device.live == 4000 + before.nbytes + 80 + left.nbytes + right.nbytes
+
+
+def test_a_refused_operator_leaves_what_it_writes_besides_its_result_as_it_was() -> None:
+    norm = nn.BatchNorm1d(256)
+    inputs = torch.randn(4096, 256) + 5  # its 4 MiB output does not fit
+    with simulated_device("1MiB"), pytest.raises(torch.OutOfMemoryError):
+        norm(inputs)
+    assert torch.equal(norm.running_mean, torch.zeros(256))
+    assert torch.equal(norm.running_var, torch.ones(256))
+    assert int(norm.num_batches_tracked) == 1  # a separate in-place add before the kernel, as on a device
+    with simulated_device("64MiB"):
+        norm(inputs)
+    assert not torch.equal(norm.running_mean, torch.zeros(256))
+
+
 def test_forward_of_a_model_built_before_the_block_counts_only_new_storages() -> None:
     """Regression: aten.t returns a view of the weight, and the tracker counted the weight's storage."""
     linear = nn.Linear(256, 256)
@@ -358,6 +425,58 @@ def test_nested_devices_apply_the_inner_limit_while_it_is_active() -> None:
         big = torch.zeros(2 * 1024 * 1024)  # the inner limit is gone
         assert outer.live == 4096 + 8 * MiB
         assert small.numel() + big.numel() == 1024 + 2 * 1024 * 1024
+
+
+def test_free_memory_inside_nested_devices_is_the_tightest_of_them() -> None:
+    with simulated_device("1MiB") as outer:
+        held = torch.zeros(192 * 1024)  # 768 KiB of the outer device
+        with simulated_device("16MiB") as inner:
+            assert koila.free_memory() == outer.free == 256 * 1024
+            assert inner.free == 16 * MiB
+            with pytest.raises(torch.OutOfMemoryError, match=r"total capacity of 1\.00 MiB"):
+                torch.zeros(256 * 1024)  # 1 MiB: the inner device's room, not the outer's
+    assert held.numel() == 192 * 1024
+
+
+def _entered(limit: str) -> Iterator[None]:
+    with simulated_device(limit):
+        yield
+
+
+def test_a_device_left_before_one_entered_after_it_stops_counting_at_once() -> None:
+    # A generator's block (a fixture's) closed while a later block is active: PyTorch pops only the
+    # top of its stack of modes, which is the later block's.
+    block = _entered("1MiB")
+    next(block)
+    with simulated_device("64MiB") as big:
+        block.close()
+        assert koila.free_memory() == big.free == 64 * MiB
+        tensor = torch.zeros(MiB)  # 4 MiB: fits the 64 MiB device, not the closed 1 MiB one
+        assert big.live == 4 * MiB
+    assert tracking.simulated.active == []
+    assert not any(isinstance(mode, tracking.LiveStorageTracker) for mode in _dispatch_modes())
+    assert tensor.numel() == MiB
+
+
+def test_a_device_left_out_of_order_leaves_the_stack_of_modes_with_the_last_block() -> None:
+    first, second = simulated_device("8MiB"), simulated_device("16MiB")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    tensor = torch.zeros(1024)
+    assert (first.live, second.live) == (0, 4096)
+    third = simulated_device("32MiB")
+    with third:  # entered above the one left: the stack stays in order
+        assert koila.free_memory() == second.free  # the tighter of the two still active
+    second.__exit__(None, None, None)
+    assert not any(isinstance(mode, tracking.LiveStorageTracker) for mode in _dispatch_modes())
+    assert tensor.numel() == 1024
+
+
+def _dispatch_modes() -> list[object]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
 
 
 def test_re_entering_an_active_device_raises_runtime_error() -> None:

@@ -10,13 +10,15 @@ micro-batches went by), without importing ``torch._dynamo``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["not_traced", "not_traced_package"]
+__all__ = ["compiled_code_runs_eagerly", "not_traced", "not_traced_package"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,3 +79,34 @@ def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             yield from _nested(constant)
+
+
+# Threads that estimate or profile now, and the stance to put back when the last is done.
+_eager: list[Any] = [0, None]
+_eager_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def compiled_code_runs_eagerly() -> Iterator[None]:
+    """Run compiled code as written while the block runs, in every thread.
+
+    Dynamo meeting one of the library's counting dispatch modes runs the frame eagerly and marks its
+    code never to be compiled again, for the process: the user's compiled model would stay eager.
+    """
+    if "torch._dynamo" not in sys.modules:  # nothing was compiled: importing it takes a second
+        yield
+        return
+    import torch
+
+    with _eager_lock:
+        if _eager[0] == 0:
+            _eager[1] = torch.compiler.set_stance("force_eager")
+        _eager[0] += 1
+    try:
+        yield
+    finally:
+        with _eager_lock:
+            _eager[0] -= 1
+            if _eager[0] == 0:
+                stance, _eager[1] = _eager[1], None
+                stance.__exit__(None, None, None)

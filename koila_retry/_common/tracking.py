@@ -51,22 +51,61 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        effects = _effects(func)
+        before = kept = None
+        if effects is not None:
+            before = growable(func, args, kwargs)
+            if self._check is not None:
+                kept = [(tensor, tensor.clone()) for tensor in _at(effects[1], args, kwargs)]
+        out = func(*args, **kwargs)
         fresh = self._fresh_storages(out, (args, kwargs))
-        if not fresh:
+        grown = [geometry for geometry in before if geometry.grew()] if before else []
+        if not fresh and not grown:
             return out
-        new_bytes = sum(storage.nbytes() for storage in fresh)
-        if self._check is not None:
+        new_bytes = sum(storage.nbytes() for storage in fresh) + sum(self.growth(geometry) for geometry in grown)
+        if self._check is not None and new_bytes:
             try:
                 self._check(new_bytes, self.live)
             except BaseException:
-                # Like a failed allocation, the refused result must not outlive the
-                # error: neither this frame nor the list may keep it.
+                # Like a failed allocation, the refused result must not outlive the error (neither this
+                # frame nor the list may keep it), and what the operator wrote is put back: a real device
+                # fails before the kernel runs (BatchNorm's running statistics, an out= tensor's size).
                 del out, fresh
+                for geometry in grown:
+                    geometry.restore()
+                for tensor, value in kept or ():
+                    tensor.copy_(value)
                 raise
         for storage in fresh:
             self._add(storage)
+        for geometry in grown:
+            self.count_growth(geometry)
         return out
+
+    def growth(self, geometry: Geometry) -> int:
+        """Bytes that ``geometry``'s tensor allocated by growing (or replacing) its storage, as counted here."""
+        storage = geometry.tensor.untyped_storage()
+        if storage is not geometry.storage:
+            return 0 if id(storage) in self._storages else storage.nbytes()
+        if id(storage) in self._storages:
+            return storage.nbytes() - geometry.nbytes
+        # Made before the mode, as a resize counts it: from the moment it grows from empty.
+        return storage.nbytes() if geometry.nbytes == 0 else 0
+
+    def count_growth(self, geometry: Geometry) -> None:
+        """Count what ``geometry``'s tensor grew by, as :meth:`growth` measured it."""
+        storage = geometry.tensor.untyped_storage()
+        key = id(storage)
+        if key not in self._storages:
+            if storage is not geometry.storage or geometry.nbytes == 0:
+                self._add(storage)
+            return
+        with self._lock:
+            if key in self._sizes:
+                self.live += storage.nbytes() - self._sizes[key]
+                self._sizes[key] = storage.nbytes()
+                self._rose(self.live)
 
     def _fresh_storages(self, out: Any, inputs: Any) -> list[torch.UntypedStorage]:
         # A result sharing an input's storage (a view, an in-place result) allocated
@@ -123,6 +162,86 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.peak = live
 
 
+# Where an operator may grow a tensor argument's storage (an ``out=`` tensor, ``resize_``), and the tensors
+# it writes besides the results it makes (BatchNorm's running statistics): by operator, from its schema.
+_EFFECTS: dict[Any, tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]] | None] = {}
+_RESIZERS = frozenset({"resize_", "resize_as_", "_resize_output_"})
+# BatchNorm's kernels that update the running statistics their schemas do not mark as written.
+_STATISTICS = ((3, "running_mean"), (4, "running_var"))
+_UNMARKED = {f"aten::{name}": _STATISTICS for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
+
+
+def _effects(func: Any) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]] | None:
+    try:
+        return _EFFECTS[func]
+    except KeyError:
+        pass
+    schema = getattr(func, "_schema", None)
+    grows: list[tuple[int, str]] = []
+    keeps: list[tuple[int, str]] = []
+    if schema is not None and schema.is_mutable:
+        makes = any(returned.alias_info is None for returned in schema.returns)
+        returned: set[str] = set()
+        for result in schema.returns:
+            if result.alias_info is not None:
+                returned |= result.alias_info.before_set
+        resizes = schema.name.split("::")[-1] in _RESIZERS
+        for index, argument in enumerate(schema.arguments):
+            info = argument.alias_info
+            if info is None or not info.is_write:
+                continue
+            if argument.kwarg_only or resizes:
+                grows.append((index, argument.name))
+            elif makes and not info.before_set & returned:
+                keeps.append((index, argument.name))
+    elif schema is not None and not schema.overload_name:
+        keeps.extend(_UNMARKED.get(schema.name, ()))
+    effects = (tuple(grows), tuple(keeps)) if grows or keeps else None
+    _EFFECTS[func] = effects
+    return effects
+
+
+def growable(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Geometry] | None:
+    """Return the tensors that ``func`` may grow in place, as they are before it runs; ``None`` if none."""
+    effects = _effects(func)
+    if effects is None or not effects[0]:
+        return None
+    return [Geometry(tensor) for tensor in _at(effects[0], args, kwargs)]
+
+
+def _at(where: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The strided tensors (not on meta) that an operator was given at ``where``."""
+    found: list[torch.Tensor] = []
+    for index, name in where:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.device.type != "meta":
+                found.append(tensor)
+    return found
+
+
+class Geometry:
+    """A tensor's storage, its size, and the tensor's place in it, before an operator that may grow it."""
+
+    __slots__ = ("nbytes", "offset", "shape", "storage", "stride", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.shape, self.stride, self.offset = tensor.shape, tensor.stride(), tensor.storage_offset()
+
+    def grew(self) -> bool:
+        storage = self.tensor.untyped_storage()
+        return storage is not self.storage or storage.nbytes() > self.nbytes
+
+    def restore(self) -> None:
+        """Put the tensor back in its storage as it was, the storage at its size."""
+        if self.storage.nbytes() > self.nbytes:
+            (_unwrapped_resize[0] if _unwrapped_resize else torch.UntypedStorage.resize_)(self.storage, self.nbytes)
+        self.tensor.set_(self.storage, self.offset, self.shape, self.stride)
+
+
 def _storages(tree: Any) -> list[torch.UntypedStorage]:
     storages: list[torch.UntypedStorage] = []
     for leaf in tree_flatten(tree)[0]:
@@ -141,9 +260,25 @@ def _add_storages(tensor: torch.Tensor, storages: list[torch.UntypedStorage]) ->
             if isinstance(inner, torch.Tensor):
                 _add_storages(inner, storages)
         return
-    # Sparse, nested and other layouts have no single storage to count.
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    if parts is not None:
+        # A sparse tensor has no storage of its own: its indices and values hold the memory, and a
+        # .values() taken of one made before the mode is a view of them, not an allocation.
+        for part in parts:
+            _add_storages(getattr(tensor, part)(), storages)
+        return
+    # Layouts without a storage (MKL-DNN's) count nothing.
     with contextlib.suppress(RuntimeError, NotImplementedError):
         storages.append(tensor.untyped_storage())
+
+
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 class Simulated(Protocol):
@@ -195,8 +330,9 @@ class _SimulatedRegistry(threading.local):
                 return
 
     def free(self) -> int | None:
+        # Every active device counts what the innermost one does: the tightest says what fits.
         active = self.active
-        return active[-1].free if active else None
+        return min(device.free for device in active) if active else None
 
     def limit(self) -> int | None:
         active = self.active

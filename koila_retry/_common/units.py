@@ -28,9 +28,11 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_bytes(value: int | str) -> int:
     """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` (KiB and K: 1024, KB: 1000) to bytes."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"a memory size must be an int or a str like '512MiB', got {value!r}")
-    if isinstance(value, int):
+    if not isinstance(value, str):
+        count = as_int(value)  # numpy's ints too, as range takes them
+        if count is None:
+            raise TypeError(f"a memory size must be an int or a str like '512MiB', got {value!r}")
+        value = count
         if value < 0:
             raise ValueError(f"a memory size must be >= 0 bytes, got {value}")
         return value

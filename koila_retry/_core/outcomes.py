@@ -11,10 +11,10 @@ import builtins
 import io
 import itertools
 import logging
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -251,7 +251,11 @@ def _iterator_among(roots: tuple[object, ...]) -> str | None:
     while position < len(entries):
         value, _, _ = entries[position]
         room = _WALKED - len(entries)
-        if isinstance(value, Iterator) and not isinstance(value, torch.Tensor):
+        # Both checks by the type's own attributes: an ABC's isinstance runs _collections_abc's
+        # __subclasshook__, which Dynamo compiled once per new type under a compiled caller until it hit
+        # its recompile limit.
+        kind = type(value)
+        if hasattr(kind, "__next__") and hasattr(kind, "__iter__") and not isinstance(value, torch.Tensor):
             if not _write_only(value):
                 buffer = isinstance(value, (io.StringIO, io.BytesIO))
                 readable = (_BUFFER if buffer else _READABLE) if isinstance(value, io.IOBase) else ")"
@@ -260,8 +264,8 @@ def _iterator_among(roots: tuple[object, ...]) -> str | None:
             seen.add(id(value))
             if isinstance(value, (tuple, list)):
                 entries.extend((item, position, f"[{index}]") for index, item in enumerate(value[:room]))
-            elif isinstance(value, Mapping):
-                pairs = itertools.islice(value.items(), room)
+            elif isinstance(value, dict) or Mapping in kind.__mro__:
+                pairs = itertools.islice(cast("Mapping[Any, Any]", value).items(), room)
                 entries.extend((item, position, f"[{key!r}]") for key, item in pairs)
             elif is_dataclass(value) and not isinstance(value, type):
                 named = fields(value)[:room]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from koila_retry._common.tensors import same_device, tensors_in
-from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._common.tracking import LiveStorageTracker, growable
 from koila_retry._estimation.recorder import Recorder
 
 __all__ = ["Scope", "StorageCounter", "Tally", "storage_of"]
@@ -48,7 +48,12 @@ class StorageCounter(Recorder):  # type: ignore[no-untyped-call]
         if self.fake:
             # The estimator's recorder: every tensor made on meta, and all counted.
             return super().__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        before = growable(func, args, kwargs)
+        out = func(*args, **kwargs)
+        for geometry in before or ():
+            if same_device(geometry.tensor.device, self.device) and geometry.grew():
+                self.count_growth(geometry)
         # A result sharing an input's storage (a view, an in-place result) allocated nothing.
         seen: set[int] | None = None
         for tensor in tensors_in(out):
@@ -59,7 +64,7 @@ class StorageCounter(Recorder):  # type: ignore[no-untyped-call]
                 continue
             key = id(storage)
             if seen is None:
-                seen = {id(found) for found in map(storage_of, tensors_in([args, kwargs or {}])) if found is not None}
+                seen = {id(found) for found in map(storage_of, tensors_in([args, kwargs])) if found is not None}
             if key not in seen:
                 seen.add(key)
                 self._add(storage)

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
 from koila_retry._core.memory import DeviceLike, resolve_device
@@ -617,7 +618,7 @@ def _run(
 ) -> int:
     """Run the call once, real or on meta tensors; return the bytes alive at its start."""
     if not counter.fake:
-        with counter:
+        with compiled_code_runs_eagerly(), counter:
             counter.adopt(tensor for _, tensor in owned.tensors())
             counter.adopt(_argument_tensors(args, kwargs))
             start = counter.live
@@ -626,7 +627,7 @@ def _run(
     meta_args, meta_kwargs = _remade_on_meta(args, kwargs)
     rng = torch.get_rng_state()
     undo: Callable[[], None] | None = None
-    with META, counter:
+    with compiled_code_runs_eagerly(), META, counter:
         try:
             undo = owned.lend(counter)
             counter.adopt(_argument_tensors(meta_args, meta_kwargs))

@@ -37,7 +37,7 @@ class ReportRow(NamedTuple):
             ``"no tensor"`` (storages a simulated device counts that no Python
             tensor holds; see :func:`report`). In the message of a call that
             gave up, ``"not reached"``: the storages a simulated device counts
-            that the call does not reach.
+            that the names the message looks at do not lead to.
         shape (tuple of int or None): the shape of the first named tensor.
         dtype (str or None): its dtype, as ``"float32"``.
         nbytes (int): the bytes of the storage, counted once however many
@@ -247,7 +247,8 @@ def report(
     .. versionadded:: 0.1.0
     """
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__} {model!r}")
+        shown = f"of shape {tuple(model.shape)}" if isinstance(model, torch.Tensor) else repr(model)[:100]
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__} {shown}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if isinstance(top, bool) or not isinstance(top, int):
@@ -446,7 +447,7 @@ class _Found:
         if hidden:
             nbytes = sum(storage.nbytes() for storage in hidden)
             plural = "s" if len(hidden) > 1 else ""
-            holds = "no Python tensor holds" if kind == "no tensor" else "the call does not reach"
+            holds = "no Python tensor holds" if kind == "no tensor" else "not found among the call's names"
             self.storages[-1] = _Storage(nbytes, kind, None, f"{len(hidden)} storage{plural} {holds}", len(hidden))
         return device.live, device.limit
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from koila_retry._common.batches import Split
+from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._estimation.attention import device_kernels
 from koila_retry._estimation.autocast import autocast_like
 from koila_retry._estimation.fit import Run
@@ -101,7 +102,7 @@ def run_on_meta(
     handles: list[Any] = []
     undo: Callable[[], None] | None = None
     try:
-        with META, recorder:
+        with compiled_code_runs_eagerly(), META, recorder:
             try:
                 undo = owned.lend(recorder, sharding, target)
                 recorder.category = "inputs"
