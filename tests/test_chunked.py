@@ -475,6 +475,27 @@ def test_split_and_join_along_other_dims(dim: int) -> None:
     assert sizes == [2] * (total // 2) + [1] * (total % 2)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
+def test_a_view_that_a_chunk_along_another_dim_refuses_is_noted_on_the_error() -> None:
+    """Chunks are views: along dim 1 they are not contiguous, and .view() refuses what it took whole."""
+
+    def per_step(steps: torch.Tensor) -> torch.Tensor:  # (batch, time, features), batch and time flattened
+        b, t, f = steps.shape
+        return (steps.view(b * t, f) * 2).view(b, t, f)
+
+    series = torch.arange(36.0).reshape(2, 6, 3)
+    assert torch.equal(koila.chunked(per_step, series, dim=1, initial=8), series * 2)  # one chunk: the input
+    with pytest.raises(RuntimeError, match="view size is not compatible") as info:
+        koila.chunked(per_step, series, dim=1, initial=4)
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1
+    assert notes[0].startswith("koila.chunked split the input along dim 1, and handed fn the rows 0 to 4: a chunk")
+    assert "Use .reshape() (or .contiguous()) on the chunk in fn" in notes[0]
+    with pytest.raises(RuntimeError, match="view size is not compatible") as info:  # not contiguous whole: no note
+        koila.chunked(per_step, series.transpose(0, 1).contiguous().transpose(0, 1), dim=1, initial=4)
+    assert not hasattr(info.value, "__notes__")
+
+
 def test_non_tensor_arguments_reach_every_call_unchanged() -> None:
     config = {"scale": 3}
     items = [torch.ones(1)]  # one row broadcasts: the list passes as it is
@@ -625,6 +646,18 @@ def test_zero_dim_tensor_argument_passes_whole() -> None:
 def test_only_zero_dim_tensors_have_no_rows() -> None:
     with pytest.raises(ValueError, match=r"along dim 0, and every tensor is 0-dimensional \(got \['Tensor'\]\)"):
         koila.chunked(lambda t: t, torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("out", [False, True], ids=["joined", "out"])
+@pytest.mark.parametrize("initial", [512, 2], ids=["one-chunk", "split"])
+def test_a_sparse_result_is_refused_whether_the_rows_take_one_chunk_or_more(initial: int, out: bool) -> None:
+    buffers = {"d": torch.empty(7, 3), "s": torch.empty(7, 3)} if out else None
+    with pytest.raises(
+        ValueError,
+        match=r"^fn returned a tensor of layout torch.sparse_coo at the result\['s'\]: koila.chunked writes each "
+        r"chunk's rows into one tensor of every row, .* whether the rows take one chunk or more. Return it dense",
+    ):
+        koila.chunked(lambda r: {"d": r, "s": r.to_sparse()}, torch.randn(7, 3), initial=initial, out=buffers)
 
 
 def test_dim_out_of_range_for_a_result() -> None:
@@ -940,6 +973,107 @@ def test_out_that_requires_grad_is_refused_before_anything_runs(make: Callable[[
     assert weight.grad is not None
 
 
+@pytest.mark.parametrize(
+    ("make", "shown"),
+    [
+        (lambda buffer: (buffer[:6], buffer[:6]), r"out\[0\] and out\[1\]"),
+        (lambda buffer: {"a": buffer[:6, :2], "b": buffer[:6, 1:3]}, r"out\['a'\] and out\['b'\]"),
+        (lambda buffer: [buffer[:6, 0], buffer[:6, :1].squeeze(1)], r"out\[0\] and out\[1\]"),
+        (lambda buffer: (buffer[:6, 0], buffer[2:, 0]), r"out\[0\] and out\[1\]"),
+    ],
+    ids=["same-tensor", "overlapping-columns", "same-column", "shifted-rows"],
+)
+def test_out_tensors_that_share_memory_are_refused_before_fn_runs(
+    make: Callable[[torch.Tensor], Any], shown: str
+) -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError, match=rf"^{shown} share memory \(the same tensor, or views of one that overlap\)"):
+        koila.chunked(lambda r: calls.append(len(r)), torch.ones(6, 2), initial=4, out=make(torch.zeros(8, 4)))
+    assert calls == []
+
+
+def test_out_tensors_side_by_side_in_one_buffer_are_taken() -> None:
+    x = torch.arange(12.0).reshape(6, 2)
+    buffer = torch.zeros(6, 2, 3)
+    out = (buffer[:, :, 0], buffer[:, :, 1], buffer[..., 2])  # interleaved, one column each
+    result = koila.chunked(lambda r: (r, r * 10, r * 100), x, initial=4, out=out)
+    assert result is out
+    assert torch.equal(buffer, torch.stack([x, x * 10, x * 100], dim=2))
+    columns = torch.zeros(6, 5)
+    koila.chunked(lambda r: {"a": r, "b": -r}, x, initial=4, out={"a": columns[:, :2], "b": columns[:, 3:]})
+    assert torch.equal(columns, torch.cat([x, torch.zeros(6, 1), -x], dim=1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.zeros(1, 2).expand(6, 2), lambda: torch.zeros(13).as_strided((6, 2), (1, 1))],
+    ids=["expand", "overlapping-strides"],
+)
+def test_an_out_whose_rows_share_memory_is_refused_before_fn_runs(make: Callable[[], torch.Tensor]) -> None:
+    calls: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows
+
+    with pytest.raises(ValueError, match=r"^out\['x'\] has elements that share memory .* \(out\['x'\].clone\(\), or"):
+        koila.chunked(lambda r: {"x": fn(r)}, torch.ones(6, 2), initial=4, out={"x": make()})
+    assert calls == []
+    out = torch.zeros(13).as_strided((6, 2), (2, 1))  # strides that do not overlap: taken
+    assert torch.equal(koila.chunked(fn, torch.ones(6, 2), initial=4, out=out), torch.ones(6, 2))
+
+
+def test_an_inference_out_is_refused_outside_inference_mode_before_fn_runs() -> None:
+    calls: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2
+
+    with torch.inference_mode():
+        out = torch.zeros(6, 2)
+    refused = (
+        r"^out is an inference tensor \(made under torch.inference_mode\(\)\), and koila.chunked is called outside "
+        r"inference mode, .* \(out.clone\(\) outside inference mode makes one\)$"
+    )
+    for guard in (torch.enable_grad, torch.no_grad):
+        with guard(), pytest.raises(ValueError, match=refused):
+            koila.chunked(fn, torch.ones(6, 2), initial=4, out=out)
+    assert calls == []
+    with torch.inference_mode():  # inside it, the writes are allowed
+        koila.chunked(fn, torch.ones(6, 2), initial=4, out=out)
+    assert torch.equal(out, torch.full((6, 2), 2.0))
+
+
+def test_with_out_a_function_that_returns_none_is_told_none_is_for_calls_without_out() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^fn returned NoneType at the result for the chunk from row 0; with out=, koila.chunked writes the "
+        r"tensors fn returns into out's, so fn must return a tensor at each place where out has one \(None is for a "
+        r"function that writes its results itself, called without out=\)$",
+    ):
+        koila.chunked(lambda r: None, torch.ones(3, 1), initial=2, out=torch.empty(3, 1))
+
+
+@pytest.mark.parametrize("out", [False, True], ids=["joined", "out"])
+@pytest.mark.parametrize("initial", [8, 2], ids=["one-chunk", "split"])
+def test_a_dict_whose_keys_come_in_another_order_in_a_chunk_is_matched_by_key(out: bool, initial: int) -> None:
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        first = rows[0, 0] == 0
+        parts = {"a": rows * 1, "b": (rows * 2, rows[:, 0])}
+        return parts if first else {"b": parts["b"], "a": parts["a"]}
+
+    x = torch.arange(15.0).reshape(5, 3)
+    buffers = {"b": (torch.empty(5, 3), torch.empty(5)), "a": torch.empty(5, 3)} if out else None
+    result = koila.chunked(fn, x, initial=initial, out=buffers, cache=koila.NoCache())
+    assert list(result) == (["b", "a"] if out else ["a", "b"])  # out's, or the first chunk's order
+    assert torch.equal(result["a"], x)
+    assert torch.equal(result["b"][0], x * 2)
+    assert torch.equal(result["b"][1], x[:, 0])
+    with pytest.raises(ValueError, match=r"different structures for different chunks: \{'a': \*, 'b': \(\*, \*\)\}"):
+        koila.chunked(lambda r: fn(r) if r[0, 0] == 0 else {"a": r, "b": r}, x, initial=2)
+
+
 @pytest.mark.parametrize("out", [None, torch.zeros(4)], ids=["joined", "out"])
 def test_a_result_with_other_rows_than_its_chunk_is_refused(out: torch.Tensor | None) -> None:
     with pytest.raises(
@@ -984,7 +1118,10 @@ def test_out_takes_dtypes_that_cast_safely_and_refuses_others() -> None:
         r"cast to, or return torch.int64 from fn$",
     ):
         koila.chunked(
-            lambda r: (r.long(), r * 2), torch.arange(4.0), initial=2, out=(torch.zeros(4, dtype=torch.long),) * 2
+            lambda r: (r.long(), r * 2),
+            torch.arange(4.0),
+            initial=2,
+            out=(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)),
         )
 
 
@@ -1049,11 +1186,6 @@ def test_a_result_that_does_not_fit_beside_even_the_smallest_first_chunk_is_said
     assert not isinstance(info.value, koila.BatchSizeExhausted)
     assert info.value.__context__ is None  # raised outside the handler: no attempt's frames pinned
     assert info.value.__cause__ is None
-    # The same at minimum: the first chunk is not tried below it.
-    calls.clear()
-    with simulated_device("6MiB"), pytest.raises(torch.OutOfMemoryError, match="even at 2 rows, the smallest"):
-        koila.chunked(double, x, initial=4, minimum=2, cache=koila.NoCache())
-    assert calls == [4, 2]
     # With out= on the host, the same pass runs: a result given needs no allocation.
     calls.clear()
     out = torch.empty(10, 2**18)
@@ -1061,6 +1193,65 @@ def test_a_result_that_does_not_fit_beside_even_the_smallest_first_chunk_is_said
         koila.chunked(double, x, initial=2, cache=koila.NoCache(), out=out)
     assert torch.equal(out, x * 2)
     assert calls == [2] * 5
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "minimum", "says", "advice"),
+    [
+        (2, 1, "gave up after max_attempts=2 attempts", "max_attempts=2 ended the search"),
+        (None, 2, "batch size 2 is the minimum", "minimum=2 ended the search"),
+    ],
+    ids=["max_attempts", "minimum"],
+)
+def test_a_result_that_a_cap_kept_from_a_smaller_first_chunk_gives_up_as_any_chunk_does(
+    max_attempts: int | None, minimum: int, says: str, advice: str
+) -> None:
+    """8 rows of 512 KiB results on 4.75 MiB: the result fits beside a first chunk of one row, not of two."""
+    x = torch.zeros(8, 2**16)  # made outside the device: not counted
+    calls: list[int] = []
+
+    def wide(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows.repeat(1, 2)
+
+    with simulated_device("4.75MiB"), pytest.raises(koila.BatchSizeExhausted, match=says) as info:
+        koila.chunked(wide, x, initial=4, cache=koila.NoCache(), max_attempts=max_attempts, minimum=minimum)
+    told = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert calls == [4, 2]
+    assert "smaller chunks would not help" not in told
+    if sys.version_info >= (3, 11):
+        assert f"beside the first chunk at 2 rows, the last size tried; {advice}" in told
+    calls.clear()
+    with simulated_device("4.75MiB"):  # without the cap, a first chunk of one row leaves room for it
+        result = koila.chunked(wide, x, initial=4, cache=koila.NoCache())
+    assert torch.equal(result, x.repeat(1, 2))
+    assert calls == [4, 2, *[1] * 8]
+
+
+def test_auto_sizes_chunks_alike_whether_out_is_a_tensor_or_holds_one() -> None:
+    """out's tensors were there before the estimate: only a result the call makes is held beside the chunks."""
+
+    def sizes_with(wrap: Callable[[Any], Any]) -> list[int]:
+        sizes: list[int] = []
+
+        def embed(rows: torch.Tensor) -> Any:
+            sizes.append(len(rows))
+            with torch.no_grad():
+                return wrap(model(rows))
+
+        torch.manual_seed(0)
+        with simulated_device("16MiB"):
+            model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64)).eval()
+            inputs, buffer = torch.randn(12_000, 64), torch.empty(12_000, 64)
+            koila.chunked(embed, inputs, initial="auto", out=wrap(buffer), cache=koila.NoCache())
+        with torch.no_grad():
+            torch.testing.assert_close(buffer, model(inputs))
+        return sizes
+
+    plain = sizes_with(lambda tensor: tensor)
+    assert len(plain) > 3  # split: the result would not fit with a chunk of every row
+    assert sizes_with(lambda tensor: {"y": tensor}) == plain
+    assert sizes_with(lambda tensor: (tensor,)) == plain
 
 
 def test_a_result_that_does_not_fit_beside_the_first_chunk_makes_it_smaller() -> None:

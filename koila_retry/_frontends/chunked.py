@@ -358,18 +358,24 @@ def _run_chunked(
         chunk_args, chunk_kwargs = split.chunk(begin, end)
         results.unfit = None  # what the attempt that gives up failed at: fn, or the result beside it
         meter = None if attempt is None else attempt.meter
-        if meter is None:
-            result = fn(*chunk_args, **chunk_kwargs)
-        else:
-            with meter:  # initial="auto": the first chunk that fits corrects the estimate
+        try:
+            if meter is None:
                 result = fn(*chunk_args, **chunk_kwargs)
+            else:
+                with meter:  # initial="auto": the first chunk that fits corrects the estimate
+                    result = fn(*chunk_args, **chunk_kwargs)
+        except RuntimeError as error:
+            if dim != 0 and _VIEW_REFUSED in str(error):
+                _note_view(error, split, begin, end)
+            raise
         if type(result) is CoroutineType:  # an object with an async __call__, which no signature tells
             _refuse_coroutine(result, "koila.chunked", f"the rows {begin} to {end}")
         if results.targets is None and end - begin < split.rows:
             # Made inside the attempt: a result that does not fit beside this chunk is this
             # chunk's out-of-memory error, which a smaller first chunk may avoid.
             results.make(begin, end, result)
-            if meter is not None and first is not None:  # the chunks that follow run beside it
+            # The chunks that follow run beside it; out's tensors were there before the estimate.
+            if meter is not None and first is not None and out is None:
                 made: list[Any] = results.targets or []
                 first.hold(sum(target.nbytes for target in made if isinstance(target, torch.Tensor)))
         if meter is not None:  # after the result is made, which the size chosen must leave room for
@@ -405,7 +411,10 @@ def _run_chunked(
         try:
             cover(controller, attempt, 0, split.rows, work, results.add, progress=chunks.tqdm)
         except BaseException as error:
-            if not isinstance(error, BatchSizeExhausted) or results.unfit is None:  # fn's own error
+            unfit = results.unfit if isinstance(error, BatchSizeExhausted) else None
+            if unfit is None or unfit[0] > 1:  # fn's own error, or a cap that stopped before one row
+                if unfit is not None:  # a smaller first chunk may leave room for the result: a plain give-up
+                    results.note_unfit(error, chunks.policy.minimum, chunks.policy.max_attempts)
                 # Its traceback holds this frame: the finished chunks' result, which nothing
                 # else reaches, would live as long as the caller keeps the error.
                 results.drop()
@@ -413,6 +422,31 @@ def _run_chunked(
         if results.unfit is not None:
             results.refuse()  # outside the handler: the error raised holds nothing of the attempts
     return results.finish()
+
+
+# What torch says when .view() cannot reshape a tensor without copying it.
+_VIEW_REFUSED = "is not compatible with input tensor's size and stride"
+
+
+def _note_view(error: RuntimeError, split: Split, begin: int, end: int) -> None:
+    """Say, on ``.view()``'s error, that the chunk is not contiguous where the input was, if it is so."""
+    if not hasattr(error, "add_note"):  # Python 3.11 on
+        return
+    try:
+        tensors = [split.tensors[index] for index in split.split]
+        narrowed = any(
+            tensor.is_contiguous() and not tensor.narrow(split.dim, begin, end - begin).is_contiguous()
+            for tensor in tensors
+        )
+    except Exception:  # a note must never hide the error it explains
+        return
+    if narrowed:
+        error.add_note(
+            f"koila.chunked split the input along dim {split.dim}, and handed fn the rows {begin} to {end}: a "
+            "chunk is a view of the input made with narrow, not a copy, and along a dim other than 0 it is not "
+            "contiguous where the input is, so .view() may refuse it where it took the whole input. Use "
+            ".reshape() (or .contiguous()) on the chunk in fn"
+        )
 
 
 @overload

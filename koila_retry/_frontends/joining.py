@@ -51,7 +51,9 @@ class Results:
             # Everything about out is checked before any chunk runs; what it is matched
             # with is known at the first chunk's result (_matched).
             writes_record_grad = torch.is_grad_enabled()
-            for path, leaf in flatten_with_path(out):
+            inference = torch.is_inference_mode_enabled()
+            paths = flatten_with_path(out)
+            for path, leaf in paths:
                 where = f"out{keystr(path)}"
                 if not isinstance(leaf, TensorBase):
                     raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
@@ -67,6 +69,22 @@ class Results:
                         f"that requires grad. Pass {where}.detach() (or a tensor made without "
                         "requires_grad=True), or call koila.chunked under torch.no_grad()"
                     )
+                if not inference and leaf.is_inference():
+                    raise ValueError(
+                        f"{where} is an inference tensor (made under torch.inference_mode()), and koila.chunked "
+                        "is called outside inference mode, where torch refuses the in-place writes it makes into "
+                        "out. Call koila.chunked under torch.inference_mode() too, or pass a tensor made outside "
+                        f"it ({where}.clone() outside inference mode makes one)"
+                    )
+                if _overlaps_itself(cast(torch.Tensor, leaf)):
+                    raise ValueError(
+                        f"{where} has elements that share memory (a tensor made by expand, say, whose stride 0 "
+                        "repeats one row): koila.chunked writes one result row into each of its rows, and rows "
+                        "that share memory would overwrite each other. Pass a tensor with memory of its own for "
+                        f"every element ({where}.clone(), or torch.empty of its shape)"
+                    )
+            if len(paths) > 1:
+                _refuse_shared(paths)
 
     def add(self, begin: int, end: int, result: Any) -> None:
         targets = self.targets
@@ -78,14 +96,19 @@ class Results:
                 self._changed(self.spec, None)
             self.none, self.spec = True, _NONE_SPEC
             return
-        leaves = self._checked(result, begin, end)
+        leaves, result = self._checked(result, begin, end)
         targets = self.targets
         if targets is None:
             if end - begin == self.rows:
-                # As it is, but held to the rule every chunk is: one row per input row, whatever the memory.
+                # As it is, but held to the rules every chunk is: one row per input row, and a layout that
+                # can be joined, whatever the memory.
                 for index, leaf in enumerate(leaves):
-                    if isinstance(leaf, TensorBase) and leaf.size(self.dim) != self.rows:
-                        self._mismatch(cast(torch.Tensor, leaf), cast(torch.Tensor, leaf), begin, end, result, index)
+                    if isinstance(leaf, TensorBase):
+                        if leaf.layout is not torch.strided:
+                            self._unstrided(result, index, leaf.layout)
+                        if leaf.size(self.dim) != self.rows:
+                            tensor = cast(torch.Tensor, leaf)
+                            self._mismatch(tensor, tensor, begin, end, result, index)
                 self.single = result
                 return
             targets = self._allocate(leaves, end - begin, result)
@@ -98,19 +121,27 @@ class Results:
     def make(self, begin: int, end: int, result: Any) -> None:
         """Check the first chunk's result, of fewer than every row, and make the result's tensors beside it."""
         if result is not None or self.out is not None:  # None throughout: there is nothing to make
-            leaves = self._checked(result, begin, end)
+            leaves, result = self._checked(result, begin, end)
             if self.targets is None:
                 self._allocate(leaves, end - begin, result)
 
-    def _checked(self, result: Any, begin: int, end: int) -> list[Any]:
-        """Check a chunk's result against the first chunk's structure (or ``out``), and return its leaves."""
+    def _checked(self, result: Any, begin: int, end: int) -> tuple[list[Any], Any]:
+        """Check a chunk's result against the first chunk's structure (or ``out``); return its leaves and it.
+
+        A result whose dicts have the first's keys in another order is returned with its leaves, and
+        remade, in the first's order.
+        """
         leaves, spec = flatten(result, self.strings)
         if self.spec is None:
             if self.out is not None:
                 self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
-            self._changed(None if self.none else self.spec, spec)
+            order = None if self.none else _in_order(spec, self.spec, 0)
+            if order is None:
+                self._changed(None if self.none else self.spec, spec)
+            leaves = [leaves[index] for index in order]
+            result = tree_unflatten(leaves, self.spec)  # for the errors below, which name leaves by index
         dim, joined, targets, rows = self.dim, False, self.targets, end - begin
         for index, leaf in enumerate(leaves):  # every chunk's: a short last chunk is where squeeze() bites
             target = None if targets is None else targets[index]
@@ -127,7 +158,7 @@ class Results:
                 self._explain(result, begin, end)
         if not joined and (leaves or end > begin):  # no rows at all: an empty result is the whole one
             self._explain(result, begin, end)
-        return leaves
+        return leaves, result
 
     def _unjoined(self, index: int, leaf: list[str], begin: int, end: int) -> None:
         """Return as ``None`` a list of strings that was one per row until the chunk ``begin``-``end``."""
@@ -151,12 +182,7 @@ class Results:
         tensors = [leaf for leaf in kept if leaf is not None]
         for index, leaf in enumerate(kept):
             if leaf is not None and leaf.layout is not torch.strided:
-                path = keystr(flatten_with_path(result, self.strings)[index][0])
-                raise ValueError(
-                    f"fn returned a tensor of layout {leaf.layout} at the result{path}: koila.chunked writes each "
-                    "chunk's rows into one tensor of every row, which only a strided tensor can be. Return it dense "
-                    "(.to_dense()), or join the chunks yourself under koila.batch"
-                )
+                self._unstrided(result, index, leaf.layout)
         dim, shapes = self.dim, []
         for leaf in tensors:
             shape = list(leaf.shape)
@@ -188,8 +214,33 @@ class Results:
             )
         return targets
 
+    def _unstrided(self, result: Any, index: int, layout: torch.layout) -> NoReturn:
+        path = keystr(flatten_with_path(result, self.strings)[index][0])
+        raise ValueError(
+            f"fn returned a tensor of layout {layout} at the result{path}: koila.chunked writes each chunk's rows "
+            "into one tensor of every row, which only a strided tensor can be, and refuses it whether the rows "
+            "take one chunk or more. Return it dense (.to_dense()), or join the chunks yourself under koila.batch"
+        )
+
+    def note_unfit(self, error: BaseException, minimum: int, max_attempts: int | None) -> None:
+        """Add to a give-up that a cap ended before one row the note that the result did not fit beside it."""
+        first, size, device = cast(tuple[int, int, torch.device], self.unfit)
+        if first <= minimum:
+            cap, advice = f"minimum={minimum}", "Lower minimum"
+        elif max_attempts is not None:
+            cap, advice = f"max_attempts={max_attempts}", "Raise max_attempts"
+        else:
+            cap, advice = "the search", "Lower minimum or raise max_attempts"
+        if hasattr(error, "add_note"):  # Python 3.11 on
+            error.add_note(
+                f"koila.chunked could not allocate its result, {self.rows} rows ({format_bytes(size)} on {device}), "
+                f"beside the first chunk at {first} rows, the last size tried; {cap} ended the search before a "
+                f"smaller first chunk, beside which it may fit, was tried. {advice}, or pass out= a tensor with "
+                "room for every row"
+            )
+
     def refuse(self) -> NoReturn:
-        """Raise the error that says the result does not fit beside even the smallest first chunk tried."""
+        """Raise the error that says the result does not fit beside even a first chunk of one row."""
         first, size, device = cast(tuple[int, int, torch.device], self.unfit)
         rows = "1 row" if first == 1 else f"{first} rows"
         raise torch.OutOfMemoryError(
@@ -207,7 +258,12 @@ class Results:
             leaf.dtype != target.dtype and (self.out is None or not torch.can_cast(leaf.dtype, target.dtype))
         ):
             self._mismatch(view, leaf, begin, end, result, index)
-        view.copy_(leaf)
+        try:
+            view.copy_(leaf)
+        except RuntimeError:
+            if leaf.layout is not torch.strided:  # torch's copy_ from a sparse tensor: said as without out=
+                self._unstrided(result, index, leaf.layout)
+            raise
 
     def _matched(self, result: Any) -> list[torch.Tensor | list[Any] | None]:
         """Return ``out``'s tensors in the order of the first result's leaves, matched by key (in any order)."""
@@ -321,11 +377,16 @@ class Results:
                         None,
                     )
                     subclass = "" if kind is None else f" (a subclass of {kind}, which torch.utils._pytree takes whole)"
+                    returned = f"fn returned {type(leaf).__name__}{subclass} at {where} for the chunk from row {begin}"
+                    if self.out is not None:
+                        raise TypeError(
+                            f"{returned}; with out=, koila.chunked writes the tensors fn returns into out's, so fn "
+                            "must return a tensor at each place where out has one (None is for a function that "
+                            "writes its results itself, called without out=)"
+                        )
                     raise TypeError(
-                        f"fn returned {type(leaf).__name__}{subclass} at {where} for the chunk from row {begin}; "
-                        f"koila.chunked joins tensors along dim {self.dim} (or writes them into out=), and lists "
-                        "of one string per row, so fn must return those, or a tuple, list or dict that holds them, "
-                        "or None"
+                        f"{returned}; koila.chunked joins tensors along dim {self.dim}, and lists of one string "
+                        "per row, so fn must return those, or a tuple, list or dict that holds them, or None"
                     )
             elif not -leaf.dim() <= self.dim < leaf.dim():
                 raise ValueError(
@@ -393,3 +454,116 @@ def _grad_leaf(tensor: torch.Tensor) -> bool:
         return False
     base = tensor._base
     return tensor.is_leaf or (base is not None and base.is_leaf)
+
+
+# The most runs of memory of an out tensor compared element by element (a few MiB of offsets); past it, a
+# tensor whose strides alone cannot rule out overlap is taken as it is, as torch takes it.
+_RUNS_CHECKED = 1 << 21
+
+
+def _runs(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Return the sorted starts and ends, in bytes of its storage, of the runs of memory ``tensor`` covers."""
+    dims = sorted((stride, length) for stride, length in zip(tensor.stride(), tensor.shape, strict=True) if length > 1)
+    run = 1  # elements that follow each other in memory from each start
+    while dims and dims[0][0] == run:
+        run *= dims.pop(0)[1]
+    if math.prod(length for _, length in dims) > _RUNS_CHECKED:
+        return None
+    starts = torch.tensor([tensor.storage_offset()], dtype=torch.int64)
+    for stride, length in dims:
+        starts = (starts[:, None] + torch.arange(length, dtype=torch.int64) * stride).flatten()
+    size = tensor.element_size()
+    starts = starts.sort().values * size
+    return starts, starts + run * size
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Return whether two elements of ``tensor`` share memory (an ``expand``), where its strides can tell."""
+    if tensor.numel() <= 1 or tensor.layout is not torch.strided or tensor.is_contiguous():
+        return False
+    dims = sorted((stride, length) for stride, length in zip(tensor.stride(), tensor.shape, strict=True) if length > 1)
+    reach = 1  # the elements the dims so far span, from the first to one past the last
+    for stride, length in dims:
+        if stride == 0:
+            return True
+        if stride < reach:  # strides that interleave (as_strided, unfold): compared run by run
+            runs = _runs(tensor)
+            return runs is not None and bool((runs[0][1:] < runs[1][:-1]).any())
+        reach += stride * (length - 1)
+    return False
+
+
+def _refuse_shared(paths: list[tuple[Any, Any]]) -> None:
+    """Raise the error that names two of ``out``'s tensors that share memory, if any do."""
+    by_storage: dict[tuple[torch.device, int], list[tuple[Any, torch.Tensor]]] = {}
+    for path, leaf in paths:
+        if leaf.numel() == 0 or leaf.layout is not torch.strided or leaf.device.type == "meta":
+            continue
+        try:
+            storage = leaf.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without one storage: nothing to compare
+            continue
+        by_storage.setdefault((leaf.device, storage), []).append((path, leaf))
+    for group in by_storage.values():  # usually one tensor each
+        for index, (path, leaf) in enumerate(group):
+            for other_path, other in group[index + 1 :]:
+                if _share(leaf, other):
+                    raise ValueError(
+                        f"out{keystr(path)} and out{keystr(other_path)} share memory (the same tensor, or views "
+                        "of one that overlap): koila.chunked writes a result into each, and the later write would "
+                        "overwrite the earlier's rows. Give each its own memory (a tensor of its own, or .clone())"
+                    )
+
+
+def _share(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Return whether two tensors of one storage have an element in the same memory, where it can be told."""
+    if first.data_ptr() == second.data_ptr():
+        return True
+    bounds = []
+    for tensor in (first, second):
+        begin = tensor.storage_offset() * tensor.element_size()
+        span = sum(stride * (length - 1) for stride, length in zip(tensor.stride(), tensor.shape, strict=True))
+        bounds.append((begin, begin + (span + 1) * tensor.element_size()))
+    if bounds[0][1] <= bounds[1][0] or bounds[1][1] <= bounds[0][0]:
+        return False
+    runs, others = _runs(first), _runs(second)
+    if runs is None or others is None:
+        return False
+    # The last run of ``second`` that starts before each run of ``first`` ends: they share memory if it ends
+    # after that run starts (the runs of ``second`` do not overlap each other, so their ends are sorted too).
+    last = torch.searchsorted(others[0], runs[1]) - 1
+    reached = others[1][last.clamp(min=0)]
+    return bool(((last >= 0) & (reached > runs[0])).any())
+
+
+def _in_order(spec: TreeSpec, first: TreeSpec, start: int) -> list[int] | None:
+    """Return the indices of ``spec``'s leaves (from ``start``) in ``first``'s order, if only dicts' orders differ."""
+    if spec.is_leaf() or first.is_leaf():
+        return [start] if spec.is_leaf() and first.is_leaf() else None
+    children, firsts = _children(spec), _children(first)
+    if spec.type is not first.type or len(children) != len(firsts):
+        return None
+    starts = [start]
+    for child in children[:-1]:
+        starts.append(starts[-1] + child.num_leaves)
+    if spec.type is dict:  # a plain dict's keys, in any order; an OrderedDict's order is part of it
+        place = {key: index for index, key in enumerate(spec.context)}
+        if any(key not in place for key in first.context):
+            return None
+        pairs = [(children[place[key]], starts[place[key]]) for key in first.context]
+    elif spec.context != first.context:
+        return None
+    else:
+        pairs = list(zip(children, starts, strict=True))
+    order: list[int] = []
+    for (child, begin), first_child in zip(pairs, firsts, strict=True):
+        inside = _in_order(child, first_child, begin)
+        if inside is None:
+            return None
+        order.extend(inside)
+    return order
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    # torch 2.13 deprecates children_specs for children(), which earlier releases lack.
+    return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
