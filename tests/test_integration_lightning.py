@@ -496,29 +496,72 @@ def test_a_batch_that_cannot_be_split_runs_whole_exactly_as_without_the_callback
 
 
 class Raising(MLP):
-    """A training step that raises a ValueError of its own, or is given a batch of no rows."""
+    """A training step that raises a ValueError of its own."""
 
-    def __init__(self, empty: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.empty, self.calls = empty, 0
+        self.calls = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self.calls += 1
-        if not self.empty:
-            raise ValueError("the step's own error")
-        return super().training_step(batch, batch_idx)
+        raise ValueError("the step's own error")
+
+
+def test_an_error_of_a_splittable_batch_is_raised_as_it_is_and_the_step_is_not_run_again() -> None:
+    model = Raising()
+    with pytest.raises(ValueError, match="the step's own error"):
+        trainer(OOMRecovery()).fit(model, loader())
+    assert model.calls == 1
+
+
+class Emptied(MLP):
+    """Batch 1 of each loader comes with no rows (a collate_fn that dropped them all); ``skip`` says how it runs."""
+
+    def __init__(self, skip: bool) -> None:
+        super().__init__()
+        self.skip = skip
+        self.batches = self.empty = 0
 
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
-        return [tensor[:0] for tensor in batch] if self.empty else batch
+        x, y = batch
+        self.batches += 1
+        return [x[:0], y[:0]] if self.batches % 3 == 2 else batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.empty += not len(x)
+        if not len(x):  # a guard that skips it, or a loss of no rows: 0, with a gradient of 0
+            return None if self.skip else self.net(x).sum()
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.empty += not len(x)
+        if len(x):
+            self.log("val_loss", F.cross_entropy(self.net(x), y))
+        return None if self.skip else self.net(x)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["the-steps-error", "no-rows"])
-def test_an_error_of_a_splittable_batch_is_raised_as_it_is_and_the_step_is_not_run_again(empty: bool) -> None:
-    model = Raising(empty)
-    match = "batch of 0 rows" if empty else "the step's own error"
-    with pytest.raises(ValueError, match=match):
-        trainer(OOMRecovery()).fit(model, loader())
-    assert model.calls == (0 if empty else 1)
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "zero-loss"])
+@pytest.mark.parametrize("initial", [None, 32], ids=["whole-first", "through-accumulate"])
+def test_a_batch_of_no_rows_runs_as_without_the_callback(skip: bool, initial: int | None) -> None:
+    """Nothing to split: fit and validate run it as the plain trainer does, with no error (they raised a ValueError)."""
+    reference, plain = Emptied(skip), trainer(max_steps=-1, max_epochs=1)
+    plain.fit(reference, loader(rows=192), loader(rows=192))
+    model, fitted = Emptied(skip), trainer(OOMRecovery(initial=initial), max_steps=-1, max_epochs=1)
+    fitted.fit(model, loader(rows=192), loader(rows=192))
+    assert model.empty == reference.empty == 2  # a batch of training, one of validation
+    assert fitted.global_step == plain.global_step
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    assert float(fitted.callback_metrics["val_loss"]) == pytest.approx(float(plain.callback_metrics["val_loss"]))
+    expected = trainer().validate(reference, loader(rows=192), verbose=False)[0]
+    got = trainer(OOMRecovery(initial=initial)).validate(model, loader(rows=192), verbose=False)[0]
+    assert got == pytest.approx(expected)
 
 
 class Primed(AnyBatch):
@@ -1062,6 +1105,58 @@ def test_under_gradient_accumulation_every_step_runs_whole_and_the_sum_is_the_tr
     assert_same_parameters(model, reference, rtol=0, atol=0)
 
 
+def _norms(module: torch.nn.Module) -> list[float]:
+    # Norms, not copies: a copy of every gradient would count against the simulated device. NaN: no gradient.
+    return [float("nan") if p.grad is None else torch.linalg.vector_norm(p.grad).item() for p in module.parameters()]
+
+
+class BeforeBackward(L.pytorch.callbacks.Callback):  # type: ignore[misc]
+    """Records the gradients in ``.grad`` as a callback's ``on_before_backward`` sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[float]] = []
+
+    def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+        self.seen.append(_norms(module))
+
+
+class LooksBeforeBackward(Lean):
+    """Records the gradients in ``.grad`` as the module's ``on_before_backward`` and ``on_after_backward`` see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: list[list[float]] = []
+        self.after: list[list[float]] = []
+
+    def on_before_backward(self, loss: Any) -> None:
+        self.before.append(_norms(self))
+
+    def on_after_backward(self) -> None:
+        self.after.append(_norms(self))
+
+
+@pytest.mark.parametrize("limit", [None, FIT_LIMIT], ids=["whole", "split"])
+def test_on_before_backward_sees_the_windows_gradients_so_far_as_without_the_callback(limit: str | None) -> None:
+    """Under accumulate_grad_batches=3: None on a window's first batch, the earlier batches' sum on the others."""
+    runs, events = [], []
+    for callbacks in ((), (OOMRecovery(on_oom=events.append),)):
+        model, watching = LooksBeforeBackward(), BeforeBackward()
+        with simulated_device(limit) if limit and callbacks else contextlib.nullcontext():
+            trainer(*callbacks, watching, accumulate_grad_batches=3, max_steps=2).fit(model, loader(rows=384))
+        runs.append((model, watching))
+    (reference, plain), (model, watching) = runs
+    assert bool(events) == bool(limit), "split where limited"
+    assert len(reference.before) == 6
+    assert reference.before[1][0] > 0, "the window's first batch's gradient"
+    assert all(norm != norm for norm in reference.before[3]), "None on a window's first batch"
+    pairs = ((model.before, reference.before), (watching.seen, plain.seen), (model.after, reference.after))
+    for got, expected in pairs:
+        assert len(got) == len(expected)
+        for norms, wanted in zip(got, expected, strict=True):
+            assert norms == pytest.approx(wanted, rel=1e-12, abs=1e-12, nan_ok=True)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
 def test_a_tensor_of_the_modules_own_is_walked_in_every_step_once_the_first_found_it() -> None:
     """The second batch of a window fails in Lightning's backward: its graph was walked too."""
     reference = Scaled()
@@ -1516,13 +1611,124 @@ def test_a_split_steps_logged_values_combine_as_accumulate_combines_outputs() ->
     assert torch.equal(combined(counts, [32, 16], "sum"), torch.tensor(8))
 
 
+def _logged(module: Any, limit: str | None, **options: Any) -> dict[str, float]:
+    """Fit ``module`` on the plain trainer (``limit`` None) or with the callback under ``limit``: the logged values."""
+    events: list[Any] = []
+    callbacks = [] if limit is None else [OOMRecovery(on_oom=events.append)]
+    fitted = trainer(*callbacks, **options)
+    with simulated_device(limit or "1GiB"):
+        fitted.fit(module, loader(rows=256))
+    assert bool(events) == (limit is not None and limit != "1GiB"), "split where limited"
+    return {name: float(value) for name, value in fitted.callback_metrics.items()}
+
+
+class ChangedAfterLogging(MLP):
+    """Logs a buffer and the loss, then changes both in place: Lightning logs their values at the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("seen", self.seen)
+        self.seen += 1
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        loss *= 0.5
+        return loss
+
+
+@pytest.mark.parametrize("limit", ["1GiB", FIT_LIMIT], ids=["whole", "split"])
+def test_a_tensor_the_step_changes_after_logging_it_is_logged_as_it_was_at_the_call(limit: str) -> None:
+    expected = _logged(ChangedAfterLogging(), None, max_steps=2)
+    got = _logged(ChangedAfterLogging(), limit, max_steps=2)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-12)
+    if limit == "1GiB":  # whole only: split, each micro-batch logs the buffer as it found it, then adds to it
+        assert got["seen"] == expected["seen"]
+
+
+# Every spelling Lightning reads as one of its four reductions (its _Metadata._parse_reduce_fx).
+_SPELLINGS: dict[str, Any] = {
+    "MAX": "MAX",
+    "builtin max": max,
+    "Min": "Min",
+    "builtin min": min,
+    "Sum": "Sum",
+    "builtin sum": sum,
+    "Mean": "Mean",
+    "AVG": "AVG",
+    "torch.max": torch.max,
+    "torch.mean": torch.mean,
+}
+
+
+class Reduced(MLP):
+    """Logs a value of its batch under every spelling of a reduction, for the step and for the epoch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        rows = x.mean(1)
+        values = {"sum": x.sum(), "max": rows.max(), "min": rows.min()}
+        for name, reduce_fx in _SPELLINGS.items():
+            value = next((values[kind] for kind in values if kind in name.lower()), rows.mean())
+            self.log(name, value, reduce_fx=reduce_fx, on_step=True, on_epoch=True)
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_every_spelling_of_reduce_fx_that_lightning_accepts_combines_a_split_steps_values_as_it_reduces() -> None:
+    expected = _logged(Reduced(), None, max_steps=-1, max_epochs=1)
+    got = _logged(Reduced(), FIT_LIMIT, max_steps=-1, max_epochs=1)
+    assert got.keys() == expected.keys()
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+class LoggedTwice(MLP):
+    """Logs names more than once in a step: a helper called per class, and once per row of label 0."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        for label in (0, 1):
+            self.log("labelled", (y == label).sum(), reduce_fx="sum", on_step=True, on_epoch=True)
+            self.log("share", (y == label).double().mean(), on_step=True, on_epoch=True)
+        # As many calls as the micro-batch has rows of label 0: a number that differs between them.
+        for _ in range(int((y == 0).sum())):
+            self.log("zeros", 1.0, reduce_fx="sum", on_step=False, on_epoch=True)
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_a_name_logged_more_than_once_in_a_split_step_reaches_the_epochs_value_as_without_the_callback() -> None:
+    expected = _logged(LoggedTwice(), None, max_steps=-1, max_epochs=1)
+    got = _logged(LoggedTwice(), FIT_LIMIT, max_steps=-1, max_epochs=1)
+    assert expected["zeros"] == int((loader(rows=256).dataset.tensors[1] == 0).sum())
+    assert got.keys() == expected.keys()
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+class _Marker:
+    """An object only a graph's node holds, to tell by a weak reference whether the graph is alive."""
+
+
+class _Marked(torch.autograd.Function):
+    """The identity, whose node holds a marker: alive as long as a graph through it is, after its backward too."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, marker: _Marker) -> torch.Tensor:
+        ctx.marker = marker
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _GraphLogged(MLP):
     """Logs its loss with ``enable_graph=True``; the second micro-batch of the first split runs out of memory."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[int] = []
-        self.logged: list[weakref.ref[torch.Tensor]] = []
+        self.logged: list[weakref.ref[_Marker]] = []  # of each step's graph
         self.alive: list[bool] = []  # at each call, whether the previous calls' logged values are alive
         self.told: list[int] = []
 
@@ -1534,9 +1740,10 @@ class _GraphLogged(MLP):
         hidden = self.net[1](self.net[0](x))
         if len(self.rows) == 3:  # a real out-of-memory error in this micro-batch's backward
             hidden.register_hook(lambda grad: torch.empty(2**24))
-        loss = F.cross_entropy(self.net[2](hidden), y)
+        marker = _Marker()
+        loss = F.cross_entropy(_Marked.apply(self.net[2](hidden), marker), y)
         self.log("train_loss", loss, enable_graph=True)  # the value holds the micro-batch's graph
-        self.logged.append(weakref.ref(loss))
+        self.logged.append(weakref.ref(marker))
         return loss
 
 
@@ -1585,3 +1792,30 @@ def test_handing_a_split_steps_gradients_to_lightning_makes_no_tensor() -> None:
     delivered.backward()
     assert delivered.item() == 2.0
     assert torch.equal(parameter.grad, torch.full((3,), 5.0))
+
+
+class WritesThenRaises(MLP):
+    """Writes .grad itself in the second batch of a window, then raises; keeps the first batch's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: torch.Tensor | None = None
+
+    def on_after_backward(self) -> None:
+        self.first = self.net[0].weight.grad.clone()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 1:
+            x, y = batch
+            F.cross_entropy(self.net(x), y).backward()
+            raise ValueError("the step's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_writes_gradients_itself_and_fails_leaves_the_window_s_as_they_were() -> None:
+    """The window's gradients are set aside before the step (and back in .grad for on_before_backward)."""
+    model = WritesThenRaises()
+    with pytest.raises(ValueError, match="the step's own error"):
+        trainer(OOMRecovery(), accumulate_grad_batches=2).fit(model, loader(rows=128))
+    assert model.first is not None
+    torch.testing.assert_close(model.net[0].weight.grad, model.first, rtol=0, atol=0)

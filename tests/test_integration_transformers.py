@@ -338,6 +338,7 @@ def test_a_split_evaluation_joins_logits_per_row_or_token_and_warns_of_others(tm
         assert len(said) == 1, said
         assert "keys_to_ignore_at_inference" in said[0]
         assert "(3,)" in said[0]
+        assert "the chunks' were averaged, weighed by rows" in said[0]  # what was done with it
     else:
         assert said == []
         for found in (first, second):
@@ -632,6 +633,185 @@ def test_a_seq2seq_prediction_split_keeps_every_sequence_of_each_row(tmp_path: P
     assert trainer.prediction_step.stats.ooms >= 1
     assert predicted.predictions.shape == expected.predictions.shape == (2 * len(Pairs()), 40)
     assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+
+
+class FlatLabels(transformers.Trainer):  # type: ignore[misc]
+    """A prediction_step that returns its labels flattened over tokens: not one entry per row."""
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return loss, logits, None if labels is None else labels.flatten()
+
+
+class FlatTokens(FlatLabels):
+    """The labels and the predicted tokens (integers) flattened over tokens."""
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return loss, None if logits is None else logits.argmax(-1).flatten(), labels
+
+
+class FlatFailing(FlatTokens):
+    """Out of memory for a chunk of more than one row that holds the batch's sixth row: attempts fail part-way."""
+
+    failing = True
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        ids = inputs["input_ids"]
+        sixth = collate([self.eval_dataset[5]])["input_ids"][0]
+        if self.failing and len(ids) > 1 and (ids[:, : len(sixth)] == sixth).all(-1).any():
+            raise torch.OutOfMemoryError("the sixth row in a chunk of several")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+
+def _token_metrics(found: Any) -> dict[str, float]:
+    """Metrics of flattened tokens that tell a sum of chunks from their concatenation: their count and positions."""
+    predictions, labels = torch.as_tensor(found.predictions), torch.as_tensor(found.label_ids)
+    if predictions.dim() > 1:  # logits per row
+        predictions = predictions.argmax(-1).flatten()
+    real = labels != -100
+    positions = torch.arange(len(labels), dtype=torch.float64)
+    return {"tokens": float(len(labels)), "where": float(positions[real].sum()), "hits": float(predictions[real].sum())}
+
+
+@pytest.mark.parametrize("call", ["predict", "evaluate"])
+@pytest.mark.parametrize("cls", [FlatLabels, FlatTokens, FlatFailing], ids=["labels", "tokens", "failing part-way"])
+def test_a_split_prediction_step_concatenates_labels_and_integer_logits_not_per_row(
+    tmp_path: Path, cls: Any, call: str
+) -> None:
+    """Labels (and integer logits) flattened over tokens were taken for a count of each chunk and added up (probe 64B).
+
+    The trainer concatenates each batch's along dim 0; so do the chunks' now, also after attempts that
+    failed part-way. Integer logits so joined are warned of, saying so; labels, targets, are not.
+    """
+    expected, trainer = make_trainer(tmp_path, cls), adapt(make_trainer(tmp_path, cls))
+    expected.failing = False
+    for each in (expected, trainer):
+        each.compute_metrics = _token_metrics
+
+    def run(each: Any) -> Any:
+        return each.predict(each.eval_dataset) if call == "predict" else each.evaluate()
+
+    plain = [run(expected)] * 2
+    with simulated_device("192KiB"), pytest.raises(torch.OutOfMemoryError):
+        run(expected)
+    found = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # each as short of memory: the results of the first count in a block
+            with simulated_device("192KiB"):
+                found.append(run(trainer))
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.prediction_step.stats.batch_size < 8
+    for split, whole in zip(found, plain, strict=True):
+        if call == "predict":
+            assert torch.equal(torch.as_tensor(split.label_ids), torch.as_tensor(whole.label_ids))
+            split_logits, whole_logits = torch.as_tensor(split.predictions), torch.as_tensor(whole.predictions)
+            torch.testing.assert_close(split_logits, whole_logits, rtol=1e-5, atol=1e-6)
+            split, whole = split.metrics, whole.metrics
+        prefix = "test" if call == "predict" else "eval"
+        for name in ("tokens", "where", "hits"):
+            assert split[f"{prefix}_{name}"] == whole[f"{prefix}_{name}"], name
+        assert split[f"{prefix}_loss"] == pytest.approx(whole[f"{prefix}_loss"], rel=1e-5)
+    said = [str(warning.message) for warning in caught if "adapt's prediction_step" in str(warning.message)]
+    if cls is FlatLabels:
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        assert "dtype torch.int64 was joined by concatenating the chunks' along dim 0" in said[0]
+        assert "averaged" not in said[0]
+        assert "added up" not in said[0]
+        assert "labels tensor" not in said[0]
+
+
+class Trimmed(transformers.Trainer):  # type: ignore[misc]
+    """A prediction_step that trims its logits and labels to its batch's longest row: chunks differ in width."""
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        width = int(inputs["attention_mask"].sum(1).max())
+        return loss, logits[:, :width], labels[:, :width]
+
+
+class Generating(transformers.Trainer):  # type: ignore[misc]
+    """A prediction_step that generates: each chunk as long as its own longest row, up to its first EOS token."""
+
+    eos: int | None = None
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        loss = super().prediction_step(model, inputs, True, ignore_keys)[0]
+        ids = inputs["input_ids"]
+        tokens = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=0,
+        )
+        return loss, tokens, inputs["labels"]
+
+
+class Even(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Rows of 12 tokens, none padded: each row generates the same tokens in any batch."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.rows = [torch.randint(1, 100, (12,), generator=generator) for _ in range(8)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index]}
+
+
+@pytest.mark.parametrize("cls", [Trimmed, Generating], ids=["trimmed", "generated"])
+def test_a_split_prediction_step_whose_chunks_differ_in_width_is_padded_as_the_trainer_pads_batches(
+    tmp_path: Path, cls: Any
+) -> None:
+    """Chunks' logits of different widths raised torch.cat's bare error (probe 64B): padded with -100 now, warned of.
+
+    The whole batch would have held its own values where a chunk is padded (the model's logits, generate's
+    pad token): everything else is the whole batch's.
+    """
+    data = Rows(8, seed=2) if cls is Trimmed else Even()
+    plain, trainer = make_trainer(tmp_path, cls), adapt(make_trainer(tmp_path, cls))
+    if cls is Generating:
+        # Greedy tokens do not depend on the EOS token before a row emits it: a run with one that no row
+        # emits shows where each row stops for every token. Chosen so that chunks of 1 or 2 rows stop at
+        # different widths.
+        free = torch.as_tensor(plain.predict(data).predictions)[:, 12:].tolist()
+
+        def widths(token: int, size: int) -> set[int]:
+            stops = [next((at + 1 for at, each in enumerate(row) if each == token), len(row)) for row in free]
+            return {max(stops[start : start + size]) for start in range(0, len(stops), size)}
+
+        eos = next(token for token in range(1, 100) if all(len(widths(token, size)) > 1 for size in (1, 2)))
+        plain.eos = trainer.eos = eos
+    expected = plain.predict(data)
+    with simulated_device("160KiB"), pytest.raises(torch.OutOfMemoryError):
+        plain.predict(data)
+    found = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # each as short of memory: the results of the first count in a block
+            with simulated_device("160KiB"):
+                found.append(trainer.predict(data))
+    assert trainer.prediction_step.stats.ooms >= 1
+    assert trainer.prediction_step.stats.batch_size in ((1, 2) if cls is Generating else range(1, 8))
+    said = [str(warning.message) for warning in caught if "padded at the end with -100" in str(warning.message)]
+    assert len(said) == 1, said
+    whole = torch.as_tensor(expected.predictions)
+    for split in found:
+        assert torch.equal(torch.as_tensor(split.label_ids), torch.as_tensor(expected.label_ids))
+        predictions = torch.as_tensor(split.predictions)
+        assert predictions.shape == whole.shape
+        kept = predictions != -100
+        assert not kept.all()  # some chunk was padded
+        torch.testing.assert_close(predictions[kept], whole[kept], rtol=1e-5, atol=1e-6)
+        if cls is Trimmed:  # padded only past a chunk's longest row: where the whole batch's labels are padding
+            assert (torch.as_tensor(expected.label_ids)[~kept.all(-1)] == -100).all()
 
 
 def test_options_are_checked_when_adapting(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from koila_retry._common.results import flatten, flatten_with_path, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._core.engine import Controller
 
-__all__ = ["Results", "Step", "describe", "loss_of"]
+__all__ = ["Results", "Step", "describe", "loss_of", "padded_cat", "padded_shape"]
 
 
 class Step(Protocol):
@@ -283,15 +283,15 @@ class Results:
         """Join the micro-batches' parts along ``dim``: padded to the largest where the step pads and sizes differ."""
         dim, pad = self.step.dim, self.step.pad
         if pad is not None:
-            shape = _padded_shape(column, dim)
+            shape = padded_shape(column, dim)
             value = None if shape is None else pad()
             if shape is not None and value is not None:
-                return _padded_cat(column, dim, shape, value)
+                return padded_cat(column, dim, shape, value)
         # Tensors that differ outside dim, not padded: torch.cat's own error, which names the sizes.
         return torch.cat(column, dim=dim)
 
 
-def _padded_shape(column: list[torch.Tensor], dim: int) -> list[int] | None:
+def padded_shape(column: list[torch.Tensor], dim: int) -> list[int] | None:
     """The shape of ``column`` joined along ``dim``, each other dim the largest; ``None`` if none differs (or can)."""
     first = column[0]
     count = first.dim()
@@ -313,7 +313,7 @@ def _padded_shape(column: list[torch.Tensor], dim: int) -> list[int] | None:
     return largest
 
 
-def _padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: float) -> torch.Tensor:
+def padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: float) -> torch.Tensor:
     """``torch.cat(column, dim)`` into a tensor of ``shape`` filled with ``value``: each part at the start."""
     first = column[0]
     dim %= first.dim()

@@ -1,9 +1,10 @@
 """Lightning: the ``self.log`` calls of a step that ``OOMRecovery`` runs, held back and logged once it succeeded.
 
-A step that ran whole logs its calls as they were made. A split step logs each name once, as
-the whole batch's call would have logged it: its micro-batches' values combined as
-``reduce_fx`` reduces (integer tensors, counts, added up, as ``accumulate`` joins a step's
-outputs), and the ``batch_size`` the whole call would have passed (see :func:`batch_size`).
+A step that ran whole logs its calls as they were made. A split step logs each call of a name
+once, as the whole batch's call would have logged it: the n-th call of a name, the
+micro-batches' n-th calls of it combined as ``reduce_fx`` reduces (integer tensors, counts,
+added up, as ``accumulate`` joins a step's outputs), with the ``batch_size`` the whole call
+would have passed (see :func:`batch_size`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ __all__ = ["WHOLE", "Logs", "batch_size", "combined"]
 # The rows of a part that ran the batch as given, not one of accumulate's micro-batches.
 WHOLE = -1
 
-_MEAN = ("mean", "avg", torch.mean)
-_SUM = ("sum", torch.sum)
-_MAX = ("max", torch.max)
-_MIN = ("min", torch.min)
+# The reductions Lightning accepts as functions (its _Metadata: torch's and the builtins), by the name it gives them.
+_FUNCTIONS: tuple[tuple[Any, str], ...] = (
+    (torch.mean, "mean"),
+    (torch.sum, "sum"),
+    (sum, "sum"),
+    (torch.max, "max"),
+    (max, "max"),
+    (torch.min, "min"),
+    (min, "min"),
+)
 _NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 # LightningModule.log's own parameters, less self: what the options given by position mean to
 # Lightning, where the module's log passes them on through *args.
@@ -101,8 +108,10 @@ class Logs:
                     options.update(item)
                 elif key not in (first, second):
                     options[key] = item
-        if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
-            value = value.detach()  # as Lightning keeps it: the graph would hold the activations
+        if isinstance(value, torch.Tensor):
+            # A copy, as Lightning's log makes at the call: the step may change the tensor after it (a
+            # buffer, loss *= 0.5). Without its graph, which would hold the activations, unless asked.
+            value = value.clone() if options.get("enable_graph", False) else value.detach().clone()
         self.calls.append((name, value, options))
 
     def drop(self) -> None:
@@ -133,12 +142,16 @@ class Logs:
                 for name, value, options in calls:
                     self.log(name, value, **options)
             return
-        names: dict[str, list[tuple[int, Call]]] = {}
+        # A name's n-th call combines the n-th calls of the micro-batches that made one (as many calls as
+        # the micro-batch that made most): each of the whole batch's calls reaches the epoch's value.
+        positions: dict[tuple[str, int], list[tuple[int, Call]]] = {}
         for part_rows, calls in kept:
-            last = {call[0]: call for call in calls}
-            for name, call in last.items():
-                names.setdefault(name, []).append((part_rows, call))
-        for name, entries in names.items():
+            made: dict[str, int] = {}
+            for call in calls:
+                index = made.get(call[0], 0)
+                made[call[0]] = index + 1
+                positions.setdefault((call[0], index), []).append((part_rows, call))
+        for (name, _), entries in positions.items():
             options = dict(entries[-1][1][2])
             counts = [n for n, _ in entries]
             value = combined([call[1] for _, call in entries], counts, options.get("reduce_fx", "mean"))
@@ -170,7 +183,8 @@ def combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
     numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values)
     if not numbers and not all(isinstance(value, torch.Tensor) for value in values):
         return values[-1]
-    if reduce_fx in _MEAN:
+    reduce_fx = _reduction(reduce_fx)
+    if reduce_fx == "mean":
         if not numbers and not (values[0].is_floating_point() or values[0].is_complex()):
             # A count, as accumulate joins a step's outputs: the whole batch's is the sum.
             total = torch.stack([value.detach() for value in values]).sum(0)
@@ -179,12 +193,25 @@ def combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
         if numbers:
             return math.fsum(value * n for value, n in zip(values, rows)) / everything
         return sum(value.detach() * (n / everything) for value, n in zip(values, rows))
-    if reduce_fx in _SUM:
+    if reduce_fx == "sum":
         return sum(values[1:], values[0])
-    if reduce_fx in _MAX or reduce_fx in _MIN:
-        pick = max if reduce_fx in _MAX else min
+    if reduce_fx in ("max", "min"):
+        pick = max if reduce_fx == "max" else min
         if numbers:
             return pick(values)
         stacked = torch.stack([torch.as_tensor(value).detach().reshape(()) for value in values])
         return stacked.max() if pick is max else stacked.min()
     return values[-1]
+
+
+def _reduction(reduce_fx: Any) -> str | None:
+    """Return ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a ``reduce_fx`` Lightning reads as it; else None."""
+    # As Lightning's _Metadata._parse_reduce_fx: a string in any case, "avg" for "mean"; a function of _FUNCTIONS.
+    if isinstance(reduce_fx, str):
+        name = reduce_fx.lower()
+        name = "mean" if name == "avg" else name
+        return name if name in ("mean", "sum", "max", "min") else None
+    for function, name in _FUNCTIONS:
+        if reduce_fx is function:
+            return name
+    return None

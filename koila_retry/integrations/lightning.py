@@ -218,8 +218,11 @@ class _Delivery(torch.autograd.Function):
 
 _Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
 # A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
-# aside (none where they were released) and accumulate_grad_batches.
-_Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int]
+# aside as it began (none where they were released), which of them are back in .grad until that backward
+# (see _whole), and accumulate_grad_batches.
+_Pending = tuple[
+    torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], list[bool], int
+]
 
 
 def _watched(parameters: list[torch.nn.Parameter]) -> bool:
@@ -448,8 +451,10 @@ class _Step:
             return self.run(*args, **kwargs)
         except (TypeError, ValueError):
             reason = _unsplittable(args, kwargs)
-            if reason is None:  # splittable: the step's own error, or a batch of 0 rows
-                raise
+            if reason is None:  # splittable: the step's own error, or a batch of 0 rows, which accumulate refuses
+                if not _no_rows(args, kwargs):
+                    raise
+                reason = ""  # nothing to split: run whole, as without the callback
         finally:
             self.given = ((), {})
         device = module.device
@@ -461,13 +466,21 @@ class _Step:
             return self.unsplit(self.stand_in)
         except BatchSizeExhausted as error:
             batch = args[0] if args else next(iter(kwargs.values()), None)
+            step = f"{type(module).__qualname__}.{self.name}"
+            message = (
+                f"OOMRecovery cannot split the batch of {step}, a {type(batch).__qualname__}: {reason}. It ran "
+                "whole, as without OOMRecovery, and ran out of memory. To let OOMRecovery run it in micro-batches, "
+                "make the batch a dataclass, a tuple, list, dict or named tuple (nested as deep as needed) of "
+                "tensors that share their rows along dim 0, for instance in the data loader's collate_fn (see the "
+                "docs: Batches, which tensors are split)."
+            )
+            if not reason:
+                message = (
+                    f"The batch of {step} has 0 rows: OOMRecovery ran it whole, as without OOMRecovery, "
+                    "and it ran out of memory."
+                )
             raise BatchSizeExhausted(
-                f"OOMRecovery cannot split the batch of {type(module).__qualname__}.{self.name}, a "
-                f"{type(batch).__qualname__}: {reason}. It ran whole, as without OOMRecovery, and ran out of "
-                "memory. To let OOMRecovery run it in micro-batches, make the batch a dataclass, a tuple, list, "
-                "dict or named tuple (nested as deep as needed) of tensors that share their rows along dim 0, "
-                "for instance in the data loader's collate_fn (see the docs: Batches, which tensors are split).\n"
-                f"{error}",
+                f"{message}\n{error}",
                 batch_size=error.batch_size,
                 attempts=error.attempts,
                 diagnosis=error.diagnosis,
@@ -511,7 +524,7 @@ class _Step:
         released = self._released(trainer, module)
         batch_idx, self.batch_idx = self.batch_idx, None
         zeroes = self._trusted(trainer, module, parameters, released, batch_idx)
-        if zeroes is not None and not _no_rows(args, kwargs):
+        if zeroes is not None:
             output = self._whole(module, parameters, args, kwargs, zeroes, trainer.accumulate_grad_batches)
             if output is not _FAILED:
                 return output
@@ -624,7 +637,8 @@ class _Step:
         steps: int,
     ) -> Any:
         """Run the step whole, as without the callback, its loss's backward left to the loop; ``_FAILED`` on an OOM."""
-        # Released where Lightning sets them to None after this step (see _released); else set aside.
+        # Released where Lightning sets them to None after this step (see _released); else set aside, so
+        # that a step that writes .grad itself and then fails leaves them as they were.
         before = [] if zeroes else [parameter.grad for parameter in parameters]
         for parameter in parameters:
             parameter.grad = None
@@ -642,8 +656,14 @@ class _Step:
             if before:
                 added_back(parameters, before)
             return output  # skipped (None), or nothing to backpropagate: as without the callback
+        # Back in .grad until the loop's backward, for on_before_backward to see as without the callback,
+        # where the step wrote none itself; _backward_of_whole sets them aside again.
+        back = [False] * len(before)
+        for index, (parameter, gradient) in enumerate(zip(parameters, before, strict=False)):
+            if gradient is not None and parameter.grad is None:
+                parameter.grad, back[index] = gradient, True
         # The loop backpropagates a leaf of the same value; the module's backward the loss (_backward_of_whole).
-        self.pending = (loss, args, kwargs, parameters, before, steps)
+        self.pending = (loss, args, kwargs, parameters, before, back, steps)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
         return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
@@ -676,8 +696,12 @@ class _Step:
         if pending is None:
             module.backward(tensor, *args, **kwargs)
             return
-        loss, batch_args, batch_kwargs, parameters, before, steps = pending
+        loss, batch_args, batch_kwargs, parameters, before, back, steps = pending
         del pending
+        # Aside again, as the hooks left them (one may have scaled or replaced them).
+        for index, parameter in enumerate(parameters):
+            if index < len(back) and back[index]:
+                before[index], parameter.grad = parameter.grad, None
         # Other leaves (a tensor of the module's own) are set aside: in every step if the first step's walk found any.
         others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
         if self.walks is not False:
@@ -734,23 +758,19 @@ class _Step:
     def _forget(self, module: pl.LightningModule) -> None:
         """Drop the loss of a step that ran whole and whose backward did not come; put back what was set aside."""
         if self.pending is not None:
-            parameters, before = self.pending[3], self.pending[4]
+            parameters, before, back = self.pending[3], self.pending[4], self.pending[5]
             self.pending = None
             vars(module).pop("backward", None)
-            if before:
-                added_back(parameters, before)
+            aside = [None if again else gradient for gradient, again in zip(before, back, strict=True)]
+            if any(gradient is not None for gradient in aside):
+                added_back(parameters, aside)
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()
         self.failure = None
         # On one device, nothing to undo: an evaluation step writes no gradient. Under DDP the ranks
         # agree on every size, so every rank runs through accumulate.
-        if (
-            self.trusting
-            and self.options.get("initial") is None
-            and type(trainer.strategy) is SingleDeviceStrategy
-            and not _no_rows(args, kwargs)
-        ):
+        if self.trusting and self.options.get("initial") is None and type(trainer.strategy) is SingleDeviceStrategy:
             output = self._ran(module, args, kwargs)
             if output is not _FAILED:
                 return output

@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
 from koila_retry._common.warn import warn_or_log
@@ -33,6 +34,7 @@ from koila_retry._core.policy import Options, Policy
 from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.gradients import OtherLeaves, added_back
+from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -86,6 +88,9 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     Evaluation and prediction: a ``prediction_step`` that runs out of memory runs
     again in chunks of its rows, without gradients, and returns the whole batch's
     loss (the chunks' losses weighed by their items, as above), logits and labels.
+    Labels, and logits of integers that are not one entry per row, are concatenated
+    along dim 0 as the trainer joins its batches; chunks whose tensors differ in
+    width are padded with -100, as it pads them (docs/trainers.rst).
 
     A custom loss that is a mean over something else than those labels (a mean
     over rows of labels with -100 entries, say) is weighed wrongly when a step
@@ -627,15 +632,28 @@ class _Prediction(_Bound):
         self.rows_checked = False  # see _averaged
         # The logits' leaves folded to one entry per row, by index, with their entries per row (see _folded).
         self.folds: dict[int, int] | None = None
+        self.total = 0  # the rows of the step's batch, as accumulate splits them
+        # Per batch size, the rows' indices passed beside the batch: each chunk's tell where it starts.
+        self.indices: dict[int, torch.Tensor] = {}
+        self.padded = False  # whether the step's parts were padded with -100 (see pad)
+        self.warned_padded = False
 
-        def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any) -> dict[str, Any]:
-            loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        def prediction_step(
+            model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any, where: torch.Tensor | None
+        ) -> dict[str, Any]:
+            try:
+                loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            except BaseException:
+                self.aside.drop()  # before the memory of the failed attempt is released
+                raise
             if loss is None:  # accumulate needs a loss to weigh; this one stands for none
                 self.lossless = True
                 loss = torch.zeros((), device=trainer.args.device)
             rows = _rows_of(inputs)
             if logits is not None and rows:
                 logits = self._folded(logits, inputs, rows)
+            if where is not None:
+                logits, labels = self.aside.chunk(int(where[0]), len(where), self.total, logits, labels)
             # Only what there is: a None would be warned about as an object accumulate cannot combine.
             found = {"loss": loss, "logits": logits, "labels": labels}
             return {key: value for key, value in found.items() if value is not None}
@@ -644,8 +662,15 @@ class _Prediction(_Bound):
         self.kept = _Whole(True)
         replay = self.kept.replayed
 
-        def pad() -> float | None:  # asked only when the chunks' tokens differ in length, at the step
-            return _generated_pad(trainer)
+        def pad() -> float | None:  # asked only when the chunks' parts differ in size beyond the rows
+            if getattr(trainer.args, "predict_with_generate", False):
+                return _generated_pad(trainer)
+            # As the trainer pads its batches' (nested_concat's padding_index): a prediction_step that
+            # generates, or trims to its batch's longest row. Warned of after the step.
+            self.padded = True
+            return IGNORED
+
+        self.aside = Aside(pad)
 
         self.stats = stats = Stats(batch_size=0)  # one for the three, as in training
         shared: Any = {"replay": replay, "pad": pad, "stats": stats, "options": options}
@@ -689,20 +714,37 @@ class _Prediction(_Bound):
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
         self.folds = None
+        total = _batch_rows((model, inputs, prediction_loss_only, ignore_keys))
+        self.total = total or 0
+        self.aside.start()
+        self.padded = False
         with swap, torch.no_grad():
-            found = step(model, inputs, prediction_loss_only, ignore_keys)
+            found = step(
+                model, inputs, prediction_loss_only, ignore_keys, None if total is None else self._where(total)
+            )
         loss = None if self.lossless else found["loss"]
-        logits = found.get("logits")
-        if not self.rows_checked and logits is not None:
-            total = _rows_of(inputs)
-            if total and step.stats.batch_size < total:
-                self._averaged(logits, total)
+        logits = self.aside.restored(LOGITS, found.get("logits"))
+        labels = self.aside.restored(LABELS, found.get("labels"))
+        if total and step.stats.batch_size < total:
+            if not self.rows_checked and (logits is not None or labels is not None):
+                self._averaged(logits, labels, total)
+            if self.padded and not self.warned_padded:
+                self._warn_padded(total)
         if self.folds:
             leaves, spec = flatten(logits)
             for index in self.folds:
                 leaves[index] = leaves[index].flatten(0, 1)
             logits = tree_unflatten(leaves, spec)
-        return loss, logits, found.get("labels")
+        return loss, logits, labels
+
+    def _where(self, total: int) -> torch.Tensor:
+        """The indices of a batch's rows, on the CPU, where reading a chunk's first costs no device sync."""
+        where = self.indices.get(total)
+        if where is None:
+            if len(self.indices) > 64:  # batch sizes seldom vary; some loaders' do, batch after batch
+                self.indices.clear()
+            where = self.indices[total] = torch.arange(total)
+        return where
 
     def _folded(self, logits: Any, inputs: Any, rows: int) -> Any:
         """Fold each tensor of ``logits`` of several entries per row, row after row, to one per row: joined as rows."""
@@ -743,25 +785,54 @@ class _Prediction(_Bound):
             leaves[index] = leaf.reshape(rows, per_row, *leaf.shape[1:])
         return tree_unflatten(leaves, spec)
 
-    def _averaged(self, logits: Any, rows: int) -> None:
-        """Warn of the logits of the first split step if they were not one row per row: averaged over the chunks."""
-        # The trainer joins every batch's logits along their first dimension, as rows: one that is neither per row
-        # nor per token (see _folded) was taken by accumulate for a value of the whole chunk (an MoE aux_loss).
-        # Looked at once: a model's outputs keep their kinds from batch to batch.
+    def _averaged(self, logits: Any, labels: Any, rows: int) -> None:
+        """Warn of the results of the first split step that are not one row per row, saying how each was joined."""
+        # The trainer joins every batch's results along their first dimension, as rows: one that is neither per row
+        # nor per token (see _folded) was taken by accumulate for a value of the whole chunk (an MoE aux_loss), or
+        # concatenated (see Aside). Looked at once: a model's outputs keep their kinds from batch to batch.
         self.rows_checked = True
-        odd = [leaf for leaf in flatten(logits)[0] if isinstance(leaf, torch.Tensor) and leaf.shape[:1] != (rows,)]
-        if not odd:
+        said = []
+        for part, value in ((LOGITS, logits), (LABELS, labels)):
+            leaves = [] if value is None else flatten(value)[0]
+            joined = {id(leaves[index]) for index in self.aside.concatenated(part)}
+            for leaf in not_per_row(value, rows):
+                if part == LOGITS or id(leaf) not in joined:  # labels concatenated are joined as the trainer joins
+                    said.append(how_joined(part, leaf, id(leaf) in joined))
+        if not said:
             return
         warn_or_log(
-            f"adapt's prediction_step ran a batch of {rows} rows in chunks, and its logits hold {len(odd)} "
-            f"tensor(s) that are not one entry per row, nor per token of the rows, along their first dimension "
-            f"(the first has shape {tuple(odd[0].shape)}; an MoE model's aux_loss, say): each was taken "
-            "for a value of the whole chunk, and the chunks' were averaged, weighed by rows, so they are not the "
-            "whole batch's. Leave them out of the logits (evaluate(ignore_keys=[...]), or the model config's "
-            "keys_to_ignore_at_inference), or set prediction_loss_only. This warning is shown once.",
+            f"adapt's prediction_step ran a batch of {rows} rows in chunks, and its results hold {len(said)} "
+            "tensor(s) that are not one entry per row, nor per token of the rows, along their first dimension: "
+            f"{'; '.join(said)}. Leave such tensors out of the logits (evaluate(ignore_keys=[...]), or the model "
+            "config's keys_to_ignore_at_inference), or set prediction_loss_only. This warning is shown once.",
             UserWarning,
             stacklevel=levels_to_caller(),
         )
+
+    def _warn_padded(self, rows: int) -> None:
+        self.warned_padded = True
+        warn_or_log(
+            f"adapt's prediction_step ran a batch of {rows} rows in chunks, whose logits or labels differed in size "
+            "beyond the rows (a prediction_step that generates, or trims its results to its batch's longest row): "
+            f"they were padded at the end with {IGNORED}, as the Trainer pads its batches to join them. The whole "
+            "batch would have held its own values there (generate's pad token, or the model's logits), so the "
+            "padded entries differ from the whole batch's. This warning is shown once.",
+            UserWarning,
+            stacklevel=levels_to_caller(),
+        )
+
+
+def _batch_rows(args: tuple[Any, ...]) -> int | None:
+    """The rows that accumulate splits a prediction step's arguments into, or ``None`` where it cannot split them."""
+    inputs = args[1]
+    if isinstance(inputs, Mapping):  # the usual batch: its first tensor that does not broadcast
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != 1:
+                return int(value.shape[0])
+    try:  # as accumulate finds them
+        return Split(args, {}, 0, NAME).rows
+    except (ValueError, TypeError, RuntimeError, AttributeError):  # accumulate raises its own error
+        return None
 
 
 def _per_row(value: Any, rows: int) -> bool:
