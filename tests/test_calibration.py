@@ -576,3 +576,26 @@ def test_suggest_batch_size_refuses_a_calibration_that_is_no_bool() -> None:
 def test_suggest_batch_size_refuses_to_calibrate_another_device_than_the_inputs() -> None:
     with simulated_device("1GiB"), pytest.raises(ValueError, match="lie on cpu.*measures the device"):
         koila.suggest_batch_size(inference(net()), batch(8)[0], device="meta", budget="1GiB", calibrate=True)
+
+
+def test_a_corrected_size_stays_below_one_that_ran_out_of_memory_in_the_call() -> None:
+    """A step whose first rows take a cheap path: each probe measured says more fit than did."""
+    torch.manual_seed(0)
+    cheap = torch.nn.Linear(8, 2).double()
+    costly = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 2)).double()
+    x, y = torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 2, (32,))
+    hard = torch.arange(32) >= 8  # sorted data: the first 8 rows are easy
+    failed: list[int] = []
+
+    @koila.accumulate(initial="auto", cache=koila.NoCache(), on_oom=lambda event: failed.append(event.batch_size))
+    def step(x: torch.Tensor, hard: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros(len(x), 2, dtype=x.dtype)
+        out = torch.where(hard[:, None], costly(x), zeros) if hard.any() else cheap(x)
+        return torch.nn.functional.cross_entropy(out, y)
+
+    with simulated_device(60_000), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "initial='auto' chose the first size")  # hard.any(): a branch on a value
+        step(x, hard, y)
+    assert len(failed) >= 2
+    for index, size in enumerate(failed[1:], start=1):
+        assert size < min(failed[:index]), f"{size} rows tried after {min(failed[:index])} ran out: {failed}"

@@ -36,6 +36,8 @@ class Calibrating(Strategy):
 
     def out_of_memory(self, course: Course, failure: Failure, final: bool) -> None:
         state = course.state
+        rows = state.size if state.rows is None else state.rows
+        state.failed = rows if state.failed is None else min(state.failed, rows)
         if state.measures:  # the estimate is short: its smaller probe is the decision's hint
             hint = self.first.after_oom(state.size)
             reused = failure.reused is not None
