@@ -391,7 +391,7 @@ def test_the_direct_paths_walk_finds_the_leaves_the_full_walk_finds(case: int) -
     name, make, batchnorm = _graphs()[case]
     loss = make()
     fast, full = Gradients(True), Gradients(True)
-    found = fast._leaves(loss)
+    found = fast.reached(loss)
     expected = full._walk((loss,))[0]
     assert {id(leaf) for leaf in found} == {id(leaf) for leaf in expected}, name
     assert len(found) == len({id(leaf) for leaf in found}), f"{name}: a leaf found twice"
@@ -406,5 +406,5 @@ def test_the_walk_reads_a_batch_norm_freed_by_an_earlier_backward_as_one_over_ro
     hidden = torch.nn.BatchNorm1d(3)(torch.nn.Linear(3, 3)(x))
     torch.autograd.grad(hidden.sum(), x)  # frees the graph's saved tensors
     gradients = Gradients(True)
-    assert len(gradients._leaves(hidden.sum())) == 5  # x, and the weights and biases of the linear and the norm
+    assert len(gradients.reached(hidden.sum())) == 5  # x, and the weights and biases of the linear and the norm
     assert gradients.batchnorm == 2

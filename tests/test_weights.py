@@ -89,6 +89,64 @@ def test_a_micro_batch_that_counts_nothing_adds_nothing() -> None:
         torch.testing.assert_close(parameter.grad, grad)
 
 
+class Routed(torch.nn.Module):
+    """Rows of kind 1 go through a head of their own (an expert, a task's head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.special = torch.nn.Linear(4, 3).double(), torch.nn.Linear(4, 3).double()
+
+    def forward(self, x: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(kind == 1).squeeze(1)
+        out = self.shared(x)
+        return out.index_copy(0, rows, self.special(x[rows])) if len(rows) else out
+
+
+@pytest.mark.parametrize("before", ["none", "present"])
+@pytest.mark.parametrize("gives_up", [False, True], ids=["fits", "gives-up-after-it"])
+def test_a_parameter_only_rows_that_count_nothing_reach_gets_what_the_whole_batch_gives(
+    before: str, gives_up: bool
+) -> None:
+    """Zeros, as the whole batch's backward writes: None left an optimizer with weight decay a step behind."""
+    model = Routed()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    kind = torch.tensor([1, 1, 0, 0, 0, 0, 0, 0])
+    y[:4] = IGNORED  # the first micro-batch, which holds the special rows, counts nothing
+
+    def loss_of(x: torch.Tensor, kind: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x, kind), y, ignore_index=IGNORED)
+
+    def start() -> list[torch.Tensor | None]:
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter) if before == "present" else None
+        return [parameter.grad for parameter in model.parameters()]
+
+    start()
+    loss_of(x, kind, y).backward()
+    expected = [parameter.grad.clone() for parameter in model.parameters()]  # type: ignore[union-attr]
+    found = start()
+    inject = koila.testing.oom_for({2} if gives_up else set())  # the second micro-batch, after the first's zeros
+
+    def step(x: torch.Tensor, kind: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        inject()
+        return loss_of(x, kind, y)
+
+    counted = koila.accumulate(
+        step, initial=4, minimum=4, weight=lambda x, kind, y: (y != IGNORED).sum(), cache=koila.NoCache()
+    )
+    if gives_up:
+        with pytest.raises(koila.BatchSizeExhausted):
+            counted(x, kind, y)
+        for parameter, grad in zip(model.parameters(), found):
+            assert parameter.grad is grad if grad is None else torch.equal(parameter.grad, grad)
+        return
+    counted(x, kind, y)
+    assert model.special.weight.grad is not None
+    for parameter, grad in zip(model.parameters(), expected):
+        torch.testing.assert_close(parameter.grad, grad, rtol=1e-12, atol=0)
+
+
 def _mean_over_nothing(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """A token mean written as a sum over a count, as Hugging Face's losses are: 0 / 0 over no tokens."""
     logits = model(batch["ids"])

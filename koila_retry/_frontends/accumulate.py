@@ -260,10 +260,8 @@ def accumulator(
     # For a trainer's integration that ran the whole batch itself and ran out of memory: returns that error's
     # message and place (places.replayable), once, and the call's attempt of the whole batch raises it again.
     replay: Callable[[], tuple[str, str] | None] | None = None,
-    # For a trainer's integration whose step returns tensors that differ in size outside dim from
-    # one micro-batch to the next (a Seq2SeqTrainer's generated tokens): returns the value they are
-    # padded with at the end of those dims to be joined, or None to leave torch.cat's error. Asked
-    # only when the sizes differ (see combine.Results).
+    # For a trainer's integration whose micro-batches' tensors differ in size outside dim (generated tokens):
+    # the value they are padded with to be joined, or None to leave torch.cat's error (see combine.Results).
     pad: Callable[[], float | None] | None = None,
     # For an integration whose wrapper runs one of several steps per call: the statistics they all write.
     stats: Stats | None = None,
@@ -410,9 +408,8 @@ class _Accumulator:
                 agreement = cast(Agreement, agreement_of(attempt))  # the sync is made where the ranks agree
                 return self._planned(split, attempt, Overlap(sync.modules[0], agreement))
             self._warn_comm_hook(sync.modules)
-        # Direct into .grad where nothing else may see it (see Gradients), an engine's backward=
-        # included: each backward it starts is seen there. Under a process group, DDP's hooks
-        # would see a direct backward: captured.
+        # Direct into .grad where nothing else may see it (see Gradients), an engine's backward= included: each
+        # backward it starts is seen there. Under a process group, DDP's hooks would see a direct one: captured.
         gradients = Gradients(sync is None and not distributed.is_running())
 
         def work(size: int) -> Results:
@@ -729,9 +726,12 @@ class _Accumulator:
         result = own_backward.call(self.fn, self.controller.name, args, kwargs)
         loss = results.add(result, weight, rows)
         del result
-        # One that needs no gradient (no rows counted, say), or counts no items, adds nothing.
-        if not loss.requires_grad or weight == 0.0:
+        if not loss.requires_grad:  # no rows counted, say: nothing to add
             return False
+        if weight == 0.0:  # counts no items: what the whole batch's backward gives what only these rows reach
+            with zeroed(gradients.reached(loss)):
+                gradients.backward(self.backward, loss, retain)
+            return True
         if weight != 1.0:
             weighted = loss * weight
             results.weighed(weighted)

@@ -244,7 +244,7 @@ class Gradients:
     def _expose(self, loss: torch.Tensor) -> bool:
         """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""
         exposed = self.exposed
-        leaves = self._leaves(loss)
+        leaves = self.reached(loss)
         new = [leaf for leaf in leaves if id(leaf) not in exposed] if exposed else leaves
         if not new:
             return True
@@ -435,7 +435,7 @@ class Gradients:
         del seen, stack, parent
         return list(found.values()), reentrant, early
 
-    def _leaves(self, loss: torch.Tensor) -> list[torch.Tensor]:
+    def reached(self, loss: torch.Tensor) -> list[torch.Tensor]:
         """Return the leaves a backward of ``loss`` writes: :meth:`_walk`'s first result, for the direct path."""
         # Each micro-batch's backward pays for this walk (some 0.2 us a node): each node is
         # visited once, AccumulateGrad included, and nothing is taken early (no sums here).
@@ -630,7 +630,7 @@ class OtherLeaves:
         walker = self.walker
         if walker is None:
             walker = self.walker = Gradients()
-        leaves = walker._leaves(loss)
+        leaves = walker.reached(loss)
         for leaf in leaves:
             key = id(leaf)
             if key in aside:
