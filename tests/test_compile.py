@@ -273,6 +273,23 @@ def test_an_estimate_or_a_profile_leaves_a_compiled_model_compiled(use: Callable
     assert graphs(used=True) == graphs(used=False) > 0
 
 
+def test_an_estimate_inside_a_compiled_function_runs() -> None:
+    """Under a compiled caller, torch refuses a stance: the estimate runs without one, as it did."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    found: list[koila.MemoryEstimate] = []
+
+    def step(data: torch.Tensor) -> torch.Tensor:
+        found.append(koila.estimate(model, data))
+        return model(data)
+
+    x = torch.randn(256, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # global module hooks over a compiled module
+        torch.testing.assert_close(torch.compile(step, backend="eager")(x), model(x))
+    assert len(found) == 1
+    assert found[0].peak(256) > 0
+
+
 def test_chunked_shrinks_and_runs_the_remainder_without_a_new_compile(
     device: Callable[[], SimulatedDevice],
 ) -> None:

@@ -321,6 +321,18 @@ def test_an_operator_that_grows_a_tensor_it_is_given_counts_the_growth() -> None
         assert device.live == 4000 + before.nbytes + 80 + left.nbytes + right.nbytes
 
 
+def test_a_growth_an_inner_device_refuses_leaves_the_outer_device_s_count_as_it_was() -> None:
+    with simulated_device("16MiB") as outer:
+        with simulated_device("1MiB") as inner:
+            tensor = torch.zeros(10)
+            with pytest.raises(torch.OutOfMemoryError):
+                tensor.resize_(MiB)  # 4 MiB: the outer device's room, not the inner's
+            assert (inner.live, outer.live) == (40, 40)
+        assert koila.free_memory() == 16 * MiB - 40
+        del tensor
+        assert outer.live == 0
+
+
 def test_a_refused_operator_leaves_what_it_writes_besides_its_result_as_it_was() -> None:
     norm = nn.BatchNorm1d(256)
     inputs = torch.randn(4096, 256) + 5  # its 4 MiB output does not fit

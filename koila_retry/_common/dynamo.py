@@ -100,13 +100,16 @@ def compiled_code_runs_eagerly() -> Iterator[None]:
 
     with _eager_lock:
         if _eager[0] == 0:
-            _eager[1] = torch.compiler.set_stance("force_eager")
+            try:
+                _eager[1] = torch.compiler.set_stance("force_eager")
+            except RuntimeError:  # called from inside a compiled caller, where torch refuses a stance
+                _eager[1] = None
         _eager[0] += 1
     try:
         yield
     finally:
         with _eager_lock:
             _eager[0] -= 1
-            if _eager[0] == 0:
+            if _eager[0] == 0 and _eager[1] is not None:
                 stance, _eager[1] = _eager[1], None
                 stance.__exit__(None, None, None)

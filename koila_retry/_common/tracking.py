@@ -238,7 +238,8 @@ class Geometry:
     def restore(self) -> None:
         """Put the tensor back in its storage as it was, the storage at its size."""
         if self.storage.nbytes() > self.nbytes:
-            (_unwrapped_resize[0] if _unwrapped_resize else torch.UntypedStorage.resize_)(self.storage, self.nbytes)
+            # Through the method, followed or not: a device outside the one refusing counted the growth.
+            self.storage.resize_(self.nbytes)
         self.tensor.set_(self.storage, self.offset, self.shape, self.stride)
 
 

@@ -36,8 +36,9 @@ class Calibrating(Strategy):
 
     def out_of_memory(self, course: Course, failure: Failure, final: bool) -> None:
         state = course.state
-        rows = state.size if state.rows is None else state.rows
-        state.failed = rows if state.failed is None else min(state.failed, rows)
+        if state.corrected:
+            rows = state.size if state.rows is None else state.rows
+            state.failed = rows if state.failed is None else min(state.failed, rows)
         if state.measures:  # the estimate is short: its smaller probe is the decision's hint
             hint = self.first.after_oom(state.size)
             reused = failure.reused is not None
@@ -51,6 +52,7 @@ def calibrate(course: Course, rows: int, rise: int) -> int:
         raise RuntimeError("calibrate() follows a run measured with attempt.meter, of a call that measures")
     state.measures -= 1
     size = decision.calibrated(state, first.corrected(rows, rise), rows)
+    state.corrected = True
     message = "%s: %d rows rose by %s on %s; the corrected estimate chooses batch size %d"
     logger.info(message, course.owner.name, rows, format_bytes(rise), course.call.device, size)
     course.resize(size)

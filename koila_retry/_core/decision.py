@@ -92,7 +92,8 @@ class State:
     growing: bool = False
     measures: int = 0  # how many more successful runs are measured for the estimate's correction
     estimated: bool = False  # size is an estimate's (initial="auto"), the cache holding none
-    failed: int | None = None  # the fewest rows that ran out of memory in this call, when it measures
+    corrected: bool = False  # a measured run has corrected the size in this call
+    failed: int | None = None  # the fewest rows that ran out of memory in this call since then
 
 
 class Outcome(enum.Enum):
@@ -401,6 +402,7 @@ def agreed_start(state: State, agreed: int, floor: int) -> None:
 def calibrated(state: State, wanted: int, rows: int) -> int:
     """Return the size a measured run's corrected estimate leads to: never below the rows measured, which ran."""
     size = min(max(wanted, rows, state.floor), state.ceiling)
-    # Nor past halfway to a size that ran out of memory in this call: a step whose peak depends on its
-    # rows measures a probe of cheap rows that says more fit, and a search converges where repeats would not.
+    # Nor past halfway to a size that ran out of memory after a correction: a step whose peak depends on
+    # its rows measures a probe of cheap rows that says more fit, and a search converges where repeats would
+    # not. Failures before the first correction do not count: the estimate's own, or a transient one.
     return size if state.failed is None else min(size, max(between(rows, state.failed), state.floor))
