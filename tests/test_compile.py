@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 import warnings
 import weakref
@@ -288,6 +289,66 @@ def test_an_estimate_inside_a_compiled_function_runs() -> None:
         torch.testing.assert_close(torch.compile(step, backend="eager")(x), model(x))
     assert len(found) == 1
     assert found[0].peak(256) > 0
+
+
+class _Waits(nn.Module):
+    """Doubles its input once told to go on: holds an estimate open while another thread works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.go_on = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inside.set()
+        self.go_on.wait(30)
+        return x * 2
+
+
+def test_an_estimate_inside_a_compiled_function_keeps_another_thread_s_profile_compiled() -> None:
+    """The stance is the process's: one set from inside a compiled caller too, kept while either runs."""
+    from torch._dynamo.testing import CompileCounter
+
+    waits = _Waits()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        koila.estimate(waits, x)
+        return x + 1
+
+    other = threading.Thread(target=lambda: torch.compile(step, backend="eager")(torch.randn(4, 8)))
+    counter = CompileCounter()
+    model = torch.compile(nn.Linear(8, 8), backend=counter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # global module hooks over a compiled module
+        other.start()
+        try:
+            assert waits.inside.wait(30)
+            with torch.no_grad():
+                koila.profile(model, torch.randn(16, 8))
+        finally:
+            waits.go_on.set()
+            other.join()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    with torch.no_grad():
+        for rows in (8, 9, 10):
+            model(torch.randn(rows, 8))
+    assert counter.frame_count == 2  # the first shape, then one dynamic graph: compiled as ever
+
+
+def test_a_stance_another_thread_sets_during_an_estimate_stays() -> None:
+    waits = _Waits()
+    other = threading.Thread(target=lambda: koila.estimate(waits, torch.randn(4, 8)))
+    other.start()
+    try:
+        assert waits.inside.wait(30)
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+        torch.compiler.set_stance("fail_on_recompile")
+    finally:
+        waits.go_on.set()
+        other.join()
+    try:
+        assert torch._dynamo.eval_frame._stance.stance == "fail_on_recompile"
+    finally:
+        torch.compiler.set_stance("default")
 
 
 def test_chunked_shrinks_and_runs_the_remainder_without_a_new_compile(

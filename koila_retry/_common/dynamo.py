@@ -90,8 +90,8 @@ _eager_lock = threading.Lock()
 def compiled_code_runs_eagerly() -> Iterator[None]:
     """Run compiled code as written while the block runs, in every thread.
 
-    Dynamo meeting one of the library's counting dispatch modes runs the frame eagerly and marks its
-    code never to be compiled again, for the process: the user's compiled model would stay eager.
+    Dynamo meeting one of the library's counting dispatch modes runs the frame eagerly and marks its code
+    never to be compiled again, for the process: the user's compiled model would stay eager.
     """
     if "torch._dynamo" not in sys.modules:  # nothing was compiled: importing it takes a second
         yield
@@ -100,16 +100,26 @@ def compiled_code_runs_eagerly() -> Iterator[None]:
 
     with _eager_lock:
         if _eager[0] == 0:
-            try:
-                _eager[1] = torch.compiler.set_stance("force_eager")
-            except RuntimeError:  # called from inside a compiled caller, where torch refuses a stance
-                _eager[1] = None
+            _eager[1] = _outside_compiled(lambda: torch.compiler.set_stance("force_eager"))
         _eager[0] += 1
     try:
         yield
     finally:
         with _eager_lock:
             _eager[0] -= 1
-            if _eager[0] == 0 and _eager[1] is not None:
+            if _eager[0] == 0:
                 stance, _eager[1] = _eager[1], None
-                stance.__exit__(None, None, None)
+                # Put back only where it is still this one: a stance another thread set meanwhile stays.
+                if torch._dynamo.eval_frame._stance is stance.stance:
+                    _outside_compiled(lambda: stance.__exit__(None, None, None))
+
+
+def _outside_compiled(call: Callable[[], Any]) -> Any:
+    """Return ``call()`` with this thread's frames out of Dynamo's hands: torch refuses a stance inside them."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    prior = set_eval_frame(None)  # the thread's own, as a compiled caller set it
+    try:
+        return call()
+    finally:
+        set_eval_frame(prior)

@@ -726,12 +726,10 @@ class _Accumulator:
         result = own_backward.call(self.fn, self.controller.name, args, kwargs)
         loss = results.add(result, weight, rows)
         del result
-        if not loss.requires_grad:  # no rows counted, say: nothing to add
+        # One that needs no gradient (no rows counted, say), or counts no items, adds nothing: no backward,
+        # whose 0/0 would reach leaves that an inner backward (a reentrant checkpoint's) writes unseen.
+        if not loss.requires_grad or weight == 0.0:
             return False
-        if weight == 0.0:  # counts no items: what the whole batch's backward gives what only these rows reach
-            with zeroed(gradients.reached(loss)):
-                gradients.backward(self.backward, loss, retain)
-            return True
         if weight != 1.0:
             weighted = loss * weight
             results.weighed(weighted)

@@ -452,9 +452,11 @@ class _Step:
         except (TypeError, ValueError):
             reason = _unsplittable(args, kwargs)
             if reason is None:  # splittable: the step's own error, or a batch of 0 rows, which accumulate refuses
-                if not _no_rows(args, kwargs):
+                # Nothing to split: run whole, as without the callback, on one device; under DDP or FSDP2 the
+                # other ranks' steps run through accumulate, and a rank running whole would not match them.
+                if not _no_rows(args, kwargs) or type(module.trainer.strategy) is not SingleDeviceStrategy:
                     raise
-                reason = ""  # nothing to split: run whole, as without the callback
+                reason = ""
         finally:
             self.given = ((), {})
         device = module.device
