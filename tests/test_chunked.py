@@ -2068,7 +2068,6 @@ def test_without_grow_the_reduced_size_stays(fast_release: None) -> None:
         lambda r: (sizes.append(len(r)), inject(), r)[2],
         torch.zeros(200),
         initial=64,
-        grow_after=1,
         cache=koila.NoCache(),
     )
     assert sizes == [64] + [32] * 6 + [8]

@@ -6,6 +6,7 @@ import asyncio
 import builtins
 import sys
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -51,6 +52,14 @@ OOM_ERRORS = {
     ),
     "cudnn alloc": RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
     "hip kernel launch": RuntimeError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported"),
+    # c10's C10_CUDA_DRIVER_CHECK: "CUDA driver error: " and cuGetErrorString's text.
+    "cuda driver call": RuntimeError("CUDA driver error: out of memory"),
+    # Triton's launcher (triton/backends/nvidia/driver.c, gpuAssert): "Triton Error [CUDA]: " and the same text;
+    # inductor's kernels on a GPU load and run through it.
+    "triton on cuda": RuntimeError("Triton Error [CUDA]: out of memory"),
+    "triton on rocm": RuntimeError("Triton Error [HIP]: out of memory"),
+    # Triton's ROCm launcher (third_party/amd/backend/driver.c) adds HIP's code; the typo is Triton's.
+    "triton on rocm, with the code": RuntimeError("Triton Error [HIP]:  Code: 2, Messsage: out of memory"),
     # Out-of-tree backends, and what accelerate's own tests raise on a machine without a GPU.
     "ascend npu": RuntimeError("NPU out of memory. Tried to allocate 20.00 MiB (NPU 0; 60.97 GiB total capacity)"),
     "cambricon mlu": RuntimeError("MLU out of memory. Tried to allocate 2.00 GiB (MLU 0; 31.88 GiB total capacity)"),
@@ -73,6 +82,11 @@ NOT_OOM_ERRORS = {
     "a sentence that is no device's": RuntimeError("the data loader's worker ran out of memory."),
     "device message in a ValueError": ValueError("NPU out of memory."),
     "gaudi message in a ValueError": ValueError("FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed"),
+    "triton's other failures": RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
+    "triton on rocm, another code": RuntimeError("Triton Error [HIP]:  Code: 1, Messsage: invalid argument"),
+    "a driver call's other failure": RuntimeError("CUDA driver error: invalid argument"),
+    "a message that mentions memory": RuntimeError("Triton Error [CUDA]: the log says we ran out of memory before"),
+    "triton's message in a ValueError": ValueError("Triton Error [CUDA]: out of memory"),
 }
 
 
@@ -387,3 +401,86 @@ def test_an_out_of_memory_error_in_a_task_group_is_retried() -> None:
     assert asyncio.run(infer()) == 1
     assert tried == [4, 2, 1]
     assert infer.stats.ooms == 2
+
+
+def test_an_oom_while_compiling_is_retried_through_backend_compiler_failed() -> None:
+    """torch.compile wraps a backend's error in BackendCompilerFailed, quoting it: docs/compile.rst."""
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        rows = next(each for each in inputs if isinstance(each, torch.Tensor)).shape[0]
+        if rows > 128:  # as max-autotune benchmarking a kernel on a full GPU fails, through Triton
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda rows: (rows * 2).sum(1), backend=backend)
+    data = torch.randn(600, 4)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as caught:
+        compiled(data[:512])
+    assert koila.is_oom(caught.value)
+    tried: list[int] = []
+
+    @koila.batch(initial=512, cache=koila.NoCache())
+    def predict(batch_size: int) -> torch.Tensor:
+        tried.append(batch_size)
+        return torch.cat([compiled(chunk) for chunk in data.split(batch_size)])
+
+    torch.testing.assert_close(predict(), (data * 2).sum(1))
+    assert tried == [512, 256, 128]
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is from Python 3.11")
+def test_an_error_raised_from_a_task_groups_oom_is_retried() -> None:
+    tried: list[int] = []
+
+    @koila.batch(initial=8, cache=koila.NoCache())
+    async def step(batch_size: int) -> int:
+        tried.append(batch_size)
+
+        async def task() -> None:
+            if batch_size > 2:
+                raise make_oom()
+
+        try:
+            async with asyncio.TaskGroup() as tasks:  # type: ignore[attr-defined]
+                tasks.create_task(task())
+        except builtins.ExceptionGroup as group:  # type: ignore[attr-defined]
+            raise RuntimeError("forward failed") from group  # a wrapper, as recovery.rst says is retried
+        return batch_size
+
+    assert asyncio.run(step()) == 2
+    assert tried == [8, 4, 2]
+    group = builtins.ExceptionGroup  # type: ignore[attr-defined]
+    assert koila.is_oom(_raise_from(group("tasks", [make_oom()]), RuntimeError("forward failed")))
+    assert koila.is_oom(_raise_from(group("tasks", [make_oom(), make_oom()]), ValueError("step failed")))
+    assert not koila.is_oom(_raise_from(group("tasks", [make_oom(), ValueError("bad")]), RuntimeError("failed")))
+    interrupted = builtins.BaseExceptionGroup("tasks", [make_oom(), KeyboardInterrupt()])  # type: ignore[attr-defined]
+    assert not koila.is_oom(_raise_from(interrupted, RuntimeError("forward failed")))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are from Python 3.11")
+def test_the_walk_through_groups_keeps_its_limits() -> None:
+    group = builtins.ExceptionGroup  # type: ignore[attr-defined]
+    # A loop through a group's errors ends.
+    wrapper = RuntimeError("forward failed")
+    looped = group("tasks", [wrapper])
+    wrapper.__cause__ = looped
+    assert not koila.is_oom(looped)
+    assert not koila.is_oom(wrapper)
+    # The same error held twice counts both times.
+    oom = make_oom()
+    assert koila.is_oom(_raise_from(group("tasks", [oom, oom]), RuntimeError("forward failed")))
+    # A group's errors are followed through what is left of the links, not from the start again: the
+    # wrapper and the group are two of them.
+    error: BaseException = make_oom()
+    for index in range(MAX_CAUSES - 2):
+        error = _raise_from(error, RuntimeError(f"wrapper {index}"))
+    assert koila.is_oom(_raise_from(group("tasks", [error]), RuntimeError("outer")))
+    deeper = _raise_from(error, RuntimeError("one more"))
+    assert not koila.is_oom(_raise_from(group("tasks", [deeper]), RuntimeError("outer")))
+    # Groups that share their errors are walked once each: 2**40 paths, answered at once.
+    shared: BaseException = ValueError("no memory here")
+    for _ in range(40):
+        shared = group("level", [shared, shared])
+    assert not koila.is_oom(shared)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +110,42 @@ def test_initial_none_skips_the_minimum_check_that_an_int_initial_gets() -> None
     Controller("step", Policy(initial=None, minimum=64, cache=NoCache()))
     with pytest.raises(ValueError, match=r"minimum \(64\) must not exceed initial \(8\)"):
         Controller("step", Policy(initial=8, minimum=64, cache=NoCache()))
+
+
+# --------------------------------------------------------------------------- the counters in stats
+
+
+def test_exhausted_counts_the_calls_that_gave_up_and_not_a_schedules_error() -> None:
+    """As Stats documents it: BatchSizeExhausted, and an iterator argument's TypeError; not a schedule's error."""
+    import koila_retry as koila
+
+    ended: list[str] = []
+
+    def refusing(failed: int) -> int:
+        raise ValueError(f"no size after {failed}")
+
+    raised: dict[str, int] = {"plain": 0, "scheduled": 0}
+
+    def counting(name: str) -> Any:
+        def total(batch_size: int, numbers: object) -> int:
+            for _ in numbers:  # type: ignore[attr-defined]
+                if batch_size > 2:
+                    raised[name] += 1
+                    raise make_oom()
+            return batch_size
+
+        return total
+
+    plain = koila.batch(initial=8, minimum=4, cache=NoCache())(counting("plain"))
+    scheduled = koila.batch(initial=8, schedule=refusing, cache=NoCache())(counting("scheduled"))
+    # An iterator argument gives up with a TypeError; a list, with BatchSizeExhausted at the minimum.
+    for wrapped, numbers in ((plain, iter([1, 2])), (plain, [1, 2]), (scheduled, [3]), (plain, [4])):
+        try:
+            wrapped(numbers)
+        except (TypeError, ValueError, koila.BatchSizeExhausted) as error:
+            ended.append(type(error).__name__)
+    assert ended == ["TypeError", "BatchSizeExhausted", "ValueError", "BatchSizeExhausted"]
+    assert plain.stats.exhausted == ended.count("TypeError") + ended.count("BatchSizeExhausted")
+    assert plain.stats.ooms == raised["plain"]
+    assert scheduled.stats.exhausted == 0
+    assert scheduled.stats.ooms == raised["scheduled"] == 1  # the OOM the schedule's error followed counts

@@ -147,7 +147,7 @@ def test_default_grow_after_is_50(calls: Callable[..., Call]) -> None:
     assert run(call, 50) == [*at(64, 49), [128]]
 
 
-@pytest.mark.parametrize("options", [{}, {"grow": False, "grow_after": 1}], ids=["default", "grow=False"])
+@pytest.mark.parametrize("options", [{}, {"grow": False}], ids=["default", "grow=False"])
 def test_without_grow_the_size_never_grows(calls: Callable[..., Call], options: dict[str, Any]) -> None:
     budget = Budget(64)
     call = calls(budget, koila.GlobalCache(), initial=512, **options)
@@ -374,6 +374,39 @@ def test_grow_must_be_a_bool(front_end: str, value: object) -> None:
 def test_grow_after_must_be_a_positive_int(front_end: str, value: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         _apply(front_end, grow=True, grow_after=value)
+
+
+@pytest.mark.parametrize("front_end", ALL_FRONT_ENDS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"grow_after": 1},
+        {"grow_gain": 0.05},
+        {"clock": lambda: 0.0},
+        {"grow": False, "grow_after": 50},  # the default's value, given: still an option that would do nothing
+        {"grow_gain": 0.05, "grow_after": 1, "clock": lambda: 0.0},
+    ],
+    ids=["grow_after", "grow_gain", "clock", "grow=False", "all three"],
+)
+def test_an_option_of_growing_without_grow_is_refused(front_end: str, options: dict[str, Any]) -> None:
+    """They were taken and did nothing, where snapshot_each_oom without snapshot= is refused."""
+    first = next(name for name in ("grow_after", "grow_gain", "clock") if name in options)
+    with pytest.raises(ValueError, match=rf"got {first}=.* without grow=True: .* Give grow=True too, or leave {first}"):
+        _apply(front_end, **options)
+    # The same with grow=True is taken, and grow_gain=None, the default, alone too.
+    assert _apply(front_end, **{**options, "grow": True}) is not None
+    assert _apply(front_end, grow_gain=None) is not None
+
+
+def test_grow_gain_without_grow_never_grew_and_is_now_refused_before_any_call() -> None:
+    """What the probe saw: grow_gain and grow_after alone let a call stay at its reduced size for good."""
+    budget = Budget(64)
+    growing = batch_calls(budget, koila.GlobalCache(), initial=256, grow=True, grow_gain=0.05, grow_after=1)
+    assert growing() == [256, 128, 64]
+    budget.limit = 1000
+    assert max(size for sizes in run(growing, 5) for size in sizes) > 64  # with grow=True it grows back
+    with pytest.raises(ValueError, match="without grow=True"):
+        batch_calls(budget, koila.GlobalCache(), initial=256, grow_gain=0.05, grow_after=1)
 
 
 @pytest.mark.parametrize("front_end", ALL_FRONT_ENDS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import traceback
 import weakref
 from typing import Any
 
@@ -244,8 +245,73 @@ def test_an_error_of_the_schedules_own_is_raised_without_the_failed_attempt_and_
     assert [ref() for ref in refs] == [None]
     assert device.live == 0  # nothing of the attempt, while the error is held
     if sys.version_info >= (3, 11):
-        assert any("(by the schedule= function, where one is given)" in note for note in caught.value.__notes__)
+        assert any("raised by the schedule= function" in note for note in caught.value.__notes__)
+    assert "broken" in [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert weight.grad is None
+
+
+@pytest.mark.parametrize("front_end", ["batch", "attempts"])
+def test_a_value_error_of_the_schedules_own_keeps_its_frames_and_note_and_the_oom_is_counted(front_end: str) -> None:
+    """The user's ValueError was taken for the engine's check: no note, no frame of the schedule, and the
+    out-of-memory error it followed was neither counted in stats.ooms nor told to on_oom."""
+    import sys
+
+    from koila_retry.testing import simulated_device
+
+    refs: list[weakref.ref[torch.Tensor]] = []
+    ran_out: list[int] = []
+    events: list[koila.OOMEvent] = []
+
+    def work(size: int) -> int:
+        activations = torch.ones(size, 4096)  # 1 MiB at 64 rows
+        refs.append(weakref.ref(activations))
+        try:
+            torch.ones(size, 8192)  # over the limit at 32 rows and more: a real out-of-memory error
+        except torch.OutOfMemoryError:
+            ran_out.append(size)
+            raise
+        return size
+
+    def refusing(failed: int) -> int:
+        if failed < 64:
+            raise ValueError(f"my schedule refuses {failed}")
+        return failed // 2
+
+    options: dict[str, Any] = {"initial": 64, "schedule": refusing, "on_oom": events.append, "cache": koila.NoCache()}
+    stats: list[koila.Stats] = []
+
+    def run() -> None:
+        if front_end == "batch":
+            wrapped = koila.batch(**options)(work)
+            stats.append(wrapped.stats)
+            wrapped()
+            return
+        for attempt in koila.attempts(**options):
+            stats[:] = [attempt.stats]
+            with attempt:
+                work(attempt.batch_size)
+
+    with simulated_device("1280KiB") as device, pytest.raises(ValueError, match="my schedule refuses 32") as caught:
+        run()
+    assert [ref() for ref in refs] == [None, None]
+    assert device.live == 0  # the schedule's frames are kept, the failed attempt's are not
+    assert caught.value.__context__ is None
+    assert "refusing" in [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
+    if sys.version_info >= (3, 11):
+        assert any("raised by the schedule= function" in note for note in caught.value.__notes__)
+    # Every out-of-memory error is counted and told, the last one too, with nothing tried after it.
+    assert stats[0].ooms == len(ran_out) == len(events)
+    assert [(event.batch_size, event.next_batch_size) for event in events] == list(
+        zip(ran_out, [*ran_out[1:], None], strict=True)
+    )
+    assert stats[0].exhausted == 0
+
+
+def test_the_engines_own_check_of_a_size_keeps_its_plain_form() -> None:
+    with pytest.raises(ValueError, match="the schedule returned 100") as caught:
+        run_with_schedule(lambda failed: failed)
+    assert getattr(caught.value, "__notes__", None) is None
+    assert caught.value.__context__ is None
 
 
 def test_a_schedule_must_be_callable() -> None:
@@ -265,6 +331,21 @@ def test_a_class_whose_instances_are_no_schedules_is_taken_as_one() -> None:
             return failed // 2 or None
 
     assert run_with_schedule(Halves, initial=100, fits=20) == [100, 50, 25, 12]
+
+
+def test_scaled_takes_numpys_numbers() -> None:
+    numpy = pytest.importorskip("numpy")
+    for factor in (numpy.float32(0.9), numpy.float64(0.5), numpy.float16(0.75)):
+        plain = koila.scaled(float(factor))
+        schedule = koila.scaled(factor)
+        assert schedule == plain
+        assert [schedule(size) for size in (1000, 128, 3, 1)] == [plain(size) for size in (1000, 128, 3, 1)]
+        assert schedule.grow(100) == plain.grow(100)
+    with pytest.raises(ValueError, match="factor must be strictly between 0 and 1, got 1"):
+        koila.scaled(numpy.int64(1))
+    for wrong in (numpy.bool_(True), True, "0.5", torch.tensor(0.5)):
+        with pytest.raises(TypeError, match="factor must be a number"):
+            koila.scaled(wrong)
 
 
 def test_powers_of_two_takes_numpys_ints() -> None:

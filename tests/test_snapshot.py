@@ -278,3 +278,75 @@ def test_a_snapshot_option_no_call_could_use_is_a_value_error(options: dict[str,
 def test_a_path_template_with_format_specs_of_the_fields_is_taken(tmp_path: Path) -> None:
     for target in ("oom/{rank:02d}-{attempt:>3}.pickle", "{rank}{attempt}", str(tmp_path / "{{rank}}.pickle")):
         koila.batch(snapshot=target, snapshot_each_oom=True)(lambda batch_size: None)
+
+
+# --- every way a call ends stops its recording ---------------------------------------------
+
+
+class HookFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised", [HookFailed, KeyboardInterrupt], ids=["error", "keyboard interrupt"])
+def test_an_on_oom_hook_that_raises_ends_the_recording(allocator: Allocator, raised: type[BaseException]) -> None:
+    def hook(event: koila.OOMEvent) -> None:
+        raise raised("the hook failed")
+
+    run = _failing(snapshot=lambda data: None, on_oom=hook)
+    with pytest.raises(raised):
+        run(allocator.log)
+    # As a call that gives up: recorded from the error on, and stopped as the call ended.
+    assert allocator.log == ["attempt 8", "start", "stop"]
+    assert not allocator.recording
+    assert snapshot._history.users == 0
+    # The next call that records starts the history again, and stops it.
+    with pytest.raises(koila.BatchSizeExhausted):
+        _failing(minimum=4, snapshot=lambda data: None)(allocator.log)
+    assert allocator.log[-2:] == ["snapshot 1", "stop"]
+    assert not allocator.recording
+
+
+def test_a_loop_of_attempts_left_after_an_oom_ends_the_recording(allocator: Allocator) -> None:
+    tried: list[int] = []
+
+    def leave() -> None:
+        for attempt in koila.attempts(initial=8, device="cuda", snapshot=lambda data: None, cache=koila.NoCache()):
+            with attempt:
+                tried.append(attempt.batch_size)
+                raise make_oom()
+            break  # the out-of-memory error is not retried
+
+    with pytest.warns(RuntimeWarning, match="the loop over koila.attempts\\(\\) was left"):
+        leave()
+    assert tried == [8]
+    assert allocator.log == ["start", "stop"]
+    assert not allocator.recording
+    assert snapshot._history.users == 0
+
+
+def test_a_schedule_that_raises_ends_the_recording(allocator: Allocator) -> None:
+    def refusing(failed: int) -> int:
+        raise ValueError(f"no size after {failed}")
+
+    with pytest.raises(ValueError, match="no size after 8"):
+        _failing(snapshot=lambda data: None, schedule=refusing)(allocator.log)
+    assert allocator.log == ["attempt 8", "start", "snapshot 1", "stop"]  # the error ends the call: its snapshot
+    assert snapshot._history.users == 0
+
+
+def test_an_undo_that_raises_after_an_oom_ends_the_recording(allocator: Allocator) -> None:
+    """The engine's loop (what accumulate drives, with an undo of each failed attempt) ends the call too."""
+    from koila_retry._core.engine import Call, Controller, run
+    from koila_retry._core.policy import Policy
+
+    policy = Policy.of("koila.batch", 8, {"snapshot": lambda data: None, "cache": koila.NoCache()})
+    controller = Controller("step", policy)
+    attempt = controller.start(Call(_failing, None, torch.device("cuda")))
+
+    def undo() -> None:
+        raise HookFailed("could not undo the attempt")
+
+    with pytest.raises(HookFailed):
+        run(attempt, lambda size: oom_above(1, kind="cuda")(size), undo=undo)
+    assert allocator.log == ["start", "stop"]
+    assert snapshot._history.users == 0

@@ -120,18 +120,17 @@ def test_accumulate_weighs_the_rows_per_second_of_whole_steps(overhead: float, s
     assert step.stats.throughput[32] == pytest.approx(256 / (8 * overhead + 2))
 
 
-@pytest.mark.parametrize("options", [{}, {"grow": True}, {"grow_gain": 0.03}], ids=["plain", "grow", "gain"])
-def test_without_grow_and_a_gain_the_clock_is_never_read(options: dict[str, object]) -> None:
-    # Growing by size alone is the default: no attempt is timed, and nothing depends on a clock.
+def test_growing_without_a_gain_never_reads_the_clock() -> None:
+    # Growing by size alone is the default: no attempt is timed, and nothing depends on a clock. (A clock or a
+    # gain without grow=True is refused: test_grow.py.)
     clock = Clock()
     work, sizes = worker(clock, lambda rows: rows / 128, fail_first_at=64)
-    run = koila.batch(initial=64, grow_after=1, clock=clock, **options)(work)
+    run = koila.batch(initial=64, grow=True, grow_after=1, clock=clock)(work)
     for _ in range(3):
         run()
     assert clock.reads == 0
     assert run.stats.throughput == {}
-    if options.get("grow"):
-        assert sizes == [64, 32, 64, 64]
+    assert sizes == [64, 32, 64, 64]
 
 
 def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:

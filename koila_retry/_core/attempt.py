@@ -23,11 +23,11 @@ from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.decision import Done, Outcome, State, Try
 from koila_retry._core.detect import is_oom
 from koila_retry._core.distributed import Agreement, RanksFailed
-from koila_retry._core.outcomes import Failure, detached, iterator_among, store
+from koila_retry._core.outcomes import Failure, detached, iterator_among, store, unpin
 from koila_retry._core.stats import Stats
 from koila_retry._core.strategy import FAILED, PENDING, READY, RUNNING, SUCCEEDED, Owner, Plan
 
-__all__ = ["Attempt", "Block", "Mechanics", "Owner", "agreement_of"]
+__all__ = ["Attempt", "Block", "Mechanics", "Owner", "abandon", "agreement_of"]
 
 _DONE = {
     RUNNING: "is already inside `with attempt:`",
@@ -151,26 +151,26 @@ class Mechanics:
         owner, state, failure, device = self.owner, self.state, self.failure, self.call.device
         if self.phase != FAILED or failure is None:
             raise RuntimeError("retry() follows an attempt that ran out of memory inside `with attempt:`")
-        step, failed = failure.step, state.size
+        step, failed, invalid = failure.step, state.size, failure.invalid
         next_size = step.size if isinstance(step, Try) else None
         started = time.perf_counter()
         for releasing in self.plan.releasing:
             releasing(self)
+        unpin(invalid)  # what the schedule raised links to the engine's frames, which hold the attempt
         # After giving up nothing runs, and what the attempt left in cycles is young: a full
         # collection would cost what the whole process holds.
         (memory.release_young if next_size is None else memory.release)(device)
-        if failure.invalid is not None:
-            failure.close()  # as giving up does: a snapshot's recording ends with the call
-            raise failure.invalid
         failure.seconds += time.perf_counter() - started
         free = memory.recent_free_memory(device)  # fresh: the release forgot the old reading
         event = failure.report(owner.name, failed, next_size, state.number, device, free, owner.stats)
         for failed_hook in self.plan.failed:
             failed_hook(self, event, step)
+        if invalid is not None:  # it ends the call, whose last failure was counted and reported as any other
+            raise invalid
         if next_size is not None:
             # After the hooks: one that raises, or calls the wrapper again, leaves stats naming a size that ran.
             self.resize(next_size)
-        if next_size is None:
+        else:
             first, settling = self.call.first, self.plan.settling
             facts = failure.exhaustion(
                 *(owner.name, state.floor, owner.rules.max_attempts, device, free),
@@ -178,7 +178,7 @@ class Mechanics:
                 figures=None if first is None else first.figures(),
                 frame=sys._getframe(2),  # Attempt.retry()'s caller: the frames above it hold the call's model
             )
-            failure.give_up(owner.explain, facts, state.number)
+            failure.give_up(owner.explain, facts, state.number, owner.stats)
         state.number, state.probe_from, self.phase = state.number + 1, None, READY
 
     def next_step(self) -> None:
@@ -238,16 +238,23 @@ class Attempt:
 
     def __iter__(self) -> Iterator[Attempt]:
         # A generator, so that ending the loop costs no StopIteration raised in Python.
-        yield self
-        while not self.succeeded():
-            yield self.retry()
+        try:
+            yield self
+            while not self.succeeded():
+                yield self.retry()
+        finally:
+            abandon(self)  # a loop left after an out-of-memory error ends the call's recording
 
     def __enter__(self) -> Attempt:
         self._course.begin()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        return self._course.end(exc)
+        try:
+            return self._course.end(exc)
+        except BaseException:  # a strategy's, or an interrupt, as the failure is taken in
+            abandon(self)
+            raise
 
     def succeeded(self, vote: bool = True) -> bool:
         """Return whether the attempt that just ran succeeded (on every rank, when ranks agree).
@@ -269,7 +276,11 @@ class Attempt:
 
         .. versionadded:: 0.1.0
         """
-        return self._course.settle(vote)
+        try:
+            return self._course.settle(vote)
+        except BaseException:  # the exchange between ranks failed: the call ends
+            abandon(self)
+            raise
 
     def retry(self) -> Attempt:
         """Release the failed attempt's memory and move on to the next size.
@@ -286,7 +297,13 @@ class Attempt:
             TypeError: if an argument of the call is an iterator, which the
                 failed attempt may have consumed in part.
         """
-        self._course.retry()
+        try:
+            self._course.retry()
+        except BaseException:
+            # Giving up, the schedule's error, or a hook that raised (KeyboardInterrupt included): the call
+            # ends, and so does what it records for its snapshots.
+            abandon(self)
+            raise
         return self
 
     @property
@@ -383,6 +400,7 @@ class Block(Attempt):
             raise
         finally:
             self._loops -= 1
+            abandon(self)  # however the loop ends, the call's recording ends with it
 
     def __enter__(self) -> Attempt:
         if not self._loops:
@@ -408,6 +426,13 @@ class Block(Attempt):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def abandon(attempt: Attempt) -> None:
+    """End what a call that ends here records for its failures: a snapshot's share of the allocator's history."""
+    failure = attempt._course.failure
+    if failure is not None:
+        failure.close()
 
 
 def agreement_of(attempt: Attempt) -> Agreement | None:

@@ -20,6 +20,9 @@ OOM_MESSAGES: tuple[str, ...] = (
     "MPS backend out of memory",
     "CUDA error: out of memory",  # kernel-launch path, outside the caching allocator
     "HIP error: out of memory",  # the same on ROCm
+    "CUDA driver error: out of memory",  # c10's and AOTInductor's checks of driver calls
+    "Triton Error [CUDA]: out of memory",  # Triton loading or launching a kernel (torch.compile's inductor)
+    "Triton Error [HIP]: out of memory",  # the same on ROCm, in that form
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",  # Intel Gaudi (HPU)
@@ -44,8 +47,12 @@ MEMORY_SHORT_MESSAGES: tuple[str, ...] = (
 # capitals, so "the worker ran out of memory." is not one.
 OOM_PATTERN = re.compile(r"\b[A-Z][A-Z0-9]* out of memory\.")
 
+# Triton's ROCm launcher puts HIP's code before the text: "Triton Error [HIP]:  Code: 2, Messsage: out
+# of memory" (sic). Code 2 is hipErrorOutOfMemory, whose text older ROCm releases gave as its name.
+TRITON_HIP_PATTERN = re.compile(r"Triton Error \[HIP\]: +Code: 2, Messs?age: (?:out of memory|hipErrorOutOfMemory)")
+
 # Python 3.11's exception groups (asyncio.TaskGroup raises one); None before.
-_GROUP: type[Exception] | None = getattr(builtins, "ExceptionGroup", None)
+_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
 
 # How many explicit causes (``raise ... from ...``) is_oom follows; the chain may also loop.
 MAX_CAUSES = 32
@@ -57,7 +64,9 @@ def is_oom(exc: BaseException) -> bool:
     ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU, and :class:`BatchSizeExhausted`)
     always counts. A plain ``RuntimeError`` counts when its message is one of the
     out-of-memory messages PyTorch and its backends raise as text: the CPU
-    allocator on Linux and Windows, MPS, ``CUDA error: out of memory``, cuBLAS and
+    allocator on Linux and Windows, MPS, ``CUDA error: out of memory``, ``CUDA
+    driver error: out of memory``, Triton's launcher (``Triton Error [CUDA]: out of
+    memory``, and its ROCm form), cuBLAS and
     cuDNN allocation failures (``*_STATUS_ALLOC_FAILED``), Gaudi's device-memory
     allocation failure, and a device name in capitals followed by ``out of
     memory.`` (``NPU out of memory.``).
@@ -82,7 +91,8 @@ def is_oom(exc: BaseException) -> bool:
     do ``KeyboardInterrupt``, ``SystemExit`` and the other exceptions that are not
     an ``Exception``, whatever their cause. An ``ExceptionGroup`` (what
     ``asyncio.TaskGroup`` raises, Python 3.11 on) counts when every error it
-    holds does.
+    holds does, and so does an error raised from such a group; the errors a group
+    holds are followed through what is left of the 32 links.
 
     Args:
         exc (BaseException): the exception to classify.
@@ -107,19 +117,37 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, BaseException):
         raise TypeError(f"is_oom() takes an exception, got {type(exc).__name__} {exc!r}")
+    return _leads_to_oom(exc, MAX_CAUSES + 1, set(), {})
+
+
+def _leads_to_oom(exc: BaseException, links: int, path: set[int], groups: dict[int, bool]) -> bool:
+    """Whether ``exc`` says out of memory or was raised from one that does, within ``links`` links."""
     if not isinstance(exc, Exception):
         return False  # an interrupt or an exit is never retried, whatever it was raised from
-    if _GROUP is not None and isinstance(exc, _GROUP):
-        # asyncio.TaskGroup's, say: out of memory when every error it holds is (cancellations are not held).
-        return all(map(is_oom, exc.exceptions))  # type: ignore[attr-defined]
-    seen: set[int] = set()
+    # ``path``: the links being looked at, so that a loop through a group's errors ends; ``groups``: each
+    # group's verdict, so that groups sharing their errors are not walked again and again.
+    entered: list[int] = []
     link: BaseException | None = exc
-    while link is not None and len(seen) <= MAX_CAUSES and id(link) not in seen:
-        if _says_out_of_memory(link):
-            return True
-        seen.add(id(link))
-        link = link.__cause__
-    return False
+    try:
+        while link is not None and links > 0 and id(link) not in path:
+            if _says_out_of_memory(link):
+                return True
+            entered.append(id(link))
+            path.add(id(link))
+            links -= 1
+            if _GROUP is not None and isinstance(link, _GROUP):
+                # asyncio.TaskGroup's, say: out of memory when every error it holds is (cancellations are not
+                # held), each followed through what is left of the links.
+                verdict = groups.get(id(link))
+                if verdict is None:
+                    members = link.exceptions  # type: ignore[attr-defined]
+                    verdict = groups[id(link)] = all(_leads_to_oom(each, links, path, groups) for each in members)
+                if verdict:
+                    return True
+            link = link.__cause__
+        return False
+    finally:
+        path.difference_update(entered)
 
 
 def _says_out_of_memory(exc: BaseException) -> bool:
@@ -129,5 +157,7 @@ def _says_out_of_memory(exc: BaseException) -> bool:
         return False
     message = exc.args[0]
     if any(text in message for text in OOM_MESSAGES) or OOM_PATTERN.search(message) is not None:
+        return True
+    if "Triton Error [HIP]" in message and TRITON_HIP_PATTERN.search(message) is not None:
         return True
     return any(text in message for text in MEMORY_SHORT_MESSAGES) and memory.nearly_full()

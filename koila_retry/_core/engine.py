@@ -19,7 +19,7 @@ import torch
 
 from koila_retry._common.dynamo import not_traced
 from koila_retry._core import decision, distributed, ranks, sharded
-from koila_retry._core.attempt import Attempt, Mechanics
+from koila_retry._core.attempt import Attempt, Mechanics, abandon
 from koila_retry._core.cache import SizeCache, StackMemoryCache
 from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.outcomes import Exhaustion, Explain, plain_message
@@ -248,32 +248,40 @@ def run(
     step); ``vote``: asked after each attempt when ranks agree; ``undo``: called after
     an attempt that failed on any rank, before its memory is released.
     """
-    while True:
-        size = attempt.batch_size
-        if rows is not None and rows < size:
-            attempt.narrow(rows)
-            size = rows
-        with attempt:
-            result = work(size)
-        # Outside the block: the exception and the failed frames are gone.
-        if attempt.succeeded(True if vote is None else vote()):
-            return result
-        result = cast(R, None)  # this rank's result of an attempt another rank failed
-        if undo is not None:
-            undo()
-        attempt.retry()
+    try:
+        while True:
+            size = attempt.batch_size
+            if rows is not None and rows < size:
+                attempt.narrow(rows)
+                size = rows
+            with attempt:
+                result = work(size)
+            # Outside the block: the exception and the failed frames are gone.
+            if attempt.succeeded(True if vote is None else vote()):
+                return result
+            result = cast(R, None)  # this rank's result of an attempt another rank failed
+            if undo is not None:
+                undo()
+            attempt.retry()
+    except BaseException:
+        abandon(attempt)  # a vote or an undo that raised ends the call too
+        raise
 
 
 @not_traced
 async def run_async(attempt: Attempt, work: Callable[[int], Awaitable[R]]) -> R:
     """Await ``work(size)`` until an attempt succeeds: :func:`run` for coroutines."""
-    while True:
-        with attempt:
-            result = await work(attempt.batch_size)
-        if attempt.succeeded():
-            return result
-        result = cast(R, None)
-        attempt.retry()
+    try:
+        while True:
+            with attempt:
+                result = await work(attempt.batch_size)
+            if attempt.succeeded():
+                return result
+            result = cast(R, None)
+            attempt.retry()
+    except BaseException:
+        abandon(attempt)  # cancelled while it waited, say
+        raise
 
 
 def _step(work: Callable[[int, int], R], begin: int, ran: list[int], rows: int) -> R:

@@ -8,12 +8,13 @@ and dropped with it. The one exception kept is the cause of a coming
 from __future__ import annotations
 
 import builtins
+import inspect
 import io
 import itertools
 import logging
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, NoReturn, cast
 
 import torch
@@ -26,7 +27,7 @@ from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import BatchSizeExhausted, Diagnosis
 
-__all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store"]
+__all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store", "unpin"]
 
 logger = logging.getLogger("koila_retry")
 
@@ -103,15 +104,27 @@ class Failure:
             self.step = decision.decide(rules, state, Outcome.OUT_OF_MEMORY, reused=reused is not None)
         except Exception as error:  # a schedule's, or the check of what it returned
             # Raised here, in the handler, it would keep the out-of-memory error and the failed attempt's
-            # frames as its context, and its traceback the frames above: retry() raises it, outside, once
-            # the memory is released, without them.
-            if not isinstance(error, ValueError) and hasattr(error, "add_note"):
-                error.add_note(
-                    "raised while the next size was chosen after an out-of-memory error (by the schedule= "
-                    "function, where one is given); its traceback was dropped, since it would have kept the "
-                    "failed attempt's memory alive"
+            # frames as its context, and its traceback the engine's frames, which hold that error: retry()
+            # raises it, outside, once the memory is released, with only the schedule's own frames, after
+            # clearing the engine's frames those link back to (unpin).
+            own = _schedules_frames(error.__traceback__)
+            detached(error)
+            note = None
+            if own is not None:
+                error.__traceback__ = own
+                note = (
+                    "raised by the schedule= function after an out-of-memory error, and raised again once the "
+                    "failed attempt's memory was released, without that error as its context, which would have "
+                    "kept the memory alive"
                 )
-            self.step, self.invalid = GiveUp("schedule"), detached(error)
+            elif not isinstance(error, ValueError):  # the engine's own check of a size explains itself
+                note = (
+                    "raised while the next size was chosen after an out-of-memory error; its traceback was "
+                    "dropped, since it would have kept the failed attempt's memory alive"
+                )
+            if note is not None and hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            self.step, self.invalid = GiveUp("schedule"), error
         # Kept only where it ends the call: a retry would see only what the failed attempt left of it.
         self.reused = reused if isinstance(self.step, GiveUp) and self.step.reason == "iterator" else None
 
@@ -125,7 +138,7 @@ class Failure:
     ) -> OOMEvent:
         """Count the failure in ``stats``, log it, and return its event; ``next_size`` is ``None`` on giving up."""
         self.tried.append(failed)
-        stats.record_oom(self.seconds, next_size)
+        stats.record_oom(self.seconds)
         event = OOMEvent(
             function=name,
             batch_size=failed,
@@ -181,11 +194,15 @@ class Failure:
             reason=self.step.reason if isinstance(self.step, GiveUp) else "",
         )
 
-    def give_up(self, explain: Explain, facts: Exhaustion, number: int) -> NoReturn:
-        """Raise the error of a call that gives up after attempt ``number``, from its last out-of-memory error."""
+    def give_up(self, explain: Explain, facts: Exhaustion, number: int, stats: Stats) -> NoReturn:
+        """Raise the error of a call that gives up after attempt ``number``, from its last out-of-memory error.
+
+        ``stats`` counts it in ``exhausted``.
+        """
         self.close()
         cause, self.final_oom = self.final_oom, None
         failed = facts.tried[-1]
+        stats.record_exhausted()
         if self.reused is not None:
             raise self.reuse_error(facts.name, failed) from cause
         message = explain(facts)
@@ -321,3 +338,36 @@ def detached(exc: BaseException) -> BaseException:
 
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11 on
+
+# Frames of these kinds may be suspended rather than finished: clearing one would close its generator.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _schedules_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The part of a traceback below the engine's call of the schedule, if the error came from there."""
+    shrink = decision.shrink.__code__
+    while tb is not None:
+        if tb.tb_frame.f_code is shrink:
+            return tb.tb_next
+        tb = tb.tb_next
+    return None
+
+
+def unpin(error: BaseException | None) -> None:
+    """Clear the finished frames of the engine that a schedule's kept frames link back to, if any."""
+    # A frame links to its caller for good: the schedule's to decision.shrink's, and on up to
+    # Mechanics.end's and Attempt.__exit__'s, whose locals hold the out-of-memory error and so the
+    # failed attempt's tensors. Those calls have returned; the first frame still running ends the walk.
+    tb = None if error is None else error.__traceback__
+    frame = None if tb is None else tb.tb_frame.f_back
+    while (
+        frame is not None
+        and str(frame.f_globals.get("__name__", "")).startswith("koila_retry.")
+        and not frame.f_code.co_flags & _SUSPENDABLE
+    ):
+        caller = frame.f_back
+        try:
+            frame.clear()
+        except RuntimeError:  # still running
+            return
+        frame = caller

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class scaled:  # named like a function: a strategy, called like the schedules it
         factor (float): strictly between 0 and 1.
 
     Raises:
-        TypeError: if ``factor`` is not a number.
+        TypeError: if ``factor`` is not a real number (numpy's are).
         ValueError: if ``factor`` is not strictly between 0 and 1.
 
     Example::
@@ -89,7 +90,8 @@ class scaled:  # named like a function: a strategy, called like the schedules it
     __slots__ = ("factor",)
 
     def __init__(self, factor: float) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        # numbers.Real: numpy's floats and ints too (np.float32(0.9), read from a config array, say).
+        if isinstance(factor, bool) or not isinstance(factor, (int, float, numbers.Real)):
             raise TypeError(f"factor must be a number, got {type(factor).__name__} {factor!r}")
         if not 0 < factor < 1:
             raise ValueError(f"factor must be strictly between 0 and 1, got {factor}")
@@ -162,6 +164,24 @@ class Options(TypedDict, total=False):
 _NAMES = frozenset(Options.__annotations__)
 
 
+# What each option that only growing reads does, for the error that refuses it without grow=True.
+_GROWING_OPTIONS = {
+    "grow_after": "how many calls in a row must succeed before a larger size is tried",
+    "grow_gain": "the least gain in rows per second a larger size must bring",
+    "clock": "what times the attempts, when grow_gain weighs throughput",
+}
+
+
+def _refuse_growing_options(front_end: str, options: Mapping[str, Any]) -> None:
+    """Refuse an option that only growing back reads, given without ``grow=True``: it would do nothing."""
+    for name, does in _GROWING_OPTIONS.items():
+        if name in options and not (name == "grow_gain" and options[name] is None):  # None: the default
+            raise ValueError(
+                f"{front_end}() got {name}={options[name]!r} without grow=True: {name} is {does}, and only "
+                f"grow=True grows back. Give grow=True too, or leave {name} out"
+            )
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -221,7 +241,10 @@ class Policy:
                 f"all the rows at once, for the front ends that are given them (koila.chunked, koila.range and "
                 f"koila.accumulate); {front_end} is not given its rows"
             )
-        return cls(initial=initial, **options)
+        policy = cls(initial=initial, **options)
+        if not policy.grow:
+            _refuse_growing_options(front_end, options)
+        return policy
 
     def __post_init__(self) -> None:
         distributed.check_sync(self.sync)

@@ -62,9 +62,14 @@ class Stats:
     """Counters of one decorated function, updated as it is called.
 
     Attributes:
-        calls (int): calls started.
+        calls (int): calls started with something to run: a ``chunked`` call
+            of 0 rows, or a ``range`` call of 0 indices, runs no attempt and
+            counts nothing.
         ooms (int): out-of-memory failures recovered from or given up on.
-        exhausted (int): calls that raised :class:`BatchSizeExhausted`.
+        exhausted (int): calls that gave up after running out of memory: those
+            that raised :class:`BatchSizeExhausted`, and those that could not
+            retry because an argument is an iterator (their ``TypeError``); not
+            a call that an error of its ``schedule`` ended.
         batch_size (int): the size of the latest attempt.
         seconds_lost (float): time spent in failed attempts and in releasing
             their memory.
@@ -118,13 +123,16 @@ class Stats:
     def calls(self) -> int:
         return self.calls_counter.value
 
-    def record_oom(self, seconds: float, next_size: int | None) -> None:
-        """Count one out-of-memory failure and the time it cost; a call that gives up (``next_size`` None) too."""
+    def record_oom(self, seconds: float) -> None:
+        """Count one out-of-memory failure and the time it cost."""
         with self._lock:
             self.ooms += 1
             self.seconds_lost += seconds
-            if next_size is None:
-                self.exhausted += 1
+
+    def record_exhausted(self) -> None:
+        """Count a call that gives up after running out of memory."""
+        with self._lock:
+            self.exhausted += 1
 
     def ran_whole(self, rows: int) -> None:
         """Count a call that ran its whole batch as it came, outside the engine (a trainer's step that fit).
