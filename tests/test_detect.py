@@ -484,3 +484,27 @@ def test_the_walk_through_groups_keeps_its_limits() -> None:
     for _ in range(40):
         shared = group("level", [shared, shared])
     assert not koila.is_oom(shared)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are Python 3.11's")
+def test_a_group_s_verdict_does_not_depend_on_the_order_of_its_errors() -> None:
+    """A group's verdict was kept from a visit that ran out of links, and stood for a later one with more."""
+
+    def oom() -> BaseException:
+        return torch.OutOfMemoryError("CUDA out of memory.")
+
+    group = builtins.ExceptionGroup  # type: ignore[attr-defined]  # not in Python 3.10's builtins
+    raised_from = RuntimeError("w")
+    raised_from.__cause__ = oom()
+    inner = group("g", [raised_from])
+    chain: BaseException = inner
+    for index in range(30):  # each raised from the next, ending in the group: 31 links of 33
+        link = RuntimeError(f"c{index}")
+        link.__cause__ = chain
+        chain = link
+    outer = group("h", [chain])
+    outer.__cause__ = oom()
+    assert koila.is_oom(inner)
+    assert koila.is_oom(outer)
+    assert koila.is_oom(group("t", [inner, outer]))
+    assert koila.is_oom(group("t", [outer, inner]))

@@ -564,6 +564,21 @@ def test_a_batch_of_no_rows_runs_as_without_the_callback(skip: bool, initial: in
     assert got == pytest.approx(expected)
 
 
+def test_a_batch_of_no_rows_runs_whole_under_any_single_device_strategy() -> None:
+    """A subclass of SingleDeviceStrategy (as Lightning's own XLA one is) is one device too."""
+
+    class Mine(L.pytorch.strategies.SingleDeviceStrategy):  # type: ignore[misc]
+        pass
+
+    reference = Emptied(True)
+    trainer(max_steps=-1, max_epochs=1).fit(reference, loader(rows=192))
+    model = Emptied(True)
+    strategy = Mine(device=torch.device("cpu"))
+    trainer(OOMRecovery(), max_steps=-1, max_epochs=1, strategy=strategy).fit(model, loader(rows=192))
+    assert model.empty == reference.empty == 1
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
 class Primed(AnyBatch):
     """Gradients in ``.grad`` as the step starts (as the batches of an accumulate_grad_batches window leave them)."""
 

@@ -335,8 +335,9 @@ def test_a_class_whose_instances_are_no_schedules_is_taken_as_one() -> None:
 
 def test_scaled_takes_numpys_numbers() -> None:
     numpy = pytest.importorskip("numpy")
+    assert koila.scaled(numpy.float32(0.9))(100) == 90  # as it reads: float32's 0.8999999761... gave 89
     for factor in (numpy.float32(0.9), numpy.float64(0.5), numpy.float16(0.75)):
-        plain = koila.scaled(float(factor))
+        plain = koila.scaled(float(str(factor)))
         schedule = koila.scaled(factor)
         assert schedule == plain
         assert [schedule(size) for size in (1000, 128, 3, 1)] == [plain(size) for size in (1000, 128, 3, 1)]

@@ -120,12 +120,13 @@ def is_oom(exc: BaseException) -> bool:
     return _leads_to_oom(exc, MAX_CAUSES + 1, set(), {})
 
 
-def _leads_to_oom(exc: BaseException, links: int, path: set[int], groups: dict[int, bool]) -> bool:
+def _leads_to_oom(exc: BaseException, links: int, path: set[int], groups: dict[tuple[int, int], bool]) -> bool:
     """Whether ``exc`` says out of memory or was raised from one that does, within ``links`` links."""
     if not isinstance(exc, Exception):
         return False  # an interrupt or an exit is never retried, whatever it was raised from
     # ``path``: the links being looked at, so that a loop through a group's errors ends; ``groups``: each
-    # group's verdict, so that groups sharing their errors are not walked again and again.
+    # group's verdict with as many links left, so that groups sharing their errors are not walked again and
+    # again, and a verdict that ran out of links stands for none with more.
     entered: list[int] = []
     link: BaseException | None = exc
     try:
@@ -138,10 +139,11 @@ def _leads_to_oom(exc: BaseException, links: int, path: set[int], groups: dict[i
             if _GROUP is not None and isinstance(link, _GROUP):
                 # asyncio.TaskGroup's, say: out of memory when every error it holds is (cancellations are not
                 # held), each followed through what is left of the links.
-                verdict = groups.get(id(link))
+                verdict = groups.get((id(link), links))
                 if verdict is None:
                     members = link.exceptions  # type: ignore[attr-defined]
-                    verdict = groups[id(link)] = all(_leads_to_oom(each, links, path, groups) for each in members)
+                    verdict = all(_leads_to_oom(each, links, path, groups) for each in members)
+                    groups[(id(link), links)] = verdict
                 if verdict:
                     return True
             link = link.__cause__

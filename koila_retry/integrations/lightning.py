@@ -454,7 +454,7 @@ class _Step:
             if reason is None:  # splittable: the step's own error, or a batch of 0 rows, which accumulate refuses
                 # Nothing to split: run whole, as without the callback, on one device; under DDP or FSDP2 the
                 # other ranks' steps run through accumulate, and a rank running whole would not match them.
-                if not _no_rows(args, kwargs) or type(module.trainer.strategy) is not SingleDeviceStrategy:
+                if not _no_rows(args, kwargs) or not isinstance(module.trainer.strategy, SingleDeviceStrategy):
                     raise
                 reason = ""
         finally:
