@@ -1014,6 +1014,31 @@ LATE_FAILURES: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception], s
 }
 
 
+def test_a_dict_whose_keys_come_in_another_order_in_a_micro_batch_is_matched_by_key() -> None:
+    """It was refused only when the step was split: whether a step raises must not depend on the memory."""
+    model, x, y = build("mlp", 20)
+    first = x[0].clone()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        loss = F.mse_loss(model(x), y)
+        parts = {"loss": loss, "rows": torch.tensor(len(x)), "scores": model(x).detach()}
+        return parts if torch.equal(x[0], first) else {key: parts[key] for key in ("scores", "rows", "loss")}
+
+    whole = step(x, y)
+    whole["loss"].backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    split = koila.accumulate(step, initial=8)(x, y)
+    assert list(split) == ["loss", "rows", "scores"]  # the first micro-batch's order
+    torch.testing.assert_close(split["loss"], whole["loss"].detach())
+    assert int(split["rows"]) == len(x)
+    torch.testing.assert_close(split["scores"], whole["scores"])
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+    with pytest.raises(ValueError, match="different structures"):  # other keys are still another structure
+        koila.accumulate(lambda x, y: {"loss": step(x, y)["loss"], len(x): 1}, initial=8)(x, y)
+
+
 @pytest.mark.parametrize("failure", sorted(LATE_FAILURES))
 def test_bad_result_in_a_later_micro_batch_leaves_grads_as_they_were(failure: str) -> None:
     make_bad, error, shown = LATE_FAILURES[failure]

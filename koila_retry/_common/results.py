@@ -23,7 +23,7 @@ from torch.utils._pytree import (
 
 from koila_retry._common.batches import CONSTRUCTED, faithful, remake, state_of, tuple_remaking
 
-__all__ = ["flatten", "flatten_with_path", "structure"]
+__all__ = ["flatten", "flatten_with_path", "in_order", "structure"]
 
 
 class _Remade:
@@ -157,3 +157,41 @@ def _shape(spec: TreeSpec) -> str:
     if kind is list:
         return f"[{inside}]"
     return f"({inside})" if kind is tuple else f"{kind.__name__}({inside})"
+
+
+def in_order(spec: TreeSpec, first: TreeSpec) -> list[int] | None:
+    """Return the indices of ``spec``'s leaves in ``first``'s order, if only the order of plain dicts' keys differs."""
+    return _in_order(spec, first, 0)
+
+
+def _in_order(spec: TreeSpec, first: TreeSpec, start: int) -> list[int] | None:
+    """Return the indices of ``spec``'s leaves (from ``start``) in ``first``'s order, if only dicts' orders differ."""
+    if spec.is_leaf() or first.is_leaf():
+        return [start] if spec.is_leaf() and first.is_leaf() else None
+    children, firsts = _children(spec), _children(first)
+    if spec.type is not first.type or len(children) != len(firsts):
+        return None
+    starts = [start]
+    for child in children[:-1]:
+        starts.append(starts[-1] + child.num_leaves)
+    if spec.type is dict:  # a plain dict's keys, in any order; an OrderedDict's order is part of it
+        place = {key: index for index, key in enumerate(spec.context)}
+        if any(key not in place for key in first.context):
+            return None
+        pairs = [(children[place[key]], starts[place[key]]) for key in first.context]
+    elif spec.context != first.context:
+        return None
+    else:
+        pairs = list(zip(children, starts, strict=True))
+    order: list[int] = []
+    for (child, begin), first_child in zip(pairs, firsts, strict=True):
+        inside = _in_order(child, first_child, begin)
+        if inside is None:
+            return None
+        order.extend(inside)
+    return order
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    # torch 2.13 deprecates children_specs for children(), which earlier releases lack.
+    return list(spec.children() if hasattr(spec, "children") else spec.children_specs)

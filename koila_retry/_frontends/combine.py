@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path, structure
+from koila_retry._common.results import flatten, flatten_with_path, in_order, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._core.engine import Controller
 
@@ -78,8 +78,13 @@ class Results:
             if _DROP in kinds:
                 self._dropping(result, kinds)
         elif spec != self.spec:
-            self._changed(spec)
-        elif kinds != self.kinds:
+            # A dict's keys in another order are matched by key, as the whole batch's would be: put in the first's.
+            order = in_order(spec, self.spec)
+            if order is None:
+                self._changed(spec)
+            leaves, kinds = [leaves[index] for index in order], [kinds[index] for index in order]
+            result = tree_unflatten(leaves, self.spec)  # for the errors below, which name leaves by index
+        if kinds != self.kinds:
             kinds = self._rows_changed(result, kinds, rows)
         for index, (column, kind, leaf) in enumerate(zip(self.columns, kinds, leaves, strict=True)):
             if kind == _DROP:

@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path, structure
+from koila_retry._common.results import flatten, flatten_with_path, in_order, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._common.warn import warn_or_log
@@ -137,7 +137,7 @@ class Results:
                 self.targets = self._matched(result)
             self.spec = spec
         elif spec != self.spec or self.none:
-            order = None if self.none else _in_order(spec, self.spec, 0)
+            order = None if self.none else in_order(spec, self.spec)
             if order is None:
                 self._changed(None if self.none else self.spec, spec)
             leaves = [leaves[index] for index in order]
@@ -559,36 +559,3 @@ def _shifted_onto(tensor: torch.Tensor, shift: int) -> bool | None:
             if abs(steps) < length
         ]
     return 0 in remainders
-
-
-def _in_order(spec: TreeSpec, first: TreeSpec, start: int) -> list[int] | None:
-    """Return the indices of ``spec``'s leaves (from ``start``) in ``first``'s order, if only dicts' orders differ."""
-    if spec.is_leaf() or first.is_leaf():
-        return [start] if spec.is_leaf() and first.is_leaf() else None
-    children, firsts = _children(spec), _children(first)
-    if spec.type is not first.type or len(children) != len(firsts):
-        return None
-    starts = [start]
-    for child in children[:-1]:
-        starts.append(starts[-1] + child.num_leaves)
-    if spec.type is dict:  # a plain dict's keys, in any order; an OrderedDict's order is part of it
-        place = {key: index for index, key in enumerate(spec.context)}
-        if any(key not in place for key in first.context):
-            return None
-        pairs = [(children[place[key]], starts[place[key]]) for key in first.context]
-    elif spec.context != first.context:
-        return None
-    else:
-        pairs = list(zip(children, starts, strict=True))
-    order: list[int] = []
-    for (child, begin), first_child in zip(pairs, firsts, strict=True):
-        inside = _in_order(child, first_child, begin)
-        if inside is None:
-            return None
-        order.extend(inside)
-    return order
-
-
-def _children(spec: TreeSpec) -> list[TreeSpec]:
-    # torch 2.13 deprecates children_specs for children(), which earlier releases lack.
-    return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
