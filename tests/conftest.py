@@ -117,10 +117,12 @@ def _reset_global_state() -> Iterator[None]:
     assert not leaked, "a test left a simulated device active"
     # A step that ends, however it ends, lets go of the parameters it held: one left held would
     # make a later step of another thread on a tensor with the same id wait for it forever.
-    held = dict(in_flight.IN_FLIGHT.owners), dict(in_flight.IN_FLIGHT.shared)
-    in_flight.IN_FLIGHT.owners.clear()
-    in_flight.IN_FLIGHT.shared.clear()
-    assert held == ({}, {}), "a test left accumulate steps holding parameters (in_flight.IN_FLIGHT)"
+    registry = in_flight.IN_FLIGHT
+    held = dict(registry.owners), dict(registry.shared), dict(registry.held)
+    registry.owners.clear()
+    registry.shared.clear()
+    registry.held.clear()
+    assert held == ({}, {}, {}), "a test left accumulate steps holding parameters (in_flight.IN_FLIGHT)"
 
 
 @pytest.fixture

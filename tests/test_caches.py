@@ -552,3 +552,42 @@ def test_a_callable_that_cannot_be_hashed_is_keyed_by_its_code(cache: koila.Glob
     for _ in range(2):  # one line: one key for the default cache too
         assert evaluate() == 32.0
     assert evaluate.stats.ooms == 2  # 64 and 32 failed once; the second call started at the size that worked
+
+
+def test_a_key_an_interrupt_kept_from_being_stored_is_evicted_without_error() -> None:
+    # A Ctrl-C between the two writes of a store leaves the key in the LRU's order without a size.
+    cache = koila.GlobalCache(maxsize=2)
+    cache._order["interrupted"] = None
+    for index, key in enumerate(["a", "b", "c"]):
+        cache[key] = 8 + index
+    assert dict(cache.items()) == {"b": 9, "c": 10}
+    del cache["c"]
+    cache._order["cut short"] = None  # and a removal cut short: the size gone, the order not
+    cache["d"] = 4
+    cache["e"] = 2
+    assert dict(cache.items()) == {"d": 4, "e": 2}
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda model: torch.compile(model, backend="eager"),
+        torch.nn.DataParallel,
+        lambda model: torch.compile(torch.nn.DataParallel(model), backend="eager"),
+    ],
+    ids=["compiled", "data-parallel", "both"],
+)
+def test_a_wrapped_model_is_keyed_by_the_model_it_wraps(wrap: Callable[[torch.nn.Module], Any]) -> None:
+    # Every compiled model's forward is Module._forward_unimplemented: one key would hold all their sizes.
+    small, big = torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    cache = koila.GlobalCache()
+    fits = oom_above(16)
+    big.register_forward_pre_hook(lambda module, args: fits(len(args[0])))
+    x = torch.randn(64, 4)
+    with torch.no_grad():
+        koila.chunked(wrap(big), x, initial=64, cache=cache)
+        rows: list[int] = []
+        small.register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
+        koila.chunked(wrap(small), x, initial=64, cache=cache)
+    assert rows == [64], "the small model started at the big one's size"
+    assert [key[2] for key in cache] == ["Sequential.forward"]

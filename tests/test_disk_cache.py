@@ -384,6 +384,62 @@ def test_a_read_only_file_is_read_and_never_replaced_even_in_a_writable_folder(t
         path.chmod(0o644)
 
 
+_NOBODY = 65534  # the uid and gid of "nobody" on Linux
+
+
+def _nobodys_file(tmp_path: Path) -> Path:
+    """A cache file of another user's (nobody's, mode 0644) in a folder anyone may write, as /tmp is."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root, to give a file to another user")
+    path = tmp_path / "sizes.json"
+    koila.DiskCache(path)["theirs"] = 16
+    os.chown(path, _NOBODY, _NOBODY)
+    path.chmod(0o644)
+    tmp_path.chmod(0o777)
+    return path
+
+
+def test_another_users_file_this_process_may_not_write_is_read_and_never_replaced(tmp_path: Path) -> None:
+    # Root without its capabilities (setpriv) may not write a file of nobody's, but may rename a
+    # new file over it in the folder: that would make the file its own.
+    path = _nobodys_file(tmp_path)
+    script = textwrap.dedent(
+        f"""
+        import warnings, koila_retry as koila
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = koila.DiskCache({str(path)!r})
+            cache["mine"] = 8
+        assert cache["theirs"] == 16 and cache["mine"] == 8
+        print([str(warning.message) for warning in caught])
+        """
+    )
+    try:
+        ran = subprocess.run(
+            ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except FileNotFoundError:
+        pytest.skip("no setpriv here")
+    assert ran.returncode == 0, ran.stderr
+    assert "may not write the file" in ran.stdout
+    assert ran.stdout.count("cannot write the size cache file") == 1
+    assert (path.stat().st_uid, stat.S_IMODE(path.stat().st_mode)) == (_NOBODY, 0o644)
+    assert json.loads(path.read_text(encoding="utf-8"))["sizes"] == {"theirs": 16}
+
+
+def test_another_users_file_that_root_writes_stays_theirs(tmp_path: Path) -> None:
+    path = _nobodys_file(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        koila.DiskCache(path)["mine"] = 8
+    found = path.stat()
+    assert (found.st_uid, found.st_gid, stat.S_IMODE(found.st_mode)) == (_NOBODY, _NOBODY, 0o644)
+    assert json.loads(path.read_text(encoding="utf-8"))["sizes"] == {"theirs": 16, "mine": 8}
+
+
 def test_a_path_below_a_file_warns_once_and_keeps_sizes_in_memory(tmp_path: Path) -> None:
     # Unusable even for root: the folder would have to be where a file is. Reading it
     # already fails (not a directory), so the warning comes when the cache is made.

@@ -29,7 +29,7 @@ from _layers import RaiseInBackward  # noqa: E402
 from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
 from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
 
-from koila_retry.integrations._lightning_logging import batch_size, combined  # noqa: E402
+from koila_retry.integrations._lightning_logging import batch_size, combined, weights  # noqa: E402
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
 # Lightning's own notices, not this library's: a module without a val_dataloader, and its
@@ -1572,6 +1572,63 @@ def test_a_split_steps_batch_size_follows_the_documented_rule(sizes: list[Any], 
     tensors = [None if size is None else torch.tensor(size) for size in sizes]
     got = batch_size(tensors, rows)
     assert (got if got is None else int(got)) == expected
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rows", "expected"),
+    [
+        ([300, 250], [32, 32], [300, 250]),  # a count (tokens): the values are its means
+        ([0, 250], [32, 32], [0, 250]),  # a micro-batch that counted nothing weighs nothing
+        ([32, 16], [32, 16], [32, 16]),
+        ([64, 64], [32, 16], [32, 16]),  # a fixed size: the rows
+        ([None, 64], [32, 32], [32, 32]),
+        ([0, 0], [32, 16], [32, 16]),  # nothing counted anywhere: the mean of none, as the whole batch's
+    ],
+)
+def test_a_split_steps_means_are_weighed_by_the_counts_logged_with_them(
+    sizes: list[Any], rows: list[int], expected: list[int]
+) -> None:
+    assert weights(sizes, rows) == expected
+    assert weights([None if size is None else torch.tensor(size) for size in sizes], rows) == expected
+
+
+class EvenCounted(MLP):
+    """Logs a mean over some rows only (the even classes'), with their count as ``batch_size``: a token mean's way."""
+
+    def _even(self, batch: Any, prefix: str) -> None:
+        x, y = batch
+        even = y % 2 == 0
+        loss = F.cross_entropy(self.net(x[even]), y[even])
+        self.log(f"{prefix}even_loss", loss, on_step=False, on_epoch=True, batch_size=int(even.sum()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._even(batch, "")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self._even(batch, "val_")
+
+
+@pytest.mark.parametrize(
+    ("fit", "limit"), [(True, "400KiB"), (True, "300KiB"), (False, "200KiB"), (False, "150KiB")]
+)  # split in two, in four or more
+def test_a_mean_over_counted_items_logged_with_their_count_is_the_whole_batchs(fit: bool, limit: str) -> None:
+    """One batch: its value is the epoch's, whatever batch_size weighs it there (see the rule above)."""
+
+    def run(limit: str | None) -> float:
+        model, events = EvenCounted(), []
+        callbacks = (OOMRecovery(on_oom=events.append),) if limit else ()
+        with simulated_device(limit) if limit else contextlib.nullcontext():
+            if fit:
+                fitted = trainer(*callbacks, max_steps=1)
+                fitted.fit(model, loader(rows=64))
+                value = float(fitted.callback_metrics["even_loss"])
+            else:
+                value = trainer(*callbacks).validate(model, loader(rows=64), verbose=False)[0]["val_even_loss"]
+        assert bool(events) == bool(limit), "split where limited"
+        return value
+
+    assert run(limit) == pytest.approx(run(None), rel=1e-12)
 
 
 class ScaledFirst(MLP):

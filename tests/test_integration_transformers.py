@@ -21,6 +21,7 @@ from koila_retry.testing import simulated_device
 
 transformers = pytest.importorskip("transformers")
 from _hf_trainer import (  # noqa: E402 (after the skip)
+    VOCAB,
     CausalWrapper,
     MeanLoss,
     Pairs,
@@ -35,6 +36,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     make_seq2seq_trainer,
     make_trainer,
     mean_loss_func,
+    shifted_cross_entropy,
     summed_loss_func,
     tiny_gpt2,
 )
@@ -439,6 +441,48 @@ def test_a_module_around_a_causal_lm_is_weighed_by_its_shifted_labels(tmp_path: 
     assert trainer.training_step.stats.batch_size < 8
     assert_same_training(trainer, reference)
     assert evaluated == pytest.approx(expected, rel=1e-6)
+
+
+class PlainLM(torch.nn.Module):
+    """A causal LM of plain modules (nanoGPT's kind): no Hugging Face model tells that its loss shifts the labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.head = torch.nn.Embedding(VOCAB, 64), torch.nn.Linear(64, VOCAB)
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.embedding(input_ids)))
+        return {"loss": shifted_cross_entropy(logits, labels), "logits": logits}
+
+
+class TypedLM(PlainLM):
+    loss_type = "ForCausalLM"  # as Hugging Face's models name their loss, and its Trainer reads it
+
+
+@pytest.mark.parametrize("answer", ["trainer's", "model's alone"])  # the latter as transformers 4 has it
+def test_a_plain_causal_lm_that_names_its_loss_is_weighed_by_its_shifted_labels(tmp_path: Path, answer: str) -> None:
+    reference = make_trainer(tmp_path, model=TypedLM())
+    reference.train()
+    trainer = make_trainer(tmp_path, model=TypedLM())
+    if answer != "trainer's":
+        trainer._loss_shifts_labels = False
+    trainer = adapt(trainer)
+    with simulated_device("150KiB"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.train()
+    assert trainer.training_step.stats.batch_size < 8
+    assert_same_training(trainer, reference)
+
+
+def test_a_plain_module_whose_loss_nothing_names_is_warned_of_when_split(tmp_path: Path) -> None:
+    """Its labels are counted as they are, as a token classifier's loss averages over them: a causal LM's is not."""
+    trainer = adapt(make_trainer(tmp_path, model=PlainLM()))
+    with simulated_device("150KiB"), pytest.warns(UserWarning, match="holds no Hugging Face model") as caught:
+        trainer.train()
+    assert trainer.training_step.stats.batch_size < 8
+    assert len([w for w in caught if "holds no Hugging Face model" in str(w.message)]) == 1
+    assert "loss_type = 'ForCausalLM'" in str(caught[0].message)
 
 
 def test_label_smoothing_split_gives_what_the_plain_trainer_gives(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -63,6 +64,27 @@ def test_without_weight_a_dict_batch_with_ignored_labels_is_warned_about_once() 
         warnings.simplefilter("error")
         step(batch)
         koila.accumulate(lambda batch: mean_over_tokens(model, batch))(batch)  # whole: no split, no warning
+
+
+@pytest.mark.parametrize("form", ["positional", "keyword", "tuple"])
+def test_ignored_labels_outside_a_dict_are_warned_about_too(form: str) -> None:
+    # step(ids, labels), step(ids, labels=labels), Lightning's (x, y) batch: weighed by rows as a dict's is.
+    model, batch = token_batch()
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return mean_over_tokens(model, {"ids": ids, "labels": labels})
+
+    ids, labels = batch["ids"], batch["labels"]
+    calls = {
+        "positional": lambda: koila.accumulate(step, initial=4)(ids, labels),
+        "keyword": lambda: koila.accumulate(step, initial=4)(ids, labels=labels),
+        "tuple": lambda: koila.accumulate(lambda pair: step(*pair), initial=4)((ids, labels)),
+    }
+    with pytest.warns(UserWarning, match=r"labels with ignored entries \(-100\)"):
+        calls[form]()
+    with warnings.catch_warnings():  # the ids themselves are integers without -100: nothing to warn about
+        warnings.simplefilter("error")
+        koila.accumulate(lambda ids: model(ids).sum(), initial=4)(ids)
 
 
 def test_a_step_that_initial_auto_splits_is_warned_about_too() -> None:
@@ -206,6 +228,16 @@ def test_weight_must_return_a_count(returned: Any, shown: str) -> None:
     with pytest.raises(ValueError, match="weight= returned") as info:
         step(batch)
     assert shown in str(info.value)
+
+
+@pytest.mark.parametrize("count", [np.int64(3), np.int32(3), np.float32(3.0)])
+def test_weight_may_return_a_numpy_number(count: Any) -> None:
+    # mask.numpy().sum() is a numpy int: a count like any other, not "a number >= 0" refused.
+    model, batch = token_batch(rows=4)
+    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=2, weight=lambda batch: count)
+    loss = step(batch)
+    as_int = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=2, weight=lambda batch: 3)
+    torch.testing.assert_close(loss, as_int(batch), rtol=0, atol=0)
 
 
 def test_weight_is_checked_when_decorating() -> None:

@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 
+_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
 def function_identity(function: object) -> tuple[str, int, str]:
     """Return ``(filename, first line, qualified name)`` of a callable; a tuple is a description already."""
     # Never the callable itself: a key that held it would keep a model, or a lambda's captured
@@ -55,7 +58,17 @@ def function_identity(function: object) -> tuple[str, int, str]:
         qualname = getattr(function, "__qualname__", None)
         if isinstance(qualname, str):  # a builtin such as torch.sin, or a class
             return (str(getattr(function, "__module__", None)), 0, qualname)
-        # An object: name it by its forward (modules) or __call__.
+        # An object: name it by its forward (modules) or __call__. A wrapper's forward is every wrapped
+        # model's (torch.compile's _forward_unimplemented, DDP's): named by the model it wraps.
+        for _ in range(100):
+            if not isinstance(function, torch.nn.Module):
+                break
+            inner = function._modules.get("_orig_mod")  # torch.compile's OptimizedModule
+            if inner is None and isinstance(function, _PARALLEL):
+                inner = function.module
+            if inner is None:
+                break
+            function = inner
         kind = type(function)
         method = getattr(kind, "forward", None) or kind.__call__
         code = getattr(method, "__code__", None)
@@ -237,9 +250,11 @@ class Sizes(MutableMapping[Hashable, int]):
             if key in sizes:
                 order.move_to_end(key)
             else:
-                while len(sizes) >= self._maxsize:
+                # The order holds every stored key (added first, removed last), and a key whose size an
+                # interrupt (Ctrl-C) kept from being stored: dropped with no harm.
+                while len(order) >= self._maxsize:
                     evicted = order.popitem(last=False)[0]
-                    del sizes[evicted]
+                    sizes.pop(evicted, None)
                     self._samples.pop(evicted, None)
                 order[key] = None
             sizes[key] = size
@@ -266,8 +281,7 @@ class Sizes(MutableMapping[Hashable, int]):
         """Remove ``key``; return its size, or ``None`` if it was not stored."""
         with self._lock:
             size = self._sizes.pop(key, None)
-            if size is not None:
-                del self._order[key]
+            self._order.pop(key, None)
             self._samples.pop(key, None)
             self._recent = [None]
             return size

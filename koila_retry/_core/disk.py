@@ -291,12 +291,16 @@ def _replace(
             nbytes_of = {key: nbytes for key, (_, nbytes) in bounds if nbytes}
             if nbytes_of:
                 content["bound_samples"] = nbytes_of
-        mode = None
+        mode = found = None
         with contextlib.suppress(FileNotFoundError):
-            mode = stat.S_IMODE(os.stat(target).st_mode)
+            found = os.stat(target)
+            mode = stat.S_IMODE(found.st_mode)
         if mode is not None and not mode & 0o222:
             # Made read-only to freeze it: renaming over it would write it all the same (and does, as root).
             raise PermissionError(errno.EACCES, "the file is read-only (no write permission for anyone)", target)
+        if mode is not None and not os.access(target, os.W_OK):
+            # Another user's, say: a writable folder lets a new file be renamed over it, which would be ours.
+            raise PermissionError(errno.EACCES, "this process may not write the file (another user's, say)", target)
         if mode is None and created is not None:
             # A new file as readable as the umask allows (a lock file made by us shows it): a temporary file
             # is private. Its owner reads and writes it whatever the lock file's mode.
@@ -310,6 +314,10 @@ def _replace(
                 os.fsync(temporary.fileno())
                 if mode is not None:  # a file others share stays as readable as it was
                     os.chmod(temporary.name, mode)
+                if found is not None and found.st_uid != os.geteuid():
+                    # Root writing another user's file: it stays theirs (chown fails for anyone else).
+                    with contextlib.suppress(OSError):
+                        os.chown(temporary.name, found.st_uid, found.st_gid)
             except BaseException:
                 _remove(temporary)
                 raise

@@ -13,10 +13,11 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
@@ -366,11 +367,8 @@ class _Accumulator:
         self.fn, self.controller, self.dim, self.mean = fn, controller, dim, mean
         self.backward, self.device, self.auto = backward, device, auto
         self.identity = function_identity(fn)
-        self.warned_batchnorm = False
-        self.warned_checkpoint = False
-        self.warned_comm_hook = False
-        self.warned_ignored = False
-        self.warned_dropped = False
+        self.warned_batchnorm = self.warned_checkpoint = self.warned_comm_hook = False
+        self.warned_ignored = self.warned_dropped = False
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
@@ -436,11 +434,11 @@ class _Accumulator:
             if sync is not None:
                 sync.reduce(used_everywhere=attempt.unanimous)
             result = finished.finish()
+            return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
             gradients.discard()
             gradients.restore()
             raise
-        return self._delivered(gradients, finished, result, rows)
 
     def _alone(self, split: Split, device: torch.device, roots: tuple[Any, ...], caller: FrameType) -> Any:
         """Run a call no other rank takes part in and no estimate starts, the usual one.
@@ -459,14 +457,15 @@ class _Accumulator:
         try:
             finished = self.controller.call(self.identity, caller, device, work, roots, rows, sampled)
             result = finished.finish()
+            return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
             gradients.discard()
             gradients.restore()
             raise
-        return self._delivered(gradients, finished, result, rows)
 
     def _delivered(self, gradients: Gradients, finished: Results, result: Any, rows: int) -> Any:
         """Put the step's gradients in ``.grad``, warn of what the step could not do exactly, and return ``result``."""
+        gradients.committing = True
         gradients.restore()
         gradients.deliver()
         # The step's gradients are in .grad now: a warning that a filter makes an error must
@@ -858,19 +857,20 @@ def _count(value: Any, name: str) -> float:
     """Return what ``weight=`` returned as a number of items, or raise the error that says why not."""
     if isinstance(value, TensorBase) and value.numel() == 1 and not value.is_complex():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ValueError(
-            f"weight= returned {describe(value)} for a micro-batch of {name}; it must return how many items "
-            "the micro-batch's loss averages over: a number >= 0 (an int, a float or a one-element tensor)"
+            f"weight= returned {describe(value)} for a micro-batch of {name}; it must return how many items the "
+            "micro-batch's loss averages over: a number >= 0 (an int or a float, numpy's too, or a one-element tensor)"
         )
     return float(value)
 
 
 def _ignores_labels(split: Split) -> bool:
-    """Return whether a dict in the batch holds ``labels`` with ignored entries (-100), as HF's losses skip."""
-    for value in (*split.args, *split.kwargs.values()):
-        labels = value.get("labels") if isinstance(value, Mapping) else None
-        if isinstance(labels, TensorBase) and not labels.is_floating_point() and bool((labels == -100).any()):
+    """Return whether a tensor of integers the batch splits holds ignored entries (-100), as HF's losses skip."""
+    # Anywhere in the batch, not only under a "labels" key: Lightning's (x, y) tuples, step(ids, labels).
+    for index in split.split:
+        tensor = split.tensors[index]
+        if tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64) and bool((tensor == -100).any()):
             return True
     return False
 

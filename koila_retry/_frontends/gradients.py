@@ -108,6 +108,8 @@ def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
         return before
     if written.requires_grad:  # a backward's with create_graph=True: its graph kept, as autograd keeps it
         return before + written
+    if not before.requires_grad and before.layout == torch.strided:  # no graph to keep out of
+        return before.add_(written)
     with torch.no_grad():
         if before.layout == torch.strided or written.layout == before.layout:
             return before.add_(written)
@@ -137,6 +139,7 @@ class Gradients:
     __slots__ = (
         "aside",
         "batchnorm",
+        "committing",
         "direct",
         "exposed",
         "faint",
@@ -166,6 +169,7 @@ class Gradients:
         self.hidden = False  # whether a backward may have written leaves the walk cannot find
         self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
+        self.committing = False  # the step's gradients are being given to .grad: see discard()
         self.thread = threading.get_ident()
         self.root: Any = None  # the node this step's backward starts from, while it runs
         self.task = -1  # the autograd graph task that runs it, once a backward inside one of its nodes was seen
@@ -542,19 +546,25 @@ class Gradients:
     def discard(self) -> None:
         """Forget every gradient the step computed, and what a plain backward left in ``.grad``."""
         self.sums, self.leaves, self.owned = {}, {}, set()
+        if self.committing:  # interrupted (Ctrl-C) as it began: restore() finishes, or none is given
+            return
         for leaf in [*self.exposed.values(), *self._faint()]:
             leaf.grad = None
 
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""
         for leaf, before in self.aside:
-            # leaf.grad is None, unless a backward wrote leaves the walk could not find.
-            leaf.grad = summed(before, leaf.grad)
+            # leaf.grad is None, unless a backward wrote leaves the walk could not find; ``before`` itself
+            # where a restore that an interrupt cut short gave it back already.
+            written = leaf.grad
+            if written is not before:
+                leaf.grad = summed(before, written)
+        # Nothing of the step's is apart from .grad now: nothing for a discard to drop, whatever comes.
+        self.exposed.clear()
+        self.faint.clear()
         self.aside.clear()
         if self.direct:
-            IN_FLIGHT.release(self, [*self.exposed, *self.faint] if self.faint else self.exposed)
-        self.faint.clear()
-        self.exposed.clear()
+            IN_FLIGHT.release(self)
 
     def _faint(self) -> list[torch.Tensor]:
         return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]

@@ -7,7 +7,7 @@ holds its leaves alone, and a captured one waits for them before it delivers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 __all__ = ["IN_FLIGHT", "Holder", "InFlight"]
@@ -22,7 +22,7 @@ class Holder(Protocol):
 class InFlight:
     """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
 
-    __slots__ = ("condition", "lock", "owners", "shared", "waiting")
+    __slots__ = ("condition", "held", "lock", "owners", "shared", "waiting")
 
     def __init__(self) -> None:
         # The condition's own lock, taken directly where nothing waits: the condition's
@@ -30,40 +30,48 @@ class InFlight:
         self.lock = threading.Lock()
         self.condition = threading.Condition(self.lock)
         self.owners: dict[int, Holder] = {}  # the direct step holding each leaf
+        # How many leaves each holds: a release lets go of exactly those, whatever the step noted of them
+        # (an interrupt, Ctrl-C, may land between a take and the step's note of it).
+        self.held: dict[Holder, int] = {}
         self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
         self.waiting = 0
 
     def take(self, owner: Holder, keys: Sequence[int]) -> bool:
         """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any."""
         with self.lock:
-            owners, shared = self.owners, self.shared
+            owners, shared, held = self.owners, self.shared, self.held
+            before = len(owners)
             if owners or shared:  # another step may be in flight: the one case that pays per leaf
                 for key in keys:
                     if key in shared or owners.get(key, owner) is not owner:
                         return False
             owners.update(dict.fromkeys(keys, owner))
+            held[owner] = held.get(owner, 0) + len(owners) - before  # those it held already count once
         return True
 
-    def release(self, owner: Holder, keys: Collection[int]) -> None:
-        """Let go of the leaves ``keys`` (their ``id``), each held by ``owner``, and wake the steps waiting for them."""
+    def release(self, owner: Holder) -> None:
+        """Let go of every leaf ``owner`` holds, and wake the steps waiting for them."""
         with self.lock:
             owners = self.owners
-            if len(owners) == len(keys):  # held by ``owner`` alone: the step was the only one in flight
+            if self.held.pop(owner, 0) == len(owners):  # held by ``owner`` alone: the only step in flight
                 owners.clear()
             else:
-                for key in keys:
-                    if owners.get(key) is owner:
-                        del owners[key]
+                for key in [key for key, holder in owners.items() if holder is owner]:
+                    del owners[key]
             if self.waiting:
                 self.condition.notify_all()
 
     def enter(self, keys: Sequence[int], thread: int) -> None:
         """Wait until no direct step of another ``thread`` holds any of ``keys``, then hold them shared."""
-        with self.condition:
-            shared, owners = self.shared, self.owners
-            for key in keys:  # first, so that no direct step takes them from now on
-                shared[key] = shared.get(key, 0) + 1
-            try:
+        counted = False
+        try:
+            # The condition's lock, whose exit (in C) no interrupt comes between: one that comes anywhere
+            # else is caught below, so the keys are held shared for a caller's try, or not at all.
+            with self.lock:
+                shared, owners = self.shared, self.owners
+                # First, so that no direct step takes them from now on; all at once.
+                shared.update({key: shared.get(key, 0) + 1 for key in keys})
+                counted = True
                 # A step of this thread (one called inside another) runs no backward now: not waited for.
                 while any(key in owners and owners[key].thread != thread for key in keys):
                     self.waiting += 1
@@ -71,9 +79,10 @@ class InFlight:
                         self.condition.wait()
                     finally:
                         self.waiting -= 1
-            except BaseException:  # interrupted while it waited: it delivers nothing
-                self._drop(keys)
-                raise
+        except BaseException:  # interrupted (Ctrl-C): it delivers nothing
+            if counted:
+                self.leave(keys)
+            raise
 
     def leave(self, keys: Sequence[int]) -> None:
         """Let go of what :meth:`enter` held."""

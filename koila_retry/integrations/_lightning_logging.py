@@ -19,7 +19,7 @@ import torch
 
 from koila_retry.integrations._lightning_module import ABSENT
 
-__all__ = ["WHOLE", "Logs", "batch_size", "combined"]
+__all__ = ["WHOLE", "Logs", "batch_size", "combined", "weights"]
 
 # The rows of a part that ran the batch as given, not one of accumulate's micro-batches.
 WHOLE = -1
@@ -154,32 +154,49 @@ class Logs:
         for (name, _), entries in positions.items():
             options = dict(entries[-1][1][2])
             counts = [n for n, _ in entries]
-            value = combined([call[1] for _, call in entries], counts, options.get("reduce_fx", "mean"))
-            options["batch_size"] = batch_size([call[2].get("batch_size") for _, call in entries], counts)
+            sizes = [call[2].get("batch_size") for _, call in entries]
+            value = combined([call[1] for _, call in entries], weights(sizes, counts), options.get("reduce_fx", "mean"))
+            options["batch_size"] = batch_size(sizes, counts)
             self.log(name, value, **options)
+
+
+def _counted(sizes: list[Any], rows: list[int]) -> list[Any] | None:
+    """Return the ``batch_size`` of each micro-batch's call where they count its items; ``None`` where not.
+
+    None where a call passed none, or where every call passed the same number that is not its
+    rows: a fixed size (``self.hparams.batch_size``). Else ``len(x)``, or another count (tokens).
+    """
+    if any(size is None for size in sizes):
+        return None
+    numbers = [size.item() if isinstance(size, torch.Tensor) else size for size in sizes]
+    return None if len(set(numbers)) == 1 and numbers != rows else numbers
 
 
 def batch_size(sizes: list[Any], rows: list[int]) -> Any:
     """Return the ``batch_size`` the whole batch's call passes, from its micro-batches' (``None``: passed none)."""
     # None passed: None, for Lightning to find in the whole batch, which it still holds, as for the whole
     # batch's call (the first tensor's rows, or 1 for a number first). None in some calls only: the rows.
-    # The same number in every call, not their rows: a fixed size (self.hparams.batch_size). Else their sum
-    # (len(x), or another count).
     if all(size is None for size in sizes):
         return None
     if any(size is None for size in sizes):
         return sum(rows)
-    numbers = [size.item() if isinstance(size, torch.Tensor) else size for size in sizes]
-    if len(set(numbers)) == 1 and numbers != rows:
+    if _counted(sizes, rows) is None:  # a fixed size
         return sizes[-1]
     return sum(sizes[1:], sizes[0])
 
 
-def combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
+def weights(sizes: list[Any], rows: list[int]) -> list[Any]:
+    """Return what weighs each micro-batch's mean: the ``batch_size`` its call passed where that counts its items."""
+    # As Lightning weighs the batches of an epoch's mean by them: a mean over tokens, logged with their count.
+    counted = _counted(sizes, rows)
+    return rows if counted is None or not sum(counted) > 0 else counted
+
+
+def combined(values: list[Any], rows: list[Any], reduce_fx: Any) -> Any:
     """Return the values one name was logged with in each micro-batch, combined as ``reduce_fx`` reduces."""
     # Under a mean: integer tensors (counts) added up, boolean ones whether any is true, other tensors and
-    # numbers weighted by rows. A sum, a max or a min as they say. Anything else (a torchmetrics Metric,
-    # which keeps its own state): the last value.
+    # numbers weighted by rows (or the counts of weights()). A sum, a max or a min as they say. Anything
+    # else (a torchmetrics Metric, which keeps its own state): the last value.
     numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values)
     if not numbers and not all(isinstance(value, torch.Tensor) for value in values):
         return values[-1]
@@ -190,9 +207,11 @@ def combined(values: list[Any], rows: list[int], reduce_fx: Any) -> Any:
             total = torch.stack([value.detach() for value in values]).sum(0)
             return total.to(values[0].dtype)
         everything = sum(rows)
+        # A micro-batch that counted no items logged the mean of none (nan): it weighs nothing.
+        weighed = [(value, n) for value, n in zip(values, rows, strict=True) if n]
         if numbers:
-            return math.fsum(value * n for value, n in zip(values, rows)) / everything
-        return sum(value.detach() * (n / everything) for value, n in zip(values, rows))
+            return math.fsum(value * n for value, n in weighed) / everything
+        return sum(value.detach() * (n / everything) for value, n in weighed)
     if reduce_fx == "sum":
         return sum(values[1:], values[0])
     if reduce_fx in ("max", "min"):

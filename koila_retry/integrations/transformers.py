@@ -71,8 +71,10 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     micro-batches of the batch (powers of two rows), each with its own forward
     and backward, as every later step of the trainer does. Each
     micro-batch's loss is weighed by its share of the batch's labels that are
-    not -100 (shifted by one for a causal language model, or a module that wraps
-    one), or of its rows without labels, and its ``num_items_in_batch`` is the
+    not -100 (shifted by one for a causal language model, a module that wraps
+    one, or a module whose ``loss_type`` is ``"ForCausalLM"``; a module that holds
+    no Hugging Face model and names no loss is warned of), or of its rows without
+    labels, and its ``num_items_in_batch`` is the
     whole count times that share: a loss that is a mean over its labels (the
     model's own, or a custom ``compute_loss`` or ``compute_loss_func`` that
     ignores the count) and one that divides its sum by ``num_items_in_batch``
@@ -270,8 +272,8 @@ def _names(code: Any) -> set[str]:
     return names
 
 
-def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
-    """Whether the trainer's loss shifts its labels (a causal language model's): its first label predicts nothing."""
+def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool | None:
+    """Whether the trainer's loss shifts its labels (a causal language model's); None: a model nothing tells of."""
     model = trainer.model
     if (
         getattr(trainer, "label_smoother", None) is not None
@@ -285,9 +287,12 @@ def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool:
         return type(model).__name__ in _causal_names()
     if getattr(trainer, "_loss_shifts_labels", False):  # the trainer's own answer (transformers 5)
         return True
-    # A module that is no PreTrainedModel (a wrapper, a PEFT model) shifts if every outermost one it holds does.
+    # A module that is no PreTrainedModel (a wrapper, a PEFT model) shifts if every outermost one it holds does;
+    # one that holds none, if its loss_type says so, which the trainer reads too (transformers 5).
     models = _outermost(model, transformers.PreTrainedModel)
-    return bool(models) and all(_causal(model) for model in models)
+    if not models and getattr(model, "loss_type", None) is None:
+        return None
+    return all(_causal(model) for model in models or [model])
 
 
 def _outermost(module: Any, kind: type) -> list[Any]:
@@ -320,7 +325,7 @@ def _causal_names() -> set[str]:
     return set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-def _labels_counted(trainer: Any, inputs: Any, shifts: bool) -> torch.Tensor | None:
+def _labels_counted(trainer: Any, inputs: Any, shifts: bool | None) -> torch.Tensor | None:
     """The labels whose entries that are not -100 a loss averages over, as Hugging Face counts them, or ``None``."""
     labels = _field(inputs, "shift_labels")
     if labels is None:
@@ -371,16 +376,34 @@ def _precision(model: Any) -> torch.dtype:
     return torch.get_default_dtype() if found is None else found
 
 
-def _items(trainer: Any, shifts: bool) -> Callable[..., Any]:
+def _items(trainer: Any, shifts: bool | None) -> Callable[..., Any]:
     """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them."""
+    unwarned = [shifts is None]  # called only for a split batch: warned of once
 
     def items(model: Any, inputs: Any, *rest: Any) -> Any:
         labels = _labels_counted(trainer, inputs, shifts)
         if labels is None:  # checked before the weighted step is chosen
             raise RuntimeError("the batch lost its labels")
+        if unwarned[0] and labels.dim() >= 2 and bool(labels.eq(IGNORED).any()):
+            unwarned[0] = False
+            _warn_unshifted(model)
         return labels.ne(IGNORED).sum()  # this rank's, without a collective: ranks may split differently
 
     return items
+
+
+def _warn_unshifted(model: Any) -> None:
+    """Warn that a split step counts the labels of a model that holds no Hugging Face model as they are."""
+    warn_or_log(
+        f"adapt split a step of a {type(model).__name__}, which holds no Hugging Face model, and weighs its "
+        "micro-batches by their labels that are not -100, as they are: right for a loss over every label (a "
+        "token classifier's), not for a causal language model's, which predicts each label from the tokens "
+        "before it and averages over all but the first (a micro-batch of one-token rows counts none: its loss "
+        "is nan). For such a model, set loss_type = 'ForCausalLM' on it, which Hugging Face's Trainer reads "
+        "too: adapt then counts the labels shifted by one. This warning is shown once.",
+        UserWarning,
+        stacklevel=levels_to_caller(),
+    )
 
 
 class _Whole:

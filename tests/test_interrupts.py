@@ -1,0 +1,135 @@
+"""An interrupt (Ctrl-C) anywhere in a step: the step's state is let go, and nothing lasts past it.
+
+A ``KeyboardInterrupt`` is raised where Python runs a signal handler: as a Python function begins.
+``sys.settrace`` raises it at the n-th such point of a step, for every n the step reaches.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry._frontends.in_flight import IN_FLIGHT, InFlight
+
+_GENERATOR = 0x20  # inspect.CO_GENERATOR: a generator resumed to close it cannot raise (unraisable)
+
+
+def _interrupted_at(point: int, call: Callable[[], Any]) -> bool:
+    """Run ``call`` with a KeyboardInterrupt raised as its ``point``-th Python function begins; True if it was."""
+    seen = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal seen
+        if event == "call" and not frame.f_code.co_flags & _GENERATOR:
+            seen += 1
+            if seen == point:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return None
+
+    sys.settrace(trace)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def _points() -> Iterator[int]:
+    point = 0
+    while True:
+        point += 1
+        yield point
+
+
+@pytest.mark.parametrize("size", [None, 4], ids=["whole", "split"])
+@pytest.mark.parametrize("before", [False, True], ids=["grad-none", "grad-present"])
+def test_an_interrupt_anywhere_in_a_step_leaves_grad_whole_and_nothing_held(size: int | None, before: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    step = koila.accumulate(lambda x, y: F.mse_loss(model(x), y), initial=size)
+    F.mse_loss(model(x), y).backward()
+    full = [parameter.grad.clone() for parameter in model.parameters()]  # type: ignore[union-attr]
+    interrupted = 0
+    for point in _points():
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter) if before else None
+        given = [None if parameter.grad is None else parameter.grad.clone() for parameter in model.parameters()]
+        stopped = _interrupted_at(point, lambda: step(x, y))
+        # Held leaves would send every later step of the model down the captured path, and make
+        # another thread's step wait for them forever.
+        assert (IN_FLIGHT.owners, IN_FLIGHT.shared, IN_FLIGHT.held) == ({}, {}, {}), f"held at point {point}"
+        assert torch.is_grad_enabled(), f"grad mode left off at point {point}"
+        got = [parameter.grad for parameter in model.parameters()]
+        whole = [g if b is None else b + g for b, g in zip(given, full, strict=True)]
+        if all(isinstance(g, torch.Tensor) and torch.allclose(g, w) for g, w in zip(got, whole, strict=True)):
+            pass  # the step's gradients, all of them: given before the interrupt came
+        else:
+            assert stopped, f"a step that ended gave another gradient (point {point})"
+            # Rolled back whole: as the step found it.
+            for g, b in zip(got, given, strict=True):
+                assert (g is None) == (b is None), f"mixed at point {point}"
+                assert g is None or torch.equal(g, b), f"mixed at point {point}"
+        interrupted += stopped
+        if not stopped:
+            break
+    assert interrupted > 20, "the sweep reached the step's insides"
+
+
+def test_a_step_interrupted_as_it_took_its_leaves_lets_another_threads_step_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The interrupt lands after the registry gave the leaves, before the step noted them."""
+    model = torch.nn.Linear(8, 2).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    step = koila.accumulate(lambda x, y: F.mse_loss(model(x), y))
+    take = InFlight.take
+
+    def taken_then_interrupted(self: InFlight, owner: Any, keys: Any) -> bool:
+        take(self, owner, keys)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(InFlight, "take", taken_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(x, y)
+    monkeypatch.undo()
+    assert (IN_FLIGHT.owners, IN_FLIGHT.held) == ({}, {})
+    model.zero_grad()
+    other = threading.Thread(target=lambda: step(x, y), daemon=True)
+    other.start()
+    other.join(60)
+    assert not other.is_alive(), "another thread's step waits for leaves no step holds"
+    expected = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+    for parameter, gradient in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient)
+
+
+class _Holder:
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+
+
+def test_a_release_lets_go_of_exactly_what_its_holder_holds() -> None:
+    registry = InFlight()
+    first, second = _Holder(1), _Holder(2)
+    assert registry.take(first, [1, 2])
+    assert registry.take(first, [2, 3])  # held already: counted once
+    assert registry.take(second, [4])
+    assert not registry.take(second, [3])  # the first's
+    registry.release(first)
+    assert registry.owners == {4: second}
+    assert registry.held == {second: 1}
+    registry.release(first)  # twice: nothing more
+    registry.release(second)
+    assert (registry.owners, registry.held) == ({}, {})
