@@ -1291,3 +1291,163 @@ def fsdp_gives_up_after_allocating_part_of_an_all_gathers_outputs(rank: int, wor
         if any(output.untyped_storage().nbytes() for output in fsdp_param.all_gather_outputs)
     ]
     return {"outcome": outcome, "calls": calls[0], "left": left, "grads": [p.grad for p in net.parameters()]}
+
+
+def _trains_in_a_forward_front_end(rank: int, world: int, front: str, warm: bool, held: bool) -> dict[str, Any]:
+    """A function that trains (``zero_grad()``, then a backward per micro-batch) under ``batch`` or ``attempts``.
+
+    The last rank's backward runs out of memory in the last call's whole batch. With ``warm``, a call that fails
+    nowhere comes first and records the collectives: the failed rank plays along. With ``held``, each call follows
+    a backward of the caller's own with gradient sync off, whose unsharded gradients the first micro-batch adds
+    onto. A twin, sharded alike, runs the same micro-batches by hand.
+    """
+    plain = model()
+    net, hand = shard(copy.deepcopy(plain)), shard(plain)
+    layer: Inject = net[1][1]
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x_all, y_all = batch(world, seed=51)
+    before_all, before_y_all = batch(world, seed=52)
+    x, y, before, before_y = (local(tensor, rank) for tensor in (x_all, y_all, before_all, before_y_all))
+
+    def train(module: nn.Module, size: int) -> None:
+        for begin in range(0, ROWS, size):
+            rows, targets = x[begin : begin + size], y[begin : begin + size]
+            (F.mse_loss(module(rows), targets) * (len(rows) / ROWS)).backward()
+
+    @koila.batch(initial=ROWS, cache=koila.NoCache())
+    def trained(batch_size: int) -> int:
+        optimizer.zero_grad()  # as batch's docs ask of a function that calls backward()
+        train(net, batch_size)
+        return batch_size
+
+    def attempted() -> int:
+        for attempt in koila.attempts(initial=ROWS, cache=koila.NoCache()):
+            with attempt:
+                optimizer.zero_grad()
+                train(net, attempt.batch_size)
+        return attempt.batch_size
+
+    run = trained if front == "batch" else attempted
+    calls = []
+    for call in range(1 + warm):
+        for module in (net, hand) if held else ():
+            module.set_requires_gradient_sync(False)
+            F.mse_loss(module(before), before_y).backward()
+            module.set_requires_gradient_sync(True)
+        layer.rows = []
+        layer.failures = {0: "backward"} if call == warm and rank == world - 1 else {}
+        with Count() as count:
+            size = run()
+        for parameter in hand.parameters():
+            parameter.grad = None
+        train(hand, size)
+        calls.append(
+            {
+                "size": size,
+                "rows": list(layer.rows),
+                "plays": count.plays,
+                "grads": full([p.grad for p in net.parameters()]),
+                "expected": full([p.grad for p in hand.parameters()]),
+                "unsharded_grads": unsharded_grads(net),
+            }
+        )
+    return {"calls": calls}
+
+
+def _register_training(front: str, warm: bool, held: bool) -> None:
+    def run(rank: int, world: int) -> dict[str, Any]:
+        return _trains_in_a_forward_front_end(rank, world, front, warm, held)
+
+    run.__name__ = f"fsdp_{front}_trains{'_played' if warm else ''}{'_after_a_backward_without_sync' if held else ''}"
+    scenario("two", *(("three",) if not held else ()))(run)
+
+
+for _front in ("batch", "attempts"):
+    for _warm in (False, True):
+        for _held in (False, True):
+            _register_training(_front, _warm, _held)
+
+
+@scenario("two")
+def fsdp_tensor_parallel_beside_a_sharded_block(rank: int, world: int) -> dict[str, str]:
+    """Layers parallelized on a 1-D mesh (``DTensor`` parameters that no ``fully_shard`` manages) beside FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(6, 8), nn.Tanh()).to(DTYPE)
+    fully_shard(block, mesh=cpu_mesh())
+    # A rank that ran out of memory between its layers would leave the others in their all-reduce: gloo aborts.
+    parallel = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).to(DTYPE)
+    parallelize_module(parallel, cpu_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    net = nn.Sequential(block, parallel)
+    x = local(batch(world, seed=53)[0], rank)
+    y = torch.zeros(ROWS, 8, dtype=DTYPE)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(net(x), y)
+
+    @koila.batch(initial=ROWS, cache=koila.NoCache())
+    def predict(batch_size: int) -> torch.Tensor:
+        return torch.cat([net(x[begin : begin + batch_size]) for begin in range(0, ROWS, batch_size)])
+
+    return {"accumulate": _refusal(lambda: step(x, y)), "batch": _refusal(predict)}
+
+
+def _sync_flags(net: nn.Module) -> list[bool]:
+    """Each FSDP2 parameter group's gradient sync (private: FSDPParamGroup.reduce_grads), in module order."""
+    return [
+        group.reduce_grads for module in sharded.fsdp_modules(net.modules()) for group in sharded.param_groups(module)
+    ]
+
+
+@scenario("two")
+def fsdp_step_keeps_the_callers_gradient_sync(rank: int, world: int) -> dict[str, Any]:
+    """Steps with gradient sync off (on the whole model, or on one block only): a step that succeeds at once, one
+    whose first attempt fails on the last rank, and one that gives up. Each syncs, and leaves the flags as found.
+    """
+    outcomes: dict[str, Any] = {}
+    for whole in (True, False):
+        plain = model()
+        reference = copy.deepcopy(plain)
+        net = shard(plain)
+        layer: Inject = net[1][1]
+
+        @koila.accumulate(cache=koila.NoCache(), minimum=4)
+        def step(x: torch.Tensor, y: torch.Tensor, net: nn.Module = net) -> torch.Tensor:
+            return F.mse_loss(net(x), y)
+
+        runs = []
+        for number, failures in enumerate(({}, {0: "backward"}, {0: "backward", 1: "forward", 2: "forward"})):
+            x_all, y_all = batch(world, seed=54 + number)
+            if whole:
+                net.set_requires_gradient_sync(False)
+            else:
+                net[1].set_requires_gradient_sync(False, recurse=False)
+            found = _sync_flags(net)
+            layer.rows = []
+            layer.failures = failures if rank == world - 1 else {}
+            try:
+                step(local(x_all, rank), local(y_all, rank))
+                outcome = "returned"
+            except koila.BatchSizeExhausted:
+                outcome = "gave up"
+            left = _sync_flags(net)
+            net.set_requires_gradient_sync(True)
+            reference.zero_grad(set_to_none=True)
+            if outcome == "returned":
+                F.mse_loss(reference(x_all), y_all).backward()
+            runs.append(
+                {
+                    "outcome": outcome,
+                    "found": found,
+                    "left": left,
+                    "grads": full([p.grad for p in net.parameters()]),
+                    "expected": [p.grad for p in reference.parameters()],
+                }
+            )
+            for parameter in net.parameters():
+                parameter.grad = None
+        outcomes["whole" if whole else "one block"] = runs
+    return outcomes

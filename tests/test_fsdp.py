@@ -407,3 +407,59 @@ def test_a_give_up_after_part_of_an_all_gathers_outputs_leaves_none_of_them_aliv
         assert value["outcome"] == "gave up", f"rank {rank}: {value['outcome']}"
         assert value["left"] == [], f"rank {rank}: all-gather outputs still allocated: {value['left']}"
         assert value["grads"] == [None] * len(value["grads"]), f"rank {rank}: the step left gradients"
+
+
+@pytest.mark.parametrize(
+    ("world", "front", "played", "held"),
+    [
+        (world, front, played, held)
+        for front in ("batch", "attempts")
+        for played in (False, True)
+        for held in (False, True)
+        for world in (WORLDS[:1] if held else WORLDS)  # after a backward of the caller's own: two ranks
+    ],
+)
+def test_a_function_that_trains_under_a_forward_front_end_gets_the_hand_loops_gradients(
+    groups: Groups, world: str, front: str, played: bool, held: bool
+) -> None:
+    """Its own backward runs out of memory on the last rank: what that backward wrote goes with the attempt.
+
+    The failed attempt's gradients left on FSDP2's unsharded parameters were kept and added into the retry's
+    (wrong gradients on every rank), and the failed rank's next micro-batch was of another kind than the
+    others' (one voted, the other did not: a hang). What a backward of the caller's own left there is kept.
+    """
+    name = f"fsdp_{front}_trains{'_played' if played else ''}{'_after_a_backward_without_sync' if held else ''}"
+    values = groups(world)[name]
+    assert (values[-1]["calls"][-1]["plays"] > 0) is played, values[-1]["calls"][-1]["plays"]
+    for rank, value in enumerate(values):
+        last = value["calls"][-1]
+        assert last["rows"][0] == _fsdp_ranks.ROWS, (rank, last["rows"])
+        assert max(last["rows"][1:]) < _fsdp_ranks.ROWS, (rank, last["rows"])
+        for number, call in enumerate(value["calls"]):
+            assert call["size"] == values[0]["calls"][number]["size"]
+            assert call["unsharded_grads"] == 0, (rank, number)
+            for index, (got, want) in enumerate(zip(call["grads"], call["expected"], strict=True)):
+                torch.testing.assert_close(
+                    got, want, rtol=1e-10, atol=1e-12, msg=lambda m, i=index, n=number: f"call {n}, param {i}: {m}"
+                )
+
+
+def test_tensor_parallel_layers_beside_a_sharded_block_are_refused_on_every_rank(groups: Groups) -> None:
+    for value in groups("two")["fsdp_tensor_parallel_beside_a_sharded_block"]:
+        for front, refused in value.items():
+            assert "found DTensor parameters in Linear (tensor or sequence parallelism)" in refused, (front, refused)
+
+
+def test_a_step_leaves_the_callers_gradient_sync_as_it_found_it(groups: Groups) -> None:
+    """The step reduce-scatters its gradients whatever the flags (as under DDP's no_sync()), and puts them back."""
+    for rank, value in enumerate(groups("two")["fsdp_step_keeps_the_callers_gradient_sync"]):
+        for where, runs in value.items():
+            assert [run["outcome"] for run in runs] == ["returned", "returned", "gave up"], (rank, where)
+            for number, run in enumerate(runs):
+                assert False in run["found"], (rank, where, number)
+                assert run["left"] == run["found"], (rank, where, number)
+                if run["outcome"] == "gave up":
+                    assert run["grads"] == [None] * len(run["grads"]), (rank, where)
+                    continue
+                for got, want in zip(run["grads"], run["expected"], strict=True):
+                    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -294,7 +294,7 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
 
     found: dict[int, torch.nn.Module] = {}
     sharded = False
-    meshes: list[tuple[torch.nn.Module, int]] = []
+    parallel: list[tuple[torch.nn.Module, DTensor]] = []
     for module in _modules(roots):
         if isinstance(module, FullyShardedDataParallel):
             raise NotImplementedError(
@@ -308,16 +308,24 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
             sharded = sharded or isinstance(module, FSDPModule)
         for parameter in module.parameters(recurse=False):
             if isinstance(parameter, DTensor):
-                meshes.append((module, parameter.device_mesh.ndim))
-    for module, dimensions in meshes:
-        if sharded and dimensions > 1:
+                parallel.append((module, parameter))
+    # Tensor parallelism beside FSDP2 modules is refused as without them: only what fully_shard manages is covered.
+    if sharded and parallel:
+        from koila_retry._core.sharded import managed  # which imports this module
+
+        owned = managed(found.values())
+    else:
+        owned = set()
+    for module, tensor in parallel:
+        dimensions = tensor.device_mesh.ndim
+        if id(tensor) in owned and dimensions > 1:
             raise NotImplementedError(
                 f"{front_end} found {type(module).__name__} sharded over a {dimensions}-D mesh: HSDP (replicated "
                 "and sharded) or FSDP2 with tensor parallelism, whose all-reduce across replicas or layers' "
                 "collectives are not covered yet. Shard with fully_shard over a 1-D mesh, or pass sync=False and "
                 "choose the size yourself"
             )
-        if not sharded:
+        if id(tensor) not in owned:
             raise NotImplementedError(
                 f"{front_end} found DTensor parameters in {type(module).__name__} (tensor or sequence "
                 "parallelism), which is not supported yet: its layers communicate inside the forward and "

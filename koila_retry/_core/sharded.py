@@ -31,6 +31,7 @@ __all__ = [
     "fsdp_modules",
     "is_fsdp2",
     "is_fsdp_hook",
+    "managed",
     "param_groups",
     "reset",
     "state_of",
@@ -105,6 +106,15 @@ def as_sharded(modules: Iterable[torch.nn.Module], parameters: Iterable[_T]) -> 
 def _fsdp_params(modules: Iterable[torch.nn.Module]) -> list[Any]:
     """Return the FSDPParam objects (private state) of the FSDP2 modules among ``modules``."""
     return [param for module in fsdp_modules(modules) for group in param_groups(module) for param in group.fsdp_params]
+
+
+def managed(modules: Iterable[torch.nn.Module]) -> set[int]:
+    """Return the ids of the parameters ``fully_shard`` manages in the FSDP2 modules among ``modules``."""
+    # The sharded parameters, and the unsharded ones that stand in their place in a module left gathered.
+    found = (
+        getattr(param, name, None) for param in _fsdp_params(modules) for name in ("sharded_param", "_unsharded_param")
+    )
+    return {id(parameter) for parameter in found if parameter is not None}
 
 
 def state_of(module: torch.nn.Module) -> Any:
@@ -318,8 +328,11 @@ class Shards:
         "agreement",
         "count",
         "groups",
+        "hooks",
+        "kept",
         "kind",
         "modules",
+        "params",
         "previous",
         "recording",
         "roots",
@@ -335,6 +348,11 @@ class Shards:
         self.schedules = _schedules.setdefault(roots[0], {})
         self.roots = tuple(id(root) for root in roots)
         self.groups = [group for module in modules for group in param_groups(module)]
+        self.params = [param for group in self.groups for param in group.fsdp_params]
+        # What FSDP2 held unsharded as the attempt began (a backward of the caller's own, gradient sync off),
+        # and the hooks that make a backward of the attempt add onto copies of it (see arm).
+        self.kept: _Held = []
+        self.hooks: list[Any] = []
         self.kind: tuple[Any, ...] | None = None  # the micro-batch running, if any
         self.count = 0  # the collectives it made
         self.recording: list[_Collective | None] | None = None  # while it votes: what it made
@@ -351,10 +369,31 @@ class Shards:
         """From now until :meth:`disarm`, the modules' collectives report to these shards."""
         self.previous, _armed.shards = _armed.shards, self
         self.kind, self.recording, self.steps = None, None, False
+        # A failed attempt's reset drops what is unsharded and puts back what was there before it. A backward
+        # inside the attempt (a function that trains, under batch or attempts) adds into those tensors in
+        # place, autograd into .grad and FSDP2 into unsharded_accumulated_grad: each is copied as its
+        # parameter's first gradient of the attempt arrives, and only then, so the tensors stay as found.
+        self.kept = _held_of(self.params)
+        self.hooks = [
+            fsdp_param._unsharded_param.register_hook(functools.partial(_copy_before_adding, fsdp_param, grad, summed))
+            for fsdp_param, grad, summed in self.kept
+            if fsdp_param._unsharded_param.requires_grad
+        ]
 
     def disarm(self) -> None:
         """Stop the reports :meth:`arm` began, at the end of the attempt's block."""
         _armed.shards, self.previous = self.previous, None
+        self._unhook()
+
+    def _unhook(self) -> None:
+        hooks, self.hooks = self.hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def succeeded(self) -> None:
+        """After an attempt that succeeded on every rank: what it found unsharded is the caller's again."""
+        self.settled()
+        self.kept = []
 
     def vote(self) -> None:
         """Make the exchange after an attempt now, inside it; raise ``RanksFailed`` if a rank failed."""
@@ -365,6 +404,9 @@ class Shards:
         if exchange:
             self.vote()
         self.settled()
+        if front == "step" and self.kept:  # a step adds onto copies of its own (see ShardedStep), dropped whole
+            self._unhook()
+            self.kept = []
         # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), which
         # groups are gathered already (a root stays gathered after a forward without backward), and which hold
         # gradients accumulated unsharded (a block used twice reduce-scatters once more after those); and the
@@ -394,7 +436,7 @@ class Shards:
 
     def play_along(self) -> None:
         """On a rank that failed: FSDP2 back to idle, then the rest of its micro-batch's collectives, with zeros."""
-        reset(self.modules, keep=not self.steps)
+        reset(self.modules, self.kept)
         kind, self.kind = self.kind, None
         if kind is None or self.recording is not None:
             return  # between micro-batches, or voting: the others learn of it at their next exchange
@@ -408,8 +450,8 @@ class Shards:
             collective.play()
 
     def reset(self) -> None:
-        """After an attempt that failed on some rank: every module back to idle, resharded."""
-        reset(self.modules, keep=not self.steps)
+        """After an attempt that failed on some rank: every module back to idle, resharded, as the attempt found it."""
+        reset(self.modules, self.kept)
 
 
 class ShardedStep(SetAside):
@@ -428,11 +470,16 @@ class ShardedStep(SetAside):
         # copies, since a failed one's reset drops them: the one buffer the exact rollback costs, and only
         # where such gradients are.
         self.unsharded: _Held = []
+        # Gradient sync as the step found it, per parameter group (the caller may have set it on some modules
+        # only): the step syncs, then puts it back.
+        self.groups = [group for module in self.sharded for group in param_groups(module)]
+        self.syncs: list[tuple[Any, bool, bool | None]] = []
 
     def before(self) -> None:
         """Set the gradients aside: the parameters', and what FSDP2 holds unsharded from the caller's backward."""
         super().before()
         self.unsharded = _held_unsharded(self.sharded)
+        self.syncs = [(group, group.reduce_grads, getattr(group, "all_reduce_grads", None)) for group in self.groups]
 
     def accumulated(self) -> list[torch.Tensor]:
         """Return the parameters, and the unsharded ones FSDP2 backpropagates into (it clears those)."""
@@ -466,21 +513,54 @@ class ShardedStep(SetAside):
         """After the step: the parameters' gradients set aside added back (the unsharded ones went into the step's)."""
         self.unsharded = []
         super().restore()
+        _put_syncs(self.syncs)
 
     def give_back(self) -> None:
         """After a step that raised: every gradient set aside as it was, the unsharded ones included."""
         super().give_back()
         self._put_back(copy=False)
         self.unsharded = []
+        _put_syncs(self.syncs)
 
     def _put_back(self, copy: bool) -> None:
         _hand_back(self.unsharded, copy)
 
 
+def _put_syncs(syncs: list[tuple[Any, bool, bool | None]]) -> None:
+    """Put back what set_requires_gradient_sync wrote: each group's reduce_grads and all_reduce_grads (private)."""
+    for group, reduce, all_reduce in syncs:
+        group.reduce_grads = reduce
+        if all_reduce is not None:
+            group.all_reduce_grads = all_reduce
+
+
 def _held_unsharded(modules: Iterable[torch.nn.Module]) -> _Held:
     """Return what the FSDP2 modules hold unsharded: (FSDPParam, its unsharded .grad, unsharded_accumulated_grad)."""
-    held = [(param, _unsharded_grad(param), param.unsharded_accumulated_grad) for param in _fsdp_params(modules)]
-    return [entry for entry in held if entry[1] is not None or entry[2] is not None]
+    return _held_of(_fsdp_params(modules))
+
+
+def _held_of(fsdp_params: Iterable[Any]) -> _Held:
+    """Return what these FSDPParams hold unsharded, as :func:`_held_unsharded` does."""
+    # A loop, not comprehensions: it runs as every attempt of a call over FSDP2 modules begins.
+    held = []
+    for param in fsdp_params:
+        summed = param.unsharded_accumulated_grad
+        unsharded = getattr(param, "_unsharded_param", None)
+        grad = None if unsharded is None else unsharded.grad
+        if grad is not None or summed is not None:
+            held.append((param, grad, summed))
+    return held
+
+
+def _copy_before_adding(
+    fsdp_param: Any, grad: torch.Tensor | None, summed: torch.Tensor | None, incoming: torch.Tensor
+) -> None:
+    """Before a backward adds into what FSDP2 held unsharded as the attempt began: swap in copies, once."""
+    unsharded = fsdp_param._unsharded_param
+    if grad is not None and unsharded.grad is grad:
+        unsharded.grad = grad.clone()
+    if summed is not None and fsdp_param.unsharded_accumulated_grad is summed:
+        fsdp_param.unsharded_accumulated_grad = summed.clone()
 
 
 def _hand_back(held: _Held, copy: bool) -> None:
@@ -508,14 +588,14 @@ def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
     return None if unsharded is None else unsharded.grad
 
 
-def reset(modules: Iterable[torch.nn.Module], keep: bool = False) -> None:
+def reset(modules: Iterable[torch.nn.Module], kept: _Held | None = None) -> None:
     """Put FSDP2 modules back to what a new forward expects, resharded, after an attempt that failed.
 
-    ``keep``: with the gradients a backward of the caller's own left unsharded (gradient sync off), which
-    a forward's attempt cannot have written; a step's attempt added onto copies of them (see ShardedStep).
+    Every unsharded gradient is dropped, the failed attempt's with the rest; ``kept``, what the modules held
+    unsharded as the attempt began (a backward of the caller's own, gradient sync off), is put back. Its
+    tensors are as found: the attempt added onto copies of them (see Shards.arm, ShardedStep).
     """
     modules = fsdp_modules(modules)
-    held = _held_unsharded(modules) if keep else []
     for module in modules:
         _reset(module)
     for module in modules:
@@ -526,7 +606,7 @@ def reset(modules: Iterable[torch.nn.Module], keep: bool = False) -> None:
             if group._sharded_state.name == "SHARDED":
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.free_unsharded_param()
-    _hand_back(held, copy=False)
+    _hand_back(kept or [], copy=False)
 
 
 def _reset(module: torch.nn.Module) -> None:

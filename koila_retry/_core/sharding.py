@@ -22,7 +22,7 @@ class Sharding(Strategy):
         self.shards.disarm()
 
     def stored(self, course: Course, done: Done) -> None:
-        self.shards.settled()  # every rank got through the attempt's last micro-batch
+        self.shards.succeeded()  # every rank got through the attempt's last micro-batch
 
     def exchanging(self, course: Course) -> None:
         if course.phase == FAILED:
