@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import warnings
@@ -438,6 +439,47 @@ def test_another_users_file_that_root_writes_stays_theirs(tmp_path: Path) -> Non
     found = path.stat()
     assert (found.st_uid, found.st_gid, stat.S_IMODE(found.st_mode)) == (_NOBODY, _NOBODY, 0o644)
     assert json.loads(path.read_text(encoding="utf-8"))["sizes"] == {"theirs": 16, "mine": 8}
+
+
+def test_a_file_shared_through_its_group_stays_writable_by_the_group() -> None:
+    # Another member of the file's group may replace it: the new file is the writer's, and keeps the group
+    # and the mode, so that the one who shared it still writes it.
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root, to act as two users of one group")
+    team, alice, bob = 4321, 4001, 4002
+    # Not under pytest's folder, which only root may enter.
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o777)
+        _shared_through_a_group(Path(folder) / "sizes.json", team, alice, bob)
+
+
+def _shared_through_a_group(path: Path, team: int, alice: int, bob: int) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os, sys, warnings, koila_retry as koila
+        os.setgroups([{team}]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1])); os.umask(0o002)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            koila.DiskCache({str(path)!r})[sys.argv[2]] = 8
+        print([str(warning.message) for warning in caught])
+        """
+    )
+
+    def store(user: int, key: str) -> str:
+        ran = subprocess.run(
+            [sys.executable, "-c", script, str(user), key], capture_output=True, text=True, timeout=120
+        )
+        assert ran.returncode == 0, ran.stderr
+        return ran.stdout
+
+    assert store(alice, "alice's") == "[]\n"
+    for made in (path, Path(f"{path}.lock")):  # Alice shares it with her team
+        os.chown(made, alice, team)
+        made.chmod(0o664)
+    assert store(bob, "bob's") == "[]\n"
+    assert (path.stat().st_gid, stat.S_IMODE(path.stat().st_mode)) == (team, 0o664)
+    assert store(alice, "alice's again") == "[]\n", "she still writes the file she shared"
+    assert set(json.loads(path.read_text(encoding="utf-8"))["sizes"]) == {"alice's", "bob's", "alice's again"}
 
 
 def test_a_path_below_a_file_warns_once_and_keeps_sizes_in_memory(tmp_path: Path) -> None:

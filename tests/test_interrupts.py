@@ -1,4 +1,4 @@
-"""An interrupt (Ctrl-C) anywhere in a step: the step's state is let go, and nothing lasts past it.
+"""An interrupt (Ctrl-C), or an error, anywhere in a step: the step's state is let go, and nothing lasts past it.
 
 A ``KeyboardInterrupt`` is raised where Python runs a signal handler: as a Python function begins.
 ``sys.settrace`` raises it at the n-th such point of a step, for every n the step reaches.
@@ -133,3 +133,25 @@ def test_a_release_lets_go_of_exactly_what_its_holder_holds() -> None:
     registry.release(first)  # twice: nothing more
     registry.release(second)
     assert (registry.owners, registry.held) == ({}, {})
+
+
+def test_an_error_as_a_step_hands_its_gradients_back_lets_another_threads_step_run() -> None:
+    """A .grad that cannot be added into (an expanded one): the step raises as a plain backward does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    step = koila.accumulate(lambda x, y: F.cross_entropy(model(x), y))
+    expanded = torch.zeros(1, 1).expand(3, 4)
+    model.weight.grad = expanded
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        step(x, y)
+    assert (IN_FLIGHT.owners, IN_FLIGHT.shared, IN_FLIGHT.held) == ({}, {}, {})
+    assert model.weight.grad is expanded, "the .grad the step could not add into is as it was"
+    model.zero_grad(set_to_none=True)
+    other = threading.Thread(target=lambda: step(x, y), daemon=True)
+    other.start()
+    other.join(60)
+    assert not other.is_alive(), "another thread's step waits for leaves no step holds"
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+    for parameter, gradient in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient)

@@ -87,6 +87,31 @@ def test_ignored_labels_outside_a_dict_are_warned_about_too(form: str) -> None:
         koila.accumulate(lambda ids: model(ids).sum(), initial=4)(ids)
 
 
+def test_the_look_for_ignored_labels_needs_no_memory_of_the_batchs_size() -> None:
+    # A large field of integers the step barely reads: a mask of it, made in every split attempt, ran
+    # out of memory at every size where the hand loop fits. And a batch on meta has no values to look at.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    x, ids, y = torch.randn(64, 16), torch.randint(0, 1000, (64, 65536)), torch.randint(0, 4, (64,))
+
+    def loss(x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x) + ids[:, :1].float() * 0, y)
+
+    with simulated_device("2MiB") as device:
+        for rows in range(0, 64, 32):  # the hand loop
+            (loss(x[rows : rows + 32], ids[rows : rows + 32], y[rows : rows + 32]) * 0.5).backward()
+        hand = device.peak
+    model.zero_grad()
+    step = koila.accumulate(loss, initial=32, cache=koila.NoCache())
+    with simulated_device("2MiB") as device:
+        step(x, ids, y)
+    assert step.stats.batch_size == 32
+    assert device.peak <= hand + 1024, (device.peak, hand)
+    meta = torch.nn.Linear(16, 4, device="meta")
+    split = koila.accumulate(lambda x, y: F.cross_entropy(meta(x), y), initial=4)
+    split(torch.randn(8, 16, device="meta"), torch.full((8,), -100, device="meta"))
+
+
 def test_a_step_that_initial_auto_splits_is_warned_about_too() -> None:
     # Its first micro-batch is measured, and weighed on another path: that path warned of nothing.
     model, batch = token_batch(rows=16)

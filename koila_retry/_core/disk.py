@@ -314,10 +314,14 @@ def _replace(
                 os.fsync(temporary.fileno())
                 if mode is not None:  # a file others share stays as readable as it was
                     os.chmod(temporary.name, mode)
-                if found is not None and found.st_uid != os.geteuid():
-                    # Root writing another user's file: it stays theirs (chown fails for anyone else).
-                    with contextlib.suppress(OSError):
+                if found is not None and (found.st_uid, found.st_gid) != (os.geteuid(), os.getegid()):
+                    # Root writing another user's file: it stays theirs. Anyone else may keep its group only
+                    # (a member of it), so that the others who shared the file through it still write it.
+                    try:
                         os.chown(temporary.name, found.st_uid, found.st_gid)
+                    except OSError:
+                        with contextlib.suppress(OSError):
+                            os.chown(temporary.name, -1, found.st_gid)
             except BaseException:
                 _remove(temporary)
                 raise

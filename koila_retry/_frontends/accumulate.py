@@ -867,12 +867,12 @@ def _count(value: Any, name: str) -> float:
 
 def _ignores_labels(split: Split) -> bool:
     """Return whether a tensor of integers the batch splits holds ignored entries (-100), as HF's losses skip."""
-    # Anywhere in the batch, not only under a "labels" key: Lightning's (x, y) tuples, step(ids, labels).
-    for index in split.split:
-        tensor = split.tensors[index]
-        if tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64) and bool((tensor == -100).any()):
-            return True
-    return False
+    # Anywhere in the batch, not only under a "labels" key: Lightning's (x, y) tuples, step(ids, labels). By
+    # the least entry, which labels with -100 have: a mask of the batch's size would need memory the attempt
+    # may not have (an error that smaller sizes would meet again).
+    integers = (torch.int8, torch.int16, torch.int32, torch.int64)
+    tensors = (split.tensors[index] for index in split.split)
+    return any(t.dtype in integers and t.numel() and t.device.type != "meta" and int(t.amin()) == -100 for t in tensors)
 
 
 def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

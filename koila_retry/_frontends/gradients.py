@@ -553,18 +553,24 @@ class Gradients:
 
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""
-        for leaf, before in self.aside:
-            # leaf.grad is None, unless a backward wrote leaves the walk could not find; ``before`` itself
-            # where a restore that an interrupt cut short gave it back already.
-            written = leaf.grad
-            if written is not before:
-                leaf.grad = summed(before, written)
-        # Nothing of the step's is apart from .grad now: nothing for a discard to drop, whatever comes.
-        self.exposed.clear()
-        self.faint.clear()
-        self.aside.clear()
-        if self.direct:
-            IN_FLIGHT.release(self)
+        try:
+            for leaf, before in self.aside:
+                # leaf.grad is None, unless a backward wrote leaves the walk could not find; ``before``
+                # itself where a restore that an interrupt cut short gave it back already.
+                written = leaf.grad
+                if written is not before:
+                    try:
+                        leaf.grad = summed(before, written)
+                    except BaseException:  # a .grad that cannot be added into (an expanded one): as it was
+                        leaf.grad = before
+                        raise
+        finally:
+            # Nothing of the step's is apart from .grad now: nothing for a discard to drop, whatever comes.
+            self.exposed.clear()
+            self.faint.clear()
+            self.aside.clear()
+            if self.direct:
+                IN_FLIGHT.release(self)
 
     def _faint(self) -> list[torch.Tensor]:
         return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]
