@@ -462,18 +462,19 @@ def test_the_registry_holds_leaves_for_one_step_at_a_time_and_lets_go_of_only_it
     assert registry.owners == {1: first, 2: first}
     assert registry.take(first, [1, 2])  # its own again
     assert registry.take(second, [3])
-    registry.release(first, {1: None, 2: None})  # two steps in flight: only its own go
+    registry.release(first)  # two steps in flight: only its own go
     assert registry.owners == {3: second}
-    registry.release(second, [3])
+    registry.release(second)
     assert registry.owners == {}
     registry.enter([4], threading.get_ident())  # a captured step delivering into 4
     assert not registry.take(first, [4])
     assert registry.owners == {}
     registry.leave([4])
     assert registry.take(first, [4])
-    registry.release(first, [4])
+    registry.release(first)
     assert registry.owners == {}
     assert registry.shared == {}
+    assert registry.held == {}
 
 
 class _Gate(torch.autograd.Function):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import inspect
 import sys
+import traceback
 import weakref
 from typing import Any
 
@@ -307,3 +310,168 @@ def test_an_error_combining_a_steps_results_does_not_pin_them() -> None:
     assert excinfo.value.__traceback__ is not None
     assert weight.grad is None  # as it was
     assert held == 0
+
+
+# An attempt holds 256 KiB a row and as much again as it doubles it: 2 rows fit in 1536 KiB, 4 do not.
+_ROW = 64 * 1024
+_FITS_2_ROWS = "1536KiB"
+
+
+async def _forward(batch_size: int, refs: list[weakref.ref[torch.Tensor]]) -> torch.Tensor:
+    await asyncio.sleep(0)
+    hidden = torch.ones(batch_size, _ROW)
+    refs.append(weakref.ref(hidden))
+    return (hidden * 2).sum()
+
+
+class _Worker:
+    """A coroutine that runs jobs for others, hands each its error through a future, and goes on."""
+
+    def __init__(self, refs: list[weakref.ref[torch.Tensor]]) -> None:
+        self.refs = refs
+        self.jobs: asyncio.Queue[tuple[asyncio.Future[torch.Tensor], int]] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            future, batch_size = await self.jobs.get()
+            try:
+                future.set_result(await _forward(batch_size, self.refs))
+            except torch.OutOfMemoryError as error:
+                future.set_exception(error)  # its traceback holds this frame, suspended at the next job
+
+    async def run(self, batch_size: int) -> torch.Tensor:
+        # A retry that cleared the suspended frame would have closed the coroutine, and the job would wait forever.
+        assert inspect.getcoroutinestate(self.task.get_coro()) != inspect.CORO_CLOSED  # type: ignore[arg-type]
+        future = asyncio.get_running_loop().create_future()
+        await self.jobs.put((future, batch_size))
+        return await future
+
+
+async def _run_forward(how: str, batch_size: int, refs: list[weakref.ref[torch.Tensor]], worker: _Worker) -> None:
+    if how == "await":
+        await _forward(batch_size, refs)
+    elif how == "task":
+        await asyncio.create_task(_forward(batch_size, refs))
+    elif how == "gather":
+        await asyncio.gather(_forward(batch_size, refs))
+    elif how == "worker":
+        await worker.run(batch_size)
+    else:
+        async with asyncio.TaskGroup() as group:  # type: ignore[attr-defined]
+            group.create_task(_forward(batch_size, refs))
+
+
+def _async_attempts(front_end: str, how: str) -> tuple[list[int], list[bool], int, int]:
+    """Run an async step whose first attempt runs out of memory; return sizes tried, what was alive at each start."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    tried: list[int] = []
+    alive_at_start: list[bool] = []
+
+    async def attempt_at(batch_size: int, worker: _Worker) -> None:
+        tried.append(batch_size)
+        alive_at_start.append(any(ref() is not None for ref in refs))
+        await _run_forward(how, batch_size, refs, worker)
+
+    async def main() -> tuple[int, int]:
+        worker = _Worker(refs)
+        try:
+            if front_end == "batch":
+                step = koila.batch(initial=4, cache=koila.NoCache())(attempt_at)
+                await step(worker)
+                return step.stats.batch_size, step.stats.ooms
+            for attempt in koila.attempts(initial=4, cache=koila.NoCache()):
+                with attempt:
+                    await attempt_at(attempt.batch_size, worker)
+            return attempt.batch_size, attempt.stats.ooms
+        finally:
+            worker.task.cancel()
+
+    with simulated_device(_FITS_2_ROWS):
+        settled, ooms = asyncio.run(main())
+    return tried, alive_at_start, settled, ooms
+
+
+_TASK_GROUP = pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is from Python 3.11")
+
+
+@pytest.mark.parametrize("front_end", ["batch", "attempts"])
+@pytest.mark.parametrize("how", [pytest.param("taskgroup", marks=_TASK_GROUP), "task", "gather", "worker"])
+def test_an_async_step_whose_error_others_hold_leaves_nothing_alive_when_the_retry_starts(
+    front_end: str, how: str
+) -> None:
+    # A TaskGroup's CancelledError, which asyncio's C code keeps, holds the group's __aexit__ frame and so
+    # the group and its members' frames; a finished task holds its error until the next await; a worker
+    # holds it in a future. The failed attempt's tensors were alive as the retry started, which then failed
+    # too at a size that fits: settled smaller than the same step awaiting the forward itself.
+    tried, alive_at_start, settled, ooms = _async_attempts(front_end, how)
+    plain_tried, plain_alive, plain_settled, plain_ooms = _async_attempts(front_end, "await")
+    assert plain_alive == [False] * len(plain_tried)
+    assert alive_at_start == [False] * len(tried)
+    assert (tried, settled, ooms) == (plain_tried, plain_settled, plain_ooms)
+
+
+def _stored_error_attempts(store: bool) -> tuple[list[int], list[bool], int, BaseException | None]:
+    """Run a step that may store its out-of-memory error on its object; return what ``_async_attempts`` does."""
+
+    class Runner:
+        last_error: BaseException | None = None
+
+        def __init__(self) -> None:
+            self.refs: list[weakref.ref[torch.Tensor]] = []
+            self.tried: list[int] = []
+            self.alive_at_start: list[bool] = []
+            self.step = koila.batch(initial=4, cache=koila.NoCache())(self._step)
+
+        def _step(self, batch_size: int) -> torch.Tensor:
+            self.tried.append(batch_size)
+            self.alive_at_start.append(any(ref() is not None for ref in self.refs))
+            try:
+                hidden = torch.ones(batch_size, _ROW)
+                self.refs.append(weakref.ref(hidden))
+                return (hidden * 2).sum()
+            except torch.OutOfMemoryError as error:
+                if store:
+                    self.last_error = error  # for a log or a metrics callback, say
+                raise
+
+    runner = Runner()
+    with simulated_device(_FITS_2_ROWS):
+        runner.step()
+    return runner.tried, runner.alive_at_start, runner.step.stats.batch_size, runner.last_error
+
+
+def test_a_step_that_stores_its_error_leaves_nothing_alive_when_the_retry_starts() -> None:
+    tried, alive_at_start, settled, stored = _stored_error_attempts(store=True)
+    plain_tried, plain_alive, plain_settled, _ = _stored_error_attempts(store=False)
+    assert plain_alive == [False] * len(plain_tried)
+    assert alive_at_start == [False] * len(tried)
+    assert (tried, settled) == (plain_tried, plain_settled)
+    # The error the step kept still says where it was raised; only its frames' variables are gone.
+    assert stored is not None
+    printed = "".join(traceback.format_exception(type(stored), stored, stored.__traceback__))
+    assert "in _step" in printed
+    assert "(hidden * 2).sum()" in printed
+
+
+def test_an_error_the_caller_handles_around_the_call_keeps_its_frames() -> None:
+    # The out-of-memory error is raised while the caller handles another: its __context__, whose frames
+    # are the caller's, not the attempt's.
+    def lookup(table: dict[str, int]) -> int:
+        return table["missing"]
+
+    @koila.batch(initial=2, cache=koila.NoCache())
+    def step(batch_size: int) -> int:
+        if batch_size > 1:
+            raise make_oom()
+        return batch_size
+
+    table = {"present": 1}
+    try:
+        lookup(table)
+    except KeyError as handled:
+        assert step() == 1
+        inner = handled.__traceback__
+        assert inner is not None
+        assert inner.tb_next is not None
+        assert inner.tb_next.tb_frame.f_locals.get("table") is table

@@ -23,7 +23,7 @@ from koila_retry._core.call import Call, FirstSize
 from koila_retry._core.decision import Done, Outcome, State, Try
 from koila_retry._core.detect import is_oom
 from koila_retry._core.distributed import Agreement, RanksFailed
-from koila_retry._core.outcomes import Failure, detached, iterator_among, store, unpin
+from koila_retry._core.outcomes import Failure, clear_frames, iterator_among, store, unpin
 from koila_retry._core.stats import Stats
 from koila_retry._core.strategy import FAILED, PENDING, READY, RUNNING, SUCCEEDED, Owner, Plan
 
@@ -88,6 +88,7 @@ class Mechanics:
             # Another rank failed, as an exchange inside this attempt learned (FSDP2, or DDP's
             # reducer all-reducing early): the exchange after it gives what that one said.
             self.phase = PENDING
+            clear_frames(exc)  # as for an out-of-memory error, below
             return True
         if not is_oom(exc):
             self.phase = READY  # the error propagates untouched and ends the run
@@ -103,8 +104,7 @@ class Mechanics:
             failure.diagnosis = diagnosis.capture(exc, self.call.device)
         for out_of_memory in plan.out_of_memory:
             out_of_memory(self, failure, final)
-        if not isinstance(failure.step, Try):
-            failure.final_oom = detached(exc)
+        failure.swallowed(exc, retried=isinstance(failure.step, Try))  # after the reads above, which need it
         return True
 
     def succeed(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -283,8 +283,13 @@ def ddp_group(module: Any) -> Any:
     return group
 
 
-def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Module]:
-    """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang."""
+def supported_modules(
+    roots: Iterable[Any], front_end: str, managed: Callable[[Iterable[torch.nn.Module]], set[int]]
+) -> list[torch.nn.Module]:
+    """Return the DDP and FSDP2 modules reachable from ``roots``; refuse the parallelisms that could hang.
+
+    ``managed`` gives the ids of the parameters that ``fully_shard`` manages in the modules found (sharded.py's).
+    """
     # FSDP1 and tensor parallelism communicate inside the forward and backward, where nothing of ours takes
     # part: a rank that runs out of memory there leaves the others in a collective it never joins. FSDP2's
     # collectives are covered (sharded.py); HSDP's all-reduce across replicas is not.
@@ -310,12 +315,7 @@ def supported_modules(roots: Iterable[Any], front_end: str) -> list[torch.nn.Mod
             if isinstance(parameter, DTensor):
                 parallel.append((module, parameter))
     # Tensor parallelism beside FSDP2 modules is refused as without them: only what fully_shard manages is covered.
-    if sharded and parallel:
-        from koila_retry._core.sharded import managed  # which imports this module
-
-        owned = managed(found.values())
-    else:
-        owned = set()
+    owned = managed(found.values()) if sharded and parallel else set()
     for module, tensor in parallel:
         dimensions = tensor.device_mesh.ndim
         if id(tensor) in owned and dimensions > 1:

@@ -1,20 +1,24 @@
 """What a call keeps of its attempts: what a success stores, and what failures leave and report.
 
 Plain values only: an attempt's out-of-memory error is read inside its handler
-and dropped with it. The one exception kept is the cause of a coming
-:class:`~koila_retry.BatchSizeExhausted`, stripped of its traceback first.
+and dropped with it, its finished frames cleared first (:func:`clear_frames`). The
+one exception kept is the cause of a coming :class:`~koila_retry.BatchSizeExhausted`,
+stripped of its traceback first.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import gc
 import inspect
 import io
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
-from types import FrameType, TracebackType
+from types import AsyncGeneratorType, CoroutineType, FrameType, GeneratorType, TracebackType
 from typing import Any, NoReturn, cast
 
 import torch
@@ -27,7 +31,17 @@ from koila_retry._core.snapshot import Snapshots
 from koila_retry._core.stats import OOMEvent, Stats
 from koila_retry.exceptions import BatchSizeExhausted, Diagnosis
 
-__all__ = ["Exhaustion", "Explain", "Failure", "detached", "iterator_among", "plain_message", "store", "unpin"]
+__all__ = [
+    "Exhaustion",
+    "Explain",
+    "Failure",
+    "clear_frames",
+    "detached",
+    "iterator_among",
+    "plain_message",
+    "store",
+    "unpin",
+]
 
 logger = logging.getLogger("koila_retry")
 
@@ -96,6 +110,15 @@ class Failure:
         # Read before the memory was released; None when another rank's failure ended the call.
         self.diagnosis: Diagnosis | None = None
         self.snapshots: Snapshots | None = None
+
+    def swallowed(self, error: BaseException, retried: bool) -> None:
+        """Let go of an out-of-memory error an attempt's block swallows; keep it, detached, if the call gives up."""
+        # The with statement drops it, but not what another holder keeps (an asyncio task, a TaskGroup's
+        # CancelledError, a step that stored it): its finished frames are cleared, and with them the attempt's
+        # tensors, whoever holds it. Giving up walks no object list (detached strips the tracebacks).
+        clear_frames(error, scan=retried)
+        if not retried:
+            self.final_oom = detached(error)
 
     def decided(self, rules: Rules, state: State, reused: str | None) -> None:
         """Take the decision after an out-of-memory error; ``reused``: an iterator argument, if any."""
@@ -341,6 +364,74 @@ _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11 on
 
 # Frames of these kinds may be suspended rather than finished: clearing one would close its generator.
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+# From Python 3.13 on, clearing a suspended frame raises RuntimeError instead of closing its generator.
+_CLEAR_CLOSES = sys.version_info < (3, 13)
+
+
+def clear_frames(error: BaseException, *, scan: bool = True) -> None:
+    """Clear the finished frames that ``error``, the errors chained to it and a group's members pass through.
+
+    ``scan``: look, before Python 3.13, for the generators and coroutines that own the frames that may
+    be suspended (one walk through every object); without it, such frames are left alone.
+    """
+    # Whoever else holds one of them keeps those frames, and their locals the failed attempt's tensors,
+    # through the retry: an asyncio task holds its error until the next await, a TaskGroup's CancelledError,
+    # which asyncio's C code keeps, holds __aexit__'s frame and through it the group, a step may store its
+    # error. Cleared, the frames still name their file, line and function. Running frames are left alone
+    # (clear() refuses them), and so is any error that starts in a frame above the one the attempt ran in:
+    # one the caller handles around the call, not one of the attempt.
+    top = error.__traceback__
+    start = top.tb_frame if top is not None else None
+    above: set[FrameType] = set()
+    frame = start.f_back if start is not None else sys._getframe(1)
+    while frame is not None:
+        above.add(frame)
+        frame = frame.f_back
+    finished: dict[int, FrameType] = {}
+    doubtful: list[FrameType] = []  # a generator's or coroutine's, which may be suspended
+    seen: set[int] = set()
+    waiting = [error]
+    while waiting:
+        link = waiting.pop()
+        if id(link) in seen:
+            continue
+        seen.add(id(link))
+        tb = link.__traceback__
+        if tb is not None and tb.tb_frame in above:
+            continue
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame is not start and frame not in above and id(frame) not in finished:
+                # A suspended frame has no caller; a finished one mostly has, from Python 3.12 on.
+                if _CLEAR_CLOSES and frame.f_code.co_flags & _SUSPENDABLE and frame.f_back is None:
+                    doubtful.append(frame)
+                else:
+                    finished[id(frame)] = frame
+            tb = tb.tb_next
+        waiting.extend(linked for linked in (link.__cause__, link.__context__) if linked is not None)
+        if _GROUP is not None and isinstance(link, _GROUP):
+            waiting.extend(link.exceptions)
+    if doubtful and scan:
+        finished.update((id(frame), frame) for frame in _not_suspended(doubtful))
+    for frame in finished.values():
+        # Refused for a frame running, in this thread or another (or suspended, from Python 3.13 on).
+        with contextlib.suppress(RuntimeError):
+            frame.clear()
+
+
+def _not_suspended(frames: list[FrameType]) -> list[FrameType]:
+    """Those of ``frames`` that no generator, coroutine or async generator still owns: finished ones."""
+    # One walk through every object the collector tracks: only before a retry, which collects them all
+    # anyway, and only where the error passed through a generator or coroutine, before Python 3.13.
+    owned: set[int] = set()
+    for owner in gc.get_referrers(*frames):
+        if isinstance(owner, GeneratorType):
+            owned.add(id(owner.gi_frame))
+        elif isinstance(owner, CoroutineType):
+            owned.add(id(owner.cr_frame))
+        elif isinstance(owner, AsyncGeneratorType):
+            owned.add(id(owner.ag_frame))
+    return [frame for frame in frames if id(frame) not in owned]
 
 
 def _schedules_frames(tb: TracebackType | None) -> TracebackType | None:

@@ -78,7 +78,7 @@ class Ranks:
         return self.reached.get(roots, lambda: self._look(roots, agreement))
 
     def _look(self, roots: Iterable[Any], agreement: distributed.Agreement) -> _Reached:
-        found = distributed.supported_modules(roots, self.name)  # raises on every rank alike
+        found = distributed.supported_modules(roots, self.name, sharded.managed)  # raises on every rank alike
         for module in sharded.fsdp_modules(found):
             sharded.check_mesh(module, agreement.world_size, self.name)
             sharded.check_state(module, self.name)
