@@ -683,6 +683,17 @@ def _past_hand_off(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return copy
 
 
+# Autograd's entries hand their call to the function modes, each of which runs it with itself off
+# the stack, so backward would run outside them all: a checkpointed region, recomputed there, would
+# take the math path and CUDA's composite dropout where its forward took the stand-ins, and
+# torch.utils.checkpoint raises CheckpointError (reentrant checkpointing counted 5 times the truth).
+# Their bodies, past that hand-off, run with the modes on.
+_BACKWARD_BODIES: dict[Any, Callable[..., Any]] = {
+    entry: body
+    for entry in (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+    if (body := _past_hand_off(entry)) is not None
+}
+
 _INNER_ATTENTION = (
     "its body could not be run past its hand-off to the estimate, so the attention inside it is counted by "
     "its math path, with the whole attention matrix: the estimate may be above the real peak"
@@ -692,10 +703,13 @@ _INNER_ATTENTION = (
 class _Kernels(TorchFunctionMode):
     """Send ``scaled_dot_product_attention`` to the kernel the target would choose, and CUDA's dropout to its own."""
 
-    def __init__(self, target: torch.device, card: tuple[tuple[int, int], int | None], note: Note) -> None:
+    def __init__(
+        self, target: torch.device, card: tuple[tuple[int, int], int | None], note: Note, later: list[Any]
+    ) -> None:
         super().__init__()
         self.target, self.card, self.note = target, card, note
         self.inside_attention = False  # running multi_head_attention_forward's body
+        self.later = later  # the run's function modes entered after this one
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -709,6 +723,9 @@ class _Kernels(TorchFunctionMode):
             return False
         if func is F.multi_head_attention_forward:
             return self._multi_head_attention(func, args, kwargs or {})
+        backward = _BACKWARD_BODIES.get(func)
+        if backward is not None:
+            return self._backward(backward, args, kwargs or {})
         bind = next((bind for known, bind in _DROPOUTS if func is known), None) if self.target.type == "cuda" else None
         if bind is not None:
             fused = _cuda_dropout(*bind(*args, **(kwargs or {})))
@@ -729,14 +746,27 @@ class _Kernels(TorchFunctionMode):
         finally:
             self.inside_attention = False
 
+    def _backward(self, body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run autograd's backward with this mode and those entered after it on the stack, as the forward ran."""
+        with contextlib.ExitStack() as modes:
+            for mode in (self, *(mode for mode in self.later if isinstance(mode, TorchFunctionMode))):
+                modes.enter_context(mode)
+            return body(*args, **kwargs)
+
 
 def _ignore(what: str, why: str) -> None:
     pass
 
 
 @contextlib.contextmanager
-def device_kernels(target: torch.device, modules: Iterable[nn.Module], note: Note = _ignore) -> Iterator[None]:
-    """Make a meta run take the attention and dropout kernels and the fast paths ``target`` takes, in the block."""
+def device_kernels(
+    target: torch.device, modules: Iterable[nn.Module], note: Note = _ignore, later: Iterable[object] = ()
+) -> Iterator[None]:
+    """Make a meta run take the attention and dropout kernels and the fast paths ``target`` takes, in the block.
+
+    ``later`` are the contexts the run enters inside this one: those that are function modes stay
+    on, with this one, while backward runs.
+    """
     # On a device other than the CPU or CUDA the math path runs and is noted. Subclasses of the
     # fast-path modules that define their own forward keep it.
     if target.type == "meta":
@@ -746,7 +776,7 @@ def device_kernels(target: torch.device, modules: Iterable[nn.Module], note: Not
     fused = target.type in ("cpu", "cuda")
     followed = [module for module in modules if fused and _follow_fast_path(module, target, card)]
     try:
-        with _Kernels(target, card, note):
+        with _Kernels(target, card, note, list(later)):
             yield
     finally:
         for module in followed:

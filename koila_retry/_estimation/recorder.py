@@ -8,6 +8,7 @@ a placeholder, which the estimate notes unless an optimizer or a gradient scaler
 from __future__ import annotations
 
 import math
+import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -55,6 +56,25 @@ _VALUE_READ = (
 )
 # torch.amp's gradient scaler, whose reads of its inf checks the estimate answers as "none found".
 _SCALER_FILE = ("torch", "amp", "grad_scaler.py")
+# A loop that runs until a value read says stop (Hugging Face's generate() stops once every row has
+# finished, `bool(unfinished.max() == 0)`) never ends on placeholders, which read the same each
+# time, and the run would hold the estimate lock while its memory grows. A model reads a value at
+# one line once per layer, time step or row at most, a few hundred times a run; past 1024 reads,
+# or 4 per row of the run's batch where that is more, the run stops with an error.
+_READS_AT_ONE_LINE = 1024
+_READS_PER_ROW = 4
+# Frames of these packages are not where a read is asked for: the first frame outside them is.
+_INSIDE = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (torch, sys.modules[__name__.split(".")[0]])
+    if module.__file__ is not None
+)
+_ENDLESS = (
+    "{where} read a tensor's value {count} times in one run on meta tensors, which hold no values: each "
+    "read gives the same placeholder, so a loop that ends when a value says so (a decoding loop such as "
+    "Hugging Face's generate(), `while x.max() > 0:`) never ends there. Such a call cannot be estimated: "
+    'give initial= a batch size rather than "auto", or estimate one step of the loop, the model\'s forward'
+)
 _CUDNN_CONVOLUTION = (
     "convolution: the workspace cuDNN takes on CUDA is not modelled (on an H100 a backward took 280 MiB): "
     'the estimate may be below the real peak; initial="auto" measures it on the device'
@@ -86,6 +106,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         round_bytes: Callable[[int], int] | None,
         workspace: Workspace | None,
         inexact: Mapping[Any, str] | None = None,
+        rows: int = 0,
     ) -> None:
         super().__init__()
         self.round_bytes = round_bytes
@@ -105,6 +126,8 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         self.reclassify: Callable[[], None] | None = None
         self._callback_queued = False
         self.truths = Truths()
+        self.reads: dict[tuple[str, int], int] = {}  # placeholder reads noted, by the line that asked
+        self.most_reads = max(_READS_AT_ONE_LINE, _READS_PER_ROW * rows)
 
     def __torch_dispatch__(
         self,
@@ -113,6 +136,14 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if torch._C._len_torch_function_stack():
+            # Function modes on the stack (the run's, in backward: attention.py's device_kernels):
+            # the count's own calls pass them by, as they do where the call came through them.
+            with torch._C.DisableTorchFunction():
+                return self._dispatch(func, args, kwargs)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         if func is _LOCAL_SCALAR:
             return self.placeholder(args[0])
         settle()  # autocast's cached casts go when its region ends, before anything after it allocates
@@ -169,12 +200,27 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         else:
             kind, value = "integer", 1
         if not self.in_step and not _in_scaler():
+            self._count_read()
             placeholder, what = _VALUE_READS[kind]
             self.note_inexact(
                 f"reading {'an' if kind == 'integer' else 'a'} {kind} from a tensor",
                 _VALUE_READ.format(placeholder=placeholder, what=what),
             )
         return value
+
+    def _count_read(self) -> None:
+        """Count a read at the line that asked for it; raise once a line has asked more than a run allows."""
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+            frame = frame.f_back
+        site = ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+        count = self.reads.get(site, 0) + 1
+        self.reads[site] = count
+        if count > self.most_reads:
+            where = (
+                "the call" if frame is None else f"the code at {site[0]}, line {site[1]} (in {frame.f_code.co_name})"
+            )
+            raise RuntimeError(_ENDLESS.format(where=where, count=count))
 
     def note_inexact(self, operator: str, why: str) -> None:
         """Note once that the run met ``operator`` (as a user knows it) in a case it models inexactly, and ``why``."""
