@@ -6,9 +6,9 @@ by a ``DistributedSampler``. The training step is decorated with ``koila.accumul
 Each rank trains inside a simulated device that stands in for its GPU, and rank 1's
 is smaller: its whole batch does not fit. It runs out of memory in the first step,
 and the ranks agree on it through ``torch.distributed``: both throw the step away and
-run it again in micro-batches of the same smaller size, and later steps start there
-(in the second step, the optimizer's momentum leaves rank 1 too little for that size,
-and the ranks agree on a smaller one). Every micro-batch but the last runs under DDP's
+run it again in micro-batches of the same smaller size (twice: rank 1 keeps, for the
+rest of the step, the zeros it played along, and 256 rows no longer fit beside them),
+and later steps start there. Every micro-batch but the last runs under DDP's
 ``no_sync()``, and the last one's backward all-reduces as DDP does it; a rank that runs
 out of memory plays along the all-reduces it did not make, and the ranks agree on the
 step before anyone keeps it, so an out-of-memory error on one rank never leaves the
@@ -97,9 +97,7 @@ def train(rank: int, world_size: int) -> None:
 
     sampler.set_epoch(0)
     # One simulated device for the whole loop, as a GPU would be: what outlives a step keeps
-    # counting against the limit in the next. The optimizer's momentum, made by the first
-    # step, leaves rank 1 too little for the size that worked there, and the ranks agree on
-    # a smaller one in the second step.
+    # counting against the limit in the next (the optimizer's momentum, made by the first step).
     with simulated_device(LARGE if rank == 0 else SMALL):
         for number, (inputs, targets) in enumerate(loader, start=1):
             optimizer.zero_grad(set_to_none=True)

@@ -328,11 +328,9 @@ def test_ddp_train_ranks_agree_and_stay_identical(ddp_train_output: str) -> None
     steps = re.findall(r"step \d+: micro-batch size rank 0: (\d+), rank 1: (\d+) \(of 512 rows\)", output)
     assert len(steps) == 4, output
     assert all(rank0 == rank1 for rank0, rank1 in steps), output
-    # As the docstring tells it: the first step settles one size down; in the second, the optimizer's
-    # momentum leaves rank 1 too little for it. (The zeros a failed rank played along were kept for the
-    # rest of the call, and its retries settled at 128 in the first step.)
-    assert steps[0] == ("256", "256"), output
-    assert int(steps[1][0]) < 256, output
+    # As the docstring tells it: twice in the first step (the zeros played along are kept for the step).
+    assert "rank 1 ran out of memory at 256 rows per micro-batch" in output, output
+    assert len(set(steps)) == 1, output
     settled = re.search(r"Settled on micro-batches of rank 0: (\d+), rank 1: (\d+) rows", output)
     assert settled is not None, output
     assert settled.group(1) == settled.group(2)

@@ -153,9 +153,9 @@ def _one_at_a_time(
     reducer: Any, played: list[Any], buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor]
 ) -> None:
     """Play the buckets' collectives in turn, with one buffer of zeros per dtype and device (kept in ``buffers``)."""
-    # Kept until the ranks agree (see undo): one made for each play-along ran out of memory now and then
-    # where one fits, beside the last, which a collective's work (gloo's worker thread) may still hold a
-    # moment after its wait returned.
+    # Kept for the call's later play-alongs, not made again: a new one each time ran out of memory now and
+    # then where one fits, most likely beside the last, which a collective's work (gloo's worker thread)
+    # may still hold a moment after its wait returned.
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for bucket in played:
         like = bucket.buffer()
@@ -453,10 +453,6 @@ class Overlap(SetAside):
         # its next backward, and a rebuild that only some ranks made would leave the others waiting.
         self.reducer._reset_state()
         self._settle_sync()
-        # The zeros played along go before the next attempt, which needs their memory (kept, every later
-        # attempt of the call ran a bucket short, and settled below what fits). gloo is done with them:
-        # the ranks' agreement came after their collectives.
-        self.played_with = {}
 
     def _put_back(self) -> None:
         # The values from before into the tensors .grad held: an attempt may have added to them in place.

@@ -553,24 +553,28 @@ class Gradients:
 
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""
+        aside, failed = self.aside, None
         try:
-            for leaf, before in self.aside:
+            while aside:  # each pair dropped once given back: a restore an interrupt cut short goes on
+                leaf, before = aside[-1]
                 # leaf.grad is None, unless a backward wrote leaves the walk could not find; ``before``
-                # itself where a restore that an interrupt cut short gave it back already.
+                # itself where a restore cut short gave it back already.
                 written = leaf.grad
                 if written is not before:
                     try:
                         leaf.grad = summed(before, written)
-                    except BaseException:  # a .grad that cannot be added into (an expanded one): as it was
+                    except Exception as error:  # a .grad that cannot be added into (an expanded one): as it was
                         leaf.grad = before
-                        raise
+                        failed = failed or error
+                aside.pop()
         finally:
-            # Nothing of the step's is apart from .grad now: nothing for a discard to drop, whatever comes.
-            self.exposed.clear()
-            self.faint.clear()
-            self.aside.clear()
-            if self.direct:
-                IN_FLIGHT.release(self)
+            if not aside:  # nothing of the step's is apart from .grad: nothing for a discard to drop
+                self.exposed.clear()
+                self.faint.clear()
+                if self.direct:
+                    IN_FLIGHT.release(self)
+        if failed is not None:  # after the others were given back, and the leaves let go
+            raise failed
 
     def _faint(self) -> list[torch.Tensor]:
         return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]
