@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -462,6 +463,8 @@ class TypedLM(PlainLM):
 
 @pytest.mark.parametrize("answer", ["trainer's", "model's alone"])  # the latter as transformers 4 has it
 def test_a_plain_causal_lm_that_names_its_loss_is_weighed_by_its_shifted_labels(tmp_path: Path, answer: str) -> None:
+    if importlib.util.find_spec("transformers.loss") is None:
+        pytest.skip(f"models name their loss (loss_type) from transformers 4.46 on, not {transformers.__version__}")
     reference = make_trainer(tmp_path, model=TypedLM())
     reference.train()
     trainer = make_trainer(tmp_path, model=TypedLM())

@@ -105,12 +105,19 @@ def test_a_step_interrupted_as_it_took_its_leaves_lets_another_threads_step_run(
         step(x, y)
     monkeypatch.undo()
     assert (IN_FLIGHT.owners, IN_FLIGHT.held) == ({}, {})
-    model.zero_grad()
-    other = threading.Thread(target=lambda: step(x, y), daemon=True)
+    _another_thread_steps_exactly(model, lambda: step(x, y), lambda: F.mse_loss(model(x), y))
+
+
+def _another_thread_steps_exactly(
+    model: torch.nn.Module, step: Callable[[], Any], loss: Callable[[], torch.Tensor]
+) -> None:
+    """Run ``step`` in another thread: it must end (no leaf held for good) with the gradient of ``loss``."""
+    model.zero_grad(set_to_none=True)
+    other = threading.Thread(target=step, daemon=True)
     other.start()
     other.join(60)
     assert not other.is_alive(), "another thread's step waits for leaves no step holds"
-    expected = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+    expected = torch.autograd.grad(loss(), list(model.parameters()))
     for parameter, gradient in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(parameter.grad, gradient)
 
@@ -147,11 +154,4 @@ def test_an_error_as_a_step_hands_its_gradients_back_lets_another_threads_step_r
         step(x, y)
     assert (IN_FLIGHT.owners, IN_FLIGHT.shared, IN_FLIGHT.held) == ({}, {}, {})
     assert model.weight.grad is expanded, "the .grad the step could not add into is as it was"
-    model.zero_grad(set_to_none=True)
-    other = threading.Thread(target=lambda: step(x, y), daemon=True)
-    other.start()
-    other.join(60)
-    assert not other.is_alive(), "another thread's step waits for leaves no step holds"
-    expected = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
-    for parameter, gradient in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(parameter.grad, gradient)
+    _another_thread_steps_exactly(model, lambda: step(x, y), lambda: F.cross_entropy(model(x), y))
