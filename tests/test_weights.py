@@ -112,6 +112,41 @@ def test_the_look_for_ignored_labels_needs_no_memory_of_the_batchs_size() -> Non
     split(torch.randn(8, 16, device="meta"), torch.full((8,), -100, device="meta"))
 
 
+class CountedReads(torch.overrides.TorchFunctionMode):
+    """Count the least-entry reads of integer tensors (each a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.amin and not args[0].is_floating_point():
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_look_for_ignored_labels_is_made_in_few_split_steps() -> None:
+    # Each look reads a value: on a GPU, a sync in every split step of every classifier. Looked at in the
+    # 1st, 2nd, 4th, 8th... split step: labels with -100 first in the 3rd are warned of in the 4th.
+    model, batch = token_batch()
+    clean = {"ids": batch["ids"], "labels": batch["ids"].clone()}
+    step = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=4)
+    with warnings.catch_warnings(record=True) as early:
+        warnings.simplefilter("always")
+        step(clean)
+        step(clean)
+        step(batch)  # the 3rd: not looked at
+        koila.accumulate(lambda batch: mean_over_tokens(model, batch))(batch)  # whole: not counted
+    assert [str(w.message) for w in early] == []
+    with pytest.warns(UserWarning, match=r"labels with ignored entries \(-100\)"):
+        step(batch)
+    quiet = koila.accumulate(lambda batch: mean_over_tokens(model, batch), initial=4)
+    with CountedReads() as counted:
+        for _ in range(20):
+            quiet(clean)
+    assert counted.reads == 2 * 5  # two integer tensors, in steps 1, 2, 4, 8 and 16
+
+
 def test_a_step_that_initial_auto_splits_is_warned_about_too() -> None:
     # Its first micro-batch is measured, and weighed on another path: that path warned of nothing.
     model, batch = token_batch(rows=16)

@@ -1,9 +1,8 @@
 """``accumulate``: a training step that does not fit runs as micro-batches with the full batch's gradient.
 
-The whole step is one attempt of the engine: an out-of-memory error in any micro-batch
-throws away what the step computed and runs it again smaller, with ``.grad`` as it was.
-``gradients`` decides how a step's gradients reach ``.grad`` (docs/architecture.rst, "How
-accumulate keeps a step's gradients").
+The whole step is one attempt of the engine: an out-of-memory error in any micro-batch throws away
+what the step computed and runs it again smaller, with ``.grad`` as it was. ``gradients`` decides
+how a step's gradients reach ``.grad`` (docs/architecture.rst, "How accumulate keeps a step's gradients").
 """
 
 from __future__ import annotations
@@ -369,6 +368,7 @@ class _Accumulator:
         self.identity = function_identity(fn)
         self.warned_batchnorm = self.warned_checkpoint = self.warned_comm_hook = False
         self.warned_ignored = self.warned_dropped = False
+        self.split_steps = 0  # see _warn_if_ignored
         self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
@@ -808,7 +808,9 @@ class _Accumulator:
 
     def _warn_if_ignored(self, split: Split) -> None:
         """Warn, once, that a split step of a mean loss over labels with ignored entries is weighed by rows."""
-        if self.mean and not self.warned_ignored and _ignores_labels(split):
+        self.split_steps += 1  # looked at in the 1st, 2nd, 4th, 8th... split attempt: each look is a GPU sync
+        looks = self.split_steps & (self.split_steps - 1) == 0
+        if looks and self.mean and not self.warned_ignored and _ignores_labels(split):
             self.warned_ignored = True
             # Usually in the retry that an out-of-memory error made: raised by a filter, it would end the recovery.
             warn_or_log(
