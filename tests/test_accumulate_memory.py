@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -408,3 +409,43 @@ def test_the_walk_reads_a_batch_norm_freed_by_an_earlier_backward_as_one_over_ro
     gradients = Gradients(True)
     assert len(gradients.reached(hidden.sum())) == 5  # x, and the weights and biases of the linear and the norm
     assert gradients.batchnorm == 2
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_leaf_a_micro_batch_makes_dies_with_it_as_in_the_hand_loop(fails: bool) -> None:
+    # A gradient penalty's x.clone().requires_grad_() (docs/accumulate.rst): held by the step, each
+    # micro-batch's copy and its .grad lived to the step's end, and a failed attempt's into its retry.
+    torch.manual_seed(0)
+    critic = nn.Linear(1024, 1).double()
+    x, y = torch.randn(64, 1024, dtype=DTYPE), torch.randn(64, 1, dtype=DTYPE)
+    copies: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+    calls = [0, 0]  # calls of the step; whether its first attempt fails part-way
+
+    def penalised(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(ref() is not None for ref in copies))
+        calls[0] += 1
+        if calls[1] and calls[0] == 3:  # the first attempt fails part-way, at micro-batch 3
+            raise make_oom()
+        x = x.clone().requires_grad_(True)
+        copies.append(weakref.ref(x))
+        out = critic(x)
+        (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return F.mse_loss(out, y) + slope.pow(2).sum(dim=1).mean()
+
+    with simulated_device("1GiB") as device:
+        for rows in range(0, 64, 8):
+            (penalised(x[rows : rows + 8], y[rows : rows + 8]) * 8 / 64).backward()
+    hand, expected = device.peak, [p.grad.clone() for p in critic.parameters()]  # type: ignore[union-attr]
+    critic.zero_grad()
+    copies.clear()
+    alive.clear()
+    calls[:] = [0, fails]
+    step = koila.accumulate(penalised, initial=8, cache=koila.NoCache())
+    with simulated_device("1GiB") as device:
+        step(x, y)
+    assert step.stats.batch_size == (4 if fails else 8)
+    assert alive == [0] * len(alive)
+    assert device.peak <= hand + SLACK, (device.peak, hand)
+    for parameter, gradient in zip(critic.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient, rtol=RTOL, atol=ATOL)

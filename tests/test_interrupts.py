@@ -155,3 +155,59 @@ def test_an_error_as_a_step_hands_its_gradients_back_lets_another_threads_step_r
     assert (IN_FLIGHT.owners, IN_FLIGHT.shared, IN_FLIGHT.held) == ({}, {}, {})
     assert model.weight.grad is expanded, "the .grad the step could not add into is as it was"
     _another_thread_steps_exactly(model, lambda: step(x, y), lambda: F.cross_entropy(model(x), y))
+
+
+def test_two_interrupts_in_a_row_in_the_hand_over_let_go_of_the_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C as the step gives a set-aside gradient back, and again in its clean-up's restore: the leaves
+    # stayed held, and another thread's step of the model waited for them for ever.
+    from koila_retry._frontends import gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    step = koila.accumulate(lambda x, y: F.mse_loss(model(x), y))
+    real, calls = gradients.summed, [0]
+
+    def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] <= 2:
+            raise KeyboardInterrupt
+        return real(before, written)
+
+    monkeypatch.setattr(gradients, "summed", summed)
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    with pytest.raises(KeyboardInterrupt):
+        step(x, y)
+    assert calls[0] == 2
+    assert not IN_FLIGHT.owners
+    assert not IN_FLIGHT.held
+    monkeypatch.undo()
+    model.zero_grad()
+    other = threading.Thread(target=step, args=(x, y), daemon=True)
+    other.start()
+    other.join(60)
+    assert not other.is_alive()
+
+
+def test_a_leaf_that_cannot_take_its_gradient_back_lets_go_all_the_same() -> None:
+    # The step cast its parameters (a lazy cast): neither the sum nor the float64 gradient set aside
+    # fits them now. The first error is raised, and nothing stays held.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2).double()
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for parameter in model.parameters():
+            parameter.data = parameter.data.float()
+        return F.mse_loss(model(x), y)
+
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    with pytest.raises(RuntimeError, match="dtype"):
+        koila.accumulate(loss)(x, y)
+    assert not IN_FLIGHT.owners
+    assert not IN_FLIGHT.held
+    model.zero_grad()
+    koila.accumulate(loss)(x, y)  # the next step runs, and writes its gradient
+    assert all(parameter.grad is not None for parameter in model.parameters())

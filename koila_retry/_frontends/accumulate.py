@@ -436,8 +436,7 @@ class _Accumulator:
             result = finished.finish()
             return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
-            gradients.discard()
-            gradients.restore()
+            gradients.abandon()
             raise
 
     def _alone(self, split: Split, device: torch.device, roots: tuple[Any, ...], caller: FrameType) -> Any:
@@ -459,8 +458,7 @@ class _Accumulator:
             result = finished.finish()
             return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
-            gradients.discard()
-            gradients.restore()
+            gradients.abandon()
             raise
 
     def _delivered(self, gradients: Gradients, finished: Results, result: Any, rows: int) -> Any:
@@ -635,8 +633,7 @@ class _Accumulator:
                     for _ in builtins.range(count):
                         micro_batch(gradients, args, kwargs, count > 1)
                 except BaseException:  # an estimate that fails: it must let go of the leaves it holds
-                    gradients.discard()
-                    gradients.restore()
+                    gradients.abandon()
                     raise
                 gradients.restore()
                 gradients.deliver()

@@ -10,6 +10,7 @@ gradients", says which path a step takes and how each works.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import threading
@@ -247,23 +248,27 @@ class Gradients:
 
     def _expose(self, loss: torch.Tensor) -> bool:
         """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""
-        exposed = self.exposed
+        exposed, faint = self.exposed, self.faint
         leaves = self.reached(loss)
-        new = [leaf for leaf in leaves if id(leaf) not in exposed] if exposed else leaves
+        if exposed or faint:  # a faint leaf by identity: one that died may have left its id to a new one
+            new = [leaf for leaf in leaves if id(leaf) not in exposed and not (faint and self._is_faint(leaf))]
+        else:
+            new = leaves
         if not new:
             return True
-        keys = list(map(id, new))
         # Post-accumulate-grad hooks must run once per step, when the step's gradient is delivered.
         # Looked for in C, through map: a generator would be a call into Python per leaf.
-        if any(map(_HOOKS, new)) or not IN_FLIGHT.take(self, keys):
+        if any(map(_HOOKS, new)) or not IN_FLIGHT.take(self, list(map(id, new))):
             self._captured_from_now()
             return False
-        exposed.update(zip(keys, new))
-        aside, faint = self.aside, self.faint
+        aside = self.aside
         for leaf in new:
-            if faint and self._is_faint(leaf):  # written in a node already, its gradient before set aside
-                del faint[id(leaf)]
-                continue
+            # Leaves other than parameters are held weakly: one a micro-batch makes (x.requires_grad_()
+            # for a gradient penalty) dies with its gradient when the micro-batch ends, as in a hand loop.
+            if isinstance(leaf, torch.nn.Parameter):
+                exposed[id(leaf)] = leaf
+            else:
+                faint[id(leaf)] = weakref.ref(leaf)
             before = leaf.grad
             if before is not None:
                 aside.append((leaf, before))
@@ -531,7 +536,7 @@ class Gradients:
         """Return the step's own gradients so far, by ``id`` of their leaf (for ``koila.report``)."""
         if not self.direct:
             return dict(self.sums)
-        written = {key: leaf.grad for key, leaf in self.exposed.items() if leaf.grad is not None}
+        written = {id(leaf): leaf.grad for leaf in [*self.exposed.values(), *self._faint()] if leaf.grad is not None}
         return {**self.sums, **written}
 
     def written_bytes(self) -> int:
@@ -564,8 +569,9 @@ class Gradients:
                     try:
                         leaf.grad = summed(before, written)
                     except Exception as error:  # a .grad that cannot be added into (an expanded one): as it was
-                        leaf.grad = before
                         failed = failed or error
+                        with contextlib.suppress(Exception):  # unless the leaf cannot take it (another dtype now)
+                            leaf.grad = before
                 aside.pop()
         finally:
             if not aside:  # nothing of the step's is apart from .grad: nothing for a discard to drop
@@ -575,6 +581,15 @@ class Gradients:
                     IN_FLIGHT.release(self)
         if failed is not None:  # after the others were given back, and the leaves let go
             raise failed
+
+    def abandon(self) -> None:
+        """Drop the step's gradients, give back those set aside, and let go of the leaves, even if interrupted."""
+        try:
+            self.discard()
+            self.restore()
+        finally:  # a second interrupt (Ctrl-C) in the restore: never leave another thread waiting for the leaves
+            if self.direct:
+                IN_FLIGHT.release(self)
 
     def _faint(self) -> list[torch.Tensor]:
         return [leaf for leaf in (ref() for ref in self.faint.values()) if leaf is not None]
