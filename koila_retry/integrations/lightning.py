@@ -7,7 +7,8 @@ left to the loop's, where a failure can be undone and the step run again inside 
 backward (``_whole``, ``_backward_of_whole``). Otherwise the step runs its micro-batches'
 backward inside ``training_step``, takes the gradients out of ``.grad`` and hands them to
 the loop's backward (``_hand_over``, or ``_Delivery``): everything after the backward sees
-the whole batch's gradient, once.
+the whole batch's gradient, once. Where the loop runs no backward (the BatchNorm epoch of
+SWA), neither does the step: whole, or split under ``no_grad`` (``_unbacked``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
 from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, leave_out, let_go, trainable
+from koila_retry.integrations._lightning_tensors import restored, suspended, watched, without_graphs
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -198,6 +200,8 @@ class _Held:
         # The loop's backward scales (AMP) and divides the loss; the gradients are at the scaler's scale already.
         factor = grad if self.scale is None else grad / self.scale
         if gradients and not self.unit:  # times 1 would be a pass over every gradient for nothing
+            if factor.dim() and factor.numel() == 1:  # a loss of shape (1,): _foreach_mul_ takes a 0-dim factor
+                factor = factor.reshape(())
             torch._foreach_mul_(gradients, factor)  # one call for every gradient
         return gradients
 
@@ -216,47 +220,12 @@ class _Delivery(torch.autograd.Function):
         return (None, None, *held.take(grad))
 
 
-_Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
 # A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
 # aside as it began (none where they were released), which of them are back in .grad until that backward
 # (see _whole), and accumulate_grad_batches.
 _Pending = tuple[
     torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], list[bool], int
 ]
-
-
-def _watched(parameters: list[torch.nn.Parameter]) -> bool:
-    """Return whether a parameter has a hook (``register_hook``, post-accumulate)."""
-    return any(
-        parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None) for parameter in parameters
-    )
-
-
-def _suspended(parameters: list[torch.nn.Parameter]) -> _Hooks:
-    """Take the hooks off the parameters that have any (``register_hook``, post-accumulate); return them."""
-    # Emptied in place: autograd holds these dicts themselves.
-    taken: _Hooks = []
-    for parameter in parameters:
-        before, after = parameter._backward_hooks, getattr(parameter, "_post_accumulate_grad_hooks", None)
-        if before or after:
-            taken.append((parameter, dict(before or {}), dict(after or {})))
-            if before:
-                before.clear()
-            if after:
-                after.clear()
-    return taken
-
-
-def _restored(taken: _Hooks) -> None:
-    """Put back the hooks :func:`_suspended` took, before any the step added."""
-    for parameter, before, after in taken:
-        for name, kept in (("_backward_hooks", before), ("_post_accumulate_grad_hooks", after)):
-            hooks: dict[Any, Any] | None = getattr(parameter, name)
-            if kept and hooks is not None:  # emptied, never replaced
-                added = dict(hooks)
-                hooks.clear()
-                hooks.update(kept)
-                hooks.update(added)
 
 
 def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
@@ -293,6 +262,7 @@ class _Step:
         self.scale: torch.Tensor | None = None
         self.batch_idx: int | None = None  # of the training batch running, from on_train_batch_start
         self.trusting = True  # whether this step may run as the loop runs it (_whole, _evaluate): until an OOM there
+        self.unbacked = True  # the same, for a step whose backward the loop skips (_unbacked)
         self.failure: tuple[str, str] | None = None  # a whole step's OOM, until accumulate raises it again (replay)
         # The loss of a step that ran whole, its batch and parameters, until the loop's backward of it.
         self.pending: _Pending | None = None
@@ -308,7 +278,7 @@ class _Step:
         if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
             self.owner = (type(module), how)
             self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", how)
-            self.trusting, self.walks = True, None
+            self.trusting, self.unbacked, self.walks = True, True, None
         # A cache that knows a size (a DiskCache of an earlier run, say) knows better than the whole batch.
         self.trusting = self.trusting and not self.run.cache_info().currsize
         run = self._train if self.train else self._evaluate
@@ -518,6 +488,9 @@ class _Step:
         trainer, module = self.installed()
         self._forget(module)  # a step whose loss the loop did not backpropagate
         self.failure = None
+        if getattr(trainer.fit_loop, "_skip_backward", False):  # no zero_grad, no backward (SWA's BatchNorm epoch)
+            self.batch_idx = None
+            return self._unbacked(trainer, module, args, kwargs)
         parameters = trainable(module)
         if isinstance(trainer.strategy, ModelParallelStrategy):  # the sharded ones, a gathered root's too
             parameters = as_sharded(module.modules(), parameters)
@@ -537,7 +510,7 @@ class _Step:
         self.logs.hold(module)
         # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
         # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
-        hooks = _suspended(parameters)
+        hooks = suspended(parameters)
         try:
             for parameter in parameters:
                 parameter.grad = None
@@ -548,7 +521,7 @@ class _Step:
             gradients = [parameter.grad for parameter in parameters]
         finally:
             self.logs.release(module)
-            _restored(hooks)
+            restored(hooks)
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
             others, self.others = self.others, None
@@ -556,12 +529,7 @@ class _Step:
                 self.walks = others.found()
             extra = ([], []) if others is None else others.taken()
         if skipped:
-            # Returned None: skipped as Lightning skips it, with no gradient of it. Ran whole, it logs
-            # as it called, as without the callback; split, the batch has no whole value to log.
-            ran = self.logs.parts
-            ran_whole = bool(ran) and ran[-1][0] in (WHOLE, self.rows)
-            self.logs.parts = ran[-1:] if ran_whole else []
-            self.logs.replay(self.rows)
+            self._skipped()
             return None
         self.logs.replay(self.rows)
         leaves: list[torch.Tensor] = []
@@ -594,6 +562,39 @@ class _Step:
             return {**output, "loss": deliver(output["loss"])}
         return output
 
+    def _skipped(self) -> None:
+        """Log what a step that returned None logged, as Lightning would."""
+        # Skipped as Lightning skips it, with no gradient of it. Ran whole, it logs as it called,
+        # as without the callback; split, the batch has no whole value to log.
+        ran = self.logs.parts
+        ran_whole = bool(ran) and ran[-1][0] in (WHOLE, self.rows)
+        self.logs.parts = ran[-1:] if ran_whole else []
+        self.logs.replay(self.rows)
+
+    def _unbacked(self, trainer: pl.Trainer, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """Run a step whose backward the loop skips: whole, else in micro-batches under ``no_grad``."""
+        # With no backward of koila's either: .grad untouched, and the plain step's peak where it fits.
+        # Whole, BatchNorm's running statistics are the batch's, as without the callback.
+        if self.unbacked and self.options.get("initial") is None and type(trainer.strategy) is SingleDeviceStrategy:
+            output = self._ran(module, args, kwargs)
+            if output is not _FAILED:
+                return output
+            self.unbacked = False  # tried once: each later step of that epoch would fail as well
+        self.logs.parts, skipped = [], False
+        self.logs.hold(module)
+        try:
+            with torch.no_grad():  # no graph to keep: accumulate runs no backward
+                output = self._call(module, args, kwargs)
+        except _Skipped:
+            skipped = True
+        finally:
+            self.logs.release(module)
+        if skipped:
+            self._skipped()
+            return None
+        self.logs.replay(self.rows)
+        return output
+
     def _trusted(
         self,
         trainer: pl.Trainer,
@@ -617,7 +618,7 @@ class _Step:
             and not getattr(trainer.fit_loop, "_skip_backward", True)  # the loop's backward comes
             and len(trainer.optimizers) == 1
             and bool(parameters)
-            and not _watched(parameters)
+            and not watched(parameters)
             and _plain_backward(trainer, module)
         ):
             return None
@@ -668,7 +669,8 @@ class _Step:
         self.pending = (loss, args, kwargs, parameters, before, back, steps)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
-        return stand_in if isinstance(output, torch.Tensor) else {**output, "loss": stand_in}
+        # Its other entries detached, as a split step's are: they would hold the graph through that backward.
+        return stand_in if isinstance(output, torch.Tensor) else without_graphs(output, stand_in)
 
     def _ran(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> Any:
         """Run the step as the loop would, its logs held until it returned; ``_FAILED`` if it ran out of memory."""

@@ -1,13 +1,11 @@
 """Hugging Face: ``adapt``, which runs a ``Trainer``'s step that does not fit as micro-batches.
 
-Hugging Face's callbacks cannot change a step, so ``adapt`` replaces the instance's
-``training_step`` and ``prediction_step``: the originals as the trainer runs them while
-that can be undone, and through ``accumulate`` from the first out-of-memory error on.
-The one fact to know: every Hugging Face loss is linear in the loss the step backs through
-(the division by the accumulation steps, loss scaling), so weighing each micro-batch by its
-share of the batch's items serves every ``Trainer.training_step`` (docs/huggingface.rst,
-"Custom losses under adapt"). ``transformers`` is imported when ``adapt`` is called, never
-before.
+Hugging Face's callbacks cannot change a step, so ``adapt`` replaces the instance's ``training_step``
+and ``prediction_step``: the originals as the trainer runs them while that can be undone, and through
+``accumulate`` from the first out-of-memory error on. The one fact to know: every Hugging Face loss
+is linear in the loss the step backs through (the division by the accumulation steps, loss scaling),
+so weighing each micro-batch by its share of the batch's items serves every ``Trainer.training_step``
+(docs/huggingface.rst, "Custom losses under adapt"). ``transformers`` is imported by ``adapt``.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
+from koila_retry.integrations._transformers_packed import apart, joined
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -410,9 +409,7 @@ class _Whole:
     """What an adapted step keeps of a whole batch the trainer's own step ran: whether it may, and its error."""
 
     def __init__(self, trusting: bool) -> None:
-        # Whether a step may run as the trainer runs it: until one runs out of memory, and while a
-        # cache that was given knows no size.
-        self.trusting = trusting
+        self.trusting = trusting  # whether a step may run as the trainer runs it: until one runs out of memory
         # The message and place of the out-of-memory error of a step that ran whole, until accumulate's
         # first attempt of the batch raises it again (see accumulator's replay).
         self.failure: tuple[str, str] | None = None
@@ -444,6 +441,7 @@ class _Training(_Bound):
         self.shifts = _shifts_labels(trainer, transformers)
         self.whole: torch.Tensor | None = None  # the labels of the step's whole batch, while it runs
         self.inputs: Any = None  # that batch, while it runs
+        self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             trainer.accelerator.backward(loss, **kwargs)
@@ -475,6 +473,7 @@ class _Training(_Bound):
             returned = self._whole(model, inputs, num_items_in_batch)
             if returned is not _FAILED:
                 return returned
+        inputs, self.packed = apart(inputs)  # a packed row is one row: its boundaries pass whole
         # The original is called as the trainer calls this: with num_items_in_batch only where given.
         self.given = num_items_in_batch is not ABSENT
         count = num_items_in_batch if self.given else None
@@ -568,10 +567,11 @@ class _Training(_Bound):
             held.append(loss)
 
         before = _gradients(model) if self.overridden else None
+        whole, inputs = inputs is self.inputs, joined(inputs, self.packed)
         with _swapped(accelerator, "backward", hold):
             if self.given:
                 # The whole batch is the step's own inputs: their labels are counted already.
-                labels = self.whole if inputs is self.inputs else _labels_counted(self.trainer, inputs, self.shifts)
+                labels = self.whole if whole else _labels_counted(self.trainer, inputs, self.shifts)
                 returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole, model))
             else:  # transformers before 4.46
                 returned = self.original(model, inputs)
@@ -658,14 +658,15 @@ class _Prediction(_Bound):
         self.total = 0  # the rows of the step's batch, as accumulate splits them
         # Per batch size, the rows' indices passed beside the batch: each chunk's tell where it starts.
         self.indices: dict[int, torch.Tensor] = {}
-        self.padded = False  # whether the step's parts were padded with -100 (see pad)
-        self.warned_padded = False
+        self.padded = self.warned_padded = False  # whether the step's parts were padded with -100 (see pad)
+        self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
 
         def prediction_step(
             model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any, where: torch.Tensor | None
         ) -> dict[str, Any]:
             try:
-                loss, logits, labels = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+                ran = joined(inputs, self.packed)
+                loss, logits, labels = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys)
             except BaseException:
                 self.aside.drop()  # before the memory of the failed attempt is released
                 raise
@@ -723,6 +724,7 @@ class _Prediction(_Bound):
                 self.stats.ran_whole(rows)
                 return cast("tuple[Any, Any, Any]", found)
             kept.trusting = False
+        inputs, self.packed = apart(inputs)  # a packed row is one row: its boundaries pass whole
         # Counted once per step, before any attempt: under DDP the trainer gathers the count from every
         # rank, a collective that a split rank would make per chunk and a rank out of memory never.
         counted = None if self.count is None else self.count([inputs], trainer.args.device)

@@ -1,0 +1,78 @@
+"""What ``OOMRecovery`` does to a training step's tensors: its parameters' hooks, taken off while
+its micro-batches run and put back, and the graphs its output holds besides the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from koila_retry._common.results import flatten
+
+__all__ = ["Hooks", "restored", "suspended", "watched", "without_graphs"]
+
+Hooks = list[tuple[torch.Tensor, dict[Any, Any], dict[Any, Any]]]
+
+
+def watched(parameters: list[torch.nn.Parameter]) -> bool:
+    """Return whether a parameter has a hook (``register_hook``, post-accumulate)."""
+    return any(
+        parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None) for parameter in parameters
+    )
+
+
+def suspended(parameters: list[torch.nn.Parameter]) -> Hooks:
+    """Take the hooks off the parameters that have any (``register_hook``, post-accumulate); return them."""
+    # Emptied in place: autograd holds these dicts themselves.
+    taken: Hooks = []
+    for parameter in parameters:
+        before, after = parameter._backward_hooks, getattr(parameter, "_post_accumulate_grad_hooks", None)
+        if before or after:
+            taken.append((parameter, dict(before or {}), dict(after or {})))
+            if before:
+                before.clear()
+            if after:
+                after.clear()
+    return taken
+
+
+def restored(taken: Hooks) -> None:
+    """Put back the hooks :func:`suspended` took, before any the step added."""
+    for parameter, before, after in taken:
+        for name, kept in (("_backward_hooks", before), ("_post_accumulate_grad_hooks", after)):
+            hooks: dict[Any, Any] | None = getattr(parameter, name)
+            if kept and hooks is not None:  # emptied, never replaced
+                added = dict(hooks)
+                hooks.clear()
+                hooks.update(kept)
+                hooks.update(added)
+
+
+def without_graphs(output: Mapping[str, Any], loss: torch.Tensor) -> dict[str, Any]:
+    """Return a step's output with ``loss`` for its loss, and its other tensors that have a graph detached."""
+    # Lightning keeps the other entries (ClosureResult.extra) through its backward of the loss: a
+    # tensor with a graph there (logits) would hold the whole batch's graph, which a failure of that
+    # backward must let go of before the step runs again in micro-batches.
+    result: dict[str, Any] = {}
+    for key, value in output.items():
+        if key == "loss":
+            value = loss
+        elif isinstance(value, torch.Tensor):
+            if value.grad_fn is not None:
+                value = value.detach()
+        elif value is not None and not isinstance(value, (str, int, float)):
+            leaves, spec = flatten(value)
+            if any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None for leaf in leaves):
+                # A container that cannot be remade is left as the step returned it.
+                with contextlib.suppress(TypeError, ValueError):
+                    value = tree_unflatten([_detached(leaf) for leaf in leaves], spec)
+        result[key] = value
+    return result
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None else leaf

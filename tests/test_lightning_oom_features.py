@@ -1,0 +1,246 @@
+"""OOMRecovery under a real Lightning Trainer with what some modules and callbacks add: SWA's
+BatchNorm epoch, which runs no backward; tensors returned beside the loss; a loss of shape (1,)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from koila_retry.testing import SimulatedDevice, simulated_device
+
+L = pytest.importorskip("lightning")
+from _lightning_trainer import FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
+from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
+
+from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
+
+# Lightning's own notices, not this library's: a module without a val_dataloader, and its
+# use of a pytree name this torch deprecates.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
+
+
+class Normed(L.LightningModule):  # type: ignore[misc]
+    """An MLP with BatchNorm that counts the backward passes run while the loop skips its backward.
+
+    With ``ballast``, a step whose backward is skipped holds that many float64 numbers per row
+    through its forward: more than the device has for the whole batch, not for half of it.
+    """
+
+    def __init__(self, ballast: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 512), torch.nn.BatchNorm1d(512), torch.nn.ReLU(), torch.nn.Linear(512, 4)
+        ).double()
+        self.ballast, self.unbacked, self.rows = ballast, 0, []
+        self.net[3].register_full_backward_hook(lambda *_: self._backward_ran())
+
+    def _backward_ran(self) -> None:
+        if self.trainer.fit_loop._skip_backward:
+            self.unbacked += 1
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        held = None
+        if self.trainer.fit_loop._skip_backward:
+            self.rows.append(len(x))
+            held = torch.zeros(len(x), self.ballast, dtype=torch.float64)
+        loss = F.cross_entropy(self.net(x), y)
+        del held
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Peaks(L.Callback):  # type: ignore[misc]
+    """The device's peak over the training epochs, and over the epoch whose backward the loop skips."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        self.device, self.training, self.unbacked = device, 0, 0
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        if trainer.fit_loop._skip_backward:  # set by the SWA callback's hook, which runs before this one
+            self.training = self.device.peak
+            self.device.reset_peak()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if trainer.fit_loop._skip_backward:
+            self.unbacked = self.device.peak
+
+
+def swa_fit(*callbacks: Any, limit: int | str = "1GiB", ballast: int = 0) -> tuple[Normed, Peaks, Any]:
+    """Fit two epochs and SWA's BatchNorm epoch, on a simulated device."""
+    model = Normed(ballast)
+    with simulated_device(limit) as device:
+        peaks = Peaks(device)
+        swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        fitted = trainer(swa, peaks, *callbacks, max_epochs=2, max_steps=-1)
+        fitted.fit(model, loader(rows=128))
+    return model, peaks, device
+
+
+def assert_same_state(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert torch.equal(value, expected), name
+
+
+def test_swa_s_batchnorm_epoch_runs_whole_with_no_backward_and_the_plain_peak() -> None:
+    reference, plain, _ = swa_fit()
+    events: list[Any] = []
+    model, peaks, _ = swa_fit(OOMRecovery(on_oom=events.append))
+    assert not events
+    assert reference.unbacked == 0
+    assert model.unbacked == 0  # a backward per step, the whole batch's, ran before
+    assert reference.rows == model.rows == [64, 64]
+    assert 0 < peaks.unbacked <= plain.unbacked
+    assert_same_state(model, reference)
+
+    # Where the plain trainer fits, and the training epochs with OOMRecovery do, the BatchNorm epoch does too:
+    # its running statistics are the whole batches', as the plain trainer's.
+    limit = max(plain.training, plain.unbacked, peaks.training)
+    reference, _, _ = swa_fit(limit=limit)
+    model, _, _ = swa_fit(OOMRecovery(on_oom=events.append), limit=limit)
+    assert not events
+    assert_same_state(model, reference)
+
+
+def test_swa_s_batchnorm_epoch_that_runs_out_of_memory_runs_in_micro_batches_with_no_backward() -> None:
+    reference, plain, _ = swa_fit()
+    _, recovering, _ = swa_fit(OOMRecovery())
+    limit = max(plain.training, recovering.training)  # the training epochs fit whole
+    with pytest.raises(torch.OutOfMemoryError):
+        swa_fit(limit=limit, ballast=1024)
+
+    events: list[Any] = []
+    model, _, _ = swa_fit(OOMRecovery(on_oom=events.append), limit=limit, ballast=1024)
+    assert [event.batch_size for event in events] == [64]
+    assert model.rows == [64, 32, 32, 32, 32]  # the whole batch failed once: the size is remembered
+    assert model.unbacked == 0
+    # No gradient written: .grad holds the last training step's, as the plain trainer leaves it.
+    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=1e-12, atol=1e-12)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class _Marker:
+    pass
+
+
+class _Marked(torch.autograd.Function):
+    """The identity; its node at the bottom of the graph holds a marker, alive as long as the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, marker: _Marker) -> torch.Tensor:
+        ctx.marker = marker
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class WithLogits(MLP):
+    """Returns its logits, with their graph, beside the loss; notes whether an earlier call's graph is alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs: list[weakref.ref[_Marker]] = []
+        self.alive: list[bool] = []
+        self.rows: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        gc.collect()
+        self.alive.append(any(graph() is not None for graph in self.graphs))
+        self.rows.append(len(x))
+        marker = _Marker()
+        self.graphs.append(weakref.ref(marker))
+        logits = self.net[2](self.net[1](_Marked.apply(self.net[0](x), marker)))
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+
+def test_the_graph_of_a_whole_step_whose_backward_failed_is_gone_while_its_micro_batches_run() -> None:
+    reference = WithLogits()
+    trainer(max_steps=2).fit(reference, loader(rows=128))
+
+    events: list[Any] = []
+    model = WithLogits()
+    # The whole batch's forward fits, and Lightning's backward of it runs out of memory; micro-batches
+    # of 32 rows fit, with nothing of that graph alive.
+    with simulated_device("700KiB"):
+        trainer(OOMRecovery(minimum=32, on_oom=events.append), max_steps=2).fit(model, loader(rows=128))
+    assert [event.batch_size for event in events] == [64]
+    assert model.rows == [64, 32, 32, 32, 32]
+    assert not any(model.alive), model.alive
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class Outputs(L.Callback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.logits.append(outputs["logits"])
+
+
+def test_a_step_that_runs_whole_hands_lightning_its_other_outputs_detached() -> None:
+    plain, recovering = Outputs(), Outputs()
+    trainer(plain, max_steps=2).fit(WithLogits(), loader(rows=128))
+    trainer(recovering, OOMRecovery(), max_steps=2).fit(WithLogits(), loader(rows=128))
+    assert [logits.grad_fn is not None for logits in plain.logits] == [True, True]
+    assert [logits.grad_fn is not None for logits in recovering.logits] == [False, False]
+    for logits, expected in zip(recovering.logits, plain.logits, strict=True):
+        torch.testing.assert_close(logits, expected.detach(), rtol=0, atol=0)
+
+
+class ShapedOne(MLP):
+    """Returns its loss with shape (1,), not ()."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y).reshape(1)
+
+
+class ShapedOneOwnBackward(ShapedOne):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("module", "accumulate_grad_batches", "initial", "limit"),
+    [(ShapedOne, 2, 32, None), (ShapedOne, 2, None, FIT_LIMIT), (ShapedOneOwnBackward, 1, 32, None)],
+)
+def test_a_loss_of_shape_one_trains_as_without_the_callback(
+    module: type[MLP], accumulate_grad_batches: int, initial: int | None, limit: str | None
+) -> None:
+    reference = module()
+    trainer(accumulate_grad_batches=accumulate_grad_batches).fit(reference, loader(rows=256))
+    events: list[Any] = []
+    model = module()
+    fitted = trainer(
+        OOMRecovery(initial=initial, on_oom=events.append), accumulate_grad_batches=accumulate_grad_batches
+    )
+    with simulated_device(limit or "1GiB"):
+        fitted.fit(model, loader(rows=256))
+    assert bool(events) == (limit is not None)
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
