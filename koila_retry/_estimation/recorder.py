@@ -72,8 +72,10 @@ _INSIDE = tuple(
 _ENDLESS = (
     "{where} read a tensor's value {count} times in one run on meta tensors, which hold no values: each "
     "read gives the same placeholder, so a loop that ends when a value says so (a decoding loop such as "
-    "Hugging Face's generate(), `while x.max() > 0:`) never ends there. Such a call cannot be estimated: "
-    'give initial= a batch size rather than "auto", or estimate one step of the loop, the model\'s forward'
+    "Hugging Face's generate(), `while x.max() > 0:`) never ends there, and the run stops at that many "
+    "reads of one line, a loop of fixed length that reads a value in each step (a NaN check per time step) "
+    'included. Such a call cannot be estimated: give initial= a batch size rather than "auto", estimate one '
+    "step of the loop (the model's forward), or read the value less often"
 )
 _CUDNN_CONVOLUTION = (
     "convolution: the workspace cuDNN takes on CUDA is not modelled (on an H100 a backward took 280 MiB): "
