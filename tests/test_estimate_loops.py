@@ -89,6 +89,25 @@ def fewer_reads(monkeypatch: pytest.MonkeyPatch) -> int:
     return 32
 
 
+def test_a_fixed_loop_that_reads_a_value_each_step_is_told_apart_in_the_error(fewer_reads: int) -> None:
+    # A NaN check per time step of an RNN unrolled over more steps than a line may read: the error named
+    # only loops that a value ends, which this one is not.
+    cell = nn.RNNCell(4, 8)
+
+    def step(x: torch.Tensor) -> None:
+        h = torch.zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            h = cell(x[:, t], h)
+            if torch.isnan(h).any():
+                raise FloatingPointError(t)
+        h.sum().backward()
+
+    x = torch.randn(2, fewer_reads + 8, 4)
+    step(x)  # ends for real
+    with pytest.raises(RuntimeError, match="a loop of fixed length that reads a value in each step"):
+        koila.estimate(step, x)
+
+
 @pytest.mark.timeout(120)
 def test_estimate_of_generate_raises_naming_the_line_in_transformers(fewer_reads: int) -> None:
     model = tiny_gpt2()

@@ -56,8 +56,9 @@ class MemoryEstimate:
     through its code at every size), so the peak, the largest of them, is the
     highest of a set of lines, and convex. Two runs that took the same path
     give every moment's line exactly. Where runs took different paths, the straight
-    line joining two sizes' peaks, which is never below a convex curve between
-    them, stands in. So at small batch sizes the optimizer step, which hardly
+    line joining two sizes' peaks stands in: exact at both, it can be below the
+    real peak in between (a call that loops over chunks of its own; see
+    docs/estimate.rst). So at small batch sizes the optimizer step, which hardly
     depends on the batch, can set the peak, and at large ones the forward or
     backward pass does.
 

@@ -136,8 +136,8 @@ def segments_of(runs: list[Run]) -> list[Segment]:
     for index, (small, large) in enumerate(itertools.pairwise(runs)):
         a, b = small.batch_size, large.batch_size
         low, high = small.phase_peaks(), large.phase_peaks()
-        # Between runs that took different paths, each phase's peak is the line joining them,
-        # never below a convex curve between them.
+        # Between runs that took different paths, each phase's peak is the line joining them:
+        # exact at both, and below a peak that is concave between them (docs/estimate.rst).
         lines = [_joining(a, b, low[phase], high[phase]) for phase in low if phase in high]
         modules: dict[tuple[str, str], list[Line]] = defaultdict(list)
         low_modules, high_modules = small.module_peaks(), large.module_peaks()

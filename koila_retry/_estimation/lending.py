@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.tensors import same_device
@@ -455,23 +456,65 @@ def _retain(owner: Any, proxies: list[Lent]) -> None:
 
 
 class ThreadTracker(ModuleTracker):
-    """torch's ``ModuleTracker``, deaf to every thread but the one that entered it."""
+    """torch's ``ModuleTracker``, deaf to other threads than the one that entered it; its hooks hold no tensor."""
 
-    # Its hooks are process-wide: another thread's modules would enter its record, and its gradient
-    # hooks attach to that thread's tensors. Only the forward hooks need the check: backward on meta
-    # tensors runs on the calling thread (autograd's device threads run only CUDA tensors' backward).
+    # Its hooks are process-wide: another thread's modules would enter its record. Only the forward
+    # hooks need the check: backward on meta tensors runs on the calling thread (autograd's device
+    # threads run only CUDA tensors' backward). ModuleTracker's multi-grad hooks hold the grad_fns of
+    # the tensors they sit on, a cycle that keeps a graph the call drops alive until the cyclic
+    # collector runs (never during a run), and they ask the engine which nodes it will run, which
+    # raises in autograd.grad with respect to a leaf. Plain tensor hooks that hold only the
+    # module's name do neither; they fire on the first of several tensors, not the last.
 
     def __init__(self) -> None:
         super().__init__()
         self.thread = threading.get_ident()
 
+    def _hooks_gradients(self) -> bool:
+        """Return whether the module running now has its backward followed too."""
+        return True
+
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
         if threading.get_ident() == self.thread:
-            super()._fw_pre_hook(mod, input)
+            name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
+            self.parents.add(name)
+            if self._hooks_gradients():
+                self._hook(input, _left(weakref.ref(self), name))
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         if threading.get_ident() == self.thread:
-            super()._fw_post_hook(mod, input, output)
+            name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
+            self.parents.discard(name)
+            if self._hooks_gradients():
+                self._hook(output, _entered(weakref.ref(self), name))
+
+    def _hook(self, values: Any, hook: Callable[[torch.Tensor], None]) -> None:
+        for value in tree_flatten(values)[0]:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                self._hooks.append(value.register_hook(hook))  # type: ignore[no-untyped-call]
+
+
+def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
+    """Return the gradient hook of a module's output: its backward starts."""
+
+    def hook(_: torch.Tensor) -> None:
+        found = tracker()
+        if found is not None:
+            found._maybe_set_engine_callback()  # which empties the record when backward ends
+            found.parents.add(name)
+
+    return hook
+
+
+def _left(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
+    """Return the gradient hook of a module's input: its backward is over."""
+
+    def hook(_: torch.Tensor) -> None:
+        found = tracker()
+        if found is not None:
+            found.parents.discard(name)
+
+    return hook
 
 
 # --- what the call owns ------------------------------------------------------------
@@ -539,6 +582,7 @@ class Owned:
         """Lend this thread meta copies of every tensor held, under ``recorder``; return what ends the loan."""
         # Under FSDP2 (sharding), sharded tensors are lent as one rank's shard. The loan holds the
         # estimate lock until it ends, on this thread.
+        self._refuse_lazy()
         loan = Loan(target)
         loan.mode.reads = ValueReads(recorder.placeholder)  # the reads that never reach the recorder
         loan.hold()
@@ -594,8 +638,31 @@ class Owned:
 
         return end
 
+    def _refuse_lazy(self) -> None:
+        """Raise a ValueError naming the first module whose parameters or buffers are not made yet."""
+        # A lazy module makes them in its first forward, from the input's shape: a run on meta copies
+        # has nothing to copy, and PyTorch's own error names neither the module nor a way out.
+        for module in self.modules:
+            for key, tensor in (*module._parameters.items(), *module._buffers.items()):
+                if tensor is not None and torch.nn.parameter.is_lazy(tensor):
+                    raise ValueError(
+                        f"{_name_of(module, self.modules)} has {key!r} not initialised yet (a lazy module, like "
+                        "nn.LazyLinear, makes its parameters in its first call), and a run on meta tensors cannot "
+                        "make them: run the model once on a real batch before estimating its memory, or, "
+                        "under koila.accumulate, pass initial= a batch size"
+                    )
+
     def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the gradients and optimizer state the run holds now (after ``lend``)."""
         for category, tensor in self.tensors():
             if category != "parameters":
                 yield category, tensor
+
+
+def _name_of(module: torch.nn.Module, modules: list[torch.nn.Module]) -> str:
+    """Return ``module``'s name as the estimate's module names spell it (``Sequential.0``), from a module holding it."""
+    for owner in modules:
+        for path, child in owner.named_modules():
+            if child is module and path:
+                return f"{type(owner).__name__}.{path} ({type(module).__name__})"
+    return type(module).__name__

@@ -1,0 +1,237 @@
+"""koila.estimate follows the modules that run, forward and backward, without changing the step.
+
+The estimate records which modules run when memory peaks (``module_peaks``). Its module
+tracker hooks the gradients of modules' inputs and outputs; those hooks must hold no tensor
+and no graph node, so that a graph the step drops is freed at once, as in the real step,
+and must not ask autograd's engine which nodes it will run, which raises in
+``torch.autograd.grad`` with respect to a leaf. Also here: lazy modules, which an estimate
+cannot run, and a step whose peak is concave in the batch size between the sizes run at.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import koila_retry as koila
+from koila_retry.testing import simulated_device
+
+# The CPU's estimate is within a few percent of the real peak (docs/estimate.rst, and the 5% of
+# tests/test_estimate_accuracy.py).
+ACCURACY = 0.05
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
+
+
+def real_and_estimated(
+    build: Callable[[], nn.Module], step: Callable[..., Any], *inputs: torch.Tensor
+) -> tuple[int, int]:
+    """The peak of a real step on a simulated device, model and batch made there, and the estimate's."""
+    with simulated_device("4GiB") as device:
+        step(build(), *[tensor.clone() for tensor in inputs])
+    model = build()
+    found = koila.estimate(lambda *batch: step(model, *batch), *inputs)
+    return device.peak, found.peak(inputs[0].shape[0])
+
+
+# --------------------------------------------------------------------------- graphs the step drops
+
+
+def metric_then_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A step that looks at a forward's output (a metric) and drops its graph, then trains."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logits = model(x)
+    accuracy: torch.Tensor = (logits.argmax(1) == y).float().mean()
+    del logits
+    torch.autograd.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    return accuracy
+
+
+def test_a_graph_the_step_drops_is_freed_in_the_estimate_as_in_the_real_step() -> None:
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    real, estimated = real_and_estimated(mlp, metric_then_train, x, y)
+    assert estimated == pytest.approx(real, rel=ACCURACY)
+
+
+def augmented_predictions(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Eight forwards with gradients on, of which only the argmax is kept (test-time augmentation)."""
+    return torch.stack([model(x + shift).argmax(1) for shift in range(8)])
+
+
+def test_forwards_whose_graphs_are_dropped_one_by_one_are_estimated_as_the_real_call() -> None:
+    real, estimated = real_and_estimated(mlp, augmented_predictions, torch.randn(256, 64))
+    assert estimated == pytest.approx(real, rel=ACCURACY)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(F.gelu(self.up(x)))
+        return out
+
+
+class FrozenMiddle(nn.Module):
+    """Three blocks, the middle one run under no_grad: the graph of the first is cut off and freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.last = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for index, block in enumerate(self.blocks):
+            with torch.no_grad() if index == 1 else torch.enable_grad():
+                h = block(h)
+        out: torch.Tensor = self.last(h)
+        return out
+
+
+def frozen_middle() -> nn.Module:
+    torch.manual_seed(0)
+    return FrozenMiddle()
+
+
+def backward(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def test_a_module_run_under_no_grad_mid_model_frees_the_graph_before_it_in_the_estimate_too() -> None:
+    real, estimated = real_and_estimated(frozen_middle, backward, torch.randn(32, 32))
+    assert estimated == pytest.approx(real, rel=ACCURACY)
+
+
+# --------------------------------------------------------------------------- autograd.grad of a leaf
+
+
+def gradient_penalty(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of the output with respect to the input, a leaf, penalised (WGAN-GP, say)."""
+    x = x.requires_grad_()
+    out = model(x)
+    (gradient,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss: torch.Tensor = out.mean() + gradient.pow(2).mean()
+    return loss
+
+
+def penalised_step(model: nn.Module, x: torch.Tensor) -> None:
+    torch.autograd.backward(gradient_penalty(model, x))
+
+
+def test_autograd_grad_with_respect_to_a_leaf_input_is_estimated_as_the_real_step() -> None:
+    x = torch.randn(128, 64)
+    real, estimated = real_and_estimated(mlp, penalised_step, x)
+    assert estimated == pytest.approx(real, rel=ACCURACY)
+    # The modules' backward is still followed, through autograd.grad and backward.
+    model = mlp()
+    peaks = koila.estimate(lambda x: penalised_step(model, x), x).module_peaks(128)
+    assert all(peaks[f"Sequential.{index}"][1] > 0 for index in (0, 2, 4))
+
+
+def test_auto_estimates_a_step_with_autograd_grad_of_a_leaf_without_a_warning() -> None:
+    model = mlp()
+    plain = mlp()
+    x = torch.randn(16, 64)
+    torch.autograd.backward(gradient_penalty(plain, x.clone()))
+    wrapped: Any = koila.accumulate(initial="auto", cache=koila.NoCache())(lambda x: gradient_penalty(model, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with simulated_device("4GiB"):
+            wrapped(x.clone())
+    assert [str(w.message) for w in caught if "could not estimate" in str(w.message)] == []
+    for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None
+        assert theirs.grad is not None
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+# --------------------------------------------------------------------------- lazy modules
+
+
+def lazy() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.LazyLinear(4))
+
+
+def lazy_after_seed(seed: int) -> nn.Sequential:
+    """A lazy model, and the global generator seeded for the values it draws in its first call."""
+    model = lazy()
+    torch.manual_seed(seed)
+    return model
+
+
+def test_estimate_of_a_lazy_module_not_run_yet_names_it_and_what_to_do() -> None:
+    model = lazy()
+    with pytest.raises(ValueError, match=r"Sequential\.0 \(LazyLinear\) has 'weight' not initialised.*run the model"):
+        koila.estimate(lambda x: model(x).sum(), torch.randn(8, 16))
+
+
+def test_a_lazy_module_is_left_lazy_by_the_estimate_and_estimated_once_run() -> None:
+    model = lazy()
+    with pytest.raises(ValueError, match="initial="):
+        koila.estimate(lambda x: model(x).sum(), torch.randn(8, 16))
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+    x = torch.randn(8, 16)
+    torch.manual_seed(1)  # a lazy module draws its initial values in its first call
+    out = model(x)
+    torch.testing.assert_close(out, lazy_after_seed(1)(x))  # the real call initialises it as it would have
+    assert koila.estimate(lambda x: model(x).sum(), x).peak(8) > 0
+
+
+def test_auto_of_a_lazy_module_warns_and_runs_the_whole_batch() -> None:
+    model = lazy()
+    x = torch.randn(16, 16)
+    expected = lazy_after_seed(1)(x)
+    chunked: Any = koila.chunked(lambda x: model(x), initial="auto")
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="could not estimate .*LazyLinear"):
+        out = chunked(x)
+    torch.testing.assert_close(out, expected)
+    assert chunked.stats.batch_size == 16
+
+
+# --------------------------------------------------------------------------- a peak concave in the batch
+
+
+def chunked_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 8192), nn.ReLU(), nn.Linear(8192, 4))
+
+
+def in_chunks_of_16(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A forward over fixed chunks: its peak grows up to one chunk's rows, and hardly after."""
+    with torch.no_grad():
+        return torch.cat([model(chunk) for chunk in torch.split(x, 16)])
+
+
+def real_peak(rows: int) -> int:
+    with simulated_device("1GiB") as device:
+        in_chunks_of_16(chunked_model(), torch.randn(rows, 64))
+    return device.peak
+
+
+def test_with_sizes_at_every_power_of_two_a_concave_peak_gets_a_suggestion_that_fits() -> None:
+    """docs/estimate.rst: the line between sizes run at can be below a concave peak; ``sizes=`` helps."""
+    model = chunked_model()
+    x = torch.randn(64, 64)
+    default = koila.estimate(lambda x: in_chunks_of_16(model, x), x)
+    budget = int(default.peak(16) * 1.1) + 1
+    powers = (1, 2, 4, 8, 16, 32, 64)
+    size = koila.suggest_batch_size(lambda x: in_chunks_of_16(model, x), x, budget=budget, sizes=powers)
+    assert real_peak(size) * 1.1 <= budget
+    found = koila.estimate(lambda x: in_chunks_of_16(model, x), x, sizes=powers)
+    assert found.peak(2 * size) == pytest.approx(real_peak(2 * size), rel=ACCURACY)
