@@ -1,13 +1,13 @@
 """Measure what ``@koila.accumulate`` costs per training step, whole or split into micro-batches.
 
-One process, one run, side by side. Three small models, each a training step of about
-7 to 14 ms over the whole batch on one thread (``torch.set_num_threads(1)``), on the
-machine of docs/performance.rst: an MLP (64 -> 128 -> 128 -> 10, 1,000 rows), a
-transformer encoder (token embedding, two ``nn.TransformerEncoderLayer`` of width 32,
-four heads, feed-forward 64, no dropout, 120 sequences of 8 tokens) and a CNN (two 3x3
-convolutions of 8 and 16 channels on 250 images of 12x12). The loss is
-``cross_entropy``, a mean over the rows. No optimizer step is taken: the parameters stay
-as they are, so every step does the same work and has the same gradient.
+One process, one run, side by side. Three small models, each a training step of about 2 to
+15 ms over the whole batch on one thread (``torch.set_num_threads(1)``), the MLP's the
+shortest, on the machine of docs/performance.rst: an MLP (64 -> 128 -> 128 -> 10, 1,000
+rows), a transformer encoder (token embedding, two ``nn.TransformerEncoderLayer`` of width
+32, four heads, feed-forward 64, no dropout, 120 sequences of 8 tokens) and a CNN (two 3x3
+convolutions of 8 and 16 channels on 250 images of 12x12). The loss is ``cross_entropy``, a
+mean over the rows. No optimizer step is taken: the parameters stay as they are, so every
+step does the same work and has the same gradient.
 
 For each model, four settings:
 
@@ -63,7 +63,7 @@ hand loop's at the same micro-batch size.
 
 Run it with::
 
-    tox -e bench                             # installs accelerate, runs every benchmark
+    tox -e bench                             # installs the peers, runs the 8 scripts tox.ini lists
     tox -e bench -- --quick                  # a fast, noisier run
     python benchmarks/accumulate.py --help   # without tox; a missing accelerate is skipped
     python benchmarks/accumulate.py --clock cpu --rst   # how docs/performance.rst was made

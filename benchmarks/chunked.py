@@ -38,11 +38,12 @@ on chunks of 1 ms of work.
 
 Run it with::
 
-    tox -e bench                          # installs toma and accelerate, runs overhead.py and this
-    tox -e bench -- --quick               # a fast, noisier run of both
+    tox -e bench                          # installs the peers, runs the 8 scripts tox.ini lists
+    tox -e bench -- --quick               # a fast, noisier run of each
     python benchmarks/chunked.py --help   # without tox; missing peers are skipped
 
-The exit status is 0 whether or not the targets are met; the verdict is printed.
+The exit status is 0 whether or not the targets are met; the verdict is printed. A wrong
+result in part 1, or koila's candidates not finishing it, stops the run with status 1.
 """
 
 from __future__ import annotations
@@ -211,6 +212,15 @@ def run_recovery(candidates: list[Recovery]) -> None:
             candidate.outcome = "correct" if torch.equal(result, expected) else "WRONG RESULT"
         candidate.seconds = time.perf_counter() - start
         print(f"  {candidate.name}: {candidate.outcome}", file=sys.stderr, flush=True)
+
+
+def check_recovery(candidates: list[Recovery]) -> None:
+    """Stop the run if a candidate returned a wrong result, or koila ran out of memory: part 2 would time a bug."""
+    for candidate in candidates:
+        if candidate.outcome == "WRONG RESULT":
+            raise SystemExit(f"{candidate.name} returned a wrong result in part 1")
+        if candidate.name.startswith("koila") and candidate.outcome != "correct":
+            raise SystemExit(f"{candidate.name} did not finish part 1: {candidate.outcome}")
 
 
 def recovery_rows(candidates: list[Recovery]) -> tuple[list[str], list[list[str]]]:
@@ -564,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     recovery_header, recovery_table = recovery_rows(recovery)
     print_text(recovery_header, recovery_table)
+    check_recovery(recovery)
 
     print(f"\nPart 2: {CHUNKS} chunks per pass, one thread; calibrating the work per chunk ...", flush=True)
     settings = [Setting(args.chunk_ms / 1000, 256), Setting(args.small_chunk_ms / 1000, 32), Setting(0.0, 256)]

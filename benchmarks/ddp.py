@@ -43,7 +43,7 @@ throughput at the same micro-batch size (a ratio of time of at most 1 / 0.97 = 1
 
 Run it with::
 
-    tox -e bench                        # every benchmark
+    tox -e bench                        # the 8 scripts tox.ini lists, this one among them
     tox -e bench -- --quick             # a fast, noisier run
     python benchmarks/ddp.py --rst      # how docs/performance.rst was made
     python benchmarks/ddp.py --rows 256 # more compute per all-reduce

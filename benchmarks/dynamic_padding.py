@@ -258,8 +258,10 @@ def warm_up(data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step that runs out of memory once, so that no candidate pays for what a first one initialises."""
     torch.manual_seed(0)
     model = TokenModel()
+    # weight= as the timed steps pass it: without it koila warns that it weighs by rows.
+    options: dict[str, Any] = {"weight": tokens} if WEIGHTED else {}
 
-    @koila.accumulate(cache=koila.NoCache())
+    @koila.accumulate(cache=koila.NoCache(), **options)
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return loss_of(model, ids, labels)
 

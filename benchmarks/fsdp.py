@@ -62,7 +62,7 @@ step at most 1 / 0.97 = 1.031 times the hand loop's. The bare exchanges have no 
 
 Run it with::
 
-    tox -e bench                          # every benchmark
+    tox -e bench                          # the 8 scripts tox.ini lists, this one among them
     tox -e bench -- --quick               # a fast, noisier run
     python benchmarks/fsdp.py --rst       # how docs/performance.rst was made
     python benchmarks/fsdp.py --rows 256  # more compute per collective

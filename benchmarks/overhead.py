@@ -22,7 +22,7 @@ adds at most 5 microseconds per call over a plain call.
 
 Run it with::
 
-    tox -e bench                          # installs toma and accelerate, then runs this
+    tox -e bench                          # installs the peers, runs the 8 scripts tox.ini lists
     tox -e bench -- --quick               # a fast, noisier run
     python benchmarks/overhead.py --help  # without tox; missing peers are skipped
 
@@ -462,10 +462,16 @@ def against(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=10000, help="calls per round of plain and koila (default 10000)")
-    parser.add_argument("--peer-calls", type=int, default=3, help="calls per round of toma and accelerate (default 3)")
-    parser.add_argument("--rounds", type=int, default=11, help="rounds; each times every candidate once (default 11)")
-    parser.add_argument("--quick", action="store_true", help="a fast run: 3 rounds, 2000 calls, 1 peer call")
+    parser.add_argument(
+        "--calls", type=int, help="calls per round of plain and koila (default 10000; 2000 with --quick)"
+    )
+    parser.add_argument(
+        "--peer-calls", type=int, help="calls per round of toma and accelerate (default 3; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds; each times every candidate once (default 11; 3 with --quick)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a fast, noisier run; explicit options still apply")
     parser.add_argument("--no-peers", action="store_true", help="measure plain and koila only")
     parser.add_argument("--rst", action="store_true", help="also print the table as a reStructuredText csv-table")
     parser.add_argument(
@@ -475,10 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a worker of --against
     args = parser.parse_args(argv)
+    for name, full, quick in (("calls", 10000, 2000), ("peer_calls", 3, 1), ("rounds", 11, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     if args.worker:
         return serve(args.calls)
-    if args.quick:
-        args.calls, args.peer_calls, args.rounds = 2000, 1, 3
     if min(args.calls, args.peer_calls, args.rounds) < 1:
         parser.error("--calls, --peer-calls and --rounds must be >= 1")
     if args.against is not None:

@@ -14,9 +14,10 @@ surviving out-of-memory errors (the peer):
   as the trainer runs it while nothing fails, and through ``koila.accumulate`` after an
   out-of-memory error, and whose ``prediction_step`` runs through ``koila.accumulate``; and
   the peer, the plain trainer with
-  ``auto_find_batch_size=True``, which restarts training at half the batch after an
-  out-of-memory error. Evaluation: ``evaluate()`` over 8 batches of 8 rows, plain and
-  adapted (``auto_find_batch_size`` does not touch evaluation).
+  ``auto_find_batch_size=True``, which restarts training after an out-of-memory error with
+  the batch size multiplied by 0.9 (accelerate 1.15.0's ``find_executable_batch_size``).
+  Evaluation: ``evaluate()`` over 8 batches of 8 rows, plain and adapted
+  (``auto_find_batch_size`` does not touch evaluation).
 - Lightning ``lightning.Trainer`` on an MLP 256 -> 1024 -> 1024 -> 10 (1.3 million
   parameters) with ``cross_entropy`` and ``self.log`` of the loss, 64 rows a step, SGD,
   ``logger=False``, ``enable_checkpointing=False``, ``enable_progress_bar=False``,
@@ -79,7 +80,7 @@ the plain trainer's. Evaluation is reported, without a target.
 
 Run it with::
 
-    tox -e bench                            # installs transformers and lightning, runs every benchmark
+    tox -e bench                            # installs the peers, runs the 8 scripts tox.ini lists
     tox -e bench -- --quick                 # a fast, noisier run
     python benchmarks/trainers.py --rst     # how docs/performance.rst was made
     python benchmarks/trainers.py --clock cpu --no-peers   # on a busy machine
