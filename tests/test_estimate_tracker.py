@@ -174,6 +174,39 @@ def lazy_after_seed(seed: int) -> nn.Sequential:
     return model
 
 
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 256))
+        self.q = nn.Linear(256, 256)
+
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        m = self.mem(memory)  # runs first: its backward runs after the queries'
+        return self.q(queries).mean(0) + m
+
+
+class WithQueries(nn.Module):
+    """Learned queries passed to a block as a Parameter, as DETR's decoder takes them: a leaf input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.queries = nn.Parameter(torch.randn(8, 256))
+        self.enc = nn.Linear(256, 256)
+        self.dec = Decoder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.queries, self.enc(x))
+
+
+def test_a_module_given_a_leaf_runs_in_backward_until_its_last_input_has_its_gradient() -> None:
+    # The leaf's gradient comes as soon as its own branch is done: a module left at its first input's
+    # was over before its other branch's backward ran, which then counted for its parent only.
+    model = WithQueries()
+    peaks = koila.estimate(lambda x: model(x).pow(2).mean().backward(), torch.randn(64, 256)).module_peaks(64)
+    assert peaks["WithQueries.dec"][1] >= peaks["WithQueries.dec.mem"][1]
+
+
 def test_estimate_of_a_lazy_module_not_run_yet_names_it_and_what_to_do() -> None:
     model = lazy()
     with pytest.raises(ValueError, match=r"Sequential\.0 \(LazyLinear\) has 'weight' not initialised.*run the model"):

@@ -3,10 +3,11 @@ BatchNorm epoch, which runs no backward; tensors returned beside the loss; a los
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -159,11 +160,25 @@ class _Marked(torch.autograd.Function):
         return grad, None
 
 
+@dataclasses.dataclass
+class Extra:
+    logits: torch.Tensor
+    name: str = "logits"
+
+
+WRAPS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "tensor": lambda logits: logits,
+    "dataclass": Extra,
+    "nested": lambda logits: [{"inner": (logits, "label")}, Extra(logits)],
+}
+
+
 class WithLogits(MLP):
     """Returns its logits, with their graph, beside the loss; notes whether an earlier call's graph is alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrap: str = "tensor") -> None:
         super().__init__()
+        self.wrap = WRAPS[wrap]
         self.graphs: list[weakref.ref[_Marker]] = []
         self.alive: list[bool] = []
         self.rows: list[int] = []
@@ -176,15 +191,17 @@ class WithLogits(MLP):
         marker = _Marker()
         self.graphs.append(weakref.ref(marker))
         logits = self.net[2](self.net[1](_Marked.apply(self.net[0](x), marker)))
-        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+        return {"loss": F.cross_entropy(logits, y), "logits": self.wrap(logits)}
 
 
-def test_the_graph_of_a_whole_step_whose_backward_failed_is_gone_while_its_micro_batches_run() -> None:
-    reference = WithLogits()
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_the_graph_of_a_whole_step_whose_backward_failed_is_gone_while_its_micro_batches_run(wrap: str) -> None:
+    # In a dataclass too: flattened, it is one leaf, which held the graph.
+    reference = WithLogits(wrap)
     trainer(max_steps=2).fit(reference, loader(rows=128))
 
     events: list[Any] = []
-    model = WithLogits()
+    model = WithLogits(wrap)
     # The whole batch's forward fits, and Lightning's backward of it runs out of memory; micro-batches
     # of 32 rows fit, with nothing of that graph alive.
     with simulated_device("700KiB"):

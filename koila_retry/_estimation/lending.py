@@ -464,7 +464,8 @@ class ThreadTracker(ModuleTracker):
     # the tensors they sit on, a cycle that keeps a graph the call drops alive until the cyclic
     # collector runs (never during a run), and they ask the engine which nodes it will run, which
     # raises in autograd.grad with respect to a leaf. Plain tensor hooks that hold only the
-    # module's name do neither; they fire on the first of several tensors, not the last.
+    # module's name do neither: its backward starts at its outputs' first gradient and ends at
+    # its inputs' last (one that gets none leaves it running until the backward ends).
 
     def __init__(self) -> None:
         super().__init__()
@@ -479,7 +480,7 @@ class ThreadTracker(ModuleTracker):
             name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
             self.parents.add(name)
             if self._hooks_gradients():
-                self._hook(input, _left(weakref.ref(self), name))
+                self._hook(input, _left(weakref.ref(self), name, _requiring_grad(input)))
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         if threading.get_ident() == self.thread:
@@ -494,6 +495,10 @@ class ThreadTracker(ModuleTracker):
                 self._hooks.append(value.register_hook(hook))  # type: ignore[no-untyped-call]
 
 
+def _requiring_grad(values: Any) -> int:
+    return sum(isinstance(value, torch.Tensor) and value.requires_grad for value in tree_flatten(values)[0])
+
+
 def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
     """Return the gradient hook of a module's output: its backward starts."""
 
@@ -506,12 +511,16 @@ def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.
     return hook
 
 
-def _left(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
-    """Return the gradient hook of a module's input: its backward is over."""
+def _left(tracker: weakref.ref[ThreadTracker], name: str, inputs: int) -> Callable[[torch.Tensor], None]:
+    """Return the gradient hook of a module's ``inputs`` inputs: its backward is over at the last one's."""
+    # Not the first: an input that is a leaf (queries passed as a Parameter) gets its gradient as soon
+    # as its own branch is done, while the module's other branches still run.
+    waiting = [inputs]
 
     def hook(_: torch.Tensor) -> None:
+        waiting[0] -= 1
         found = tracker()
-        if found is not None:
+        if found is not None and waiting[0] <= 0:
             found.parents.discard(name)
 
     return hook

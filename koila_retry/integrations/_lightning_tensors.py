@@ -5,6 +5,7 @@ its micro-batches run and put back, and the graphs its output holds besides the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,22 +58,28 @@ def without_graphs(output: Mapping[str, Any], loss: torch.Tensor) -> dict[str, A
     # Lightning keeps the other entries (ClosureResult.extra) through its backward of the loss: a
     # tensor with a graph there (logits) would hold the whole batch's graph, which a failure of that
     # backward must let go of before the step runs again in micro-batches.
-    result: dict[str, Any] = {}
-    for key, value in output.items():
-        if key == "loss":
-            value = loss
-        elif isinstance(value, torch.Tensor):
-            if value.grad_fn is not None:
-                value = value.detach()
-        elif value is not None and not isinstance(value, (str, int, float)):
-            leaves, spec = flatten(value)
-            if any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None for leaf in leaves):
-                # A container that cannot be remade is left as the step returned it.
-                with contextlib.suppress(TypeError, ValueError):
-                    value = tree_unflatten([_detached(leaf) for leaf in leaves], spec)
-        result[key] = value
-    return result
+    return {key: loss if key == "loss" else _detached(value) for key, value in output.items()}
 
 
-def _detached(leaf: Any) -> Any:
-    return leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None else leaf
+def _detached(value: Any) -> Any:
+    """Return ``value`` with its tensors that have a graph detached, in containers remade around them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.grad_fn is not None else value
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a copy, its fields detached
+        fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(value) if field.init}
+        detached = {name: _detached(field) for name, field in fields.items()}
+        if all(detached[name] is fields[name] for name in fields):
+            return value
+        with contextlib.suppress(TypeError, ValueError):
+            return dataclasses.replace(value, **detached)
+        return value
+    leaves, spec = flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:  # not a container torch can remake: left as returned
+        return value
+    parts = [_detached(leaf) for leaf in leaves]
+    if any(new is not old for new, old in zip(parts, leaves, strict=True)):
+        with contextlib.suppress(TypeError, ValueError):  # one that cannot be remade: left as returned
+            return tree_unflatten(parts, spec)
+    return value
