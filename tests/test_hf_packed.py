@@ -91,3 +91,15 @@ def test_a_packed_batch_predicted_out_of_memory_is_one_row(tmp_path: Path) -> No
     with pytest.raises(koila.BatchSizeExhausted, match=r"tried failed \(1\)"):
         adapted.predict(adapted.train_dataset)
     assert seen == [(SEQUENCES + 1,)]
+
+
+def test_boundaries_beside_several_rows_are_split_as_any_tensor() -> None:
+    # Only one packed row passes its boundaries whole: beside several rows, each part would get them all.
+    from koila_retry.integrations._transformers_packed import apart
+
+    one = {"input_ids": torch.ones(1, 6), "cu_seq_lens_q": torch.tensor([0, 2, 6])}
+    rest, boundaries = apart(one)
+    assert set(rest) == {"input_ids"}
+    assert set(boundaries) == {"cu_seq_lens_q"}
+    several = {"input_ids": torch.ones(2, 6), "cu_seq_lens_q": torch.tensor([0, 6, 12])}
+    assert apart(several) == (several, {})

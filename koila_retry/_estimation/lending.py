@@ -657,8 +657,9 @@ class Owned:
                     raise ValueError(
                         f"{_name_of(module, self.modules)} has {key!r} not initialised yet (a lazy module, like "
                         "nn.LazyLinear, makes its parameters in its first call), and a run on meta tensors cannot "
-                        "make them: run the model once on a real batch before estimating its memory, or, "
-                        "under koila.accumulate, pass initial= a batch size"
+                        "make them: run the model once on a real batch before estimating its memory (a lazy "
+                        "module the call never runs needs a call of its own), or, under koila.accumulate, pass "
+                        "initial= a batch size"
                     )
 
     def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:

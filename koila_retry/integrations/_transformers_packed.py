@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 __all__ = ["apart", "joined"]
 
 _BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -21,6 +23,9 @@ def apart(inputs: Any) -> tuple[Any, dict[str, Any]]:
     if not isinstance(inputs, Mapping) or not any(key in inputs for key in _BOUNDARIES):
         return inputs, {}
     rest = {key: value for key, value in inputs.items() if key not in _BOUNDARIES}
+    # Only around one packed row: boundaries beside several rows cannot go whole to each part of them.
+    if any(isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != 1 for value in rest.values()):
+        return inputs, {}
     return rest, {key: inputs[key] for key in _BOUNDARIES if key in inputs}
 
 
