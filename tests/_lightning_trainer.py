@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
+
+# Lightning's own notices, not this library's: a module without a val_dataloader, and its
+# use of a pytree name this torch deprecates. A test file's ``pytestmark``.
+NOTICES = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """Lightning's warnings off, for a test file that imports this fixture."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
+
 
 # A batch of 64 rows through a 16 -> 512 -> 4 MLP in float64: the whole batch's training
 # step needs some 800 KB and its validation step some 530 KB; split, both fit in less.

@@ -26,26 +26,22 @@ from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
 from _layers import RaiseInBackward  # noqa: E402
-from _lightning_trainer import EVAL_LIMIT, FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
+from _lightning_trainer import (  # noqa: E402
+    EVAL_LIMIT,
+    FIT_LIMIT,
+    MLP,
+    NOTICES,
+    assert_same_parameters,
+    loader,
+    quiet,  # noqa: F401 (autouse: Lightning's warnings off)
+    trainer,
+)
 from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
 
 from koila_retry.integrations._lightning_logging import batch_size, combined, weights  # noqa: E402
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
-# Lightning's own notices, not this library's: a module without a val_dataloader, and its
-# use of a pytree name this torch deprecates.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-]
-
-
-@pytest.fixture(autouse=True)
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module="lightning")
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        yield
+pytestmark = NOTICES
 
 
 def test_the_plain_trainer_runs_out_of_memory_at_the_limit() -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,25 +16,20 @@ import torch.nn.functional as F
 from koila_retry.testing import SimulatedDevice, simulated_device
 
 L = pytest.importorskip("lightning")
-from _lightning_trainer import FIT_LIMIT, MLP, assert_same_parameters, loader, trainer  # noqa: E402
+from _lightning_trainer import (  # noqa: E402
+    FIT_LIMIT,
+    MLP,
+    NOTICES,
+    assert_same_parameters,
+    loader,
+    quiet,  # noqa: F401 (autouse: Lightning's warnings off)
+    trainer,
+)
 from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
 
 from koila_retry.integrations.lightning import OOMRecovery  # noqa: E402
 
-# Lightning's own notices, not this library's: a module without a val_dataloader, and its
-# use of a pytree name this torch deprecates.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-]
-
-
-@pytest.fixture(autouse=True)
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module="lightning")
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        yield
+pytestmark = NOTICES
 
 
 class Normed(L.LightningModule):  # type: ignore[misc]
