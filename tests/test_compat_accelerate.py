@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import subprocess
@@ -408,3 +409,28 @@ def test_errors_at_wrapping_name_this_function_and_give_advice_that_it_takes() -
         compat.find_executable_batch_size(keyword_only, 8)  # which takes no param=
     with pytest.raises(TypeError, match=r"^find_executable_batch_size cannot retry .*generator\(\)"):
         compat.find_executable_batch_size(generator, 8)
+
+
+def test_an_async_function_that_gives_up_raises_with_accelerates_message() -> None:
+    # Given up as it is awaited, past the wrapper's own try: the message lost accelerate's start.
+    tried: list[int] = []
+
+    @compat.find_executable_batch_size(starting_batch_size=4)
+    async def train(batch_size: int) -> int:
+        tried.append(batch_size)
+        raise make_oom()
+
+    with pytest.raises(
+        koila.BatchSizeExhausted, match=r"^No executable batch size found, reached zero\. \S*train: out of memory"
+    ):
+        asyncio.run(train())
+    assert tried == [4, 3, 2, 1]
+
+
+def test_a_batch_size_passed_by_keyword_is_refused_naming_the_stand_in() -> None:
+    @compat.find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size: int, epochs: int = 1) -> int:
+        return batch_size
+
+    with pytest.raises(TypeError, match=r"train\(\) gets 'batch_size' from find_executable_batch_size;"):
+        train(batch_size=4)

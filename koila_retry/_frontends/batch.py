@@ -98,8 +98,9 @@ class _BatchDecorator(Protocol):
 class _Injection:
     """Where the batch size goes in the wrapped function's arguments: after ``after`` of them (1 for a method)."""
 
-    def __init__(self, fn: Callable[..., Any], param: str | None, after: int, named: bool = True) -> None:
-        # named: whether the front end offers param= (find_executable_batch_size does not).
+    def __init__(self, fn: Callable[..., Any], param: str | None, after: int, front_end: str = "@koila.batch") -> None:
+        named = front_end == "@koila.batch"  # whether the front end offers param= (find_executable_batch_size does not)
+        self.front_end = front_end
         signature = _signature(fn)
         params = list(signature.parameters.values())
         name = getattr(fn, "__qualname__", repr(fn))
@@ -168,7 +169,7 @@ class _Injection:
                 f"{self.name!r} by keyword, but got {given}" + (f": pass {later} by keyword" if later else "")
             )
         return TypeError(
-            f"{self.function_name}() gets {self.name!r} from @koila.batch; call it without "
+            f"{self.function_name}() gets {self.name!r} from {self.front_end}; call it without "
             f"{self.name!r} (the size is chosen and injected for you)"
         )
 
@@ -393,8 +394,7 @@ def batched(
     if not callable(fn):
         raise TypeError(f"{front_end} decorates a callable, got {type(fn).__name__} {fn!r}")
     refuse_generator(fn, front_end)
-    named = front_end == "@koila.batch"
-    injection = _Injection(fn, param, 0, named)
+    injection = _Injection(fn, param, 0, front_end)
     controller = Controller(
         injection.function_name, policy, explain=exhausted.message, keep_last=keep_last, function=fn
     )
@@ -403,7 +403,7 @@ def batched(
         method = plain  # by keyword, the size goes to one place, bound or not; a staticmethod never binds
     else:
         try:
-            method = _wrapper(fn, _Injection(fn, None, 1, named), controller, policy.device)
+            method = _wrapper(fn, _Injection(fn, None, 1, front_end), controller, policy.device)
         except TypeError as exc:
             # Too few parameters to be a method: an error if it is ever called as one.
             method = _refusing(fn, str(exc), controller)

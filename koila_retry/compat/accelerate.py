@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, overload
 
 from koila_retry._core.cache import GlobalCache
@@ -166,11 +166,11 @@ def find_executable_batch_size(
         if target is None:
             raise RuntimeError(_REACHED_ZERO)
         try:
-            return target(*args, **kwargs)
+            result = target(*args, **kwargs)
         except BatchSizeExhausted as exc:
-            # Code written for accelerate looks for its message.
-            exc.args = (f"{_REACHED_ZERO} {exc.args[0]}",)
+            _prefixed(exc)
             raise
+        return _awaited(result) if inspect.iscoroutine(result) else result
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -192,6 +192,20 @@ def find_executable_batch_size(
     for form in forms:
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
     return bindable(function, wrapper, method)
+
+
+def _prefixed(exc: BatchSizeExhausted) -> None:
+    """Begin the message with accelerate's: code written for accelerate looks for it."""
+    exc.args = (f"{_REACHED_ZERO} {exc.args[0]}",)
+
+
+async def _awaited(call: Coroutine[Any, Any, Any]) -> Any:
+    """Await an ``async def`` function's attempts, which give up only there."""
+    try:
+        return await call
+    except BatchSizeExhausted as exc:
+        _prefixed(exc)
+        raise
 
 
 def _asking(reduce_batch_size_fn: object, name: str) -> Callable[[int], int | None]:
