@@ -206,7 +206,8 @@ def test_run_demo_whose_first_size_fits_says_so_and_not_that_it_does_not() -> No
     assert "out of memory" not in text
     (epoch,) = [line for line in lines if line.startswith("epoch ")]
     assert "at the first size tried, no error" in epoch
-    assert "straight from the cache" not in epoch  # the cache knew nothing yet: "0 hits, 1 misses"
+    assert "straight from the cache" not in epoch  # the cache knew nothing yet
+    assert "Cache: 0 hits, 1 miss." in text
 
 
 # --- python -m koila_retry estimate ------------------------------------------------------

@@ -66,5 +66,6 @@ def run_demo(limit: str = "48MiB", initial: int = 8192, epochs: int = 3, print_:
                 f"{time.perf_counter() - started:.1f} s, peak {format_bytes(device.peak)})"
             )
     hits, misses, _, _ = train_epoch.cache_info()
-    print_(f"\nCache: {hits} hits, {misses} misses. Lost to failed attempts: {train_epoch.stats.seconds_lost:.2f} s.")
+    tally = f"{hits} hit{'s' * (hits != 1)}, {misses} miss{'es' * (misses != 1)}"
+    print_(f"\nCache: {tally}. Lost to failed attempts: {train_epoch.stats.seconds_lost:.2f} s.")
     return train_epoch.stats.batch_size
