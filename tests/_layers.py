@@ -98,3 +98,20 @@ class CheckpointedMiddle(torch.nn.Sequential):
         else:
             x = Recompute.apply(middle, x)
         return self[2](x)  # type: ignore[no-any-return]
+
+
+class Marker:
+    """An object only a graph's node holds, to tell by a weak reference whether the graph is alive."""
+
+
+class Marked(torch.autograd.Function):
+    """The identity, whose node holds a marker: alive as long as a graph through it is, after its backward too."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, marker: Marker) -> torch.Tensor:
+        ctx.marker = marker
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

@@ -25,7 +25,7 @@ from koila_retry import BatchSizeExhausted
 from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
-from _layers import RaiseInBackward  # noqa: E402
+from _layers import Marked, Marker, RaiseInBackward  # noqa: E402
 from _lightning_trainer import (  # noqa: E402
     EVAL_LIMIT,
     FIT_LIMIT,
@@ -1773,30 +1773,13 @@ def test_a_name_logged_more_than_once_in_a_split_step_reaches_the_epochs_value_a
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
-class _Marker:
-    """An object only a graph's node holds, to tell by a weak reference whether the graph is alive."""
-
-
-class _Marked(torch.autograd.Function):
-    """The identity, whose node holds a marker: alive as long as a graph through it is, after its backward too."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, marker: _Marker) -> torch.Tensor:
-        ctx.marker = marker
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 class _GraphLogged(MLP):
     """Logs its loss with ``enable_graph=True``; the second micro-batch of the first split runs out of memory."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[int] = []
-        self.logged: list[weakref.ref[_Marker]] = []  # of each step's graph
+        self.logged: list[weakref.ref[Marker]] = []  # of each step's graph
         self.alive: list[bool] = []  # at each call, whether the previous calls' logged values are alive
         self.told: list[int] = []
 
@@ -1808,8 +1791,8 @@ class _GraphLogged(MLP):
         hidden = self.net[1](self.net[0](x))
         if len(self.rows) == 3:  # a real out-of-memory error in this micro-batch's backward
             hidden.register_hook(lambda grad: torch.empty(2**24))
-        marker = _Marker()
-        loss = F.cross_entropy(_Marked.apply(self.net[2](hidden), marker), y)
+        marker = Marker()
+        loss = F.cross_entropy(Marked.apply(self.net[2](hidden), marker), y)
         self.log("train_loss", loss, enable_graph=True)  # the value holds the micro-batch's graph
         self.logged.append(weakref.ref(marker))
         return loss

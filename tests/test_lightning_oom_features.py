@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from koila_retry.testing import SimulatedDevice, simulated_device
 
 L = pytest.importorskip("lightning")
+from _layers import Marked, Marker  # noqa: E402
 from _lightning_trainer import (  # noqa: E402
     FIT_LIMIT,
     MLP,
@@ -137,23 +138,6 @@ def test_swa_s_batchnorm_epoch_that_runs_out_of_memory_runs_in_micro_batches_wit
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
 
 
-class _Marker:
-    pass
-
-
-class _Marked(torch.autograd.Function):
-    """The identity; its node at the bottom of the graph holds a marker, alive as long as the graph."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, marker: _Marker) -> torch.Tensor:
-        ctx.marker = marker
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 @dataclasses.dataclass
 class Extra:
     logits: torch.Tensor
@@ -173,7 +157,7 @@ class WithLogits(MLP):
     def __init__(self, wrap: str = "tensor") -> None:
         super().__init__()
         self.wrap = WRAPS[wrap]
-        self.graphs: list[weakref.ref[_Marker]] = []
+        self.graphs: list[weakref.ref[Marker]] = []
         self.alive: list[bool] = []
         self.rows: list[int] = []
 
@@ -182,9 +166,9 @@ class WithLogits(MLP):
         gc.collect()
         self.alive.append(any(graph() is not None for graph in self.graphs))
         self.rows.append(len(x))
-        marker = _Marker()
+        marker = Marker()
         self.graphs.append(weakref.ref(marker))
-        logits = self.net[2](self.net[1](_Marked.apply(self.net[0](x), marker)))
+        logits = self.net[2](self.net[1](Marked.apply(self.net[0](x), marker)))
         return {"loss": F.cross_entropy(logits, y), "logits": self.wrap(logits)}
 
 
