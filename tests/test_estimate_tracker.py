@@ -199,12 +199,56 @@ class WithQueries(nn.Module):
         return self.dec(self.queries, self.enc(x))
 
 
-def test_a_module_given_a_leaf_runs_in_backward_until_its_last_input_has_its_gradient() -> None:
-    # The leaf's gradient comes as soon as its own branch is done: a module left at its first input's
-    # was over before its other branch's backward ran, which then counted for its parent only.
+def twice(model: nn.Module) -> Callable[[torch.Tensor], None]:
+    def step(x: torch.Tensor) -> None:
+        loss = model(x).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    return step
+
+
+@pytest.mark.parametrize("backward", ["once", "twice"])
+def test_a_module_given_a_leaf_runs_in_backward_until_its_other_inputs_have_their_gradient(backward: str) -> None:
+    # The leaf's gradient comes as soon as its own branch is done: a module left at it was over before
+    # its other branch's backward ran, which then counted for its parent only. In each backward pass.
     model = WithQueries()
-    peaks = koila.estimate(lambda x: model(x).pow(2).mean().backward(), torch.randn(64, 256)).module_peaks(64)
+    step = twice(model) if backward == "twice" else lambda x: model(x).pow(2).mean().backward()
+    peaks = koila.estimate(step, torch.randn(64, 256)).module_peaks(64)
     assert peaks["WithQueries.dec"][1] >= peaks["WithQueries.dec.mem"][1]
+
+
+class Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 64)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat([h, skip], 1))
+
+
+class UNetish(nn.Module):
+    """A skip connection: the input ``skip`` of ``up`` feeds the encoder too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(32, 256)
+        self.encoder = nn.Sequential(nn.Linear(256, 8192), nn.ReLU(), nn.Linear(8192, 256))
+        self.up = Up()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.stem(x)
+        return self.up(self.encoder(skip), skip)
+
+
+def test_a_module_whose_input_feeds_others_too_ends_before_their_backward() -> None:
+    # The skip's whole gradient comes after the encoder's backward: a module that waited for every
+    # input's gradient ran through the encoder's backward, and took its peak.
+    model = UNetish()
+    peaks = koila.estimate(lambda x: model(x).sum().backward(), torch.randn(256, 32)).module_peaks(256)
+    assert peaks["UNetish.up"][1] == peaks["UNetish.up.lin"][1]
+    assert peaks["UNetish.up"][1] < peaks["UNetish.encoder"][1]
 
 
 def test_estimate_of_a_lazy_module_not_run_yet_names_it_and_what_to_do() -> None:

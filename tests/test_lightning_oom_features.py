@@ -208,6 +208,48 @@ def test_a_step_that_runs_whole_hands_lightning_its_other_outputs_detached() -> 
         torch.testing.assert_close(logits, expected.detach(), rtol=0, atol=0)
 
 
+@dataclasses.dataclass
+class Scaled:
+    """Scales its logits as it is made, and holds a field the step sets after."""
+
+    logits: torch.Tensor
+    temperature: float = 2.0
+    probs: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.logits = self.logits / self.temperature
+
+
+class WithScaled(MLP):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        extra = Scaled(logits)
+        extra.probs = extra.logits.softmax(1)
+        return {"loss": F.cross_entropy(logits, y), "extra": extra}
+
+
+class Extras(L.Callback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.seen.append(outputs["extra"])
+
+
+def test_a_dataclass_among_the_outputs_is_copied_as_it_is_not_made_again() -> None:
+    # Remade through its __init__, it ran __post_init__ again (the logits scaled twice) and lost the
+    # field the step set after.
+    plain, recovering = Extras(), Extras()
+    trainer(plain, max_steps=2).fit(WithScaled(), loader(rows=128))
+    trainer(recovering, OOMRecovery(), max_steps=2).fit(WithScaled(), loader(rows=128))
+    for mine, theirs in zip(recovering.seen, plain.seen, strict=True):
+        assert mine.logits.grad_fn is None
+        assert mine.probs.grad_fn is None
+        torch.testing.assert_close(mine.logits, theirs.logits.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(mine.probs, theirs.probs.detach(), rtol=0, atol=0)
+
+
 class ShapedOne(MLP):
     """Returns its loss with shape (1,), not ()."""
 

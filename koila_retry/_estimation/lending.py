@@ -465,7 +465,10 @@ class ThreadTracker(ModuleTracker):
     # collector runs (never during a run), and they ask the engine which nodes it will run, which
     # raises in autograd.grad with respect to a leaf. Plain tensor hooks that hold only the
     # module's name do neither: its backward starts at its outputs' first gradient and ends at
-    # its inputs' last (one that gets none leaves it running until the backward ends).
+    # the first gradient of an input that is not a leaf. A leaf's (queries passed as a Parameter)
+    # comes as soon as its own branch is done, whatever the module's other branches; waiting for
+    # every input's would wait for their other users too (a U-Net's skip), and for ever for an
+    # input that gets none. Two inputs of separate branches inside the module still end it early.
 
     def __init__(self) -> None:
         super().__init__()
@@ -480,7 +483,7 @@ class ThreadTracker(ModuleTracker):
             name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
             self.parents.add(name)
             if self._hooks_gradients():
-                self._hook(input, _left(weakref.ref(self), name, _requiring_grad(input)))
+                self._hook(input, _left(weakref.ref(self), name), leaves=False)
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         if threading.get_ident() == self.thread:
@@ -489,14 +492,10 @@ class ThreadTracker(ModuleTracker):
             if self._hooks_gradients():
                 self._hook(output, _entered(weakref.ref(self), name))
 
-    def _hook(self, values: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    def _hook(self, values: Any, hook: Callable[[torch.Tensor], None], leaves: bool = True) -> None:
         for value in tree_flatten(values)[0]:
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            if isinstance(value, torch.Tensor) and value.requires_grad and (leaves or value.grad_fn is not None):
                 self._hooks.append(value.register_hook(hook))  # type: ignore[no-untyped-call]
-
-
-def _requiring_grad(values: Any) -> int:
-    return sum(isinstance(value, torch.Tensor) and value.requires_grad for value in tree_flatten(values)[0])
 
 
 def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
@@ -511,16 +510,12 @@ def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.
     return hook
 
 
-def _left(tracker: weakref.ref[ThreadTracker], name: str, inputs: int) -> Callable[[torch.Tensor], None]:
-    """Return the gradient hook of a module's ``inputs`` inputs: its backward is over at the last one's."""
-    # Not the first: an input that is a leaf (queries passed as a Parameter) gets its gradient as soon
-    # as its own branch is done, while the module's other branches still run.
-    waiting = [inputs]
+def _left(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
+    """Return the gradient hook of a module's inputs that are not leaves: its backward is over."""
 
     def hook(_: torch.Tensor) -> None:
-        waiting[0] -= 1
         found = tracker()
-        if found is not None and waiting[0] <= 0:
+        if found is not None:
             found.parents.discard(name)
 
     return hook

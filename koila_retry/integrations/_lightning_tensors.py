@@ -5,6 +5,7 @@ its micro-batches run and put back, and the graphs its output holds besides the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -67,14 +68,21 @@ def _detached(value: Any) -> Any:
         return value.detach() if value.grad_fn is not None else value
     if value is None or isinstance(value, (str, int, float)):
         return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a copy, its fields detached
-        fields = {field.name: getattr(value, field.name) for field in dataclasses.fields(value) if field.init}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [field.name for field in dataclasses.fields(value) if hasattr(value, field.name)]
+        fields = {name: getattr(value, name) for name in names}
         detached = {name: _detached(field) for name, field in fields.items()}
         if all(detached[name] is fields[name] for name in fields):
             return value
-        with contextlib.suppress(TypeError, ValueError):
-            return dataclasses.replace(value, **detached)
-        return value
+        # A copy whose fields are set as they are, frozen or not: its __init__ and __post_init__ (which may
+        # scale or check them) do not run again, and fields it sets itself are kept.
+        try:
+            copied = copy.copy(value)
+            for name, field in detached.items():
+                object.__setattr__(copied, name, field)
+        except Exception:  # one that cannot be copied: left as returned
+            return value
+        return copied
     leaves, spec = flatten(value)
     if len(leaves) == 1 and leaves[0] is value:  # not a container torch can remake: left as returned
         return value
