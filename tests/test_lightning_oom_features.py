@@ -191,20 +191,23 @@ def test_the_graph_of_a_whole_step_whose_backward_failed_is_gone_while_its_micro
 
 
 class Outputs(L.Callback):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.logits: list[torch.Tensor] = []
+    """Keeps what each training step's output holds under ``key``, as on_train_batch_end gets it."""
+
+    def __init__(self, key: str = "logits") -> None:
+        self.key = key
+        self.seen: list[Any] = []
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
-        self.logits.append(outputs["logits"])
+        self.seen.append(outputs[self.key])
 
 
 def test_a_step_that_runs_whole_hands_lightning_its_other_outputs_detached() -> None:
     plain, recovering = Outputs(), Outputs()
     trainer(plain, max_steps=2).fit(WithLogits(), loader(rows=128))
     trainer(recovering, OOMRecovery(), max_steps=2).fit(WithLogits(), loader(rows=128))
-    assert [logits.grad_fn is not None for logits in plain.logits] == [True, True]
-    assert [logits.grad_fn is not None for logits in recovering.logits] == [False, False]
-    for logits, expected in zip(recovering.logits, plain.logits, strict=True):
+    assert [logits.grad_fn is not None for logits in plain.seen] == [True, True]
+    assert [logits.grad_fn is not None for logits in recovering.seen] == [False, False]
+    for logits, expected in zip(recovering.seen, plain.seen, strict=True):
         torch.testing.assert_close(logits, expected.detach(), rtol=0, atol=0)
 
 
@@ -229,18 +232,10 @@ class WithScaled(MLP):
         return {"loss": F.cross_entropy(logits, y), "extra": extra}
 
 
-class Extras(L.Callback):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.seen: list[Any] = []
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
-        self.seen.append(outputs["extra"])
-
-
 def test_a_dataclass_among_the_outputs_is_copied_as_it_is_not_made_again() -> None:
     # Remade through its __init__, it ran __post_init__ again (the logits scaled twice) and lost the
     # field the step set after.
-    plain, recovering = Extras(), Extras()
+    plain, recovering = Outputs("extra"), Outputs("extra")
     trainer(plain, max_steps=2).fit(WithScaled(), loader(rows=128))
     trainer(recovering, OOMRecovery(), max_steps=2).fit(WithScaled(), loader(rows=128))
     for mine, theirs in zip(recovering.seen, plain.seen, strict=True):

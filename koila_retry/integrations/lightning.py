@@ -504,23 +504,18 @@ class _Step:
             if output is not _FAILED:
                 return output
         aside = [None if id(parameter) in released else parameter.grad for parameter in parameters]
-        self.logs.parts, self.scale, skipped = [], None, False
+        self.logs.parts, self.scale = [], None
         # Other leaves, found in each micro-batch's graph, are handed over too: Lightning's backward divides them.
         self.others = OtherLeaves(lambda: {id(p) for p in parameters}) if self.walks is not False else None
-        self.logs.hold(module)
         # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
         # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
         hooks = suspended(parameters)
         try:
             for parameter in parameters:
                 parameter.grad = None
-            try:
-                output = self._call(module, args, kwargs)
-            except _Skipped:
-                skipped = True
+            output, skipped = self._logged(module, args, kwargs)
             gradients = [parameter.grad for parameter in parameters]
         finally:
-            self.logs.release(module)
             restored(hooks)
             for parameter, gradient in zip(parameters, aside):
                 parameter.grad = gradient
@@ -562,6 +557,16 @@ class _Step:
             return {**output, "loss": deliver(output["loss"])}
         return output
 
+    def _logged(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> tuple[Any, bool]:
+        """Run the step through accumulate, its logs held; return its output and whether it returned None."""
+        self.logs.hold(module)
+        try:
+            return self._call(module, args, kwargs), False
+        except _Skipped:
+            return None, True
+        finally:
+            self.logs.release(module)
+
     def _skipped(self) -> None:
         """Log what a step that returned None logged, as Lightning would."""
         # Skipped as Lightning skips it, with no gradient of it. Ran whole, it logs as it called,
@@ -580,15 +585,9 @@ class _Step:
             if output is not _FAILED:
                 return output
             self.unbacked = False  # tried once: each later step of that epoch would fail as well
-        self.logs.parts, skipped = [], False
-        self.logs.hold(module)
-        try:
-            with torch.no_grad():  # no graph to keep: accumulate runs no backward
-                output = self._call(module, args, kwargs)
-        except _Skipped:
-            skipped = True
-        finally:
-            self.logs.release(module)
+        self.logs.parts = []
+        with torch.no_grad():  # no graph to keep: accumulate runs no backward
+            output, skipped = self._logged(module, args, kwargs)
         if skipped:
             self._skipped()
             return None
