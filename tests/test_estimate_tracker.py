@@ -251,6 +251,51 @@ def test_a_module_whose_input_feeds_others_too_ends_before_their_backward() -> N
     assert peaks["UNetish.up"][1] < peaks["UNetish.encoder"][1]
 
 
+class ByKeyword(UNetish):
+    """The same skip, passed to ``up`` by keyword, as Hugging Face models call their blocks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.stem(x)
+        return self.up(h=self.encoder(skip), skip=skip)
+
+
+class InPlace(nn.Module):
+    """A block that changes its input in place (its input is its output after), after a wide one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Sequential(nn.Linear(32, 8192), nn.ReLU(), nn.Linear(8192, 64))
+        self.act = nn.ReLU(inplace=True)
+        self.last = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.act(self.wide(x)))
+
+
+def test_a_module_given_its_inputs_by_keyword_ends_its_backward_at_theirs() -> None:
+    # Keyword inputs reach no global pre-hook: a module given only those never left in backward,
+    # and took the peaks of every backward after it.
+    model = ByKeyword()
+    peaks = koila.estimate(lambda x: model(x).sum().backward(), torch.randn(256, 32)).module_peaks(256)
+    assert peaks["ByKeyword.up"][1] == peaks["ByKeyword.up.lin"][1]
+    assert peaks["ByKeyword.up"][1] < peaks["ByKeyword.encoder"][1]
+
+
+def test_a_module_that_changes_its_input_in_place_ends_its_backward_before_the_next_one() -> None:
+    model = InPlace()
+    peaks = koila.estimate(lambda x: model(x).sum().backward(), torch.randn(256, 32)).module_peaks(256)
+    assert peaks["InPlace.act"][1] < peaks["InPlace.wide"][1]
+
+
+def test_an_estimate_leaves_no_global_module_hook_behind() -> None:
+    # One left would make every later torch.compile(module) call warn of global hooks.
+    assert not torch.nn.modules.module._has_any_global_hook()
+    model = ByKeyword()
+    koila.estimate(lambda x: model(x).sum().backward(), torch.randn(8, 32))
+    assert not torch.nn.modules.module._has_any_global_hook()
+
+
 def test_estimate_of_a_lazy_module_not_run_yet_names_it_and_what_to_do() -> None:
     model = lazy()
     with pytest.raises(ValueError, match=r"Sequential\.0 \(LazyLinear\) has 'weight' not initialised.*run the model"):

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.modules import module as module_globals
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -474,6 +476,20 @@ class ThreadTracker(ModuleTracker):
         super().__init__()
         self.thread = threading.get_ident()
 
+    def __enter__(self) -> ThreadTracker:
+        # The post-hook takes the keyword inputs (HF's ``self_attn(hidden_states=...)``), which a
+        # global pre-hook never gets. The positional ones are hooked before the forward, at the version
+        # the module reads: one it changes in place (``ReLU(inplace=True)``) is its output after.
+        self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
+        self._fw_post_handle = register_module_forward_hook(self._fw_post_hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)  # type: ignore[no-untyped-call]
+        # The handle forgets the hook's with_kwargs mark (torch 2.13): left, every later
+        # ``torch.compile(module)`` call would warn of a global hook.
+        module_globals._global_forward_hooks_with_kwargs.pop(self._fw_post_handle.id, None)
+
     def _hooks_gradients(self) -> bool:
         """Return whether the module running now has its backward followed too."""
         return True
@@ -485,11 +501,12 @@ class ThreadTracker(ModuleTracker):
             if self._hooks_gradients():
                 self._hook(input, _left(weakref.ref(self), name), leaves=False)
 
-    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+    def _fw_post_hook(self, mod: Any, input: Any, kwargs: Any, output: Any = None) -> None:  # type: ignore[override]
         if threading.get_ident() == self.thread:
             name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
             self.parents.discard(name)
             if self._hooks_gradients():
+                self._hook(kwargs, _left(weakref.ref(self), name), leaves=False)
                 self._hook(output, _entered(weakref.ref(self), name))
 
     def _hook(self, values: Any, hook: Callable[[torch.Tensor], None], leaves: bool = True) -> None:
