@@ -2082,7 +2082,7 @@ def minimums_differ(rank: int, world: int) -> dict[str, Any]:
         "accumulate fits 2": _accumulate_fitting(rank, world, minimum, 2 if rank == world - 1 else everything),
     }
 
-    # accumulate's size is the rows when no initial is given: the others' 2 rows do not take rank 0 below 6.
+    # accumulate's size is the rows when no initial is given: the others' 2 rows do not split rank 0's 12.
     torch.manual_seed(0)
     model = nn.Linear(3, 1).to(DTYPE)
     rows: list[int] = []
@@ -2467,6 +2467,25 @@ def accumulate_fewer_rows_on_one_rank(rank: int, world: int) -> dict[str, Any]:
         return F.mse_loss(ddp(x), y)
 
     return {"outcome": caught(lambda: step(x, y)), "seen": seen, "size": step.stats.batch_size}
+
+
+@scenario("two")
+def accumulate_ranks_with_different_rows_each_run_whole(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has 7 rows, rank 1 has 9, and both fit: each runs its own whole batch, as plain DDP does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    ddp = DDP(model)
+    rows = 7 if rank == 0 else 9
+    x, y = data(rows, 3, seed=80 + rank), data(rows, 1, seed=82 + rank)
+    seen: list[int] = []
+
+    @koila.accumulate(cache=koila.NoCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return F.mse_loss(ddp(x), y)
+
+    step(x, y)
+    return {"seen": seen, "size": step.stats.batch_size, "ooms": step.stats.ooms}
 
 
 @scenario("crash")

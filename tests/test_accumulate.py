@@ -1788,6 +1788,26 @@ def test_a_graph_from_before_the_call_reached_without_an_argument_is_named_when_
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
+def test_a_step_that_frees_its_own_graph_is_told_to_retain_it() -> None:
+    # Its own torch.autograd.grad freed the graph: not a graph from outside, which the note blamed alone.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    x, y = data(8, 3), data(8, 1, seed=1)
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        (gradient,) = torch.autograd.grad(loss, [model.weight])
+        return loss + 0 * gradient.sum()
+
+    with pytest.raises(RuntimeError, match="a second time") as caught:
+        step(x, y)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("retain_graph=True there" in note for note in notes), notes
+    assert model.weight.grad is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
 def test_a_parametrization_cached_around_a_split_step_is_named_and_inside_it_is_exact() -> None:
     from torch.nn.utils import parametrizations, parametrize
 

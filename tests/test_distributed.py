@@ -736,10 +736,10 @@ def test_no_rank_goes_below_the_largest_minimum(groups: Groups, group: str) -> N
         assert fits_2["rows"] == ([12, 8, 6] if rank == last else [12, 8, 4, 6, 6])
         assert_error(fits_2["outcome"], koila.BatchSizeExhausted, "(12 -> 8 -> 6)")
         assert fits_2["grads"] == [None] * 4
-        # Without an initial, the other ranks' 2 rows do not take rank 0's micro-batches below 6.
+        # Without an initial, the other ranks' 2 rows do not split rank 0's 12, which fit.
         rows = value["accumulate rows"]
         assert rows["outcome"].get("type") is None, rows["outcome"]
-        assert rows["rows"] == ([6, 6] if rank == 0 else [2])
+        assert rows["rows"] == ([12] if rank == 0 else [2])
         # An initial below another rank's minimum leaves no size that suits every rank.
         assert_error(
             value["initial below"],
@@ -890,6 +890,14 @@ def test_accumulate_rank_with_fewer_rows_does_not_exhaust_the_others(groups: Gro
         assert value["outcome"].get("type") is None, value["outcome"]
     assert values[0]["seen"][:2] == [8, 4]
     assert same_on_every_rank(values, "size") == 4
+
+
+def test_accumulate_ranks_with_different_rows_that_fit_each_run_their_whole_batch(groups: Groups) -> None:
+    # The smaller rank's rows were the agreed start: the other split its 9 rows into 7 and 2, for nothing.
+    values = groups("two")["accumulate_ranks_with_different_rows_each_run_whole"]
+    assert [value["seen"] for value in values] == [[7], [9]]
+    assert [value["size"] for value in values] == [7, 9]
+    assert [value["ooms"] for value in values] == [0, 0]
 
 
 def test_accumulate_oom_before_the_first_forward_of_a_ddp_model_with_buffers(groups: Groups) -> None:

@@ -37,7 +37,10 @@ class Agreeing(Strategy, Alone):
             rules, state = course.owner.rules, course.state
             call = course.call
             span = (call.span or (call.rows if self.sharded else None) or None) if first else None
-            agreed, floor = self.agreement.start(state.size, span, rules.minimum, rules.initial)
+            # Rows of a step (accumulate's), not a span the ranks must share: one run whole needs no other
+            # rank's size, and a rank with fewer rows would split the others' for nothing.
+            whole = 0 < call.rows <= state.size and call.span is None and not self.sharded
+            agreed, floor = self.agreement.start(state.size, span, rules.minimum, rules.initial, whole)
             decision.agreed_start(state, agreed, floor)
             course.resize(state.size)
 

@@ -342,11 +342,13 @@ def accumulator(
 _FREED = "backward through the graph a second time"
 _OUTSIDE_GRAPH = (
     "{name} ran in micro-batches, and each one's backward runs through what the step reaches from before the call. "
-    "A tensor made by a graph outside the step that is not one of its arguments (a closure, a global, an "
-    "attribute) is freed by the first micro-batch's backward. Pass it to the step as an argument, whose graph is "
+    "If the graph is one made outside the step and reached without an argument (a closure, a global, an "
+    "attribute), the first micro-batch's backward freed it. Pass it to the step as an argument, whose graph is "
     "kept for the whole step, or compute it inside the step. A cache entered around the call does the same "
     "(torch.nn.utils.parametrize.cached()): its first micro-batch builds the weight, whose graph that "
-    "micro-batch's backward frees; enter it inside the step."
+    "micro-batch's backward frees; enter it inside the step. If the step itself runs a backward through its "
+    "graph before returning the loss (torch.autograd.grad without retain_graph=True), it fails on the whole "
+    "batch too: pass retain_graph=True there."
 )
 
 
