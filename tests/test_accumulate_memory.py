@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._frontends.gradients import Gradients
-from koila_retry._frontends.in_flight import IN_FLIGHT
+from koila_retry._frontends.in_flight import IN_FLIGHT, InFlight
 from koila_retry.testing import make_oom, simulated_device
 
 DTYPE = torch.float64
@@ -449,3 +449,59 @@ def test_a_leaf_a_micro_batch_makes_dies_with_it_as_in_the_hand_loop(fails: bool
     assert device.peak <= hand + SLACK, (device.peak, hand)
     for parameter, gradient in zip(critic.parameters(), expected, strict=True):
         torch.testing.assert_close(parameter.grad, gradient, rtol=RTOL, atol=ATOL)
+
+
+def test_the_id_of_a_leaf_held_weakly_is_free_once_it_dies() -> None:
+    # A step holds a penalty's leaf by its id until the step ends; once the leaf dies, a leaf that
+    # another thread makes may get the same id: it was refused as another step's, and that step went
+    # captured (holding every leaf to its end) or, in a recomputing Function's backward, wrote unseen.
+    registry = InFlight()
+    first, second = Gradients(True), Gradients(True)
+    leaf, parameter = torch.zeros(1, requires_grad=True), nn.Parameter(torch.zeros(1))
+    key = id(leaf)
+    assert registry.take(first, [key, id(parameter)])
+    registry.weakly({key: weakref.ref(leaf)})
+    assert not registry.take(second, [key]), "held while the leaf lives"
+    assert not registry.take(second, [id(parameter)]), "a parameter is held strongly"
+    del leaf
+    assert registry.take(second, [key]), "free once the leaf died: the id now names another's"
+    assert registry.owners == {key: second, id(parameter): first}
+    assert registry.held == {first: 1, second: 1}
+    registry.release(first)
+    assert registry.owners == {key: second}
+    registry.release(second)
+    assert (registry.owners, registry.held, registry.weak) == ({}, {}, {})
+
+
+def test_threads_training_models_of_their_own_with_a_penalty_each_keep_no_leaf_of_a_micro_batch() -> None:
+    # Ids of dead leaves, left held, were taken for the other thread's new leaves: its step went captured
+    # and kept every micro-batch's leaf to the step's end (by id reuse: most runs, not every one).
+    alive: dict[int, int] = {}
+
+    def worker(index: int) -> None:
+        torch.manual_seed(index)
+        model = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+        x, y = torch.randn(64, 64, dtype=DTYPE), torch.randn(64, 1, dtype=DTYPE)
+        previous: list[weakref.ref[torch.Tensor] | None] = [None]
+        alive[index] = 0
+
+        @koila.accumulate(initial=8, cache=koila.NoCache())
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            alive[index] += previous[0] is not None and previous[0]() is not None
+            x = x.clone().requires_grad_(True)
+            previous[0] = weakref.ref(x)
+            out = model(x)
+            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            return F.mse_loss(out, y) + slope.pow(2).sum(dim=1).mean()
+
+        for _ in range(40):
+            model.zero_grad()
+            previous[0] = None
+            step(x, y)
+
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert alive == {0: 0, 1: 0}

@@ -237,14 +237,19 @@ class Gradients:
         if self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new]):
             self.hidden = True
             return
+        weak = {}
         for leaf in new:
             if isinstance(leaf, torch.nn.Parameter):
                 exposed[id(leaf)] = leaf
             else:  # maybe the Function's own (the input it recomputes from): held weakly, it dies with the node
-                faint[id(leaf)] = weakref.ref(leaf)
+                weak[id(leaf)] = weakref.ref(leaf)
             if leaf.grad is not None:
                 self.aside.append((leaf, leaf.grad))
                 leaf.grad = None
+        if weak:
+            faint.update(weak)
+            if self.direct:
+                IN_FLIGHT.weakly(weak)
 
     def _expose(self, loss: torch.Tensor) -> bool:
         """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""
@@ -262,17 +267,23 @@ class Gradients:
             self._captured_from_now()
             return False
         aside = self.aside
+        weak = None
         for leaf in new:
             # Leaves other than parameters are held weakly: one a micro-batch makes (x.requires_grad_()
             # for a gradient penalty) dies with its gradient when the micro-batch ends, as in a hand loop.
             if isinstance(leaf, torch.nn.Parameter):
                 exposed[id(leaf)] = leaf
             else:
-                faint[id(leaf)] = weakref.ref(leaf)
+                if weak is None:
+                    weak = {}
+                weak[id(leaf)] = weakref.ref(leaf)
             before = leaf.grad
             if before is not None:
                 aside.append((leaf, before))
                 leaf.grad = None
+        if weak is not None:
+            faint.update(weak)
+            IN_FLIGHT.weakly(weak)  # another thread's leaf may take the id of one that died
         return True
 
     def _captured_from_now(self) -> None:

@@ -7,8 +7,9 @@ holds its leaves alone, and a captured one waits for them before it delivers.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["IN_FLIGHT", "Holder", "InFlight"]
 
@@ -22,7 +23,7 @@ class Holder(Protocol):
 class InFlight:
     """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
 
-    __slots__ = ("condition", "held", "lock", "owners", "shared", "waiting")
+    __slots__ = ("condition", "held", "lock", "owners", "shared", "waiting", "weak")
 
     def __init__(self) -> None:
         # The condition's own lock, taken directly where nothing waits: the condition's
@@ -34,30 +35,51 @@ class InFlight:
         # (an interrupt, Ctrl-C, may land between a take and the step's note of it).
         self.held: dict[Holder, int] = {}
         self.shared: dict[int, int] = {}  # how many captured steps wait to deliver into each leaf, or deliver
+        # The leaves held by reference only (not parameters: a gradient penalty's input), whose ids a leaf
+        # made after they die may take, in any thread; a subset of owners.
+        self.weak: dict[int, weakref.ref[Any]] = {}
         self.waiting = 0
 
     def take(self, owner: Holder, keys: Sequence[int]) -> bool:
         """Hold the leaves ``keys`` (their ``id``) for ``owner``'s direct writes: all, or none if another holds any."""
         with self.lock:
-            owners, shared, held = self.owners, self.shared, self.held
-            before = len(owners)
+            owners, shared, held, weak = self.owners, self.shared, self.held, self.weak
             if owners or shared:  # another step may be in flight: the one case that pays per leaf
                 for key in keys:
-                    if key in shared or owners.get(key, owner) is not owner:
+                    if key in shared:
                         return False
+                    if owners.get(key, owner) is not owner:
+                        ref = weak.get(key)
+                        if ref is None or ref() is not None:
+                            return False
+                if weak:
+                    # An id held weakly whose leaf died, reused by the leaf given now: let go first.
+                    for key in keys:
+                        if weak.pop(key, None) is not None:
+                            holder = owners.pop(key)
+                            held[holder] -= 1
+            before = len(owners)
             owners.update(dict.fromkeys(keys, owner))
             held[owner] = held.get(owner, 0) + len(owners) - before  # those it held already count once
         return True
 
+    def weakly(self, refs: dict[int, weakref.ref[Any]]) -> None:
+        """Mark leaves just taken as held through ``refs``: once one dies, its id is free for another step."""
+        with self.lock:
+            self.weak.update(refs)
+
     def release(self, owner: Holder) -> None:
         """Let go of every leaf ``owner`` holds, and wake the steps waiting for them."""
         with self.lock:
-            owners = self.owners
+            owners, weak = self.owners, self.weak
             if self.held.pop(owner, 0) == len(owners):  # held by ``owner`` alone: the only step in flight
                 owners.clear()
+                weak.clear()
             else:
                 for key in [key for key, holder in owners.items() if holder is owner]:
                     del owners[key]
+                    if weak:
+                        weak.pop(key, None)
             if self.waiting:
                 self.condition.notify_all()
 
