@@ -276,3 +276,52 @@ def test_a_loss_of_shape_one_trains_as_without_the_callback(
         fitted.fit(model, loader(rows=256))
     assert bool(events) == (limit is not None)
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- a step that keeps its error
+
+
+class KeepsErrors(MLP):
+    """Keeps each out-of-memory error of its training step or its loss's backward, as a report might."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.errors = where, []
+        self.activations: list[weakref.ref[torch.Tensor]] = []
+        # What the graph saves: ReLU its output, the last layer its input.
+        self.net[0].register_forward_hook(lambda module, inputs, output: self.activations.append(weakref.ref(output)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        try:
+            output = super().training_step(batch, batch_idx)
+        except torch.OutOfMemoryError as error:
+            if self.where == "step":
+                self.errors.append(error)
+            raise
+        if self.where == "backward":  # a backward that needs 16 KiB a row more: the whole batch's fails
+            rows = len(batch[0])
+
+            def heavy(gradient: torch.Tensor) -> None:
+                try:
+                    torch.empty(rows, 2048, dtype=torch.float64)
+                except torch.OutOfMemoryError as error:
+                    self.errors.append(error)
+                    raise
+
+            output["loss"].register_hook(heavy)
+            self.activations.append(weakref.ref(output["loss"]))  # which holds the graph
+        return output
+
+
+@pytest.mark.parametrize(("where", "limit"), [("step", FIT_LIMIT), ("backward", "1100KiB")])
+def test_a_step_that_keeps_its_error_keeps_nothing_of_the_attempt_that_ran_whole(where: str, limit: str) -> None:
+    # The error of the step that ran whole was kept with its frames: their locals held that attempt's
+    # activations (and a backward's, its graph) through the micro-batches, which then ran out of memory too.
+    reference = MLP()
+    trainer(max_steps=2).fit(reference, loader(rows=128))
+    model = KeepsErrors(where)
+    with simulated_device(limit):
+        trainer(OOMRecovery(), max_steps=2).fit(model, loader(rows=128))
+    assert model.errors, "the whole batch ran out of memory"
+    assert [reference() for reference in model.activations] == [None] * len(model.activations)
+    assert_same_parameters(model, reference)

@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.xla import XLAStrategy
 from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
 from koila_retry._core.detect import is_oom
+from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.sharded import as_sharded
 from koila_retry._core.stats import OOMEvent
@@ -682,7 +683,9 @@ class _Step:
             if not is_oom(error):
                 raise
             # Handled outside the except block, once the attempt's frames are gone; its message and place kept.
+            # Cleared: a step that keeps its error would keep the attempt's locals through the retry.
             failed, self.failure = True, replayable(error)
+            clear_frames(error)
         finally:
             self.logs.release(module)
         if failed:
@@ -722,6 +725,7 @@ class _Step:
                 others.give_back()
                 raise
             failed, self.failure = True, replayable(error)
+            clear_frames(error)
         if not failed:
             others.restore()
             if before:
