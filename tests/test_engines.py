@@ -492,3 +492,31 @@ class _Scaler:
 def test_backward_with_a_scaler_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"engine's backward does its own loss scaling .* pass one of them"):
         koila.accumulate(backward=lambda loss, **kwargs: loss.backward(**kwargs), scaler=_Scaler())
+
+
+def backward_of_the_edge(loss: torch.Tensor, **kwargs: Any) -> None:
+    """An engine that starts its backward from the loss's gradient edge, which no torch function sees."""
+    edge = torch.autograd.graph.get_gradient_edge(loss)
+    torch.autograd.backward(edge, grad_tensors=torch.ones((), dtype=loss.dtype), **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_engine_backward_that_koila_cannot_see_start_is_refused_before_it_writes() -> None:
+    # Unseen, it wrote .grad directly: a micro-batch that failed after it left its gradient there, and
+    # a retry added the step's again (1.4 to 2.2 times the gradient), or a give-up left it in .grad.
+    model = make_model()
+    x, y = batch()
+    before = [torch.ones_like(p) for p in model.parameters()]
+    for parameter, gradient in zip(model.parameters(), before, strict=True):
+        parameter.grad = gradient.clone()
+    calls = [0]
+
+    @koila.accumulate(initial=64, backward=backward_of_the_edge, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return F.mse_loss(model(x), y)
+
+    with pytest.raises(RuntimeError, match="GradientEdge"):
+        step(x, y)
+    assert calls == [1], "refused in the first micro-batch's backward, whatever memory there is"
+    for parameter, gradient in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter.grad, gradient)

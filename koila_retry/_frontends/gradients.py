@@ -202,7 +202,7 @@ class Gradients:
 
             self.capture(BackwardCall((loss,), None, retain, False, None), plain)
             return
-        with Capture(self):
+        with Capture(self), own_backward.engine():
             run(loss, retain)
 
     def started(self, call: BackwardCall, plain: Callable[[], None]) -> None:
@@ -216,9 +216,9 @@ class Gradients:
             and all(isinstance(output, torch.Tensor) for output in call.outputs)
             and all(self._expose(output) for output in call.outputs)
         ):
-            plain()
+            own_backward.seen(plain)
             return
-        self.capture(call, plain)
+        self.capture(call, functools.partial(own_backward.seen, plain))
 
     def nested(self, outputs: Any) -> None:
         """Take the leaves a backward run inside this step's writes (a custom Function's) before it writes them."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["call", "guard", "running"]
+__all__ = ["call", "engine", "guard", "running", "seen"]
 
 
 class _Running(threading.local):
@@ -25,6 +25,9 @@ class _Running(threading.local):
     def __init__(self) -> None:
         self.step: str | None = None
         self.refused = 0
+        # Whether a training engine's backward= runs now, each backward pass it starts seen as it starts
+        # (by a function mode): one that reaches the engine unseen would write .grad where no rollback finds it.
+        self.engine = False
 
 
 _running = _Running()
@@ -49,16 +52,15 @@ def guard() -> bool:
 
         @functools.wraps(original)
         def guarded(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-            step = _running.step
+            running = _running
             # The engine's own default is to accumulate: a caller that does not say writes .grad.
-            if step is not None and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True):
-                _running.refused += 1
-                raise RuntimeError(_refusal(step))
-            if (
-                _backwards
-                and _inside_a_node() is not None
-                and kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True)
-            ):
+            writes = kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True)
+            if running.step is not None and writes:
+                running.refused += 1
+                raise RuntimeError(_refusal(running.step))
+            if running.engine and writes and _inside_a_node() is None:
+                raise RuntimeError(_UNSEEN)
+            if _backwards and writes and _inside_a_node() is not None:
                 # A custom Function's backward that runs one of its own (a hand-made recomputation):
                 # the step whose graph the node is in takes the leaves it writes as its own first.
                 for tell in list(_backwards):
@@ -86,6 +88,35 @@ class running:  # named like a function: a context manager used as one
 
     def __exit__(self, *exc: object) -> None:
         _backwards.remove(self.tell)
+
+
+class engine:  # named like a function: a context manager used as one
+    """While a training engine's ``backward=`` runs on this thread, refuse a backward it starts unseen."""
+
+    __slots__ = ("outer",)
+
+    def __enter__(self) -> None:
+        self.outer, _running.engine = _running.engine, True
+
+    def __exit__(self, *exc: object) -> None:
+        _running.engine = self.outer
+
+
+def seen(plain: Callable[[], None]) -> None:
+    """Run ``plain()``, a backward that the engine's ``backward=`` started and koila saw start."""
+    outer, _running.engine = _running.engine, False
+    try:
+        plain()
+    finally:
+        _running.engine = outer
+
+
+_UNSEEN = (
+    "the backward= of koila.accumulate started a backward pass that no torch function reached as it started "
+    "(torch.autograd.backward of GradientEdge outputs, say), so koila cannot see which .grad it writes: a "
+    "micro-batch that failed after it would leave its gradient in .grad. Refused before it wrote any. Start "
+    "the backward from the loss tensor (loss.backward() or torch.autograd.backward(loss, ...))"
+)
 
 
 def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -> Any:
