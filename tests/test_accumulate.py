@@ -2496,3 +2496,18 @@ def test_an_integrations_pad_joins_parts_that_differ_outside_the_rows_dim() -> N
     for decorated in (plain, refused):
         with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
             decorated(x, lengths)
+
+
+@pytest.mark.parametrize("initial", [None, 8])
+def test_counts_in_a_tuple_beside_the_loss_add_up_as_the_whole_batchs(initial: int | None) -> None:
+    # A tuple that holds no tensor is one value to chunked's joins; here each count is added across micro-batches.
+    model, x, y = build("mlp", 32)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        out = model(x)
+        return {"loss": F.mse_loss(out, y), "counts": (int((out > y).sum()), len(x))}
+
+    expected = step(x, y)["counts"]
+    model.zero_grad()
+    result = koila.accumulate(step, initial=initial, cache=koila.NoCache())(x, y)
+    assert result["counts"] == expected

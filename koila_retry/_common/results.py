@@ -8,7 +8,7 @@ sees it, in a node type registered here, which unflattens to the user's type, re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.utils._pytree import (
@@ -18,12 +18,14 @@ from torch.utils._pytree import (
     register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
+    tree_leaves,
     tree_unflatten,
 )
 
 from koila_retry._common.batches import CONSTRUCTED, faithful, remake, state_of, tuple_remaking
+from koila_retry._common.tensors import TensorBase
 
-__all__ = ["flatten", "flatten_with_path", "in_order", "structure"]
+__all__ = ["flatten", "flatten_with_path", "in_order", "strings", "structure"]
 
 
 class _Remade:
@@ -92,7 +94,7 @@ def _lifted(result: Any, whole: Callable[[Any], bool] | None) -> Any:
 
 
 def _lift(leaf: Any, whole: Callable[[Any], bool] | None) -> Any:
-    if not isinstance(leaf, tuple):
+    if not isinstance(leaf, tuple) or type(leaf) is tuple:  # a plain tuple is a leaf only where ``whole`` says
         return leaf
     how = tuple_remaking(leaf)
     if how is None:  # left a leaf: the front end says it cannot join it
@@ -100,36 +102,84 @@ def _lift(leaf: Any, whole: Callable[[Any], bool] | None) -> Any:
     return _Lifted([_lifted(item, whole) for item in leaf], _Remade(type(leaf), how, state_of(leaf, how)))
 
 
-def _strings(value: Any) -> bool:
-    """Return whether ``value`` is a list of strings, which a front end may take whole: one per row.
+def strings(value: Any) -> bool:
+    """Return whether ``value`` is a list of strings, which a front end may join: one per row.
 
     Some, or all, may be ``None`` (a name missing), and the items may be such lists themselves (a row's
-    labels or tokens, empty or not): whatever the values, one piece's structure is every piece's.
+    labels or tokens, empty or not).
     """
     if type(value) is not list or not value:
         return False
     for item in value:
         if type(item) is list:
-            if item and not _strings(item):
+            if item and not strings(item):
                 return False
         elif type(item) is not str and item is not None:
             return False
     return True
 
 
-def flatten(result: Any, strings: bool = False) -> tuple[list[Any], TreeSpec]:
+def _values(value: Any) -> bool:
+    """Return whether ``value`` is a list or tuple that holds no tensor, which a front end takes whole.
+
+    Strings, or numbers (``.tolist()``'s): whatever their number, one piece's structure is every piece's.
+    """
+    if type(value) not in (list, tuple) or not value:
+        return False
+    return strings(value) or (_tensor_free(value) and _holds_a_value(value))
+
+
+def _tensor_free(value: Any) -> bool:
+    """Return whether a list, tuple or mapping holds no tensor, at any depth; stop at the first it holds."""
+    for item in value.values() if isinstance(value, Mapping) else value:
+        if type(item) in _SCALARS:
+            continue
+        if isinstance(item, TensorBase):
+            return False
+        if isinstance(item, (tuple, list, Mapping)):  # tuple subclasses too, which pytree leaves whole
+            if not _tensor_free(item):
+                return False
+        else:  # a type registered with pytree may hold tensors
+            inside = [leaf for leaf in tree_leaves(item) if leaf is not item]
+            if inside and not _tensor_free(inside):
+                return False
+    return True
+
+
+def _holds_a_value(value: Any) -> bool:
+    """Return whether a list, tuple or mapping holds a value other than None: one of None alone keeps its shape."""
+    for item in value.values() if isinstance(value, Mapping) else value:
+        if isinstance(item, (tuple, list, Mapping)):
+            if _holds_a_value(item):
+                return True
+        elif item is not None:
+            return True
+    return False
+
+
+# The items of a result's lists that are values, not containers: one type lookup each.
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def flatten(result: Any, strings: bool = False, values: bool = False) -> tuple[list[Any], TreeSpec]:
     """Return the leaves of a piece's result and its ``TreeSpec``, tuple subclasses taken apart.
 
-    With ``strings``, a list of strings is one leaf: the same structure whatever its length.
+    With ``strings``, a list of strings is one leaf; with ``values``, so is a list or tuple that holds
+    no tensor (strings, numbers): the same structure whatever its length.
     """
-    whole = _strings if strings else None
+    whole = _whole(strings, values)
     return tree_flatten(_lifted(result, whole), is_leaf=whole)
 
 
-def flatten_with_path(result: Any, strings: bool = False) -> list[tuple[KeyPath, Any]]:
+def flatten_with_path(result: Any, strings: bool = False, values: bool = False) -> list[tuple[KeyPath, Any]]:
     """Return the ``(path, leaf)`` pairs of a piece's result, in the order of :func:`flatten`."""
-    whole = _strings if strings else None
+    whole = _whole(strings, values)
     return tree_flatten_with_path(_lifted(result, whole), is_leaf=whole)[0]
+
+
+def _whole(strings_: bool, values: bool) -> Callable[[Any], bool] | None:
+    # accumulate adds the numbers of a tuple across micro-batches (strings); chunked joins none (values).
+    return _values if values else (strings if strings_ else None)
 
 
 def structure(spec: TreeSpec | None) -> str:

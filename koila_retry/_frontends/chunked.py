@@ -19,7 +19,7 @@ from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
 
-from koila_retry._common.batches import Split
+from koila_retry._common.batches import Split, positional_names
 from koila_retry._common.dynamo import not_traced
 from koila_retry._common.units import as_int
 from koila_retry._core.cache import StackMemoryCache, function_identity
@@ -284,8 +284,9 @@ def chunked(
         ValueError: if there is no tensor argument, tensors differ in size
             along ``dim``, ``dim`` is out of range for an argument or a result,
             ``out`` does not match (a tensor missing or extra, a shape or a
-            dtype that does not fit) or requires grad as a leaf, or an option is
-            out of range.
+            dtype that does not fit), requires grad as a leaf, or shares memory
+            with an input without being that input, ``fn`` returns a sparse or
+            nested tensor, or an option is out of range.
         TypeError: if ``fn`` is not callable or is an async or generator
             function, it returns something other than tensors (or ``None``), an
             argument is an iterator (which the first chunk would use up: pass a
@@ -352,6 +353,8 @@ def _run_chunked(
     refuse_iterators(fn, args, kwargs, "koila.chunked", "chunk")
     split = Split(args, kwargs, dim, "koila.chunked", fn)
     results = Results(dim, split.rows, out)
+    if out is not None:
+        results.refuse_overlap(split)  # before fn runs, as torch's out= refuses it before its kernel
     attempt: Attempt | None = None
 
     def work(begin: int, end: int) -> Any:
@@ -546,20 +549,40 @@ def range(
         controller = ranges.controller(function, decorated=True)
         getframe = sys._getframe
 
+        # The range by position only, as fn gets each range's: Python's own error would name this
+        # wrapper's parameters, not fn's.
         @functools.wraps(function)
-        def wrapper(start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
-            return _run_range(controller, function, start, stop, args, kwargs, ranges, getframe(1))
+        def wrapper(*args: Any, **kwargs: Any) -> list[Any]:
+            if len(args) < 2:
+                _missing_range(function, args, kwargs)
+            return _run_range(controller, function, args[0], args[1], args[2:], kwargs, ranges, getframe(1))
 
         # Bound to an instance (or a class), the range comes after it: see batch.Bindable.
         @functools.wraps(function)
-        def method(instance: Any, start: int, stop: int, /, *args: Any, **kwargs: Any) -> list[Any]:
+        def method(instance: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
             bound = MethodType(function, instance)
-            return _run_range(controller, bound, start, stop, args, kwargs, ranges, getframe(1))
+            if len(args) < 2:
+                _missing_range(bound, args, kwargs)
+            return _run_range(controller, bound, args[0], args[1], args[2:], kwargs, ranges, getframe(1))
 
         plain, method = with_controller(wrapper, controller), with_controller(method, controller)
         return cast(Batched[P, list[R]], bindable(function, plain, method, binding))
 
     return decorate if fn is None else decorate(fn)
+
+
+def _missing_range(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+    """Raise the error for a decorated range function called without its start and stop by position."""
+    name, names = _name(fn), positional_names(fn)[:2]
+    parameters = f", as {_listed([*names])}" if len(names) == 2 else ""
+    keywords = [key for key in kwargs if key in {"start", "stop", *names}]
+    count = f"{len(args)} positional {'argument' if len(args) == 1 else 'arguments'}"
+    given = f"{count}, and {_listed(keywords)} by keyword" if keywords else count
+    raise TypeError(
+        f"{name}() decorated with @koila.range takes the start and stop of the whole range as its first two "
+        f"arguments, by position only (it calls {name}() with each range's begin and end there{parameters}); "
+        f"got {given}. Call {name}(start, stop, ...), as {name}(0, n)"
+    )
 
 
 def _run_range(

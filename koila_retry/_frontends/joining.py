@@ -14,8 +14,9 @@ from typing import Any, NoReturn, cast
 import torch
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, keystr, tree_flatten, tree_unflatten
 
+from koila_retry._common.batches import Split, positional_names
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.results import flatten, flatten_with_path, in_order, structure
+from koila_retry._common.results import flatten, flatten_with_path, in_order, strings, structure
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import format_bytes
 from koila_retry._common.warn import warn_or_log
@@ -24,6 +25,9 @@ from koila_retry._core.detect import is_oom
 __all__ = ["Results"]
 
 _NONE_SPEC = tree_flatten(None)[1]
+
+# The types of a result's leaves that hold values, not tensors (flatten's, with strings): one per row, or not.
+_VALUES = (list, tuple)
 
 
 class Results:
@@ -86,6 +90,37 @@ class Results:
             if len(paths) > 1:
                 _refuse_shared(paths)
 
+    def refuse_overlap(self, split: Split) -> None:
+        """Refuse an ``out`` tensor that shares memory with an input, other than a split input's own elements."""
+        inputs: dict[tuple[torch.device, int], list[int]] = {}
+        for index, tensor in enumerate(split.tensors):
+            storage = _storage(tensor)
+            if storage is not None:
+                inputs.setdefault(storage, []).append(index)
+        if not inputs:
+            return
+        rowed = set(split.split)
+        for path, leaf in flatten_with_path(self.out):
+            storage = _storage(leaf)
+            if storage is None:
+                continue
+            for index in inputs.get(storage, ()):
+                tensor = split.tensors[index]
+                # Exactly the input's elements: each chunk's rows are written once fn returned for them, where
+                # no later chunk reads, as torch's own out= takes an input that is the output.
+                if index in rowed and _same_elements(leaf, tensor):
+                    continue
+                if _share(leaf, tensor):
+                    how = "is split into the chunks" if index in rowed else "is passed whole to every chunk"
+                    raise ValueError(
+                        f"out{keystr(path)} shares memory with {_input_name(split, index)}, of shape "
+                        f"{tuple(tensor.shape)}, which {how}, without being that tensor's own elements (a view "
+                        "of the same memory shifted by a row, say): koila.chunked writes each chunk's rows into "
+                        "out as the chunk finishes, and later chunks would read input rows already overwritten, a "
+                        "wrong result (torch's own out= refuses such an overlap too). Pass an out with memory of "
+                        "its own (torch.empty_like, or .clone()), or the input tensor itself"
+                    )
+
     def add(self, begin: int, end: int, result: Any) -> None:
         targets = self.targets
         if self.plain and type(result) is torch.Tensor and result.dim() >= self.least_dims:
@@ -102,13 +137,20 @@ class Results:
             if end - begin == self.rows:
                 # As it is, but held to the rules every chunk is: one row per input row, and a layout that
                 # can be joined, whatever the memory.
+                rowed = []
                 for index, leaf in enumerate(leaves):
                     if isinstance(leaf, TensorBase):
-                        if leaf.layout is not torch.strided:
-                            self._unstrided(result, index, leaf.layout)
+                        if leaf.layout is not torch.strided or leaf.is_nested:
+                            self._unstrided(result, index, leaf)
                         if leaf.size(self.dim) != self.rows:
                             tensor = cast(torch.Tensor, leaf)
                             self._mismatch(tensor, tensor, begin, end, result, index)
+                    elif self._values_per_row(leaf, self.rows):
+                        rowed.append(index)
+                if rowed:  # None, as when the rows take more chunks
+                    self._dropped(result, leaves, rowed, self.rows)
+                    kept = [None if index in rowed else leaf for index, leaf in enumerate(leaves)]
+                    result = tree_unflatten(kept, cast(TreeSpec, self.spec))
                 self.single = result
                 return
             targets = self._allocate(leaves, end - begin, result)
@@ -131,7 +173,7 @@ class Results:
         A result whose dicts have the first's keys in another order is returned with its leaves, and
         remade, in the first's order.
         """
-        leaves, spec = flatten(result, self.strings)
+        leaves, spec = flatten(result, values=self.strings)
         if self.spec is None:
             if self.out is not None:
                 self.targets = self._matched(result)
@@ -149,10 +191,10 @@ class Results:
                 joined = True
                 if not -leaf.dim() <= dim < leaf.dim() or (targets is not None and not isinstance(target, TensorBase)):
                     self._explain(result, begin, end)
-            elif type(leaf) is list and self.strings and not isinstance(target, TensorBase):  # strings
-                if len(leaf) == rows:
+            elif self.strings and type(leaf) in _VALUES and not isinstance(target, TensorBase):  # strings, numbers
+                if len(leaf) == rows and strings(leaf):
                     joined = True
-                elif type(target) is list:  # one per row before, not here: as a few strings would be
+                elif type(target) is list:  # one string per row before, not here: as a few strings would be
                     self._unjoined(index, leaf, begin, end)
             elif self.out is not None or target is not None:
                 self._explain(result, begin, end)
@@ -160,12 +202,17 @@ class Results:
             self._explain(result, begin, end)
         return leaves, result
 
-    def _unjoined(self, index: int, leaf: list[str], begin: int, end: int) -> None:
+    def _unjoined(self, index: int, leaf: list[Any] | tuple[Any, ...], begin: int, end: int) -> None:
         """Return as ``None`` a list of strings that was one per row until the chunk ``begin``-``end``."""
         cast(list[Any], self.targets)[index] = None
+        count = len(leaf)
+        if strings(leaf):
+            what = f"a list of {count} {'string' if count == 1 else 'strings'}"
+        else:
+            what = f"a {type(leaf).__name__} of {count} {'value' if count == 1 else 'values'}, not all strings,"
         warn_or_log(
-            f"fn returned a list of {len(leaf)} {'string' if len(leaf) == 1 else 'strings'} for the rows {begin} to "
-            f"{end}, where it had returned one per row for the chunks before: koila.chunked returns that list as None",
+            f"fn returned {what} for the rows {begin} to {end}, where it had returned one string per row for the "
+            "chunks before: koila.chunked returns that list as None",
             UserWarning,
             stacklevel=levels_to_caller(),
         )
@@ -176,13 +223,13 @@ class Results:
         An allocation that runs out of memory records what did not fit, in ``unfit``, and
         propagates: it is the first chunk's attempt's error, retried smaller like any other.
         """
-        rowed = [type(leaf) is list and len(leaf) == first for leaf in leaves]  # strings, one per row
+        rowed = [strings(leaf) and len(leaf) == first for leaf in leaves]  # strings, one per row
         dropped = [index for index, leaf in enumerate(leaves) if not (isinstance(leaf, TensorBase) or rowed[index])]
         kept = [leaf if isinstance(leaf, TensorBase) else None for leaf in leaves]
         tensors = [leaf for leaf in kept if leaf is not None]
         for index, leaf in enumerate(kept):
-            if leaf is not None and leaf.layout is not torch.strided:
-                self._unstrided(result, index, leaf.layout)
+            if leaf is not None and (leaf.layout is not torch.strided or leaf.is_nested):
+                self._unstrided(result, index, leaf)
         dim, shapes = self.dim, []
         for leaf in tensors:
             shape = list(leaf.shape)
@@ -201,10 +248,32 @@ class Results:
         ]
         self.plain = type(result) is torch.Tensor
         if dropped:
-            paths = flatten_with_path(result, self.strings)
-            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in dropped)
-            # Warned once the result is made (not at each retry of a first chunk beside which it did not
-            # fit), and logged where a filter would raise it: raised, it would end the recovery.
+            self._dropped(result, leaves, dropped, first)
+        return targets
+
+    def _values_per_row(self, leaf: Any, rows: int) -> bool:
+        """Return whether ``leaf`` is a list or tuple of one value per row that is not joined: not strings."""
+        return self.strings and type(leaf) in _VALUES and len(leaf) == rows and not strings(leaf)
+
+    def _dropped(self, result: Any, leaves: list[Any], dropped: list[int], rows: int) -> None:
+        """Warn that the result's leaves at ``dropped``, of a chunk of ``rows`` rows, come back as ``None``."""
+        paths = flatten_with_path(result, values=self.strings)
+        rowed = [index for index in dropped if self._values_per_row(leaves[index], rows)]
+        others = [index for index in dropped if index not in rowed]
+        # Warned once the result is made (not at each retry of a first chunk beside which it did not
+        # fit), and logged where a filter would raise it: raised, it would end the recovery.
+        if rowed:
+            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in rowed)
+            warn_or_log(
+                f"fn returned one value per row that is not a tensor at {named}: koila.chunked joins tensors, and "
+                "lists of one string per row, and returns other lists and tuples of one value per row (the numbers "
+                "of .tolist(), say) as None, whether the rows take one chunk or more. Return the values as a "
+                "tensor (the tensor before .tolist(), or torch.tensor(values)), or as a list of strings",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
+        if others:
+            named = ", ".join(f"the result{keystr(paths[i][0])} ({type(leaves[i]).__name__})" for i in others)
             warn_or_log(
                 f"fn returned {named}: koila.chunked joins tensors, and lists of one string per row, and returns "
                 "other objects (a model's key-value cache, a string, a flag) as None when the rows take more than "
@@ -212,13 +281,19 @@ class Results:
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
-        return targets
 
-    def _unstrided(self, result: Any, index: int, layout: torch.layout) -> NoReturn:
-        path = keystr(flatten_with_path(result, self.strings)[index][0])
+    def _unstrided(self, result: Any, index: int, leaf: TensorBase) -> NoReturn:
+        path = keystr(flatten_with_path(result, values=self.strings)[index][0])
+        if leaf.is_nested:
+            raise ValueError(
+                f"fn returned a nested tensor (layout {leaf.layout}) at the result{path}: koila.chunked writes each "
+                "chunk's rows into one tensor of every row, which only a dense strided tensor can be, and refuses "
+                "it whether the rows take one chunk or more. Return it padded (torch.nested.to_padded_tensor) with "
+                "a mask, or join the chunks yourself under koila.batch"
+            )
         raise ValueError(
-            f"fn returned a tensor of layout {layout} at the result{path}: koila.chunked writes each chunk's rows "
-            "into one tensor of every row, which only a strided tensor can be, and refuses it whether the rows "
+            f"fn returned a tensor of layout {leaf.layout} at the result{path}: koila.chunked writes each chunk's "
+            "rows into one tensor of every row, which only a strided tensor can be, and refuses it whether the rows "
             "take one chunk or more. Return it dense (.to_dense()), or join the chunks yourself under koila.batch"
         )
 
@@ -253,6 +328,8 @@ class Results:
     def _write(self, target: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int) -> None:
         """Check one leaf of a chunk's result against where its rows go, and write them there."""
         dim, rows = self.dim, end - begin
+        if leaf.is_nested:  # whose shape torch cannot give
+            self._unstrided(result, index, leaf)
         view = target.narrow(dim, begin, rows)
         if view.shape != leaf.shape or (
             leaf.dtype != target.dtype and (self.out is None or not torch.can_cast(leaf.dtype, target.dtype))
@@ -262,7 +339,7 @@ class Results:
             view.copy_(leaf)
         except RuntimeError:
             if leaf.layout is not torch.strided:  # torch's copy_ from a sparse tensor: said as without out=
-                self._unstrided(result, index, leaf.layout)
+                self._unstrided(result, index, leaf)
             raise
 
     def _matched(self, result: Any) -> list[torch.Tensor | list[Any] | None]:
@@ -307,7 +384,7 @@ class Results:
         self, view: torch.Tensor, leaf: torch.Tensor, begin: int, end: int, result: Any, index: int
     ) -> NoReturn:
         """Raise the error that says how a chunk's result does not fit where its rows go, and what to do."""
-        path = keystr(flatten_with_path(result, self.strings)[index][0])
+        path = keystr(flatten_with_path(result, values=self.strings)[index][0])
         rows, dim = end - begin, self.dim
         at = f"at the result{path} for rows {begin} to {end}"
         if leaf.size(dim) != rows:
@@ -356,21 +433,25 @@ class Results:
 
     def _explain(self, result: Any, begin: int, end: int) -> NoReturn:
         """Raise the error that names the leaf of chunk ``begin``'s ``result`` that cannot be joined."""
-        leaves = flatten_with_path(result, self.strings)
+        leaves = flatten_with_path(result, values=self.strings)
         targets = self.targets
         alone = not any(isinstance(leaf, TensorBase) for _, leaf in leaves)
         for index, (path, leaf) in enumerate(leaves):
             where = f"the result{keystr(path)}"
             target = None if targets is None else targets[index]
-            if type(leaf) is list and len(leaf) == end - begin and not isinstance(target, TensorBase):
+            if strings(leaf) and len(leaf) == end - begin and not isinstance(target, TensorBase):
                 continue  # strings, one per row: joined
-            if type(leaf) is list and isinstance(target, TensorBase) and self.out is None:
+            if type(leaf) in _VALUES and isinstance(target, TensorBase) and self.out is None:
+                what = "strings" if strings(leaf) else "values"
                 raise ValueError(
-                    f"fn returned a list of strings at {where} for the chunk from row {begin}, where the first chunk "
-                    "returned a tensor"
+                    f"fn returned a {type(leaf).__name__} of {what} at {where} for the chunk from row {begin}, where "
+                    "the first chunk returned a tensor"
                 )
             if not isinstance(leaf, TensorBase):
                 if self.out is not None or target is not None or alone:
+                    if type(leaf) in _VALUES:  # name what in it is not a string: a float of .tolist()
+                        path, leaf = _first_value(path, leaf) or (path, leaf)
+                        where = f"the result{keystr(path)}"
                     # A subclass of dict or list is one leaf to pytree, unless registered with it.
                     kind = next(
                         (base.__name__ for base in (dict, list) if isinstance(leaf, base) and type(leaf) is not base),
@@ -398,8 +479,9 @@ class Results:
                     f"fn returned a tensor at {where} for the chunk from row {begin}, where the first chunk "
                     "returned an object that is not a tensor"
                 )
+        shape = structure(flatten(result, values=self.strings)[1])
         raise TypeError(
-            f"fn returned {structure(flatten(result, self.strings)[1])} for the chunk from row {begin}, which holds "
+            f"fn returned {shape} for the chunk from row {begin}, which holds "
             "nothing to join: no tensor, and no list of one string per row"
         )
 
@@ -440,6 +522,29 @@ def _at(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
             return found, depth
         value = found
     return value, len(path)
+
+
+def _input_name(split: Split, index: int) -> str:
+    """Name the input tensor ``split.tensors[index]`` by the argument it is, or lies in."""
+    names = positional_names(split.fn) if split.fn is not None else ()
+    arguments = [
+        (names[position] if position < len(names) else f"args[{position}]", node) for position, node in split.positional
+    ]
+    for name, node in [*arguments, *split.named]:
+        if node == index if isinstance(node, int) else index in node.leaves():
+            return f"the input {name}" if isinstance(node, int) else f"a tensor in the input {name}"
+    return "an input tensor"
+
+
+def _first_value(path: tuple[Any, ...], value: Any) -> tuple[tuple[Any, ...], Any] | None:
+    """Return the path and value of the first item of a list or tuple that is not a string (nor ``None``)."""
+    if type(value) in _VALUES:
+        for index, item in enumerate(value):
+            found = _first_value((*path, SequenceKey(index)), item)
+            if found is not None:
+                return found
+        return None
+    return None if value is None or type(value) is str else (path, value)
 
 
 def _row_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
@@ -493,17 +598,31 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Return where a tensor's storage lies, to compare its memory with another's; ``None`` where nothing can be."""
+    if tensor.numel() == 0 or tensor.layout is not torch.strided or tensor.is_nested or tensor.device.type == "meta":
+        return None
+    try:
+        return tensor.device, tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass without one storage: nothing to compare
+        return None
+
+
+def _same_elements(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Return whether two tensors are views of the same elements, row for row: ``out=x``."""
+    if first.data_ptr() != second.data_ptr() or first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    pairs = zip(first.stride(), second.stride(), first.shape, strict=True)
+    return all(stride == other or length == 1 for stride, other, length in pairs)
+
+
 def _refuse_shared(paths: list[tuple[Any, Any]]) -> None:
     """Raise the error that names two of ``out``'s tensors that share memory, if any do."""
     by_storage: dict[tuple[torch.device, int], list[tuple[Any, torch.Tensor]]] = {}
     for path, leaf in paths:
-        if leaf.numel() == 0 or leaf.layout is not torch.strided or leaf.device.type == "meta":
-            continue
-        try:
-            storage = leaf.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # a subclass without one storage: nothing to compare
-            continue
-        by_storage.setdefault((leaf.device, storage), []).append((path, leaf))
+        storage = _storage(leaf)
+        if storage is not None:
+            by_storage.setdefault(storage, []).append((path, leaf))
     for group in by_storage.values():  # usually one tensor each
         for index, (path, leaf) in enumerate(group):
             for other_path, other in group[index + 1 :]:

@@ -1,0 +1,278 @@
+"""koila.chunked's results and out=: what is joined, what is refused, whatever the memory lets a chunk hold."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import koila_retry as koila
+from koila_retry._core import memory
+from koila_retry.testing import oom_above
+
+# Rows per chunk that memory allows: every row at once, and chunks of 4, 4, 2; 3, 3, 3, 1; and 2 each.
+LIMITS = [None, 4, 3, 2]
+
+
+@pytest.fixture
+def fast_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip the full garbage collection after each OOM (the engine calls ``memory.release``)."""
+    monkeypatch.setattr(memory, "release", lambda device=None: None)
+
+
+def with_memory_for(fn: Callable[[torch.Tensor], Any], limit: int | None) -> Callable[[torch.Tensor], Any]:
+    """Return ``fn``, run out of memory above ``limit`` rows (never, for ``None``)."""
+    if limit is None:
+        return fn
+    fits = oom_above(limit)
+
+    def short(rows: torch.Tensor) -> Any:
+        fits(len(rows))
+        return fn(rows)
+
+    return short
+
+
+def outcome(
+    fn: Callable[[torch.Tensor], Any], x: torch.Tensor, limit: int | None
+) -> tuple[tuple[type, str] | None, Any, list[str]]:
+    """Call ``fn`` chunked with memory for ``limit`` rows: the error it raised, or what it returned, and warnings."""
+    raised, result = None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = koila.chunked(with_memory_for(fn, limit), x, initial=16, cache=koila.NoCache())
+        except Exception as error:  # compared: whether a call raises must not depend on memory
+            raised = (type(error), str(error))
+    return raised, result, [str(warning.message) for warning in caught if "one value per row" in str(warning.message)]
+
+
+# --------------------------------------------------------------------------- nested results
+
+
+def ragged(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's first few entries, without padding: a nested tensor of the default (strided) layout."""
+    return torch.nested.nested_tensor([row[: index % 3 + 1] for index, row in enumerate(rows)])
+
+
+def ragged_jagged(rows: torch.Tensor) -> torch.Tensor:
+    return torch.nested.nested_tensor([row[: index % 3 + 1] for index, row in enumerate(rows)], layout=torch.jagged)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("fn", [ragged, ragged_jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("initial", [8, 2], ids=["one-chunk", "chunks"])
+def test_a_nested_result_is_refused_whether_the_rows_take_one_chunk_or_more(
+    fn: Callable[[torch.Tensor], torch.Tensor], initial: int
+) -> None:
+    x = torch.randn(6, 3)
+    assert fn(x).is_nested  # what the plain function returns
+    with pytest.raises(ValueError, match=r"^fn returned a nested tensor \(layout torch\.\w+\) at the result: "):
+        koila.chunked(fn, x, initial=initial)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("out", [False, True], ids=["joined", "out"])
+def test_a_nested_result_after_dense_ones_is_refused_naming_the_place(out: bool) -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": rows if next(calls) == 0 else ragged(rows)}
+
+    buffers = {"x": torch.empty(6, 3)} if out else None
+    with pytest.raises(ValueError, match=r"^fn returned a nested tensor \(layout torch.strided\) at the result\['x'\]"):
+        koila.chunked(fn, torch.randn(6, 3), initial=2, out=buffers)
+
+
+# --------------------------------------------------------------------------- lists of one value per row
+
+
+def label_ints(rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    return rows.sum(1), rows[:, 0].long().tolist()  # per-row ints, as .tolist() gives
+
+
+def label_tuple(rows: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...]]:
+    return rows.sum(1), tuple(str(value) for value in rows[:, 0].tolist())  # per-row strings, in a tuple
+
+
+def label_rows(rows: torch.Tensor) -> dict[str, Any]:
+    return {"total": rows.sum(1), "rows": rows.tolist()}  # a list of lists of floats: one per row
+
+
+@pytest.mark.parametrize("fn", [label_ints, label_tuple, label_rows], ids=["ints", "tuple-of-str", "nested-lists"])
+def test_a_list_of_one_value_per_row_comes_back_as_none_whatever_the_memory(
+    fn: Callable[[torch.Tensor], Any], fast_release: None
+) -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    plain = fn(x)
+    keys = range(len(plain)) if isinstance(plain, tuple) else list(plain)
+    tensors = [key for key in keys if isinstance(plain[key], torch.Tensor)]
+    values = [key for key in keys if key not in tensors]
+    outcomes = []
+    for limit in LIMITS:
+        raised, result, warned = outcome(fn, x, limit)
+        assert raised is None, f"memory for {limit} rows"
+        assert len(warned) == 1, f"memory for {limit} rows: {warned}"
+        for key in tensors:  # the tensors are joined, as the plain function returns them
+            assert torch.equal(result[key], plain[key])
+        outcomes.append([result[key] for key in values])
+    assert outcomes == [[None] * len(values)] * len(LIMITS)
+
+
+def test_a_tuple_of_nones_keeps_its_shape_whatever_the_memory(fast_release: None) -> None:
+    # Holding no tensor, it was taken for one value per row, and came back as None with a warning.
+    x = torch.arange(20.0).reshape(10, 2)
+    for limit in LIMITS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = koila.chunked(
+                with_memory_for(lambda rows: {"total": rows.sum(1), "cache": (None, {"past": None})}, limit),
+                x,
+                initial=16,
+                cache=koila.NoCache(),
+            )
+        assert result["cache"] == (None, {"past": None}), f"memory for {limit} rows"
+        assert torch.equal(result["total"], x.sum(1))
+
+
+def test_a_result_of_only_numbers_per_row_is_refused_whatever_the_memory(fast_release: None) -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    outcomes = [outcome(lambda rows: rows[:, 0].tolist(), x, limit)[0] for limit in LIMITS]
+    raised = outcomes[0]
+    assert raised is not None
+    assert raised[0] is TypeError
+    assert "fn returned float at the result[0] for the chunk from row 0" in raised[1]
+    assert outcomes == [raised] * len(LIMITS)
+
+
+def test_lists_of_one_string_per_row_are_still_joined_whatever_the_memory(fast_release: None) -> None:
+    def fn(rows: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        return rows.sum(1), [f"row {int(value)}" for value in rows[:, 0].tolist()]
+
+    x = torch.arange(20.0).reshape(10, 2)
+    plain = fn(x)
+    for limit in LIMITS:
+        raised, result, warned = outcome(fn, x, limit)
+        assert raised is None
+        assert warned == []
+        assert torch.equal(result[0], plain[0])
+        assert result[1] == plain[1]
+
+
+class Pair(tuple):  # type: ignore[type-arg]
+    pass
+
+
+def test_a_list_that_holds_tensors_in_a_tuple_subclass_is_still_joined(fast_release: None) -> None:
+    def fn(rows: torch.Tensor) -> list[Pair]:
+        return [Pair((rows, rows * 2))]
+
+    x = torch.arange(20.0).reshape(10, 2)
+    plain = fn(x)
+    for limit in LIMITS:
+        (pair,) = koila.chunked(with_memory_for(fn, limit), x, initial=16, cache=koila.NoCache())
+        assert type(pair) is Pair
+        assert torch.equal(pair[0], plain[0][0])
+        assert torch.equal(pair[1], plain[0][1])
+
+
+def test_numbers_where_earlier_chunks_returned_one_string_per_row_come_back_as_none() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        labels = rows[:, 0].tolist()
+        return rows, [str(value) for value in labels] if next(calls) == 0 else labels
+
+    x = torch.arange(8.0).reshape(4, 2)
+    with pytest.warns(UserWarning, match=r"a list of 2 values, not all strings, for the rows 2 to 4, where it had"):
+        result = koila.chunked(fn, x, initial=2)
+    assert result[1] is None
+    assert torch.equal(result[0], x)
+
+
+# --------------------------------------------------------------------------- out= and the input's memory
+
+
+def test_out_that_overlaps_the_input_is_refused_before_fn_runs() -> None:
+    storage = torch.arange(22.0).reshape(11, 2)
+    x, buffer = storage[:10], storage[1:]  # the buffer starts one row after the input: they overlap
+    before = storage.clone()
+    calls: list[int] = []
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2
+
+    with pytest.raises(ValueError, match=r"^out shares memory with the input rows, of shape \(10, 2\), which is split"):
+        koila.chunked(double, x, initial=3, out=buffer)
+    assert calls == []
+    assert torch.equal(storage, before)
+
+
+def test_out_that_overlaps_a_tensor_passed_whole_is_refused() -> None:
+    storage = torch.ones(11, 2)
+    # One row, passed whole to every chunk and read by each, that out's row 5 would overwrite.
+    scale, buffer = storage[6:7], storage[1:]
+    with pytest.raises(ValueError, match=r"^out\['y'\] shares memory with the input scale, .* passed whole"):
+        koila.chunked(lambda rows, scale: {"y": rows * scale}, torch.ones(10, 2), scale, initial=3, out={"y": buffer})
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("initial", [3, 16], ids=["chunks", "one-chunk"])
+def test_out_that_is_the_input_itself_is_written_in_place(dim: int, initial: int) -> None:
+    x = torch.arange(20.0).reshape(10, 2) if dim == 0 else torch.arange(20.0).reshape(2, 10)
+    expected = x * 2 + 1  # the plain function on the whole input
+    for out in (x, x.view(x.shape)):  # the tensor, or a view of exactly its elements
+        inputs = x.clone()
+        target = inputs if out is x else inputs.view(inputs.shape)
+        result = koila.chunked(lambda rows: rows * 2 + 1, inputs, dim=dim, initial=initial, out=target)
+        assert result is target
+        assert torch.equal(inputs, expected)
+
+
+def test_out_beside_the_input_in_one_buffer_is_accepted() -> None:
+    columns = torch.zeros(10, 4)
+    columns[:, :2] = torch.arange(20.0).reshape(10, 2)
+    x, out = columns[:, :2], columns[:, 2:]  # one storage, no element in common
+    expected = x * 3
+    koila.chunked(lambda rows: rows * 3, x, initial=3, out=out)
+    assert torch.equal(out, expected)
+
+
+# --------------------------------------------------------------------------- koila.range and progress
+
+
+def test_a_decorated_range_called_by_keyword_names_its_own_parameters() -> None:
+    @koila.range(initial=2)
+    def spans(first: int, last: int, scale: int = 1) -> tuple[int, int]:
+        return first * scale, last * scale
+
+    with pytest.raises(TypeError, match=r"^spans\(\) decorated with @koila.range takes the start and stop of the"):
+        spans(start=0, stop=5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"there, as first and last\); got 1 positional argument, and last by keyword"):
+        spans(0, last=5)
+    plain = [(first * 10, last * 10) for first, last in [(0, 2), (2, 4), (4, 5)]]
+    assert spans(0, 5, scale=10) == plain
+
+
+def test_a_decorated_range_method_called_by_keyword_names_its_own_parameters() -> None:
+    class Loader:
+        @koila.range(initial=2)
+        def spans(self, first: int, last: int) -> tuple[int, int]:
+            return first, last
+
+    with pytest.raises(TypeError, match=r"each range's begin and end there, as first and last\); got 0 positional"):
+        Loader().spans(first=0, last=5)
+    assert Loader().spans(0, 3) == [(0, 2), (2, 3)]
+
+
+def test_progress_with_no_rows_shows_no_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    # As the docs say: no chunk runs, so no bar is drawn; with rows, one is.
+    assert koila.chunked(lambda rows: rows * 2, torch.zeros(0, 3), progress=True).shape == (0, 3)
+    assert koila.range(lambda begin, end: None, 4, 4, progress=True) == []
+    assert capsys.readouterr().err == ""
+    koila.chunked(lambda rows: rows * 2, torch.zeros(3, 3), progress=True)
+    assert "3/3" in capsys.readouterr().err
