@@ -28,11 +28,13 @@ from koila_retry._common.results import flatten
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.detect import is_oom
+from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.gradients import OtherLeaves, added_back
 from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
+from koila_retry.integrations._transformers_losses import IGNORED, ROWS, SUM, Inexact, shifts_labels, weighing_of
 from koila_retry.integrations._transformers_packed import apart, joined
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
@@ -48,7 +50,6 @@ T = TypeVar("T")
 NAME = "koila_retry.integrations.transformers.adapt"
 # Set on an adapted trainer: its original steps, so that adapting twice is refused.
 MARK = "koila_adapted_steps"
-IGNORED = -100
 # Stands for an argument the caller did not pass.
 ABSENT: Any = object()
 # Accelerate's distributed types that wrap the model in DistributedDataParallel: the ones adapt serves.
@@ -77,12 +78,18 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     whole count times that share: a loss that is a mean over its labels (the
     model's own, or a custom ``compute_loss`` or ``compute_loss_func`` that
     ignores the count) and one that divides its sum by ``num_items_in_batch``
-    both add up to the whole batch's. The gradient the optimizer sees, the loss
-    the trainer logs, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-    ``global_step`` and the learning-rate schedule are those of the whole batch,
-    to floating-point rounding. Gradient clipping, mixed precision and the
-    trainer's gradient accumulation run as before, on the full gradient. A step
-    that fails leaves ``.grad`` as it was. Later steps start at the size that
+    both add up to the whole batch's. Where the model's loss type says its own
+    loss averages otherwise, its micro-batches are weighed as it does: a CTC
+    loss's by their rows (``ctc_loss_reduction="mean"``) or 1 each (``"sum"``),
+    a semantic segmentation loss's by their labels other than its ignore index
+    (docs/huggingface.rst). A split step whose loss no weight adds up (label
+    fields besides ``labels`` whose items differ, as a pre-training head's; a
+    detector's; an MoE router loss) is warned of once. The gradient the
+    optimizer sees, the loss the trainer logs, ``per_device_train_batch_size``,
+    ``gradient_accumulation_steps``, ``global_step`` and the learning-rate
+    schedule are those of the whole batch, to floating-point rounding. Gradient
+    clipping, mixed precision and the trainer's gradient accumulation run as
+    before, on the full gradient. A step that fails leaves ``.grad`` as it was. Later steps start at the size that
     worked (kept per size class of the batch, as :func:`~koila_retry.accumulate`
     keeps it).
 
@@ -180,8 +187,9 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     Policy.of(NAME, None, options, rows=True)
     _refuse_unservable(trainer, transformers)
     overridden = type(trainer).training_step is not transformers.Trainer.training_step
-    training = _Training(trainer, overridden, options, transformers)
-    prediction = _Prediction(trainer, options, transformers)
+    inexact = Inexact(trainer, weighing_of(trainer, transformers, shifts_labels(trainer, transformers)), transformers)
+    training = _Training(trainer, overridden, options, inexact)
+    prediction = _Prediction(trainer, options, inexact)
     original_training, original_prediction = trainer.training_step, trainer.prediction_step
     training_step = functools.wraps(original_training)(training)
     prediction_step = functools.wraps(original_prediction)(prediction)
@@ -271,140 +279,6 @@ def _names(code: Any) -> set[str]:
     return names
 
 
-def _shifts_labels(trainer: Any, transformers: ModuleType) -> bool | None:
-    """Whether the trainer's loss shifts its labels (a causal language model's); None: a model nothing tells of."""
-    model = trainer.model
-    if (
-        getattr(trainer, "label_smoother", None) is not None
-        and getattr(trainer, "compute_loss_func", None) is None
-        and type(trainer).compute_loss is transformers.Trainer.compute_loss
-    ):
-        # The trainer's label smoothing computes the loss: it shifts for the class names it lists, as its code does.
-        peft = getattr(importlib.import_module("transformers.trainer"), "_is_peft_model", None)
-        if peft is not None and peft(model):  # as the trainer names a PEFT model: by the model it adapts
-            model = model.base_model.model
-        return type(model).__name__ in _causal_names()
-    if getattr(trainer, "_loss_shifts_labels", False):  # the trainer's own answer (transformers 5)
-        return True
-    # A module that is no PreTrainedModel (a wrapper, a PEFT model) shifts if every outermost one it holds does;
-    # one that holds none, if its loss_type says so, which the trainer reads too (transformers 5).
-    models = _outermost(model, transformers.PreTrainedModel)
-    if not models and getattr(model, "loss_type", None) is None:
-        return None
-    return all(_causal(model) for model in models or [model])
-
-
-def _outermost(module: Any, kind: type) -> list[Any]:
-    """The modules of ``kind`` in ``module``, itself included, that no other of ``kind`` holds."""
-    if isinstance(module, kind):
-        return [module]
-    children = module.children() if isinstance(module, torch.nn.Module) else ()
-    return [found for child in children for found in _outermost(child, kind)]
-
-
-def _causal(model: Any) -> bool:
-    """Whether a Hugging Face model's loss is a causal language model's, as Hugging Face tells them apart."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    try:  # transformers 4.46 on: the loss a model type uses
-        losses = importlib.import_module("transformers.loss.loss_utils")
-        kind = losses.LOSS_MAPPING.get(getattr(model, "loss_type", None))
-        if kind is not None:
-            return bool(kind is losses.ForCausalLMLoss)
-    except (ImportError, AttributeError):  # pragma: no cover - transformers before 4.46
-        pass
-    # A class of its own (loss_type None) computes the loss of the Hugging Face class it derives from.
-    names = _causal_names()
-    return any(kind.__name__ in names for kind in type(model).__mro__)
-
-
-def _causal_names() -> set[str]:
-    """The class names of causal language models: those ``Trainer``'s label smoothing shifts for, in every version."""
-    auto = importlib.import_module("transformers.models.auto.modeling_auto")
-    return set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def _labels_counted(trainer: Any, inputs: Any, shifts: bool | None) -> torch.Tensor | None:
-    """The labels whose entries that are not -100 a loss averages over, as Hugging Face counts them, or ``None``."""
-    labels = _field(inputs, "shift_labels")
-    if labels is None:
-        labels = _field(inputs, "labels")
-        if isinstance(labels, torch.Tensor) and shifts and labels.dim() >= 2:  # a sequence per row
-            labels = labels[..., 1:]
-    return labels if isinstance(labels, torch.Tensor) else None
-
-
-def _field(inputs: Any, name: str) -> Any:
-    """Return a batch's entry ``name`` as Hugging Face's Trainer reads it (``in``, then ``[]``), or ``None``."""
-    if isinstance(inputs, Mapping):
-        return inputs.get(name)
-    # A class of the user's that is not a Mapping but answers both, whose labels the trainer counts all the
-    # same: not weighed by them, a mean loss's micro-batches would add up to a sum of means.
-    if isinstance(inputs, (torch.Tensor, tuple, list)) or not hasattr(type(inputs), "__getitem__"):
-        return None
-    try:
-        return inputs[name] if name in inputs else None  # noqa: SIM401 (not a Mapping: may have no get)
-    except (TypeError, KeyError, IndexError, AttributeError):  # answers one of them only for some names
-        return None
-
-
-def _shared(count: Any, labels: torch.Tensor | None, whole: torch.Tensor | None, model: Any) -> Any:
-    """Return ``num_items_in_batch`` for a micro-batch: ``count`` times its share of the batch's items."""
-    if count is None or labels is None or whole is None or labels.shape[:1] == whole.shape[:1]:
-        return count
-    items, total = labels.ne(IGNORED).sum(), whole.ne(IGNORED).sum()
-    if not bool(items):  # weighed 0, its loss counts for nothing; its share would divide by 0
-        return count
-    if isinstance(count, torch.Tensor):
-        # Computed in float64 and rounded once to the finest of the default dtype (an integer count's quotient
-        # was in it), the model's parameters' and the count's: in float32, a float64 model's split step would
-        # lose digits; in a bfloat16 model's dtype, every model's would.
-        dtype = torch.promote_types(torch.get_default_dtype(), _precision(model))
-        if count.is_floating_point():
-            dtype = torch.promote_types(count.dtype, dtype)
-        device = count.device
-        share = count.double() * items.to(device, torch.float64) / total.to(device, torch.float64)
-        return share.to(dtype)
-    return count * int(items) / int(total)
-
-
-def _precision(model: Any) -> torch.dtype:
-    """The dtype of the model's first floating-point parameter: the precision its losses are computed in."""
-    parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
-    found = next((p.dtype for p in parameters if p.is_floating_point()), None)
-    return torch.get_default_dtype() if found is None else found
-
-
-def _items(trainer: Any, shifts: bool | None) -> Callable[..., Any]:
-    """Return ``weight=`` for a step: the items a micro-batch's mean loss averages over, as Hugging Face counts them."""
-    unwarned = [shifts is None]  # called only for a split batch: warned of once
-
-    def items(model: Any, inputs: Any, *rest: Any) -> Any:
-        labels = _labels_counted(trainer, inputs, shifts)
-        if labels is None:  # checked before the weighted step is chosen
-            raise RuntimeError("the batch lost its labels")
-        if unwarned[0] and labels.dim() >= 2 and bool(labels.eq(IGNORED).any()):
-            unwarned[0] = False
-            _warn_unshifted(model)
-        return labels.ne(IGNORED).sum()  # this rank's, without a collective: ranks may split differently
-
-    return items
-
-
-def _warn_unshifted(model: Any) -> None:
-    """Warn that a split step counts the labels of a model that holds no Hugging Face model as they are."""
-    warn_or_log(
-        f"adapt split a step of a {type(model).__name__}, which holds no Hugging Face model, and weighs its "
-        "micro-batches by their labels that are not -100, as they are: right for a loss over every label (a "
-        "token classifier's), not for a causal language model's, which predicts each label from the tokens "
-        "before it and averages over all but the first (a micro-batch of one-token rows counts none: its loss "
-        "is nan). For such a model, set loss_type = 'ForCausalLM' on it, which Hugging Face's Trainer reads "
-        "too: adapt then counts the labels shifted by one. This warning is shown once.",
-        UserWarning,
-        stacklevel=levels_to_caller(),
-    )
-
-
 class _Whole:
     """What an adapted step keeps of a whole batch the trainer's own step ran: whether it may, and its error."""
 
@@ -434,13 +308,14 @@ class _Bound:
 class _Training(_Bound):
     """An adapted ``training_step``: as the trainer runs it where an OOM can be undone, else through ``accumulate``."""
 
-    def __init__(self, trainer: Any, overridden: bool, options: Options, transformers: ModuleType) -> None:
+    def __init__(self, trainer: Any, overridden: bool, options: Options, inexact: Inexact) -> None:
         self.trainer, self.overridden = trainer, overridden
         self.original: Callable[..., Any] = trainer.training_step
         self.given = True  # whether the trainer passed num_items_in_batch to this step (from transformers 4.46)
-        self.shifts = _shifts_labels(trainer, transformers)
-        self.whole: torch.Tensor | None = None  # the labels of the step's whole batch, while it runs
+        self.inexact, self.weighing = inexact, inexact.weighing
+        self.whole: torch.Tensor | None = None  # what the step's whole batch is weighed by, while it runs
         self.inputs: Any = None  # that batch, while it runs
+        self.unseen: Any = None  # the step chosen for it, until a micro-batch shows that it split
         self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
@@ -457,7 +332,7 @@ class _Training(_Bound):
         shared: Any = {"backward": backward, "replay": replay, "stats": stats, "options": options}
         # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.summed = accumulator(reduction="sum", **shared)(training_step)
-        self.weighted = accumulator(weight=_items(trainer, self.shifts), **shared)(training_step)
+        self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(training_step)
         self.by_rows = accumulator(**shared)(training_step)
         # With its own backward (see _whole). An override first runs through accumulate once, whose checks
         # see whether it runs its backward through accelerator.backward, once (see run).
@@ -477,13 +352,13 @@ class _Training(_Bound):
         # The original is called as the trainer calls this: with num_items_in_batch only where given.
         self.given = num_items_in_batch is not ABSENT
         count = num_items_in_batch if self.given else None
-        self.whole = _labels_counted(self.trainer, inputs, self.shifts)
+        self.whole = self.weighing.counted(self.trainer, inputs)
         self.inputs = inputs
-        step = _chosen(self, count is not None, self.whole)
+        step = self.unseen = _chosen(self, count is not None, self.whole)
         try:
             returned = step(model, inputs, count)[1]
         finally:
-            self.whole = self.inputs = None
+            self.whole = self.inputs = self.unseen = None
         if not self.checked:  # an override that passed accumulate's checks: as the trainer runs it from now on
             self.checked = True
             self.kept.trusting = not step.stats.ooms and not step.cache_info().currsize
@@ -537,9 +412,10 @@ class _Training(_Bound):
                 if not is_oom(error):  # the gradients as the step found them, not part of a backward
                     _given_back(parameters, before, others)
                     raise
-                # Undone outside the except block, once the attempt's frames are gone; only its message
-                # and place are kept.
+                # Undone outside the except block, once the attempt's frames are gone (cleared, as the engine
+                # clears them: a compute_loss that kept the error pins nothing); only its message and place are kept.
                 failed, self.kept.failure = True, replayable(error)
+                clear_frames(error)
         if failed:
             _given_back(parameters, before, others)
             self.kept.trusting = False  # accumulate runs every step from now on, this one first
@@ -567,12 +443,19 @@ class _Training(_Bound):
             held.append(loss)
 
         before = _gradients(model) if self.overridden else None
-        whole, inputs = inputs is self.inputs, joined(inputs, self.packed)
+        whole = inputs is self.inputs
+        if self.unseen is not None and not whole and _rows_of(inputs) != _rows_of(self.inputs):
+            # Split: warned of once if no weight per micro-batch adds its loss up.
+            self.inexact.check(self.inputs, "training step", self.unseen is self.summed)
+            self.unseen = None
+        inputs = joined(inputs, self.packed)
         with _swapped(accelerator, "backward", hold):
             if self.given:
-                # The whole batch is the step's own inputs: their labels are counted already.
-                labels = self.whole if whole else _labels_counted(self.trainer, inputs, self.shifts)
-                returned = self.original(model, inputs, _shared(num_items_in_batch, labels, self.whole, model))
+                # The whole batch is the step's own inputs: what weighs it is counted already.
+                part = self.whole if whole else self.weighing.counted(self.trainer, inputs)
+                returned = self.original(
+                    model, inputs, self.weighing.shared(num_items_in_batch, part, self.whole, model)
+                )
             else:  # transformers before 4.46
                 returned = self.original(model, inputs)
         if before is not None and _gradients(model) != before:
@@ -614,9 +497,12 @@ _FAILED: Any = object()
 
 def _chosen(steps: _Training | _Prediction, counted: bool, labels: torch.Tensor | None) -> Any:
     """Choose the step that weighs this batch's micro-batches (by labels, unweighted, by rows)."""
-    if labels is not None:
+    mode = steps.weighing.mode
+    if mode == SUM:  # a loss that adds its rows' (a CTC loss's, say): weighed 1 each
+        step = steps.summed
+    elif labels is not None:  # the labels counted, or (a mean over rows) a tensor of the batch's rows
         step = steps.weighted
-    elif counted:
+    elif counted and mode != ROWS:
         step = steps.summed
     else:
         step = steps.by_rows
@@ -646,10 +532,10 @@ def _gradients(model: Any) -> list[tuple[int, int]]:
 class _Prediction(_Bound):
     """An adapted ``prediction_step``: as the trainer runs it alone until an OOM, else through ``accumulate``."""
 
-    def __init__(self, trainer: Any, options: Options, transformers: ModuleType) -> None:
+    def __init__(self, trainer: Any, options: Options, inexact: Inexact) -> None:
         self.trainer = trainer
         self.original: Callable[..., Any] = trainer.prediction_step
-        self.shifts = _shifts_labels(trainer, transformers)
+        self.inexact, self.weighing = inexact, inexact.weighing
         self.count: Callable[..., Any] | None = getattr(trainer, "_get_num_items_in_batch", None)
         self.lossless = False
         self.rows_checked = False  # see _averaged
@@ -699,7 +585,7 @@ class _Prediction(_Bound):
         self.stats = stats = Stats(batch_size=0)  # one for the three, as in training
         shared: Any = {"replay": replay, "pad": pad, "stats": stats, "options": options}
         self.summed = accumulator(reduction="sum", **shared)(prediction_step)
-        self.weighted = accumulator(weight=_items(trainer, self.shifts), **shared)(prediction_step)
+        self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(prediction_step)
         self.by_rows = accumulator(**shared)(prediction_step)
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
@@ -720,6 +606,7 @@ class _Prediction(_Bound):
                 if not is_oom(error):
                     raise
                 failed, kept.failure = True, replayable(error)  # raised again as accumulate's first attempt
+                clear_frames(error)  # as the engine does: a compute_loss that kept the error pins no tensor
             if not failed:
                 self.stats.ran_whole(rows)
                 return cast("tuple[Any, Any, Any]", found)
@@ -728,12 +615,12 @@ class _Prediction(_Bound):
         # Counted once per step, before any attempt: under DDP the trainer gathers the count from every
         # rank, a collective that a split rank would make per chunk and a rank out of memory never.
         counted = None if self.count is None else self.count([inputs], trainer.args.device)
-        whole = _labels_counted(trainer, inputs, self.shifts)
+        whole = self.weighing.counted(trainer, inputs)
         step = _chosen(self, counted is not None, whole)
         self.lossless = False
 
         def shared(batches: list[Any], device: Any) -> Any:  # each chunk's share of that count, as in training
-            return _shared(counted, _labels_counted(trainer, batches[0], self.shifts), whole, trainer.model)
+            return self.weighing.shared(counted, self.weighing.counted(trainer, batches[0]), whole, trainer.model)
 
         swap = (
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
@@ -751,6 +638,8 @@ class _Prediction(_Bound):
         logits = self.aside.restored(LOGITS, found.get("logits"))
         labels = self.aside.restored(LABELS, found.get("labels"))
         if total and step.stats.batch_size < total:
+            if loss is not None:
+                self.inexact.check(inputs, "prediction step", step is self.summed)
             if not self.rows_checked and (logits is not None or labels is not None):
                 self._averaged(logits, labels, total)
             if self.padded and not self.warned_padded:
