@@ -1006,6 +1006,22 @@ def test_detached_loss_with_the_model_passed_as_an_argument() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("held", ["dict", "list"])
+def test_detached_loss_of_a_model_held_in_a_dict_or_list_names_it(held: str) -> None:
+    # One level down from what the step reaches: the loss was returned, and no gradient computed, silently.
+    model, x, y = build("mlp", 10)
+    models: Any = {"net": model} if held == "dict" else [model]
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        net = models["net"] if held == "dict" else models[0]
+        return F.mse_loss(net(x), y).detach()
+
+    with pytest.raises(RuntimeError, match=r"the module 'models'\[(0|'net')\] \(Sequential\)"):
+        step(x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
 # Results that are fine for 8 rows and wrong for fewer: only the last micro-batch (4 rows) is bad.
 LATE_FAILURES: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception], str]] = {
     "non-scalar": (lambda loss: loss.expand(2), ValueError, "(2,)"),

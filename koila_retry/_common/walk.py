@@ -22,6 +22,7 @@ __all__ = [
     "global_names",
     "reachable",
     "references",
+    "trainable_module",
 ]
 
 # Models and optimizers sit a few references from a call (a closure's trainer's model);
@@ -172,3 +173,19 @@ class FrameValues:
 
     def __iter__(self) -> Iterator[Any]:
         return iter([value for _, value in frame_locals(self.frame)])
+
+
+def trainable_module(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Name a module with parameters requiring grad that the step reaches (its self, arguments, closure, globals)."""
+    for label, value in call_references(fn, args, kwargs):
+        # Or held in a dict, list or tuple there (models = {"net": ...}), one level down.
+        if isinstance(value, dict):
+            inside = [(f"{label}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            inside = [(f"{label}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            inside = [(label, value)]
+        for name, item in inside:
+            if isinstance(item, torch.nn.Module) and any(p.requires_grad for p in item.parameters()):
+                return f"the module {name} ({type(item).__name__})"
+    return None

@@ -25,7 +25,7 @@ import torch
 from koila_retry._common.batches import Split
 from koila_retry._common.places import Replayed, levels_to_caller
 from koila_retry._common.tensors import TensorBase, zeroed
-from koila_retry._common.walk import call_references
+from koila_retry._common.walk import trainable_module
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.attempt import agreement_of
@@ -840,7 +840,7 @@ class _Accumulator:
     def _check_no_grad_wanted(self, split: Split) -> None:
         """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
         if torch.is_grad_enabled():
-            owner = _module_with_trainable_parameters(self.fn, split.args, split.kwargs)
+            owner = trainable_module(self.fn, split.args, split.kwargs)
             if owner is not None:
                 raise RuntimeError(
                     f"{self.controller.name} returned a loss that does not require grad, while grad mode is "
@@ -874,14 +874,6 @@ def _ignores_labels(split: Split) -> bool:
     integers = (torch.int8, torch.int16, torch.int32, torch.int64)
     tensors = (split.tensors[index] for index in split.split)
     return any(t.dtype in integers and t.numel() and t.device.type != "meta" and int(t.amin()) == -100 for t in tensors)
-
-
-def _module_with_trainable_parameters(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Name a module with parameters requiring grad that the step reaches (its self, arguments, closure, globals)."""
-    for label, value in call_references(fn, args, kwargs):
-        if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
-            return f"the module {label} ({type(value).__name__})"
-    return None
 
 
 def _given_ddp(ddp: Any) -> list[Any]:
