@@ -1398,6 +1398,29 @@ def test_sequence_result_joins_the_logits(
     assert_grads(model, expected_grads)
 
 
+Predicted = namedtuple("Predicted", ["prediction", "loss"])
+
+
+@pytest.mark.parametrize("initial", [None, 4, 1])
+def test_a_named_tuples_loss_field_is_the_loss_wherever_it_is(initial: int | None) -> None:
+    # Its first item was taken: per-row predictions, refused as no scalar, but for 1-row micro-batches,
+    # where a prediction of one element passed for the loss and was trained on, silently.
+    model, x, y = build("mlp", 20)
+    expected_loss, expected_grads = full_step(model, x, y)
+
+    @koila.accumulate(initial=initial, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> Predicted:
+        prediction = model(x)
+        return Predicted(prediction, F.mse_loss(prediction, y))
+
+    result = step(x, y)
+    assert type(result) is Predicted
+    torch.testing.assert_close(result.loss, expected_loss, rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        torch.testing.assert_close(result.prediction, model(x), rtol=RTOL, atol=ATOL)
+    assert_grads(model, expected_grads)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_dict_result_weighs_numbers_like_the_loss(reduction: str) -> None:
     model, x, y = build("mlp", 20)

@@ -96,8 +96,9 @@ def accumulate(
 
     The decorated function takes a batch (tensor arguments, all with the same
     size along ``dim``, and any other arguments) and returns the loss of what it
-    was given: a scalar tensor, or a tuple or list whose first item is the loss,
-    or a dict whose ``"loss"`` entry is. Calling it runs the step and its
+    was given: a scalar tensor, a tuple or list whose first item is the loss
+    (a named tuple's ``loss`` field, if it has one), or a dict whose ``"loss"``
+    entry is. Calling it runs the step and its
     backward pass: ``loss.backward()``, or ``backward(loss)`` with a training
     engine's ``backward=``. If the whole batch fits, that is one forward and one
     backward. If not, the tensor arguments are split into micro-batches of a

@@ -365,7 +365,10 @@ def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
 def loss_of(result: Any, name: str) -> torch.Tensor:
     """Return the loss in a step's result, or raise the error that says what is missing."""
     if isinstance(result, (tuple, list)):
-        loss = result[0] if result else None
+        # A named tuple's loss field wherever it is (Out(pred, loss)), as a dict's "loss" entry: its first
+        # item, per-row predictions of one element at 1-row micro-batches, would pass for a loss.
+        fields = getattr(type(result), "_fields", ())
+        loss = getattr(result, "loss", None) if "loss" in fields else (result[0] if result else None)
     elif isinstance(result, dict):
         loss = result.get("loss")
     else:
@@ -373,7 +376,7 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
     if not isinstance(loss, TensorBase):
         raise TypeError(
             f"{name} returned {describe(result)}; @koila.accumulate needs the loss: a scalar tensor, a tuple "
-            "or list whose first item is one, or a dict with a 'loss' entry"
+            "or list whose first item is one, a named tuple with a 'loss' field, or a dict with a 'loss' entry"
         )
     if loss.numel() != 1:
         raise ValueError(
