@@ -475,3 +475,38 @@ def test_an_error_the_caller_handles_around_the_call_keeps_its_frames() -> None:
         assert inner is not None
         assert inner.tb_next is not None
         assert inner.tb_next.tb_frame.f_locals.get("table") is table
+
+
+class _Wide(nn.Module):
+    """Allocates a row's worth per row of its input: past the device's limit above 2 rows."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.repeat(1, 8)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_an_error_a_step_keeps_from_inside_a_module_with_hooks_pins_nothing(hooked: bool) -> None:
+    # A module with hooks runs its forward in a closure made per call (Module._call_impl's inner): its
+    # cleared frame still held the closure, whose cells held the module's input through the retry.
+    wide = _Wide()
+    if hooked:
+        wide.register_forward_hook(lambda module, inputs, output: None)
+    kept: list[BaseException] = []
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    @koila.batch(initial=4, cache=koila.NoCache())
+    def step(batch_size: int) -> torch.Tensor:
+        alive_at_start.append(any(ref() is not None for ref in inputs))
+        hidden = torch.ones(batch_size, _ROW // 4)
+        inputs.append(weakref.ref(hidden))
+        try:
+            return wide(hidden).sum()
+        except torch.OutOfMemoryError as error:
+            kept.append(error)  # for a report at the end, say
+            raise
+
+    with simulated_device(_FITS_2_ROWS):
+        step()
+    assert kept, "the first attempt ran out of memory"
+    assert alive_at_start == [False] * len(alive_at_start)

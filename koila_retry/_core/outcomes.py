@@ -18,12 +18,13 @@ import logging
 import sys
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
-from types import AsyncGeneratorType, CoroutineType, FrameType, GeneratorType, TracebackType
+from types import AsyncGeneratorType, CoroutineType, FrameType, FunctionType, GeneratorType, TracebackType
 from typing import Any, NoReturn, cast
 
 import torch
 
 from koila_retry._common.units import format_free
+from koila_retry._common.walk import frame_locals
 from koila_retry._core import decision
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Step
@@ -414,9 +415,30 @@ def clear_frames(error: BaseException, *, scan: bool = True) -> None:
     if doubtful and scan:
         finished.update((id(frame), frame) for frame in _not_suspended(doubtful))
     for frame in finished.values():
+        inner = _inner(frame) if frame.f_code is _CALL_IMPL else None
         # Refused for a frame running, in this thread or another (or suspended, from Python 3.13 on).
-        with contextlib.suppress(RuntimeError):
+        try:
             frame.clear()
+        except RuntimeError:
+            continue
+        if inner is not None:
+            for cell in inner.__closure__ or ():
+                with contextlib.suppress(ValueError):  # empty already
+                    del cell.cell_contents
+
+
+# A module with hooks runs its forward in a closure made per call, inner, over the call's arguments. A
+# cleared frame of inner still holds the function, and its cells the arguments (Python 3.11): a module's
+# input, and through it the graph, would outlive the clearing. Nothing else holds a call's inner, once
+# its call is over.
+_CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+
+
+def _inner(frame: FrameType) -> FunctionType | None:
+    """Return the ``inner`` closure that a ``Module._call_impl`` frame made, if any."""
+    # Read without keeping the snapshot of the variables in the frame, which clear() leaves (Python 3.11).
+    inner = dict(frame_locals(frame)).get("inner")
+    return inner if isinstance(inner, FunctionType) and inner.__code__.co_name == "inner" else None
 
 
 def _not_suspended(frames: list[FrameType]) -> list[FrameType]:
