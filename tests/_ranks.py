@@ -2488,6 +2488,27 @@ def accumulate_ranks_with_different_rows_each_run_whole(rank: int, world: int) -
     return {"seen": seen, "size": step.stats.batch_size, "ooms": step.stats.ooms}
 
 
+@scenario("two")
+def accumulate_a_rank_that_never_failed_stores_no_size_another_forced(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 fits 4 rows and has 7, then 3; rank 0 has 9 each step and fits them: it runs them whole again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    ddp = DDP(model)
+    seen: list[list[int]] = []
+
+    @koila.accumulate(cache=koila.GlobalCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen[-1].append(x.shape[0])
+        if rank == 1 and x.shape[0] > 4:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    for number, rows in enumerate((9, 9) if rank == 0 else (7, 3)):
+        seen.append([])
+        step(data(rows, 3, seed=60 + number), data(rows, 1, seed=70 + number))
+    return {"seen": seen}
+
+
 @scenario("crash")
 def ddp_buffers_first_forward(rank: int, world: int) -> dict[str, Any]:
     """A DDP model with buffers; rank 1 runs out of memory before its first forward (moving the batch, say).

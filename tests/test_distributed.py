@@ -900,6 +900,13 @@ def test_accumulate_ranks_with_different_rows_that_fit_each_run_their_whole_batc
     assert [value["ooms"] for value in values] == [0, 0]
 
 
+def test_a_rank_that_never_ran_out_of_memory_runs_its_batch_whole_again_after_another_did(groups: Groups) -> None:
+    # It stored the 4 rows rank 1's failure led every rank to, and split its 9 rows from then on.
+    values = groups("two")["accumulate_a_rank_that_never_failed_stores_no_size_another_forced"]
+    assert values[0]["seen"] == [[9, 4, 4, 1], [9]]
+    assert values[1]["seen"] == [[7, 4, 3], [3]]
+
+
 def test_accumulate_oom_before_the_first_forward_of_a_ddp_model_with_buffers(groups: Groups) -> None:
     values = groups("crash")["ddp_buffers_first_forward"]
     for value in values:

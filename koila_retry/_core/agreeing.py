@@ -60,4 +60,8 @@ class Agreeing(Strategy, Alone):
         failure.rank = failing
         reused = failure.reused is not None
         failure.step = decision.decide(course.owner.rules, course.state, Outcome.AGREED, agreed=agreed, reused=reused)
+        if not failed and course.call.rows > 0 and isinstance(failure.step, Try):
+            # Another rank's failure: a success at the size it leads to says nothing of this rank's rows, and
+            # stored, would split the batches this rank fits whole (accumulate's, whose ranks' rows may differ).
+            decision.not_stored_below(course.state, failure.step.size)
         return False

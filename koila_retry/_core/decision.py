@@ -39,6 +39,7 @@ __all__ = [
     "grow_by",
     "grown",
     "in_samples",
+    "not_stored_below",
     "presumed",
     "refined",
     "settled",
@@ -397,6 +398,11 @@ def agreed_start(state: State, agreed: int, floor: int) -> None:
         state.cached = state.size
     if state.probe_from is not None and state.size <= state.probe_from:  # a probe only if every rank was due one
         state.probe_from = None
+
+
+def not_stored_below(state: State, size: int) -> None:
+    """Let a success at ``size`` or above store nothing: what the cache holds counts as that size."""
+    state.cached = min(state.cached, size)
 
 
 def calibrated(state: State, wanted: int, rows: int) -> int:
