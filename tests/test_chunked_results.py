@@ -126,16 +126,31 @@ def test_a_tuple_of_nones_keeps_its_shape_whatever_the_memory(fast_release: None
     # Holding no tensor, it was taken for one value per row, and came back as None with a warning.
     x = torch.arange(20.0).reshape(10, 2)
     for limit in LIMITS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             result = koila.chunked(
                 with_memory_for(lambda rows: {"total": rows.sum(1), "cache": (None, {"past": None})}, limit),
                 x,
                 initial=16,
                 cache=koila.NoCache(),
             )
-        assert result["cache"] == (None, {"past": None}), f"memory for {limit} rows"
+        assert [str(warning.message) for warning in caught] == [], f"memory for {limit} rows"
+        assert result["cache"] == (None, {"past": None})
         assert torch.equal(result["total"], x.sum(1))
+
+
+def test_a_none_beside_the_tensors_comes_back_without_a_warning(fast_release: None) -> None:
+    # Nothing of it is lost: the warning that objects come back as None said nothing true.
+    x = torch.arange(20.0).reshape(10, 2)
+    for limit in LIMITS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # recorded: an "error" filter has koila log its warnings
+            result = koila.chunked(
+                with_memory_for(lambda rows: {"logits": rows * 2, "loss": None}, limit), x, initial=16
+            )
+        assert [str(warning.message) for warning in caught] == [], f"memory for {limit} rows"
+        assert result["loss"] is None
+        assert torch.equal(result["logits"], x * 2)
 
 
 def test_a_result_of_only_numbers_per_row_is_refused_whatever_the_memory(fast_release: None) -> None:

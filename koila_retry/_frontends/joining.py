@@ -259,7 +259,7 @@ class Results:
         """Warn that the result's leaves at ``dropped``, of a chunk of ``rows`` rows, come back as ``None``."""
         paths = flatten_with_path(result, values=self.strings)
         rowed = [index for index in dropped if self._values_per_row(leaves[index], rows)]
-        others = [index for index in dropped if index not in rowed]
+        others = [index for index in dropped if index not in rowed and leaves[index] is not None]  # None stays None
         # Warned once the result is made (not at each retry of a first chunk beside which it did not
         # fit), and logged where a filter would raise it: raised, it would end the recovery.
         if rowed:
