@@ -165,11 +165,20 @@ def check_mesh(module: torch.nn.Module, world_size: int, front_end: str) -> None
             )
 
 
-# The private state of FSDP2 that the reset writes and the play-along reads, as fully_shard makes it
-# (FSDP2 makes its communication context, and each parameter's unsharded tensor, at the first forward).
+# The private state of FSDP2 that the reset writes, the play-along and a micro-batch's kind read, as
+# fully_shard makes it (FSDP2 makes its communication context, and each parameter's unsharded tensor, at
+# the first forward).
 _PRIVATE = {
-    "FSDPState": ("_training_state", "_modules_to_run_forward", "_state_ctx", "_comm_ctx"),
-    "FSDPStateContext": ("iter_forward_root", "post_backward_final_callback_queued"),
+    "FSDPState": (
+        "_training_state",
+        "_modules_to_run_forward",
+        "_state_ctx",
+        "_comm_ctx",
+        "_states_to_forward_prefetch",
+        "_states_to_backward_prefetch",
+        "_is_root",
+    ),
+    "FSDPStateContext": ("iter_forward_root", "post_backward_final_callback_queued", "is_last_backward"),
     "FSDPParamGroup": (
         "_all_gather_result",
         "_post_reduce_event",
@@ -182,13 +191,17 @@ _PRIVATE = {
         "fsdp_params",
         "reduce_grads",
         "reshard_after_backward",
+        "post_forward_mesh_info",
+        "unshard_in_backward",
+        "_all_reduce_hook",
+        "mesh_info",
     ),
     "FSDPParam": ("unsharded_accumulated_grad",),
 }
 
 
 def check_state(module: torch.nn.Module, front_end: str) -> None:
-    """Refuse an FSDP2 module whose private state lacks what a failed attempt's reset needs (another torch)."""
+    """Refuse an FSDP2 module whose private state lacks what the play-along and the reset need (another torch)."""
     state = state_of(module)
     owners = {"FSDPState": [state], "FSDPStateContext": [state._state_ctx], "FSDPParamGroup": param_groups(module)}
     owners["FSDPParam"] = [group.fsdp_params[0] for group in owners["FSDPParamGroup"] if group.fsdp_params]
@@ -202,9 +215,9 @@ def check_state(module: torch.nn.Module, front_end: str) -> None:
     if missing:
         raise NotImplementedError(
             f"{front_end} found {type(module).__name__} sharded with FSDP2 by torch {torch.__version__}, whose "
-            f"private state lacks {', '.join(missing)}: after an out-of-memory error koila-retry puts FSDP2 back "
-            "through that state, and cannot here. Use a torch release whose FSDP2 has it (2.13 has), or pass "
-            "sync=False and choose a size that fits on every rank"
+            f"private state lacks {', '.join(missing)}: koila-retry reads that state to know FSDP2's collectives, "
+            "and puts FSDP2 back through it after an out-of-memory error, and cannot here. Use a torch release "
+            "whose FSDP2 has it (2.13 has), or pass sync=False and choose a size that fits on every rank"
         )
 
 
@@ -252,9 +265,9 @@ _NAMES = ("output_tensor", "input_tensor", "group", "op")
 class _Watched:
     """An FSDP2 collective that reports to the running call's shards, after an exchange while they vote."""
 
-    def __init__(self, comm: Any, gather: bool) -> None:
-        self.comm, self.gather = comm, gather
-        self.plain = type(comm).__name__ in _PLAIN
+    def __init__(self, comm: Any, gather: bool, group: Any = None) -> None:
+        self.comm, self.gather, self.group = comm, gather, group
+        self.plain = _plain(comm)
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         tensor: torch.Tensor = self.comm.allocate(size, dtype=dtype, device=device)
@@ -273,8 +286,13 @@ class _Watched:
         result = self.comm(*args, **kwargs)
         shards.count += 1
         if recording is not None:
-            recording.append(self._described(args, kwargs) if self.plain else None)
+            recording.append(self._described(args, kwargs) if self._playable() else None)
         return result
+
+    def _playable(self) -> bool:
+        # An all-reduce hook of the user's (set_all_reduce_hook) runs after the group's reduce-scatter and may
+        # make collectives of its own, which no record holds: that kind keeps the vote, as a custom comm's.
+        return self.plain and (self.gather or getattr(self.group, "_all_reduce_hook", None) is None)
 
     def _described(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Collective:
         values = dict(zip(_NAMES, args)) | kwargs  # FSDP2 passes keywords; an older one may not
@@ -287,16 +305,36 @@ class _Watched:
         )
 
 
-def _install(module: torch.nn.Module) -> None:
-    """Put a watching comm in front of each of the module's FSDP collectives, once."""
-    for group in param_groups(module):
-        # Private: FSDPParamGroup._all_gather_comm and _reduce_scatter_comm, the comm objects that
-        # set_custom_all_gather and set_custom_reduce_scatter (public) replace. Read so that a
-        # custom comm of the user's is kept behind the watch.
-        if not isinstance(group._all_gather_comm, _Watched):
-            group._all_gather_comm = _Watched(group._all_gather_comm, gather=True)
-        if not isinstance(group._reduce_scatter_comm, _Watched):
-            group._reduce_scatter_comm = _Watched(group._reduce_scatter_comm, gather=False)
+def _plain(comm: Any) -> bool:
+    """Return whether a comm (watched or not) makes only the collectives a plain torch.distributed call matches."""
+    return comm.plain if isinstance(comm, _Watched) else type(comm).__name__ in _PLAIN
+
+
+# Private: FSDPParamGroup._all_gather_comm and _reduce_scatter_comm, the comm objects that
+# set_custom_all_gather and set_custom_reduce_scatter (public) replace; a custom comm of the user's is kept
+# behind the watch.
+_COMMS = (("_all_gather_comm", True), ("_reduce_scatter_comm", False))
+_Put = list[tuple[Any, str, _Watched]]
+
+
+def _watch(groups: list[Any]) -> _Put:
+    """Put a watching comm in front of each of the groups' FSDP2 collectives that has none; return those put."""
+    put = []
+    for group in groups:
+        for name, gather in _COMMS:
+            comm = getattr(group, name)
+            if not isinstance(comm, _Watched):  # else watched by a call this one runs inside
+                watched = _Watched(comm, gather, group)
+                setattr(group, name, watched)
+                put.append((group, name, watched))
+    return put
+
+
+def _unwatch(put: _Put) -> None:
+    """Put back the comms :func:`_watch` watched: FSDP2's own setters refuse a comm of a type they do not know."""
+    for group, name, watched in put:
+        if getattr(group, name) is watched:  # else replaced since, and the new comm is the user's
+            setattr(group, name, watched.comm)
 
 
 # The roots whose forward begins a micro-batch of the forward front ends: hooked once, for good.
@@ -331,13 +369,16 @@ class Shards:
         "hooks",
         "kept",
         "kind",
+        "lazy",
         "modules",
         "params",
         "previous",
+        "put",
         "recording",
         "roots",
         "schedules",
         "source",
+        "states",
         "steps",
     )
 
@@ -348,7 +389,9 @@ class Shards:
         self.schedules = _schedules.setdefault(roots[0], {})
         self.roots = tuple(id(root) for root in roots)
         self.groups = [group for module in modules for group in param_groups(module)]
+        self.states = [state_of(module) for module in modules]
         self.params = [param for group in self.groups for param in group.fsdp_params]
+        self.put: _Put = []  # the watching comms an attempt put in front of FSDP2's (see arm)
         # What FSDP2 held unsharded as the attempt began (a backward of the caller's own, gradient sync off),
         # and the hooks that make a backward of the attempt add onto copies of it (see arm).
         self.kept: _Held = []
@@ -357,8 +400,7 @@ class Shards:
         self.count = 0  # the collectives it made
         self.recording: list[_Collective | None] | None = None  # while it votes: what it made
         self.steps = False
-        for module in modules:
-            _install(module)
+        self.lazy = True  # until a micro-batch finds FSDP2's lazy init done (see micro_batch)
         for root in roots:
             if root not in _hooked:
                 # prepend: before FSDP2's pre-forward, registered as fully_shard ran.
@@ -369,6 +411,7 @@ class Shards:
         """From now until :meth:`disarm`, the modules' collectives report to these shards."""
         self.previous, _armed.shards = _armed.shards, self
         self.kind, self.recording, self.steps = None, None, False
+        self.put = _watch(self.groups)
         # A failed attempt's reset drops what is unsharded and puts back what was there before it. A backward
         # inside the attempt (a function that trains, under batch or attempts) adds into those tensors in
         # place, autograd into .grad and FSDP2 into unsharded_accumulated_grad: each is copied as its
@@ -384,6 +427,8 @@ class Shards:
         """Stop the reports :meth:`arm` began, at the end of the attempt's block."""
         _armed.shards, self.previous = self.previous, None
         self._unhook()
+        put, self.put = self.put, []
+        _unwatch(put)
 
     def _unhook(self) -> None:
         hooks, self.hooks = self.hooks, []
@@ -407,18 +452,18 @@ class Shards:
         if front == "step" and self.kept:  # a step adds onto copies of its own (see ShardedStep), dropped whole
             self._unhook()
             self.kept = []
-        # What changes FSDP2's collectives makes another kind: its switches (gradient sync, resharding), which
-        # groups are gathered already (a root stays gathered after a forward without backward), and which hold
-        # gradients accumulated unsharded (a block used twice reduce-scatters once more after those); and the
-        # root whose forward began it, where a call runs several models (a draft's and a target's forwards);
-        # and whose call it is (its function's name and code): two steps over one model, Lightning's
-        # validation_step and predict_step say, make collectives of their own.
-        switches = tuple(
-            (group.reduce_grads, group.reshard_after_backward, group._sharded_state, _accumulated(group))
-            for group in self.groups
-        )
+        # What changes FSDP2's collectives makes another kind: its switches and state (see _switches), where it
+        # reshards after the forward, and its modules' explicit prefetching; and the root whose forward began it,
+        # where a call runs several models (a draft's and a target's forwards); and whose call it is (its
+        # function's name and code): two steps over one model, Lightning's validation_step and predict_step
+        # say, make collectives of their own. FSDP2's lazy init, at a root's first forward, stops resharding
+        # that root after its forward: the micro-batch that runs it is recorded as those after it find FSDP2.
+        self.lazy = self.lazy and any(state._is_root is None for state in self.states)
+        resharded = tuple(map(_size_after_forward, self.groups))
         root_id = None if root is None else id(root)
-        self.kind = kind = (front, torch.is_grad_enabled(), self.roots, switches, root_id, self.source)
+        switches, ordered = tuple(map(_switches, self.groups)), _ordered(self.states)
+        kind = (front, torch.is_grad_enabled(), self.roots, switches, resharded, ordered, root_id, self.source)
+        self.kind = kind
         self.count = 0
         self.recording = [] if kind not in self.schedules else None
 
@@ -430,6 +475,8 @@ class Shards:
         self.kind = None
         if recording is not None:
             if None not in recording:  # a custom comm's collectives are not played: its kind keeps the vote
+                if self.lazy:  # where the micro-batches after it find the root resharding (see micro_batch)
+                    kind = (*kind[:4], tuple(map(_size_after_forward, self.groups)), *kind[5:])
                 self.schedules[kind] = recording  # type: ignore[assignment]
         elif self.count != len(self.schedules[kind]):
             del self.schedules[kind]  # the model's collectives changed: record them again, under the vote
@@ -572,6 +619,65 @@ def _hand_back(held: _Held, copy: bool) -> None:
     for fsdp_param, grad, accumulated in held:
         fsdp_param._unsharded_param.grad = kept(grad)
         fsdp_param.unsharded_accumulated_grad = kept(accumulated)
+
+
+def _switches(group: Any) -> tuple[Any, ...]:
+    """Return what of an FSDP2 parameter group's switches and state decides the collectives a micro-batch makes."""
+    # Private state, as FSDPModule's setters write it (gradient sync, resharding after the forward and after
+    # the backward, unsharding in the backward, custom comms, an all-reduce hook, reduce-scattering unused
+    # parameters, the reduce operation, a reduce-scatter group of its own), and as a micro-batch finds it:
+    # groups gathered already (a root after a forward without backward) or with an all-gather in flight, and
+    # gradients accumulated unsharded (a block used twice reduce-scatters once more after those). Switches a
+    # torch before 2.13 lacks read as their default.
+    return (
+        group.reduce_grads,
+        group.reshard_after_backward,
+        group.unshard_in_backward,
+        _plain(group._all_gather_comm),
+        _plain(group._reduce_scatter_comm),
+        group._all_reduce_hook is not None,
+        getattr(group, "reduce_scatter_unused_params", False),
+        getattr(group, "gradient_divide_factor", None),
+        getattr(group, "force_sum_reduction_for_comms", False),
+        # By name, given alike on every rank: the ranks must find a kind recorded, or not, alike.
+        getattr(getattr(group.mesh_info, "reduce_scatter_process_group", None), "group_name", None),
+        group._sharded_state,
+        group._all_gather_result is not None,
+        _accumulated(group),
+    )
+
+
+def _ordered(states: list[Any]) -> tuple[Any, ...]:
+    """Return what orders the collectives of the FSDP2 states set by hand: explicit prefetching, last backward."""
+    # Private: what set_modules_to_forward_prefetch, set_modules_to_backward_prefetch and
+    # set_is_last_backward (the end of a last backward finishes all-gathers prefetched for nothing) write.
+    found = [
+        (index, state)
+        for index, state in enumerate(states)
+        if state._states_to_forward_prefetch
+        or state._states_to_backward_prefetch
+        or not state._state_ctx.is_last_backward
+    ]
+    if not found:
+        return ()
+    # The modules prefetched by their places among the call's, not by id: the ranks must find a kind
+    # recorded, or not, alike.
+    places = {id(state): index for index, state in enumerate(states)}
+    return tuple(
+        (
+            index,
+            tuple(places.get(id(other), -1) for other in state._states_to_forward_prefetch),
+            tuple(places.get(id(other), -1) for other in state._states_to_backward_prefetch),
+            state._state_ctx.is_last_backward,
+        )
+        for index, state in found
+    )
+
+
+def _size_after_forward(group: Any) -> int | None:
+    """Return how many ranks an FSDP2 group reshards its parameters over after its forward; None: kept gathered."""
+    after = group.post_forward_mesh_info
+    return None if after is None else int(after.shard_mesh_size)
 
 
 def _accumulated(group: Any) -> bool:
