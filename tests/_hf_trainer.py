@@ -75,9 +75,17 @@ def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(
-    tmp_path: Path, cls: Any = None, *, model: Any = None, compute_loss_func: Any = None, **arguments: Any
+    tmp_path: Path,
+    cls: Any = None,
+    *,
+    model: Any = None,
+    compute_loss_func: Any = None,
+    data: Any = None,
+    data_collator: Any = None,
+    **arguments: Any,
 ) -> Any:
-    """A trainer of ``cls`` over the tiny GPT-2 (or ``model``); ``arguments`` are the TrainingArguments'."""
+    """A trainer of ``cls`` over the tiny GPT-2 (or ``model``, with ``data`` for training and evaluation and its
+    ``data_collator``); ``arguments`` are the TrainingArguments'."""
     settings: dict[str, Any] = {
         "output_dir": str(tmp_path),
         "per_device_train_batch_size": 8,
@@ -102,9 +110,9 @@ def make_trainer(
     return trainer_class(
         model=tiny_gpt2() if model is None else model,
         args=transformers.TrainingArguments(**settings),
-        train_dataset=Rows(),
-        eval_dataset=Rows(8, seed=2),
-        data_collator=collate,
+        train_dataset=Rows() if data is None else data,
+        eval_dataset=Rows(8, seed=2) if data is None else data,
+        data_collator=collate if data_collator is None else data_collator,
         **extra,
     )
 

@@ -20,6 +20,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_trainer import make_trainer  # noqa: E402 (after the skip)
+
 from koila_retry.integrations.transformers import adapt  # noqa: E402
 from koila_retry.testing import make_oom  # noqa: E402
 
@@ -50,30 +52,13 @@ def trainer(
     tmp_path: Path, model: Any, data: list[dict[str, Any]], collate: Callable[..., Any], **arguments: Any
 ) -> Any:
     settings: dict[str, Any] = {
-        "output_dir": str(tmp_path),
         "per_device_train_batch_size": ROWS,
         "per_device_eval_batch_size": ROWS,
         "max_steps": 1,
-        "learning_rate": 0.1,
-        "optim": "sgd",
         "max_grad_norm": 0,
-        "report_to": [],
-        "save_strategy": "no",
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "seed": 0,
-        "dataloader_num_workers": 0,
         "remove_unused_columns": False,
     }
-    settings.update(arguments)
-    return transformers.Trainer(
-        model=model,
-        args=transformers.TrainingArguments(**settings),
-        train_dataset=data,
-        eval_dataset=data,
-        data_collator=collate,
-    )
+    return make_trainer(tmp_path, model=model, data=data, data_collator=collate, **(settings | arguments))
 
 
 def logged(trainer: Any, key: str) -> list[float]:
