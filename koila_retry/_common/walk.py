@@ -177,15 +177,8 @@ class FrameValues:
 
 def trainable_module(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Name a module with parameters requiring grad that the step reaches (its self, arguments, closure, globals)."""
+    # Not inside a dict or list there: which of the models held so the step uses is not known.
     for label, value in call_references(fn, args, kwargs):
-        # Or held in a dict, list or tuple there (models = {"net": ...}), one level down.
-        if isinstance(value, dict):
-            inside = [(f"{label}[{key!r}]", item) for key, item in value.items()]
-        elif isinstance(value, (list, tuple)):
-            inside = [(f"{label}[{index}]", item) for index, item in enumerate(value)]
-        else:
-            inside = [(label, value)]
-        for name, item in inside:
-            if isinstance(item, torch.nn.Module) and any(p.requires_grad for p in item.parameters()):
-                return f"the module {name} ({type(item).__name__})"
+        if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
+            return f"the module {label} ({type(value).__name__})"
     return None
