@@ -2509,6 +2509,36 @@ def accumulate_a_rank_that_never_failed_stores_no_size_another_forced(rank: int,
     return {"seen": seen}
 
 
+@scenario("two")
+def accumulate_a_rank_that_failed_first_stores_its_size_when_another_fails_after(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """Rank 0 fits 6 rows of its 8; rank 1 fails once more, at 4: rank 0 keeps the 2 it ended at.
+
+    In the second step, rank 1's rows are longer, a key its cache holds nothing under (a StackMemoryCache does
+    not scale sizes between lengths): it starts whole, rank 0 at what it kept.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    ddp = DDP(model)
+    seen: list[list[int]] = []
+    calls = [0]
+
+    @koila.accumulate(cache=koila.StackMemoryCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen[-1].append(x.shape[0])
+        calls[0] += 1
+        if (rank == 0 and x.shape[0] > 6) or (rank == 1 and calls[0] == 2):
+            raise make_oom()
+        return F.mse_loss(ddp(x).mean(1), y)
+
+    for number in range(2):
+        seen.append([])
+        length = 5 if rank == 1 and number == 1 else 3
+        step(data(8 * length, 3, seed=80 + number).view(8, length, 3), data(8, 1, seed=90 + number))
+    return {"seen": seen, "ooms": step.stats.ooms}
+
+
 @scenario("crash")
 def ddp_buffers_first_forward(rank: int, world: int) -> dict[str, Any]:
     """A DDP model with buffers; rank 1 runs out of memory before its first forward (moving the batch, say).

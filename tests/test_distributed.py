@@ -907,6 +907,14 @@ def test_a_rank_that_never_ran_out_of_memory_runs_its_batch_whole_again_after_an
     assert values[1]["seen"] == [[7, 4, 3], [3]]
 
 
+def test_a_rank_that_ran_out_of_memory_keeps_its_size_when_another_rank_fails_after_it(groups: Groups) -> None:
+    # Rank 1 failed last, so rank 0 took the final size for another rank's and stored nothing of its own
+    # failure: it failed at 8 rows again in the next step.
+    values = groups("two")["accumulate_a_rank_that_failed_first_stores_its_size_when_another_fails_after"]
+    assert values[0]["seen"] == [[8, 4, 4, 2, 2, 2, 2], [2, 2, 2, 2]]
+    assert [value["ooms"] for value in values] == [2, 2], "no failure in the second step"
+
+
 def test_accumulate_oom_before_the_first_forward_of_a_ddp_model_with_buffers(groups: Groups) -> None:
     values = groups("crash")["ddp_buffers_first_forward"]
     for value in values:

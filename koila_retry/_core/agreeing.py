@@ -59,9 +59,11 @@ class Agreeing(Strategy, Alone):
         failure = course.fail(f"rank {failing}") if not failed else cast(Failure, course.failure)
         failure.rank = failing
         reused = failure.reused is not None
-        failure.step = decision.decide(course.owner.rules, course.state, Outcome.AGREED, agreed=agreed, reused=reused)
-        if not failed and course.call.rows > 0 and isinstance(failure.step, Try):
-            # Another rank's failure: a success at the size it leads to says nothing of this rank's rows, and
-            # stored, would split the batches this rank fits whole (accumulate's, whose ranks' rows may differ).
-            decision.not_stored_below(course.state, failure.step.size)
+        state = course.state
+        state.ran_out = state.ran_out or failed
+        failure.step = decision.decide(course.owner.rules, state, Outcome.AGREED, agreed=agreed, reused=reused)
+        if not state.ran_out and course.call.rows > 0 and isinstance(failure.step, Try):
+            # Only other ranks' failures: a success at the size they lead to says nothing of this rank's rows,
+            # and stored, would split the batches this rank fits whole (accumulate's: ranks' rows may differ).
+            decision.not_stored_below(state, failure.step.size)
         return False

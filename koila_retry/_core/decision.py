@@ -95,6 +95,7 @@ class State:
     estimated: bool = False  # size is an estimate's (initial="auto"), the cache holding none
     corrected: bool = False  # a measured run has corrected the size in this call
     failed: int | None = None  # the fewest rows that ran out of memory in this call since then
+    ran_out: bool = False  # whether this rank ran out of memory in this call, not only another (see Agreeing)
 
 
 class Outcome(enum.Enum):
