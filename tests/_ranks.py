@@ -2539,6 +2539,28 @@ def accumulate_a_rank_that_failed_first_stores_its_size_when_another_fails_after
     return {"seen": seen, "ooms": step.stats.ooms}
 
 
+@scenario("two")
+def accumulate_a_rank_that_fits_whole_is_not_held_to_anothers_smaller_start(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has 9 rows and fits them; rank 1 has 7 and fits 4, which it keeps: rank 0 runs whole from then on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    ddp = DDP(model)
+    seen: list[list[int]] = []
+
+    @koila.accumulate(cache=koila.StackMemoryCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen[-1].append(x.shape[0])
+        if rank == 1 and x.shape[0] > 4:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    rows = 9 if rank == 0 else 7
+    for number in range(3):
+        seen.append([])
+        step(data(rows, 3, seed=40 + number), data(rows, 1, seed=50 + number))
+    return {"seen": seen}
+
+
 @scenario("crash")
 def ddp_buffers_first_forward(rank: int, world: int) -> dict[str, Any]:
     """A DDP model with buffers; rank 1 runs out of memory before its first forward (moving the batch, say).
