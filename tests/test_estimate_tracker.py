@@ -288,6 +288,37 @@ def test_a_module_that_changes_its_input_in_place_ends_its_backward_before_the_n
     assert peaks["InPlace.act"][1] < peaks["InPlace.wide"][1]
 
 
+class PassedOn(nn.Module):
+    """A module after a wide one that passes its input on: untouched, or changed in place by keyword."""
+
+    def __init__(self, middle: nn.Module, by_keyword: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Sequential(nn.Linear(32, 8192), nn.ReLU(), nn.Linear(8192, 64))
+        self.middle, self.by_keyword = middle, by_keyword
+        self.last = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.wide(x)
+        return self.last(self.middle(input=hidden) if self.by_keyword else self.middle(hidden))
+
+
+@pytest.mark.parametrize(
+    ("middle", "by_keyword"),
+    [(nn.Identity(), False), (nn.Dropout(0.0), False), (nn.ReLU(inplace=True), True)],
+    ids=["identity", "dropout-0", "in-place-by-keyword"],
+)
+def test_a_module_whose_output_is_its_input_is_not_counted_through_the_backward_after_it(
+    middle: nn.Module, by_keyword: bool
+) -> None:
+    # Left at its input's gradient and entered again at its output's, the same tensor's, it stayed in the
+    # record to the end of the backward and took the peaks of every module before it (HF's Dropout(p=0)).
+    model = PassedOn(middle, by_keyword)
+    peaks = koila.estimate(lambda x: model(x).sum().backward(), torch.randn(256, 32)).module_peaks(256)
+    assert peaks.get("PassedOn.middle", (0, 0))[1] <= peaks["PassedOn.last"][1]
+    assert peaks["PassedOn.wide"][1] > peaks["PassedOn.last"][1]
+
+
 def test_an_estimate_leaves_no_global_module_hook_behind() -> None:
     # One left would make every later torch.compile(module) call warn of global hooks.
     assert not torch.nn.modules.module._has_any_global_hook()

@@ -475,6 +475,10 @@ class ThreadTracker(ModuleTracker):
     def __init__(self) -> None:
         super().__init__()
         self.thread = threading.get_ident()
+        # Per module call, the versions of its positional tensor inputs as it began: an output that is one
+        # of them, at that version, was passed through untouched (nn.Identity's, a Dropout of p=0's), and no
+        # backward runs in the module; one changed in place since (ReLU(inplace=True)'s) starts it.
+        self.versions: dict[int, list[dict[int, int]]] = {}
 
     def __enter__(self) -> ThreadTracker:
         # The post-hook takes the keyword inputs (HF's ``self_attn(hidden_states=...)``), which a
@@ -500,19 +504,33 @@ class ThreadTracker(ModuleTracker):
             self.parents.add(name)
             if self._hooks_gradients():
                 self._hook(input, _left(weakref.ref(self), name), leaves=False)
+                tensors = _tensors(input)
+                self.versions.setdefault(id(mod), []).append({id(tensor): tensor._version for tensor in tensors})
 
     def _fw_post_hook(self, mod: Any, input: Any, kwargs: Any, output: Any = None) -> None:  # type: ignore[override]
         if threading.get_ident() == self.thread:
             name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
             self.parents.discard(name)
             if self._hooks_gradients():
-                self._hook(kwargs, _left(weakref.ref(self), name), leaves=False)
-                self._hook(output, _entered(weakref.ref(self), name))
+                calls = self.versions.get(id(mod))
+                versions = calls.pop() if calls else {}
+                given = {id(tensor) for tensor in _tensors(kwargs)}
+                outputs = _tensors(output)
+                # A keyword input that is an output was passed through, or changed in place where no
+                # hook can still reach the version the module read: no backward of its own is followed.
+                passed = {id(tensor) for tensor in outputs if id(tensor) in given}
+                passed.update(id(tensor) for tensor in outputs if versions.get(id(tensor)) == tensor._version)
+                self._hook([t for t in _tensors(kwargs) if id(t) not in passed], _left(weakref.ref(self), name), False)
+                self._hook([t for t in outputs if id(t) not in passed], _entered(weakref.ref(self), name))
 
     def _hook(self, values: Any, hook: Callable[[torch.Tensor], None], leaves: bool = True) -> None:
         for value in tree_flatten(values)[0]:
             if isinstance(value, torch.Tensor) and value.requires_grad and (leaves or value.grad_fn is not None):
                 self._hooks.append(value.register_hook(hook))  # type: ignore[no-untyped-call]
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [value for value in tree_flatten(values)[0] if isinstance(value, torch.Tensor)]
 
 
 def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.Tensor], None]:
