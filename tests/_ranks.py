@@ -2469,44 +2469,40 @@ def accumulate_fewer_rows_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {"outcome": caught(lambda: step(x, y)), "seen": seen, "size": step.stats.batch_size}
 
 
-@scenario("two")
-def accumulate_ranks_with_different_rows_each_run_whole(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 has 7 rows, rank 1 has 9, and both fit: each runs its own whole batch, as plain DDP does."""
+def _ddp_steps(batches: list[tuple[int, int]], fails: Callable[[int, int], bool], cache: Any) -> dict[str, Any]:
+    """Run an accumulate step over DDP for each of ``batches`` (rows, tokens a row), out of memory where
+    ``fails(rows, call)`` says; return each step's micro-batches' rows, the OOMs and the last size."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
     ddp = DDP(model)
-    rows = 7 if rank == 0 else 9
-    x, y = data(rows, 3, seed=80 + rank), data(rows, 1, seed=82 + rank)
-    seen: list[int] = []
+    seen: list[list[int]] = []
+    calls = [0]
 
-    @koila.accumulate(cache=koila.NoCache(), ddp=ddp)
+    @koila.accumulate(cache=cache, ddp=ddp)
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return F.mse_loss(ddp(x), y)
+        seen[-1].append(x.shape[0])
+        calls[0] += 1
+        if fails(x.shape[0], calls[0]):
+            raise make_oom()
+        return F.mse_loss(ddp(x).mean(1), y)
 
-    step(x, y)
-    return {"seen": seen, "size": step.stats.batch_size, "ooms": step.stats.ooms}
+    for number, (rows, tokens) in enumerate(batches):
+        seen.append([])
+        step(data(rows * tokens, 3, seed=40 + number).view(rows, tokens, 3), data(rows, 1, seed=50 + number))
+    return {"seen": seen, "ooms": step.stats.ooms, "size": step.stats.batch_size}
+
+
+@scenario("two")
+def accumulate_ranks_with_different_rows_each_run_whole(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has 7 rows, rank 1 has 9, and both fit: each runs its own whole batch, as plain DDP does."""
+    return _ddp_steps([(7 if rank == 0 else 9, 1)], lambda rows, call: False, koila.NoCache())
 
 
 @scenario("two")
 def accumulate_a_rank_that_never_failed_stores_no_size_another_forced(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 fits 4 rows and has 7, then 3; rank 0 has 9 each step and fits them: it runs them whole again."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
-    ddp = DDP(model)
-    seen: list[list[int]] = []
-
-    @koila.accumulate(cache=koila.GlobalCache(), ddp=ddp)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen[-1].append(x.shape[0])
-        if rank == 1 and x.shape[0] > 4:
-            raise make_oom()
-        return F.mse_loss(ddp(x), y)
-
-    for number, rows in enumerate((9, 9) if rank == 0 else (7, 3)):
-        seen.append([])
-        step(data(rows, 3, seed=60 + number), data(rows, 1, seed=70 + number))
-    return {"seen": seen}
+    batches = [(9, 1), (9, 1)] if rank == 0 else [(7, 1), (3, 1)]
+    return _ddp_steps(batches, lambda rows, call: rank == 1 and rows > 4, koila.GlobalCache())
 
 
 @scenario("two")
@@ -2518,47 +2514,16 @@ def accumulate_a_rank_that_failed_first_stores_its_size_when_another_fails_after
     In the second step, rank 1's rows are longer, a key its cache holds nothing under (a StackMemoryCache does
     not scale sizes between lengths): it starts whole, rank 0 at what it kept.
     """
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
-    ddp = DDP(model)
-    seen: list[list[int]] = []
-    calls = [0]
-
-    @koila.accumulate(cache=koila.StackMemoryCache(), ddp=ddp)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen[-1].append(x.shape[0])
-        calls[0] += 1
-        if (rank == 0 and x.shape[0] > 6) or (rank == 1 and calls[0] == 2):
-            raise make_oom()
-        return F.mse_loss(ddp(x).mean(1), y)
-
-    for number in range(2):
-        seen.append([])
-        length = 5 if rank == 1 and number == 1 else 3
-        step(data(8 * length, 3, seed=80 + number).view(8, length, 3), data(8, 1, seed=90 + number))
-    return {"seen": seen, "ooms": step.stats.ooms}
+    batches = [(8, 3), (8, 5 if rank == 1 else 3)]
+    fails = (lambda rows, call: rows > 6) if rank == 0 else (lambda rows, call: call == 2)
+    return _ddp_steps(batches, fails, koila.StackMemoryCache())
 
 
 @scenario("two")
 def accumulate_a_rank_that_fits_whole_is_not_held_to_anothers_smaller_start(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 has 9 rows and fits them; rank 1 has 7 and fits 4, which it keeps: rank 0 runs whole from then on."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
-    ddp = DDP(model)
-    seen: list[list[int]] = []
-
-    @koila.accumulate(cache=koila.StackMemoryCache(), ddp=ddp)
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen[-1].append(x.shape[0])
-        if rank == 1 and x.shape[0] > 4:
-            raise make_oom()
-        return F.mse_loss(ddp(x), y)
-
-    rows = 9 if rank == 0 else 7
-    for number in range(3):
-        seen.append([])
-        step(data(rows, 3, seed=40 + number), data(rows, 1, seed=50 + number))
-    return {"seen": seen}
+    batches = [(9 if rank == 0 else 7, 1)] * 3
+    return _ddp_steps(batches, lambda rows, call: rank == 1 and rows > 4, koila.StackMemoryCache())
 
 
 @scenario("crash")

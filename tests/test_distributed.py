@@ -895,7 +895,7 @@ def test_accumulate_rank_with_fewer_rows_does_not_exhaust_the_others(groups: Gro
 def test_accumulate_ranks_with_different_rows_that_fit_each_run_their_whole_batch(groups: Groups) -> None:
     # The smaller rank's rows were the agreed start: the other split its 9 rows into 7 and 2, for nothing.
     values = groups("two")["accumulate_ranks_with_different_rows_each_run_whole"]
-    assert [value["seen"] for value in values] == [[7], [9]]
+    assert [value["seen"] for value in values] == [[[7]], [[9]]]
     assert [value["size"] for value in values] == [7, 9]
     assert [value["ooms"] for value in values] == [0, 0]
 
