@@ -5,7 +5,8 @@ tracker hooks the gradients of modules' inputs and outputs; those hooks must hol
 and no graph node, so that a graph the step drops is freed at once, as in the real step,
 and must not ask autograd's engine which nodes it will run, which raises in
 ``torch.autograd.grad`` with respect to a leaf. Also here: lazy modules, which an estimate
-cannot run, and a step whose peak is concave in the batch size between the sizes run at.
+cannot run, a step whose peak is concave in the batch size between the sizes run at, and a
+mixture of experts' grouped matrix product, whose meta kernel takes bfloat16 alone.
 """
 
 from __future__ import annotations
@@ -388,3 +389,30 @@ def test_with_sizes_at_every_power_of_two_a_concave_peak_gets_a_suggestion_that_
     assert real_peak(size) * 1.1 <= budget
     found = koila.estimate(lambda x: in_chunks_of_16(model, x), x, sizes=powers)
     assert found.peak(2 * size) == pytest.approx(real_peak(2 * size), rel=ACCURACY)
+
+
+# --------------------------------------------------------------------------- a mixture of experts' product
+
+
+class Experts(nn.Module):
+    """Four experts' weights in one grouped matrix product, as transformers' MoE layers run them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(1, 5, dtype=torch.int32) * (x.shape[0] // 4)  # each expert's rows, cumulated
+        return F.grouped_mm(x, self.weight.transpose(-2, -1), offs=offsets)
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch.nn.functional.grouped_mm is from torch 2.9")
+def test_a_grouped_matrix_product_in_float32_is_estimated_as_the_real_step() -> None:
+    # Its meta kernel takes bfloat16 alone, where the CPU's takes float32: the estimate of a float32 MoE
+    # model on the CPU raised, and suggest_batch_size with it.
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model(x).square().sum().backward()
+
+    real, estimated = real_and_estimated(Experts, step, torch.randn(16, 64, requires_grad=True))
+    assert abs(estimated - real) <= ACCURACY * real

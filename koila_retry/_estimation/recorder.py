@@ -165,7 +165,7 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         args = _on_meta(args, seen, func)
         if kwargs:
             kwargs = _on_meta(kwargs, seen, func)
-        out = func(*args, **kwargs)
+        out = _grouped_mm(args, kwargs) if func is _GROUPED_MM else func(*args, **kwargs)
         index = _UNREDUCED.get(func)
         if index is not None and not (len(args) > index and args[index] == 0):  # reduction="none": nothing kept
             out = _on_the_unreduced_loss(out, args)
@@ -340,6 +340,28 @@ _SAME_DTYPE: dict[Any, tuple[int, ...]] = {
     _aten.addmv.default: (1, 2, 0),
     _aten.dot.default: (0, 1),
 }
+
+
+# A mixture of experts' grouped matrix product (transformers' MoE layers): its meta kernel takes bfloat16
+# alone, where the CPU's kernel takes float32 too. Its result's shape depends on the shapes only: the
+# meta kernel is asked it in bfloat16, and the result made in the dtype the kernel would give.
+_GROUPED_MM: Any = getattr(getattr(_aten, "_grouped_mm", None), "default", None)
+
+
+def _grouped_mm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Return the meta result of ``aten._grouped_mm`` for operands of any floating dtype."""
+    first = args[0]
+    if first.dtype == torch.bfloat16:
+        return _GROUPED_MM(*args, **kwargs)  # type: ignore[no-any-return]
+    dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 and args[4] is not None else first.dtype)
+
+    def bf16(value: Any) -> Any:
+        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    shaped = _GROUPED_MM(
+        *map(bf16, args[:4]), **{key: bf16(value) for key, value in kwargs.items() if key != "out_dtype"}
+    )
+    return torch.empty(shaped.shape, dtype=dtype, device=META)
 
 
 def _check_dtypes(func: Any, args: tuple[Any, ...], operands: tuple[int, ...]) -> None:
