@@ -2520,10 +2520,32 @@ def accumulate_a_rank_that_failed_first_stores_its_size_when_another_fails_after
 
 
 @scenario("two")
-def accumulate_a_rank_that_fits_whole_is_not_held_to_anothers_smaller_start(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 has 9 rows and fits them; rank 1 has 7 and fits 4, which it keeps: rank 0 runs whole from then on."""
-    batches = [(9 if rank == 0 else 7, 1)] * 3
-    return _ddp_steps(batches, lambda rows, call: rank == 1 and rows > 4, koila.StackMemoryCache())
+def accumulate_a_rank_that_fits_whole_is_held_to_a_smaller_start_after_a_stray_forward(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """Both ranks have 8 rows; rank 1 fits 4, which it keeps; a forward logged in grad mode before step 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
+    x_all, y_all = global_batch(world, 8, seed=30)
+    x, y = local(x_all, rank, 8), local(y_all, rank, 8)
+    expected = full_grads(model, lambda m: F.mse_loss(m(x_all), y_all))
+    ddp = DDP(model)
+    seen: list[list[int]] = []
+
+    @koila.accumulate(cache=koila.StackMemoryCache(), ddp=ddp)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen[-1].append(x.shape[0])
+        if rank == 1 and x.shape[0] > 4:
+            raise make_oom()
+        return F.mse_loss(ddp(x), y)
+
+    for number in range(2):
+        if number == 1:
+            model.zero_grad()
+            ddp(x)  # a sample logged in grad mode: no backward follows
+        seen.append([])
+        step(x, y)
+    return {"seen": seen, "grads": grads(model), "expected": expected}
 
 
 @scenario("crash")

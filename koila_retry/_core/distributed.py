@@ -160,15 +160,16 @@ class Agreement:
         """Return the smallest start over the ranks and the floor, their largest ``minimum``, in one collective."""
         # The spans (rows a run covers) and initials ride in the same exchange, so that every rank refuses
         # a mismatch alike; the floor keeps any rank from trying a size another rank's minimum forbids.
-        # A rank whose start runs its whole batch (whole) neither holds another rank to its rows, which may be
-        # fewer, nor is held to another's smaller start: under DDP micro-batches need not match across ranks,
-        # and its own cache, or its rows, say the whole batch fits.
+        # A rank whose start runs its whole batch (whole) holds no other rank to its rows, which may be
+        # fewer: when every rank's does, each runs its own whole batch. It still takes another rank's smaller
+        # start: after a forward that no backward followed, DDP syncs in a split rank's first backward and
+        # at a whole one's end, and ranks that split unlike each other would agree out of step.
         ceiling = _NEUTRAL if initial is None else initial
         spans = (_NEUTRAL, _NEUTRAL) if span is None else (span, -span)
         agreed, fewest, most, floor, lowest = self._minimum(
             self._start, _NEUTRAL if whole else size, *spans, -minimum, ceiling
         )
-        if whole:
+        if agreed == _NEUTRAL:
             agreed = size
         floor = -floor
         if span is not None and fewest != -most:
