@@ -504,7 +504,8 @@ class ThreadTracker(ModuleTracker):
             self.parents.add(name)
             if self._hooks_gradients():
                 self._hook(input, _left(weakref.ref(self), name), leaves=False)
-                tensors = _tensors(input)
+                # Of those gradients reach (an inference tensor has no version to read).
+                tensors = [tensor for tensor in _tensors(input) if tensor.requires_grad]
                 self.versions.setdefault(id(mod), []).append({id(tensor): tensor._version for tensor in tensors})
 
     def _fw_post_hook(self, mod: Any, input: Any, kwargs: Any, output: Any = None) -> None:  # type: ignore[override]
@@ -519,7 +520,11 @@ class ThreadTracker(ModuleTracker):
                 # A keyword input that is an output was passed through, or changed in place where no
                 # hook can still reach the version the module read: no backward of its own is followed.
                 passed = {id(tensor) for tensor in outputs if id(tensor) in given}
-                passed.update(id(tensor) for tensor in outputs if versions.get(id(tensor)) == tensor._version)
+                passed.update(
+                    id(tensor)
+                    for tensor in outputs
+                    if id(tensor) in versions and versions[id(tensor)] == tensor._version
+                )
                 self._hook([t for t in _tensors(kwargs) if id(t) not in passed], _left(weakref.ref(self), name), False)
                 self._hook([t for t in outputs if id(t) not in passed], _entered(weakref.ref(self), name))
 
