@@ -232,24 +232,12 @@ class Gradients:
                 return
             self.task = task
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
-        exposed, faint = self.exposed, self.faint
+        exposed = self.exposed
         new = [leaf for leaf in found if id(leaf) not in exposed and not self._is_faint(leaf)]
         if self.direct and new and not IN_FLIGHT.take(self, [id(leaf) for leaf in new]):
             self.hidden = True
             return
-        weak = {}
-        for leaf in new:
-            if isinstance(leaf, torch.nn.Parameter):
-                exposed[id(leaf)] = leaf
-            else:  # maybe the Function's own (the input it recomputes from): held weakly, it dies with the node
-                weak[id(leaf)] = weakref.ref(leaf)
-            if leaf.grad is not None:
-                self.aside.append((leaf, leaf.grad))
-                leaf.grad = None
-        if weak:
-            faint.update(weak)
-            if self.direct:
-                IN_FLIGHT.weakly(weak)
+        self._hold(new)  # a leaf of the Function's own (the input it recomputes from) dies with the node
 
     def _expose(self, loss: torch.Tensor) -> bool:
         """Hold the leaves a backward of ``loss`` writes first and set their gradients aside; False: go on captured."""
@@ -266,7 +254,12 @@ class Gradients:
         if any(map(_HOOKS, new)) or not IN_FLIGHT.take(self, list(map(id, new))):
             self._captured_from_now()
             return False
-        aside = self.aside
+        self._hold(new)
+        return True
+
+    def _hold(self, new: list[torch.Tensor]) -> None:
+        """Hold ``new`` leaves, taken already, and set their gradients aside."""
+        exposed, aside = self.exposed, self.aside
         weak = None
         for leaf in new:
             # Leaves other than parameters are held weakly: one a micro-batch makes (x.requires_grad_()
@@ -282,9 +275,9 @@ class Gradients:
                 aside.append((leaf, before))
                 leaf.grad = None
         if weak is not None:
-            faint.update(weak)
-            IN_FLIGHT.weakly(weak)  # another thread's leaf may take the id of one that died
-        return True
+            self.faint.update(weak)
+            if self.direct:
+                IN_FLIGHT.weakly(weak)  # another thread's leaf may take the id of one that died
 
     def _captured_from_now(self) -> None:
         """Leave the direct path: move what the step wrote into :attr:`sums`, give back what was set aside."""
