@@ -820,10 +820,13 @@ def instancenorm_step(norm: nn.Module, initial: int) -> tuple[Callable[..., torc
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("running", [False, True], ids=["no-running-stats", "running-stats"])
-def test_instancenorm_in_a_split_step_is_exact_and_warns_of_no_batchnorm(train: bool, running: bool) -> None:
+@pytest.mark.parametrize("initial", [4, 1])  # one row: as BatchNorm's graph on one row, told apart by the modules
+def test_instancenorm_in_a_split_step_is_exact_and_warns_of_no_batchnorm(
+    train: bool, running: bool, initial: int
+) -> None:
     """InstanceNorm runs batch normalisation on a batch of one row: each row normalised alone, split or not."""
     x = torch.randn(12, 3, 8, dtype=torch.float64)
-    step, model = instancenorm_step(nn.InstanceNorm1d(4, affine=True, track_running_stats=running), initial=4)
+    step, model = instancenorm_step(nn.InstanceNorm1d(4, affine=True, track_running_stats=running), initial=initial)
     model.train(train)
     assert recorded(lambda: step(x)) == []
     split = [parameter.grad.clone() for parameter in model.parameters()]
@@ -844,6 +847,23 @@ def test_batchnorm_on_micro_batches_of_one_row_warns() -> None:
 
     caught = recorded(lambda: step(torch.randn(3, 2, 6, 6, dtype=torch.float64)))
     assert len(caught) == 1
+    assert "BatchNorm layer in training mode" in str(caught[0].message)
+
+
+def test_batchnorm_beside_instancenorm_on_micro_batches_of_one_row_warns() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.InstanceNorm2d(3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(3 * 4 * 4, 1)
+    ).double()
+
+    @koila.accumulate(initial=1)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    caught = recorded(lambda: step(torch.randn(3, 2, 6, 6, dtype=torch.float64)))
+    assert [str(warning.message)[:60] for warning in caught] == [
+        "koila.accumulate split a step of test_batchnorm_beside_insta"
+    ]
     assert "BatchNorm layer in training mode" in str(caught[0].message)
 
 
@@ -1342,6 +1362,29 @@ def test_no_grad_caller_split_by_real_oom() -> None:
     assert step.stats.batch_size < 2000
     torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("initial", [None, 8])
+def test_no_grad_caller_of_a_step_that_turns_grad_on_gets_no_backward(initial: int | None) -> None:
+    # A saliency map: the step turns grad on for its own torch.autograd.grad, and its loss requires grad;
+    # called under no_grad, as the plain function is, no backward runs, whole or split.
+    model, x, y = build("mlp", 20)
+    give_grads(model, lambda i: i < 2)
+    before = Snapshot(model)
+
+    def saliency(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.enable_grad():
+            inputs = x.clone().requires_grad_()
+            out = model(inputs)
+            (grad,) = torch.autograd.grad(out.sum(), inputs, retain_graph=True)
+            return {"loss": F.mse_loss(out, y), "saliency": grad}
+
+    with torch.no_grad():
+        expected = saliency(x, y)
+        result = koila.accumulate(saliency, initial=initial, cache=koila.NoCache())(x, y)
+    torch.testing.assert_close(result["loss"], expected["loss"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(result["saliency"], expected["saliency"], rtol=RTOL, atol=ATOL)
+    before.assert_unchanged()
 
 
 @pytest.mark.parametrize("initial", [None, 8])

@@ -72,6 +72,61 @@ def test_chunked_and_accumulate_decorators_pass_the_instance_through() -> None:
     assert torch.allclose(loss, nn.functional.mse_loss(model.linear(x), y))
 
 
+@dataclasses.dataclass(eq=False)
+class _Trainer:
+    model: nn.Module
+    scales: torch.Tensor  # one per output: the object's, not the batch's, whatever its length
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.model(x) * self.scales, y)
+
+    @koila.accumulate(initial=2, cache=koila.NoCache())
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(x, y)
+
+    @koila.accumulate(initial=2, cache=koila.NoCache())
+    @staticmethod
+    def static_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    @koila.accumulate(initial=2, cache=koila.NoCache())
+    @classmethod
+    def class_step(cls, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert cls is _Trainer
+        return nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("rows", [4, 8])  # as many rows as the class weights, and more
+def test_accumulate_binds_a_dataclass_instance_instead_of_splitting_its_tensors(rows: int) -> None:
+    torch.manual_seed(0)
+    trainer = _Trainer(nn.Linear(3, 4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    x, y = torch.randn(rows, 3), torch.randint(0, 4, (rows,))
+    trainer.loss(x, y).backward()
+    expected = [parameter.grad.clone() for parameter in trainer.model.parameters()]  # type: ignore[union-attr]
+    trainer.model.zero_grad()
+    loss = trainer.step(x, y)
+    assert trainer.step.stats.batch_size == 2
+    torch.testing.assert_close(loss, trainer.loss(x, y))
+    for parameter, grad in zip(trainer.model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+    trainer.model.zero_grad()
+    _Trainer.step(trainer, x, y)  # looked up on the class: the instance comes first, bound all the same
+    for parameter, grad in zip(trainer.model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+
+
+def test_accumulate_decorates_a_staticmethod_and_a_classmethod() -> None:
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 4), torch.randn(5, 3), torch.randint(0, 4, (5,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    expected = model.weight.grad.clone()  # type: ignore[union-attr]
+    for step in (_Trainer.static_step, _Trainer(model, torch.ones(4)).static_step, _Trainer.class_step):
+        model.zero_grad()
+        step(model, x, y)
+        torch.testing.assert_close(model.weight.grad, expected)
+    assert _Trainer.static_step.stats.batch_size == 2
+
+
 def test_compat_accelerate_binds_a_method_whatever_its_first_parameter_is_called() -> None:
     class Trainer:
         @find_executable_batch_size(starting_batch_size=16)

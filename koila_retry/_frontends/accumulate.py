@@ -11,20 +11,18 @@ import builtins
 import contextlib
 import functools
 import inspect
-import math
-import numbers
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from types import FrameType
+from types import FrameType, MethodType
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 import torch
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import Replayed, levels_to_caller
-from koila_retry._common.tensors import TensorBase, zeroed
+from koila_retry._common.tensors import zeroed
 from koila_retry._common.walk import trainable_module
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
@@ -42,9 +40,17 @@ from koila_retry._diagnostics import exhausted
 from koila_retry._estimation.auto import AUTO, AutoFirst, check_auto
 from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends import own_backward
-from koila_retry._frontends.batch import Batched, refuse_generator, refuse_iterators, with_controller
-from koila_retry._frontends.combine import Results, describe, loss_of
+from koila_retry._frontends.batch import (
+    Batched,
+    bindable,
+    refuse_generator,
+    refuse_iterators,
+    unwrap_binding,
+    with_controller,
+)
+from koila_retry._frontends.combine import Results, loss_of
 from koila_retry._frontends.gradients import Backward, Gradients, OtherLeaves, backward_of, plain_backward
+from koila_retry._frontends.weighing import Weighing
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -312,6 +318,7 @@ def accumulator(
     policy = Policy.of("koila.accumulate", first, options, rows=True, own=_OWN)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
+        function, binding = unwrap_binding(function)
         if not callable(function):
             raise TypeError(f"@koila.accumulate decorates a callable, got {type(function).__name__} {function!r}")
         if inspect.iscoroutinefunction(function):
@@ -322,7 +329,7 @@ def accumulator(
         controller = Controller(name, policy, explain=exhausted.message, stats=stats, function=function)
         auto = initial == AUTO
         step = _Accumulator(function, controller, dim, reduction == "mean", run_backward, policy.device, auto)
-        step.weight = weight
+        step.weighing.weight = weight
         step.ddp = given
         step.averages = averages
         step.replay = replay
@@ -333,10 +340,21 @@ def accumulator(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return step(args, kwargs, getframe(1))
 
-        return cast(Batched[P, R], with_controller(wrapper, controller))
+        # Bound to an instance (or a class), that is bound to the step, not split with the batch: a
+        # dataclass's tensors are the object's, whatever their rows (as chunked's).
+        @functools.wraps(function)
+        def method(instance: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return step(args, kwargs, getframe(1), MethodType(function, instance))
+
+        plain, method = with_controller(wrapper, controller), with_controller(method, controller)
+        return cast(Batched[P, R], bindable(function, plain, method, binding))
 
     return decorate
 
+
+# Read where a loss is backed: a step under torch.no_grad() that turns grad on inside itself (a saliency
+# map) returns a loss that requires grad, and the caller's mode, not the loss, says no backward is wanted.
+_grad_mode = torch.is_grad_enabled
 
 # What autograd says of a graph that a backward freed; a micro-batch's backward meets it in a graph from before
 # the call that the step reaches without an argument, which koila cannot keep (a retry's, too).
@@ -351,6 +369,11 @@ _OUTSIDE_GRAPH = (
     "graph before returning the loss (torch.autograd.grad without retain_graph=True), it fails on the whole "
     "batch too: pass retain_graph=True there."
 )
+
+
+def _step(split: Split) -> Callable[..., Any]:
+    """Return the step a call runs: the function, or the function bound to the instance it was called on."""
+    return cast("Callable[..., Any]", split.fn)
 
 
 class _Accumulator:
@@ -370,9 +393,8 @@ class _Accumulator:
         self.backward, self.device, self.auto = backward, device, auto
         self.identity = function_identity(fn)
         self.warned_batchnorm = self.warned_checkpoint = self.warned_comm_hook = False
-        self.warned_ignored = self.warned_dropped = False
-        self.split_steps = 0  # see _warn_if_ignored
-        self.weight: Callable[..., Any] | None = None  # given by weight=: items per micro-batch
+        self.warned_dropped = False
+        self.weighing = Weighing(controller.name, mean)  # weight= sets its weight
         self.ddp: list[Any] = []  # given by ddp=; else found by the controller
         self.averages = True  # see accumulator()
         self.replay: Callable[[], tuple[str, str] | None] | None = None  # see accumulator()
@@ -381,14 +403,15 @@ class _Accumulator:
         # (no agreement, or initial="auto", under a process group), again when it is given another model.
         self.sharded: Found[list[weakref.ref[torch.nn.Module]]] = Found(getattr(fn, "__code__", None))
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Any:
-        refuse_iterators(self.fn, args, kwargs, "koila.accumulate", "micro-batch")
-        split = Split(args, kwargs, self.dim, "koila.accumulate", self.fn)
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType, bound: Any = None) -> Any:
+        fn = self.fn if bound is None else bound  # the step, or the step bound to its instance
+        refuse_iterators(fn, args, kwargs, "koila.accumulate", "micro-batch")
+        split = Split(args, kwargs, self.dim, "koila.accumulate", fn)
         rows = split.rows
         if rows == 0:
             raise ValueError(f"{self.controller.name} was given a batch of 0 rows along dim {self.dim}")
         device = self.device or split.device
-        roots = (self.fn, split.args, split.kwargs)
+        roots = (fn, split.args, split.kwargs)
         if self.auto and distributed.is_running() and self._sharded_modules(roots):
             raise NotImplementedError(
                 f"{self.controller.name} trains an FSDP2 module (fully_shard) with initial='auto': the estimate "
@@ -437,7 +460,9 @@ class _Accumulator:
             if sync is not None:
                 sync.reduce(used_everywhere=attempt.unanimous)
             result = finished.finish()
-            return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
+            return self._delivered(
+                gradients, finished, result, rows, roots
+            )  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
             gradients.abandon()
             raise
@@ -459,12 +484,16 @@ class _Accumulator:
         try:
             finished = self.controller.call(self.identity, caller, device, work, roots, rows, sampled)
             result = finished.finish()
-            return self._delivered(gradients, finished, result, rows)  # inside: an interrupt (Ctrl-C) lets go too
+            return self._delivered(
+                gradients, finished, result, rows, roots
+            )  # inside: an interrupt (Ctrl-C) lets go too
         except BaseException:
             gradients.abandon()
             raise
 
-    def _delivered(self, gradients: Gradients, finished: Results, result: Any, rows: int) -> Any:
+    def _delivered(
+        self, gradients: Gradients, finished: Results, result: Any, rows: int, roots: tuple[Any, ...]
+    ) -> Any:
         """Put the step's gradients in ``.grad``, warn of what the step could not do exactly, and return ``result``."""
         gradients.committing = True
         gradients.restore()
@@ -482,9 +511,14 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
-        # Over one row: InstanceNorm, exact split or not, unless the micro-batches have one row.
-        statistics = gradients.batchnorm == 2 or (gradients.batchnorm == 1 and finished.size == 1)
-        if statistics and finished.size < rows and not self.warned_batchnorm:
+        # Over one row: InstanceNorm, exact split or not; or BatchNorm, on micro-batches of one row, which
+        # the graph cannot tell apart: the modules the step reaches can, looked at only then.
+        one = gradients.batchnorm == 1 and finished.size == 1
+        if (
+            finished.size < rows
+            and not self.warned_batchnorm
+            and (gradients.batchnorm == 2 or (one and not _normalises_instances_only(roots)))
+        ):
             self._warn_batchnorm(finished.size)
         return result
 
@@ -538,14 +572,14 @@ class _Accumulator:
             last = -(-rows // size) - 1
             plan.micro_batch(last == 0, first=True)
             results = Results(self, size)
-            weights = self._weights(split, size) if size < rows else [1.0]
+            weights = self.weighing.weights(split, size) if size < rows else [1.0]
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
                 if index:
                     plan.micro_batch(index == last, first=False)
-                loss = results.add(own_backward.call(self.fn, self.controller.name, args, kwargs), weight, count)
-                if loss.requires_grad:
+                loss = results.add(own_backward.call(_step(split), self.controller.name, args, kwargs), weight, count)
+                if loss.requires_grad and _grad_mode():
                     # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
                     # reducer follow the backward, the same on every rank whatever its data weighs, and the
                     # last one's reduces the step's gradients. What it writes is zeros: its loss's own
@@ -617,14 +651,14 @@ class _Accumulator:
 
     def _estimated(self, split: Split, device: torch.device) -> AutoFirst:
         """Return what asks the estimates of a whole and a split step for the first size (``initial="auto"``)."""
-        name = self.controller.name
+        name, fn = self.controller.name, _step(split)
 
         def micro_batch(gradients: Gradients, args: tuple[Any, ...], kwargs: dict[str, Any], split: bool) -> None:
             # As ``_micro_batch``: a split step's loss weighed and let go of, with the buffer some losses keep
             # (mse_loss's). A plain backward, never a scaler's or an engine's ``backward=``: they would run on
             # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
-            loss = loss_of(own_backward.call(self.fn, name, args, kwargs), name)
-            if loss.requires_grad:
+            loss = loss_of(own_backward.call(fn, name, args, kwargs), name)
+            if loss.requires_grad and _grad_mode():
                 weighted = loss * 0.5 if split and self.mean else loss  # a sum's weighs 1: the loss itself
                 del loss
                 gradients.backward(plain_backward, weighted, False)
@@ -646,7 +680,7 @@ class _Accumulator:
         def estimated(count: int) -> Callable[[], MemoryEstimate]:
             def make() -> MemoryEstimate:
                 # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
-                modules = self.ddp or ddp_modules((self.fn, split.args, split.kwargs))
+                modules = self.ddp or ddp_modules((fn, split.args, split.kwargs))
                 with GradientSync(modules).silent() if modules else contextlib.nullcontext():
                     return estimate_batch(steps(count), split, device=device)
 
@@ -689,19 +723,20 @@ class _Accumulator:
             if meter is not None:
                 backed = self._measured(split, size, gradients, cast(Attempt, attempt), meter, results, retain, auto)
             elif size >= rows:  # the happy path: the batch as given, one forward, one backward
-                result = own_backward.call(self.fn, self.controller.name, split.args, split.kwargs)
+                result = own_backward.call(_step(split), self.controller.name, split.args, split.kwargs)
                 loss = results.add(result, 1.0, rows)
-                if loss.requires_grad:
+                if loss.requires_grad and _grad_mode():
                     gradients.backward(self.backward, loss, retain)
                 else:
                     self._check_no_grad_wanted(split)
                 return results
             else:
                 backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
-                weights = self._weights(split, size)
+                weights = self.weighing.weights(split, size)
                 for (chunk_args, chunk_kwargs, count), weight in zip(split.pieces(size), weights, strict=True):
                     backed = (
-                        self._micro_batch(chunk_args, chunk_kwargs, count, weight, results, gradients, retain) or backed
+                        self._micro_batch(split, chunk_args, chunk_kwargs, count, weight, results, gradients, retain)
+                        or backed
                     )
                     del chunk_args, chunk_kwargs  # not alive during the next forward
             if not backed:
@@ -713,6 +748,7 @@ class _Accumulator:
 
     def _micro_batch(
         self,
+        split: Split,
         args: Sequence[Any],
         kwargs: dict[str, Any],
         rows: int,
@@ -722,12 +758,12 @@ class _Accumulator:
         retain: bool,
     ) -> bool:
         """Run one micro-batch, forward and weighted backward; return whether its loss needed a gradient."""
-        result = own_backward.call(self.fn, self.controller.name, args, kwargs)
+        result = own_backward.call(_step(split), self.controller.name, args, kwargs)
         loss = results.add(result, weight, rows)
         del result
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing: no backward,
         # whose 0/0 would reach leaves that an inner backward (a reentrant checkpoint's) writes unseen.
-        if not loss.requires_grad or weight == 0.0:
+        if not (loss.requires_grad and _grad_mode()) or weight == 0.0:
             return False
         if weight != 1.0:
             weighted = loss * weight
@@ -757,14 +793,15 @@ class _Accumulator:
         """Run the first micro-batch measured, the rest at the corrected size; return whether a loss needed grad."""
         rows = split.rows
         first = min(size, rows)
-        total, head, by_items = self._items(split, first)
-        if first < rows and self.weight is None:
-            self._warn_if_ignored(split)
+        weighing = self.weighing
+        total, head, by_items = weighing.items(split, first)
+        if first < rows and weighing.weight is None:
+            weighing.warn_if_ignored(split)
         args, kwargs = split.chunk(0, first)
         # Part of the step, weighed as any other: each micro-batch by its own rows (or items), whatever its size.
         weight = head / total if self.mean else 1.0
         with meter:
-            backed = self._micro_batch(args, kwargs, first, weight, results, gradients, retain)
+            backed = self._micro_batch(split, args, kwargs, first, weight, results, gradients, retain)
             del args, kwargs
         size = attempt.calibrate(first, meter.rise)
         if first >= rows:
@@ -780,68 +817,19 @@ class _Accumulator:
             for begin in builtins.range(first, rows, size):
                 end = min(begin + size, rows)
                 args, kwargs = split.chunk(begin, end)
-                weight = self._weight_of(args, kwargs, end - begin, total, by_items)
-                backed = self._micro_batch(args, kwargs, end - begin, weight, results, gradients, retain) or backed
+                weight = weighing.weight_of(args, kwargs, end - begin, total, by_items)
+                backed = (
+                    self._micro_batch(split, args, kwargs, end - begin, weight, results, gradients, retain) or backed
+                )
                 del args, kwargs
         if attempt.meter is not None:
             attempt.calibrate(min(size, rows - first), meter.rise + held)
         return backed
 
-    def _items(self, split: Split, first: int) -> tuple[float, float, bool]:
-        """Return the items ``weight=`` counts in the batch and its ``first`` rows, and True; or rows, and False."""
-        # The later micro-batches' sizes follow the first's measure: the rest is counted whole before.
-        if self.weight is not None and first < split.rows:
-            head = self._count_of(*split.chunk(0, first))
-            total = math.fsum([head, self._count_of(*split.chunk(first, split.rows))])
-            if total:
-                return total, head, True
-        return float(split.rows), float(min(first, split.rows)), False  # none counted (or whole): see _weights
-
-    def _count_of(self, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
-        return _count(cast(Callable[..., Any], self.weight)(*args, **kwargs), self.controller.name)
-
-    def _weight_of(self, args: Sequence[Any], kwargs: dict[str, Any], rows: int, total: float, by_items: bool) -> float:
-        """Return one micro-batch's weight: its share of the items (or rows) of a mean loss; 1 for a sum."""
-        if not self.mean:
-            return 1.0
-        return (self._count_of(args, kwargs) if by_items else rows) / total
-
-    def _warn_if_ignored(self, split: Split) -> None:
-        """Warn, once, that a split step of a mean loss over labels with ignored entries is weighed by rows."""
-        self.split_steps += 1  # looked at in the 1st, 2nd, 4th, 8th... split attempt: each look is a GPU sync
-        looks = self.split_steps & (self.split_steps - 1) == 0
-        if looks and self.mean and not self.warned_ignored and _ignores_labels(split):
-            self.warned_ignored = True
-            # Usually in the retry that an out-of-memory error made: raised by a filter, it would end the recovery.
-            warn_or_log(
-                f"koila.accumulate split a step of {self.controller.name} whose batch has labels with "
-                "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
-                "row counts as many items. For a loss that is a mean over tokens, pass weight= to "
-                "koila.accumulate, such as weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal "
-                "language model (see the docs: Training Hugging Face models); Lightning's OOMRecovery weighs by "
-                "rows only (see the docs: Trainers). This warning is shown once.",
-                UserWarning,
-                stacklevel=levels_to_caller(),
-            )
-
-    def _weights(self, split: Split, size: int) -> list[float]:
-        """Return each micro-batch's weight: its share of the items ``weight=`` counts, or of the rows."""
-        rows = split.rows
-        if self.weight is None:
-            self._warn_if_ignored(split)
-            return _row_weights(rows, size) if self.mean else [1.0] * -(-rows // size)
-        counts = [self._count_of(args, kwargs) for args, kwargs, _ in split.pieces(size)]
-        total = math.fsum(counts)
-        if not total:
-            # A mean over no items: whatever the whole batch's loss gives (nan, most often, and a gradient of
-            # zeros or nan), each micro-batch's weighed by its rows gives too, whatever the memory.
-            return _row_weights(rows, size)
-        return [count / total for count in counts]
-
     def _check_no_grad_wanted(self, split: Split) -> None:
         """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
         if torch.is_grad_enabled():
-            owner = trainable_module(self.fn, split.args, split.kwargs)
+            owner = trainable_module(_step(split), split.args, split.kwargs)
             if owner is not None:
                 raise RuntimeError(
                     f"{self.controller.name} returned a loss that does not require grad, while grad mode is "
@@ -850,31 +838,14 @@ class _Accumulator:
                 )
 
 
-def _row_weights(rows: int, size: int) -> list[float]:
-    """Return each micro-batch's share of the rows, in slices of ``size``."""
-    return [min(size, rows - begin) / rows for begin in builtins.range(0, rows, size)]
-
-
-def _count(value: Any, name: str) -> float:
-    """Return what ``weight=`` returned as a number of items, or raise the error that says why not."""
-    if isinstance(value, TensorBase) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"weight= returned {describe(value)} for a micro-batch of {name}; it must return how many items the "
-            "micro-batch's loss averages over: a number >= 0 (an int or a float, numpy's too, or a one-element tensor)"
-        )
-    return float(value)
-
-
-def _ignores_labels(split: Split) -> bool:
-    """Return whether a tensor of integers the batch splits holds ignored entries (-100), as HF's losses skip."""
-    # Anywhere in the batch, not only under a "labels" key: Lightning's (x, y) tuples, step(ids, labels). By
-    # the least entry, which labels with -100 have: a mask of the batch's size would need memory the attempt
-    # may not have (an error that smaller sizes would meet again).
-    integers = (torch.int8, torch.int16, torch.int32, torch.int64)
-    tensors = (split.tensors[index] for index in split.split)
-    return any(t.dtype in integers and t.numel() and t.device.type != "meta" and int(t.amin()) == -100 for t in tensors)
+def _normalises_instances_only(roots: tuple[Any, ...]) -> bool:
+    """Return whether the step reaches an InstanceNorm layer and no BatchNorm layer in training mode."""
+    instances = False
+    for module in modules_of(roots):
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
+            return False
+        instances = instances or isinstance(module, torch.nn.modules.instancenorm._InstanceNorm)
+    return instances
 
 
 def _given_ddp(ddp: Any) -> list[Any]:
