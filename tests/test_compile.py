@@ -409,6 +409,26 @@ def test_failed_attempts_memory_is_released_before_the_retry(
     assert compiles() == 2
 
 
+@pytest.mark.parametrize(("norm", "warned"), [(nn.BatchNorm1d, True), (nn.LayerNorm, False)])
+def test_a_split_step_of_a_compiled_model_with_batchnorm_warns_of_it(norm: type[nn.Module], warned: bool) -> None:
+    # AOT autograd makes the whole forward one node, inside which the walk finds no batch normalisation.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), norm(32), nn.ReLU(), nn.Linear(32, 4))
+    compiled = torch.compile(model, backend=BACKEND)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+
+    @koila.accumulate(initial=16, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(compiled(x), y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(x, y)
+        step(x, y)
+    messages = [str(warning.message) for warning in caught if "BatchNorm" in str(warning.message)]
+    assert len(messages) == (1 if warned else 0)
+
+
 def test_size_one_is_compiled_once_more(device: Callable[[], SimulatedDevice]) -> None:
     # Dynamo's dynamic sizes assume >= 2 ("0/1 specialization"): a size of 1 gets a graph of
     # its own, once. Here a chunked pass over 897 rows ends with a remainder of one row.

@@ -19,6 +19,8 @@ from types import FrameType, MethodType
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import Replayed, levels_to_caller
@@ -49,7 +51,8 @@ from koila_retry._frontends.batch import (
     with_controller,
 )
 from koila_retry._frontends.combine import Results, loss_of
-from koila_retry._frontends.gradients import Backward, Gradients, OtherLeaves, backward_of, plain_backward
+from koila_retry._frontends.gradients import HIDDEN, ONE_ROW, ROWS, Backward, Gradients, backward_of, plain_backward
+from koila_retry._frontends.other_leaves import OtherLeaves
 from koila_retry._frontends.weighing import Weighing
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
@@ -402,6 +405,9 @@ class _Accumulator:
         # The modules a step reaches where one is an FSDP2 module, looked at where that decides anything
         # (no agreement, or initial="auto", under a process group), again when it is given another model.
         self.sharded: Found[list[weakref.ref[torch.nn.Module]]] = Found(getattr(fn, "__code__", None))
+        self.norms: Found[list[weakref.ref[torch.nn.Module]]] = Found(
+            getattr(fn, "__code__", None)
+        )  # see _warn_batchnorm
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType, bound: Any = None) -> Any:
         fn = self.fn if bound is None else bound  # the step, or the step bound to its instance
@@ -511,16 +517,27 @@ class _Accumulator:
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
-        # Over one row: InstanceNorm, exact split or not; or BatchNorm, on micro-batches of one row, which
-        # the graph cannot tell apart: the modules the step reaches can, looked at only then.
-        one = gradients.batchnorm == 1 and finished.size == 1
-        if (
-            finished.size < rows
-            and not self.warned_batchnorm
-            and (gradients.batchnorm == 2 or (one and not _normalises_instances_only(roots)))
-        ):
+        if finished.size < rows and not self.warned_batchnorm and self._normalised_by_batch(gradients, finished, roots):
             self._warn_batchnorm(finished.size)
         return result
+
+    def _normalised_by_batch(self, gradients: Gradients, finished: Results, roots: tuple[Any, ...]) -> bool:
+        """Return whether a BatchNorm layer in training mode took part in a split step."""
+        seen = gradients.batchnorm
+        if seen & ROWS:
+            return True
+        # The graph cannot tell: inside a compiled graph; or over one row, InstanceNorm's or BatchNorm's on
+        # micro-batches of one row. The modules the step reaches can, looked at only then.
+        if not (seen & HIDDEN or (seen & ONE_ROW and finished.size == 1)):
+            return False
+
+        def look() -> list[weakref.ref[torch.nn.Module]]:
+            return [weakref.ref(module) for module in modules_of(roots) if isinstance(module, _NormBase)]
+
+        norms = [module for module in (ref() for ref in self.norms.get(roots, look)) if module is not None]
+        if any(isinstance(module, _BatchNorm) and module.training for module in norms):
+            return True
+        return bool(seen & ONE_ROW and finished.size == 1 and not any(isinstance(m, _InstanceNorm) for m in norms))
 
     def _warn_batchnorm(self, size: int) -> None:
         self.warned_batchnorm = True
@@ -836,16 +853,6 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
-
-
-def _normalises_instances_only(roots: tuple[Any, ...]) -> bool:
-    """Return whether the step reaches an InstanceNorm layer and no BatchNorm layer in training mode."""
-    instances = False
-    for module in modules_of(roots):
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
-            return False
-        instances = instances or isinstance(module, torch.nn.modules.instancenorm._InstanceNorm)
-    return instances
 
 
 def _given_ddp(ddp: Any) -> list[Any]:

@@ -27,11 +27,12 @@ from koila_retry._frontends.in_flight import IN_FLIGHT
 
 __all__ = [
     "EARLY_BYTES",
+    "HIDDEN",
+    "ONE_ROW",
+    "ROWS",
     "Backward",
     "Gradients",
-    "OtherLeaves",
     "Scaled",
-    "added_back",
     "backward_of",
     "plain_backward",
 ]
@@ -54,8 +55,13 @@ _BatchNormNodes = frozenset(
 # Reentrant checkpointing runs a backward of its own inside this node, writing gradients
 # of leaves that the graph around it does not lead to.
 _ReentrantCheckpoint = CheckpointFunction._backward_cls
-# The nodes a walk looks at more closely: one test per node for both.
-_WATCHED = _BatchNormNodes | {_ReentrantCheckpoint}
+# What a graph's batch normalisations say (Gradients.batchnorm, bits): over rows; over one row (InstanceNorm's
+# too); or maybe some, inside a graph AOT autograd compiled (torch.compile's), one node the walk cannot see in.
+ROWS, ONE_ROW, HIDDEN = 2, 1, 4
+# The nodes a walk looks at more closely, by kind: one lookup per node. A compiled graph's backward is a class
+# made per graph, told by its name the first time its kind is met (see _watch).
+_NORM, _CHECKPOINT, _COMPILED = 1, 2, 3
+_WATCHED: dict[type, int] = {**dict.fromkeys(_BatchNormNodes, _NORM), _ReentrantCheckpoint: _CHECKPOINT}
 # A leaf's post-accumulate-grad hooks, read in C (see Gradients._expose).
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
@@ -87,22 +93,6 @@ def backward_of(engine: Callable[..., Any] | None, scaler: Any) -> Backward:
     return plain_backward
 
 
-def added_back(leaves: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None]) -> None:
-    """Add the gradients ``leaves`` had before a backward into what it wrote, in the tensors they were."""
-    olds, news = [], []
-    for leaf, old in zip(leaves, before, strict=True):
-        new = leaf.grad
-        if old is None:
-            continue
-        leaf.grad = old  # the same tensor as before, as a backward adds into it
-        if new is not None:
-            olds.append(old)
-            news.append(new)
-    if olds:
-        with torch.no_grad():
-            torch._foreach_add_(olds, news)
-
-
 def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
     """Return a gradient set aside with what a step wrote since added into it, in place where autograd would."""
     if written is None:
@@ -115,6 +105,14 @@ def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
         if before.layout == torch.strided or written.layout == before.layout:
             return before.add_(written)
         return before + written  # a dense gradient onto a sparse one: as autograd does, a new sum
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """Return the tensor's version counter, which an add in place moves; -2 for one without (an inference tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -2
 
 
 def plain_backward(loss: torch.Tensor, retain: bool) -> None:
@@ -138,6 +136,7 @@ class Gradients:
     """The gradients of one step: written into ``.grad`` directly, or captured until the step succeeded."""
 
     __slots__ = (
+        "adding",
         "aside",
         "batchnorm",
         "committing",
@@ -168,9 +167,12 @@ class Gradients:
         # own (the input it recomputes from) dying with it.
         self.faint: dict[int, weakref.ref[torch.Tensor]] = {}
         self.hidden = False  # whether a backward may have written leaves the walk cannot find
-        self.batchnorm = 0  # a batch normalisation in training mode: 2 over rows, 1 over one row (see _statistics)
+        self.batchnorm = 0  # what batch normalisations in training mode the graphs hold: ROWS, ONE_ROW, HIDDEN bits
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.committing = False  # the step's gradients are being given to .grad: see discard()
+        # The gradient restore() is adding into, its version before, and the sum once made: an
+        # interrupt (Ctrl-C) after an add in place must not make the restore that goes on add twice.
+        self.adding: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
         self.thread = threading.get_ident()
         self.root: Any = None  # the node this step's backward starts from, while it runs
         self.task = -1  # the autograd graph task that runs it, once a backward inside one of its nodes was seen
@@ -438,12 +440,16 @@ class Gradients:
                 if node in seen:
                     continue
                 seen.add(node)
-                if kind in _BatchNormNodes:
-                    self.batchnorm = max(self.batchnorm, _statistics(node))
-                elif kind is _ReentrantCheckpoint:
+                try:
+                    watched = _WATCHED[kind]
+                except KeyError:
+                    watched = _watch(kind)
+                if watched == _CHECKPOINT:
                     reentrant = True
                     for parameter in self._checkpointed(node):
                         found[id(parameter)] = parameter
+                elif watched:
+                    self.batchnorm |= _statistics(node) if watched == _NORM else HIDDEN
                 stack.append(node)
         del seen, stack, parent
         return list(found.values()), reentrant, early
@@ -463,6 +469,7 @@ class Gradients:
         # None among them: the edges of inputs that need no gradient are skipped by the same test.
         seen: set[Any] = {root, None}
         add, push, pop = seen.add, stack.append, stack.pop
+        watching = _WATCHED
         checkpointed = False
         while stack:
             for node, _ in pop().next_functions:
@@ -473,12 +480,16 @@ class Gradients:
                 if kind is _AccumulateGrad:
                     keep(node.variable)
                     continue
-                if kind in _WATCHED:
-                    if kind is _ReentrantCheckpoint:
+                try:
+                    watched = watching[kind]
+                except KeyError:
+                    watched = _watch(kind)
+                if watched:
+                    if watched == _CHECKPOINT:
                         checkpointed = True
                         found.extend(self._checkpointed(node))
                     else:
-                        self.batchnorm = max(self.batchnorm, _statistics(node))
+                        self.batchnorm |= _statistics(node) if watched == _NORM else HIDDEN
                 push(node)
         del seen, stack
         # Turned off since the forward: autograd writes nothing.
@@ -566,17 +577,31 @@ class Gradients:
         try:
             while aside:  # each pair dropped once given back: a restore an interrupt cut short goes on
                 leaf, before = aside[-1]
+                adding = self.adding
+                if (
+                    adding is not None
+                    and adding[0] is before
+                    and (adding[2] is not None or _version(before) != adding[1])
+                ):
+                    # Cut short after the sum was made, or after the add into ``before`` in place: given as it is.
+                    leaf.grad = before if adding[2] is None else adding[2]
+                    aside.pop()
+                    continue
                 # leaf.grad is None, unless a backward wrote leaves the walk could not find; ``before``
                 # itself where a restore cut short gave it back already.
                 written = leaf.grad
                 if written is not before:
                     try:
-                        leaf.grad = summed(before, written)
+                        self.adding = (before, _version(before), None)
+                        total = summed(before, written)
+                        self.adding = (before, -1, total)
+                        leaf.grad = total
                     except Exception as error:  # a .grad that cannot be added into (an expanded one): as it was
                         failed = failed or error
                         with contextlib.suppress(Exception):  # unless the leaf cannot take it (another dtype now)
                             leaf.grad = before
                 aside.pop()
+            self.adding = None
         finally:
             if not aside:  # nothing of the step's is apart from .grad: nothing for a discard to drop
                 self.exposed.clear()
@@ -641,82 +666,6 @@ class Gradients:
                 for leaf, total in hooked:
                     accumulate = torch.autograd.graph.get_gradient_edge(leaf).node
                     cast(Any, accumulate)(total)
-
-
-class OtherLeaves:
-    """The leaves a plain backward writes besides those a plan looks after: found by a walk, set aside as first seen.
-
-    A step over DDP or FSDP2 modules sets aside their parameters' gradients; an argument or a
-    tensor of the step's own that needs a gradient is found in each micro-batch's graph instead.
-    """
-
-    __slots__ = ("aside", "known", "owned", "walker")
-
-    def __init__(self, owned: Callable[[], set[int]]) -> None:
-        # Asked once a graph has been made: FSDP2 makes its unsharded parameters in the first forward.
-        self.owned = owned
-        self.known: set[int] | None = None
-        self.walker: Gradients | None = None  # made at the first walk: a trainer's step may make none
-        self.aside: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-    def see(self, loss: torch.Tensor) -> list[torch.Tensor]:
-        """Before a backward of ``loss``: set aside the gradient of each leaf it writes that nothing looks after yet.
-
-        Returns:
-            list[torch.Tensor]: every leaf the backward writes, those looked after included.
-        """
-        aside, known = self.aside, self.known
-        walker = self.walker
-        if walker is None:
-            walker = self.walker = Gradients()
-        leaves = walker.reached(loss)
-        for leaf in leaves:
-            key = id(leaf)
-            if key in aside:
-                continue
-            if known is None:
-                known = self.known = self.owned()
-            if key not in known:
-                aside[key] = (leaf, leaf.grad)
-                leaf.grad = None
-        return leaves
-
-    def found(self) -> bool:
-        """Return whether a walk found any leaf that nothing else looks after."""
-        return bool(self.aside)
-
-    def written(self) -> list[torch.Tensor]:
-        """Return the gradients written into those leaves since they were set aside."""
-        return [leaf.grad for leaf, _ in self.aside.values() if leaf.grad is not None]
-
-    def taken(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Return the leaves a step wrote and what it wrote, each leaf given back the gradient it had before."""
-        leaves, written = [], []
-        for leaf, before in self.aside.values():
-            if leaf.grad is not None:
-                leaves.append(leaf)
-                written.append(leaf.grad)
-            leaf.grad = before
-        self.aside = {}
-        return leaves, written
-
-    def undo(self) -> None:
-        """After an attempt that failed: drop what it wrote."""
-        for leaf, _ in self.aside.values():
-            leaf.grad = None
-
-    def restore(self) -> None:
-        """After the step: add the gradients set aside back into what it wrote, as a backward adds into ``.grad``."""
-        for leaf, before in self.aside.values():
-            if before is not None:
-                leaf.grad = summed(before, leaf.grad)
-        self.aside = {}
-
-    def give_back(self) -> None:
-        """After a step that raised: the gradients set aside, as they were."""
-        for leaf, before in self.aside.values():
-            leaf.grad = before
-        self.aside = {}
 
 
 class Box:
@@ -796,7 +745,7 @@ def _autograd_backward(
 
 
 def _statistics(node: Any) -> int:
-    """Return 2 for a batch normalisation in training mode over several rows, 1 over one row, 0 out of it."""
+    """Return ROWS for a batch normalisation in training mode over several rows, ONE_ROW over one row, 0 out of it."""
     if not getattr(node, "_saved_training", True):
         return 0
     # InstanceNorm normalises through one: each row alone, folded into the channels of a
@@ -804,8 +753,16 @@ def _statistics(node: Any) -> int:
     try:
         saved = getattr(node, "_saved_input", None)
     except RuntimeError:  # freed by a backward that already ran through it: say rows, to warn
-        return 2
-    return 1 if saved is not None and saved.dim() > 0 and saved.shape[0] == 1 else 2
+        return ROWS
+    return ONE_ROW if saved is not None and saved.dim() > 0 and saved.shape[0] == 1 else ROWS
+
+
+def _watch(kind: type) -> int:
+    """Return what a walk does at a node of ``kind`` met for the first time, and remember it."""
+    watched = _COMPILED if kind.__name__ == "CompiledFunctionBackward" else 0
+    if len(_WATCHED) < 4096:  # a kind per compiled graph: bounded, however often code recompiles
+        _WATCHED[kind] = watched
+    return watched
 
 
 def _is_leaf(tensor: Any) -> bool:

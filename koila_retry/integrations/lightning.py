@@ -42,7 +42,7 @@ from koila_retry._core.sharded import as_sharded
 from koila_retry._core.stats import OOMEvent
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
-from koila_retry._frontends.gradients import OtherLeaves, added_back
+from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
 from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, leave_out, let_go, trainable

@@ -32,7 +32,7 @@ from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.stats import Stats
 from koila_retry._frontends.accumulate import accumulator
-from koila_retry._frontends.gradients import OtherLeaves, added_back
+from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
 from koila_retry.integrations._transformers_losses import IGNORED, ROWS, SUM, Inexact, shifts_labels, weighing_of
 from koila_retry.integrations._transformers_packed import apart, joined
