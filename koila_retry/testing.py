@@ -178,6 +178,7 @@ class SimulatedDevice:
     def _check(self, new_bytes: int, live: int) -> None:
         allowed = self.allowed
         if live + new_bytes > allowed:
+            simulated.refusing(self)
             share = "" if allowed == self.limit else f"{format_bytes(allowed)} allowed; "
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate {format_bytes(new_bytes)}. Simulated device has a "
@@ -256,7 +257,8 @@ def simulated_device(limit: int | str) -> SimulatedDevice:
 
     Raises:
         TypeError: if ``limit`` is neither an int nor a str.
-        ValueError: if ``limit`` is negative or not a size.
+        ValueError: if ``limit`` is negative, not a size, or not a whole number of
+            bytes (``"0.1B"``, ``"0.1 KiB"``).
 
     Example::
 
@@ -272,7 +274,7 @@ def simulated_device(limit: int | str) -> SimulatedDevice:
         ...
         torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 MiB. ...
     """
-    return SimulatedDevice(parse_bytes(limit))
+    return SimulatedDevice(parse_bytes(limit, whole=True))
 
 
 class OOMInjector:
@@ -328,6 +330,7 @@ def oom_above(limit: int, *, kind: str = "cuda") -> OOMInjector:
         OOMInjector: call it as ``inject(batch_size)``.
 
     Raises:
+        TypeError: if ``limit`` is not an int (numpy's ints are).
         ValueError: if ``limit`` is negative or ``kind`` unknown.
 
     Example::
@@ -342,9 +345,12 @@ def oom_above(limit: int, *, kind: str = "cuda") -> OOMInjector:
         >>> run()
         64
     """
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ValueError(f"limit must be an int >= 0, got {limit!r}")
-    return OOMInjector(above=limit, kind=kind)
+    largest = as_int(limit)  # numpy's ints too, as make_oom and oom_for take them
+    if largest is None:
+        raise TypeError(f"limit must be an int, the largest batch size that fits, got {type(limit).__name__} {limit!r}")
+    if largest < 0:
+        raise ValueError(f"limit must be an int >= 0, the largest batch size that fits, got {largest}")
+    return OOMInjector(above=largest, kind=kind)
 
 
 def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:

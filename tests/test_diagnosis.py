@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import koila_retry as koila
+from koila_retry._common.units import format_bytes
 from koila_retry._core import diagnosis
 from koila_retry.testing import make_oom, simulated_device
 
@@ -273,3 +274,22 @@ def test_a_capture_that_fails_is_unknown(monkeypatch: pytest.MonkeyPatch) -> Non
     found = diagnosis.capture(torch.OutOfMemoryError("Tried to allocate 2.00 MiB"), torch.device("cuda", 0))
     assert found.kind == "unknown"
     assert found.requested == 2 * MiB
+
+
+def test_nested_devices_are_diagnosed_from_the_tighter_outer_one() -> None:
+    """The outer device refused, full of weights: the diagnosis read the inner one's 64 MiB free and nothing held."""
+    with simulated_device("4MiB"):  # the real, tight limit
+        weights = torch.zeros(3 * MiB // 4)
+
+        @koila.batch(initial=64, minimum=8, cache=koila.NoCache())
+        def run(batch_size: int) -> int:
+            return torch.ones(batch_size, 64, 1024).shape[0] + weights.shape[0] * 0  # 256 KiB a row
+
+        with simulated_device("64MiB"):  # a fixture's own, larger device, say
+            with pytest.raises(koila.BatchSizeExhausted) as caught:
+                run()
+            free = koila.free_memory()
+    assert caught.value.diagnosis is not None
+    assert caught.value.diagnosis.free == free
+    assert f"Largest on cpu ({format_bytes(weights.untyped_storage().nbytes())} in 1 storage)" in str(caught.value)
+    assert f"weights float32[{weights.numel()}] {format_bytes(weights.untyped_storage().nbytes())}" in str(caught.value)

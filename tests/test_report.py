@@ -445,3 +445,81 @@ def test_a_give_up_numbers_modules_and_optimizers_of_one_kind_held_in_containers
     held = str(info.value).split("Largest on", 1)[1]
     assert "Linear.weight (parameter)" in held
     assert "Linear#2.weight (parameter)" in held
+
+
+def _cut_from_one_buffer(layers: int) -> tuple[torch.Tensor, torch.nn.ModuleList]:
+    """Layers whose parameters are views cut from one flat buffer, as a flat-parameter wrapper makes them."""
+    model = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(layers)])
+    flat = torch.zeros(sum(parameter.numel() for parameter in model.parameters()))
+    offset = 0
+    for layer in model:
+        for name, parameter in list(layer.named_parameters()):
+            size = parameter.numel()
+            setattr(layer, name, torch.nn.Parameter(flat[offset : offset + size].view_as(parameter)))
+            offset += size
+    return flat, model
+
+
+def test_a_storage_thousands_of_names_share_shows_a_few_and_counts_the_rest() -> None:
+    """4,000 parameters cut from one buffer made one row 45,818 characters wide, and a message of 46,000."""
+    flat, model = _cut_from_one_buffer(2000)
+    every = [name for name, _ in model.named_parameters()]
+    joined = ", ".join(every)
+    found = koila.report(model, top=5)
+    (row,) = [row for row in found.rows if row.kind == "parameter"]
+    assert row.names == tuple(every[: len(row.names)])
+    assert len(row.names) + row.more_names == len(every) == 4000
+    assert f"{row.names[-1]} and {row.more_names} more names" in str(found)
+    # The buffer the parameters view spans the storage: its base, not a view of the first parameter.
+    assert row.base == f"float32[{flat.numel()}]"
+    assert f"base of {every[0]}: float32[{flat.numel()}]" in str(found)
+    assert f"view of {every[0]}: float32[{flat.numel()}]" not in str(found)
+    assert max(len(line) for line in str(found).splitlines()) < 2_000 < len(joined)
+    assert len(found.summary()) < 2_000
+
+
+def test_a_give_up_over_a_storage_thousands_of_names_share_stays_short() -> None:
+    with simulated_device("2MiB"):
+        flat, model = _cut_from_one_buffer(2000)
+        every = [name for name, _ in model.named_parameters()]
+
+        @koila.batch(initial=64, minimum=8, cache=koila.NoCache())
+        def run(batch_size: int) -> int:
+            return torch.ones(batch_size, 64, 1024).shape[0]  # 256 KiB a row
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            run()
+    message = str(caught.value)
+    held = message.split("Largest on", 1)[1]
+    # The buffer is a variable here: named as what the parameters view.
+    assert f"{every[4]} and {len(every) - 5} more names (parameter, views of flat)" in held
+    assert len(held) < 2_000 < len(", ".join(every))
+    del flat
+
+
+def test_the_table_escapes_control_characters_in_names() -> None:
+    """A module named with a newline broke the table's line in two."""
+    model = torch.nn.Module()
+    model._modules["x\ny|z"] = torch.nn.Linear(3, 3)
+    found = koila.report(model, top=10_000)
+    assert _row(found, "x\ny|z.weight").kind == "parameter"  # the data keeps the name as it is
+    lines = str(found).splitlines()
+    (line,) = [line for line in lines if "y|z.weight" in line]
+    assert line.split()[:2] == ["x\\ny|z.weight", "parameter"]
+    assert not any(line.startswith("y|z") for line in lines)
+    assert "x\\ny|z.weight" in found._repr_html_()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_process_lacks_is_refused_as_free_memory_refuses_it() -> None:
+    """koila.report and koila.profile on "cuda" without CUDA gave empty results."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="this process has no cuda device") as free:
+        koila.free_memory("cuda")
+    assert "cuda:0" in str(free.value)
+    with pytest.raises(ValueError, match="cannot report on cuda:0: this process has no cuda device"):
+        koila.report(model, device="cuda")
+    with pytest.raises(ValueError, match="cannot profile on cuda:0: this process has no cuda device"):
+        koila.profile(model, torch.zeros(1, 4), device="cuda")
+    # On meta tensors every tensor counts, whatever its device: the device is a label.
+    assert koila.profile(model, torch.zeros(1, 4), device="cuda", fake=True).device == torch.device("cuda", 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -401,13 +402,13 @@ def test_after_an_oom_the_refused_tensor_is_not_counted_and_smaller_ones_fit() -
 
 
 def test_the_refused_storage_is_really_freed() -> None:
-    # The outer device sees the refused storage being created, then freed.
+    # The outer device sees the refused storage being created, then freed; refused, it is in no peak.
     with simulated_device("100MiB") as outer:
         with simulated_device("1MiB") as inner, pytest.raises(torch.OutOfMemoryError):
             torch.zeros(*FOUR_MIB_TENSOR)
         assert inner.live == 0
         assert outer.live == 0
-        assert outer.peak == 4 * MiB
+        assert outer.peak == 0
 
 
 def test_free_memory_reports_the_simulated_device_while_it_is_active() -> None:
@@ -677,9 +678,12 @@ def test_oom_above_requires_the_batch_size() -> None:
         inject()
 
 
-@pytest.mark.parametrize("limit", [-1, 1.5, "100", None, True])
-def test_oom_above_rejects_bad_limits(limit: object) -> None:
-    with pytest.raises(ValueError, match=repr(limit).replace(".", r"\.")):
+@pytest.mark.parametrize(
+    ("limit", "error"), [(-1, ValueError), (1.5, TypeError), ("100", TypeError), (None, TypeError), (True, TypeError)]
+)
+def test_oom_above_rejects_bad_limits(limit: object, error: type[Exception]) -> None:
+    # A wrong type is a TypeError, as make_oom's and oom_for's are.
+    with pytest.raises(error, match=repr(limit).replace(".", r"\.")):
         oom_above(limit)  # type: ignore[arg-type]
 
 
@@ -912,3 +916,42 @@ def test_another_threads_resizes_do_not_count() -> None:
         thread.join()
         assert done.is_set()
         assert device.live == 0
+
+
+def test_oom_above_takes_numpys_ints_as_make_oom_and_oom_for_do() -> None:
+    numpy = pytest.importorskip("numpy")
+    plain, from_numpy = oom_above(3), oom_above(numpy.int64(3))
+    for inject in (plain, from_numpy):
+        for size in range(1, 6):
+            with contextlib.suppress(torch.OutOfMemoryError):
+                inject(size)
+    assert (from_numpy.calls, from_numpy.raised) == (plain.calls, plain.raised)
+
+
+@pytest.mark.parametrize("limit", ["0.1B", "0.1 MiB", "1.3 B"])
+def test_simulated_device_refuses_a_limit_that_is_not_whole_bytes(limit: str) -> None:
+    """ "0.1B" made a device of 0 bytes, silently."""
+    with pytest.raises(ValueError, match=f"whole number of bytes, got {limit!r}"):
+        simulated_device(limit)
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_an_allocation_an_inner_device_refuses_counts_in_no_peak(grows: bool) -> None:
+    """The outer device counted the refused allocation first, and kept it in its peak."""
+    with simulated_device("100MiB") as outer:
+        kept = torch.zeros(1024)
+        with simulated_device("1MiB") as inner:
+            out = torch.empty(0)
+            before = (outer.peak, inner.peak)
+            with pytest.raises(torch.OutOfMemoryError, match=r"total capacity of 1\.00 MiB"):
+                if grows:
+                    torch.zeros(*FOUR_MIB_TENSOR, out=out)  # grows ``out``'s storage
+                else:
+                    torch.zeros(*FOUR_MIB_TENSOR)
+            assert (outer.peak, inner.peak) == before
+            fits = torch.zeros(2048)  # what is allocated counts in both peaks, as before
+            assert (outer.peak, inner.peak) == (outer.live, inner.live)
+        bigger = torch.zeros(*FOUR_MIB_TENSOR)  # the inner limit is gone
+        assert outer.peak == outer.live
+    assert out.numel() == 0
+    assert kept.numel() + fits.numel() + bigger.numel() == 1024 + 2048 + 1024 * 1024

@@ -13,7 +13,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_flatten
 
 # Called with (bytes about to become live, bytes live now) before new storages are
@@ -33,6 +37,9 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
         self.live = 0
         self.peak = 0
+        # The peak before the last operator that raised it, and the ids of the storages it counted: a
+        # device entered inside this one refuses an allocation after this one counted it (see refused).
+        self._rise: tuple[int, list[int]] | None = None
 
     def reset_peak(self) -> None:
         """Set the peak to the bytes live now."""
@@ -68,20 +75,45 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             try:
                 self._check(new_bytes, self.live)
             except BaseException:
+                # The trackers entered before this one ran the operator first and counted it: the
+                # allocation did not happen, so it must not stay in their peaks.
+                refused = [*fresh, *(geometry.tensor.untyped_storage() for geometry in grown)]
+                for mode in _get_current_dispatch_mode_stack():
+                    if isinstance(mode, LiveStorageTracker) and mode is not self:
+                        mode.refused(refused)
                 # Like a failed allocation, the refused result must not outlive the error (neither this
                 # frame nor the list may keep it), and what the operator wrote is put back: a real device
                 # fails before the kernel runs (BatchNorm's running statistics, an out= tensor's size).
-                del out, fresh
+                del out, fresh, refused
                 for geometry in grown:
                     geometry.restore()
                 for tensor, value in kept or ():
                     tensor.copy_(value)
                 raise
+        peak = self.peak
         for storage in fresh:
             self._add(storage)
         for geometry in grown:
             self.count_growth(geometry)
+        if self.peak != peak:
+            counted = [id(storage) for storage in fresh]
+            self._rise = (peak, counted + [id(geometry.tensor.untyped_storage()) for geometry in grown])
         return out
+
+    def refused(self, storages: list[torch.UntypedStorage]) -> None:
+        """Take back the peak that counting ``storages`` raised: a tracker entered after this one refused them."""
+        rise, self._rise = self._rise, None
+        if rise is None:
+            return
+        before, counted = rise
+        given = {id(storage): storage for storage in storages}
+        for key in counted:
+            # By identity, alive: an id of a storage freed since may have been reused.
+            reference = self._storages.get(key)
+            if key not in given or reference is None or reference() is not given[key]:
+                return  # the last operator that raised the peak was another one: it stands
+        with self._lock:
+            self.peak = before  # nothing else was counted between the two
 
     def growth(self, geometry: Geometry) -> int:
         """Bytes that ``geometry``'s tensor allocated by growing (or replacing) its storage, as counted here."""
@@ -313,6 +345,7 @@ class _SimulatedRegistry(threading.local):
     def __init__(self) -> None:
         # Run once in each thread that uses the registry: each starts with none active.
         self.active: list[Simulated] = []
+        self.refused: Simulated | None = None  # the last to refuse an allocation, while it is active
 
     def enter(self, device: Simulated) -> None:
         """Make ``device`` this thread's innermost active device."""
@@ -326,6 +359,8 @@ class _SimulatedRegistry(threading.local):
         for index in range(len(active) - 1, -1, -1):
             if active[index] is device:
                 del active[index]
+                if self.refused is device:
+                    self.refused = None
                 with _counting:
                     anywhere[0] -= 1
                 return
@@ -342,6 +377,20 @@ class _SimulatedRegistry(threading.local):
     def device(self) -> Simulated | None:
         active = self.active
         return active[-1] if active else None
+
+    def refusing(self, device: Simulated) -> None:
+        """Note that ``device`` refused an allocation: the one a diagnosis then describes."""
+        self.refused = device
+
+    def stand_in(self) -> Simulated | None:
+        """Return the device a diagnosis describes: the last to refuse, else the one with the least free."""
+        active = self.active
+        if not active:
+            return None
+        # Nested devices each refuse what passes their own limit: an outer one, tighter, refuses
+        # what an inner one would take.
+        refused = self.refused
+        return refused if refused is not None else min(reversed(active), key=lambda device: device.free)
 
 
 # ``free_memory`` reports the innermost simulated device's free bytes while one is

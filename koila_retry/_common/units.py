@@ -26,8 +26,11 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str) -> int:
-    """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` (KiB and K: 1024, KB: 1000) to bytes."""
+def parse_bytes(value: int | str, whole: bool = False) -> int:
+    """Convert a byte count such as ``1024``, ``"512MiB"`` or ``"1.5 GB"`` (KiB and K: 1024, KB: 1000) to bytes.
+
+    Rounded down, unless ``whole``: then a size that is not a whole number of bytes (``"0.1B"``) is refused.
+    """
     if not isinstance(value, str):
         count = as_int(value)  # numpy's ints too, as range takes them
         if count is None:
@@ -44,7 +47,10 @@ def parse_bytes(value: int | str) -> int:
             "with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
     # Exact arithmetic: "2.01 KB" is 2010 bytes, where floats give 2009.99...
-    return int(Fraction(match.group(1)) * _UNITS[unit])
+    exact = Fraction(match.group(1)) * _UNITS[unit]
+    if whole and exact.denominator != 1:
+        raise ValueError(f"a memory size must be a whole number of bytes, got {value!r} ({float(exact)} bytes)")
+    return int(exact)
 
 
 def format_bytes(count: int | float) -> str:

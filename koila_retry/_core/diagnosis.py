@@ -115,11 +115,12 @@ def capture(error: BaseException, device: torch.device) -> Diagnosis:
     """Diagnose an out-of-memory ``error`` from the allocator now: before the attempt's memory is released."""
     message = str(error)
     try:
-        stand_in = simulated.device()
-        if stand_in is not None and _STAND_IN in message:
+        free = simulated.free()
+        if free is not None and _STAND_IN in message:
             # A simulated device is one pool with a limit: what it refused is capacity. Other errors
-            # raised inside it (by a test) are diagnosed as they would be outside.
-            return Diagnosis("capacity", requested_bytes(message), stand_in.free, None, None, CAPACITY)
+            # raised inside it (by a test) are diagnosed as they would be outside. The free bytes are
+            # free_memory()'s: of nested devices, the tightest, which an outer one may be.
+            return Diagnosis("capacity", requested_bytes(message), free, None, None, CAPACITY)
         if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return _cuda(message, device)
         if device.type == "cpu" and "can't allocate memory" in message:  # the CPU allocator's own error

@@ -31,6 +31,7 @@ from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
 from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._diagnostics.counting import Scope, StorageCounter, Tally, storage_of
+from koila_retry._diagnostics.report import require_present
 from koila_retry._diagnostics.table import html_table, text_table
 from koila_retry._estimation.lending import Owned
 from koila_retry._estimation.recorder import META
@@ -736,8 +737,9 @@ def profile(
     Raises:
         TypeError: if ``fn`` is not callable, or ``watch`` holds something that
             is not a function, method or module written in Python.
-        ValueError: if ``by`` is neither ``"module"`` nor ``"line"``, or
-            ``watch`` is given with ``by="module"``.
+        ValueError: if ``by`` is neither ``"module"`` nor ``"line"``, ``watch``
+            is given with ``by="module"``, or (unless ``fake``) ``device`` is of
+            a type this process has no accelerator for.
         Exception: what ``fn`` raised; with ``fake=True``, with a note that says so.
 
     .. versionadded:: 0.1.0
@@ -754,7 +756,11 @@ def profile(
     # Dispatch modes import torch._dynamo the first time they run, making tensors of its own: not the call's.
     importlib.import_module("torch._dynamo")
     owned = Owned((fn, args, kwargs))
-    target = resolve_device(device) if device is not None else _default_device(args, kwargs, owned)
+    if device is None:
+        target = _default_device(args, kwargs, owned)
+    else:
+        # On meta tensors every tensor counts, whatever its device: a device this process lacks is a label.
+        target = resolve_device(device) if fake else require_present(resolve_device(device), "profile on")
     counter = StorageCounter(target, fake)
     profiler: _ModuleProfiler | _LineProfiler = _LineProfiler(counter, codes)
     if by == "module":

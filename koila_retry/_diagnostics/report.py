@@ -23,15 +23,20 @@ from koila_retry._diagnostics.table import html_table, text_table
 _KINDS = ("parameter", "buffer", "gradient", "optimizer state", "tensor", "no tensor", "not reached")
 _HEADERS = ("name", "kind", "shape", "dtype", "bytes")
 _NUMERIC = frozenset({"bytes"})
+# The names and views a row keeps; the rest are counted. Parameters cut from one flat buffer (FSDP's,
+# DeepSpeed's) put thousands of names on one storage, which would make a line of the table, or of the
+# message of a call that gave up, as long as all of them.
+_KEPT = 5
 
 
 class ReportRow(NamedTuple):
-    """One storage in a :class:`MemoryReport`: every name it has, and its bytes.
+    """One storage in a :class:`MemoryReport`: the names it has, and its bytes.
 
     Attributes:
-        names (tuple of str): every name of a tensor on the storage, as reached
-            from the model and optimizer (tied weights have several); a tensor
-            no name reaches is described by its shape and dtype.
+        names (tuple of str): the names of the tensors on the storage, as reached
+            from the model and optimizer (tied weights have several), the first
+            five of them; a tensor no name reaches is described by its shape and
+            dtype.
         kind (str): ``"parameter"``, ``"buffer"``, ``"gradient"``,
             ``"optimizer state"``, ``"tensor"`` (found, not named) or
             ``"no tensor"`` (storages a simulated device counts that no Python
@@ -43,10 +48,18 @@ class ReportRow(NamedTuple):
         nbytes (int): the bytes of the storage, counted once however many
             tensors share it.
         views (tuple of str): the other tensors on the storage that no name
-            reaches (views or aliases of it), as ``"float32[10, 4]"``.
+            reaches (views or aliases of it), as ``"float32[10, 4]"``, the first
+            five of them.
         storages (int): how many storages the row stands for: 1, or, in the
             one row of ``"no tensor"`` or ``"not reached"``, all of them.
             Default: 1.
+        more_names (int): how many names the storage has beyond ``names``.
+            Default: 0.
+        more_views (int): how many views it has beyond ``views``. Default: 0.
+        base (str or None): the tensor that spans the whole storage, where the
+            named tensors view only parts of it (parameters cut from one flat
+            buffer): its name where one reaches it, else its dtype and shape;
+            ``None`` if there is none. Default: ``None``.
     """
 
     names: tuple[str, ...]
@@ -56,6 +69,9 @@ class ReportRow(NamedTuple):
     nbytes: int
     views: tuple[str, ...]
     storages: int = 1
+    more_names: int = 0
+    more_views: int = 0
+    base: str | None = None
 
 
 class MemoryReport:
@@ -135,8 +151,14 @@ class MemoryReport:
         cells: list[tuple[str, ...]] = []
         for row in self.rows:
             shape = "" if row.shape is None else str(list(row.shape))
-            cells.append((", ".join(row.names), row.kind, shape, row.dtype or "", format_bytes(row.nbytes)))
-            cells += [(f"  view of {row.names[0]}: {view}", "view", "", "", "") for view in row.views]
+            cells.append((_printable(_names(row)), row.kind, shape, row.dtype or "", format_bytes(row.nbytes)))
+            first = _printable(row.names[0]) if row.names else ""
+            if row.base is not None:
+                cells.append((f"  base of {first}: {_printable(row.base)}", "base", "", "", ""))
+            cells += [(f"  view of {first}: {view}", "view", "", "", "") for view in row.views]
+            if row.more_views:
+                more = f"{row.more_views} more view{'s' if row.more_views > 1 else ''}"
+                cells.append((f"  and {more} of {first}", "view", "", "", ""))
         return cells
 
     def _title(self) -> str:
@@ -184,10 +206,7 @@ class MemoryReport:
         Returns:
             str: like ``"Largest on cpu (12.00 MiB in 9 storages): fc.weight (parameter) 4.00 MiB, ..."``.
         """
-        named = [
-            " ".join(filter(None, (", ".join(row.names), _what(row), format_bytes(row.nbytes))))
-            for row in self.rows[:top]
-        ]
+        named = [" ".join(filter(None, (_names(row), _what(row), format_bytes(row.nbytes)))) for row in self.rows[:top]]
         rest = self.total - sum(row.nbytes for row in self.rows[:top])
         # One row may stand for many storages (those the call does not reach): count storages, not rows.
         more = self.storages - sum(row.storages for row in self.rows[:top])
@@ -234,7 +253,9 @@ def report(
 
     Raises:
         TypeError: if ``model``, ``optimizer`` or ``top`` has the wrong type.
-        ValueError: if ``top`` is below 1, or ``device`` is not a device.
+        ValueError: if ``top`` is below 1, or ``device`` is not a device, or is
+            of a type this process has no accelerator for (as
+            :func:`koila_retry.free_memory` says).
 
     Example::
 
@@ -259,10 +280,17 @@ def report(
         target = next((t.device for t in (*model.parameters(), *model.buffers())), None)
         resolved = memory.resolve_device(target)
     else:
-        resolved = memory.resolve_device(device)
+        resolved = require_present(memory.resolve_device(device), "report on")
     modules = [("", model)] if model is not None else []
     optimizers = [("optimizer", optimizer)] if optimizer is not None else []
     return build(resolved, modules, optimizers, top)
+
+
+def require_present(device: torch.device, what: str) -> torch.device:
+    """Return ``device``; raise, as free_memory does, if this process has no device of its type."""
+    if device.type not in ("cpu", "meta") and not memory.on_accelerator(device):
+        raise ValueError(f"cannot {what} {device}: this process has no {device.type} device")
+    return device
 
 
 def build(
@@ -353,7 +381,19 @@ def _optimizer_tensors(
 class _Storage:
     """A storage being described: its names, its kind and the tensors that view it."""
 
-    __slots__ = ("count", "dtype", "kind", "names", "nbytes", "shape", "views")
+    __slots__ = (
+        "base",
+        "count",
+        "dtype",
+        "kind",
+        "more_names",
+        "more_views",
+        "names",
+        "nbytes",
+        "shape",
+        "views",
+        "whole",
+    )
 
     def __init__(self, nbytes: int, kind: str, tensor: torch.Tensor | None, name: str = "", count: int = 1) -> None:
         self.nbytes = nbytes
@@ -361,8 +401,32 @@ class _Storage:
         self.kind = kind
         self.names: list[str] = [name] if name else []
         self.views: list[str] = []
+        self.more_names = self.more_views = 0
+        self.base: str | None = None
+        self.whole = tensor is not None and _covers(tensor, nbytes)  # a named tensor spans the storage
         self.shape = None if tensor is None else tuple(tensor.shape)
         self.dtype = None if tensor is None else _dtype_name(tensor.dtype)
+
+    def name(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a name of ``tensor``, a tensor on the storage: kept among the first few, else counted."""
+        if not self.whole and _covers(tensor, self.nbytes):
+            self.whole = True
+        if name in self.names:
+            return
+        if len(self.names) < _KEPT:
+            self.names.append(name)
+        else:
+            self.more_names += 1  # names from modules and optimizers are distinct: no need to keep them all
+
+    def view(self, tensor: torch.Tensor) -> None:
+        """Add a tensor no name reaches: the base the named ones view, or one more view."""
+        if self.base is None and not self.whole and _covers(tensor, self.nbytes):
+            self.base = _describe(tensor)
+            self.whole = True
+        elif len(self.views) < _KEPT:
+            self.views.append(_describe(tensor))
+        else:
+            self.more_views += 1
 
 
 class _Found:
@@ -374,7 +438,8 @@ class _Found:
         self.named: set[int] = set()  # ids of the named tensors, not listed again as views
         # Inside a simulated device, with ``counted``: the storages it counts, the only ones listed.
         self.counted: set[int] | None = None
-        stand_in = tracking.simulated.device()
+        # Of nested devices, the one that refused (an outer one may be tighter than the innermost).
+        stand_in = tracking.simulated.stand_in()
         if counted and stand_in is not None and device.type == "cpu":
             self.counted = {storage._cdata for storage in stand_in.live_storages()}
 
@@ -402,14 +467,18 @@ class _Found:
         key, nbytes = found
         entry = self.storages.get(key)
         if unless_named and entry is not None:
+            if entry.base is None and not entry.whole and _covers(tensor, nbytes):
+                # The tensor the named ones were cut from (a flat buffer of parameters), named as itself.
+                self.named.add(id(tensor))
+                entry.base = name
+                entry.whole = True
             return
         self.named.add(id(tensor))
         if entry is None:
             entry = self.storages[key] = _Storage(nbytes, kind, tensor)
         elif _KINDS.index(kind) < _KINDS.index(entry.kind):
             entry.kind = kind
-        if name not in entry.names:
-            entry.names.append(name)
+        entry.name(name, tensor)
 
     def scan(self) -> None:
         """Add every other tensor alive on the device, found without running a collection."""
@@ -424,7 +493,7 @@ class _Found:
             key, nbytes = found
             entry = self.storages.get(key)
             if entry is not None and entry.names:
-                entry.views.append(_describe(value))
+                entry.view(value)
             else:
                 unnamed.setdefault(key, []).append(value)
         for key, tensors in unnamed.items():
@@ -435,12 +504,13 @@ class _Found:
             graph = base.grad_fn
             name = "tensor" if graph is None else f"tensor ({type(graph).__name__} keeps its autograd graph)"
             entry = self.storages[key] = _Storage(nbytes, "tensor", base, name)
-            entry.views += [_describe(tensor) for tensor in tensors[1:]]
+            for tensor in tensors[1:]:
+                entry.view(tensor)
         unnamed.clear()
 
     def unreachable(self, kind: str) -> tuple[int, int] | None:
         """Add what a simulated device counts that was not found, as ``kind``; return its ``(live, limit)``."""
-        device = tracking.simulated.device()
+        device = tracking.simulated.stand_in()
         if device is None or self.device.type != "cpu":
             return None
         hidden = [storage for storage in device.live_storages() if storage._cdata not in self.storages]
@@ -454,13 +524,42 @@ class _Found:
     def rows(self) -> Iterable[ReportRow]:
         for entry in self.storages.values():
             names, views = tuple(entry.names), tuple(entry.views)
-            yield ReportRow(names, entry.kind, entry.shape, entry.dtype, entry.nbytes, views, entry.count)
+            yield ReportRow(
+                names,
+                entry.kind,
+                entry.shape,
+                entry.dtype,
+                entry.nbytes,
+                views,
+                entry.count,
+                entry.more_names,
+                entry.more_views,
+                entry.base,
+            )
 
 
 def _what(row: ReportRow) -> str:
     if row.kind == "tensor" and row.shape is not None:
-        return f"{row.dtype}{list(row.shape)}"
-    return "" if row.kind == "not reached" else f"({row.kind})"  # its name says it
+        what = f"{row.dtype}{list(row.shape)}"
+    else:
+        what = "" if row.kind == "not reached" else f"({row.kind})"  # its name says it
+    if row.base is not None:
+        what = f"{what[:-1]}, views of {row.base})" if what.endswith(")") else f"{what} (views of {row.base})"
+    return what
+
+
+def _names(row: ReportRow) -> str:
+    """The row's names, and how many more it has."""
+    shown = ", ".join(row.names)
+    more = row.more_names
+    return f"{shown} and {more} more name{'s' if more > 1 else ''}" if more else shown
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters escaped as ``repr`` does, to keep a table's lines whole."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
