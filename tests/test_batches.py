@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections import OrderedDict, UserDict, defaultdict
@@ -881,7 +882,7 @@ def test_strings_one_per_row_in_a_batch_are_split_with_the_rows() -> None:
     got.clear()
     assert torch.equal(koila.chunked(scaled, batch, initial=4), expected)
     assert got == [(names[:4], tags[:4], labels), (names[4:], tags[4:], labels)]
-    mixed = ["a", None, "c", "d", "e", "f", "g", "h"]  # not all strings: passes whole, as before
+    mixed = ["a", 1, "c", "d", "e", "f", "g", "h"]  # not all strings (nor None): passes whole, as before
     assert next(Split(({"x": rows, "mixed": mixed},), {}, 0, "test").pieces(4))[0][0]["mixed"] is mixed
 
     # Through accumulate: each micro-batch's rows weighed by their own names' numbers.
@@ -938,3 +939,246 @@ def test_records_are_left_out_of_the_key_and_taken_again_for_a_larger_estimate()
     assert args[0]["pixel_values"].shape == (11, 6)
     assert len(labels) == 11
     assert all(label["boxes"].device.type == "meta" for label in labels)
+
+
+# --- one image and its one dict of boxes; attributes beside items; per-row word lists; PackedSequence ---------
+
+
+def boxes_loss(
+    model: torch.nn.Module, pixel_values: torch.Tensor, labels: list[dict[str, torch.Tensor]]
+) -> torch.Tensor:
+    """A mean over images of each image's nearest box to its one predicted box (none: the prediction's size)."""
+    predicted = model(pixel_values)
+    assert len(labels) == len(predicted)
+    losses = [
+        (box - target["boxes"]).pow(2).sum(1).min() if len(target["boxes"]) else box.pow(2).sum()
+        for box, target in zip(predicted, labels)
+    ]
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("boxes", [5, 0])
+def test_one_image_and_its_one_dict_of_boxes_are_one_row_and_one_record(boxes: int) -> None:
+    # The boxes of the one image were taken for the rows: split across micro-batches (a wrong gradient),
+    # and an image without boxes was refused as a batch of 0 rows.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    batch = detection_batch([boxes])
+    pixel_values, labels = batch["pixel_values"], batch["labels"]
+    boxes_loss(model, pixel_values, labels).backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    seen: list[list[int]] = []
+
+    @koila.accumulate(initial=2, cache=koila.NoCache())
+    def step(pixel_values: torch.Tensor, labels: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        seen.append([len(target["boxes"]) for target in labels])
+        return boxes_loss(model, pixel_values, labels)
+
+    step(pixel_values, labels)
+    assert seen == [[boxes]]
+    for parameter, grad in zip(model.parameters(), expected):
+        torch.testing.assert_close(parameter.grad, grad, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        got = koila.chunked(lambda pixel_values, labels: model(pixel_values), pixel_values, labels, initial=2)
+        torch.testing.assert_close(got, model(pixel_values))
+    split = Split((pixel_values, labels), {}, 0, "test")
+    assert (split.rows, split.split) == (1, [0])
+    # With no tensor outside it, the list is a container as before: its tensors hold the rows.
+    assert Split((labels,), {}, 0, "test").rows == boxes
+
+
+def test_one_image_that_runs_out_of_memory_gives_up_rather_than_split_its_boxes() -> None:
+    from koila_retry.testing import simulated_device
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+
+    def step(pixel_values: torch.Tensor, labels: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        predicted = model(pixel_values)
+        losses = []
+        for box, target in zip(predicted, labels):
+            scratch = torch.zeros(len(target["boxes"]), 4096, dtype=torch.float64)  # 32 KiB a box: a matching cost
+            losses.append(((box - target["boxes"]).pow(2).sum(1) + scratch.sum(1)).min())
+        return torch.stack(losses).mean()
+
+    batch = detection_batch([8])
+    step(batch["pixel_values"], batch["labels"]).backward()  # the plain step, with the memory it needs
+    assert model.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    stepped = koila.accumulate(step, cache=koila.NoCache())
+    with simulated_device("200KiB"), pytest.raises(koila.BatchSizeExhausted):
+        stepped(batch["pixel_values"], batch["labels"])
+    assert model.weight.grad is None  # no micro-batch of some of the boxes ran its backward
+
+
+class AttrDict(dict[str, Any]):
+    """The common recipe whose attributes are its items."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__ = self
+
+
+@dataclasses.dataclass
+class Cached:
+    tokens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mask = self.tokens != 0  # an attribute that is not a field, of one row per row
+        self.scale = torch.tensor(0.5, dtype=torch.float64)  # 0-dimensional: passes whole
+
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(1)
+
+
+def test_an_attribute_dict_s_attributes_are_each_piece_s_items() -> None:
+    # b.x held the whole batch in every micro-batch while b["x"] held its rows: nothing was saved.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    batch = AttrDict(x=torch.randn(6, 3, dtype=torch.float64), y=torch.randn(6, 1, dtype=torch.float64))
+    seen: list[tuple[int, int, int]] = []
+
+    def step(b: AttrDict) -> dict[str, torch.Tensor]:
+        seen.append((len(b["x"]), len(b.x), len(b.y)))
+        return {"loss": (model(b.x) - b.y).pow(2).mean(), "pred": model(b.x)}
+
+    plain = step(batch)
+    plain["loss"].backward()
+    expected = model.weight.grad.clone()  # type: ignore[union-attr]
+    model.zero_grad()
+    seen.clear()
+    result = koila.accumulate(step, initial=2, cache=koila.NoCache())(batch)
+    assert seen == [(2, 2, 2)] * 3
+    torch.testing.assert_close(model.weight.grad, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result["pred"], plain["pred"].detach())
+    with torch.no_grad():
+        torch.testing.assert_close(koila.chunked(lambda b: model(b.x), batch, initial=4), model(batch.x))
+    assert batch.__dict__ is batch  # the caller's is as it was
+    assert len(batch.x) == 6
+
+
+def test_an_attribute_dict_fits_where_a_dict_does() -> None:
+    from koila_retry.testing import simulated_device
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    x, y = torch.randn(256, 16), torch.randn(256, 1)
+    sizes = []
+    for make in (dict, AttrDict):
+
+        @koila.accumulate(cache=koila.NoCache())
+        def train(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (model(b["x"] if type(b) is dict else b.x) - y[: len(b["y"])]).pow(2).mean()
+
+        with simulated_device("400KiB"):
+            train(make(x=x, y=y))
+        sizes.append(train.stats.batch_size)
+    assert sizes[0] < 256
+    assert sizes[1] == sizes[0]
+
+
+def test_a_dataclass_s_attributes_beside_its_fields_are_each_piece_s() -> None:
+    # A cached property read before the call, and an attribute set in __post_init__, kept the whole batch's
+    # tensor in every piece: a size mismatch, or a silently wrong result.
+    tokens = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 0, 0]], dtype=torch.float64)
+    weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
+
+    def mean(b: Cached) -> torch.Tensor:
+        assert len(b.mask) == len(b.lengths) == len(b.tokens)
+        return b.tokens.sum(1) * b.scale / b.lengths * weight
+
+    for read in (False, True):
+        batch = Cached(tokens)
+        if read:
+            _ = batch.lengths  # read once before the call: a sampler, a log line
+        expected = mean(batch)
+        torch.testing.assert_close(koila.chunked(mean, batch, initial=2), expected.detach())
+        expected.pow(2).mean().backward()
+        whole = weight.grad.clone()  # type: ignore[union-attr]
+        weight.grad = None
+        koila.accumulate(lambda b: mean(b).pow(2).mean(), initial=3, cache=koila.NoCache())(batch)
+        torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
+        weight.grad = None
+        assert len(vars(batch)["lengths"]) == 4  # the caller's keeps the whole batch's
+    split = Split((Cached(tokens),), {}, 0, "test")
+    assert [tuple(tensor.shape) for tensor in split.tensors] == [(4, 3), (4, 3), ()]
+    assert split.split == [0, 1]
+
+
+def test_a_tensor_attribute_of_another_size_is_ambiguous_on_every_call() -> None:
+    batch = Cached(torch.ones(4, 3))
+    batch.extra = torch.zeros(3)  # type: ignore[attr-defined]
+    for initial in (None, 2):  # not split as well as split: the error does not wait for memory to run short
+        with pytest.raises(ValueError, match=r"the tensor batch\.tokens has 4, the tensor batch\.extra has 3"):
+            koila.chunked(lambda batch: batch.tokens, batch, initial=initial)
+        with pytest.raises(ValueError, match=r"batch\.extra has 3"):
+            koila.accumulate(lambda batch: batch.tokens.sum(), initial=initial, cache=koila.NoCache())(batch)
+
+
+def test_words_and_names_with_one_missing_in_a_batch_are_split_with_the_rows() -> None:
+    # A list of lists of strings (words tokenized before the batch) and names with a None among them
+    # went whole to every piece, which zip paired with other rows.
+    rows = 6
+    batch = {
+        "scores": torch.arange(1.0, rows + 1, dtype=torch.float64),
+        "words": [[f"w{index}"] * (index + 1) for index in range(rows)],  # row 5 holds as many words as rows
+        "names": [f"n{index}" if index != 2 else None for index in range(rows)],
+    }
+    weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
+
+    def scored(b: dict[str, Any]) -> dict[str, Any]:
+        per_row = torch.stack([score * len(words) for score, words in zip(b["scores"], b["words"], strict=True)])
+        return {"scores": per_row * weight, "names": [name for _, name in zip(b["scores"], b["names"], strict=True)]}
+
+    expected = scored(batch)
+    got = koila.chunked(scored, batch, initial=4)
+    torch.testing.assert_close(got["scores"], expected["scores"].detach())
+    assert got["names"] == expected["names"] == batch["names"]
+    expected["scores"].pow(2).mean().backward()
+    whole = weight.grad.clone()  # type: ignore[union-attr]
+    weight.grad = None
+    koila.accumulate(lambda b: scored(b)["scores"].pow(2).mean(), initial=4, cache=koila.NoCache())(batch)
+    torch.testing.assert_close(weight.grad, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_words_given_as_an_argument_of_their_own_pass_whole() -> None:
+    # A vocabulary of phrases scored against every row: the call's, whatever its length, and so are its phrases.
+    phrases = [["a", "cat"], ["a", "dog"], ["a", "b", "c", "d"], ["x", "y", "z", "w"]]
+    got: list[list[list[str]]] = []
+
+    def scores(images: torch.Tensor, phrases: list[list[str]]) -> torch.Tensor:
+        got.append(phrases)
+        return images * sum(len(phrase) for phrase in phrases)
+
+    images = torch.ones(4, 1, dtype=torch.float64)
+    torch.testing.assert_close(koila.chunked(scores, images, phrases, initial=2), scores(images, phrases))
+    assert all(piece is phrases for piece in got)
+
+
+@pytest.mark.parametrize("lengths", [(4, 3, 3, 2, 1), (1, 1, 1, 1, 1)])
+def test_a_packed_sequence_is_refused_on_every_call(lengths: tuple[int, ...]) -> None:
+    # Walked as a named tuple, its data and batch sizes were taken for rows: an unrelated error, or (every
+    # sequence of one step) a wrong split.
+    from torch.nn.utils.rnn import pack_sequence
+
+    rnn = torch.nn.GRU(2, 3)
+    packed = pack_sequence([torch.randn(length, 2) for length in lengths])
+    with torch.no_grad():
+        rnn(packed)  # the plain call runs
+        for initial in (None, 2):
+            with pytest.raises(
+                ValueError,
+                match=r"cannot split the PackedSequence packed: .*\(torch\.nn\.utils\.rnn\.pack_padded_sequence\)",
+            ):
+                koila.chunked(lambda packed: rnn(packed)[1][0], packed, initial=initial)
+    with pytest.raises(ValueError, match=r"the PackedSequence batch\['packed'\]"):
+        koila.accumulate(lambda batch: rnn(batch["packed"])[1].sum(), cache=koila.NoCache())({"packed": packed})
+
+
+def test_an_ambiguous_tensor_in_a_list_of_tensors_says_to_stack_them() -> None:
+    images = [torch.randn(3, 8, 8) for _ in range(2)]
+    targets = [{"boxes": torch.rand(5, 4)} for _ in range(2)]
+    with pytest.raises(ValueError, match=r"has 5\. images is a list of tensors, .* stacked \(torch\.stack\)"):
+        koila.chunked(lambda images, targets: images[0], images, targets)

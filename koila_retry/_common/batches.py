@@ -16,9 +16,10 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from koila_retry._common.tensors import TensorBase
 
@@ -131,7 +132,9 @@ class _Node:
         if kind == _FIELDS:
             new = copy.copy(value)
             for key, item in changed:
-                object.__setattr__(new, key, item)  # frozen dataclasses too
+                if type(key) is not _Attribute:
+                    object.__setattr__(new, key, item)  # frozen dataclasses too
+            _settle(value, new, changed)
             return new
         if kind in (_SEQUENCE, _COPIED):
             new = copy.copy(value)  # keeps the type and its other state (a BatchEncoding's encodings)
@@ -140,7 +143,9 @@ class _Node:
                     f"koila_retry cannot copy a {type(value).__name__}: copy.copy() returned the same object"
                 )
             for key, item in changed:
-                new[key] = item
+                if type(key) is not _Attribute:
+                    new[key] = item
+            _settle(value, new, changed)
             encodings = getattr(value, "_encodings", None)
             if isinstance(encodings, list) and self.splits:
                 # A fast tokenizer's BatchEncoding, whose word_ids(i), tokens(i) ... read encoding i: a piece
@@ -149,6 +154,62 @@ class _Node:
                 new._encodings = encodings[begin:end] if len(encodings) == self.rows else None  # type: ignore[attr-defined]
             return new
         return _remade_around(value, kind, changed)
+
+
+def _state(value: Any) -> dict[str, Any] | None:
+    """Return the attributes ``value`` holds of its own (its ``__dict__``), or ``None``."""
+    try:  # not getattr(): a __getattr__ of the user's is not asked
+        state = object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _apart(value: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """Return the names of ``value``'s dataclass fields, and those its cached properties keep their values under."""
+    cls: Any = type(value)  # Any: the cache takes Hashable, which typeshed does not take a type for
+    return _apart_of(cls)
+
+
+@functools.lru_cache(maxsize=256)
+def _apart_of(cls: type[Any]) -> tuple[frozenset[str], frozenset[str]]:
+    fields = (
+        frozenset(field.name for field in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
+    )
+    cached = frozenset(
+        member.attrname or name
+        for klass in cls.__mro__
+        for name, member in vars(klass).items()
+        if isinstance(member, functools.cached_property)
+    )
+    return fields, cached
+
+
+def _settle(value: Any, new: Any, changed: list[tuple[Any, Any]]) -> None:
+    """Make the attributes of ``new``, a copy of ``value``, its own rows' where ``value``'s are its items or rows."""
+    state = _state(value)
+    if not state:
+        return
+    if state is value:  # the attributes are the items (``self.__dict__ = self``): the copy's are its own items
+        object.__setattr__(new, "__dict__", new)
+        return
+    mine = _state(new)
+    if mine is None or mine is state:
+        if any(type(key) is _Attribute for key, _ in changed):
+            raise TypeError(
+                f"koila_retry cannot copy a {type(value).__name__}: copy.copy() shares its attributes with the "
+                "original, and the copy's tensor attributes must hold its own rows"
+            )
+        return
+    # A cached property's value is the whole batch's: dropped, it is computed again from the piece when read.
+    for name in _apart(value)[1].intersection(mine):
+        del mine[name]
+    mapping = isinstance(value, Mapping)
+    for key, item in changed:
+        if type(key) is _Attribute:
+            mine[key] = item
+        elif mapping and key in state and state[key] is value[key]:
+            mine[key] = item  # an attribute that is the item of its name, kept in step with it
 
 
 def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any:
@@ -170,14 +231,16 @@ def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any
     return new
 
 
-def _records(items: Sequence[Any], nested: bool) -> bool:
-    """Return whether ``items`` are all mappings, or all strings inside an argument: one per row if as many."""
-    first = items[0]
-    if isinstance(first, Mapping):
-        return all(isinstance(item, Mapping) for item in items)
-    # Strings only inside an argument (a batch's field, as a collate makes it): a list given as an argument
-    # of its own (class prompts, label names) is the call's, and would be split where its length met the rows.
-    return nested and isinstance(first, str) and all(isinstance(item, str) for item in items)
+def _records(items: Sequence[Any]) -> bool:
+    """Return whether ``items`` are all mappings: one record per row if as many as the rows."""
+    return all(isinstance(item, Mapping) for item in items)
+
+
+def _texts(items: Sequence[Any]) -> bool:
+    """Return whether ``items`` are strings or ``None`` (one string at least), or lists or tuples of strings."""
+    if isinstance(items[0], (list, tuple)):  # a row's words, tokenized before the batch
+        return all(isinstance(item, (list, tuple)) and all(type(word) is str for word in item) for item in items)
+    return all(item is None or type(item) is str for item in items) and any(type(item) is str for item in items)
 
 
 def _kind(value: Any) -> int | None:
@@ -238,12 +301,17 @@ def _remaking(value: Any, kind: int) -> int | None:
         return tuple_remaking(value)
     if kind != _MAPPING:
         return kind
-    # A copy.copy of a mapping without a __copy__ of its own would share with the caller's mapping the
-    # storage the new items go into.
-    if isinstance(value, dict) or (isinstance(value, MutableMapping) and hasattr(type(value), "__copy__")):
+    if _copies(value):
         return _COPIED
     ways = (_MAPPING_DICT, _MAPPING_KEYWORDS, _MAPPING_FILLED)
     return _first_faithful(value, ways if isinstance(value, MutableMapping) else ways[:2], dict(value))
+
+
+def _copies(value: Any) -> bool:
+    """Return whether a mapping is remade with ``copy.copy``."""
+    # A copy.copy of a mapping without a __copy__ of its own would share with the caller's mapping the
+    # storage the new items go into.
+    return isinstance(value, dict) or (isinstance(value, MutableMapping) and hasattr(type(value), "__copy__"))
 
 
 def _first_faithful(value: Any, ways: tuple[int, ...], items: Any) -> int | None:
@@ -364,8 +432,8 @@ class Split:
         # What holds tensors, by position and by keyword: a tensor's index, or a container.
         self.positional: list[tuple[int, _Node | int]] = []
         self.named: list[tuple[str, _Node | int]] = []
-        # Lists and tuples of mappings (a detection batch's targets, one dict per image): one record per row
-        # where there are as many as the rows the other tensors share (see _rows), else containers.
+        # Lists and tuples of mappings (a detection batch's targets, one dict per image), and of strings in an
+        # argument: one record per row where there are as many as the rows the other tensors share (see _rows).
         self.records: list[_Node] = []
         for position, value in enumerate(args):
             found = self._walk(value, (position,), paths)
@@ -420,11 +488,27 @@ class Split:
         kind = _kind(value)
         if kind is None:
             return None
+        if kind == _NAMED and isinstance(value, PackedSequence):
+            raise ValueError(
+                f"{self.front_end} cannot split the PackedSequence {self._label(path)}: its data holds every "
+                "sequence's steps packed together, time step by time step, not one row per sequence. Pass the "
+                "padded tensor and the lengths instead, and pack them inside the function "
+                "(torch.nn.utils.rnn.pack_padded_sequence)"
+            )
         if len(path) > DEPTH:
             raise ValueError(
                 f"{self.front_end} looks for tensors in containers nested at most {DEPTH} deep, and "
                 f"{self._label(path)} is deeper (a container that holds itself?)"
             )
+        if kind in (_LIST, _TUPLE) and value and _texts(value):
+            # Strings one per row (file names, texts, a row's words: what a DataLoader's collate makes of a string
+            # field) are a list of records inside an argument. One given as an argument of its own (class prompts,
+            # label names) is the call's, and would be split where its length met the rows: it passes whole.
+            if len(path) == 1:
+                return None
+            node = _Node(value, kind, [])
+            self.records.append(node)
+            return node
         children: list[tuple[Any, _Node | int]] = []
         names = _field_names(value) if kind == _STRUCTSEQ else ()
         for key, item in _items(value, kind):
@@ -432,9 +516,10 @@ class Split:
             found = self._walk(item, (*path, label), paths)
             if found is not None:
                 children.append((key, found))
-        # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node. So is a
-        # list of strings in an argument (file names, texts: what a DataLoader's collate makes of a string field).
-        records = kind in (_LIST, _TUPLE) and len(value) > 1 and _records(value, nested=len(path) > 1)
+        if kind in (_FIELDS, _SEQUENCE) or (kind == _MAPPING and _copies(value)):
+            self._attributes(value, path, paths, children)  # a copy keeps them: they must be its rows'
+        # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node.
+        records = kind in (_LIST, _TUPLE) and len(value) > 0 and _records(value)
         if not children and not records:
             return None
         # Decided here, on every call, and not when a slice is first made: a container
@@ -446,6 +531,23 @@ class Split:
         if records:
             self.records.append(node)
         return node
+
+    def _attributes(
+        self, value: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]], children: list[tuple[Any, _Node | int]]
+    ) -> None:
+        """Add to ``children`` the tensors ``value`` holds as attributes of its own: split like its fields."""
+        state = _state(value)
+        if not state or state is value:  # none, or they are the items (see _settle)
+            return
+        fields, cached = _apart(value)
+        for name, item in state.items():
+            # Only tensors held directly: a BatchEncoding's data and encodings are its items and rows already.
+            if not isinstance(item, TensorBase) or type(name) is not str or name in fields or name in cached:
+                continue
+            if isinstance(value, Mapping) and name in value and value[name] is item:
+                continue  # the item of its name (a ModelOutput's), which _settle keeps in step
+            key = _Attribute(name)
+            children.append((key, cast(int, self._walk(item, (*path, key), paths))))
 
     def _unremakable(self, value: Any, kind: int, path: tuple[Any, ...]) -> str:
         """Say that the container at ``path`` cannot be remade around slices, why, and what to do."""
@@ -477,9 +579,11 @@ class Split:
             beneath = set().union(*inner.values())
             outside = [size if index not in beneath else -1 for index, size in enumerate(sizes)]
             rows = self._shared(outside, paths)[0]
+            if rows == -1 and 1 in outside:  # one row outside, none more: one image and its one dict of boxes
+                rows = 1
             taken: set[int] = set()  # the nodes inside a list of records per row, which are its records'
             for node in reversed(self.records):  # found innermost first: a list inside a record is the record's
-                node.per_row = rows > 1 and len(node.value) == rows and id(node) not in taken
+                node.per_row = len(node.value) == rows and id(node) not in taken
                 if node.per_row:
                     taken.update(node.below())
             whole = {index for node in self.records if node.per_row for index in inner[id(node)]}
@@ -524,9 +628,26 @@ class Split:
                     raise ValueError(
                         f"every tensor that is split must have the same size along dim {self.dim} (one row broadcasts, "
                         f"and passes whole): the tensor {self._label(paths[first])} has {rows}, "
-                        f"the tensor {self._label(paths[index])} has {size}"
+                        f"the tensor {self._label(paths[index])} has {size}{self._listed(paths[first], paths[index])}"
                     )
         return rows, first
+
+    def _listed(self, *paths: tuple[Any, ...]) -> str:
+        """Return a hint for the first of ``paths`` that lies in a list of tensors, or nothing."""
+        for path in paths:
+            try:  # only for the error: the container the tensor lies in, from the arguments
+                within = self.args[path[0]] if isinstance(path[0], int) else self.kwargs[path[0]]
+                for key in path[1:-1]:
+                    within = getattr(within, key) if isinstance(key, _Attribute) else within[key]
+            except Exception:  # a container that cannot be read back the way the walk did: no hint
+                continue
+            if len(path) > 1 and type(within) in (list, tuple) and all(isinstance(i, TensorBase) for i in within):
+                return (
+                    f". {self._label(path[:-1])} is a {type(within).__name__} of tensors, and each of them is split "
+                    f"along dim {self.dim} as a batch of its own: a list of one tensor per row (a batch's images) "
+                    "must be stacked (torch.stack), or padded, into one tensor"
+                )
+        return ""
 
     def _refuse_nested(self) -> None:
         """Raise the error that names a nested tensor among the arguments, whose shape torch cannot give whole."""

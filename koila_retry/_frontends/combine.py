@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol, cast
@@ -158,9 +160,10 @@ class Results:
         if not isinstance(leaf, TensorBase):
             if type(leaf) is list:  # of strings (see flatten)
                 return _STRINGS if len(leaf) == rows else _DROP
-            if isinstance(leaf, bool) or not isinstance(leaf, (int, float)):
+            # NumPy's scalars (np.float32, np.int64) too, not a Decimal, which a float weight cannot multiply.
+            if isinstance(leaf, bool) or not isinstance(leaf, numbers.Complex):
                 return _DROP
-            return _COUNT if isinstance(leaf, int) else _WEIGH
+            return _COUNT if isinstance(leaf, numbers.Integral) else _WEIGH
         dim = self.step.dim
         if -leaf.dim() <= dim < leaf.dim() and leaf.size(dim) == rows:
             return _JOIN
@@ -373,6 +376,13 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
         loss = result.get("loss")
     else:
         loss = result
+    if loss is result and dataclasses.is_dataclass(result) and not isinstance(result, type):
+        # Named by its type only: its repr would print every tensor it holds.
+        raise TypeError(
+            f"{name} returned an instance of {type(result).__qualname__}, a dataclass; @koila.accumulate does not "
+            "search a dataclass for a 'loss' field. Return the loss as a scalar tensor, or with the rest in a dict "
+            "with a 'loss' entry, a tuple or list whose first item it is, or a named tuple with a 'loss' field"
+        )
     if not isinstance(loss, TensorBase):
         raise TypeError(
             f"{name} returned {describe(result)}; @koila.accumulate needs the loss: a scalar tensor, a tuple "
