@@ -1107,14 +1107,34 @@ def test_a_dataclass_s_attributes_beside_its_fields_are_each_piece_s() -> None:
     assert split.split == [0, 1]
 
 
-def test_a_tensor_attribute_of_another_size_is_ambiguous_on_every_call() -> None:
-    batch = Cached(torch.ones(4, 3))
-    batch.extra = torch.zeros(3)  # type: ignore[attr-defined]
-    for initial in (None, 2):  # not split as well as split: the error does not wait for memory to run short
-        with pytest.raises(ValueError, match=r"the tensor batch\.tokens has 4, the tensor batch\.extra has 3"):
-            koila.chunked(lambda batch: batch.tokens, batch, initial=initial)
-        with pytest.raises(ValueError, match=r"batch\.extra has 3"):
-            koila.accumulate(lambda batch: batch.tokens.sum(), initial=initial, cache=koila.NoCache())(batch)
+@dataclasses.dataclass
+class _Weighted:
+    x: torch.Tensor
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.class_weights = torch.tensor([1.0, 2.0, 0.5, 4.0], dtype=torch.float64)  # one per class, not per row
+
+
+def test_a_tensor_attribute_of_another_size_passes_whole_and_decides_no_rows() -> None:
+    # The batch's own state beside its fields: refused as ambiguous for a while, where it had worked.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).double()
+
+    def loss_of(batch: _Weighted) -> torch.Tensor:
+        logits = model(batch.x)
+        return torch.nn.functional.cross_entropy(logits, batch.labels, weight=batch.class_weights, reduction="sum")
+
+    batch = _Weighted(torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,)))
+    loss_of(batch).backward()
+    whole = model.weight.grad.clone()  # type: ignore[union-attr]
+    model.zero_grad()
+    koila.accumulate(loss_of, initial=2, reduction="sum", cache=koila.NoCache())(batch)
+    torch.testing.assert_close(model.weight.grad, whole)
+    split = Split((batch,), {}, 0, "test")
+    assert (split.rows, split.split) == (6, [0, 1])
+    alone = Split((_Weighted(torch.ones(1, 8), torch.ones(1)),), {}, 0, "test")  # one row: the attribute is whole
+    assert (alone.rows, alone.split) == (1, [0, 1])
 
 
 def test_words_and_names_with_one_missing_in_a_batch_are_split_with_the_rows() -> None:

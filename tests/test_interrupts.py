@@ -78,6 +78,29 @@ def test_an_interrupt_anywhere_in_a_step_leaves_grad_whole_and_nothing_held(
     assert interrupted > 20, "the sweep reached the step's insides"
 
 
+@pytest.mark.parametrize("at", ["call", "return"])
+def test_an_interrupt_as_a_sparse_grad_is_given_back_leaves_grad_mode_on(at: str) -> None:
+    # A sparse .grad is added into with grad mode off: an interrupt in torch.no_grad()'s own Python left it
+    # off for good, and every later step of accumulate ran no backward.
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 4, sparse=True).double()
+    ids, y = torch.randint(0, 50, (16, 3)), torch.randn(16, 3, 4, dtype=torch.float64)
+    step = koila.accumulate(lambda ids, y: (embedding(ids) - y).pow(2).mean(), cache=koila.NoCache())
+    indices, values = torch.tensor([[1, 2]]), torch.ones(2, 4, dtype=torch.float64)
+    gc.collect()
+    gc.disable()  # as above
+    try:
+        for point in _points():
+            embedding.weight.grad = torch.sparse_coo_tensor(indices, values, (50, 4)).coalesce()
+            stopped = _interrupted_at(point, lambda: step(ids, y), at)
+            assert torch.is_grad_enabled(), f"grad mode left off at point {point}"
+            if not stopped:
+                break
+    finally:
+        gc.enable()
+    assert point > 20, "the sweep reached the step's insides"
+
+
 def _sweep(
     model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step: Any, full: Any, before: bool, at: str
 ) -> int:

@@ -399,6 +399,7 @@ class Split:
 
     __slots__ = (
         "args",
+        "attributes",
         "device",
         "dim",
         "fn",
@@ -435,6 +436,9 @@ class Split:
         # Lists and tuples of mappings (a detection batch's targets, one dict per image), and of strings in an
         # argument: one record per row where there are as many as the rows the other tensors share (see _rows).
         self.records: list[_Node] = []
+        # The tensors held as attributes beside a container's fields or items: split where they have the
+        # rows, else passed whole, never ambiguous (a dataclass's class weights are its own, not a row's).
+        self.attributes: set[int] = set()
         for position, value in enumerate(args):
             found = self._walk(value, (position,), paths)
             if found is not None:
@@ -535,7 +539,7 @@ class Split:
     def _attributes(
         self, value: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]], children: list[tuple[Any, _Node | int]]
     ) -> None:
-        """Add to ``children`` the tensors ``value`` holds as attributes of its own: split like its fields."""
+        """Add to ``children`` the tensors ``value`` holds as attributes of its own: split where they have the rows."""
         state = _state(value)
         if not state or state is value:  # none, or they are the items (see _settle)
             return
@@ -547,7 +551,9 @@ class Split:
             if isinstance(value, Mapping) and name in value and value[name] is item:
                 continue  # the item of its name (a ModelOutput's), which _settle keeps in step
             key = _Attribute(name)
-            children.append((key, cast(int, self._walk(item, (*path, key), paths))))
+            index = cast(int, self._walk(item, (*path, key), paths))
+            self.attributes.add(index)
+            children.append((key, index))
 
     def _unremakable(self, value: Any, kind: int, path: tuple[Any, ...]) -> str:
         """Say that the container at ``path`` cannot be remade around slices, why, and what to do."""
@@ -588,6 +594,11 @@ class Split:
                     taken.update(node.below())
             whole = {index for node in self.records if node.per_row for index in inner[id(node)]}
             sizes = [-1 if index in whole else size for index, size in enumerate(sizes)]
+        attributes, given = self.attributes, sizes
+        if attributes:  # the rows are the other tensors' (see __init__), unless attributes alone hold any
+            sizes = [-1 if index in attributes else size for index, size in enumerate(sizes)]
+            if all(size == -1 for size in sizes):
+                sizes = given
         rows = self._shared(sizes, paths)[0]
         if rows == -1:
             if 1 not in sizes:
@@ -598,7 +609,7 @@ class Split:
                     f"(got {shown})"
                 )
             rows = 1
-        return rows, [index for index, size in enumerate(sizes) if size == rows]
+        return rows, [index for index, size in enumerate(given if attributes else sizes) if size == rows]
 
     def _sizes(self, paths: list[tuple[Any, ...]]) -> list[int]:
         """Return each tensor's size along ``dim``, -1 for a 0-dimensional one."""

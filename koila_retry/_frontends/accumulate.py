@@ -355,10 +355,6 @@ def accumulator(
     return decorate
 
 
-# Read where a loss is backed: a step under torch.no_grad() that turns grad on inside itself (a saliency
-# map) returns a loss that requires grad, and the caller's mode, not the loss, says no backward is wanted.
-_grad_mode = torch.is_grad_enabled
-
 # What autograd says of a graph that a backward freed; a micro-batch's backward meets it in a graph from before
 # the call that the step reaches without an argument, which koila cannot keep (a retry's, too).
 _FREED = "backward through the graph a second time"
@@ -579,6 +575,7 @@ class _Accumulator:
         """Run a step over FSDP2 or DDP modules: micro-batches with a plain backward, the last one's reduced."""
         rows = split.rows
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
+        wanted = torch.is_grad_enabled()  # the caller's, as Gradients.grad_mode
         overlap = plan if isinstance(plan, Overlap) else None
         # The plan looks after its modules' parameters; what else the backward writes is found in each graph.
         others = OtherLeaves(plan.owned)
@@ -596,7 +593,7 @@ class _Accumulator:
                 if index:
                     plan.micro_batch(index == last, first=False)
                 loss = results.add(own_backward.call(_step(split), self.controller.name, args, kwargs), weight, count)
-                if loss.requires_grad and _grad_mode():
+                if loss.requires_grad and wanted:
                     # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
                     # reducer follow the backward, the same on every rank whatever its data weighs, and the
                     # last one's reduces the step's gradients. What it writes is zeros: its loss's own
@@ -618,7 +615,7 @@ class _Accumulator:
                     backed = True
                 del loss, args, kwargs
             if not backed:
-                self._check_no_grad_wanted(split)
+                self._check_no_grad_wanted(split, wanted)
             if overlap is not None:
                 overlap.finished(self.controller.name)
             results.finish()  # inside the attempt (see Results.finish)
@@ -675,7 +672,7 @@ class _Accumulator:
             # (mse_loss's). A plain backward, never a scaler's or an engine's ``backward=``: they would run on
             # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
             loss = loss_of(own_backward.call(fn, name, args, kwargs), name)
-            if loss.requires_grad and _grad_mode():
+            if loss.requires_grad and gradients.grad_mode:
                 weighted = loss * 0.5 if split and self.mean else loss  # a sum's weighs 1: the loss itself
                 del loss
                 gradients.backward(plain_backward, weighted, False)
@@ -742,10 +739,10 @@ class _Accumulator:
             elif size >= rows:  # the happy path: the batch as given, one forward, one backward
                 result = own_backward.call(_step(split), self.controller.name, split.args, split.kwargs)
                 loss = results.add(result, 1.0, rows)
-                if loss.requires_grad and _grad_mode():
+                if loss.requires_grad and gradients.grad_mode:
                     gradients.backward(self.backward, loss, retain)
                 else:
-                    self._check_no_grad_wanted(split)
+                    self._check_no_grad_wanted(split, gradients.grad_mode)
                 return results
             else:
                 backed = False  # whether any micro-batch's loss needed a gradient, as the whole one's would
@@ -757,7 +754,7 @@ class _Accumulator:
                     )
                     del chunk_args, chunk_kwargs  # not alive during the next forward
             if not backed:
-                self._check_no_grad_wanted(split)
+                self._check_no_grad_wanted(split, gradients.grad_mode)
             return results
         except BaseException:
             results.drop()  # the error's traceback holds this frame: what the micro-batches returned would outlive it
@@ -780,7 +777,7 @@ class _Accumulator:
         del result
         # One that needs no gradient (no rows counted, say), or counts no items, adds nothing: no backward,
         # whose 0/0 would reach leaves that an inner backward (a reentrant checkpoint's) writes unseen.
-        if not (loss.requires_grad and _grad_mode()) or weight == 0.0:
+        if not (loss.requires_grad and gradients.grad_mode) or weight == 0.0:
             return False
         if weight != 1.0:
             weighted = loss * weight
@@ -843,9 +840,9 @@ class _Accumulator:
             attempt.calibrate(min(size, rows - first), meter.rise + held)
         return backed
 
-    def _check_no_grad_wanted(self, split: Split) -> None:
-        """Refuse a loss that needs no gradient where one is clearly wanted; no backward ran."""
-        if torch.is_grad_enabled():
+    def _check_no_grad_wanted(self, split: Split, grad_mode: bool) -> None:
+        """Refuse a loss that needs no gradient where the caller's ``grad_mode`` wants one; no backward ran."""
+        if grad_mode:
             owner = trainable_module(_step(split), split.args, split.kwargs)
             if owner is not None:
                 raise RuntimeError(

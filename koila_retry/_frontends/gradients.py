@@ -101,10 +101,16 @@ def summed(before: torch.Tensor, written: torch.Tensor | None) -> torch.Tensor:
         return before + written
     if not before.requires_grad and before.layout == torch.strided:  # no graph to keep out of
         return before.add_(written)
-    with torch.no_grad():
+    # Not torch.no_grad(): its __enter__ and __exit__ run Python, where an interrupt (Ctrl-C) can land and
+    # leave grad mode off for good; a C call cannot be cut, and a finally is run.
+    mode = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(False)
         if before.layout == torch.strided or written.layout == before.layout:
             return before.add_(written)
         return before + written  # a dense gradient onto a sparse one: as autograd does, a new sum
+    finally:
+        torch._C._set_grad_enabled(mode)
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -143,6 +149,7 @@ class Gradients:
         "direct",
         "exposed",
         "faint",
+        "grad_mode",
         "hidden",
         "leaves",
         "lock",
@@ -170,6 +177,9 @@ class Gradients:
         self.batchnorm = 0  # what batch normalisations in training mode the graphs hold: ROWS, ONE_ROW, HIDDEN bits
         self.direct = direct  # on the direct path: until a leaf cannot be taken (see _expose)
         self.committing = False  # the step's gradients are being given to .grad: see discard()
+        # The caller's grad mode, which says whether a backward is wanted: not a step's own, which a step that
+        # turns grad on inside itself (a saliency map) under torch.no_grad() leaves on, or changes for good.
+        self.grad_mode = torch.is_grad_enabled()
         # The gradient restore() is adding into, its version before, and the sum once made: an
         # interrupt (Ctrl-C) after an add in place must not make the restore that goes on add twice.
         self.adding: tuple[torch.Tensor, int, torch.Tensor | None] | None = None

@@ -27,8 +27,12 @@ def added_back(leaves: Sequence[torch.Tensor], before: Sequence[torch.Tensor | N
             olds.append(old)
             news.append(new)
     if olds:
-        with torch.no_grad():
+        mode = torch.is_grad_enabled()
+        try:  # not torch.no_grad(): an interrupt in its Python could leave grad mode off (see summed)
+            torch._C._set_grad_enabled(False)
             torch._foreach_add_(olds, news)
+        finally:
+            torch._C._set_grad_enabled(mode)
 
 
 class OtherLeaves:
