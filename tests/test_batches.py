@@ -1202,3 +1202,54 @@ def test_an_ambiguous_tensor_in_a_list_of_tensors_says_to_stack_them() -> None:
     targets = [{"boxes": torch.rand(5, 4)} for _ in range(2)]
     with pytest.raises(ValueError, match=r"has 5\. images is a list of tensors, .* stacked \(torch\.stack\)"):
         koila.chunked(lambda images, targets: images[0], images, targets)
+
+
+def test_words_per_row_with_a_row_of_none_are_split_with_the_rows() -> None:
+    # A row with no words (None) beside rows of words: the list passed whole to every piece.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3).double()
+    batch = {
+        "x": torch.randn(4, 4, dtype=torch.float64),
+        "y": torch.tensor([0, 1, 2, 1]),
+        "words": [None, ["a", "b"], ["c"], ["d", "e", "f"]],
+    }
+
+    def loss_of(b: dict[str, Any]) -> torch.Tensor:
+        counts = [len(words or []) for words in b["words"]]
+        assert len(counts) == len(b["x"])
+        scale = torch.tensor(counts, dtype=torch.float64)
+        return (torch.nn.functional.cross_entropy(linear(b["x"]), b["y"], reduction="none") * scale).mean()
+
+    loss_of(batch).backward()
+    whole = linear.weight.grad.clone()  # type: ignore[union-attr]
+    linear.zero_grad()
+    koila.accumulate(loss_of, initial=2, cache=koila.NoCache())(batch)
+    torch.testing.assert_close(linear.weight.grad, whole)
+
+
+class _Pair(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that keeps tuple.__new__: its attributes are copied to each piece."""
+
+
+def test_a_tuple_subclass_s_tensor_attribute_is_split_as_a_list_subclass_s() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+    def loss_of(b: Any) -> torch.Tensor:
+        return (torch.nn.functional.cross_entropy(linear(b[0]), b[1], reduction="none") * b.weights).mean()
+
+    for kind in (_Pair, _Listed):
+        batch = kind((x, y))
+        batch.weights = torch.linspace(1, 2, 6, dtype=torch.float64)
+        loss_of(batch).backward()
+        whole = linear.weight.grad.clone()  # type: ignore[union-attr]
+        linear.zero_grad()
+        koila.accumulate(loss_of, initial=2, cache=koila.NoCache())(batch)
+        torch.testing.assert_close(linear.weight.grad, whole)
+        linear.zero_grad()
+        assert len(batch.weights) == 6  # the caller's keeps the whole batch's
+
+
+class _Listed(list):  # type: ignore[type-arg]
+    pass

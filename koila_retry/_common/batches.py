@@ -218,11 +218,14 @@ def _remade_around(value: Any, kind: int, changed: list[tuple[Any, Any]]) -> Any
     if kind in _TUPLES:
         items = list(value)
         for key, item in changed:
-            items[key] = item
+            if type(key) is not _Attribute:
+                items[key] = item
     else:
         items = dict(value)
         items.update(changed)
     new = remake(type(value), kind, items, state_of(value, kind))
+    if kind == _TUPLE_NEW:  # its attributes copied, as copy.copy would: they must be its rows'
+        _settle(value, new, changed)
     if kind in CONSTRUCTED and not faithful(new, type(value), items):
         raise TypeError(
             f"koila_retry remade a {type(value).__qualname__} with its constructor, as it did the whole one, "
@@ -237,10 +240,15 @@ def _records(items: Sequence[Any]) -> bool:
 
 
 def _texts(items: Sequence[Any]) -> bool:
-    """Return whether ``items`` are strings or ``None`` (one string at least), or lists or tuples of strings."""
-    if isinstance(items[0], (list, tuple)):  # a row's words, tokenized before the batch
-        return all(isinstance(item, (list, tuple)) and all(type(word) is str for word in item) for item in items)
-    return all(item is None or type(item) is str for item in items) and any(type(item) is str for item in items)
+    """Return whether ``items`` are strings, lists or tuples of strings (a row's words) or ``None``, not all None."""
+    texts = False
+    for item in items:
+        if item is None:  # a row with no name, or no words
+            continue
+        if type(item) is not str and not (isinstance(item, (list, tuple)) and all(type(word) is str for word in item)):
+            return False
+        texts = True
+    return texts
 
 
 def _kind(value: Any) -> int | None:
@@ -520,7 +528,11 @@ class Split:
             found = self._walk(item, (*path, label), paths)
             if found is not None:
                 children.append((key, found))
-        if kind in (_FIELDS, _SEQUENCE) or (kind == _MAPPING and _copies(value)):
+        if (
+            kind in (_FIELDS, _SEQUENCE)
+            or (kind == _MAPPING and _copies(value))
+            or (kind == _TUPLE_LIKE and tuple_remaking(value) == _TUPLE_NEW)
+        ):
             self._attributes(value, path, paths, children)  # a copy keeps them: they must be its rows'
         # Records hold a row's values, tensors or not (ids, per-row scales): a list of them is a node.
         records = kind in (_LIST, _TUPLE) and len(value) > 0 and _records(value)
