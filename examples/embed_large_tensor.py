@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--initial", type=int, default=8192, help="the first chunk size (default: %(default)s)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar; needs tqdm (the progress extra)")
     args = parser.parse_args(argv)
+    if args.rows < 1 or args.initial < 1:
+        parser.error("--rows and --initial must be >= 1")
 
     # The first simulated device of a process makes PyTorch import its compiler stack, which
     # takes a few seconds: pay for it before any clock starts.

@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="sentences per batch (default: 32)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps (default: 8)")
     options = parser.parse_args()
+    if options.batch < 1 or options.steps < 1:
+        parser.error("--batch and --steps must be >= 1")
 
     transformers.logging.set_verbosity_error()  # its notes about the tiny config's defaults
     tokenizer = make_tokenizer()

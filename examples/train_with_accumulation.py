@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256, help="rows per optimizer step (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=5, help="passes over the data (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.batch < 1 or args.epochs < 1:
+        parser.error("--batch and --epochs must be >= 1")
 
     # Tensors this small run faster on one thread than on several, and the timings vary less.
     torch.set_num_threads(1)

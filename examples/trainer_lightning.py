@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (default 6)")
     args = parser.parse_args()
+    if args.batch < 1 or args.steps < 1:
+        parser.error("--batch and --steps must be >= 1")
     warnings.filterwarnings("ignore", module="lightning")
     train, val = data(args.batch * 3, args.batch, 0), data(args.batch * 2, args.batch, 1)
 

@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--memory", default="1MiB", help="the simulated device's memory (default: 1MiB)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: 4)")
     options = parser.parse_args()
+    if options.steps < 1:
+        parser.error("--steps must be >= 1")
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as output:
         unlimited = trainer(output, options.steps)

@@ -136,6 +136,31 @@ def test_the_readmes_install_section_names_every_example_that_needs_another_extr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "flag"),
+    [
+        ("embed_large_tensor.py", "--rows"),
+        ("finetune_transformer.py", "--steps"),
+        ("train_with_accumulation.py", "--epochs"),
+        ("trainer_lightning.py", "--batch"),
+        ("trainer_transformers.py", "--steps"),
+    ],
+)
+def test_an_example_refuses_a_count_below_one_with_a_usage_error(script: str, flag: str) -> None:
+    # A traceback (--rows 0, --epochs 0), or a check that passed because nothing ran (--steps 0).
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), flag, "0"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert f"{flag}" in completed.stderr
+    assert "must be >= 1" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
 def test_evaluate_in_batches_settles_and_matches() -> None:
     completed = _run_example("evaluate_in_batches.py")
     assert "out of memory, retrying at" in completed.stdout
