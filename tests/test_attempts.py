@@ -448,3 +448,29 @@ def test_leaving_the_loop_after_a_success_does_not_warn() -> None:
                 pass
             break
     assert attempt.number == 1
+
+
+def test_numpy_ints_are_taken_as_the_ints_they_hold() -> None:
+    """initial, minimum and max_attempts take any integer but a bool (numpy's, read from a config), as ints."""
+    np = pytest.importorskip("numpy")
+
+    def sizes(**options: Any) -> tuple[list[int], list[int]]:
+        tried: list[int] = []
+        cache = koila.GlobalCache()
+        for attempt in koila.attempts(cache=cache, **options):
+            with attempt:
+                tried.append(attempt.batch_size)
+                if attempt.batch_size > 20:
+                    raise make_oom()
+        assert all(type(size) is int for size in [*tried, *cache.values()])
+        return tried, list(cache.values())
+
+    assert sizes(initial=np.int64(100), minimum=np.int32(8), max_attempts=np.uint8(4)) == sizes(
+        initial=100, minimum=8, max_attempts=4
+    )
+    with pytest.raises(TypeError, match=r"initial must be an int, got numpy\.float64 "):
+        koila.attempts(initial=np.float64(8.0))
+    with pytest.raises(TypeError, match=r"minimum must be an int, got numpy\.bool_? "):
+        koila.attempts(minimum=np.bool_(True))
+    with pytest.raises(ValueError, match=r"max_attempts must be >= 1, got 0"):
+        koila.attempts(max_attempts=np.int64(0))

@@ -591,3 +591,26 @@ def test_a_wrapped_model_is_keyed_by_the_model_it_wraps(wrap: Callable[[torch.nn
         koila.chunked(wrap(small), x, initial=64, cache=cache)
     assert rows == [64], "the small model started at the big one's size"
     assert [key[2] for key in cache] == ["Sequential.forward"]
+
+
+def test_the_latest_key_is_matched_as_a_dict_matches_keys_even_keys_holding_tensors() -> None:
+    """A key function that returned ("phase", tensor): the second call raised "Boolean value of Tensor with more than
+    one value is ambiguous", the latest-key shortcut comparing keys with == where a dict hashes a tensor by its id."""
+    fits = oom_above(4)
+    cache = koila.GlobalCache(key=lambda *parts: ("phase", torch.tensor([1.0, 2.0])))  # a new tensor every call
+
+    @koila.batch(initial=16, cache=cache)
+    def step(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    assert [step(), step()] == [4, 4]
+    assert cache.cache_info().misses == 2  # each call's key is another to a dict: a miss, not an error
+
+    # One-element tensors: == says True, where a dict tells two of them apart (and finds the same one again).
+    one = koila.GlobalCache()
+    kept = torch.tensor(1.0)
+    one[kept] = 8
+    plain: dict[object, int] = {kept: 8}
+    for key in (kept, torch.tensor(1.0), kept, torch.tensor(1.0)):
+        assert one.lookup(key) == plain.get(key)

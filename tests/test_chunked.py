@@ -1391,6 +1391,13 @@ def test_range_bounds_must_be_ints(start: object, stop: object, message: str) ->
         koila.range(lambda b, e: None)(start, stop)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("initial", ["8", "auto"])
+def test_range_says_what_its_initial_may_be(initial: str) -> None:
+    # A string said "an int >= 1, None or 'auto'", and range refuses 'auto'.
+    with pytest.raises(ValueError, match=rf"initial must be an int >= 1 or None, got '{initial}' \('auto' is for"):
+        koila.range(lambda begin, end: None, 0, 4, initial=initial)  # type: ignore[arg-type]
+
+
 def test_range_takes_bounds_with_an_index_as_pythons_range_does_and_passes_ints() -> None:
     numpy = pytest.importorskip("numpy")
     spans = koila.range(lambda b, e: (type(b), b, e), numpy.int64(0), numpy.int64(5), initial=2)

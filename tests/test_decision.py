@@ -17,13 +17,13 @@ import koila_retry as koila
 from koila_retry._core import decision
 from koila_retry._core.call import Call
 from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Try
-from koila_retry._core.growing import Growing, streaks
+from koila_retry._core.growing import Growing, followed, streaks
 from koila_retry._core.outcomes import Failure, store
 from koila_retry._core.policy import Policy
 from koila_retry._core.stats import Stats
 from koila_retry._core.strategies import compose
 from koila_retry._core.strategy import HOOKS, Strategy
-from koila_retry._core.throughput import Throughput
+from koila_retry._core.throughput import Rates, Throughput
 
 OOM, OK, AGREED = Outcome.OUT_OF_MEMORY, Outcome.SUCCEEDED, Outcome.AGREED
 RULES = Rules("f", initial=512)
@@ -573,8 +573,9 @@ def test_the_throughput_strategy_table(gain: float, size: int, cached: int, too_
     ticks = iter([0.0, 1.0])
     policy = Policy(initial=512, grow=True, grow_gain=0.05, clock=lambda: next(ticks))
     before = state(128, cached=64, probe_from=64, growing=True)
-    course = FakeCourse(Rules.of("f", policy), before, koila.GlobalCache(), policy)
-    course.owner.stats.record_time(64, 1.0, int(128 / (1 + gain)))  # the size below ran at this rate
+    cache = koila.GlobalCache()
+    course = FakeCourse(Rules.of("f", policy), before, cache, policy)
+    followed(cache, Rates).record("key", 64, 128 / (1 + gain))  # the size below ran at this rate, under the key
     throughput = Throughput()
     throughput.begin(course)  # type: ignore[arg-type]
     done = throughput.judge(course, Done(128, False, True, True, True))  # type: ignore[arg-type]
@@ -650,3 +651,19 @@ def test_the_calibrating_strategy_table(before: State, probe: int, step: decisio
     for out_of_memory in plan.out_of_memory:
         out_of_memory(course, failure, False)  # type: ignore[arg-type]
     assert failure.step == step
+
+
+def test_a_success_at_the_calls_own_rows_is_a_size_that_worked_where_the_rows_are_the_ceiling() -> None:
+    """initial=None: a probe capped at (or landing on) the call's rows forgot the key, as if it reached initial."""
+    rows_rules = Rules("f", initial=None, refine=True)
+    refined = State(90, ceiling=90, floor=1, cached=64, probe_from=64)  # refine's probe, capped at 90 rows
+    assert decision.decide(rows_rules, refined, OK) == Done(90, False, True, True, False)
+    grown = State(512, ceiling=512, floor=1, cached=256, probe_from=256, growing=True)  # growth's, on 512 rows
+    assert decision.decide(rows_rules, grown, OK) == Done(512, False, True, True, True)
+    # Nothing stored before: the whole call fitted, and there is nothing to store.
+    assert decision.decide(rows_rules, State(90, ceiling=90, floor=1, cached=90), OK) == Done(
+        None, False, True, False, False
+    )
+    # With an initial of its own, the ceiling is the wrapper's: reaching it lifts the limit stored before.
+    lifted = decision.decide(RULES, state(512, cached=256, probe_from=256, growing=True), OK)
+    assert lifted == Done(None, True, True, False, True)

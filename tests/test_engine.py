@@ -80,16 +80,16 @@ def test_a_short_call_that_fails_goes_below_its_rows() -> None:
     assert start(controller, 1000).batch_size == 128
 
 
-def test_growing_back_lifts_the_stored_size_when_a_probe_covers_the_whole_call() -> None:
+def test_growing_back_stores_a_probe_that_covers_the_whole_call() -> None:
     cache = StackMemoryCache()
     controller = Controller("step", Policy(initial=None, cache=cache, grow=True, grow_after=2))
     assert run(controller, 512, fits=300) == 256  # the first success at 256
     assert run(controller, 512, fits=1000) == 256  # the second: growing is due
-    # The probe is 512, the call's rows: the whole batch fits, so the stored limit is lifted
-    # and later calls start with their rows again.
+    # The probe is 512, the call's rows: they fit, and are stored as a size that worked. Forgotten
+    # (as they were), a later call with more rows started from its whole and failed down again.
     assert run(controller, 512, fits=1000) == 512
-    assert cache.cache_info().currsize == 0
-    assert start(controller, 2000).batch_size == 2000
+    assert list(cache.values()) == [512]
+    assert start(controller, 2000).batch_size == 512
 
 
 def test_a_probe_above_a_calls_rows_proves_nothing_and_keeps_the_stored_size() -> None:

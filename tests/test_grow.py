@@ -459,3 +459,41 @@ def test_a_schedules_grow_that_does_not_grow_is_named_by_the_function() -> None:
     assert step() == 16
     with pytest.raises(ValueError, match=r"\.step: the schedule.s grow returned 16 for batch size 16"):
         step()
+
+
+def test_a_growth_probe_on_the_calls_own_rows_is_stored_not_forgotten() -> None:
+    """initial=None: a probe that landed on a pass's 512 rows and fitted forgot the key, and the next pass of 1024
+    rows started from its whole again, where the docs store a probe that fits as any size that worked."""
+    row = 64 * 1024  # float32 elements: 256 KiB a row
+    tried: list[int] = []
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        tried.append(len(chunk))
+        torch.empty(len(chunk), row)
+        return chunk * 2
+
+    cache = koila.GlobalCache()
+    passes = []
+    for rows, fit in ((1024, 300), (512, 600), (1024, 600)):
+        tried.clear()
+        x = torch.arange(float(rows)).unsqueeze(1)
+        with simulated_device(fit * row * 4 + row):  # fit rows fit, one more does not
+            out = koila.chunked(double, x, initial=None, grow=True, grow_after=3, cache=cache)
+        assert torch.equal(out, x * 2)
+        passes.append((list(tried), list(cache.values())))
+    assert passes[0] == ([1024, 512, 256, 256, 256, 256], [256])
+    assert passes[1] == ([512], [512])  # the probe, on all 512 rows, fitted: stored as any size that worked
+    assert passes[2] == ([512, 512], [512])  # and the next pass starts there, not at its 1024 rows
+
+
+def test_a_numpy_bool_for_grow_is_refused_naming_numpy_and_numpy_ints_count_as_grow_after() -> None:
+    """grow=np.bool_(True) said "grow must be a bool, got bool np.True_": a bool, it seemed."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(
+        TypeError, match=r"grow must be a bool, got numpy\.bool_? .*: give a Python bool, True or False"
+    ):
+        koila.batch(grow=np.bool_(True))
+    budget = Budget(limit=64)
+    call = batch_calls(budget, koila.GlobalCache(), initial=128, grow=True, grow_after=np.int64(2))
+    plain = batch_calls(Budget(limit=64), koila.GlobalCache(), initial=128, grow=True, grow_after=2)
+    assert run(call, 6) == run(plain, 6)  # as the int it holds

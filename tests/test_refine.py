@@ -391,3 +391,80 @@ def test_deleting_a_key_forgets_what_refine_learnt_of_it(kind: str, tmp_path: Pa
         assert not json.loads((tmp_path / "sizes.json").read_text()).get("bounds")
     limit[0] = 120  # memory was freed: a search afresh finds what a new cache finds
     assert [step() for _ in range(6)][-1] == 120
+
+
+# -- a probe capped at the call's own rows (initial=None; probe 68c, finding 1) --------------
+
+
+def test_a_chunked_call_whose_rows_cap_the_probe_keeps_what_was_learnt() -> None:
+    """100 rows after 96 was stored: the probe, capped at the call's 100 rows, fitted and forgot the key,
+    and the next pass ran out of memory at 1000, 512, 256 and 128 again."""
+    tried: list[int] = []
+
+    def double(chunk: torch.Tensor) -> torch.Tensor:
+        tried.append(len(chunk))
+        torch.empty(len(chunk), ROW)
+        return chunk * 2
+
+    cache = koila.GlobalCache()
+    passes = []
+    for rows in (200, 100, 1000):
+        tried.clear()
+        x = torch.arange(float(rows)).unsqueeze(1)
+        with simulated_device(LIMIT):
+            out = koila.chunked(double, x, initial=None, refine=True, cache=cache)
+        assert torch.equal(out, x * 2)
+        passes.append((list(tried), list(cache.values()), [cache.bounds.get(key) for key in cache]))
+    (first, second, third) = passes
+    assert first == ([200, 128, 64, 96, 40], [96], [(128, 4)])  # the 40 rows left prove nothing
+    # The call's 100 rows fit: a size that worked, stored, and the bound stays.
+    assert second == ([100], [100], [(128, 4)])
+    # The next pass starts there and searches above it: 112 and 104 fail, each once, and 100 stays.
+    assert third[0][:5] == [112, 100, 104, 100, 100]
+    assert set(third[0][5:]) == {100}
+    assert third[0].count(100) == 10  # the 1000 rows, in chunks of 100
+    assert third[1:] == ([100], [(104, 4)])
+    assert cache.cache_info().misses == 1  # only the first call started with nothing stored
+
+
+def test_an_accumulate_call_whose_rows_cap_the_probe_keeps_what_was_learnt() -> None:
+    """The short last batch of an epoch (90 rows, 64 stored) wiped the key: the next epoch's first batch ran
+    out of memory at 512, 256 and 128 again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    rows: list[int] = []
+    cache = koila.GlobalCache()
+
+    @koila.accumulate(refine=True, cache=cache)  # initial=None: the whole batch first
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        rows.append(len(xs))
+        torch.empty(len(xs), ROW)
+        return torch.nn.functional.mse_loss(model(xs), ys)
+
+    seen = []
+    for size in (512, 90, 512):
+        x, y = torch.randn(size, 4, dtype=torch.float64), torch.randn(size, 1, dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()  # the plain step, on the whole batch
+        expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        rows.clear()
+        with simulated_device(LIMIT):
+            step(x, y)
+        for got, want in zip(model.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.grad, want, rtol=1e-12, atol=1e-14)
+        seen.append((list(rows), list(cache.values())))
+    assert seen[0] == ([512, 256, 128] + [64] * 8, [64])
+    assert seen[1] == ([90], [90])  # the probe, capped at the batch's 90 rows, fitted: stored, not forgotten
+    # The next full batch starts at 90, and probes once between it and 128, which failed before.
+    assert seen[2] == ([104, 90, 90, 90, 90, 90, 62], [90])
+    assert step.stats.ooms == 4
+
+
+def test_a_numpy_bool_for_refine_is_refused_naming_numpy() -> None:
+    """refine=np.bool_(True) said "refine must be a bool, got bool np.True_": a bool, it seemed."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"refine must be a bool, got numpy\.bool_? .*: give a Python bool"):
+        koila.batch(refine=np.bool_(True))
+    with pytest.raises(TypeError, match=r"refine must be a bool, got int 1$"):  # Python's own types as they were
+        koila.batch(refine=1)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ reads a real clock.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -152,8 +153,8 @@ def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "shown"),
     [
-        ({"grow_gain": -0.1}, ValueError, "grow_gain must be from 0 to 10"),
-        ({"grow_gain": float("nan")}, ValueError, "grow_gain must be from 0 to 10"),
+        ({"grow_gain": -0.1}, ValueError, r"grow_gain must be at least 0 and below 10 \(0 <= grow_gain < 10\)"),
+        ({"grow_gain": float("nan")}, ValueError, r"grow_gain must be at least 0 and below 10"),
         ({"grow_gain": "3%"}, TypeError, "grow_gain must be a number"),
         ({"grow_gain": True}, TypeError, "grow_gain must be a number"),
         ({"clock": 3}, TypeError, "clock must be callable"),
@@ -162,3 +163,59 @@ def test_the_decision_keeps_the_size_below_when_the_gain_is_short() -> None:
 def test_bad_options_are_refused(options: dict[str, object], error: type[Exception], shown: str) -> None:
     with pytest.raises(error, match=shown):
         koila.batch(grow=True, **options)(lambda batch_size: None)
+
+
+def _heavy_after(cheap_calls: int) -> tuple[list[int], dict[int, float]]:
+    """A call site of heavy rows, growing back, after ``cheap_calls`` calls of one of cheap rows, one wrapper."""
+    clock, limit = Clock(), [64]
+
+    def by_site(function: object, caller: Any, device: object, sample: object = None) -> object:
+        return (function, caller.f_code.co_name)  # one key per call site, whatever the free memory
+
+    @koila.batch(
+        initial=128, grow=True, grow_after=1, grow_gain=0.05, clock=clock, cache=koila.GlobalCache(key=by_site)
+    )
+    def run(batch_size: int, cost_per_row: float) -> int:
+        if batch_size > limit[0]:
+            raise make_oom()
+        clock.now += 1.0 + batch_size * cost_per_row  # a fixed second a call, and the rows' cost
+        return batch_size
+
+    def cheap() -> int:
+        return run(0.0001)
+
+    def heavy() -> int:  # 128 rows run 44% more rows per second than 64: 128 / 2.28 s against 64 / 1.64 s
+        return run(0.01)
+
+    for _ in range(cheap_calls):
+        cheap()  # 64 fits, and runs about 64 rows per second
+    heavy()  # 128 fails, 64 fits: about 39 rows per second
+    limit[0] = 1000  # memory comes back
+    return [heavy() for _ in range(4)], run.stats.throughput
+
+
+def test_a_probe_is_weighed_against_the_size_below_under_its_own_key() -> None:
+    """grow_gain weighed heavy rows' probe against cheap rows' rate at 64, mixed from another call site: the probe
+    brought 44% more of its own rows per second, yet was judged too slow, and the key grew no more."""
+    alone, alone_throughput = _heavy_after(cheap_calls=0)
+    beside, beside_throughput = _heavy_after(cheap_calls=5)
+    assert beside == alone == [128] * 4  # the cheap call site changes nothing of the heavy one's growth
+    # stats.throughput is still the wrapper's, by size, over every call site: cheap rows lift its mean at 64.
+    assert set(beside_throughput) == set(alone_throughput) == {64, 128}
+    assert beside_throughput[64] > alone_throughput[64]
+
+
+def test_the_range_of_grow_gain_is_said_as_it_is_and_numpy_floats_are_numbers() -> None:
+    """grow_gain=10 said "must be from 0 to 10 ..., got 10": 10 is refused, so the range is [0, 10)."""
+    with pytest.raises(ValueError, match=r"grow_gain must be at least 0 and below 10 \(0 <= grow_gain < 10\).*got 10$"):
+        koila.batch(grow=True, grow_gain=10)
+    np = pytest.importorskip("numpy")
+    sizes = {}
+    for gain in (np.float32(0.03), 0.03):
+        clock = Clock()
+        work, tried = worker(clock, lambda rows: 0.125 + rows / 128, fail_first_at=64)
+        run = koila.batch(initial=64, grow=True, grow_after=1, grow_gain=gain, clock=clock)(work)
+        for _ in range(5):
+            run()
+        sizes[type(gain)] = tried
+    assert sizes[np.float32] == sizes[float]  # the same decisions as the Python float it reads as

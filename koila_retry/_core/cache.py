@@ -141,6 +141,25 @@ def _unhashable(key: object) -> str:
     )
 
 
+class _DictKey:
+    """A key that == matches as a dict does: the same object, or the same hash and equal."""
+
+    __slots__ = ("hash", "key")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key, self.hash = key, hash(key)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self.key:
+            return True
+        try:
+            return self.hash == hash(other) and bool(self.key == other)
+        except TypeError:  # unhashable: the dict's look-up says so
+            return False
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
+
+
 def _hashes(value: object) -> bool:
     try:
         hash(value)
@@ -171,6 +190,9 @@ class Sizes(MutableMapping[Hashable, int]):
         # The bytes of one sample each size was proven on, for keys that name a class of
         # sample shapes (see sample_bytes); kept and forgotten with the sizes.
         self._samples: dict[Hashable, int] = {}
+        # Whether the keys are koila's own: tuples whose parts == compares as a dict does (strings, ints,
+        # devices, functions, shapes). Any other latest key is remembered as a _DictKey (see lookup).
+        self._plain = False
 
     def lookup(self, key: Hashable) -> int | None:
         """Return the size stored under ``key``, counting a hit or a miss."""
@@ -181,7 +203,9 @@ class Sizes(MutableMapping[Hashable, int]):
         # place, so a pair read before the change is never remembered after it.
         # Misses are remembered too: a function that never runs out of memory stores
         # nothing (see decision.decide: a success at the ceiling stores nothing), and is asked about
-        # on every call.
+        # on every call. The latest key matches as a dict would find it: a tensor in a key compares by
+        # its elements, where a dict hashes it by its identity, so only koila's own keys are compared
+        # with == alone, the rest through a _DictKey, at no cost to the former.
         remembered = self._recent
         recent = remembered[0]
         if recent is not None and recent[0] == key:
@@ -198,7 +222,7 @@ class Sizes(MutableMapping[Hashable, int]):
             size = self._fallback(key)
             if size is None:
                 self._misses.increment()
-                remembered[0] = (key, None)
+                remembered[0] = (self._latest(key), None)
                 return None
             if key not in self._sizes:  # a fallback may have stored it, with what it was proven on
                 self[key] = size  # later calls find it directly
@@ -209,8 +233,12 @@ class Sizes(MutableMapping[Hashable, int]):
             except KeyError:
                 pass  # a writer removed it meanwhile
         self._hits.increment()
-        remembered[0] = (key, size)
+        remembered[0] = (self._latest(key), size)
         return size
+
+    def _latest(self, key: Hashable) -> Hashable:
+        """Return ``key`` as the latest key is remembered: as it is if == matches it as a dict does."""
+        return key if self._plain and type(key) is tuple else _DictKey(key)
 
     def _fallback(self, key: Hashable) -> int | None:
         """Return a size for a key that is not stored, from a related key, or ``None``."""
@@ -259,7 +287,7 @@ class Sizes(MutableMapping[Hashable, int]):
                 order[key] = None
             sizes[key] = size
             self._samples.pop(key, None)  # proven on the samples of the call that stores it, if it says
-            self._recent = [(key, size)]  # after the change: the insertion may have evicted the last key
+            self._recent = [(self._latest(key), size)]  # after the change: the insertion may have evicted the last key
 
     def __delitem__(self, key: Hashable) -> None:
         if self._discard(key) is None:
@@ -371,6 +399,7 @@ class SizeCache(Sizes, ABC):
             # engine calls koila's own key function directly, saving a call. (Those accept
             # the three-argument call the engine makes; a user's function gets all four.)
             vars(self)["key"] = key
+            self._plain = True
         #: With ``refine=True``, the smallest size that failed under each key, with the bytes
         #: of one sample it failed on (a :data:`Bound`): a size too, which a DiskCache keeps.
         self.bounds: PerKey[Bound] = PerKey(maxsize)

@@ -132,7 +132,7 @@ class Done:
     """The call succeeded: what its cache keeps."""
 
     store: int | None
-    forget: bool  # the call reached its ceiling, which lifts the limit stored before
+    forget: bool  # the call reached the initial of its wrapper, which lifts the limit stored before
     conclusive: bool  # the success proves its size (a short last step does not); growing back counts only those
     reduced: bool  # below the ceiling: growing back waits for such successes in a row
     probe: bool  # a growth probe (refine's are none): its success starts growing back's wait afresh
@@ -264,15 +264,20 @@ def decide(
             below = cast(int, state.probe_from)
             store = below if state.cached != below else None
             return Done(store, False, conclusive=True, reduced=True, probe=True, too_slow=True)
-        store, forget = None, False
+        store, forget, reduced = None, False, state.size < state.ceiling
         # Only a size below the ceiling says something about memory: one at it says only what
         # was asked for, and stored, it would hold back a later call that asks for more.
         if state.cached != state.size:
-            if state.size < state.ceiling or rules.keep_last:
+            if reduced or rules.keep_last:
                 store = state.size
+            elif state.cached < state.size and rules.initial is None:
+                # Above the size stored, a probe capped at the call's own rows (initial=None): they fit,
+                # but a call with more rows may not. Kept as a size that worked, below any later call's
+                # ceiling; forgotten, the next full batch would fail down from its whole again.
+                store, reduced = state.size, True
             elif state.cached < state.size:  # not a larger size, stored by a wrapper with a larger ceiling
                 forget = True
-        return Done(store, forget, conclusive=True, reduced=state.size < state.ceiling, probe=probe)
+        return Done(store, forget, conclusive=True, reduced=reduced, probe=probe)
     if outcome is Outcome.AGREED:
         if reused:  # a retry would see only what the failed attempt left of the iterator
             return GiveUp("iterator", grew)

@@ -11,6 +11,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
 
 from koila_retry._core import decision
 from koila_retry._core.cache import PerKey, SizeCache, Streak
@@ -18,47 +19,63 @@ from koila_retry._core.decision import Done, Step
 from koila_retry._core.stats import OOMEvent
 from koila_retry._core.strategy import Course, Strategy
 
-__all__ = ["Growing", "Streaks", "streaks"]
+__all__ = ["Followed", "Growing", "Streaks", "followed", "streaks"]
 
 logger = logging.getLogger("koila_retry")
 
+Kept = TypeVar("Kept")
 
-class Streaks(PerKey[Streak]):
-    """Each key's streak towards growing back, for one cache; forgotten when the cache is cleared."""
+
+class Followed(PerKey[Kept]):
+    """What the engine follows per key of one cache, beside its sizes; forgotten when the cache is cleared."""
 
     def __init__(self, cache: SizeCache) -> None:
         super().__init__(cache.cache_info().maxsize)
         self.cache = weakref.ref(cache)
         self.generation = cache.generation
 
-    def update(self, key: Hashable, change: Callable[[Streak | None], Streak | None]) -> Streak | None:
+    def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
         self.follow()
         return super().update(key, change)
 
-    def get(self, key: Hashable) -> Streak | None:
+    def get(self, key: Hashable) -> Kept | None:
         self.follow()
         return super().get(key)
 
     def follow(self) -> None:
-        """Forget every streak if the cache was cleared since the last look."""
+        """Forget every key if the cache was cleared since the last look."""
         cache = self.cache()
         if cache is not None and cache.generation != self.generation:
             self.generation = cache.generation
             self.clear()
 
 
-_FOLLOWED: dict[int, Streaks] = {}  # by the cache's id, while it lives
+class Streaks(Followed[Streak]):
+    """Each key's streak towards growing back, for one cache; forgotten when the cache is cleared."""
+
+
+# By the cache's id, while it lives, and the kind followed.
+_FOLLOWED: dict[tuple[int, type[Any]], Followed[Any]] = {}
 _LOCK = threading.Lock()
+F = TypeVar("F", bound=Followed[Any])
+
+
+def followed(cache: SizeCache, kind: type[F]) -> F:
+    """Return what the engine follows of ``kind`` for ``cache``, made on first use."""
+    where = (id(cache), kind)
+    found = _FOLLOWED.get(where)  # without the lock: once made, every call finds it
+    if found is None:
+        with _LOCK:
+            found = _FOLLOWED.get(where)
+            if found is None:
+                found = _FOLLOWED[where] = kind(cache)
+                weakref.finalize(cache, _FOLLOWED.pop, where, None)
+    return cast(F, found)
 
 
 def streaks(cache: SizeCache) -> Streaks:
     """Return the streaks the engine follows for ``cache``, made on first use."""
-    with _LOCK:
-        found = _FOLLOWED.get(id(cache))
-        if found is None:
-            found = _FOLLOWED[id(cache)] = Streaks(cache)
-            weakref.finalize(cache, _FOLLOWED.pop, id(cache), None)
-    return found
+    return followed(cache, Streaks)
 
 
 class Growing(Strategy):

@@ -183,12 +183,27 @@ def _refuse_growing_options(front_end: str, options: Mapping[str, Any]) -> None:
             )
 
 
+def _kind(value: object) -> str:
+    """Name the type of ``value`` as a reader would look for it: ``float``, but ``numpy.bool``."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    # numbers.Integral: numpy's ints too (read from a config array, say), as scaled() and the schedules take them.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_kind(value)} {value!r}")
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"{name} must be >= 1, got {number}")
+    return number
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        # numpy's bool_ prints as a bool: say that Python's is the one taken.
+        hint = "" if type(value).__module__ == "builtins" else ": give a Python bool, True or False"
+        raise TypeError(f"{name} must be a bool, got {_kind(value)} {value!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -250,13 +265,14 @@ class Policy:
     def __post_init__(self) -> None:
         distributed.check_sync(self.sync)
         distributed.check_group(self.group)
+        # Kept as ints: numpy's would reach the sizes, the cache and its file.
         if self.initial is not None:
-            _positive_int("initial", self.initial)
-        _positive_int("minimum", self.minimum)
+            object.__setattr__(self, "initial", _positive_int("initial", self.initial))
+        object.__setattr__(self, "minimum", _positive_int("minimum", self.minimum))
         if self.initial is not None and self.minimum > self.initial:
             raise ValueError(f"minimum ({self.minimum}) must not exceed initial ({self.initial})")
         if self.max_attempts is not None:
-            _positive_int("max_attempts", self.max_attempts)
+            object.__setattr__(self, "max_attempts", _positive_int("max_attempts", self.max_attempts))
         if self.cache is not None and not isinstance(self.cache, SizeCache):
             raise TypeError(
                 "cache must be a koila_retry cache (StackMemoryCache, GlobalCache, NoCache or another SizeCache), "
@@ -268,19 +284,19 @@ class Policy:
             )
         if self.on_oom is not None and not callable(self.on_oom):
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
-        if not isinstance(self.grow, bool):
-            raise TypeError(f"grow must be a bool, got {type(self.grow).__name__} {self.grow!r}")
-        _positive_int("grow_after", self.grow_after)
+        _flag("grow", self.grow)
+        object.__setattr__(self, "grow_after", _positive_int("grow_after", self.grow_after))
         gain = self.grow_gain
-        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, (int, float))):
-            raise TypeError(f"grow_gain must be a number like 0.03, or None, got {type(gain).__name__} {gain!r}")
+        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, numbers.Real)):
+            raise TypeError(f"grow_gain must be a number like 0.03, or None, got {_kind(gain)} {gain!r}")
         if gain is not None and not 0 <= gain < 10:  # NaN fails it too
             raise ValueError(
-                f"grow_gain must be from 0 to 10, the least gain in rows per second that growing must bring "
-                f"(0.03 for 3%), or None, got {gain!r}"
+                f"grow_gain must be at least 0 and below 10 (0 <= grow_gain < 10), the least gain in rows per "
+                f"second that growing must bring (0.03 for 3%), or None, got {gain!r}"
             )
-        if not isinstance(self.refine, bool):
-            raise TypeError(f"refine must be a bool, got {type(self.refine).__name__} {self.refine!r}")
+        if gain is not None and not isinstance(gain, float):  # a narrower float as it reads, as in scaled()
+            object.__setattr__(self, "grow_gain", float(gain) if isinstance(gain, int) else float(str(gain)))
+        _flag("refine", self.refine)
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         check_target(self.snapshot, self.snapshot_each_oom)

@@ -75,7 +75,9 @@ class Stats:
             their memory.
         throughput (dict): with ``grow=True`` and a ``grow_gain``, the rows per
             second of the attempts that succeeded, by size (the mean of each
-            size's); for ``accumulate``, by micro-batch size, of the whole steps.
+            size's, over all the calls, whatever their cache key: ``grow_gain``
+            weighs each key's own); for ``accumulate``, by micro-batch size, of
+            the whole steps.
 
     ``copy.copy``, ``copy.deepcopy`` and ``pickle`` take a snapshot, which
     counts nothing more (to send from a worker process, say).

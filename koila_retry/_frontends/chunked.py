@@ -137,13 +137,13 @@ class _Pass:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
+        if front_end == "koila.range" and isinstance(initial, str):
+            raise ValueError(
+                f"koila.range has no inputs to estimate memory from: initial must be an int >= 1 or None, got "
+                f"{initial!r} ('auto' is for koila.chunked and koila.accumulate)"
+            )
         check_auto(initial)
         self.auto = initial == AUTO
-        if self.auto and front_end == "koila.range":
-            raise ValueError(
-                "koila.range has no inputs to estimate memory from: initial='auto' is for koila.chunked "
-                "and koila.accumulate; give koila.range an int"
-            )
         initial = None if self.auto else cast("int | None", initial)
         self.policy = Policy.of(front_end, initial, options, rows=True, own=_OWN_OPTIONS[front_end])
         self.tqdm = _tqdm() if progress else None  # missing tqdm is an error now, not at the first row
