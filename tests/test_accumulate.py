@@ -1393,6 +1393,28 @@ def test_no_grad_caller_of_a_step_that_turns_grad_on_gets_no_backward(initial: i
         before.assert_unchanged()
 
 
+@pytest.mark.parametrize("initial", [None, 4])
+def test_a_step_that_turns_grad_off_for_good_trains_every_micro_batch(initial: int | None) -> None:
+    # An evaluation helper that forgets to turn grad back on: the split step crashed on its weighted loss,
+    # then, once that was mended, ran the later micro-batches' forwards without a graph.
+    model, x, y = build("mlp", 20)
+    expected_loss, expected = full_step(model, x, y)
+    model.zero_grad(set_to_none=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        torch.set_grad_enabled(False)
+        return loss
+
+    try:
+        loss = koila.accumulate(step, initial=initial, cache=koila.NoCache())(x, y)
+    finally:
+        torch.set_grad_enabled(True)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("initial", [None, 8])
 def test_frozen_model_with_grad_mode_on(initial: int | None) -> None:
     model, x, y = build("mlp", 20)

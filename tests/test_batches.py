@@ -1253,3 +1253,35 @@ def test_a_tuple_subclass_s_tensor_attribute_is_split_as_a_list_subclass_s() -> 
 
 class _Listed(list):  # type: ignore[type-arg]
     pass
+
+
+def test_names_all_missing_are_split_as_names_some_missing() -> None:
+    # A batch whose rows all lack a name passed the list whole: each piece got every row's None.
+    x = torch.randn(8, 2)
+
+    def scaled(batch: dict[str, Any]) -> torch.Tensor:
+        assert len(batch["names"]) == len(batch["x"])
+        return batch["x"] * torch.tensor([[1.0 if name is None else 2.0] for name in batch["names"]])
+
+    for names in (["a"] + [None] * 7, [None] * 8):
+        batch = {"x": x, "names": names}
+        torch.testing.assert_close(koila.chunked(scaled, batch, initial=3), scaled(batch))
+
+
+@dataclasses.dataclass
+class _Steps:
+    x: torch.Tensor  # (time, rows, features): split along dim 1
+
+    def __post_init__(self) -> None:
+        self.class_weights = torch.tensor([1.0, 2.0, 3.0])  # the instance's own, with no dim 1
+
+
+def test_an_attribute_without_the_dim_passes_whole() -> None:
+    batch = _Steps(torch.randn(5, 8, 2))
+
+    def weighed(b: _Steps) -> torch.Tensor:
+        return b.x * b.class_weights.sum()
+
+    torch.testing.assert_close(koila.chunked(weighed, batch, dim=1, initial=4), weighed(batch))
+    with pytest.raises(ValueError, match=r"dim 1 is out of range for the tensor weights of shape \(3,\)"):
+        koila.chunked(lambda x, weights: x, batch.x, torch.ones(3), dim=1)  # an argument: refused as before

@@ -6,6 +6,7 @@ reads a real clock.
 
 from __future__ import annotations
 
+import fractions
 from collections.abc import Callable
 from typing import Any
 
@@ -219,3 +220,9 @@ def test_the_range_of_grow_gain_is_said_as_it_is_and_numpy_floats_are_numbers() 
             run()
         sizes[type(gain)] = tried
     assert sizes[np.float32] == sizes[float]  # the same decisions as the Python float it reads as
+
+
+def test_a_fraction_is_a_number_for_grow_gain_and_scaled() -> None:
+    # float(str(Fraction(3, 100))) raised "could not convert string to float: '3/100'".
+    assert koila.batch(initial=8, grow=True, grow_gain=fractions.Fraction(3, 100))(lambda size: size)() == 8
+    assert koila.scaled(fractions.Fraction(1, 2))(100) == 50

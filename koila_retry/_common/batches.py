@@ -240,15 +240,14 @@ def _records(items: Sequence[Any]) -> bool:
 
 
 def _texts(items: Sequence[Any]) -> bool:
-    """Return whether ``items`` are strings, lists or tuples of strings (a row's words) or ``None``, not all None."""
-    texts = False
+    """Return whether ``items`` are strings, lists or tuples of strings (a row's words) or ``None``."""
+    # All None too: a batch whose rows all lack a name is split as one where one row has it.
     for item in items:
-        if item is None:  # a row with no name, or no words
+        if item is None or type(item) is str:
             continue
-        if type(item) is not str and not (isinstance(item, (list, tuple)) and all(type(word) is str for word in item)):
+        if not (isinstance(item, (list, tuple)) and all(type(word) is str for word in item)):
             return False
-        texts = True
-    return texts
+    return True
 
 
 def _kind(value: Any) -> int | None:
@@ -633,6 +632,9 @@ class Split:
                 continue
             axis = dim + len(shape) if dim < 0 else dim
             if not 0 <= axis < len(shape):
+                if index in self.attributes:  # the instance's own state, without the dim: it passes whole
+                    sizes.append(-1)
+                    continue
                 raise ValueError(
                     f"dim {dim} is out of range for the tensor {self._label(paths[index])} of shape {tuple(shape)}; "
                     f"allowed: [{-len(shape)}, {len(shape) - 1}]"

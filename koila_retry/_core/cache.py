@@ -186,7 +186,7 @@ class Sizes(MutableMapping[Hashable, int]):
         self._misses = Counter()
         # The latest key looked up and its size, in a one-item list that writers replace
         # whole after every change (see lookup).
-        self._recent: list[tuple[Hashable, int | None] | None] = [None]
+        self._recent: list[tuple[object, int | None] | None] = [None]
         # The bytes of one sample each size was proven on, for keys that name a class of
         # sample shapes (see sample_bytes); kept and forgotten with the sizes.
         self._samples: dict[Hashable, int] = {}
@@ -236,7 +236,7 @@ class Sizes(MutableMapping[Hashable, int]):
         remembered[0] = (self._latest(key), size)
         return size
 
-    def _latest(self, key: Hashable) -> Hashable:
+    def _latest(self, key: Hashable) -> object:
         """Return ``key`` as the latest key is remembered: as it is if == matches it as a dict does."""
         return key if self._plain and type(key) is tuple else _DictKey(key)
 

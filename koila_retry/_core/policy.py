@@ -8,7 +8,7 @@ import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, SupportsFloat, TypedDict
 
 import torch
 
@@ -95,8 +95,7 @@ class scaled:  # named like a function: a strategy, called like the schedules it
             raise TypeError(f"factor must be a number, got {type(factor).__name__} {factor!r}")
         if not 0 < factor < 1:
             raise ValueError(f"factor must be strictly between 0 and 1, got {factor}")
-        # A narrower float as it reads (np.float32(0.9) is 0.8999999761...: 100 rows would shrink to 89).
-        self.factor = float(factor) if isinstance(factor, (int, float)) else float(str(factor))
+        self.factor = as_read(factor)
 
     def __call__(self, failed: int) -> int | None:
         return int(failed * self.factor) or None
@@ -181,6 +180,16 @@ def _refuse_growing_options(front_end: str, options: Mapping[str, Any]) -> None:
                 f"{front_end}() got {name}={options[name]!r} without grow=True: {name} is {does}, and only "
                 f"grow=True grows back. Give grow=True too, or leave {name} out"
             )
+
+
+def as_read(number: SupportsFloat) -> float:
+    """Return ``number`` as a float; a narrower float as it reads (np.float32(0.9) is 0.8999999761...)."""
+    if isinstance(number, (int, float)):
+        return float(number)
+    try:
+        return float(str(number))
+    except ValueError:  # a Fraction reads "3/100"
+        return float(number)
 
 
 def _kind(value: object) -> str:
@@ -295,7 +304,7 @@ class Policy:
                 f"second that growing must bring (0.03 for 3%), or None, got {gain!r}"
             )
         if gain is not None and not isinstance(gain, float):  # a narrower float as it reads, as in scaled()
-            object.__setattr__(self, "grow_gain", float(gain) if isinstance(gain, int) else float(str(gain)))
+            object.__setattr__(self, "grow_gain", as_read(gain))
         _flag("refine", self.refine)
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")

@@ -370,6 +370,14 @@ _OUTSIDE_GRAPH = (
 )
 
 
+def _weighed(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """Return ``loss * weight`` with its graph, also where the step left grad mode off for good."""
+    if torch.is_grad_enabled():
+        return loss * weight
+    with torch.enable_grad():  # the caller's mode wants a backward (Gradients.grad_mode), whatever the step left
+        return loss * weight
+
+
 def _step(split: Split) -> Callable[..., Any]:
     """Return the step a call runs: the function, or the function bound to the instance it was called on."""
     return cast("Callable[..., Any]", split.fn)
@@ -592,6 +600,8 @@ class _Accumulator:
             for index, ((args, kwargs, count), weight) in enumerate(zip(pieces, weights, strict=True)):
                 if index:
                     plan.micro_batch(index == last, first=False)
+                if torch.is_grad_enabled() is not wanted:  # as in _micro_batch
+                    torch._C._set_grad_enabled(wanted)
                 loss = results.add(own_backward.call(_step(split), self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and wanted:
                     # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
@@ -599,7 +609,7 @@ class _Accumulator:
                     # last one's reduces the step's gradients. What it writes is zeros: its loss's own
                     # backward may be 0/0 (a mean over no items), which loss * 0 would spread. The plan's
                     # leaves too, which a backward of a reentrant checkpoint's own writes unseen by the walk.
-                    weighted = loss * weight if weight != 1.0 else loss
+                    weighted = _weighed(loss, weight) if weight != 1.0 else loss
                     leaves = others.see(weighted)
                     if overlap is not None:
                         overlap.backward_begins(index == last)
@@ -673,7 +683,7 @@ class _Accumulator:
             # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
             loss = loss_of(own_backward.call(fn, name, args, kwargs), name)
             if loss.requires_grad and gradients.grad_mode:
-                weighted = loss * 0.5 if split and self.mean else loss  # a sum's weighs 1: the loss itself
+                weighted = _weighed(loss, 0.5) if split and self.mean else loss  # a sum's weighs 1: the loss itself
                 del loss
                 gradients.backward(plain_backward, weighted, False)
 
@@ -772,6 +782,8 @@ class _Accumulator:
         retain: bool,
     ) -> bool:
         """Run one micro-batch, forward and weighted backward; return whether its loss needed a gradient."""
+        if torch.is_grad_enabled() is not gradients.grad_mode:  # a micro-batch before turned it off (or on)
+            torch._C._set_grad_enabled(gradients.grad_mode)  # each forward runs as the whole batch's would
         result = own_backward.call(_step(split), self.controller.name, args, kwargs)
         loss = results.add(result, weight, rows)
         del result
@@ -780,7 +792,7 @@ class _Accumulator:
         if not (loss.requires_grad and gradients.grad_mode) or weight == 0.0:
             return False
         if weight != 1.0:
-            weighted = loss * weight
+            weighted = _weighed(loss, weight)
             results.weighed(weighted)
         else:
             weighted = loss
