@@ -91,7 +91,7 @@ def test_an_interrupt_as_a_sparse_grad_is_given_back_leaves_grad_mode_on(at: str
     gc.disable()  # as above
     try:
         for point in _points():
-            embedding.weight.grad = torch.sparse_coo_tensor(indices, values, (50, 4)).coalesce()
+            embedding.weight.grad = torch.sparse_coo_tensor(indices, values, (50, 4), check_invariants=True).coalesce()
             stopped = _interrupted_at(point, lambda: step(ids, y), at)
             assert torch.is_grad_enabled(), f"grad mode left off at point {point}"
             if not stopped:
