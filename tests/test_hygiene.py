@@ -21,6 +21,34 @@ import koila_retry as koila
 from koila_retry.testing import make_oom, simulated_device
 
 
+def _decorated_and_called(front_end: str) -> weakref.ref[nn.Module]:
+    """Decorate a function that closes over a model, inside this one, call it, and return."""
+    model = nn.Linear(4, 1)
+    x = torch.randn(4, 4)
+    if front_end == "batch":
+        koila.batch(lambda batch_size: model(x[:batch_size]), initial=4)()
+    elif front_end == "chunked":
+        koila.chunked(lambda rows: model(rows))(x)
+    elif front_end == "range":
+        koila.range(lambda begin, end: model(x[begin:end]))(0, 4)
+    else:
+        koila.accumulate(lambda rows: model(rows).sum())(x)
+    return weakref.ref(model)
+
+
+@pytest.mark.parametrize("front_end", ["batch", "chunked", "range", "accumulate"])
+def test_a_wrapper_let_go_of_lets_go_of_what_its_function_closes_over_at_once(front_end: str) -> None:
+    # A step decorated inside a training function that returned: the wrapper's class, in a cycle as
+    # every class is, kept the model (and a DDP step's process group) until a collection.
+    gc.collect()
+    gc.disable()
+    try:
+        model = _decorated_and_called(front_end)
+        assert model() is None
+    finally:
+        gc.enable()
+
+
 def test_tensor_of_failed_attempt_is_dead_when_retry_starts() -> None:
     refs: list[weakref.ref[torch.Tensor]] = []
     alive_at_start: list[bool] = []

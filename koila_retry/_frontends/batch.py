@@ -7,6 +7,7 @@ import functools
 import inspect
 import io
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType, MethodType
 from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
@@ -229,6 +230,10 @@ def bindable(
     call = method if binding is _METHOD and positional_names(fn)[:1] == ("self",) else plain
     kind = type("Bindable", (Bindable,), {"__slots__": (), "__call__": staticmethod(call)})
     wrapper = kind()
+    # Every class is in a reference cycle of its own, freed only by a collection: its __call__ would keep
+    # what the function closes over (a model, a process group) alive that long after the wrapper is gone
+    # (a step decorated inside a training function that returned). Let go with the wrapper.
+    weakref.finalize(wrapper, delattr, kind, "__call__")
     functools.update_wrapper(wrapper, fn)
     vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
     wrapper.__annotations__ = getattr(plain, "__annotations__", {})  # without an injected size
