@@ -1324,3 +1324,54 @@ def test_a_gradient_scaler_the_step_reaches_is_given_back_as_it_was() -> None:
     assert found.peak(64) > found.peak(8)
     assert {name: repr(value) for name, value in vars(scaler).items()} == before
     step(x)  # the real step still runs
+
+
+# --------------------------------------------------------------------------- 12. shapes that depend on values
+
+
+VALUE_SHAPED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "indexing with a boolean mask": lambda h: h[h > 0],
+    "torch.nonzero": lambda h: h[:, : torch.nonzero(h[0]).shape[0]],
+    "torch.masked_select": lambda h: torch.masked_select(h, h > 0),
+    "torch.unique": lambda h: h[:, : torch.unique(h.argmax(1)).numel()],
+}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
+@pytest.mark.parametrize("what", sorted(VALUE_SHAPED))
+def test_an_operator_whose_shape_depends_on_values_gets_a_note_that_says_what_to_do(what: str) -> None:
+    # PyTorch's own error points to its compiler's settings (torch.fx's meta_nonzero_assume_all_nonzero)
+    # and fake implementations, which do not help an estimate.
+    layer = nn.Linear(32, 64)
+
+    def step(x: torch.Tensor) -> None:
+        h = layer(x)
+        (VALUE_SHAPED[what](h).sum() + h.sum()).backward()
+
+    step(torch.randn(ROWS, 32))  # runs for real
+    with pytest.raises((NotImplementedError, RuntimeError)) as info:
+        koila.estimate(step, torch.randn(ROWS, 32))
+    notes = info.value.__notes__
+    assert notes[0].startswith(f"{what}")
+    assert "the shape of its result depends on the values of a tensor" in notes[0]
+    assert "Estimate the part of the call before it" in notes[0]
+    assert "initial= a batch size" in notes[0]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes on exceptions are from Python 3.11")
+def test_auto_warns_of_a_boolean_mask_with_the_note_not_pytorchs_message() -> None:
+    model = nn.Linear(32, 64)
+
+    @koila.chunked(initial="auto", cache=koila.NoCache())
+    def infer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = model(x)
+            return h * h[h > 0].numel()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with simulated_device("64MiB"):
+            infer(torch.randn(ROWS, 32))
+    (warning,) = [w for w in caught if "could not estimate" in str(w.message)]
+    assert "indexing with a boolean mask (x[mask]): the shape of its result depends on" in str(warning.message)
+    assert "torch.fx" not in str(warning.message)

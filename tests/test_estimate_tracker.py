@@ -416,3 +416,49 @@ def test_a_grouped_matrix_product_in_float32_is_estimated_as_the_real_step() -> 
 
     real, estimated = real_and_estimated(Experts, step, torch.randn(16, 64, requires_grad=True))
     assert abs(estimated - real) <= ACCURACY * real
+
+
+# --------------------------------------------------------------------------- modules that allocate nothing
+
+
+class Halves(nn.Module):
+    """Returns a view of its input: it allocates nothing, forward or backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], 2, -1)
+
+
+def reshaping() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.Flatten(),
+        nn.Identity(),
+        nn.Unflatten(1, (4, 30, 30)),
+        nn.Flatten(),
+        Halves(),
+        nn.Flatten(),
+        nn.Linear(3600, 2),
+    )
+
+
+def test_a_module_that_allocates_nothing_has_the_bytes_alive_while_it_ran() -> None:
+    # Only moments at which something was allocated were observed: such a module had no entry at all.
+    x = torch.randn(4, 3, 32, 32)
+    alive: dict[str, int] = {}
+    with simulated_device("4GiB") as device:
+        model = reshaping()
+        for name, child in model.named_children():
+
+            def entered(*_: Any, name: str = f"Sequential.{name}") -> None:
+                alive.setdefault(name, device.live)
+
+            child.register_forward_pre_hook(entered)
+        model(x.clone()).sum().backward()
+    model = reshaping()
+    peaks = koila.estimate(lambda x: model(x).sum().backward(), x).module_peaks(4)
+    assert set(peaks) == {"Sequential", *alive}
+    for name in ("Sequential.1", "Sequential.2", "Sequential.3", "Sequential.4", "Sequential.5", "Sequential.6"):
+        assert peaks[name][0] == alive[name], name
+    assert peaks["Sequential.1"][1] > 0  # Flatten's backward is a view of its output's gradient
+    assert peaks["Sequential.2"][1] == 0  # Identity returns its input: no backward of its own

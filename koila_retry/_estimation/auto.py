@@ -24,6 +24,7 @@ from koila_retry._core.memory import PeakMeter, free_memory, peak_meter, recent_
 from koila_retry._estimation.calibration import Calibration, Corrected, Credited, Fitting, gap_of, probe_size
 from koila_retry._estimation.estimate import DEFAULT_MARGIN, MemoryEstimate, warn_inexact
 from koila_retry._estimation.lending import borrowing
+from koila_retry._estimation.recorder import value_shaped_note
 
 __all__ = ["AUTO", "AutoFirst", "check_auto"]
 
@@ -185,7 +186,9 @@ class _Memo:
         try:
             return make()
         except Exception as error:
-            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            # PyTorch's message of an operator whose shape depends on values is about its compiler: the note says more.
+            reason = value_shaped_note(error) or (str(error).splitlines()[0] if str(error) else "")
+            failure = f"{type(error).__name__}: {reason}"
         if self.first_time((name, what, failure)):  # outside the handler, so that the error is gone
             warnings.warn(
                 f"initial='auto' could not estimate {what} of {name} ({failure}); it {then}",

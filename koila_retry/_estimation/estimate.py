@@ -178,9 +178,11 @@ class MemoryEstimate:
             batch_size (int): the rows along ``dim``.
 
         Returns:
-            dict: per module name (its type, then the path
+            dict: per module that ran, by name (its type, then the path
             of attribute names, as ``"Sequential.0"``), the most bytes alive
-            while its forward ran and while its backward ran (0 if it had none).
+            while its forward ran and while its backward ran (0 if it had none);
+            for a module that allocates nothing (``nn.Flatten``), the bytes
+            alive as it ran.
         """
         _check_batch_size(batch_size)
         highest: dict[tuple[str, str], float] = {}

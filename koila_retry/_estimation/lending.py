@@ -32,7 +32,7 @@ from koila_retry._estimation.reads import READS, ValueReads
 from koila_retry._estimation.recorder import META, Recorder
 from koila_retry._estimation.sharding import Emulation, Sharding
 
-__all__ = ["Lent", "Loan", "Owned", "Swapping", "ThreadTracker", "borrowing", "exclusive"]
+__all__ = ["Lent", "Loan", "Owned", "Swapping", "ThreadTracker", "borrowed", "borrowing", "exclusive"]
 
 # Estimates run one at a time in a process: two loans of the same object would nest
 # their proxies, and the first to end would take the second's away mid-run. The lock is
@@ -189,6 +189,13 @@ _PROXIES: dict[type, type] = {
     defaultdict: _LentDefaultDict,
     list: _LentList,
 }
+
+
+def borrowed(value: Any) -> Any:
+    """Return the copy of the lent container ``value`` that this thread borrows; ``None`` where it sees the real one."""
+    if isinstance(value, Lent) and value._thread == threading.get_ident():
+        return value._overlay
+    return None
 
 
 def _seen(value: Any) -> Any:
@@ -479,6 +486,15 @@ class ThreadTracker(ModuleTracker):
         # of them, at that version, was passed through untouched (nn.Identity's, a Dropout of p=0's), and no
         # backward runs in the module; one changed in place since (ReLU(inplace=True)'s) starts it.
         self.versions: dict[int, list[dict[int, int]]] = {}
+        # Called as a module's forward or backward begins, after its name joined ``parents``.
+        self.on_enter: Callable[[], None] | None = None
+
+    def enter(self, name: str) -> None:
+        """Record that the module ``name`` runs from now on."""
+        if name not in self.parents:
+            self.parents.add(name)
+            if self.on_enter is not None:
+                self.on_enter()
 
     def __enter__(self) -> ThreadTracker:
         # The post-hook takes the keyword inputs (HF's ``self_attn(hidden_states=...)``), which a
@@ -501,7 +517,7 @@ class ThreadTracker(ModuleTracker):
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
         if threading.get_ident() == self.thread:
             name: str = self._get_mod_name(mod)  # type: ignore[no-untyped-call]
-            self.parents.add(name)
+            self.enter(name)
             if self._hooks_gradients():
                 self._hook(input, _left(weakref.ref(self), name), leaves=False)
                 # Of those gradients reach (an inference tensor has no version to read).
@@ -545,7 +561,7 @@ def _entered(tracker: weakref.ref[ThreadTracker], name: str) -> Callable[[torch.
         found = tracker()
         if found is not None:
             found._maybe_set_engine_callback()  # which empties the record when backward ends
-            found.parents.add(name)
+            found.enter(name)
 
     return hook
 
@@ -596,8 +612,10 @@ class Owned:
             for parameter, state in optimizer.state.items():
                 yield "parameters", parameter, None
                 for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        yield "optimizer state", value, parameter
+                    # LBFGS keeps lists of tensors too: its history of steps and their curvatures.
+                    for tensor in value if type(value) is list else (value,):
+                        if isinstance(tensor, torch.Tensor):
+                            yield "optimizer state", tensor, parameter
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every tensor the modules and optimizers hold, with its category."""

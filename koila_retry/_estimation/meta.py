@@ -23,6 +23,7 @@ from koila_retry._estimation.lending import Owned, ThreadTracker
 from koila_retry._estimation.recorder import META, Recorder, Workspace
 from koila_retry._estimation.recurrent import recurrent_kernels
 from koila_retry._estimation.sharding import Sharding
+from koila_retry._estimation.steps import follow_steps
 
 __all__ = ["run_at_sizes", "run_on_meta"]
 
@@ -122,22 +123,11 @@ def run_on_meta(
                 def reclassify() -> None:
                     recorder.mark(owned.gradients_and_state())
 
-                def entered_step(*_: Any) -> None:
-                    recorder.in_step += 1
-                    reclassify()
-
-                def left_step(*_: Any) -> None:
-                    recorder.in_step -= 1
-                    reclassify()
-
                 recorder.reclassify = reclassify
-                # Each optimizer's own hooks, registered into the dicts lent to this thread: another
-                # thread's step neither calls them nor meets a change to the process's hooks mid-loop.
-                for optimizer in owned.optimizers:
-                    handles.append(optimizer.register_step_pre_hook(entered_step))
-                    handles.append(optimizer.register_step_post_hook(left_step))
+                handles += follow_steps(recorder, owned.optimizers, reclassify)
                 with _Tracker() as modules:
                     recorder.modules = modules
+                    modules.on_enter = recorder.entered_module
                     recorder.start()
                     try:
                         # The attention and recurrent kernels the target runs, and its autocast; the

@@ -2,7 +2,8 @@
 
 Everything stays on the meta device: a tensor asked for elsewhere is made there, a real
 tensor an operator is given is read through a meta copy, and a read of a value answers
-a placeholder, which the estimate notes unless an optimizer or a gradient scaler read it.
+a placeholder, which the estimate notes unless it is an optimizer's own step count or a
+gradient scaler's check.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -23,7 +24,7 @@ from koila_retry._common.tracking import LiveStorageTracker
 from koila_retry._estimation.autocast import settle
 from koila_retry._estimation.fit import CATEGORIES, Moment
 
-__all__ = ["META", "Recorder", "Truths", "Workspace", "inexact_operators"]
+__all__ = ["META", "Recorder", "Truths", "Workspace", "inexact_operators", "value_shaped_note"]
 
 META = torch.device("meta")
 
@@ -36,23 +37,39 @@ Workspace = Callable[[Any, tuple[Any, ...], Any], int]
 
 # --- what the estimate knows it does not model exactly -----------------------------
 
-# A value read from a tensor outside an optimizer step, by its kind: what it reads as, and
-# what is made of such reads. The optimizer's own reads (its step count) and a gradient
-# scaler's (whether any gradient is infinite) read as a step that is taken, which is what
-# the estimate models; they are not noted.
+# A value read from a tensor, by its kind: what it reads as outside and inside an optimizer
+# step, and what is made of such reads. The optimizer's own values (its step count, the
+# scalars of its state) and a gradient scaler's (whether any gradient is infinite) read as a
+# step that is taken, which is what the estimate models; they are not noted.
 _VALUE_READS = {
-    "integer": ("1", "sizes and branches made from it"),
-    "float": ("0.0", "branches and sizes made from it (a NaN guard, a threshold)"),
+    "integer": ("1", "1", "sizes and branches made from it"),
+    "float": ("0.0", "1.0", "branches and sizes made from it (a NaN guard, a threshold)"),
     "truth value": (
         "False, or what the check it came from usually finds (finite values, no NaN, all() of those, "
         "torch.equal and torch.allclose true)",
+        "False, or what the check it came from usually finds",
         "the branches taken (`if t:`, `if x.sum() > 0:`, `if torch.isfinite(loss):`)",
     ),
 }
 _VALUE_READ = (
-    "outside an optimizer step, the value reads as a placeholder, {placeholder}, since meta tensors hold none: "
+    "{where}, the value reads as a placeholder, {placeholder}, since meta tensors hold none: "
     '{what} may differ from those of the real run. Where the device can be measured, initial="auto" and '
     "suggest_batch_size(calibrate=True) measure a real run instead"
+)
+# What a float an optimizer keeps in its state reads as inside its step, by its key, where not 1.0
+# (its step count's, which keeps the bias corrections finite): NAdam divides by 1 minus the product
+# of its momentum factors, each below 1, which at 1.0 is zero.
+_STATE_FLOATS = {"mu_product": 0.5}
+# LBFGS decides from values (the loss, the gradient's size, the curvature of each step) how many
+# closures its step runs and which steps it keeps in its history, the bytes of its peak. While its
+# step runs, its tolerances read as -inf (in the estimating thread's copy of its parameter group)
+# and a check whose answer is not known reads true: every iteration runs and is kept.
+_LBFGS = (
+    "{name}'s step: it decides from values read from tensors (the loss, the gradient, each step's "
+    "curvature) how many closures to run and which steps to keep in its history, and meta tensors hold none: "
+    "the estimate runs its longest step, max_iter iterations (at most max_eval closures) with each kept in "
+    "its history (up to history_size) and each line search ended at its first closure. A real step that stops "
+    "sooner holds less; one whose line search runs more closures, up to two more copies of the gradient"
 )
 # torch.amp's gradient scaler, whose reads of its inf checks the estimate answers as "none found".
 _SCALER_FILE = ("torch", "amp", "grad_scaler.py")
@@ -69,6 +86,7 @@ _INSIDE = tuple(
     for module in (torch, sys.modules[__name__.split(".")[0]])
     if module.__file__ is not None
 )
+_OPTIM = os.path.dirname(torch.optim.__file__ or "") + os.sep  # PyTorch's optimizers
 _ENDLESS = (
     "{where} read a tensor's value {count} times in one run on meta tensors, which hold no values: each "
     "read gives the same placeholder, so a loop that ends when a value says so (a decoding loop such as "
@@ -76,6 +94,26 @@ _ENDLESS = (
     "reads of one line, a loop of fixed length that reads a value in each step (a NaN check per time step) "
     'included. Such a call cannot be estimated: give initial= a batch size rather than "auto", estimate one '
     "step of the loop (the model's forward), or read the value less often"
+)
+# Operators whose result's shape depends on the values of a tensor (a boolean mask's index runs
+# nonzero), by what the user called. On meta tensors PyTorch raises an error written for its
+# compiler, which names its settings and fake implementations: the estimate adds what to do.
+_VALUE_SHAPED = {
+    "nonzero": "torch.nonzero (argwhere, where(condition), nonzero(as_tuple=True))",
+    "masked_select": "torch.masked_select",
+    "_unique": "torch.unique",
+    "_unique2": "torch.unique",
+    "unique_dim": "torch.unique",
+    "unique_consecutive": "torch.unique_consecutive",
+    "unique_dim_consecutive": "torch.unique_consecutive",
+    "bincount": "torch.bincount",
+    "index": "indexing with a boolean mask (x[mask])",
+}
+_VALUE_SHAPED_WHY = "the shape of its result depends on the values of a tensor"
+_VALUE_SHAPED_NOTE = (
+    "{what}: " + _VALUE_SHAPED_WHY + ", which an estimate cannot know (meta tensors hold none; the settings and "
+    "fake implementations named above are for PyTorch's compiler, and do not help here). Estimate the part of the "
+    'call before it (the model\'s forward up to the mask, say), or give initial= a batch size rather than "auto"'
 )
 _CUDNN_CONVOLUTION = (
     "convolution: the workspace cuDNN takes on CUDA is not modelled (on an H100 a backward took 280 MiB): "
@@ -88,7 +126,7 @@ def inexact_operators(device: torch.device) -> dict[Any, str]:
     # What is inexact only in some cases is noted by the code that models it, with
     # Recorder.note_inexact: value reads (Recorder.placeholder), attention.py, recurrent.py.
     # Operators whose result's shape depends on values (nonzero, masked_select) cannot
-    # run on meta tensors at all: the estimate fails with their error instead.
+    # run on meta tensors at all: the estimate fails with their error, and a note of its own.
     if device.type != "cuda":
         return {}
     return {
@@ -118,6 +156,8 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         self.category = "inputs"
         self.running = False
         self.in_step = 0
+        self.stepping: list[Any] = []  # the optimizers whose step runs now, innermost last
+        self._held: dict[int, tuple[weakref.ref[torch.Tensor], str]] | None = None  # what they hold: see _held_as
         self.clock = 0
         # Every storage with the clock at which it was made and freed: whether it became a gradient
         # or optimizer state is known only later, so the categories at each moment are summed after the run.
@@ -148,6 +188,8 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         if func is _LOCAL_SCALAR:
             return self.placeholder(args[0])
+        if func in _FUSED_STEPS:
+            return None
         settle()  # autocast's cached casts go when its region ends, before anything after it allocates
         known = self.inexact.get(func)
         if known is not None:
@@ -165,7 +207,11 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         args = _on_meta(args, seen, func)
         if kwargs:
             kwargs = _on_meta(kwargs, seen, func)
-        out = _grouped_mm(args, kwargs) if func is _GROUPED_MM else func(*args, **kwargs)
+        try:
+            out = _grouped_mm(args, kwargs) if func is _GROUPED_MM else func(*args, **kwargs)
+        except Exception as error:
+            _note_value_shaped(error, func, args)
+            raise
         index = _UNREDUCED.get(func)
         if index is not None and not (len(args) > index and args[index] == 0):  # reduction="none": nothing kept
             out = _on_the_unreduced_loss(out, args)
@@ -191,24 +237,66 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         # Meta tensors hold no values. An optimizer reads its step count (1 keeps the
         # bias corrections finite); elsewhere 0 and False keep checks for infinities
         # (a gradient scaler's, say) from skipping the step, and a truth value is what
-        # the checks it came from usually find (see Truths). Every other read is noted:
-        # whatever it decides, it decides from the placeholder.
+        # the checks it came from usually find (see Truths); inside LBFGS's step, a
+        # check whose answer is not known is true (see _LBFGS). Every other read is
+        # noted: whatever it decides, it decides from the placeholder.
+        stepping = self.stepping[-1] if self.stepping else None
+        longest = isinstance(stepping, torch.optim.LBFGS)
+        held = self._held_as(tensor) if self.in_step and not longest else None
         dtype = tensor.dtype
         value: bool | float | int
         if dtype == torch.bool:
-            kind, value = "truth value", self.truths.usual(tensor)
+            kind, value = "truth value", self.truths.usual(tensor, unknown=longest)
         elif dtype.is_floating_point or dtype.is_complex:
-            kind, value = "float", 1.0 if self.in_step else 0.0
+            kind, value = "float", _STATE_FLOATS.get(held or "", 1.0) if self.in_step else 0.0
         else:
             kind, value = "integer", 1
-        if not self.in_step and not _in_scaler():
+        if longest:
+            self.notes[_LBFGS.format(name=type(stepping).__name__)] = None
+        elif self.in_step:
+            # PyTorch's optimizers other than LBFGS read their step counts and compute per-parameter
+            # scalars from values (Adafactor's scale from a norm), whose placeholders change no tensor's
+            # size. Of other code inside a step, a read of what the optimizer holds is its own.
+            if held is None and not _asked_from(_OPTIM) and not _in_scaler():
+                _, placeholder, what = _VALUE_READS[kind]
+                where = f"inside {type(stepping).__name__ if stepping is not None else 'an optimizer'}'s step"
+                self._note_read(kind, f"{where}, other than its own step count", placeholder, what)
+        elif not _in_scaler():
+            # A loop that a read ends runs here; an optimizer's loops are over its parameters, or its iterations.
             self._count_read()
-            placeholder, what = _VALUE_READS[kind]
-            self.note_inexact(
-                f"reading {'an' if kind == 'integer' else 'a'} {kind} from a tensor",
-                _VALUE_READ.format(placeholder=placeholder, what=what),
-            )
+            placeholder, _, what = _VALUE_READS[kind]
+            self._note_read(kind, "outside an optimizer step", placeholder, what)
         return value
+
+    def _note_read(self, kind: str, where: str, placeholder: str, what: str) -> None:
+        self.note_inexact(
+            f"reading {'an' if kind == 'integer' else 'a'} {kind} from a tensor",
+            _VALUE_READ.format(where=where, placeholder=placeholder, what=what),
+        )
+
+    def _held_as(self, tensor: torch.Tensor) -> str | None:
+        """Return the key under which an optimizer stepping now holds ``tensor`` in its state or groups, or None."""
+        if self._held is None:  # gathered once a step, at its first read
+            self._held = {
+                id(value): (weakref.ref(value), key)
+                for optimizer in self.stepping
+                for key, value in _tensors_held(optimizer)
+            }
+        found = self._held.get(id(tensor))
+        return found[1] if found is not None and found[0]() is tensor else None
+
+    def enter_step(self, optimizer: Any) -> None:
+        """Follow ``optimizer``'s step, which starts now."""
+        self.in_step += 1
+        self.stepping.append(optimizer)
+        self._held = None
+
+    def leave_step(self) -> None:
+        """Stop following the innermost optimizer step, which has ended."""
+        self.in_step -= 1
+        if self.stepping:
+            self.stepping.pop()
+        self._held = None
 
     def _count_read(self) -> None:
         """Count a read at the line that asked for it; raise once a line has asked more than a run allows."""
@@ -265,6 +353,11 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         self._callback_queued = False
         if self.reclassify is not None:
             self.reclassify()
+
+    def entered_module(self) -> None:
+        """Observe the bytes alive as a module's forward or backward begins: one that allocates nothing has them."""
+        if self.running:
+            self._observe(0)
 
     def _observe(self, transient: int) -> None:
         parents = self.modules.parents if self.modules is not None else ()
@@ -381,7 +474,8 @@ def _check_dtypes(func: Any, args: tuple[Any, ...], operands: tuple[int, ...]) -
 # ``"all"``/``"any"``, their argument's, or (when nothing is known of it) True for all()
 # (validations: every mask entry set, every position in order) and False for any()
 # (a NaN anywhere, an ignored label); ``"self"``: whether both arguments are one tensor
-# (``x == x`` holds where x is not NaN; ``isfinite`` is made of it).
+# (``x == x`` holds where x is not NaN; ``isfinite`` is made of it); ``"above"``/``"below"``: a
+# comparison with an infinity, what it is for finite values (``x < inf`` true, ``x > inf`` false).
 _TRUTH_KINDS: dict[str, bool | str] = {
     "isnan": False,
     "isinf": False,
@@ -398,6 +492,10 @@ _TRUTH_KINDS: dict[str, bool | str] = {
     "any": "any",
     "eq": "self",
     "ne": "finite",
+    "gt": "above",
+    "ge": "above",
+    "lt": "below",
+    "le": "below",
 }
 _TRUTH_RULES: dict[Any, bool | str] = {
     getattr(getattr(_aten, name), overload): kind
@@ -412,9 +510,10 @@ class Truths:
     def __init__(self) -> None:
         self._usual: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
 
-    def usual(self, tensor: torch.Tensor) -> bool:
-        """Return what ``tensor``'s value usually is; ``False`` if nothing is known of it."""
-        return self._known(tensor) is True
+    def usual(self, tensor: torch.Tensor, unknown: bool = False) -> bool:
+        """Return what ``tensor``'s value usually is; ``unknown`` if nothing is known of it."""
+        known = self._known(tensor)
+        return unknown if known is None else known
 
     def _known(self, value: Any) -> bool | None:
         if not isinstance(value, torch.Tensor):
@@ -442,12 +541,70 @@ class Truths:
             usual = False if first is None else first
         elif rule == "self":  # x == x: not NaN
             usual = True if len(args) > 1 and args[0] is args[1] else None
+        elif rule in ("above", "below"):  # x > -inf, x < inf: finite values are; x > inf, x < -inf: none is
+            bound = args[1] if len(args) > 1 else None
+            usual = (bound < 0) == (rule == "above") if isinstance(bound, float) and math.isinf(bound) else None
         else:  # x != inf: finite
             usual = True if len(args) > 1 and isinstance(args[1], float) and math.isinf(args[1]) else None
         if usual is not None:
             if len(self._usual) > 4096:  # a long run's dead entries: forget them
                 self._usual = {key: entry for key, entry in self._usual.items() if entry[0]() is not None}
             self._usual[id(out)] = (weakref.ref(out), usual)
+
+
+def _asked_from(directory: str) -> bool:
+    """Return whether the first frame that asked for a read, past koila and the rest of torch, is in ``directory``."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(directory):
+            return True
+        if not name.startswith(_INSIDE):
+            return False
+        frame = frame.f_back
+    return False
+
+
+def _tensors_held(optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors ``optimizer`` holds in its state and its parameter groups, but its parameters, by key."""
+    for state in optimizer.state.values():
+        if isinstance(state, Mapping):
+            yield from ((key, value) for key, value in state.items() if isinstance(value, torch.Tensor))
+    for group in optimizer.param_groups:
+        yield from ((key, value) for key, value in group.items() if key != "params" and isinstance(value, torch.Tensor))
+
+
+# PyTorch's fused optimizer steps update their arguments in place and return nothing, and some
+# have no meta kernel (SGD's, Adagrad's, Adam's with a tensor learning rate): on meta tensors
+# there is nothing to compute, and the kernels allocate nothing that a dispatch mode sees.
+_FUSED_STEPS = frozenset(
+    overload
+    for name in ("_fused_sgd_", "_fused_adam_", "_fused_adamw_", "_fused_adagrad_")
+    if hasattr(_aten, name)
+    for overload in (getattr(getattr(_aten, name), kind) for kind in getattr(_aten, name).overloads())
+    if not overload._schema.returns
+)
+
+
+def _note_value_shaped(error: Exception, func: Any, args: tuple[Any, ...]) -> None:
+    """Add to ``error`` the note of an operator whose result's shape depends on values, if ``func`` is one."""
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", None)
+    what = _VALUE_SHAPED.get(name) if isinstance(name, str) else None
+    if what is None or sys.version_info < (3, 11):
+        return
+    if name == "index":  # integer indices have a shape known without values
+        indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+        if not any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in indices):
+            return
+    error.add_note(_VALUE_SHAPED_NOTE.format(what=what))
+
+
+def value_shaped_note(error: BaseException) -> str | None:
+    """Return the estimate's note on ``error`` that an operator's result's shape depends on values, if it has one."""
+    for note in getattr(error, "__notes__", ()):
+        if isinstance(note, str) and _VALUE_SHAPED_WHY in note:
+            return note
+    return None
 
 
 def _in_scaler() -> bool:
