@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import subprocess
 import sys
 import traceback
 import weakref
@@ -47,6 +48,31 @@ def test_a_wrapper_let_go_of_lets_go_of_what_its_function_closes_over_at_once(fr
         assert model() is None
     finally:
         gc.enable()
+
+
+_CALLED_AT_EXIT = """
+import torch
+import koila_retry as koila
+
+@koila.batch(initial=4)
+def flush(batch_size):
+    return batch_size
+
+class Writer:
+    def __del__(self):  # a writer that flushes as the interpreter ends
+        print("flushed", flush(), flush=True)
+
+writer = Writer()
+print("called", flush(), flush=True)
+"""
+
+
+def test_a_wrapper_still_runs_as_the_interpreter_ends() -> None:
+    # Let go of through weakref.finalize, the wrapper stopped being callable at exit ("'Bindable' object is
+    # not callable" in a __del__), and its registry kept the module alive past its writer.
+    completed = subprocess.run([sys.executable, "-c", _CALLED_AT_EXIT], capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["called", "4", "flushed", "4"], completed.stderr
 
 
 def test_tensor_of_failed_attempt_is_dead_when_retry_starts() -> None:

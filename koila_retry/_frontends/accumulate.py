@@ -681,6 +681,8 @@ class _Accumulator:
             # As ``_micro_batch``: a split step's loss weighed and let go of, with the buffer some losses keep
             # (mse_loss's). A plain backward, never a scaler's or an engine's ``backward=``: they would run on
             # meta tensors and keep state made from them (a GradScaler's scale), or count micro-steps.
+            if torch.is_grad_enabled() is not gradients.grad_mode:  # as _micro_batch
+                torch._C._set_grad_enabled(gradients.grad_mode)
             loss = loss_of(own_backward.call(fn, name, args, kwargs), name)
             if loss.requires_grad and gradients.grad_mode:
                 weighted = _weighed(loss, 0.5) if split and self.mean else loss  # a sum's weighs 1: the loss itself

@@ -232,8 +232,10 @@ def bindable(
     wrapper = kind()
     # Every class is in a reference cycle of its own, freed only by a collection: its __call__ would keep
     # what the function closes over (a model, a process group) alive that long after the wrapper is gone
-    # (a step decorated inside a training function that returned). Let go with the wrapper.
-    weakref.finalize(wrapper, delattr, kind, "__call__")
+    # (a step decorated inside a training function that returned). Let go with the wrapper, through a weak
+    # reference the class holds: weakref.finalize's registry would hold the function until then, and run
+    # at exit, while a __del__ may still call the wrapper.
+    kind._released = weakref.ref(wrapper, lambda _: delattr(kind, "__call__"))  # type: ignore[attr-defined]
     functools.update_wrapper(wrapper, fn)
     vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
     wrapper.__annotations__ = getattr(plain, "__annotations__", {})  # without an injected size
