@@ -409,9 +409,8 @@ class _Accumulator:
         # The modules a step reaches where one is an FSDP2 module, looked at where that decides anything
         # (no agreement, or initial="auto", under a process group), again when it is given another model.
         self.sharded: Found[list[weakref.ref[torch.nn.Module]]] = Found(getattr(fn, "__code__", None))
-        self.norms: Found[list[weakref.ref[torch.nn.Module]]] = Found(
-            getattr(fn, "__code__", None)
-        )  # see _warn_batchnorm
+        # The normalisation layers it reaches, looked at where the graph cannot tell (see _normalised_by_batch).
+        self.norms: Found[list[weakref.ref[torch.nn.Module]]] = Found(getattr(fn, "__code__", None))
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType, bound: Any = None) -> Any:
         fn = self.fn if bound is None else bound  # the step, or the step bound to its instance
@@ -470,9 +469,8 @@ class _Accumulator:
             if sync is not None:
                 sync.reduce(used_everywhere=attempt.unanimous)
             result = finished.finish()
-            return self._delivered(
-                gradients, finished, result, rows, roots
-            )  # inside: an interrupt (Ctrl-C) lets go too
+            # Inside the try: an interrupt (Ctrl-C) lets go too.
+            return self._delivered(gradients, finished, result, rows, roots)
         except BaseException:
             gradients.abandon()
             raise
@@ -494,9 +492,8 @@ class _Accumulator:
         try:
             finished = self.controller.call(self.identity, caller, device, work, roots, rows, sampled)
             result = finished.finish()
-            return self._delivered(
-                gradients, finished, result, rows, roots
-            )  # inside: an interrupt (Ctrl-C) lets go too
+            # Inside the try: an interrupt (Ctrl-C) lets go too.
+            return self._delivered(gradients, finished, result, rows, roots)
         except BaseException:
             gradients.abandon()
             raise
