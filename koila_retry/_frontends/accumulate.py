@@ -380,7 +380,7 @@ def _weighed(loss: torch.Tensor, weight: float) -> torch.Tensor:
 
 def _step(split: Split) -> Callable[..., Any]:
     """Return the step a call runs: the function, or the function bound to the instance it was called on."""
-    return cast("Callable[..., Any]", split.fn)
+    return split.fn  # type: ignore[return-value]  # always given by _Accumulator; not cast(): a call per micro-batch
 
 
 class _Accumulator:
@@ -581,6 +581,7 @@ class _Accumulator:
         rows = split.rows
         retain = any(tensor.grad_fn is not None for tensor in split.tensors)
         wanted = torch.is_grad_enabled()  # the caller's, as Gradients.grad_mode
+        fn = _step(split)
         overlap = plan if isinstance(plan, Overlap) else None
         # The plan looks after its modules' parameters; what else the backward writes is found in each graph.
         others = OtherLeaves(plan.owned)
@@ -599,7 +600,7 @@ class _Accumulator:
                     plan.micro_batch(index == last, first=False)
                 if torch.is_grad_enabled() is not wanted:  # as in _micro_batch
                     torch._C._set_grad_enabled(wanted)
-                loss = results.add(own_backward.call(_step(split), self.controller.name, args, kwargs), weight, count)
+                loss = results.add(own_backward.call(fn, self.controller.name, args, kwargs), weight, count)
                 if loss.requires_grad and wanted:
                     # A micro-batch that weighs nothing runs its backward too: FSDP2's collectives and DDP's
                     # reducer follow the backward, the same on every rank whatever its data weighs, and the
