@@ -462,6 +462,29 @@ def test_giving_up_after_size_1_tries_every_halving(impl: Impl) -> None:
         assert excinfo.value.__traceback__ is not None
 
 
+@pytest.mark.parametrize("form", ["batch", "range", "chunked"])
+def test_giving_up_keeps_the_backends_text_that_handlers_match(impl: Impl, form: str) -> None:
+    # toma re-raises the last error, and handlers (toma's should_reduce_batch_size, Lightning's
+    # is_oom_error) look for "CUDA out of memory." in its first argument: the stand-in's error begins
+    # with that error's first line.
+    def run(*args: Any) -> None:
+        raise oom()
+
+    with pytest.raises(torch.OutOfMemoryError) as excinfo:
+        if form == "batch":
+            impl.explicit.batch(run, 4, toma_cache_type=impl.caches["no"])
+        elif form == "range":
+            impl.explicit.range(run, 0, 4, 4, toma_cache_type=impl.caches["no"])
+        else:
+            impl.explicit.chunked(run, torch.zeros(4), 4, toma_cache_type=impl.caches["no"])
+    message = excinfo.value.args[0]
+    assert message.startswith(OOM_MESSAGE)
+    if impl is OURS:
+        assert "Every batch size tried failed" in message
+    toma = pytest.importorskip("toma")
+    assert toma.should_reduce_batch_size(excinfo.value)
+
+
 def test_a_range_that_gives_up_says_how_far_it_got() -> None:
     def run(begin: int, end: int) -> None:
         if begin >= 4:

@@ -68,6 +68,7 @@ from koila_retry.compat.toma.batchsize_cache import (
     NoBatchsizeCache,
     StacktraceMemoryBatchsizeCache,
 )
+from koila_retry.exceptions import BatchSizeExhausted
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -212,18 +213,33 @@ def _run(
         policy = _POLICY if agrees else _ALONE
         controller = Controller(name, policy, default_cache=entry.cache, explain=exhausted.message, keep_last=True)
         entry.controllers[name, agrees] = controller
-    if tensor is not None:
-        span, device, unit = range(tensor.size(dim)), tensor.device, ROWS
-        work = lambda begin, end: func(tensor.narrow(dim, begin, end - begin), begin, end, *args, **kwargs)  # noqa: E731
-    elif span is not None:
-        device, unit = default_device(), _INDICES
-        work = lambda begin, end: func(begin, end, *args, **kwargs)  # noqa: E731
-    else:
-        batch = lambda batch_size: func(batch_size, *args, **kwargs)  # noqa: E731
-        return controller.call(where[1], caller, device_of(args, kwargs), batch, roots, rows=size)
-    # An empty range runs nothing, as in toma; toma's ranges and chunks return nothing.
-    attempt = controller.start(Call(where[1], caller, device, rows=size, span=len(span), roots=roots)) if span else None
-    return cover(controller, attempt, span.start, span.stop, work, lambda *_: None, unit=unit)
+    try:
+        if tensor is not None:
+            span, device, unit = range(tensor.size(dim)), tensor.device, ROWS
+            work = lambda begin, end: func(tensor.narrow(dim, begin, end - begin), begin, end, *args, **kwargs)  # noqa: E731
+        elif span is not None:
+            device, unit = default_device(), _INDICES
+            work = lambda begin, end: func(begin, end, *args, **kwargs)  # noqa: E731
+        else:
+            batch = lambda batch_size: func(batch_size, *args, **kwargs)  # noqa: E731
+            return controller.call(where[1], caller, device_of(args, kwargs), batch, roots, rows=size)
+        # An empty range runs nothing, as in toma; toma's ranges and chunks return nothing.
+        attempt = (
+            controller.start(Call(where[1], caller, device, rows=size, span=len(span), roots=roots)) if span else None
+        )
+        return cover(controller, attempt, span.start, span.stop, work, lambda *_: None, unit=unit)
+    except BatchSizeExhausted as exc:
+        _backend_text_first(exc)
+        raise
+
+
+def _backend_text_first(exc: BatchSizeExhausted) -> None:
+    """Begin the message with the last error's first line: toma re-raises that error, and code matches its text."""
+    cause = exc.__cause__
+    text = str(cause.args[0]) if cause is not None and cause.args else ""
+    first = text.split("\n", 1)[0].strip()
+    if first and exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(first):
+        exc.args = (f"{first}\n{exc.args[0]}",)
 
 
 def _reaches_parallel(entry: _Context, func: Callable[..., Any], roots: tuple[Any, ...]) -> bool:
