@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import subprocess
@@ -1204,3 +1206,108 @@ def test_an_error_in_a_window_leaves_the_windows_gradients_as_they_were(
         else:
             assert parameter.grad is not None, "a gradient of the window was lost"
             assert torch.equal(parameter.grad, before)
+
+
+def _weighted_rows() -> list[dict[str, torch.Tensor]]:
+    """A first batch of short rows that fits whole, and a second with a long row that does not."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = [4] * 8 + [24, 3, 5, 7, 9, 2, 4, 6]
+    return [{"input_ids": torch.randint(1, VOCAB, (length,), generator=generator)} for length in lengths]
+
+
+def _collate_weighted(rows: list[dict[str, torch.Tensor]], kind: type[Any] = dict) -> Any:
+    return kind({**collate(rows), "weight": torch.arange(1.0, len(rows) + 1)})
+
+
+class PopsItsWeights(transformers.Trainer):  # type: ignore[misc]
+    """An override that takes a weight per row out of its inputs before the model sees them."""
+
+    default = False  # pop with a default: a mapping without the weights weighs every row 1, silently
+    kinds: list[type[Any]]
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        self.kinds.append(type(inputs))
+        weight = inputs.pop("weight", None) if self.default else inputs.pop("weight")
+        weight = torch.ones(len(inputs["input_ids"])) if weight is None else weight
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits[:, :-1]
+        losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels[:, 1:].flatten(), reduction="none"
+        ).view(len(labels), -1)
+        loss = (losses.sum(1) * weight).sum() / num_items_in_batch
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+@pytest.mark.parametrize(
+    ("default", "kind"),
+    [(False, dict), (True, dict), (False, transformers.BatchEncoding), (False, collections.OrderedDict)],
+    ids=["pop", "pop-with-default", "BatchEncoding", "OrderedDict"],
+)
+def test_an_override_that_pops_from_its_inputs_and_runs_out_of_memory_is_retried_on_the_whole_mapping(
+    tmp_path: Path, default: bool, kind: type[Any]
+) -> None:
+    """Its second step runs whole and fails: the retry splits the mapping as the trainer made it, weights included."""
+
+    def made() -> Any:
+        trainer = make_trainer(
+            tmp_path,
+            PopsItsWeights,
+            data=_weighted_rows(),
+            data_collator=functools.partial(_collate_weighted, kind=kind),
+            max_steps=2,
+            remove_unused_columns=False,
+        )
+        trainer.default, trainer.kinds = default, []
+        return trainer
+
+    plain = made()
+    plain.train()
+    trainer = adapt(made())
+    with simulated_device(TRAIN_LIMIT):
+        trainer.train()
+    stats = trainer.training_step.stats
+    assert (stats.calls, stats.ooms) == (2, 1)
+    assert stats.batch_size < 8
+    assert set(trainer.kinds) == {kind}  # a copy of the trainer's mapping, of its type, whole or split
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class PopsItsTexts(transformers.Trainer):  # type: ignore[misc]
+    """A prediction_step override that takes the rows' texts out of its inputs, then runs the trainer's own."""
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        inputs.pop("text")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+
+def _collate_texts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**collate(rows), "text": [row["text"] for row in rows]}
+
+
+def test_a_prediction_override_that_pops_from_its_inputs_and_runs_out_of_memory_is_retried_on_the_whole_mapping(
+    tmp_path: Path,
+) -> None:
+    data = [{"input_ids": row["input_ids"], "text": f"row {index}"} for index, row in enumerate(Rows(16, seed=2))]
+
+    def made() -> Any:
+        return make_trainer(
+            tmp_path, PopsItsTexts, data=data, data_collator=_collate_texts, remove_unused_columns=False
+        )
+
+    expected = made().predict(data)
+    trainer = adapt(made())
+    with simulated_device("384KiB"):  # a chunk fits beside the logits kept so far; the whole step does not
+        predicted = trainer.predict(data)
+    stats = trainer.prediction_step.stats
+    assert stats.ooms >= 1
+    assert stats.batch_size < 8
+    torch.testing.assert_close(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+    torch.testing.assert_close(torch.as_tensor(predicted.label_ids), torch.as_tensor(expected.label_ids))
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)

@@ -30,6 +30,7 @@ __all__ = [
     "is_structseq",
     "positional_names",
     "remake",
+    "shallow_copy",
     "state_of",
     "tuple_remaking",
 ]
@@ -331,6 +332,22 @@ def _first_faithful(value: Any, ways: tuple[int, ...], items: Any) -> int | None
         if faithful(new, type(value), items):
             return way
     return None
+
+
+def shallow_copy(mapping: Any) -> Any:
+    """Return a mapping of the same type around the same items, as a split remakes one; itself if it cannot be."""
+    if type(mapping) is dict:
+        return dict(mapping)
+    if not isinstance(mapping, MutableMapping):  # nothing to change in it, or not a mapping
+        return mapping
+    try:
+        way = _remaking(mapping, _MAPPING)
+        if way == _COPIED:
+            new = copy.copy(mapping)  # keeps its other state (a BatchEncoding's encodings)
+            return mapping if new is mapping else new
+        return mapping if way is None else remake(type(mapping), way, dict(mapping), None)
+    except Exception:  # a mapping that cannot be copied runs as it did
+        return mapping
 
 
 def remake(cls: type[Any], kind: int, items: Any, state: dict[str, Any] | None) -> Any:

@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from koila_retry._common.batches import Split
+from koila_retry._common.batches import Split, shallow_copy
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
 from koila_retry._common.warn import warn_or_log
@@ -404,10 +404,12 @@ class _Training(_Bound):
         failed = False
         with _swapped(self.trainer.accelerator, "backward", walked) if walking else contextlib.nullcontext():
             try:
+                # A copy: a step may change its mapping (pop a key it weighs rows by), and the retry after
+                # its OOM splits the mapping as the trainer made it.
                 if num_items_in_batch is ABSENT:
-                    returned = self.original(model, inputs)
+                    returned = self.original(model, shallow_copy(inputs))
                 else:
-                    returned = self.original(model, inputs, num_items_in_batch)
+                    returned = self.original(model, shallow_copy(inputs), num_items_in_batch)
             except BaseException as error:
                 if not is_oom(error):  # the gradients as the step found them, not part of a backward
                     _given_back(parameters, before, others)
@@ -601,7 +603,7 @@ class _Prediction(_Bound):
         if rows and not distributed.is_running():
             failed = False
             try:
-                found = self.original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+                found = self.original(model, shallow_copy(inputs), prediction_loss_only, ignore_keys=ignore_keys)
             except BaseException as error:
                 if not is_oom(error):
                     raise
