@@ -10,6 +10,7 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -18,18 +19,22 @@ import torch
 from torch.nn import functional as F
 
 import koila_retry as koila
+from koila_retry._frontends import own_backward
 from koila_retry._frontends.in_flight import IN_FLIGHT, InFlight
 
 _GENERATOR = 0x20  # inspect.CO_GENERATOR: a generator resumed to close it cannot raise (unraisable)
 
 
-def _interrupted_at(point: int, call: Callable[[], Any], at: str = "call") -> bool:
-    """Run ``call`` with a KeyboardInterrupt raised as its ``point``-th Python function begins (or returns: ``at``)."""
+def _interrupted_at(point: int, call: Callable[[], Any], at: str = "call", only: tuple[str, ...] = ("",)) -> bool:
+    """Run ``call`` with a KeyboardInterrupt raised as its ``point``-th Python function begins (or returns: ``at``).
+
+    ``only``: count the functions of files whose path starts with one of these alone.
+    """
     seen = 0
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
         nonlocal seen
-        if frame.f_code.co_flags & _GENERATOR:
+        if frame.f_code.co_flags & _GENERATOR or not frame.f_code.co_filename.startswith(only):
             return None
         if event == at:
             seen += 1
@@ -78,6 +83,30 @@ def test_an_interrupt_anywhere_in_a_step_leaves_grad_whole_and_nothing_held(
     assert interrupted > 20, "the sweep reached the step's insides"
 
 
+@pytest.mark.parametrize("size", [None, 4], ids=["whole", "split"])
+def test_an_interrupt_anywhere_in_a_step_with_backward_leaves_later_backwards_free(size: int | None) -> None:
+    # backward= (a training engine's): an interrupt as the step's flag was put back left it set, and every
+    # later backward of the thread refused, for good. In koila's functions and the test's alone: one inside
+    # torch's own handling of a function mode (torch.overrides) breaks its mode stack, which is PyTorch's.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    step = koila.accumulate(lambda x, y: F.mse_loss(model(x), y), initial=size, backward=lambda loss: loss.backward())
+    F.mse_loss(model(x), y).backward()
+    full = [parameter.grad.clone() for parameter in model.parameters()]  # type: ignore[union-attr]
+    gc.collect()
+    gc.disable()
+    try:
+        interrupted = _sweep(model, x, y, step, full, False, "call", (str(Path(koila.__file__).parent), __file__))
+    finally:
+        gc.enable()
+    assert interrupted > 20, "the sweep reached the step's insides"
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()  # refused if the flag was left set
+    for parameter, grad in zip(model.parameters(), full, strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+
+
 @pytest.mark.parametrize("at", ["call", "return"])
 def test_an_interrupt_as_a_sparse_grad_is_given_back_leaves_grad_mode_on(at: str) -> None:
     # A sparse .grad is added into with grad mode off: an interrupt in torch.no_grad()'s own Python left it
@@ -102,18 +131,28 @@ def test_an_interrupt_as_a_sparse_grad_is_given_back_leaves_grad_mode_on(at: str
 
 
 def _sweep(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step: Any, full: Any, before: bool, at: str
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    step: Any,
+    full: Any,
+    before: bool,
+    at: str,
+    only: tuple[str, ...] = ("",),
 ) -> int:
     interrupted = 0
     for point in _points():
         for parameter in model.parameters():
             parameter.grad = torch.ones_like(parameter) if before else None
         given = [None if parameter.grad is None else parameter.grad.clone() for parameter in model.parameters()]
-        stopped = _interrupted_at(point, lambda: step(x, y), at)
+        stopped = _interrupted_at(point, lambda: step(x, y), at, only)
         # Held leaves would send every later step of the model down the captured path, and make
         # another thread's step wait for them forever.
         assert (IN_FLIGHT.owners, IN_FLIGHT.shared, IN_FLIGHT.held) == ({}, {}, {}), f"held at point {point}"
         assert torch.is_grad_enabled(), f"grad mode left off at point {point}"
+        # A flag left set refuses every later backward of the thread; a hook left in the list holds its step.
+        thread = own_backward.THREAD
+        assert (thread.step, thread.engine, own_backward.BACKWARDS) == (None, False, []), f"left at point {point}"
         got = [parameter.grad for parameter in model.parameters()]
         whole = [g if b is None else b + g for b, g in zip(given, full, strict=True)]
         if all(isinstance(g, torch.Tensor) and torch.allclose(g, w) for g, w in zip(got, whole, strict=True)):

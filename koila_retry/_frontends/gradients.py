@@ -193,10 +193,13 @@ class Gradients:
     def backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         """Run ``run(loss, retain)``: into ``.grad`` on the direct path, else with its backward passes captured."""
         self.root = loss.grad_fn  # which nodes are this step's: see nested()
+        tell, told = self.nested, own_backward.BACKWARDS
         try:
-            with own_backward.running(self.nested):
-                self._backward(run, loss, retain)
-        finally:
+            told.append(tell)
+            self._backward(run, loss, retain)
+        finally:  # C calls alone before the removal: a Ctrl-C cannot leave ``tell`` behind
+            if tell in told:
+                told.remove(tell)
             self.root, self.task = None, -1
 
     def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
@@ -214,8 +217,14 @@ class Gradients:
 
             self.capture(BackwardCall((loss,), None, retain, False, None), plain)
             return
-        with Capture(self), own_backward.engine():
-            run(loss, retain)
+        thread = own_backward.THREAD
+        outer = thread.engine
+        with Capture(self):
+            try:  # set and restored by stores alone: a Ctrl-C cannot leave the flag set
+                thread.engine = True
+                run(loss, retain)
+            finally:
+                thread.engine = outer
 
     def started(self, call: BackwardCall, plain: Callable[[], None]) -> None:
         """Run a backward that an engine's ``backward=`` started (``plain()`` runs it as asked): direct or captured."""

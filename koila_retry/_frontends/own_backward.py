@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["call", "engine", "guard", "running", "seen"]
+__all__ = ["BACKWARDS", "THREAD", "call", "guard", "seen"]
 
 
 class _Running(threading.local):
@@ -30,12 +30,14 @@ class _Running(threading.local):
         self.engine = False
 
 
-_running = _Running()
+# Set and restored by the callers in a finally, with stores and C calls alone: a context manager's
+# __exit__ is a Python call, where a Ctrl-C can land before it restores anything.
+THREAD = _Running()
 _lock = threading.Lock()
 _guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
 # The steps whose backward runs now, in any thread (autograd runs a device's nodes on a thread of its own):
 # each is told of a backward that a node runs inside another, and takes it if the node is one of its own.
-_backwards: list[Callable[[Any], None]] = []
+BACKWARDS: list[Callable[[Any], None]] = []
 # A backward started inside a node's backward (not from the code that started the outer one).
 _inside_a_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
@@ -52,7 +54,7 @@ def guard() -> bool:
 
         @functools.wraps(original)
         def guarded(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-            running = _running
+            running = THREAD
             # The engine's own default is to accumulate: a caller that does not say writes .grad.
             writes = kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True)
             if running.step is not None and writes:
@@ -60,10 +62,10 @@ def guard() -> bool:
                 raise RuntimeError(_refusal(running.step))
             if running.engine and writes and _inside_a_node() is None:
                 raise RuntimeError(_UNSEEN)
-            if _backwards and writes and _inside_a_node() is not None:
+            if BACKWARDS and writes and _inside_a_node() is not None:
                 # A custom Function's backward that runs one of its own (a hand-made recomputation):
                 # the step whose graph the node is in takes the leaves it writes as its own first.
-                for tell in list(_backwards):
+                for tell in list(BACKWARDS):
                     tell(t_outputs)
             return original(t_outputs, *args, **kwargs)
 
@@ -75,40 +77,13 @@ def guard() -> bool:
     return True
 
 
-class running:  # named like a function: a context manager used as one
-    """While a step's backward runs, tell ``tell(outputs)`` of each backward a node runs inside a backward."""
-
-    __slots__ = ("tell",)
-
-    def __init__(self, tell: Callable[[Any], None]) -> None:
-        self.tell = tell
-
-    def __enter__(self) -> None:
-        _backwards.append(self.tell)
-
-    def __exit__(self, *exc: object) -> None:
-        _backwards.remove(self.tell)
-
-
-class engine:  # named like a function: a context manager used as one
-    """While a training engine's ``backward=`` runs on this thread, refuse a backward it starts unseen."""
-
-    __slots__ = ("outer",)
-
-    def __enter__(self) -> None:
-        self.outer, _running.engine = _running.engine, True
-
-    def __exit__(self, *exc: object) -> None:
-        _running.engine = self.outer
-
-
 def seen(plain: Callable[[], None]) -> None:
     """Run ``plain()``, a backward that the engine's ``backward=`` started and koila saw start."""
-    outer, _running.engine = _running.engine, False
+    outer, THREAD.engine = THREAD.engine, False
     try:
         plain()
     finally:
-        _running.engine = outer
+        THREAD.engine = outer
 
 
 _UNSEEN = (
@@ -121,10 +96,10 @@ _UNSEEN = (
 
 def call(fn: Callable[..., Any], name: str, args: Any, kwargs: dict[str, Any]) -> Any:
     """Run a step's own code, ``fn(*args, **kwargs)``, with a backward pass inside it refused."""
-    running = _running
+    running = THREAD
     outer, refused = running.step, running.refused
-    running.step = name
     try:
+        running.step = name
         result = fn(*args, **kwargs)
     finally:
         running.step = outer
