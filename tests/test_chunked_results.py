@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -255,6 +255,147 @@ def test_out_beside_the_input_in_one_buffer_is_accepted() -> None:
     expected = x * 3
     koila.chunked(lambda rows: rows * 3, x, initial=3, out=out)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("initial", [3, 16], ids=["chunks", "one-chunk"])
+def test_out_that_is_the_input_is_refused_before_a_row_is_written_where_the_result_requires_grad(
+    initial: int,
+) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(10, 4)
+    linear(x).sum().backward()  # the plain call: autograd saves x's rows for the weight's gradient
+    plain = cast(torch.Tensor, linear.weight.grad).clone()
+    linear.weight.grad = None
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"^out holds the same elements as the input input \(out=x\), and fn's res"):
+        koila.chunked(linear, x, initial=initial, out=x)
+    assert torch.equal(x, before)  # nothing of the user's changed
+    # tanh saves its output, not its input: refused all the same, as torch's own out= refuses autograd.
+    rows = torch.randn(10, 4, requires_grad=True) * 1
+    with pytest.raises(ValueError, match=r"^out\['y'\] holds the same elements as the input x \(out=x\)"):
+        koila.chunked(lambda x: {"y": torch.tanh(x)}, rows, initial=initial, out={"y": rows})
+    # An out of its own records the graph, whose gradient is the plain call's.
+    koila.chunked(linear, x, initial=initial, out=torch.empty(10, 4)).sum().backward()
+    assert torch.allclose(cast(torch.Tensor, linear.weight.grad), plain)
+
+
+@pytest.mark.parametrize("initial", [3, 16], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_out_that_is_the_input_is_written_in_place_where_no_graph_is_recorded(
+    initial: int, mode: Callable[[], Any]
+) -> None:
+    linear = torch.nn.Linear(4, 4)
+    with mode():
+        x = torch.randn(10, 4)
+        plain = linear(x)
+        result = koila.chunked(linear, x, initial=initial, out=x)
+    assert result is x
+    assert torch.allclose(x, plain)
+
+
+def encode_in_inference_mode(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A model run under torch.inference_mode() inside fn, beside a tensor made outside it."""
+    with torch.inference_mode():
+        embedded = rows * 3 + 1
+    return {"embedded": embedded, "raw": rows * 2}
+
+
+def refuses_in_place(tensor: torch.Tensor) -> bool:
+    """Return whether torch refuses to change ``tensor`` in place here."""
+    try:
+        tensor.mul_(2)
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_inference_tensors_that_fn_returns_come_back_as_such_whatever_the_memory(fast_release: None) -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    plain = encode_in_inference_mode(x)
+    # What the plain call's results are, and whether an in-place change of each works (which changes it).
+    expected = {key: (value.is_inference(), refuses_in_place(value)) for key, value in plain.items()}
+    for limit in LIMITS:
+        result = koila.chunked(with_memory_for(encode_in_inference_mode, limit), x, initial=16, cache=koila.NoCache())
+        for key, value in result.items():
+            assert torch.equal(value, encode_in_inference_mode(x)[key]), f"memory for {limit} rows"
+            assert (value.is_inference(), refuses_in_place(value)) == expected[key], f"memory for {limit} rows: {key}"
+
+
+@pytest.mark.parametrize("initial", [3, 16], ids=["chunks", "one-chunk"])
+def test_out_takes_nothing_or_none_where_the_result_has_none(initial: int) -> None:
+    def fn(rows: torch.Tensor) -> dict[str, Any]:
+        return {"logits": rows * 2, "loss": None}
+
+    x = torch.arange(20.0).reshape(10, 2)
+    plain = fn(x)
+    buffers: dict[str, Any] = {"logits": torch.empty(10, 2)}
+    result = koila.chunked(fn, x, initial=initial, out=buffers)
+    assert result.keys() == plain.keys()
+    assert result["loss"] is None
+    assert result["logits"] is buffers["logits"]
+    assert torch.equal(result["logits"], plain["logits"])
+    buffers = {"logits": torch.empty(10, 2), "loss": None}
+    assert koila.chunked(fn, x, initial=initial, out=buffers) is buffers
+    assert torch.equal(buffers["logits"], plain["logits"])
+    # The error lists where the result has tensors, and a None is not one.
+    with pytest.raises(ValueError, match=r"The result has them at the result\['logits'\]; out has them at out\['x'\]$"):
+        koila.chunked(fn, x, initial=initial, out={"x": torch.empty(10, 2)})
+
+
+def test_out_that_overlaps_the_input_through_another_storage_is_refused_before_fn_runs() -> None:
+    np = pytest.importorskip("numpy")
+    memory = torch.arange(36.0).reshape(9, 4)
+    x = memory[:8]
+    shifted = torch.from_numpy(memory.numpy()[1:])  # rows 1 to 8 of the same memory, in a storage of its own
+    before = memory.clone()
+    calls: list[int] = []
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2 + 1
+
+    with pytest.raises(ValueError, match=r"^out shares memory with the input rows, of shape \(8, 4\), which is split"):
+        koila.chunked(fn, x, initial=3, out=shifted)
+    assert calls == []
+    assert torch.equal(memory, before)
+    # The input's own elements through another storage are out=x; columns beside them share nothing.
+    plain = fn(x)
+    koila.chunked(fn, x, initial=3, out=torch.from_numpy(memory.numpy()[:8]))
+    assert torch.equal(x, plain)
+    columns = np.zeros((10, 4), dtype=np.float32)
+    columns[:, :2] = np.arange(20.0).reshape(10, 2)
+    inputs, written = torch.from_numpy(columns[:, :2]), torch.from_numpy(columns[:, 2:])
+    plain = fn(inputs)
+    koila.chunked(fn, inputs, initial=3, out=written)
+    assert torch.equal(written, plain)
+
+
+def test_two_out_tensors_that_overlap_through_other_storages_are_refused() -> None:
+    np = pytest.importorskip("numpy")
+    memory = np.zeros((11, 2), dtype=np.float32)
+    out = (torch.from_numpy(memory[:10]), torch.from_numpy(memory[1:]))
+    with pytest.raises(ValueError, match=r"^out\[0\] and out\[1\] share memory"):
+        koila.chunked(lambda rows: (rows, rows * 2), torch.ones(10, 2), initial=3, out=out)
+    assert not memory.any()
+
+
+def test_an_empty_list_or_dict_comes_back_as_it_was_whatever_the_memory(fast_release: None) -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    for empty in ([], {}, ()):
+
+        def fn(rows: torch.Tensor, empty: Any = empty) -> tuple[torch.Tensor, Any]:
+            return rows * 2, empty
+
+        plain = fn(x)
+        for limit in LIMITS:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = koila.chunked(with_memory_for(fn, limit), x, initial=16, cache=koila.NoCache())
+            assert [str(warning.message) for warning in caught] == [], f"memory for {limit} rows"
+            assert result[1] == plain[1]
+            assert type(result[1]) is type(plain[1])
+            assert torch.equal(result[0], plain[0])
 
 
 # --------------------------------------------------------------------------- koila.range and progress

@@ -266,7 +266,8 @@ def chunked(
             with the full number of rows along ``dim``. Saves the copy that
             joining costs. Not for decorators. Under grad mode, not a leaf
             tensor that requires grad, nor a view of one (checked before
-            ``fn`` runs).
+            ``fn`` runs), nor the input itself where ``fn``'s result
+            requires grad (checked before a row is written).
         **options (Options): the shared options, each chunk being one step;
             see :ref:`options`. ``cache`` defaults to one
             :class:`StackMemoryCache` shared by ``chunked`` and ``range`` calls,
@@ -284,9 +285,10 @@ def chunked(
         ValueError: if there is no tensor argument, tensors differ in size
             along ``dim``, ``dim`` is out of range for an argument or a result,
             ``out`` does not match (a tensor missing or extra, a shape or a
-            dtype that does not fit), requires grad as a leaf, or shares memory
-            with an input without being that input, ``fn`` returns a sparse or
-            nested tensor, or an option is out of range.
+            dtype that does not fit), requires grad as a leaf, shares memory
+            with an input without being that input, or is that input while
+            ``fn``'s result requires grad under grad mode, ``fn`` returns a
+            sparse or nested tensor, or an option is out of range.
         TypeError: if ``fn`` is not callable or is an async or generator
             function, it returns something other than tensors (or ``None``), an
             argument is an iterator (which the first chunk would use up: pass a

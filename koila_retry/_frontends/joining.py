@@ -47,6 +47,13 @@ class Results:
         self.unfit: tuple[int, int, torch.device] | None = None
         self.none = False
         self.plain = False  # whether results are plain tensors, written without flattening
+        # The leaves whose rows go into inference tensors, made so because fn returned inference tensors
+        # there, and written in inference mode: outside it, torch refuses the writes.
+        self.inference: frozenset[int] = frozenset()
+        # out's tensors that are an input's own elements (out=x) under grad mode, with that input's name:
+        # refused where a result requires grad, before anything is written (_refuse_aliased).
+        self.aliased: list[tuple[str, str]] = []
+        self.filled = False  # whether the result has None where out has nothing: returned with None there
         self.least_dims = dim + 1 if dim >= 0 else -dim  # the dims a result needs to have ``dim``
         if out is not None:
             self.plain = type(out) is torch.Tensor
@@ -56,11 +63,17 @@ class Results:
             # with is known at the first chunk's result (_matched).
             writes_record_grad = torch.is_grad_enabled()
             inference = torch.is_inference_mode_enabled()
-            paths = flatten_with_path(out)
-            for path, leaf in paths:
+            paths = []
+            for path, leaf in flatten_with_path(out):
                 where = f"out{keystr(path)}"
+                if leaf is None:  # where fn's result has None too (_matched)
+                    continue
                 if not isinstance(leaf, TensorBase):
-                    raise TypeError(f"out must hold tensors, got {type(leaf).__name__} at {where}")
+                    raise TypeError(
+                        f"out must hold tensors, got {type(leaf).__name__} at {where} (None is taken where fn's "
+                        "result has None)"
+                    )
+                paths.append((path, leaf))
                 if not -leaf.dim() <= dim < leaf.dim() or leaf.size(dim) != rows:
                     raise ValueError(
                         f"{where} has shape {tuple(leaf.shape)}; it needs {rows} rows along dim {dim}, "
@@ -92,34 +105,34 @@ class Results:
 
     def refuse_overlap(self, split: Split) -> None:
         """Refuse an ``out`` tensor that shares memory with an input, other than a split input's own elements."""
-        inputs: dict[tuple[torch.device, int], list[int]] = {}
-        for index, tensor in enumerate(split.tensors):
-            storage = _storage(tensor)
-            if storage is not None:
-                inputs.setdefault(storage, []).append(index)
-        if not inputs:
-            return
-        rowed = set(split.split)
-        for path, leaf in flatten_with_path(self.out):
-            storage = _storage(leaf)
-            if storage is None:
+        outs = _tensors(self.out)
+        tensors = split.tensors
+        # By the addresses of their memory, not by storage: two storages (torch.from_numpy of one array,
+        # say) may hold the same memory.
+        spans = [*map(_span, tensors), *(_span(leaf) for _, leaf in outs)]
+        count, rowed = len(tensors), set(split.split)
+        for index, place in sorted(_meeting(spans), key=lambda pair: (pair[1], pair[0])):
+            if index >= count or place < count:  # two inputs, or two of out's tensors (_refuse_shared)
                 continue
-            for index in inputs.get(storage, ()):
-                tensor = split.tensors[index]
-                # Exactly the input's elements: each chunk's rows are written once fn returned for them, where
-                # no later chunk reads, as torch's own out= takes an input that is the output.
-                if index in rowed and _same_elements(leaf, tensor):
-                    continue
-                if _share(leaf, tensor):
-                    how = "is split into the chunks" if index in rowed else "is passed whole to every chunk"
-                    raise ValueError(
-                        f"out{keystr(path)} shares memory with {_input_name(split, index)}, of shape "
-                        f"{tuple(tensor.shape)}, which {how}, without being that tensor's own elements (a view "
-                        "of the same memory shifted by a row, say): koila.chunked writes each chunk's rows into "
-                        "out as the chunk finishes, and later chunks would read input rows already overwritten, a "
-                        "wrong result (torch's own out= refuses such an overlap too). Pass an out with memory of "
-                        "its own (torch.empty_like, or .clone()), or the input tensor itself"
-                    )
+            path, leaf = outs[place - count]
+            tensor = tensors[index]
+            # Exactly the input's elements: each chunk's rows are written once fn returned for them, where
+            # no later chunk reads, as torch's own out= takes an input that is the output.
+            if index in rowed and _same_elements(leaf, tensor):
+                if torch.is_grad_enabled():  # the writes may record a graph: refused where a result requires grad
+                    self.aliased.append((f"out{keystr(path)}", _input_name(split, index)))
+                    self.plain = False  # checked by add's general path: any other out costs nothing more
+                continue
+            if _share(leaf, tensor):
+                how = "is split into the chunks" if index in rowed else "is passed whole to every chunk"
+                raise ValueError(
+                    f"out{keystr(path)} shares memory with {_input_name(split, index)}, of shape "
+                    f"{tuple(tensor.shape)}, which {how}, without being that tensor's own elements (a view "
+                    "of the same memory shifted by a row, say): koila.chunked writes each chunk's rows into "
+                    "out as the chunk finishes, and later chunks would read input rows already overwritten, a "
+                    "wrong result (torch's own out= refuses such an overlap too). Pass an out with memory of "
+                    "its own (torch.empty_like, or .clone()), or the input tensor itself"
+                )
 
     def add(self, begin: int, end: int, result: Any) -> None:
         targets = self.targets
@@ -154,11 +167,30 @@ class Results:
                 self.single = result
                 return
             targets = self._allocate(leaves, end - begin, result)
+        if self.aliased:
+            self._refuse_aliased(leaves, begin, end)
         for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
             if type(target) is list:
                 target[begin:end] = leaf  # one per row: _checked saw as many as the rows
             elif target is not None:
-                self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
+                if self.inference and index in self.inference:
+                    with torch.inference_mode():
+                        self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
+                else:
+                    self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
+
+    def _refuse_aliased(self, leaves: list[Any], begin: int, end: int) -> None:
+        """Refuse, before a row of it is written, an ``out`` that is an input, if the chunk's result requires grad."""
+        if not any(isinstance(leaf, TensorBase) and leaf.requires_grad for leaf in leaves):
+            return
+        where, name = self.aliased[0]
+        raise ValueError(
+            f"{where} holds the same elements as {name} (out=x), and fn's result for the rows {begin} to {end} "
+            "requires grad: koila.chunked writes each chunk's rows into out in place, over the input rows that "
+            "autograd may have saved for the backward pass (a Linear saves its input), which would then fail "
+            "(torch's own out= refuses autograd). Pass an out of its own (torch.empty_like, say), or call "
+            "koila.chunked under torch.no_grad()"
+        )
 
     def make(self, begin: int, end: int, result: Any) -> None:
         """Check the first chunk's result, of fewer than every row, and make the result's tensors beside it."""
@@ -196,7 +228,7 @@ class Results:
                     joined = True
                 elif type(target) is list:  # one string per row before, not here: as a few strings would be
                     self._unjoined(index, leaf, begin, end)
-            elif self.out is not None or target is not None:
+            elif target is not None or (self.out is not None and leaf is not None):  # None: where out has none
                 self._explain(result, begin, end)
         if not joined and (leaves or end > begin):  # no rows at all: an empty result is the whole one
             self._explain(result, begin, end)
@@ -235,8 +267,11 @@ class Results:
             shape = list(leaf.shape)
             shape[dim] = self.rows
             shapes.append(shape)
+        # fn's own inference tensors (its model run under torch.inference_mode()) are what one chunk
+        # returns: the result of several is one too, made and written in inference mode.
+        inference = not torch.is_inference_mode_enabled() and any(leaf.is_inference() for leaf in tensors)
         try:
-            made = iter([leaf.new_empty(shape) for leaf, shape in zip(tensors, shapes, strict=True)])
+            made = iter([_empty(leaf, shape, inference) for leaf, shape in zip(tensors, shapes, strict=True)])
         except RuntimeError as error:
             if is_oom(error):
                 size = sum(math.prod(shape) * leaf.element_size() for leaf, shape in zip(tensors, shapes, strict=True))
@@ -246,7 +281,11 @@ class Results:
             next(made) if leaf is not None else [None] * self.rows if per_row else None
             for leaf, per_row in zip(kept, rowed, strict=True)
         ]
-        self.plain = type(result) is torch.Tensor
+        if inference:
+            self.inference = frozenset(
+                index for index, leaf in enumerate(kept) if leaf is not None and leaf.is_inference()
+            )
+        self.plain = type(result) is torch.Tensor and not inference  # written by add's general path
         if dropped:
             self._dropped(result, leaves, dropped, first)
         return targets
@@ -349,6 +388,10 @@ class Results:
         used: set[int] = set()
         for path, leaf in paths:
             target, depth = _at(self.out, path)
+            if leaf is None and (target is None or target is _MISSING):  # nothing to write: None comes back
+                self.filled = self.filled or target is _MISSING
+                targets.append(None)
+                continue
             if not isinstance(target, TensorBase):
                 what = "a tensor" if isinstance(leaf, TensorBase) else f"a {type(leaf).__name__}"
                 if target is _MISSING:
@@ -362,7 +405,7 @@ class Results:
                 self._unmatched(paths, f"fn returned {what} at the result{keystr(path)}, and out has {there}")
             targets.append(cast(torch.Tensor, target))
             used.add(id(target))
-        extra = [path for path, leaf in flatten_with_path(self.out) if id(leaf) not in used]
+        extra = [path for path, leaf in _tensors(self.out) if id(leaf) not in used]
         if extra:
             self._unmatched(paths, f"out has a tensor at out{keystr(extra[0])}, and fn's result has none there")
         return targets
@@ -371,13 +414,17 @@ class Results:
         """Raise the error that says where ``out`` and the result differ, listing where each has tensors."""
 
         def listed(name: str, found: list[tuple[Any, Any]]) -> str:
+            if not found:
+                return "none"
             shown = [f"{name}{keystr(path)}" for path, _ in found[:_LISTED]]
-            return ", ".join(shown) + (f" and {len(found) - _LISTED} more" if len(found) > _LISTED else "")
+            more = f" and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
+            return "them at " + ", ".join(shown) + more
 
+        tensors = [(path, leaf) for path, leaf in paths if isinstance(leaf, TensorBase)]
         raise ValueError(
             f"{first}: out needs one tensor at each place where fn's result has one, matched by key (the keys "
-            f"of a dict in any order). The result has them at {listed('the result', paths)}; out has them at "
-            f"{listed('out', flatten_with_path(self.out))}"
+            f"of a dict in any order), and nothing (or None) where it has None. The result has "
+            f"{listed('the result', tensors)}; out has {listed('out', _tensors(self.out))}"
         )
 
     def _mismatch(
@@ -439,6 +486,8 @@ class Results:
         for index, (path, leaf) in enumerate(leaves):
             where = f"the result{keystr(path)}"
             target = None if targets is None else targets[index]
+            if leaf is None and target is None and self.out is not None:
+                continue  # where out has nothing, or None: the result has None there
             if strings(leaf) and len(leaf) == end - begin and not isinstance(target, TensorBase):
                 continue  # strings, one per row: joined
             if type(leaf) in _VALUES and isinstance(target, TensorBase) and self.out is None:
@@ -491,7 +540,7 @@ class Results:
 
     def finish(self) -> Any:
         if self.out is not None:
-            return self.out
+            return tree_unflatten(cast(list[Any], self.targets), cast(TreeSpec, self.spec)) if self.filled else self.out
         if self.none:
             return None
         if self.targets is None:
@@ -522,6 +571,19 @@ def _at(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
             return found, depth
         value = found
     return value, len(path)
+
+
+def _tensors(tree: Any) -> list[tuple[Any, torch.Tensor]]:
+    """Return the paths and tensors of ``out``, or of a result, leaving out its ``None``."""
+    return [(path, cast(torch.Tensor, leaf)) for path, leaf in flatten_with_path(tree) if isinstance(leaf, TensorBase)]
+
+
+def _empty(leaf: TensorBase, shape: list[int], inference: bool) -> torch.Tensor:
+    """Return an empty tensor like ``leaf`` of ``shape``: an inference tensor where ``leaf`` is one."""
+    if inference and leaf.is_inference():
+        with torch.inference_mode():
+            return leaf.new_empty(shape)
+    return leaf.new_empty(shape)
 
 
 def _input_name(split: Split, index: int) -> str:
@@ -567,14 +629,14 @@ _RUNS_CHECKED = 1 << 16
 
 
 def _runs(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Return the sorted starts and ends, in bytes of its storage, of the runs of memory ``tensor`` covers."""
+    """Return the sorted starts and ends, in bytes from its first element, of the runs of memory ``tensor`` covers."""
     dims = sorted((stride, length) for stride, length in zip(tensor.stride(), tensor.shape, strict=True) if length > 1)
     run = 1  # elements that follow each other in memory from each start
     while dims and dims[0][0] == run:
         run *= dims.pop(0)[1]
     if math.prod(length for _, length in dims) > _RUNS_CHECKED:
         return None
-    starts = torch.tensor([tensor.storage_offset()], dtype=torch.int64)
+    starts = torch.zeros(1, dtype=torch.int64)
     for stride, length in dims:
         starts = (starts[:, None] + torch.arange(length, dtype=torch.int64) * stride).flatten()
     size = tensor.element_size()
@@ -598,14 +660,32 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    """Return where a tensor's storage lies, to compare its memory with another's; ``None`` where nothing can be."""
+def _span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """Return a tensor's device and the addresses its elements' bytes lie between; ``None`` where none can be told."""
     if tensor.numel() == 0 or tensor.layout is not torch.strided or tensor.is_nested or tensor.device.type == "meta":
         return None
     try:
-        return tensor.device, tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a subclass without one storage: nothing to compare
+        begin = tensor.data_ptr()
+        reach = sum(stride * (length - 1) for stride, length in zip(tensor.stride(), tensor.shape, strict=True))
+    except (RuntimeError, NotImplementedError):  # a subclass without memory of its own: nothing to compare
         return None
+    if begin == 0:
+        return None
+    return tensor.device, begin, begin + (reach + 1) * tensor.element_size()
+
+
+def _meeting(spans: list[tuple[torch.device, int, int] | None]) -> list[tuple[int, int]]:
+    """Return the pairs of indices ``(i, j)``, ``i < j``, of ``spans`` on one device whose addresses meet."""
+    pairs: list[tuple[int, int]] = []
+    reaching: list[tuple[int, int]] = []  # the spans begun so far, by where they end
+    for begin, index in sorted((span[1], index) for index, span in enumerate(spans) if span is not None):
+        device, _, end = cast(tuple[torch.device, int, int], spans[index])
+        reaching = [(reach, other) for reach, other in reaching if reach > begin]
+        for _, other in reaching:
+            if cast(tuple[torch.device, int, int], spans[other])[0] == device:
+                pairs.append((min(index, other), max(index, other)))
+        reaching.append((end, index))
+    return sorted(pairs)
 
 
 def _same_elements(first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -618,44 +698,35 @@ def _same_elements(first: torch.Tensor, second: torch.Tensor) -> bool:
 
 def _refuse_shared(paths: list[tuple[Any, Any]]) -> None:
     """Raise the error that names two of ``out``'s tensors that share memory, if any do."""
-    by_storage: dict[tuple[torch.device, int], list[tuple[Any, torch.Tensor]]] = {}
-    for path, leaf in paths:
-        storage = _storage(leaf)
-        if storage is not None:
-            by_storage.setdefault(storage, []).append((path, leaf))
-    for group in by_storage.values():  # usually one tensor each
-        for index, (path, leaf) in enumerate(group):
-            for other_path, other in group[index + 1 :]:
-                if _share(leaf, other):
-                    raise ValueError(
-                        f"out{keystr(path)} and out{keystr(other_path)} share memory (the same tensor, or views "
-                        "of one that overlap): koila.chunked writes a result into each, and the later write would "
-                        "overwrite the earlier's rows. Give each its own memory (a tensor of its own, or .clone())"
-                    )
+    for index, other in _meeting([_span(leaf) for _, leaf in paths]):  # usually none
+        (path, leaf), (other_path, tensor) = paths[index], paths[other]
+        if _share(leaf, tensor):
+            raise ValueError(
+                f"out{keystr(path)} and out{keystr(other_path)} share memory (the same tensor, or views "
+                "of one that overlap): koila.chunked writes a result into each, and the later write would "
+                "overwrite the earlier's rows. Give each its own memory (a tensor of its own, or .clone())"
+            )
 
 
 def _share(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Return whether two tensors of one storage have an element in the same memory, where it can be told."""
-    if first.data_ptr() == second.data_ptr():
+    """Return whether two tensors whose addresses meet have an element in the same memory, where it can be told."""
+    shift = second.data_ptr() - first.data_ptr()  # in bytes: they may lie in two storages of one memory
+    if shift == 0:
         return True
-    bounds = []
-    for tensor in (first, second):
-        begin = tensor.storage_offset() * tensor.element_size()
-        span = sum(stride * (length - 1) for stride, length in zip(tensor.stride(), tensor.shape, strict=True))
-        bounds.append((begin, begin + (span + 1) * tensor.element_size()))
-    if bounds[0][1] <= bounds[1][0] or bounds[1][1] <= bounds[0][0]:
-        return False
-    if first.shape == second.shape and first.stride() == second.stride() and first.dtype == second.dtype:
-        shifted = _shifted_onto(first, int(second.storage_offset() - first.storage_offset()))
+    size = first.element_size()
+    same = first.shape == second.shape and first.stride() == second.stride() and first.dtype == second.dtype
+    if same and shift % size == 0:
+        shifted = _shifted_onto(first, shift // size)
         if shifted is not None:  # column groups of one buffer, told apart in microseconds
             return shifted
     runs, others = _runs(first), _runs(second)
     if runs is None or others is None:
         return False
+    starts, ends = others[0] + shift, others[1] + shift
     # The last run of ``second`` that starts before each run of ``first`` ends: they share memory if it ends
     # after that run starts (the runs of ``second`` do not overlap each other, so their ends are sorted too).
-    last = torch.searchsorted(others[0], runs[1]) - 1
-    reached = others[1][last.clamp(min=0)]
+    last = torch.searchsorted(starts, runs[1]) - 1
+    reached = ends[last.clamp(min=0)]
     return bool(((last >= 0) & (reached > runs[0])).any())
 
 
