@@ -305,6 +305,17 @@ def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> N
     assert "training_step" not in vars(model)
 
 
+@pytest.mark.parametrize("name", ["XLAStrategy", "SingleDeviceXLAStrategy"])
+def test_xla_on_several_cores_or_on_one_is_refused_in_setup(name: str) -> None:
+    """SingleDeviceXLAStrategy is a SingleDeviceStrategy, not an XLAStrategy: refused by name too."""
+    strategy = object.__new__(getattr(L.pytorch.strategies, name))  # made without torch_xla: setup reads its type
+    stand_in = type("Trainer", (), {"strategy": strategy, "callbacks": []})()
+    model = MLP()
+    with pytest.raises(RuntimeError, match=f"OOMRecovery does not serve XLA: the trainer runs {name}, "):
+        OOMRecovery().setup(stand_in, model, "fit")
+    assert "training_step" not in vars(model)
+
+
 # Batches in the containers a data loader's collate_fn makes. The splitter takes tuples,
 # lists, dicts and dataclasses apart (docs/batches.rst); a class of its own with .to()
 # (as PyTorch Geometric's Batch) it cannot, and that batch runs whole.
@@ -1870,3 +1881,38 @@ def test_a_step_that_writes_gradients_itself_and_fails_leaves_the_window_s_as_th
         trainer(OOMRecovery(), accumulate_grad_batches=2).fit(model, loader(rows=128))
     assert model.first is not None
     torch.testing.assert_close(model.net[0].weight.grad, model.first, rtol=0, atol=0)
+
+
+# Seconds the spawned group may take for all its scenarios (tests/_lightning_ddp_ranks.py): a guard
+# against ranks that hang, not a measure of speed.
+DDP_DEADLINE = 300.0
+
+
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import _lightning_ddp_ranks
+    from _spawn import Groups
+
+    return Groups(_lightning_ddp_ranks, tmp_path_factory, DDP_DEADLINE)("two")
+
+
+@pytest.mark.timeout(DDP_DEADLINE + 120)
+@pytest.mark.parametrize("name", ["lightning_static_graph", "lightning_static_graph_hooks"])
+def test_ddp_with_a_static_graph_trains_as_the_plain_trainer_on_both_ranks(ddp_ranks: Any, name: str) -> None:
+    """DDP counts in its first step every gradient a parameter gets, the micro-batches' delivery included."""
+    values = ddp_ranks[name]
+    for run in ("all_the_memory", "rank_1_limited"):
+        for index, (mine, theirs) in enumerate(
+            zip(values[0][run]["parameters"], values[1][run]["parameters"], strict=True)
+        ):
+            assert torch.equal(mine, theirs), f"{run}: parameter {index} differs between the ranks"
+    for rank, value in enumerate(values):
+        assert value["plain_steps"] == value["all_the_memory"]["steps"] == value["rank_1_limited"]["steps"] == 4
+        assert value["all_the_memory"]["events"] == []
+        assert (64, 1) in value["rank_1_limited"]["events"], value["rank_1_limited"]["events"]
+        for run, tolerance in (("all_the_memory", 0.0), ("rank_1_limited", 1e-12)):
+            assert value[run]["warnings"] == []
+            assert value[run]["accumulated"] == value["plain_accumulated"]
+            for index, (mine, theirs) in enumerate(zip(value[run]["parameters"], value["expected"], strict=True)):
+                message = f"{run}, rank {rank}, parameter {index}"
+                torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance, msg=message)

@@ -6,9 +6,10 @@ unchanged (docs/trainers.rst). The one fact to know: Lightning runs ``training_s
 left to the loop's, where a failure can be undone and the step run again inside that
 backward (``_whole``, ``_backward_of_whole``). Otherwise the step runs its micro-batches'
 backward inside ``training_step``, takes the gradients out of ``.grad`` and hands them to
-the loop's backward (``_hand_over``, or ``_Delivery``): everything after the backward sees
-the whole batch's gradient, once. Where the loop runs no backward (the BatchNorm epoch of
-SWA), neither does the step: whole, or split under ``no_grad`` (``_unbacked``).
+the loop's backward (``_hand_over``, ``_Delivery``, or ``_hand_over_uncounted`` in the first
+step of DDP's static graph): everything after the backward sees the whole batch's gradient,
+once. Where the loop runs no backward (the BatchNorm epoch of SWA), neither does the step:
+whole, or split under ``no_grad`` (``_unbacked``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-    Strategy,
-)
-from lightning.pytorch.strategies.xla import XLAStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
@@ -46,6 +39,14 @@ from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry.exceptions import BatchSizeExhausted
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
 from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, leave_out, let_go, trainable
+from koila_retry.integrations._lightning_strategies import (
+    PLUGIN,
+    SCALED,
+    check_strategy,
+    counts_gradients,
+    micro_backward,
+    plain_backward,
+)
 from koila_retry.integrations._lightning_tensors import restored, suspended, watched, without_graphs
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
@@ -99,8 +100,9 @@ class OOMRecovery(Callback):
         ValueError: if an option is out of range.
         RuntimeError: in ``setup``, if the trainer's strategy is none of one device,
             DDP and ``ModelParallelStrategy`` (FSDP1's ``FSDPStrategy``, DeepSpeed
-            and XLA are refused by name), or if a ``BatchSizeFinder`` is among its
-            callbacks (``Tuner.scale_batch_size`` adds one).
+            and XLA, ``SingleDeviceXLAStrategy`` too, are refused by name), or if a
+            ``BatchSizeFinder`` is among its callbacks (``Tuner.scale_batch_size``
+            adds one).
 
     Example::
 
@@ -121,17 +123,7 @@ class OOMRecovery(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the wrappers in front of the module's steps (Lightning calls it)."""
-        strategy = trainer.strategy
-        # ModelParallelStrategy: the module shards itself with fully_shard (FSDP2) in configure_model, and
-        # accumulate plays FSDP2's collectives along; FSDPStrategy (FSDP1) and DeepSpeed stay refused.
-        served = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
-        if not served or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy)):
-            raise RuntimeError(
-                f"OOMRecovery serves one device, DDP or FSDP2 (ModelParallelStrategy); the trainer runs "
-                f"{type(trainer.strategy).__name__}, whose forward or backward communicates between the ranks, "
-                "so a rank that splits its step while another does not would leave that one waiting. Use "
-                "strategy='ddp', ModelParallelStrategy with fully_shard in configure_model, or one device"
-            )
+        check_strategy(trainer.strategy)
         finders = [type(each).__name__ for each in cast(Any, trainer).callbacks if isinstance(each, BatchSizeFinder)]
         if finders:
             raise RuntimeError(
@@ -238,6 +230,17 @@ def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> N
             leaf.grad += gradient
 
 
+def _hand_over_uncounted(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """Give the step's gradients to the leaves' accumulation nodes, with their hooks, unseen by DDP's reducer."""
+    for leaf, gradient in zip(leaves, held.take(grad)):
+        for hook in list((leaf._backward_hooks or {}).values()):  # as autograd runs them before the node
+            changed = hook(gradient)
+            if changed is not None:
+                gradient = changed
+        # Called directly, the node runs no post hook (the reducer's), and itself runs post-accumulate-grad hooks.
+        cast(Any, torch.autograd.graph.get_gradient_edge(leaf).node)(gradient)
+
+
 class _Step:
     """One step hook of a module (``training_step``, ``validation_step`` ...), wrapped."""
 
@@ -275,7 +278,7 @@ class _Step:
         self.saved = vars(module).get(self.name, ABSENT)
         self.target = getattr(module, self.name)
         self.logs.attach(module)
-        how = _micro_backward(trainer) if self.train else None
+        how = micro_backward(trainer) if self.train else None
         if self.owner != (type(module), how):  # a new decorated step per module class: its own cache
             self.owner = (type(module), how)
             self.run, self.unsplit = self._decorated(f"{type(module).__qualname__}.{self.name}", how)
@@ -365,7 +368,7 @@ class _Step:
         # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
         decorate = accumulator(
             initial=initial,
-            backward={None: None, _SCALED: self._scaled, _PLUGIN: self._backward}[how],
+            backward={None: None, SCALED: self._scaled, PLUGIN: self._backward}[how],
             averages=False,
             replay=self._replayed,
             options=cast(Options, options),
@@ -537,18 +540,23 @@ class _Step:
         leaves += extra[0]
         parts += extra[1]
         scale, self.scale = self.scale, None
-        unit = scale is None and trainer.accumulate_grad_batches == 1 and _plain_backward(trainer, module)
+        unit = scale is None and trainer.accumulate_grad_batches == 1 and plain_backward(trainer, module)
         # On one device, where no parameter has a hook to run, the gradients need not go through the
         # engine's accumulation of each parameter (a node each): a leaf stands in for the loss, and its
         # hook writes them.
         direct = type(trainer.strategy) is SingleDeviceStrategy and not hooks
+        # DDP's static graph counts, in its first iteration, the gradients accumulate delivered: the loop's
+        # backward must not reach the parameters' nodes again, or DDP waits for two in every later step.
+        counted = not direct and counts_gradients(trainer.strategy)
 
         def deliver(loss: torch.Tensor) -> torch.Tensor:
             held = _Held(parts, scale, unit)
-            if direct:
+            if direct or counted:
                 stand_in = loss.detach().requires_grad_()
-                stand_in.register_hook(functools.partial(_hand_over, held, leaves))  # type: ignore[no-untyped-call]
-                return stand_in
+                hand_over = _hand_over if direct else _hand_over_uncounted
+                stand_in.register_hook(functools.partial(hand_over, held, leaves))  # type: ignore[no-untyped-call]
+                # A node for DDP's sink to reach: its backward queues the static graph's first all-reduce.
+                return stand_in.view_as(stand_in) if counted else stand_in
             delivered: torch.Tensor = _Delivery.apply(held, loss, *leaves)  # type: ignore[no-untyped-call]
             return delivered
 
@@ -619,7 +627,7 @@ class _Step:
             and len(trainer.optimizers) == 1
             and bool(parameters)
             and not watched(parameters)
-            and _plain_backward(trainer, module)
+            and plain_backward(trainer, module)
         ):
             return None
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first of a window: zeroed after the step
@@ -834,36 +842,6 @@ def _unsplittable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
 
 class _Skipped(Exception):
     """A training step (or one of its micro-batches) returned ``None``: the batch is skipped, whole."""
-
-
-# How a split step's micro-batches run their backward (None: loss.backward(), accumulate's default).
-_SCALED, _PLUGIN = "scaled by AMP's scaler", "through the precision plugin"
-
-
-def _micro_backward(trainer: pl.Trainer) -> str | None:
-    """Return how a micro-batch's backward runs: as the loop's, less the module's ``backward`` and its hooks."""
-    # Those run once per batch, in the loop's backward of the delivered loss; a precision plugin or
-    # strategy with a backward of its own gets each micro-batch's loss.
-    plugin, strategy = trainer.precision_plugin, trainer.strategy
-    if (
-        type(strategy).backward is not Strategy.backward
-        or type(plugin).backward is not Precision.backward
-        or type(plugin).pre_backward not in (Precision.pre_backward, MixedPrecision.pre_backward)
-    ):
-        return _PLUGIN
-    return None if getattr(plugin, "scaler", None) is None else _SCALED
-
-
-def _plain_backward(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Return whether the loop's backward is Lightning's own: it scales the loss by AMP's scaler only."""
-    plugin, strategy = trainer.precision_plugin, trainer.strategy
-    return (
-        "backward" not in vars(module)
-        and type(module).backward is pl.LightningModule.backward
-        and type(strategy).backward is Strategy.backward
-        and type(plugin).backward is Precision.backward
-        and type(plugin).pre_backward in (Precision.pre_backward, MixedPrecision.pre_backward)
-    )
 
 
 def _looks_before_zero_grad(callback: Callback) -> bool:
