@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import functools
 import gc
+import inspect
 import io
+import pickle
+import typing
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
@@ -407,3 +412,277 @@ def test_toma_itself_retries_with_what_is_left_of_the_iterator() -> None:
         return consume(numbers, batch_size, limit=4)
 
     assert total(iter(range(10))) == 39  # 4 + 5 + ... + 9: the difference compat.toma fixes
+
+
+# --------------------------------------------------------------------------- copies, pickles, help()
+
+
+def _sized(batch_size: int, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.cat([chunk * scale for chunk in x.split(batch_size)])
+
+
+def _rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * scale
+
+
+def _span(begin: int, end: int, scale: torch.Tensor) -> torch.Tensor:
+    return torch.arange(float(begin), float(end)) * scale
+
+
+def _mean(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x * scale).mean()
+
+
+# Each front end's kind of function, the scale last; how to decorate one; how to call it plainly.
+_WORK: dict[str, Callable[..., torch.Tensor]] = {"batch": _sized, "chunked": _rows, "range": _span, "accumulate": _mean}
+_FRONT_ENDS: dict[str, Callable[..., Any]] = {
+    "batch": koila.batch,
+    "chunked": koila.chunked,
+    "range": koila.range,
+    "accumulate": koila.accumulate,
+}
+_FRONT_END_NAMES = list(_FRONT_ENDS)
+
+
+def _decorated(front_end: str, fn: Callable[..., Any], **options: Any) -> Any:
+    return _FRONT_ENDS[front_end](initial=4, **options)(fn)  # 10 rows: parts of 4, 4 and 2
+
+
+def _through(front_end: str, call: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    """Call a decorated function on ``x``'s 10 rows (a range: over them), with what it returns as one tensor."""
+    if front_end == "range":
+        return torch.cat(call(0, len(x)))
+    return cast(torch.Tensor, call(x))
+
+
+def _plainly(front_end: str, call: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    """Call the undecorated function on the whole of ``x``, as the decorated one's parts add up to."""
+    if front_end == "batch":
+        return cast(torch.Tensor, call(len(x), x))
+    if front_end == "range":
+        return cast(torch.Tensor, call(0, len(x)))
+    return cast(torch.Tensor, call(x))
+
+
+class _Scaled(nn.Module):
+    """A module whose forward is one front end's kind of function."""
+
+    def __init__(self, front_end: str) -> None:
+        super().__init__()
+        self.front_end = front_end
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, first: Any, *rest: Any) -> torch.Tensor:
+        return _WORK[self.front_end](first, *rest, self.scale)
+
+
+class _Callable:
+    """A callable instance that is one front end's kind of function."""
+
+    def __init__(self, front_end: str) -> None:
+        self.front_end = front_end
+        self.scale = torch.tensor(2.0, requires_grad=True)
+
+    def __call__(self, first: Any, *rest: Any) -> torch.Tensor:
+        return _WORK[self.front_end](first, *rest, self.scale)
+
+
+class _Net(nn.Module):
+    """Decorates its own method in ``__init__``, for a cache of its own (docs/recovery.rst), or not at all."""
+
+    def __init__(self, front_end: str, koila_on: bool, **options: Any) -> None:
+        super().__init__()
+        self.front_end = front_end
+        self.lin = nn.Linear(4, 2)
+        self.run = _decorated(front_end, self._work, **options) if koila_on else self._work
+
+    def _work(self, first: Any, *rest: Any) -> torch.Tensor:
+        if self.front_end == "batch":
+            return torch.cat([self.lin(chunk) for chunk in rest[0].split(first)])
+        if self.front_end == "range":
+            return self.lin(torch.arange(float(first * 4), float(rest[0] * 4)).reshape(-1, 4))
+        if self.front_end == "chunked":
+            return cast(torch.Tensor, self.lin(first))
+        return self.lin(first).pow(2).mean()
+
+
+def _copied(how: str, net: nn.Module) -> Any:
+    if how == "deepcopy":
+        return copy.deepcopy(net)
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("front_end", _FRONT_END_NAMES)
+def test_a_copy_of_a_module_runs_its_per_instance_wrapper_with_the_copy_s_weights(front_end: str, how: str) -> None:
+    # An EMA or teacher copy: the wrapper kept the original's bound method, and ran the original model.
+    torch.manual_seed(0)
+    net, plain = _Net(front_end, True), _Net(front_end, False)
+    plain.load_state_dict(net.state_dict())
+    copied, plain_copied = _copied(how, net), _copied(how, plain)
+    for module in (copied, plain_copied):
+        with torch.no_grad():
+            module.lin.weight.mul_(-3.0)
+    x = torch.randn(10, 4)
+    torch.testing.assert_close(_through(front_end, copied.run, x), _plainly(front_end, plain_copied.run, x))
+    torch.testing.assert_close(_through(front_end, net.run, x), _plainly(front_end, plain.run, x))
+    if front_end == "accumulate":  # the copy's gradients, and none of the original's
+        _plainly(front_end, plain_copied.run, x).backward()
+        torch.testing.assert_close(copied.lin.weight.grad, plain_copied.lin.weight.grad)
+    assert copied.run.stats.calls == 1
+
+
+def test_a_copy_shares_the_cache_it_was_given_and_makes_its_default_anew() -> None:
+    cache = koila.StackMemoryCache()
+    given, default = _Net("batch", True, cache=cache), _Net("batch", True)
+    assert copy.deepcopy(given).run.cache_info.__self__ is given.run.cache_info.__self__ is cache
+    assert copy.deepcopy(default).run.cache_info.__self__ is not default.run.cache_info.__self__
+    with pytest.raises(TypeError, match=r"cannot pickle a koila_retry wrapper made with cache=StackMemoryCache"):
+        torch.save(given, io.BytesIO())
+
+
+@pytest.mark.parametrize(
+    ("front_end", "kind"),
+    # Not koila.batch of a module: the size's parameter is read from a signature, which nn.Module.__call__ hides.
+    [
+        (front_end, kind)
+        for front_end in _FRONT_END_NAMES
+        for kind in ("partial", "module", "instance")
+        if (front_end, kind) != ("batch", "module")
+    ],
+)
+def test_a_wrapper_of_a_callable_without_a_name_copies_and_pickles(front_end: str, kind: str) -> None:
+    if kind == "partial":
+        fn: Any = functools.partial(_WORK[front_end], scale=torch.tensor(2.0, requires_grad=True))
+    else:
+        fn = _Scaled(front_end) if kind == "module" else _Callable(front_end)
+    wrapper = _decorated(front_end, fn)
+    x = torch.randn(10, 1)
+    for how in ("copy", "deepcopy", "pickle"):
+        if how == "pickle":
+            copied, plain = pickle.loads(pickle.dumps(wrapper)), pickle.loads(pickle.dumps(fn))
+        else:
+            operation = copy.copy if how == "copy" else copy.deepcopy
+            copied, plain = operation(wrapper), operation(fn)
+        scale = fn.keywords["scale"] if kind == "partial" else fn.scale
+        with torch.no_grad():
+            scale.add_(1.0)  # seen by a shallow copy, as by the plain one; not by a deep copy
+        torch.testing.assert_close(_through(front_end, copied, x), _plainly(front_end, plain, x))
+
+
+def _slow(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([chunk * 2 for chunk in x.split(batch_size)])
+
+
+fast = koila.batch(initial=4)(_slow)  # a module-level name other than the function's
+
+
+@koila.chunked(initial=4)
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_module_level_wrapper_of_another_name_pickles_and_a_decorated_function_pickles_by_name() -> None:
+    x = torch.randn(10, 1)
+    copied = pickle.loads(pickle.dumps(fast))
+    torch.testing.assert_close(copied(x), _slow(len(x), x))
+    assert pickle.loads(pickle.dumps(_doubled)) is _doubled  # by name, as spawn's workers find it
+    assert copy.deepcopy(_doubled) is _doubled
+
+
+def test_help_shows_no_library_comment_for_an_undocumented_decorated_method() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @koila.batch(initial=4)
+        def predict(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        @koila.chunked(initial=4)
+        def embed(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        @koila.range(initial=4)
+        def load(self, begin: int, end: int) -> int:
+            return end - begin
+
+        @koila.accumulate
+        def loss(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+        def plain(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    model = Model()
+    assert inspect.getcomments(model.plain) is None  # what the decorated ones are compared with
+    for name in ("predict", "embed", "load", "loss"):
+        assert inspect.getcomments(getattr(model, name)) == inspect.getcomments(model.plain), name
+        assert inspect.getcomments(getattr(Model, name)) == inspect.getcomments(Model.plain), name
+
+
+def _total(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+    return sum((chunk.sum() for chunk in x.split(batch_size)), torch.zeros(()))
+
+
+class _Predictor:
+    @koila.batch(initial=4)
+    def predict(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        return _total(batch_size, x)
+
+
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        koila.batch(_total),
+        koila.chunked(_rows),
+        koila.range(_span),
+        koila.accumulate(_mean),
+        find_executable_batch_size(_total),
+        find_executable_batch_size(_total, starting_batch_size=0),
+        _Predictor().predict,
+        _Predictor.predict,
+    ],
+    ids=["batch", "chunked", "range", "accumulate", "accelerate", "accelerate-0", "bound method", "class method"],
+)
+def test_batch_refuses_a_koila_wrapper_at_decoration(wrapped: Any) -> None:
+    # Accepted, the first call handed the outer size to the wrapper, which blamed the data for being the size.
+    x = torch.ones(10)
+    for decorate in (koila.batch, koila.batch(initial=4), find_executable_batch_size):
+        with pytest.raises(TypeError, match=r"already a koila_retry wrapper .*Decorate the undecorated function once"):
+            decorate(wrapped)
+    assert koila.batch(_total)(x) == _total(len(x), x)  # the undecorated function, decorated once
+
+
+def test_a_decorated_range_function_says_it_takes_the_range_by_position_and_returns_a_list() -> None:
+    def load(begin: int, end: int, scale: int = 1) -> int:
+        return (end - begin) * scale
+
+    class Index:
+        @koila.range(initial=4)
+        def load(self, begin: int, end: int, scale: int = 1) -> int:
+            return (end - begin) * scale
+
+    class Graphless:  # a decorator above, which binds the instance and passes it on
+        @torch.no_grad()
+        @koila.range(initial=4)
+        def load(self, begin: int, end: int, scale: int = 1) -> int:
+            return (end - begin) * scale
+
+    returned = typing.get_type_hints(load)["return"]
+    for wrapped in (koila.range(initial=4)(load), Index().load, Graphless().load):
+        signature = inspect.signature(wrapped)
+        begin, end, scale = signature.parameters.values()
+        assert (begin.kind, end.kind) == (inspect.Parameter.POSITIONAL_ONLY,) * 2
+        assert scale == inspect.signature(load).parameters["scale"]
+        assert typing.get_type_hints(wrapped)["return"] == list[returned]  # type: ignore[valid-type]
+        assert isinstance(wrapped(0, 10), typing.get_origin(list[returned]))  # type: ignore[valid-type]
+        signature.bind(0, 10)
+        with pytest.raises(TypeError):  # as the call refuses them
+            signature.bind(begin=0, end=10)
+        with pytest.raises(TypeError, match="by position only"):
+            wrapped(begin=0, end=10)

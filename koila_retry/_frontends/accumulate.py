@@ -278,6 +278,7 @@ def accumulator(
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
+    decorator = functools.partial(accumulator, **locals())  # the arguments as given, to remake copies (bindable)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if weight is not None and not callable(weight):
@@ -343,14 +344,13 @@ def accumulator(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return step(args, kwargs, getframe(1))
 
-        # Bound to an instance (or a class), that is bound to the step, not split with the batch: a
-        # dataclass's tensors are the object's, whatever their rows (as chunked's).
         @functools.wraps(function)
         def method(instance: Any, /, *args: Any, **kwargs: Any) -> Any:
+            # Bound to the step, not split with the batch: a dataclass's tensors are its own (as chunked's).
             return step(args, kwargs, getframe(1), MethodType(function, instance))
 
         plain, method = with_controller(wrapper, controller), with_controller(method, controller)
-        return cast(Batched[P, R], bindable(function, plain, method, binding))
+        return cast(Batched[P, R], bindable(function, plain, method, decorator, binding))
 
     return decorate
 

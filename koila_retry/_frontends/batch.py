@@ -17,7 +17,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, StackMemoryCache, function_identity
+from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -104,7 +104,8 @@ class _Injection:
         self.front_end = front_end
         signature = _signature(fn)
         params = list(signature.parameters.values())
-        name = getattr(fn, "__qualname__", repr(fn))
+        # Not repr(fn) unless needed: a copy's wrapper is made while the object it is bound to is copied.
+        name = getattr(fn, "__qualname__", None) or repr(fn)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         if param is not None:
             if not isinstance(param, str):
@@ -191,7 +192,8 @@ class Bindable:
 
     _method: Callable[..., Any]
     _binding: str
-    __qualname__: str
+    _remake: _Remake
+    __wrapped__: Any
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         binding = self._binding
@@ -201,12 +203,60 @@ class Bindable:
             return MethodType(self._method, type(instance) if owner is None else owner)
         return self
 
-    def __reduce__(self) -> str:
-        # Pickled by name, as the function it stands for was (multiprocessing's spawn needs it).
-        return self.__qualname__
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # One its module-level name finds (a decorated function, or method in its class) is pickled
+        # by that name, as the function it stands for was (multiprocessing's spawn needs it), and
+        # copied as itself. Any other (made in __init__ from a bound method, of a partial or a
+        # module) is made again from its callable: a deep copy's is bound to the copied instance
+        # (copy's memo), and the options are shared, not copied.
+        name = getattr(self, "__qualname__", None)
+        if isinstance(name, str) and _named(self, getattr(self, "__module__", None), name):
+            return name
+        return self._remake, (self.__wrapped__,)
 
     def __repr__(self) -> str:
         return f"<koila_retry wrapper of {getattr(self, '__wrapped__', None)!r}>"
+
+
+def _named(wrapper: Bindable, module: object, qualname: str) -> bool:
+    """Return whether ``qualname`` in the imported ``module`` is ``wrapper``, looked up as pickle looks up a global."""
+    owner: object = None
+    target: object = sys.modules.get(module) if isinstance(module, str) else None
+    try:
+        for part in qualname.split("."):
+            owner, target = target, getattr(target, part, None)
+    except Exception:  # a property or a module's __getattr__ of the user's: not a name to go by
+        return False
+    # In its class, a method's wrapper is what the class holds: looked up, it binds.
+    return target is wrapper or (isinstance(owner, type) and vars(owner).get(qualname.rpartition(".")[2]) is wrapper)
+
+
+class _Remake:
+    """Makes a wrapper again from its callable, with the options its front end was given: for copy and pickle."""
+
+    __slots__ = ("binding", "decorator")
+
+    def __init__(self, decorator: functools.partial[Any], binding: str) -> None:
+        self.decorator, self.binding = decorator, binding
+
+    def __call__(self, fn: Any) -> Any:
+        if self.binding == _STATICMETHOD:
+            fn = staticmethod(fn)
+        elif self.binding == _CLASSMETHOD:
+            fn = classmethod(fn)
+        return self.decorator()(fn)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        options = dict(self.decorator.keywords)
+        options.update(options.pop("options", None) or {})  # accumulate's integrations pass them as one
+        for name, value in options.items():
+            if isinstance(value, SizeCache):  # its lock would fail the pickle with an error that names no option
+                raise TypeError(
+                    f"cannot pickle a koila_retry wrapper made with {name}={value!r}: a cache holds a lock and "
+                    f"cannot be pickled. Leave {name}= out (each wrapper then gets a new cache of its own), or "
+                    "make the wrapper again after loading (in __setstate__)"
+                )
+        return _Remake, (self.decorator, self.binding)
 
 
 def unwrap_binding(fn: Any) -> tuple[Any, str]:
@@ -219,9 +269,17 @@ def unwrap_binding(fn: Any) -> tuple[Any, str]:
 
 
 def bindable(
-    fn: Callable[..., Any], plain: Callable[..., Any], method: Callable[..., Any], binding: str = _METHOD
+    fn: Callable[..., Any],
+    plain: Callable[..., Any],
+    method: Callable[..., Any],
+    decorator: functools.partial[Any],
+    binding: str = _METHOD,
 ) -> Any:
-    """Return a :class:`Bindable` that runs ``plain`` when called, and ``method`` (object first) when bound."""
+    """Return a :class:`Bindable` that runs ``plain`` when called, and ``method`` (object first) when bound.
+
+    ``decorator()`` returns what decorated ``fn``, with the same options (the front end, given them):
+    a copy or a pickle of the wrapper is made again with it.
+    """
     # A class of its own, whose __call__ is the plain form itself: calling the wrapper then
     # costs about what calling a function does, where a __call__ that forwarded would add
     # a Python frame to every call.
@@ -237,9 +295,9 @@ def bindable(
     # at exit, while a __del__ may still call the wrapper.
     kind._released = weakref.ref(wrapper, lambda _: delattr(kind, "__call__"))  # type: ignore[attr-defined]
     functools.update_wrapper(wrapper, fn)
-    vars(wrapper).update(vars(plain))  # __wrapped__, __signature__, stats ...
-    wrapper.__annotations__ = getattr(plain, "__annotations__", {})  # without an injected size
-    wrapper._method, wrapper._binding = method, binding
+    vars(wrapper).update(vars(call))  # __wrapped__, __signature__, stats ... of the form a call runs
+    wrapper.__annotations__ = getattr(call, "__annotations__", {})  # without an injected size
+    wrapper._method, wrapper._binding, wrapper._remake = method, binding, _Remake(decorator, binding)
     if inspect.iscoroutinefunction(plain):
         # inspect.iscoroutinefunction() takes an object with a function's attributes for one.
         wrapper.__code__, wrapper.__defaults__, wrapper.__kwdefaults__ = plain.__code__, None, None
@@ -338,7 +396,9 @@ def batch(
 
     The function must be safe to run again: if it calls ``backward()``, it should
     zero the gradients first (``optimizer.zero_grad()``), because a backward that
-    ran out of memory half-way may already have written some of them. A call
+    ran out of memory half-way may already have written some of them; and it
+    should leave ``optimizer.step()`` to its caller, since a step that ran out
+    of memory half-way has updated some parameters already. A call
     whose argument is an iterator, which the failed attempt may have consumed in
     part, is not retried: it raises ``TypeError``.
 
@@ -360,8 +420,9 @@ def batch(
 
     Raises:
         TypeError: if the function has no parameter to inject into, is a
-            generator function, or an option is unknown or has the wrong type
-            (``initial=None`` too). When called: if an attempt ran out of memory
+            generator function or already a koila_retry wrapper (decorate the
+            undecorated function once), or an option is unknown or has the
+            wrong type (``initial=None`` too). When called: if an attempt ran out of memory
             and an argument is an iterator; if it is given the size, or, with
             ``param``, a positional argument for a parameter after it.
         ValueError: if an option is out of range.
@@ -384,9 +445,10 @@ def batch(
     .. versionadded:: 0.1.0
     """
     policy = Policy.of("koila.batch", initial, options, own=("initial", "param"))
+    decorator = functools.partial(batch, initial=initial, param=param, **options)
 
     def decorate(function: Callable[..., Any]) -> Any:
-        return batched(function, policy, param)
+        return batched(function, policy, param, decorator=decorator)
 
     if fn is None:
         return decorate
@@ -394,12 +456,23 @@ def batch(
 
 
 def batched(
-    fn: Any, policy: Policy, param: str | None = None, *, keep_last: bool = False, front_end: str = "@koila.batch"
+    fn: Any,
+    policy: Policy,
+    param: str | None = None,
+    *,
+    keep_last: bool = False,
+    front_end: str = "@koila.batch",
+    decorator: functools.partial[Any] | None = None,
 ) -> Any:
-    """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected."""
+    """Wrap ``fn`` so that each call runs its attempts in the engine, with the size injected.
+
+    ``decorator`` is as :func:`bindable` takes it; without it, a copy is made again by this function.
+    """
     fn, binding = unwrap_binding(fn)
     if not callable(fn):
         raise TypeError(f"{front_end} decorates a callable, got {type(fn).__name__} {fn!r}")
+    if isinstance(fn, Bindable) or isinstance(getattr(getattr(fn, "__func__", fn), "stats", None), Stats):
+        _refuse_wrapper(fn, front_end)
     refuse_generator(fn, front_end)
     injection = _Injection(fn, param, 0, front_end)
     controller = Controller(
@@ -414,7 +487,24 @@ def batched(
         except TypeError as exc:
             # Too few parameters to be a method: an error if it is ever called as one.
             method = _refusing(fn, str(exc), controller)
-    return bindable(fn, plain, method, binding)
+    if decorator is None:
+        # An inner wrapper (compat.accelerate's): made again as this call made it.
+        decorator = functools.partial(
+            functools.partial, batched, policy=policy, param=param, keep_last=keep_last, front_end=front_end
+        )
+    return bindable(fn, plain, method, decorator, binding)
+
+
+def _refuse_wrapper(fn: Any, front_end: str) -> NoReturn:
+    """Refuse a koila_retry wrapper (or a decorated method, looked up): it would take the size for an argument."""
+    inner = getattr(fn, "__wrapped__", None)
+    name = getattr(inner, "__qualname__", None) or repr(inner)
+    raise TypeError(
+        f"{front_end} cannot decorate {fn!r}: it is already a koila_retry wrapper (of {name}), which chooses "
+        f"its own batch size and takes its caller's arguments without one, so the size {front_end} injects "
+        f"would land on {name}()'s first argument. Decorate the undecorated function once, with the options "
+        "you want"
+    )
 
 
 def _keyed(fn: Callable[..., Any]) -> Any:

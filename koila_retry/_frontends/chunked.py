@@ -319,6 +319,7 @@ def chunked(
         return _run_chunked(controller, fn, args, given, dim, chunks, out, sys._getframe(1))
     if out is not None:
         raise TypeError("out= is given per call: koila.chunked(fn, x, out=buffer), not to a decorator")
+    decorator = functools.partial(chunked, initial=initial, dim=dim, progress=progress, **options)
 
     def decorate(function: Callable[P, R]) -> Batched[P, R]:
         function, binding = unwrap_binding(function)
@@ -329,15 +330,15 @@ def chunked(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return _run_chunked(controller, function, args, kwargs, dim, chunks, None, getframe(1))
 
-        # Bound to an instance (or a class), that is bound to the function, not split with the
-        # arguments: a dataclass's tensors are the object's, whatever their rows.
         @functools.wraps(function)
         def method(instance: Any, /, *args: Any, **kwargs: Any) -> Any:
+            # Bound to an instance (or a class), that is bound to the function, not split with the
+            # arguments: a dataclass's tensors are the object's, whatever their rows.
             bound = MethodType(function, instance)
             return _run_chunked(controller, bound, args, kwargs, dim, chunks, None, getframe(1))
 
         plain, method = with_controller(wrapper, controller), with_controller(method, controller)
-        return cast(Batched[P, R], bindable(function, plain, method, binding))
+        return cast(Batched[P, R], bindable(function, plain, method, decorator, binding))
 
     return decorate if fn is None else decorate(fn)
 
@@ -545,32 +546,61 @@ def range(
     if fn is not None and (start is not None or stop is not None):
         controller = ranges.controller(fn, decorated=False)
         return _run_range(controller, fn, start, stop, (), given, ranges, sys._getframe(1))
+    decorator = functools.partial(range, initial=initial, progress=progress, **options)
 
     def decorate(function: Callable[P, R]) -> Batched[P, list[R]]:
         function, binding = unwrap_binding(function)
         controller = ranges.controller(function, decorated=True)
         getframe = sys._getframe
 
-        # The range by position only, as fn gets each range's: Python's own error would name this
-        # wrapper's parameters, not fn's.
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> list[Any]:
+            # The range by position only, as fn gets each range's: Python's own error would name this
+            # wrapper's parameters, not fn's.
             if len(args) < 2:
                 _missing_range(function, args, kwargs)
             return _run_range(controller, function, args[0], args[1], args[2:], kwargs, ranges, getframe(1))
 
-        # Bound to an instance (or a class), the range comes after it: see batch.Bindable.
         @functools.wraps(function)
         def method(instance: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
+            # Bound to an instance (or a class), the range comes after it: see batch.Bindable.
             bound = MethodType(function, instance)
             if len(args) < 2:
                 _missing_range(bound, args, kwargs)
             return _run_range(controller, bound, args[0], args[1], args[2:], kwargs, ranges, getframe(1))
 
         plain, method = with_controller(wrapper, controller), with_controller(method, controller)
-        return cast(Batched[P, list[R]], bindable(function, plain, method, binding))
+        _take_ranges(plain, function, 0)
+        _take_ranges(method, function, 1)
+        return cast(Batched[P, list[R]], bindable(function, plain, method, decorator, binding))
 
     return decorate if fn is None else decorate(fn)
+
+
+# What a parameter that takes a range's begin or end may be.
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _take_ranges(form: Any, fn: Callable[..., Any], before: int) -> None:
+    """Give a decorated range function's form the signature it is called with: a range by position, a list back."""
+    # inspect and typing.get_type_hints() read these, not the overloads a type checker sees.
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin, say: nothing to tell
+        return
+    parameters = list(signature.parameters.values())
+    count = before + 2  # the object bound, then begin and end
+    if len(parameters) < count or any(parameter.kind not in _POSITIONAL for parameter in parameters[:count]):
+        return  # a *args, say, which takes the range as it is
+    parameters[:count] = [
+        parameter.replace(kind=inspect.Parameter.POSITIONAL_ONLY, default=inspect.Parameter.empty)
+        for parameter in parameters[:count]
+    ]
+    returns = signature.return_annotation
+    if returns is not signature.empty:
+        returns = f"list[{returns}]" if isinstance(returns, str) else list[returns]  # type: ignore[valid-type]
+        form.__annotations__ = {**getattr(fn, "__annotations__", {}), "return": returns}
+    form.__signature__ = signature.replace(parameters=parameters, return_annotation=returns)
 
 
 def _missing_range(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:

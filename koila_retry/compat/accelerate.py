@@ -191,7 +191,7 @@ def find_executable_batch_size(
     forms: tuple[Any, ...] = (wrapper, method)
     for form in forms:
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
-    return bindable(function, wrapper, method)
+    return bindable(function, wrapper, method, functools.partial(find_executable_batch_size, **values))
 
 
 def _prefixed(exc: BatchSizeExhausted) -> None:
