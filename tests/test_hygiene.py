@@ -53,6 +53,9 @@ def test_a_wrapper_let_go_of_lets_go_of_what_its_function_closes_over_at_once(fr
 _CALLED_AT_EXIT = """
 import torch
 import koila_retry as koila
+from koila_retry._core import memory
+
+memory.FREE_MEMORY_TTL = 0  # every call reads the free memory again, at exit too (as after a slow run)
 
 @koila.batch(initial=4)
 def flush(batch_size):
@@ -69,7 +72,8 @@ print("called", flush(), flush=True)
 
 def test_a_wrapper_still_runs_as_the_interpreter_ends() -> None:
     # Let go of through weakref.finalize, the wrapper stopped being callable at exit ("'Bindable' object is
-    # not callable" in a __del__), and its registry kept the module alive past its writer.
+    # not callable" in a __del__), and its registry kept the module alive past its writer. The free memory
+    # read at exit raised KeyError from psutil, whose modules were gone.
     completed = subprocess.run([sys.executable, "-c", _CALLED_AT_EXIT], capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["called", "4", "flushed", "4"], completed.stderr

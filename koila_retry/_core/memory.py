@@ -248,7 +248,9 @@ def recent_free_memory(device: torch.device) -> int:
         return reading[1]
     try:
         free = _device_free(device)
-    except (ValueError, RuntimeError):  # a backend without torch.accelerator: a cache key must not break the call
+    # A backend without torch.accelerator, or psutil as the interpreter ends (it looks itself up in
+    # sys.modules, emptied by then: a wrapper called from a __del__): a cache key must not break the call.
+    except Exception:
         free = -1
     _free_readings[device] = (now + FREE_MEMORY_TTL, free)
     return free
