@@ -322,6 +322,24 @@ def test_inference_tensors_that_fn_returns_come_back_as_such_whatever_the_memory
             assert (value.is_inference(), refuses_in_place(value)) == expected[key], f"memory for {limit} rows: {key}"
 
 
+def test_a_later_chunk_that_records_a_graph_after_an_inference_first_one_is_refused() -> None:
+    # The result is an inference tensor where the first chunk's is one: a later chunk's graph was dropped
+    # in it, silently, where torch.cat of the chunks keeps it.
+    linear = torch.nn.Linear(4, 4)
+    calls = 0
+
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with torch.inference_mode():
+                return {"y": linear(rows)}
+        return {"y": linear(rows)}
+
+    with pytest.raises(ValueError, match=r"^fn returned an inference tensor at the result\['y'\] for the first chunk"):
+        koila.chunked(fn, torch.randn(10, 4), initial=3, cache=koila.NoCache())
+
+
 @pytest.mark.parametrize("initial", [3, 16], ids=["chunks", "one-chunk"])
 def test_out_takes_nothing_or_none_where_the_result_has_none(initial: int) -> None:
     def fn(rows: torch.Tensor) -> dict[str, Any]:

@@ -485,6 +485,28 @@ def test_giving_up_keeps_the_backends_text_that_handlers_match(impl: Impl, form:
     assert toma.should_reduce_batch_size(excinfo.value)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Caught OutOfMemoryError in replica 0 on device 0.\nOriginal Traceback:\n"
+        f"torch.OutOfMemoryError: {OOM_MESSAGE}",
+        f"\n{OOM_MESSAGE}",
+    ],
+    ids=["re-raised by a replica", "leading newline"],
+)
+def test_giving_up_keeps_the_line_that_says_out_of_memory(text: str) -> None:
+    # The line that says it, where it is not the first: as toma's own re-raised error matches.
+    def run(batchsize: int) -> None:
+        raise torch.OutOfMemoryError(text)
+
+    with pytest.raises(torch.OutOfMemoryError) as excinfo:
+        ct.explicit.batch(run, 4, toma_cache_type=ct.NoBatchsizeCache)
+    assert excinfo.value.args[0].split("\n", 1)[0].endswith(OOM_MESSAGE)
+    toma = pytest.importorskip("toma")
+    assert toma.should_reduce_batch_size(excinfo.value)
+    assert toma.should_reduce_batch_size(torch.OutOfMemoryError(text))  # as the error toma re-raises
+
+
 def test_a_range_that_gives_up_says_how_far_it_got() -> None:
     def run(begin: int, end: int) -> None:
         if begin >= 4:

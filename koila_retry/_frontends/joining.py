@@ -174,10 +174,23 @@ class Results:
                 target[begin:end] = leaf  # one per row: _checked saw as many as the rows
             elif target is not None:
                 if self.inference and index in self.inference:
+                    if leaf.requires_grad:  # its graph would be dropped in the inference tensor, silently
+                        self._inference_then_graph(result, index, begin, end)
                     with torch.inference_mode():
                         self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
                 else:
                     self._write(cast(torch.Tensor, target), leaf, begin, end, result, index)
+
+    def _inference_then_graph(self, result: Any, index: int, begin: int, end: int) -> NoReturn:
+        """Refuse a chunk's tensor that requires grad where the first chunk's was an inference tensor."""
+        where = f"the result{keystr(flatten_with_path(result, values=self.strings)[index][0])}"
+        raise ValueError(
+            f"fn returned an inference tensor at {where} for the first chunk (made under "
+            f"torch.inference_mode()), and a tensor that requires grad there for the rows {begin} to {end}: "
+            "koila.chunked makes the result an inference tensor when the first chunk's is one, which cannot "
+            "hold a graph, so the later chunks' gradients would be lost. Make fn return the same kind of "
+            "tensor for every chunk (run it all under torch.inference_mode(), or none of it)"
+        )
 
     def _refuse_aliased(self, leaves: list[Any], begin: int, end: int) -> None:
         """Refuse, before a row of it is written, an ``out`` that is an input, if the chunk's result requires grad."""

@@ -233,11 +233,17 @@ def _run(
         raise
 
 
+# What toma's and Lightning's checks look for in an error's text, in one of its lines.
+_OOM_LINES = ("out of memory", "can't allocate memory", "CUDNN_STATUS_NOT_SUPPORTED")
+
+
 def _backend_text_first(exc: BatchSizeExhausted) -> None:
-    """Begin the message with the last error's first line: toma re-raises that error, and code matches its text."""
+    """Begin the message with the last error's line that says it ran out of memory: toma re-raises that error."""
     cause = exc.__cause__
     text = str(cause.args[0]) if cause is not None and cause.args else ""
-    first = text.split("\n", 1)[0].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Its first line, unless a later one says it (a DataParallel replica's or a worker's re-raised error).
+    first = next((line for line in lines if any(words in line for words in _OOM_LINES)), lines[0] if lines else "")
     if first and exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(first):
         exc.args = (f"{first}\n{exc.args[0]}",)
 
