@@ -646,8 +646,19 @@ class _Predictor:
         find_executable_batch_size(_total, starting_batch_size=0),
         _Predictor().predict,
         _Predictor.predict,
+        functools.partial(koila.batch(_total)),
     ],
-    ids=["batch", "chunked", "range", "accumulate", "accelerate", "accelerate-0", "bound method", "class method"],
+    ids=[
+        "batch",
+        "chunked",
+        "range",
+        "accumulate",
+        "accelerate",
+        "accelerate-0",
+        "bound method",
+        "class method",
+        "partial",
+    ],
 )
 def test_batch_refuses_a_koila_wrapper_at_decoration(wrapped: Any) -> None:
     # Accepted, the first call handed the outer size to the wrapper, which blamed the data for being the size.
@@ -656,6 +667,67 @@ def test_batch_refuses_a_koila_wrapper_at_decoration(wrapped: Any) -> None:
         with pytest.raises(TypeError, match=r"already a koila_retry wrapper .*Decorate the undecorated function once"):
             decorate(wrapped)
     assert koila.batch(_total)(x) == _total(len(x), x)  # the undecorated function, decorated once
+
+
+class _Pipeline:
+    """A callable of the user's that shows its inner wrapper's stats: not a wrapper itself."""
+
+    def __init__(self) -> None:
+        self.inner = koila.chunked(initial=4)(lambda x: x * 2)
+        self.stats = self.inner.stats
+
+    def __call__(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.inner(chunk) for chunk in x.split(batch_size)])
+
+
+def test_batch_takes_a_callable_that_holds_a_wrappers_stats() -> None:
+    x = torch.arange(10.0).reshape(10, 1)
+    pipeline = _Pipeline()
+    torch.testing.assert_close(koila.batch(initial=4)(pipeline)(x), pipeline(10, x))
+
+
+class _Worker(nn.Module):
+    """Wraps a partial of its own method, or its method through the accelerate stand-in, in ``__init__``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        if how == "partial":
+            self.run = koila.batch(initial=4)(functools.partial(self._work, scale=2.0))
+        else:
+            self.run = find_executable_batch_size(self._work, starting_batch_size=4)
+
+    def _work(self, batch_size: int, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return torch.cat([self.lin(chunk) for chunk in x.split(batch_size)]) * scale
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("kind", ["partial", "accelerate"])
+def test_a_copy_of_a_wrapper_of_a_partial_or_of_the_stand_in_runs_the_copys_weights(kind: str, how: str) -> None:
+    # Both read the copied module's repr while it was half made, and raised AttributeError.
+    net = _Worker(kind)
+    copied = _copied(how, net)
+    with torch.no_grad():
+        copied.lin.weight.mul_(-3.0)
+    x = torch.randn(10, 4)
+    torch.testing.assert_close(copied.run(x), copied._work(10, x))
+    torch.testing.assert_close(net.run(x), net._work(10, x))
+
+
+def test_a_deep_copy_of_a_functions_wrapper_is_itself_as_the_functions_is() -> None:
+    # A closure decorated where it is defined: its stats and cache go with it, as the function does.
+    def make() -> Any:
+        @koila.chunked(initial=4)
+        def double(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        return double
+
+    double = make()
+    double(torch.ones(10, 1))
+    assert copy.deepcopy(double) is double
+    assert copy.copy(double) is double
+    assert copy.deepcopy(koila.batch(_total)) is not None
 
 
 def test_a_decorated_range_function_says_it_takes_the_range_by_position_and_returns_a_list() -> None:

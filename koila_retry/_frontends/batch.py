@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dis
 import functools
 import inspect
@@ -37,6 +38,7 @@ __all__ = [
     "batch",
     "batched",
     "bindable",
+    "callable_name",
     "device_of",
     "refuse_generator",
     "refuse_iterators",
@@ -104,8 +106,7 @@ class _Injection:
         self.front_end = front_end
         signature = _signature(fn)
         params = list(signature.parameters.values())
-        # Not repr(fn) unless needed: a copy's wrapper is made while the object it is bound to is copied.
-        name = getattr(fn, "__qualname__", None) or repr(fn)
+        name = callable_name(fn)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         if param is not None:
             if not isinstance(param, str):
@@ -176,6 +177,15 @@ class _Injection:
         )
 
 
+def callable_name(fn: Any) -> str:
+    """Name a callable without ``repr``: a copy's wrapper is made while the object it is bound to is copied."""
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    name = getattr(inner, "__qualname__", None)
+    return name if isinstance(name, str) else type(inner).__qualname__
+
+
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     try:
         return inspect.signature(fn)
@@ -203,12 +213,22 @@ class Bindable:
             return MethodType(self._method, type(instance) if owner is None else owner)
         return self
 
+    def __copy__(self) -> Bindable:
+        return self  # as a function's or a bound method's copy is
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # A function's wrapper is itself, as the function is to deepcopy (a closure's too: its stats and
+        # cache go with it). One of a bound method, a partial or a module (made in __init__) is made again
+        # from a deep copy of it: bound to the copied instance (copy's memo), the options shared.
+        wrapped = self.__wrapped__
+        if inspect.isfunction(wrapped):
+            return self
+        return self._remake(copy.deepcopy(wrapped, memo))
+
     def __reduce__(self) -> str | tuple[Any, ...]:
         # One its module-level name finds (a decorated function, or method in its class) is pickled
-        # by that name, as the function it stands for was (multiprocessing's spawn needs it), and
-        # copied as itself. Any other (made in __init__ from a bound method, of a partial or a
-        # module) is made again from its callable: a deep copy's is bound to the copied instance
-        # (copy's memo), and the options are shared, not copied.
+        # by that name, as the function it stands for was (multiprocessing's spawn needs it). Any
+        # other is made again from its callable, pickled, with the same options.
         name = getattr(self, "__qualname__", None)
         if isinstance(name, str) and _named(self, getattr(self, "__module__", None), name):
             return name
@@ -471,8 +491,15 @@ def batched(
     fn, binding = unwrap_binding(fn)
     if not callable(fn):
         raise TypeError(f"{front_end} decorates a callable, got {type(fn).__name__} {fn!r}")
-    if isinstance(fn, Bindable) or isinstance(getattr(getattr(fn, "__func__", fn), "stats", None), Stats):
-        _refuse_wrapper(fn, front_end)
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    # A decorated method looked up on its class or instance is a function (or its bound method) with stats.
+    target = getattr(inner, "__func__", inner)
+    if isinstance(inner, Bindable) or (
+        inspect.isfunction(target) and isinstance(getattr(target, "stats", None), Stats)
+    ):
+        _refuse_wrapper(inner, front_end)
     refuse_generator(fn, front_end)
     injection = _Injection(fn, param, 0, front_end)
     controller = Controller(
@@ -497,8 +524,7 @@ def batched(
 
 def _refuse_wrapper(fn: Any, front_end: str) -> NoReturn:
     """Refuse a koila_retry wrapper (or a decorated method, looked up): it would take the size for an argument."""
-    inner = getattr(fn, "__wrapped__", None)
-    name = getattr(inner, "__qualname__", None) or repr(inner)
+    name = callable_name(getattr(getattr(fn, "__func__", fn), "__wrapped__", fn))
     raise TypeError(
         f"{front_end} cannot decorate {fn!r}: it is already a koila_retry wrapper (of {name}), which chooses "
         f"its own batch size and takes its caller's arguments without one, so the size {front_end} injects "

@@ -31,7 +31,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.memory import DeviceLike, release
 from koila_retry._core.policy import scaled
 from koila_retry._core.stats import OnOOM, Stats
-from koila_retry._frontends.batch import batched, bindable
+from koila_retry._frontends.batch import batched, bindable, callable_name
 from koila_retry.compat._adapter import REQUIRED, Option, Table, integer
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -150,7 +150,7 @@ def find_executable_batch_size(
         parameters = list(inspect.signature(function).parameters)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {function!r} to pass it the batch size: {exc}") from None
-    name = getattr(function, "__name__", repr(function))
+    name = getattr(function, "__name__", None) or callable_name(function)
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
     batched_function: Any = None  # a koila.batch wrapper (it binds as a method does), or None
     if settings["initial"] != 0:
