@@ -197,10 +197,10 @@ class Gradients:
         try:
             told.append(tell)
             self._backward(run, loss, retain)
-        finally:  # C calls alone before the removal: a Ctrl-C cannot leave ``tell`` behind
+        finally:  # stores, then C calls: a Ctrl-C cannot land before all of them ran
+            self.root, self.task = None, -1
             if tell in told:
                 told.remove(tell)
-            self.root, self.task = None, -1
 
     def _backward(self, run: Backward, loss: torch.Tensor, retain: bool) -> None:
         # Known backward passes run without the function mode (direct into .grad, or captured),
