@@ -1253,6 +1253,11 @@ def test_an_override_that_pops_from_its_inputs_and_runs_out_of_memory_is_retried
     tmp_path: Path, default: bool, kind: type[Any]
 ) -> None:
     """Its second step runs whole and fails: the retry splits the mapping as the trainer made it, weights included."""
+    if "compute_loss_func" not in inspect.signature(transformers.Trainer).parameters:
+        pytest.skip(
+            "the override's loss needs num_items_in_batch, given from transformers 4.46 on, "
+            f"not {transformers.__version__}"
+        )
 
     def made() -> Any:
         trainer = make_trainer(
