@@ -12,7 +12,7 @@ import warnings
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -405,12 +405,29 @@ def test_checkpointed_function_that_is_not_a_module_warns_once() -> None:
     assert caught[0].filename == __file__
 
 
+class _Recomputed(nn.Module):
+    """A block run through :class:`Recompute`: inside another, a backward inside a node of a backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, Recompute.apply(self.block, h))
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["one", "one-inside-another"])
 @pytest.mark.parametrize("where", ["inside", "after", "gives-up"])
 @pytest.mark.parametrize("before", [True, False], ids=["grads-before", "no-grads-before"])
-def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt(where: str, before: bool) -> None:
+def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt(
+    where: str, before: bool, depth: int
+) -> None:
+    # Two deep (a recomputation inside a recomputation), the inner backward ran in a graph task of its own,
+    # which the step did not take: a failed attempt's gradient stayed in .grad, silently.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Linear(8, 1)).double()
     stem, block, head = model
+    run = block if depth == 1 else _Recomputed(block)
     x, y = data(40, 6), data(40, 1, seed=1)
     expected_loss, expected_grads = full_step(model, x, y)
     give_grads(model, lambda i: before and i % 2 == 0)
@@ -424,7 +441,7 @@ def test_a_functions_own_backward_writes_count_once_and_go_with_a_failed_attempt
         h = stem(x)
         if fail and where != "after":  # runs after the Function's backward wrote the block's grads
             h = OOMInBackward.apply(h)
-        h = Recompute.apply(block, h)
+        h = Recompute.apply(run, h)
         if fail and where == "after":  # runs before it
             h = OOMInBackward.apply(h)
         return F.mse_loss(head(h), y)

@@ -484,6 +484,15 @@ def test_backward_that_is_not_callable_is_a_type_error() -> None:
         koila.accumulate(backward="accelerator.backward")  # type: ignore[arg-type]
 
 
+def test_an_async_backward_is_a_type_error() -> None:
+    # Its call made a coroutine, never awaited: no backward ran, and .grad stayed None, silently.
+    async def backward(loss: torch.Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    with pytest.raises(TypeError, match=r"^backward must be a callable .*\(not an async def\), got function"):
+        koila.accumulate(backward=backward)  # type: ignore[arg-type]
+
+
 class _Scaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss

@@ -297,10 +297,10 @@ def accumulator(
         raise TypeError(
             f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__} {scaler!r:.200}"
         )
-    if backward is not None and not callable(backward):
-        raise TypeError(
+    if backward is not None and (not callable(backward) or inspect.iscoroutinefunction(backward)):
+        raise TypeError(  # an async def's call runs nothing until awaited: no backward, silently
             "backward must be a callable that runs the backward pass of a loss, such as accelerator.backward "
-            f"or fabric.backward, got {type(backward).__name__} {backward!r:.200}"
+            f"or fabric.backward (not an async def), got {type(backward).__name__} {backward!r:.200}"
         )
     if backward is not None and scaler is not None:
         raise ValueError(

@@ -246,12 +246,15 @@ class Gradients:
         # As a plain backward's: set aside, and dropped with a failed attempt. Where another step holds
         # them, the two cannot share them: warned of.
         # Only inside a node of this step's graph: another thread's training, koila's or not, runs its own
-        # graph task. The first such backward finds its node in the graph; the others compare tasks.
+        # graph task. The first such backward finds its node in the graph; the others compare tasks. One
+        # deeper (inside a node of such a backward: a recomputation in a recomputation) runs in a task of
+        # its own, on this step's thread, which runs the CPU nodes of the backward it started.
         task = _graph_task()
         if task != self.task:
-            if self.task >= 0 or not _reaches(self.root, _current_node()):
+            if self.task < 0 and _reaches(self.root, _current_node()):
+                self.task = task
+            elif self.task < 0 or threading.get_ident() != self.thread:
                 return
-            self.task = task
         found = self._walk(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,))[0]
         exposed = self.exposed
         new = [leaf for leaf in found if id(leaf) not in exposed and not self._is_faint(leaf)]
