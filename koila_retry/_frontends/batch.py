@@ -179,11 +179,15 @@ class _Injection:
 
 def callable_name(fn: Any) -> str:
     """Name a callable without ``repr``: a copy's wrapper is made while the object it is bound to is copied."""
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
+    inner = _unpartial(fn)
     name = getattr(inner, "__qualname__", None)
     return name if isinstance(name, str) else type(inner).__qualname__
+
+
+def _unpartial(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
@@ -226,9 +230,9 @@ class Bindable:
         return self._remake(copy.deepcopy(wrapped, memo))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        # One its module-level name finds (a decorated function, or method in its class) is pickled
-        # by that name, as the function it stands for was (multiprocessing's spawn needs it). Any
-        # other is made again from its callable, pickled, with the same options.
+        # One its module-level name finds (a decorated function) is pickled by that name, as the function
+        # it stands for was (multiprocessing's spawn needs it). Any other is made again from its callable,
+        # pickled, with the same options.
         name = getattr(self, "__qualname__", None)
         if isinstance(name, str) and _named(self, getattr(self, "__module__", None), name):
             return name
@@ -240,15 +244,14 @@ class Bindable:
 
 def _named(wrapper: Bindable, module: object, qualname: str) -> bool:
     """Return whether ``qualname`` in the imported ``module`` is ``wrapper``, looked up as pickle looks up a global."""
-    owner: object = None
+    # A method's wrapper held by its class is not: looked up, it binds (pickle refuses it either way).
     target: object = sys.modules.get(module) if isinstance(module, str) else None
     try:
         for part in qualname.split("."):
-            owner, target = target, getattr(target, part, None)
+            target = getattr(target, part, None)
     except Exception:  # a property or a module's __getattr__ of the user's: not a name to go by
         return False
-    # In its class, a method's wrapper is what the class holds: looked up, it binds.
-    return target is wrapper or (isinstance(owner, type) and vars(owner).get(qualname.rpartition(".")[2]) is wrapper)
+    return target is wrapper
 
 
 class _Remake:
@@ -491,9 +494,7 @@ def batched(
     fn, binding = unwrap_binding(fn)
     if not callable(fn):
         raise TypeError(f"{front_end} decorates a callable, got {type(fn).__name__} {fn!r}")
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
+    inner = _unpartial(fn)
     # A decorated method looked up on its class or instance is a function (or its bound method) with stats.
     target = getattr(inner, "__func__", inner)
     if isinstance(inner, Bindable) or (

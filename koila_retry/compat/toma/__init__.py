@@ -54,7 +54,7 @@ import torch
 
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache, function_identity
-from koila_retry._core.detect import is_oom
+from koila_retry._core.detect import MEMORY_SHORT_MESSAGES, OOM_MESSAGES, is_oom
 from koila_retry._core.engine import ROWS, Call, Controller, cover
 from koila_retry._core.memory import default_device
 from koila_retry._core.policy import scaled
@@ -233,17 +233,14 @@ def _run(
         raise
 
 
-# What toma's and Lightning's checks look for in an error's text, in one of its lines.
-_OOM_LINES = ("out of memory", "can't allocate memory", "CUDNN_STATUS_NOT_SUPPORTED")
-
-
 def _backend_text_first(exc: BatchSizeExhausted) -> None:
     """Begin the message with the last error's line that says it ran out of memory: toma re-raises that error."""
     cause = exc.__cause__
     text = str(cause.args[0]) if cause is not None and cause.args else ""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     # Its first line, unless a later one says it (a DataParallel replica's or a worker's re-raised error).
-    first = next((line for line in lines if any(words in line for words in _OOM_LINES)), lines[0] if lines else "")
+    said = OOM_MESSAGES + MEMORY_SHORT_MESSAGES  # what toma's and Lightning's checks look for is among them
+    first = next((line for line in lines if any(words in line for words in said)), lines[0] if lines else "")
     if first and exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(first):
         exc.args = (f"{first}\n{exc.args[0]}",)
 
