@@ -97,8 +97,9 @@ class BatchSizeExhausted(torch.OutOfMemoryError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only arguments are not in ``args``; without this the error could not
-        # cross a process boundary (multiprocessing, torch.distributed launchers).
-        return (_rebuild, (type(self), str(self), self.batch_size, self.attempts, self.diagnosis))
+        # cross a process boundary (multiprocessing, torch.distributed launchers). The
+        # instance's dict carries ``add_note``'s notes, as a built-in exception's pickle does.
+        return (_rebuild, (type(self), str(self), self.batch_size, self.attempts, self.diagnosis), self.__dict__)
 
 
 def _rebuild(

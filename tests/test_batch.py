@@ -578,8 +578,10 @@ def test_batch_size_exhausted_pickles() -> None:
     import pickle
 
     error = koila.BatchSizeExhausted("nothing fits", batch_size=2, attempts=5)
+    error.add_note("3 of 8 rows were finished before it gave up.")  # chunked's note: lost by pickle once
     copy = pickle.loads(pickle.dumps(error))
     assert (type(copy), str(copy), copy.batch_size, copy.attempts) == (koila.BatchSizeExhausted, "nothing fits", 2, 5)
+    assert copy.__notes__ == ["3 of 8 rows were finished before it gave up."]
 
 
 def _raise_value_error() -> None:

@@ -643,6 +643,33 @@ def test_meta_tensors_are_left_alone() -> None:
     assert_as_before({"1.weight": model[1].weight, "1.bias": model[1].bias}, before)
 
 
+def test_a_lazy_modules_parameters_are_left_alone() -> None:
+    """An uninitialised parameter has no data; reading its storage raised PyTorch's own ValueError."""
+    model = nn.Sequential(nn.LazyLinear(3), nn.Linear(3, 2))
+    lazy = model[0].weight
+    with koila.offload(model) as lent:
+        assert model[0].weight is lazy
+    assert lent.nbytes == (3 * 2 + 2) * 4
+    assert torch.nn.parameter.is_lazy(model[0].weight)
+    assert model(torch.ones(4, 5)).shape == (4, 2)  # and it still initialises on its first call
+
+
+def test_the_block_leaves_no_reference_cycle_holding_what_it_lent() -> None:
+    """A recursive helper kept every lent tensor alive until the collector ran: a .grad set to None stayed."""
+    with simulated_device("4MiB") as device:
+        model = nn.Linear(256, 256, bias=False)  # 256 KiB of weight
+        model(torch.ones(1, 256)).sum().backward()  # and as much of gradient
+        gradient = weakref.ref(model.weight.grad)
+        gc.disable()
+        try:
+            with koila.offload(model):
+                model.weight.grad = None
+            assert gradient() is None
+            assert device.live == 256 * 256 * 4
+        finally:
+            gc.enable()
+
+
 def _sparse_gradient() -> nn.Module:
     model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
     model(torch.tensor([1, 2])).sum().backward()

@@ -562,6 +562,14 @@ def test_the_result_is_dropped_and_the_arguments_kept(cnn: CNN) -> None:
     assert torch.equal(x, kept)
 
 
+def test_a_lazy_modules_first_call_is_profiled() -> None:
+    """Its parameters, uninitialised when the profile began, refused to name their storage."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    found = koila.profile(model, torch.ones(4, 3))
+    assert {"", "0", "1", "2"} <= {row.name for row in found.rows}
+    assert not torch.nn.parameter.is_lazy(model[0].weight)
+
+
 def test_import_has_no_side_effects() -> None:
     code = (
         "import sys, torch\n"

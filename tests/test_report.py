@@ -499,6 +499,45 @@ def test_a_give_up_over_a_storage_thousands_of_names_share_stays_short() -> None
     del flat
 
 
+def test_a_give_up_shortens_the_keys_that_name_what_is_held() -> None:
+    """A cache keyed by prompts printed each prompt whole: a give-up's message of about 10 KB."""
+    prompt = "Summarise the following document carefully. " * 40
+    with simulated_device("256KiB"):
+        cache = {f"{prompt}{index}": torch.ones(4096) for index in range(8)}  # 16 KiB each
+
+        @koila.batch(initial=8, cache=koila.NoCache())
+        def run(batch_size: int) -> int:
+            return torch.ones(batch_size, 65536).shape[0]  # 256 KiB a row
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            run()
+    message = str(caught.value)
+    assert "cache['Summarise" in message  # still named, by the start of its key
+    assert prompt not in message
+    assert len(message) < 2_000
+    del cache
+
+
+def test_a_lazy_modules_parameters_hold_nothing_and_stop_nothing() -> None:
+    """An uninitialised parameter refused to name its storage: report raised, a give-up lost its list."""
+    lazy = torch.nn.LazyLinear(4)  # anywhere in the process: report walks every object
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Linear(8, 2))
+    found = koila.report(model, top=10_000)
+    assert _row(found, "1.weight").kind == "parameter"
+    assert not [row for row in found.rows if any(name.startswith("0.") for name in row.names)]
+    with simulated_device("64KiB"):
+        weights = torch.nn.Linear(64, 64)
+
+        @koila.batch(initial=8, cache=koila.NoCache())
+        def run(batch_size: int) -> int:
+            return torch.ones(batch_size, 16384).shape[0]
+
+        with pytest.raises(koila.BatchSizeExhausted) as caught:
+            run()
+    assert "weights.weight" in str(caught.value).split("Largest on", 1)[1]
+    del lazy, weights
+
+
 def test_the_table_escapes_control_characters_in_names() -> None:
     """A module named with a newline broke the table's line in two."""
     model = torch.nn.Module()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import reprlib
 import sys
 import types
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,6 +35,7 @@ MAX_ITEMS = 1000
 # Nothing inside these is training state, and some (modules, classes) lead everywhere.
 _LEAVES = (types.ModuleType, type, torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype)
 # Mapping keys that name their values cheaply; any other key's repr could print a tensor's values or run user code.
+# They are shortened (reprlib): a cache keyed by prompts would print each prompt.
 _PLAIN_KEYS = (str, int)
 
 # Before Python 3.13 (PEP 667), reading ``f_locals`` of a function's frame copies its
@@ -72,7 +74,7 @@ def references(value: Any) -> list[tuple[str, Any]]:
         return [(f"[{index}]", item) for index, item in enumerate(itertools.islice(value, MAX_ITEMS))]
     if isinstance(value, Mapping):
         return [
-            (f"[{key!r}]" if type(key) in _PLAIN_KEYS else f"values()[{index}]", item)
+            (f"[{reprlib.repr(key)}]" if type(key) in _PLAIN_KEYS else f"values()[{index}]", item)
             for index, (key, item) in enumerate(itertools.islice(value.items(), MAX_ITEMS))
         ]
     attributes = getattr(value, "__dict__", None)

@@ -115,7 +115,7 @@ class StorageCounter(Recorder):  # type: ignore[no-untyped-call]
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """Return a tensor's storage, or ``None`` for a layout without one (sparse, nested)."""
-    if tensor.layout != torch.strided:
+    if torch.nn.parameter.is_lazy(tensor) or tensor.layout != torch.strided:
         return None
     try:
         return tensor.untyped_storage()

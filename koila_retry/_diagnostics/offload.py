@@ -262,13 +262,13 @@ def _lendable(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optim
     found: dict[int, tuple[str, torch.Tensor]] = {}
     names: dict[int, str] = {}
 
-    def add(label: str, tensor: torch.Tensor) -> None:
-        if id(tensor) in found:
-            return
-        found[id(tensor)] = (label, tensor)
-        grad = tensor.grad if tensor.is_leaf else None  # .grad of a non-leaf warns
-        if grad is not None:
-            add(f"the gradient of {label}", grad)
+    def add(label: str, tensor: torch.Tensor | None) -> None:
+        # A loop, not recursion: a function that calls itself is a reference cycle, which would keep
+        # ``found``, and every tensor lent, alive after the block until the collector ran.
+        while tensor is not None and id(tensor) not in found:
+            found[id(tensor)] = (label, tensor)
+            tensor = tensor.grad if tensor.is_leaf else None  # .grad of a non-leaf warns
+            label = f"the gradient of {label}"
 
     for index, module in enumerate(modules):
         prefix = f"model[{index}]." if len(modules) > 1 else ""
@@ -301,8 +301,8 @@ def _lendable(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optim
     probe = torch.empty(0, device=_CPU)
     lendable = []
     for label, tensor in found.values():
-        if tensor.device.type == "meta":
-            continue  # no data to move
+        if torch.nn.parameter.is_lazy(tensor) or tensor.device.type == "meta":
+            continue  # no data to move (a lazy module's parameter before its first call)
         reason = _unmovable(tensor, probe)
         if reason is not None:
             gradient = label.startswith("the gradient")

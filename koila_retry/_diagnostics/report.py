@@ -445,8 +445,8 @@ class _Found:
 
     def _storage_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         # Fake tensors hold no memory; torch.compile leaves some behind, with symbolic sizes.
-        if issubclass(type(tensor), FakeTensor):
-            return None
+        if issubclass(type(tensor), FakeTensor) or torch.nn.parameter.is_lazy(tensor):
+            return None  # no memory held (a lazy module's parameters before its first call refuse to say)
         if not same_device(tensor.device, self.device) or tensor.layout != torch.strided or tensor.is_meta:
             return None
         if tensor.is_nested:  # strided in name, with no sizes to describe it by
