@@ -9,11 +9,15 @@ runs normally. A group that hangs is killed at ``DEADLINE``, and its scenarios f
 from __future__ import annotations
 
 import math
+import weakref
 
 import _fsdp_ranks
 import pytest
 import torch
 from _spawn import Groups
+
+from koila_retry._core import sharded
+from koila_retry.testing import simulated_device
 
 # Seconds a group may take for all its scenarios: a guard against ranks that hang, not a measure of
 # speed. About 15 s here when idle.
@@ -463,3 +467,21 @@ def test_a_step_leaves_the_callers_gradient_sync_as_it_found_it(groups: Groups) 
                     continue
                 for got, want in zip(run["grads"], run["expected"], strict=True):
                     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rank_short_of_memory_to_play_along_is_told_that_the_others_wait() -> None:
+    """It raised a plain out-of-memory error from koila's code while the other ranks waited, unexplained."""
+
+    class Group:  # never reached: the zeros to play with do not fit
+        pass
+
+    group = Group()
+    collective = sharded._Collective(
+        True, 1 << 16, 1 << 15, torch.float32, torch.device("cpu"), weakref.ref(group), None
+    )
+    with simulated_device("64KiB"), pytest.raises(torch.OutOfMemoryError) as caught:
+        sharded.play([collective])
+    (note,) = caught.value.__notes__
+    assert "played along the other ranks' 1 remaining FSDP2 collectives" in note
+    assert "(the largest buffer 256.00 KiB)" in note
+    assert "the other ranks wait in their collective" in note

@@ -19,8 +19,10 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from koila_retry._common.units import format_bytes
 from koila_retry._core import distributed, memory
 from koila_retry._core.aside import SetAside
+from koila_retry._core.detect import is_oom
 
 __all__ = [
     "ShardedStep",
@@ -33,6 +35,7 @@ __all__ = [
     "is_fsdp_hook",
     "managed",
     "param_groups",
+    "play",
     "reset",
     "state_of",
 ]
@@ -243,6 +246,23 @@ class _Collective(NamedTuple):
             _all_gather()(target, source, group=group)
         else:
             _reduce_scatter()(target, source, op=self.op, group=group)
+
+
+def play(collectives: Sequence[_Collective]) -> None:
+    """Make the collectives with zeros; an out-of-memory error on the way gets a note that the others now wait."""
+    try:
+        for collective in collectives:
+            collective.play()
+    except BaseException as error:
+        if is_oom(error) and hasattr(error, "add_note"):  # Python 3.11 on
+            largest = max(collective.output * collective.dtype.itemsize for collective in collectives)
+            error.add_note(
+                f"koila-retry: this rank ran out of memory again while it played along the other ranks' "
+                f"{len(collectives)} remaining FSDP2 collectives (the largest buffer {format_bytes(largest)}): the "
+                "other ranks wait in their collective until the process group's timeout. A rank needs room for "
+                "one collective's buffers beside what the failed attempt left (docs/distributed.rst)."
+            )
+        raise
 
 
 # torch 2.13 renamed the single-tensor collectives; the old names warn (FutureWarning) there.
@@ -493,8 +513,7 @@ class Shards:
             # in the autograd engine's queue: the engine releases them after the ranks agree, too late for the
             # buffers played with.
             memory.collect()
-        for collective in rest:
-            collective.play()
+        play(rest)
 
     def reset(self) -> None:
         """After an attempt that failed on some rank: every module back to idle, resharded, as the attempt found it."""
