@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import logging
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -643,6 +644,10 @@ def test_non_oom_after_an_oom_passes_through() -> None:
         ({"initial": 8, "minimum": 16}, ValueError, r"minimum \(16\) must not exceed initial \(8\)"),
         ({"max_attempts": 0}, ValueError, "max_attempts must be >= 1, got 0"),
         ({"on_oom": "print"}, TypeError, "on_oom must be callable, got str 'print'"),
+        # A callable the engine cannot call as it will ended the call at the first out-of-memory error.
+        ({"on_oom": lambda: None}, TypeError, r"on_oom is called with one OOMEvent, but .* takes \(\)"),
+        ({"schedule": lambda failed, floor: 1}, TypeError, r"schedule is called with the batch size that failed"),
+        ({"grow": True, "clock": lambda start: 0.0}, TypeError, r"clock is called with no arguments"),
         ({"cache": {}}, TypeError, "cache must be a koila_retry cache"),
         (
             {"cache": koila.GlobalCache},
@@ -660,6 +665,19 @@ def test_bad_options(options: dict[str, object], error: type[Exception], message
 
     with pytest.raises(error, match=message):
         koila.batch(**options)(run)  # type: ignore[call-overload]
+
+
+def test_callables_that_take_what_the_engine_gives_are_accepted() -> None:
+    events: list[koila.OOMEvent] = []
+    for options in (
+        {"on_oom": events.append},  # a builtin method
+        {"on_oom": lambda *events: None},
+        {"on_oom": lambda event, *, extra=1: None},
+        {"schedule": lambda failed, floor=1: failed // 2},
+        {"schedule": koila.scaled(0.5)},
+        {"grow": True, "clock": time.process_time},
+    ):
+        assert koila.batch(initial=8, **options)(lambda batch_size: batch_size)() == 8  # type: ignore[call-overload]
 
 
 def test_function_without_a_parameter_to_inject_into() -> None:

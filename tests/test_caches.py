@@ -10,7 +10,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +317,51 @@ def test_repr_names_the_counts() -> None:
     cache["f"] = 2
     cache.lookup("f")
     assert repr(cache) == "GlobalCache(maxsize=4, currsize=1, hits=1, misses=0)"
+
+
+def test_a_cache_whose_key_needs_a_sample_is_refused_at_decoration() -> None:
+    """batch calls key without a sample: a key(function, caller, device, sample) failed at the first call."""
+
+    class PerDevice(koila.SizeCache):
+        def key(self, function: object, caller: object, device: torch.device, sample: object) -> object:  # type: ignore[override]
+            return (function, device, sample)
+
+    cache = PerDevice()
+    with pytest.raises(TypeError, match=r"a cache's key is called with .*give sample a default \(sample=None\)"):
+        koila.batch(initial=8, cache=cache)
+    with pytest.raises(TypeError, match="give sample a default"):
+        koila.chunked(lambda rows: rows, torch.ones(4), cache=cache)
+    assert len(cache) == 0
+
+
+def test_a_cache_that_cannot_store_costs_a_call_that_succeeded_nothing_but_a_warning() -> None:
+    """A store that raised (a size store elsewhere, unreachable) made the call raise, its result lost."""
+
+    class Remote(koila.GlobalCache):
+        def __setitem__(self, key: Hashable, size: int) -> None:
+            raise OSError("size store unreachable")
+
+    ran: list[int] = []
+
+    @koila.batch(initial=8, cache=Remote())
+    def evaluate(batch_size: int) -> str:
+        ran.append(batch_size)
+        if batch_size > 2:
+            raise make_oom()
+        return f"result at {batch_size}"
+
+    with pytest.warns(RuntimeWarning, match=r"Remote could not keep .*\(OSError: size store unreachable\)") as caught:
+        assert evaluate() == "result at 2"
+    assert ran == [8, 4, 2]
+    assert caught[0].filename == __file__  # the user's line, not koila's
+
+
+def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert koila.GlobalCache(numpy.int64(3)).cache_info().maxsize == 3
+    stack = koila.StackMemoryCache(numpy.int32(4), depth=numpy.int64(2))
+    assert (stack.cache_info().maxsize, stack.depth, type(stack.depth)) == (4, 2, int)
+    assert koila.deep_stack_key(numpy.int64(1)) is koila.stack_key
 
 
 def test_a_cache_written_before_sample_existed_still_works_for_batch() -> None:

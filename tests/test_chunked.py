@@ -1379,7 +1379,6 @@ def test_range_stop_below_start(start: int, stop: int) -> None:
     [
         (0.0, 4, "start must be an int, got float 0.0"),
         (0, "4", "stop must be an int, got str '4'"),
-        (0, None, "stop must be an int, got NoneType None"),
         (True, 4, "start must be an int, got bool True"),
         (0, False, "stop must be an int, got bool False"),
     ],
@@ -1389,6 +1388,22 @@ def test_range_bounds_must_be_ints(start: object, stop: object, message: str) ->
         koila.range(lambda b, e: None, start, stop)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match=message):
         koila.range(lambda b, e: None)(start, stop)  # type: ignore[arg-type]
+
+
+def test_range_given_one_end_or_the_ends_by_keyword_says_how_to_call_it() -> None:
+    """Python's range(n) habit said "stop must be an int, got NoneType None"; keywords, that start is no option."""
+    calls: list[int] = []
+    with pytest.raises(
+        TypeError, match=r"it got start=10 and no stop: to cover 0 to 10, call koila.range\(fn, 0, 10\)"
+    ):
+        koila.range(lambda b, e: calls.append(b), 10)  # type: ignore[call-overload]
+    with pytest.raises(
+        TypeError, match=r"takes both ends of the range, by position; it got start=0, stop=10 by keyword"
+    ):
+        koila.range(lambda b, e: calls.append(b), start=0, stop=10)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="stop must be an int, got NoneType None"):
+        koila.range(lambda b, e: calls.append(b))(0, None)  # type: ignore[arg-type]
+    assert calls == []
 
 
 @pytest.mark.parametrize("initial", ["8", "auto"])

@@ -325,6 +325,14 @@ def test_scaled_grows_back_to_the_smallest_size_that_shrinks_to_it(factor: float
     assert larger == size + 1 or (schedule(larger - 1) or 0) < size
 
 
+def test_scaled_grows_back_from_a_tiny_factor() -> None:
+    """Past 2**53 a float's steps are coarser than one: the search for the exact size never ended."""
+    schedule = koila.scaled(1e-300)
+    larger = schedule.grow(10)
+    assert larger > 10
+    assert (schedule(larger) or 0) >= 10
+
+
 AGREEMENTS = [
     # (id, state, agreed, floor, (size, floor, probe_from, cached))
     # Another rank's smaller start: a success there is not stored under this rank's key (its rows may be

@@ -586,6 +586,12 @@ def test_a_path_of_the_wrong_type_is_refused(path: object) -> None:
         koila.DiskCache(path)  # type: ignore[arg-type]
 
 
+def test_an_empty_path_is_refused() -> None:
+    """It named the working folder, which the cache then warned was a folder, and kept sizes in memory."""
+    with pytest.raises(ValueError, match="path='' names no file"):
+        koila.DiskCache("")
+
+
 def test_maxsize_bounds_memory_and_file_keeping_the_most_recently_stored(tmp_path: Path) -> None:
     path = tmp_path / "sizes.json"
     cache = koila.DiskCache(path, maxsize=3)

@@ -865,7 +865,7 @@ def test_a_split_prediction_step_whose_chunks_differ_in_width_is_padded_as_the_t
 
 def test_options_are_checked_when_adapting(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'minimun'"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'minimun' \(did you mean 'minimum'\?\)"):
         adapt(trainer, minimun=2)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="'initial'; each step tries its whole batch first"):
         adapt(trainer, initial=4)  # type: ignore[call-arg]

@@ -17,6 +17,7 @@ import torch
 
 from koila_retry._common.counter import Counter
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.units import as_int
 from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
 
 __all__ = [
@@ -172,9 +173,10 @@ class Sizes(MutableMapping[Hashable, int]):
     """A thread-safe, bounded LRU mapping from keys to sizes and what each was proven on: :class:`SizeCache`'s."""
 
     def __init__(self, maxsize: int = 256) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+        size = as_int(maxsize)  # numpy's ints too, as Options take them
+        if size is None or size < 1:
             raise ValueError(f"maxsize must be an int >= 1, got {maxsize!r}")
-        self._maxsize = maxsize
+        self._maxsize = size
         # Readers (every cached call) take no lock, so they never add or remove a key: they
         # read ``_sizes`` and move a key to the end of ``_order``, each one C call, atomic
         # under the GIL. Writers, rare (after an OOM), hold the lock and change both, and
@@ -575,7 +577,7 @@ class StackMemoryCache(SizeCache):
         super().__init__(maxsize, key=stack if key is None else key)
         if isinstance(fallback_buckets, bool) or not isinstance(fallback_buckets, int) or fallback_buckets < 0:
             raise ValueError(f"fallback_buckets must be an int >= 0, got {fallback_buckets!r}")
-        self.depth = depth
+        self.depth = int(depth)  # checked above: an int, or numpy's
         self.fallback_buckets = fallback_buckets
         self._bucketed = is_stack_key(self.key_function)  # only a stack key's third part is a free-memory level
 

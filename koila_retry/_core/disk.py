@@ -91,7 +91,7 @@ class DiskCache(SizeCache):
 
     Raises:
         TypeError: if ``path`` is not a str or path, or ``key`` is not callable.
-        ValueError: if ``maxsize`` is not a positive int.
+        ValueError: if ``maxsize`` is not a positive int, or ``path`` is empty.
 
     .. versionadded:: 0.1.0
     """
@@ -100,6 +100,8 @@ class DiskCache(SizeCache):
         super().__init__(maxsize, key=size_class_key if key is None else key)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        if not os.fspath(path):  # would be the working folder
+            raise ValueError("path='' names no file: give the path of a JSON file, '~/.cache/project/sizes.json' say")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._writable = True
         self._dropped_warned = False

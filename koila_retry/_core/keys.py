@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from koila_retry._common.units import as_int
 from koila_retry._core.memory import recent_free_memory
 
 __all__ = [
@@ -86,9 +87,10 @@ def deep_stack_key(depth: int) -> KeyFunction:
 
     .. versionadded:: 0.1.0
     """
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+    frames = as_int(depth)  # numpy's ints too, as Options take them
+    if frames is None or frames < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    return stack_key if depth == 1 else _stack_key_of(depth)
+    return stack_key if frames == 1 else _stack_key_of(frames)
 
 
 def _stack_key_of(depth: int) -> KeyFunction:

@@ -23,8 +23,10 @@ from typing import Any, NoReturn, cast
 
 import torch
 
+from koila_retry._common.places import levels_to_caller
 from koila_retry._common.units import format_free
 from koila_retry._common.walk import frame_locals
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core import decision
 from koila_retry._core.cache import SizeCache
 from koila_retry._core.decision import Done, GiveUp, Outcome, Rules, State, Step
@@ -257,12 +259,22 @@ class Failure:
 def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_sample: int) -> None:
     """Carry out what the decision says a success stores; ``state.cached`` becomes what the cache holds."""
     if done.conclusive and key is not None and state.cached != state.size:
-        if done.store is not None:
-            cache[key] = done.store
-            if per_sample:
-                cache.prove(key, per_sample)
-        elif done.forget:
-            cache.pop(key, None)
+        try:
+            if done.store is not None:
+                cache[key] = done.store
+                if per_sample:
+                    cache.prove(key, per_sample)
+            elif done.forget:
+                cache.pop(key, None)
+        except Exception as error:  # a cache of yours (a store elsewhere) that fails must not cost the result
+            warn_or_log(
+                f"koila: {type(cache).__name__} could not keep the batch size of a call that succeeded "
+                f"({type(error).__name__}: {error!s:.200}); its result is returned, and the next call "
+                "starts from what the cache holds",
+                RuntimeWarning,
+                stacklevel=levels_to_caller(),
+            )
+            return
         state.cached = state.size
 
 

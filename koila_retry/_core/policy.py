@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
 import time
@@ -120,11 +121,16 @@ class scaled:  # named like a function: a strategy, called like the schedules it
 
         .. versionadded:: 0.1.0
         """
-        # From the float estimate, step to the exact smallest n whose shrink is not below size.
+        # From the float estimate, step to the exact smallest n whose shrink is not below size. A few
+        # steps do; past 2**53 a float's steps are coarser than 1, and more would never end.
         larger = max(size + 1, math.ceil(size / self.factor))
-        while larger - 1 > size and int((larger - 1) * self.factor) >= size:
+        for _ in range(64):
+            if not (larger - 1 > size and int((larger - 1) * self.factor) >= size):
+                break
             larger -= 1
-        while int(larger * self.factor) < size:
+        for _ in range(64):
+            if int(larger * self.factor) >= size:
+                break
             larger += 1
         return larger
 
@@ -206,6 +212,18 @@ def _positive_int(name: str, value: object) -> int:
     if number < 1:
         raise ValueError(f"{name} must be >= 1, got {number}")
     return number
+
+
+def _takes(name: str, function: Callable[..., object], given: str, *arguments: object) -> None:
+    """Refuse a callable that cannot be called as the engine will call it: at decoration, not at the first OOM."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError as error:
+        raise TypeError(f"{name} is called with {given}, but {function!r:.200} takes {signature}: {error}") from None
 
 
 def _flag(name: str, value: object) -> None:
@@ -291,8 +309,15 @@ class Policy:
                     else f"got {type(self.cache).__name__} {self.cache!r:.200}"
                 )
             )
+        cache = self.cache
+        if cache is not None and not type(cache).key.__module__.startswith("koila_retry."):  # a subclass of yours
+            # batch, attempts and range see no inputs: they call it without a sample, as caches before sample had it.
+            given = "function, caller and device, and sample where there is one: give sample a default (sample=None)"
+            _takes("a cache's key", cache.key, given, None, None, None)
         if self.on_oom is not None and not callable(self.on_oom):
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
+        if self.on_oom is not None:
+            _takes("on_oom", self.on_oom, "one OOMEvent", None)
         _flag("grow", self.grow)
         object.__setattr__(self, "grow_after", _positive_int("grow_after", self.grow_after))
         gain = self.grow_gain
@@ -308,6 +333,8 @@ class Policy:
         _flag("refine", self.refine)
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
+        if self.clock is not time.perf_counter:
+            _takes("clock", self.clock, "no arguments, as time.perf_counter is")
         check_target(self.snapshot, self.snapshot_each_oom)
         if isinstance(self.snapshot, str) and not self.snapshot:
             raise ValueError(
@@ -327,5 +354,7 @@ class Policy:
                 f"schedule must be a schedule, a callable given the size that failed, got the class "
                 f"{self.schedule.__name__}: give an instance of it (koila.scaled(0.5), say)"
             )
+        if self.schedule is not powers_of_two:
+            _takes("schedule", self.schedule, "the batch size that failed, one int", 1)
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))

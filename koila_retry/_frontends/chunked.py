@@ -541,6 +541,8 @@ def range(
 
     .. versionadded:: 0.1.0
     """
+    if fn is not None and stop is None and (start is not None or options.keys() & {"start", "stop"}):
+        _range_by_position(start, options)
     given = _arguments_of_fn(fn if start is not None or stop is not None else None, options, "koila.range")
     ranges = _Pass("koila.range", initial, progress, cast(Options, options))
     if fn is not None and (start is not None or stop is not None):
@@ -575,6 +577,17 @@ def range(
         return cast(Batched[P, list[R]], bindable(function, plain, method, decorator, binding))
 
     return decorate if fn is None else decorate(fn)
+
+
+def _range_by_position(start: object, options: dict[str, Any]) -> NoReturn:
+    """Refuse a call form given one end of the range (Python's range(n) habit) or the ends by keyword."""
+    if start is not None:
+        end = f"{start!r:.40}"
+        got = f"it got start={end} and no stop: to cover 0 to {end}, call koila.range(fn, 0, {end})"
+    else:
+        ends = ", ".join(f"{name}={options[name]!r:.40}" for name in ("start", "stop") if name in options)
+        got = f"it got {ends} by keyword"
+    raise TypeError(f"koila.range(fn, start, stop) takes both ends of the range, by position; {got}")
 
 
 # What a parameter that takes a range's begin or end may be.

@@ -11,6 +11,7 @@ so weighing each micro-batch by its share of the batch's items serves every ``Tr
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib
 import inspect
@@ -179,7 +180,9 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
         raise ValueError(f"{NAME}() was given a trainer it adapted already: adapt each trainer once")
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
-        why = "; each step tries its whole batch first" if unknown[0] == "initial" else ""
+        close = difflib.get_close_matches(unknown[0], sorted(_OPTIONS), n=1)
+        why = f" (did you mean {close[0]!r}?)" if close else ""
+        why = "; each step tries its whole batch first" if unknown[0] == "initial" else why
         raise TypeError(
             f"{NAME}() got an unexpected keyword argument {unknown[0]!r}{why}; its options are "
             f"{', '.join(sorted(_OPTIONS))}"
