@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo",
         help="train a small model in a simulated device that is too small for its batch",
         description="Train a small model in a simulated device too small for its batch: koila.batch runs the "
-        "epoch again at half the batch size until it fits, and the later epochs start at the size that fit. "
+        "epoch again at the next smaller power of two until it fits, and the later epochs start at the size that fit. "
         "Nothing is written to disk.",
     )
     demo.add_argument("--memory", default="48MiB", help="the simulated device's memory (default: 48MiB)")
@@ -85,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="estimate a model's peak memory at every batch size, and the largest that fits, without running it",
         description=textwrap.fill(
             "Build a model on the meta device and estimate the peak memory of its training step (or "
-            "forward pass) at every batch size, without data and without allocating it. Exit status: 0 if some "
-            "batch size fits, 1 if none does or the model failed, 2 for usage errors.",
+            "forward pass) at every batch size, without data and without allocating it. The training step's "
+            "loss is the mean of the output's floating tensors: a real one (a cross-entropy over a large "
+            "vocabulary) can peak higher; estimate your own step with koila.estimate for that. Exit status: 0 "
+            "if some batch size fits, 1 if none does or the model failed, 2 for usage errors.",
             width=78,
         ),
         # On one line, to be copied whole.

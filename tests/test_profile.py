@@ -308,6 +308,27 @@ def test_a_line_calling_an_unwatched_function_gets_its_allocations() -> None:
     assert row_of(watched, "other = allocate(256)").peak == 256 * 256 * FLOAT  # what its callee did, too
 
 
+def test_a_function_decorated_by_a_front_end_has_its_own_lines_profiled() -> None:
+    """The README's profile of an @koila.accumulate step showed one row: a line of koila's wrapper."""
+    model = torch.nn.Linear(16, 4)
+
+    @koila.accumulate
+    def train_step(inputs: torch.Tensor) -> torch.Tensor:
+        outputs = model(inputs)
+        return outputs.square().mean()
+
+    @koila.batch(initial=8)
+    def evaluate(batch_size: int, data: torch.Tensor) -> torch.Tensor:
+        return torch.cat([model(chunk) for chunk in data.split(batch_size)])
+
+    for fn, args in ((train_step, (torch.ones(32, 16),)), (evaluate, (torch.ones(32, 16),))):
+        found = koila.profile(fn, *args, by="line")
+        assert found.rows
+        assert {row.file for row in found.rows} == {__file__}, found
+        assert {row.function for row in found.rows} == {fn.__qualname__}, found
+    model.zero_grad(set_to_none=True)
+
+
 def test_a_line_in_a_loop_counts_its_runs_and_sums_its_nets() -> None:
     found = koila.profile(looping, by="line")
     row = row_of(found, "kept.append(torch.zeros(64, 64))")

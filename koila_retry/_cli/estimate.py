@@ -26,6 +26,7 @@ from koila_retry._common.units import format_bytes, parse_bytes
 from koila_retry._core.memory import free_memory, resolve_device
 from koila_retry._estimation.calibration import LARGEST
 from koila_retry._estimation.estimate import MemoryEstimate, estimate
+from koila_retry._estimation.recorder import value_shaped_note
 
 __all__ = ["configure", "run"]
 
@@ -241,16 +242,25 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
         try:
             if args.mode == "train":
                 # Every step after the first holds the optimizer's state from its start: estimate one of those.
-                _warm_up(step, inputs)
+                try:
+                    _warm_up(step, inputs)
+                except Exception:
+                    # The estimate meets what failed too, and notes why and what to do (a mask's indexing).
+                    estimate(step, *inputs, device=device, fsdp=args.fsdp)
+                    raise
             found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
         except Exception as exc:
             message = _one_line(str(exc))
             hint = ""
             if any(dtype.is_floating_point for dtype in dtypes) and INDEX_DTYPE_ERROR.search(message):
                 hint = INPUT_DTYPE_HINT
+            # koila.estimate's own note says why and what to do (a mask's indexing, say): PyTorch's
+            # message alone may advise a compiler setting that does not help here.
+            why = value_shaped_note(exc)
+            notes = f"; {_one_line(why)}" if why is not None else ""
             raise Failure(
                 f"the estimate failed: {type(exc).__name__}: {message} (raised while the model ran "
-                f"on meta tensors, which have shapes and no values){hint}"
+                f"on meta tensors, which have shapes and no values){hint}{notes}"
             ) from None
 
     margin: float = args.margin
