@@ -48,6 +48,42 @@ class Output:
     logits: torch.Tensor
 
 
+class Out(dict[str, Any]):
+    """An AttrDict or EasyDict a model returns: one leaf to pytree."""
+
+
+@pytest.mark.parametrize("initial", [None, 4])
+def test_a_dict_subclass_pytree_takes_whole_is_refused_whole_and_split(initial: int | None) -> None:
+    """Whole, its loss was thrown away (None came back); split, an internal "'loss' is not in list"."""
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(10, 4), torch.randn(10, 2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> Out:
+        logits = model(x)
+        return Out(loss=torch.nn.functional.mse_loss(logits, y), logits=logits)
+
+    with pytest.raises(TypeError, match=r"returned Out, a subclass of dict that torch.utils._pytree takes whole"):
+        koila.accumulate(step, initial=initial, cache=koila.NoCache())(x, y)
+    assert model.weight.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_value_beside_the_loss_keeps_its_imaginary_part_when_split(dtype: torch.dtype) -> None:
+    """Weighed as a real value, it was cast to float32: the imaginary part was lost, with a warning."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y, z = torch.randn(8, 4), torch.randn(8, 2), torch.randn(8, dtype=dtype)
+
+    def step(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.nn.functional.mse_loss(model(x), y), z.mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PyTorch warns when a cast discards the imaginary part
+        _, mean = koila.accumulate(step, initial=4, cache=koila.NoCache())(x, y, z)
+    assert mean.dtype == dtype
+    torch.testing.assert_close(mean, z.mean())
+
+
 def test_a_dataclass_returned_whole_is_refused_by_its_type_without_its_tensors() -> None:
     # The error printed the result's repr, cut inside a tensor's, and did not say why its loss was not found.
     model = torch.nn.Linear(3, 2)

@@ -1059,6 +1059,44 @@ def test_an_attribute_dict_s_attributes_are_each_piece_s_items() -> None:
     assert len(batch.x) == 6
 
 
+class ItemDict(dict[str, Any]):
+    """The other common recipe: attribute reads are item reads, so a missing one raises KeyError."""
+
+    __getattr__ = dict.__getitem__
+
+
+class KeyedTuple(tuple[Any, ...]):
+    def __getattr__(self, name: str) -> Any:
+        raise KeyError(name)
+
+
+@pytest.mark.parametrize("kind", ["ItemDict", "KeyedTuple"])
+def test_batches_whose_getattr_raises_key_error_are_split(kind: str) -> None:
+    """batches.py read _encodings and _fields with getattr(): KeyError '_encodings' once the step was split."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    (model(x) - y).pow(2).mean().backward()
+    expected = model.weight.grad.clone()  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    batch: Any = ItemDict(x=x, y=y) if kind == "ItemDict" else KeyedTuple((x, y))
+    sizes: list[int] = []
+
+    def read(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return (b.x, b.y) if kind == "ItemDict" else (b[0], b[1])
+
+    def step(b: Any) -> torch.Tensor:
+        inputs, targets = read(b)
+        sizes.append(len(inputs))
+        return (model(inputs) - targets).pow(2).mean()
+
+    koila.accumulate(step, initial=2, cache=koila.NoCache())(batch)
+    assert sizes == [2, 2, 2]
+    torch.testing.assert_close(model.weight.grad, expected, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(koila.chunked(lambda b: model(read(b)[0]), batch, initial=4), model(x))
+
+
 def test_an_attribute_dict_fits_where_a_dict_does() -> None:
     from koila_retry.testing import simulated_device
 

@@ -339,3 +339,14 @@ def test_frame_values_are_read_afresh_on_every_iteration_and_kept_by_nobody() ->
     assert reference() is None
     later = torch.ones(3)
     assert any(value is later for value in values)
+
+
+class _ItemDict(dict[str, Any]):
+    __getattr__ = dict.__getitem__  # a missing attribute raises KeyError, not AttributeError
+
+
+def test_reachable_walks_a_dict_whose_getattr_raises_key_error() -> None:
+    """It asked the batch for state_dict with getattr(): koila.estimate raised KeyError 'state_dict'."""
+    model = torch.nn.Linear(2, 2)
+    found = list(reachable([_ItemDict(model=model, x=torch.ones(2))]))
+    assert found == [model]

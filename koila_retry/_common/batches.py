@@ -147,7 +147,9 @@ class _Node:
                 if type(key) is not _Attribute:
                     new[key] = item
             _settle(value, new, changed)
-            encodings = getattr(value, "_encodings", None)
+            # From the instance's dict, not getattr(): an AttrDict's __getattr__ raises KeyError.
+            state = getattr(value, "__dict__", None)
+            encodings = state.get("_encodings") if isinstance(state, dict) else None
             if isinstance(encodings, list) and self.splits:
                 # A fast tokenizer's BatchEncoding, whose word_ids(i), tokens(i) ... read encoding i: a piece
                 # keeps its own rows' encodings, or none (those raise) where they are not one per row.
@@ -263,7 +265,7 @@ def _kind(value: Any) -> int | None:
     if cls is dict:
         return _DICT
     if isinstance(value, tuple):
-        if hasattr(value, "_fields"):
+        if hasattr(cls, "_fields"):  # the class's: an instance's __getattr__ may raise anything
             return _NAMED
         return _STRUCTSEQ if is_structseq(cls) else _TUPLE_LIKE
     if isinstance(value, list):

@@ -132,8 +132,9 @@ def _stateful(value: object) -> bool:
     """Return whether ``value`` keeps training state of its own (it saves and loads a ``state_dict``)."""
     return (
         not isinstance(value, type)
-        and callable(getattr(value, "state_dict", None))
-        and callable(getattr(value, "load_state_dict", None))
+        # The class's methods: an instance's __getattr__ (an AttrDict's) may raise anything.
+        and callable(getattr(type(value), "state_dict", None))
+        and callable(getattr(type(value), "load_state_dict", None))
         and isinstance(getattr(value, "__dict__", None), dict)
     )
 

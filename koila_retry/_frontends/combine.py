@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol, cast
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, keystr, tree_flatten, tree_unflatten
 
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path, in_order, structure
@@ -273,7 +273,7 @@ class Results:
                 values = torch.stack([value for value, _ in column])
                 # A count's weighted sum is a fraction; a half-precision loss is summed in float32,
                 # so that its weights are not rounded to bf16.
-                dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+                dtype = values.dtype if values.is_floating_point() or values.is_complex() else torch.get_default_dtype()
                 exact = torch.promote_types(dtype, torch.float32)
                 # Each weight rounded once, from its float to the dtype summed in, as a float64
                 # tensor converted would hold it, in one call.
@@ -373,6 +373,14 @@ def loss_of(result: Any, name: str) -> torch.Tensor:
         fields = getattr(type(result), "_fields", ())
         loss = getattr(result, "loss", None) if "loss" in fields else (result[0] if result else None)
     elif isinstance(result, dict):
+        if type(result) not in SUPPORTED_NODES:
+            # One leaf to pytree: split, its parts could not be weighed or joined (a Hugging Face ModelOutput
+            # is registered with it, an AttrDict is not).
+            raise TypeError(
+                f"{name} returned {type(result).__qualname__}, a subclass of dict that torch.utils._pytree takes "
+                "whole; @koila.accumulate takes the loss, and weighs and joins the rest, from a dict: return "
+                f"dict(...) of it, or register {type(result).__qualname__} with torch.utils._pytree"
+            )
         loss = result.get("loss")
     else:
         loss = result
