@@ -741,6 +741,54 @@ def test_an_on_before_zero_grad_hook_sees_the_gradients_it_sees_without_the_call
                 torch.testing.assert_close(gradient, wanted, rtol=1e-12, atol=1e-12)
 
 
+class _Rows(torch.nn.Module):
+    """ReLU that records each forward's rows, and those that ran out of memory."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            out = torch.relu(x)
+        except torch.OutOfMemoryError:
+            self.seen.append(f"{len(x)} OOM")
+            raise
+        self.seen.append(str(len(x)))
+        return out
+
+
+class HookedAndCounted(MLP):
+    """A module whose on_before_zero_grad hook keeps its first step of a window from running whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        self.net[1] = _Rows(self.seen)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        pass
+
+
+def test_after_a_split_step_the_later_steps_of_a_window_start_at_its_size_and_every_oom_is_heard() -> None:
+    """The window's second batch ran whole again after the first had split, and that OOM reached no on_oom."""
+    reference, model = HookedAndCounted(), HookedAndCounted()
+    trainer(max_steps=2, accumulate_grad_batches=2).fit(reference, loader(rows=256))
+    events: list[koila.OOMEvent] = []
+    with simulated_device(FIT_LIMIT):
+        trainer(OOMRecovery(on_oom=events.append), max_steps=2, accumulate_grad_batches=2).fit(model, loader(rows=256))
+    # Only the first batch tries its 64 rows whole: an attempt the second made again failed unheard.
+    assert [rows.split()[0] for rows in model.seen].count("64") == 1, model.seen
+    sizes = [event.batch_size for event in events]
+    assert sizes[0] == 64
+    assert sizes == sorted(set(sizes), reverse=True), sizes  # each heard once, each smaller
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
 class OwnBackward(MLP):
     """A module whose ``backward`` is its own: it doubles the loss."""
 

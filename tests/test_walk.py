@@ -350,3 +350,11 @@ def test_reachable_walks_a_dict_whose_getattr_raises_key_error() -> None:
     model = torch.nn.Linear(2, 2)
     found = list(reachable([_ItemDict(model=model, x=torch.ones(2))]))
     assert found == [model]
+
+
+def test_reachable_passes_over_a_proxy_of_a_module() -> None:
+    """Lightning holds a weakref.proxy of its module: it was found as a module named CallableProxyType."""
+    model = torch.nn.Linear(2, 2)
+    holder = types.SimpleNamespace(proxy=weakref.proxy(model))
+    assert list(reachable([holder])) == []
+    assert list(reachable([holder, model])) == [model]

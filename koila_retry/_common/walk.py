@@ -8,6 +8,7 @@ import itertools
 import reprlib
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any
@@ -117,8 +118,8 @@ def reachable(roots: Iterable[Any]) -> Iterator[Any]:
     stack: list[tuple[Any, int]] = [(root, 0) for root in roots]
     while stack:
         value, depth = stack.pop()
-        if id(value) in seen or depth > MAX_DEPTH:
-            continue
+        if id(value) in seen or depth > MAX_DEPTH or type(value) in weakref.ProxyTypes:
+            continue  # a proxy (Lightning's of its module) passes isinstance as its referent, by another id and name
         seen.add(id(value))
         if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
             yield value

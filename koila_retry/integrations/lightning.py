@@ -514,11 +514,14 @@ class _Step:
         # The parameters' hooks run once, on the whole batch's gradients as Lightning's backward
         # accumulates them (see deliver), as without the callback: not in the step's micro-batches.
         hooks = suspended(parameters)
+        ooms = self.run.stats.ooms
         try:
             for parameter in parameters:
                 parameter.grad = None
             output, skipped = self._logged(module, args, kwargs)
             gradients = [parameter.grad for parameter in parameters]
+            # An OOM here: the later steps run through accumulate from the size it found, not whole first.
+            self.trusting = self.trusting and self.run.stats.ooms == ooms
         finally:
             restored(hooks)
             for parameter, gradient in zip(parameters, aside):
