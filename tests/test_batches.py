@@ -364,14 +364,17 @@ def parts(value: Any) -> list[tuple[Any, Any]] | None:
 
 
 def per_row(value: Any, n: int, depth: int) -> bool:
-    """Return whether ``value`` is a list of records, or of strings inside an argument, one per row.
+    """Return whether ``value`` is a list of records, or of strings or words inside an argument, one per row.
 
     ``depth``: 1 for an argument, more inside one; the outermost such list wins.
     """
     if type(value) not in (list, tuple) or len(value) != n or n < 2:
         return False
-    strings = depth > 1 and all(isinstance(item, str) for item in value)
-    return all(isinstance(item, Mapping) for item in value) or strings
+    # Strings, or a row's words (a list of strings, empty too): what a collate makes of a text field.
+    words = all(
+        isinstance(item, str) or (type(item) in (list, tuple) and all(type(w) is str for w in item)) for item in value
+    )
+    return all(isinstance(item, Mapping) for item in value) or (depth > 1 and words)
 
 
 def check_slice(piece: Any, whole: Any, begin: int, end: int, n: int, depth: int = 0) -> None:
