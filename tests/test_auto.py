@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -374,3 +375,58 @@ def test_auto_counts_the_loss_a_split_steps_backward_keeps(reduction: str) -> No
         step(torch.rand(512, 1024))
     assert step.stats.ooms == 0
     assert step.stats.batch_size < 512
+
+
+def peak_of(device: Any, call: Callable[..., Any], *args: Any) -> int:
+    """The simulated device's peak over ``call(*args)``, run twice: the first run fills initial="auto"'s memo."""
+    call(*args)
+    gc.collect()
+    device.reset_peak()
+    call(*args)
+    peak: int = device.peak
+    return peak
+
+
+@pytest.mark.parametrize("rows", [64, 256])
+def test_an_estimate_of_a_call_that_runs_chunked_auto_is_its_real_peak(rows: int) -> None:
+    """The inner initial="auto" estimated its own call inside the first run of the outer estimate, counted there.
+
+    The two runs disagreed (the second found the memo filled), and the estimate came out twice the real peak.
+    """
+    with simulated_device("1GiB") as device:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                out: torch.Tensor = model(x)
+            return out
+
+        def evaluate(x: torch.Tensor) -> torch.Tensor:
+            return koila.chunked(forward, x, initial="auto").sum()
+
+        found = koila.estimate(evaluate, torch.randn(64, 32))
+        real = peak_of(device, evaluate, torch.randn(rows, 32))
+    assert found.peak(rows) == pytest.approx(real, rel=0.01)
+
+
+@pytest.mark.parametrize("rows", [64, 256])
+def test_an_estimate_of_a_step_that_runs_accumulate_auto_is_its_real_peak(rows: int) -> None:
+    with simulated_device("1GiB") as device:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @koila.accumulate(initial="auto")
+        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(model(x), y)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            optimizer.zero_grad()
+            loss(x, y)
+            optimizer.step()
+
+        step(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+        found = koila.estimate(step, torch.randn(64, 32), torch.randint(0, 10, (64,)))
+        real = peak_of(device, step, torch.randn(rows, 32), torch.randint(0, 10, (rows,)))
+    assert found.peak(rows) == pytest.approx(real, rel=0.01)

@@ -469,6 +469,48 @@ def test_no_meta_tensor_outlives_the_estimate() -> None:
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == hooks
 
 
+class SelfHooked(nn.Module):
+    """A module whose forward hook is a bound method of its own: the hook refers back to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, CLASSES)
+        self.register_forward_hook(self.on_forward)
+
+    def on_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def hooked_and_dropped(estimated: bool) -> tuple[weakref.ref[nn.Module], list[Any]]:
+    """Run a step that registers a hook once and keeps its handle; return the model, weakly, and the handles."""
+    model = SelfHooked()
+    handles: list[Any] = []
+
+    def step(x: torch.Tensor) -> None:
+        if not handles:  # registered once, lazily, and its handle kept
+            handles.append(model.register_forward_hook(lambda *_: None))
+        model(x).sum().backward()
+
+    x = torch.randn(ROWS, 32)
+    if estimated:
+        koila.estimate(step, x)
+    else:
+        step(x)
+    return weakref.ref(model), handles
+
+
+@pytest.mark.parametrize("estimated", [False, True])
+def test_a_model_whose_step_keeps_a_hook_handle_is_freed_after_the_estimate(estimated: bool) -> None:
+    freed, handles = hooked_and_dropped(estimated)
+    del handles
+    gc.collect()
+    assert freed() is None
+
+
 def test_machinery_is_removed_when_the_call_raises() -> None:
     model = build("mlp")
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import pickle
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -403,6 +405,60 @@ def test_a_hook_another_thread_registers_while_the_estimate_runs_stays() -> None
     model(x)
     assert calls == []
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class SelfHooked(nn.Module):
+    """A module whose forward hook is a bound method of its own: the hook refers back to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.register_forward_hook(self.on_forward)
+
+    def on_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def hooked_by_another_thread(estimated: bool) -> tuple[weakref.ref[nn.Module], list[Any]]:
+    """Another thread hooks the model while a call of it pauses; return the model, weakly, and the handles."""
+    model, x = SelfHooked(), torch.randn(8, 16)
+    pause = Pause()
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(rows)
+        pause.here()
+        return out
+
+    handles: list[Any] = []
+
+    def register() -> None:
+        with pause.during():
+            handles.append(model.register_forward_hook(lambda *_: None))
+
+    def run() -> None:
+        pause.armed = True
+        if estimated:
+            koila.estimate(call, x)
+        else:
+            call(x)
+
+    assert together(run, register) == []
+    assert len(model._forward_hooks) == 2
+    handles[0].remove()  # the handle still removes its hook
+    assert len(model._forward_hooks) == 1
+    return weakref.ref(model), handles
+
+
+@pytest.mark.parametrize("estimated", [False, True])
+def test_a_model_another_thread_hooked_while_the_estimate_ran_is_freed_with_its_handle(estimated: bool) -> None:
+    freed, handles = hooked_by_another_thread(estimated)
+    gc.collect()
+    assert freed() is None
+    assert handles  # the handle outlives the model, as it does without an estimate
 
 
 def test_a_hook_the_estimated_call_registers_stays_with_it() -> None:

@@ -127,10 +127,9 @@ class _Memo:
                 if found is not None:
                     return found
                 making = self.making.get(key)
-                # A thread inside an estimate makes its own: it holds the estimate lock the maker would need.
-                if making is None or borrowing():
+                if making is None:
                     making = threading.Event()
-                    if self.keep and key not in self.making:
+                    if self.keep:
                         self.making[key] = making
                     break
             making.wait()
@@ -279,6 +278,11 @@ class AutoFirst:
 
     def __call__(self, measure: bool = True) -> int:
         """Return the first size; a probe to measure if ``measure`` and nothing was measured yet."""
+        if borrowing():
+            # Run by koila.estimate, on meta tensors: the whole batch, as initial=None, in every run of
+            # it. An estimate of its own here would be counted as the call's memory in the first run
+            # alone (the memo has it in the next), and would wait for one another thread is making.
+            return self._rows
         # The engine does not measure when ranks agree: each rank would measure its own.
         memo, rows, name = _memo_of(self._cache), self._rows, self._name
         estimates = self._estimates = memo.estimates_of(self._key, self._make, name, self._sample_bytes)

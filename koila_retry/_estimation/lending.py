@@ -74,6 +74,8 @@ class Lent:
     _real: Any
     _overlay: Any
     _thread: int | None
+    _kind: Any  # the container type it stands for, whose methods read and write its own storage
+    _weak: weakref.ref[Any]  # the real container, once released
 
     def _view(self) -> Any:
         return self._overlay if threading.get_ident() == self._thread else self._real
@@ -86,6 +88,22 @@ class Lent:
         """End the loan: from now on every thread, the borrower too, reads and writes the real container."""
         self._thread = None
         self._overlay = None
+
+    def release(self) -> bool:
+        """Refer to the real container weakly from now on, mirroring nothing; ``False`` where it cannot be."""
+        # A retired proxy kept for a weak referrer must not keep what the container holds alive: a
+        # hook that is a bound method of its module would keep the module, the proxy's owner, for ever.
+        real = self._real
+        try:
+            self._weak = weakref.ref(real)
+        except TypeError:  # a dict or a list, which nothing outside a loan can refer to weakly either
+            return False
+        self.__class__ = _RELEASED[type(self)]
+        # A method of another thread that began before the line above may still read _real: a weak
+        # proxy answers it as the container would.
+        self._real = weakref.proxy(real)
+        self._kind.clear(self)
+        return True
 
     def _plain(self) -> Any:
         """Return the container this thread sees, past any proxy it is a proxy of."""
@@ -137,8 +155,6 @@ def _forwarding(name: str, writes: bool, in_place: str | None = None) -> Callabl
 
 
 class _LentMapping(Lent):
-    _kind: Any  # the container type it stands for, whose methods read and write its own storage
-
     def _mirror(self) -> None:
         base, real = self._kind, self._real
         for key in [key for key in base.keys(self) if key not in real]:
@@ -148,6 +164,8 @@ class _LentMapping(Lent):
 
 
 class _LentSequence(Lent):
+    _kind = list
+
     def _mirror(self) -> None:
         list.__setitem__(self, slice(None), list(self._real))  # type: ignore[call-overload]
 
@@ -181,6 +199,40 @@ class _LentDefaultDict(_LentMapping, defaultdict):  # type: ignore[type-arg]
 class _LentList(_LentSequence, list):  # type: ignore[type-arg]
     pass
 
+
+class _Released(Lent):
+    """A retired proxy kept for its weak referrers (see ``_retain``): it holds the real container weakly."""
+
+    def _view(self) -> Any:
+        real = self._weak()
+        return self._kind() if real is None else real  # gone with its owner: an empty one
+
+    def _mirror(self) -> None:
+        pass
+
+
+class _ReleasedDict(_Released, _LentDict):
+    pass
+
+
+class _ReleasedOrderedDict(_Released, _LentOrderedDict):
+    pass
+
+
+class _ReleasedDefaultDict(_Released, _LentDefaultDict):
+    pass
+
+
+class _ReleasedList(_Released, _LentList):
+    pass
+
+
+_RELEASED: dict[type, type] = {
+    _LentDict: _ReleasedDict,
+    _LentOrderedDict: _ReleasedOrderedDict,
+    _LentDefaultDict: _ReleasedDefaultDict,
+    _LentList: _ReleasedList,
+}
 
 # Exactly these types are lent: a subclass of one may keep state or behaviour of its own.
 _PROXIES: dict[type, type] = {
@@ -351,7 +403,8 @@ class _Installed(NamedTuple):
 
 # Proxies that something still refers to weakly (a hook's RemovableHandle, made by another
 # thread while the loan lasted, refers to its hook dict so): kept alive with their owner,
-# forwarding to the real container, so that such a handle can still remove its hook.
+# forwarding to the real container, so that such a handle can still remove its hook. They
+# refer to it weakly (Lent.release), or the entry would keep its own key alive.
 _RETAINED: weakref.WeakKeyDictionary[Any, list[Lent]] = weakref.WeakKeyDictionary()
 _RETAINED_LOCK = threading.Lock()
 
@@ -451,12 +504,14 @@ def _put_back(owner: Any, saved: dict[str, Any]) -> None:
 
 def _retain(owner: Any, proxies: list[Lent]) -> None:
     """Keep alive, as long as ``owner`` lives, the retired proxies that something refers to weakly."""
-    referred = [proxy for proxy in proxies if weakref.getweakrefcount(proxy)]
+    referred = [proxy for proxy in proxies if weakref.getweakrefcount(proxy) and proxy.release()]
     if not referred:
         return
     try:
         with _RETAINED_LOCK:
-            _RETAINED.setdefault(owner, []).extend(referred)
+            # Those of earlier loans that nothing refers to any more go: one estimate after another adds up.
+            kept = [proxy for proxy in _RETAINED.get(owner, ()) if weakref.getweakrefcount(proxy)]
+            _RETAINED[owner] = kept + referred
     except TypeError:  # an owner that cannot be referred to weakly: its proxies go with the handles' references
         pass
 
