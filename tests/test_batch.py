@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import sys
@@ -667,6 +668,18 @@ def test_bad_options(options: dict[str, object], error: type[Exception], message
         koila.batch(**options)(run)  # type: ignore[call-overload]
 
 
+def _two_arguments(event: object, log: str) -> None:
+    pass
+
+
+def _with_a_logger(function: Any) -> Any:
+    @functools.wraps(function)
+    def wrapper(event: object) -> None:
+        function(event, "log")
+
+    return wrapper
+
+
 def test_callables_that_take_what_the_engine_gives_are_accepted() -> None:
     events: list[koila.OOMEvent] = []
     for options in (
@@ -676,8 +689,27 @@ def test_callables_that_take_what_the_engine_gives_are_accepted() -> None:
         {"schedule": lambda failed, floor=1: failed // 2},
         {"schedule": koila.scaled(0.5)},
         {"grow": True, "clock": time.process_time},
+        {"on_oom": _with_a_logger(_two_arguments)},  # functools.wraps: the wrapper's signature, not the inner's
     ):
         assert koila.batch(initial=8, **options)(lambda batch_size: batch_size)() == 8  # type: ignore[call-overload]
+
+
+def test_an_options_callables_are_checked_once_not_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call form in a loop read the signatures at every call, some 20 us each."""
+    calls: list[object] = []
+    signature = inspect.signature
+
+    def counted(function: Any, **options: Any) -> inspect.Signature:
+        calls.append(function)
+        return signature(function, **options)
+
+    def on_oom(event: object) -> None:
+        pass
+
+    monkeypatch.setattr(inspect, "signature", counted)
+    for _ in range(5):
+        koila.chunked(lambda rows: rows * 2, torch.ones(8, 3), on_oom=on_oom, schedule=koila.scaled(0.5))
+    assert calls == [on_oom]
 
 
 def test_function_without_a_parameter_to_inject_into() -> None:

@@ -334,6 +334,13 @@ def test_a_cache_whose_key_needs_a_sample_is_refused_at_decoration() -> None:
     assert len(cache) == 0
 
 
+def test_a_key_function_without_a_sample_is_refused_where_the_cache_is_made() -> None:
+    """A koila cache calls its key function with four arguments: a three-argument one failed at the first call."""
+    with pytest.raises(TypeError, match=r"key is called with \(function, caller, device, sample\), but .* takes"):
+        koila.GlobalCache(key=lambda function, caller, device: function)
+    assert koila.GlobalCache(key=lambda function, caller, device, sample: function).key_function is not None
+
+
 def test_a_cache_that_cannot_store_costs_a_call_that_succeeded_nothing_but_a_warning() -> None:
     """A store that raised (a size store elsewhere, unreachable) made the call raise, its result lost."""
 
@@ -354,6 +361,13 @@ def test_a_cache_that_cannot_store_costs_a_call_that_succeeded_nothing_but_a_war
         assert evaluate() == "result at 2"
     assert ran == [8, 4, 2]
     assert caught[0].filename == __file__  # the user's line, not koila's
+    # Once per call: chunked's every chunk tried the store again, and warned again.
+    rows = torch.arange(64.0)
+    fits = oom_above(2)
+    with pytest.warns(RuntimeWarning, match="could not keep") as caught:
+        joined = koila.chunked(lambda chunk: fits(len(chunk)) or chunk * 2, rows, initial=8, cache=Remote())
+    assert len(caught) == 1
+    torch.testing.assert_close(joined, rows * 2)
 
 
 def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:

@@ -1401,6 +1401,8 @@ def test_range_given_one_end_or_the_ends_by_keyword_says_how_to_call_it() -> Non
         TypeError, match=r"takes both ends of the range, by position; it got start=0, stop=10 by keyword"
     ):
         koila.range(lambda b, e: calls.append(b), start=0, stop=10)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"it got start=0 by position and stop=10 by keyword"):
+        koila.range(lambda b, e: calls.append(b), 0, stop=10)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="stop must be an int, got NoneType None"):
         koila.range(lambda b, e: calls.append(b))(0, None)  # type: ignore[arg-type]
     assert calls == []

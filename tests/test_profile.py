@@ -329,6 +329,23 @@ def test_a_function_decorated_by_a_front_end_has_its_own_lines_profiled() -> Non
     model.zero_grad(set_to_none=True)
 
 
+class _LoopingWrapped:
+    """A callable whose ``__wrapped__`` leads back to one like it: inspect.unwrap raises ValueError."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        doubled = x * 2
+        return doubled
+
+    @property
+    def __wrapped__(self) -> _LoopingWrapped:
+        return _LoopingWrapped()
+
+
+def test_a_callable_whose_wrapped_loops_is_profiled_as_itself() -> None:
+    found = koila.profile(_LoopingWrapped(), torch.ones(4, 4), by="line")
+    assert [row.source for row in found.rows] == ["doubled = x * 2", "return doubled"]
+
+
 def test_a_line_in_a_loop_counts_its_runs_and_sums_its_nets() -> None:
     found = koila.profile(looping, by="line")
     row = row_of(found, "kept.append(torch.zeros(64, 64))")

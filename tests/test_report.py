@@ -503,7 +503,7 @@ def test_a_give_up_shortens_the_keys_that_name_what_is_held() -> None:
     """A cache keyed by prompts printed each prompt whole: a give-up's message of about 10 KB."""
     prompt = "Summarise the following document carefully. " * 40
     with simulated_device("256KiB"):
-        cache = {f"{prompt}{index}": torch.ones(4096) for index in range(8)}  # 16 KiB each
+        cache = {f"{prompt}{index}{prompt}": torch.ones(4096) for index in range(8)}  # 16 KiB each, alike at both ends
 
         @koila.batch(initial=8, cache=koila.NoCache())
         def run(batch_size: int) -> int:
@@ -515,6 +515,11 @@ def test_a_give_up_shortens_the_keys_that_name_what_is_held() -> None:
     assert "cache['Summarise" in message  # still named, by the start of its key
     assert prompt not in message
     assert len(message) < 2_000
+    # Keys that read alike once cut short are numbered, as two modules of one class are.
+    held = message.split("Largest on", 1)[1].split("; ")
+    names = [part.rsplit(" float32[", 1)[0] for part in held if " float32[" in part]
+    assert len(names) > 1, held
+    assert len(set(names)) == len(names), names
     del cache
 
 

@@ -15,6 +15,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import cachetools
 import torch
 
+from koila_retry._common.callables import check_takes
 from koila_retry._common.counter import Counter
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.units import as_int
@@ -379,7 +380,7 @@ class SizeCache(Sizes, ABC):
 
     Raises:
         ValueError: if ``maxsize`` is not a positive int.
-        TypeError: if ``key`` is not callable.
+        TypeError: if ``key`` is not callable with ``(function, caller, device, sample)``.
 
     .. versionadded:: 0.1.0
     """
@@ -395,6 +396,8 @@ class SizeCache(Sizes, ABC):
                 "key must be a function (function, caller, device, sample) -> key, such as koila.stack_key, "
                 f"got {type(key).__name__} {key!r}"
             )
+        else:
+            check_takes("key", key, "(function, caller, device, sample)", None, None, None, None)
         self._key_function = key
         if type(self).key is _apply_key and getattr(key, "__module__", None) == stack_key.__module__:
             # A cached call costs microseconds: with no subclass's key() in the way, the
@@ -561,7 +564,7 @@ class StackMemoryCache(SizeCache):
     Raises:
         ValueError: if ``maxsize``, ``depth`` or ``fallback_buckets`` is out of
             range, or if both ``depth`` and ``key`` are given.
-        TypeError: if ``key`` is not callable.
+        TypeError: if ``key`` is not callable with ``(function, caller, device, sample)``.
 
     .. versionadded:: 0.1.0
     """

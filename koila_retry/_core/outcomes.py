@@ -274,8 +274,7 @@ def store(cache: SizeCache, key: Hashable | None, done: Done, state: State, per_
                 RuntimeWarning,
                 stacklevel=levels_to_caller(),
             )
-            return
-        state.cached = state.size
+        state.cached = state.size  # stored or not, not tried again in this call (each chunk of chunked would)
 
 
 def iterator_among(roots: tuple[object, ...]) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
 import numbers
 import time
@@ -13,6 +12,7 @@ from typing import Any, SupportsFloat, TypedDict
 
 import torch
 
+from koila_retry._common.callables import check_takes
 from koila_retry._common.units import as_int
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache
@@ -214,18 +214,6 @@ def _positive_int(name: str, value: object) -> int:
     return number
 
 
-def _takes(name: str, function: Callable[..., object], given: str, *arguments: object) -> None:
-    """Refuse a callable that cannot be called as the engine will call it: at decoration, not at the first OOM."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):  # a builtin without a signature: called as it is
-        return
-    try:
-        signature.bind(*arguments)
-    except TypeError as error:
-        raise TypeError(f"{name} is called with {given}, but {function!r:.200} takes {signature}: {error}") from None
-
-
 def _flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         # numpy's bool_ prints as a bool: say that Python's is the one taken.
@@ -313,11 +301,11 @@ class Policy:
         if cache is not None and not type(cache).key.__module__.startswith("koila_retry."):  # a subclass of yours
             # batch, attempts and range see no inputs: they call it without a sample, as caches before sample had it.
             given = "function, caller and device, and sample where there is one: give sample a default (sample=None)"
-            _takes("a cache's key", cache.key, given, None, None, None)
+            check_takes("a cache's key", cache.key, given, None, None, None)
         if self.on_oom is not None and not callable(self.on_oom):
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
         if self.on_oom is not None:
-            _takes("on_oom", self.on_oom, "one OOMEvent", None)
+            check_takes("on_oom", self.on_oom, "one OOMEvent", None)
         _flag("grow", self.grow)
         object.__setattr__(self, "grow_after", _positive_int("grow_after", self.grow_after))
         gain = self.grow_gain
@@ -334,7 +322,7 @@ class Policy:
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         if self.clock is not time.perf_counter:
-            _takes("clock", self.clock, "no arguments, as time.perf_counter is")
+            check_takes("clock", self.clock, "no arguments, as time.perf_counter is")
         check_target(self.snapshot, self.snapshot_each_oom)
         if isinstance(self.snapshot, str) and not self.snapshot:
             raise ValueError(
@@ -354,7 +342,7 @@ class Policy:
                 f"schedule must be a schedule, a callable given the size that failed, got the class "
                 f"{self.schedule.__name__}: give an instance of it (koila.scaled(0.5), say)"
             )
-        if self.schedule is not powers_of_two:
-            _takes("schedule", self.schedule, "the batch size that failed, one int", 1)
+        if self.schedule is not powers_of_two and type(self.schedule) is not scaled:  # the library's own take one
+            check_takes("schedule", self.schedule, "the batch size that failed, one int", 1)
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))

@@ -499,7 +499,12 @@ def _code_of(target: Any) -> types.CodeType:
     """Return the code object that runs when ``target`` is called."""
     found: Any = target
     if not isinstance(found, (type, torch.nn.Module)):
-        found = inspect.unwrap(found)  # a koila front end's wrapper (functools.wraps'): the function it runs
+        try:
+            inner = inspect.unwrap(found)  # a koila front end's wrapper (functools.wraps'): the function it runs
+        except Exception:  # a __wrapped__ that loops or raises: the target itself
+            inner = found
+        if not isinstance(inner, types.BuiltinFunctionType):
+            found = inner
     if isinstance(found, type) and issubclass(found, torch.nn.Module):
         found = found.forward
     elif isinstance(found, torch.nn.Module):

@@ -647,11 +647,12 @@ def _held(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
     """Return the tensors a variable holds directly: its items, or its attributes, named after it."""
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
         return []  # named from their parameters and state instead
-    return [
+    # Numbered where two read alike: long keys are cut short (walk.references).
+    return _distinct(
         (f"{name}{label}" if label.startswith("[") else f"{name}.{label}", child)
         for label, child in references(value)
         if isinstance(child, torch.Tensor)
-    ]
+    )
 
 
 T = TypeVar("T")

@@ -581,12 +581,13 @@ def range(
 
 def _range_by_position(start: object, options: dict[str, Any]) -> NoReturn:
     """Refuse a call form given one end of the range (Python's range(n) habit) or the ends by keyword."""
-    if start is not None:
-        end = f"{start!r:.40}"
-        got = f"it got start={end} and no stop: to cover 0 to {end}, call koila.range(fn, 0, {end})"
+    keywords = ", ".join(f"{name}={options[name]!r:.40}" for name in ("start", "stop") if name in options)
+    end = f"{start!r:.40}"
+    if keywords:
+        given = f"start={end} by position and " if start is not None else ""
+        got = f"it got {given}{keywords} by keyword"
     else:
-        ends = ", ".join(f"{name}={options[name]!r:.40}" for name in ("start", "stop") if name in options)
-        got = f"it got {ends} by keyword"
+        got = f"it got start={end} and no stop: to cover 0 to {end}, call koila.range(fn, 0, {end})"
     raise TypeError(f"koila.range(fn, start, stop) takes both ends of the range, by position; {got}")
 
 
