@@ -334,6 +334,16 @@ def test_a_cache_whose_key_needs_a_sample_is_refused_at_decoration() -> None:
     assert len(cache) == 0
 
 
+def test_a_cache_class_made_by_exec_is_taken() -> None:
+    """A class exec made (a doctest's) has functions whose __module__ is None: the check raised AttributeError."""
+    namespace: dict[str, Any] = {"koila": koila}
+    source = "class PerDevice(koila.SizeCache):\n    def key(self, function, caller, device, sample=None):\n"
+    exec(source + "        return device", namespace)
+    cache = namespace["PerDevice"]()
+    assert koila.batch(initial=4, cache=cache)(lambda batch_size: batch_size)() == 4
+    assert cache.cache_info().misses == 1
+
+
 def test_a_key_function_without_a_sample_is_refused_where_the_cache_is_made() -> None:
     """A koila cache calls its key function with four arguments: a three-argument one failed at the first call."""
     with pytest.raises(TypeError, match=r"key is called with \(function, caller, device, sample\), but .* takes"):
