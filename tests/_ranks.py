@@ -2701,3 +2701,114 @@ def refine_agrees(rank: int, world: int) -> dict[str, Any]:
         tried.append([])
         got.append(run())
     return {"got": got, "tried": tried, "ooms": run.stats.ooms}
+
+
+# --------------------------------------------------------------------------- DDP modules given and found; grad mode
+
+
+@scenario("crash")
+def accumulate_ddp_given_beside_one_found(rank: int, world: int) -> dict[str, Any]:
+    """ddp= names one of the two DDP modules the step trains; rank 1 runs out of memory in micro-batch 2.
+
+    The modules have a group of their own, with half the default group's timeout (as ddp_buffers_first_forward).
+    """
+    torch.manual_seed(0)
+    first, second = nn.Linear(6, 1).to(DTYPE), nn.Linear(6, 1).to(DTYPE)
+    hand_first, hand_second = copy.deepcopy(first), copy.deepcopy(second)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=15))
+    given, found = DDP(first, process_group=group), DDP(second, process_group=group)
+    x, y = data(16, 6, seed=131 + rank), data(16, 1, seed=133 + rank)
+    calls: list[int] = []
+
+    @koila.accumulate(initial=4, cache=koila.NoCache(), ddp=given)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if rank == 1 and len(calls) == 2:
+            raise make_oom()
+        return F.mse_loss(given(x) + found(x), y)
+
+    outcome = caught(lambda: step(x, y))
+    size = step.stats.batch_size
+    # The loop a user writes by hand at the size the step settled on: no_sync() on both modules but in the last.
+    hands = [DDP(hand_first, process_group=group), DDP(hand_second, process_group=group)]
+    for begin in range(0, 16, size):
+        with contextlib.ExitStack() as stack:
+            if begin + size < 16:
+                for hand in hands:
+                    stack.enter_context(hand.no_sync())
+            part = F.mse_loss(
+                hands[0](x[begin : begin + size]) + hands[1](x[begin : begin + size]), y[begin : begin + size]
+            )
+            (part * (size / 16)).backward()
+    for model in (first, second, hand_first, hand_second):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {
+        "outcome": outcome.get("type"),
+        "calls": calls,
+        "size": size,
+        "parameters": [p.detach().clone() for p in (*first.parameters(), *second.parameters())],
+        "hand": [p.detach().clone() for p in (*hand_first.parameters(), *hand_second.parameters())],
+    }
+
+
+def _eval_with_buffers(rank: int) -> tuple[nn.Module, DDP]:
+    """An MLP with BatchNorm and a buffer of its own in eval mode, rank 1's buffers unlike rank 0's, under DDP."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(DTYPE)
+    model.register_buffer("scale", torch.ones(1, dtype=DTYPE))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=15))
+    ddp = DDP(model, process_group=group)
+    with torch.no_grad():  # after DDP's broadcast at construction: the ranks differ until the next one
+        model[1].running_mean.fill_(rank)
+        model.scale.fill_(rank + 2)
+    model.eval()
+    return model, ddp
+
+
+@scenario("crash")
+def ddp_inference_in_grad_mode_with_buffers(rank: int, world: int) -> dict[str, Any]:
+    """Inference through a DDP module with buffers in eval mode, grad mode on; rank 1 fails its second forward."""
+    model, ddp = _eval_with_buffers(rank)
+    x = data(32, 6, seed=141 + rank)
+    calls: list[int] = []
+
+    def forward(chunk: torch.Tensor) -> torch.Tensor:
+        calls.append(len(chunk))
+        if rank == 1 and len(calls) == 2:
+            raise make_oom()
+        return ddp(chunk) * model.scale
+
+    def blocks() -> torch.Tensor:
+        for attempt in koila.attempts(initial=16, cache=koila.NoCache()):
+            with attempt:
+                out = torch.cat([forward(x[i : i + attempt.batch_size]) for i in range(0, 32, attempt.batch_size)])
+        return out
+
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "batch": lambda: koila.batch(initial=16, cache=koila.NoCache())(
+            lambda batch_size: torch.cat([forward(x[i : i + batch_size]) for i in range(0, 32, batch_size)])
+        )(),
+        "attempts": blocks,
+        "chunked": lambda: koila.chunked(forward, x, initial=16, cache=koila.NoCache()),
+    }
+    outcomes: dict[str, Any] = {"own scale of rank 0": 2.0}  # as each run sets it, rank r's r + 2
+    for name, run in runs.items():
+        calls.clear()
+        with torch.no_grad():
+            model.scale.fill_(rank + 2)  # unlike rank 0's again: the call broadcasts them
+        outcome = caught(run)
+        if "returned" in outcome:
+            with torch.no_grad():  # the plain model, with rank 0's buffers, as DDP's broadcast gives them
+                expected = model(x) * model.scale
+                outcome["returned"] = torch.allclose(outcome["returned"], expected, rtol=1e-12, atol=1e-12)
+            outcome["scale"] = float(model.scale)
+            outcome["stood in"] = "_sync_buffers" in vars(ddp)  # after the call, DDP broadcasts as it does
+            outcome["broadcasts next"] = ddp.require_forward_param_sync
+        outcomes[name] = outcome
+    # A forward in training mode broadcasts as DDP does, after the chunked call too.
+    with torch.no_grad():
+        model.scale.fill_(rank + 2)
+    model.train()
+    ddp(x).sum().backward()
+    outcomes["trained"] = {"scale": float(model.scale), "stood in": "_sync_buffers" in vars(ddp)}
+    return outcomes

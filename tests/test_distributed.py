@@ -1062,3 +1062,35 @@ def test_refine_probes_the_same_sizes_on_every_rank(groups: Groups, group: str) 
     assert got[-3:] == [got[-1]] * 3
     failed = [size for call in tried for size in call if size > 100]
     assert len(failed) == len(set(failed)), "a size that failed on a rank was tried again"
+
+
+# --------------------------------------------------------------------------- DDP modules given and found; grad mode
+
+
+def test_accumulate_covers_ddp_modules_given_and_found(groups: Groups) -> None:
+    # ddp= named one of the two DDP modules the step trains, so the other was not covered: it all-reduced in
+    # every micro-batch, and rank 1's out-of-memory error left rank 0 waiting in it until gloo's timeout.
+    values = groups("crash")["accumulate_ddp_given_beside_one_found"]
+    for rank, value in enumerate(values):
+        assert value["outcome"] is None, f"rank {rank}: {value['outcome']}"
+    same_on_every_rank(values, "size")  # the hand loop ran at it
+    assert values[1]["calls"][:3] == [4, 4, values[1]["size"]]  # its second micro-batch of 4 failed
+    for rank, value in enumerate(values):
+        assert_grads(value["parameters"], value["hand"], f"rank {rank}: ")
+        assert_grads(value["parameters"], values[0]["parameters"], f"rank {rank} against rank 0: ")
+
+
+def test_inference_over_ddp_with_buffers_in_grad_mode_survives_a_failed_forward(groups: Groups) -> None:
+    # In grad mode DDP broadcasts the buffers before every forward: rank 1, past its failed second forward,
+    # made fewer than rank 0, and the ranks hung until gloo's timeout.
+    for rank, outcomes in enumerate(groups("crash")["ddp_inference_in_grad_mode_with_buffers"]):
+        for name in ("batch", "attempts", "chunked"):
+            outcome = outcomes[name]
+            assert outcome.get("type") is None, f"rank {rank}, {name}: {outcome}"
+            assert outcome["returned"], f"rank {rank}, {name}: not the plain model's result"
+            assert outcome["scale"] == outcomes["own scale of rank 0"], f"rank {rank}, {name}: not rank 0's buffers"
+            assert outcome["broadcasts next"], f"rank {rank}, {name}"
+        assert not outcomes["batch"]["stood in"], f"rank {rank}"
+        assert not outcomes["attempts"]["stood in"], f"rank {rank}"
+        trained = {"scale": outcomes["own scale of rank 0"], "stood in": False}
+        assert outcomes["trained"] == trained, f"rank {rank}"

@@ -183,16 +183,17 @@ def accumulate(
             pass no ``scaler`` with it. The ``initial="auto"`` estimate runs a
             plain backward. Default: ``None``, ``loss.backward()``. See
             :doc:`accumulate`.
-        ddp (DistributedDataParallel or list, optional): the DDP module the
-            step trains, or a list of them. Every micro-batch but the last
-            runs under ``no_sync()``, and the last one's backward all-reduces
-            as DDP does it; a rank that fails plays along the all-reduces it
-            did not make, and the ranks agree (docs/distributed.rst, "DDP:
-            the overlap, kept"). Several modules, like the other cases that
-            page lists, run every micro-batch under ``no_sync()`` and
-            all-reduce after the ranks agree.
-            Default: the DDP modules the step reaches (through its
-            arguments, closure, globals or ``self``), found at its first call.
+        ddp (DistributedDataParallel or list, optional): DDP modules the
+            step trains, added to those it finds itself (through its
+            arguments, closure, globals or ``self``, see :doc:`distributed`):
+            name any the search may miss. The step covers both. Every
+            micro-batch but the last runs under ``no_sync()``, and the last
+            one's backward all-reduces as DDP does it; a rank that fails
+            plays along the all-reduces it did not make, and the ranks agree
+            (docs/distributed.rst, "DDP: the overlap, kept"). Several
+            modules, like the other cases that page lists, run every
+            micro-batch under ``no_sync()`` and all-reduce after the ranks
+            agree. Default: ``None``, the modules found.
         **options (Options): the shared options, the sizes being those of
             micro-batches; see :ref:`options`. ``cache`` defaults to a new
             :class:`StackMemoryCache` for this function, and ``group`` to the
@@ -402,7 +403,7 @@ class _Accumulator:
         self.warned_batchnorm = self.warned_checkpoint = self.warned_comm_hook = False
         self.warned_dropped = False
         self.weighing = Weighing(controller.name, mean)  # weight= sets its weight
-        self.ddp: list[Any] = []  # given by ddp=; else found by the controller
+        self.ddp: list[Any] = []  # given by ddp=, besides those the controller finds
         self.averages = True  # see accumulator()
         self.replay: Callable[[], tuple[str, str] | None] | None = None  # see accumulator()
         self.pad: Callable[[], float | None] | None = None  # see accumulator()
@@ -653,7 +654,7 @@ class _Accumulator:
 
     def _gradient_sync(self) -> GradientSync | None:
         """Return what averages the step's DDP gradients, if it trains a DDP module with grad on."""
-        modules = self.ddp or self.controller.ddp_modules
+        modules = distributed.joined(self.ddp, self.controller.ddp_modules)
         if not modules or not self.averages or not torch.is_grad_enabled():
             return None
         return GradientSync(modules)
@@ -704,7 +705,7 @@ class _Accumulator:
         def estimated(count: int) -> Callable[[], MemoryEstimate]:
             def make() -> MemoryEstimate:
                 # Only the ranks whose cache knows no size estimate: DDP's collectives must stay out of it.
-                modules = self.ddp or ddp_modules((fn, split.args, split.kwargs))
+                modules = distributed.joined(self.ddp, ddp_modules((fn, split.args, split.kwargs)))
                 with GradientSync(modules).silent() if modules else contextlib.nullcontext():
                     return estimate_batch(steps(count), split, device=device)
 
