@@ -115,3 +115,19 @@ class Marked(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class SelfHooked(torch.nn.Module):
+    """A linear layer whose forward hook is a bound method of its own: the hook refers back to the module."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, out)
+        self.register_forward_hook(self.on_forward)
+
+    def on_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from _layers import SelfHooked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -469,25 +470,9 @@ def test_no_meta_tensor_outlives_the_estimate() -> None:
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == hooks
 
 
-class SelfHooked(nn.Module):
-    """A module whose forward hook is a bound method of its own: the hook refers back to it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(32, CLASSES)
-        self.register_forward_hook(self.on_forward)
-
-    def on_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        pass
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.linear(x)
-        return out
-
-
 def hooked_and_dropped(estimated: bool) -> tuple[weakref.ref[nn.Module], list[Any]]:
     """Run a step that registers a hook once and keeps its handle; return the model, weakly, and the handles."""
-    model = SelfHooked()
+    model = SelfHooked(32, CLASSES)
     handles: list[Any] = []
 
     def step(x: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _layers import SelfHooked
 from _turns import Turns
 from torch import nn
 
@@ -407,25 +408,9 @@ def test_a_hook_another_thread_registers_while_the_estimate_runs_stays() -> None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-class SelfHooked(nn.Module):
-    """A module whose forward hook is a bound method of its own: the hook refers back to it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 4)
-        self.register_forward_hook(self.on_forward)
-
-    def on_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        pass
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.linear(x)
-        return out
-
-
 def hooked_by_another_thread(estimated: bool) -> tuple[weakref.ref[nn.Module], list[Any]]:
     """Another thread hooks the model while a call of it pauses; return the model, weakly, and the handles."""
-    model, x = SelfHooked(), torch.randn(8, 16)
+    model, x = SelfHooked(16, 4), torch.randn(8, 16)
     pause = Pause()
 
     def call(rows: torch.Tensor) -> torch.Tensor:
