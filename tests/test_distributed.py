@@ -1078,19 +1078,3 @@ def test_accumulate_covers_ddp_modules_given_and_found(groups: Groups) -> None:
     for rank, value in enumerate(values):
         assert_grads(value["parameters"], value["hand"], f"rank {rank}: ")
         assert_grads(value["parameters"], values[0]["parameters"], f"rank {rank} against rank 0: ")
-
-
-def test_inference_over_ddp_with_buffers_in_grad_mode_survives_a_failed_forward(groups: Groups) -> None:
-    # In grad mode DDP broadcasts the buffers before every forward: rank 1, past its failed second forward,
-    # made fewer than rank 0, and the ranks hung until gloo's timeout.
-    for rank, outcomes in enumerate(groups("crash")["ddp_inference_in_grad_mode_with_buffers"]):
-        for name in ("batch", "attempts", "chunked"):
-            outcome = outcomes[name]
-            assert outcome.get("type") is None, f"rank {rank}, {name}: {outcome}"
-            assert outcome["returned"], f"rank {rank}, {name}: not the plain model's result"
-            assert outcome["scale"] == outcomes["own scale of rank 0"], f"rank {rank}, {name}: not rank 0's buffers"
-            assert outcome["broadcasts next"], f"rank {rank}, {name}"
-        assert not outcomes["batch"]["stood in"], f"rank {rank}"
-        assert not outcomes["attempts"]["stood in"], f"rank {rank}"
-        trained = {"scale": outcomes["own scale of rank 0"], "stood in": False}
-        assert outcomes["trained"] == trained, f"rank {rank}"

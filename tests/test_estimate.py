@@ -1402,3 +1402,29 @@ def test_auto_warns_of_a_boolean_mask_with_the_note_not_pytorchs_message() -> No
     (warning,) = [w for w in caught if "could not estimate" in str(w.message)]
     assert "indexing with a boolean mask (x[mask]): the shape of its result depends on" in str(warning.message)
     assert "torch.fx" not in str(warning.message)
+
+
+def test_proxies_kept_for_dropped_handles_go_at_the_next_estimate() -> None:
+    """Kept for a handle made during an estimate, they stayed after it was dropped until one made another."""
+    from koila_retry._estimation import lending
+
+    model = nn.Linear(4, 2)
+    handles: list[Any] = []
+
+    def hooking(x: torch.Tensor) -> None:
+        handles.append(model.register_forward_hook(lambda *_: None))
+        model(x).sum().backward()
+
+    def plain(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    koila.estimate(hooking, torch.randn(8, 4))
+    before = len(lending._RETAINED.get(model, ()))
+    assert before > 0  # a handle made during the estimate keeps what it refers to
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    gc.collect()
+    koila.estimate(plain, torch.randn(8, 4))
+    assert len(lending._RETAINED.get(model, ())) < before
+    assert model.weight.grad is None

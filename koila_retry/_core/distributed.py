@@ -188,10 +188,6 @@ class Agreement:
                 f"minimum={minimum} and initial={initial}. Give every rank the same minimum and initial, or "
                 "pass sync=False to let each rank choose alone"
             )
-        if _rebuild_due:
-            _rebuild_if_due()
-        if _QUIET:
-            _quiet_ended(span is not None)
         return agreed, floor
 
     def check_others(self) -> None:
@@ -237,11 +233,7 @@ class Agreement:
                 "grad mode whose output got no backward (a sample logged, say): run such forwards under "
                 "torch.no_grad() or on model.module, or give every rank as many rows"
             )
-        if failing >= self.world_size:
-            if _QUIET and not inside:
-                _quiet_ended(None)  # the call's attempt succeeded on every rank
-            return None, (agreed or None), votes == 1
-        return failing, (agreed or None), votes == 1
+        return (None if failing >= self.world_size else failing), (agreed or None), votes == 1
 
 
 class _Exchange:
@@ -361,147 +353,28 @@ def supported_modules(
 
 
 def broadcast_before_inference(modules: Iterable[torch.nn.Module]) -> None:
-    """Make, on every rank, before a call's attempts, the collectives DDP modules would make in its forwards."""
-    # Without grad, DDP broadcasts buffers before the first forward and stops after it, in its post-forward: a
-    # rank that ran out of memory in between would broadcast again at its retry, alone. Made here, with the flag
-    # cleared as that post-forward clears it, no attempt's forward makes it. With grad and gradient sync on,
-    # DDP broadcasts before every forward: where no forward changes a buffer (every layer that holds one in
-    # eval mode), only the first broadcast carries anything, and _Quiet stands in for the others.
-    _broadcast_now.clear()
+    """Make, on every rank, the buffer broadcast a DDP module makes at the start of a forward without grad."""
+    # DDP broadcasts buffers before the first such forward and stops after it, in its post-forward: a rank
+    # that ran out of memory in between would broadcast again at its retry, alone. Made here, before the
+    # attempts, with the flag cleared as that post-forward clears it, no attempt's forward makes it.
+    if torch.is_grad_enabled():
+        return
     from torch.nn.parallel import DistributedDataParallel
 
-    grad = torch.is_grad_enabled()
     for module in modules:
-        if not isinstance(module, DistributedDataParallel):
+        if not isinstance(module, DistributedDataParallel) or not getattr(module, "require_forward_param_sync", False):
             continue
-        _unquiet(module)  # decided again for this call
-        attributes = vars(module)
-        if grad:
-            _rebuild_due.append(weakref.ref(module))  # as a forward with grad does: after the start's exchange
-            if attributes.get("require_backward_grad_sync", True):
-                owners = _quiet_owners(module)
-                if owners is None:
-                    continue  # no broadcast, or layers that train: the forwards' broadcasts stay DDP's
-                if attributes.get("require_forward_param_sync", False):
-                    _broadcast_buffers(module)
-                    _broadcast_now.add(module)
-                quiet = _QUIET[module] = _Quiet(module, owners, attributes.get("_sync_buffers", _ABSENT))
-                attributes["_sync_buffers"] = quiet
-                continue
-        if attributes.get("require_forward_param_sync", False):
-            _broadcast_buffers(module)
-            _broadcast_now.add(module)
-            module.require_forward_param_sync = False
-
-
-def _rebuild_if_due() -> None:
-    """Have DDP rebuild its buckets (a broadcast) where the next forward with grad of a call starting would."""
-    # As GradientSync.before_step, for every front end. Private parts of DDP, each used only if this torch has it.
-    due, _rebuild_due[:] = list(_rebuild_due), []
-    for reference in due:
-        module = reference()
-        if module is None or getattr(module, "_use_python_reducer", False):
-            continue
-        if getattr(module, "_delay_all_reduce_all_params", False):
-            continue  # its forward never rebuilds
-        rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
-        if callable(rebuild):
-            rebuild()  # a no-op unless DDP is due to rebuild
+        _broadcast_buffers(module)
+        module.require_forward_param_sync = False
 
 
 def _broadcast_buffers(module: DistributedDataParallel) -> None:
     """Make the broadcast of buffers from rank 0 that DDP makes at the start of a forward, if it makes one."""
-    _unquiet(module)  # the broadcast itself, not what stands in for it
     # Private parts of DDP, each used only if this torch has it.
     syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
     sync_buffers = getattr(module, "_sync_buffers", None)
     if syncs and getattr(module, "modules_buffers", None) and callable(sync_buffers):
         sync_buffers()
-
-
-def _quiet_owners(module: DistributedDataParallel) -> list[torch.nn.Module] | None:
-    """Return the layers holding the buffers DDP broadcasts, if it broadcasts any and all are in eval mode."""
-    syncs = getattr(module, "forward_sync_buffers", getattr(module, "broadcast_buffers", False))
-    if not (syncs and getattr(module, "modules_buffers", None) and callable(getattr(module, "_sync_buffers", None))):
-        return None
-    if module.module.training:  # the usual step of training: looked at no further
-        return None
-    ignored: set[str] = getattr(module, "parameters_to_ignore", set())
-    owners = []
-    for prefix, each in module.module.named_modules():
-        names = [f"{prefix}.{name}" if prefix else name for name, _ in each.named_buffers(recurse=False)]
-        if any(name not in ignored for name in names):
-            if each.training:
-                return None
-            owners.append(each)
-    return owners
-
-
-class _Quiet:
-    """Stands in for a DDP module's broadcast of buffers while every layer that holds one is in eval mode."""
-
-    __slots__ = ("before", "module", "owners", "steps")
-
-    def __init__(self, module: DistributedDataParallel, owners: list[torch.nn.Module], before: Any) -> None:
-        self.module = weakref.ref(module)
-        self.owners = owners
-        self.before = before  # what the module's own attributes held as _sync_buffers (_ABSENT: nothing)
-        self.steps: bool | None = None  # whether the call covers a run of steps (see Agreement.start)
-
-    def __call__(self) -> None:
-        module = self.module()
-        if module is None:
-            return
-        if _QUIET.get(module) is self and not any(owner.training for owner in self.owners):
-            # Every rank holds rank 0's buffers since the broadcast before the call, and a forward in eval mode
-            # changes none: the broadcast would carry nothing, and a rank past its own failure would miss it.
-            return
-        self.remove(module)  # a layer trains again: DDP broadcasts as it does
-        if self.before is _ABSENT:
-            own: Any = type(module)._sync_buffers  # DDP's
-            own(module)
-        else:
-            self.before()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A copy or a pickle of the module (copy.deepcopy, torch.save) gets DDP's own broadcast.
-        return getattr, (self.module(), "_sync_buffers")
-
-    def remove(self, module: DistributedDataParallel) -> None:
-        """Give the module its own broadcast back."""
-        if _QUIET.get(module) is self:
-            del _QUIET[module]
-        attributes = vars(module)
-        if attributes.get("_sync_buffers") is self:
-            if self.before is _ABSENT:
-                del attributes["_sync_buffers"]
-            else:
-                attributes["_sync_buffers"] = self.before
-
-
-def _unquiet(module: DistributedDataParallel) -> None:
-    quiet = _QUIET.get(module)
-    if quiet is not None:
-        quiet.remove(module)
-
-
-def _quiet_ended(steps: bool | None) -> None:
-    """Hand back the broadcasts stood in for, after a call's success, or note whether the call runs steps."""
-    for module, quiet in list(_QUIET.items()):
-        if steps is not None:
-            if quiet.steps is None:  # the call that made it starts: its start's exchange comes first
-                quiet.steps = steps
-        elif quiet.steps is False:  # after a run of steps the stand-in lasts while the layers stay in eval mode
-            quiet.remove(module)
-
-
-_ABSENT: Any = object()
-# The DDP modules whose broadcast is stood in for, and the stand-in.
-_QUIET: weakref.WeakKeyDictionary[DistributedDataParallel, _Quiet] = weakref.WeakKeyDictionary()
-# The DDP modules of the call starting with grad, whose buckets DDP may be due to rebuild.
-_rebuild_due: list[weakref.ref[DistributedDataParallel]] = []
-# The DDP modules whose buffers the call starting broadcast already (see GradientSync.before_step).
-_broadcast_now: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 def synced_norms(roots: Iterable[Any]) -> list[torch.nn.Module]:
@@ -592,11 +465,7 @@ class GradientSync:
             rebuild = getattr(getattr(module, "reducer", None), "_rebuild_buckets", None)
             if torch.is_grad_enabled() and callable(rebuild):
                 rebuild()  # a no-op unless DDP is due to rebuild
-            if module in _broadcast_now:  # made before the attempts (broadcast_before_inference): not twice
-                _broadcast_now.discard(module)
-                _unquiet(module)  # the step's own keep its forwards from broadcasting
-            else:
-                _broadcast_buffers(module)
+            _broadcast_buffers(module)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

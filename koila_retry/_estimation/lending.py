@@ -505,13 +505,16 @@ def _put_back(owner: Any, saved: dict[str, Any]) -> None:
 def _retain(owner: Any, proxies: list[Lent]) -> None:
     """Keep alive, as long as ``owner`` lives, the retired proxies that something refers to weakly."""
     referred = [proxy for proxy in proxies if weakref.getweakrefcount(proxy) and proxy.release()]
-    if not referred:
-        return
     try:
+        if not referred and owner not in _RETAINED:
+            return  # the usual case
         with _RETAINED_LOCK:
-            # Those of earlier loans that nothing refers to any more go: one estimate after another adds up.
-            kept = [proxy for proxy in _RETAINED.get(owner, ()) if weakref.getweakrefcount(proxy)]
-            _RETAINED[owner] = kept + referred
+            # Those of earlier loans that nothing refers to any more go, at the owner's next loan.
+            kept = [proxy for proxy in _RETAINED.get(owner, ()) if weakref.getweakrefcount(proxy)] + referred
+            if kept:
+                _RETAINED[owner] = kept
+            else:
+                _RETAINED.pop(owner, None)
     except TypeError:  # an owner that cannot be referred to weakly: its proxies go with the handles' references
         pass
 
