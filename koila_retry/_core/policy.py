@@ -298,9 +298,8 @@ class Policy:
                 )
             )
         cache = self.cache
-        module = getattr(
-            getattr(type(cache), "key", None), "__module__", None
-        )  # None for a class exec made (a doctest)
+        # None for a class that exec made (a doctest's).
+        module = getattr(getattr(type(cache), "key", None), "__module__", None)
         if cache is not None and not (isinstance(module, str) and module.startswith("koila_retry.")):  # yours
             # batch, attempts and range see no inputs: they call it without a sample, as caches before sample had it.
             given = "function, caller and device, and sample where there is one: give sample a default (sample=None)"
