@@ -17,7 +17,7 @@ import koila_retry as koila
 from koila_retry._core import decision, memory
 from koila_retry._core.engine import Call, Controller
 from koila_retry._core.policy import Policy
-from koila_retry.testing import oom_above
+from koila_retry.testing import make_oom, oom_above
 
 # The same patch holds for every example, so a function-scoped fixture is safe here.
 properties = settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -347,6 +347,32 @@ def test_scaled_takes_numpys_numbers() -> None:
     for wrong in (numpy.bool_(True), True, "0.5", torch.tensor(0.5)):
         with pytest.raises(TypeError, match="factor must be a number"):
             koila.scaled(wrong)
+
+
+def test_a_schedule_and_its_grow_may_return_numpys_ints() -> None:
+    """A schedule reading a size from an array returned numpy.int64(20): refused, where the options take it."""
+    numpy = pytest.importorskip("numpy")
+
+    class FromArray:
+        def __call__(self, failed: int) -> Any:
+            return numpy.int64(failed // 4)
+
+        def grow(self, size: int) -> Any:
+            return numpy.int64(size * 4)
+
+    tried: list[int] = []
+
+    @koila.batch(initial=100, schedule=FromArray(), cache=koila.NoCache())
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        if batch_size > 30:
+            raise make_oom()
+        return batch_size
+
+    assert run() == 25
+    assert [type(size) for size in tried] == [int, int]
+    assert decision.grow_by(FromArray(), 25) == 100
+    assert type(decision.grow_by(FromArray(), 25)) is int
 
 
 def test_powers_of_two_takes_numpys_ints() -> None:

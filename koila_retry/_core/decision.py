@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+from koila_retry._common.units import as_int
 from koila_retry._core.cache import Bound, Streak
 from koila_retry._core.policy import Policy, Schedule, powers_of_two
 
@@ -149,11 +150,12 @@ def grow_by(schedule: Schedule, size: int, name: str = "koila") -> int:
     if grow is None:  # plain callables, powers_of_two among them: the next power of two
         return 1 << size.bit_length()
     larger = grow(size)
-    if isinstance(larger, bool) or not isinstance(larger, int) or larger <= size:
+    number = as_int(larger)  # numpy's ints too
+    if number is None or number <= size:
         raise ValueError(
             f"{name}: the schedule's grow returned {larger!r} for batch size {size}; it must return an int above {size}"
         )
-    return larger
+    return number
 
 
 def first(
@@ -224,14 +226,15 @@ def shrink(rules: Rules, failed: int, number: int, floor: int) -> Try | GiveUp:
     size = rules.schedule(failed)
     if size is None:
         return GiveUp("schedule")
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < failed:
+    shrunk = as_int(size)  # numpy's ints too, as the options take them
+    if shrunk is None or not 1 <= shrunk < failed:
         # An endless loop (a size that does not shrink) or a size no call can use.
         raised = f" (raised to the minimum, {floor}, if below it)" if floor > 1 else ""
         raise ValueError(
             f"{rules.name}: the schedule returned {size!r} after batch size {failed} ran out of memory; "
             f"it must return an int from 1 to {failed - 1}{raised}, or None to give up"
         )
-    return Try(max(size, floor))
+    return Try(max(shrunk, floor))
 
 
 def decide(
