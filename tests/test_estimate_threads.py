@@ -152,6 +152,16 @@ class Pause:
             self.reached.set()
             assert self.resume.wait(WAIT), "the other thread never let the estimate go on"
 
+    def after(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Return a call of ``model`` that pauses here once its forward returned."""
+
+        def call(rows: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = model(rows)
+            self.here()
+            return out
+
+        return call
+
     @contextlib.contextmanager
     def during(self) -> Iterator[None]:
         """Wait until the estimate pauses, run the block, and let it go on (also if the block fails)."""
@@ -319,11 +329,7 @@ def test_inference_in_another_thread_while_the_estimate_holds_the_model(name: st
     with torch.no_grad():
         expected = model(x)
     pause = Pause()
-
-    def call(rows: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = model(rows)
-        pause.here()
-        return out
+    call = pause.after(model)
 
     alone = figures(koila.estimate(call, x, device=device))
     held = Held(model)
@@ -380,11 +386,7 @@ def test_training_in_another_thread_while_the_estimate_holds_the_model(name: str
 def test_a_hook_another_thread_registers_while_the_estimate_runs_stays() -> None:
     model, x = made("mlp")
     pause = Pause()
-
-    def call(rows: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = model(rows)
-        pause.here()
-        return out
+    call = pause.after(model)
 
     calls: list[str] = []
     handles: list[Any] = []
@@ -412,11 +414,7 @@ def hooked_by_another_thread(estimated: bool) -> tuple[weakref.ref[nn.Module], l
     """Another thread hooks the model while a call of it pauses; return the model, weakly, and the handles."""
     model, x = SelfHooked(16, 4), torch.randn(8, 16)
     pause = Pause()
-
-    def call(rows: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = model(rows)
-        pause.here()
-        return out
+    call = pause.after(model)
 
     handles: list[Any] = []
 
@@ -557,11 +555,7 @@ def test_the_estimates_hooks_ignore_another_threads_forward_backward_and_step() 
 def test_the_estimate_leaves_another_threads_random_numbers_alone() -> None:
     model, x = made("mlp")
     pause = Pause()
-
-    def call(rows: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = model(rows)
-        pause.here()
-        return out
+    call = pause.after(model)
 
     states: list[torch.Tensor] = []
 
