@@ -493,6 +493,26 @@ def test_an_async_backward_is_a_type_error() -> None:
         koila.accumulate(backward=backward)  # type: ignore[arg-type]
 
 
+class _Engine:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+
+
+def test_a_class_s_own_backward_is_refused_when_decorating() -> None:
+    # Accelerator.backward, the class's, not an accelerator's: the loss became its self, and the first call
+    # failed after the forward, with PyTorch's words about a missing argument (probe 71C).
+    with pytest.raises(TypeError, match=r"^backward is called with the loss, but .*_Engine\.backward.* takes \(self, "):
+        koila.accumulate(backward=_Engine.backward)
+    koila.accumulate(backward=_Engine().backward)  # an engine's is taken
+
+
+def test_the_gradscaler_class_as_scaler_is_refused_when_decorating() -> None:
+    # GradScaler without its parentheses: its scale() is callable, but not with a loss (probe 71C).
+    with pytest.raises(TypeError, match=r"^scaler must be a torch\.amp\.GradScaler .* got type <class 'torch\.amp"):
+        koila.accumulate(scaler=torch.amp.GradScaler)
+    koila.accumulate(scaler=torch.amp.GradScaler("cpu"))
+
+
 class _Scaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss

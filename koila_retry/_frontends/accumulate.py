@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from koila_retry._common.batches import Split
+from koila_retry._common.callables import check_takes
 from koila_retry._common.places import Replayed, levels_to_caller
 from koila_retry._common.tensors import zeroed
 from koila_retry._common.walk import trainable_module
@@ -294,15 +295,19 @@ def accumulator(
         )
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
-    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+    # A class passes a look for a callable scale(): GradScaler without its parentheses.
+    if scaler is not None and (isinstance(scaler, type) or not callable(getattr(scaler, "scale", None))):
         raise TypeError(
-            f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__} {scaler!r:.200}"
+            "scaler must be a torch.amp.GradScaler (or have its scale()), such as torch.amp.GradScaler('cuda'), "
+            f"got {type(scaler).__name__} {scaler!r:.200}"
         )
     if backward is not None and (not callable(backward) or inspect.iscoroutinefunction(backward)):
         raise TypeError(  # an async def's call runs nothing until awaited: no backward, silently
             "backward must be a callable that runs the backward pass of a loss, such as accelerator.backward "
             f"or fabric.backward (not an async def), got {type(backward).__name__} {backward!r:.200}"
         )
+    if backward is not None:  # Accelerator.backward, the class's: the loss would become its self
+        check_takes("backward", backward, "the loss", None)
     if backward is not None and scaler is not None:
         raise ValueError(
             "backward= and scaler= both scale the loss: a training engine's backward does its own loss scaling "
