@@ -341,6 +341,100 @@ def test_async_function() -> None:
     assert tried[4:] == [16]
 
 
+def _logged(fn: Any) -> Any:
+    """A decorator's sync wrapper, as logging and timing ones are: it passes the call on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_sync_wrapper_of_an_async_function_and_an_async_call_are_retried_as_async() -> None:
+    # Both make coroutines: run as a plain function, the OOM came when the caller awaited it,
+    # outside the retry, and the stats said the call had worked (probe 71B).
+    fits = oom_above(64)
+
+    @koila.batch(initial=512)
+    @_logged
+    async def predict(batch_size: int) -> int:
+        await asyncio.sleep(0)
+        fits(batch_size)
+        return batch_size
+
+    class Scorer:
+        async def __call__(self, batch_size: int) -> int:
+            fits(batch_size)
+            return batch_size
+
+    score = koila.batch(initial=512)(Scorer())
+    for wrapper in (predict, score):
+        assert inspect.iscoroutinefunction(wrapper)
+        assert asyncio.run(wrapper()) == 64
+        assert (wrapper.stats.calls, wrapper.stats.ooms) == (1, 3)
+
+
+def test_a_callable_whose_call_is_a_generator_is_refused() -> None:
+    class Rows:
+        def __call__(self, batch_size: int) -> Any:
+            yield batch_size
+
+    for fn in (Rows(), _logged(Rows().__call__)):
+        with pytest.raises(TypeError, match=r"cannot retry .*: it is a generator function"):
+            koila.batch(fn)
+
+
+def test_a_method_of_an_object_that_is_its_own_iterator_is_retried() -> None:
+    # The object a method is bound to is not an argument that an attempt may have consumed
+    # in part: retried as accumulate's and chunked's methods are (probe 71B).
+    fits = oom_above(64)
+
+    class Stream:
+        def __init__(self, items: list[int]) -> None:
+            self.items = iter(items)
+
+        def __iter__(self) -> Stream:
+            return self
+
+        def __next__(self) -> int:
+            return next(self.items)
+
+        @koila.batch(initial=512)
+        def score(self, batch_size: int, x: torch.Tensor) -> int:
+            fits(batch_size)
+            return batch_size
+
+        @koila.batch(initial=512, param="size")
+        def named(self, x: torch.Tensor, size: int = 0) -> int:
+            fits(size)
+            return size
+
+    stream = Stream([1, 2, 3])
+    assert stream.score(torch.ones(3)) == stream.named(torch.ones(3)) == 64
+    assert Stream.score(stream, torch.ones(3)) == 64
+    assert list(stream) == [1, 2, 3], "the instance was not iterated"
+    with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\) is an iterator"):
+        stream.score(iter([torch.ones(3)]))  # an argument that is one is still refused a retry
+
+
+def test_a_method_looked_up_on_its_class_and_called_without_an_instance_says_so() -> None:
+    # It was an IndexError from koila's own lambda, inside the attempt (probe 71B).
+    class Model:
+        @koila.batch(initial=8)
+        def run(self, batch_size: int) -> int:
+            return batch_size
+
+        @koila.batch(initial=8, param="size")
+        def named(self, size: int = 0) -> int:
+            return size
+
+    for method, name in ((Model.run, "run"), (Model.named, "named")):
+        with pytest.raises(TypeError, match=rf"^.*Model\.{name}\(\) is a method: call it on an instance, or pass"):
+            method()
+    assert Model.run.stats.calls == Model.named.stats.calls == 0
+
+
 def test_sequence_of_sizes_and_stats() -> None:
     tried: list[int] = []
     fits = oom_above(100)

@@ -19,6 +19,7 @@ import torch
 
 import koila_retry as koila
 from koila_retry._core import keys, memory
+from koila_retry._core.cache import function_identity
 from koila_retry.testing import make_oom, oom_above, simulated_device
 
 CPU = torch.device("cpu")
@@ -386,6 +387,23 @@ def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:
     stack = koila.StackMemoryCache(numpy.int32(4), depth=numpy.int64(2))
     assert (stack.cache_info().maxsize, stack.depth, type(stack.depth)) == (4, 2, int)
     assert koila.deep_stack_key(numpy.int64(1)) is koila.stack_key
+    buckets = koila.StackMemoryCache(fallback_buckets=numpy.int64(2)).fallback_buckets  # was a ValueError
+    assert (buckets, type(buckets)) == (2, int)
+
+
+def test_a_depth_beyond_any_stack_is_the_whole_stack() -> None:
+    # Taken, then every call raised OverflowError: repeat() takes no more than sys.maxsize (probe 71A).
+    cache = koila.StackMemoryCache(depth=10**30)
+
+    fits = oom_above(4)
+
+    @koila.batch(initial=8, cache=cache)
+    def size(batch_size: int) -> int:
+        fits(batch_size)
+        return batch_size
+
+    assert [size() for _ in range(2)] == [4, 4]  # from one place
+    assert size.stats.ooms == 1, "the second call started at the size the first stored"
 
 
 def test_a_cache_written_before_sample_existed_still_works_for_batch() -> None:
@@ -660,6 +678,54 @@ def test_a_wrapped_model_is_keyed_by_the_model_it_wraps(wrap: Callable[[torch.nn
         koila.chunked(wrap(small), x, initial=64, cache=cache)
     assert rows == [64], "the small model started at the big one's size"
     assert [key[2] for key in cache] == ["Sequential.forward"]
+
+
+class _Decorated(torch.nn.Module):
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = oom_above(fits)
+
+    @torch.no_grad()  # a decorated forward, as every Hugging Face model's is
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fits(len(x))
+        return x * 2
+
+
+class _Big(_Decorated):
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fits(len(x))
+        return x * 3
+
+
+def test_models_whose_forward_is_decorated_are_keyed_by_their_own_forward() -> None:
+    # Both were keyed by torch's decorator's wrapper: the small model started at the big one's size, and
+    # being a cached size, never grew back; every Hugging Face model shared one key (probe 71A).
+    cache = koila.GlobalCache()
+    x = torch.randn(64, 4)
+    koila.chunked(_Big(16), x, initial=64, cache=cache)
+    rows: list[int] = []
+    small = _Decorated(32)
+    small.register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
+    koila.chunked(small, x, initial=64, cache=cache)
+    assert rows == [64, 32, 32], "the small model started at the big one's size"
+    assert sorted((key[2], size) for key, size in cache.items()) == [("_Big.forward", 16), ("_Decorated.forward", 32)]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+def test_torchscript_models_are_run_and_keyed_by_the_class_they_were_made_from() -> None:
+    # A scripted or traced model crashed every front end with an AttributeError (its _modules has no
+    # get()); past that, every one would have had the same key (probe 71A).
+    small, big = torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    x = torch.randn(64, 4)
+    scripted, traced = torch.jit.script(small), torch.jit.trace(big, x[:2])
+    with torch.no_grad():
+        for model in (scripted, traced):
+            torch.testing.assert_close(koila.chunked(model, x, initial=16, cache=koila.GlobalCache()), model(x))
+    assert [function_identity(model)[2] for model in (scripted, traced)] == [
+        "__torch__.torch.nn.modules.linear.Linear",
+        "__torch__.torch.nn.modules.container.Sequential",
+    ]
 
 
 def test_the_latest_key_is_matched_as_a_dict_matches_keys_even_keys_holding_tensors() -> None:

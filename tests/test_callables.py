@@ -253,7 +253,7 @@ def test_a_method_does_not_reuse_an_iterator() -> None:
         def total(self, batch_size: int, numbers: Iterator[int]) -> int:
             return consume(numbers, batch_size, limit=4)
 
-    with pytest.raises(TypeError, match=r"argument 1 \(list_iterator\)"):
+    with pytest.raises(TypeError, match=r"argument 0 \(list_iterator\)"):
         Summer().total(iter(list(range(10))))
 
 

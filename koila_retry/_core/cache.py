@@ -44,17 +44,7 @@ def function_identity(function: object) -> tuple[str, int, str]:
     # tensors, alive for as long as the key is cached.
     if isinstance(function, tuple):
         return function
-    for _ in range(100):  # look through methods, partials and decorators to the function that runs
-        if isinstance(function, functools.partial):
-            function = function.func
-        elif isinstance(function, types.MethodType):
-            function = function.__func__
-        elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
-            # functools.wraps decorators: every @torch.no_grad() function runs the same wrapper,
-            # whose code would name them all alike (and give them one size in a GlobalCache).
-            function = wrapped
-        else:
-            break
+    function = _runs(function)
     code = getattr(function, "__code__", None)
     if code is None:
         qualname = getattr(function, "__qualname__", None)
@@ -65,18 +55,46 @@ def function_identity(function: object) -> tuple[str, int, str]:
         for _ in range(100):
             if not isinstance(function, torch.nn.Module):
                 break
-            inner = function._modules.get("_orig_mod")  # torch.compile's OptimizedModule
+            modules = function._modules  # a TorchScript module's is a mapping without get()
+            inner = modules.get("_orig_mod") if isinstance(modules, dict) else None  # torch.compile's
             if inner is None and isinstance(function, _PARALLEL):
                 inner = function.module
             if inner is None:
                 break
             function = inner
         kind = type(function)
-        method = getattr(kind, "forward", None) or kind.__call__
+        if isinstance(function, torch.jit.ScriptModule):  # one class for every scripted or traced model
+            return (kind.__module__, 0, _script_name(function))
+        # A decorated forward (@torch.no_grad(), every Hugging Face model's) by the function it wraps.
+        method = _runs(getattr(kind, "forward", None) or kind.__call__)
         code = getattr(method, "__code__", None)
         if code is None:  # no Python code: (module, 0, qualified name of the type)
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
+
+
+def _runs(function: object) -> object:
+    """Return the function that runs: looked for through methods, partials and ``functools.wraps`` decorators."""
+    for _ in range(100):
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif isinstance(function, types.MethodType):
+            function = function.__func__
+        elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
+            # Every @torch.no_grad() function runs the same wrapper, whose code would name them
+            # all alike (and give them one size in a GlobalCache).
+            function = wrapped
+        else:
+            break
+    return function
+
+
+def _script_name(module: torch.jit.ScriptModule) -> str:
+    """Name a TorchScript module by the class it was made from (``__torch__.mypackage.Net``, say)."""
+    try:
+        return str(module._c._type().qualified_name())
+    except Exception:  # not in every version: the class's own name, then
+        return str(getattr(module, "original_name", type(module).__qualname__))
 
 
 _MISSING: Any = object()  # pop's default when none is given
@@ -578,10 +596,11 @@ class StackMemoryCache(SizeCache):
         if key is not None and depth != 1:
             raise ValueError(f"depth applies to the stack key: give depth={depth!r} or key={key!r}, not both")
         super().__init__(maxsize, key=stack if key is None else key)
-        if isinstance(fallback_buckets, bool) or not isinstance(fallback_buckets, int) or fallback_buckets < 0:
+        buckets = as_int(fallback_buckets)  # numpy's ints too, as maxsize and depth
+        if buckets is None or buckets < 0:
             raise ValueError(f"fallback_buckets must be an int >= 0, got {fallback_buckets!r}")
         self.depth = int(depth)  # checked above: an int, or numpy's
-        self.fallback_buckets = fallback_buckets
+        self.fallback_buckets = buckets
         self._bucketed = is_stack_key(self.key_function)  # only a stack key's third part is a free-memory level
 
     def _fallback(self, key: Hashable) -> int | None:

@@ -90,7 +90,8 @@ def deep_stack_key(depth: int) -> KeyFunction:
     frames = as_int(depth)  # numpy's ints too, as Options take them
     if frames is None or frames < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    return stack_key if frames == 1 else _stack_key_of(frames)
+    # Deeper than any stack is the whole stack: repeat() takes no more than sys.maxsize.
+    return stack_key if frames == 1 else _stack_key_of(min(frames, sys.maxsize))
 
 
 def _stack_key_of(depth: int) -> KeyFunction:

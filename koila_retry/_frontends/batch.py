@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dis
 import functools
@@ -324,12 +325,31 @@ def bindable(
     if inspect.iscoroutinefunction(plain):
         # inspect.iscoroutinefunction() takes an object with a function's attributes for one.
         wrapper.__code__, wrapper.__defaults__, wrapper.__kwdefaults__ = plain.__code__, None, None
+        if not isinstance(getattr(wrapper, "__name__", None), str):  # an instance with an async def __call__
+            wrapper.__name__ = type(fn).__name__
     return wrapper
+
+
+def _seen_through(fn: object) -> list[object]:
+    """Return ``fn``, what its ``functools.wraps`` wrappers wrap, and a callable instance's ``__call__``."""
+    # A decorator's sync wrapper of an async def, or an instance whose __call__ is one, makes
+    # coroutines as the function does: the kind of function is read through them.
+    found = [fn]
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
+        found.append(inspect.unwrap(fn))  # type: ignore[arg-type]
+    if not inspect.isroutine(fn) and not isinstance(fn, functools.partial):
+        found.append(type(fn).__call__)  # an async def __call__, or type.__call__
+    return found
+
+
+def is_async(fn: object) -> bool:
+    """Return whether calling ``fn`` makes a coroutine, as far as its wrappers and type tell."""
+    return any(inspect.iscoroutinefunction(each) for each in _seen_through(fn))
 
 
 def refuse_generator(fn: Callable[..., Any], front_end: str) -> None:
     """Refuse a generator or async generator function, whose work runs after the call returns."""
-    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+    if any(inspect.isgeneratorfunction(each) or inspect.isasyncgenfunction(each) for each in _seen_through(fn)):
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
             f"{front_end} cannot retry {name}(): it is a generator function, whose body runs while the "
@@ -507,8 +527,10 @@ def batched(
         injection.function_name, policy, explain=exhausted.message, keep_last=keep_last, function=fn
     )
     plain = _wrapper(fn, injection, controller, policy.device)
-    if param is not None or binding is _STATICMETHOD:
-        method = plain  # by keyword, the size goes to one place, bound or not; a staticmethod never binds
+    if binding is _STATICMETHOD:
+        method = plain  # a staticmethod never binds
+    elif param is not None:  # by keyword, the size goes to one place, bound or not
+        method = _wrapper(fn, injection, controller, policy.device, bound=True)
     else:
         try:
             method = _wrapper(fn, _Injection(fn, None, 1, front_end), controller, policy.device)
@@ -543,22 +565,33 @@ def _keyed(fn: Callable[..., Any]) -> Any:
     return fn
 
 
-def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controller, fixed_device: Any) -> Any:
-    """Return the function that runs a call of ``fn`` in ``controller``, with the size injected."""
+def _wrapper(
+    fn: Callable[..., Any], injection: _Injection, controller: Controller, fixed_device: Any, bound: bool = False
+) -> Any:
+    """Return the function that runs a call of ``fn`` in ``controller``, with the size injected.
+
+    ``bound``: the method form, given the object it is bound to first (so is every form with ``position`` 1).
+    """
     start, call = controller.start, controller.call
     getframe = sys._getframe
     name, position, max_args = injection.name, injection.position, injection.max_args
     key = _keyed(fn)
+    bound = bound or position == 1
+    unbound = f"{injection.function_name}() is a method: call it on an instance, or pass the instance first"
 
     # The injection is spelled out inline: every call of the wrapper pays for each
-    # extra Python call, and this is the whole cost of a cached call.
-    if inspect.iscoroutinefunction(fn):
+    # extra Python call, and this is the whole cost of a cached call. The object a method is
+    # bound to is a root of its own, not an argument: an iterator instance is not refused a retry.
+    if is_async(fn):
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             if len(args) > max_args or name in kwargs:
                 raise injection.refuse(len(args), name in kwargs)
-            attempt = start(Call(key, getframe(1), fixed_device or device_of(args, kwargs), roots=(fn, args, kwargs)))
+            if bound and not args:
+                raise TypeError(unbound)
+            roots = (fn, args[0], args[1:], kwargs) if bound else (fn, args, kwargs)
+            attempt = start(Call(key, getframe(1), fixed_device or device_of(args, kwargs), roots=roots))
             if position == 0:
                 return await run_async(attempt, lambda size: fn(size, *args, **kwargs))
             if position == 1:
@@ -575,11 +608,15 @@ def _wrapper(fn: Callable[..., Any], injection: _Injection, controller: Controll
             device = fixed_device or device_of(args, kwargs)
             if position == 0:
                 return call(key, getframe(1), device, lambda size: fn(size, *args, **kwargs), (fn, args, kwargs))
+            if bound and not args:
+                raise TypeError(unbound)
             if position == 1:
                 work = lambda size: fn(args[0], size, *args[1:], **kwargs)  # noqa: E731
             else:
                 work = lambda size: fn(*args, **kwargs, **{name: size})  # noqa: E731
-            return call(key, getframe(1), device, work, (fn, args, kwargs))
+            return call(
+                key, getframe(1), device, work, (fn, args[0], args[1:], kwargs) if bound else (fn, args, kwargs)
+            )
 
         wrapper = sync_wrapper
     wrapper.__signature__ = injection.signature
