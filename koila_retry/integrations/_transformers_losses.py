@@ -13,6 +13,7 @@ single weight per micro-batch: a split step of it is warned of once.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -214,6 +215,14 @@ def shifts_labels(trainer: Any, transformers: ModuleType) -> bool | None:
     return all(_causal(model) for model in models or [model])
 
 
+def _takes_return_loss(kind: Any) -> bool:
+    """Whether a model class's ``forward`` has a ``return_loss`` parameter: a loss made over the batch's pairs."""
+    try:
+        return "return_loss" in inspect.signature(kind.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
 def _outermost(module: Any, kind: type) -> list[Any]:
     """The modules of ``kind`` in ``module``, itself included, that no other of ``kind`` holds."""
     if isinstance(module, kind):
@@ -274,13 +283,18 @@ class Inexact:
     def __init__(self, trainer: Any, weighing: Weighing, transformers: ModuleType) -> None:
         self.trainer, self.weighing, self.transformers = trainer, weighing, transformers
         self.warned = False
+        self.pairs: dict[type, bool] = {}  # whether each model class takes return_loss
 
     def check(self, inputs: Any, step: str, summed: bool) -> None:
         """Warn if a split ``step`` of the whole batch ``inputs`` (weighed 1 each if ``summed``) is inexact."""
         if self.warned:
             return
         model = self.trainer.model
-        reasons = [why for why in (self.weighing.inexact, _router(model, self.transformers)) if why]
+        reasons = [
+            why
+            for why in (self.weighing.inexact, _router(model, self.transformers), self._in_batch(model, inputs))
+            if why
+        ]
         if not summed:
             reasons += self._mixed(inputs)
         if not reasons:
@@ -295,6 +309,24 @@ class Inexact:
             "be made exact'). This warning is shown once.",
             UserWarning,
             stacklevel=levels_to_caller(),
+        )
+
+    def _in_batch(self, model: Any, inputs: Any) -> str | None:
+        """Why a loss without labels that compares the batch's rows with each other is inexact, if it is one."""
+        # CLIP's and its kin's (SigLIP, CLAP, ALIGN...): no label fields, and a return_loss argument that
+        # asks for the loss over the batch's pairs; a micro-batch holds fewer of them (probe 71E).
+        if getattr(self.trainer, "label_names", None) or field(inputs, "return_loss") is False:
+            return None
+        held = _outermost(model, self.transformers.PreTrainedModel) or [model]
+        kinds = self.pairs
+        for each in held:  # a signature per class, once: read at every split step until it warns
+            if type(each) not in kinds:
+                kinds[type(each)] = _takes_return_loss(type(each))
+        if not any(kinds[type(each)] for each in held):
+            return None
+        return (
+            "its model computes the loss without labels (return_loss=True, as CLIP and SigLIP do), over pairs of "
+            "the rows a forward is given, and a micro-batch holds fewer of them"
         )
 
     def _mixed(self, inputs: Any) -> list[str]:
