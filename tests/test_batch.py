@@ -821,6 +821,22 @@ def test_function_without_a_parameter_to_inject_into() -> None:
         koila.batch(param="bs")(nothing)
 
 
+def test_a_module_whose_forward_takes_the_size_first_is_decorated_by_its_forward() -> None:
+    # A module's call takes (*args, **kwargs): it was refused, said to have no first positional
+    # parameter, where its forward has one (probe 71B).
+    fits = oom_above(4)
+
+    class Head(nn.Module):
+        def forward(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+            fits(batch_size)
+            return x[:batch_size]
+
+    head = koila.batch(Head(), initial=16)
+    assert str(inspect.signature(head)) == "(x: 'torch.Tensor') -> 'torch.Tensor'"
+    assert head(torch.ones(10)).shape == (4,)
+    assert (head.stats.ooms, head.stats.batch_size) == (2, 4)
+
+
 def test_positional_only_parameter_cannot_be_named() -> None:
     def run(bs: int, /) -> None:
         pass

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType, MethodType
 from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cast, overload
 
+import torch
+
 from koila_retry._common.batches import positional_names
 from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
@@ -193,7 +195,8 @@ def _unpartial(fn: Any) -> Any:
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     try:
-        return inspect.signature(fn)
+        # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to.
+        return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {fn!r} to inject the batch size: {exc}") from None
 
