@@ -335,6 +335,21 @@ def test_a_cache_whose_key_needs_a_sample_is_refused_at_decoration() -> None:
     assert len(cache) == 0
 
 
+def test_a_cache_whose_init_leaves_out_sizecaches_is_refused_at_decoration() -> None:
+    # Taken, it failed at the first call with AttributeError: '_recent' (probe 71A).
+    class Unmade(koila.SizeCache):
+        def __init__(self) -> None:
+            self.kept: dict[object, int] = {}
+
+        def key(self, function: object, caller: object, device: torch.device, sample: object = None) -> object:
+            return device
+
+    with pytest.raises(
+        TypeError, match=r"^cache Unmade was not made: its __init__ does not call super\(\)\.__init__\(\)"
+    ):
+        koila.batch(initial=8, cache=Unmade())
+
+
 def test_a_cache_class_made_by_exec_is_taken() -> None:
     """A class exec made (a doctest's) has functions whose __module__ is None: the check raised AttributeError."""
     namespace: dict[str, Any] = {"koila": koila}

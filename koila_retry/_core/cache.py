@@ -32,6 +32,7 @@ __all__ = [
     "StackMemoryCache",
     "Streak",
     "function_identity",
+    "made",
 ]
 
 
@@ -186,6 +187,11 @@ def _hashes(value: object) -> bool:
     except TypeError:
         return False
     return True
+
+
+def made(cache: Sizes) -> bool:
+    """Return whether a cache's ``__init__`` ran: a subclass's own may leave out ``super().__init__()``."""
+    return "_recent" in vars(cache)
 
 
 class Sizes(MutableMapping[Hashable, int]):
@@ -380,7 +386,8 @@ class SizeCache(Sizes, ABC):
     apply a key function, theirs or the one given as ``key``. The mapping
     itself is a least-recently-used cache of at most ``maxsize`` entries. One
     cache may be shared by several decorated functions: keys include the
-    function.
+    function. A subclass's ``__init__`` calls ``super().__init__()``; a cache
+    whose ``__init__`` did not is refused where it is given.
 
     Reads take no lock, so a cached call stays cheap; stores, deletions and
     evictions take one. No operation fails because another thread changed the

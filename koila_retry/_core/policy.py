@@ -15,7 +15,7 @@ import torch
 from koila_retry._common.callables import check_takes
 from koila_retry._common.units import as_int
 from koila_retry._core import distributed
-from koila_retry._core.cache import SizeCache
+from koila_retry._core.cache import SizeCache, made
 from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._core.snapshot import Target, check_target
 from koila_retry._core.stats import OnOOM
@@ -298,6 +298,10 @@ class Policy:
                 )
             )
         cache = self.cache
+        if cache is not None and not made(cache):  # it failed at the first call, on a missing attribute
+            raise TypeError(
+                f"cache {type(cache).__name__} was not made: its __init__ does not call super().__init__(), SizeCache's"
+            )
         # None for a class that exec made (a doctest's).
         module = getattr(getattr(type(cache), "key", None), "__module__", None)
         if cache is not None and not (isinstance(module, str) and module.startswith("koila_retry.")):  # yours
