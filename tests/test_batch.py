@@ -341,27 +341,10 @@ def test_async_function() -> None:
     assert tried[4:] == [16]
 
 
-def _logged(fn: Any) -> Any:
-    """A decorator's sync wrapper, as logging and timing ones are: it passes the call on."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def test_a_sync_wrapper_of_an_async_function_and_an_async_call_are_retried_as_async() -> None:
-    # Both make coroutines: run as a plain function, the OOM came when the caller awaited it,
+def test_an_object_whose_call_is_an_async_def_is_retried_as_async() -> None:
+    # Its call makes a coroutine: run as a plain function, the OOM came when the caller awaited it,
     # outside the retry, and the stats said the call had worked (probe 71B).
     fits = oom_above(64)
-
-    @koila.batch(initial=512)
-    @_logged
-    async def predict(batch_size: int) -> int:
-        await asyncio.sleep(0)
-        fits(batch_size)
-        return batch_size
 
     class Scorer:
         async def __call__(self, batch_size: int) -> int:
@@ -369,10 +352,45 @@ def test_a_sync_wrapper_of_an_async_function_and_an_async_call_are_retried_as_as
             return batch_size
 
     score = koila.batch(initial=512)(Scorer())
-    for wrapper in (predict, score):
-        assert inspect.iscoroutinefunction(wrapper)
-        assert asyncio.run(wrapper()) == 64
-        assert (wrapper.stats.calls, wrapper.stats.ooms) == (1, 3)
+    assert inspect.iscoroutinefunction(score)
+    assert asyncio.run(score()) == 64
+    assert (score.stats.calls, score.stats.ooms) == (1, 3)
+
+
+def test_a_sync_wrapper_of_an_async_def_or_a_generator_is_run_as_the_sync_function_it_is() -> None:
+    # What a decorator's wrapper returns is in its code, not in what it wraps: these run the coroutine
+    # and consume the generator themselves (probe 71F, of a first fix that read through them).
+    def synced(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return asyncio.run(fn(*args, **kwargs))
+
+        return run
+
+    def listed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def collect(*args: Any, **kwargs: Any) -> Any:
+            return list(fn(*args, **kwargs))
+
+        return collect
+
+    fits = oom_above(2)
+
+    @synced
+    async def total(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        fits(batch_size)
+        return x[:batch_size].sum()
+
+    @listed
+    def per_row(batch_size: int, x: torch.Tensor) -> Any:
+        fits(batch_size)
+        yield from x[:batch_size].sum(1)
+
+    assert koila.batch(initial=8)(total)(torch.ones(4)) == 2
+    assert koila.batch(initial=8)(per_row)(torch.ones(4, 3)) == [3, 3]
+    joined = koila.chunked(listed(lambda rows: (yield rows.sum(1))), torch.ones(4, 3), initial=2)
+    assert len(joined) == 1
+    torch.testing.assert_close(joined[0], torch.full((4,), 3.0))
 
 
 def test_a_callable_whose_call_is_a_generator_is_refused() -> None:
@@ -380,9 +398,8 @@ def test_a_callable_whose_call_is_a_generator_is_refused() -> None:
         def __call__(self, batch_size: int) -> Any:
             yield batch_size
 
-    for fn in (Rows(), _logged(Rows().__call__)):
-        with pytest.raises(TypeError, match=r"cannot retry .*: it is a generator function"):
-            koila.batch(fn)
+    with pytest.raises(TypeError, match=r"cannot retry .*: it is a generator function"):
+        koila.batch(Rows())
 
 
 def test_a_method_of_an_object_that_is_its_own_iterator_is_retried() -> None:
@@ -835,6 +852,21 @@ def test_a_module_whose_forward_takes_the_size_first_is_decorated_by_its_forward
     assert str(inspect.signature(head)) == "(x: 'torch.Tensor') -> 'torch.Tensor'"
     assert head(torch.ones(10)).shape == (4,)
     assert (head.stats.ooms, head.stats.batch_size) == (2, 4)
+    # Through the wrappers that call the module they hold (probe 71F).
+    for wrapped in (torch.compile(Head(), backend="eager"), nn.DataParallel(Head())):
+        assert koila.batch(wrapped, initial=4)(torch.ones(10)).shape == (4,)
+
+
+def test_a_module_with_a_call_of_its_own_is_decorated_by_that_call() -> None:
+    # Its forward's parameters were read first, where its __call__ takes the size (probe 71F).
+    class Sliced(nn.Module):
+        def __call__(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+            return super().__call__(x[:batch_size])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum()
+
+    assert koila.batch(Sliced(), initial=2)(torch.ones(10)) == 2
 
 
 def test_positional_only_parameter_cannot_be_named() -> None:

@@ -508,7 +508,10 @@ def test_a_class_s_own_backward_is_refused_when_decorating() -> None:
 
 def test_the_gradscaler_class_as_scaler_is_refused_when_decorating() -> None:
     # GradScaler without its parentheses: its scale() is callable, but not with a loss (probe 71C).
-    with pytest.raises(TypeError, match=r"^scaler must be a torch\.amp\.GradScaler .* got type <class 'torch\.amp"):
+    with pytest.raises(
+        TypeError,
+        match=r"^scaler must be a torch\.amp\.GradScaler .* got type <class 'torch\.amp.*: give an instance",
+    ):
         koila.accumulate(scaler=torch.amp.GradScaler)
     koila.accumulate(scaler=torch.amp.GradScaler("cpu"))
 

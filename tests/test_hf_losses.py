@@ -10,6 +10,7 @@ where it computes so; the plain trainer runs the same step whole, in the same te
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -409,12 +410,12 @@ def pairs() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def collate_pairs(rows: list[dict[str, torch.Tensor]], return_loss: bool = True) -> dict[str, Any]:
-    return {
+def collate_pairs(rows: list[dict[str, torch.Tensor]], return_loss: bool | None = True) -> dict[str, Any]:
+    batch: dict[str, Any] = {
         "input_ids": torch.stack([row["input_ids"] for row in rows]),
         "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
-        "return_loss": return_loss,
     }
+    return batch if return_loss is None else {**batch, "return_loss": return_loss}
 
 
 def test_a_split_step_of_a_contrastive_loss_is_warned_of(tmp_path: Path) -> None:
@@ -423,6 +424,19 @@ def test_a_split_step_of_a_contrastive_loss_is_warned_of(tmp_path: Path) -> None
     model = clip()
     fails_first(model.text_model)
     adapted = adapt(trainer(tmp_path, model, pairs(), collate_pairs))
-    with pytest.warns(UserWarning, match=r"computes the loss without labels \(return_loss=True, as CLIP"):
+    with pytest.warns(UserWarning, match=r"compares each row with the others a forward is given .* as CLIP's"):
         adapted.train()
     assert adapted.training_step.stats.batch_size < ROWS
+
+
+@pytest.mark.parametrize("return_loss", [True, None], ids=["with-loss", "outputs-only"])
+def test_a_split_prediction_step_of_a_contrastive_model_is_warned_of(tmp_path: Path, return_loss: bool | None) -> None:
+    # Its logits per image hold a column per text of a micro-batch: (8, 4) where the plain trainer
+    # gives (8, 8), and with no loss asked for, nothing was said (probe 71F).
+    model = clip()
+    fails_first(model.text_model)
+    collate = functools.partial(collate_pairs, return_loss=return_loss)
+    adapted = adapt(trainer(tmp_path, model, pairs(), collate))
+    with pytest.warns(UserWarning, match=r"prediction step of CLIPModel .* as with a smaller eval batch size"):
+        adapted.predict(pairs())
+    assert adapted.prediction_step.stats.batch_size < ROWS

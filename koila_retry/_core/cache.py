@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import types
 import warnings
@@ -32,6 +33,7 @@ __all__ = [
     "StackMemoryCache",
     "Streak",
     "function_identity",
+    "innermost",
     "made",
 ]
 
@@ -53,16 +55,8 @@ def function_identity(function: object) -> tuple[str, int, str]:
             return (str(getattr(function, "__module__", None)), 0, qualname)
         # An object: name it by its forward (modules) or __call__. A wrapper's forward is every wrapped
         # model's (torch.compile's _forward_unimplemented, DDP's): named by the model it wraps.
-        for _ in range(100):
-            if not isinstance(function, torch.nn.Module):
-                break
-            modules = function._modules  # a TorchScript module's is a mapping without get()
-            inner = modules.get("_orig_mod") if isinstance(modules, dict) else None  # torch.compile's
-            if inner is None and isinstance(function, _PARALLEL):
-                inner = function.module
-            if inner is None:
-                break
-            function = inner
+        if isinstance(function, torch.nn.Module):
+            function = innermost(function)
         kind = type(function)
         if isinstance(function, torch.jit.ScriptModule):  # one class for every scripted or traced model
             return (kind.__module__, 0, _script_name(function))
@@ -72,6 +66,19 @@ def function_identity(function: object) -> tuple[str, int, str]:
         if code is None:  # no Python code: (module, 0, qualified name of the type)
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
+
+
+def innermost(module: torch.nn.Module) -> torch.nn.Module:
+    """Return the model that ``torch.compile``'s and (Distributed)DataParallel's wrappers of ``module`` run."""
+    for _ in range(100):
+        modules = module._modules  # a TorchScript module's is a mapping without get()
+        inner = modules.get("_orig_mod") if isinstance(modules, dict) else None  # torch.compile's
+        if inner is None and isinstance(module, _PARALLEL):
+            inner = module.module
+        if not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    return module
 
 
 def _runs(function: object) -> object:
@@ -93,7 +100,8 @@ def _runs(function: object) -> object:
 def _script_name(module: torch.jit.ScriptModule) -> str:
     """Name a TorchScript module by the class it was made from (``__torch__.mypackage.Net``, say)."""
     try:
-        return str(module._c._type().qualified_name())
+        # Without the counter TorchScript adds to a class made again (each trace of one): one key for all.
+        return re.sub(r"___torch_mangle_\d+\.", "", str(module._c._type().qualified_name()))
     except Exception:  # not in every version: the class's own name, then
         return str(getattr(module, "original_name", type(module).__qualname__))
 

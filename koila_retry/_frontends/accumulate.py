@@ -298,8 +298,8 @@ def accumulator(
     # A class passes a look for a callable scale(): GradScaler without its parentheses.
     if scaler is not None and (isinstance(scaler, type) or not callable(getattr(scaler, "scale", None))):
         raise TypeError(
-            "scaler must be a torch.amp.GradScaler (or have its scale()), such as torch.amp.GradScaler('cuda'), "
-            f"got {type(scaler).__name__} {scaler!r:.200}"
+            f"scaler must be a torch.amp.GradScaler (or have its scale()), got {type(scaler).__name__} {scaler!r:.200}"
+            + (": give an instance, such as torch.amp.GradScaler('cuda')" if isinstance(scaler, type) else "")
         )
     if backward is not None and (not callable(backward) or inspect.iscoroutinefunction(backward)):
         raise TypeError(  # an async def's call runs nothing until awaited: no backward, silently

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dis
 import functools
@@ -21,7 +20,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity
+from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity, innermost
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -195,8 +194,13 @@ def _unpartial(fn: Any) -> Any:
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     try:
-        # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to.
-        return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        if isinstance(fn, torch.nn.Module):
+            # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to:
+            # through torch.compile's and DataParallel's, unless the module's class has a call of its own.
+            inner = innermost(fn)
+            if type(inner).__call__ is torch.nn.Module.__call__:
+                return inspect.signature(inner.forward)
+        return inspect.signature(fn)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {fn!r} to inject the batch size: {exc}") from None
 
@@ -334,15 +338,12 @@ def bindable(
 
 
 def _seen_through(fn: object) -> list[object]:
-    """Return ``fn``, what its ``functools.wraps`` wrappers wrap, and a callable instance's ``__call__``."""
-    # A decorator's sync wrapper of an async def, or an instance whose __call__ is one, makes
-    # coroutines as the function does: the kind of function is read through them.
-    found = [fn]
-    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
-        found.append(inspect.unwrap(fn))  # type: ignore[arg-type]
-    if not inspect.isroutine(fn) and not isinstance(fn, functools.partial):
-        found.append(type(fn).__call__)  # an async def __call__, or type.__call__
-    return found
+    """Return ``fn``, and a callable instance's ``__call__``: what decides what a call of ``fn`` makes."""
+    # Not what a decorator's wrapper wraps: a sync wrapper may run the coroutine or consume the generator
+    # itself (asyncio.run, list) or pass it on, and only its code tells which.
+    if inspect.isroutine(fn) or isinstance(fn, functools.partial):
+        return [fn]
+    return [fn, type(fn).__call__]  # an async def __call__, or type.__call__
 
 
 def is_async(fn: object) -> bool:

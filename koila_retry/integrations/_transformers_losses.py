@@ -285,28 +285,43 @@ class Inexact:
         self.warned = False
         self.pairs: dict[type, bool] = {}  # whether each model class takes return_loss
 
-    def check(self, inputs: Any, step: str, summed: bool) -> None:
-        """Warn if a split ``step`` of the whole batch ``inputs`` (weighed 1 each if ``summed``) is inexact."""
+    def check(self, inputs: Any, step: str, summed: bool, lossless: bool = False) -> None:
+        """Warn if a split ``step`` of the whole batch ``inputs`` (weighed 1 each if ``summed``) is inexact.
+
+        ``lossless``: a prediction step without a loss, whose outputs alone may be a micro-batch's.
+        """
         if self.warned:
             return
         model = self.trainer.model
-        reasons = [
-            why
-            for why in (self.weighing.inexact, _router(model, self.transformers), self._in_batch(model, inputs))
-            if why
-        ]
-        if not summed:
+        found = (
+            (self._in_batch(model, inputs),)
+            if lossless
+            else (
+                self.weighing.inexact,
+                _router(model, self.transformers),
+                self._in_batch(model, inputs),
+            )
+        )
+        reasons = [why for why in found if why]
+        if not summed and not lossless:
             reasons += self._mixed(inputs)
         if not reasons:
             return
         self.warned = True
+        training = step == "training step"
+        what = "outputs are not those of the whole batch" if lossless else "loss no weight per micro-batch adds up"
+        differ = (
+            "loss and gradient differ from those of the batch run whole, as across the trainer's own gradient "
+            "accumulation"
+            if training
+            else "loss and predictions are those of its micro-batches, as with a smaller eval batch size"
+        )
         warn_or_log(
-            f"adapt split a {step} of {type(model).__name__} into micro-batches of its rows, whose loss no weight "
-            f"per micro-batch adds up to the whole batch's: {'; '.join(reasons)}. The split step's loss and "
-            "gradient differ from those of the batch run whole, as across the trainer's own gradient "
-            "accumulation. To train on the whole batch's loss, make the batch fit, or pass adapt minimum= the "
-            "batch size: it then raises BatchSizeExhausted rather than split (docs/huggingface.rst, 'What cannot "
-            "be made exact'). This warning is shown once.",
+            f"adapt split a {step} of {type(model).__name__} into micro-batches of its rows, whose {what}: "
+            f"{'; '.join(reasons)}. The split step's {differ}. To {'train on' if training else 'compute'} the "
+            "whole batch's, make the batch fit, or pass adapt minimum= the batch size: it then raises "
+            "BatchSizeExhausted rather than split (docs/huggingface.rst, 'What cannot be made exact'). This "
+            "warning is shown once.",
             UserWarning,
             stacklevel=levels_to_caller(),
         )
@@ -325,8 +340,9 @@ class Inexact:
         if not any(kinds[type(each)] for each in held):
             return None
         return (
-            "its model computes the loss without labels (return_loss=True, as CLIP and SigLIP do), over pairs of "
-            "the rows a forward is given, and a micro-batch holds fewer of them"
+            "its model compares each row with the others a forward is given (a return_loss argument and no labels, "
+            "as CLIP's and SigLIP's: their loss, and their logits per image and per text), and a micro-batch holds "
+            "fewer of them"
         )
 
     def _mixed(self, inputs: Any) -> list[str]:

@@ -643,8 +643,7 @@ class _Prediction(_Bound):
         logits = self.aside.restored(LOGITS, found.get("logits"))
         labels = self.aside.restored(LABELS, found.get("labels"))
         if total and step.stats.batch_size < total:
-            if loss is not None:
-                self.inexact.check(inputs, "prediction step", step is self.summed)
+            self.inexact.check(inputs, "prediction step", step is self.summed, lossless=loss is None)
             if not self.rows_checked and (logits is not None or labels is not None):
                 self._averaged(logits, labels, total)
             if self.padded and not self.warned_padded:
