@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from koila_retry._common.tracking import LiveStorageTracker, following_resizes, simulated
+from koila_retry._common.tracking import LiveStorageTracker, following_storages, simulated
 from koila_retry._common.units import as_int, format_bytes, parse_bytes
 
 __all__ = ["OOMInjector", "SimulatedDevice", "make_oom", "oom_above", "oom_for", "simulated_device"]
@@ -194,7 +194,7 @@ class SimulatedDevice:
         self._tracker = _DeviceTracker(check=self._check)
         self._tracker.__enter__()  # type: ignore[no-untyped-call]
         self._resizes = contextlib.ExitStack()
-        self._resizes.enter_context(following_resizes(self._tracker))
+        self._resizes.enter_context(following_storages(self._tracker))
         simulated.enter(self)
         return self
 
@@ -284,10 +284,13 @@ class OOMInjector:
     size. ``calls`` counts the calls and ``raised`` the errors raised.
     """
 
-    def __init__(self, *, above: int | None = None, on_calls: frozenset[int] | None = None, kind: str) -> None:
+    def __init__(
+        self, *, above: int | None = None, on_calls: frozenset[int] | None = None, first: int = 0, kind: str
+    ) -> None:
         make_oom(kind)  # validates kind
         self._above = above
         self._on_calls = on_calls
+        self._first = first  # the first calls that fail, counted, not listed: oom_for(sys.maxsize) is every call
         self._kind = kind
         self._lock = threading.Lock()
         self.calls = 0
@@ -312,7 +315,7 @@ class OOMInjector:
                     raise TypeError("an oom_above() injector must be called with the batch size")
                 fail = batch_size > self._above
             else:
-                fail = self._on_calls is not None and self.calls in self._on_calls
+                fail = self.calls <= self._first or (self._on_calls is not None and self.calls in self._on_calls)
             if fail:
                 self.raised += 1
         if fail:
@@ -369,14 +372,16 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
-    # An array of call numbers is iterable, and has __index__ too: taken as numbers.
-    count = None if isinstance(calls, Iterable) else as_int(calls)
-    if count is None and not isinstance(calls, Iterable):
+    # An array of call numbers is iterable, and has __index__ too: taken as numbers; one of no dimensions
+    # (a 0-d tensor) is a count, and iterating it would raise.
+    listed = isinstance(calls, Iterable) and getattr(calls, "ndim", 1) != 0
+    count = None if listed else as_int(calls)
+    if (count is None and not listed) or isinstance(calls, (str, bytes)):
         raise TypeError(f"calls must be an int or an iterable of ints, got {type(calls).__name__} {calls!r}")
     if count is not None:
         if count < 0:
             raise ValueError(f"calls must be >= 0, got {count}")
-        chosen = frozenset(range(1, count + 1))
+        return OOMInjector(first=count, kind=kind)
     else:
         given = list(cast(Iterable[Any], calls))
         numbers = [as_int(n) for n in given]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -752,9 +753,22 @@ def test_oom_for_takes_numpys_ints() -> None:
         chosen()
 
 
-@pytest.mark.parametrize("calls", [1.5, None, True])
+def test_oom_for_a_count_beyond_any_run_fails_every_call_and_costs_nothing_to_make() -> None:
+    # It made a set of every call number: oom_for(sys.maxsize) ran out of host memory (probe 71D).
+    import sys
+
+    inject = oom_for(sys.maxsize)
+    assert _failing_calls(inject, 3) == [1, 2, 3]
+
+
+def test_oom_for_a_tensor_of_no_dimensions_is_a_count() -> None:
+    # It was iterated: PyTorch's "iteration over a 0-d tensor" (probe 71D).
+    assert _failing_calls(oom_for(torch.tensor(2)), 4) == [1, 2]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("calls", [1.5, None, True, "3", b"\x01"])
 def test_oom_for_rejects_what_is_neither_a_count_nor_call_numbers(calls: object) -> None:
-    with pytest.raises(TypeError, match=f"calls must be an int or an iterable of ints, got .*{calls!r}"):
+    with pytest.raises(TypeError, match=f"calls must be an int or an iterable of ints, got .*{re.escape(repr(calls))}"):
         oom_for(calls)  # type: ignore[arg-type]
 
 
@@ -900,6 +914,39 @@ def test_a_storage_made_before_the_block_counts_once_it_grows_from_empty() -> No
         assert device.live == 0
     early.untyped_storage().resize_(4000)  # outside the block: nothing to count, nothing raised
     assert early.untyped_storage().nbytes() == 4000
+
+
+def test_a_deep_copy_counts_its_storages_and_runs_into_the_limit() -> None:
+    # copy.deepcopy of a tensor clones its storage outside any operator: a copy of the best weights, an EMA
+    # model and a state_dict counted nothing, and no copy ever ran out of memory (probe 71D).
+    import copy
+
+    with simulated_device("1MiB") as device:
+        layer = nn.Linear(256, 256, bias=False)  # 256 KiB
+        made = device.live
+        best = copy.deepcopy(layer.state_dict())
+        assert device.live == 2 * made
+        teacher = copy.deepcopy(layer)
+        assert device.live == 3 * made
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 300.00 KiB"):
+            copy.deepcopy(torch.zeros(300, 256))
+        assert device.live == 3 * made, "the refused copy is not counted"
+        del best, teacher
+        assert device.live == made
+    kept = torch.zeros(4)
+    assert torch.equal(copy.deepcopy(kept), kept)  # outside the block, as ever
+
+
+def test_an_inner_device_s_own_copies_of_what_an_operator_writes_count_in_no_device() -> None:
+    # The copies of BatchNorm's running statistics taken in case the inner device refuses the operator
+    # counted in the outer one: a forward that fits ran out of memory (probe 71D).
+    channels = 65536  # running mean and variance: 256 KiB each
+    inputs = torch.randn(2, channels)
+    with simulated_device(2 * MiB + 8) as outer:  # the module's 1 MiB and the forward's
+        norm = nn.BatchNorm1d(channels)
+        with simulated_device("1GiB"):
+            norm(inputs)
+        assert outer.peak == 2 * MiB
 
 
 def test_another_threads_resizes_do_not_count() -> None:

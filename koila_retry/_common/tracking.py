@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
+    _disable_current_modes,
     _get_current_dispatch_mode_stack,
     is_traceable_wrapper_subclass,
 )
@@ -64,7 +65,9 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if effects is not None:
             before = growable(func, args, kwargs)
             if self._check is not None:
-                kept = [(tensor, tensor.clone()) for tensor in _at(effects[1], args, kwargs)]
+                # Copies of koila's own, which the devices entered before this one must not count (or refuse).
+                with _disable_current_modes():
+                    kept = [(tensor, tensor.clone()) for tensor in _at(effects[1], args, kwargs)]
         out = func(*args, **kwargs)
         fresh = self._fresh_storages(out, (args, kwargs))
         grown = [geometry for geometry in before if geometry.grew()] if before else []
@@ -174,6 +177,16 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # Made elsewhere and empty: FSDP2 frees its unsharded parameters by resizing their storage to 0,
             # and allocates them again by resizing it back.
             self._check(after, self.live)
+
+    def copying(self, storage: torch.UntypedStorage) -> None:
+        """Check a copy of ``storage`` (``UntypedStorage.clone``, which no operator makes) before it is made."""
+        if self._check is not None and storage.nbytes():
+            self._check(storage.nbytes(), self.live)
+
+    def copied(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage``, a copy ``UntypedStorage.clone`` made."""
+        if id(storage) not in self._storages:
+            self._add(storage)
 
     def resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """Count a resize of ``storage`` from ``before`` bytes to its size now."""
@@ -421,6 +434,7 @@ class _Followers(threading.local):
 _followers = _Followers()
 _resize_lock = threading.Lock()
 _unwrapped_resize: list[Callable[..., Any]] = []
+_unwrapped_clone: list[Callable[..., Any]] = []
 
 
 def _resize(storage: torch.UntypedStorage, size: int) -> Any:
@@ -436,13 +450,28 @@ def _resize(storage: torch.UntypedStorage, size: int) -> Any:
     return result
 
 
+def _clone(storage: torch.UntypedStorage) -> Any:
+    # What copy.deepcopy of a tensor (a state_dict's, a model's) allocates, outside any operator.
+    trackers = _followers.trackers
+    if not trackers or storage.device.type == "meta":  # meta tensors count nothing
+        return _unwrapped_clone[0](storage)
+    for tracker in trackers:
+        tracker.copying(storage)
+    copy = _unwrapped_clone[0](storage)
+    for tracker in trackers:
+        tracker.copied(copy)
+    return copy
+
+
 @contextlib.contextmanager
-def following_resizes(tracker: LiveStorageTracker) -> Any:
-    """Let ``tracker`` count, in this thread, the storages resized in place while the block runs."""
+def following_storages(tracker: LiveStorageTracker) -> Any:
+    """Let ``tracker`` count, in this thread, the storages resized in place or copied while the block runs."""
     with _resize_lock:
         if not _unwrapped_resize:
             _unwrapped_resize.append(torch.UntypedStorage.resize_)
             torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign,assignment]
+            _unwrapped_clone.append(torch.UntypedStorage.clone)
+            torch.UntypedStorage.clone = _clone  # type: ignore[method-assign,assignment]
     _followers.trackers.append(tracker)
     try:
         yield
