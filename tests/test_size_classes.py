@@ -24,6 +24,27 @@ def test_the_key_holds_size_classes_and_the_exact_bytes_go_beside_it() -> None:
     assert short.sample == long.sample == (((32,), "torch.int64"),)
     assert (short.per_sample, long.per_sample) == (17 * 8, 32 * 8)
     assert Split((torch.zeros(4, 33),), {}, 0, "test").sample == (((64,), "torch.float32"),)
+    # What passes whole, in size classes too: a (1, n) position_ids of every padded length.
+    whole = Split((torch.zeros(4, 17), torch.arange(17)[None]), {}, 0, "test").sample
+    assert whole == (((32,), "torch.float32"), ((1, 32), "torch.int64"))
+
+
+def test_a_padded_epoch_with_position_ids_passed_whole_runs_out_of_memory_once_per_size_class() -> None:
+    # Each length of the (1, n) position_ids was a key of its own: 44 failed attempts over
+    # 30 steps of one size class, where the same steps without it made 2 (probe 71G).
+    embedding = nn.Embedding(VOCAB, 8)
+    generator = torch.Generator().manual_seed(0)
+
+    @koila.accumulate
+    def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if ids.numel() > 16 * 64:  # 16 rows of 64 tokens fit at once
+            raise make_oom()
+        logits = (embedding(ids) + positions[..., None]) @ embedding.weight.T
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    for length in torch.randint(33, 65, (30,), generator=generator).tolist():
+        step(torch.randint(0, VOCAB, (64, length), generator=generator), torch.arange(length)[None])
+    assert step.stats.ooms == 2  # 64 and 32 rows, once
 
 
 def test_a_padded_epoch_runs_out_of_memory_once_per_size_class() -> None:

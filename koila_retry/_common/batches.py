@@ -402,8 +402,13 @@ def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[t
     """Return one sample's size class and bytes, for a tensor split along ``dim``: the same every call of a loop."""
     axis = dim + len(shape) if dim < 0 else dim
     rest = shape[:axis] + shape[axis + 1 :]
-    classes = tuple(1 << (length - 1).bit_length() if length > 1 else length for length in rest)
-    return (classes, str(dtype)), math.prod(rest) * dtype.itemsize
+    return _whole_of(rest, dtype), math.prod(rest) * dtype.itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _whole_of(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], str]:
+    """Return the size class of a shape: each length up to a power of two, as a key holds it."""
+    return tuple(1 << (length - 1).bit_length() if length > 1 else length for length in shape), str(dtype)
 
 
 _STRIDED = torch.strided
@@ -502,8 +507,9 @@ class Split:
             # What passes whole takes memory too: its shape is part of the workload. Not the records' tensors,
             # whose sizes change from batch to batch (boxes per image): a key per batch would learn nothing.
             recorded = {index for node in self.records if node.per_row for index in node.leaves()}
+            # In size classes too: a (1, n) position_ids of each padded length, a key each, retried each (71G).
             sample.extend(
-                (tuple(tensor.shape), str(tensor.dtype))
+                _whole_of(tuple(tensor.shape), tensor.dtype)
                 for index, tensor in enumerate(self.tensors)
                 if index not in chosen and index not in recorded
             )
