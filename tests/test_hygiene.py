@@ -349,20 +349,26 @@ def test_an_error_raised_part_way_does_not_pin_what_the_finished_pieces_made(fro
     assert held == 0
 
 
-def test_an_error_combining_a_steps_results_does_not_pin_them() -> None:
-    # torch.cat of per-row outputs whose other dims differ (padded to each micro-batch's longest row) raises
-    # as the step ends: its traceback held every micro-batch's outputs.
+@pytest.mark.parametrize("padding", [False, True], ids=["refused-at-add", "refused-by-cat"])
+def test_an_error_combining_a_steps_results_does_not_pin_them(padding: bool) -> None:
+    # Per-row outputs whose other dims differ (padded to each micro-batch's longest row) are refused where
+    # one differs, or, where an integration's pad gives none, by torch.cat as the step ends: the traceback
+    # held every micro-batch's outputs.
+    from koila_retry._frontends.accumulate import accumulator
+
     weight = nn.Parameter(torch.ones((), dtype=torch.float64))
     rows = torch.ones(12, 40, dtype=torch.float64)
 
-    @koila.accumulate(initial=5, cache=koila.NoCache())
     def step(x: torch.Tensor) -> dict[str, torch.Tensor]:
         padded = x[:, : 20 + len(x)]  # 5, 5 and 2 rows: widths 25, 25 and 22
         return {"loss": (padded * weight).mean(), "hidden": padded * 2}
 
+    pad = {"pad": lambda: None} if padding else {}
+    decorated = accumulator(initial=5, options={"cache": koila.NoCache()}, **pad)(step)  # type: ignore[arg-type]
+    error, said = (RuntimeError, "Sizes of tensors must match") if padding else (ValueError, "rows joined along")
     with simulated_device("64MiB") as device:
-        with pytest.raises(RuntimeError, match="Sizes of tensors must match") as excinfo:
-            step(rows)
+        with pytest.raises(error, match=said) as excinfo:
+            decorated(rows)
         gc.collect()
         held = device.live
     assert excinfo.value.__traceback__ is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import site
 import sys
@@ -18,12 +20,15 @@ __all__ = [
     "is_users",
     "levels_to_caller",
     "place_of",
+    "release_ours",
     "replayable",
     "where",
 ]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# Generators' and coroutines' frames may be suspended, not finished: never cleared.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 # The command line's programs use the library as a user's code does: the demo's training
 # loop is named where a failure happened, as a user's would be.
 _APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAGE_DIR, "__main__.py"))
@@ -53,6 +58,19 @@ def is_ours(filename: str) -> bool:
     """Return whether ``filename`` is a module of this library (any subpackage but the command line's)."""
     path = os.path.abspath(filename)
     return path.startswith(PACKAGE_DIR + os.sep) and not path.startswith(_APPLICATIONS)
+
+
+def release_ours(error: BaseException) -> None:
+    """Clear the finished frames of this package that ``error`` passed through: the user's keep their locals."""
+    # They hold what a step made (a micro-batch's result, the parts kept of the others), which the error
+    # that the user holds, or a debugger, would keep alive for nothing.
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if is_ours(frame.f_code.co_filename) and not frame.f_code.co_flags & _SUSPENDABLE:
+            with contextlib.suppress(RuntimeError):  # still running: the handler's own
+                frame.clear()
+        tb = tb.tb_next
 
 
 def is_users(filename: str) -> bool:

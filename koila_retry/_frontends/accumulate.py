@@ -24,7 +24,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from koila_retry._common.batches import Split
 from koila_retry._common.callables import check_takes
-from koila_retry._common.places import Replayed, levels_to_caller
+from koila_retry._common.places import Replayed, levels_to_caller, release_ours
 from koila_retry._common.tensors import zeroed
 from koila_retry._common.walk import trainable_module
 from koila_retry._common.warn import warn_or_log
@@ -772,8 +772,9 @@ class _Accumulator:
             if not backed:
                 self._check_no_grad_wanted(split, gradients.grad_mode)
             return results
-        except BaseException:
+        except BaseException as error:
             results.drop()  # the error's traceback holds this frame: what the micro-batches returned would outlive it
+            release_ours(error)  # and the frames below, of a micro-batch's result and what was kept
             raise
 
     def _micro_batch(

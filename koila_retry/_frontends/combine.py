@@ -104,6 +104,14 @@ class Results:
                 # a buffer the function writes each time, whose earlier rows are lost.
                 if column and _same_memory(leaf, column[-1], self.step.dim):
                     self._reused(result, index, rows)
+                # Rows of other sizes (trimmed to the micro-batch's longest) cannot be joined: said now, by
+                # name, not by torch.cat once every micro-batch ran; an integration's pad= pads them.
+                if (
+                    column
+                    and self.step.pad is None
+                    and _across(leaf, self.step.dim) != _across(column[0], self.step.dim)
+                ):
+                    self._shape_changed(result, index, column[0], rows, joined=True)
                 column.append(leaf.detach())
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
@@ -118,13 +126,18 @@ class Results:
             "Return a new tensor there (buffer.clone())"
         )
 
-    def _shape_changed(self, result: Any, index: int, first: Any, rows: int) -> NoReturn:
+    def _shape_changed(self, result: Any, index: int, first: Any, rows: int, joined: bool = False) -> NoReturn:
         path, leaf = flatten_with_path(result, strings=True)[index]
+        what = (
+            f"rows joined along dim {self.step.dim} must have the same size in every other dim in every one"
+            if joined
+            else f"a value of the whole micro-batch (not one per row along dim {self.step.dim}) must have the same "
+            "shape in every one"
+        )
         raise ValueError(
             f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
-            f"of {rows} rows, and {describe(first)} for the first: a value of the whole micro-batch (not one per "
-            f"row along dim {self.step.dim}) must have the same shape in every one, or the step's result would "
-            "depend on the split. Return one entry per row, or pad it to one shape"
+            f"of {rows} rows, and {describe(first)} for the first: {what}, or the step's result would depend on "
+            f"the split. {'Pad them to one length' if joined else 'Return one entry per row, or pad it to one shape'}"
         )
 
     def drop(self) -> None:
@@ -297,6 +310,15 @@ class Results:
                 return padded_cat(column, dim, shape, value)
         # Tensors that differ outside dim, not padded: torch.cat's own error, which names the sizes.
         return torch.cat(column, dim=dim)
+
+
+def _across(tensor: torch.Tensor, dim: int) -> tuple[int, ...] | None:
+    """Return a tensor's shape but for ``dim``, which rows are joined along; None where it has no such dim."""
+    shape = tuple(tensor.shape)
+    if not -len(shape) <= dim < len(shape):
+        return None
+    dim %= len(shape)
+    return shape[:dim] + shape[dim + 1 :]
 
 
 def padded_shape(column: list[torch.Tensor], dim: int) -> list[int] | None:
