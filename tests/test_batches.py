@@ -1326,3 +1326,12 @@ def test_an_attribute_without_the_dim_passes_whole() -> None:
     torch.testing.assert_close(koila.chunked(weighed, batch, dim=1, initial=4), weighed(batch))
     with pytest.raises(ValueError, match=r"dim 1 is out of range for the tensor weights of shape \(3,\)"):
         koila.chunked(lambda x, weights: x, batch.x, torch.ones(3), dim=1)  # an argument: refused as before
+
+
+def test_a_value_per_row_one_dim_short_of_dim_is_told_how_to_reach_it() -> None:
+    # A time-major batch's lengths, for pack_padded_sequence: the refusal said nothing of a way (probe 71G).
+    steps, lengths = torch.randn(6, 4, 2), torch.tensor([6, 5, 3, 2])
+    with pytest.raises(ValueError, match=r"give it a dim of size 1 in front \(of shape \(1, 4\), with \[None\]\)"):
+        koila.chunked(lambda x, lengths: x, steps, lengths, dim=1)
+    joined = koila.chunked(lambda x, lengths: x * lengths[0][None, :, None], steps, lengths[None], dim=1, initial=2)
+    torch.testing.assert_close(joined, steps * lengths[None, :, None])

@@ -529,7 +529,8 @@ class Split:
                 f"{self.front_end} cannot split the PackedSequence {self._label(path)}: its data holds every "
                 "sequence's steps packed together, time step by time step, not one row per sequence. Pass the "
                 "padded tensor and the lengths instead, and pack them inside the function "
-                "(torch.nn.utils.rnn.pack_padded_sequence)"
+                "(torch.nn.utils.rnn.pack_padded_sequence); with dim=1 (time-major), the lengths as "
+                "lengths[None], of shape (1, rows), and lengths[0] inside"
             )
         if len(path) > DEPTH:
             raise ValueError(
@@ -663,6 +664,13 @@ class Split:
                 raise ValueError(
                     f"dim {dim} is out of range for the tensor {self._label(paths[index])} of shape {tuple(shape)}; "
                     f"allowed: [{-len(shape)}, {len(shape) - 1}]"
+                    # A value per row one dim short (a time-major batch's lengths): how to make it reach dim.
+                    + (
+                        f". To split a value per row along dim {dim}, give it a dim of size 1 in front (of shape "
+                        f"{(1, *shape)}, with [None]) and take [0] of it inside the function"
+                        if len(shape) == dim
+                        else ""
+                    )
                 )
             sizes.append(shape[axis])
         return sizes
