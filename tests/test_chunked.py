@@ -937,6 +937,17 @@ def test_a_dict_out_with_missing_or_extra_keys_says_which(out: dict[str, Any], s
     assert not any(tensor.any() for tensor in tree_flatten(out)[0])  # refused before a row was written
 
 
+def test_strings_per_row_with_out_are_refused_saying_they_join_without_out() -> None:
+    # The refusal spoke of tensors only, at a place that held a string (probe 71G).
+    buffer = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"with out=, fn may return only tensors and None: a list of strings per row"):
+        koila.chunked(
+            lambda r: {"x": r * 2, "text": [str(v) for v in r.tolist()]}, torch.arange(4.0), out={"x": buffer}
+        )
+    joined = koila.chunked(lambda r: {"x": r * 2, "text": [str(v) for v in r.tolist()]}, torch.arange(4.0), initial=2)
+    assert joined["text"] == ["0.0", "1.0", "2.0", "3.0"]
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -415,6 +415,9 @@ class Results:
                     )
                 else:
                     there = f"a {type(target).__name__} there"
+                if isinstance(leaf, str):  # lists of strings are joined only without out=
+                    there += "; with out=, fn may return only tensors and None: a list of strings per row is "
+                    there += "joined where no out= is given"
                 self._unmatched(paths, f"fn returned {what} at the result{keystr(path)}, and out has {there}")
             targets.append(cast(torch.Tensor, target))
             used.add(id(target))
