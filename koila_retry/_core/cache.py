@@ -18,6 +18,7 @@ import torch
 
 from koila_retry._common.callables import check_takes
 from koila_retry._common.counter import Counter
+from koila_retry._common.forks import renewed_in_child
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.units import as_int
 from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
@@ -133,8 +134,12 @@ class PerKey(Generic[Kept]):
         self, maxsize: int, changed: Callable[[Hashable, Callable[[Kept | None], Kept | None]], None] | None = None
     ) -> None:
         self._lock = threading.Lock()
+        renewed_in_child(self, PerKey._renew)
         self._keys: cachetools.LRUCache[Hashable, Kept] = cachetools.LRUCache(maxsize)
         self.changed = changed
+
+    def _renew(self) -> None:
+        self._lock = threading.Lock()
 
     def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
         """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before."""
@@ -216,7 +221,8 @@ class Sizes(MutableMapping[Hashable, int]):
         # evict with ``popitem``, which no reader's move can interrupt (iterating could).
         self._sizes: dict[Hashable, int] = {}
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held through a DiskCache's write: made anew in a forked child
+        renewed_in_child(self, Sizes._renew)
         self._hits = Counter()
         self._misses = Counter()
         # The latest key looked up and its size, in a one-item list that writers replace
@@ -283,6 +289,9 @@ class Sizes(MutableMapping[Hashable, int]):
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
             return CacheInfo(self._hits.value, self._misses.value, self._maxsize, len(self._sizes))
+
+    def _renew(self) -> None:
+        self._lock = threading.Lock()
 
     def cache_clear(self) -> None:
         """Forget every size and reset the hit and miss counts."""

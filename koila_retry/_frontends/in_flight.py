@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from koila_retry._common.forks import renewed_in_child
+
 __all__ = ["IN_FLIGHT", "Holder", "InFlight"]
 
 
@@ -23,7 +25,7 @@ class Holder(Protocol):
 class InFlight:
     """The leaves koila steps in flight write, by ``id``: held by one direct step, or shared by delivering ones."""
 
-    __slots__ = ("condition", "held", "lock", "owners", "shared", "waiting", "weak")
+    __slots__ = ("__weakref__", "condition", "held", "lock", "owners", "shared", "waiting", "weak")
 
     def __init__(self) -> None:
         # The condition's own lock, taken directly where nothing waits: the condition's
@@ -114,14 +116,25 @@ class InFlight:
     def _drop(self, keys: Sequence[int]) -> None:
         shared = self.shared
         for key in keys:
-            count = shared[key] - 1
+            count = shared.get(key, 1) - 1  # none after a fork made the registry anew (see renew)
             if count:
                 shared[key] = count
             else:
-                del shared[key]
+                shared.pop(key, None)
         if self.waiting:
             self.condition.notify_all()
+
+    def renew(self) -> None:
+        """Start again in a child process: the steps of the threads that did not fork hold nothing there."""
+        thread = threading.get_ident()
+        self.lock = threading.Lock()
+        self.condition = threading.Condition(self.lock)
+        self.owners = {key: owner for key, owner in self.owners.items() if owner.thread == thread}
+        self.held = {owner: count for owner, count in self.held.items() if owner.thread == thread}
+        self.weak = {key: ref for key, ref in self.weak.items() if key in self.owners}
+        self.shared, self.waiting = {}, 0
 
 
 # Every koila step's, for the process.
 IN_FLIGHT = InFlight()
+renewed_in_child(IN_FLIGHT, InFlight.renew)
