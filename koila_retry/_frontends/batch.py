@@ -347,7 +347,7 @@ def _seen_through(fn: object) -> list[object]:
 
 
 def is_async(fn: object) -> bool:
-    """Return whether calling ``fn`` makes a coroutine, as far as its wrappers and type tell."""
+    """Return whether calling ``fn`` makes a coroutine, as far as it and its type tell."""
     return any(inspect.iscoroutinefunction(each) for each in _seen_through(fn))
 
 
