@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "PACKAGE_DIR",
+    "SUSPENDABLE",
     "TORCH_DIR",
     "Replayed",
     "is_ours",
@@ -27,8 +28,8 @@ __all__ = [
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-# Generators' and coroutines' frames may be suspended, not finished: never cleared.
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+# Frames of these kinds may be suspended rather than finished: clearing one would close its generator.
+SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 # The command line's programs use the library as a user's code does: the demo's training
 # loop is named where a failure happened, as a user's would be.
 _APPLICATIONS = (os.path.join(PACKAGE_DIR, "_cli") + os.sep, os.path.join(PACKAGE_DIR, "__main__.py"))
@@ -67,7 +68,7 @@ def release_ours(error: BaseException) -> None:
     tb = error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        if is_ours(frame.f_code.co_filename) and not frame.f_code.co_flags & _SUSPENDABLE:
+        if is_ours(frame.f_code.co_filename) and not frame.f_code.co_flags & SUSPENDABLE:
             with contextlib.suppress(RuntimeError):  # still running: the handler's own
                 frame.clear()
         tb = tb.tb_next

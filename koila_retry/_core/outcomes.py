@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
-import inspect
 import io
 import itertools
 import logging
@@ -23,7 +22,7 @@ from typing import Any, NoReturn, cast
 
 import torch
 
-from koila_retry._common.places import levels_to_caller
+from koila_retry._common.places import SUSPENDABLE, levels_to_caller
 from koila_retry._common.units import format_free
 from koila_retry._common.walk import frame_locals
 from koila_retry._common.warn import warn_or_log
@@ -374,8 +373,6 @@ def detached(exc: BaseException) -> BaseException:
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11 on
 
-# Frames of these kinds may be suspended rather than finished: clearing one would close its generator.
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 # From Python 3.13 on, clearing a suspended frame raises RuntimeError instead of closing its generator.
 _CLEAR_CLOSES = sys.version_info < (3, 13)
 
@@ -415,7 +412,7 @@ def clear_frames(error: BaseException, *, scan: bool = True) -> None:
             frame = tb.tb_frame
             if frame is not start and frame not in above and id(frame) not in finished:
                 # A suspended frame has no caller; a finished one mostly has, from Python 3.12 on.
-                if _CLEAR_CLOSES and frame.f_code.co_flags & _SUSPENDABLE and frame.f_back is None:
+                if _CLEAR_CLOSES and frame.f_code.co_flags & SUSPENDABLE and frame.f_back is None:
                     doubtful.append(frame)
                 else:
                     finished[id(frame)] = frame
@@ -487,7 +484,7 @@ def unpin(error: BaseException | None) -> None:
     while (
         frame is not None
         and str(frame.f_globals.get("__name__", "")).startswith("koila_retry.")
-        and not frame.f_code.co_flags & _SUSPENDABLE
+        and not frame.f_code.co_flags & SUSPENDABLE
     ):
         caller = frame.f_back
         try:

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from koila_retry._common.counter import Counter
-from koila_retry._common.forks import renewed_in_child
 
 __all__ = ["OOMEvent", "OnOOM", "Stats"]
 
@@ -89,15 +88,11 @@ class Stats:
     def __init__(self, batch_size: int) -> None:
         self.calls_counter = Counter()
         self._lock = threading.Lock()
-        renewed_in_child(self, Stats._renew)
         self.batch_size = batch_size
         self.ooms = 0
         self.exhausted = 0
         self.seconds_lost = 0.0
         self._timed: dict[int, tuple[int, float]] = {}  # size -> (attempts timed, their mean rows/s)
-
-    def _renew(self) -> None:
-        self._lock = threading.Lock()
 
     @property
     def throughput(self) -> dict[int, float]:

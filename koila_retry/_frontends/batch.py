@@ -346,7 +346,7 @@ def _seen_through(fn: object) -> list[object]:
     return [fn, type(fn).__call__]  # an async def __call__, or type.__call__
 
 
-def is_async(fn: object) -> bool:
+def _is_async(fn: object) -> bool:
     """Return whether calling ``fn`` makes a coroutine, as far as it and its type tell."""
     return any(inspect.iscoroutinefunction(each) for each in _seen_through(fn))
 
@@ -586,7 +586,7 @@ def _wrapper(
     # The injection is spelled out inline: every call of the wrapper pays for each
     # extra Python call, and this is the whole cost of a cached call. The object a method is
     # bound to is a root of its own, not an argument: an iterator instance is not refused a retry.
-    if is_async(fn):
+    if _is_async(fn):
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
