@@ -1112,6 +1112,50 @@ def test_bad_result_in_a_later_micro_batch_leaves_grads_as_they_were(failure: st
     before.assert_unchanged()
 
 
+@pytest.mark.parametrize(
+    ("early", "late", "said"),
+    [
+        (
+            lambda x: x.sum(),
+            lambda x: None,
+            "a value that comes back as None, where the micro-batches before returned a value of the whole micro-batch",
+        ),
+        (
+            lambda x: None,
+            lambda x: x.sum(),
+            "a value of the whole micro-batch, where the micro-batches before returned a value that comes back as None",
+        ),
+        (
+            lambda x: x,
+            lambda x: x.sum(),
+            "a value of the whole micro-batch, where the micro-batches before returned one row per row of it",
+        ),
+        (
+            lambda x: 1.5,
+            lambda x: 2,
+            "a count of the whole micro-batch, where the micro-batches before returned a "
+            "value of the whole micro-batch",
+        ),
+    ],
+    ids=["value-then-none", "none-then-value", "rows-then-value", "float-then-int"],
+)
+def test_an_output_of_another_kind_in_a_later_micro_batch_names_both_kinds(
+    early: Callable[[torch.Tensor], Any], late: Callable[[torch.Tensor], Any], said: str
+) -> None:
+    # The message said "is not one row per row of it, unlike for the micro-batch before" of a None after a
+    # 0-d tensor, which is not one row per row either.
+    model, x, y = build("mlp", 20)
+    before = Snapshot(model)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        return {"loss": F.mse_loss(model(x), y), "aux": early(x) if len(x) == 8 else late(x)}
+
+    with pytest.raises(ValueError, match=rf"result\['aux'\] for a micro-batch of 4 rows, {said}: .* present"):
+        step(x, y)
+    before.assert_unchanged()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_value_whose_shape_changes_between_micro_batches_is_refused_before_its_backward(reduction: str) -> None:
     model, x, y = build("mlp", 20)
@@ -1152,6 +1196,44 @@ def test_rows_returned_in_a_reused_buffer_are_refused_and_a_broadcast_parameter_
     result = step(x, y, False)
     torch.testing.assert_close(result["rows"], model(x).detach())
     assert result["token"].shape == (20, 3)  # the same memory every micro-batch, broadcast: joined as before
+
+
+@pytest.mark.parametrize("where", ["right-aligned", "two-in-turn"])
+def test_rows_in_a_buffer_that_an_earlier_micro_batch_returned_are_refused(where: str) -> None:
+    # Only the memory of the micro-batch just before was compared: a buffer's tail (8 rows, then 4 that
+    # overlap them) or two buffers in turn (A, B, A) joined rows that the later writes had overwritten.
+    model, x, y = build("mlp", 12 if where == "right-aligned" else 20)
+    buffers = [torch.empty(20, 1, dtype=torch.float64) for _ in range(2)]
+    calls: list[int] = []
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = model(x)
+        calls.append(len(x))
+        kept = buffers[0][-len(x) :] if where == "right-aligned" else buffers[len(calls) % 2][: len(x)]
+        kept.copy_(out.detach())
+        return {"loss": F.mse_loss(out, y), "rows": kept}
+
+    before = Snapshot(model)
+    with pytest.raises(ValueError, match=r"at the result\['rows'\] for a micro-batch of \d rows, the memory it"):
+        step(x, y)
+    assert calls == ([8, 4] if where == "right-aligned" else [8, 8, 4])
+    before.assert_unchanged()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_views_of_the_input_returned_per_micro_batch_are_joined(dim: int) -> None:
+    # Side by side in one storage, and along dim 1 their spans of bytes interleave: no element is shared.
+    model, x, y = build("mlp", 20)
+    inputs = x if dim == 0 else x.T.contiguous()
+
+    @koila.accumulate(initial=8, dim=dim)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, target = (x, y) if dim == 0 else (x.T, y.T)
+        return {"loss": F.mse_loss(model(rows), target), "rows": x}
+
+    result = step(inputs, y if dim == 0 else y.T.contiguous())
+    assert torch.equal(result["rows"], inputs)
 
 
 def test_a_number_first_and_a_tensor_later_still_combine_and_outputs_without_memory_join() -> None:

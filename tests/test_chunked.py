@@ -1017,6 +1017,25 @@ def test_out_tensors_side_by_side_in_one_buffer_are_taken() -> None:
 
 @pytest.mark.parametrize(
     "make",
+    [lambda: torch.randn(6, 3, 3), lambda: torch.randn(6, 3, 6)[:, :, ::2]],
+    ids=["dense", "strided"],
+)
+@pytest.mark.parametrize("initial", [2, 8])
+def test_out_x_with_fn_returning_its_rows_reshaped_is_exact(make: Callable[[], torch.Tensor], initial: int) -> None:
+    # rows.mT is the chunk's own memory read in another order: copied as it was, the strided one came out
+    # wrong and the dense one was torch's overlap error.
+    x = make()
+    expected = x.mT.clone()
+    twice = torch.zeros(6, 3, 3)
+    with torch.no_grad():
+        result = koila.chunked(lambda rows: (rows.mT, rows * 2), x, initial=initial, out=(x, twice))
+    assert result[0] is x
+    assert torch.equal(x, expected)
+    assert torch.equal(twice, expected.mT * 2)
+
+
+@pytest.mark.parametrize(
+    "make",
     [lambda: torch.zeros(1, 2).expand(6, 2), lambda: torch.zeros(13).as_strided((6, 2), (1, 1))],
     ids=["expand", "overlapping-strides"],
 )

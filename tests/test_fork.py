@@ -110,3 +110,34 @@ def test_a_fork_while_another_thread_holds_a_caches_lock_leaves_the_child_the_ca
     out = _run(setup, child, "thread.join()\nother.wait()")
     assert "child size 8" in out
     assert "child exit status 0" in out
+
+
+def test_an_owner_freed_in_the_middle_of_a_registration_does_not_hang_it() -> None:
+    # The collector runs weakref callbacks wherever it allocates: one ran inside a registration's lock,
+    # took the lock again and waited on itself (caches in reference cycles, about 1 in 45,000; probe 72A).
+    # Here the last reference to a registered owner goes as the next registration makes its weakref.
+    script = """
+        import faulthandler, types, weakref
+        faulthandler.dump_traceback_later(60, exit=True)  # a hang: the traceback, and exit status 1
+        from koila_retry._common import forks
+
+        class Owner:
+            pass
+
+        dying = [Owner()]
+        gone = id(dying[0])
+        forks.renewed_in_child(dying[0], lambda owner: None)
+
+        def ref(value, callback=None):
+            made = weakref.ref(value, callback)
+            dying.clear()  # its weakref's callback runs now, in the registration
+            return made
+
+        forks.weakref = types.SimpleNamespace(ref=ref)
+        kept = Owner()
+        forks.renewed_in_child(kept, lambda owner: None)
+        print("registered", id(kept) in forks._owners, gone in forks._owners)
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "registered True False\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import json
@@ -10,7 +11,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -206,6 +207,68 @@ def test_in_place_modules_and_pass_throughs_keep_their_backward_apart() -> None:
     assert x._backward_hooks is None
     assert hidden._backward_hooks is None
     assert all(parameter._backward_hooks is None for parameter in model.parameters())
+
+
+def test_a_leaf_input_ends_its_modules_backward_where_its_gradient_is_made() -> None:
+    # A learnable query passed as it is: its gradient node, made anew in the forward, lacked the hook,
+    # and the small module's backward ran on through the big branch's (1 MiB, not 52 bytes; probe 72D).
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1))
+    small = nn.Linear(4, 1)
+    x = torch.randn(8, 256)
+
+    def fn(query: torch.Tensor, copied: bool) -> None:
+        loss = big(x).sum()
+        (loss + small(query * 1 if copied else query).sum()).backward()
+
+    query = torch.randn(8, 4, requires_grad=True)
+    leaf = by_name(koila.profile(fn, query, False))["small"]
+    query.grad = None
+    inner = by_name(koila.profile(fn, query, True))["small"]
+    assert leaf.backward_peak == inner.backward_peak
+    assert leaf.backward_peak is not None
+    assert leaf.backward_peak < 1024
+
+
+def test_a_call_that_takes_gradients_with_autograd_grad_is_profiled() -> None:
+    # torch refuses to tell, inside autograd.grad, whether a leaf's node will run: profile raised it, and
+    # so did any accumulate step on its captured path (a post-accumulate-grad hook, DDP, backward=).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(8, 4)
+
+    def step(x: torch.Tensor) -> Any:
+        return torch.autograd.grad(model(x).sum(), list(model.parameters()))
+
+    for fake in (False, True):
+        rows = by_name(koila.profile(step, x, fake=fake))
+        assert rows["0"].backward_peak is not None
+    model[0].weight.register_post_accumulate_grad_hook(lambda parameter: None)
+    accumulated = koila.accumulate(lambda x: model(x).sum(), initial=4)
+    assert by_name(koila.profile(accumulated, x))["2"].calls == 2
+    assert model[0].weight.grad is not None
+
+
+def test_a_generator_or_async_function_is_refused() -> None:
+    # Their bodies run once the result is iterated or awaited, after the profile: it came back empty.
+    def numbers() -> Iterator[torch.Tensor]:
+        yield torch.ones(4)
+
+    async def infer() -> torch.Tensor:
+        return torch.ones(4)
+
+    async def stream() -> AsyncIterator[torch.Tensor]:
+        yield torch.ones(4)
+
+    class Infer:
+        async def __call__(self) -> torch.Tensor:
+            return torch.ones(4)
+
+    for fn in (numbers, infer, stream, Infer()):
+        with pytest.raises(TypeError, match=r"^koila.profile cannot profile .*\(\): it is a generator or async"):
+            koila.profile(fn)
+    assert koila.profile(lambda: list(numbers())).peak == 16
+    assert koila.profile(lambda: asyncio.run(infer())).peak == 16
 
 
 def test_partials_and_bound_methods_are_profiled_as_their_function(cnn: CNN) -> None:

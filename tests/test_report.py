@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._common.units import format_bytes
@@ -113,6 +114,26 @@ def test_a_parameter_outside_the_model_is_named_from_the_optimizer() -> None:
     assert _row(found, name).kind == "parameter"
     assert _row(found, f"{name}.grad").kind == "gradient"
     assert _row(found, f"optimizer.state[{name}].momentum_buffer").nbytes == 7 * 3 * 4
+
+
+def test_optimizer_state_kept_in_lists_is_named_by_its_place() -> None:
+    # LBFGS keeps its history in lists: their tensors were rows of a bare "tensor", the largest part.
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=2)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        optimizer.step(closure)
+    found = koila.report(model, optimizer, top=10_000)
+    assert len(optimizer.state[model.weight]["old_dirs"]) == 2
+    for name in ("old_dirs[0]", "old_dirs[1]", "old_stps[0]", "old_stps[1]"):
+        assert _row(found, f"optimizer.state[weight].{name}").kind == "optimizer state"
 
 
 def test_a_tensor_that_keeps_its_graph_says_so() -> None:

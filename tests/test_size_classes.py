@@ -29,6 +29,17 @@ def test_the_key_holds_size_classes_and_the_exact_bytes_go_beside_it() -> None:
     assert whole == (((32,), "torch.float32"), ((1, 32), "torch.int64"))
 
 
+def test_a_one_row_nested_tensor_passed_whole_keeps_its_ragged_length_in_the_key() -> None:
+    # Its length is a symbol (j1), which the size class crashed on (AttributeError; probe 72A).
+    nested = torch.nested.nested_tensor([torch.randn(2, 3)], layout=torch.jagged)
+    sample = Split((torch.zeros(4, 17), nested), {}, 0, "test").sample
+    assert sample[0] == ((32,), "torch.float32")
+    assert sample[1][0][0] == 1
+    assert sample[1][0][2] == 4
+    x = torch.randn(6, 3)
+    assert torch.equal(koila.chunked(lambda x, nested: x * 2, x, nested, initial=4), x * 2)
+
+
 def test_a_padded_epoch_with_position_ids_passed_whole_runs_out_of_memory_once_per_size_class() -> None:
     # Each length of the (1, n) position_ids was a key of its own: 44 failed attempts over
     # 30 steps of one size class, where the same steps without it made 2 (probe 71G).

@@ -183,6 +183,26 @@ def test_the_walk_stops_after_the_depth_limit() -> None:
     assert MAX_DEPTH == 6
 
 
+def test_an_object_reached_first_at_the_depth_limit_is_walked_by_its_shorter_path() -> None:
+    # Depth first, the long path (the last root, taken first) marked the holder seen at the limit, and its
+    # model was never reached by the short one.
+    model = torch.nn.Linear(2, 2)
+    holder = _Holder(model)
+    assert list(reachable([[holder], _nested(holder, MAX_DEPTH)])) == [model]
+
+
+def test_a_budget_bounds_the_references_looked_at_nearest_first() -> None:
+    model = torch.nn.Linear(2, 2)
+    data = [[list(range(500)) for _ in range(3)] for _ in range(100)]  # a tokenized dataset's shape
+    deep = _Holder(_Holder(_Holder(model)))  # the model 3 references away, as the dataset's ints are
+    assert list(reachable([data, deep])) == [model]
+    # 100 lists, the holders' 2 and the 300 lists of ints are looked at before the budget runs out in
+    # the ints, which are never queued; the innermost holder, though reached, is not looked into.
+    assert list(reachable([data, deep], budget=1000)) == []
+    assert list(reachable([data, _Holder(_Holder(model))], budget=1000)) == [model]
+    assert list(reachable([_Holder(model)], budget=0)) == []
+
+
 def test_modules_and_optimizers_are_yielded_without_their_insides() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

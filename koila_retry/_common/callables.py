@@ -7,13 +7,14 @@ the options at every call, and ``inspect.signature`` costs some 20 µs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["check_takes"]
+__all__ = ["check_takes", "seen_through"]
 
 # What each function was found to take, by number of positional arguments (a method's self counted).
 _CHECKED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
@@ -42,3 +43,12 @@ def check_takes(name: str, function: Callable[..., object], given: str, *argumen
     if target is not None:
         with contextlib.suppress(TypeError):
             _CHECKED.setdefault(target, set()).add(count)
+
+
+def seen_through(fn: object) -> list[object]:
+    """Return ``fn``, and a callable instance's ``__call__``: what decides what a call of ``fn`` makes."""
+    # Not what a decorator's wrapper wraps: a sync wrapper may run the coroutine or consume the generator
+    # itself (asyncio.run, list) or pass it on, and only its code tells which.
+    if inspect.isroutine(fn) or isinstance(fn, functools.partial):
+        return [fn]
+    return [fn, type(fn).__call__]  # an async def __call__, or type.__call__

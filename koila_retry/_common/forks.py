@@ -6,8 +6,8 @@ its file, a step's leaves) would make the child's first call that needs it wait 
 
 from __future__ import annotations
 
+import gc
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 __all__ = ["renewed_in_child"]
 
 T = TypeVar("T")
-_lock = threading.Lock()
+# No lock: the collector runs weakref callbacks in whatever thread allocates, also in the middle of a
+# registration, so a lock taken by both would wait on itself. A dict's one operation needs none.
 _owners: dict[int, tuple[weakref.ref[Any], Callable[[Any], None]]] = {}
 
 
@@ -23,17 +24,20 @@ def renewed_in_child(owner: T, renew: Callable[[T], None]) -> None:
     """Call ``renew(owner)`` in the child of every fork while ``owner`` lives, before anything else runs there."""
 
     def forget(_: object, key: int = id(owner)) -> None:
-        with _lock:
-            _owners.pop(key, None)
+        _owners.pop(key, None)  # before its id can be another's: the object is not freed yet
 
-    with _lock:
-        _owners[id(owner)] = (weakref.ref(owner, forget), renew)
+    _owners[id(owner)] = (weakref.ref(owner, forget), renew)
 
 
 def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # the parent's may have been held by another thread
-    for reference, renew in list(_owners.values()):
+    enabled = gc.isenabled()
+    gc.disable()  # a callback would change the dict as it is read
+    try:
+        owners = list(_owners.values())
+    finally:
+        if enabled:
+            gc.enable()
+    for reference, renew in owners:
         owner = reference()
         if owner is not None:
             renew(owner)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorBase", "same_device", "tensors_in", "zeroed"]
+__all__ = ["TensorBase", "named_tensors_in", "same_device", "tensors_in", "zeroed"]
 
 # isinstance against torch.Tensor goes through its metaclass's __instancecheck__ (about
 # 0.3 us for each non-tensor argument); its C base class answers the same question directly.
@@ -34,6 +34,18 @@ def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
                 yield from tensors_in(item)
     elif isinstance(tree, dict):
         yield from tensors_in(list(tree.values()))
+
+
+def named_tensors_in(value: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors in nested dicts, lists and tuples, with their paths (LBFGS keeps lists)."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from named_tensors_in(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from named_tensors_in(item, f"{where}[{index}]")
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
@@ -112,13 +113,18 @@ def _code_references(function: types.FunctionType) -> list[tuple[str, Any]]:
     return found
 
 
-def reachable(roots: Iterable[Any]) -> Iterator[Any]:
-    """Yield once each module, optimizer and other stateful object reachable from ``roots``, not looking inside them."""
+def reachable(roots: Iterable[Any], budget: int | None = None) -> Iterator[Any]:
+    """Yield once each module, optimizer and other stateful object reachable from ``roots``, not looking inside them.
+
+    Nearest first, so that an object is reached by its shortest path and ``MAX_DEPTH`` counts along it. With
+    ``budget``, the walk looks at that many references at most, and yields what it reached by then.
+    """
     seen: set[int] = set()
-    stack: list[tuple[Any, int]] = [(root, 0) for root in roots]
-    while stack:
-        value, depth = stack.pop()
-        if id(value) in seen or depth > MAX_DEPTH or type(value) in weakref.ProxyTypes:
+    queue = collections.deque((root, 0) for root in roots)
+    left = sys.maxsize if budget is None else budget
+    while queue:
+        value, depth = queue.popleft()
+        if id(value) in seen or type(value) in weakref.ProxyTypes:
             continue  # a proxy (Lightning's of its module) passes isinstance as its referent, by another id and name
         seen.add(id(value))
         if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
@@ -126,7 +132,21 @@ def reachable(roots: Iterable[Any]) -> Iterator[Any]:
             continue
         if _stateful(value):
             yield value  # a learning-rate scheduler or a gradient scaler, say; its optimizer is reached through it
-        stack.extend((child, depth + 1) for _, child in references(value))
+        if depth == MAX_DEPTH or left <= 0:
+            continue
+        children = list(itertools.islice(_children(value), left))
+        left -= len(children)
+        # Leaves are left out before they are queued: a tokenized dataset held as lists is millions of ints.
+        queue.extend((child, depth + 1) for child in children if not isinstance(child, _LEAVES))
+
+
+def _children(value: Any) -> Iterable[Any]:
+    """Return what ``value`` refers to, as ``references`` does, without naming it: plain containers cheaply."""
+    if type(value) in (list, tuple, set, frozenset):
+        return itertools.islice(value, MAX_ITEMS)
+    if type(value) is dict:
+        return itertools.islice(value.values(), MAX_ITEMS)
+    return [child for _, child in references(value)]
 
 
 def _stateful(value: object) -> bool:

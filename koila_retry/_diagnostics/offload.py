@@ -15,13 +15,14 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
+from koila_retry._common.tensors import named_tensors_in
 from koila_retry._common.units import format_bytes
 from koila_retry._core import memory
 
@@ -288,14 +289,14 @@ def _lendable(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optim
                 add(f"parameter {names[id(parameter)]}", parameter)
             for key, value in group.items():
                 if key != "params":  # a learning rate may be a tensor, on the device with capturable=True
-                    for where, tensor in _nested(value):
+                    for where, tensor in named_tensors_in(value):
                         add(f"param_groups[{number}][{key!r}]{where} of {which}", tensor)
         for key, value in optimizer.defaults.items():
-            for where, tensor in _nested(value):
+            for where, tensor in named_tensors_in(value):
                 add(f"defaults[{key!r}]{where} of {which}", tensor)
         for parameter, state in optimizer.state.items():
             owner = f"parameter {names.get(id(parameter), '(not in its param_groups)')}"
-            for where, tensor in _nested(state):
+            for where, tensor in named_tensors_in(state):
                 add(f"state{where} of {owner} in {which}", tensor)
 
     probe = torch.empty(0, device=_CPU)
@@ -313,18 +314,6 @@ def _lendable(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optim
             )
         lendable.append(tensor)
     return lendable
-
-
-def _nested(value: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors in nested dicts, lists and tuples, with their paths (LBFGS keeps lists)."""
-    if isinstance(value, torch.Tensor):
-        yield where, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _nested(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _nested(item, f"{where}[{index}]")
 
 
 def _unmovable(tensor: torch.Tensor, probe: torch.Tensor) -> str | None:

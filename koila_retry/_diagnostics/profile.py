@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from koila_retry._common.callables import seen_through
 from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
@@ -325,7 +326,10 @@ class _Backward:
         self.scope = self.profiler.counter.open()
         self.profiler.opened(self, task)
         if not self.uses_inputs:
-            self.remaining = sum(map(torch._C._will_engine_execute_node, self.accumulators))
+            try:
+                self.remaining = sum(map(torch._C._will_engine_execute_node, self.accumulators))
+            except RuntimeError:  # inside torch.autograd.grad, which does not tell of leaves: ends with the backward
+                self.remaining = len(self.accumulators) + 1
 
     def input_ready(self, *_: Any) -> None:
         if self.scope is not None and torch._C._current_graph_task_id() == self.task:
@@ -361,6 +365,9 @@ class _ModuleProfiler:
         self.stack: list[_Call] = []
         self.handles: list[RemovableHandle] = []
         self.open_backward: dict[int, list[_Backward]] = {}
+        # A leaf input's gradient node lives only while something holds it: one made anew in the forward
+        # would not have the hook, and the module's backward would run on to the end of the whole backward.
+        self.nodes: list[Any] = []
 
     def attach(self) -> list[RemovableHandle]:
         return [
@@ -383,6 +390,7 @@ class _ModuleProfiler:
             for tensor in _grad_tensors(inputs):
                 node = torch.autograd.graph.get_gradient_edge(tensor).node
                 self.handles.append(node.register_prehook(backward.input_ready))
+                self.nodes.append(node)
                 backward.inputs.add(id(node))
                 backward.uses_inputs = True
         self.stack.append(_Call(module, tally, self.counter.open(), backward))
@@ -439,6 +447,7 @@ class _ModuleProfiler:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.nodes.clear()
         self.stack.clear()
         self.open_backward.clear()
 
@@ -575,6 +584,10 @@ def _remade_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         else:
             meta = torch.empty_like(leaf, device=META)
         leaves[index] = meta.requires_grad_(leaf.requires_grad)
+        if leaf.grad_fn is not None:
+            # Not a leaf either, with a node made before the call's: its backward ends where the real one's does.
+            with torch.enable_grad():
+                leaves[index] = meta.view_as(meta)
     remade_args, remade_kwargs = tree_unflatten(leaves, spec)
     return remade_args, remade_kwargs
 
@@ -742,8 +755,9 @@ def profile(
         MemoryProfile: the rows, in the order their module or line first ran.
 
     Raises:
-        TypeError: if ``fn`` is not callable, or ``watch`` holds something that
-            is not a function, method or module written in Python.
+        TypeError: if ``fn`` is not callable, is a generator or async function
+            (whose body runs after the call returns), or ``watch`` holds something
+            that is not a function, method or module written in Python.
         ValueError: if ``by`` is neither ``"module"`` nor ``"line"``, ``watch``
             is given with ``by="module"``, or (unless ``fake``) ``device`` is of
             a type this process has no accelerator for.
@@ -753,6 +767,14 @@ def profile(
     """
     if not callable(fn):
         raise TypeError(f"koila.profile needs a callable, got {type(fn).__name__} {fn!r}")
+    for each in seen_through(fn):
+        # Their bodies run when the result is iterated or awaited, after the profile ended: it would be empty.
+        if inspect.isgeneratorfunction(each) or inspect.isasyncgenfunction(each) or inspect.iscoroutinefunction(each):
+            raise TypeError(
+                f"koila.profile cannot profile {getattr(fn, '__qualname__', repr(fn))}(): it is a generator or "
+                "async function, whose body runs after the call returns. Profile a function that runs it "
+                "(lambda: list(fn(...)), or lambda: asyncio.run(fn(...)))"
+            )
     if by not in _BY:
         raise ValueError(f"by must be one of {', '.join(map(repr, _BY))}, got {by!r}")
     if watch is not None and by == "module":

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from koila_retry._common import tracking
 from koila_retry._common.places import is_ours, is_users
-from koila_retry._common.tensors import same_device
+from koila_retry._common.tensors import named_tensors_in, same_device
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import frame_locals, reachable, references
 from koila_retry._core import memory
@@ -27,6 +27,8 @@ _NUMERIC = frozenset({"bytes"})
 # DeepSpeed's) put thousands of names on one storage, which would make a line of the table, or of the
 # message of a call that gave up, as long as all of them.
 _KEPT = 5
+# References a give-up's walk looks at, nearest first: the caller's frames may hold a dataset of Python lists.
+_GIVE_UP_WALK = 100_000
 
 
 class ReportRow(NamedTuple):
@@ -374,8 +376,8 @@ def _optimizer_tensors(
                 yield name, "parameter", parameter
                 yield from _gradients(name, parameter, held)
             for key, value in optimizer.state.get(parameter, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield f"{prefix}.state[{name}].{key}", "optimizer state", value
+                for where, tensor in named_tensors_in(value, f".{key}"):  # LBFGS keeps lists of them
+                    yield f"{prefix}.state[{name}]{where}", "optimizer state", tensor
 
 
 class _Storage:
@@ -625,7 +627,7 @@ def explain(device: torch.device, frame: FrameType | None, top: int = 5) -> str:
     frame = None
     variables += contents
     contents.clear()
-    for value in reachable(roots):
+    for value in reachable(roots, _GIVE_UP_WALK):
         if isinstance(value, torch.nn.Module):
             modules.setdefault(id(value), (type(value).__name__, value))
         elif isinstance(value, torch.optim.Optimizer):

@@ -16,6 +16,7 @@ from typing import Any, Concatenate, NoReturn, ParamSpec, Protocol, TypeVar, cas
 import torch
 
 from koila_retry._common.batches import positional_names
+from koila_retry._common.callables import seen_through
 from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
@@ -337,23 +338,14 @@ def bindable(
     return wrapper
 
 
-def _seen_through(fn: object) -> list[object]:
-    """Return ``fn``, and a callable instance's ``__call__``: what decides what a call of ``fn`` makes."""
-    # Not what a decorator's wrapper wraps: a sync wrapper may run the coroutine or consume the generator
-    # itself (asyncio.run, list) or pass it on, and only its code tells which.
-    if inspect.isroutine(fn) or isinstance(fn, functools.partial):
-        return [fn]
-    return [fn, type(fn).__call__]  # an async def __call__, or type.__call__
-
-
 def _is_async(fn: object) -> bool:
     """Return whether calling ``fn`` makes a coroutine, as far as it and its type tell."""
-    return any(inspect.iscoroutinefunction(each) for each in _seen_through(fn))
+    return any(inspect.iscoroutinefunction(each) for each in seen_through(fn))
 
 
 def refuse_generator(fn: Callable[..., Any], front_end: str) -> None:
     """Refuse a generator or async generator function, whose work runs after the call returns."""
-    if any(inspect.isgeneratorfunction(each) or inspect.isasyncgenfunction(each) for each in _seen_through(fn)):
+    if any(inspect.isgeneratorfunction(each) or inspect.isasyncgenfunction(each) for each in seen_through(fn)):
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
             f"{front_end} cannot retry {name}(): it is a generator function, whose body runs while the "

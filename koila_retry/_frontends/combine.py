@@ -35,6 +35,13 @@ class Step(Protocol):
 # a list of one string per row, joined; a number or per-batch tensor of floats, weighted
 # like the loss; one of integers (a count), added up; anything else, dropped.
 _LOSS, _JOIN, _STRINGS, _WEIGH, _COUNT, _DROP = "loss", "join", "strings", "weigh", "count", "drop"
+_KINDS = {
+    _JOIN: "one row per row of it",
+    _STRINGS: "a list of strings, one per row",
+    _WEIGH: "a value of the whole micro-batch",
+    _COUNT: "a count of the whole micro-batch",
+    _DROP: "a value that comes back as None",
+}
 _LEAF_SPEC = tree_flatten(0)[1]
 _EXACT = (torch.float32, torch.float64)  # dtypes a loss times its weight keeps to the last bit or so
 _UNSET: Any = object()  # Results.combined before finish()
@@ -43,13 +50,15 @@ _UNSET: Any = object()  # Results.combined before finish()
 class Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "combined", "kinds", "size", "spec", "step")
+    __slots__ = ("columns", "combined", "kinds", "shared", "size", "spec", "step")
 
     def __init__(self, step: Step, size: int) -> None:
         self.step, self.size = step, size
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
+        # Per joined leaf and storage, the parts of its column in that storage: a buffer written again.
+        self.shared: dict[tuple[int, torch.device, int], list[int]] = {}
         self.combined: Any = _UNSET  # finish()'s result, once made
 
     def add(self, result: Any, weight: float, rows: int) -> torch.Tensor:
@@ -100,9 +109,9 @@ class Results:
             if kind == _STRINGS:
                 column.append(leaf)
             elif kind == _JOIN:
-                # The memory of the micro-batch before, not broadcast along the rows (a parameter's expand):
-                # a buffer the function writes each time, whose earlier rows are lost.
-                if column and _same_memory(leaf, column[-1], self.step.dim):
+                # Memory an earlier micro-batch's part holds, not broadcast along the rows (a parameter's
+                # expand): a buffer the function writes each time, whose earlier rows are lost.
+                if _written(leaf, self.step.dim) and self._overwrites(index, column, leaf):
                     self._reused(result, index, rows)
                 # Rows of other sizes (trimmed to the micro-batch's longest) cannot be joined: said now, by
                 # name, not by torch.cat once every micro-batch ran; an integration's pad= pads them.
@@ -117,11 +126,18 @@ class Results:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
 
+    def _overwrites(self, index: int, column: list[Any], leaf: torch.Tensor) -> bool:
+        """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned."""
+        earlier = self.shared.setdefault((index, leaf.device, leaf.untyped_storage().data_ptr()), [])
+        overlaps = any(_overlap(leaf, column[position]) for position in earlier)
+        earlier.append(len(column))
+        return overlaps
+
     def _reused(self, result: Any, index: int, rows: int) -> NoReturn:
         path = keystr(flatten_with_path(result, strings=True)[index][0])
         raise ValueError(
             f"{self.step.controller.name} returned, at the result{path} for a micro-batch of {rows} rows, the "
-            "memory it returned for the micro-batch before: the rows are joined when the step ends, so where the "
+            "memory it returned for an earlier micro-batch: the rows are joined when the step ends, so where the "
             "function writes there each time (a reused buffer), the earlier ones would read as the later ones. "
             "Return a new tensor there (buffer.clone())"
         )
@@ -193,18 +209,14 @@ class Results:
                 self.columns[index].clear()
             self._dropping(result, kinds)
             return kinds
-        paths = flatten_with_path(result, strings=True)
-        path, leaf, kind = next(
-            (path, leaf, kind)
-            for (path, leaf), kind, before in zip(paths, kinds, self.kinds, strict=True)
-            if kind != before
-        )
+        path, leaf = flatten_with_path(result, strings=True)[changed[0]]
+        kind, before = kinds[changed[0]], self.kinds[changed[0]]
         raise ValueError(
             f"{self.step.controller.name} returned {describe(leaf)} at the result{keystr(path)} for a micro-batch "
-            f"of {rows} rows, which {'has one row per row' if kind == _JOIN else 'is not one row per row'} of it, "
-            f"unlike for the micro-batch before: a tensor with as many rows along dim {self.step.dim} as its "
-            "micro-batch is joined, any other is a value of the whole micro-batch, and each must be the same "
-            "kind in every micro-batch"
+            f"of {rows} rows, {_KINDS[kind]}, where the micro-batches before returned {_KINDS[before]}: a "
+            f"tensor with as many rows along dim {self.step.dim} as its micro-batch is joined, a number or any "
+            "other tensor is a value of the whole micro-batch, and anything else comes back as None; each must "
+            "be the same kind in every micro-batch (an output present in some micro-batches only is not)"
         )
 
     def _dropping(self, result: Any, kinds: list[str]) -> None:
@@ -359,10 +371,10 @@ def padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: fl
     return joined
 
 
-def _same_memory(leaf: torch.Tensor, previous: torch.Tensor, dim: int) -> bool:
-    """Return whether ``leaf`` is the memory of ``previous``, not broadcast along the rows nor a graph's."""
-    # Plain strided tensors with memory of their own only: a subclass, a sparse or a meta tensor has no
-    # data pointer to compare (0, or an error).
+def _written(leaf: torch.Tensor, dim: int) -> bool:
+    """Return whether ``leaf`` could be a buffer written in place: memory of its own, not a graph's nor broadcast."""
+    # Plain strided tensors only: a subclass, a sparse or a meta tensor has no data pointer to compare (0, or
+    # an error).
     return (
         not leaf.requires_grad
         and type(leaf) is torch.Tensor
@@ -370,9 +382,20 @@ def _same_memory(leaf: torch.Tensor, previous: torch.Tensor, dim: int) -> bool:
         and leaf.device.type != "meta"
         and leaf.numel() > 0
         and leaf.data_ptr() != 0
-        and leaf.data_ptr() == previous.data_ptr()
         and leaf.stride(dim) != 0
     )
+
+
+def _overlap(leaf: torch.Tensor, part: torch.Tensor) -> bool:
+    """Return whether two tensors of one storage share an element, where that is cheap to tell."""
+    if leaf.data_ptr() == part.data_ptr():
+        return True
+    # Dense, each lies in its span of bytes. Views of one input side by side along another dim (returned by
+    # a micro-batch each) interleave their spans without sharing an element: taken.
+    if not (leaf.is_contiguous() and part.is_contiguous()):
+        return False
+    start, begin = leaf.data_ptr(), part.data_ptr()
+    return start < begin + part.numel() * part.element_size() and begin < start + leaf.numel() * leaf.element_size()
 
 
 def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:

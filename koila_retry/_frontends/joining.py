@@ -387,6 +387,8 @@ class Results:
             leaf.dtype != target.dtype and (self.out is None or not torch.can_cast(leaf.dtype, target.dtype))
         ):
             self._mismatch(view, leaf, begin, end, result, index)
+        if self.out is not None and _reads_from(leaf, view):
+            leaf = leaf.clone()
         try:
             view.copy_(leaf)
         except RuntimeError:
@@ -765,3 +767,13 @@ def _shifted_onto(tensor: torch.Tensor, shift: int) -> bool | None:
             if abs(steps) < length
         ]
     return 0 in remainders
+
+
+def _reads_from(leaf: torch.Tensor, view: torch.Tensor) -> bool:
+    """Return whether ``leaf`` lies in ``out``'s memory other than as ``view``'s own elements, as they are."""
+    # fn may return its rows reshaped (``rows.mT`` of ``out=x``): copy_ would overwrite elements it has yet
+    # to read, and torch's overlap check gives up on memory that is not dense, so the rows come out wrong.
+    if leaf.layout is not torch.strided or type(leaf) is not torch.Tensor or leaf.device.type == "meta":
+        return False
+    same_storage = leaf.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    return same_storage and (leaf.data_ptr() != view.data_ptr() or leaf.stride() != view.stride())
