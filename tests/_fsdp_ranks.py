@@ -560,6 +560,67 @@ for _name in FORWARDS:
 
 
 @scenario("two")
+def fsdp_batch_over_uneven_rows(rank: int, world: int) -> dict[str, Any]:
+    """``batch`` over FSDP2 with fewer rows on the last rank, which fails above half of them: every rank raises.
+
+    The message spoke of DDP's first backward and model.module, none of which a sharded forward has.
+    """
+    net = shard(model())
+    layer: Inject = net[1][1]
+    x = local(batch(world, seed=27)[0], rank)[: ROWS // 2 if rank == world - 1 else ROWS]
+    layer.failures = {0: "forward"} if rank == world - 1 else {}
+    predict = _batch()
+    with torch.no_grad():
+        try:
+            predict(net, x, lambda event: None)
+            caught = ""
+        except RuntimeError as exc:
+            caught = str(exc)
+        layer.failures = {}
+        again = predict(net, local(batch(world, seed=27)[0], rank), lambda event: None)
+    return {"caught": caught, "again": list(again.shape)}
+
+
+@scenario("two")
+def fsdp_with_a_ddp_module_in_one_step(rank: int, world: int) -> dict[str, Any]:
+    """A DDP student and an FSDP2 teacher in one step (distillation): refused on every rank, before it runs.
+
+    A rank that failed played FSDP2's collectives along but not DDP's buckets, and gloo aborted the job.
+    Then the teacher's outputs computed before a step of the student's own, as the message says.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    teacher = shard(model())
+    student = DistributedDataParallel(model())
+    x, _ = batch(world, seed=26)
+    x = local(x, rank)
+    ran: list[int] = []
+
+    @koila.accumulate(initial=ROWS, cache=koila.NoCache())
+    def step(x: torch.Tensor) -> torch.Tensor:
+        ran.append(len(x))
+        with torch.no_grad():
+            target = teacher(x)
+        return F.mse_loss(student(x), target)
+
+    @koila.accumulate(initial=ROWS, cache=koila.NoCache())
+    def student_step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ran.append(len(x))
+        return F.mse_loss(student(x), target)
+
+    try:
+        step(x)
+        error = ""
+    except NotImplementedError as exc:
+        error = str(exc)
+    refused = {"error": error, "ran": list(ran), "grads": [p.grad is None for p in student.parameters()]}
+    with torch.no_grad():
+        target = teacher(x)
+    student_step(x, target)
+    return {**refused, "then": ran[len(refused["ran"]) :]}
+
+
+@scenario("two")
 def fsdp_two_models(rank: int, world: int) -> dict[str, Any]:
     """Two models sharded apart, one after the other in each forward (a draft's and a target's), no grad.
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
 import subprocess
 import sys
 import textwrap
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -243,6 +245,28 @@ def test_a_method_receives_the_size_after_self() -> None:
     trainer = Trainer()
     assert trainer.train(3) == (trainer, 8, 3)  # after 16, 14, 12, 10 and 9
     assert trainer.train.stats.batch_size == 8
+
+
+@pytest.mark.parametrize("start", [8, 0])
+def test_the_wrappers_signature_leaves_the_size_out_as_koila_batchs_does(start: int) -> None:
+    # It said (batch_size, data, epochs=1), and a call made as it said was refused (probe 72E).
+    def train(batch_size: int, data: list[int], epochs: int = 1) -> int:
+        return batch_size
+
+    wrapped = compat.find_executable_batch_size(train, start)
+    assert str(inspect.signature(wrapped)) == str(inspect.signature(koila.batch(train, initial=8)))
+    assert str(inspect.signature(wrapped)) == "(data: 'list[int]', epochs: 'int' = 1) -> 'int'"
+    assert "batch_size" not in typing.get_type_hints(wrapped)
+    bound = inspect.signature(wrapped).bind([1, 2, 3])
+    if start:
+        assert wrapped(*bound.args, **bound.kwargs) == 8
+
+    class Trainer:
+        @compat.find_executable_batch_size(starting_batch_size=start)
+        def fit(self, batch_size: int, steps: int) -> int:
+            return batch_size
+
+    assert str(inspect.signature(Trainer().fit)) == "(steps: 'int') -> 'int'"
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,38 @@ def test_chunked_steps_with_a_remainder(impl: Impl, cache: str, expected: list[o
     assert chunks == wanted
 
 
+def test_a_function_called_inside_another_finds_its_size_on_the_outers_next_call(impl: Impl) -> None:
+    # The whole stack keyed the inner call, this library's frames too, which differ between an outer call
+    # that found its size and one that did not: the inner's whole search ran again (probe 72E).
+    tried: list[object] = []
+
+    @impl.toma.batch(initial_batchsize=64)
+    def inner(batchsize: int) -> int:
+        tried.append(batchsize)
+        if batchsize > 1:
+            raise oom()
+        return batchsize
+
+    @impl.toma.batch(initial_batchsize=8)
+    def outer(batchsize: int) -> int:
+        @impl.toma.execute.batch(64)  # keyed by the caller's stack
+        def also(size: int) -> int:
+            tried.append(f"x{size}")
+            if size > 2:
+                raise oom()
+            return size
+
+        return inner()
+
+    calls = []
+    for _ in range(3):
+        tried.clear()
+        outer()
+        calls.append(list(tried))
+    assert calls[0] == ["x64", "x32", "x16", "x8", "x4", "x2", 64, 32, 16, 8, 4, 2, 1]
+    assert calls[1:] == [["x2", 1], ["x2", 1]]
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_execute_runs_at_once_and_caches_per_call_stack(impl: Impl, cache: str) -> None:
     log: list[object] = []
@@ -756,6 +788,14 @@ BAD_INPUTS: list[tuple[Callable[[], object], type[Exception], str]] = [
     (lambda: ct.StacktraceMemoryBatchsizeCache(0), ValueError, "lru_cache_size must be >= 1, got 0"),
     (lambda: ct.StacktraceMemoryBatchsizeCache("big"), TypeError, "lru_cache_size must be an int or None"),
     (lambda: setattr(ct.toma, "DEFAULT_CACHE_TYPE", 3), TypeError, "DEFAULT_CACHE_TYPE must be a koila_retry"),
+    # The size where the function goes: "no initial size was given", or 'int' object is not callable later.
+    (
+        lambda: ct.toma.batch(64),
+        TypeError,
+        "toma.batch wraps a callable, got int 64: pass the size as initial_batchsize=64",
+    ),
+    (lambda: ct.toma.batch(64, initial_batchsize=8), TypeError, "toma.batch wraps a callable, got int 64"),
+    (lambda: ct.toma.range(32), TypeError, "toma.range wraps a callable, got int 32: pass the size as initial_step=32"),
 ]
 
 

@@ -263,8 +263,7 @@ def test_an_estimate_or_a_profile_leaves_a_compiled_model_compiled(use: Callable
         counter = CompileCounter()
         compiled = torch.compile(Wide(), backend=counter)
         x = torch.randn(16, 16)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PyTorch's warning of global module hooks over the wrapper
+        with torch.no_grad():
             if used:
                 use(compiled, x)
             for rows in (8, 9, 10):
@@ -272,6 +271,32 @@ def test_an_estimate_or_a_profile_leaves_a_compiled_model_compiled(use: Callable
         return counter.frame_count
 
     assert graphs(used=True) == graphs(used=False) > 0
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        pytest.param(lambda model, x: koila.estimate(model, x), id="estimate"),
+        pytest.param(lambda model, x: koila.profile(model, x), id="profile"),
+        pytest.param(lambda model, x: koila.chunked(model, x, initial="auto", cache=koila.NoCache()), id="auto"),
+    ],
+)
+def test_the_warning_of_the_librarys_global_hooks_is_filtered_while_they_are_on(use: Callable[..., object]) -> None:
+    # Under -W error, torch's warning that global hooks fire again over a compile wrapper made each of
+    # these fail (initial="auto" warned that it could not estimate, an error too; probe 72G).
+    compiled = torch.compile(Wide(), backend="eager")
+    x = torch.randn(16, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = list(warnings.filters)
+        use(compiled, x)
+        assert warnings.filters == before
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+        try:
+            with pytest.warns(UserWarning, match="when there are global hooks"):  # the user's own still warn
+                compiled(x)
+        finally:
+            handle.remove()
 
 
 def test_an_estimate_inside_a_compiled_function_runs() -> None:

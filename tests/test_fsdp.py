@@ -214,6 +214,22 @@ def test_a_call_over_two_models_sharded_apart_recovers_in_the_second_ones_forwar
                     assert max(run["rows"][1:]) < _fsdp_ranks.ROWS, (rank, name, call, run["rows"])
 
 
+def test_a_sharded_forward_over_uneven_rows_is_said_to_need_as_many_rows_on_every_rank(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_batch_over_uneven_rows"]):
+        assert value["caught"].startswith("the ranks' collectives went out of step: some ranks agreed as a micro")
+        assert "pad the inputs to one length" in value["caught"]
+        assert "DDP" not in value["caught"], rank
+        assert value["again"] == [_fsdp_ranks.ROWS, 1]  # the ranks stayed in step
+
+
+def test_a_step_over_a_ddp_module_and_an_fsdp2_one_is_refused_on_every_rank(groups: Groups) -> None:
+    for rank, value in enumerate(groups("two")["fsdp_with_a_ddp_module_in_one_step"]):
+        assert "step trains a DistributedDataParallel module in a step that also reaches an FSDP2" in value["error"]
+        assert value["ran"] == []  # before the function ran
+        assert all(value["grads"])
+        assert value["then"] == [_fsdp_ranks.ROWS], rank  # the ranks stayed in step
+
+
 def test_one_wrapper_over_another_sharded_model_than_its_first_recovers_it(groups: Groups) -> None:
     for rank, value in enumerate(groups("two")["fsdp_one_wrapper_two_models"]):
         for name, run in value.items():

@@ -67,6 +67,30 @@ def test_batch_settles_within_an_eighth_of_what_fits_and_then_costs_nothing() ->
     assert len(failed) <= 1 + 3  # the first error, and at most log2(64 / 8) probes
 
 
+def test_refine_goes_on_after_the_first_call_moves_free_memory_down_a_bucket() -> None:
+    # State made by the first call (an optimizer's) moved the free memory down a bucket: the stack cache
+    # took the size from the bucket above but not the size that failed there, and refine stopped at 32,
+    # half what fits, with no sign (probe 72F).
+    state: list[torch.Tensor] = []
+    sizes: list[int] = []
+
+    @koila.batch(initial=128, refine=True)
+    def run(batch_size: int) -> int:
+        sizes.append(batch_size)
+        if not state:
+            state.append(torch.empty(40 * 2**20, dtype=torch.uint8))  # free memory falls below 64 MiB
+        torch.empty(batch_size, ROW)
+        return batch_size
+
+    with simulated_device(LIMIT):
+        got = [run() for _ in range(8)]
+    assert len(run.cache_info.__self__) == 2  # a size under each bucket  # type: ignore[attr-defined]
+    assert got[0] == 32
+    assert 60 * 0.875 <= got[-1] <= 60  # 60 rows fit beside the state
+    failed = [size for size in sizes if size > 60]
+    assert len(failed) == len(set(failed)), "a size that failed was tried again"
+
+
 def test_without_refine_powers_of_two_stay() -> None:
     @koila.batch(initial=128)
     def run(batch_size: int) -> int:

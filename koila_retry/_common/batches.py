@@ -402,6 +402,8 @@ def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[t
     """Return one sample's size class and bytes, for a tensor split along ``dim``: the same every call of a loop."""
     axis = dim + len(shape) if dim < 0 else dim
     rest = shape[:axis] + shape[axis + 1 :]
+    if any(type(length) is not int for length in rest):
+        raise TypeError("a nested tensor's ragged length")  # which Split refuses by name
     return _whole_of(rest, dtype), math.prod(rest) * dtype.itemsize
 
 

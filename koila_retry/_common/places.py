@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import site
@@ -55,6 +56,7 @@ _INSTALLED = _installed()
 _USER, _TORCH, _LIBRARY = "user", "torch", "library"
 
 
+@functools.lru_cache(maxsize=1024)  # read for every frame of a stack key's walk
 def is_ours(filename: str) -> bool:
     """Return whether ``filename`` is a module of this library (any subpackage but the command line's)."""
     path = os.path.abspath(filename)

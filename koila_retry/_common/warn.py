@@ -8,10 +8,13 @@ the filter as it is set.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+import threading
 import warnings
 
-__all__ = ["warn_or_log"]
+__all__ = ["global_hooks_added", "global_hooks_removed", "warn_or_log"]
 
 logger = logging.getLogger("koila_retry")
 
@@ -28,3 +31,38 @@ def warn_or_log(message: str, category: type[Warning] = UserWarning, stacklevel:
             category.__name__,
             message,
         )
+
+
+# torch warns, over a torch.compile(module) wrapper, that global module hooks fire for it too: while
+# an estimate or a profile holds them, that is the library's doing, and it made their call fail under
+# ``-W error``. The filter is the list's own entry, put in and taken out as it is: the filters' version
+# stays, so no "once" warning of the user's shows again.
+_HOOKS_WARNING = (
+    "ignore",
+    re.compile(re.escape("Using `torch.compile(module)` when there are global hooks"), re.I),
+    UserWarning,
+    None,  # any module: torch warns at the caller's line
+    0,
+)
+_hooks_lock = threading.Lock()
+_hooks_held = 0
+
+
+def global_hooks_added() -> None:
+    """Keep torch from warning of the library's global module hooks, until as many ``global_hooks_removed``."""
+    global _hooks_held
+    with _hooks_lock:
+        _hooks_held += 1
+        if _hooks_held == 1:
+            warnings.filters.insert(0, _HOOKS_WARNING)  # type: ignore[attr-defined]
+
+
+def global_hooks_removed() -> None:
+    """Let torch warn of global module hooks again once the last of the library's is removed."""
+    global _hooks_held
+    with _hooks_lock:
+        _hooks_held -= 1
+        if _hooks_held == 0:
+            # A catch_warnings that began before and ended since has put its own list back.
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(_HOOKS_WARNING)  # type: ignore[attr-defined]

@@ -640,6 +640,10 @@ class StackMemoryCache(SizeCache):
             related = (*head, bucket + more, *tail)
             size = self.get(related)
             if size is not None:
+                # And the smallest size that failed there, which fails here too: refine=True goes on from it.
+                bound = self.bounds.get(related)
+                if bound is not None:
+                    self.bounds.update(key, functools.partial(_or_else, bound))
                 nbytes = self._samples.get(related)
                 if nbytes is not None:  # proven on samples of that size here too, once stored
                     self[key] = size
@@ -681,3 +685,7 @@ class NoCache(SizeCache):
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         pass  # remembering nothing is this cache's whole contract
+
+
+def _or_else(default: Bound, kept: Bound | None) -> Bound:
+    return default if kept is None else kept

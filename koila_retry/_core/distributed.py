@@ -45,7 +45,7 @@ if AVAILABLE:
 _CPU = torch.device("cpu")
 _NEUTRAL = 2**62  # what an unused place of an exchange holds: no rank's value is above it
 # Where a rank makes the exchange of an attempt's outcome: inside it (Agreement.check_others), or after it.
-_INSIDE, _FAILED, _SUCCEEDED = 1, 2, 3
+_INSIDE_SHARDED, _INSIDE, _FAILED, _SUCCEEDED = 0, 1, 2, 3  # inside: at an FSDP2 micro-batch, or after DDP's
 
 
 # dist.is_initialized() and dist.group.WORLD read a property through a metaclass (~0.3 us),
@@ -190,21 +190,21 @@ class Agreement:
             )
         return agreed, floor
 
-    def check_others(self) -> None:
-        """Make :meth:`after`'s exchange inside an attempt that has not failed here.
+    def check_others(self, sharded: bool = False) -> None:
+        """Make :meth:`after`'s exchange inside an attempt: as an FSDP2 micro-batch begins, or after DDP's buckets.
 
         Raises:
             RanksFailed: if another rank's attempt failed; every rank then abandons the attempt.
         """
         # A rank that failed makes its exchange after its attempt (after playing along); the others meet
         # it here, at their next exchange inside the attempt, and keep what it said in settled.
-        result = self.after(False, None, inside=True)
+        result = self.after(False, None, inside=_INSIDE_SHARDED if sharded else _INSIDE)
         if result[0] is not None:
             self.settled = result
             raise RanksFailed(f"rank {result[0]} ran out of memory; every rank abandons the attempt together")
 
     def after(
-        self, failed: bool, next_size: int | None, vote: bool = True, inside: bool = False
+        self, failed: bool, next_size: int | None, vote: bool = True, inside: int | None = None
     ) -> tuple[int | None, int | None, bool]:
         """Exchange an attempt's outcome: the lowest failed rank, the size all try next, whether all voted yes.
 
@@ -220,10 +220,18 @@ class Agreement:
         proposal = (next_size or 0) if failed else _NEUTRAL
         # Inside an attempt, a rank meets one that failed and agrees after it: never one whose attempt
         # succeeded, which has the same exchange to make. The lowest and highest of these tell.
-        kind = _INSIDE if inside else _FAILED if failed else _SUCCEEDED
+        kind = inside if inside is not None else _FAILED if failed else _SUCCEEDED
         failing, agreed, votes, lowest, highest = self._minimum(
             self._after, self.rank if failed else self.world_size, proposal, int(vote), kind, -kind
         )
+        if lowest == _INSIDE_SHARDED and -highest == _SUCCEEDED:
+            raise RuntimeError(
+                "the ranks' collectives went out of step: some ranks agreed as a micro-batch over FSDP2 modules "
+                "began, while others agreed after their attempt ended: they ran different numbers of micro-batches "
+                "(or chunks), from different numbers of rows. Once a call over FSDP2 modules splits, every rank "
+                "must have as many rows: pad the inputs to one length (DistributedSampler does, unless "
+                "drop_last=True); koila.chunked checks it before it begins"
+            )
         if lowest == _INSIDE and -highest == _SUCCEEDED:
             raise RuntimeError(
                 "the ranks' collectives went out of step: some ranks agreed inside their attempt, after DDP "

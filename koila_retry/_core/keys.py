@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Hashable
-from itertools import repeat
 from types import FrameType
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 
+from koila_retry._common.places import is_ours
 from koila_retry._common.units import as_int
 from koila_retry._core.memory import recent_free_memory
 
@@ -73,8 +73,9 @@ def deep_stack_key(depth: int) -> KeyFunction:
     """Make a :func:`stack_key` that names the call site by its innermost ``depth`` frames.
 
     The same key as :func:`stack_key`, with file, function name and offset of each
-    of ``depth`` frames, from ``caller`` outwards: a helper called from two places
-    gets a size for each. ``sys.maxsize`` takes the whole stack.
+    of ``depth`` frames, from ``caller`` outwards, this library's own left out: a
+    helper called from two places gets a size for each. ``sys.maxsize`` takes the
+    whole stack.
 
     Args:
         depth (int): how many calling frames identify a call site, >= 1.
@@ -90,41 +91,32 @@ def deep_stack_key(depth: int) -> KeyFunction:
     frames = as_int(depth)  # numpy's ints too, as Options take them
     if frames is None or frames < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    # Deeper than any stack is the whole stack: repeat() takes no more than sys.maxsize.
+    # Deeper than any stack is the whole stack.
     return stack_key if frames == 1 else _stack_key_of(min(frames, sys.maxsize))
 
 
 def _stack_key_of(depth: int) -> KeyFunction:
-    whole = depth == sys.maxsize
-
     def deep_key(function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> Hashable:
         # Power-of-two buckets: readings within a factor of two usually share one, so small
         # fluctuations keep the cache warm while twice the memory gets a fresh start.
         # Built in a list: a whole stack is walked on every call (toma's stand-in), and
-        # growing a tuple frame by frame copies it each time; and walked up to the frame
-        # where it stops, so that no count is kept frame by frame.
+        # growing a tuple frame by frame copies it each time.
         parts: list[object] = [function, device, recent_free_memory(device).bit_length()]
         if sample is not None:
             parts.append(sample)
-        stop = None if whole else _above(caller, depth)
-        frame: Any = caller  # a FrameType until stop: None ends the stack, and stop is it or lies before
-        while frame is not stop:
+        # Not the library's own frames, which differ between a call that found its size and one that
+        # did not: a decorated function called inside another would be keyed anew by the outer's path.
+        frame, left = caller, depth
+        while frame is not None and left:
             code = frame.f_code
-            parts += (code.co_filename, code.co_name, frame.f_lasti)
+            if not is_ours(code.co_filename):
+                parts += (code.co_filename, code.co_name, frame.f_lasti)
+                left -= 1
             frame = frame.f_back
         return tuple(parts)
 
     deep_key.__qualname__ = f"deep_stack_key({depth})"
     return deep_key
-
-
-def _above(frame: FrameType | None, depth: int) -> FrameType | None:
-    """Return the frame ``depth`` calls above ``frame``, or ``None`` past the end of the stack."""
-    for _ in repeat(None, depth):
-        if frame is None:
-            break
-        frame = frame.f_back
-    return frame
 
 
 _ONE_FRAME = _stack_key_of(1)  # the stack key of a call without a caller, or with a sample

@@ -462,7 +462,7 @@ class Shards:
 
     def vote(self) -> None:
         """Make the exchange after an attempt now, inside it; raise ``RanksFailed`` if a rank failed."""
-        self.agreement.check_others()
+        self.agreement.check_others(sharded=True)
 
     def micro_batch(self, front: str, exchange: bool, root: torch.nn.Module | None = None) -> None:
         """Begin a micro-batch (at ``root``'s forward, if given); with ``exchange``, agree that none failed yet."""

@@ -30,6 +30,7 @@ from koila_retry._common.callables import seen_through
 from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
+from koila_retry._common.warn import global_hooks_added, global_hooks_removed
 from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._diagnostics.counting import Scope, StorageCounter, Tally, storage_of
 from koila_retry._diagnostics.report import require_present
@@ -615,8 +616,12 @@ def _call(
     def left(*_: Any) -> None:
         counter.in_step -= 1
 
+    hooked = False
     try:
         handles += profiler.attach()
+        if handles:  # global module hooks
+            global_hooks_added()
+            hooked = True
         handles += [register_optimizer_step_pre_hook(entered), register_optimizer_step_post_hook(left)]
         counter.reset_peak()
         if tracer is not None:
@@ -627,6 +632,8 @@ def _call(
             sys.settrace(previous)
         for handle in handles:
             handle.remove()
+        if hooked:
+            global_hooks_removed()
 
 
 def _run(

@@ -28,6 +28,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.tensors import same_device
 from koila_retry._common.walk import reachable
+from koila_retry._common.warn import global_hooks_added, global_hooks_removed
 from koila_retry._estimation.reads import READS, ValueReads
 from koila_retry._estimation.recorder import META, Recorder
 from koila_retry._estimation.sharding import Emulation, Sharding
@@ -560,6 +561,7 @@ class ThreadTracker(ModuleTracker):
         # the module reads: one it changes in place (``ReLU(inplace=True)``) is its output after.
         self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
         self._fw_post_handle = register_module_forward_hook(self._fw_post_hook, with_kwargs=True)
+        global_hooks_added()
         return self
 
     def __exit__(self, *args: object) -> None:
@@ -567,6 +569,7 @@ class ThreadTracker(ModuleTracker):
         # The handle forgets the hook's with_kwargs mark (torch 2.13): left, every later
         # ``torch.compile(module)`` call would warn of a global hook.
         module_globals._global_forward_hooks_with_kwargs.pop(self._fw_post_handle.id, None)
+        global_hooks_removed()
 
     def _hooks_gradients(self) -> bool:
         """Return whether the module running now has its backward followed too."""

@@ -438,6 +438,14 @@ class _Accumulator:
         call = Call(self.identity, caller, device, split.sample, rows, first, roots=roots, per_sample=split.per_sample)
         attempt = self.controller.start(call)
         shards = self._sharded_step(roots) if attempt.agrees else self._sharded_alone(roots)
+        if shards is not None and attempt.agrees and self._gradient_sync() is not None:
+            # A rank that failed would play along FSDP2's collectives but not DDP's buckets: the job aborted.
+            raise NotImplementedError(
+                f"{self.controller.name} trains a DistributedDataParallel module in a step that also reaches an "
+                "FSDP2 module (fully_shard): recovering from an out-of-memory error covers one of them per step. "
+                "Shard the DDP module with fully_shard too, or call the FSDP2 one before the step and pass its "
+                "outputs in (a frozen teacher's)"
+            )
         if shards is not None:
             return self._planned(split, attempt, shards)
         sync = self._gradient_sync() if attempt.agrees else None

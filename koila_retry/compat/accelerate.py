@@ -189,8 +189,17 @@ def find_executable_batch_size(
         stats = batched_function.stats
         cache_info, cache_clear = batched_function.cache_info, batched_function.cache_clear
     forms: tuple[Any, ...] = (wrapper, method)
+    # Without the size, as koila.batch's: a call made as functools.wraps' signature said was refused.
+    if batched_function is not None:
+        signature, hints = batched_function.__signature__, batched_function.__annotations__
+    else:
+        whole = inspect.signature(function)
+        signature = whole.replace(parameters=list(whole.parameters.values())[1:])
+        size = parameters[0] if parameters else None
+        hints = {key: value for key, value in getattr(function, "__annotations__", {}).items() if key != size}
     for form in forms:
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
+        form.__signature__, form.__annotations__ = signature, hints
     return bindable(function, wrapper, method, functools.partial(find_executable_batch_size, **values))
 
 

@@ -52,6 +52,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, 
 import cachetools
 import torch
 
+from koila_retry._common.places import is_ours
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache, function_identity
 from koila_retry._core.detect import MEMORY_SHORT_MESSAGES, OOM_MESSAGES, is_oom
@@ -300,7 +301,12 @@ def _executed(cache_type: object, context: object, caller: types.FrameType | Non
     kind: CacheType | None = TABLE.convert("cache_type", cache_type)
     if context is not None:
         return (kind, _context(context, "context"))
-    return (kind, tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_stack(caller)))
+    # Not this library's frames, which differ between a call that found its size and one that did not.
+    stack = traceback.walk_stack(caller)
+    return (
+        kind,
+        tuple((f.f_code.co_filename, line, f.f_code.co_name) for f, line in stack if not is_ours(f.f_code.co_filename)),
+    )
 
 
 class _Options(TypedDict, total=False):  # the options of toma's decorators, for the overloads
@@ -342,6 +348,9 @@ class _Decorator:
 
     def __call__(self, func: Callable[..., Any] | None) -> Any:
         """Return ``func`` wrapped or, when it is ``None``, the decorator that wraps."""
+        if func is not None and not callable(func):  # @toma.batch(64): the size given where func goes
+            hint = f": pass the size as {self.option}={func!r}" if isinstance(func, int) else ""
+            raise TypeError(f"toma.{self.front_end} wraps a callable, got {type(func).__name__} {func!r}{hint}")
         return self.wrap if func is None else self.wrap(func)
 
     def call(self, default: Hashable, kwargs: dict[str, Any]) -> tuple[int, _Where]:
