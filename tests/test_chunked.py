@@ -766,8 +766,13 @@ def test_a_list_of_strings_per_row_with_out_is_refused() -> None:
     def fn(rows: torch.Tensor) -> dict[str, Any]:
         return {"rows": rows, "text": ["x"] * len(rows)}
 
-    with pytest.raises(ValueError, match=r"fn returned a str at the result\['text'\]\[0\], and out has nothing"):
+    # It said "a str at the result['text'][0]": the list is what fn returned (probe 72A).
+    with pytest.raises(ValueError, match=r"fn returned a list of strings at the result\['text'\], and out has no"):
         koila.chunked(fn, torch.arange(4.0), initial=2, out={"rows": torch.empty(4)})
+    with pytest.raises(ValueError, match=r"^fn returned a list of strings at the result, and out has nothing there"):
+        koila.chunked(lambda rows: ["x"] * len(rows), torch.arange(4.0), initial=2, out=torch.empty(4))
+    with pytest.raises(ValueError, match=r"a list of strings at the result, .* The result has no tensor; out has"):
+        koila.chunked(lambda rows: ["x"] * len(rows), torch.arange(4.0), initial=2, out={"a": torch.empty(4)})
 
 
 def test_a_later_chunk_that_returns_strings_where_the_first_returned_a_tensor_names_the_place() -> None:
@@ -1441,7 +1446,7 @@ def test_range_given_one_end_or_the_ends_by_keyword_says_how_to_call_it() -> Non
 @pytest.mark.parametrize("initial", ["8", "auto"])
 def test_range_says_what_its_initial_may_be(initial: str) -> None:
     # A string said "an int >= 1, None or 'auto'", and range refuses 'auto'.
-    with pytest.raises(ValueError, match=rf"initial must be an int >= 1 or None, got '{initial}' \('auto' is for"):
+    with pytest.raises(TypeError, match=rf"initial must be an int >= 1 or None, got '{initial}' \('auto' is for"):
         koila.range(lambda begin, end: None, 0, 4, initial=initial)  # type: ignore[arg-type]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -221,6 +222,15 @@ def mlp():
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
+class OnTheCpu(nn.Sequential):
+    # The MLP, whose output goes to the CPU and meets a tensor made there.
+    def __init__(self):
+        super().__init__(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return super().forward(x).cpu() * torch.ones(10)
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -425,6 +435,23 @@ def test_training_is_estimated_with_the_optimizer_state_of_a_later_step(
     for size, value in columns.items():  # exp_avg and exp_avg_sq, at every batch size, peak in any phase
         number, unit = value.split()
         assert float(number) * koila_units.parse_bytes(f"1{unit}") >= 2 * 4 * params * 0.99, (size, out)
+
+
+def test_training_a_model_that_uses_the_cpu_is_estimated_as_the_same_model_that_does_not(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The warm-up step that makes the optimizer's state ran outside the estimate, which alone takes what
+    # the model moves or makes on the CPU to meta: --mode train failed where --mode infer and
+    # koila.estimate worked (probe 72C).
+    found = []
+    for target in ("koila_cli_models:mlp", "koila_cli_models:OnTheCpu"):
+        status, out, err = estimate_cli(capsys, target, "--input", "64", "--memory", "1GiB", "--optimizer", "adam")
+        assert (status, err) == (0, "")
+        found.append({int(size): koila_units.parse_bytes(peak.replace(" ", "")) for size, peak, _ in ROW.findall(out)})
+    assert len(found[0]) >= 7
+    assert found[0].keys() == found[1].keys()
+    for size, peak in found[0].items():  # as printed, to 0.01 KiB; and the ones, made anew each step
+        assert abs(found[1][size] - peak) <= peak * 0.01 + 64, size
 
 
 def test_several_inputs_with_their_dtypes_from_a_file_path(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -717,6 +744,8 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         (["koila_cli_models:mlp", "--input", "64", "--memory=-1.5GiB"], "more than 0 bytes, like 24GiB, got '-1.5GiB'"),
         (["koila_cli_models:mlp", "--input", "64", "--memory", "-5"], "more than 0 bytes, like 24GiB, got '-5'"),
         (["koila_cli_models:mlp", "--input", "64", "--memory", "0"], "more than 0 bytes, like 24GiB, got '0'"),
+        # It was 1 byte, rounded down: a unit left out, not a fraction of a byte (probe 72C).
+        (["koila_cli_models:mlp", "--input", "64", "--memory", "1.5"], "a whole number of bytes, got '1.5'"),
         (["koila_cli_models:mlp", "--input", "64", "--dtype", "float64"], "argument --dtype: invalid choice"),
         (["koila_cli_models:mlp", "--input", "64", "--optimizer", "lion"], "argument --optimizer: invalid choice"),
         (["koila_cli_models:mlp", "--input", "64", "--mode", "eval"], "argument --mode: invalid choice"),
@@ -743,6 +772,7 @@ def test_free_memory_of_a_device_there_is_not_asks_for_memory(models: Path, caps
         "memory-negative-attached",
         "memory-negative-number",
         "memory-zero",
+        "memory-fraction-of-a-byte",
         "dtype",
         "optimizer",
         "mode",
@@ -767,6 +797,56 @@ def test_bad_estimate_arguments_exit_2(
     assert len(errors) == 1
     assert shown in errors[0]
     assert "Traceback" not in captured.err
+
+
+def test_a_script_that_parses_its_arguments_when_imported_is_imported_without_ours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It read the CLI's own arguments, printed its usage and exited 2, with no error of ours (probe 72C).
+    script = tmp_path / "train_script.py"
+    script.write_text(
+        "import argparse\nfrom torch import nn\nparser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--lr', type=float, default=0.1)\nargs = parser.parse_args()\n"
+        "def make():\n    return nn.Linear(16, 4)\n"
+    )
+    status, out, err = estimate_cli(capsys, f"{script}:make", "--input", "16", "--memory", "1GiB")
+    assert (status, err) == (0, "")
+    assert LARGEST.search(out)
+    assert sys.argv[0] != str(script)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("import sys\nsys.exit(3)\ndef make():\n    pass\n", "importing {path} exited (status 3) instead of"),
+        ("import sys\ndef make():\n    sys.exit()\n", "{path}:make() exited (status None) instead of building"),
+    ],
+    ids=["at-import", "in-the-factory"],
+)
+def test_a_module_or_factory_that_exits_is_an_error_not_a_success(
+    text: str, shown: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It exited with the status it chose, 0 for sys.exit(), and no table: a success that estimated nothing.
+    script = tmp_path / "quits.py"
+    script.write_text(text)
+    status, _, err = estimate_cli(capsys, f"{script}:make", "--input", "16", "--memory", "1GiB")
+    assert status == 1
+    assert err.startswith(f"error: {shown.format(path=script)}")
+
+
+def test_a_plot_path_with_bytes_that_are_not_utf_8_is_printed_escaped(
+    models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file was written, then printing its name raised UnicodeEncodeError on a strict UTF-8 stdout.
+    pytest.importorskip("matplotlib")
+    name = os.fsdecode(bytes(tmp_path) + b"/peak\xff.png")
+    strict = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", strict)
+    status = cli.main(["estimate", "koila_cli_models:mlp", "--input", "64", "--memory", "1GiB", "--plot", name])
+    strict.flush()
+    assert status == 0
+    assert os.path.exists(name)
+    assert strict.buffer.getvalue().decode().splitlines()[-1] == f"wrote {tmp_path}/peak\\xff.png"  # type: ignore[attr-defined]
 
 
 def test_the_demos_help_names_the_front_end_the_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:

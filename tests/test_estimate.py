@@ -1084,7 +1084,8 @@ def test_chunked_auto_runs_whole_rows_that_fit_between_two_powers_of_two(estimat
 
 
 def test_range_has_no_auto() -> None:
-    with pytest.raises(ValueError, match="koila.range has no inputs to estimate memory from"):
+    # A TypeError, as koila.batch's and koila.attempts' for the same mistake (it was a ValueError; probe 72C).
+    with pytest.raises(TypeError, match="koila.range has no inputs to estimate memory from"):
         koila.range(lambda begin, end: None, 0, 4, initial="auto")  # type: ignore[arg-type]
 
 
@@ -1402,6 +1403,21 @@ def test_auto_warns_of_a_boolean_mask_with_the_note_not_pytorchs_message() -> No
     (warning,) = [w for w in caught if "could not estimate" in str(w.message)]
     assert "indexing with a boolean mask (x[mask]): the shape of its result depends on" in str(warning.message)
     assert "torch.fx" not in str(warning.message)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_sparse_input_is_noted_as_counted_dense() -> None:
+    # 10 non-zeros a row of 200,000 columns: 51 MB estimated for some 25 KB, silently, and initial="auto"
+    # then ran the batch in 8 chunks where it fitted whole (probe 72C).
+    rows = 64
+    columns = torch.stack([torch.arange(rows).repeat_interleave(10), torch.randint(0, 200_000, (rows * 10,))])
+    x = torch.sparse_coo_tensor(columns, torch.ones(rows * 10), (rows, 200_000))
+    weight = torch.randn(200_000, 4)
+    found = koila.estimate(lambda x: torch.sparse.mm(x, weight), x)
+    (note,) = found.notes
+    assert note.startswith("a sparse input: counted as the dense tensor it stands for")
+    assert "initial= a size" in note
+    assert koila.estimate(lambda x: x @ weight[:16], torch.randn(rows, 16)).notes == ()
 
 
 def test_proxies_kept_for_dropped_handles_go_at_the_next_estimate() -> None:

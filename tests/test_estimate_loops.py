@@ -246,3 +246,35 @@ def test_hugging_face_gradient_checkpointing_is_estimated_within_the_accuracy_of
         model.zero_grad(set_to_none=True)
         estimated = koila.estimate(lambda ids: step(model, ids), ids).peak(8)
     assert estimated == pytest.approx(device.peak, rel=ACCURACY)
+
+
+# --------------------------------------------------------------------------- a loop over chunks of its own
+
+
+class _ChunkedNorm(nn.Module):
+    """A training BatchNorm over chunks of 8 rows: the path changes with the rows, and a chunk of 1 fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layers(chunk) for chunk in x.split(8)])
+
+
+def test_a_call_whose_path_changes_and_that_fails_at_one_row_is_measured_at_two() -> None:
+    # The estimate's own extra run at 1 row raised BatchNorm's "Expected more than 1 value per channel",
+    # which the call at its own rows never meets (probe 72C).
+    model = _ChunkedNorm()
+    x = torch.randn(32, 16)
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    found = koila.estimate(step, x)
+    assert found.sizes[:3] == (2, 32, 64)
+    given = koila.estimate(step, x, sizes=(2, 32, 64, *found.sizes[3:]))
+    assert found.peak(32) == given.peak(32)
+    assert koila.suggest_batch_size(step, x, budget="1GiB") > 32
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        koila.estimate(step, x, sizes=(1, 32))  # a size the user chose is run as it is

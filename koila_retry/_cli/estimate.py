@@ -113,7 +113,7 @@ def parse_memory(text: str) -> int:
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"give a memory size of more than 0 bytes, like 24GiB, got {text!r}")
     try:
-        size = parse_bytes(text)
+        size = parse_bytes(text, whole=True)  # "1.5" was 1 byte: a unit left out, not a fraction of a byte
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if size < 1:
@@ -245,9 +245,10 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                 try:
                     _warm_up(step, inputs)
                 except Exception:
-                    # The estimate meets what failed too, and notes why and what to do (a mask's indexing).
-                    estimate(step, *inputs, device=device, fsdp=args.fsdp)
-                    raise
+                    # Only the estimate's own run takes tensors the model makes or moves on the CPU to meta
+                    # (.cpu(), a new CPU tensor): estimate two steps there, the second holding the first's state.
+                    # What fails there too is the estimate's error, which notes why and what to do.
+                    step = _twice(step)
             found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
         except Exception as exc:
             message = _one_line(str(exc))
@@ -293,7 +294,8 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
     if plot is not None:
         title = f"{type(model).__name__}, {args.mode}" + (f" with {args.optimizer}" if args.mode == "train" else "")
         _plot(plot, args.plot, found, sizes, budget, margin, largest, title)
-        print(f"wrote {args.plot}")
+        # An argument's undecodable bytes (surrogates) would fail a strict UTF-8 stdout after the file was written.
+        print(f"wrote {args.plot.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')}")
     return 1 if largest is None else 0
 
 
@@ -378,12 +380,17 @@ def _import(module: str) -> Any:
         sys.path.insert(0, str(path.parent))  # for its own imports of files beside it
         try:
             spec.loader.exec_module(loaded)
+        except SystemExit as exc:
+            del sys.modules[name]
+            raise Failure(_exited(f"importing {module}", exc, _GUARD)) from None
         except Exception as exc:
             del sys.modules[name]
             raise Failure(_raised(f"importing {module}", exc)) from None
         return loaded
     try:
         return importlib.import_module(module)
+    except SystemExit as exc:
+        raise Failure(_exited(f"importing {module}", exc, _GUARD)) from None
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
             raise Failure(
@@ -396,7 +403,11 @@ def _import(module: str) -> Any:
 
 def _build(target: Target, dtype: torch.dtype) -> nn.Module:
     """Import the module, find the factory and build the model on the meta device, in ``dtype``."""
-    value = _import(target.module)
+    argv, sys.argv = sys.argv, [target.module]  # a script that parses its arguments when imported: none of ours
+    try:
+        value = _import(target.module)
+    finally:
+        sys.argv = argv
     for attribute in target.factory.split("."):
         if not hasattr(value, attribute):
             raise Failure(f"{target.module} has no attribute {target.factory!r}", status=2)
@@ -406,6 +417,8 @@ def _build(target: Target, dtype: torch.dtype) -> nn.Module:
     try:
         with _META:
             model = value()
+    except SystemExit as exc:
+        raise Failure(_exited(f"{target.text}()", exc, "a factory must return the model")) from None
     except Exception as exc:
         raise Failure(_raised(f"{target.text}()", exc)) from None
     if not isinstance(model, nn.Module):
@@ -461,6 +474,16 @@ def _warm_up(step: Callable[..., None], inputs: list[torch.Tensor]) -> None:
         step(*inputs)
     for parameter in step.parameters:  # type: ignore[attr-defined]
         parameter.grad = None
+
+
+def _twice(step: Callable[..., None]) -> Callable[..., None]:
+    """Return a call of two training steps: the peak of the second, which starts with the optimizer's state."""
+
+    def steps(*inputs: torch.Tensor) -> None:
+        step(*inputs)
+        step(*inputs)
+
+    return steps
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -582,6 +605,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _raised(what: str, exc: BaseException) -> str:
     return f"{what} raised {type(exc).__name__}: {_one_line(str(exc))}"
+
+
+_GUARD = "a script that parses its arguments or runs its work when imported needs that under if __name__ == '__main__'"
+
+
+def _exited(what: str, exc: SystemExit, hint: str) -> str:
+    return f"{what} exited (status {exc.code!r}) instead of building the model: {hint}"
 
 
 def _one_line(text: str) -> str:

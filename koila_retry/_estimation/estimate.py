@@ -301,9 +301,9 @@ def estimate(
         dim (int): the batch dimension. Default: 0.
         sizes (iterable of int, optional): the batch sizes to run at, at least
             two. Default: the example's rows (at least 2) and twice that; if the
-            call takes different paths through its code at those two, also 1, a
-            size at which the bytes that grow with the batch dwarf the rest, and
-            twice that.
+            call takes different paths through its code at those two, also 1 (or
+            2, where the call fails at 1), a size at which the bytes that grow with
+            the batch dwarf the rest, and twice that.
         device (torch.device, str, int or None): the device the estimate is for.
             On CUDA, each allocation is rounded as the caching allocator rounds
             it. Default: the device of the first tensor argument.

@@ -46,8 +46,14 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
             if not runs[0].aligned(runs[1]):
                 # The call takes another path at another size (a loop over chunks of its
                 # own, say): the peak is measured at 1, and far out too, where it grows
-                # at its final rate.
-                one = run(1)
+                # at its final rate. At 2 where 1 fails: a training BatchNorm's chunk of
+                # one row has one value per channel, an error the call never meets itself.
+                try:
+                    one = run(1)
+                except Exception:
+                    if base <= 2:
+                        raise
+                    one = run(2)
                 large = _large_size(one, runs[0])
                 runs = [one, *runs, run(large), run(2 * large)]
         else:
@@ -62,7 +68,9 @@ def _large_size(one: Run, base: Run) -> int:
     """Return a power of two at which the bytes that grow with the batch dwarf the rest."""
     fixed = max(moment.total for moment in one.moments)
     low, high = one.phase_peaks(), base.phase_peaks()
-    growth = max(high[phase].total - low[phase].total for phase in low if phase in high) / (base.batch_size - 1)
+    growth = max(high[phase].total - low[phase].total for phase in low if phase in high) / (
+        base.batch_size - one.batch_size
+    )
     wanted = 8 * fixed / growth if growth > 0 else 0
     large = 1 << max(math.ceil(math.log2(max(wanted, 1))), 0)
     return min(max(large, 4 * base.batch_size), max(_LARGEST_RUN, 4 * base.batch_size))
@@ -76,6 +84,9 @@ class _Tracker(ThreadTracker):
 
     def _hooks_gradients(self) -> bool:
         return torch._C._current_graph_task_id() == -1
+
+
+_SPARSE = "counted as the dense tensor it stands for, far above its non-zeros: give initial= a size, not 'auto'"
 
 
 def _on_meta_device(tensor: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -118,6 +129,9 @@ def run_on_meta(
                 undo = owned.lend(recorder, sharding, target)
                 recorder.category = "inputs"
                 args, kwargs = batch.resized(batch_size, _on_meta_device)
+                if any(tensor.layout is not torch.strided for tensor in batch.tensors):
+                    # Meta has no kernels for sparse operands (addmm, mm): their dense size is counted.
+                    recorder.note_inexact("a sparse input", _SPARSE)
                 recorder.mark(owned.gradients_and_state())
 
                 def reclassify() -> None:

@@ -137,8 +137,8 @@ class _Pass:
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         self.front_end = front_end
-        if front_end == "koila.range" and isinstance(initial, str):
-            raise ValueError(
+        if front_end == "koila.range" and isinstance(initial, str):  # a TypeError, as koila.batch's
+            raise TypeError(
                 f"koila.range has no inputs to estimate memory from: initial must be an int >= 1 or None, got "
                 f"{initial!r} ('auto' is for koila.chunked and koila.accumulate)"
             )

@@ -409,6 +409,9 @@ class Results:
                 continue
             if not isinstance(target, TensorBase):
                 what = "a tensor" if isinstance(leaf, TensorBase) else f"a {type(leaf).__name__}"
+                named = path
+                if isinstance(leaf, str) and path:  # one of a list of strings: the list is what fn returned
+                    what, named = "a list of strings", path[:-1]
                 if target is _MISSING:
                     holder = _at(self.out, path[:depth])[0]
                     there = (
@@ -420,7 +423,7 @@ class Results:
                 if isinstance(leaf, str):  # lists of strings are joined only without out=
                     there += "; with out=, fn may return only tensors and None: a list of strings per row is "
                     there += "joined where no out= is given"
-                self._unmatched(paths, f"fn returned {what} at the result{keystr(path)}, and out has {there}")
+                self._unmatched(paths, f"fn returned {what} at the result{keystr(named)}, and out has {there}")
             targets.append(cast(torch.Tensor, target))
             used.add(id(target))
         extra = [path for path, leaf in _tensors(self.out) if id(leaf) not in used]
@@ -433,7 +436,7 @@ class Results:
 
         def listed(name: str, found: list[tuple[Any, Any]]) -> str:
             if not found:
-                return "none"
+                return "no tensor"
             shown = [f"{name}{keystr(path)}" for path, _ in found[:_LISTED]]
             more = f" and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
             return "them at " + ", ".join(shown) + more
