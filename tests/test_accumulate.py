@@ -1156,6 +1156,28 @@ def test_an_output_of_another_kind_in_a_later_micro_batch_names_both_kinds(
     before.assert_unchanged()
 
 
+def test_an_entry_that_is_the_loss_in_some_micro_batches_only_is_combined_as_a_value() -> None:
+    # {"loss": ce + aux, "ce": ce} with the auxiliary term in some micro-batches: where there was none,
+    # "ce" was the loss tensor itself, and its kind changed between micro-batches (KeyError; probe 72H).
+    model, x, y = build("mlp", 16)
+    has_aux = torch.tensor([0] * 8 + [1] * 8)
+
+    def step(x: torch.Tensor, y: torch.Tensor, has_aux: torch.Tensor) -> dict[str, torch.Tensor]:
+        ce = F.mse_loss(model(x), y)
+        loss = ce + 0.1 * has_aux.double().mean() * model[0].weight.pow(2).sum() if has_aux.any() else ce
+        return {"loss": loss, "ce": ce}
+
+    halves = [step(x[rows], y[rows], has_aux[rows]) for rows in (slice(0, 8), slice(8, 16))]
+    sum(part["loss"] for part in halves).backward()
+    expected = [p.grad.clone() / 2 for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    result = koila.accumulate(step, initial=8)(x, y, has_aux)
+    torch.testing.assert_close(result["ce"], sum(part["ce"].detach() for part in halves) / 2)
+    torch.testing.assert_close(result["loss"], sum(part["loss"].detach() for part in halves) / 2)
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_value_whose_shape_changes_between_micro_batches_is_refused_before_its_backward(reduction: str) -> None:
     model, x, y = build("mlp", 20)
@@ -1234,6 +1256,23 @@ def test_views_of_the_input_returned_per_micro_batch_are_joined(dim: int) -> Non
 
     result = step(inputs, y if dim == 0 else y.T.contiguous())
     assert torch.equal(result["rows"], inputs)
+
+
+def test_views_of_an_input_whose_rows_overlap_are_joined_at_one_row_micro_batches() -> None:
+    # Sliding windows of one series, read only: one-row views overlap each other, which was refused as a
+    # reused buffer, and every micro-batch was compared with every earlier one (probe 72H).
+    model = nn.Linear(16, 1)
+    series = torch.randn(40)
+    windows = series.unfold(0, 16, 1)[:8]
+    target = torch.randn(8, 1)
+
+    @koila.accumulate(initial=1)
+    def step(w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.mse_loss(model(w), y), w
+
+    loss, joined = step(windows, target)
+    assert torch.equal(joined, windows)
+    torch.testing.assert_close(loss, F.mse_loss(model(windows), target).detach())
 
 
 def test_a_number_first_and_a_tensor_later_still_combine_and_outputs_without_memory_join() -> None:

@@ -1039,6 +1039,24 @@ def test_out_x_with_fn_returning_its_rows_reshaped_is_exact(make: Callable[[], t
     assert torch.equal(twice, expected.mT * 2)
 
 
+@pytest.mark.parametrize("initial", [2, 8])
+def test_out_whose_places_a_chunk_reads_from_gets_what_fn_returned(initial: int) -> None:
+    # out=(x, saved) of fn returning (rows * 10, rows): writing x's rows first changed the rows that saved
+    # then got, the new values for the old; and out=(x, y) of fn swapping them (probe 72H).
+    x = torch.arange(8.0).reshape(8, 1)
+    old = x.clone()
+    saved = torch.empty_like(x)
+    with torch.no_grad():
+        new, kept = koila.chunked(lambda rows: (rows * 10, rows), x, initial=initial, out=(x, saved))
+    assert torch.equal(new, old * 10)
+    assert torch.equal(kept, old)
+    a, b = torch.arange(8.0), -torch.arange(8.0)
+    with torch.no_grad():
+        koila.chunked(lambda p, q: (q, p), a, b, initial=initial, out=(a, b))
+    assert torch.equal(a, -torch.arange(8.0))
+    assert torch.equal(b, torch.arange(8.0))
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: torch.zeros(1, 2).expand(6, 2), lambda: torch.zeros(13).as_strided((6, 2), (1, 1))],

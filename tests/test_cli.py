@@ -820,8 +820,13 @@ def test_a_script_that_parses_its_arguments_when_imported_is_imported_without_ou
     [
         ("import sys\nsys.exit(3)\ndef make():\n    pass\n", "importing {path} exited (status 3) instead of"),
         ("import sys\ndef make():\n    sys.exit()\n", "{path}:make() exited (status None) instead of building"),
+        (
+            "import sys\nfrom torch import nn\nclass Quits(nn.Linear):\n    def forward(self, x):\n"
+            "        sys.exit(3)\ndef make():\n    return Quits(16, 4)\n",
+            "running the model exited (status 3) instead of building the model: its forward must return",
+        ),
     ],
-    ids=["at-import", "in-the-factory"],
+    ids=["at-import", "in-the-factory", "in-the-forward"],
 )
 def test_a_module_or_factory_that_exits_is_an_error_not_a_success(
     text: str, shown: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -230,6 +230,44 @@ def test_a_leaf_input_ends_its_modules_backward_where_its_gradient_is_made() -> 
     assert leaf.backward_peak < 1024
 
 
+@pytest.mark.parametrize("leaf", [False, True], ids=["graph-dropped", "saliency"])
+def test_a_loop_whose_graphs_are_dropped_peaks_as_one_pass_of_it(leaf: bool) -> None:
+    # The fix above first kept every input's node until the profile ended: each pass's graph (its saved
+    # activations), or each leaf input with its gradient, stayed, and the peak grew with the passes (72I).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def passes(x: torch.Tensor) -> list[float]:
+        kept = []
+        for chunk in x.split(16):
+            if leaf:
+                chunk = chunk.clone().requires_grad_()
+                model(chunk).sum().backward()
+                kept.append(float(chunk.grad.abs().max()))  # type: ignore[union-attr]
+            else:
+                kept.append(float(model(chunk).sum().detach()))  # its graph dropped at once
+        return kept
+
+    x = torch.randn(128, 64)
+    # From the second pass on: the first made the parameters' gradients, which later ones add into.
+    peaks = [koila.profile(passes, x[:rows]).peak for rows in (32, 64, 128)]
+    assert peaks[0] == peaks[1] == peaks[2]
+
+
+def test_fake_takes_an_argument_made_by_a_graph_that_the_call_changes_in_place() -> None:
+    # Remade on meta as a view of a leaf, autograd refused the in-place change that the real run makes (72I).
+    layer = nn.Linear(16, 16)
+    base = torch.randn(8, 16, requires_grad=True)
+
+    def fn(hidden: torch.Tensor) -> None:
+        hidden.mul_(2)
+        layer(hidden).sum().backward()
+
+    fake = koila.profile(fn, base * 1.0, fake=True)  # first: the real run leaves the gradients
+    real = koila.profile(fn, base * 1.0)
+    assert fake.rows == real.rows
+
+
 def test_a_call_that_takes_gradients_with_autograd_grad_is_profiled() -> None:
     # torch refuses to tell, inside autograd.grad, whether a leaf's node will run: profile raised it, and
     # so did any accumulate step on its captured path (a post-accumulate-grad hook, DDP, backward=).

@@ -6,6 +6,7 @@ import json
 import sys
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -134,6 +135,11 @@ def test_optimizer_state_kept_in_lists_is_named_by_its_place() -> None:
     assert len(optimizer.state[model.weight]["old_dirs"]) == 2
     for name in ("old_dirs[0]", "old_dirs[1]", "old_stps[0]", "old_stps[1]"):
         assert _row(found, f"optimizer.state[weight].{name}").kind == "optimizer state"
+    # A list inside itself is named once, not walked until RecursionError (probe 72I).
+    looped: list[Any] = [torch.ones(3)]
+    looped.append(looped)
+    optimizer.state[model.weight]["looped"] = looped
+    assert _row(koila.report(model, optimizer, top=10_000), "optimizer.state[weight].looped[0]").nbytes == 12
 
 
 def test_a_tensor_that_keeps_its_graph_says_so() -> None:

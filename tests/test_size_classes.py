@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import koila_retry as koila
 from koila_retry._common.batches import Split
-from koila_retry.testing import make_oom, simulated_device
+from koila_retry.testing import make_oom, oom_above, simulated_device
 
 VOCAB, ROWS = 50, 32
 # Three size classes of padded lengths (9-16, 17-32, 33-64), nine lengths, twelve steps.
@@ -30,14 +30,25 @@ def test_the_key_holds_size_classes_and_the_exact_bytes_go_beside_it() -> None:
 
 
 def test_a_one_row_nested_tensor_passed_whole_keeps_its_ragged_length_in_the_key() -> None:
-    # Its length is a symbol (j1), which the size class crashed on (AttributeError; probe 72A).
-    nested = torch.nested.nested_tensor([torch.randn(2, 3)], layout=torch.jagged)
-    sample = Split((torch.zeros(4, 17), nested), {}, 0, "test").sample
-    assert sample[0] == ((32,), "torch.float32")
-    assert sample[1][0][0] == 1
-    assert sample[1][0][2] == 4
+    # Its length is a symbol (j1), which the size class crashed on (AttributeError; probe 72A), and which
+    # each nested tensor makes anew: kept in the key, no call found the size the one before stored (72H).
+    def nested() -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.randn(2, 3)], layout=torch.jagged)
+
+    sample = Split((torch.zeros(4, 17), nested()), {}, 0, "test").sample
+    assert sample == (((32,), "torch.float32"), ((1, -1, 4), "torch.float32"))
+    assert Split((torch.zeros(4, 17), nested()), {}, 0, "test").sample == sample
     x = torch.randn(6, 3)
-    assert torch.equal(koila.chunked(lambda x, nested: x * 2, x, nested, initial=4), x * 2)
+    fits = oom_above(2)
+
+    @koila.chunked(initial=4)
+    def twice(x: torch.Tensor, nested: torch.Tensor) -> torch.Tensor:
+        fits(len(x))
+        return x * 2
+
+    for _ in range(3):
+        assert torch.equal(twice(x, nested()), x * 2)
+    assert twice.stats.ooms == 1
 
 
 def test_a_padded_epoch_with_position_ids_passed_whole_runs_out_of_memory_once_per_size_class() -> None:

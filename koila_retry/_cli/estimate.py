@@ -250,6 +250,8 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                     # What fails there too is the estimate's error, which notes why and what to do.
                     step = _twice(step)
             found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
+        except SystemExit as exc:
+            raise Failure(_exited("running the model", exc, "its forward must return, not exit")) from None
         except Exception as exc:
             message = _one_line(str(exc))
             hint = ""

@@ -408,11 +408,11 @@ def _sample_of(shape: torch.Size, dtype: torch.dtype, dim: int) -> tuple[tuple[t
 
 
 @functools.lru_cache(maxsize=256)
-def _whole_of(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], str]:
+def _whole_of(shape: tuple[Any, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], str]:
     """Return the size class of a shape: each length up to a power of two, as a key holds it."""
-    # A nested tensor's ragged length is a symbol (j1), kept as it is.
+    # A nested tensor's ragged length is a symbol made anew for each tensor (j1, j2): one class for all.
     return tuple(
-        1 << (length - 1).bit_length() if type(length) is int and length > 1 else length for length in shape
+        (1 << (length - 1).bit_length() if length > 1 else length) if type(length) is int else -1 for length in shape
     ), str(dtype)
 
 

@@ -36,16 +36,20 @@ def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
         yield from tensors_in(list(tree.values()))
 
 
-def named_tensors_in(value: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors_in(
+    value: Any, where: str = "", within: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors in nested dicts, lists and tuples, with their paths (LBFGS keeps lists)."""
     if isinstance(value, torch.Tensor):
         yield where, value
+    elif id(value) in within:  # a container inside itself
+        return
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from named_tensors_in(item, f"{where}[{key!r}]")
+            yield from named_tensors_in(item, f"{where}[{key!r}]", within | {id(value)})
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from named_tensors_in(item, f"{where}[{index}]")
+            yield from named_tensors_in(item, f"{where}[{index}]", within | {id(value)})
 
 
 @contextlib.contextmanager

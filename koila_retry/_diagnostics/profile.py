@@ -305,7 +305,18 @@ class _Backward:
     # The engine runs nodes in the reverse order of their making, so the call's nodes all run before those
     # that made its inputs: it ends when an input's gradient is computed or, with no input that requires
     # grad, when the gradients of its parameters are accumulated, or else when the backward ends.
-    __slots__ = ("accumulators", "inputs", "profiler", "remaining", "scope", "tally", "task", "uses_inputs")
+    __slots__ = (
+        "__weakref__",
+        "accumulators",
+        "inputs",
+        "leaves",
+        "profiler",
+        "remaining",
+        "scope",
+        "tally",
+        "task",
+        "uses_inputs",
+    )
 
     def __init__(self, profiler: _ModuleProfiler, tally: Tally) -> None:
         self.profiler = profiler
@@ -313,6 +324,10 @@ class _Backward:
         self.uses_inputs = False
         self.inputs: set[int] = set()  # ids of the nodes that made the inputs, alive while the forward runs
         self.accumulators: list[Any] = []
+        # A leaf input's gradient node lives only while something holds it: one the forward made anew would
+        # lack the hook, and the module's backward would run on to the end. Held as long as this object is,
+        # which the call's graph holds (its output nodes' hooks), and hooked weakly, so as not to hold it.
+        self.leaves: list[Any] = []
         self.task = -1
         self.scope: Scope | None = None
         self.remaining = 0
@@ -366,9 +381,6 @@ class _ModuleProfiler:
         self.stack: list[_Call] = []
         self.handles: list[RemovableHandle] = []
         self.open_backward: dict[int, list[_Backward]] = {}
-        # A leaf input's gradient node lives only while something holds it: one made anew in the forward
-        # would not have the hook, and the module's backward would run on to the end of the whole backward.
-        self.nodes: list[Any] = []
 
     def attach(self) -> list[RemovableHandle]:
         return [
@@ -390,8 +402,11 @@ class _ModuleProfiler:
             # tensors, leave the caller's tensors as they were.
             for tensor in _grad_tensors(inputs):
                 node = torch.autograd.graph.get_gradient_edge(tensor).node
-                self.handles.append(node.register_prehook(backward.input_ready))
-                self.nodes.append(node)
+                if tensor.grad_fn is None:
+                    backward.leaves.append(node)
+                    self.handles.append(node.register_prehook(_weakly(backward.input_ready)))
+                else:
+                    self.handles.append(node.register_prehook(backward.input_ready))
                 backward.inputs.add(id(node))
                 backward.uses_inputs = True
         self.stack.append(_Call(module, tally, self.counter.open(), backward))
@@ -448,9 +463,20 @@ class _ModuleProfiler:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.nodes.clear()
         self.stack.clear()
         self.open_backward.clear()
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """Return a hook that calls ``method`` while its object lives, without holding it."""
+    reference = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = reference()
+        if bound is not None:
+            bound(*args)
+
+    return hook
 
 
 def _grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -587,10 +613,23 @@ def _remade_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         leaves[index] = meta.requires_grad_(leaf.requires_grad)
         if leaf.grad_fn is not None:
             # Not a leaf either, with a node made before the call's: its backward ends where the real one's does.
+            # Not a view of one, which autograd would refuse to change in place.
             with torch.enable_grad():
-                leaves[index] = meta.view_as(meta)
+                leaves[index] = _NotALeaf.apply(meta)  # type: ignore[no-untyped-call]
     remade_args, remade_kwargs = tree_unflatten(leaves, spec)
     return remade_args, remade_kwargs
+
+
+class _NotALeaf(torch.autograd.Function):
+    """The same memory, as a tensor with a node of its own before the call's, and no view."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient
 
 
 def _argument_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

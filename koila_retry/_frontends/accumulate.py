@@ -442,9 +442,10 @@ class _Accumulator:
             # A rank that failed would play along FSDP2's collectives but not DDP's buckets: the job aborted.
             raise NotImplementedError(
                 f"{self.controller.name} trains a DistributedDataParallel module in a step that also reaches an "
-                "FSDP2 module (fully_shard): recovering from an out-of-memory error covers one of them per step. "
-                "Shard the DDP module with fully_shard too, or call the FSDP2 one before the step and pass its "
-                "outputs in (a frozen teacher's)"
+                "FSDP2 module (fully_shard), through its arguments, closure, globals or self: recovering from an "
+                "out-of-memory error covers one of them per step. Shard the DDP module with fully_shard too, or "
+                "call the FSDP2 one before the step and pass its outputs to a step that cannot reach it (a "
+                "function given the student, not a method of an object that holds the teacher)"
             )
         if shards is not None:
             return self._planned(split, attempt, shards)
@@ -605,7 +606,7 @@ class _Accumulator:
             # anything of the attempt can run out of memory: a rank that fails then plays along all of it.
             last = -(-rows // size) - 1
             plan.micro_batch(last == 0, first=True)
-            results = Results(self, size)
+            results = Results(self, size, split.tensors)
             weights = self.weighing.weights(split, size) if size < rows else [1.0]
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
@@ -747,7 +748,7 @@ class _Accumulator:
             failed = self.replay()
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
                 raise Replayed(*failed)
-        results = Results(self, size)
+        results = Results(self, size, split.tensors)
         try:
             # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed through by
             # every micro-batch and retry: that graph must outlive each backward (freed with the arguments).

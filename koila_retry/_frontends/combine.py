@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import numbers
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol, cast
 
 import torch
@@ -36,6 +36,7 @@ class Step(Protocol):
 # like the loss; one of integers (a count), added up; anything else, dropped.
 _LOSS, _JOIN, _STRINGS, _WEIGH, _COUNT, _DROP = "loss", "join", "strings", "weigh", "count", "drop"
 _KINDS = {
+    _LOSS: "the loss",
     _JOIN: "one row per row of it",
     _STRINGS: "a list of strings, one per row",
     _WEIGH: "a value of the whole micro-batch",
@@ -50,10 +51,11 @@ _UNSET: Any = object()  # Results.combined before finish()
 class Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "combined", "kinds", "shared", "size", "spec", "step")
+    __slots__ = ("columns", "combined", "inputs", "kinds", "read", "shared", "size", "spec", "step")
 
-    def __init__(self, step: Step, size: int) -> None:
-        self.step, self.size = step, size
+    def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] = ()) -> None:
+        self.step, self.size, self.inputs = step, size, inputs
+        self.read: set[tuple[torch.device, int]] | None = None  # the inputs' storages, once a part is checked
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
@@ -83,7 +85,10 @@ class Results:
                 )
             raise
         leaves, spec = flatten(result, strings=True)  # a list of strings is one leaf, whatever its length
-        kinds = [self._kind(leaf, loss, rows) for leaf in leaves]
+        # The loss once: an entry that is the same tensor in some micro-batches only (a loss without its
+        # auxiliary term, returned beside it) is a value of the micro-batch, as where it is another tensor.
+        first = next((index for index, leaf in enumerate(leaves) if leaf is loss), -1)
+        kinds = [_LOSS if index == first else self._kind(leaf, rows) for index, leaf in enumerate(leaves)]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
             if _DROP in kinds:
@@ -111,7 +116,7 @@ class Results:
             elif kind == _JOIN:
                 # Memory an earlier micro-batch's part holds, not broadcast along the rows (a parameter's
                 # expand): a buffer the function writes each time, whose earlier rows are lost.
-                if _written(leaf, self.step.dim) and self._overwrites(index, column, leaf):
+                if _written(leaf) and leaf.stride(self.step.dim) != 0 and self._overwrites(index, column, leaf):
                     self._reused(result, index, rows)
                 # Rows of other sizes (trimmed to the micro-batch's longest) cannot be joined: said now, by
                 # name, not by torch.cat once every micro-batch ran; an integration's pad= pads them.
@@ -128,7 +133,14 @@ class Results:
 
     def _overwrites(self, index: int, column: list[Any], leaf: torch.Tensor) -> bool:
         """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned."""
-        earlier = self.shared.setdefault((index, leaf.device, leaf.untyped_storage().data_ptr()), [])
+        storage = (leaf.device, leaf.untyped_storage().data_ptr())
+        if self.read is None:
+            self.read = {
+                (tensor.device, tensor.untyped_storage().data_ptr()) for tensor in self.inputs if _plain(tensor)
+            }
+        if storage in self.read:  # a view of an input, which the step reads: no buffer it writes each time
+            return False
+        earlier = self.shared.setdefault((index, *storage), [])
         overlaps = any(_overlap(leaf, column[position]) for position in earlier)
         earlier.append(len(column))
         return overlaps
@@ -158,7 +170,7 @@ class Results:
 
     def drop(self) -> None:
         """Let go of what the micro-batches returned: an error's traceback holds this object."""
-        self.columns = []
+        self.columns, self.inputs = [], ()
 
     def weighed(self, weighted: torch.Tensor) -> None:
         """Keep the last micro-batch's loss as its backward ran it, weighted: it then adds up as it is.
@@ -183,9 +195,7 @@ class Results:
             f"micro-batches: {structure(self.spec)} and then {structure(spec)}"
         )
 
-    def _kind(self, leaf: Any, loss: torch.Tensor, rows: int) -> str:
-        if leaf is loss:
-            return _LOSS
+    def _kind(self, leaf: Any, rows: int) -> str:
         if not isinstance(leaf, TensorBase):
             if type(leaf) is list:  # of strings (see flatten)
                 return _STRINGS if len(leaf) == rows else _DROP
@@ -371,18 +381,20 @@ def padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: fl
     return joined
 
 
-def _written(leaf: torch.Tensor, dim: int) -> bool:
-    """Return whether ``leaf`` could be a buffer written in place: memory of its own, not a graph's nor broadcast."""
-    # Plain strided tensors only: a subclass, a sparse or a meta tensor has no data pointer to compare (0, or
-    # an error).
+def _written(leaf: torch.Tensor) -> bool:
+    """Return whether ``leaf`` could be a buffer written in place: memory of its own, not a graph's."""
+    return not leaf.requires_grad and _plain(leaf)
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Return whether ``tensor`` is plain, strided memory with a data pointer to compare."""
+    # A subclass, a sparse or a meta tensor has none (0, or an error).
     return (
-        not leaf.requires_grad
-        and type(leaf) is torch.Tensor
-        and leaf.layout is torch.strided
-        and leaf.device.type != "meta"
-        and leaf.numel() > 0
-        and leaf.data_ptr() != 0
-        and leaf.stride(dim) != 0
+        type(tensor) is torch.Tensor
+        and tensor.layout is torch.strided
+        and tensor.device.type != "meta"
+        and tensor.numel() > 0
+        and tensor.data_ptr() != 0
     )
 
 

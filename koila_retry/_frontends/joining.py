@@ -169,6 +169,8 @@ class Results:
             targets = self._allocate(leaves, end - begin, result)
         if self.aliased:
             self._refuse_aliased(leaves, begin, end)
+        if self.out is not None and len(targets) > 1:
+            leaves = _apart(leaves, targets)
         for index, (target, leaf) in enumerate(zip(targets, leaves, strict=True)):
             if type(target) is list:
                 target[begin:end] = leaf  # one per row: _checked saw as many as the rows
@@ -772,11 +774,32 @@ def _shifted_onto(tensor: torch.Tensor, shift: int) -> bool | None:
     return 0 in remainders
 
 
+def _apart(leaves: list[Any], targets: list[Any]) -> list[Any]:
+    """Return the leaves, those in the memory of another leaf's place in ``out`` copied: it is written first."""
+    # out=(x, saved) of fn returning (rows * 10, rows): writing x's rows changed the rows saved was given.
+    stores = [_storage(target) if isinstance(target, torch.Tensor) else None for target in targets]
+    kept = list(leaves)
+    for index, leaf in enumerate(leaves):
+        where = _storage(leaf) if isinstance(leaf, torch.Tensor) else None
+        if where is not None and any(store == where for at, store in enumerate(stores) if at != index):
+            kept[index] = leaf.clone()
+    return kept
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Return where a plain strided tensor's storage lies, or ``None`` for one without a pointer to compare."""
+    if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+        return None
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 def _reads_from(leaf: torch.Tensor, view: torch.Tensor) -> bool:
     """Return whether ``leaf`` lies in ``out``'s memory other than as ``view``'s own elements, as they are."""
     # fn may return its rows reshaped (``rows.mT`` of ``out=x``): copy_ would overwrite elements it has yet
     # to read, and torch's overlap check gives up on memory that is not dense, so the rows come out wrong.
-    if leaf.layout is not torch.strided or type(leaf) is not torch.Tensor or leaf.device.type == "meta":
-        return False
-    same_storage = leaf.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
-    return same_storage and (leaf.data_ptr() != view.data_ptr() or leaf.stride() != view.stride())
+    where = _storage(leaf)
+    return (
+        where is not None
+        and where == _storage(view)
+        and (leaf.data_ptr() != view.data_ptr() or leaf.stride() != view.stride())
+    )

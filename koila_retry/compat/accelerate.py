@@ -190,13 +190,13 @@ def find_executable_batch_size(
         cache_info, cache_clear = batched_function.cache_info, batched_function.cache_clear
     forms: tuple[Any, ...] = (wrapper, method)
     # Without the size, as koila.batch's: a call made as functools.wraps' signature said was refused.
-    if batched_function is not None:
-        signature, hints = batched_function.__signature__, batched_function.__annotations__
-    else:
-        whole = inspect.signature(function)
-        signature = whole.replace(parameters=list(whole.parameters.values())[1:])
-        size = parameters[0] if parameters else None
-        hints = {key: value for key, value in getattr(function, "__annotations__", {}).items() if key != size}
+    # The size after self or cls, as a method is given it, else first.
+    whole = inspect.signature(function)
+    given = list(whole.parameters.values())
+    at = 1 if given and given[0].name in ("self", "cls") and len(given) > 1 else 0
+    signature = whole.replace(parameters=given[:at] + given[at + 1 :])
+    size = given[at].name if given else None
+    hints = {key: value for key, value in getattr(function, "__annotations__", {}).items() if key != size}
     for form in forms:
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
         form.__signature__, form.__annotations__ = signature, hints
