@@ -1156,7 +1156,8 @@ def test_an_output_of_another_kind_in_a_later_micro_batch_names_both_kinds(
     before.assert_unchanged()
 
 
-def test_an_entry_that_is_the_loss_in_some_micro_batches_only_is_combined_as_a_value() -> None:
+@pytest.mark.parametrize("first", [True, False], ids=["loss-first", "loss-second"])
+def test_an_entry_that_is_the_loss_in_some_micro_batches_only_is_combined_as_a_value(first: bool) -> None:
     # {"loss": ce + aux, "ce": ce} with the auxiliary term in some micro-batches: where there was none,
     # "ce" was the loss tensor itself, and its kind changed between micro-batches (KeyError; probe 72H).
     model, x, y = build("mlp", 16)
@@ -1165,7 +1166,8 @@ def test_an_entry_that_is_the_loss_in_some_micro_batches_only_is_combined_as_a_v
     def step(x: torch.Tensor, y: torch.Tensor, has_aux: torch.Tensor) -> dict[str, torch.Tensor]:
         ce = F.mse_loss(model(x), y)
         loss = ce + 0.1 * has_aux.double().mean() * model[0].weight.pow(2).sum() if has_aux.any() else ce
-        return {"loss": loss, "ce": ce}
+        # Not first: the first leaf that is the loss tensor was taken for it, "ce" (probe 72J).
+        return {"loss": loss, "ce": ce} if first else {"ce": ce, "loss": loss}
 
     halves = [step(x[rows], y[rows], has_aux[rows]) for rows in (slice(0, 8), slice(8, 16))]
     sum(part["loss"] for part in halves).backward()
@@ -1256,6 +1258,25 @@ def test_views_of_the_input_returned_per_micro_batch_are_joined(dim: int) -> Non
 
     result = step(inputs, y if dim == 0 else y.T.contiguous())
     assert torch.equal(result["rows"], inputs)
+
+
+def test_a_buffer_passed_in_that_the_step_writes_each_micro_batch_is_refused() -> None:
+    # A scratch buffer passed whole (one row along dim 0): its views were taken for the input's, which a step
+    # reads, and the first rows came back as the last micro-batch's (probe 72J).
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(16, 4), torch.randn(16, 3)
+    scratch = torch.empty(1, 16, 3)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = scratch[0, : len(x)]
+        with torch.no_grad():
+            out.copy_(model(x))
+        return F.mse_loss(model(x), y), out
+
+    with pytest.raises(ValueError, match=r"at the result\[1\] for a micro-batch of 8 rows, the memory it returned"):
+        step(x, y, scratch)
+    assert model.weight.grad is None
 
 
 def test_views_of_an_input_whose_rows_overlap_are_joined_at_one_row_micro_batches() -> None:

@@ -1055,6 +1055,25 @@ def test_out_whose_places_a_chunk_reads_from_gets_what_fn_returned(initial: int)
         koila.chunked(lambda p, q: (q, p), a, b, initial=initial, out=(a, b))
     assert torch.equal(a, -torch.arange(8.0))
     assert torch.equal(b, torch.arange(8.0))
+    # The same memory through two storage objects, which storage pointers did not tell (probe 72J).
+    numpy = pytest.importorskip("numpy")
+    array = numpy.arange(9.0, dtype=numpy.float32).reshape(9, 1)
+    kept = torch.empty(8, 1)
+    with torch.no_grad():
+        koila.chunked(
+            lambda rows: (rows * 10, rows),
+            torch.from_numpy(array[1:]),
+            initial=initial,
+            out=(torch.from_numpy(array)[1:], kept),
+        )
+    assert torch.equal(kept, torch.arange(1.0, 9.0).reshape(8, 1))
+    square = numpy.arange(8 * 9.0, dtype=numpy.float32).reshape(8, 3, 3)
+    expected = torch.from_numpy(square.copy()).mT.clone()
+    with torch.no_grad():
+        koila.chunked(
+            lambda rows: rows.mT, torch.from_numpy(square[1:]), initial=initial, out=torch.from_numpy(square)[1:]
+        )
+    assert torch.equal(torch.from_numpy(square)[1:], expected[1:])
 
 
 @pytest.mark.parametrize(

@@ -823,7 +823,7 @@ def test_a_script_that_parses_its_arguments_when_imported_is_imported_without_ou
         (
             "import sys\nfrom torch import nn\nclass Quits(nn.Linear):\n    def forward(self, x):\n"
             "        sys.exit(3)\ndef make():\n    return Quits(16, 4)\n",
-            "running the model exited (status 3) instead of building the model: its forward must return",
+            "running the model exited (status 3) on meta tensors: its forward must return, not exit",
         ),
     ],
     ids=["at-import", "in-the-factory", "in-the-forward"],

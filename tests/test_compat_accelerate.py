@@ -271,6 +271,10 @@ def test_the_wrappers_signature_leaves_the_size_out_as_koila_batchs_does(start: 
         def tune(cls, batch_size: int, steps: int) -> int:
             return batch_size
 
+    def cls_first(cls: int, batch_size: int) -> int:  # called plainly: the size goes into cls
+        return cls
+
+    assert str(inspect.signature(compat.find_executable_batch_size(cls_first, start))) == "(batch_size: 'int') -> 'int'"
     # At start 0, self was taken for the size; a classmethod's hints kept it (probe 72I).
     assert str(inspect.signature(Trainer.fit)) == "(self, steps: 'int') -> 'int'"
     for method in (Trainer().fit, Trainer.tune):

@@ -251,7 +251,9 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                     step = _twice(step)
             found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
         except SystemExit as exc:
-            raise Failure(_exited("running the model", exc, "its forward must return, not exit")) from None
+            raise Failure(
+                _exited("running the model", exc, "on meta tensors: its forward must return, not exit")
+            ) from None
         except Exception as exc:
             message = _one_line(str(exc))
             hint = ""
@@ -420,7 +422,9 @@ def _build(target: Target, dtype: torch.dtype) -> nn.Module:
         with _META:
             model = value()
     except SystemExit as exc:
-        raise Failure(_exited(f"{target.text}()", exc, "a factory must return the model")) from None
+        raise Failure(
+            _exited(f"{target.text}()", exc, "instead of building the model: a factory must return the model")
+        ) from None
     except Exception as exc:
         raise Failure(_raised(f"{target.text}()", exc)) from None
     if not isinstance(model, nn.Module):
@@ -609,11 +613,14 @@ def _raised(what: str, exc: BaseException) -> str:
     return f"{what} raised {type(exc).__name__}: {_one_line(str(exc))}"
 
 
-_GUARD = "a script that parses its arguments or runs its work when imported needs that under if __name__ == '__main__'"
+_GUARD = (
+    "instead of building the model: a script that parses its arguments or runs its work when imported needs that "
+    "under if __name__ == '__main__'"
+)
 
 
 def _exited(what: str, exc: SystemExit, hint: str) -> str:
-    return f"{what} exited (status {exc.code!r}) instead of building the model: {hint}"
+    return f"{what} exited (status {exc.code!r}) {hint}"
 
 
 def _one_line(text: str) -> str:

@@ -10,7 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol, cast
 
 import torch
-from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, keystr, tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    GetAttrKey,
+    MappingKey,
+    SequenceKey,
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_unflatten,
+)
 
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.results import flatten, flatten_with_path, in_order, structure
@@ -51,11 +60,14 @@ _UNSET: Any = object()  # Results.combined before finish()
 class Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "combined", "inputs", "kinds", "read", "shared", "size", "spec", "step")
+    __slots__ = ("columns", "combined", "inputs", "kinds", "read", "shared", "size", "spec", "step", "versions")
 
     def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.step, self.size, self.inputs = step, size, inputs
-        self.read: set[tuple[torch.device, int]] | None = None  # the inputs' storages, once a part is checked
+        # The inputs' versions as the step begins: a view of an input that the step has not written is read,
+        # no buffer written each micro-batch; one of an input it wrote (a scratch buffer passed whole) may be.
+        self.versions = [_version(tensor) for tensor in inputs]
+        self.read: dict[tuple[torch.device, int], list[int]] | None = None  # the inputs by storage, once needed
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
@@ -85,9 +97,10 @@ class Results:
                 )
             raise
         leaves, spec = flatten(result, strings=True)  # a list of strings is one leaf, whatever its length
-        # The loss once: an entry that is the same tensor in some micro-batches only (a loss without its
-        # auxiliary term, returned beside it) is a value of the micro-batch, as where it is another tensor.
-        first = next((index for index, leaf in enumerate(leaves) if leaf is loss), -1)
+        # The loss where loss_of took it: an entry that is the same tensor in some micro-batches only (a loss
+        # without its auxiliary term, returned beside it) is a value of the micro-batch, as another tensor is.
+        found = [index for index, leaf in enumerate(leaves) if leaf is loss]
+        first = found[0] if len(found) == 1 else _loss_index(result, found)
         kinds = [_LOSS if index == first else self._kind(leaf, rows) for index, leaf in enumerate(leaves)]
         if self.spec is None:
             self.spec, self.kinds, self.columns = spec, kinds, [[] for _ in leaves]
@@ -135,10 +148,12 @@ class Results:
         """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned."""
         storage = (leaf.device, leaf.untyped_storage().data_ptr())
         if self.read is None:
-            self.read = {
-                (tensor.device, tensor.untyped_storage().data_ptr()) for tensor in self.inputs if _plain(tensor)
-            }
-        if storage in self.read:  # a view of an input, which the step reads: no buffer it writes each time
+            self.read = {}
+            for at, tensor in enumerate(self.inputs):
+                if _plain(tensor):
+                    self.read.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(at)
+        inputs = self.read.get(storage)
+        if inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs):
             return False
         earlier = self.shared.setdefault((index, *storage), [])
         overlaps = any(_overlap(leaf, column[position]) for position in earlier)
@@ -379,6 +394,26 @@ def padded_cat(column: list[torch.Tensor], dim: int, shape: list[int], value: fl
         joined[tuple(where)] = part
         start += rows
     return joined
+
+
+def _loss_index(result: Any, found: list[int]) -> int:
+    """Return which of the leaves that are the loss tensor sits where :func:`loss_of` takes the loss from."""
+    if isinstance(result, dict):
+        place: object = MappingKey("loss")
+    elif "loss" in getattr(type(result), "_fields", ()):
+        place = GetAttrKey("loss")
+    else:
+        place = SequenceKey(0)
+    paths = flatten_with_path(result, strings=True)
+    return next((index for index in found if paths[index][0] == (place,)), found[0] if found else -1)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """Return a tensor's version counter, or -1 for an inference tensor, which has none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def _written(leaf: torch.Tensor) -> bool:

@@ -777,29 +777,19 @@ def _shifted_onto(tensor: torch.Tensor, shift: int) -> bool | None:
 def _apart(leaves: list[Any], targets: list[Any]) -> list[Any]:
     """Return the leaves, those in the memory of another leaf's place in ``out`` copied: it is written first."""
     # out=(x, saved) of fn returning (rows * 10, rows): writing x's rows changed the rows saved was given.
-    stores = [_storage(target) if isinstance(target, torch.Tensor) else None for target in targets]
+    # By address, as refuse_overlap compares: the same memory may be two storage objects (from_numpy).
+    places = len(targets)
+    spans = [_span(target) if isinstance(target, torch.Tensor) else None for target in targets]
+    spans += [_span(leaf) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     kept = list(leaves)
-    for index, leaf in enumerate(leaves):
-        where = _storage(leaf) if isinstance(leaf, torch.Tensor) else None
-        if where is not None and any(store == where for at, store in enumerate(stores) if at != index):
-            kept[index] = leaf.clone()
+    for place, other in _meeting(spans):  # place < other: a place and a leaf, or two places (side by side)
+        if place < places <= other and other - places != place:
+            kept[other - places] = leaves[other - places].clone()
     return kept
-
-
-def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    """Return where a plain strided tensor's storage lies, or ``None`` for one without a pointer to compare."""
-    if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor or tensor.device.type == "meta":
-        return None
-    return tensor.device, tensor.untyped_storage().data_ptr()
 
 
 def _reads_from(leaf: torch.Tensor, view: torch.Tensor) -> bool:
     """Return whether ``leaf`` lies in ``out``'s memory other than as ``view``'s own elements, as they are."""
     # fn may return its rows reshaped (``rows.mT`` of ``out=x``): copy_ would overwrite elements it has yet
     # to read, and torch's overlap check gives up on memory that is not dense, so the rows come out wrong.
-    where = _storage(leaf)
-    return (
-        where is not None
-        and where == _storage(view)
-        and (leaf.data_ptr() != view.data_ptr() or leaf.stride() != view.stride())
-    )
+    return bool(_meeting([_span(leaf), _span(view)])) and not _same_elements(leaf, view)

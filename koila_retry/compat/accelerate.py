@@ -189,15 +189,17 @@ def find_executable_batch_size(
         stats = batched_function.stats
         cache_info, cache_clear = batched_function.cache_info, batched_function.cache_clear
     forms: tuple[Any, ...] = (wrapper, method)
-    # Without the size, as koila.batch's: a call made as functools.wraps' signature said was refused.
-    # The size after self or cls, as a method is given it, else first.
+    # Without the size, as koila.batch's forms: the first parameter called plainly, the one after self (or
+    # cls) bound, whichever form bindable shows unbound. functools.wraps' signature refused calls made by it.
     whole = inspect.signature(function)
     given = list(whole.parameters.values())
-    at = 1 if given and given[0].name in ("self", "cls") and len(given) > 1 else 0
-    signature = whole.replace(parameters=given[:at] + given[at + 1 :])
-    size = given[at].name if given else None
-    hints = {key: value for key, value in getattr(function, "__annotations__", {}).items() if key != size}
-    for form in forms:
+    hinted = getattr(function, "__annotations__", {})
+    shapes = []
+    for at in (0, 1):
+        kept = given[:at] + given[at + 1 :]
+        size = given[at].name if at < len(given) else None
+        shapes.append((whole.replace(parameters=kept), {key: value for key, value in hinted.items() if key != size}))
+    for form, (signature, hints) in zip(forms, shapes, strict=True):
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
         form.__signature__, form.__annotations__ = signature, hints
     return bindable(function, wrapper, method, functools.partial(find_executable_batch_size, **values))
