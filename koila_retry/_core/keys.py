@@ -95,6 +95,10 @@ def deep_stack_key(depth: int) -> KeyFunction:
     return stack_key if frames == 1 else _stack_key_of(min(frames, sys.maxsize))
 
 
+# Whether each file met in a stack is this library's: a dict read per frame costs less than a cached call.
+_OURS: dict[str, bool] = {}
+
+
 def _stack_key_of(depth: int) -> KeyFunction:
     def deep_key(function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> Hashable:
         # Power-of-two buckets: readings within a factor of two usually share one, so small
@@ -106,11 +110,15 @@ def _stack_key_of(depth: int) -> KeyFunction:
             parts.append(sample)
         # Not the library's own frames, which differ between a call that found its size and one that
         # did not: a decorated function called inside another would be keyed anew by the outer's path.
-        frame, left = caller, depth
+        frame, left, known = caller, depth, _OURS
         while frame is not None and left:
             code = frame.f_code
-            if not is_ours(code.co_filename):
-                parts += (code.co_filename, code.co_name, frame.f_lasti)
+            filename = code.co_filename
+            ours = known.get(filename)
+            if ours is None:
+                ours = known[filename] = is_ours(filename)
+            if not ours:
+                parts += (filename, code.co_name, frame.f_lasti)
                 left -= 1
             frame = frame.f_back
         return tuple(parts)

@@ -64,10 +64,11 @@ class Results:
 
     def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.step, self.size, self.inputs = step, size, inputs
-        # The inputs' versions as the step begins: a view of an input that the step has not written is read,
-        # no buffer written each micro-batch; one of an input it wrote (a scratch buffer passed whole) may be.
-        self.versions = [_version(tensor) for tensor in inputs]
-        self.read: dict[tuple[torch.device, int], list[int]] | None = None  # the inputs by storage, once needed
+        # The inputs by storage, and their versions, as the first joined part is checked: a view of an input
+        # that the step does not write is read, no buffer written each micro-batch; one of an input it writes
+        # (a scratch buffer passed whole) may be. Not made before: a step that joins nothing pays nothing.
+        self.read: dict[tuple[torch.device, int], list[int]] | None = None
+        self.versions: list[int] = []
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
@@ -148,15 +149,16 @@ class Results:
         """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned."""
         storage = (leaf.device, leaf.untyped_storage().data_ptr())
         if self.read is None:
-            self.read = {}
+            self.read, self.versions = {}, [_version(tensor) for tensor in self.inputs]
             for at, tensor in enumerate(self.inputs):
                 if _plain(tensor):
                     self.read.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(at)
-        inputs = self.read.get(storage)
-        if inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs):
-            return False
         earlier = self.shared.setdefault((index, *storage), [])
-        overlaps = any(_overlap(leaf, column[position]) for position in earlier)
+        inputs = self.read.get(storage)
+        # Kept unread while the inputs are unwritten (windows of one series, one a micro-batch: no cost per
+        # earlier part); once one is written, every earlier part is compared.
+        unwritten = inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs)
+        overlaps = not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
         earlier.append(len(column))
         return overlaps
 
