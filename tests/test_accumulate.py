@@ -1260,22 +1260,45 @@ def test_views_of_the_input_returned_per_micro_batch_are_joined(dim: int) -> Non
     assert torch.equal(result["rows"], inputs)
 
 
-def test_a_buffer_passed_in_that_the_step_writes_each_micro_batch_is_refused() -> None:
+@pytest.mark.parametrize("write", ["no-grad", "data", "inference"])
+def test_a_buffer_passed_in_that_the_step_writes_each_micro_batch_is_refused(write: str) -> None:
     # A scratch buffer passed whole (one row along dim 0): its views were taken for the input's, which a step
-    # reads, and the first rows came back as the last micro-batch's (probe 72J).
+    # reads, and the first rows came back as the last micro-batch's (probe 72J); then so did a write that
+    # leaves the version counter (.data, an inference tensor) and one with grad on (a view that requires
+    # grad was never compared; probe 72K).
     model = nn.Linear(4, 3)
     x, y = torch.randn(16, 4), torch.randn(16, 3)
-    scratch = torch.empty(1, 16, 3)
+    with torch.inference_mode(write == "inference"):
+        scratch = torch.zeros(1, 16, 3)
 
     @koila.accumulate(initial=8)
     def step(x: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = scratch[0, : len(x)]
-        with torch.no_grad():
-            out.copy_(model(x))
+        with torch.no_grad(), torch.inference_mode(write == "inference"):
+            hidden = model(x)
+            (out.data if write == "data" else out).copy_(hidden)
         return F.mse_loss(model(x), y), out
 
     with pytest.raises(ValueError, match=r"at the result\[1\] for a micro-batch of 8 rows, the memory it returned"):
         step(x, y, scratch)
+    assert model.weight.grad is None
+
+
+def test_a_buffer_written_with_grad_on_each_micro_batch_is_refused() -> None:
+    # bank[:n] = h with grad on makes bank part of the graph: its views require grad and were never compared,
+    # and the rows came back as the last micro-batch's (probe 72K).
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(16, 4), torch.randn(16, 3)
+    bank = torch.zeros(8, 3)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = model(x)
+        bank[: len(x)] = hidden
+        return F.mse_loss(hidden, y), bank[: len(x)]
+
+    with pytest.raises(ValueError, match=r"at the result\[1\] for a micro-batch of 8 rows, the memory it returned"):
+        step(x, y)
     assert model.weight.grad is None
 
 

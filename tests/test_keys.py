@@ -316,3 +316,16 @@ def test_stack_key_with_a_sample_is_the_innermost_frame_of_a_deep_key() -> None:
     assert shallow == (evaluate, CPU, 27, SAMPLE, code.co_filename, code.co_name, offset)
     assert isinstance(deep, tuple)
     assert deep[:7] == shallow
+
+
+def test_the_files_a_deep_key_has_met_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One entry per file name ever met on a stack: generated code (FX, notebook cells) names without end (72K).
+    from koila_retry._core import keys
+
+    monkeypatch.setattr(keys, "_OURS", {})
+    monkeypatch.setattr(keys, "_KNOWN", 8)
+    key = koila.deep_stack_key(3)
+    for number in range(50):
+        code = compile("key(None, sys._getframe(), CPU)", f"<generated-{number}>", "eval")
+        eval(code, {"key": key, "sys": sys, "CPU": CPU})
+    assert len(keys._OURS) <= 9 + 3

@@ -97,6 +97,7 @@ def deep_stack_key(depth: int) -> KeyFunction:
 
 # Whether each file met in a stack is this library's: a dict read per frame costs less than a cached call.
 _OURS: dict[str, bool] = {}
+_KNOWN = 4096
 
 
 def _stack_key_of(depth: int) -> KeyFunction:
@@ -116,6 +117,8 @@ def _stack_key_of(depth: int) -> KeyFunction:
             filename = code.co_filename
             ours = known.get(filename)
             if ours is None:
+                if len(known) > _KNOWN:  # generated code (FX, notebook cells) names files without end
+                    known.clear()
                 ours = known[filename] = is_ours(filename)
             if not ours:
                 parts += (filename, code.co_name, frame.f_lasti)

@@ -60,7 +60,19 @@ _UNSET: Any = object()  # Results.combined before finish()
 class Results:
     """The results of a step's micro-batches: checked as they come, combined at the end."""
 
-    __slots__ = ("columns", "combined", "inputs", "kinds", "read", "shared", "size", "spec", "step", "versions")
+    __slots__ = (
+        "columns",
+        "combined",
+        "inputs",
+        "kinds",
+        "read",
+        "shared",
+        "size",
+        "spec",
+        "starts",
+        "step",
+        "versions",
+    )
 
     def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.step, self.size, self.inputs = step, size, inputs
@@ -69,6 +81,7 @@ class Results:
         # (a scratch buffer passed whole) may be. Not made before: a step that joins nothing pays nothing.
         self.read: dict[tuple[torch.device, int], list[int]] | None = None
         self.versions: list[int] = []
+        self.starts: set[tuple[tuple[int, torch.device, int], int]] = set()
         self.spec: TreeSpec | None = None
         self.kinds: list[str] = []
         self.columns: list[list[Any]] = []
@@ -151,14 +164,21 @@ class Results:
         if self.read is None:
             self.read, self.versions = {}, [_version(tensor) for tensor in self.inputs]
             for at, tensor in enumerate(self.inputs):
-                if _plain(tensor):
+                if _plain(tensor) and not tensor.is_inference():  # which has no version to read
                     self.read.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(at)
-        earlier = self.shared.setdefault((index, *storage), [])
+        key = (index, *storage)
+        earlier = self.shared.setdefault(key, [])
         inputs = self.read.get(storage)
         # Kept unread while the inputs are unwritten (windows of one series, one a micro-batch: no cost per
-        # earlier part); once one is written, every earlier part is compared.
+        # earlier part); once one is written, every earlier part is compared. A write that leaves the version
+        # as it was (through .data, to an inference tensor, by NumPy) is still met where a part starts where
+        # an earlier one did, which no two windows or rows side by side do.
         unwritten = inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs)
-        overlaps = not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
+        start = (key, leaf.data_ptr())
+        overlaps = start in self.starts or (
+            not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
+        )
+        self.starts.add(start)
         earlier.append(len(column))
         return overlaps
 
@@ -419,8 +439,9 @@ def _version(tensor: torch.Tensor) -> int:
 
 
 def _written(leaf: torch.Tensor) -> bool:
-    """Return whether ``leaf`` could be a buffer written in place: memory of its own, not a graph's."""
-    return not leaf.requires_grad and _plain(leaf)
+    """Return whether ``leaf`` could be a buffer written in place: plain memory, not a graph's fresh output."""
+    # A view that requires grad may be one: bank[:n] = h, with grad on, makes bank part of the graph.
+    return (not leaf.requires_grad or leaf._base is not None) and _plain(leaf)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
