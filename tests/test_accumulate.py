@@ -1302,6 +1302,29 @@ def test_a_buffer_written_with_grad_on_each_micro_batch_is_refused() -> None:
     assert model.weight.grad is None
 
 
+@pytest.mark.parametrize("returned", ["class-token", "shared-prompt", "expanded-input"])
+def test_a_row_broadcast_over_the_rows_is_joined_at_one_row_micro_batches(returned: str) -> None:
+    # At one row an expand has no stride 0 to tell it by, and every micro-batch's part starts where the one
+    # before did: refused as a reused buffer once memory was tight enough for one row (probe 72L).
+    torch.manual_seed(0)
+    token = nn.Parameter(torch.randn(1, 1, 4))
+    head = nn.Linear(4, 1)
+    x, y = torch.randn(8, 3, 4), torch.randn(8, 1)
+    prompt = torch.randn(1, 4)  # one row: passed whole to every micro-batch
+    positions = torch.arange(4.0).expand(8, 4)
+
+    def step(x: torch.Tensor, y: torch.Tensor, prompt: torch.Tensor, positions: torch.Tensor) -> Any:
+        tokens = token.expand(len(x), -1, -1)
+        loss = F.mse_loss(head(torch.cat([tokens, x], 1).mean(1)), y)
+        if returned == "class-token":
+            return loss, tokens
+        return loss, prompt.expand(len(x), -1) if returned == "shared-prompt" else positions.reshape(len(x), 2, 2)
+
+    whole = step(x, y, prompt, positions)
+    _, joined = koila.accumulate(step, initial=1)(x, y, prompt, positions)
+    assert torch.equal(joined, whole[1].detach())
+
+
 def test_views_of_an_input_whose_rows_overlap_are_joined_at_one_row_micro_batches() -> None:
     # Sliding windows of one series, read only: one-row views overlap each other, which was refused as a
     # reused buffer, and every micro-batch was compared with every earlier one (probe 72H).

@@ -175,7 +175,8 @@ class Results:
         # an earlier one did, which no two windows or rows side by side do.
         unwritten = inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs)
         start = (key, leaf.data_ptr())
-        overlaps = start in self.starts or (
+        # Not for one row, where a row broadcast over the rows (an expanded prompt) starts where it did too.
+        overlaps = (start in self.starts and leaf.size(self.step.dim) > 1) or (
             not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
         )
         self.starts.add(start)
@@ -440,8 +441,10 @@ def _version(tensor: torch.Tensor) -> int:
 
 def _written(leaf: torch.Tensor) -> bool:
     """Return whether ``leaf`` could be a buffer written in place: plain memory, not a graph's fresh output."""
-    # A view that requires grad may be one: bank[:n] = h, with grad on, makes bank part of the graph.
-    return (not leaf.requires_grad or leaf._base is not None) and _plain(leaf)
+    # A view that requires grad may be one, of memory a graph wrote (bank[:n] = h with grad on); not one of
+    # a parameter (a class token's expand), which the step reads.
+    base = leaf._base
+    return (not leaf.requires_grad or (base is not None and base.grad_fn is not None)) and _plain(leaf)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
