@@ -134,12 +134,9 @@ class PerKey(Generic[Kept]):
         self, maxsize: int, changed: Callable[[Hashable, Callable[[Kept | None], Kept | None]], None] | None = None
     ) -> None:
         self._lock = threading.Lock()
-        renewed_in_child(self, PerKey._renew)
+        renewed_in_child(self, _new_lock)
         self._keys: cachetools.LRUCache[Hashable, Kept] = cachetools.LRUCache(maxsize)
         self.changed = changed
-
-    def _renew(self) -> None:
-        self._lock = threading.Lock()
 
     def update(self, key: Hashable, change: Callable[[Kept | None], Kept | None]) -> Kept | None:
         """Replace what ``key`` keeps by ``change(kept)`` (``None``: forget it); return what it kept before."""
@@ -222,7 +219,7 @@ class Sizes(MutableMapping[Hashable, int]):
         self._sizes: dict[Hashable, int] = {}
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # held through a DiskCache's write: made anew in a forked child
-        renewed_in_child(self, Sizes._renew)
+        renewed_in_child(self, _new_lock)
         self._hits = Counter()
         self._misses = Counter()
         # The latest key looked up and its size, in a one-item list that writers replace
@@ -289,9 +286,6 @@ class Sizes(MutableMapping[Hashable, int]):
         """Return hits, misses, the bound and the number of keys stored."""
         with self._lock:
             return CacheInfo(self._hits.value, self._misses.value, self._maxsize, len(self._sizes))
-
-    def _renew(self) -> None:
-        self._lock = threading.Lock()
 
     def cache_clear(self) -> None:
         """Forget every size and reset the hit and miss counts."""
@@ -689,3 +683,7 @@ class NoCache(SizeCache):
 
 def _or_else(default: Bound, kept: Bound | None) -> Bound:
     return default if kept is None else kept
+
+
+def _new_lock(owner: PerKey[Any] | Sizes) -> None:
+    owner._lock = threading.Lock()  # a forked child's: the parent's may have been held by another thread
