@@ -606,7 +606,7 @@ class _Accumulator:
             # anything of the attempt can run out of memory: a rank that fails then plays along all of it.
             last = -(-rows // size) - 1
             plan.micro_batch(last == 0, first=True)
-            results = Results(self, size, split.tensors)
+            results = Results(self, size, split.tensors if size < rows else None)
             weights = self.weighing.weights(split, size) if size < rows else [1.0]
             pieces = list(split.pieces(size)) if size < rows else [(split.args, split.kwargs, rows)]
             backed = False
@@ -748,7 +748,7 @@ class _Accumulator:
             failed = self.replay()
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
                 raise Replayed(*failed)
-        results = Results(self, size, split.tensors)
+        results = Results(self, size, split.tensors if size < rows else None)
         try:
             # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed through by
             # every micro-batch and retry: that graph must outlive each backward (freed with the arguments).

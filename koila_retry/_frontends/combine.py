@@ -72,10 +72,12 @@ class Results:
         "starts",
         "step",
         "versions",
+        "whole",
     )
 
-    def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] = ()) -> None:
-        self.step, self.size, self.inputs = step, size, inputs
+    def __init__(self, step: Step, size: int, inputs: Sequence[torch.Tensor] | None = ()) -> None:
+        # No inputs: a step of one micro-batch, whose parts have no earlier one to overwrite.
+        self.step, self.size, self.whole, self.inputs = step, size, inputs is None, inputs or ()
         # The inputs by storage, and their versions, as the first joined part is checked: a view of an input
         # that the step does not write is read, no buffer written each micro-batch; one of an input it writes
         # (a scratch buffer passed whole) may be. Not made before: a step that joins nothing pays nothing.
@@ -143,7 +145,12 @@ class Results:
             elif kind == _JOIN:
                 # Memory an earlier micro-batch's part holds, not broadcast along the rows (a parameter's
                 # expand): a buffer the function writes each time, whose earlier rows are lost.
-                if _written(leaf) and leaf.stride(self.step.dim) != 0 and self._overwrites(index, column, leaf):
+                if (
+                    not self.whole
+                    and _written(leaf)
+                    and leaf.stride(self.step.dim) != 0
+                    and self._overwrites(index, column, leaf)
+                ):
                     self._reused(result, index, rows)
                 # Rows of other sizes (trimmed to the micro-batch's longest) cannot be joined: said now, by
                 # name, not by torch.cat once every micro-batch ran; an integration's pad= pads them.
