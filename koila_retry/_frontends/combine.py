@@ -174,14 +174,18 @@ class Results:
                 if _plain(tensor) and not tensor.is_inference():  # which has no version to read
                     self.read.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(at)
         key = (index, *storage)
-        earlier = self.shared.setdefault(key, [])
+        start = (key, leaf.data_ptr())
+        earlier = self.shared.get(key)
+        if earlier is None:  # memory no earlier part of the entry lies in: a fresh output, the usual case
+            self.shared[key] = [len(column)]
+            self.starts.add(start)
+            return False
         inputs = self.read.get(storage)
         # Kept unread while the inputs are unwritten (windows of one series, one a micro-batch: no cost per
         # earlier part); once one is written, every earlier part is compared. A write that leaves the version
         # as it was (through .data, to an inference tensor, by NumPy) is still met where a part starts where
         # an earlier one did, which no two windows or rows side by side do.
         unwritten = inputs is not None and all(_version(self.inputs[at]) == self.versions[at] for at in inputs)
-        start = (key, leaf.data_ptr())
         # Not for one row, where a row broadcast over the rows (an expanded prompt) starts where it did too.
         overlaps = (start in self.starts and leaf.size(self.step.dim) > 1) or (
             not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
