@@ -1202,7 +1202,7 @@ def test_a_value_whose_shape_changes_between_micro_batches_is_refused_before_its
 
 def test_rows_returned_in_a_reused_buffer_are_refused_and_a_broadcast_parameter_is_joined() -> None:
     model, x, y = build("mlp", 20)
-    buffer = torch.empty(20, 1, dtype=torch.float64)
+    buffer = torch.empty(8, 1, dtype=torch.float64)  # a micro-batch's rows: returned whole, so kept as it is
     token = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
 
     @koila.accumulate(initial=8)
@@ -1222,12 +1222,30 @@ def test_rows_returned_in_a_reused_buffer_are_refused_and_a_broadcast_parameter_
     assert result["token"].shape == (20, 3)  # the same memory every micro-batch, broadcast: joined as before
 
 
+def test_rows_in_a_larger_buffer_written_each_micro_batch_are_copied_and_joined() -> None:
+    # A view of more memory than its rows is copied as it comes (it would hold all of it till the step
+    # ended): the later writes cannot reach the copy, and the rows join as the whole batch's.
+    model, x, y = build("mlp", 20)
+    buffer = torch.empty(32, 1, dtype=torch.float64)
+
+    @koila.accumulate(initial=8)
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = model(x)
+        buffer[: len(x)].copy_(out.detach())
+        return {"loss": F.mse_loss(out, y), "rows": buffer[: len(x)]}
+
+    result = step(x, y)
+    assert step.stats.batch_size == 8
+    torch.testing.assert_close(result["rows"], model(x).detach())
+
+
 @pytest.mark.parametrize("where", ["right-aligned", "two-in-turn"])
 def test_rows_in_a_buffer_that_an_earlier_micro_batch_returned_are_refused(where: str) -> None:
     # Only the memory of the micro-batch just before was compared: a buffer's tail (8 rows, then 4 that
     # overlap them) or two buffers in turn (A, B, A) joined rows that the later writes had overwritten.
+    # The later part, a view of a larger buffer, is copied; the earlier, all of it, is not, and was written.
     model, x, y = build("mlp", 12 if where == "right-aligned" else 20)
-    buffers = [torch.empty(20, 1, dtype=torch.float64) for _ in range(2)]
+    buffers = [torch.empty(8, 1, dtype=torch.float64) for _ in range(2)]
     calls: list[int] = []
 
     @koila.accumulate(initial=8)

@@ -505,3 +505,55 @@ def test_threads_training_models_of_their_own_with_a_penalty_each_keep_no_leaf_o
     for thread in threads:
         thread.join()
     assert alive == {0: 0, 1: 0}
+
+
+@pytest.mark.parametrize("view", ["first-token", "last-token"])
+def test_rows_returned_as_a_view_of_a_larger_output_keep_only_their_own_memory(view: str) -> None:
+    # h[:, 0] beside the loss held all of h, every micro-batch's, till the step ended: the whole batch's
+    # output, which no split brought under, and no size fitted where returning a copy did (probe 73D).
+    torch.manual_seed(0)
+    tokens, width = 32, 16
+    encoder, hand = nn.Linear(width, width).to(DTYPE), nn.Linear(width, width).to(DTYPE)
+    hand.load_state_dict(encoder.state_dict())
+    x = torch.randn(ROWS, tokens, width, dtype=DTYPE)
+    y = torch.randn(ROWS, width, dtype=DTYPE)
+    at = 0 if view == "first-token" else -1
+
+    @koila.accumulate(initial=ROWS // PARTS, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = encoder(x)
+        return {"loss": F.mse_loss(h[:, at], y), "token": h[:, at]}
+
+    def loop() -> torch.Tensor:
+        kept = []
+        for xb, yb in zip(x.chunk(PARTS), y.chunk(PARTS), strict=True):
+            h = hand(xb)
+            (F.mse_loss(h[:, at], yb) * (len(xb) / ROWS)).backward()  # type: ignore[no-untyped-call]
+            kept.append(h[:, at].detach().clone())
+        return torch.cat(kept)
+
+    results: list[object] = []
+    koila_peak = _peak(lambda: results.append(step(x, y)))
+    hand_peak = _peak(lambda: results.append(loop()))
+    assert koila_peak <= 1.02 * hand_peak + SLACK, (koila_peak, hand_peak)
+    torch.testing.assert_close(results[0]["token"], results[1], rtol=RTOL, atol=ATOL)  # type: ignore[index]
+    torch.testing.assert_close(encoder.weight.grad, hand.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_rows_returned_as_a_view_of_an_input_are_not_copied() -> None:
+    # The caller holds its inputs for the whole step: a view of one costs nothing till the rows are joined.
+    model = _model()
+    x, y = _batch()
+
+    @koila.accumulate(initial=ROWS // PARTS, cache=koila.NoCache())
+    def step(x: torch.Tensor, y: torch.Tensor, extra: bool) -> object:
+        loss = F.mse_loss(model(x), y)
+        return {"loss": loss, "features": x[:, : WIDTH // 2]} if extra else loss
+
+    results: list[object] = []
+    alone = _peak(lambda: step(x, y, False))
+    with_view = _peak(lambda: results.append(step(x, y, True)))
+    # The rows are joined once the last backward freed its activations, under the step's peak: copied as
+    # they came, three micro-batches' of them (12 KiB) would be alive in that backward, at the peak.
+    assert with_view <= alone + SLACK, (with_view, alone)
+    assert torch.equal(results[0]["features"], x[:, : WIDTH // 2])  # type: ignore[index]

@@ -63,6 +63,7 @@ class Results:
     __slots__ = (
         "columns",
         "combined",
+        "held",
         "inputs",
         "kinds",
         "read",
@@ -82,6 +83,7 @@ class Results:
         # that the step does not write is read, no buffer written each micro-batch; one of an input it writes
         # (a scratch buffer passed whole) may be. Not made before: a step that joins nothing pays nothing.
         self.read: dict[tuple[torch.device, int], list[int]] | None = None
+        self.held: set[tuple[torch.device, int]] = set()  # every input's storage, made with read
         self.versions: list[int] = []
         self.starts: set[tuple[tuple[int, torch.device, int], int]] = set()
         self.spec: TreeSpec | None = None
@@ -143,15 +145,23 @@ class Results:
             if kind == _STRINGS:
                 column.append(leaf)
             elif kind == _JOIN:
-                # Memory an earlier micro-batch's part holds, not broadcast along the rows (a parameter's
-                # expand): a buffer the function writes each time, whose earlier rows are lost.
-                if (
-                    not self.whole
-                    and _written(leaf)
-                    and leaf.stride(self.step.dim) != 0
-                    and self._overwrites(index, column, leaf)
-                ):
-                    self._reused(result, index, rows)
+                part = leaf.detach()
+                if not self.whole and _plain(leaf):
+                    storage = leaf.untyped_storage()
+                    # Kept until the step ends, a view would hold all its memory: every micro-batch's whole
+                    # output (h of h[:, 0]), which no split brings under the whole batch's. Not an input's,
+                    # which the caller holds anyway.
+                    copy = storage.nbytes() > leaf.numel() * leaf.element_size() and not self._of_an_input(storage)
+                    # Memory an earlier micro-batch's part holds, not broadcast along the rows (a parameter's
+                    # expand): a buffer the function writes each time, whose earlier rows are lost.
+                    if (
+                        _written(leaf)
+                        and leaf.stride(self.step.dim) != 0
+                        and self._overwrites(index, column, leaf, storage, copy)
+                    ):
+                        self._reused(result, index, rows)
+                    if copy:
+                        part = part.clone()
                 # Rows of other sizes (trimmed to the micro-batch's longest) cannot be joined: said now, by
                 # name, not by torch.cat once every micro-batch ran; an integration's pad= pads them.
                 if (
@@ -160,27 +170,46 @@ class Results:
                     and _across(leaf, self.step.dim) != _across(column[0], self.step.dim)
                 ):
                     self._shape_changed(result, index, column[0], rows, joined=True)
-                column.append(leaf.detach())
+                column.append(part)
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
 
-    def _overwrites(self, index: int, column: list[Any], leaf: torch.Tensor) -> bool:
-        """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned."""
-        storage = (leaf.device, leaf.untyped_storage().data_ptr())
+    def _of_an_input(self, memory: torch.UntypedStorage) -> bool:
+        """Return whether ``memory`` is an input's, which the caller holds for the whole step anyway."""
+        return (memory.device, memory.data_ptr()) in self._read()[1]
+
+    def _read(self) -> tuple[dict[tuple[torch.device, int], list[int]], set[tuple[torch.device, int]]]:
+        """Return the inputs with a version, by storage, and every input's storage: looked at once, when needed."""
         if self.read is None:
-            self.read, self.versions = {}, [_version(tensor) for tensor in self.inputs]
+            self.read, self.held, self.versions = {}, set(), [_version(tensor) for tensor in self.inputs]
             for at, tensor in enumerate(self.inputs):
-                if _plain(tensor) and not tensor.is_inference():  # which has no version to read
-                    self.read.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(at)
+                if _plain(tensor):
+                    storage = (tensor.device, tensor.untyped_storage().data_ptr())
+                    self.held.add(storage)
+                    if not tensor.is_inference():  # which has no version to read
+                        self.read.setdefault(storage, []).append(at)
+        return self.read, self.held
+
+    def _overwrites(
+        self, index: int, column: list[Any], leaf: torch.Tensor, memory: torch.UntypedStorage, copied: bool
+    ) -> bool:
+        """Return whether ``leaf`` overlaps a part of ``column`` that an earlier micro-batch returned.
+
+        A part kept ``copied`` is compared, not remembered: a later write cannot reach its copy, and the
+        memory it leaves may be handed to a later micro-batch's output.
+        """
+        storage = (leaf.device, memory.data_ptr())
+        read = self._read()[0] if self.read is None else self.read
         key = (index, *storage)
         start = (key, leaf.data_ptr())
         earlier = self.shared.get(key)
         if earlier is None:  # memory no earlier part of the entry lies in: a fresh output, the usual case
-            self.shared[key] = [len(column)]
-            self.starts.add(start)
+            if not copied:
+                self.shared[key] = [len(column)]
+                self.starts.add(start)
             return False
-        inputs = self.read.get(storage)
+        inputs = read.get(storage)
         # Kept unread while the inputs are unwritten (windows of one series, one a micro-batch: no cost per
         # earlier part); once one is written, every earlier part is compared. A write that leaves the version
         # as it was (through .data, to an inference tensor, by NumPy) is still met where a part starts where
@@ -190,8 +219,9 @@ class Results:
         overlaps = (start in self.starts and leaf.size(self.step.dim) > 1) or (
             not unwritten and any(_overlap(leaf, column[position]) for position in earlier)
         )
-        self.starts.add(start)
-        earlier.append(len(column))
+        if not copied:
+            self.starts.add(start)
+            earlier.append(len(column))
         return overlaps
 
     def _reused(self, result: Any, index: int, rows: int) -> NoReturn:
@@ -451,11 +481,11 @@ def _version(tensor: torch.Tensor) -> int:
 
 
 def _written(leaf: torch.Tensor) -> bool:
-    """Return whether ``leaf`` could be a buffer written in place: plain memory, not a graph's fresh output."""
+    """Return whether ``leaf``, plain memory, could be a buffer written in place, not a graph's fresh output."""
     # A view that requires grad may be one, of memory a graph wrote (bank[:n] = h with grad on); not one of
     # a parameter (a class token's expand), which the step reads.
     base = leaf._base
-    return (not leaf.requires_grad or (base is not None and base.grad_fn is not None)) and _plain(leaf)
+    return not leaf.requires_grad or (base is not None and base.grad_fn is not None)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
