@@ -20,7 +20,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from koila_retry.testing import simulated_device
+from koila_retry.testing import make_oom, simulated_device
 
 transformers = pytest.importorskip("transformers")
 from _hf_trainer import (  # noqa: E402 (after the skip)
@@ -970,7 +970,7 @@ def _backward_callers(trainer: Any) -> list[str]:
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         caller = sys._getframe(1)
-        if caller.f_code.co_name == "walked":  # adapt's, which walks the graph first: its caller's
+        while caller.f_code.co_name in ("allowed", "walked"):  # adapt's, which walks the graph first: its caller's
             caller = cast(FrameType, caller.f_back)
         callers.append(caller.f_code.co_name)
         real(loss, **kwargs)
@@ -1141,7 +1141,7 @@ class RetainingBackward(transformers.Trainer):  # type: ignore[misc]
 def test_an_override_that_passes_retain_graph_to_the_backward_is_served(tmp_path: Path) -> None:
     plain = make_trainer(tmp_path, RetainingBackward)
     plain.train()
-    trainer = adapt(make_trainer(tmp_path, RetainingBackward))  # its first step runs through accumulate
+    trainer = adapt(make_trainer(tmp_path, RetainingBackward))
     with simulated_device(TRAIN_LIMIT):
         trainer.train()
     assert trainer.training_step.stats.ooms
@@ -1152,14 +1152,83 @@ def test_an_override_that_passes_retain_graph_to_the_backward_is_served(tmp_path
         refused.train()
 
 
-def test_an_override_runs_through_accumulate_once_then_as_the_trainer_runs_it(tmp_path: Path, reference: Any) -> None:
-    """Its first step shows that it backpropagates through accelerator.backward, once; the others run as they are."""
+def test_an_override_runs_as_the_trainer_runs_it_from_its_first_step(tmp_path: Path, reference: Any) -> None:
+    """Its first step, checked, shows that it backpropagates through accelerator.backward, once."""
     trainer = adapt(make_trainer(tmp_path, Logging))
     callers = _backward_callers(trainer)
     trainer.train()
-    assert callers == ["backward", "training_step", "training_step"]
+    assert callers == ["training_step"] * 3
     assert trainer.calls == 3
+    assert trainer.training_step.checked
     assert_same_training(trainer, reference)
+
+
+class FreezesRows(transformers.Trainer):  # type: ignore[misc]
+    """An override that edits the gradients after its backward: only the embedding's later rows train."""
+
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *count)
+        grad = model.get_input_embeddings().weight.grad
+        self.seen = [*getattr(self, "seen", []), grad is not None]
+        if grad is not None:
+            grad[: VOCAB // 2] = 0
+        return loss
+
+
+class ClipsInTheStep(transformers.Trainer):  # type: ignore[misc]
+    """An override that clips the gradients after its backward: the window's so far, in the trainer's own."""
+
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *count)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        return loss
+
+
+@pytest.mark.parametrize("kind", [FreezesRows, ClipsInTheStep], ids=["edits-rows", "clips"])
+def test_an_override_that_changes_the_gradients_after_its_backward_trains_as_the_trainer(
+    tmp_path: Path, kind: type[Any]
+) -> None:
+    # Its first step ran through accumulate, whose backward runs after the step: the code after the backward
+    # saw .grad None, and the frozen rows trained; later, each step's backward ran with the window's gradients
+    # set aside, so a clip saw the step's alone (probe 73B).
+    options = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4, "max_grad_norm": 0.0}
+    plain = make_trainer(tmp_path, kind, model=float64_gpt2(), compute_loss_func=float64_loss_func, **options)
+    plain.train()
+    trainer = adapt(make_trainer(tmp_path, kind, model=float64_gpt2(), compute_loss_func=float64_loss_func, **options))
+    with pytest.warns(UserWarning, match=r"changes \.grad after self\.accelerator\.backward") as warned:
+        trainer.train()
+    assert len([w for w in warned if "changes .grad" in str(w.message)]) == 1
+    if kind is FreezesRows:
+        assert all(trainer.seen)
+        assert len(trainer.seen) == len(plain.seen)
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+class RunsOutAfterItsBackward(transformers.Trainer):  # type: ignore[misc]
+    """An override that runs out of memory after its backward, in the second step of a window."""
+
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *count)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            raise make_oom()
+        return loss
+
+
+def test_an_override_that_runs_out_of_memory_after_its_backward_in_a_window_raises_it(tmp_path: Path) -> None:
+    # Its backward added the window's gradients back as it ended, as the trainer's own step leaves them: the
+    # error is raised, with a note, not retried on gradients that hold the step's already.
+    options = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}
+    trainer = adapt(make_trainer(tmp_path, RunsOutAfterItsBackward, **options))
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory") as raised:
+        trainer.train()
+    assert any("ran out of memory after its backward: not retried" in note for note in raised.value.__notes__)
+    assert trainer.training_step.stats.ooms == 0
+    for parameter, grad in zip(trainer.model.parameters(), trainer.grads, strict=True):
+        assert grad is not None
+        assert torch.equal(parameter.grad, grad)  # the window's and the step's, as the trainer leaves them
 
 
 class FailsInAWindow(transformers.Trainer):  # type: ignore[misc]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKWARDS", "THREAD", "call", "guard", "seen"]
+__all__ = ["BACKWARDS", "THREAD", "allowed", "call", "guard", "seen"]
 
 
 class _Running(threading.local):
@@ -75,6 +75,16 @@ def guard() -> bool:
         setattr(torch.autograd, "_engine_run_backward", guarded)  # noqa: B010 (not in the stubs)
         _guarded.append(guarded)
     return True
+
+
+def allowed(backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Return ``backward(*args, **kwargs)``, a backward pass the step that :func:`call` runs may start itself."""
+    # A trainer's step run as the trainer runs it: its one backward through the trainer's engine, not another.
+    outer, THREAD.step = THREAD.step, None
+    try:
+        return backward(*args, **kwargs)
+    finally:
+        THREAD.step = outer
 
 
 def seen(plain: Callable[[], None]) -> None:

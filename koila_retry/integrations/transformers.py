@@ -32,6 +32,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
 from koila_retry._core.stats import Stats
+from koila_retry._frontends import own_backward
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
@@ -327,8 +328,8 @@ class _Training(_Bound):
         def training_step(model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
             return self.run(model, inputs, num_items_in_batch)
 
-        training_step.__qualname__ = f"{type(trainer).__name__}.training_step"  # as errors and logs name it
-        self.kept = _Whole(not overridden)
+        training_step.__qualname__ = self.name = f"{type(trainer).__name__}.training_step"  # as errors name it
+        self.kept = _Whole(True)
         replay = self.kept.replayed
         # One Stats for the three, which the wrapper shows: a step counts whichever of them runs it.
         self.stats = stats = Stats(batch_size=0)
@@ -337,10 +338,11 @@ class _Training(_Bound):
         self.summed = accumulator(reduction="sum", **shared)(training_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(training_step)
         self.by_rows = accumulator(**shared)(training_step)
-        # With its own backward (see _whole). An override first runs through accumulate once, whose checks
-        # see whether it runs its backward through accelerator.backward, once (see run).
-        self.kept.trusting = not overridden and not self.by_rows.cache_info().currsize
+        # With its own backward (see _whole), unless a size was cached. An override's first step run so is
+        # checked as accumulate would check it (see _checked): that it backs through accelerator.backward, once.
+        self.kept.trusting = not self.by_rows.cache_info().currsize
         self.checked = not overridden
+        self.warned = False  # of an override that changes .grad after its backward
         # Whether the graph of a step run as the trainer runs it reaches leaves besides the parameters:
         # None until the first such step's walk says (see _whole).
         self.walks: bool | None = None
@@ -396,24 +398,44 @@ class _Training(_Bound):
         # millisecond a step on a small GPT-2).
         others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
         backward = self.trainer.accelerator.backward
+        checking = not self.checked
+        # An override's code after its backward sees the window's gradients, as in the trainer's own step:
+        # added back as the backward ends (an out-of-memory error after it is not undone, see below).
+        early = self.overridden and bool(before)
+        calls, after, added = 0, None, False
 
         def walked(loss: torch.Tensor, **kwargs: Any) -> Any:
-            others.see(loss)
-            if self.walks is None:
-                self.walks = others.found()
-            return backward(loss, **kwargs)
+            nonlocal calls, after, added, before
+            if checking:
+                calls += 1
+                self._refuse_for_a_split(calls, kwargs)
+            if self.walks is not False:
+                others.see(loss)
+                if self.walks is None:
+                    self.walks = others.found()
+            returned = own_backward.allowed(backward, loss, **kwargs) if checking else backward(loss, **kwargs)
+            if early:
+                others.restore()
+                added_back(parameters, before)
+                before, added = [], True
+            if checking:
+                after = _gradients(model)
+            return returned
 
-        walking = self.walks is not False
         failed = False
-        with _swapped(self.trainer.accelerator, "backward", walked) if walking else contextlib.nullcontext():
+        wrapped = self.walks is not False or checking or early
+        with _swapped(self.trainer.accelerator, "backward", walked) if wrapped else contextlib.nullcontext():
             try:
                 # A copy: a step may change its mapping (pop a key it weighs rows by), and the retry after
                 # its OOM splits the mapping as the trainer made it.
-                if num_items_in_batch is ABSENT:
-                    returned = self.original(model, shallow_copy(inputs))
-                else:
-                    returned = self.original(model, shallow_copy(inputs), num_items_in_batch)
+                args = (model, shallow_copy(inputs)) + (() if num_items_in_batch is ABSENT else (num_items_in_batch,))
+                # An override's first step: a backward of its own besides is refused before it writes .grad.
+                returned = own_backward.call(self.original, self.name, args, {}) if checking else self.original(*args)
             except BaseException as error:
+                if added:  # the window's gradients are in .grad with the step's, as the trainer leaves them
+                    if is_oom(error) and hasattr(error, "add_note"):  # Python 3.11 on
+                        error.add_note(f"{NAME}: {self.name} ran out of memory after its backward: not retried")
+                    raise
                 if not is_oom(error):  # the gradients as the step found them, not part of a backward
                     _given_back(parameters, before, others)
                     raise
@@ -425,11 +447,49 @@ class _Training(_Bound):
             _given_back(parameters, before, others)
             self.kept.trusting = False  # accumulate runs every step from now on, this one first
             return _FAILED
+        if checking:
+            self._checked(calls, after, model, lambda: _given_back(parameters, before, others))
         others.restore()
         if before:
             added_back(parameters, before)
         self.stats.ran_whole(rows)
         return returned
+
+    def _refuse_for_a_split(self, calls: int, kwargs: dict[str, Any]) -> None:
+        """Refuse, before it runs, a backward that an override asks for which a split step could not run."""
+        if calls > 1:
+            raise RuntimeError(
+                f"{NAME}: the training_step of {type(self.trainer).__name__} called self.accelerator.backward more "
+                "than once; adapt serves a step that calls it once"
+            )
+        kwargs = {key: value for key, value in kwargs.items() if key != "retain_graph"}
+        if kwargs:
+            raise NotImplementedError(
+                f"{NAME}: the trainer's training_step called accelerator.backward with {sorted(kwargs)}, "
+                "which adapt cannot pass on per micro-batch (it accepts retain_graph, and runs the backward "
+                "after the step). Call self.accelerator.backward(loss) without them"
+            )
+
+    def _checked(self, calls: int, after: Any, model: Any, undo: Callable[[], None]) -> None:
+        """After an override's first step, run whole: refuse what a split could not serve, warn of what it could not."""
+        self.checked = True
+        if calls != 1:
+            undo()
+            raise RuntimeError(
+                f"{NAME}: the training_step of {type(self.trainer).__name__} called self.accelerator.backward "
+                f"{calls} times; adapt serves a step that calls it once"
+            )
+        if _gradients(model) != after and not self.warned:
+            self.warned = True
+            warn_or_log(
+                f"{NAME}: the training_step of {type(self.trainer).__name__} changes .grad after "
+                "self.accelerator.backward (zeroing rows, clipping): while its steps run whole, as the trainer "
+                "runs them, it sees the gradients as in the trainer; a step split into micro-batches, after an "
+                "out-of-memory error, could not run it on the batch's gradient, and raises RuntimeError then. "
+                "Change the gradients in a callback's on_pre_optimizer_step instead. This warning is shown once.",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
 
     def run(self, model: Any, inputs: Any, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
         """Run the original step on (part of) the batch with its backward held back; return the loss and its result."""
@@ -438,13 +498,7 @@ class _Training(_Bound):
 
         def hold(loss: torch.Tensor, **kwargs: Any) -> None:
             # The backward runs after the step, kept as long as its micro-batches need: retain_graph says nothing.
-            kwargs.pop("retain_graph", None)
-            if kwargs:
-                raise NotImplementedError(
-                    f"{NAME}: the trainer's training_step called accelerator.backward with {sorted(kwargs)}, "
-                    "which adapt cannot pass on per micro-batch (it accepts retain_graph, and runs the backward "
-                    "after the step). Call self.accelerator.backward(loss) without them"
-                )
+            self._refuse_for_a_split(1, kwargs)
             held.append(loss)
 
         before = _gradients(model) if self.overridden else None
@@ -465,9 +519,11 @@ class _Training(_Bound):
                 returned = self.original(model, inputs)
         if before is not None and _gradients(model) != before:
             raise RuntimeError(
-                f"{NAME}: the training_step of {type(self.trainer).__name__} wrote .grad itself (a backward "
-                "outside self.accelerator.backward): adapt cannot split such a step, and the gradients of this "
-                "one are not the batch's. Run the backward through self.accelerator.backward"
+                f"{NAME}: the training_step of {type(self.trainer).__name__} changed .grad itself (a backward "
+                "outside self.accelerator.backward, or code that edits the gradients after it): adapt cannot "
+                "split such a step, whose code after the backward runs on each micro-batch before its backward, "
+                "and the gradients of this one are not the batch's. Run the backward through "
+                "self.accelerator.backward, and change the gradients in a callback's on_pre_optimizer_step"
             )
         if len(held) != 1:
             raise RuntimeError(
