@@ -73,6 +73,36 @@ def test_fit_under_the_limit_ends_at_the_unlimited_parameters(accumulate_grad_ba
     assert "training_step" not in vars(model)
 
 
+class SumLoss(MLP):
+    """A loss that sums its rows' (a VAE's ELBO, say), logged as it is, with a count beside it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y, reduction="sum")
+        self.log("train_loss", loss)
+        self.log("correct", (self.net(x).argmax(1) == y).sum())
+        return loss
+
+
+def test_fit_of_a_sum_loss_under_the_limit_ends_at_the_unlimited_parameters_with_reduction_sum() -> None:
+    # Weighted by their share of the rows, the micro-batches' sums made a gradient 1/k of the batch's, with no
+    # way to say otherwise (probe 73C).
+    reference = SumLoss()
+    unlimited = trainer(max_steps=2)
+    unlimited.fit(reference, loader(rows=128))
+    events: list[Any] = []
+    model = SumLoss()
+    limited = trainer(OOMRecovery(on_oom=events.append, reduction="sum"), max_steps=2)
+    with simulated_device(FIT_LIMIT):
+        limited.fit(model, loader(rows=128))
+    assert events, "the training step never ran out of memory: the limit is too high to test anything"
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    for name in ("train_loss", "correct"):  # the whole batch's sum, and its count
+        torch.testing.assert_close(
+            limited.callback_metrics[name], unlimited.callback_metrics[name], rtol=1e-12, atol=1e-12
+        )
+
+
 def test_validate_under_the_limit_gives_the_unlimited_metrics() -> None:
     model = MLP()
     expected = trainer().validate(model, loader(rows=128), verbose=False)
@@ -283,6 +313,8 @@ def test_options_are_checked_when_the_callback_is_made() -> None:
         OOMRecovery(minimun=8)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="minimum"):
         OOMRecovery(initial=4, minimum=8)
+    with pytest.raises(ValueError, match=r"reduction must be 'mean' .* or 'sum' .*, got 'none'"):
+        OOMRecovery(reduction="none")
 
 
 def test_importing_koila_retry_does_not_import_lightning() -> None:

@@ -59,6 +59,9 @@ class Logs:
         self.keywords: frozenset[str] = frozenset()  # the names the module's log takes
         self.open = False  # whether it takes any keyword (**kwargs)
         self.saved: Any = ABSENT  # a log of the module object's own, while the step runs
+        # Whether the step's values are sums over its rows (OOMRecovery(reduction="sum")): a mean logged
+        # of them (the loss) adds up over the micro-batches, as accumulate adds up such a step's numbers.
+        self.summed = False
 
     def attach(self, module: pl.LightningModule) -> None:
         """Log through ``module.log``, an override of the module's included."""
@@ -155,7 +158,10 @@ class Logs:
             options = dict(entries[-1][1][2])
             counts = [n for n, _ in entries]
             sizes = [call[2].get("batch_size") for _, call in entries]
-            value = combined([call[1] for _, call in entries], weights(sizes, counts), options.get("reduce_fx", "mean"))
+            reduce_fx = options.get("reduce_fx", "mean")
+            if self.summed and _reduction(reduce_fx) == "mean":
+                reduce_fx = "sum"
+            value = combined([call[1] for _, call in entries], weights(sizes, counts), reduce_fx)
             options["batch_size"] = batch_size(sizes, counts)
             self.log(name, value, **options)
 

@@ -91,13 +91,18 @@ class OOMRecovery(Callback):
     Args:
         initial (int or None): the first micro-batch size to try; ``None``, the
             default, is the whole batch.
+        reduction (str): ``"mean"``, the default, if ``training_step``'s loss is a
+            mean over the batch's rows (each micro-batch's is weighted by its share
+            of the rows), ``"sum"`` if it is a sum over them (``reduction="sum"``:
+            each micro-batch's is added as it is).
         **options (Options): the shared options of every front end (``minimum``,
             ``cache``, ``max_attempts``, ``on_oom``, ``schedule``, ``grow`` ...);
             see :ref:`options`.
 
     Raises:
         TypeError: if an option is unknown or has the wrong type.
-        ValueError: if an option is out of range.
+        ValueError: if an option is out of range, or ``reduction`` is neither
+            ``"mean"`` nor ``"sum"``.
         RuntimeError: in ``setup``, if the trainer's strategy is none of one device,
             DDP and ``ModelParallelStrategy`` (FSDP1's ``FSDPStrategy``, DeepSpeed
             and XLA, ``SingleDeviceXLAStrategy`` too, are refused by name), or if a
@@ -111,9 +116,14 @@ class OOMRecovery(Callback):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, *, initial: int | None = None, **options: Unpack[Options]) -> None:
-        Policy.of("OOMRecovery", initial, options, rows=True)
-        self._options: dict[str, Any] = {"initial": initial, **options}
+    def __init__(self, *, initial: int | None = None, reduction: str = "mean", **options: Unpack[Options]) -> None:
+        Policy.of("OOMRecovery", initial, options, rows=True, own=("initial", "reduction"))
+        if reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"reduction must be 'mean' (training_step's loss is a mean over the batch's rows) or 'sum' (a sum "
+                f"over them), got {reduction!r}"
+            )
+        self._options: dict[str, Any] = {"initial": initial, "reduction": reduction, **options}
         self._steps: dict[str, _Step] = {}
         # Lightning calls a callback's hook only if it is callable: one that does nothing is None on the
         # instance, unless a subclass gave it a body, which spares each batch its call (a profiler context...).
@@ -355,6 +365,11 @@ class _Step:
         part.__qualname__ = part.__name__ = whole.__qualname__ = whole.__name__ = name
         options = dict(self.options)
         initial = options.pop("initial")
+        # Evaluation steps make no backward: their outputs and logs are joined and weighted by rows.
+        reduction = options.pop("reduction")
+        if not self.train:
+            reduction = "mean"
+        self.logs.summed = reduction == "sum"
         told = options.get("on_oom")
 
         def on_oom(event: OOMEvent) -> None:
@@ -368,6 +383,7 @@ class _Step:
         # averages the gradients the step hands over (see _Delivery): the ranks only agree on sizes.
         decorate = accumulator(
             initial=initial,
+            reduction=reduction,
             backward={None: None, SCALED: self._scaled, PLUGIN: self._backward}[how],
             averages=False,
             replay=self._replayed,
