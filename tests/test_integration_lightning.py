@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import gc
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -101,6 +102,38 @@ def test_fit_of_a_sum_loss_under_the_limit_ends_at_the_unlimited_parameters_with
         torch.testing.assert_close(
             limited.callback_metrics[name], unlimited.callback_metrics[name], rtol=1e-12, atol=1e-12
         )
+
+
+class Fits16(MLP):
+    """A module whose batches fit 16 rows at a time, in training and in validation."""
+
+    limit = 16
+    rows: list[int]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.rows = [*getattr(self, "rows", []), len(batch[0])]
+        if len(batch[0]) > self.limit:
+            raise make_oom()
+        return super().training_step(batch, batch_idx)
+
+
+class FitsWhole(Fits16):
+    """Another module, with the same step, that fits its batch of 64 whole."""
+
+    limit = 64
+
+
+def test_a_size_remembered_on_disk_is_the_modules_not_every_modules(tmp_path: Any) -> None:
+    # Keyed by the callback's own wrapper, every module's training steps shared one entry, and every module's
+    # evaluation steps another: a module that fits whole ran at another's size for good (probe 73F).
+    path = tmp_path / "sizes.json"
+    small = Fits16()
+    trainer(OOMRecovery(cache=koila.DiskCache(path)), max_steps=2).fit(small, loader(rows=128))
+    assert small.rows == [64, 32, 16, 16, 16, 16] + [16] * 4
+    large = FitsWhole()
+    trainer(OOMRecovery(cache=koila.DiskCache(path)), max_steps=2).fit(large, loader(rows=128))
+    assert large.rows == [64, 64]
+    assert [key.split(" (")[0] for key in json.loads(path.read_text())["sizes"]] == ["Fits16.training_step"]
 
 
 def test_validate_under_the_limit_gives_the_unlimited_metrics() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import json
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+import koila_retry as koila
 from koila_retry.testing import make_oom, simulated_device
 
 transformers = pytest.importorskip("transformers")
@@ -952,6 +954,23 @@ def test_a_custom_training_step_is_served_or_refused(tmp_path: Path, reference: 
         served.train()
     assert served.calls > 3  # once per attempt and micro-batch
     assert_same_training(served, reference)
+
+
+def test_a_size_remembered_on_disk_is_the_models_not_every_adapted_trainers(tmp_path: Path) -> None:
+    # Keyed by adapt's own wrapper, every adapted trainer's steps shared one entry: a model that fits its batch
+    # whole started at the size a smaller one's run stored (probe 73F).
+    path = tmp_path / "sizes.json"
+    first = adapt(make_trainer(tmp_path), cache=koila.DiskCache(path))
+    with simulated_device(TRAIN_LIMIT):
+        first.train()
+    assert first.training_step.stats.ooms
+    (key,) = json.loads(path.read_text())["sizes"]
+    assert key.startswith("Trainer.training_step of GPT2LMHeadModel (transformers.models.gpt2.")
+    other = adapt(make_trainer(tmp_path, model=CausalWrapper()), cache=koila.DiskCache(path))
+    other.train()  # no limit: its batch of 8 fits whole
+    stats = other.training_step.stats
+    assert (stats.batch_size, stats.ooms) == (8, 0)
+    assert len(json.loads(path.read_text())["sizes"]) == 1
 
 
 def test_import_koila_retry_imports_neither_transformers_nor_the_integrations() -> None:

@@ -277,6 +277,8 @@ def accumulator(
     pad: Callable[[], float | None] | None = None,
     # For an integration whose wrapper runs one of several steps per call: the statistics they all write.
     stats: Stats | None = None,
+    # For a trainer's integration: the user's step (file, line, name) that keys the sizes, not its wrapper.
+    identity: tuple[str, int, str] | None = None,
     options: Options,
 ) -> Callable[[Callable[P, R]], Batched[P, R]]:
     """Check :func:`accumulate`'s arguments once; return what decorates a step with them."""
@@ -344,6 +346,7 @@ def accumulator(
         step.averages = averages
         step.replay = replay
         step.pad = pad
+        step.identity = identity or step.identity
         getframe = sys._getframe
 
         @functools.wraps(function)

@@ -384,6 +384,7 @@ class _Step:
         decorate = accumulator(
             initial=initial,
             reduction=reduction,
+            identity=(type(self.module).__module__, 0, name),  # the module's step: not this wrapper, every module's
             backward={None: None, SCALED: self._scaled, PLUGIN: self._backward}[how],
             averages=False,
             replay=self._replayed,

@@ -28,6 +28,7 @@ from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
+from koila_retry._core.cache import innermost
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
@@ -334,6 +335,7 @@ class _Training(_Bound):
         # One Stats for the three, which the wrapper shows: a step counts whichever of them runs it.
         self.stats = stats = Stats(batch_size=0)
         shared: Any = {"backward": backward, "replay": replay, "stats": stats, "options": options}
+        shared["identity"] = _identity(trainer, "training_step")
         # For a batch with num_items_in_batch but no labels to count: a loss divided by the count adds up.
         self.summed = accumulator(reduction="sum", **shared)(training_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(training_step)
@@ -536,6 +538,12 @@ class _Training(_Bound):
         return loss, returned
 
 
+def _identity(trainer: Any, step: str) -> tuple[str, int, str]:
+    """Name a trainer's step by its class and model's, which key the sizes it remembers: not adapt's wrapper."""
+    model = type(innermost(trainer.model)) if isinstance(trainer.model, torch.nn.Module) else type(trainer.model)
+    return (model.__module__, 0, f"{type(trainer).__qualname__}.{step} of {model.__qualname__}")
+
+
 def _rows_of(inputs: Any) -> int | None:
     """Return the rows of a batch of keyword inputs, by its first tensor, or ``None``."""
     if isinstance(inputs, Mapping):
@@ -645,6 +653,7 @@ class _Prediction(_Bound):
 
         self.stats = stats = Stats(batch_size=0)  # one for the three, as in training
         shared: Any = {"replay": replay, "pad": pad, "stats": stats, "options": options}
+        shared["identity"] = _identity(trainer, "prediction_step")
         self.summed = accumulator(reduction="sum", **shared)(prediction_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(prediction_step)
         self.by_rows = accumulator(**shared)(prediction_step)
