@@ -730,6 +730,47 @@ def test_a_fifo_at_the_lock_path_is_warned_about_not_waited_on(tmp_path: Path) -
     assert not path.exists()
 
 
+def _without_waiting_on(work: Callable[[], T], holder: subprocess.Popen[str]) -> T:
+    """Return ``work()``, run in a thread; fail if it waits for the lock that ``holder`` holds instead."""
+    results: list[T] = []
+    thread = threading.Thread(target=lambda: results.append(work()), daemon=True)
+    thread.start()
+    thread.join(60)  # a guard against waiting for ever, not a measure of speed
+    if thread.is_alive():  # pragma: no cover - only on failure
+        holder.communicate("")  # lets the lock go, so that the thread ends
+        thread.join()
+        pytest.fail("DiskCache waited for the lock of a process that held it")
+    return results[0]
+
+
+@pytest.mark.skipif(disk.fcntl is None, reason="no lock file without fcntl")
+def test_a_lock_another_process_holds_for_long_is_warned_about_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store waited for the lock with no limit: a job stopped with Ctrl-Z while it wrote held every other
+    # job's next size store for good, just after a call that succeeded (probe 73F).
+    monkeypatch.setattr(disk, "LOCK_WAIT", 0.2)
+    path = tmp_path / "sizes.json"
+    holder = (
+        "import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
+        "fcntl.flock(descriptor, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", holder, f"{path}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "held"
+        cache = koila.DiskCache(path)
+        with pytest.warns(koila.CacheFileWarning, match="another process has held the lock for over 0.2 s"):
+            result = _without_waiting_on(_reducing(cache), child)
+        assert result == 16
+        assert not path.exists()
+        assert cache.cache_info().currsize == 1  # kept in memory from now on
+    finally:
+        child.communicate("")
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX permissions")
 def test_a_new_file_is_as_readable_as_the_umask_allows(tmp_path: Path) -> None:
     """Others who share the cache can read it: a new file was the temporary file's 0600."""

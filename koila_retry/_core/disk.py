@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from types import FrameType
@@ -36,6 +37,9 @@ _VERSION = 1
 # Opening a FIFO for reading waits for a writer; without blocking it returns at once, and
 # the descriptor's type is checked before anything is read. (Windows has no FIFOs.)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+# How long a store waits for another process's lock on the file: a writer holds it for milliseconds; one
+# that holds it longer is stopped (Ctrl-Z, SIGSTOP) or on a file system that hangs, and would hold every job.
+LOCK_WAIT = 10.0
 _SPECIAL = (
     (stat.S_ISDIR, "folder"),
     (stat.S_ISFIFO, "FIFO (named pipe)"),
@@ -69,7 +73,8 @@ class DiskCache(SizeCache):
 
     The file is read when the cache is made and rewritten whenever a new size
     is stored: merged with what other processes wrote meanwhile (under a lock
-    file, ``<path>.lock``, where the platform has ``fcntl``), written to a
+    file, ``<path>.lock``, where the platform has ``fcntl``, waited for at most
+    10 seconds), written to a
     temporary file beside it and renamed over it, so readers never see half a
     file. A symbolic link is followed: its target is the file read and
     replaced (keeping its permissions), with the lock file beside it. Only a
@@ -422,11 +427,27 @@ def _locked(path: str) -> Iterator[int | None]:
         found = os.fstat(descriptor)
         if not stat.S_ISREG(found.st_mode):
             raise OSError(errno.EINVAL, "the lock file is not a regular file", path)
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        _lock(descriptor, path)
         try:
             yield stat.S_IMODE(found.st_mode) & 0o666
         finally:
             fcntl.flock(descriptor, fcntl.LOCK_UN)
+
+
+def _lock(descriptor: int, path: str) -> None:
+    """Take the lock on ``descriptor``, or raise ``OSError`` once another has held it for :data:`LOCK_WAIT` seconds."""
+    deadline, pause = time.monotonic() + LOCK_WAIT, 0.001
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    errno.ETIMEDOUT, f"another process has held the lock for over {LOCK_WAIT:g} s", path
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def _sweep(target: str) -> None:
