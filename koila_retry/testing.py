@@ -13,8 +13,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from types import TracebackType
 from typing import Any, cast
 
@@ -285,7 +286,7 @@ class OOMInjector:
     """
 
     def __init__(
-        self, *, above: int | None = None, on_calls: frozenset[int] | None = None, first: int = 0, kind: str
+        self, *, above: int | None = None, on_calls: Container[int] | None = None, first: int = 0, kind: str
     ) -> None:
         make_oom(kind)  # validates kind
         self._above = above
@@ -361,14 +362,16 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
 
     Args:
         calls (int or iterable of int): an int ``n`` fails the first ``n`` calls;
-            an iterable gives the numbers of the calls to fail, counting from 1.
+            a finite iterable gives the numbers of the calls to fail, counting
+            from 1 (a ``range``, kept as it is, may be as long as you like).
         kind (str): the kind of error, as in :func:`make_oom`.
 
     Returns:
         OOMInjector: call it as ``inject()``.
 
     Raises:
-        TypeError: if ``calls`` is a bool, or neither an int nor an iterable.
+        TypeError: if ``calls`` is a bool, neither an int nor an iterable, or an
+            endless iterator of ``itertools`` (``count``, ``cycle``, ``repeat``).
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
@@ -382,6 +385,16 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         if count < 0:
             raise ValueError(f"calls must be >= 0, got {count}")
         return OOMInjector(first=count, kind=kind)
+    if isinstance(calls, range):  # kept as it is: range(1, 10**9, 2) asks nothing of memory
+        lowest = min(calls[0], calls[-1]) if calls else 1  # not min(calls), which would read every number
+        if lowest < 1:
+            raise ValueError(f"call numbers are ints counting from 1, got {calls!r}, which holds {lowest}")
+        return OOMInjector(on_calls=calls, kind=kind)
+    if isinstance(calls, (itertools.count, itertools.cycle, itertools.repeat)):
+        raise TypeError(
+            f"calls must be a finite iterable of call numbers, got the endless {calls!r}: give a range instead, "
+            "as range(1, 10**9, 2) for every other call"
+        )
     else:
         given = list(cast(Iterable[Any], calls))
         numbers = [as_int(n) for n in given]

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -734,6 +738,24 @@ def test_oom_for_accepts_any_iterable_and_ignores_the_batch_size() -> None:
     assert (inject.calls, inject.raised) == (2, 1)
 
 
+def test_oom_for_a_range_is_kept_as_it_is_and_an_endless_iterator_is_refused() -> None:
+    # Listed, an endless iterator never returned, and range(1, 10**8, 2) took seconds and gigabytes (probe 73E).
+    inject = oom_for(range(1, 10**12, 2))
+    for call in range(1, 6):
+        if call % 2:
+            with pytest.raises(torch.OutOfMemoryError):
+                inject()
+        else:
+            inject()
+    assert (inject.calls, inject.raised) == (5, 3)
+    with pytest.raises(ValueError, match=r"got range\(0, 5\), which holds 0"):
+        oom_for(range(5))
+    with pytest.raises(ValueError, match=r"which holds -4"):
+        oom_for(range(10**12, -5, -1))
+    with pytest.raises(TypeError, match=r"the endless count\(1, 2\): give a range instead"):
+        oom_for(itertools.count(1, 2))
+
+
 @pytest.mark.parametrize(("calls", "shown"), [(-1, "-1"), ([0], "[0]"), ([-1], "[-1]"), ([3, 0, 5], "[0]")])
 def test_oom_for_rejects_bad_call_numbers(calls: object, shown: str) -> None:
     with pytest.raises(ValueError) as excinfo:
@@ -891,6 +913,45 @@ def test_a_storage_resized_in_place_counts_its_new_size() -> None:
         assert device.peak == 8000
         del tensor, storage
         assert device.live == 0
+
+
+def test_a_tracked_storage_the_collector_frees_while_the_device_counts_is_forgotten_without_a_hang() -> None:
+    # The collector may run in any allocation, the tracker's own weak reference's included, and free a tensor
+    # made in the block: its callback took the tracker's lock again, which the thread held, and waited on itself
+    # for good (probe 73E). Here the collection runs with the lock held; in a process of its own, to end it.
+    code = textwrap.dedent(
+        """
+        import gc, torch
+        from koila_retry.testing import simulated_device
+
+        class Node:
+            pass
+
+        with simulated_device("1MiB") as device:
+            node = Node()
+            node.me, node.tensor = node, torch.ones(100)
+            del node
+            with device._tracker._lock:
+                gc.collect()
+            print(device.live)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "0"), done.stderr
+
+
+def test_an_emptied_storage_stays_empty_after_a_growth_it_could_not_fit_is_refused() -> None:
+    # Put back with set_ after it was emptied, the storage grew again to the tensor's shape, counted nowhere:
+    # 620 bytes under a 1 KiB limit, beside 800 counted (probe 73E).
+    with simulated_device("1KiB") as device:
+        parameter = torch.zeros(155)
+        parameter.untyped_storage().resize_(0)  # freed, its shape kept: FSDP2's unsharded parameter
+        x = torch.randn(200)
+        with pytest.raises(torch.OutOfMemoryError):
+            parameter.resize_(300)  # an out= operator of another shape resizes it so
+        assert parameter.shape == (155,)
+        assert parameter.untyped_storage().nbytes() == 0
+        assert device.live == sum(storage.nbytes() for storage in device.live_storages()) == x.nbytes
 
 
 def test_growing_past_the_limit_raises_and_leaves_the_storage_as_it_was() -> None:

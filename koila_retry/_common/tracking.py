@@ -35,7 +35,8 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Weak references: a storage is forgotten when PyTorch frees it.
         self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._sizes: dict[int, int] = {}  # bytes counted for each live storage, which a resize changes
-        self._lock = threading.Lock()
+        # Re-entrant: the collector may free a tracked storage, and run its forget(), while this thread holds it.
+        self._lock = threading.RLock()
         self.live = 0
         self.peak = 0
         # The peak before the last operator that raised it, and the ids of the storages it counted: a
@@ -161,8 +162,9 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if self._storages.pop(key, None) is not None:
                     self.live -= self._sizes.pop(key, 0)
 
+        reference = weakref.ref(storage, forget)  # an allocation, where the collector may run: not under the lock
         with self._lock:
-            self._storages[key] = weakref.ref(storage, forget)
+            self._storages[key] = reference
             self._sizes[key] = storage.nbytes()
             self.live += self._sizes[key]
             self._rose(self.live)
@@ -282,10 +284,11 @@ class Geometry:
 
     def restore(self) -> None:
         """Put the tensor back in its storage as it was, the storage at its size."""
+        # First: set_ grows a storage too small for the tensor (an emptied one, FSDP2's freed parameter's).
+        self.tensor.set_(self.storage, self.offset, self.shape, self.stride)
         if self.storage.nbytes() > self.nbytes:
             # Through the method, followed or not: a device outside the one refusing counted the growth.
             self.storage.resize_(self.nbytes)
-        self.tensor.set_(self.storage, self.offset, self.shape, self.stride)
 
 
 def _storages(tree: Any) -> list[torch.UntypedStorage]:
