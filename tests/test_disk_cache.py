@@ -25,7 +25,7 @@ from torch import nn
 
 import koila_retry as koila
 from koila_retry._core import decision, disk
-from koila_retry._core.cache import function_identity
+from koila_retry._core.cache import class_identity, function_identity
 from koila_retry._core.memory import describe_device
 from koila_retry.testing import oom_above, simulated_device
 
@@ -1035,6 +1035,15 @@ def test_function_identity_of_modules_lambdas_and_callable_objects() -> None:
         "test_function_identity_of_modules_lambdas_and_callable_objects.<locals>.<lambda>",
     )
     assert function_identity(("file.py", 3, "block")) == ("file.py", 3, "block")  # a description already
+
+
+def test_class_identity_names_a_scripts_class_by_the_scripts_file() -> None:
+    # Every script's classes are __main__'s: two scripts' LitModel shared their sizes in one file (probe 73H).
+    script = type("LitModel", (), {"__module__": "__main__"})
+    where = getattr(sys.modules["__main__"], "__file__", None)
+    expected = os.path.abspath(where) if isinstance(where, str) else "__main__"
+    assert class_identity(script, "LitModel.training_step") == (expected, 0, "LitModel.training_step")
+    assert class_identity(nn.Linear, "Linear.forward") == ("torch.nn.modules.linear", 0, "Linear.forward")
 
 
 def test_function_identity_tells_builtins_apart() -> None:

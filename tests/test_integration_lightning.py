@@ -82,7 +82,13 @@ class SumLoss(MLP):
         loss = F.cross_entropy(self.net(x), y, reduction="sum")
         self.log("train_loss", loss)
         self.log("correct", (self.net(x).argmax(1) == y).sum())
+        self.log("lr", self.optimizers().param_groups[0]["lr"])  # the step's, the same in every micro-batch
+        self.log("beta", torch.tensor(0.25, dtype=torch.float64))
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("val_sum", F.cross_entropy(self.net(x), y, reduction="sum"))
 
 
 def test_fit_of_a_sum_loss_under_the_limit_ends_at_the_unlimited_parameters_with_reduction_sum() -> None:
@@ -98,10 +104,25 @@ def test_fit_of_a_sum_loss_under_the_limit_ends_at_the_unlimited_parameters_with
         limited.fit(model, loader(rows=128))
     assert events, "the training step never ran out of memory: the limit is too high to test anything"
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
-    for name in ("train_loss", "correct"):  # the whole batch's sum, and its count
+    # The whole batch's sum and its count; the learning rate and a weight as they are, not added up (probe 73H).
+    for name in ("train_loss", "correct", "lr", "beta"):
         torch.testing.assert_close(
             limited.callback_metrics[name], unlimited.callback_metrics[name], rtol=1e-12, atol=1e-12
         )
+
+
+def test_validate_of_a_sum_under_the_limit_gives_the_unlimited_sum_with_reduction_sum() -> None:
+    # Evaluation steps took no reduction: a validation step logging the same sum as the loss logged 1/k of it,
+    # the value a checkpoint monitors (probe 73H).
+    model = SumLoss()
+    expected = trainer().validate(model, loader(rows=128), verbose=False)
+    events: list[Any] = []
+    with simulated_device(EVAL_LIMIT):
+        got = trainer(OOMRecovery(on_oom=events.append, reduction="sum")).validate(
+            model, loader(rows=128), verbose=False
+        )
+    assert events
+    assert got[0]["val_sum"] == pytest.approx(expected[0]["val_sum"], rel=1e-12)
 
 
 class Fits16(MLP):

@@ -1224,6 +1224,77 @@ def test_an_override_that_changes_the_gradients_after_its_backward_trains_as_the
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
 
 
+def test_an_override_that_changes_the_gradients_is_checked_whole_where_a_cache_knows_a_size(tmp_path: Path) -> None:
+    # A cache that knew any size, another trainer's too, sent every step through accumulate, where the code
+    # after the backward saw .grad None: the frozen rows trained, with no warning (probe 73G).
+    path = tmp_path / "sizes.json"
+    other = adapt(make_trainer(tmp_path), cache=koila.DiskCache(path))
+    with simulated_device(TRAIN_LIMIT):
+        other.train()
+    assert koila.DiskCache(path).cache_info().currsize == 1
+    options = {"model": float64_gpt2(), "compute_loss_func": float64_loss_func, "max_grad_norm": 0.0}
+    plain = make_trainer(tmp_path, FreezesRows, **options)
+    before = plain.model.get_input_embeddings().weight.detach().clone()
+    plain.train()
+    trainer = adapt(
+        make_trainer(tmp_path, FreezesRows, **{**options, "model": float64_gpt2()}), cache=koila.DiskCache(path)
+    )
+    with pytest.warns(UserWarning, match=r"changes \.grad after self\.accelerator\.backward"):
+        trainer.train()
+    assert trainer.training_step.stats.ooms == 0
+    frozen = trainer.model.get_input_embeddings().weight[: VOCAB // 2]
+    assert torch.equal(frozen, before[: VOCAB // 2])
+    for (name, mine), (_, theirs) in zip(trainer.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+def test_an_override_seen_to_change_the_gradients_raises_when_a_step_runs_through_accumulate(tmp_path: Path) -> None:
+    # Its code after the backward would run on no gradient there, silently.
+    options = {"compute_loss_func": float64_loss_func, "max_grad_norm": 0.0}
+    trainer = adapt(make_trainer(tmp_path, FreezesRows, model=float64_gpt2({1: "forward"}), **options))
+    with (
+        pytest.warns(UserWarning, match=r"changes \.grad after"),
+        pytest.raises(RuntimeError, match="changes .grad itself"),
+    ):
+        trainer.train()
+    assert trainer.training_step.stats.ooms == 1
+
+
+def test_an_override_whose_code_names_the_gradients_is_warned_of_as_it_runs_through_accumulate(tmp_path: Path) -> None:
+    # A hook on a parameter sends every step through accumulate, where the clip after the backward sees none.
+    trainer = make_trainer(tmp_path, ClipsInTheStep)
+    trainer.model.lm_head.weight.register_hook(lambda gradient: gradient)
+    trainer = adapt(trainer)
+    with pytest.warns(UserWarning, match=r"runs through accumulate .* sees no gradient") as warned:
+        trainer.train()
+    assert len([w for w in warned if "runs through accumulate" in str(w.message)]) == 1
+
+
+class SkipsBadBatches(transformers.Trainer):  # type: ignore[misc]
+    """An override that catches an error of its backward and skips the batch, as some do for bad data."""
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls = getattr(self, "calls", 0) + 1
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return RaiseInBackward.apply(loss) if self.calls == 1 else loss
+
+    def training_step(self, model: Any, inputs: Any, *count: Any) -> torch.Tensor:
+        try:
+            return super().training_step(model, inputs, *count)
+        except ValueError:
+            return torch.tensor(0.0)
+
+
+def test_an_override_that_catches_an_error_of_its_backward_is_not_warned_of(tmp_path: Path) -> None:
+    # The backward raised before it wrote .grad: nothing after it changed the gradients (probe 73G).
+    trainer = adapt(make_trainer(tmp_path, SkipsBadBatches))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert trainer.training_step.checked
+    assert not [warning for warning in caught if "changes .grad" in str(warning.message)]
+
+
 class RunsOutAfterItsBackward(transformers.Trainer):  # type: ignore[misc]
     """An override that runs out of memory after its backward, in the second step of a window."""
 

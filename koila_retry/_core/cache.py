@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
+import sys
 import threading
 import types
 import warnings
@@ -33,6 +35,7 @@ __all__ = [
     "Sizes",
     "StackMemoryCache",
     "Streak",
+    "class_identity",
     "function_identity",
     "innermost",
     "made",
@@ -67,6 +70,15 @@ def function_identity(function: object) -> tuple[str, int, str]:
         if code is None:  # no Python code: (module, 0, qualified name of the type)
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
+
+
+def class_identity(kind: type, name: str) -> tuple[str, int, str]:
+    """Return the identity of ``name``, a step of class ``kind``: by the module that defines it, or a script's file."""
+    where = kind.__module__
+    if where == "__main__":  # every script's name: its file tells one from another
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        where = os.path.abspath(path) if isinstance(path, str) else where
+    return (where, 0, name)
 
 
 def innermost(module: torch.nn.Module) -> torch.nn.Module:

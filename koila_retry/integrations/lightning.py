@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStra
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
+from koila_retry._core.cache import class_identity
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
@@ -94,7 +95,8 @@ class OOMRecovery(Callback):
         reduction (str): ``"mean"``, the default, if ``training_step``'s loss is a
             mean over the batch's rows (each micro-batch's is weighted by its share
             of the rows), ``"sum"`` if it is a sum over them (``reduction="sum"``:
-            each micro-batch's is added as it is).
+            each micro-batch's is added as it is); the floating-point values every
+            step logs and returns are taken for the same.
         **options (Options): the shared options of every front end (``minimum``,
             ``cache``, ``max_attempts``, ``on_oom``, ``schedule``, ``grow`` ...);
             see :ref:`options`.
@@ -365,10 +367,8 @@ class _Step:
         part.__qualname__ = part.__name__ = whole.__qualname__ = whole.__name__ = name
         options = dict(self.options)
         initial = options.pop("initial")
-        # Evaluation steps make no backward: their outputs and logs are joined and weighted by rows.
+        # Every step's: a validation step that logs the same sum as the training step's loss adds it up too.
         reduction = options.pop("reduction")
-        if not self.train:
-            reduction = "mean"
         self.logs.summed = reduction == "sum"
         told = options.get("on_oom")
 
@@ -384,7 +384,7 @@ class _Step:
         decorate = accumulator(
             initial=initial,
             reduction=reduction,
-            identity=(type(self.module).__module__, 0, name),  # the module's step: not this wrapper, every module's
+            identity=class_identity(type(self.module), name),  # the module's step: not this wrapper, every module's
             backward={None: None, SCALED: self._scaled, PLUGIN: self._backward}[how],
             averages=False,
             replay=self._replayed,

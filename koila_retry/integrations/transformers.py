@@ -28,7 +28,7 @@ from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
-from koila_retry._core.cache import innermost
+from koila_retry._core.cache import class_identity, innermost
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import clear_frames
 from koila_retry._core.policy import Options, Policy
@@ -344,14 +344,17 @@ class _Training(_Bound):
         # checked as accumulate would check it (see _checked): that it backs through accelerator.backward, once.
         self.kept.trusting = not self.by_rows.cache_info().currsize
         self.checked = not overridden
-        self.warned = False  # of an override that changes .grad after its backward
+        self.edits = False  # whether an override was seen to change .grad after its backward
+        # Whether its code names the gradients (p.grad, clip_grad_norm_): warned of once through accumulate.
+        code = getattr(type(trainer).training_step, "__code__", None)
+        self.reads = overridden and code is not None and bool(_names(code) & _GRADIENTS)
         # Whether the graph of a step run as the trainer runs it reaches leaves besides the parameters:
         # None until the first such step's walk says (see _whole).
         self.walks: bool | None = None
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = ABSENT) -> Any:
         self.kept.failure = None
-        if self.kept.trusting:
+        if self.kept.trusting or not self.checked:  # an override's first step is checked whole, a size cached or not
             returned = self._whole(model, inputs, num_items_in_batch)
             if returned is not _FAILED:
                 return returned
@@ -481,14 +484,15 @@ class _Training(_Bound):
                 f"{NAME}: the training_step of {type(self.trainer).__name__} called self.accelerator.backward "
                 f"{calls} times; adapt serves a step that calls it once"
             )
-        if _gradients(model) != after and not self.warned:
-            self.warned = True
+        self.kept.trusting = True  # the whole batch fitted: a size a cache knew was not this batch's
+        if after is not None and _gradients(model) != after:  # None: the backward raised, and the step caught it
+            self.edits = True
             warn_or_log(
                 f"{NAME}: the training_step of {type(self.trainer).__name__} changes .grad after "
                 "self.accelerator.backward (zeroing rows, clipping): while its steps run whole, as the trainer "
                 "runs them, it sees the gradients as in the trainer; a step split into micro-batches, after an "
                 "out-of-memory error, could not run it on the batch's gradient, and raises RuntimeError then. "
-                "Change the gradients in a callback's on_pre_optimizer_step instead. This warning is shown once.",
+                "Change the gradients in a callback's on_pre_optimizer_step instead.",
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )
@@ -503,6 +507,19 @@ class _Training(_Bound):
             self._refuse_for_a_split(1, kwargs)
             held.append(loss)
 
+        if self.edits:  # seen at the first step: code after the backward would run before it, on no gradient
+            raise self._changed_grad()
+        if self.reads:
+            self.reads = False
+            warn_or_log(
+                f"{NAME}: {self.name} runs through accumulate (a step that ran out of memory, or under DDP, with "
+                "a hook on a parameter, or a batch that is not a mapping), where its code after "
+                "self.accelerator.backward runs before that backward: code there that reads or changes .grad "
+                "(clipping, zeroing rows, logging a norm) sees no gradient, or a part of the batch's. Do it in a "
+                "callback's on_pre_optimizer_step, which sees the batch's. This warning is shown once.",
+                UserWarning,
+                stacklevel=levels_to_caller(),
+            )
         before = _gradients(model) if self.overridden else None
         whole = inputs is self.inputs
         if self.unseen is not None and not whole and _rows_of(inputs) != _rows_of(self.inputs):
@@ -520,13 +537,7 @@ class _Training(_Bound):
             else:  # transformers before 4.46
                 returned = self.original(model, inputs)
         if before is not None and _gradients(model) != before:
-            raise RuntimeError(
-                f"{NAME}: the training_step of {type(self.trainer).__name__} changed .grad itself (a backward "
-                "outside self.accelerator.backward, or code that edits the gradients after it): adapt cannot "
-                "split such a step, whose code after the backward runs on each micro-batch before its backward, "
-                "and the gradients of this one are not the batch's. Run the backward through "
-                "self.accelerator.backward, and change the gradients in a callback's on_pre_optimizer_step"
-            )
+            raise self._changed_grad()
         if len(held) != 1:
             raise RuntimeError(
                 f"{NAME}: the training_step of {type(self.trainer).__name__} called self.accelerator.backward "
@@ -537,11 +548,20 @@ class _Training(_Bound):
             returned = loss.detach()
         return loss, returned
 
+    def _changed_grad(self) -> RuntimeError:
+        return RuntimeError(
+            f"{NAME}: the training_step of {type(self.trainer).__name__} changes .grad itself (a backward outside "
+            "self.accelerator.backward, or code that edits the gradients after it): adapt cannot run such a step "
+            "through accumulate, split or not, where its code after the backward runs on each micro-batch before "
+            "its backward, on no gradient. Run the backward through self.accelerator.backward, and change the "
+            "gradients in a callback's on_pre_optimizer_step"
+        )
+
 
 def _identity(trainer: Any, step: str) -> tuple[str, int, str]:
     """Name a trainer's step by its class and model's, which key the sizes it remembers: not adapt's wrapper."""
     model = type(innermost(trainer.model)) if isinstance(trainer.model, torch.nn.Module) else type(trainer.model)
-    return (model.__module__, 0, f"{type(trainer).__qualname__}.{step} of {model.__qualname__}")
+    return class_identity(model, f"{type(trainer).__qualname__}.{step} of {model.__qualname__}")
 
 
 def _rows_of(inputs: Any) -> int | None:
@@ -560,6 +580,8 @@ def _given_back(parameters: list[Any], before: list[Any], others: OtherLeaves) -
         parameter.grad = gradient
 
 
+# Names in an override's code that read or change the gradients after its backward.
+_GRADIENTS = frozenset({"grad", "clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_grad_value"})
 # What _Training._whole returns for a step it did not run, or that ran out of memory.
 _FAILED: Any = object()
 
