@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
 import os
+import pickle
 import stat
 import subprocess
 import sys
@@ -631,6 +633,20 @@ def test_a_deleted_key_is_deleted_from_the_file(tmp_path: Path) -> None:
     assert cache.pop("popped") == 1
     cache["new"] = 2
     assert dict(koila.DiskCache(path).items()) == {"kept": 4, "new": 2}
+
+
+def test_a_cache_pickled_or_copied_reads_its_file_again_in_a_cache_of_its_own(tmp_path: Path) -> None:
+    # Its lock made it unpicklable (mp.spawn's args, a spawned DataLoader worker), and copy.copy shared its
+    # sizes and its lock with the original (probe 73F).
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path, 8, key=koila.global_key)
+    assert _reducing(cache)() == 16
+    for other in (pickle.loads(pickle.dumps(cache)), copy.copy(cache), copy.deepcopy(cache)):
+        assert (other.path, other.cache_info().maxsize, other.key_function) == (cache.path, 8, koila.global_key)
+        assert dict(other.items()) == dict(cache.items())
+        other.cache_clear()
+        assert len(cache) == 1
+    assert _content(path)["sizes"] == {}  # each cleared the file they share, as a second process would
 
 
 def test_repr_names_the_path(tmp_path: Path) -> None:

@@ -271,6 +271,15 @@ class DiskCache(SizeCache):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, path={self.path!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
+        # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
+        return (_reopened, (self.path, self.cache_info().maxsize, self.key_function))
+
+
+def _reopened(path: str, maxsize: int, key: KeyFunction) -> DiskCache:
+    return DiskCache(path, maxsize, key=key)
+
 
 def _replace(
     path: str, maxsize: int, change: Callable[[_Entries], object], read: Callable[[str], _Entries | None]
