@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -1059,6 +1060,13 @@ def test_class_identity_names_a_scripts_class_by_the_scripts_file() -> None:
     where = getattr(sys.modules["__main__"], "__file__", None)
     expected = os.path.abspath(where) if isinstance(where, str) else "__main__"
     assert class_identity(script, "LitModel.training_step") == (expected, 0, "LitModel.training_step")
+    # Run again as __mp_main__ in a process that multiprocessing's spawn started (probe 73I).
+    spawned = type("LitModel", (), {"__module__": "__mp_main__"})
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = str(Path("train.py").resolve())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "__mp_main__", module)
+        assert class_identity(spawned, "LitModel.training_step")[0] == module.__file__
     assert class_identity(nn.Linear, "Linear.forward") == ("torch.nn.modules.linear", 0, "Linear.forward")
 
 

@@ -82,8 +82,8 @@ class SumLoss(MLP):
         loss = F.cross_entropy(self.net(x), y, reduction="sum")
         self.log("train_loss", loss)
         self.log("correct", (self.net(x).argmax(1) == y).sum())
-        self.log("lr", self.optimizers().param_groups[0]["lr"])  # the step's, the same in every micro-batch
-        self.log("beta", torch.tensor(0.25, dtype=torch.float64))
+        self.log("rows", float(len(x)))  # a sum over the rows, the same in micro-batches of one size
+        self.log("lr", self.optimizers().param_groups[0]["lr"], reduce_fx="max")  # the step's: not added up
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
@@ -104,8 +104,9 @@ def test_fit_of_a_sum_loss_under_the_limit_ends_at_the_unlimited_parameters_with
         limited.fit(model, loader(rows=128))
     assert events, "the training step never ran out of memory: the limit is too high to test anything"
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
-    # The whole batch's sum and its count; the learning rate and a weight as they are, not added up (probe 73H).
-    for name in ("train_loss", "correct", "lr", "beta"):
+    # The whole batch's sums and its count (a sum the same in every micro-batch too: probe 73I), and a value of
+    # the step's own logged with "max", as it is (probe 73H).
+    for name in ("train_loss", "correct", "rows", "lr"):
         torch.testing.assert_close(
             limited.callback_metrics[name], unlimited.callback_metrics[name], rtol=1e-12, atol=1e-12
         )

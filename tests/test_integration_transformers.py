@@ -1260,9 +1260,25 @@ def test_an_override_seen_to_change_the_gradients_raises_when_a_step_runs_throug
     assert trainer.training_step.stats.ooms == 1
 
 
-def test_an_override_whose_code_names_the_gradients_is_warned_of_as_it_runs_through_accumulate(tmp_path: Path) -> None:
-    # A hook on a parameter sends every step through accumulate, where the clip after the backward sees none.
-    trainer = make_trainer(tmp_path, ClipsInTheStep)
+def _logged(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(step)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    return logged
+
+
+class ClipsBehindADecorator(ClipsInTheStep):
+    training_step = _logged(ClipsInTheStep.training_step)
+
+
+@pytest.mark.parametrize("kind", [ClipsInTheStep, ClipsBehindADecorator], ids=["plain", "decorated"])
+def test_an_override_whose_code_names_the_gradients_is_warned_of_as_it_runs_through_accumulate(
+    tmp_path: Path, kind: type[Any]
+) -> None:
+    # A hook on a parameter sends every step through accumulate, where the clip after the backward sees none;
+    # behind a decorator, its code was the decorator's (probe 73I).
+    trainer = make_trainer(tmp_path, kind)
     trainer.model.lm_head.weight.register_hook(lambda gradient: gradient)
     trainer = adapt(trainer)
     with pytest.warns(UserWarning, match=r"runs through accumulate .* sees no gradient") as warned:

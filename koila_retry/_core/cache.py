@@ -75,9 +75,11 @@ def function_identity(function: object) -> tuple[str, int, str]:
 def class_identity(kind: type, name: str) -> tuple[str, int, str]:
     """Return the identity of ``name``, a step of class ``kind``: by the module that defines it, or a script's file."""
     where = kind.__module__
-    if where == "__main__":  # every script's name: its file tells one from another
-        path = getattr(sys.modules.get("__main__"), "__file__", None)
-        where = os.path.abspath(path) if isinstance(path, str) else where
+    # Every script's name, and its name again in a process that multiprocessing's spawn started (a rank of
+    # ddp_spawn's): its file tells one from another.
+    if where in ("__main__", "__mp_main__"):
+        path = getattr(sys.modules.get(where), "__file__", None)
+        where = os.path.abspath(path) if isinstance(path, str) else "__main__"
     return (where, 0, name)
 
 

@@ -60,8 +60,8 @@ class Logs:
         self.open = False  # whether it takes any keyword (**kwargs)
         self.saved: Any = ABSENT  # a log of the module object's own, while the step runs
         # Whether the step's values are sums over its rows (OOMRecovery(reduction="sum")): a mean logged
-        # of them (the loss) adds up over the micro-batches, as accumulate adds up such a step's numbers,
-        # but for one the same in every micro-batch (a learning rate).
+        # of them (the loss) adds up over the micro-batches, as accumulate adds up such a step's numbers.
+        # Not told from a value of the step's own by being the same in each: so is a count at equal sizes.
         self.summed = False
 
     def attach(self, module: pl.LightningModule) -> None:
@@ -159,25 +159,12 @@ class Logs:
             options = dict(entries[-1][1][2])
             counts = [n for n, _ in entries]
             sizes = [call[2].get("batch_size") for _, call in entries]
-            values = [call[1] for _, call in entries]
             reduce_fx = options.get("reduce_fx", "mean")
-            if self.summed and _reduction(reduce_fx) == "mean" and _constant(values):
-                value = values[-1]  # not a sum over rows: the step's own (a learning rate), the same in each
-            else:
-                summed = self.summed and _reduction(reduce_fx) == "mean"
-                value = combined(values, weights(sizes, counts), "sum" if summed else reduce_fx)
+            if self.summed and _reduction(reduce_fx) == "mean":
+                reduce_fx = "sum"
+            value = combined([call[1] for _, call in entries], weights(sizes, counts), reduce_fx)
             options["batch_size"] = batch_size(sizes, counts)
             self.log(name, value, **options)
-
-
-def _constant(values: list[Any]) -> bool:
-    """Return whether floating-point ``values`` are all the same: a count (an int) adds up whatever it is."""
-    first = values[0]
-    if isinstance(first, float):
-        return all(type(value) is float and value == first for value in values)
-    if isinstance(first, torch.Tensor) and first.is_floating_point():
-        return all(isinstance(value, torch.Tensor) and torch.equal(value, first) for value in values)
-    return False
 
 
 def _counted(sizes: list[Any], rows: list[int]) -> list[Any] | None:

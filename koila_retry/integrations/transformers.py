@@ -346,7 +346,7 @@ class _Training(_Bound):
         self.checked = not overridden
         self.edits = False  # whether an override was seen to change .grad after its backward
         # Whether its code names the gradients (p.grad, clip_grad_norm_): warned of once through accumulate.
-        code = getattr(type(trainer).training_step, "__code__", None)
+        code = getattr(inspect.unwrap(type(trainer).training_step), "__code__", None)
         self.reads = overridden and code is not None and bool(_names(code) & _GRADIENTS)
         # Whether the graph of a step run as the trainer runs it reaches leaves besides the parameters:
         # None until the first such step's walk says (see _whole).
