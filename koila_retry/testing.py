@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 from collections.abc import Container, Iterable
 from types import TracebackType
@@ -371,7 +372,8 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
 
     Raises:
         TypeError: if ``calls`` is a bool, neither an int nor an iterable, or an
-            endless iterator of ``itertools`` (``count``, ``cycle``, ``repeat``).
+            iterator of ``itertools`` that may never end (``count``, ``cycle``,
+            ``repeat`` without a count).
         ValueError: if a count or call number is below the allowed range, or
             ``kind`` is unknown.
     """
@@ -390,10 +392,14 @@ def oom_for(calls: int | Iterable[int], *, kind: str = "cuda") -> OOMInjector:
         if lowest < 1:
             raise ValueError(f"call numbers are ints counting from 1, got {calls!r}, which holds {lowest}")
         return OOMInjector(on_calls=calls, kind=kind)
-    if isinstance(calls, (itertools.count, itertools.cycle, itertools.repeat)):
+    # A repeat with a count says its length; a cycle is endless but for one over nothing.
+    endless = isinstance(calls, (itertools.count, itertools.cycle)) or (
+        isinstance(calls, itertools.repeat) and operator.length_hint(calls, -1) < 0
+    )
+    if endless:
         raise TypeError(
-            f"calls must be a finite iterable of call numbers, got the endless {calls!r}: give a range instead, "
-            "as range(1, 10**9, 2) for every other call"
+            f"calls must be a finite iterable of call numbers, got {calls!r}, which may never end: give a range "
+            "instead, as range(1, 10**9, 2) for every other call, or a list"
         )
     else:
         given = list(cast(Iterable[Any], calls))

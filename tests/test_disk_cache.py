@@ -779,13 +779,60 @@ def test_a_lock_another_process_holds_for_long_is_warned_about_not_waited_on(
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "held"
         cache = koila.DiskCache(path)
-        with pytest.warns(koila.CacheFileWarning, match="another process has held the lock for over 0.2 s"):
+        with pytest.warns(koila.CacheFileWarning, match="another process has held its lock for over 0.2 s"):
             result = _without_waiting_on(_reducing(cache), child)
         assert result == 16
         assert not path.exists()
-        assert cache.cache_info().currsize == 1  # kept in memory from now on
+        assert cache.cache_info().currsize == 1  # kept in memory
     finally:
         child.communicate("")
+    cache["later"] = 8  # the lock is free: written again, where a timeout turned writing off for good (probe 73J)
+    assert _content(path)["sizes"] == {"later": 8}
+
+
+@pytest.mark.skipif(disk.fcntl is None, reason="no lock file without fcntl")
+def test_a_lock_that_changes_hands_is_waited_for_while_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wait was counted from the first try: with many writers in turn, each holding it for milliseconds,
+    # the last in line gave up, said that one had held it for long, and wrote no more (probe 73J). Here the
+    # file changes at every look, as writers finish, for longer than the wait, and then the lock is let go.
+    monkeypatch.setattr(disk, "LOCK_WAIT", 0.05)
+    path = tmp_path / "sizes.json"
+    holder = (
+        "import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
+        "fcntl.flock(descriptor, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", holder, f"{path}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    looks: list[str] = []
+
+    def changing(target: str) -> tuple[int, int]:
+        looks.append(target)
+        if len(looks) == 40:  # some 1.5 s of waiting: thirty times the wait
+            assert child.stdin is not None
+            child.stdin.close()
+        return (0, len(looks))
+
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "held"
+        cache = koila.DiskCache(path)
+        monkeypatch.setattr(disk, "_version_of", changing)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache["step"] = 16
+    finally:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        if not child.stdin.closed:
+            child.stdin.close()
+        child.wait()
+        child.stdout.close()
+    assert not [warning for warning in caught if issubclass(warning.category, koila.CacheFileWarning)]
+    assert len(looks) >= 40
+    assert _content(path)["sizes"] == {"step": 16}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX permissions")

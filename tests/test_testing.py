@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dis
+import gc
 import itertools
 import re
 import subprocess
@@ -11,6 +13,7 @@ import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -752,8 +755,15 @@ def test_oom_for_a_range_is_kept_as_it_is_and_an_endless_iterator_is_refused() -
         oom_for(range(5))
     with pytest.raises(ValueError, match=r"which holds -4"):
         oom_for(range(10**12, -5, -1))
-    with pytest.raises(TypeError, match=r"the endless count\(1, 2\): give a range instead"):
+    with pytest.raises(TypeError, match=r"got count\(1, 2\), which may never end: give a range instead"):
         oom_for(itertools.count(1, 2))
+    with pytest.raises(TypeError, match="which may never end"):
+        oom_for(itertools.repeat(3))
+    counted = oom_for(itertools.repeat(3, 2))  # a repeat with a count ends: refused too (probe 73J)
+    counted()
+    counted()
+    with pytest.raises(torch.OutOfMemoryError):
+        counted()
 
 
 @pytest.mark.parametrize(("calls", "shown"), [(-1, "-1"), ([0], "[0]"), ([-1], "[-1]"), ([3, 0, 5], "[0]")])
@@ -938,6 +948,53 @@ def test_a_tracked_storage_the_collector_frees_while_the_device_counts_is_forgot
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.strip()) == (0, "0"), done.stderr
+
+
+class _Cyclic:
+    """Garbage only a collection frees: an object in a reference cycle, holding a tensor."""
+
+    tensor: torch.Tensor
+    me: _Cyclic
+
+
+def test_a_collection_after_any_call_while_the_device_counts_a_growth_loses_no_bytes() -> None:
+    # Python 3.12 may collect at the check after each call: one between reading and writing the live count ran
+    # forget() inside it, re-entrant since the lock is, and the write undid it, for good (probe 73J). Here the
+    # collection is made to run there, after each call in turn.
+    code = tracking.LiveStorageTracker.count_growth.__code__
+    instructions = list(dis.get_instructions(code))
+    after_calls = [ins.offset for before, ins in itertools.pairwise(instructions) if before.opname == "CALL"]
+    reached = 0
+    for offset in after_calls:
+        fired: list[bool] = []
+
+        def local(frame: Any, event: str, arg: Any, offset: int = offset, fired: list[bool] = fired) -> Any:
+            if event == "opcode" and frame.f_lasti == offset and not fired:
+                fired.append(True)
+                gc.collect()
+            return local
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code is code:
+                frame.f_trace_opcodes = True
+                return local
+            return None
+
+        with simulated_device("1MiB") as device:
+            out = torch.zeros(0)  # no warning that it is resized: it has no elements
+            garbage = _Cyclic()
+            garbage.me, garbage.tensor = garbage, torch.ones(1000)
+            del garbage
+            gc.disable()
+            sys.settrace(tracer)
+            try:
+                torch.add(torch.ones(100), 1, out=out)  # grows a storage it counts: count_growth
+            finally:
+                sys.settrace(None)
+                gc.enable()
+            reached += bool(fired)  # not every call is on this growth's path
+            assert device.live == sum(storage.nbytes() for storage in device.live_storages()), offset
+    assert reached >= 2
 
 
 def test_an_emptied_storage_stays_empty_after_a_growth_it_could_not_fit_is_refused() -> None:

@@ -139,8 +139,12 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         with self._lock:
             if key in self._sizes:
-                self.live += storage.nbytes() - self._sizes[key]
-                self._sizes[key] = storage.nbytes()
+                # Worked out before live is read: a collection at a call in between (Python 3.12 checks at
+                # each) would run forget() here, re-entrant, and a write of what was read would undo it.
+                size = storage.nbytes()
+                grown = size - self._sizes[key]
+                self.live += grown
+                self._sizes[key] = size
                 self._rose(self.live)
 
     def _fresh_storages(self, out: Any, inputs: Any) -> list[torch.UntypedStorage]:
@@ -160,13 +164,15 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def forget(_: object) -> None:
             with self._lock:
                 if self._storages.pop(key, None) is not None:
-                    self.live -= self._sizes.pop(key, 0)
+                    size = self._sizes.pop(key, 0)  # before live is read, as in count_growth
+                    self.live -= size
 
         reference = weakref.ref(storage, forget)  # an allocation, where the collector may run: not under the lock
         with self._lock:
             self._storages[key] = reference
-            self._sizes[key] = storage.nbytes()
-            self.live += self._sizes[key]
+            size = storage.nbytes()
+            self._sizes[key] = size
+            self.live += size
             self._rose(self.live)
 
     def resizing(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
@@ -199,7 +205,8 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         with self._lock:
             if key in self._sizes:
-                self.live += after - self._sizes[key]
+                grown = after - self._sizes[key]
+                self.live += grown
                 self._sizes[key] = after
                 self._rose(self.live)
 

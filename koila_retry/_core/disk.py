@@ -74,7 +74,7 @@ class DiskCache(SizeCache):
     The file is read when the cache is made and rewritten whenever a new size
     is stored: merged with what other processes wrote meanwhile (under a lock
     file, ``<path>.lock``, where the platform has ``fcntl``, waited for at most
-    10 seconds), written to a
+    10 seconds where the file does not change meanwhile), written to a
     temporary file beside it and renamed over it, so readers never see half a
     file. A symbolic link is followed: its target is the file read and
     replaced (keeping its permissions), with the lock file beside it. Only a
@@ -110,6 +110,7 @@ class DiskCache(SizeCache):
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._writable = True
         self._dropped_warned = False
+        self._held_warned = False  # of a lock another process held for long
         self._made = False  # see _warn
         stored = self._read(self.path)
         if stored is not None:
@@ -258,6 +259,13 @@ class DiskCache(SizeCache):
     def _write(self, change: Callable[[_Entries], object]) -> None:
         try:
             _replace(self.path, self._maxsize, change, self._read)
+        except _Held as exc:  # for now: a later store tries again (the holder may be resumed)
+            if not self._held_warned:
+                self._held_warned = True
+                self._warn(
+                    f"koila_retry: cannot write the size cache file {self.path} now ({exc}); this size is kept in "
+                    "memory, and later ones are written again once the lock is free. This warning is shown once."
+                )
         except OSError as exc:
             self._cannot_write(exc)
 
@@ -290,7 +298,7 @@ def _replace(
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
-    with _locked(target + ".lock") as created:
+    with _locked(target + ".lock", target) as created:
         _sweep(target)
         stored = read(target)  # other processes may have stored sizes since we last looked
         if stored is None:
@@ -425,8 +433,8 @@ def _remove(temporary: IO[str]) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[int | None]:
-    """Hold the lock file at ``path``; yield the mode a new file gets here (None where nothing locks)."""
+def _locked(path: str, target: str) -> Iterator[int | None]:
+    """Hold the lock file at ``path`` for ``target``; yield the mode a new file gets here (None where nothing locks)."""
     if fcntl is None:
         yield None
         return
@@ -436,27 +444,43 @@ def _locked(path: str) -> Iterator[int | None]:
         found = os.fstat(descriptor)
         if not stat.S_ISREG(found.st_mode):
             raise OSError(errno.EINVAL, "the lock file is not a regular file", path)
-        _lock(descriptor, path)
+        _lock(descriptor, path, target)
         try:
             yield stat.S_IMODE(found.st_mode) & 0o666
         finally:
             fcntl.flock(descriptor, fcntl.LOCK_UN)
 
 
-def _lock(descriptor: int, path: str) -> None:
-    """Take the lock on ``descriptor``, or raise ``OSError`` once another has held it for :data:`LOCK_WAIT` seconds."""
-    deadline, pause = time.monotonic() + LOCK_WAIT, 0.001
+class _Held(TimeoutError):
+    """The lock on the cache file was held by another process for longer than :data:`LOCK_WAIT` seconds."""
+
+
+def _lock(descriptor: int, path: str, target: str) -> None:
+    """Take the lock on ``descriptor``, or raise :class:`_Held` once one holder has kept it :data:`LOCK_WAIT` s."""
+    # The wait starts again whenever the file changes: other writers are done in turn, however many queue.
+    deadline, pause, seen = time.monotonic() + LOCK_WAIT, 0.001, _version_of(target)
     while True:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise OSError(
-                    errno.ETIMEDOUT, f"another process has held the lock for over {LOCK_WAIT:g} s", path
+            now, version = time.monotonic(), _version_of(target)
+            if version != seen:
+                deadline, seen = now + LOCK_WAIT, version
+            elif now >= deadline:
+                raise _Held(
+                    errno.ETIMEDOUT, f"another process has held its lock for over {LOCK_WAIT:g} s", path
                 ) from None
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+
+def _version_of(path: str) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (found.st_ino, found.st_mtime_ns)
 
 
 def _sweep(target: str) -> None:
