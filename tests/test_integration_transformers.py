@@ -1272,7 +1272,23 @@ class ClipsBehindADecorator(ClipsInTheStep):
     training_step = _logged(ClipsInTheStep.training_step)
 
 
-@pytest.mark.parametrize("kind", [ClipsInTheStep, ClipsBehindADecorator], ids=["plain", "decorated"])
+def _clipped(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(step)
+    def clipped(self: Any, model: Any, *args: Any) -> Any:
+        loss = step(self, model, *args)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        return loss
+
+    return clipped
+
+
+class ClipsInItsDecorator(transformers.Trainer):  # type: ignore[misc]
+    training_step = _clipped(transformers.Trainer.training_step)
+
+
+@pytest.mark.parametrize(
+    "kind", [ClipsInTheStep, ClipsBehindADecorator, ClipsInItsDecorator], ids=["plain", "decorated", "decorator"]
+)
 def test_an_override_whose_code_names_the_gradients_is_warned_of_as_it_runs_through_accumulate(
     tmp_path: Path, kind: type[Any]
 ) -> None:

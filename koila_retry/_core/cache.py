@@ -79,7 +79,7 @@ def class_identity(kind: type, name: str) -> tuple[str, int, str]:
     # ddp_spawn's): its file tells one from another.
     if where in ("__main__", "__mp_main__"):
         path = getattr(sys.modules.get(where), "__file__", None)
-        where = os.path.abspath(path) if isinstance(path, str) else "__main__"
+        where = os.path.realpath(path) if isinstance(path, str) else "__main__"  # not "//tmp/..." run from /
     return (where, 0, name)
 
 

@@ -111,6 +111,7 @@ class DiskCache(SizeCache):
         self._writable = True
         self._dropped_warned = False
         self._held_warned = False  # of a lock another process held for long
+        self._pending: list[Callable[[_Entries], object]] = []  # the changes such a lock kept from the file
         self._made = False  # see _warn
         stored = self._read(self.path)
         if stored is not None:
@@ -257,17 +258,27 @@ class DiskCache(SizeCache):
                 self._cannot_write(exc)
 
     def _write(self, change: Callable[[_Entries], object]) -> None:
+        pending = [*self._pending, change]
+
+        def changes(entries: _Entries) -> None:
+            for each in pending:
+                each(entries)
+
         try:
-            _replace(self.path, self._maxsize, change, self._read)
-        except _Held as exc:  # for now: a later store tries again (the holder may be resumed)
+            _replace(self.path, self._maxsize, changes, self._read)
+        except _Held as exc:  # for now: the next write that gets the lock makes this change too
+            self._pending = pending
             if not self._held_warned:
                 self._held_warned = True
                 self._warn(
-                    f"koila_retry: cannot write the size cache file {self.path} now ({exc}); this size is kept in "
-                    "memory, and later ones are written again once the lock is free. This warning is shown once."
+                    f"koila_retry: cannot write the size cache file {self.path} now ({exc}); the change is kept "
+                    "in memory, and made in the file with the next one once the lock is free. This warning is "
+                    "shown once."
                 )
         except OSError as exc:
             self._cannot_write(exc)
+        else:
+            self._pending = []
 
     def _cannot_write(self, exc: Exception) -> None:
         self._writable = False
@@ -282,11 +293,11 @@ class DiskCache(SizeCache):
     def __reduce__(self) -> tuple[Any, ...]:
         # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
         # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
-        return (_reopened, (self.path, self.cache_info().maxsize, self.key_function))
+        return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
 
 
-def _reopened(path: str, maxsize: int, key: KeyFunction) -> DiskCache:
-    return DiskCache(path, maxsize, key=key)
+def _reopened(kind: type[DiskCache], path: str, maxsize: int, key: KeyFunction) -> DiskCache:
+    return kind(path, maxsize, key=key)  # a subclass's own key() kept: made again as DiskCache is made
 
 
 def _replace(

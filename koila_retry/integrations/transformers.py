@@ -275,6 +275,19 @@ def _fsdp_version(trainer: Any) -> int | None:
     return int(getattr(plugin, "fsdp_version", 1))  # accelerate before 1.6 knew FSDP1 only
 
 
+def _codes(function: Any) -> list[Any]:
+    """The code of ``function`` and of each function it wraps (``__wrapped__``, as functools.wraps sets it)."""
+    codes = []
+    for _ in range(100):
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        function = getattr(function, "__wrapped__", None)
+        if function is None:
+            break
+    return codes
+
+
 def _names(code: Any) -> set[str]:
     """The global and attribute names a function's code uses, its nested functions' included."""
     names = set(code.co_names)
@@ -346,8 +359,8 @@ class _Training(_Bound):
         self.checked = not overridden
         self.edits = False  # whether an override was seen to change .grad after its backward
         # Whether its code names the gradients (p.grad, clip_grad_norm_): warned of once through accumulate.
-        code = getattr(inspect.unwrap(type(trainer).training_step), "__code__", None)
-        self.reads = overridden and code is not None and bool(_names(code) & _GRADIENTS)
+        # Every layer's: a decorator's wrapper may clip after the step it wraps.
+        self.reads = overridden and any(_names(code) & _GRADIENTS for code in _codes(type(trainer).training_step))
         # Whether the graph of a step run as the trainer runs it reaches leaves besides the parameters:
         # None until the first such step's walk says (see _whole).
         self.walks: bool | None = None
