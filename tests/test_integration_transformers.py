@@ -1211,9 +1211,9 @@ def test_an_override_that_changes_the_gradients_after_its_backward_trains_as_the
     # saw .grad None, and the frozen rows trained; later, each step's backward ran with the window's gradients
     # set aside, so a clip saw the step's alone (probe 73B).
     options = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4, "max_grad_norm": 0.0}
-    plain = make_trainer(tmp_path, kind, model=float64_gpt2(), compute_loss_func=float64_loss_func, **options)
+    plain = make_trainer(tmp_path, kind, model=float64_gpt2(), **options)
     plain.train()
-    trainer = adapt(make_trainer(tmp_path, kind, model=float64_gpt2(), compute_loss_func=float64_loss_func, **options))
+    trainer = adapt(make_trainer(tmp_path, kind, model=float64_gpt2(), **options))
     with pytest.warns(UserWarning, match=r"changes \.grad after self\.accelerator\.backward") as warned:
         trainer.train()
     assert len([w for w in warned if "changes .grad" in str(w.message)]) == 1
@@ -1232,7 +1232,7 @@ def test_an_override_that_changes_the_gradients_is_checked_whole_where_a_cache_k
     with simulated_device(TRAIN_LIMIT):
         other.train()
     assert koila.DiskCache(path).cache_info().currsize == 1
-    options = {"model": float64_gpt2(), "compute_loss_func": float64_loss_func, "max_grad_norm": 0.0}
+    options = {"model": float64_gpt2(), "max_grad_norm": 0.0}
     plain = make_trainer(tmp_path, FreezesRows, **options)
     before = plain.model.get_input_embeddings().weight.detach().clone()
     plain.train()
@@ -1250,7 +1250,7 @@ def test_an_override_that_changes_the_gradients_is_checked_whole_where_a_cache_k
 
 def test_an_override_seen_to_change_the_gradients_raises_when_a_step_runs_through_accumulate(tmp_path: Path) -> None:
     # Its code after the backward would run on no gradient there, silently.
-    options = {"compute_loss_func": float64_loss_func, "max_grad_norm": 0.0}
+    options = {"max_grad_norm": 0.0}
     trainer = adapt(make_trainer(tmp_path, FreezesRows, model=float64_gpt2({1: "forward"}), **options))
     with (
         pytest.warns(UserWarning, match=r"changes \.grad after"),
