@@ -761,6 +761,19 @@ def test_a_fifo_at_the_lock_path_is_warned_about_not_waited_on(tmp_path: Path) -
     assert not path.exists()
 
 
+def _holding(lock: str) -> subprocess.Popen[str]:
+    """Start a process that takes the lock file ``lock`` and holds it until its input ends."""
+    code = (
+        "import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
+        "fcntl.flock(descriptor, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+    )
+    pipe = subprocess.PIPE
+    child = subprocess.Popen([sys.executable, "-c", code, lock], stdin=pipe, stdout=pipe, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
 def _without_waiting_on(work: Callable[[], T], holder: subprocess.Popen[str]) -> T:
     """Return ``work()``, run in a thread; fail if it waits for the lock that ``holder`` holds instead."""
     results: list[T] = []
@@ -782,16 +795,8 @@ def test_a_lock_another_process_holds_for_long_is_warned_about_not_waited_on(
     # job's next size store for good, just after a call that succeeded (probe 73F).
     monkeypatch.setattr(disk, "LOCK_WAIT", 0.2)
     path = tmp_path / "sizes.json"
-    holder = (
-        "import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
-        "fcntl.flock(descriptor, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", holder, f"{path}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    child = _holding(f"{path}.lock")
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "held"
         cache = koila.DiskCache(path)
         with pytest.warns(koila.CacheFileWarning, match="another process has held its lock for over 0.2 s"):
             result = _without_waiting_on(_reducing(cache), child)
@@ -816,13 +821,7 @@ def test_a_lock_that_changes_hands_is_waited_for_while_the_file_changes(
     # file changes at every look, as writers finish, for longer than the wait, and then the lock is let go.
     monkeypatch.setattr(disk, "LOCK_WAIT", 0.05)
     path = tmp_path / "sizes.json"
-    holder = (
-        "import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT); "
-        "fcntl.flock(descriptor, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", holder, f"{path}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    child = _holding(f"{path}.lock")
     looks: list[str] = []
 
     def changing(target: str) -> tuple[int, int]:
@@ -833,8 +832,6 @@ def test_a_lock_that_changes_hands_is_waited_for_while_the_file_changes(
         return (0, len(looks))
 
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "held"
         cache = koila.DiskCache(path)
         monkeypatch.setattr(disk, "_version_of", changing)
         with warnings.catch_warnings(record=True) as caught:
