@@ -247,6 +247,22 @@ def test_an_async_call_does_not_reuse_an_iterator() -> None:
         asyncio.run(total(iter(range(10))))
 
 
+def test_an_iterator_a_decorated_partial_binds_is_not_reused() -> None:
+    def total(batch_size: int, numbers: Iterator[int]) -> int:
+        return consume(numbers, batch_size, limit=4)
+
+    by_keyword = koila.batch(initial=8, cache=koila.NoCache())(functools.partial(total, numbers=iter(range(10))))
+    with pytest.raises(TypeError, match=r"keyword argument 'numbers' of the partial \(range_iterator\)"):
+        by_keyword()  # the retry would add up 4..9: 39
+    by_position = koila.batch(initial=8, cache=koila.NoCache(), param="batch_size")(
+        functools.partial(lambda numbers, batch_size: total(batch_size, numbers), iter(range(10)))
+    )
+    with pytest.raises(TypeError, match=r"argument 0 of the partial \(range_iterator\)"):
+        by_position()
+    listed = koila.batch(initial=8, cache=koila.NoCache())(functools.partial(total, numbers=list(range(10))))
+    assert listed() == 45
+
+
 def test_a_method_does_not_reuse_an_iterator() -> None:
     class Summer:
         @koila.batch(initial=8, cache=koila.NoCache())
@@ -759,3 +775,38 @@ def test_a_decorated_range_function_says_it_takes_the_range_by_position_and_retu
             signature.bind(begin=0, end=10)
         with pytest.raises(TypeError, match="by position only"):
             wrapped(begin=0, end=10)
+
+
+class _Doubler:
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows * 2
+
+
+class _TopK:
+    def __call__(self, batch_size: int, k: int = 5) -> tuple[int, int]:
+        return batch_size, k
+
+
+def _scored(batch_size: int, k: int = 5) -> tuple[int, int]:
+    return batch_size, k
+
+
+class _Ranker:
+    # Python binds neither a callable object nor (before 3.14) a partial held by a class: nor do their wrappers.
+    plain = _TopK()
+    score = koila.batch(initial=8, cache=koila.NoCache())(_TopK())
+    partial = koila.batch(initial=8, cache=koila.NoCache())(functools.partial(_scored))
+    doubled = koila.chunked(initial=2, cache=koila.NoCache())(_Doubler())
+
+
+def test_a_callable_object_or_partial_held_by_a_class_is_not_bound_as_a_method() -> None:
+    ranker = _Ranker()
+    assert ranker.plain(8) == (8, 5)  # what Python does
+    assert ranker.score() == (8, 5)
+    assert ranker.score(3) == (8, 3)  # passed on, not taken for the size
+    assert ranker.score(k=3) == (8, 3)
+    if not hasattr(functools.partial, "__get__"):
+        assert ranker.partial(3) == (8, 3)
+    assert _Ranker.score(3) == (8, 3)
+    assert ranker.score.stats.calls == 4
+    assert torch.equal(ranker.doubled(torch.arange(5.0)), torch.arange(5.0) * 2)

@@ -329,3 +329,51 @@ def test_the_files_a_deep_key_has_met_are_bounded(monkeypatch: pytest.MonkeyPatc
         code = compile("key(None, sys._getframe(), CPU)", f"<generated-{number}>", "eval")
         eval(code, {"key": key, "sys": sys, "CPU": CPU})
     assert len(keys._OURS) <= 9 + 3
+
+
+_SEEN: list[Hashable] = []
+
+
+def _recording(function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None) -> Hashable:
+    key = _KEY[0](function, caller, device, sample)
+    _SEEN.append(key)
+    return key
+
+
+_KEY: list[koila.KeyFunction] = [koila.stack_key]
+
+
+class _Scorer(torch.nn.Module):
+    @koila.batch(initial=8, cache=koila.StackMemoryCache(key=_recording))
+    def forward(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        return x * batch_size
+
+
+@torch.no_grad()
+@koila.batch(initial=8, cache=koila.StackMemoryCache(key=_recording))
+def _scored(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+    return x * batch_size
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_decorated_forward_or_one_under_no_grad_is_keyed_by_the_line_that_called_it(depth: int) -> None:
+    # Not by torch's Module.__call__ or no_grad's wrapper, which every call passes through.
+    scorer, x = _Scorer(), torch.ones(2)
+    hooked = _Scorer()
+    hooked.register_forward_hook(lambda module, args, out: None)  # Module.__call__ then runs it in a closure
+    _KEY[0] = koila.deep_stack_key(depth)
+    _SEEN.clear()
+    try:
+        for _ in range(2):  # each line twice
+            scorer(x)
+            scorer(x)
+            hooked(x)
+            _scored(x)
+            _scored(x)
+    finally:
+        _KEY[0] = koila.stack_key
+    code = test_a_decorated_forward_or_one_under_no_grad_is_keyed_by_the_line_that_called_it.__code__
+    first = [key[3:6] for key in _SEEN[:5]]
+    assert [key[3:6] for key in _SEEN[5:]] == first
+    assert all(where[:2] == (code.co_filename, code.co_name) for where in first)
+    assert len(set(first)) == 5  # a key for each line

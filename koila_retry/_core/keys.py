@@ -55,6 +55,8 @@ def stack_key(function: object, caller: FrameType | None, device: torch.device, 
 
     .. versionadded:: 0.1.0
     """
+    if caller is not None and caller.f_code.co_filename in _PASSING:
+        caller = _past_torch(caller)
     if caller is not None and sample is None:  # every cached call of a loop: one tuple, nothing else
         # File, function name and bytecode offset: the strings cache their hashes (hashing a
         # code object rehashes its bytecode on every call), and the offset is read directly
@@ -95,6 +97,27 @@ def deep_stack_key(depth: int) -> KeyFunction:
     return stack_key if frames == 1 else _stack_key_of(min(frames, sys.maxsize))
 
 
+# The files of torch's frames between a call site and a decorated function: a decorated forward's
+# Module.__call__, and the context decorators (@torch.no_grad() above the decorated function). Every
+# call would have one of their lines for its call site.
+_PASSING = frozenset(
+    path
+    for path in (
+        getattr(sys.modules.get(name), "__file__", None)
+        for name in ("torch.nn.modules.module", "torch.utils._contextlib")
+    )
+    if isinstance(path, str)
+)
+
+
+def _past_torch(frame: FrameType) -> FrameType:
+    """Return the first frame from ``frame`` outwards that is not one of :data:`_PASSING`'s (``frame`` if none)."""
+    found: FrameType | None = frame
+    while found is not None and found.f_code.co_filename in _PASSING:
+        found = found.f_back
+    return frame if found is None else found
+
+
 # Whether each file met in a stack is this library's: a dict read per frame costs less than a cached call.
 _OURS: dict[str, bool] = {}
 _KNOWN = 4096
@@ -119,7 +142,7 @@ def _stack_key_of(depth: int) -> KeyFunction:
             if ours is None:
                 if len(known) > _KNOWN:  # generated code (FX, notebook cells) names files without end
                     known.clear()
-                ours = known[filename] = is_ours(filename)
+                ours = known[filename] = is_ours(filename) or filename in _PASSING
             if not ours:
                 parts += (filename, code.co_name, frame.f_lasti)
                 left -= 1

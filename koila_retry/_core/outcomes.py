@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import gc
 import io
 import itertools
@@ -297,6 +298,10 @@ def _iterator_among(roots: tuple[object, ...]) -> str | None:
             entries.extend((value, -1, f"argument {index}") for index, value in enumerate(root))
         elif isinstance(root, dict):
             entries.extend((value, -1, f"keyword argument {name!r}") for name, value in root.items())
+        elif isinstance(root, functools.partial):  # what it binds is the function's argument all the same
+            entries.extend((value, -1, f"argument {index} of the partial") for index, value in enumerate(root.args))
+            words = root.keywords.items()
+            entries.extend((value, -1, f"keyword argument {name!r} of the partial") for name, value in words)
     seen: set[int] = set()
     position = 0
     while position < len(entries):

@@ -61,7 +61,8 @@ class Batched(Protocol[P, R_co]):
     """A function wrapped by :func:`batch`: call it without the batch size.
 
     Besides being callable, it has ``stats`` (a :class:`Stats`), and
-    ``cache_info()`` and ``cache_clear()`` for its cache.
+    ``cache_info()`` and ``cache_clear()`` for its cache. It is a protocol for
+    annotations, which ``isinstance`` does not take: test for ``stats``.
 
     Type checkers see the wrapped function's parameters (without the batch size,
     for :func:`batch`; any, with ``param=``) and its result. A wrapped method,
@@ -297,6 +298,9 @@ def unwrap_binding(fn: Any) -> tuple[Any, str]:
         return fn.__func__, _STATICMETHOD
     if isinstance(fn, classmethod):
         return fn.__func__, _CLASSMETHOD
+    if not hasattr(type(fn), "__get__"):
+        # Held by a class, Python binds no callable object, partial (before 3.14) or bound method.
+        return fn, _STATICMETHOD
     return fn, _METHOD
 
 
@@ -656,6 +660,8 @@ def attempts(*, initial: int = DEFAULT_INITIAL, **options: Unpack[Options]) -> A
     loop; running out of sizes raises :class:`BatchSizeExhausted`; any other
     error propagates unchanged. Locals the block assigned before failing are
     still bound in your frame: rebind or delete them if they hold large tensors.
+    Statements of the loop's body after the block run after every attempt, the
+    failed ones included: put all of an attempt's work inside ``with attempt:``.
 
     Each turn of the loop enters ``with attempt:`` once: entering it again,
     inside the block or after it, raises ``RuntimeError``, and so does entering
