@@ -98,3 +98,26 @@ def test_a_dataclass_returned_whole_is_refused_by_its_type_without_its_tensors()
         koila.accumulate(step, initial=16, cache=koila.NoCache())(features)
     assert "tensor(" not in str(raised.value)
     assert model.weight.grad is None
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.bfloat16, 1.0), (torch.float16, 300.0)])
+def test_a_weighted_tensor_is_combined_in_float32_under_autocast(dtype: torch.dtype, scale: float) -> None:
+    # Weighted by a matrix product, which autocast ran in its lower precision: bf16 values in a float32
+    # result, and inf above float16's 65504.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    x, y = torch.randn(40, 6) * scale, torch.randn(40, 3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_column = ((model(x).float() - y) ** 2).mean(0)  # a mean over the rows: weighted like the loss
+        return per_column.sum(), per_column
+
+    with torch.autocast("cpu", dtype=dtype):
+        loss, per_column = koila.accumulate(step, initial=16, cache=koila.NoCache())(x, y)
+        with torch.no_grad():
+            parts = [step(x[begin : begin + 16], y[begin : begin + 16])[1] for begin in (0, 16, 32)]
+    expected = (parts[0] * 16 + parts[1] * 16 + parts[2] * 8) / 40
+    assert per_column.dtype == torch.float32
+    assert torch.isfinite(per_column).all()
+    torch.testing.assert_close(per_column, expected, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(loss, expected.sum(), rtol=1e-6, atol=0.0)

@@ -392,9 +392,13 @@ class Results:
                 # Each weight rounded once, from its float to the dtype summed in, as a float64
                 # tensor converted would hold it, in one call.
                 weights = torch.tensor([weight for _, weight in column], dtype=exact, device=values.device)
-                # One number per micro-batch (a loss), the usual case: a dot, where tensordot reshapes first.
+                # One number per micro-batch (a loss), the usual case: a dot. Others multiplied and summed:
+                # a matrix product (tensordot) would run in bf16 under autocast, and overflow in float16.
                 summed = values.to(exact)
-                total = torch.dot(weights, summed) if summed.dim() == 1 else torch.tensordot(weights, summed, dims=1)
+                if summed.dim() == 1:
+                    total = torch.dot(weights, summed)
+                else:
+                    total = (summed * weights.view(-1, *(1,) * (summed.dim() - 1))).sum(0)
                 combined.append(total.to(dtype))
             else:
                 combined.append(sum(value if weight == 1.0 else value * weight for value, weight in column))
