@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import io
 import logging
@@ -20,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten
 
 import koila_retry as koila
@@ -2468,6 +2470,41 @@ def test_a_keyword_that_is_neither_an_option_nor_fn_s_is_refused_before_anything
     # What fn takes by keyword it is given, split like the positional arguments.
     assert torch.equal(koila.chunked(encode, x, scale=3.0, initial=2), x * 3)
     assert koila.range(spans, 0, 3, tag="t", initial=2) == [(0, 2, "t"), (2, 3, "t")]
+
+
+def test_an_option_that_fn_takes_too_is_refused_in_the_call_form() -> None:
+    # F.normalize(x, dim=1) ran normalised 512 columns at a time: dim= was chunked's, silently.
+    x = torch.randn(4, 600)
+    with pytest.raises(
+        TypeError,
+        match=r"koila.chunked\(\) takes dim=1 as its own option, and normalize\(\) takes 'dim' too: .*"
+        r"functools.partial\(normalize, dim=1\), or give koila.chunked\(\)'s to the decorator form, "
+        r"koila.chunked\(dim=1\)\(normalize\)",
+    ):
+        koila.chunked(F.normalize, x, dim=1)
+    calls: list[int] = []
+
+    def load(begin: int, end: int, minimum: int = 0) -> tuple[int, int, int]:
+        calls.append(begin)
+        return begin, end, minimum
+
+    def written(rows: torch.Tensor, out: Any = None) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows
+
+    with pytest.raises(TypeError, match=r"koila.range\(\) takes minimum=2 as its own option, and load\(\)"):
+        koila.range(load, 0, 4, initial=2, minimum=2)
+    with pytest.raises(TypeError, match=r"takes minimum=2 as its own option, and load\(\)"):
+        koila.range(functools.partial(load, minimum=0), 0, 4, minimum=2)  # a partial's keyword can be given again
+    with pytest.raises(TypeError, match=r"takes out=\.\.\. as its own option, .* lambda rows: written\(rows\)$"):
+        koila.chunked(written, x, out=torch.empty(4, 600))
+    assert calls == []
+    # The decorator form, or a partial, says whose each one is; an option left at its default is nobody's.
+    by_rows = koila.chunked(dim=1, initial=512, cache=koila.NoCache())(F.normalize)(x)
+    assert not torch.allclose(by_rows, F.normalize(x, dim=1))  # chunked's dim, as asked
+    bound = koila.chunked(functools.partial(F.normalize, dim=1), x, initial=2, cache=koila.NoCache())
+    torch.testing.assert_close(bound, F.normalize(x, dim=1))
+    assert koila.range(load, 0, 4, initial=4) == [(0, 4, 0)]
 
 
 def test_a_keyword_fn_may_take_through_its_kwargs_or_unknown_signature_is_passed_on() -> None:

@@ -66,22 +66,58 @@ _OWN_OPTIONS = {"koila.chunked": ("initial", "dim", "progress", "out"), "koila.r
 _KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _arguments_of_fn(fn: object, options: dict[str, Any], front_end: str) -> dict[str, Any]:
-    """Take the keywords that are not options out of a call form's, as the function's own, and check fn takes them."""
-    if fn is None or options.keys() <= _OPTIONS:
+def _arguments_of_fn(fn: object, options: dict[str, Any], front_end: str, own: dict[str, Any]) -> dict[str, Any]:
+    """Take the keywords that are not options out of a call form's, as the function's own, and check fn takes them.
+
+    ``own`` holds the front end's own options given other than as their defaults.
+    """
+    if fn is None or not (options or own):
         return {}
     given = {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
     try:
         parameters = inspect.signature(cast(Callable[..., Any], fn)).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin such as torch.add): fn is the judge
         return given
+    takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
+    for name, value in [*own.items(), *options.items()]:
+        if name in takes:
+            _refuse_option(fn, name, value, front_end)
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
         return given
-    takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
     for name in given:
         if name not in takes:
             _refuse_keyword(fn, name, takes, front_end)
     return given
+
+
+def _changed(**own: Any) -> dict[str, Any]:
+    """Return those of a front end's own options given other than as their defaults."""
+    return {name: value for name, value in own.items() if value is not None and not _is_default(name, value)}
+
+
+def _is_default(name: str, value: object) -> bool:
+    default = _OWN_DEFAULTS[name]
+    return value is default or (type(value) is type(default) and value == default)
+
+
+_OWN_DEFAULTS: dict[str, object] = {"initial": DEFAULT_INITIAL, "dim": 0, "progress": False, "out": None}
+
+
+def _refuse_option(fn: object, name: str, value: object, front_end: str) -> NoReturn:
+    """Raise the error for an option that ``fn`` takes too: the call form would give it to the front end alone."""
+    # F.normalize(x, dim=1) is the user's meaning as often as chunked's: fn would be run without it.
+    function = _name(fn)
+    given = f"{name}={value!r}" if isinstance(value, (int, float, str)) else f"{name}=..."
+    ours = (
+        f"a function that does not take one, lambda rows: {function}(rows)"  # out= is per call: no decorator form
+        if name == "out"
+        else f"the decorator form, {front_end}({given})({function})(...)"
+    )
+    raise TypeError(
+        f"{front_end}() takes {given} as its own option, and {function}() takes {name!r} too: in the call form "
+        f"an option is {front_end}()'s alone, and {function}() would run without it. Bind {function}()'s with "
+        f"functools.partial({function}, {given}), or give {front_end}()'s to {ours}"
+    )
 
 
 def _refuse_keyword(fn: object, name: str, takes: list[str], front_end: str) -> NoReturn:
@@ -105,7 +141,9 @@ def _listed(names: list[str]) -> str:
 
 
 def _name(fn: object) -> str:
-    """Name a function as its errors do: its own name, or its type's."""
+    """Name a function as its errors do: its own name (a partial's function's), or its type's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
@@ -292,8 +330,9 @@ def chunked(
         TypeError: if ``fn`` is not callable or is an async or generator
             function, it returns something other than tensors (or ``None``), an
             argument is an iterator (which the first chunk would use up: pass a
-            list), a keyword argument is neither an option nor ``fn``'s, or an
-            option has the wrong type.
+            list), a keyword argument is neither an option nor ``fn``'s, an
+            option other than its default is one ``fn`` takes by keyword too
+            (in the call form), or an option has the wrong type.
         BatchSizeExhausted: if a chunk runs out of memory at ``minimum``; rows
             before it are finished (and written to ``out``, if given).
 
@@ -310,7 +349,9 @@ def chunked(
 
     .. versionadded:: 0.1.0
     """
-    given = _arguments_of_fn(fn, options, "koila.chunked")
+    called = args or not options.keys() <= _OPTIONS  # not koila.chunked(fn, **options), the decorator
+    own = _changed(initial=initial, dim=dim, progress=progress, out=out)
+    given = _arguments_of_fn(fn if called else None, options, "koila.chunked", own)
     chunks = _Pass("koila.chunked", initial, progress, cast(Options, options))
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
@@ -529,7 +570,8 @@ def range(
         TypeError: if ``fn`` is not callable or is an async or generator
             function, an argument is an iterator (which the first range would
             use up: pass a list), a keyword argument is neither an option nor
-            ``fn``'s, or ``start``, ``stop`` or an option has the wrong type.
+            ``fn``'s, an option other than its default is one ``fn`` takes by
+            keyword too, or ``start``, ``stop`` or an option has the wrong type.
         ValueError: if ``stop`` is below ``start``, or an option is out of range.
         BatchSizeExhausted: if a range runs out of memory at ``minimum``.
 
@@ -543,7 +585,8 @@ def range(
     """
     if fn is not None and stop is None and (start is not None or options.keys() & {"start", "stop"}):
         _range_by_position(start, options)
-    given = _arguments_of_fn(fn if start is not None or stop is not None else None, options, "koila.range")
+    own = _changed(initial=initial, progress=progress)
+    given = _arguments_of_fn(fn if start is not None or stop is not None else None, options, "koila.range", own)
     ranges = _Pass("koila.range", initial, progress, cast(Options, options))
     if fn is not None and (start is not None or stop is not None):
         controller = ranges.controller(fn, decorated=False)
