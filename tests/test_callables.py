@@ -556,8 +556,47 @@ def test_a_copy_shares_the_cache_it_was_given_and_makes_its_default_anew() -> No
     given, default = _Net("batch", True, cache=cache), _Net("batch", True)
     assert copy.deepcopy(given).run.cache_info.__self__ is given.run.cache_info.__self__ is cache
     assert copy.deepcopy(default).run.cache_info.__self__ is not default.run.cache_info.__self__
-    with pytest.raises(TypeError, match=r"cannot pickle a koila_retry wrapper made with cache=StackMemoryCache"):
-        torch.save(given, io.BytesIO())
+    cache["size"] = 16
+    loaded = _copied("torch.save", given)  # a cache pickles as one of its own, with the sizes it held
+    kept = loaded.run.cache_info.__self__
+    assert kept is not cache
+    assert type(kept) is koila.StackMemoryCache
+    assert dict(kept.items()) == {"size": 16}
+    kept["size"] = 8
+    assert cache.lookup("size") == 16
+    torch.testing.assert_close(loaded.run(torch.ones(3, 4)), given.run(torch.ones(3, 4)))
+
+
+@pytest.mark.parametrize("make", [koila.StackMemoryCache, koila.GlobalCache, koila.NoCache])
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copied_cache_is_a_cache_of_its_own_with_the_sizes_it_held(make: type[koila.SizeCache], how: str) -> None:
+    # A copy shared the original's sizes and lock (a change to it changed the original, which then
+    # answered lookups with a size its items no longer held); a deep copy and a pickle raised TypeError
+    # about a lock, and so did copy.deepcopy of a model that keeps its cache (an EMA copy).
+    cache = make(maxsize=8)
+    cache["kept"], cache["gone"] = 4, 2
+    cache.prove("kept", 100)
+    assert cache.lookup("gone") == (None if make is koila.NoCache else 2)
+    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}[how](
+        cache
+    )
+    assert type(copied) is make
+    assert dict(copied.items()) == dict(cache.items())
+    assert copied.cache_info() == cache.cache_info()
+    assert copied.key_function is cache.key_function
+    copied.pop("gone", None)
+    copied["new"] = 1
+    assert copied.lookup("gone") is None
+    assert cache.lookup("gone") == (None if make is koila.NoCache else 2)
+    assert "new" not in cache
+    if make is not koila.NoCache:
+        assert copied.sample_bytes("kept") == cache.sample_bytes("kept") == 100
+        with copied._lock:  # not the original's
+            assert cache._lock.acquire(blocking=False)
+            cache._lock.release()
+    model = nn.Linear(2, 2)
+    model.sizes = cache  # type: ignore[assignment]
+    assert dict(copy.deepcopy(model).sizes.items()) == dict(cache.items())
 
 
 @pytest.mark.parametrize(

@@ -497,3 +497,31 @@ def test_a_numpy_bool_for_grow_is_refused_naming_numpy_and_numpy_ints_count_as_g
     call = batch_calls(budget, koila.GlobalCache(), initial=128, grow=True, grow_after=np.int64(2))
     plain = batch_calls(Budget(limit=64), koila.GlobalCache(), initial=128, grow=True, grow_after=2)
     assert run(call, 6) == run(plain, 6)  # as the int it holds
+
+
+class _Halves:
+    def __call__(self, failed: int) -> int | None:
+        return failed // 2 or None
+
+
+class _GrowsNot(_Halves):
+    grow = 5
+
+
+class _GrowsWithout(_Halves):
+    def grow(self) -> int:
+        return 64
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        (_GrowsNot(), r"schedule.grow must be callable, given the size that fitted, got int 5"),
+        (_GrowsWithout(), r"schedule.grow .*the size that fitted, one int"),
+    ],
+)
+def test_a_schedules_grow_that_cannot_be_called_is_refused_when_decorating(schedule: Any, message: str) -> None:
+    # It was first called after an OOM and grow_after successes, hours into a run, with Python's own error.
+    with pytest.raises(TypeError, match=message):
+        koila.batch(initial=64, schedule=schedule, grow=True, grow_after=1)
+    koila.batch(initial=64, schedule=schedule)  # not called without grow=True: not looked at

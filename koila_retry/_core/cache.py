@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -174,6 +175,14 @@ class PerKey(Generic[Kept]):
         """Forget every key."""
         with self._lock:
             self._keys.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            return {"maxsize": self._keys.maxsize, "kept": list(self._keys.items()), "changed": self.changed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["maxsize"], state["changed"])  # type: ignore[misc]
+        self._keys.update(state["kept"])
 
 
 def _unhashable(key: object) -> str:
@@ -398,6 +407,25 @@ class Sizes(MutableMapping[Hashable, int]):
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    # A copy, a deep copy and a pickle are caches of their own, with the sizes this one holds: neither
+    # its lock nor the containers it goes on changing. The keys stay the objects they are (a deep
+    # copy of a model kept as a key would never be looked up).
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:  # every dict copied: the sizes, the samples, a SizeCache's derived estimates
+            state = {name: dict(value) if type(value) is dict else value for name, value in vars(self).items()}
+            state.update(_order=OrderedDict(self._order), _recent=[None])
+        state.update(_hits=self._hits.value, _misses=self._misses.value)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state, _hits=Counter(state["_hits"]), _misses=Counter(state["_misses"]))
+        self._lock = threading.Lock()
+        renewed_in_child(self, _new_lock)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Sizes:
+        return copy.copy(self)
 
     def __repr__(self) -> str:
         hits, misses, maxsize, currsize = self.cache_info()

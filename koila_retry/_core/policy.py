@@ -350,5 +350,14 @@ class Policy:
             )
         if self.schedule is not powers_of_two and type(self.schedule) is not scaled:  # the library's own take one
             check_takes("schedule", self.schedule, "the batch size that failed, one int", 1)
+            grow = getattr(self.schedule, "grow", None)
+            if self.grow and grow is not None:  # first called after an OOM and grow_after successes: hours in
+                if not callable(grow):
+                    raise TypeError(
+                        f"schedule.grow must be callable, given the size that fitted, got {type(grow).__name__} "
+                        f"{grow!r}: give the schedule a grow(size) method that returns a larger size, or none "
+                        "(the next power of two is tried)"
+                    )
+                check_takes("schedule.grow", grow, "the size that fitted, one int", 1)
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))

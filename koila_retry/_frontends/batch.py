@@ -21,7 +21,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity, innermost
+from koila_retry._core.cache import CacheInfo, StackMemoryCache, function_identity, innermost
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -280,15 +280,6 @@ class _Remake:
         return self.decorator()(fn)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        options = dict(self.decorator.keywords)
-        options.update(options.pop("options", None) or {})  # accumulate's integrations pass them as one
-        for name, value in options.items():
-            if isinstance(value, SizeCache):  # its lock would fail the pickle with an error that names no option
-                raise TypeError(
-                    f"cannot pickle a koila_retry wrapper made with {name}={value!r}: a cache holds a lock and "
-                    f"cannot be pickled. Leave {name}= out (each wrapper then gets a new cache of its own), or "
-                    "make the wrapper again after loading (in __setstate__)"
-                )
         return _Remake, (self.decorator, self.binding)
 
 
