@@ -404,6 +404,17 @@ def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:
     assert koila.deep_stack_key(numpy.int64(1)) is koila.stack_key
     buckets = koila.StackMemoryCache(fallback_buckets=numpy.int64(2)).fallback_buckets  # was a ValueError
     assert (buckets, type(buckets)) == (2, int)
+    cache = koila.GlobalCache()
+    cache["key"] = numpy.int64(4)  # was a TypeError, as were these (probe 74E)
+    assert (cache.lookup("key"), type(cache.lookup("key"))) == (4, int)
+    rows = torch.arange(6.0).reshape(2, 3)
+    joined = koila.chunked(lambda part: part * 2, rows, dim=numpy.int64(1), initial=2, cache=koila.NoCache())
+    torch.testing.assert_close(joined, rows * 2)
+    step = koila.accumulate(lambda x: x.mean(), dim=numpy.int64(0), initial=1, cache=koila.NoCache())
+    torch.testing.assert_close(step(torch.arange(3.0, requires_grad=True)), torch.tensor(1.0))
+    assert koila.report(top=numpy.int64(2)) is not None
+    with pytest.raises(TypeError, match=r"progress must be a bool, got numpy.bool_? np.True_: give a Python bool"):
+        koila.chunked(lambda part: part, rows, progress=numpy.True_)
 
 
 def test_a_depth_beyond_any_stack_is_the_whole_stack() -> None:

@@ -32,6 +32,8 @@ from koila_retry._estimation.workspace import cuda_rounding
 from koila_retry._frontends import chunked
 from koila_retry.testing import simulated_device
 
+np = pytest.importorskip("numpy")
+
 MiB = 2**20
 CLASSES = 10
 # Rows of the example batch; the estimate runs at 8 and 16 and is checked elsewhere too.
@@ -675,10 +677,12 @@ def test_sizes_given_are_the_sizes_run_at() -> None:
         assert found.peak(rows) == measured
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "8"])
-def test_batch_size_out_of_range_is_named(bad: object) -> None:
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError), ("8", TypeError)]
+)
+def test_batch_size_out_of_range_is_named(bad: object, error: type[Exception]) -> None:
     found = koila.estimate(lambda x: x * 2, torch.ones(4, 2))
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1") as info:
+    with pytest.raises(error, match="batch_size must be an int >= 1") as info:
         found.peak(bad)  # type: ignore[arg-type]
     assert repr(bad) in str(info.value)
 
@@ -878,7 +882,8 @@ def test_batch_size_exhausted_when_even_one_does_not_fit() -> None:
         ({"margin": "0.1"}, TypeError, "'0.1'"),
         ({"margin": True}, TypeError, "True"),
         ({"maximum": 0}, ValueError, "maximum must be an int >= 1, got 0"),
-        ({"maximum": 2.5}, ValueError, "2.5"),
+        ({"maximum": 2.5}, TypeError, "maximum must be an int >= 1, got float 2.5"),
+        ({"calibrate": np.True_}, TypeError, "calibrate must be a bool, got numpy.bool"),
         ({"budget": "lots"}, ValueError, "'lots'"),
         ({"budget": -5}, ValueError, "-5"),
         ({"budget": 3.5}, TypeError, "3.5"),
@@ -889,6 +894,14 @@ def test_bad_suggest_options_are_named(options: dict[str, Any], error: type[Exce
     with pytest.raises(error) as info:
         koila.suggest_batch_size(lambda x: x * 2, torch.ones(4, 2), **options)
     assert shown in str(info.value)
+
+
+def test_numpys_numbers_are_taken_where_python_s_are() -> None:
+    # maximum=np.int64(64) was a ValueError, margin=np.float32(0.2) a TypeError: as the options take them.
+    fn, x = (lambda x: x * 2), torch.ones(4, 2)
+    plain = koila.suggest_batch_size(fn, x, maximum=64, margin=0.25)
+    assert koila.suggest_batch_size(fn, x, maximum=np.int64(64), margin=np.float32(0.25)) == plain
+    assert koila.estimate(fn, x, sizes=np.array([2, 4])).sizes == koila.estimate(fn, x, sizes=[2, 4]).sizes
 
 
 # --------------------------------------------------------------------------- 8. initial="auto"

@@ -163,10 +163,12 @@ def test_a_model_without_blocks_is_one_sharded_root() -> None:
     assert plain.fsdp is None
 
 
-@pytest.mark.parametrize("fsdp", [0, -2, True, 2.0, "8"])
-def test_fsdp_must_be_a_positive_int(fsdp: object) -> None:
+@pytest.mark.parametrize(
+    ("fsdp", "error"), [(0, ValueError), (-2, ValueError), (True, TypeError), (2.0, TypeError), ("8", TypeError)]
+)
+def test_fsdp_must_be_a_positive_int(fsdp: object, error: type[Exception]) -> None:
     net, optimizer = _training()
-    with pytest.raises(ValueError, match="fsdp must be an int >= 1"):
+    with pytest.raises(error, match="fsdp must be an int >= 1"):
         koila.estimate(_step(net, optimizer), torch.empty(2, 256, device="meta"), fsdp=fsdp)
 
 

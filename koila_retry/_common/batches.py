@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from koila_retry._common.tensors import TensorBase
+from koila_retry._common.units import checked_dim
 
 __all__ = [
     "CONSTRUCTED",
@@ -459,8 +460,7 @@ class Split:
         front_end: str,
         fn: Callable[..., Any] | None = None,
     ) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+        dim = checked_dim(dim)
         self.args, self.kwargs, self.dim, self.front_end, self.fn = args, kwargs, dim, front_end, fn
         # Every tensor in the arguments, split or passed whole, in order, and where each
         # lies (kept only for errors).

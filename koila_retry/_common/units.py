@@ -1,4 +1,4 @@
-"""Parse and format byte counts ("512MiB", 2.00 GiB), and take the ints Python's ``range`` takes."""
+"""Parse and format byte counts ("512MiB", 2.00 GiB), and take the ints and bools that options take."""
 
 from __future__ import annotations
 
@@ -83,3 +83,25 @@ def as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:  # a float tensor, or an array of several, has __index__ and refuses it
         return None
+
+
+def type_name(value: object) -> str:
+    """Name the type of ``value`` as a reader would look for it: ``float``, but ``numpy.bool``."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        # numpy's bool_ prints as a bool: say that Python's is the one taken.
+        hint = "" if type(value).__module__ == "builtins" else ": give a Python bool, True or False"
+        raise TypeError(f"{name} must be a bool, got {type_name(value)} {value!r}{hint}")
+
+
+def checked_dim(dim: object) -> int:
+    """Return ``dim``, a dimension to split along, as an int (numpy's too); ``TypeError`` for anything else."""
+    number = as_int(dim)
+    if number is None:
+        raise TypeError(f"dim must be an int, got {type_name(dim)} {dim!r}")
+    return number

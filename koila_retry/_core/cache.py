@@ -23,7 +23,7 @@ from koila_retry._common.callables import check_takes
 from koila_retry._common.counter import Counter
 from koila_retry._common.forks import renewed_in_child
 from koila_retry._common.places import levels_to_caller
-from koila_retry._common.units import as_int
+from koila_retry._common.units import as_int, type_name
 from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
 
 __all__ = [
@@ -329,9 +329,10 @@ class Sizes(MutableMapping[Hashable, int]):
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         if type(size) is not int:
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(f"a batch size must be an int, got {type(size).__name__} {size!r} for key {key!r}")
-            size = int(size)  # an int subclass, such as an IntEnum member: keep the number
+            number = as_int(size)  # an int subclass (an IntEnum member) or numpy's: keep the number
+            if number is None:
+                raise TypeError(f"a batch size must be an int, got {type_name(size)} {size!r} for key {key!r}")
+            size = number
         if size < 1:
             raise ValueError(f"a batch size must be >= 1, got {size} for key {key!r}")
         with self._lock:

@@ -13,7 +13,7 @@ from typing import Any, SupportsFloat, TypedDict
 import torch
 
 from koila_retry._common.callables import check_takes
-from koila_retry._common.units import as_int
+from koila_retry._common.units import as_int, check_flag, type_name
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache, made
 from koila_retry._core.memory import DeviceLike, resolve_device
@@ -198,27 +198,14 @@ def as_read(number: SupportsFloat) -> float:
         return float(number)
 
 
-def _kind(value: object) -> str:
-    """Name the type of ``value`` as a reader would look for it: ``float``, but ``numpy.bool``."""
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
 def _positive_int(name: str, value: object) -> int:
     # numbers.Integral: numpy's ints too (read from a config array, say), as scaled() and the schedules take them.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {_kind(value)} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type_name(value)} {value!r}")
     number = int(value)
     if number < 1:
         raise ValueError(f"{name} must be >= 1, got {number}")
     return number
-
-
-def _flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        # numpy's bool_ prints as a bool: say that Python's is the one taken.
-        hint = "" if type(value).__module__ == "builtins" else ": give a Python bool, True or False"
-        raise TypeError(f"{name} must be a bool, got {_kind(value)} {value!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -312,11 +299,11 @@ class Policy:
             raise TypeError(f"on_oom must be callable, got {type(self.on_oom).__name__} {self.on_oom!r}")
         if self.on_oom is not None:
             check_takes("on_oom", self.on_oom, "one OOMEvent", None)
-        _flag("grow", self.grow)
+        check_flag("grow", self.grow)
         object.__setattr__(self, "grow_after", _positive_int("grow_after", self.grow_after))
         gain = self.grow_gain
         if gain is not None and (isinstance(gain, bool) or not isinstance(gain, numbers.Real)):
-            raise TypeError(f"grow_gain must be a number like 0.03, or None, got {_kind(gain)} {gain!r}")
+            raise TypeError(f"grow_gain must be a number like 0.03, or None, got {type_name(gain)} {gain!r}")
         if gain is not None and not 0 <= gain < 10:  # NaN fails it too
             raise ValueError(
                 f"grow_gain must be at least 0 and below 10 (0 <= grow_gain < 10), the least gain in rows per "
@@ -324,7 +311,7 @@ class Policy:
             )
         if gain is not None and not isinstance(gain, float):  # a narrower float as it reads, as in scaled()
             object.__setattr__(self, "grow_gain", as_read(gain))
-        _flag("refine", self.refine)
+        check_flag("refine", self.refine)
         if not callable(self.clock):
             raise TypeError(f"clock must be callable (seconds, like time.perf_counter), got {self.clock!r}")
         if self.clock is not time.perf_counter:

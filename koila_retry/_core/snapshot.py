@@ -19,6 +19,7 @@ import torch
 
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tracking import simulated
+from koila_retry._common.units import check_flag
 from koila_retry._common.warn import warn_or_log
 
 __all__ = ["Snapshots", "Target", "check_target"]
@@ -34,8 +35,7 @@ MAX_ENTRIES = 100_000
 
 def check_target(target: object, each: object) -> None:
     """Refuse a ``snapshot=`` or ``snapshot_each_oom=`` a call could not use, when the front end is made."""
-    if not isinstance(each, bool):
-        raise TypeError(f"snapshot_each_oom must be a bool, got {type(each).__name__} {each!r}")
+    check_flag("snapshot_each_oom", each)
     if target is None or (callable(target) and not isinstance(target, (str, os.PathLike))):
         return
     if not isinstance(target, (str, os.PathLike)):

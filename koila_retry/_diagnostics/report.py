@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from koila_retry._common import tracking
 from koila_retry._common.places import is_ours, is_users
 from koila_retry._common.tensors import named_tensors_in, same_device
-from koila_retry._common.units import format_bytes
+from koila_retry._common.units import as_int, format_bytes, type_name
 from koila_retry._common.walk import frame_locals, reachable, references
 from koila_retry._core import memory
 from koila_retry._core.memory import DeviceLike
@@ -274,8 +274,10 @@ def report(
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__} {shown}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    if isinstance(top, bool) or not isinstance(top, int):
-        raise TypeError(f"top must be an int, got {type(top).__name__} {top!r}")
+    number = as_int(top)  # numpy's ints too
+    if number is None:
+        raise TypeError(f"top must be an int, got {type_name(top)} {top!r}")
+    top = number
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     if device is None and model is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ import torch
 from koila_retry._common.batches import Split
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import same_device
-from koila_retry._common.units import format_bytes, parse_bytes
+from koila_retry._common.units import as_int, check_flag, format_bytes, parse_bytes, type_name
 from koila_retry._core.cache import NoCache
 from koila_retry._core.engine import Controller
 from koila_retry._core.memory import DeviceLike, free_memory, peak_meter, resolve_device
@@ -255,17 +256,21 @@ class MemoryEstimate:
 
 
 def _check_batch_size(value: object, name: str = "batch_size") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = as_int(value)  # numpy's ints too, as the options take them
+    if number is None:
+        raise TypeError(f"{name} must be an int >= 1, got {type_name(value)} {value!r}")
+    if number < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return number
 
 
 def _check_margin(margin: object) -> float:
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-        raise TypeError(f"margin must be a number, a fraction of the peak like 0.1, got {margin!r}")
-    if not 0 <= margin < 10:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):  # numpy's floats too
+        raise TypeError(f"margin must be a number, a fraction of the peak like 0.1, got {type_name(margin)} {margin!r}")
+    fraction = float(margin)
+    if not 0 <= fraction < 10:  # NaN too
         raise ValueError(f"margin must be a number in [0, 10), a fraction of the peak, got {margin!r}")
-    return float(margin)
+    return fraction
 
 
 def estimate(
@@ -319,8 +324,10 @@ def estimate(
 
     Raises:
         ValueError: if no argument is a tensor, the tensors disagree on their
-            rows, ``dim`` or ``sizes`` is out of range, or ``fsdp`` is not an
-            int >= 1 or differs from the mesh of modules sharded already.
+            rows, ``dim`` or ``sizes`` is out of range, or ``fsdp`` is below 1
+            or differs from the mesh of modules sharded already.
+        TypeError: if ``dim``, ``fsdp`` or a size is not an int (numpy's ints
+            are taken).
         NotImplementedError: for FSDP2 set-ups the estimate cannot play (HSDP,
             CPU offload, ``fully_shard`` over several modules at once).
         Exception: what ``fn`` raised on meta tensors, with a note that says so.
@@ -425,7 +432,8 @@ def suggest_batch_size(
             no budget is given for an estimate on the meta device, or
             ``calibrate=True`` for a device other than the one the example
             arguments lie on.
-        TypeError: if ``calibrate`` is not a bool.
+        TypeError: if ``calibrate`` is not a bool, ``margin`` not a number or
+            ``maximum`` not an int.
         NotImplementedError: for ``calibrate=True`` under FSDP2, and as for
             :func:`estimate`.
 
@@ -434,8 +442,7 @@ def suggest_batch_size(
     _check_margin(margin)
     if maximum is not None:
         _check_batch_size(maximum, "maximum")
-    if not isinstance(calibrate, bool):
-        raise TypeError(f"calibrate must be a bool, got {type(calibrate).__name__} {calibrate!r}")
+    check_flag("calibrate", calibrate)
     limit = None if budget is None else parse_bytes(budget)  # refused before the estimate, not after
     if not callable(fn):
         raise TypeError(f"koila.suggest_batch_size needs a callable, got {type(fn).__name__} {fn!r}")

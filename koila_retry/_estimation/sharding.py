@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from koila_retry._common.units import as_int, type_name
 from koila_retry._core import sharded
 
 __all__ = ["Emulation", "Sharding", "plan"]
@@ -111,8 +112,15 @@ def plan(modules: Iterable[torch.nn.Module], fsdp: int | None) -> Sharding | Non
     """Return what to play of FSDP2 over ``fsdp`` ranks for a call that reaches ``modules``; None if unsharded."""
     # Modules already sharded with fully_shard are read as they are (their mesh gives the world).
     # Otherwise, with fsdp=N, FSDP2's usual recipe: the outermost modules in an nn.ModuleList, then the root.
-    if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1):
-        raise ValueError(f"fsdp must be an int >= 1, the number of ranks to shard over, got {fsdp!r}")
+    if fsdp is not None:
+        ranks = as_int(fsdp)  # numpy's ints too
+        if ranks is None:
+            raise TypeError(
+                f"fsdp must be an int >= 1, the number of ranks to shard over, got {type_name(fsdp)} {fsdp!r}"
+            )
+        if ranks < 1:
+            raise ValueError(f"fsdp must be an int >= 1, the number of ranks to shard over, got {fsdp!r}")
+        fsdp = ranks
     modules = list({id(module): module for module in modules}.values())
     real = sharded.fsdp_modules(modules)
     if real:

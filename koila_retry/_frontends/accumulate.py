@@ -26,6 +26,7 @@ from koila_retry._common.batches import Split
 from koila_retry._common.callables import check_takes
 from koila_retry._common.places import Replayed, levels_to_caller, release_ours
 from koila_retry._common.tensors import zeroed
+from koila_retry._common.units import checked_dim
 from koila_retry._common.walk import trainable_module
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
@@ -295,8 +296,7 @@ def accumulator(
             "weight= weighs micro-batches whose loss is a mean over items, and reduction='sum' adds them "
             "unweighted: drop one of them"
         )
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    dim = checked_dim(dim)
     # A class passes a look for a callable scale(): GradScaler without its parentheses.
     if scaler is not None and (isinstance(scaler, type) or not callable(getattr(scaler, "scale", None))):
         raise TypeError(

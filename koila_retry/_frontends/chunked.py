@@ -21,7 +21,7 @@ import torch
 
 from koila_retry._common.batches import Split, positional_names
 from koila_retry._common.dynamo import not_traced
-from koila_retry._common.units import as_int
+from koila_retry._common.units import as_int, check_flag, checked_dim
 from koila_retry._core.cache import StackMemoryCache, function_identity
 from koila_retry._core.engine import Attempt, Call, Controller, cover
 from koila_retry._core.memory import default_device
@@ -172,8 +172,7 @@ class _Pass:
     """What every pass of one ``chunked`` or ``range`` call or decorator is told: its policy and its own options."""
 
     def __init__(self, front_end: str, initial: int | str | None, progress: bool, options: Options) -> None:
-        if not isinstance(progress, bool):
-            raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
+        check_flag("progress", progress)
         self.front_end = front_end
         if front_end == "koila.range" and isinstance(initial, str):  # a TypeError, as koila.batch's
             raise TypeError(
@@ -353,8 +352,7 @@ def chunked(
     own = _changed(initial=initial, dim=dim, progress=progress, out=out)
     given = _arguments_of_fn(fn if called else None, options, "koila.chunked", own)
     chunks = _Pass("koila.chunked", initial, progress, cast(Options, options))
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    dim = checked_dim(dim)
     if fn is not None and (args or given):
         controller = chunks.controller(fn, decorated=False)
         return _run_chunked(controller, fn, args, given, dim, chunks, out, sys._getframe(1))
