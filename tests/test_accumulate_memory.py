@@ -557,3 +557,41 @@ def test_rows_returned_as_a_view_of_an_input_are_not_copied() -> None:
     # they came, three micro-batches' of them (12 KiB) would be alive in that backward, at the peak.
     assert with_view <= alone + SLACK, (with_view, alone)
     assert torch.equal(results[0]["features"], x[:, : WIDTH // 2])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("kind", ["count", "weighed"])
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_a_value_of_the_whole_micro_batch_is_added_up_as_it_comes(kind: str, parts: int) -> None:
+    # Each micro-batch's confusion matrix (or Gram matrix) was kept till the step ended, then stacked:
+    # 3.7 times the hand loop's peak in 4, 14.5 in 16, where the hand loop adds into one tensor (probe 74H).
+    classes, rows = 128, 64
+    torch.manual_seed(0)
+    x, y = torch.randn(rows, 16, dtype=DTYPE), torch.randint(0, classes, (rows,))
+    koila_model = nn.Linear(16, classes).to(DTYPE)
+    hand_model = copy.deepcopy(koila_model)
+
+    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(x)
+        if kind == "count":  # added up
+            value = torch.bincount(y * classes + logits.argmax(1), minlength=classes * classes).view(classes, -1)
+        else:  # weighted like the loss: a mean over the rows
+            value = logits.detach().T @ logits.detach() / len(x)
+        return F.cross_entropy(logits, y), value
+
+    accumulated = koila.accumulate(lambda x, y: step(koila_model, x, y), initial=rows // parts, cache=koila.NoCache())
+    with simulated_device("1GiB") as device:
+        _, value = accumulated(x, y)
+    koila_peak = device.peak
+    with simulated_device("1GiB") as device:
+        total = None
+        for xb, yb in zip(x.chunk(parts), y.chunk(parts), strict=True):
+            loss, part = step(hand_model, xb, yb)
+            (loss * (len(xb) / rows)).backward()  # type: ignore[no-untyped-call]
+            part = part if kind == "count" else part * (len(xb) / rows)
+            total = part if total is None else total.add_(part)
+            del loss, part
+    assert koila_peak <= device.peak + SLACK
+    assert total is not None
+    torch.testing.assert_close(value, total, rtol=RTOL, atol=ATOL)
+    for mine, theirs in zip(koila_model.parameters(), hand_model.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=RTOL, atol=ATOL)

@@ -108,12 +108,12 @@ def test_a_weighted_tensor_is_combined_in_float32_under_autocast(dtype: torch.dt
     model = torch.nn.Linear(6, 3)
     x, y = torch.randn(40, 6) * scale, torch.randn(40, 3)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         per_column = ((model(x).float() - y) ** 2).mean(0)  # a mean over the rows: weighted like the loss
-        return per_column.sum(), per_column
+        return per_column.sum(), per_column, per_column.sum().view(1, 1)  # one element, not a loss: stacked
 
     with torch.autocast("cpu", dtype=dtype):
-        loss, per_column = koila.accumulate(step, initial=16, cache=koila.NoCache())(x, y)
+        loss, per_column, one = koila.accumulate(step, initial=16, cache=koila.NoCache())(x, y)
         with torch.no_grad():
             parts = [step(x[begin : begin + 16], y[begin : begin + 16])[1] for begin in (0, 16, 32)]
     expected = (parts[0] * 16 + parts[1] * 16 + parts[2] * 8) / 40
@@ -121,3 +121,4 @@ def test_a_weighted_tensor_is_combined_in_float32_under_autocast(dtype: torch.dt
     assert torch.isfinite(per_column).all()
     torch.testing.assert_close(per_column, expected, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(loss, expected.sum(), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(one, expected.sum().view(1, 1), rtol=1e-6, atol=0.0)

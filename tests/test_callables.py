@@ -589,14 +589,37 @@ def test_a_copied_cache_is_a_cache_of_its_own_with_the_sizes_it_held(make: type[
     assert copied.lookup("gone") is None
     assert cache.lookup("gone") == (None if make is koila.NoCache else 2)
     assert "new" not in cache
+    cache.bounds.update("kept", lambda _: (32, 100))  # what refine=True learnt: the copy's own too
+    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}[how](
+        cache
+    )
+    assert copied.bounds.get("kept") == (32, 100)
+    copied.cache_clear()
+    assert cache.bounds.get("kept") == (32, 100)
     if make is not koila.NoCache:
-        assert copied.sample_bytes("kept") == cache.sample_bytes("kept") == 100
+        assert copied.sample_bytes("kept") is None
+        assert cache.sample_bytes("kept") == 100
         with copied._lock:  # not the original's
             assert cache._lock.acquire(blocking=False)
             cache._lock.release()
     model = nn.Linear(2, 2)
     model.sizes = cache  # type: ignore[assignment]
     assert dict(copy.deepcopy(model).sizes.items()) == dict(cache.items())
+
+
+class _Tagged(koila.StackMemoryCache):
+    __slots__ = ("tag",)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copied_cache_keeps_a_subclass_s_slots(how: str) -> None:
+    cache = _Tagged()
+    cache.tag = "run-1"
+    cache["k"] = 4
+    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}[how](
+        cache
+    )
+    assert (copied.tag, dict(copied.items())) == ("run-1", {"k": 4})
 
 
 @pytest.mark.parametrize(
@@ -849,3 +872,23 @@ def test_a_callable_object_or_partial_held_by_a_class_is_not_bound_as_a_method()
     assert _Ranker.score(3) == (8, 3)
     assert ranker.score.stats.calls == 4
     assert torch.equal(ranker.doubled(torch.arange(5.0)), torch.arange(5.0) * 2)
+
+
+@dataclasses.dataclass
+class _Scaler:
+    factor: torch.Tensor
+
+    def step(self, batch_size: int, x: str, scale: int = 1) -> tuple[str, int, str, int]:
+        return type(self).__name__, batch_size, x, scale
+
+    def rows(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        return x * self.factor + shift
+
+
+def test_a_partial_of_a_method_still_takes_its_instance_first() -> None:
+    # Not bound by a class, but its first parameter is self: the size goes after it, as for the method.
+    scaler = _Scaler(torch.full((3,), 2.0))
+    stepped = koila.batch(initial=8, cache=koila.NoCache())(functools.partial(_Scaler.step, scale=3))
+    assert stepped(scaler, "x") == ("_Scaler", 8, "x", 3)
+    rows = koila.chunked(initial=2, cache=koila.NoCache())(functools.partial(_Scaler.rows, shift=1.0))
+    torch.testing.assert_close(rows(scaler, torch.ones(5, 3)), torch.full((5, 3), 3.0))  # the instance not split

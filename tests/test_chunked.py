@@ -2478,8 +2478,8 @@ def test_an_option_that_fn_takes_too_is_refused_in_the_call_form() -> None:
     with pytest.raises(
         TypeError,
         match=r"koila.chunked\(\) takes dim=1 as its own option, and normalize\(\) takes 'dim' too: .*"
-        r"functools.partial\(normalize, dim=1\), or give koila.chunked\(\)'s to the decorator form, "
-        r"koila.chunked\(dim=1\)\(normalize\)",
+        r"functools.partial\(fn, dim=1\), or give koila.chunked\(\)'s to the decorator form, "
+        r"koila.chunked\(dim=1\)\(fn\)",
     ):
         koila.chunked(F.normalize, x, dim=1)
     calls: list[int] = []
@@ -2495,7 +2495,16 @@ def test_an_option_that_fn_takes_too_is_refused_in_the_call_form() -> None:
     with pytest.raises(TypeError, match=r"koila.range\(\) takes minimum=2 as its own option, and load\(\)"):
         koila.range(load, 0, 4, initial=2, minimum=2)
     with pytest.raises(TypeError, match=r"takes minimum=2 as its own option, and load\(\)"):
+        koila.range(load, 0, 4, minimum=2)
+    with pytest.raises(TypeError, match=r"minimum=2 .*, and the partial of load\(\) binds 'minimum' too: .* "):
         koila.range(functools.partial(load, minimum=0), 0, 4, minimum=2)  # a partial's keyword can be given again
+
+    class Normalize(nn.Module):
+        def forward(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            return F.normalize(x, dim=dim)
+
+    with pytest.raises(TypeError, match=r"dim=1 as its own option, and Normalize\(\) takes 'dim' too"):
+        koila.chunked(Normalize(), x, dim=1)  # its forward's, not Module.__call__'s (*args, **kwargs)
     with pytest.raises(TypeError, match=r"takes out=\.\.\. as its own option, .* lambda rows: written\(rows\)$"):
         koila.chunked(written, x, out=torch.empty(4, 600))
     assert calls == []

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import koila_retry as koila
 from koila_retry._core.memory import describe_device
@@ -355,12 +357,20 @@ def _scored(batch_size: int, x: torch.Tensor) -> torch.Tensor:
     return x * batch_size
 
 
+@torch.autocast("cpu", enabled=False)
+@koila.batch(initial=8, cache=koila.StackMemoryCache(key=_recording))
+def _cast(batch_size: int, x: torch.Tensor) -> torch.Tensor:
+    return x * batch_size
+
+
 @pytest.mark.parametrize("depth", [1, 2])
-def test_a_decorated_forward_or_one_under_no_grad_is_keyed_by_the_line_that_called_it(depth: int) -> None:
-    # Not by torch's Module.__call__ or no_grad's wrapper, which every call passes through.
+def test_a_call_through_torchs_frames_is_keyed_by_the_line_that_called_it(depth: int) -> None:
+    # Not by torch's Module.__call__, no_grad's or autocast's wrapper, a Sequential's forward or checkpoint,
+    # which every call passes through: each had one size for every line.
     scorer, x = _Scorer(), torch.ones(2)
     hooked = _Scorer()
     hooked.register_forward_hook(lambda module, args, out: None)  # Module.__call__ then runs it in a closure
+    stacked = nn.Sequential(nn.Identity(), _Scorer())
     _KEY[0] = koila.deep_stack_key(depth)
     _SEEN.clear()
     try:
@@ -370,10 +380,14 @@ def test_a_decorated_forward_or_one_under_no_grad_is_keyed_by_the_line_that_call
             hooked(x)
             _scored(x)
             _scored(x)
+            _cast(x)
+            stacked(x)
+            checkpoint(scorer, x, use_reentrant=False)
     finally:
         _KEY[0] = koila.stack_key
-    code = test_a_decorated_forward_or_one_under_no_grad_is_keyed_by_the_line_that_called_it.__code__
-    first = [key[3:6] for key in _SEEN[:5]]
-    assert [key[3:6] for key in _SEEN[5:]] == first
+    code = test_a_call_through_torchs_frames_is_keyed_by_the_line_that_called_it.__code__
+    lines = 8
+    first = [key[3:6] for key in _SEEN[:lines]]
+    assert [key[3:6] for key in _SEEN[lines:]] == first
     assert all(where[:2] == (code.co_filename, code.co_name) for where in first)
-    assert len(set(first)) == 5  # a key for each line
+    assert len(set(first)) == lines  # a key for each line

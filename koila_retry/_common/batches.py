@@ -460,7 +460,8 @@ class Split:
         front_end: str,
         fn: Callable[..., Any] | None = None,
     ) -> None:
-        dim = checked_dim(dim)
+        if type(dim) is not int:  # numpy's too; the usual int without a call
+            dim = checked_dim(dim)
         self.args, self.kwargs, self.dim, self.front_end, self.fn = args, kwargs, dim, front_end, fn
         # Every tensor in the arguments, split or passed whole, in order, and where each
         # lies (kept only for errors).

@@ -413,15 +413,20 @@ class Sizes(MutableMapping[Hashable, int]):
     # its lock nor the containers it goes on changing. The keys stay the objects they are (a deep
     # copy of a model kept as a key would never be looked up).
     def __getstate__(self) -> dict[str, Any]:
-        with self._lock:  # every dict copied: the sizes, the samples, a SizeCache's derived estimates
-            state = {name: dict(value) if type(value) is dict else value for name, value in vars(self).items()}
+        with self._lock:  # every dict copied (the sizes, the samples, derived estimates), and the bounds
+            state = {name: _copied(value) for name, value in vars(self).items()}
             state.update(_order=OrderedDict(self._order), _recent=[None])
         state.update(_hits=self._hits.value, _misses=self._misses.value)
         del state["_lock"]
-        return state
+        # A subclass's __slots__, which vars() leaves out.
+        slots = {name: getattr(self, name) for name in _slot_names(type(self)) if hasattr(self, name)}
+        return {"state": state, "slots": slots}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        state = saved["state"]
         vars(self).update(state, _hits=Counter(state["_hits"]), _misses=Counter(state["_misses"]))
+        for name, value in saved["slots"].items():
+            setattr(self, name, value)
         self._lock = threading.Lock()
         renewed_in_child(self, _new_lock)
 
@@ -722,6 +727,23 @@ class NoCache(SizeCache):
 
     def __setitem__(self, key: Hashable, size: int) -> None:
         pass  # remembering nothing is this cache's whole contract
+
+
+def _copied(value: object) -> object:
+    """Return what a copy of a cache holds for ``value``: a dict or a :class:`PerKey` of its own."""
+    if type(value) is dict:
+        return dict(value)
+    return copy.copy(value) if isinstance(value, PerKey) else value
+
+
+def _slot_names(kind: type) -> list[str]:
+    names = []
+    for each in kind.__mro__:
+        slots = vars(each).get("__slots__", ())
+        names += (
+            [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__", "__weakref__")]
+        )
+    return names
 
 
 def _or_else(default: Bound, kept: Bound | None) -> Bound:

@@ -8,6 +8,7 @@ left out) that the engine makes when a front end sees no inputs.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Hashable
 from types import FrameType
@@ -55,7 +56,7 @@ def stack_key(function: object, caller: FrameType | None, device: torch.device, 
 
     .. versionadded:: 0.1.0
     """
-    if caller is not None and caller.f_code.co_filename in _PASSING:
+    if caller is not None and caller.f_code.co_filename not in _OTHER_FILES:
         caller = _past_torch(caller)
     if caller is not None and sample is None:  # every cached call of a loop: one tuple, nothing else
         # File, function name and bytecode offset: the strings cache their hashes (hashing a
@@ -97,23 +98,31 @@ def deep_stack_key(depth: int) -> KeyFunction:
     return stack_key if frames == 1 else _stack_key_of(min(frames, sys.maxsize))
 
 
-# The files of torch's frames between a call site and a decorated function: a decorated forward's
-# Module.__call__, and the context decorators (@torch.no_grad() above the decorated function). Every
-# call would have one of their lines for its call site.
-_PASSING = frozenset(
-    path
-    for path in (
-        getattr(sys.modules.get(name), "__file__", None)
-        for name in ("torch.nn.modules.module", "torch.utils._contextlib")
-    )
-    if isinstance(path, str)
-)
+# torch's frames between a call site and a decorated function (a decorated forward's Module.__call__,
+# @torch.no_grad() or @torch.autocast() above it, checkpoint, a compiled module's wrapper, a Sequential)
+# would be every call's call site: the first frame outside torch is. Files sorted as met, in sets, so
+# that a call from a file seen before costs no call.
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_FILES: set[str] = set()
+_OTHER_FILES: set[str] = set()
+
+
+def _is_torch(filename: str) -> bool:
+    if filename in _TORCH_FILES:
+        return True
+    if filename in _OTHER_FILES:
+        return False
+    if len(_OTHER_FILES) > _KNOWN:  # generated code (FX, notebook cells) names files without end
+        _OTHER_FILES.clear()
+    torchs = filename.startswith(_TORCH)
+    (_TORCH_FILES if torchs else _OTHER_FILES).add(filename)
+    return torchs
 
 
 def _past_torch(frame: FrameType) -> FrameType:
-    """Return the first frame from ``frame`` outwards that is not one of :data:`_PASSING`'s (``frame`` if none)."""
+    """Return the first frame from ``frame`` outwards that is not torch's (``frame`` if every one is)."""
     found: FrameType | None = frame
-    while found is not None and found.f_code.co_filename in _PASSING:
+    while found is not None and _is_torch(found.f_code.co_filename):
         found = found.f_back
     return frame if found is None else found
 
@@ -142,7 +151,7 @@ def _stack_key_of(depth: int) -> KeyFunction:
             if ours is None:
                 if len(known) > _KNOWN:  # generated code (FX, notebook cells) names files without end
                     known.clear()
-                ours = known[filename] = is_ours(filename) or filename in _PASSING
+                ours = known[filename] = is_ours(filename) or _is_torch(filename)
             if not ours:
                 parts += (filename, code.co_name, frame.f_lasti)
                 left -= 1

@@ -194,21 +194,29 @@ def _unpartial(fn: Any) -> Any:
     return fn
 
 
+def call_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """Return what ``fn`` takes: a module's forward's; ``TypeError`` or ``ValueError`` as ``inspect`` raises them."""
+    if isinstance(fn, torch.nn.Module):
+        # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to:
+        # through torch.compile's and DataParallel's, unless the module's class has a call of its own.
+        inner = innermost(fn)
+        if type(inner).__call__ is torch.nn.Module.__call__:
+            return inspect.signature(inner.forward)
+    return inspect.signature(fn)
+
+
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     try:
-        if isinstance(fn, torch.nn.Module):
-            # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to:
-            # through torch.compile's and DataParallel's, unless the module's class has a call of its own.
-            inner = innermost(fn)
-            if type(inner).__call__ is torch.nn.Module.__call__:
-                return inspect.signature(inner.forward)
-        return inspect.signature(fn)
+        return call_signature(fn)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {fn!r} to inject the batch size: {exc}") from None
 
 
 # How a wrapper binds when it is looked up on a class or an instance.
 _METHOD, _CLASSMETHOD, _STATICMETHOD = "method", "classmethod", "staticmethod"
+# A callable no class binds (an object with a __call__, a partial before Python 3.14): returned as it is
+# when looked up, and still called as a method where its first parameter is self (a partial of one).
+_UNBOUND = "unbound"
 
 
 class Bindable:
@@ -291,7 +299,7 @@ def unwrap_binding(fn: Any) -> tuple[Any, str]:
         return fn.__func__, _CLASSMETHOD
     if not hasattr(type(fn), "__get__"):
         # Held by a class, Python binds no callable object, partial (before 3.14) or bound method.
-        return fn, _STATICMETHOD
+        return fn, _UNBOUND
     return fn, _METHOD
 
 
@@ -312,7 +320,7 @@ def bindable(
     # a Python frame to every call.
     # A function whose first parameter is ``self`` is a method even when called as it is: through a
     # decorator above this one (@torch.no_grad() on a method), which binds and passes the instance on.
-    call = method if binding is _METHOD and positional_names(fn)[:1] == ("self",) else plain
+    call = method if binding in (_METHOD, _UNBOUND) and positional_names(fn)[:1] == ("self",) else plain
     kind = type("Bindable", (Bindable,), {"__slots__": (), "__call__": staticmethod(call)})
     wrapper = kind()
     # Every class is in a reference cycle of its own, freed only by a collection: its __call__ would keep

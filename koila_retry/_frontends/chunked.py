@@ -32,6 +32,7 @@ from koila_retry._estimation.estimate import MemoryEstimate, estimate_batch
 from koila_retry._frontends.batch import (
     Batched,
     bindable,
+    call_signature,
     refuse_generator,
     refuse_iterators,
     unwrap_binding,
@@ -75,7 +76,7 @@ def _arguments_of_fn(fn: object, options: dict[str, Any], front_end: str, own: d
         return {}
     given = {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
     try:
-        parameters = inspect.signature(cast(Callable[..., Any], fn)).parameters.values()
+        parameters = call_signature(cast(Callable[..., Any], fn)).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin such as torch.add): fn is the judge
         return given
     takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
@@ -97,7 +98,9 @@ def _changed(**own: Any) -> dict[str, Any]:
 
 def _is_default(name: str, value: object) -> bool:
     default = _OWN_DEFAULTS[name]
-    return value is default or (type(value) is type(default) and value == default)
+    if default is None or isinstance(default, bool):
+        return value is default
+    return as_int(value) == default  # numpy's 512 too
 
 
 _OWN_DEFAULTS: dict[str, object] = {"initial": DEFAULT_INITIAL, "dim": 0, "progress": False, "out": None}
@@ -108,15 +111,19 @@ def _refuse_option(fn: object, name: str, value: object, front_end: str) -> NoRe
     # F.normalize(x, dim=1) is the user's meaning as often as chunked's: fn would be run without it.
     function = _name(fn)
     given = f"{name}={value!r}" if isinstance(value, (int, float, str)) else f"{name}=..."
-    ours = (
-        f"a function that does not take one, lambda rows: {function}(rows)"  # out= is per call: no decorator form
-        if name == "out"
-        else f"the decorator form, {front_end}({given})({function})(...)"
-    )
+    decorator = f"the decorator form, {front_end}({given})(fn)(...)"
+    if name == "out":  # given per call: no decorator form
+        decorator = f"a function that does not take one, lambda rows: {function}(rows)"
+    if isinstance(fn, functools.partial) and name in fn.keywords:  # bound already: only the front end's is left
+        raise TypeError(
+            f"{front_end}() takes {given} as its own option, and the partial of {function}() binds {name!r} too: "
+            f"in the call form an option is {front_end}()'s, which the partial's cannot be told from. Give "
+            f"{front_end}()'s to {decorator}"
+        )
     raise TypeError(
         f"{front_end}() takes {given} as its own option, and {function}() takes {name!r} too: in the call form "
         f"an option is {front_end}()'s alone, and {function}() would run without it. Bind {function}()'s with "
-        f"functools.partial({function}, {given}), or give {front_end}()'s to {ours}"
+        f"functools.partial(fn, {given}), or give {front_end}()'s to {decorator}"
     )
 
 

@@ -139,9 +139,9 @@ class Results:
             # A value of the whole micro-batch is added or stacked: its shape must be the first's (joined
             # parts are padded by an integration's pad=, or refused by torch.cat).
             if column and kind in (_WEIGH, _COUNT) and isinstance(leaf, TensorBase):
-                first = column[0][0]
-                if isinstance(first, TensorBase) and first.shape != leaf.shape:
-                    self._shape_changed(result, index, first, rows)
+                earlier = column[0].first if isinstance(column[0], _Total) else column[0][0]
+                if isinstance(earlier, TensorBase) and earlier.shape != leaf.shape:
+                    self._shape_changed(result, index, earlier, rows)
             if kind == _STRINGS:
                 column.append(leaf)
             elif kind == _JOIN:
@@ -171,6 +171,12 @@ class Results:
                 ):
                     self._shape_changed(result, index, column[0], rows, joined=True)
                 column.append(part)
+            elif kind != _LOSS and column and isinstance(column[0], _Total):
+                column[0].add(leaf.detach(), weight)
+            elif kind != _LOSS and not self.whole and isinstance(leaf, TensorBase) and leaf.numel() > 1:
+                # Added up as it comes, as a hand loop adds into one tensor: kept one per micro-batch, a
+                # confusion matrix would cost as many as there are micro-batches.
+                column.append(_Total(leaf.detach(), weight, kind))
             else:
                 column.append((_kept(leaf) if isinstance(leaf, TensorBase) else leaf, weight))
         return loss
@@ -266,7 +272,7 @@ class Results:
     def _whole(kind: str, column: list[Any]) -> bool:
         if kind == _DROP:
             return not column
-        return len(column) == 1 and (kind in (_JOIN, _STRINGS) or column[0][1] == 1.0)
+        return len(column) == 1 and (kind in (_JOIN, _STRINGS) or (type(column[0]) is tuple and column[0][1] == 1.0))
 
     def _changed(self, spec: TreeSpec) -> NoReturn:
         raise ValueError(
@@ -361,6 +367,9 @@ class Results:
             if kind == _DROP:
                 combined.append(None)
                 continue
+            if column and isinstance(column[0], _Total):
+                combined.append(column[0].result())
+                continue
             if kind in (_LOSS, _WEIGH):
                 # A micro-batch that counts no items (weight=) adds nothing, not its loss's nan times 0.
                 column = [entry for entry in column if entry[1] != 0.0]
@@ -392,12 +401,11 @@ class Results:
                 # Each weight rounded once, from its float to the dtype summed in, as a float64
                 # tensor converted would hold it, in one call.
                 weights = torch.tensor([weight for _, weight in column], dtype=exact, device=values.device)
-                # One number per micro-batch (a loss), the usual case: a dot. Others multiplied and summed:
-                # a matrix product (tensordot) would run in bf16 under autocast, and overflow in float16.
+                # One number per micro-batch (a loss), the usual case: a dot, where tensordot reshapes first.
                 summed = values.to(exact)
                 if summed.dim() == 1:
                     total = torch.dot(weights, summed)
-                else:
+                else:  # one element each, or one micro-batch (see _Total): not a matrix product, which autocast casts
                     total = (summed * weights.view(-1, *(1,) * (summed.dim() - 1))).sum(0)
                 combined.append(total.to(dtype))
             else:
@@ -514,6 +522,42 @@ def _overlap(leaf: torch.Tensor, part: torch.Tensor) -> bool:
         return False
     start, begin = leaf.data_ptr(), part.data_ptr()
     return start < begin + part.numel() * part.element_size() and begin < start + leaf.numel() * leaf.element_size()
+
+
+class _Total:
+    """The sum of a column of tensors of the whole micro-batch, weighted like the loss or added as counts."""
+
+    __slots__ = ("device", "first", "kind", "sum")
+
+    def __init__(self, value: torch.Tensor, weight: float, kind: str) -> None:
+        self.first = torch.empty(value.shape, dtype=value.dtype, device="meta")  # for the checks and errors
+        self.device, self.kind = value.device, kind
+        self.sum: torch.Tensor | None = None
+        self.add(value, weight)
+
+    def add(self, value: torch.Tensor, weight: float) -> None:
+        """Add one micro-batch's value: a count as it is, one to weigh times ``weight``."""
+        total = self.sum
+        if self.kind == _COUNT:  # in its own type, as the whole batch's count; booleans: whether any is true
+            if total is None:
+                self.sum = value.clone()
+            elif total.dtype == torch.bool:
+                total.logical_or_(value)
+            else:
+                total.add_(value)
+        elif weight != 0.0:  # a micro-batch that counts no items (weight=) adds nothing, not its nan times 0
+            if total is None:  # half precision summed in float32, its weights not rounded to bf16
+                self.sum = total = value.to(torch.promote_types(value.dtype, torch.float32), copy=True)
+                if weight != 1.0:
+                    total.mul_(weight)
+            else:
+                total.add_(value, alpha=weight)
+
+    def result(self) -> torch.Tensor:
+        """Return the sum in the values' own type; NaN where every micro-batch counted no items."""
+        if self.sum is None:
+            return torch.full(self.first.shape, float("nan"), dtype=self.first.dtype, device=self.device)
+        return self.sum.to(self.first.dtype)
 
 
 def _kept(tensor: torch.Tensor | TensorBase) -> torch.Tensor:
