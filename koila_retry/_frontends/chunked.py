@@ -14,7 +14,7 @@ import importlib
 import inspect
 import sys
 from collections.abc import Callable
-from types import CoroutineType, MethodType
+from types import CoroutineType, FunctionType, MethodType
 from typing import Any, Literal, NoReturn, ParamSpec, TypeVar, cast, overload
 
 import torch
@@ -75,20 +75,35 @@ def _arguments_of_fn(fn: object, options: dict[str, Any], front_end: str, own: d
     if fn is None or not (options or own):
         return {}
     given = {name: options.pop(name) for name in [name for name in options if name not in _OPTIONS]}
-    try:
-        parameters = call_signature(cast(Callable[..., Any], fn)).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin such as torch.add): fn is the judge
+    found = _keywords_of(fn)
+    if found is None:  # no signature to read (a builtin such as torch.add): fn is the judge
         return given
-    takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
+    takes, anything = found
     for name, value in [*own.items(), *options.items()]:
         if name in takes:
             _refuse_option(fn, name, value, front_end)
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+    if anything:
         return given
     for name in given:
         if name not in takes:
             _refuse_keyword(fn, name, takes, front_end)
     return given
+
+
+def _keywords_of(fn: object) -> tuple[list[str], bool] | None:
+    """Return the names ``fn`` takes by keyword and whether it takes any (``**kwargs``); None if unreadable."""
+    # A function's read from its code: a call form in a loop would read a signature (20 us) at every call.
+    function = fn.__func__ if type(fn) is MethodType else fn
+    if type(function) is FunctionType and not {"__wrapped__", "__signature__"} & function.__dict__.keys():
+        code = function.__code__
+        names = list(code.co_varnames[code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount])
+        return names, bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    try:
+        parameters = call_signature(cast(Callable[..., Any], fn)).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    takes = [parameter.name for parameter in parameters if parameter.kind in _KEYWORD_KINDS]
+    return takes, any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
 def _changed(**own: Any) -> dict[str, Any]:
