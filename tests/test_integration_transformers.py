@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import importlib.util
 import inspect
 import json
@@ -34,6 +36,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     SummedLoss,
     assert_same_training,
     collate,
+    collate_pairs,
     float64_gpt2,
     float64_loss_func,
     injected,
@@ -671,6 +674,41 @@ def test_a_seq2seq_prediction_split_pads_each_chunks_generated_tokens_as_the_who
     assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
     assert torch.equal(torch.as_tensor(predicted.label_ids), torch.as_tensor(expected.label_ids))
     assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
+
+
+def test_a_seq2seq_prediction_step_takes_generate_s_keywords_whole_and_split(tmp_path: Path) -> None:
+    # A direct call with gen_kwargs (a custom evaluation loop's) raised TypeError once adapted (probe 74D).
+    plain = make_seq2seq_trainer(tmp_path, 5)
+    batch = collate_pairs([Pairs()[index] for index in range(8)])
+    options = {"max_new_tokens": 3, "num_beams": 1}
+    expected = plain.prediction_step(plain.model, dict(batch), False, **options)
+    trainer = adapt(make_seq2seq_trainer(tmp_path, 5))
+    for limit in (None, TRAIN_LIMIT):  # whole, then split
+        with simulated_device(limit) if limit else contextlib.nullcontext():
+            found = trainer.prediction_step(trainer.model, dict(batch), False, **options)
+        assert torch.equal(found[1], expected[1])
+        assert torch.equal(found[2], expected[2])
+    assert trainer.prediction_step.stats.ooms >= 1
+
+
+def test_a_split_prediction_keeps_nothing_of_its_last_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The last split batch's joined labels lived on in the adapted step till the next split step (probe 74D).
+    trainer = adapt(make_seq2seq_trainer(tmp_path, 5))
+    step, returned = trainer.prediction_step, []
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        found = step(*args, **kwargs)
+        returned.extend(weakref.ref(each) for each in found[1:] if isinstance(each, torch.Tensor))
+        return found
+
+    monkeypatch.setattr(trainer, "prediction_step", spied)
+    with simulated_device(TRAIN_LIMIT):
+        predicted = trainer.predict(Pairs())
+    assert step.stats.ooms >= 1
+    assert returned
+    del predicted
+    gc.collect()
+    assert [ref() for ref in returned if ref() is not None] == []
 
 
 def test_a_seq2seq_prediction_split_keeps_every_sequence_of_each_row(tmp_path: Path) -> None:

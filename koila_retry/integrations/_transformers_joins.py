@@ -8,13 +8,13 @@ batches (``nested_concat``): labels flattened over tokens (``labels.flatten()``)
 whole batch's flattening. So are logits of integers that are not one entry per row (tokens
 flattened, ``argmax(-1).flatten()``): a count per chunk of them would be a sum of token ids.
 Parts that differ in size beyond dim 0 are padded at the end of those dimensions, as the
-trainer pads its batches (see ``pad`` in :class:`Aside`).
+trainer pads its batches (see ``pad`` in :class:`Aside`; :func:`generated_pad` for generated tokens).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
@@ -22,7 +22,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from koila_retry._common.results import flatten
 from koila_retry._frontends.combine import padded_cat, padded_shape
 
-__all__ = ["LABELS", "LOGITS", "Aside", "how_joined", "not_per_row"]
+__all__ = ["LABELS", "LOGITS", "Aside", "generated_pad", "how_joined", "not_per_row"]
 
 LOGITS, LABELS = "logits", "labels"
 
@@ -159,3 +159,30 @@ def _tensors(labels: Any) -> list[int]:
     if labels is None:
         return []
     return [index for index, leaf in enumerate(flatten(labels)[0]) if isinstance(leaf, torch.Tensor) and leaf.dim()]
+
+
+def generated_pad(trainer: Any, generating: dict[str, Any]) -> float | None:
+    """The token that pads a ``Seq2SeqTrainer``'s generated tokens, or ``None`` for a trainer that generates none."""
+    # Each chunk of a split prediction step generates as long as its own longest row: joined, the
+    # shorter are padded where the whole batch's generate padded its shorter rows, with generate's pad
+    # token, else its first EOS token (the trainer's gen_kwargs first, then the model's generation
+    # config); else the trainer's own pad token.
+    if not getattr(trainer.args, "predict_with_generate", False):
+        return None
+    given = generating or getattr(trainer, "_gen_kwargs", None) or {}  # a call's replace the trainer's
+    configs = (given.get("generation_config"), getattr(trainer.model, "generation_config", None))
+    for name in ("pad_token_id", "eos_token_id"):
+        token = given.get(name)
+        for config in configs:
+            token = getattr(config, name, None) if token is None else token
+        if isinstance(token, (list, tuple)):
+            token = token[0] if token else None
+        if token is not None:
+            return cast(float, token)
+    padded = getattr(trainer, "_pad_tensors_to_max_len", None)
+    if not callable(padded):
+        return None
+    try:  # the trainer's own choice: its tokenizer's pad (or EOS) token, else the model config's pad token
+        return cast(float, padded(torch.zeros((1, 0), dtype=torch.long), 1).item())
+    except ValueError:  # none: the chunks' tokens are not joined (torch.cat's error)
+        return None

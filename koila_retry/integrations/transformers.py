@@ -36,7 +36,7 @@ from koila_retry._core.stats import Stats
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
-from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, how_joined, not_per_row
+from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, generated_pad, how_joined, not_per_row
 from koila_retry.integrations._transformers_losses import IGNORED, ROWS, SUM, Inexact, shifts_labels, weighing_of
 from koila_retry.integrations._transformers_packed import apart, joined
 
@@ -101,7 +101,8 @@ def adapt(trainer: T, **options: Unpack[Options]) -> T:
     loss (the chunks' losses weighed by their items, as above), logits and labels.
     Labels, and logits of integers that are not one entry per row, are concatenated
     along dim 0 as the trainer joins its batches; chunks whose tensors differ in
-    width are padded with -100, as it pads them (docs/trainers.rst).
+    width are padded as it pads them: with -100, or generate's pad token for
+    generated tokens (docs/trainers.rst).
 
     A custom loss that is a mean over something else than those labels (a mean
     over rows of labels with -100 entries, say) is weighed wrongly when a step
@@ -650,13 +651,15 @@ class _Prediction(_Bound):
         self.indices: dict[int, torch.Tensor] = {}
         self.padded = self.warned_padded = False  # whether the step's parts were padded with -100 (see pad)
         self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
+        self.generating: dict[str, Any] = {}  # a Seq2SeqTrainer's gen_kwargs given to the call
 
         def prediction_step(
             model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any, where: torch.Tensor | None
         ) -> dict[str, Any]:
             try:
                 ran = joined(inputs, self.packed)
-                loss, logits, labels = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys)
+                found = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys, **self.generating)
+                loss, logits, labels = found
             except BaseException:
                 self.aside.drop()  # before the memory of the failed attempt is released
                 raise
@@ -678,7 +681,7 @@ class _Prediction(_Bound):
 
         def pad() -> float | None:  # asked only when the chunks' parts differ in size beyond the rows
             if getattr(trainer.args, "predict_with_generate", False):
-                return _generated_pad(trainer)
+                return generated_pad(trainer, self.generating)
             # As the trainer pads its batches' (nested_concat's padding_index): a prediction_step that
             # generates, or trims to its batch's longest row. Warned of after the step.
             self.padded = True
@@ -695,10 +698,10 @@ class _Prediction(_Bound):
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
     def __call__(
-        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **generating: Any
     ) -> tuple[Any, Any, Any]:
-        trainer = self.trainer
-        kept = self.kept
+        trainer, kept = self.trainer, self.kept
+        self.generating = generating
         kept.failure = None
         # In one process, as the trainer runs it: a prediction step writes no gradient, so an error
         # leaves nothing to undo. Under DDP every rank runs through accumulate, whose ranks agree.
@@ -706,7 +709,9 @@ class _Prediction(_Bound):
         if rows and not distributed.is_running():
             failed = False
             try:
-                found = self.original(model, shallow_copy(inputs), prediction_loss_only, ignore_keys=ignore_keys)
+                found = self.original(
+                    model, shallow_copy(inputs), prediction_loss_only, ignore_keys=ignore_keys, **generating
+                )
             except BaseException as error:
                 if not is_oom(error):
                     raise
@@ -740,8 +745,11 @@ class _Prediction(_Bound):
                 model, inputs, prediction_loss_only, ignore_keys, None if total is None else self._where(total)
             )
         loss = None if self.lossless else found["loss"]
-        logits = self.aside.restored(LOGITS, found.get("logits"))
-        labels = self.aside.restored(LABELS, found.get("labels"))
+        try:
+            logits = self.aside.restored(LOGITS, found.get("logits"))
+            labels = self.aside.restored(LABELS, found.get("labels"))
+        finally:  # the last batch's labels would live till the next split step
+            self.aside.joined = {}
         if total and step.stats.batch_size < total:
             self.inexact.check(inputs, "prediction step", step is self.summed, lossless=loss is None)
             if not self.rows_checked and (logits is not None or labels is not None):
@@ -863,30 +871,3 @@ def _several_per_row(tokens: Any, rows: int | None) -> bool:
     if not isinstance(tokens, torch.Tensor) or not rows or tokens.dim() < 2:
         return False
     return tokens.shape[0] != rows and tokens.shape[0] % rows == 0
-
-
-def _generated_pad(trainer: Any) -> float | None:
-    """The token that pads a ``Seq2SeqTrainer``'s generated tokens, or ``None`` for a trainer that generates none."""
-    # Each chunk of a split prediction step generates as long as its own longest row: joined, the
-    # shorter are padded where the whole batch's generate padded its shorter rows, with generate's pad
-    # token, else its first EOS token (the trainer's gen_kwargs first, then the model's generation
-    # config); else the trainer's own pad token.
-    if not getattr(trainer.args, "predict_with_generate", False):
-        return None
-    given = getattr(trainer, "_gen_kwargs", None) or {}
-    configs = (given.get("generation_config"), getattr(trainer.model, "generation_config", None))
-    for name in ("pad_token_id", "eos_token_id"):
-        token = given.get(name)
-        for config in configs:
-            token = getattr(config, name, None) if token is None else token
-        if isinstance(token, (list, tuple)):
-            token = token[0] if token else None
-        if token is not None:
-            return cast(float, token)
-    padded = getattr(trainer, "_pad_tensors_to_max_len", None)
-    if not callable(padded):
-        return None
-    try:  # the trainer's own choice: its tokenizer's pad (or EOS) token, else the model config's pad token
-        return cast(float, padded(torch.zeros((1, 0), dtype=torch.long), 1).item())
-    except ValueError:  # none: the chunks' tokens are not joined (torch.cat's error)
-        return None
