@@ -304,6 +304,30 @@ def test_a_sparse_tensor_counts_its_parts_and_their_views_count_nothing(layout: 
     assert values.numel() == 256
 
 
+def _sparse_bytes(tensor: torch.Tensor) -> int:
+    return sum(part.untyped_storage().nbytes() for part in (tensor._indices(), tensor._values()))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")  # torch's, once per process
+def test_an_in_place_operator_on_a_sparse_tensor_counts_its_new_parts() -> None:
+    # a.add_(b) gives a indices and values of new storages: they were taken for the input's, and live
+    # fell by a's old parts (probe 74H); so did a sparse embedding's gradient, accumulated.
+    rows = torch.arange(256).view(1, -1)
+    with simulated_device("64MiB") as device:
+        # Indices of their own: made before the block, rows' storage would count for neither.
+        a = torch.sparse_coo_tensor(rows.clone(), torch.ones(256, 16, dtype=torch.float64), (4096, 16))
+        b = torch.sparse_coo_tensor(rows.clone(), torch.ones(256, 16, dtype=torch.float64), (4096, 16))
+        a.add_(b)
+        assert device.live == _sparse_bytes(a) + _sparse_bytes(b)
+        embedding = torch.nn.Embedding(4096, 16, sparse=True)
+        for _ in range(3):
+            embedding(torch.arange(128)).sum().backward()  # type: ignore[no-untyped-call]
+        grad = embedding.weight.grad
+        assert grad is not None
+        weight = embedding.weight.untyped_storage().nbytes()
+        assert device.live == _sparse_bytes(a) + _sparse_bytes(b) + weight + _sparse_bytes(grad)
+
+
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # torch's, of a non-empty out=
 def test_an_operator_that_grows_a_tensor_it_is_given_counts_the_growth() -> None:
     rows = torch.ones(128, 128)  # 64 KiB

@@ -69,8 +69,11 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # Copies of koila's own, which the devices entered before this one must not count (or refuse).
                 with _disable_current_modes():
                     kept = [(tensor, tensor.clone()) for tensor in _at(effects[1], args, kwargs)]
+        # The inputs' storages as they are before the operator: an in-place one on a sparse tensor
+        # (a.add_(b), a sparse gradient accumulated) gives it indices and values of new storages.
+        held = _storages((args, kwargs))
         out = func(*args, **kwargs)
-        fresh = self._fresh_storages(out, (args, kwargs))
+        fresh = self._fresh_storages(out, held)
         grown = [geometry for geometry in before if geometry.grew()] if before else []
         if not fresh and not grown:
             return out
@@ -147,10 +150,10 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._sizes[key] = size
                 self._rose(self.live)
 
-    def _fresh_storages(self, out: Any, inputs: Any) -> list[torch.UntypedStorage]:
+    def _fresh_storages(self, out: Any, held: list[torch.UntypedStorage]) -> list[torch.UntypedStorage]:
         # A result sharing an input's storage (a view, an in-place result) allocated
         # nothing, even when that input was made before the mode and is not tracked.
-        seen = {id(storage) for storage in _storages(inputs)}
+        seen = {id(storage) for storage in held}
         fresh: dict[int, torch.UntypedStorage] = {}
         for storage in _storages(out):
             key = id(storage)
@@ -303,6 +306,8 @@ def _storages(tree: Any) -> list[torch.UntypedStorage]:
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
             _add_storages(leaf, storages)
+        elif isinstance(leaf, torch.UntypedStorage):  # set_'s: a tensor given one allocates nothing
+            storages.append(leaf)
     return storages
 
 
