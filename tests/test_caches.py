@@ -405,8 +405,14 @@ def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:
     buckets = koila.StackMemoryCache(fallback_buckets=numpy.int64(2)).fallback_buckets  # was a ValueError
     assert (buckets, type(buckets)) == (2, int)
     cache = koila.GlobalCache()
-    cache["key"] = numpy.int64(4)  # was a TypeError, as were these (probe 74E)
+    cache["key"] = numpy.int64(4)  # was a TypeError, as were these (probes 74E, 74I)
     assert (cache.lookup("key"), type(cache.lookup("key"))) == (4, int)
+    cache.prove("key", numpy.int64(100))
+    assert (cache.sample_bytes("key"), type(cache.sample_bytes("key"))) == (100, int)
+    for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
+        attempt.narrow(numpy.int64(4))
+        with attempt:
+            assert attempt.batch_size == 8
     rows = torch.arange(6.0).reshape(2, 3)
     joined = koila.chunked(lambda part: part * 2, rows, dim=numpy.int64(1), initial=2, cache=koila.NoCache())
     torch.testing.assert_close(joined, rows * 2)

@@ -608,18 +608,28 @@ def test_a_copied_cache_is_a_cache_of_its_own_with_the_sizes_it_held(make: type[
 
 
 class _Tagged(koila.StackMemoryCache):
-    __slots__ = ("tag",)
+    __slots__ = ("__seen", "tag")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag, self.__seen, self.history = "run-1", ["made"], ["made"]
+
+    def seen(self) -> list[str]:
+        return self.__seen
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
-def test_a_copied_cache_keeps_a_subclass_s_slots(how: str) -> None:
+def test_a_copied_cache_keeps_a_subclass_s_slots_and_attributes(how: str) -> None:
     cache = _Tagged()
-    cache.tag = "run-1"
     cache["k"] = 4
     copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}[how](
         cache
     )
-    assert (copied.tag, dict(copied.items())) == ("run-1", {"k": 4})
+    assert (copied.tag, copied.seen(), copied.history, dict(copied.items())) == ("run-1", ["made"], ["made"], {"k": 4})
+    copied.history.append("copied")
+    copied.seen().append("copied")
+    shared = how == "copy"  # a shallow copy shares what a subclass holds, as copy.copy of any object does
+    assert (cache.history == ["made"], cache.seen() == ["made"]) == (not shared, not shared)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import types
 import warnings
 import weakref
 from collections import namedtuple
@@ -2505,6 +2506,12 @@ def test_an_option_that_fn_takes_too_is_refused_in_the_call_form() -> None:
 
     with pytest.raises(TypeError, match=r"dim=1 as its own option, and Normalize\(\) takes 'dim' too"):
         koila.chunked(Normalize(), x, dim=1)  # its forward's, not Module.__call__'s (*args, **kwargs)
+
+    def scaled(dim: int, rows: torch.Tensor) -> torch.Tensor:  # dim bound below: no keyword of the bound method
+        return rows * dim
+
+    halved = koila.chunked(types.MethodType(scaled, 2), x, dim=1, initial=512, cache=koila.NoCache())
+    torch.testing.assert_close(halved, x * 2)
     with pytest.raises(TypeError, match=r"takes out=\.\.\. as its own option, .* lambda rows: written\(rows\)$"):
         koila.chunked(written, x, out=torch.empty(4, 600))
     assert calls == []

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import cast
 
 from koila_retry._common.places import place_of
+from koila_retry._common.units import as_int, type_name
 from koila_retry._core import decision, diagnosis, memory
 from koila_retry._core.calibrating import calibrate
 from koila_retry._core.call import Call, FirstSize
@@ -349,10 +350,10 @@ class Attempt:
 
         .. versionadded:: 0.1.0
         """
-        if isinstance(rows, bool) or not isinstance(rows, int):
-            raise TypeError(
-                f"narrow takes the rows the coming attempt uses, an int, got {type(rows).__name__} {rows!r}"
-            )
+        number = as_int(rows)  # numpy's ints too
+        if number is None:
+            raise TypeError(f"narrow takes the rows the coming attempt uses, an int, got {type_name(rows)} {rows!r}")
+        rows = number
         if rows < 1:
             raise ValueError(f"narrow takes the rows the coming attempt uses, at least 1, got {rows}")
         self._course.state.rows = rows

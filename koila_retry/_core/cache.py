@@ -431,7 +431,16 @@ class Sizes(MutableMapping[Hashable, int]):
         renewed_in_child(self, _new_lock)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Sizes:
-        return copy.copy(self)
+        # What a subclass adds is copied deep; what is held under keys is copied as a copy() copies it.
+        saved = self.__getstate__()
+        state, slots = saved["state"], saved["slots"]
+        saved["state"] = {
+            name: value if name in _KEYED else copy.deepcopy(value, memo) for name, value in state.items()
+        }
+        saved["slots"] = {name: copy.deepcopy(value, memo) for name, value in slots.items()}
+        clone = memo[id(self)] = type(self).__new__(type(self))
+        clone.__setstate__(saved)
+        return clone
 
     def __repr__(self) -> str:
         hits, misses, maxsize, currsize = self.cache_info()
@@ -566,13 +575,14 @@ class SizeCache(Sizes, ABC):
 
         .. versionadded:: 0.1.0
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int >= 1, got {type(nbytes).__name__} {nbytes!r}")
-        if nbytes < 1:
+        number = as_int(nbytes)  # numpy's ints too
+        if number is None:
+            raise TypeError(f"nbytes must be an int >= 1, got {type_name(nbytes)} {nbytes!r}")
+        if number < 1:
             raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
         with self._lock:
             if key in self._sizes:
-                self._samples[key] = nbytes
+                self._samples[key] = number
 
     def checked_size(self, key: Hashable, size: object) -> int | None:
         """Return ``size`` if it can be a batch size (an int >= 1), else ``None``, warning once per cache.
@@ -740,10 +750,16 @@ def _slot_names(kind: type) -> list[str]:
     names = []
     for each in kind.__mro__:
         slots = vars(each).get("__slots__", ())
-        names += (
-            [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__", "__weakref__")]
-        )
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):  # private: stored under its mangled name
+                name = f"_{each.__name__.lstrip('_')}{name}"
+            if name not in ("__dict__", "__weakref__"):
+                names.append(name)
     return names
+
+
+# A cache's own state whose keys name functions and modules: a deep copy keeps them the objects they are.
+_KEYED = frozenset({"_sizes", "_order", "_samples", "_recent", "bounds", "derived", "_key_function", "key"})
 
 
 def _or_else(default: Bound, kept: Bound | None) -> Bound:

@@ -172,8 +172,10 @@ class Results:
                     self._shape_changed(result, index, column[0], rows, joined=True)
                 column.append(part)
             elif kind != _LOSS and column and isinstance(column[0], _Total):
+                if not isinstance(leaf, TensorBase):  # a number where the first micro-batch returned a tensor
+                    self._shape_changed(result, index, column[0].first, rows)
                 column[0].add(leaf.detach(), weight)
-            elif kind != _LOSS and not self.whole and isinstance(leaf, TensorBase) and leaf.numel() > 1:
+            elif kind != _LOSS and not column and not self.whole and isinstance(leaf, TensorBase) and leaf.numel() > 1:
                 # Added up as it comes, as a hand loop adds into one tensor: kept one per micro-batch, a
                 # confusion matrix would cost as many as there are micro-batches.
                 column.append(_Total(leaf.detach(), weight, kind))
