@@ -471,3 +471,18 @@ def test_a_batch_size_passed_by_keyword_is_refused_naming_the_stand_in() -> None
 
     with pytest.raises(TypeError, match=r"train\(\) gets 'batch_size' from find_executable_batch_size;"):
         train(batch_size=4)
+
+
+class _TopK:
+    def __call__(self, batch_size: int, k: int = 5) -> tuple[int, Any]:
+        return batch_size, k
+
+
+def test_a_callable_object_held_by_a_class_gets_the_instance_after_the_size(helpers: ModuleType) -> None:
+    # accelerate's wrapper is a function, which a class binds: the object gets the size, then the instance.
+    # Its inner koila.batch binds no callable object: the instance was dropped (probe 74G).
+    class Holder:
+        scored = helpers.find_executable_batch_size(starting_batch_size=8)(_TopK())
+
+    holder = Holder()
+    assert holder.scored() == (8, holder)

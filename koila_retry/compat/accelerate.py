@@ -180,6 +180,8 @@ def find_executable_batch_size(
     @functools.wraps(function)
     def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
         bound: Any = None if batched_function is None else batched_function.__get__(instance, type(instance))
+        if bound is batched_function:  # a callable no class binds (an object with a __call__): given the instance
+            return run(bound, (instance, *args), (instance, *args), kwargs)  # after the size, as accelerate's
         return run(bound, (instance, *args), args, kwargs)
 
     if batched_function is None:
