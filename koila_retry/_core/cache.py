@@ -469,7 +469,9 @@ class SizeCache(Sizes, ABC):
             ``(function, caller, device, sample)``, or ``None`` for a call to
             neither look up nor store (see :ref:`key-functions`). Default:
             the subclass's own; :func:`~koila_retry.stack_key` for a subclass
-            of yours.
+            of yours, whose :meth:`key` (abstract here: a direct subclass
+            defines it, or subclasses :class:`GlobalCache`) may return
+            ``super().key(...)``.
 
     Raises:
         ValueError: if ``maxsize`` is not a positive int.

@@ -305,6 +305,7 @@ def release(device: DeviceLike = None) -> None:
 
     Raises:
         ValueError: if ``device`` is not a device PyTorch knows.
+        TypeError: if ``device`` is not a ``torch.device``, a str, an int or ``None``.
     """
     _release(resolve_device(device), 2)
 
