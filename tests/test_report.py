@@ -596,3 +596,23 @@ def test_a_device_this_process_lacks_is_refused_as_free_memory_refuses_it() -> N
         koila.profile(model, torch.zeros(1, 4), device="cuda")
     # On meta tensors every tensor counts, whatever its device: the device is a label.
     assert koila.profile(model, torch.zeros(1, 4), device="cuda", fake=True).device == torch.device("cuda", 0)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")  # torch's, once per process
+def test_a_sparse_tensor_is_counted_by_its_indices_and_values() -> None:
+    # A sparse embedding's gradient (8 MiB here) was left out of the rows and the total: not strided.
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(1000, 64, sparse=True)
+    embedding(torch.randint(0, 1000, (512,))).sum().backward()  # type: ignore[no-untyped-call]
+    grad = embedding.weight.grad
+    assert grad is not None
+    assert grad.layout == torch.sparse_coo
+    loose = torch.sparse_coo_tensor(torch.arange(8).view(1, -1), torch.ones(8, 4), (100, 4))  # named by nobody
+    found = koila.report(embedding, device="cpu")
+    held = {row.names[0]: row for row in found.rows}
+    assert held["weight.grad (values)"].nbytes == grad._values().untyped_storage().nbytes()
+    assert held["weight.grad (indices)"].nbytes == grad._indices().untyped_storage().nbytes()
+    assert held["weight.grad (values)"].kind == "gradient"
+    assert held["weight.grad (values)"].views == ()  # the sparse tensor itself is no other view of it
+    loose_bytes = loose._values().untyped_storage().nbytes()
+    assert any(row.nbytes == loose_bytes and row.kind == "tensor" for row in found.rows)

@@ -333,6 +333,12 @@ def _add_storages(tensor: torch.Tensor, storages: list[torch.UntypedStorage]) ->
         storages.append(tensor.untyped_storage())
 
 
+def sparse_parts(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """Return the named tensors a sparse tensor's memory is held in; ``None`` for any other layout."""
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    return None if parts is None else [(part.lstrip("_"), getattr(tensor, part)()) for part in parts]
+
+
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
     torch.sparse_csr: ("crow_indices", "col_indices", "values"),

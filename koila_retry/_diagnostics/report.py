@@ -465,6 +465,12 @@ class _Found:
 
     def add(self, name: str, kind: str, tensor: torch.Tensor, *, unless_named: bool = False) -> None:
         """Add a named tensor; with ``unless_named``, only if its storage has no name yet."""
+        parts = tracking.sparse_parts(tensor)
+        if parts is not None:  # its memory is its indices' and values' (a sparse embedding's gradient)
+            self.named.add(id(tensor))
+            for part, held in parts:
+                self.add(f"{name} ({part})", kind, held, unless_named=unless_named)
+            return
         found = self._storage_of(tensor)
         if found is None:
             return
@@ -491,15 +497,17 @@ class _Found:
             # ``type`` rather than ``isinstance``: a proxy's ``__class__`` could run code.
             if not issubclass(type(value), torch.Tensor) or id(value) in self.named:
                 continue
-            found = self._storage_of(value)
-            if found is None:
-                continue
-            key, nbytes = found
-            entry = self.storages.get(key)
-            if entry is not None and entry.names:
-                entry.view(value)
-            else:
-                unnamed.setdefault(key, []).append(value)
+            parts = tracking.sparse_parts(value)
+            for held in [value] if parts is None else [held for _, held in parts]:
+                found = self._storage_of(held)
+                if found is None:
+                    continue
+                key, nbytes = found
+                entry = self.storages.get(key)
+                if entry is not None and entry.names:
+                    entry.view(held)
+                else:
+                    unnamed.setdefault(key, []).append(held)
         for key, tensors in unnamed.items():
             nbytes = tensors[0].untyped_storage().nbytes()
             # The tensor that spans the whole storage is its base; the others view it.
