@@ -795,7 +795,9 @@ def profile(
             functions whose lines are profiled: a function, a method, a module
             (for its ``forward``), or an iterable of them. Default: ``fn``
             itself, or its ``forward`` if it is a module.
-        **kwargs: its keyword arguments.
+        **kwargs: its keyword arguments; one named ``by``, ``device``,
+            ``fake`` or ``watch`` is this function's: bind ``fn``'s own of those
+            names with ``functools.partial``.
 
     Returns:
         MemoryProfile: the rows, in the order their module or line first ran.
