@@ -409,6 +409,8 @@ def test_sizes_and_depths_take_numpys_ints_as_options_do() -> None:
     assert (cache.lookup("key"), type(cache.lookup("key"))) == (4, int)
     cache.prove("key", numpy.int64(100))
     assert (cache.sample_bytes("key"), type(cache.sample_bytes("key"))) == (100, int)
+    with pytest.raises(TypeError, match="nbytes must be an int >= 1, got torch.Tensor tensor\\(True\\)"):
+        cache.prove("key", torch.tensor(True))  # a bool, as True is
     for attempt in koila.attempts(initial=8, cache=koila.NoCache()):
         attempt.narrow(numpy.int64(4))
         with attempt:

@@ -618,6 +618,23 @@ class _Tagged(koila.StackMemoryCache):
         return self.__seen
 
 
+class _Reporting(koila.StackMemoryCache):
+    def __init__(self) -> None:
+        super().__init__()
+        self.report = self.describe  # refers back to the cache
+
+    def describe(self) -> str:
+        return f"{len(self)} sizes"
+
+
+def test_a_deep_copy_of_a_cache_that_refers_to_itself_refers_to_the_copy() -> None:
+    cache = _Reporting()
+    cache["k"] = 8
+    copied = copy.deepcopy(cache)  # RecursionError, where the clone was registered after its state was copied
+    assert copied.report.__self__ is copied
+    assert copied.report() == "1 sizes"
+
+
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
 def test_a_copied_cache_keeps_a_subclass_s_slots_and_attributes(how: str) -> None:
     cache = _Tagged()

@@ -2512,6 +2512,12 @@ def test_an_option_that_fn_takes_too_is_refused_in_the_call_form() -> None:
 
     halved = koila.chunked(types.MethodType(scaled, 2), x, dim=1, initial=512, cache=koila.NoCache())
     torch.testing.assert_close(halved, x * 2)
+
+    def normalised(*args: Any, dim: int = 0) -> torch.Tensor:  # self in *args: dim is still its keyword
+        return F.normalize(args[1], dim=dim)
+
+    with pytest.raises(TypeError, match=r"dim=1 as its own option, and normalised\(\) takes 'dim' too"):
+        koila.chunked(types.MethodType(normalised, object()), x, dim=1)
     with pytest.raises(TypeError, match=r"takes out=\.\.\. as its own option, .* lambda rows: written\(rows\)$"):
         koila.chunked(written, x, out=torch.empty(4, 600))
     assert calls == []

@@ -489,3 +489,42 @@ def test_a_joined_result_that_requires_grad_runs_backward_once_over_its_rows(dim
         torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(joined["half"], whole["half"])
     assert joined["half"].dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # torch.func's own, as it starts
+def test_a_joined_result_serves_forward_mode_and_torch_func_transforms() -> None:
+    # The write that hands each chunk a view of the gradient has no jvp and no setup_context: under forward
+    # mode or a torch.func transform, where it raised, the chunks are copied as before (probe 74J).
+    import torch.autograd.forward_ad as fwad
+
+    x, tangent = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def doubled(rows: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, koila.chunked(lambda part: part.sin() * 2, rows, initial=2, cache=koila.NoCache()))
+
+    with fwad.dual_level():
+        _, found = fwad.unpack_dual(doubled(fwad.make_dual(x, tangent)))
+    torch.testing.assert_close(found, x.cos() * 2 * tangent)
+    grad = torch.func.grad(lambda rows: doubled(rows).sum())(x)
+    torch.testing.assert_close(grad, x.cos() * 2)
+
+
+def test_a_chunk_without_a_graph_after_one_with_it_is_written_without_copying_the_gradient() -> None:
+    model = torch.nn.Linear(3, 3).double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    calls: list[int] = []
+
+    def fn(part: torch.Tensor) -> torch.Tensor:
+        calls.append(len(calls))
+        if len(calls) % 2:
+            return cast(torch.Tensor, model(part))
+        with torch.no_grad():
+            return cast(torch.Tensor, model(part))
+
+    joined = koila.chunked(fn, x, initial=2, cache=koila.NoCache())
+    assert "CopySlices" not in _node_names(joined.grad_fn)
+    joined.sum().backward()
+    weight = model.weight.grad
+    model.zero_grad()
+    model(torch.cat([x[0:2], x[4:6]])).sum().backward()
+    torch.testing.assert_close(weight, model.weight.grad)

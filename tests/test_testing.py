@@ -326,6 +326,13 @@ def test_an_in_place_operator_on_a_sparse_tensor_counts_its_new_parts() -> None:
         assert grad is not None
         weight = embedding.weight.untyped_storage().nbytes()
         assert device.live == _sparse_bytes(a) + _sparse_bytes(b) + weight + _sparse_bytes(grad)
+    with simulated_device("40KiB") as device:
+        a = torch.sparse_coo_tensor(rows.clone(), torch.ones(256, 16), (4096, 16))
+        b = torch.sparse_coo_tensor(rows.clone(), torch.ones(256, 16), (4096, 16))
+        a.add_(b)  # over the limit: counted, not refused, as it has run (a refusal left a changed and uncounted)
+        assert device.live == _sparse_bytes(a) + _sparse_bytes(b) > 40 * 1024
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.ones(1)  # the next allocation is
 
 
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # torch's, of a non-empty out=

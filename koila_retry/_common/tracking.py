@@ -71,13 +71,18 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     kept = [(tensor, tensor.clone()) for tensor in _at(effects[1], args, kwargs)]
         # The inputs' storages as they are before the operator: an in-place one on a sparse tensor
         # (a.add_(b), a sparse gradient accumulated) gives it indices and values of new storages.
-        held = _storages((args, kwargs))
+        sparse: list[torch.Tensor] = []
+        held = _storages((args, kwargs), sparse)
         out = func(*args, **kwargs)
         fresh = self._fresh_storages(out, held)
         grown = [geometry for geometry in before if geometry.grew()] if before else []
         if not fresh and not grown:
             return out
-        new_bytes = sum(storage.nbytes() for storage in fresh) + sum(self.growth(geometry) for geometry in grown)
+        # The parts a sparse input was given in place are counted, never refused: the operator has
+        # changed it already, and nothing here could put it back as it was.
+        regrown = {id(storage) for storage in _storages(sparse)} if sparse else ()
+        new_bytes = sum(storage.nbytes() for storage in fresh if id(storage) not in regrown)
+        new_bytes += sum(self.growth(geometry) for geometry in grown)
         if self._check is not None and new_bytes:
             try:
                 self._check(new_bytes, self.live)
@@ -301,10 +306,13 @@ class Geometry:
             self.storage.resize_(self.nbytes)
 
 
-def _storages(tree: Any) -> list[torch.UntypedStorage]:
+def _storages(tree: Any, sparse: list[torch.Tensor] | None = None) -> list[torch.UntypedStorage]:
+    """Return the storages ``tree``'s tensors hold; its sparse tensors are added to ``sparse``, if given."""
     storages: list[torch.UntypedStorage] = []
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            if sparse is not None and leaf.layout in _SPARSE_PARTS:
+                sparse.append(leaf)
             _add_storages(leaf, storages)
         elif isinstance(leaf, torch.UntypedStorage):  # set_'s: a tensor given one allocates nothing
             storages.append(leaf)

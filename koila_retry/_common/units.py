@@ -79,6 +79,8 @@ def as_int(value: Any) -> int | None:
         return value
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return None
+    if str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):  # a boolean tensor or array has __index__ too
+        return None
     try:
         return operator.index(value)
     except TypeError:  # a float tensor, or an array of several, has __index__ and refuses it

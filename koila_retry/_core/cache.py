@@ -432,13 +432,13 @@ class Sizes(MutableMapping[Hashable, int]):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Sizes:
         # What a subclass adds is copied deep; what is held under keys is copied as a copy() copies it.
+        clone = memo[id(self)] = type(self).__new__(type(self))  # first: what refers back to it finds the clone
         saved = self.__getstate__()
         state, slots = saved["state"], saved["slots"]
         saved["state"] = {
             name: value if name in _KEYED else copy.deepcopy(value, memo) for name, value in state.items()
         }
         saved["slots"] = {name: copy.deepcopy(value, memo) for name, value in slots.items()}
-        clone = memo[id(self)] = type(self).__new__(type(self))
         clone.__setstate__(saved)
         return clone
 

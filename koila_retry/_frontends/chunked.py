@@ -96,7 +96,7 @@ def _keywords_of(fn: object) -> tuple[list[str], bool] | None:
     function = fn.__func__ if type(fn) is MethodType else fn
     if type(function) is FunctionType and not {"__wrapped__", "__signature__"} & function.__dict__.keys():
         code = function.__code__
-        bound = function is not fn and not code.co_posonlyargcount  # a method's self, given already
+        bound = function is not fn and code.co_argcount > 0 and not code.co_posonlyargcount  # self, given already
         names = list(code.co_varnames[code.co_posonlyargcount + bound : code.co_argcount + code.co_kwonlyargcount])
         return names, bool(code.co_flags & inspect.CO_VARKEYWORDS)
     try:

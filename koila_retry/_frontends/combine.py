@@ -175,7 +175,13 @@ class Results:
                 if not isinstance(leaf, TensorBase):  # a number where the first micro-batch returned a tensor
                     self._shape_changed(result, index, column[0].first, rows)
                 column[0].add(leaf.detach(), weight)
-            elif kind != _LOSS and not column and not self.whole and isinstance(leaf, TensorBase) and leaf.numel() > 1:
+            elif kind != _LOSS and isinstance(leaf, TensorBase) and leaf.numel() > 1 and column:
+                # A tensor where the first micro-batch returned a number: added up, it would make the result's
+                # type depend on the split.
+                if not isinstance(column[0], tuple) or not isinstance(column[0][0], TensorBase):
+                    self._shape_changed(result, index, column[0][0], rows)
+                column.append((_kept(leaf), weight))
+            elif kind != _LOSS and not self.whole and isinstance(leaf, TensorBase) and leaf.numel() > 1:
                 # Added up as it comes, as a hand loop adds into one tensor: kept one per micro-batch, a
                 # confusion matrix would cost as many as there are micro-batches.
                 column.append(_Total(leaf.detach(), weight, kind))

@@ -392,7 +392,7 @@ class Results:
         if self.out is not None and _reads_from(leaf, view):
             leaf = leaf.clone()
         try:
-            if leaf.requires_grad and self.out is None and torch.is_grad_enabled():
+            if (leaf.requires_grad or target.requires_grad) and self.out is None and _plain_autograd():
                 _Written.apply(target, leaf, dim, begin)  # type: ignore[no-untyped-call]
             else:
                 view.copy_(leaf)
@@ -572,6 +572,16 @@ class Results:
         if self.targets is None:
             return self.single
         return tree_unflatten(self.targets, cast(TreeSpec, self.spec))
+
+
+def _plain_autograd() -> bool:
+    """Whether a graph is recorded, by reverse mode alone: no forward-mode level, no torch.func transform."""
+    # Under those, _Written (a Function with neither jvp nor setup_context) is refused: copy_ serves them.
+    return (
+        torch.is_grad_enabled()
+        and torch.autograd.forward_ad._current_level < 0
+        and not torch._C._are_functorch_transforms_active()
+    )
 
 
 class _Written(torch.autograd.Function):
