@@ -621,7 +621,9 @@ def test_keyword_tensor_of_different_size_is_named() -> None:
 
 
 def test_no_tensor_argument() -> None:
-    with pytest.raises(ValueError, match=r"none of the arguments is a tensor \(got \['list', 'int'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"none of the arguments is a tensor \(got \['list', 'int'\]\): koila.range takes data"
+    ):
         koila.chunked(lambda a, b: a, [1, 2], 3)
 
 

@@ -647,9 +647,14 @@ class Split:
             if 1 not in sizes:
                 shown = [type(value).__name__ for value in (*self.args, *self.kwargs.values())]
                 what = "none of the arguments is a tensor" if not sizes else "every tensor is 0-dimensional"
+                other = (
+                    ": koila.range takes data that is not a tensor (a list of texts, a dataset), by index"
+                    if self.front_end == "koila.chunked" and not sizes
+                    else ""
+                )
                 raise ValueError(
                     f"{self.front_end} splits the tensors in its arguments along dim {self.dim}, and {what} "
-                    f"(got {shown})"
+                    f"(got {shown}){other}"
                 )
             rows = 1
         return rows, [index for index, size in enumerate(given if attributes else sizes) if size == rows]
