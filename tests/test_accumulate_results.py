@@ -142,3 +142,26 @@ def test_a_number_and_a_tensor_in_one_place_are_refused_by_name() -> None:
     seen.clear()
     with pytest.raises(ValueError, match=r"returned float 0.0 at the result\['stat'\] .* a tensor of shape \(3,\)"):
         koila.accumulate(initial=2, cache=koila.NoCache())(step)(x, False)
+
+
+@pytest.mark.parametrize(
+    ("first", "later", "expected"),
+    [
+        (torch.tensor(0.5, dtype=torch.float64), 0.0, torch.tensor(0.125, dtype=torch.float64)),
+        (torch.tensor([0.5], dtype=torch.float64), 0.0, torch.tensor([0.125], dtype=torch.float64)),
+        (torch.tensor(3), 0, torch.tensor(3)),
+        (0.0, torch.tensor(0.5, dtype=torch.float64), torch.tensor(0.375, dtype=torch.float64)),
+    ],
+)
+def test_a_one_element_tensor_and_a_number_in_one_place_add_up(first: Any, later: Any, expected: Any) -> None:
+    # A recall that is 0.0 for a micro-batch with no positive rows: a tensor then a number failed in
+    # torch.stack once every micro-batch had run (probe 74L), where the reverse order added up.
+    x = torch.randn(8, 3, dtype=torch.float64)
+    calls: list[int] = []
+
+    def step(x: torch.Tensor) -> dict[str, Any]:
+        calls.append(1)
+        return {"loss": x.pow(2).mean(), "stat": first if len(calls) == 1 else later}
+
+    got = koila.accumulate(initial=2, cache=koila.NoCache())(step)(x)["stat"]
+    torch.testing.assert_close(got, expected)

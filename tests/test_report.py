@@ -599,6 +599,7 @@ def test_a_device_this_process_lacks_is_refused_as_free_memory_refuses_it() -> N
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")  # torch's, once per process
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_a_sparse_tensor_is_counted_by_its_indices_and_values() -> None:
     # A sparse embedding's gradient (8 MiB here) was left out of the rows and the total: not strided.
     torch.manual_seed(0)
@@ -615,4 +616,14 @@ def test_a_sparse_tensor_is_counted_by_its_indices_and_values() -> None:
     assert held["weight.grad (values)"].kind == "gradient"
     assert held["weight.grad (values)"].views == ()  # the sparse tensor itself is no other view of it
     loose_bytes = loose._values().untyped_storage().nbytes()
-    assert any(row.nbytes == loose_bytes and row.kind == "tensor" for row in found.rows)
+    assert any(row.nbytes == loose_bytes and row.names == ("sparse tensor (values)",) for row in found.rows)
+    # An unnamed sparse tensor that keeps a graph is marked by its own grad_fn (its parts have none, or one of
+    # their own: a compressed layout's values() is differentiable), probe 74L.
+    weight = torch.randn(30, 30, requires_grad=True)
+    kept, csr = (weight * 2).to_sparse(), torch.nn.Parameter(torch.eye(40).to_sparse_csr())
+    names = [name for row in koila.report(device="cpu", top=1000).rows for name in row.names]
+    assert "sparse tensor (values) (ToSparseBackward1 keeps its autograd graph)" in names
+    assert "sparse tensor (indices) (ToSparseBackward1 keeps its autograd graph)" in names
+    assert not any("ValuesBackward" in name for name in names)
+    assert kept.grad_fn is not None
+    assert csr.grad_fn is None

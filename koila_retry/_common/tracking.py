@@ -344,7 +344,10 @@ def _add_storages(tensor: torch.Tensor, storages: list[torch.UntypedStorage]) ->
 def sparse_parts(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
     """Return the named tensors a sparse tensor's memory is held in; ``None`` for any other layout."""
     parts = _SPARSE_PARTS.get(tensor.layout)
-    return None if parts is None else [(part.lstrip("_"), getattr(tensor, part)()) for part in parts]
+    if parts is None:
+        return None
+    with torch.no_grad():  # a compressed layout's values() is differentiable: a node of its own, not the tensor's
+        return [(part.lstrip("_"), getattr(tensor, part)()) for part in parts]
 
 
 _SPARSE_PARTS = {

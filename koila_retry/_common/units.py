@@ -83,7 +83,7 @@ def as_int(value: Any) -> int | None:
         return None
     try:
         return operator.index(value)
-    except TypeError:  # a float tensor, or an array of several, has __index__ and refuses it
+    except (TypeError, RuntimeError):  # a float tensor, an array of several, a meta tensor: no int to give
         return None
 
 

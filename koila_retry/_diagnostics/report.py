@@ -493,16 +493,19 @@ class _Found:
     def scan(self) -> None:
         """Add every other tensor alive on the device, found without running a collection."""
         unnamed: dict[int, list[torch.Tensor]] = {}
+        sparse: dict[int, tuple[str, torch.Tensor]] = {}  # by storage: a sparse tensor's part, and the tensor
         for value in gc.get_objects():
             # ``type`` rather than ``isinstance``: a proxy's ``__class__`` could run code.
             if not issubclass(type(value), torch.Tensor) or id(value) in self.named:
                 continue
             parts = tracking.sparse_parts(value)
-            for held in [value] if parts is None else [held for _, held in parts]:
+            for part, held in [("", value)] if parts is None else parts:
                 found = self._storage_of(held)
                 if found is None:
                     continue
                 key, nbytes = found
+                if part:
+                    sparse[key] = (part, value)
                 entry = self.storages.get(key)
                 if entry is not None and entry.names:
                     entry.view(held)
@@ -513,8 +516,11 @@ class _Found:
             # The tensor that spans the whole storage is its base; the others view it.
             tensors.sort(key=lambda tensor: (not _covers(tensor, nbytes), -tensor.numel()))
             base = tensors[0]
-            graph = base.grad_fn
-            name = "tensor" if graph is None else f"tensor ({type(graph).__name__} keeps its autograd graph)"
+            part, owner = sparse.get(key, ("", base))
+            graph = owner.grad_fn  # a sparse tensor's, not its part's
+            name = f"sparse tensor ({part})" if part else "tensor"
+            if graph is not None:
+                name = f"{name} ({type(graph).__name__} keeps its autograd graph)"
             entry = self.storages[key] = _Storage(nbytes, "tensor", base, name)
             for tensor in tensors[1:]:
                 entry.view(tensor)

@@ -390,10 +390,12 @@ class Results:
                 if len(counts) == 1:
                     combined.append(counts[0])
                 elif isinstance(counts[0], TensorBase):  # booleans add up to whether any is true
+                    counts = [_like(value, counts[0]) for value in counts]
                     combined.append(torch.stack(counts).sum(0).to(counts[0].dtype))
                 else:
                     combined.append(sum(counts))
             elif isinstance(column[0][0], TensorBase):  # sum(value * weight) in a few operations
+                column = [(_like(value, column[0][0]), weight) for value, weight in column]
                 if all(weight == 1.0 for _, weight in column):
                     first = column[0][0]
                     if first.dtype in _EXACT:  # one operation repeated, warm after the first
@@ -530,6 +532,13 @@ def _overlap(leaf: torch.Tensor, part: torch.Tensor) -> bool:
         return False
     start, begin = leaf.data_ptr(), part.data_ptr()
     return start < begin + part.numel() * part.element_size() and begin < start + leaf.numel() * leaf.element_size()
+
+
+def _like(value: Any, first: TensorBase) -> Any:
+    """Return a number of a column that began with a one-element tensor as such a tensor, to add up with it."""
+    if isinstance(value, TensorBase):
+        return value
+    return torch.as_tensor(value, dtype=first.dtype, device=first.device).reshape(first.shape)
 
 
 class _Total:
