@@ -2051,3 +2051,17 @@ def test_ddp_with_a_static_graph_trains_as_the_plain_trainer_on_both_ranks(ddp_r
             for index, (mine, theirs) in enumerate(zip(value[run]["parameters"], value["expected"], strict=True)):
                 message = f"{run}, rank {rank}, parameter {index}"
                 torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance, msg=message)
+
+
+def test_the_integration_without_lightning_names_the_extra() -> None:
+    # A bare "No module named 'lightning'", where the transformers integration names its extra (probe 74M).
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = None\n"
+        "try:\n"
+        "    import koila_retry.integrations.lightning\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "koila_retry.integrations.lightning needs lightning (koila-retry's lightning extra)" in done.stdout

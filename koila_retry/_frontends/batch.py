@@ -21,7 +21,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, StackMemoryCache, function_identity, innermost
+from koila_retry._core.cache import CacheInfo, MethodKey, StackMemoryCache, function_identity, innermost
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -557,6 +557,8 @@ def _refuse_wrapper(fn: Any, front_end: str) -> NoReturn:
 
 def _keyed(fn: Callable[..., Any]) -> Any:
     """Return what a cache keys ``fn``'s calls by: the function, or its code where it cannot be hashed."""
+    if type(fn) is MethodType:  # an object's method (a wrapper made in __init__): not the object itself
+        return MethodKey(fn)
     try:
         hash(fn)
     except TypeError:  # an instance with __eq__ and no __hash__, such as a dataclass's

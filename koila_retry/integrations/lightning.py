@@ -21,10 +21,16 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BatchSizeFinder, Callback
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+except ImportError as _missing:  # as the transformers integration says it
+    raise ImportError(
+        f"koila_retry.integrations.lightning needs lightning (koila-retry's lightning extra): {_missing}"
+    ) from _missing
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
