@@ -10,7 +10,6 @@ import sys
 import threading
 import types
 import warnings
-import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
@@ -31,7 +30,6 @@ __all__ = [
     "Bound",
     "CacheInfo",
     "GlobalCache",
-    "MethodKey",
     "NoCache",
     "PerKey",
     "SizeCache",
@@ -73,42 +71,6 @@ def function_identity(function: object) -> tuple[str, int, str]:
         if code is None:  # no Python code: (module, 0, qualified name of the type)
             return (kind.__module__, 0, kind.__qualname__)
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
-
-
-class MethodKey:
-    """What keys a bound method's calls: its function and its object, the object held weakly.
-
-    Held by the method itself, a cache shared by the wrappers of many objects' methods (made in
-    ``__init__`` with ``cache=``) kept every one of those objects alive, and pickled each with it.
-    """
-
-    __slots__ = ("__weakref__", "__wrapped__", "_hash", "_object")
-
-    def __init__(self, method: types.MethodType) -> None:
-        self.__wrapped__ = method.__func__  # named by it where a key is written (a DiskCache's text)
-        owner = method.__self__
-        try:
-            self._object: Callable[[], object] = weakref.ref(owner)
-        except TypeError:  # an object without weak references (__slots__ without __weakref__), or a class
-            self._object = lambda: owner
-        self._hash = hash((method.__func__, id(owner)))
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not MethodKey or other.__wrapped__ is not self.__wrapped__:
-            return False
-        owner = self._object()
-        return owner is not None and owner is other._object()
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Its object is this process's: pickled (with the cache), it is the method's description, which
-        # no call of a live object's method matches.
-        return tuple, (function_identity(self.__wrapped__),)
-
-    def __repr__(self) -> str:
-        return f"MethodKey({self.__wrapped__.__qualname__}, {self._object()!r:.80})"
 
 
 def class_identity(kind: type, name: str) -> tuple[str, int, str]:

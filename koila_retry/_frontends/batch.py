@@ -21,7 +21,7 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, MethodKey, StackMemoryCache, function_identity, innermost
+from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity, innermost
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -288,6 +288,17 @@ class _Remake:
         return self.decorator()(fn)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        options = dict(self.decorator.keywords)
+        options.update(options.pop("options", None) or {})  # accumulate's integrations pass them as one
+        for name, value in options.items():
+            # A cache given to wrappers made in __init__ holds their bound methods in its keys, and with
+            # them their objects: pickled, it pickles them, and one pickled before them cannot be loaded.
+            if isinstance(value, SizeCache):
+                raise TypeError(
+                    f"cannot pickle a koila_retry wrapper made with {name}={value!r}: the cache is shared, and "
+                    f"its keys hold the objects of the wrappers made with it. Leave {name}= out (each wrapper "
+                    "then gets a new cache of its own), or make the wrapper again after loading (in __setstate__)"
+                )
         return _Remake, (self.decorator, self.binding)
 
 
@@ -557,8 +568,6 @@ def _refuse_wrapper(fn: Any, front_end: str) -> NoReturn:
 
 def _keyed(fn: Callable[..., Any]) -> Any:
     """Return what a cache keys ``fn``'s calls by: the function, or its code where it cannot be hashed."""
-    if type(fn) is MethodType:  # an object's method (a wrapper made in __init__): not the object itself
-        return MethodKey(fn)
     try:
         hash(fn)
     except TypeError:  # an instance with __eq__ and no __hash__, such as a dataclass's
