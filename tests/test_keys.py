@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
+import pickle
 import re
 import sys
+import weakref
 from collections.abc import Hashable
 from pathlib import Path
-from types import FrameType
+from types import FrameType, MethodType
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import koila_retry as koila
+from koila_retry._core.cache import weak_method
 from koila_retry._core.memory import describe_device
 from koila_retry.compat.toma import StacktraceMemoryBatchsizeCache
 from koila_retry.testing import oom_above, simulated_device
@@ -391,3 +396,126 @@ def test_a_call_through_torchs_frames_is_keyed_by_the_line_that_called_it(depth:
     assert [key[3:6] for key in _SEEN[lines:]] == first
     assert all(where[:2] == (code.co_filename, code.co_name) for where in first)
     assert len(set(first)) == lines  # a key for each line
+
+
+class _Shared(nn.Module):
+    """Decorates its own method in ``__init__`` with a cache it is given (a sweep of models sharing one)."""
+
+    def __init__(self, cache: koila.SizeCache, fits: Any) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.fits = fits
+        self.run = koila.batch(initial=8, cache=cache)(self._work)
+
+    def _work(self, batch_size: int, x: torch.Tensor) -> torch.Tensor:
+        self.fits(batch_size)
+        return torch.cat([self.lin(rows) for rows in x.split(batch_size)])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [koila.StackMemoryCache, koila.GlobalCache, lambda: koila.StackMemoryCache(key=lambda f, c, d, s: (f, d))],
+    ids=["stack", "global", "users"],
+)
+def test_a_cache_shared_by_wrappers_made_in_init_keeps_none_of_their_objects_alive(make: Any) -> None:
+    # Its keys held each wrapper's bound method, and with it the model: every model of a sweep lived as
+    # long as the cache (probe 74M).
+    cache, fits = make(), oom_above(4)
+    models: list[weakref.ref[_Shared]] = []
+    for _ in range(3):
+        model = _Shared(cache, fits)
+        model.run(torch.randn(10, 4))
+        assert model.run.stats.batch_size == 4
+        assert model.run(torch.randn(10, 4)).shape == (10, 2)
+        models.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert len(cache) >= 3
+    assert [model() for model in models] == [None, None, None]
+    assert all("no longer exists" in repr(key) for key in cache)
+    # A model made now, perhaps where a gone one lived, finds none of their sizes: it starts at 8.
+    fresh = _Shared(cache, oom_above(100))
+    fresh.run(torch.randn(10, 4))
+    assert fresh.run.stats.batch_size == 8
+
+
+def test_a_method_s_weak_key_is_the_method_while_its_object_lives(tmp_path: Path) -> None:
+    cache, model = koila.GlobalCache(), _Shared(koila.NoCache(), oom_above(100))
+    model.run = koila.batch(initial=8, cache=cache)(model._work)
+    cache[model.run.__wrapped__] = 2  # the documented way to set a size (recovery.rst)
+    model.run(torch.randn(10, 4))
+    assert model.run.stats.batch_size == 2
+    assert cache.cache_info().hits == 1
+    assert list(cache.keys()) == [model._work]  # the user's own key, kept as given
+    stored = _Shared(cache, oom_above(4))
+    stored.run(torch.randn(10, 4))
+    key = next(key for key in cache if key is not model.run.__wrapped__)
+    model = stored
+    assert key == model._work
+    assert model._work == key
+    assert hash(key) == hash(model._work)
+    assert key != _Shared(cache, oom_above(100))._work  # another object's
+    assert key.__qualname__ == "_Shared._work"
+    assert key.__self__ is model
+    assert torch.equal(key(3, torch.ones(1, 4)), model._work(3, torch.ones(1, 4)))  # callable as the method
+    assert copy.deepcopy(key) is key
+    # Pickled with the cache, it is the method: its object goes along, as it did before it was held weakly.
+    owner = _Counted()
+    loaded = pickle.loads(pickle.dumps(weak_method(owner.count)))
+    assert loaded.__func__ is _Counted.count
+    assert loaded.__self__.total == 7
+    # A DiskCache names it as it names the method (the text the next run reads).
+    disk = koila.DiskCache(tmp_path / "sizes.json", key=koila.global_key)
+    assert disk.key(key, None, CPU) == disk.key(model._work, None, CPU)
+    assert "_Shared._work (" in disk.key(key, None, CPU)
+
+
+def test_a_weak_key_s_object_gone_matches_nothing_and_pickles_as_a_description() -> None:
+    cache = koila.GlobalCache()
+    model = _Shared(cache, oom_above(4))
+    model.run(torch.randn(10, 4))
+    (key,) = cache.keys()
+    del model
+    gc.collect()
+    assert key.__self__ is None
+    assert key != key.__func__
+    assert "no longer exists" in repr(key)
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        key(4, torch.ones(1, 4))
+    assert "_Shared._work" in pickle.loads(pickle.dumps(key))
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self.total = 7
+
+    def count(self, batch_size: int) -> int:
+        return self.total
+
+
+_FITS_2 = oom_above(2)
+
+
+class _Slotted:
+    """An object without weak references: its method stays the key, as before."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def work(self, batch_size: int) -> int:
+        self.seen.append(batch_size)
+        _FITS_2(batch_size)
+        return batch_size
+
+
+def test_an_object_without_weak_references_is_keyed_by_its_method() -> None:
+    cache, owner = koila.GlobalCache(), _Slotted()
+    run = koila.batch(initial=8, cache=cache)(owner.work)
+    assert run() == 2
+    (key,) = cache
+    assert type(key) is MethodType
+    assert key == owner.work
+    assert run() == 2
+    assert owner.seen == [8, 4, 2, 2]

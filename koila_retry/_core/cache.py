@@ -10,6 +10,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
@@ -40,6 +41,7 @@ __all__ = [
     "function_identity",
     "innermost",
     "made",
+    "weak_method",
 ]
 
 
@@ -73,6 +75,78 @@ def function_identity(function: object) -> tuple[str, int, str]:
     return (code.co_filename, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))  # 3.10: no qualname
 
 
+class MethodRef:
+    """A bound method that holds its object weakly: what a wrapper of one (made in ``__init__``) is keyed by.
+
+    Equal to the method itself while its object lives, and hashed alike (``cache[step.__wrapped__]``
+    finds it); never equal to anything once the object is gone.
+    """
+
+    __slots__ = ("__func__", "_hash", "_object")
+
+    def __init__(self, method: types.MethodType, hashed: int) -> None:
+        self.__func__ = method.__func__
+        self._object = weakref.ref(method.__self__)
+        self._hash = hashed
+
+    @property
+    def __self__(self) -> object:
+        return self._object()
+
+    def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, __wrapped__ ...: the function's
+        if name == "__func__":  # not set yet (a subclass's copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._object()
+        if owner is None:
+            raise ReferenceError(f"the object of {self!r} no longer exists")
+        return self.__func__(owner, *args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if type(other) is MethodRef:
+            owner = other._object()
+        elif type(other) is types.MethodType:
+            owner = other.__self__
+        else:
+            return NotImplemented
+        return owner is not None and owner is self._object() and bool(other.__func__ == self.__func__)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __copy__(self) -> MethodRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MethodRef:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (with a cache), the method while its object lives, as before it was kept weakly.
+        owner = self._object()
+        if owner is None:
+            return tuple, (("a method of an object that no longer exists", *function_identity(self.__func__)),)
+        return types.MethodType(self.__func__, owner).__reduce__()
+
+    def __repr__(self) -> str:
+        owner = self._object()
+        qualname = getattr(self.__func__, "__qualname__", self.__func__)
+        return f"<bound method {qualname} of {'an object that no longer exists' if owner is None else repr(owner)}>"
+
+
+def weak_method(function: object) -> object:
+    """Return ``function``, or a :class:`MethodRef` of it where it is a bound method of a weakly referable object."""
+    if type(function) is not types.MethodType:
+        return function
+    try:
+        return MethodRef(function, hash(function))
+    except TypeError:  # its object takes no weak reference (__slots__), or its function cannot be hashed
+        return function
+
+
 def class_identity(kind: type, name: str) -> tuple[str, int, str]:
     """Return the identity of ``name``, a step of class ``kind``: by the module that defines it, or a script's file."""
     where = kind.__module__
@@ -102,7 +176,7 @@ def _runs(function: object) -> object:
     for _ in range(100):
         if isinstance(function, functools.partial):
             function = function.func
-        elif isinstance(function, types.MethodType):
+        elif isinstance(function, types.MethodType | MethodRef):
             function = function.__func__
         elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
             # Every @torch.no_grad() function runs the same wrapper, whose code would name them

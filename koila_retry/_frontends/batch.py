@@ -21,7 +21,14 @@ from koila_retry._common.dynamo import not_traced
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
-from koila_retry._core.cache import CacheInfo, SizeCache, StackMemoryCache, function_identity, innermost
+from koila_retry._core.cache import (
+    CacheInfo,
+    SizeCache,
+    StackMemoryCache,
+    function_identity,
+    innermost,
+    weak_method,
+)
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -572,7 +579,8 @@ def _keyed(fn: Callable[..., Any]) -> Any:
         hash(fn)
     except TypeError:  # an instance with __eq__ and no __hash__, such as a dataclass's
         return function_identity(fn)
-    return fn
+    # A method bound in __init__, held weakly: a cache shared by many objects' wrappers kept them all alive.
+    return weak_method(fn)
 
 
 def _wrapper(
