@@ -124,7 +124,7 @@ class MethodRef:
     def __deepcopy__(self, memo: dict[int, Any]) -> MethodRef:
         return self
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> str | tuple[Any, ...]:
         # Pickled (with a cache), the method while its object lives, as before it was kept weakly.
         owner = self._object()
         if owner is None:
