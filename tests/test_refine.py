@@ -492,3 +492,46 @@ def test_a_numpy_bool_for_refine_is_refused_naming_numpy() -> None:
         koila.batch(refine=np.bool_(True))
     with pytest.raises(TypeError, match=r"refine must be a bool, got int 1$"):  # Python's own types as they were
         koila.batch(refine=1)  # type: ignore[arg-type]
+
+
+def test_a_key_evicted_from_a_full_cache_searches_afresh() -> None:
+    # Its size went, its bound stayed: the new failures above the old bound were not recorded, the first
+    # success above it deleted it, and refine never searched between the new fit and the next failure
+    # (probe 75C: 256 for good, where 296 fit).
+    cache = koila.GlobalCache(maxsize=1)
+    limits, tried = {"refined": 100, "other": 100}, {"refined": [], "other": []}
+
+    def step_of(name: str, refine: bool) -> Any:
+        @koila.batch(initial=1024, refine=refine, cache=cache)
+        def step(batch_size: int) -> int:
+            tried[name].append(batch_size)
+            oom_above(limits[name])(batch_size)
+            return batch_size
+
+        return step
+
+    refined, other = step_of("refined", True), step_of("other", False)
+    for _ in range(4):
+        refined()
+    assert len(cache.bounds._keys) == 1  # what refine learnt: 104 failed
+    other()  # stores its size, evicting refined's (maxsize=1)
+    assert len(cache.bounds._keys) == 0
+    limits["refined"] = 300
+    tried["refined"].clear()
+    for _ in range(6):
+        refined()
+    assert tried["refined"] == [1024, 512, 256, 384, 256, 320, 256, 288, 304, 288, 296]
+    assert refined() == 296
+
+
+def test_an_evicted_key_s_bound_leaves_a_disk_cache_s_file_with_its_size(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path, maxsize=1)
+    cache["a"] = 96
+    cache.bounds.update("a", lambda _: (104, 0))
+    cache["b"] = 8  # evicts a
+    assert "a" not in cache
+    assert cache.bounds.get("a") is None
+    content = json.loads(path.read_text())
+    assert content["sizes"] == {"b": 8}
+    assert "a" not in content.get("bounds", {})  # the next run would have started its search from it

@@ -409,6 +409,7 @@ class Sizes(MutableMapping[Hashable, int]):
             size = number
         if size < 1:
             raise ValueError(f"a batch size must be >= 1, got {size} for key {key!r}")
+        evicted = []
         with self._lock:
             sizes, order = self._sizes, self._order
             if key in sizes:
@@ -417,13 +418,18 @@ class Sizes(MutableMapping[Hashable, int]):
                 # The order holds every stored key (added first, removed last), and a key whose size an
                 # interrupt (Ctrl-C) kept from being stored: dropped with no harm.
                 while len(order) >= self._maxsize:
-                    evicted = order.popitem(last=False)[0]
-                    sizes.pop(evicted, None)
-                    self._samples.pop(evicted, None)
+                    evicted.append(order.popitem(last=False)[0])
+                    sizes.pop(evicted[-1], None)
+                    self._samples.pop(evicted[-1], None)
                 order[key] = None
             sizes[key] = size
             self._samples.pop(key, None)  # proven on the samples of the call that stores it, if it says
             self._recent = [(self._latest(key), size)]  # after the change: the insertion may have evicted the last key
+        if evicted:
+            self._evicted(evicted)
+
+    def _evicted(self, keys: list[Hashable]) -> None:
+        """Forget what is kept beside the sizes of ``keys``, evicted to make room."""
 
     def __delitem__(self, key: Hashable) -> None:
         if self._discard(key) is None:
@@ -681,11 +687,17 @@ class SizeCache(Sizes, ABC):
         return None
 
     def _discard(self, key: Hashable) -> int | None:
-        # With the size goes what refine learnt of the key (del, pop, an eviction, a call at its ceiling).
+        # With the size goes what refine learnt of the key (del, pop, a call at its ceiling).
         size = super()._discard(key)
         if self.bounds.get(key) is not None:
             self.bounds.update(key, lambda _: None)
         return size
+
+    def _evicted(self, keys: list[Hashable]) -> None:
+        # An evicted key searches afresh: a bound kept without its size stopped refine's search (probe 75C).
+        for key in keys:
+            if self.bounds.get(key) is not None:
+                self.bounds.update(key, lambda _: None)
 
     def cache_clear(self) -> None:
         """Forget every size, what grows back and what was derived, and reset the hit and miss counts."""
