@@ -346,7 +346,9 @@ class _Held(NamedTuple):
 
 def _gradients(name: str, parameter: torch.Tensor, held: _Held) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield the gradients of ``parameter``: ``.grad`` (or the one set aside), and the step's."""
-    gradient = parameter.grad if parameter.grad is not None else held.aside.get(id(parameter))
+    gradient = parameter.grad
+    if gradient is None:
+        gradient = held.aside.get(id(parameter))
     if gradient is not None:
         yield f"{name}.grad", "gradient", gradient
     gradient = held.step.get(id(parameter))

@@ -590,8 +590,13 @@ class Gradients:
         self.sums, self.leaves, self.owned = {}, {}, set()
         if self.committing:  # interrupted (Ctrl-C) as it began: restore() finishes, or none is given
             return
+        # Each gradient outlives its assignment: freed inside the setter, it crashed another thread's step
+        # reading .grad as it gave up (its diagnosis, probe 75F), as PyTorch does for any such race.
+        dropped = []
         for leaf in [*self.exposed.values(), *self._faint()]:
+            dropped.append(leaf.grad)
             leaf.grad = None
+        del dropped
 
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""

@@ -94,8 +94,11 @@ class OtherLeaves:
 
     def undo(self) -> None:
         """After an attempt that failed: drop what it wrote."""
+        dropped = []  # freed after the assignments, not inside them (see Gradients.discard)
         for leaf, _ in self.aside.values():
+            dropped.append(leaf.grad)
             leaf.grad = None
+        del dropped
 
     def restore(self) -> None:
         """After the step: add the gradients set aside back into what it wrote, as a backward adds into ``.grad``."""
