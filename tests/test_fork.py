@@ -141,3 +141,81 @@ def test_an_owner_freed_in_the_middle_of_a_registration_does_not_hang_it() -> No
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "registered True False\n"
+
+
+@pytest.mark.parametrize("held", ["stats", "toma", "own_backward", "growing"])
+def test_a_fork_while_another_thread_holds_a_lock_of_koila_s_leaves_the_child_its_calls(held: str) -> None:
+    # A wrapper's stats (every OOM takes its lock) and compat.toma's contexts (every toma call) hung the
+    # child's first call that took them (probe 75E).
+    setup = f"""
+        import os, threading
+        import koila_retry as koila
+        from koila_retry.compat import toma
+        from koila_retry._core import growing
+        from koila_retry._frontends import own_backward
+        from koila_retry.testing import oom_above
+
+        fits = oom_above(8)
+
+        @koila.batch(initial=64, grow=True, cache=koila.NoCache())
+        def work(batch_size):
+            fits(batch_size)
+            return batch_size
+
+        work()
+        lock = {{"stats": lambda: work.stats._lock, "toma": lambda: toma._contexts_lock,
+                 "own_backward": lambda: own_backward._lock, "growing": lambda: growing._LOCK}}["{held}"]()
+        holding, stop = threading.Event(), threading.Event()
+
+        def hold():
+            with lock:
+                holding.set()
+                stop.wait()
+
+        threading.Thread(target=hold, daemon=True).start()
+        holding.wait()
+    """
+    child = 'print("child", work(), toma.simple.batch(lambda batch_size: batch_size, 8), flush=True)'
+    out = _run(setup, child, "stop.set()")
+    assert "child 8 8" in out
+    assert "child exit status 0" in out
+
+
+def test_a_fork_waits_for_an_estimate_another_thread_runs() -> None:
+    # The child inherited it half done: the collector paused for good, the model's parameters in the
+    # estimate's stand-in containers, a forward hook on every module, and its next estimate waited for ever
+    # on the lock the estimating thread held (probe 75E).
+    setup = """
+        import gc, os, threading, time
+        import torch
+        import torch.nn.functional as F
+        import koila_retry as koila
+
+        model = torch.nn.Linear(4, 2)
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        in_estimate, may_go_on = threading.Event(), threading.Event()
+
+        def loss(x, y):
+            if x.is_meta and not may_go_on.is_set():  # the estimate's run, which the fork comes in the middle of
+                in_estimate.set()
+                may_go_on.wait()
+            return F.mse_loss(model(x), y)
+
+        step = koila.accumulate(loss, initial="auto")
+        other = koila.accumulate(lambda x, y: F.mse_loss(model(x), y), initial="auto")
+        thread = threading.Thread(target=step, args=(x, y))
+        thread.start()
+        in_estimate.wait()
+        # The estimate goes on a moment after the fork has begun (which waits for it, or forks at once).
+        threading.Timer(0.5, may_go_on.set).start()
+    """
+    child = """
+    hooks = len(torch.nn.modules.module._global_forward_hooks)
+    print("child", gc.isenabled(), type(model._parameters).__name__, hooks, flush=True)
+    may_go_on.set()
+    print("child steps", float(step(x, y)) > 0, float(other(x, y)) > 0, flush=True)
+    """
+    out = _run(setup, child, "thread.join()")
+    assert "child True dict 0" in out
+    assert "child steps True True" in out
+    assert "child exit status 0" in out

@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 import koila_retry as koila
+from koila_retry._estimation.auto import _Memo
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.in_flight import IN_FLIGHT, InFlight
 
@@ -293,3 +294,38 @@ def test_a_leaf_that_cannot_take_its_gradient_back_lets_go_all_the_same() -> Non
     model.zero_grad()
     koila.accumulate(loss)(x, y)  # the next step runs, and writes its gradient
     assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+def test_an_interrupt_as_the_first_auto_estimate_is_registered_leaves_later_calls_free() -> None:
+    # A Ctrl-C right after the "being made" event was registered, as the lock was let go, escaped before the
+    # try that sets it: every later call of the step waited on it for ever (probe 75E).
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    step = koila.accumulate(lambda x, y: F.mse_loss(model(x), y), initial="auto")
+    code = _Memo.estimates_of.__code__
+    raised = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            memo, key = frame.f_locals["self"], frame.f_locals["key"]
+            if event == "line" and not raised and key in memo.making:  # the first line after registering it
+                raised.append(frame.f_lineno)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(x, y)
+    finally:
+        sys.settrace(None)
+    assert raised
+    done = threading.Thread(target=step, args=(x, y), daemon=True)
+    done.start()
+    done.join(120)  # a hang, not a time: it waits for ever without the fix
+    assert not done.is_alive()

@@ -18,6 +18,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from koila_retry._common.forks import locks_renewed_in_child
+
 __all__ = ["compiled_code_runs_eagerly", "not_traced", "not_traced_package"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -84,6 +86,7 @@ def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
 # Threads that estimate or profile now, and the stance to put back when the last is done.
 _eager: list[Any] = [0, None]
 _eager_lock = threading.Lock()
+locks_renewed_in_child(globals(), "_eager_lock")  # a fork while another thread held it
 
 
 @contextlib.contextmanager

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["renewed_in_child"]
+__all__ = ["locks_renewed_in_child", "renewed_in_child"]
 
 T = TypeVar("T")
 # No lock: the collector runs weakref callbacks in whatever thread allocates, also in the middle of a
@@ -27,6 +28,20 @@ def renewed_in_child(owner: T, renew: Callable[[T], None]) -> None:
         _owners.pop(key, None)  # before its id can be another's: the object is not freed yet
 
     _owners[id(owner)] = (weakref.ref(owner, forget), renew)
+
+
+def locks_renewed_in_child(namespace: dict[str, Any], *names: str) -> None:
+    """Make the module's locks ``namespace[name]`` anew, of their kind, in the child of every fork."""
+
+    def renew() -> None:
+        for name in names:
+            namespace[name] = threading.RLock() if isinstance(namespace[name], _RLOCK) else threading.Lock()
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=renew)
+
+
+_RLOCK = type(threading.RLock())
 
 
 def _after_fork_in_child() -> None:

@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from koila_retry._common.forks import locks_renewed_in_child
+
 # Called with (bytes about to become live, bytes live now) before new storages are
 # counted; raising refuses the allocation.
 AllocationCheck = Callable[[int, int], None]
@@ -447,6 +449,7 @@ simulated = _SimulatedRegistry()
 #: registry, whose every read costs a thread-local lookup.
 anywhere = [0]
 _counting = threading.Lock()
+locks_renewed_in_child(globals(), "_counting")  # a fork while another thread held it
 
 
 # --- storages resized in place ------------------------------------------------------
@@ -465,6 +468,7 @@ class _Followers(threading.local):
 
 _followers = _Followers()
 _resize_lock = threading.Lock()
+locks_renewed_in_child(globals(), "_resize_lock")  # a fork while another thread held it
 _unwrapped_resize: list[Callable[..., Any]] = []
 _unwrapped_clone: list[Callable[..., Any]] = []
 

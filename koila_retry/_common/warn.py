@@ -14,6 +14,8 @@ import re
 import threading
 import warnings
 
+from koila_retry._common.forks import locks_renewed_in_child
+
 __all__ = ["global_hooks_added", "global_hooks_removed", "warn_or_log"]
 
 logger = logging.getLogger("koila_retry")
@@ -45,6 +47,7 @@ _HOOKS_WARNING = (
     0,
 )
 _hooks_lock = threading.Lock()
+locks_renewed_in_child(globals(), "_hooks_lock")  # a fork while another thread held it
 _hooks_held = 0
 
 

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, cast
 
+from koila_retry._common.forks import locks_renewed_in_child
 from koila_retry._core import decision
 from koila_retry._core.cache import PerKey, SizeCache, Streak
 from koila_retry._core.decision import Done, Step
@@ -57,6 +58,7 @@ class Streaks(Followed[Streak]):
 # By the cache's id, while it lives, and the kind followed.
 _FOLLOWED: dict[tuple[int, type[Any]], Followed[Any]] = {}
 _LOCK = threading.Lock()
+locks_renewed_in_child(globals(), "_LOCK")  # a fork while another thread held it
 F = TypeVar("F", bound=Followed[Any])
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from koila_retry._common.forks import locks_renewed_in_child
 from koila_retry._common.tensors import named_tensors_in
 from koila_retry._common.units import format_bytes
 from koila_retry._core import memory
@@ -33,6 +34,7 @@ _CPU = torch.device("cpu")
 # tensors to the block that lent them, which alone knows where they go back.
 _LENT: set[int] = set()
 _LENT_LOCK = threading.Lock()
+locks_renewed_in_child(globals(), "_LENT_LOCK")  # a fork while another thread held it
 _PYTHON_KEY = torch._C.DispatchKey.Python
 
 

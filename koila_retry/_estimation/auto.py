@@ -16,6 +16,7 @@ from cachetools import LRUCache
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from koila_retry._common import tracking
+from koila_retry._common.forks import renewed_in_child
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import same_device
 from koila_retry._core.cache import NoCache, SizeCache
@@ -116,24 +117,32 @@ class _Memo:
         self.fits: LRUCache[Hashable, _Fit] = LRUCache(maxsize=256)
         self.warned: set[Hashable] = set()  # what was warned about once: (function, why)
         self.making: dict[Hashable, threading.Event] = {}  # estimates being made, set when they are
+        renewed_in_child(self, _Memo.renewed)
+
+    def renewed(self) -> None:
+        """In a forked child: the lock anew, and no estimate being made by a thread the child has not."""
+        self.lock, self.making = threading.Lock(), {}
 
     def estimates_of(
         self, key: Hashable, make: Callable[[], MemoryEstimate], name: str, sample_bytes: int = 0
     ) -> _Estimates:
         """Return the estimates of ``key``, made by the first thread to ask while the others wait."""
-        while True:
-            with self.lock:
-                found = self.estimates.get(key)
-                if found is not None:
-                    return found
-                making = self.making.get(key)
-                if making is None:
-                    making = threading.Event()
-                    if self.keep:
-                        self.making[key] = making
-                    break
-            making.wait()
+        # One try from the start: an interrupt (Ctrl-C) right after the event is registered, as the lock is
+        # let go, left it never set, and every later call of the key waited on it for ever (probe 75E).
+        making: threading.Event | None = None
         try:
+            while True:
+                with self.lock:
+                    found = self.estimates.get(key)
+                    if found is not None:
+                        return found
+                    other = self.making.get(key)
+                    if other is None:
+                        making = threading.Event()
+                        if self.keep:
+                            self.making[key] = making
+                        break
+                other.wait()
             whole = self.made(
                 make, name, "the memory", "starts from the whole batch and halves on out-of-memory errors"
             )
@@ -142,10 +151,11 @@ class _Memo:
                 with self.lock:
                     self.estimates[key] = found
         finally:
-            with self.lock:
-                if self.making.get(key) is making:
-                    del self.making[key]
-            making.set()
+            if making is not None:
+                with self.lock:
+                    if self.making.get(key) is making:
+                        del self.making[key]
+                making.set()
         return found
 
     def fit(

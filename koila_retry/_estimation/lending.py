@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wr
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from koila_retry._common.forks import locks_renewed_in_child
 from koila_retry._common.tensors import same_device
 from koila_retry._common.walk import reachable
 from koila_retry._common.warn import global_hooks_added, global_hooks_removed
@@ -39,6 +41,15 @@ __all__ = ["Lent", "Loan", "Owned", "Swapping", "ThreadTracker", "borrowed", "bo
 # their proxies, and the first to end would take the second's away mid-run. The lock is
 # reentrant for a call that estimates inside an estimate. Real calls never take it.
 _ONE_AT_A_TIME = threading.RLock()
+if hasattr(os, "register_at_fork"):
+    # A fork waits for an estimate that another thread runs: its child would inherit it half done (the
+    # collector paused, the model's stand-ins, a forward hook on every module) and this lock held by a
+    # thread it does not have (probe 75E). The forking thread's own estimate goes on in both.
+    os.register_at_fork(
+        before=_ONE_AT_A_TIME.acquire,
+        after_in_parent=_ONE_AT_A_TIME.release,
+        after_in_child=_ONE_AT_A_TIME.release,
+    )
 _local = threading.local()
 
 # How deep into a container the overlay copies containers (an optimizer's groups hold
@@ -408,6 +419,7 @@ class _Installed(NamedTuple):
 # refer to it weakly (Lent.release), or the entry would keep its own key alive.
 _RETAINED: weakref.WeakKeyDictionary[Any, list[Lent]] = weakref.WeakKeyDictionary()
 _RETAINED_LOCK = threading.Lock()
+locks_renewed_in_child(globals(), "_RETAINED_LOCK")  # a fork while another thread held it
 
 
 class Loan:

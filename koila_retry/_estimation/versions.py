@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from koila_retry._common.forks import locks_renewed_in_child
 from koila_retry._common.places import levels_to_caller
 
 __all__ = ["RULE_SETS", "RuleSet", "checked_minor", "installed", "reset_warning", "unchecked", "warn_if_unchecked"]
@@ -96,6 +97,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
 installed = str(torch.__version__)
 
 _lock = threading.Lock()
+locks_renewed_in_child(globals(), "_lock")  # a fork while another thread held it
 _warned = False
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from koila_retry._common.forks import locks_renewed_in_child
+
 __all__ = ["BACKWARDS", "THREAD", "allowed", "call", "guard", "seen"]
 
 
@@ -34,6 +36,7 @@ class _Running(threading.local):
 # __exit__ is a Python call, where a Ctrl-C can land before it restores anything.
 THREAD = _Running()
 _lock = threading.Lock()
+locks_renewed_in_child(globals(), "_lock")  # a fork while another thread held it
 _guarded: list[Callable[..., Any]] = []  # the wrapper, once installed
 # The steps whose backward runs now, in any thread (autograd runs a device's nodes on a thread of its own):
 # each is told of a backward that a node runs inside another, and takes it if the node is one of its own.

@@ -52,6 +52,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypedDict, TypeVar, 
 import cachetools
 import torch
 
+from koila_retry._common.forks import locks_renewed_in_child
 from koila_retry._common.places import is_ours
 from koila_retry._core import distributed
 from koila_retry._core.cache import SizeCache, function_identity
@@ -172,6 +173,7 @@ class _Context(NamedTuple):
 
 _contexts: cachetools.LRUCache[tuple[CacheType, Hashable], _Context] = cachetools.LRUCache(CONTEXT_CACHE_SIZE)
 _contexts_lock = threading.Lock()
+locks_renewed_in_child(globals(), "_contexts_lock")  # a fork while another thread held it
 
 
 def _reset() -> None:
