@@ -84,3 +84,9 @@ def trainer(*callbacks: Any, **options: Any) -> Any:
 def assert_same_parameters(model: Any, reference: Any, **tolerance: float) -> None:
     for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(parameter, expected, **tolerance)
+
+
+def stand_in(**attributes: Any) -> Any:
+    """A ``Trainer`` not constructed, whose attributes are these (``strategy``: setup reads its type first)."""
+    kind = type("Trainer", (L.Trainer,), attributes)
+    return object.__new__(kind)

@@ -35,6 +35,7 @@ from _lightning_trainer import (  # noqa: E402
     assert_same_parameters,
     loader,
     quiet,  # noqa: F401 (autouse: Lightning's warnings off)
+    stand_in,
     trainer,
 )
 from lightning.pytorch.profilers import PassThroughProfiler  # noqa: E402
@@ -378,17 +379,30 @@ def test_importing_koila_retry_does_not_import_lightning() -> None:
     assert completed.stdout.strip() == "[]"
 
 
+def test_a_trainer_of_another_package_is_refused_in_setup_by_name() -> None:
+    # pytorch_lightning's Trainer (the same release under its old name) was refused for its strategy: "the
+    # trainer runs SingleDeviceStrategy, whose forward or backward communicates between the ranks" (probe 75D).
+    model = MLP()
+    stand_in = type("Trainer", (), {"strategy": L.pytorch.strategies.SingleDeviceStrategy()})()
+    with pytest.raises(TypeError, match=r"lightning.pytorch's Trainer, and this trainer is a .*Trainer\. The light"):
+        OOMRecovery().setup(stand_in, model, "fit")
+    assert "training_step" not in vars(model)
+    ptl = pytest.importorskip("pytorch_lightning")
+    with pytest.raises(TypeError, match=r"this trainer is a pytorch_lightning\.trainer\.trainer\.Trainer\."):
+        OOMRecovery().setup(ptl.Trainer(accelerator="cpu", logger=False), model, "fit")
+
+
 def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
     callback = OOMRecovery()
-    stand_in = type("Trainer", (), {"strategy": FSDPStrategy()})()  # setup reads only the strategy first
+    fake = stand_in(strategy=FSDPStrategy())  # setup reads only the strategy first
     model = MLP()
     with pytest.raises(
         RuntimeError,
         match=r"OOMRecovery serves one device, DDP or FSDP2 \(ModelParallelStrategy\); the trainer runs FSDPStrategy",
     ):
-        callback.setup(stand_in, model, "fit")
+        callback.setup(fake, model, "fit")
     assert "training_step" not in vars(model)
 
 
@@ -396,10 +410,10 @@ def test_a_strategy_that_communicates_inside_the_step_is_refused_in_setup() -> N
 def test_xla_on_several_cores_or_on_one_is_refused_in_setup(name: str) -> None:
     """SingleDeviceXLAStrategy is a SingleDeviceStrategy, not an XLAStrategy: refused by name too."""
     strategy = object.__new__(getattr(L.pytorch.strategies, name))  # made without torch_xla: setup reads its type
-    stand_in = type("Trainer", (), {"strategy": strategy, "callbacks": []})()
+    fake = stand_in(strategy=strategy, callbacks=[])
     model = MLP()
     with pytest.raises(RuntimeError, match=f"OOMRecovery does not serve XLA: the trainer runs {name}, "):
-        OOMRecovery().setup(stand_in, model, "fit")
+        OOMRecovery().setup(fake, model, "fit")
     assert "training_step" not in vars(model)
 
 

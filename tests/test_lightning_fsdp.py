@@ -93,13 +93,13 @@ def test_lightning_under_fsdp2_gives_up_on_every_rank_together(ranks: Group) -> 
 @pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy"])
 def test_fsdp1_and_deepspeed_stay_refused_by_name(name: str) -> None:
     import lightning.pytorch.strategies as strategies
-    from _lightning_trainer import MLP
+    from _lightning_trainer import MLP, stand_in
 
     from koila_retry.integrations.lightning import OOMRecovery
 
     kind = getattr(strategies, name)
     # Not constructed: DeepSpeed's needs deepspeed installed; setup reads only the strategy's type first.
-    stand_in: Any = type("Trainer", (), {"strategy": kind.__new__(kind)})()
+    stand_in: Any = stand_in(strategy=kind.__new__(kind))
     model = MLP()
     with pytest.raises(RuntimeError, match=f"serves one device, DDP or FSDP2 .*; the trainer runs {name}"):
         OOMRecovery().setup(stand_in, model, "fit")

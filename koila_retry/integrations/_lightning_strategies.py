@@ -19,14 +19,27 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
 from lightning.pytorch.strategies.xla import XLAStrategy
 
-__all__ = ["PLUGIN", "SCALED", "check_strategy", "counts_gradients", "micro_backward", "plain_backward"]
+__all__ = ["PLUGIN", "SCALED", "check_trainer", "counts_gradients", "micro_backward", "plain_backward"]
 
 # How a split step's micro-batches run their backward (None: loss.backward(), accumulate's default).
 SCALED, PLUGIN = "scaled by AMP's scaler", "through the precision plugin"
 
 
+def check_trainer(trainer: Any) -> None:
+    """Refuse, in ``setup``, a trainer or a strategy that ``OOMRecovery`` does not serve."""
+    if not isinstance(trainer, pl.Trainer):
+        # pytorch_lightning's Trainer, say: the same release under its old name, whose classes are not these.
+        kind = f"{type(trainer).__module__}.{type(trainer).__qualname__}"
+        raise TypeError(
+            f"OOMRecovery is a callback of lightning.pytorch's Trainer, and this trainer is a {kind}. The "
+            "lightning and pytorch_lightning packages do not mix: import Trainer and LightningModule from "
+            "lightning.pytorch (pip install 'koila-retry[lightning]')"
+        )
+    check_strategy(trainer.strategy)
+
+
 def check_strategy(strategy: Strategy) -> None:
-    """Refuse, in ``setup``, a strategy that ``OOMRecovery`` does not serve."""
+    """Refuse a strategy that ``OOMRecovery`` does not serve."""
     name = type(strategy).__name__
     # XLA on one core is a SingleDeviceStrategy too: refused by name, as XLA on several.
     if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):

@@ -49,7 +49,7 @@ from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, 
 from koila_retry.integrations._lightning_strategies import (
     PLUGIN,
     SCALED,
-    check_strategy,
+    check_trainer,
     counts_gradients,
     micro_backward,
     plain_backward,
@@ -141,7 +141,7 @@ class OOMRecovery(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put the wrappers in front of the module's steps (Lightning calls it)."""
-        check_strategy(trainer.strategy)
+        check_trainer(trainer)
         finders = [type(each).__name__ for each in cast(Any, trainer).callbacks if isinstance(each, BatchSizeFinder)]
         if finders:
             raise RuntimeError(
