@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import sys
@@ -1458,3 +1459,41 @@ def test_proxies_kept_for_dropped_handles_go_at_the_next_estimate() -> None:
     koila.estimate(plain, torch.randn(8, 4))
     assert len(lending._RETAINED.get(model, ())) < before
     assert model.weight.grad is None
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedTrainer:
+    model: nn.Module
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.model(x), y)
+
+
+def test_a_method_of_an_object_with_slots_is_estimated_with_the_model_it_holds() -> None:
+    # Its slots were not looked into: "aten.t.default was given a real tensor ... reached some way other
+    # than ... bound as self", and initial="auto" started from the whole batch (probe 75B).
+    trainer = _SlottedTrainer(nn.Linear(8, 1))
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    estimate = koila.estimate(trainer.loss, x, y)
+    assert estimate.peak(16) > 0
+
+
+def test_a_parametrization_registered_in_the_step_leaves_the_module_as_it_was() -> None:
+    # register_parametrization swaps the module's class for a subclass of its own, whose weight reads the
+    # parametrizations the run added: the estimate put the attributes back and left the class, and the
+    # model raised KeyError 'weight' ever after (probe 75B).
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if not nn.utils.parametrize.is_parametrized(model[0]):
+            nn.utils.parametrizations.weight_norm(model[0])  # set up lazily, on the first step
+        return model(x).sum()
+
+    koila.estimate(step, x)
+    assert type(model[0]) is nn.Linear
+    assert not nn.utils.parametrize.is_parametrized(model[0])
+    assert model(x).shape == (8, 1)
+    step(x).backward()  # the real step sets it up now
+    assert nn.utils.parametrize.is_parametrized(model[0])
+    assert model[0].parametrizations.weight.original0.grad is not None

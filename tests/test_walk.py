@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import types
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -108,6 +109,37 @@ def test_an_empty_closure_cell_is_skipped() -> None:
 def test_references_of_a_bound_method_are_self_and_the_function() -> None:
     holder = _Holder(1)
     assert references(holder.method) == [("self", holder), ("__func__", _Holder.method)]
+
+
+class _Slotted:
+    __slots__ = ("__private", "model", "unset")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.__private = model, 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.model(x))
+
+
+class _MoreSlots(_Slotted):
+    __slots__ = "extra"
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedTrainer:
+    model: torch.nn.Module
+
+
+def test_references_of_an_object_with_slots_are_the_slots_set_and_its_call() -> None:
+    # Nothing was found in an object without __dict__: an estimate of a dataclass(slots=True)'s method
+    # refused the model it holds as "reached some way other than ... bound as self" (probe 75B).
+    model = torch.nn.Linear(2, 2)
+    holder = _MoreSlots(model)
+    holder.extra = 5
+    assert references(holder) == [("extra", 5), ("__private", 2), ("model", model)]
+    assert references(_Slotted(model))[-1] == ("__call__", _Slotted.__call__)
+    assert references(_SlottedTrainer(model)) == [("model", model)]
+    assert model in list(reachable([_SlottedTrainer(model)]))
 
 
 def test_references_of_a_partial_are_its_function_arguments_and_keywords() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -80,13 +81,44 @@ def references(value: Any) -> list[tuple[str, Any]]:
             for index, (key, item) in enumerate(itertools.islice(value.items(), MAX_ITEMS))
         ]
     attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        found = list(attributes.items())
-        call = vars(type(value)).get("__call__")  # a callable object's own code names globals too
-        if isinstance(call, types.FunctionType):
-            found.append(("__call__", call))
+    found = list(attributes.items()) if isinstance(attributes, dict) else []
+    # And those in __slots__ (a dataclass(slots=True) holding the model, probe 75B), each read as its slot.
+    for name, slot in _slots(type(value)):
+        with contextlib.suppress(AttributeError):  # not set
+            found.append((name, slot.__get__(value)))
+    if not found and not isinstance(attributes, dict):
         return found
-    return []
+    call = vars(type(value)).get("__call__")  # a callable object's own code names globals too
+    if isinstance(call, types.FunctionType):
+        found.append(("__call__", call))
+    return found
+
+
+# Weakly: a class made for one object (a wrapper's, a parametrized module's) goes with it.
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...]] = weakref.WeakKeyDictionary()
+
+
+def _slots(kind: type) -> tuple[tuple[str, Any], ...]:
+    """Return the slots of ``kind``'s instances, by name, with their descriptors (Python classes' only)."""
+    known = _SLOTS.get(kind)
+    if known is not None:
+        return known
+    found = []
+    for klass in kind.__mro__:
+        names = vars(klass).get("__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            slot = vars(klass).get(_mangled(klass, name)) if isinstance(name, str) else None
+            if type(slot) is types.MemberDescriptorType:
+                found.append((name, slot))
+    _SLOTS[kind] = known = tuple(found)
+    return known
+
+
+def _mangled(klass: type, name: str) -> str:
+    """Return a private slot's attribute name (``__x`` of ``C`` is ``_C__x``)."""
+    if name.startswith("__") and not name.endswith("__"):
+        return f"_{klass.__name__.lstrip('_')}{name}"
+    return name
 
 
 def _defaults(function: types.FunctionType) -> list[tuple[str, Any]]:

@@ -411,6 +411,7 @@ class _Installed(NamedTuple):
     owner: Any
     saved: dict[str, Any]
     proxies: list[Lent]
+    kind: type  # its class: a parametrization registered in the run swaps it for a subclass of its own
 
 
 # Proxies that something still refers to weakly (a hook's RemovableHandle, made by another
@@ -459,7 +460,7 @@ class Loan:
                     proxy = _proxy(value, self._copied(seen, _DEPTH), self.thread)
                     attributes[name] = proxy
                     proxies.append(proxy)
-            self.installed.append(_Installed(owner, saved, proxies))
+            self.installed.append(_Installed(owner, saved, proxies, type(owner)))
         # The copies now live as long as the borrower's containers hold them, as the real ones do.
         self.mode.table = {key: (tensor, weakref.ref(meta)) for key, (tensor, meta) in self._copies.items()}
         self._copies.clear()
@@ -496,6 +497,9 @@ class Loan:
             self._copies.clear()
             for installed in reversed(self.installed):
                 _put_back(installed.owner, installed.saved)
+                if type(installed.owner) is not installed.kind:
+                    # Its new class (a parametrization's, probe 75B) reads what the run added, which is gone.
+                    installed.owner.__class__ = installed.kind
                 for proxy in installed.proxies:
                     proxy.retire()
                 _retain(installed.owner, installed.proxies)
