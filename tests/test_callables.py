@@ -13,6 +13,7 @@ import pickle
 import typing
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -562,6 +563,20 @@ def test_a_copy_shares_the_cache_it_was_given_and_makes_its_default_anew() -> No
         TypeError, match=r"cannot pickle a koila_retry wrapper made with cache=StackMemoryCache.*shared"
     ):
         torch.save(given, io.BytesIO())
+
+
+@pytest.mark.parametrize("kind", ["NoCache", "DiskCache"])
+def test_a_wrapper_given_a_cache_whose_keys_are_text_or_none_is_pickled(kind: str, tmp_path: Path) -> None:
+    # Refused, saying the cache's keys hold the wrappers' objects, which neither's do (probe 75E).
+    cache = koila.NoCache() if kind == "NoCache" else koila.DiskCache(tmp_path / "sizes.json")
+    net = _Net("batch", True, cache=cache)
+    x = torch.randn(10, 4)
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded.run(x), net.run(x))
+    assert type(loaded.run.cache_info.__self__) is type(cache)
 
 
 @pytest.mark.parametrize("make", [koila.StackMemoryCache, koila.GlobalCache, koila.NoCache])

@@ -294,6 +294,10 @@ class ReadsAValue(nn.Module):
         return hidden * 2 if hidden.sum().item() > 0 else hidden
 
 
+def lazy():
+    return nn.Sequential(nn.LazyLinear(4))
+
+
 settings = {"not": "callable"}
 """
 
@@ -390,6 +394,15 @@ def test_more_memory_fits_a_larger_batch(models: Path, capsys: pytest.CaptureFix
     )
     assert largest(out) <= answers[1]
     assert "(with a 150% margin)" in out
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_a_lazy_module_is_estimated_in_both_modes(models: Path, capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    # In infer mode it failed with the estimate's advice, "run the model once on a real batch ... or pass
+    # initial=", which a user of the command line cannot follow (probe 75B); train mode ran a step first.
+    status, out, err = estimate_cli(capsys, "koila_cli_models:lazy", "--input", "8", "--memory", "1MiB", "--mode", mode)
+    assert status == 0, err
+    assert table(out)[8][0] > 0
 
 
 def test_inference_needs_less_than_training(models: Path, capsys: pytest.CaptureFixture[str]) -> None:

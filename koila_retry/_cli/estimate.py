@@ -249,6 +249,11 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                     # (.cpu(), a new CPU tensor): estimate two steps there, the second holding the first's state.
                     # What fails there too is the estimate's error, which notes why and what to do.
                     step = _twice(step)
+            elif any(nn.parameter.is_lazy(tensor) for tensor in (*model.parameters(), *model.buffers())):
+                # A lazy module (nn.LazyLinear) makes its parameters in its first forward, from the input's
+                # shape: the estimate cannot, and its advice (run the model once) is this (probe 75B).
+                with contextlib.suppress(Exception):  # what fails here fails in the estimate, which says why
+                    _warm_up(step, inputs)
             found = estimate(step, *inputs, device=device, fsdp=args.fsdp)
         except SystemExit as exc:
             raise Failure(

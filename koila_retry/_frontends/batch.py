@@ -23,12 +23,14 @@ from koila_retry._common.walk import FrameValues
 from koila_retry._core.attempt import Block
 from koila_retry._core.cache import (
     CacheInfo,
+    NoCache,
     SizeCache,
     StackMemoryCache,
     function_identity,
     innermost,
     weak_method,
 )
+from koila_retry._core.disk import DiskCache
 from koila_retry._core.engine import Attempt, Call, Controller, run_async
 from koila_retry._core.memory import default_device, resolve_device
 from koila_retry._core.policy import DEFAULT_INITIAL, Options, Policy
@@ -300,7 +302,7 @@ class _Remake:
         for name, value in options.items():
             # A cache given to wrappers made in __init__ holds their bound methods in its keys, and with
             # them their objects: pickled, it pickles them, and one pickled before them cannot be loaded.
-            if isinstance(value, SizeCache):
+            if isinstance(value, SizeCache) and not isinstance(value, (NoCache, DiskCache)):  # text keys, or none
                 raise TypeError(
                     f"cannot pickle a koila_retry wrapper made with {name}={value!r}: the cache is shared, and "
                     f"its keys hold the objects of the wrappers made with it. Leave {name}= out (each wrapper "
