@@ -2124,3 +2124,44 @@ def test_the_integration_without_lightning_names_the_extra() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "koila_retry.integrations.lightning needs lightning (koila-retry's lightning extra)" in done.stdout
+
+
+class _WatchedInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory after watching when the gradients above it are freed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, params: list[torch.nn.Parameter], freed: list[bool]) -> torch.Tensor:
+        ctx.params, ctx.freed = params, freed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> Any:
+        params, freed = ctx.params, ctx.freed
+        for param in params:
+            if param.grad is not None:  # written by this failed backward
+                others = [other for other in params if other is not param]
+                weakref.finalize(param.grad, lambda others=others: freed.append(all(p.grad is None for p in others)))
+        raise make_oom()
+
+
+class WatchedHead(Lean):
+    """Its whole step's backward runs out of memory once the head's gradients are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        hidden = self.net[0](x)
+        if len(x) == 64:
+            hidden = _WatchedInBackward.apply(hidden, list(self.net[2].parameters()), self.freed)
+        return F.cross_entropy(self.net[2](self.net[1](hidden)), y)
+
+
+def test_a_failed_whole_backward_s_gradients_are_freed_after_every_grad_is_cleared() -> None:
+    # Freed one by one inside .grad's setter, where a read of that .grad (another thread's step giving up,
+    # koila.report) crashes the process (probe 75G: a bus error).
+    model = WatchedHead()
+    trainer(OOMRecovery(), max_steps=1).fit(model, loader(rows=64))
+    assert model.freed == [True, True]

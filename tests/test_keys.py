@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import json
 import pickle
 import re
@@ -446,11 +447,8 @@ def test_a_method_s_weak_key_is_the_method_while_its_object_lives(tmp_path: Path
     model.run(torch.randn(10, 4))
     assert model.run.stats.batch_size == 2
     assert cache.cache_info().hits == 1
-    assert list(cache.keys()) == [model._work]  # the user's own key, kept as given
-    stored = _Shared(cache, oom_above(4))
-    stored.run(torch.randn(10, 4))
-    key = next(key for key in cache if key is not model.run.__wrapped__)
-    model = stored
+    (key,) = cache.keys()  # yours, stored as the wrapper's own stores are: holding the object weakly
+    assert type(key) is not MethodType
     assert key == model._work
     assert model._work == key
     assert hash(key) == hash(model._work)
@@ -519,3 +517,36 @@ def test_an_object_without_weak_references_is_keyed_by_its_method() -> None:
     assert key == owner.work
     assert run() == 2
     assert owner.seen == [8, 4, 2, 2]
+
+
+def test_a_size_you_set_by_the_method_keeps_none_of_a_sweep_s_models_alive() -> None:
+    # cache[step.__wrapped__] = 4 stored the bound method itself as the key, and the wrapper's own stores
+    # reused it: every model of the sweep stayed alive (probe 75G).
+    cache = koila.GlobalCache()
+    models: list[weakref.ref[_Shared]] = []
+    for _ in range(3):
+        model = _Shared(cache, oom_above(4))
+        cache[model.run.__wrapped__] = 4
+        assert model.run(torch.randn(64, 4)).shape == (64, 2)
+        assert model.run.stats.batch_size == 4
+        models.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [model() for model in models] == [None, None, None]
+
+
+def test_a_key_function_of_yours_gets_a_method_as_it_is() -> None:
+    # It got the weak reference koila's own keys hold: its __module__, __doc__ and signature were the
+    # reference's, so a key of f"{f.__module__}.{f.__qualname__}" changed, and inspect.ismethod was False.
+    given: list[Any] = []
+
+    def mine(function: Any, caller: Any, device: torch.device, sample: Hashable = None) -> Hashable:
+        given.append(function)
+        return f"{function.__module__}.{function.__qualname__}"
+
+    model = _Shared(koila.StackMemoryCache(key=mine), oom_above(4))
+    model.run(torch.randn(10, 4))
+    assert inspect.ismethod(given[0])
+    assert given[0] == model._work
+    assert given[0].__module__ == __name__
+    assert next(iter(model.run.cache_info.__self__)) == f"{__name__}._Shared._work"

@@ -535,3 +535,19 @@ def test_an_evicted_key_s_bound_leaves_a_disk_cache_s_file_with_its_size(tmp_pat
     content = json.loads(path.read_text())
     assert content["sizes"] == {"b": 8}
     assert "a" not in content.get("bounds", {})  # the next run would have started its search from it
+
+
+def test_a_disk_cache_s_file_keeps_no_bound_of_a_key_whose_size_it_trimmed(tmp_path: Path) -> None:
+    # The file trims its sizes in the order they were stored, the memory evicts in the order they were used:
+    # a's bound stayed in the file without a's size, and the next run stopped refine's search for it (probe 75G).
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path, maxsize=2)
+    cache["a"] = 96
+    cache.bounds.update("a", lambda _: (104, 0))
+    cache["b"] = 8
+    cache.bounds.update("b", lambda _: (16, 0))
+    assert cache.lookup("a") == 96  # the most recently used in memory
+    cache["c"] = 8  # memory evicts b, the file trims a
+    content = json.loads(path.read_text())
+    assert set(content.get("bounds", {})) <= set(content["sizes"])
+    assert koila.DiskCache(path, maxsize=2).bounds.get("a") is None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["TensorBase", "named_tensors_in", "same_device", "tensors_in", "zeroed"]
+__all__ = ["TensorBase", "named_tensors_in", "same_device", "set_grads", "tensors_in", "zeroed"]
 
 # isinstance against torch.Tensor goes through its metaclass's __instancecheck__ (about
 # 0.3 us for each non-tensor argument); its C base class answers the same question directly.
@@ -50,6 +50,19 @@ def named_tensors_in(
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             yield from named_tensors_in(item, f"{where}[{index}]", within | {id(value)})
+
+
+def set_grads(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Give each leaf its gradient; the gradients replaced are freed once every one is given, not in the setter.
+
+    Freed inside ``.grad``'s setter, a gradient is destroyed while Python code the freeing runs (a finalizer,
+    another thread's step reading that ``.grad`` for its diagnosis) may read it: a crash (probes 75F, 75G).
+    """
+    replaced = []
+    for leaf, gradient in pairs:
+        replaced.append(leaf.grad)
+        leaf.grad = gradient
+    del replaced
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from koila_retry._common.tensors import set_grads
+
 __all__ = ["SetAside"]
 
 
@@ -48,18 +50,15 @@ class SetAside:
 
     def undo(self) -> None:
         """After an attempt that failed on some rank: drop its gradients."""
-        for parameter in self.parameters:
-            parameter.grad = None
+        set_grads((parameter, None) for parameter in self.parameters)
 
     def restore(self) -> None:
         """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
         aside, self.aside = self.aside, []
         for parameter, before in zip(self.parameters, aside, strict=True):
-            if before is None:
-                continue
-            if parameter.grad is not None:
+            if before is not None and parameter.grad is not None:
                 before.add_(parameter.grad)
-            parameter.grad = before
+        set_grads((parameter, before) for parameter, before in zip(self.parameters, aside) if before is not None)
 
     def give_back(self) -> None:
         """After a step that raised: the gradients set aside, as they were."""

@@ -93,6 +93,11 @@ class MethodRef:
     def __self__(self) -> object:
         return self._object()
 
+    def method(self) -> object:
+        """Return the bound method while its object lives, else this reference."""
+        owner = self._object()
+        return self if owner is None else types.MethodType(self.__func__, owner)
+
     def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, __wrapped__ ...: the function's
         if name == "__func__":  # not set yet (a subclass's copy): no recursion
             raise AttributeError(name)
@@ -409,6 +414,9 @@ class Sizes(MutableMapping[Hashable, int]):
             size = number
         if size < 1:
             raise ValueError(f"a batch size must be >= 1, got {size} for key {key!r}")
+        if type(key) is types.MethodType or (type(key) is tuple and any(type(p) is types.MethodType for p in key)):
+            # Yours (cache[step.__wrapped__] = 64), kept as the key: it held the object alive (probe 75G).
+            key = tuple(weak_method(part) for part in key) if type(key) is tuple else weak_method(key)
         evicted = []
         with self._lock:
             sizes, order = self._sizes, self._order
@@ -574,7 +582,9 @@ class SizeCache(Sizes, ABC):
         else:
             check_takes("key", key, "(function, caller, device, sample)", None, None, None, None)
         self._key_function = key
-        if type(self).key is _apply_key and getattr(key, "__module__", None) == stack_key.__module__:
+        # A key function of yours is given a method as it is, where koila's own get it held weakly (MethodRef).
+        self._own_key = getattr(key, "__module__", None) == stack_key.__module__
+        if type(self).key is _apply_key and self._own_key:
             # A cached call costs microseconds: with no subclass's key() in the way, the
             # engine calls koila's own key function directly, saving a call. (Those accept
             # the three-argument call the engine makes; a user's function gets all four.)
@@ -614,6 +624,12 @@ class SizeCache(Sizes, ABC):
             Hashable or None: the key.
         """
         return self._key_function(function, caller, device, sample)
+
+    def _given(self, function: object) -> object:
+        """Return what the key function is given for ``function``: a bound method as it is to one of yours."""
+        if type(function) is MethodRef and not getattr(self, "_own_key", False):  # a cache pickled before it
+            return function.method()
+        return function
 
     @property
     def key_function(self) -> KeyFunction:
@@ -711,7 +727,7 @@ def _apply_key(
     self: SizeCache, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
 ) -> Hashable | None:
     # The key() of the caches below: what their key function makes.
-    return self._key_function(function, caller, device, sample)
+    return self._key_function(self._given(function), caller, device, sample)
 
 
 class StackMemoryCache(SizeCache):

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from koila_retry._common.places import levels_to_caller
+from koila_retry._common.tensors import set_grads
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import memory
 from koila_retry._core.aside import SetAside
@@ -382,8 +383,7 @@ class Overlap(SetAside):
         made = counted if self.stats is None else None
         ready = self._ready() if made is None else set()
         self._forget()
-        for parameter in self.parameters:
-            parameter.grad = None  # the attempt failed: its gradients go now, before the buckets of zeros
+        set_grads((parameter, None) for parameter in self.parameters)  # the attempt failed: its gradients go now
         # The failed attempt's frames may hold its tensors in reference cycles, and its backward its graph in
         # the autograd engine's queue: the engine releases them after the ranks agree, too late for the
         # buffers played with.

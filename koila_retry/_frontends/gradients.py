@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 
+from koila_retry._common.tensors import set_grads
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.in_flight import IN_FLIGHT
 
@@ -590,13 +591,7 @@ class Gradients:
         self.sums, self.leaves, self.owned = {}, {}, set()
         if self.committing:  # interrupted (Ctrl-C) as it began: restore() finishes, or none is given
             return
-        # Each gradient outlives its assignment: freed inside the setter, it crashed another thread's step
-        # reading .grad as it gave up (its diagnosis, probe 75F), as PyTorch does for any such race.
-        dropped = []
-        for leaf in [*self.exposed.values(), *self._faint()]:
-            dropped.append(leaf.grad)
-            leaf.grad = None
-        del dropped
+        set_grads((leaf, None) for leaf in [*self.exposed.values(), *self._faint()])
 
     def restore(self) -> None:
         """Give back the gradients set aside, what the step wrote since added into them, and let go of the leaves."""

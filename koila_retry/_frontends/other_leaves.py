@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from koila_retry._common.tensors import set_grads
 from koila_retry._frontends.gradients import Gradients, summed
 
 __all__ = ["OtherLeaves", "added_back"]
@@ -94,21 +95,14 @@ class OtherLeaves:
 
     def undo(self) -> None:
         """After an attempt that failed: drop what it wrote."""
-        dropped = []  # freed after the assignments, not inside them (see Gradients.discard)
-        for leaf, _ in self.aside.values():
-            dropped.append(leaf.grad)
-            leaf.grad = None
-        del dropped
+        set_grads((leaf, None) for leaf, _ in self.aside.values())
 
     def restore(self) -> None:
         """After the step: add the gradients set aside back into what it wrote, as a backward adds into ``.grad``."""
-        for leaf, before in self.aside.values():
-            if before is not None:
-                leaf.grad = summed(before, leaf.grad)
+        set_grads((leaf, summed(before, leaf.grad)) for leaf, before in self.aside.values() if before is not None)
         self.aside = {}
 
     def give_back(self) -> None:
         """After a step that raised: the gradients set aside, as they were."""
-        for leaf, before in self.aside.values():
-            leaf.grad = before
+        set_grads(self.aside.values())
         self.aside = {}

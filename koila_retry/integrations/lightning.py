@@ -34,6 +34,7 @@ except ImportError as _missing:  # as the transformers integration says it
 
 from koila_retry._common.batches import Split
 from koila_retry._common.places import replayable
+from koila_retry._common.tensors import set_grads
 from koila_retry._core.cache import class_identity
 from koila_retry._core.detect import is_oom
 from koila_retry._core.outcomes import clear_frames
@@ -686,8 +687,7 @@ class _Step:
             output = self._ran(module, args, kwargs)
         finally:
             if output is _FAILED:  # out of memory, an error of the step's own, or one replaying its logs
-                for parameter, gradient in zip(parameters, before, strict=False):
-                    parameter.grad = gradient
+                set_grads(zip(parameters, before, strict=False))
         if output is _FAILED:
             return _FAILED
         loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -769,8 +769,7 @@ class _Step:
             return
         del loss  # the graph, and what its nodes not yet run hold
         others.undo()  # what they had before stays aside: accumulate's gradients are divided first
-        for parameter in parameters:  # None before this backward (see _whole)
-            parameter.grad = None
+        set_grads((parameter, None) for parameter in parameters)  # None before this backward (see _whole)
         self.trusting = False
         # Through accumulate, whose attempt of the whole batch is the failure above: its gradients
         # reach .grad directly. What the step logs is dropped: the whole batch's were logged already.
