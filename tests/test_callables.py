@@ -571,6 +571,10 @@ def test_a_wrapper_given_a_cache_whose_keys_are_text_or_none_is_pickled(kind: st
     cache = koila.NoCache() if kind == "NoCache" else koila.DiskCache(tmp_path / "sizes.json")
     net = _Net("batch", True, cache=cache)
     x = torch.randn(10, 4)
+    # With initial="auto" called once, the cache holds its estimates' memo, whose lock pickle refused (probe 75I).
+    auto = koila.chunked(initial="auto", cache=cache)(net.lin)
+    auto(x)
+    torch.save(auto, io.BytesIO())
     buffer = io.BytesIO()
     torch.save(net, buffer)
     buffer.seek(0)

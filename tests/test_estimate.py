@@ -1497,3 +1497,32 @@ def test_a_parametrization_registered_in_the_step_leaves_the_module_as_it_was() 
     step(x).backward()  # the real step sets it up now
     assert nn.utils.parametrize.is_parametrized(model[0])
     assert model[0].parametrizations.weight.original0.grad is not None
+
+
+class _Doubled(nn.Module):
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor * 2
+
+
+@pytest.mark.parametrize("change", ["parametrize another", "remove"])
+def test_a_parametrized_module_s_own_class_is_put_back_after_the_step_changed_it(change: str) -> None:
+    # Its class is its own: parametrizing another of its tensors adds a property to that class, removing one
+    # deletes it, and the estimate put back the module's attributes but not its class's (probe 75H).
+    model = nn.Linear(4, 4)
+    nn.utils.parametrizations.weight_norm(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if change == "remove" and nn.utils.parametrize.is_parametrized(model, "weight"):
+            nn.utils.parametrize.remove_parametrizations(model, "weight", leave_parametrized=True)
+        elif change != "remove" and not nn.utils.parametrize.is_parametrized(model, "bias"):
+            nn.utils.parametrize.register_parametrization(model, "bias", _Doubled())
+        return F.mse_loss(model(x), y)
+
+    expected = F.mse_loss(model(x), y)
+    koila.estimate(step, x, y)
+    torch.testing.assert_close(F.mse_loss(model(x), y), expected)
+    assert nn.utils.parametrize.is_parametrized(model, "weight")
+    assert not nn.utils.parametrize.is_parametrized(model, "bias")
+    step(x, y).backward()  # the real step changes it now
+    assert nn.utils.parametrize.is_parametrized(model, "bias") is (change != "remove")

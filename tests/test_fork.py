@@ -181,12 +181,11 @@ def test_a_fork_while_another_thread_holds_a_lock_of_koila_s_leaves_the_child_it
     assert "child exit status 0" in out
 
 
-def test_a_fork_waits_for_an_estimate_another_thread_runs() -> None:
-    # The child inherited it half done: the collector paused for good, the model's parameters in the
-    # estimate's stand-in containers, a forward hook on every module, and its next estimate waited for ever
-    # on the lock the estimating thread held (probe 75E).
+def test_a_fork_while_another_thread_estimates_leaves_the_child_its_estimates() -> None:
+    # The child inherited the estimate half done: the collector paused for good, a forward hook on every
+    # module, and its next estimate waited for ever on the lock the estimating thread held (probe 75E).
     setup = """
-        import gc, os, threading, time
+        import gc, os, threading
         import torch
         import torch.nn.functional as F
         import koila_retry as koila
@@ -206,16 +205,48 @@ def test_a_fork_waits_for_an_estimate_another_thread_runs() -> None:
         thread = threading.Thread(target=step, args=(x, y))
         thread.start()
         in_estimate.wait()
-        # The estimate goes on a moment after the fork has begun (which waits for it, or forks at once).
-        threading.Timer(0.5, may_go_on.set).start()
     """
     child = """
     hooks = len(torch.nn.modules.module._global_forward_hooks)
-    print("child", gc.isenabled(), type(model._parameters).__name__, hooks, flush=True)
+    print("child", gc.isenabled(), hooks, model(x).device, flush=True)
     may_go_on.set()
     print("child steps", float(step(x, y)) > 0, float(other(x, y)) > 0, flush=True)
     """
-    out = _run(setup, child, "thread.join()")
-    assert "child True dict 0" in out
+    out = _run(setup, child, "may_go_on.set()\nthread.join()")
+    assert "child True 0 cpu" in out
     assert "child steps True True" in out
     assert "child exit status 0" in out
+
+
+@pytest.mark.parametrize("how", ["estimate", "auto"])
+def test_a_pool_whose_own_thread_forks_runs_inside_an_estimate(how: str) -> None:
+    # A fork waited for any estimate another thread ran (cc16352): a multiprocessing pool inside the step,
+    # whose own thread forks a worker anew after each task, waited for the estimate that waited for it,
+    # for ever (probe 75H).
+    script = textwrap.dedent(
+        f"""
+        import faulthandler, multiprocessing, torch
+        import torch.nn.functional as F
+        import koila_retry as koila
+
+        faulthandler.dump_traceback_later(120, exit=True)
+        model = torch.nn.Linear(4, 2)
+
+        def square(i):
+            return i * i
+
+        def loss(x, y):
+            with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+                extra = sum(pool.map(square, range(4), chunksize=1))
+            return F.mse_loss(model(x), y) + 0 * extra
+
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        if "{how}" == "estimate":
+            print("done", koila.estimate(loss, x, y).peak(8) > 0)
+        else:
+            print("done", float(koila.accumulate(loss, initial="auto")(x, y)) > 0)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "done True" in done.stdout

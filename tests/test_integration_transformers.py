@@ -1545,3 +1545,61 @@ def test_a_prediction_override_that_pops_from_its_inputs_and_runs_out_of_memory_
     torch.testing.assert_close(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
     torch.testing.assert_close(torch.as_tensor(predicted.label_ids), torch.as_tensor(expected.label_ids))
     assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
+
+
+class _WatchedHead(torch.autograd.Function):
+    """The identity, whose backward fails once the head's gradients are written, watching when they are freed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, params: list[torch.nn.Parameter], freed: list[bool], error: str) -> Any:
+        ctx.params, ctx.freed, ctx.error = params, freed, error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> Any:
+        if len(gradient) < 8:
+            return gradient, None, None, None
+        for param in ctx.params:
+            if param.grad is not None:
+                others = [other for other in ctx.params if other is not param]
+                weakref.finalize(param.grad, lambda o=others: ctx.freed.append(all(p.grad is None for p in o)))
+        raise make_oom() if ctx.error == "oom" else RuntimeError("a hook of the user's")
+
+
+class _Watched(torch.nn.Module):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)
+        self.error, self.freed = error, cast(list[bool], [])
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = _WatchedHead.apply(self.a(x), list(self.b.parameters()), self.freed, self.error)
+        return {"loss": ((self.b(torch.relu(hidden)).squeeze(1) - labels) ** 2).mean()}
+
+
+@pytest.mark.parametrize("error", ["oom", "other"])
+def test_a_failed_whole_backward_s_gradients_are_freed_after_every_grad_is_given_back(
+    error: str, tmp_path: Path
+) -> None:
+    # Given back one by one in .grad's setter, the failed backward's gradients were freed there, where a read
+    # of that .grad (another thread's step, koila.report) crashes the process (probe 75K: a segfault).
+    model = _Watched(error)
+    rows = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        optim="sgd",
+        learning_rate=0.1,
+    )
+    trainer = adapt(transformers.Trainer(model=model, args=arguments, train_dataset=rows))
+    if error == "oom":
+        trainer.train()  # again in micro-batches
+    else:
+        with pytest.raises(RuntimeError, match="a hook of the user's"):
+            trainer.train()
+    assert model.freed == [True, True]

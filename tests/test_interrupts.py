@@ -329,3 +329,48 @@ def test_an_interrupt_as_the_first_auto_estimate_is_registered_leaves_later_call
     done.start()
     done.join(120)  # a hang, not a time: it waits for ever without the fix
     assert not done.is_alive()
+
+
+class _Interrupting(dict[Any, Any]):
+    """The memo's estimates being made, whose second look-up from the main thread is interrupted (a Ctrl-C)."""
+
+    calls = 0
+
+    def get(self, *args: Any) -> Any:
+        found = super().get(*args)
+        if threading.current_thread() is threading.main_thread():
+            _Interrupting.calls += 1
+            if _Interrupting.calls == 2:  # the one in the finally, after the estimate was made
+                raise KeyboardInterrupt
+        return found
+
+
+def test_an_interrupt_as_an_auto_estimate_is_let_go_of_leaves_waiting_threads_free() -> None:
+    # The event was set after the look-up that removes it: interrupted there, a thread already waiting for
+    # the estimate waited for ever (probe 75H).
+    cache = koila.StackMemoryCache()
+    memo = _Memo(keep=True)
+    memo.making = _Interrupting()
+    cache.derived["auto"] = memo
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    asked, results = threading.Event(), []
+
+    def waiting() -> None:
+        asked.set()
+        results.append(float(step(x, y)))
+
+    waiter = threading.Thread(target=waiting, daemon=True)
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.is_meta and not waiter.is_alive() and not results:  # another thread asks while the estimate runs
+            waiter.start()
+            asked.wait()
+        return F.mse_loss(model(x), y)
+
+    step = koila.accumulate(loss, initial="auto", cache=cache)
+    with pytest.raises(KeyboardInterrupt):
+        step(x, y)
+    waiter.join(120)  # a hang, not a time: it waits for ever without the fix
+    assert not waiter.is_alive()
+    assert results

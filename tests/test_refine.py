@@ -551,3 +551,16 @@ def test_a_disk_cache_s_file_keeps_no_bound_of_a_key_whose_size_it_trimmed(tmp_p
     content = json.loads(path.read_text())
     assert set(content.get("bounds", {})) <= set(content["sizes"])
     assert koila.DiskCache(path, maxsize=2).bounds.get("a") is None
+
+
+def test_a_disk_cache_opened_with_a_smaller_maxsize_loads_no_bound_without_its_size(tmp_path: Path) -> None:
+    # The sizes and the bounds were each cut to the last maxsize: a bound whose size was left out was loaded,
+    # and refine never searched above it again (probe 75K: 256 for good where 296 fitted).
+    path = tmp_path / "sizes.json"
+    first = koila.DiskCache(path, maxsize=4)
+    first["w"] = 96
+    first.bounds.update("w", lambda _: (104, 0))
+    first["x"], first["y"], first["z"] = 8, 8, 8
+    second = koila.DiskCache(path, maxsize=2)
+    assert "w" not in second
+    assert second.bounds.get("w") is None

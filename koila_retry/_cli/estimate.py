@@ -483,7 +483,7 @@ def _warm_up(step: Callable[..., None], inputs: list[torch.Tensor]) -> None:
     """Run one training step on the meta model, so that its optimizer's state exists (as meta tensors)."""
     with _NoValues():  # type: ignore[no-untyped-call]
         step(*inputs)
-    for parameter in step.parameters:  # type: ignore[attr-defined]
+    for parameter in getattr(step, "parameters", ()):  # a training step's (infer mode runs a forward)
         parameter.grad = None
 
 

@@ -55,10 +55,15 @@ class SetAside:
     def restore(self) -> None:
         """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
         aside, self.aside = self.aside, []
+        written = []  # what the step wrote, freed once every gradient is back (see set_grads)
         for parameter, before in zip(self.parameters, aside, strict=True):
-            if before is not None and parameter.grad is not None:
+            if before is None:
+                continue
+            if parameter.grad is not None:
+                written.append(parameter.grad)
                 before.add_(parameter.grad)
-        set_grads((parameter, before) for parameter, before in zip(self.parameters, aside) if before is not None)
+            parameter.grad = before
+        del written
 
     def give_back(self) -> None:
         """After a step that raised: the gradients set aside, as they were."""

@@ -613,7 +613,9 @@ class SizeCache(Sizes, ABC):
         Args:
             function (object): identifies the decorated function or block: a
                 function, or a hashable description of it such as
-                ``(filename, first line, qualified name)``.
+                ``(filename, first line, qualified name)``; a bound method comes
+                as a reference that holds its object weakly, equal to the method
+                (its function is ``function.__func__``).
             caller (FrameType or None): the frame that made the call.
             device (torch.device): the device the call runs on.
             sample (Hashable, optional): the shape and dtype of one sample of

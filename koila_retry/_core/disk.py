@@ -120,7 +120,9 @@ class DiskCache(SizeCache):
                 nbytes = stored.samples.get(text)
                 if nbytes is not None:
                     SizeCache.prove(self, text, nbytes)
-            for text, bound in list(stored.bounds.items())[-maxsize:]:
+            # Not a bound whose size a smaller maxsize left out: refine would start its search from it (75K).
+            kept = [(text, bound) for text, bound in stored.bounds.items() if text not in stored or text in self]
+            for text, bound in kept[-maxsize:]:
                 self.bounds.update(text, functools.partial(_replaced, bound))  # not written back: changed is unset
         # With refine=True, the smallest size that failed is kept in the file too, so that the next
         # run does not start below it without knowing what lies between.

@@ -456,10 +456,10 @@ class Overlap(SetAside):
 
     def _put_back(self) -> None:
         # The values from before into the tensors .grad held: an attempt may have added to them in place.
-        for parameter, kept, before in zip(self.parameters, self.kept, self.aside, strict=True):
+        for kept, before in zip(self.kept, self.aside, strict=True):
             if kept is not None and before is not None and before is not kept:  # not copied: nothing wrote it
                 kept.copy_(before)
-            parameter.grad = kept
+        set_grads(zip(self.parameters, self.kept, strict=True))
 
     def give_back(self) -> None:
         """After a step that raised: the gradients from before, as they were, in the tensors that held them."""

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from koila_retry._common.tensors import set_grads
 from koila_retry._common.units import format_bytes
 from koila_retry._core import distributed, memory
 from koila_retry._core.aside import SetAside
@@ -741,6 +742,7 @@ def _reset(module: torch.nn.Module) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     state = state_of(module)
+    unsharded_params = []
     for group in param_groups(module):
         # An all-gather issued (a prefetch, say) before the attempt was abandoned: wait for it,
         # so that every rank has finished it, then drop its buffers.
@@ -757,7 +759,8 @@ def _reset(module: torch.nn.Module) -> None:
             fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
-                unsharded.grad = None
+                unsharded_params.append(unsharded)
+    set_grads((unsharded, None) for unsharded in unsharded_params)
     state._training_state = TrainingState.IDLE
     state._modules_to_run_forward.clear()
     context, comms = state._state_ctx, state._comm_ctx

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from cachetools import LRUCache
@@ -123,6 +123,10 @@ class _Memo:
         """In a forked child: the lock anew, and no estimate being made by a thread the child has not."""
         self.lock, self.making = threading.Lock(), {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its cache (a wrapper's, in a checkpoint): made anew, its estimates made again when asked.
+        return _Memo, (self.keep,)
+
     def estimates_of(
         self, key: Hashable, make: Callable[[], MemoryEstimate], name: str, sample_bytes: int = 0
     ) -> _Estimates:
@@ -152,10 +156,12 @@ class _Memo:
                     self.estimates[key] = found
         finally:
             if making is not None:
-                with self.lock:
-                    if self.making.get(key) is making:
-                        del self.making[key]
-                making.set()
+                try:
+                    with self.lock:
+                        if self.making.get(key) is making:
+                            del self.making[key]
+                finally:  # set whatever happens: a Ctrl-C in the block above left the waiters waiting (75H)
+                    making.set()
         return found
 
     def fit(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
@@ -27,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wr
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from koila_retry._common.forks import locks_renewed_in_child
+from koila_retry._common.forks import locks_renewed_in_child, renewed_in_child
 from koila_retry._common.tensors import same_device
 from koila_retry._common.walk import reachable
 from koila_retry._common.warn import global_hooks_added, global_hooks_removed
@@ -41,15 +40,9 @@ __all__ = ["Lent", "Loan", "Owned", "Swapping", "ThreadTracker", "borrowed", "bo
 # their proxies, and the first to end would take the second's away mid-run. The lock is
 # reentrant for a call that estimates inside an estimate. Real calls never take it.
 _ONE_AT_A_TIME = threading.RLock()
-if hasattr(os, "register_at_fork"):
-    # A fork waits for an estimate that another thread runs: its child would inherit it half done (the
-    # collector paused, the model's stand-ins, a forward hook on every module) and this lock held by a
-    # thread it does not have (probe 75E). The forking thread's own estimate goes on in both.
-    os.register_at_fork(
-        before=_ONE_AT_A_TIME.acquire,
-        after_in_parent=_ONE_AT_A_TIME.release,
-        after_in_child=_ONE_AT_A_TIME.release,
-    )
+# Made anew in a child forked while another thread estimated: waiting for that estimate before forking
+# deadlocked one that waits for the fork (a multiprocessing pool's own thread forks its workers, probe 75H).
+locks_renewed_in_child(globals(), "_ONE_AT_A_TIME")
 _local = threading.local()
 
 # How deep into a container the overlay copies containers (an optimizer's groups hold
@@ -412,6 +405,7 @@ class _Installed(NamedTuple):
     saved: dict[str, Any]
     proxies: list[Lent]
     kind: type  # its class: a parametrization registered in the run swaps it for a subclass of its own
+    own_class: dict[str, Any] | None  # that subclass's attributes, where it has one already (parametrized)
 
 
 # Proxies that something still refers to weakly (a hook's RemovableHandle, made by another
@@ -460,7 +454,10 @@ class Loan:
                     proxy = _proxy(value, self._copied(seen, _DEPTH), self.thread)
                     attributes[name] = proxy
                     proxies.append(proxy)
-            self.installed.append(_Installed(owner, saved, proxies, type(owner)))
+            # A parametrized module's class is its own, and parametrizing another tensor (or removing one)
+            # in the run changes that class: its attributes are put back too (probe 75H).
+            own_class = dict(vars(type(owner))) if _parametrized(owner) else None
+            self.installed.append(_Installed(owner, saved, proxies, type(owner), own_class))
         # The copies now live as long as the borrower's containers hold them, as the real ones do.
         self.mode.table = {key: (tensor, weakref.ref(meta)) for key, (tensor, meta) in self._copies.items()}
         self._copies.clear()
@@ -496,16 +493,36 @@ class Loan:
             self.mode.table = {}
             self._copies.clear()
             for installed in reversed(self.installed):
-                _put_back(installed.owner, installed.saved)
-                if type(installed.owner) is not installed.kind:
-                    # Its new class (a parametrization's, probe 75B) reads what the run added, which is gone.
-                    installed.owner.__class__ = installed.kind
+                try:
+                    _put_back(installed.owner, installed.saved)
+                finally:  # each owner's class, even if another's could not be put back
+                    if type(installed.owner) is not installed.kind:
+                        # Its new class (a parametrization's, probe 75B) reads what the run added, which is gone;
+                        # set as object does it, not through the new class's __setattr__ (probe 75H).
+                        object.__setattr__(installed.owner, "__class__", installed.kind)
+                    if installed.own_class is not None:
+                        _class_put_back(installed.kind, installed.own_class)
                 for proxy in installed.proxies:
                     proxy.retire()
                 _retain(installed.owner, installed.proxies)
             self.installed.clear()
         finally:
             self._held.close()
+
+
+def _parametrized(owner: Any) -> bool:
+    """Return whether ``owner`` is a module with parametrizations (whose class is its own)."""
+    return isinstance(owner, torch.nn.Module) and torch.nn.utils.parametrize.is_parametrized(owner)
+
+
+def _class_put_back(kind: type, saved: dict[str, Any]) -> None:
+    """Put back the attributes of a module's own class (a parametrized one's) that differ from ``saved``."""
+    now = dict(vars(kind))
+    for name in now.keys() - saved.keys():
+        delattr(kind, name)
+    for name, before in saved.items():
+        if now.get(name, _MISSING) is not before:
+            setattr(kind, name, before)
 
 
 def _put_back(owner: Any, saved: dict[str, Any]) -> None:
@@ -578,7 +595,16 @@ class ThreadTracker(ModuleTracker):
         self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
         self._fw_post_handle = register_module_forward_hook(self._fw_post_hook, with_kwargs=True)
         global_hooks_added()
+        renewed_in_child(self, ThreadTracker._forked)
         return self
+
+    def _forked(self) -> None:
+        """In a child forked while another thread's run followed its modules: its hooks go (that thread did)."""
+        if threading.get_ident() != self.thread:
+            self._fw_pre_handle.remove()
+            self._fw_post_handle.remove()
+            module_globals._global_forward_hooks_with_kwargs.pop(self._fw_post_handle.id, None)
+            global_hooks_removed()
 
     def __exit__(self, *args: object) -> None:
         super().__exit__(*args)  # type: ignore[no-untyped-call]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +41,7 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
     # collector is the process's: other threads' garbage waits for the estimate too.
     collecting = gc.isenabled()
     gc.disable()
+    _PAUSED[threading.get_ident()] = collecting
     try:
         if chosen is None:
             base = max(rows, 2)
@@ -59,9 +62,27 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
         else:
             runs = [run(size) for size in chosen]
     finally:
+        _PAUSED.pop(threading.get_ident(), None)
         if collecting:
             gc.enable()
     return runs
+
+
+# The threads whose runs paused the collector, and whether it ran before: a child forked meanwhile by
+# another thread has not those threads, and their runs never end there to start it again (probe 75E).
+_PAUSED: dict[int, bool] = {}
+
+
+def _restarted_in_child() -> None:
+    me = threading.get_ident()
+    if any(collecting for thread, collecting in _PAUSED.items() if thread != me):
+        gc.enable()
+    for thread in [thread for thread in _PAUSED if thread != me]:
+        del _PAUSED[thread]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restarted_in_child)
 
 
 def _large_size(one: Run, base: Run) -> int:

@@ -695,12 +695,12 @@ class _Step:
             if before:
                 added_back(parameters, before)
             return output  # skipped (None), or nothing to backpropagate: as without the callback
-        # Back in .grad until the loop's backward, for on_before_backward to see as without the callback,
-        # where the step wrote none itself; _backward_of_whole sets them aside again.
-        back = [False] * len(before)
-        for index, (parameter, gradient) in enumerate(zip(parameters, before, strict=False)):
-            if gradient is not None and parameter.grad is None:
-                parameter.grad, back[index] = gradient, True
+        # Back in .grad until the loop's backward, for the zero and on_before_backward to see as without the
+        # callback, with what the step wrote itself added in (probe 75I: added back after the zero cleared only
+        # the step's); _backward_of_whole sets them aside again.
+        back = [gradient is not None for gradient in before]
+        if before:
+            added_back(parameters, before)
         # The loop backpropagates a leaf of the same value; the module's backward the loss (_backward_of_whole).
         self.pending = (loss, args, kwargs, parameters, before, back, steps)
         vars(module)["backward"] = self._backward_of_whole
@@ -756,8 +756,7 @@ class _Step:
             type(module).backward(module, loss / steps if steps != 1 else loss, *args, **kwargs)
         except BaseException as error:
             if not is_oom(error):  # the gradients as the step found them, not part of a backward
-                for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
-                    parameter.grad = gradient
+                set_grads(zip(parameters, before or [None] * len(parameters), strict=True))
                 others.give_back()
                 raise
             failed, self.failure = True, replayable(error)
@@ -781,8 +780,7 @@ class _Step:
         except _Skipped:
             pass  # a micro-batch returned None: the batch is skipped, with no gradient, as the step asked
         except BaseException:
-            for parameter, gradient in zip(parameters, before, strict=False):
-                parameter.grad = gradient  # as the step found them
+            set_grads(zip(parameters, before, strict=False))  # as the step found them
             others.give_back()
             raise
         finally:

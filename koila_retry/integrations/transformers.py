@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_unflatten
 from koila_retry._common.batches import Split, shallow_copy
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
+from koila_retry._common.tensors import set_grads
 from koila_retry._common.warn import warn_or_log
 from koila_retry._core import distributed
 from koila_retry._core.cache import class_identity, innermost
@@ -590,8 +591,7 @@ def _rows_of(inputs: Any) -> int | None:
 def _given_back(parameters: list[Any], before: list[Any], others: OtherLeaves) -> None:
     """Give every gradient a step that raised wrote back as the step found it (``before`` empty: all None)."""
     others.give_back()
-    for parameter, gradient in zip(parameters, before or [None] * len(parameters), strict=True):
-        parameter.grad = gradient
+    set_grads(zip(parameters, before or [None] * len(parameters), strict=True))
 
 
 # Names in an override's code that read or change the gradients after its backward.
