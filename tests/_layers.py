@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -131,3 +132,25 @@ class SelfHooked(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.linear(x)
         return out
+
+
+class WatchFreed(torch.autograd.Function):
+    """The identity, whose backward fails once the gradients of ``params`` are written, watching them freed.
+
+    When each is freed, ``freed`` gets whether every other one's ``.grad`` was let go of by then (its own is
+    not read: inside its setter, that read is the crash the watch is about).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, params: list[torch.Tensor], freed: list[bool], error: str = "oom") -> Any:
+        ctx.params, ctx.freed, ctx.error = params, freed, error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        params, freed = ctx.params, ctx.freed
+        for param in params:
+            if param.grad is not None:  # written by this failed backward, freed when it is dropped
+                others = [other for other in params if other is not param]
+                weakref.finalize(param.grad, lambda others=others: freed.append(all(p.grad is None for p in others)))
+        raise make_oom() if ctx.error == "oom" else RuntimeError("a hook of the user's")

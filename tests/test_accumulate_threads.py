@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
 import torch
-from _layers import OOMInBackward, Recompute
+from _layers import OOMInBackward, Recompute, WatchFreed
 from torch import nn
 from torch.nn import functional as F
 
@@ -547,26 +546,6 @@ def test_two_steps_sharing_a_weight_a_node_writes_are_warned_of(parameter: bool)
     assert any("cannot all be found" in str(warning.message) for warning in caught), [str(w.message) for w in caught]
 
 
-class _Watched(torch.autograd.Function):
-    """The identity, whose backward runs out of memory after watching when the gradients above it are freed."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, params: list[nn.Parameter], freed: list[bool]) -> torch.Tensor:
-        ctx.params, ctx.freed = params, freed
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        params, freed = ctx.params, ctx.freed
-        for param in params:
-            if param.grad is not None:  # written by this failed attempt, freed when it is discarded
-                # Whether every other parameter's .grad was let go of when this one was freed (its own is
-                # not read: inside its setter, that read is the crash).
-                others = [other for other in params if other is not param]
-                weakref.finalize(param.grad, lambda others=others: freed.append(all(p.grad is None for p in others)))
-        raise make_oom()
-
-
 def test_a_failed_attempt_s_gradients_are_freed_after_every_grad_is_cleared() -> None:
     # Freed inside the .grad setter, one as each was cleared, they crashed another thread's step that read
     # .grad as it gave up (its diagnosis) within seconds (probe 75F: 3 runs of 3, a segmentation fault).
@@ -578,7 +557,7 @@ def test_a_failed_attempt_s_gradients_are_freed_after_every_grad_is_cleared() ->
     def step(x: torch.Tensor) -> torch.Tensor:
         h = model[0](x)
         if len(x) == 2:
-            h = _Watched.apply(h, above, freed)
+            h = WatchFreed.apply(h, above, freed)
         return cast(torch.Tensor, model[1:](h).sum())
 
     step(torch.randn(2, 4))

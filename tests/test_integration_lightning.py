@@ -26,7 +26,7 @@ from koila_retry import BatchSizeExhausted
 from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
-from _layers import Marked, Marker, RaiseInBackward  # noqa: E402
+from _layers import Marked, Marker, RaiseInBackward, WatchFreed  # noqa: E402
 from _lightning_trainer import (  # noqa: E402
     EVAL_LIMIT,
     FIT_LIMIT,
@@ -2126,24 +2126,6 @@ def test_the_integration_without_lightning_names_the_extra() -> None:
     assert "koila_retry.integrations.lightning needs lightning (koila-retry's lightning extra)" in done.stdout
 
 
-class _WatchedInBackward(torch.autograd.Function):
-    """The identity, whose backward runs out of memory after watching when the gradients above it are freed."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, params: list[torch.nn.Parameter], freed: list[bool], error: str) -> Any:
-        ctx.params, ctx.freed, ctx.error = params, freed, error
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> Any:
-        params, freed = ctx.params, ctx.freed
-        for param in params:
-            if param.grad is not None:  # written by this failed backward
-                others = [other for other in params if other is not param]
-                weakref.finalize(param.grad, lambda others=others: freed.append(all(p.grad is None for p in others)))
-        raise make_oom() if ctx.error == "oom" else RuntimeError("a hook of the user's")
-
-
 class WatchedHead(Lean):
     """Its whole step's backward runs out of memory once the head's gradients are written."""
 
@@ -2156,7 +2138,7 @@ class WatchedHead(Lean):
         x, y = batch
         hidden = self.net[0](x)
         if len(x) == 64:
-            hidden = _WatchedInBackward.apply(hidden, list(self.net[2].parameters()), self.freed, self.error)
+            hidden = WatchFreed.apply(hidden, list(self.net[2].parameters()), self.freed, self.error)
         return F.cross_entropy(self.net[2](self.net[1](hidden)), y)
 
 

@@ -48,7 +48,7 @@ from _hf_trainer import (  # noqa: E402 (after the skip)
     summed_loss_func,
     tiny_gpt2,
 )
-from _layers import RaiseInBackward  # noqa: E402
+from _layers import RaiseInBackward, WatchFreed  # noqa: E402
 
 from koila_retry.integrations.transformers import adapt  # noqa: E402
 
@@ -1547,25 +1547,6 @@ def test_a_prediction_override_that_pops_from_its_inputs_and_runs_out_of_memory_
     assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
 
 
-class _WatchedHead(torch.autograd.Function):
-    """The identity, whose backward fails once the head's gradients are written, watching when they are freed."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, params: list[torch.nn.Parameter], freed: list[bool], error: str) -> Any:
-        ctx.params, ctx.freed, ctx.error = params, freed, error
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> Any:
-        if len(gradient) < 8:
-            return gradient, None, None, None
-        for param in ctx.params:
-            if param.grad is not None:
-                others = [other for other in ctx.params if other is not param]
-                weakref.finalize(param.grad, lambda o=others: ctx.freed.append(all(p.grad is None for p in o)))
-        raise make_oom() if ctx.error == "oom" else RuntimeError("a hook of the user's")
-
-
 class _Watched(torch.nn.Module):
     def __init__(self, error: str) -> None:
         super().__init__()
@@ -1573,7 +1554,9 @@ class _Watched(torch.nn.Module):
         self.error, self.freed = error, cast(list[bool], [])
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        hidden = _WatchedHead.apply(self.a(x), list(self.b.parameters()), self.freed, self.error)
+        hidden = self.a(x)
+        if len(x) == 8:  # the whole batch's step fails; its micro-batches' run
+            hidden = WatchFreed.apply(hidden, list(self.b.parameters()), self.freed, self.error)
         return {"loss": ((self.b(torch.relu(hidden)).squeeze(1) - labels) ** 2).mean()}
 
 
