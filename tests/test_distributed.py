@@ -1092,3 +1092,16 @@ def test_a_gradient_that_cannot_be_added_into_in_place_leaves_the_others_given_b
     with pytest.raises(RuntimeError, match="unsupported operation"):
         aside.restore()
     torch.testing.assert_close(first.grad, torch.full((3,), 11.0))
+
+
+def test_a_gradient_that_cannot_be_added_into_first_leaves_the_later_ones_given_back() -> None:
+    # The error stopped the loop: every later parameter kept only what the step wrote (probe 75L).
+    good, bad = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    good.grad = torch.full((3,), 10.0)
+    bad.grad = torch.zeros(1).expand(3)
+    aside = SetAside([bad, good])
+    aside.before()
+    (good.sum() + bad.sum()).backward()
+    with pytest.raises(RuntimeError, match="unsupported operation"):
+        aside.restore()
+    torch.testing.assert_close(good.grad, torch.full((3,), 11.0))

@@ -250,3 +250,54 @@ def test_a_pool_whose_own_thread_forks_runs_inside_an_estimate(how: str) -> None
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "done True" in done.stdout
+
+
+@pytest.mark.parametrize("case", ["nested", "a tracker kept alive"])
+def test_a_child_forked_after_an_estimate_of_its_own_kind_starts_clean(case: str) -> None:
+    # An estimate inside an estimate dropped the outer one's record of the paused collector, so a child
+    # forked meanwhile kept it off; a failed estimate's tracker kept alive by its traceback had its hooks
+    # dropped again in every later child, which then warned of global hooks under -W error (probe 75L).
+    setup = f"""
+        import concurrent.futures, gc, os, threading, warnings
+        import torch
+        import torch.nn.functional as F
+        import koila_retry as koila
+
+        model = torch.nn.Linear(4, 2)
+        compiled = torch.compile(model)
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        inner_done, may_go_on = threading.Event(), threading.Event()
+
+        def inner(x, y):
+            return F.mse_loss(model(x), y)
+
+        def outer(x, y):
+            if not inner_done.is_set():
+                koila.estimate(inner, x, y)
+                inner_done.set()
+                may_go_on.wait()
+            return F.mse_loss(model(x), y)
+
+        def bad(x, y):
+            raise ValueError("the step's own error")
+
+        kept = None
+        if "{case}" == "nested":
+            thread = threading.Thread(target=lambda: koila.estimate(outer, x, y))
+            thread.start()
+            inner_done.wait()
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                kept = pool.submit(koila.estimate, bad, x, y).exception()  # its traceback keeps its tracker
+            may_go_on.set()
+            thread = threading.Thread(target=lambda: None)
+            thread.start()
+    """
+    child = """
+    warnings.simplefilter("error")
+    peak = koila.estimate(lambda x, y: F.mse_loss(compiled(x), y), x, y).peak(8)
+    print("child", gc.isenabled(), peak > 0, flush=True)
+    """
+    out = _run(setup, child, "may_go_on.set()\nthread.join()")
+    assert "child True True" in out
+    assert "child exit status 0" in out

@@ -56,14 +56,20 @@ class SetAside:
         """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
         aside, self.aside = self.aside, []
         written = []  # what the step wrote, freed once every gradient is back (see set_grads)
+        failed: BaseException | None = None
         for parameter, before in zip(self.parameters, aside, strict=True):
             if before is None:
                 continue
             if parameter.grad is not None:
                 written.append(parameter.grad)
-                before.add_(parameter.grad)
+                try:
+                    before.add_(parameter.grad)
+                except RuntimeError as error:  # one that cannot be added into (an expanded one): as it was
+                    failed = failed or error
             parameter.grad = before
         del written
+        if failed is not None:  # after every other parameter got its own back (probe 75L)
+            raise failed
 
     def give_back(self) -> None:
         """After a step that raised: the gradients set aside, as they were."""

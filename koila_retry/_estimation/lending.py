@@ -595,12 +595,14 @@ class ThreadTracker(ModuleTracker):
         self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
         self._fw_post_handle = register_module_forward_hook(self._fw_post_hook, with_kwargs=True)
         global_hooks_added()
+        self._entered = True
         renewed_in_child(self, ThreadTracker._forked)
         return self
 
     def _forked(self) -> None:
         """In a child forked while another thread's run followed its modules: its hooks go (that thread did)."""
-        if threading.get_ident() != self.thread:
+        if self._entered and threading.get_ident() != self.thread:  # not one that exited (kept by a traceback)
+            self._entered = False
             self._fw_pre_handle.remove()
             self._fw_post_handle.remove()
             module_globals._global_forward_hooks_with_kwargs.pop(self._fw_post_handle.id, None)
@@ -611,6 +613,7 @@ class ThreadTracker(ModuleTracker):
         # The handle forgets the hook's with_kwargs mark (torch 2.13): left, every later
         # ``torch.compile(module)`` call would warn of a global hook.
         module_globals._global_forward_hooks_with_kwargs.pop(self._fw_post_handle.id, None)
+        self._entered = False
         global_hooks_removed()
 
     def _hooks_gradients(self) -> bool:

@@ -41,7 +41,10 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
     # collector is the process's: other threads' garbage waits for the estimate too.
     collecting = gc.isenabled()
     gc.disable()
-    _PAUSED[threading.get_ident()] = collecting
+    thread = threading.get_ident()
+    outermost = thread not in _PAUSED  # an estimate inside an estimate leaves the outer one's record (75L)
+    if outermost:
+        _PAUSED[thread] = collecting
     try:
         if chosen is None:
             base = max(rows, 2)
@@ -62,7 +65,8 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
         else:
             runs = [run(size) for size in chosen]
     finally:
-        _PAUSED.pop(threading.get_ident(), None)
+        if outermost:
+            _PAUSED.pop(thread, None)
         if collecting:
             gc.enable()
     return runs
