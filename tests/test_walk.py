@@ -410,3 +410,24 @@ def test_reachable_passes_over_a_proxy_of_a_module() -> None:
     holder = types.SimpleNamespace(proxy=weakref.proxy(model))
     assert list(reachable([holder])) == []
     assert list(reachable([holder, model])) == [model]
+
+
+class _Unhashable(type):
+    """A metaclass whose classes cannot be hashed (``__eq__`` without ``__hash__``)."""
+
+    def __eq__(cls, other: object) -> bool:
+        return cls is other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _HeldByUnhashable(metaclass=_Unhashable):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+
+def test_references_of_an_object_whose_class_cannot_be_hashed_are_its_attributes() -> None:
+    # The check for a Mapping hashes the class: TypeError, and koila.estimate and profile crashed (probe 75H).
+    model = torch.nn.Linear(2, 2)
+    assert references(_HeldByUnhashable(model)) == [("model", model)]
+    assert model in list(reachable([_HeldByUnhashable(model)]))

@@ -75,7 +75,7 @@ def references(value: Any) -> list[tuple[str, Any]]:
         ]
     if isinstance(value, (list, tuple, set, frozenset)):
         return [(f"[{index}]", item) for index, item in enumerate(itertools.islice(value, MAX_ITEMS))]
-    if isinstance(value, Mapping):
+    if _is_mapping(value):
         return [
             (f"[{reprlib.repr(key)}]" if type(key) in _PLAIN_KEYS else f"values()[{index}]", item)
             for index, (key, item) in enumerate(itertools.islice(value.items(), MAX_ITEMS))
@@ -100,7 +100,13 @@ _SLOTS: weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...]] = weakref.W
 
 def _slots(kind: type) -> tuple[tuple[str, Any], ...]:
     """Return the slots of ``kind``'s instances, by name, with their descriptors (Python classes' only)."""
-    known = _SLOTS.get(kind)
+    try:
+        known = _SLOTS.get(kind)
+    except TypeError:  # a class that cannot be hashed (its metaclass's __eq__ without __hash__): not kept
+        known = None
+        hashable = False
+    else:
+        hashable = True
     if known is not None:
         return known
     found = []
@@ -110,8 +116,18 @@ def _slots(kind: type) -> tuple[tuple[str, Any], ...]:
             slot = vars(klass).get(_mangled(klass, name)) if isinstance(name, str) else None
             if type(slot) is types.MemberDescriptorType:
                 found.append((name, slot))
-    _SLOTS[kind] = known = tuple(found)
+    known = tuple(found)
+    if hashable:
+        _SLOTS[kind] = known
     return known
+
+
+def _is_mapping(value: Any) -> bool:
+    """Return whether ``value`` is a Mapping; not for a class that cannot be hashed, which ABC checks hash."""
+    try:
+        return isinstance(value, Mapping)
+    except TypeError:  # its metaclass's __eq__ without __hash__ (probe 75H): a Mapping registers its classes
+        return False
 
 
 def _mangled(klass: type, name: str) -> str:
