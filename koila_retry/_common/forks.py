@@ -6,6 +6,7 @@ its file, a step's leaves) would make the child's first call that needs it wait 
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
@@ -13,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["locks_renewed_in_child", "renewed_in_child"]
+__all__ = ["lock_renewed_in_child", "locks_renewed_in_child", "renewed_in_child"]
 
 T = TypeVar("T")
 # No lock: the collector runs weakref callbacks in whatever thread allocates, also in the middle of a
@@ -28,6 +29,15 @@ def renewed_in_child(owner: T, renew: Callable[[T], None]) -> None:
         _owners.pop(key, None)  # before its id can be another's: the object is not freed yet
 
     _owners[id(owner)] = (weakref.ref(owner, forget), renew)
+
+
+def lock_renewed_in_child(owner: object, name: str) -> None:
+    """Make ``owner``'s lock attribute ``name`` anew in the child of every fork while ``owner`` lives."""
+    renewed_in_child(owner, functools.partial(_new_lock, name=name))
+
+
+def _new_lock(owner: object, name: str) -> None:
+    setattr(owner, name, threading.Lock())  # the parent's may have been held by another thread
 
 
 def locks_renewed_in_child(namespace: dict[str, Any], *names: str) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "global_names",
     "reachable",
     "references",
+    "slots_of",
     "trainable_module",
 ]
 
@@ -83,7 +84,7 @@ def references(value: Any) -> list[tuple[str, Any]]:
     attributes = getattr(value, "__dict__", None)
     found = list(attributes.items()) if isinstance(attributes, dict) else []
     # And those in __slots__ (a dataclass(slots=True) holding the model, probe 75B), each read as its slot.
-    for name, slot in _slots(type(value)):
+    for name, slot in slots_of(type(value)):
         with contextlib.suppress(AttributeError):  # not set
             found.append((name, slot.__get__(value)))
     if not found and not isinstance(attributes, dict):
@@ -98,28 +99,26 @@ def references(value: Any) -> list[tuple[str, Any]]:
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...]] = weakref.WeakKeyDictionary()
 
 
-def _slots(kind: type) -> tuple[tuple[str, Any], ...]:
-    """Return the slots of ``kind``'s instances, by name, with their descriptors (Python classes' only)."""
+def slots_of(kind: type) -> tuple[tuple[str, Any], ...]:
+    """Return the slots of ``kind``'s instances: each as declared, with its descriptor (named as stored)."""
     try:
-        known = _SLOTS.get(kind)
+        return _SLOTS[kind]
+    except KeyError:
+        _SLOTS[kind] = found = _slots_found(kind)
+        return found
     except TypeError:  # a class that cannot be hashed (its metaclass's __eq__ without __hash__): not kept
-        known = None
-        hashable = False
-    else:
-        hashable = True
-    if known is not None:
-        return known
+        return _slots_found(kind)
+
+
+def _slots_found(kind: type) -> tuple[tuple[str, Any], ...]:
     found = []
     for klass in kind.__mro__:
         names = vars(klass).get("__slots__", ())
         for name in (names,) if isinstance(names, str) else names:
             slot = vars(klass).get(_mangled(klass, name)) if isinstance(name, str) else None
-            if type(slot) is types.MemberDescriptorType:
+            if type(slot) is types.MemberDescriptorType:  # not __dict__ or __weakref__
                 found.append((name, slot))
-    known = tuple(found)
-    if hashable:
-        _SLOTS[kind] = known
-    return known
+    return tuple(found)
 
 
 def _is_mapping(value: Any) -> bool:

@@ -55,19 +55,14 @@ class SetAside:
     def restore(self) -> None:
         """After the step: add the gradients set aside back, in place, as a backward adds into ``.grad``."""
         aside, self.aside = self.aside, []
-        written = []  # what the step wrote, freed once every gradient is back (see set_grads)
         failed: BaseException | None = None
         for parameter, before in zip(self.parameters, aside, strict=True):
-            if before is None:
-                continue
-            if parameter.grad is not None:
-                written.append(parameter.grad)
+            if before is not None and parameter.grad is not None:
                 try:
                     before.add_(parameter.grad)
                 except RuntimeError as error:  # one that cannot be added into (an expanded one): as it was
                     failed = failed or error
-            parameter.grad = before
-        del written
+        set_grads((parameter, before) for parameter, before in zip(self.parameters, aside) if before is not None)
         if failed is not None:  # after every other parameter got its own back (probe 75L)
             raise failed
 

@@ -22,9 +22,10 @@ import torch
 
 from koila_retry._common.callables import check_takes
 from koila_retry._common.counter import Counter
-from koila_retry._common.forks import renewed_in_child
+from koila_retry._common.forks import lock_renewed_in_child
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.units import as_int, type_name
+from koila_retry._common.walk import slots_of
 from koila_retry._core.keys import KeyFunction, deep_stack_key, global_key, is_stack_key, no_key, stack_key
 
 __all__ = [
@@ -228,7 +229,7 @@ class PerKey(Generic[Kept]):
         self, maxsize: int, changed: Callable[[Hashable, Callable[[Kept | None], Kept | None]], None] | None = None
     ) -> None:
         self._lock = threading.Lock()
-        renewed_in_child(self, _new_lock)
+        lock_renewed_in_child(self, "_lock")
         self._keys: cachetools.LRUCache[Hashable, Kept] = cachetools.LRUCache(maxsize)
         self.changed = changed
 
@@ -321,7 +322,7 @@ class Sizes(MutableMapping[Hashable, int]):
         self._sizes: dict[Hashable, int] = {}
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # held through a DiskCache's write: made anew in a forked child
-        renewed_in_child(self, _new_lock)
+        lock_renewed_in_child(self, "_lock")
         self._hits = Counter()
         self._misses = Counter()
         # The latest key looked up and its size, in a one-item list that writers replace
@@ -507,7 +508,11 @@ class Sizes(MutableMapping[Hashable, int]):
         state.update(_hits=self._hits.value, _misses=self._misses.value)
         del state["_lock"]
         # A subclass's __slots__, which vars() leaves out.
-        slots = {name: getattr(self, name) for name in _slot_names(type(self)) if hasattr(self, name)}
+        slots = {
+            slot.__name__: getattr(self, slot.__name__)
+            for _, slot in slots_of(type(self))
+            if hasattr(self, slot.__name__)
+        }
         return {"state": state, "slots": slots}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
@@ -516,7 +521,7 @@ class Sizes(MutableMapping[Hashable, int]):
         for name, value in saved["slots"].items():
             setattr(self, name, value)
         self._lock = threading.Lock()
-        renewed_in_child(self, _new_lock)
+        lock_renewed_in_child(self, "_lock")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Sizes:
         # What a subclass adds is copied deep; what is held under keys is copied as a copy() copies it.
@@ -852,25 +857,9 @@ def _copied(value: object) -> object:
     return copy.copy(value) if isinstance(value, PerKey) else value
 
 
-def _slot_names(kind: type) -> list[str]:
-    names = []
-    for each in kind.__mro__:
-        slots = vars(each).get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name.startswith("__") and not name.endswith("__"):  # private: stored under its mangled name
-                name = f"_{each.__name__.lstrip('_')}{name}"
-            if name not in ("__dict__", "__weakref__"):
-                names.append(name)
-    return names
-
-
 # A cache's own state whose keys name functions and modules: a deep copy keeps them the objects they are.
 _KEYED = frozenset({"_sizes", "_order", "_samples", "_recent", "bounds", "derived", "_key_function", "key"})
 
 
 def _or_else(default: Bound, kept: Bound | None) -> Bound:
     return default if kept is None else kept
-
-
-def _new_lock(owner: PerKey[Any] | Sizes) -> None:
-    owner._lock = threading.Lock()  # a forked child's: the parent's may have been held by another thread

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from koila_retry._common.forks import renewed_in_child
+from koila_retry._common.forks import lock_renewed_in_child
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tracking import simulated
 from koila_retry._common.units import check_flag
@@ -58,13 +58,9 @@ class _History:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        renewed_in_child(self, _History.renewed)
+        lock_renewed_in_child(self, "lock")
         self.users = 0
         self.ours = False
-
-    def renewed(self) -> None:
-        """In a forked child: the lock anew (the parent's may have been held by another thread)."""
-        self.lock = threading.Lock()
 
     def join(self) -> None:
         with self.lock:

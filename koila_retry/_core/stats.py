@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from koila_retry._common.counter import Counter
-from koila_retry._common.forks import renewed_in_child
+from koila_retry._common.forks import lock_renewed_in_child
 
 __all__ = ["OOMEvent", "OnOOM", "Stats"]
 
@@ -89,7 +89,7 @@ class Stats:
     def __init__(self, batch_size: int) -> None:
         self.calls_counter = Counter()
         self._lock = threading.Lock()
-        renewed_in_child(self, _new_lock)
+        lock_renewed_in_child(self, "_lock")
         self.batch_size = batch_size
         self.ooms = 0
         self.exhausted = 0
@@ -176,7 +176,3 @@ class Stats:
         self.calls_counter = Counter(state["calls"])
         self.ooms, self.exhausted, self.seconds_lost = state["ooms"], state["exhausted"], state["seconds_lost"]
         self._timed = state["timed"]
-
-
-def _new_lock(stats: Stats) -> None:
-    stats._lock = threading.Lock()  # a forked child's: the parent's may have been held by another thread

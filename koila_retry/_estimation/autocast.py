@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from koila_retry._common.forks import renewed_in_child
+from koila_retry._common.forks import lock_renewed_in_child
 from koila_retry._common.tensors import tensors_in
 
 __all__ = ["autocast_like", "cast_as", "casts_on", "settle"]
@@ -227,14 +227,10 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        renewed_in_child(self, _Registry.renewed)
+        lock_renewed_in_child(self, "lock")
         self.key: Any = None
         self.failed = False
         self.libraries: list[torch.library.Library] = []
-
-    def renewed(self) -> None:
-        """In a forked child: the lock anew (the parent's may have been held by another thread)."""
-        self.lock = threading.Lock()
 
     def ready(self) -> Any:
         """Return the spare dispatch key with every kernel behind it, or None where none is free."""
