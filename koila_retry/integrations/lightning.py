@@ -233,11 +233,9 @@ class _Delivery(torch.autograd.Function):
 
 
 # A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
-# aside as it began (none where they were released), which of them are back in .grad until that backward
-# (see _whole), and accumulate_grad_batches.
-_Pending = tuple[
-    torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], list[bool], int
-]
+# aside as it began (none where they were released), back in .grad until that backward (see _whole),
+# and accumulate_grad_batches.
+_Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int]
 
 
 def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
@@ -698,11 +696,10 @@ class _Step:
         # Back in .grad until the loop's backward, for the zero and on_before_backward to see as without the
         # callback, with what the step wrote itself added in (probe 75I: added back after the zero cleared only
         # the step's); _backward_of_whole sets them aside again.
-        back = [gradient is not None for gradient in before]
         if before:
             added_back(parameters, before)
         # The loop backpropagates a leaf of the same value; the module's backward the loss (_backward_of_whole).
-        self.pending = (loss, args, kwargs, parameters, before, back, steps)
+        self.pending = (loss, args, kwargs, parameters, before, steps)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
         # Its other entries detached, as a split step's are: they would hold the graph through that backward.
@@ -738,11 +735,11 @@ class _Step:
         if pending is None:
             module.backward(tensor, *args, **kwargs)
             return
-        loss, batch_args, batch_kwargs, parameters, before, back, steps = pending
+        loss, batch_args, batch_kwargs, parameters, before, steps = pending
         del pending
         # Aside again, as the hooks left them (one may have scaled or replaced them).
         for index, parameter in enumerate(parameters):
-            if index < len(back) and back[index]:
+            if index < len(before) and before[index] is not None:
                 before[index], parameter.grad = parameter.grad, None
         # Other leaves (a tensor of the module's own) are set aside: in every step if the first step's walk found any.
         others = OtherLeaves(lambda: {id(parameter) for parameter in parameters})
@@ -796,14 +793,10 @@ class _Step:
         others.restore()
 
     def _forget(self, module: pl.LightningModule) -> None:
-        """Drop the loss of a step that ran whole and whose backward did not come; put back what was set aside."""
+        """Drop the loss of a step that ran whole and whose backward did not come (its gradients are in .grad)."""
         if self.pending is not None:
-            parameters, before, back = self.pending[3], self.pending[4], self.pending[5]
             self.pending = None
             vars(module).pop("backward", None)
-            aside = [None if again else gradient for gradient, again in zip(before, back, strict=True)]
-            if any(gradient is not None for gradient in aside):
-                added_back(parameters, aside)
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         trainer, module = self.installed()
