@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import koila_retry as koila
 from koila_retry._common.batches import DEPTH, Split
+from koila_retry.testing import oom_above
 
 
 class Encoding(UserDict[str, Any]):
@@ -712,6 +713,46 @@ def test_chunked_and_accumulate_split_a_sparse_coo_input() -> None:
     torch.nn.functional.mse_loss(layer(dense), y).backward()
     for mine, expected in zip(got, [p.grad for p in layer.parameters()], strict=True):
         torch.testing.assert_close(mine, expected)
+
+
+def test_a_sparse_coo_tensor_of_integers_is_split_after_an_out_of_memory_error() -> None:
+    # Bag-of-words counts: the look for ignored labels (-100) among the batch's integers has no sparse amin.
+    torch.manual_seed(0)
+    counts = (torch.rand(10, 6) < 0.4).long() * torch.randint(1, 4, (10, 6))
+    y = torch.randint(0, 2, (10,))
+    layer = torch.nn.Linear(6, 2).double()
+    fits = oom_above(4)
+
+    @koila.accumulate
+    def step(bow: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fits(len(y))
+        return torch.nn.functional.cross_entropy(layer(bow.to_dense().double()), y)
+
+    step(counts.to_sparse(), y)
+    assert step.stats.batch_size == 4
+    got = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    torch.nn.functional.cross_entropy(layer(counts.double()), y).backward()
+    for mine, expected in zip(got, [p.grad for p in layer.parameters()], strict=True):
+        torch.testing.assert_close(mine, expected)
+
+
+def test_a_sparse_coo_boolean_of_the_whole_micro_batch_is_joined_as_whether_any_was_true() -> None:
+    torch.manual_seed(0)
+    counts, y = (torch.rand(10, 6) < 0.2).long(), torch.randint(0, 2, (10,))
+    counts[7, 5] = 1  # a word only the last micro-batch sees
+    layer = torch.nn.Linear(6, 2)
+
+    @koila.accumulate(initial=4)
+    def step(bow: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen = (bow.sum(0) > 0).to_sparse()
+        return {"loss": torch.nn.functional.cross_entropy(layer(bow.float()), y), "seen": seen}
+
+    seen = step(counts, y)["seen"]
+    assert step.stats.batch_size == 4
+    assert seen.layout is torch.sparse_coo
+    assert seen.dtype is torch.bool
+    assert torch.equal(seen.to_dense(), counts.sum(0) > 0)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")

@@ -227,6 +227,38 @@ def test_out_that_overlaps_the_input_is_refused_before_fn_runs() -> None:
     assert torch.equal(storage, before)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested"])
+def test_out_that_is_not_dense_is_refused_before_fn_runs(layout: str) -> None:
+    dense = torch.zeros(6, 2)
+    buffers = {
+        "sparse_coo": lambda: dense.to_sparse(),
+        "sparse_csr": lambda: dense.to_sparse_csr(),
+        "nested": lambda: torch.nested.nested_tensor([torch.zeros(2)] * 6),
+    }
+    calls: list[int] = []
+
+    def double(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return rows * 2
+
+    with pytest.raises(ValueError, match=rf"^out must hold dense, strided tensors, got a {layout} tensor at out:"):
+        koila.chunked(double, torch.ones(6, 2), initial=4, out=buffers[layout]())
+    assert calls == []
+
+
+@pytest.mark.parametrize("form", ["channels_last", "channels_last_3d"])
+def test_a_joined_result_keeps_the_memory_format_of_the_first_chunk(form: str) -> None:
+    memory_format = getattr(torch, form)
+    shape = (8, 3, 4, 5) if form == "channels_last" else (8, 3, 2, 4, 5)
+    x = torch.randn(shape).contiguous(memory_format=memory_format)
+    whole = koila.chunked(lambda rows: rows * 2, x, initial=16)
+    joined = koila.chunked(lambda rows: rows * 2, x, initial=3)
+    assert torch.equal(joined, x * 2)
+    assert joined.stride() == whole.stride() == (x * 2).stride()
+
+
 def test_out_that_overlaps_a_tensor_passed_whole_is_refused() -> None:
     storage = torch.ones(11, 2)
     # One row, passed whole to every chunk and read by each, that out's row 5 would overwrite.

@@ -558,8 +558,10 @@ class _Total:
         if self.kind == _COUNT:  # in its own type, as the whole batch's count; booleans: whether any is true
             if total is None:
                 self.sum = value.clone()
-            elif total.dtype == torch.bool:
+            elif total.dtype == torch.bool and total.layout is torch.strided:
                 total.logical_or_(value)
+            elif total.dtype == torch.bool:  # sparse: no logical_or, nor an add of booleans; a sum of integers has it
+                self.sum = (total.long() + value.long()).bool()
             else:
                 total.add_(value)
         elif weight != 0.0:  # a micro-batch that counts no items (weight=) adds nothing, not its nan times 0

@@ -74,6 +74,12 @@ class Results:
                         "result has None)"
                     )
                 paths.append((path, leaf))
+                if leaf.layout is not torch.strided or leaf.is_nested:
+                    raise ValueError(
+                        f"out must hold dense, strided tensors, got a {_layout_name(leaf)} tensor at {where}: "
+                        "koila.chunked writes each chunk's rows into a slice of out. Pass a dense tensor "
+                        "(torch.empty of the result's shape), or leave out=None and join the results yourself"
+                    )
                 if not -leaf.dim() <= dim < leaf.dim() or leaf.size(dim) != rows:
                     raise ValueError(
                         f"{where} has shape {tuple(leaf.shape)}; it needs {rows} rows along dim {dim}, "
@@ -636,11 +642,20 @@ def _tensors(tree: Any) -> list[tuple[Any, torch.Tensor]]:
 
 
 def _empty(leaf: TensorBase, shape: list[int], inference: bool) -> torch.Tensor:
-    """Return an empty tensor like ``leaf`` of ``shape``: an inference tensor where ``leaf`` is one."""
+    """Return an empty tensor like ``leaf`` (memory format, inference or not) of ``shape``."""
     if inference and leaf.is_inference():
         with torch.inference_mode():
-            return leaf.new_empty(shape)
+            return _empty(leaf, shape, False)
+    # In the first chunk's memory format, as torch.cat keeps it: the result's strides do not depend on the memory free.
+    for form, dims in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if leaf.dim() == dims and not leaf.is_contiguous() and leaf.is_contiguous(memory_format=form):
+            return leaf.new_empty_strided(shape, torch.empty(shape, device="meta", memory_format=form).stride())
     return leaf.new_empty(shape)
+
+
+def _layout_name(tensor: TensorBase) -> str:
+    """Name ``tensor``'s layout as an error says it: nested, or torch's name (sparse_coo, sparse_csr...)."""
+    return "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
 
 
 def _input_name(split: Split, index: int) -> str:

@@ -106,5 +106,7 @@ def _ignores_labels(split: Split) -> bool:
     # the least entry, which labels with -100 have: a mask of the batch's size would need memory the attempt
     # may not have (an error that smaller sizes would meet again).
     integers = (torch.int8, torch.int16, torch.int32, torch.int64)
+    # Strided only: a sparse one (bag-of-words counts) has no amin, and its -100 entries would be values anyway.
     tensors = (split.tensors[index] for index in split.split)
-    return any(t.dtype in integers and t.numel() and t.device.type != "meta" and int(t.amin()) == -100 for t in tensors)
+    tensors = (t for t in tensors if t.layout is torch.strided and t.dtype in integers)
+    return any(t.numel() and t.device.type != "meta" and int(t.amin()) == -100 for t in tensors)
