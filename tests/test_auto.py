@@ -135,6 +135,31 @@ def test_chunked_auto_warns_once_for_repeated_calls(caught: list[warnings.Warnin
     assert len(inexact(caught)) == 1
 
 
+def test_auto_logs_its_warnings_where_a_filter_makes_them_errors(caplog: pytest.LogCaptureFixture) -> None:
+    # The estimate is kept after the first call, which alone warns: as an error, it would fail that call only.
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if int(x.sum()) > -1 else x  # a value read: the estimate has a note
+
+    def unestimable(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":
+            raise RuntimeError("no meta kernel here")
+        return x * 2
+
+    x = torch.ones(64, 8)
+    with warnings.catch_warnings(), simulated_device("64MiB"), torch.no_grad():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert torch.equal(koila.chunked(doubled, x, initial="auto"), x * 2)
+            assert torch.equal(koila.chunked(unestimable, x, initial="auto"), x * 2)
+    logged = [record.getMessage() for record in caplog.records if record.name == "koila_retry"]
+    assert len(logged) == 2
+    assert "initial='auto' chose the first size of" in logged[0]
+    assert "may be inexact (see MemoryEstimate.notes): reading a float from a tensor" in logged[0]
+    assert "a warnings filter made this warning an error" in logged[0]
+    assert "initial='auto' could not estimate" in logged[1]
+    assert "no meta kernel here" in logged[1]
+
+
 def test_auto_without_notes_does_not_warn(caught: list[warnings.WarningMessage]) -> None:
     model = nn.Linear(8, 1)
 

@@ -790,6 +790,16 @@ def test_a_later_chunk_that_returns_strings_where_the_first_returned_a_tensor_na
         koila.chunked(fn, torch.arange(4.0), initial=2)
 
 
+def test_a_later_chunk_that_returns_none_where_the_first_returned_a_tensor_names_the_place() -> None:
+    calls = iter(range(100))
+
+    def fn(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return rows * 2, rows if next(calls) == 0 else None
+
+    with pytest.raises(ValueError, match=r"^fn returned None at the result\[1\] for the chunk from row 2, where"):
+        koila.chunked(fn, torch.arange(4.0), initial=2)
+
+
 def test_no_rows_give_the_empty_list_of_strings_and_a_result_of_nothing_is_refused() -> None:
     assert koila.chunked(lambda rows: [str(v) for v in rows.tolist()], torch.zeros(0)) == []
     for empty in ({}, []):

@@ -11,7 +11,7 @@ import torch
 
 import koila_retry as koila
 from koila_retry._core import memory
-from koila_retry.testing import oom_above
+from koila_retry.testing import oom_above, simulated_device
 
 # Rows per chunk that memory allows: every row at once, and chunks of 4, 4, 2; 3, 3, 3, 1; and 2 each.
 LIMITS = [None, 4, 3, 2]
@@ -257,6 +257,39 @@ def test_a_joined_result_keeps_the_memory_format_of_the_first_chunk(form: str) -
     joined = koila.chunked(lambda rows: rows * 2, x, initial=3)
     assert torch.equal(joined, x * 2)
     assert joined.stride() == whole.stride() == (x * 2).stride()
+
+
+@pytest.mark.parametrize("form", ["pair", "transposed"])
+def test_a_copy_that_writing_into_out_needs_is_made_inside_the_attempt_and_retried_smaller(form: str) -> None:
+    # out=(x, saved) of (rows * 2, rows): the rows saved is given are copied before x's are written; out=x
+    # of rows.mT: copied before they are written over. An out-of-memory error there is the chunk's.
+    x = torch.arange(8 * 256.0).reshape(8, 16, 16)  # 1 KiB a row, made before the device: not counted
+    saved = torch.empty(8, 16, 16)
+    if form == "pair":
+        expected: Any = (x * 2, x.clone())
+        out: Any = (x, saved)
+
+        def fn(rows: torch.Tensor) -> Any:
+            sizes.append(len(rows))
+            return rows * 2, rows
+
+    else:
+        expected, out = x.mT.clone(), x
+
+        def fn(rows: torch.Tensor) -> Any:
+            sizes.append(len(rows))
+            return rows.mT
+
+    sizes: list[int] = []
+    with torch.no_grad(), simulated_device("6KiB" if form == "pair" else "3KiB"):
+        result = koila.chunked(fn, x, initial=4, out=out, cache=koila.NoCache())
+    assert result is out
+    assert sizes == [4, 2, 2, 2, 2]
+    if form == "pair":
+        assert torch.equal(x, expected[0])
+        assert torch.equal(saved, expected[1])
+    else:
+        assert torch.equal(x, expected)
 
 
 def test_out_that_overlaps_a_tensor_passed_whole_is_refused() -> None:

@@ -7,7 +7,6 @@ call's cache beside its sizes, and is forgotten with them; a ``NoCache`` keeps n
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, cast
 
@@ -19,6 +18,7 @@ from koila_retry._common import tracking
 from koila_retry._common.forks import renewed_in_child
 from koila_retry._common.places import levels_to_caller
 from koila_retry._common.tensors import same_device
+from koila_retry._common.warn import warn_or_log
 from koila_retry._core.cache import NoCache, SizeCache
 from koila_retry._core.decision import in_samples
 from koila_retry._core.memory import PeakMeter, free_memory, peak_meter, recent_free_memory
@@ -205,7 +205,7 @@ class _Memo:
             reason = value_shaped_note(error) or (str(error).splitlines()[0] if str(error) else "")
             failure = f"{type(error).__name__}: {reason}"
         if self.first_time((name, what, failure)):  # outside the handler, so that the error is gone
-            warnings.warn(
+            warn_or_log(
                 f"initial='auto' could not estimate {what} of {name} ({failure}); it {then}",
                 UserWarning,
                 stacklevel=levels_to_caller(),
@@ -306,7 +306,8 @@ class AutoFirst:
         if whole is None:
             return rows
         if whole.notes and memo.first_time((name, whole.notes)):
-            warn_inexact(whole, f"initial='auto' chose the first size of {name}")
+            # Once per estimate, which is kept: a filter that makes it an error would fail this call and not the next.
+            warn_inexact(whole, f"initial='auto' chose the first size of {name}", warn_or_log)
         fit = self._fit = memo.fit(self._key, self._device, estimates, inputs=self._inputs)
         self._budget = fit.budget
         first = self._decide(fit)

@@ -515,9 +515,9 @@ def _parts_at(line: Line, batch_size: int) -> dict[str, int]:
     }
 
 
-def warn_inexact(found: MemoryEstimate, what: str) -> None:
-    """Warn that ``what`` (the start of a sentence) was decided from an estimate with notes, quoting them."""
-    warnings.warn(
+def warn_inexact(found: MemoryEstimate, what: str, warn: Callable[..., None] = warnings.warn) -> None:
+    """Warn (through ``warn``) that ``what``, a sentence's start, was decided from an estimate with notes."""
+    warn(
         f"{what}, from an estimate that may be inexact (see MemoryEstimate.notes): {'; '.join(found.notes)}",
         UserWarning,
         stacklevel=levels_to_caller(),

@@ -446,6 +446,8 @@ def _run_chunked(
             if meter is not None and first is not None and out is None:
                 made: list[Any] = results.targets or []
                 first.hold(sum(target.nbytes for target in made if isinstance(target, torch.Tensor)))
+        if out is not None:  # the copies writing into out needs, inside the attempt: an OOM there is retried
+            result = results.ready(begin, end, result)
         if meter is not None:  # after the result is made, which the size chosen must leave room for
             cast(Attempt, attempt).calibrate(end - begin, meter.rise)
         return result

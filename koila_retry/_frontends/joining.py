@@ -8,6 +8,7 @@ error, and no join at the end can lose the chunks that finished.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any, NoReturn, cast
 
@@ -219,6 +220,33 @@ class Results:
             leaves, result = self._checked(result, begin, end)
             if self.targets is None:
                 self._allocate(leaves, end - begin, result)
+
+    def ready(self, begin: int, end: int, result: Any) -> Any:
+        """Make, inside the attempt, the copies that writing a chunk's result into ``out`` needs; return the result.
+
+        :meth:`add` runs once every rank's attempt succeeded, where an out-of-memory error is not retried.
+        """
+        if self.plain and type(result) is torch.Tensor:
+            leaves: list[Any] = [result]
+        else:
+            leaves, result = self._checked(result, begin, end)
+        targets = cast(list[Any], self.targets)
+        kept = _apart(leaves, targets) if len(targets) > 1 else list(leaves)
+        for index, (target, leaf) in enumerate(zip(targets, kept, strict=True)):
+            if not isinstance(target, torch.Tensor) or not isinstance(leaf, torch.Tensor) or leaf is not leaves[index]:
+                continue
+            if leaf.is_nested or leaf.dim() != target.dim():  # refused by add, with the error that names it
+                continue
+            view = target.narrow(self.dim, begin, end - begin)
+            if view.shape != leaf.shape:
+                continue
+            if _reads_from(leaf, view):
+                kept[index] = leaf.clone()
+            elif leaf.device != view.device and not leaf.is_contiguous():  # copy_ would make it contiguous there
+                kept[index] = leaf.contiguous()
+        if all(map(operator.is_, kept, leaves)):
+            return result
+        return kept[0] if leaves[0] is result else tree_unflatten(kept, cast(TreeSpec, self.spec))
 
     def _checked(self, result: Any, begin: int, end: int) -> tuple[list[Any], Any]:
         """Check a chunk's result against the first chunk's structure (or ``out``); return its leaves and it.
@@ -522,6 +550,12 @@ class Results:
                 continue  # where out has nothing, or None: the result has None there
             if strings(leaf) and len(leaf) == end - begin and not isinstance(target, TensorBase):
                 continue  # strings, one per row: joined
+            if leaf is None and isinstance(target, TensorBase) and self.out is None:
+                raise ValueError(
+                    f"fn returned None at {where} for the chunk from row {begin}, where the first chunk returned a "
+                    "tensor: a result joined from several chunks needs a tensor there from every chunk (None "
+                    "throughout is fine)"
+                )
             if type(leaf) in _VALUES and isinstance(target, TensorBase) and self.out is None:
                 what = "strings" if strings(leaf) else "values"
                 raise ValueError(
