@@ -26,7 +26,7 @@ from koila_retry import BatchSizeExhausted
 from koila_retry.testing import make_oom, simulated_device
 
 L = pytest.importorskip("lightning")
-from _layers import Marked, Marker, RaiseInBackward, WatchFreed  # noqa: E402
+from _layers import Marked, Marker, OOMInBackward, RaiseInBackward, WatchFreed  # noqa: E402
 from _lightning_trainer import (  # noqa: E402
     EVAL_LIMIT,
     FIT_LIMIT,
@@ -685,6 +685,55 @@ def test_a_batch_of_no_rows_runs_whole_under_any_single_device_strategy() -> Non
     trainer(OOMRecovery(), max_steps=-1, max_epochs=1, strategy=strategy).fit(model, loader(rows=192))
     assert model.empty == reference.empty == 1
     assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class Popping(MLP):
+    """A module whose steps take what they need out of a dict batch, and fit 16 rows (or more) at a time."""
+
+    def __init__(self, limit: int = 1 << 30, where: str = "forward") -> None:
+        super().__init__()
+        self.limit, self.where = limit, where
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        labels, weight = batch.pop("y"), batch.pop("weight", 1.0)
+        fails = len(labels) > self.limit
+        if fails and self.where == "forward":
+            raise make_oom()
+        loss = F.cross_entropy(self.net(batch["x"]), labels) * weight
+        return OOMInBackward.apply(loss) if fails else loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        labels = batch.pop("y")
+        if len(labels) > self.limit:
+            raise make_oom()
+        self.log("val_loss", F.cross_entropy(self.net(batch["x"]), labels) * batch.pop("weight"))
+
+
+def _weighed_dicts() -> torch.utils.data.DataLoader[Any]:
+    dataset = loader(rows=128).dataset
+
+    def collate(rows: Any) -> dict[str, Any]:
+        x, y = default_collate(rows)
+        return {"x": x, "y": y, "weight": 2.0}
+
+    return torch.utils.data.DataLoader(dataset, batch_size=64, collate_fn=collate)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_pops_from_its_batch_is_retried_on_the_batch_as_lightning_gave_it(where: str) -> None:
+    # The whole attempt ran on Lightning's own dict: its retry was given the dict without "y" and "weight"
+    # (a KeyError, or a weight of 1.0 trained silently; probe 76B).
+    reference = Popping()
+    trainer().fit(reference, _weighed_dicts())
+    expected = trainer().validate(reference, _weighed_dicts(), verbose=False)
+    events: list[Any] = []
+    model = Popping(limit=16, where=where)
+    trainer(OOMRecovery(on_oom=events.append)).fit(model, _weighed_dicts())
+    assert events
+    assert_same_parameters(model, reference, rtol=1e-12, atol=1e-12)
+    model.where = "forward"
+    got = trainer(OOMRecovery()).validate(model, _weighed_dicts(), verbose=False)
+    assert got[0]["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=1e-12)
 
 
 class Primed(AnyBatch):

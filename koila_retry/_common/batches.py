@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from koila_retry._common.contents import Contents
 from koila_retry._common.tensors import TensorBase
 from koila_retry._common.units import checked_dim
 
@@ -751,6 +752,11 @@ class Split:
             for name, node in self.named:
                 kwargs[name] = leaves[node] if isinstance(node, int) else node.remade(leaves, every, span)
         return args, kwargs
+
+    def contents(self) -> Contents | None:
+        """Return what the containers that hold tensors hold now, to put back; None where there are none."""
+        held = [node.value for _, node in (*self.positional, *self.named) if isinstance(node, _Node)]
+        return Contents(*held) if held else None
 
     def pieces(self, size: int) -> Iterator[tuple[list[Any], dict[str, Any], int]]:
         """Yield the arguments of each slice of ``size`` rows (the last takes the rest), and its rows."""

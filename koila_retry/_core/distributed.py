@@ -30,6 +30,7 @@ __all__ = [
     "check_norms",
     "check_sync",
     "ddp_modules",
+    "given_ddp",
     "is_running",
     "joined",
     "modules_of",
@@ -288,6 +289,21 @@ def ddp_modules(roots: Iterable[Any]) -> list[DistributedDataParallel]:
 
     found = {id(module): module for module in _modules(roots) if isinstance(module, DistributedDataParallel)}
     return list(found.values())
+
+
+def given_ddp(ddp: Any) -> list[Any]:
+    """Check ``ddp=``: a ``DistributedDataParallel`` module, or a list or tuple of them."""
+    if ddp is None:
+        return []
+    modules = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    parallel = torch.nn.parallel.DistributedDataParallel
+    for module in modules:
+        if not isinstance(module, parallel):
+            raise TypeError(
+                f"ddp must be a torch.nn.parallel.DistributedDataParallel module (the wrapped model) or a list "
+                f"of them, got {type(module).__name__} {module!r:.200}"
+            )
+    return modules
 
 
 def joined(given: list[Any], found: list[Any]) -> list[Any]:

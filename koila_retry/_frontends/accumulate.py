@@ -318,7 +318,7 @@ def accumulator(
         )
     run_backward = backward_of(backward, scaler)
     check_auto(initial)
-    given = _given_ddp(ddp)
+    given = distributed.given_ddp(ddp)
     if given and options.get("sync") is False:
         raise ValueError(
             "ddp= needs the ranks to agree on each step (a rank that runs out of memory plays along, then all "
@@ -603,6 +603,7 @@ class _Accumulator:
         overlap = plan if isinstance(plan, Overlap) else None
         # The plan looks after its modules' parameters; what else the backward writes is found in each graph.
         others = OtherLeaves(plan.owned)
+        kept = split.contents()  # the whole batch runs on the caller's containers: put back after it failed
 
         def work(size: int) -> Results:
             # Sync on for the last micro-batch only, as FSDP2 and DDP document. The first begins before
@@ -650,6 +651,8 @@ class _Accumulator:
         def undo() -> None:
             plan.undo()
             others.undo()
+            if kept is not None:
+                kept.restore()
 
         # The parameters' gradients set aside, added back after: not safe while another thread trains
         # the model, which neither FSDP2 nor DDP allows anyway.
@@ -752,6 +755,8 @@ class _Accumulator:
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
                 raise Replayed(*failed)
         results = Results(self, size, split.tensors if size < rows else None)
+        # The whole batch runs on the caller's containers: one the step changes (batch.pop("labels")) is put back.
+        kept = split.contents() if size >= rows else None
         try:
             # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed through by
             # every micro-batch and retry: that graph must outlive each backward (freed with the arguments).
@@ -785,6 +790,8 @@ class _Accumulator:
                 self._check_no_grad_wanted(split, gradients.grad_mode)
             return results
         except BaseException as error:
+            if kept is not None:
+                kept.restore()
             results.drop()  # the error's traceback holds this frame: what the micro-batches returned would outlive it
             release_ours(error)  # and the frames below, of a micro-batch's result and what was kept
             raise
@@ -881,18 +888,3 @@ class _Accumulator:
                     f"on and {owner} has parameters that do: was the loss detached, made from .item(), or "
                     "computed under torch.no_grad()? Return the loss tensor itself"
                 )
-
-
-def _given_ddp(ddp: Any) -> list[Any]:
-    """Check ``ddp=``: a ``DistributedDataParallel`` module, or a list or tuple of them."""
-    if ddp is None:
-        return []
-    modules = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
-    parallel = torch.nn.parallel.DistributedDataParallel
-    for module in modules:
-        if not isinstance(module, parallel):
-            raise TypeError(
-                f"ddp must be a torch.nn.parallel.DistributedDataParallel module (the wrapped model) or a list "
-                f"of them, got {type(module).__name__} {module!r:.200}"
-            )
-    return modules

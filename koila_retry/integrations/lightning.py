@@ -33,6 +33,7 @@ except ImportError as _missing:  # as the transformers integration says it
     ) from _missing
 
 from koila_retry._common.batches import Split
+from koila_retry._common.contents import Contents
 from koila_retry._common.places import replayable
 from koila_retry._common.tensors import set_grads
 from koila_retry._core.cache import class_identity
@@ -235,7 +236,7 @@ class _Delivery(torch.autograd.Function):
 # A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
 # aside as it began (none where they were released), back in .grad until that backward (see _whole),
 # and accumulate_grad_batches.
-_Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int]
+_Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int, Contents]
 
 
 def _hand_over(held: _Held, leaves: list[torch.Tensor], grad: torch.Tensor) -> None:
@@ -681,8 +682,9 @@ class _Step:
         for parameter in parameters:
             parameter.grad = None
         output: Any = _FAILED
+        kept = Contents(args, kwargs)  # put back for a retry after the backward's OOM too
         try:
-            output = self._ran(module, args, kwargs)
+            output = self._ran(module, args, kwargs, kept)
         finally:
             if output is _FAILED:  # out of memory, an error of the step's own, or one replaying its logs
                 set_grads(zip(parameters, before, strict=False))
@@ -699,14 +701,15 @@ class _Step:
         if before:
             added_back(parameters, before)
         # The loop backpropagates a leaf of the same value; the module's backward the loss (_backward_of_whole).
-        self.pending = (loss, args, kwargs, parameters, before, steps)
+        self.pending = (loss, args, kwargs, parameters, before, steps, kept)
         vars(module)["backward"] = self._backward_of_whole
         stand_in = loss.detach().requires_grad_()
         # Its other entries detached, as a split step's are: they would hold the graph through that backward.
         return stand_in if isinstance(output, torch.Tensor) else without_graphs(output, stand_in)
 
-    def _ran(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any) -> Any:
+    def _ran(self, module: pl.LightningModule, args: tuple[Any, ...], kwargs: Any, kept: Contents | None = None) -> Any:
         """Run the step as the loop would, its logs held until it returned; ``_FAILED`` if it ran out of memory."""
+        kept = Contents(args, kwargs) if kept is None else kept  # a batch.pop("labels") is put back for the retry
         self.logs.calls = []
         self.logs.hold(module)
         failed = False
@@ -722,6 +725,7 @@ class _Step:
         finally:
             self.logs.release(module)
         if failed:
+            kept.restore()
             self.trusting, self.logs.calls = False, []  # accumulate runs this step from now on, this call first
             return _FAILED
         self.logs.flush()
@@ -735,7 +739,7 @@ class _Step:
         if pending is None:
             module.backward(tensor, *args, **kwargs)
             return
-        loss, batch_args, batch_kwargs, parameters, before, steps = pending
+        loss, batch_args, batch_kwargs, parameters, before, steps, kept = pending
         del pending
         # Aside again, as the hooks left them (one may have scaled or replaced them).
         for index, parameter in enumerate(parameters):
@@ -767,6 +771,7 @@ class _Step:
         others.undo()  # what they had before stays aside: accumulate's gradients are divided first
         set_grads((parameter, None) for parameter in parameters)  # None before this backward (see _whole)
         self.trusting = False
+        kept.restore()
         # Through accumulate, whose attempt of the whole batch is the failure above: its gradients
         # reach .grad directly. What the step logs is dropped: the whole batch's were logged already.
         self.logs.parts, self.rows = [], 0
