@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from koila_retry._common.forks import lock_renewed_in_child
 from koila_retry._common.tracking import LiveStorageTracker, following_storages, simulated
 from koila_retry._common.units import as_int, format_bytes, parse_bytes
 
@@ -295,8 +296,20 @@ class OOMInjector:
         self._first = first  # the first calls that fail, counted, not listed: oom_for(sys.maxsize) is every call
         self._kind = kind
         self._lock = threading.Lock()
+        lock_renewed_in_child(self, "_lock")  # a forked child's calls: the parent's may be held by another thread
         self.calls = 0
         self.raised = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (an argument of torch.multiprocessing.spawn) or deep-copied, each copy counts its own calls.
+        state = dict(vars(self))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
+        lock_renewed_in_child(self, "_lock")
 
     def __call__(self, batch_size: int | None = None) -> None:
         """Count a call, and raise an out-of-memory error if this call is chosen.

@@ -764,6 +764,58 @@ def test_torchscript_models_are_run_and_keyed_by_the_class_they_were_made_from()
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Weighted:
+    """A callable whose == is its fields' (a dataclass's), hashed by the tensor's identity."""
+
+    weight: torch.Tensor
+    fails: bool = dataclasses.field(compare=False)
+
+    def __call__(self, batch_size: int) -> int:
+        if self.fails and batch_size > 2:
+            raise make_oom()
+        return batch_size
+
+
+@pytest.mark.parametrize("elements", [1, 3])
+def test_callables_with_an_eq_of_their_own_are_told_apart_as_a_dict_tells_them(elements: int) -> None:
+    # koila's key holds the callable as it is: the latest-key shortcut compared two with their own == (probe
+    # 76E), which raised for tensors of several elements and, for one, gave one object the other's entry.
+    cache = koila.StackMemoryCache()
+    failing = koila.batch(_Weighted(torch.ones(elements), True), initial=8, cache=cache)
+    fitting = koila.batch(_Weighted(torch.ones(elements), False), initial=8, cache=cache)
+    sizes = []
+    for _ in range(2):
+        for step in (failing, fitting):  # from one place: keys that differ by the callable alone
+            sizes.append(step())
+    assert sizes == [2, 8, 2, 8]
+    assert (failing.stats.ooms, fitting.stats.ooms) == (2, 0)  # the second call of each found its own size
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+def test_scripted_functions_are_keyed_by_the_function_each_was_made_from(tmp_path: Path) -> None:
+    # Every ScriptFunction was ("torch.jit", 0, "torch.jit.ScriptFunction"): one size for all, in a DiskCache too.
+    doubled, plus_one = torch.jit.script(_doubled), torch.jit.script(_plus_one)
+    assert function_identity(doubled) == function_identity(_doubled)
+    assert function_identity(plus_one) == function_identity(_plus_one)
+    cache = koila.GlobalCache()
+    cache[function_identity(doubled)] = 2
+    x = torch.ones(8, 2)
+    assert torch.equal(koila.chunked(plus_one, x, initial=8, cache=cache), x + 1)
+    assert cache.cache_info().hits == 0
+    disk = koila.DiskCache(tmp_path / "sizes.json")
+    cpu = torch.device("cpu")
+    assert disk.key(doubled, None, cpu) != disk.key(plus_one, None, cpu)
+
+
 def test_the_latest_key_is_matched_as_a_dict_matches_keys_even_keys_holding_tensors() -> None:
     """A key function that returned ("phase", tensor): the second call raised "Boolean value of Tensor with more than
     one value is ambiguous", the latest-key shortcut comparing keys with == where a dict hashes a tensor by its id."""

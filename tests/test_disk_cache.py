@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import json
 import logging
 import os
@@ -648,6 +649,33 @@ def test_a_cache_pickled_or_copied_reads_its_file_again_in_a_cache_of_its_own(tm
         other.cache_clear()
         assert len(cache) == 1
     assert _content(path)["sizes"] == {}  # each cleared the file they share, as a second process would
+
+
+def test_a_deep_copy_reads_the_file_again_and_holds_nothing_of_the_original(tmp_path: Path) -> None:
+    # Copied deep as an in-memory cache, it missed what another process wrote since, and its refine bounds
+    # wrote through the original, which it kept alive (probe 76E).
+    path = tmp_path / "sizes.json"
+    cache = koila.DiskCache(path)
+    cache["k"] = 4
+    koila.DiskCache(path)["j"] = 8  # another process's
+    other = copy.deepcopy(cache)
+    assert dict(other.items()) == {"k": 4, "j": 8}
+    original = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert original() is None
+    other.bounds.update("k", lambda _: (2, 0))
+    assert _content(path)["bounds"] == {"k": 2}
+
+
+def test_a_path_of_bytes_is_refused_through_a_path_like_too(tmp_path: Path) -> None:
+    # A plain bytes path was refused; one through os.PathLike was taken, and no store could write it.
+    class BytesPath:
+        def __fspath__(self) -> bytes:
+            return bytes(tmp_path / "sizes.json")
+
+    with pytest.raises(TypeError, match=r"^path must name the file as text, got a path of bytes b'"):
+        koila.DiskCache(BytesPath())  # type: ignore[arg-type]
 
 
 class _Prefixed(koila.DiskCache):

@@ -6,6 +6,7 @@ import contextlib
 import dis
 import gc
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -744,6 +745,44 @@ def _failing_calls(inject: OOMInjector, calls: int) -> list[int]:
         except torch.OutOfMemoryError:
             failed.append(number)
     return failed
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_an_injector_copied_or_pickled_counts_its_own_calls(how: str) -> None:
+    # An argument of torch.multiprocessing.spawn is pickled: the lock made that a TypeError (probe 76E).
+    import copy
+    import pickle
+
+    injector = oom_above(4)
+    injector(2)
+    copied = copy.deepcopy(injector) if how == "deepcopy" else pickle.loads(pickle.dumps(injector))
+    with pytest.raises(torch.OutOfMemoryError):
+        copied(8)
+    assert (copied.calls, copied.raised) == (2, 1)
+    assert (injector.calls, injector.raised) == (1, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_an_injector_works_in_a_child_forked_while_another_thread_held_its_lock() -> None:
+    injector = oom_for(1)
+    with injector._lock:  # as another thread's call holds it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: exits 0 if the call raised as chosen, else hangs until the parent's kill
+            try:
+                injector()
+            except torch.OutOfMemoryError:
+                os._exit(0)
+            os._exit(1)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child waited for the lock its parent's other thread held")
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_oom_for_an_int_fails_the_first_calls() -> None:

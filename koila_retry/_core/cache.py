@@ -184,6 +184,10 @@ def _runs(function: object) -> object:
             function = function.func
         elif isinstance(function, types.MethodType | MethodRef):
             function = function.__func__
+        elif isinstance(function, torch.jit.ScriptFunction) and isinstance(
+            original := getattr(function, "_torchdynamo_inline", None), types.FunctionType
+        ):
+            function = original  # the Python function scripted: each class's __qualname__ is ScriptFunction's
         elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
             # Every @torch.no_grad() function runs the same wrapper, whose code would name them
             # all alike (and give them one size in a GlobalCache).
@@ -294,6 +298,12 @@ class _DictKey:
     __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
+def _by_identity(function: object) -> bool:
+    """Return whether == compares ``function`` as a dict finds it: a function's, or a :class:`MethodRef`."""
+    kind = type(function)
+    return kind.__eq__ is object.__eq__ or kind is MethodRef or kind is types.MethodType
+
+
 def _hashes(value: object) -> bool:
     try:
         hash(value)
@@ -379,7 +389,9 @@ class Sizes(MutableMapping[Hashable, int]):
 
     def _latest(self, key: Hashable) -> object:
         """Return ``key`` as the latest key is remembered: as it is if == matches it as a dict does."""
-        return key if self._plain and type(key) is tuple else _DictKey(key)
+        # Its function is the user's object as it is: one with an == of its own (a dataclass) compares as it says.
+        plain = self._plain and type(key) is tuple and (not key or _by_identity(key[0]))
+        return key if plain else _DictKey(key)
 
     def _fallback(self, key: Hashable) -> int | None:
         """Return a size for a key that is not stored, from a related key, or ``None``."""

@@ -105,6 +105,8 @@ class DiskCache(SizeCache):
         super().__init__(maxsize, key=size_class_key if key is None else key)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        if not isinstance(os.fspath(path), str):  # a PathLike of bytes: the file's name is written as text
+            raise TypeError(f"path must name the file as text, got a path of bytes {os.fspath(path)!r}")
         if not os.fspath(path):  # would be the working folder
             raise ValueError("path='' names no file: give the path of a JSON file, '~/.cache/project/sizes.json' say")
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
@@ -296,6 +298,11 @@ class DiskCache(SizeCache):
         # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
         # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
         return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DiskCache:
+        # As pickled: made again from the file (the copy of an in-memory cache would write through this one).
+        clone = memo[id(self)] = _reopened(type(self), self.path, self.cache_info().maxsize, self.key_function)
+        return clone
 
 
 def _reopened(kind: type[DiskCache], path: str, maxsize: int, key: KeyFunction) -> DiskCache:
