@@ -107,6 +107,18 @@ def test_param_makes_the_parameters_after_it_keyword_only_in_the_signature() -> 
         predict(1, 2.0)  # type: ignore[call-arg]
 
 
+def test_param_over_a_function_with_keyword_arguments_counts_only_its_positional_parameters() -> None:
+    # **options was counted among the positional ones: "takes 2 positional arguments ('inputs', 'options')".
+    @koila.batch(initial=8, param="chunk_size")
+    def predict(inputs: list[int], chunk_size: int, **options: Any) -> tuple[Any, ...]:
+        return inputs, chunk_size, options
+
+    assert predict([1, 2], flag=True) == ([1, 2], 8, {"flag": True})
+    message = r"\.predict\(\) takes 1 positional argument \('inputs'\) under @koila.batch\(param='chunk_size'\)"
+    with pytest.raises(TypeError, match=message):
+        predict([1, 2], 64)  # type: ignore[call-arg]
+
+
 def test_param_keeps_the_signature_of_a_keyword_only_size_and_of_what_comes_before_it() -> None:
     @koila.batch(param="n", initial=8)
     def predict(x: int, /, y: int, *rest: int, n: int, scale: float = 1.0) -> tuple[int, ...]:

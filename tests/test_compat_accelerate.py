@@ -247,6 +247,42 @@ def test_a_method_receives_the_size_after_self() -> None:
     assert trainer.train.stats.batch_size == 8
 
 
+def test_a_staticmethod_or_classmethod_under_it_binds_as_its_class_would() -> None:
+    # Above @staticmethod, a call through an instance passed the instance on as an argument (epochs=<Trainer>,
+    # silently); above @classmethod, the class was refused at its definition (probe 76D).
+    class Trainer:
+        @compat.find_executable_batch_size(starting_batch_size=16)  # type: ignore[misc]
+        @staticmethod
+        def run(batch_size: int, epochs: int = 1, verbose: bool = False) -> tuple[int, int, bool]:
+            if batch_size > 8:
+                raise make_oom()
+            return batch_size, epochs, verbose
+
+        @compat.find_executable_batch_size(starting_batch_size=8)  # type: ignore[misc]
+        @classmethod
+        def tune(cls, batch_size: int, steps: int) -> tuple[str, int, int]:
+            return cls.__name__, batch_size, steps
+
+    assert Trainer.run(3) == (8, 3, False)
+    assert Trainer().run(3) == (8, 3, False)
+    assert Trainer.tune(2) == Trainer().tune(2) == ("Trainer", 8, 2)
+
+
+def test_a_module_is_given_the_size_first_in_its_forward_and_its_signature_says_so() -> None:
+    # The guard and the signature read the module's (*args, **kwargs): a call made right was refused.
+    class Net(torch.nn.Module):
+        def forward(self, batch_size: int, x: torch.Tensor, y: int) -> tuple[int, int]:
+            if batch_size > 4:
+                raise make_oom()
+            return batch_size, y
+
+    wrapped = compat.find_executable_batch_size(Net(), 16)
+    assert str(inspect.signature(wrapped)) == "(x: 'torch.Tensor', y: 'int') -> 'tuple[int, int]'"
+    assert wrapped(torch.zeros(2), 3) == (4, 3)
+    with pytest.raises(TypeError, match=r"Batch size was passed into `[\w.<>]*Net` as the first argument"):
+        wrapped(8, torch.zeros(2), 3)
+
+
 @pytest.mark.parametrize("start", [8, 0])
 def test_the_wrappers_signature_leaves_the_size_out_as_koila_batchs_does(start: int) -> None:
     # It said (batch_size, data, epochs=1), and a call made as it said was refused (probe 72E).

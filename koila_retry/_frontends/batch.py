@@ -175,7 +175,8 @@ class _Injection:
     def refuse(self, given: int, named: bool) -> TypeError:
         """Return the error for a call that passed the size by name, or more positional arguments than it takes."""
         if self.takes_place and not named:
-            names = [repr(p.name) for p in self.signature.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+            positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            names = [repr(p.name) for p in self.signature.parameters.values() if p.kind in positional]
             takes = f"{len(names)} positional argument{'' if len(names) == 1 else 's'}"
             if names:
                 takes += f" ({', '.join(names)})"

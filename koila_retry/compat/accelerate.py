@@ -13,7 +13,7 @@ reasons: memory is released after leaving the ``except`` block and never
 collected when nothing fails, more errors count as out of memory, giving up
 raises :class:`koila_retry.BatchSizeExhausted` (a ``RuntimeError`` with
 accelerate's message first), a ``reduce_batch_size_fn`` must shrink the size,
-and the ranks of a distributed job agree. For sizes that are powers of two,
+an iterator argument is refused at a retry, and the ranks of a distributed job agree. For sizes that are powers of two,
 use :func:`koila_retry.batch` with a :class:`koila_retry.GlobalCache`.
 
 .. versionadded:: 0.1.0
@@ -31,7 +31,7 @@ from koila_retry._core.detect import is_oom
 from koila_retry._core.memory import DeviceLike, release
 from koila_retry._core.policy import scaled
 from koila_retry._core.stats import OnOOM, Stats
-from koila_retry._frontends.batch import batched, bindable, callable_name
+from koila_retry._frontends.batch import batched, bindable, call_signature, callable_name, unwrap_binding
 from koila_retry.compat._adapter import REQUIRED, Option, Table, integer
 from koila_retry.exceptions import BatchSizeExhausted
 
@@ -143,18 +143,21 @@ def find_executable_batch_size(
     }
     if function is None:
         return functools.partial(find_executable_batch_size, **values)
+    given_function = function  # a staticmethod or classmethod as it is: koila.batch binds it as its class would
+    function, binding = unwrap_binding(function)
     if not callable(function):
         raise TypeError(f"find_executable_batch_size wraps a callable, got {type(function).__name__} {function!r}")
     settings = TABLE.read(values)
-    try:  # accelerate's guard against passing the batch size counts every parameter
-        parameters = list(inspect.signature(function).parameters)
+    try:  # accelerate's guard against passing the batch size counts every parameter (a module's forward's)
+        whole = call_signature(function)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"cannot read the signature of {function!r} to pass it the batch size: {exc}") from None
+    parameters = list(whole.parameters)
     name = getattr(function, "__name__", None) or callable_name(function)
     # A starting size of 0 is accelerate's error at the first call, not at decoration.
     batched_function: Any = None  # a koila.batch wrapper (it binds as a method does), or None
     if settings["initial"] != 0:
-        batched_function = batched(function, TABLE.policy(settings), front_end="find_executable_batch_size")
+        batched_function = batched(given_function, TABLE.policy(settings), front_end="find_executable_batch_size")
 
     def run(target: Callable[..., Any], given: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if len(parameters) < len(given) + 1:
@@ -179,7 +182,8 @@ def find_executable_batch_size(
     # Bound to an instance, the size goes after it, as koila.batch's does (see batch.Bindable).
     @functools.wraps(function)
     def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
-        bound: Any = None if batched_function is None else batched_function.__get__(instance, type(instance))
+        owner = (None, instance) if binding == "classmethod" else (instance, type(instance))  # instance: the class
+        bound: Any = None if batched_function is None else batched_function.__get__(*owner)
         if bound is batched_function:  # a callable no class binds (an object with a __call__): given the instance
             return run(bound, (instance, *args), (instance, *args), kwargs)  # after the size, as accelerate's
         return run(bound, (instance, *args), args, kwargs)
@@ -193,7 +197,6 @@ def find_executable_batch_size(
     forms: tuple[Any, ...] = (wrapper, method)
     # Without the size, as koila.batch's forms: the first parameter called plainly, the one after self (or
     # cls) bound, whichever form bindable shows unbound. functools.wraps' signature refused calls made by it.
-    whole = inspect.signature(function)
     given = list(whole.parameters.values())
     hinted = getattr(function, "__annotations__", {})
     shapes = []
@@ -204,7 +207,9 @@ def find_executable_batch_size(
     for form, (signature, hints) in zip(forms, shapes, strict=True):
         form.stats, form.cache_info, form.cache_clear = stats, cache_info, cache_clear
         form.__signature__, form.__annotations__ = signature, hints
-    return bindable(function, wrapper, method, functools.partial(find_executable_batch_size, **values))
+    # As accelerate's wrapper, a function, any other callable binds to an instance of a class that holds it.
+    binds = (binding,) if given_function is not function else ()
+    return bindable(function, wrapper, method, functools.partial(find_executable_batch_size, **values), *binds)
 
 
 def _prefixed(exc: BatchSizeExhausted) -> None:
