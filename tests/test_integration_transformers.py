@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import koila_retry as koila
+from koila_retry import BatchSizeExhausted
 from koila_retry.testing import make_oom, simulated_device
 
 transformers = pytest.importorskip("transformers")
@@ -174,6 +175,60 @@ def test_a_detection_batch_is_split_with_each_images_own_targets(tmp_path: Path)
     # Each micro-batch saw its own images' targets: all eight were passed to every one, paired by position.
     assert min(len(seen) for seen in trainer.model.seen) < 8
     assert_same_training(trainer, reference)
+
+
+def _with_patches(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batch with a vision model's patches: two rows of pixel_values per example, not one."""
+    batch = collate(rows)
+    batch["pixel_values"] = torch.ones(2 * len(rows), 3)
+    return batch
+
+
+class _PatchTrainer(transformers.Trainer):  # type: ignore[misc]
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        inputs = dict(inputs)
+        image_term = inputs.pop("pixel_values").mean() * 0
+        counted = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}  # 4.46 on
+        return model(**inputs, **counted).loss + image_term
+
+
+def _patch_trainer(path: Path, model: Any = None) -> Any:
+    return make_trainer(
+        path, _PatchTrainer, model=model, data_collator=_with_patches, remove_unused_columns=False, max_steps=2
+    )
+
+
+def test_a_batch_whose_tensors_do_not_share_rows_runs_whole_and_gives_up_saying_why(tmp_path: Path) -> None:
+    # Every step adapt sent through accumulate (a hook on a parameter here) raised Split's ValueError, and a
+    # step that ran out of memory gave it in place of the out-of-memory error (probe 76A).
+    reference = _patch_trainer(tmp_path / "plain")
+    reference.train()
+    hooked = tiny_gpt2()
+    hooked.lm_head.weight.register_hook(lambda gradient: gradient)
+    trainer = adapt(_patch_trainer(tmp_path / "hooked", hooked))
+    trainer.train()
+    assert_same_training(trainer, reference)
+
+    failing = tiny_gpt2()
+    failing.register_forward_pre_hook(lambda module, args, kwargs: _fails_above(4, kwargs), with_kwargs=True)
+    before = [parameter.detach().clone() for parameter in failing.parameters()]
+    trainer = adapt(_patch_trainer(tmp_path / "failing", failing))
+    with pytest.raises(
+        BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of the training step: every"
+    ) as caught:
+        trainer.train()
+    assert isinstance(caught.value.__cause__, BatchSizeExhausted)
+    assert "pixel_values'] has 16" in str(caught.value)
+    assert all(torch.equal(mine, was) for mine, was in zip(failing.parameters(), before, strict=True))
+    with pytest.raises(BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of the prediction step"):
+        trainer.evaluate()
+
+
+def _fails_above(rows: int, kwargs: dict[str, Any]) -> None:
+    if kwargs["input_ids"].shape[0] > rows:
+        raise make_oom()
 
 
 def _finder_recognises_our_give_up() -> bool:
