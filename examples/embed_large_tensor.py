@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--initial", type=int, default=8192, help="the first chunk size (default: %(default)s)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar; needs tqdm (the progress extra)")
     args = parser.parse_args(argv)
+    try:  # read as the simulated device reads it
+        limit = simulated_device(args.memory).limit
+    except ValueError as error:
+        parser.error(f"--memory: {error}")
+    if limit < 1:
+        parser.error(f"--memory must be more than 0 bytes, like 16MiB, got {args.memory!r}")
     if args.rows < 1 or args.initial < 1:
         parser.error("--rows and --initial must be >= 1")
 
@@ -130,4 +136,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.OutOfMemoryError as error:  # before the first retry: the model itself does not fit
+        raise SystemExit(f"error: {str(error).splitlines()[0]} (try a larger --memory)") from None

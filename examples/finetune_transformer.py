@@ -109,6 +109,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="sentences per batch (default: 32)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps (default: 8)")
     options = parser.parse_args()
+    try:  # read as the simulated device reads it
+        limit = simulated_device(options.memory).limit
+    except ValueError as error:
+        parser.error(f"--memory: {error}")
+    if limit < 1:
+        parser.error(f"--memory must be more than 0 bytes, like 16MiB, got {options.memory!r}")
     if options.batch < 1 or options.steps < 1:
         parser.error("--batch and --steps must be >= 1")
 
@@ -162,4 +168,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.OutOfMemoryError as error:  # before the first retry: the model itself does not fit
+        raise SystemExit(f"error: {str(error).splitlines()[0]} (try a larger --memory)") from None

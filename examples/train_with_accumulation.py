@@ -154,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256, help="rows per optimizer step (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=5, help="passes over the data (default: %(default)s)")
     args = parser.parse_args(argv)
+    try:  # read as the simulated device reads it
+        limit = simulated_device(args.memory).limit
+    except ValueError as error:
+        parser.error(f"--memory: {error}")
+    if limit < 1:
+        parser.error(f"--memory must be more than 0 bytes, like 16MiB, got {args.memory!r}")
     if args.batch < 1 or args.epochs < 1:
         parser.error("--batch and --epochs must be >= 1")
 
@@ -187,4 +193,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.OutOfMemoryError as error:  # before the first retry: the model itself does not fit
+        raise SystemExit(f"error: {str(error).splitlines()[0]} (try a larger --memory)") from None

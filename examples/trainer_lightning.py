@@ -91,6 +91,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (default 6)")
     args = parser.parse_args()
+    try:  # read as the simulated device reads it
+        limit = simulated_device(args.memory).limit
+    except ValueError as error:
+        parser.error(f"--memory: {error}")
+    if limit < 1:
+        parser.error(f"--memory must be more than 0 bytes, like 16MiB, got {args.memory!r}")
     if args.batch < 1 or args.steps < 1:
         parser.error("--batch and --steps must be >= 1")
     warnings.filterwarnings("ignore", module="lightning")
@@ -125,4 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.OutOfMemoryError as error:  # before the first retry: the model itself does not fit
+        raise SystemExit(f"error: {str(error).splitlines()[0]} (try a larger --memory)") from None

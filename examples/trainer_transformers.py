@@ -83,6 +83,12 @@ def main() -> None:
     parser.add_argument("--memory", default="1MiB", help="the simulated device's memory (default: 1MiB)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: 4)")
     options = parser.parse_args()
+    try:  # read as the simulated device reads it
+        limit = simulated_device(options.memory).limit
+    except ValueError as error:
+        parser.error(f"--memory: {error}")
+    if limit < 1:
+        parser.error(f"--memory must be more than 0 bytes, like 16MiB, got {options.memory!r}")
     if options.steps < 1:
         parser.error("--steps must be >= 1")
     transformers.logging.set_verbosity_error()
@@ -117,4 +123,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.OutOfMemoryError as error:  # before the first retry: the model itself does not fit
+        raise SystemExit(f"error: {str(error).splitlines()[0]} (try a larger --memory)") from None

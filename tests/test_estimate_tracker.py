@@ -358,6 +358,25 @@ def test_auto_of_a_lazy_module_warns_and_runs_the_whole_batch() -> None:
     assert chunked.stats.batch_size == 16
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_model_is_refused_by_name_and_auto_falls_back_to_the_whole_batch(how: str) -> None:
+    # The estimate crashed with "'_CachedForward' object has no attribute '__getattr__'" (probe 76G).
+    linear = nn.Sequential(nn.Linear(16, 4), nn.ReLU())
+    x = torch.randn(8, 16)
+    model = torch.jit.script(linear) if how == "script" else torch.jit.trace(linear, x)
+    with pytest.raises(TypeError, match=r"is a TorchScript module \(torch.jit.script or trace\), whose compiled code"):
+        koila.estimate(model, x)
+    with pytest.raises(TypeError, match=r"is a TorchScript module"):
+        koila.profile(model, x, fake=True)
+    chunked: Any = koila.chunked(model, initial="auto")
+    with pytest.warns(UserWarning, match="could not estimate .*TorchScript module"), torch.no_grad():
+        out = chunked(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    assert chunked.stats.batch_size == 8
+
+
 # --------------------------------------------------------------------------- a peak concave in the batch
 
 

@@ -161,6 +161,47 @@ def test_an_example_refuses_a_count_below_one_with_a_usage_error(script: str, fl
     assert "Traceback" not in completed.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "memory", "said"),
+    [
+        ("embed_large_tensor.py", "abc", "--memory: cannot read 'abc' as a memory size"),
+        ("finetune_transformer.py", "0", "--memory must be more than 0 bytes"),
+        ("train_with_accumulation.py", "=-5MiB", "--memory: cannot read '-5MiB' as a memory size"),
+        ("trainer_lightning.py", "0B", "--memory must be more than 0 bytes"),
+        ("trainer_transformers.py", "12 parsecs", "--memory: cannot read '12 parsecs' as a memory size"),
+    ],
+)
+def test_an_example_refuses_a_memory_it_cannot_read_with_a_usage_error(script: str, memory: str, said: str) -> None:
+    # A ValueError's traceback, or the simulated device's out-of-memory error's (probe 76G).
+    flag = ["--memory" + memory] if memory.startswith("=") else ["--memory", memory]
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *flag],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert said in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.slow
+def test_an_example_given_too_little_memory_for_its_model_says_so_in_a_line() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_with_accumulation.py"), "--memory", "100KiB", "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert completed.returncode == 1, completed.stderr
+    assert completed.stderr.startswith("error: CUDA out of memory. Tried to allocate")
+    assert completed.stderr.rstrip().endswith("(try a larger --memory)")
+    assert "Traceback" not in completed.stderr
+
+
 def test_evaluate_in_batches_settles_and_matches() -> None:
     completed = _run_example("evaluate_in_batches.py")
     assert "out of memory, retrying at" in completed.stdout

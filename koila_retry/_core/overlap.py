@@ -179,7 +179,7 @@ def _changed(module: DistributedDataParallel, before: dict[str, tuple[torch.Tens
     stock = {
         f"{prefix}.{name}" if prefix else name
         for prefix, each in module.module.named_modules()
-        if type(each).forward in _NORMS
+        if getattr(type(each), "forward", None) in _NORMS  # a TorchScript class has none to read
         for name, _ in each.named_buffers(recurse=False)
     }
     for name, buffer in module.module.named_buffers():

@@ -544,7 +544,7 @@ def _code_of(target: Any) -> types.CodeType:
     if isinstance(found, type) and issubclass(found, torch.nn.Module):
         found = found.forward
     elif isinstance(found, torch.nn.Module):
-        found = type(found).forward
+        found = getattr(type(found), "forward", found)  # a TorchScript class has none to read
     if isinstance(found, functools.partial):
         found = found.func
     found = getattr(found, "__func__", found)

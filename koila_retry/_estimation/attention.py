@@ -606,7 +606,8 @@ _FAST_PATHS: dict[type[nn.Module], Callable[..., Any]] = {
 
 def _follow_fast_path(module: nn.Module, target: torch.device, card: tuple[tuple[int, int], int | None]) -> bool:
     """Give an eligible module a forward that takes the fused fast path where the target would; return if given."""
-    kind = next((kind for kind in _FAST_PATHS if type(module).forward is kind.forward), None)
+    own = getattr(type(module), "forward", None)  # a TorchScript class has none to read
+    kind = next((kind for kind in _FAST_PATHS if own is kind.forward), None)
     if kind is None or "forward" in vars(module):
         return False
     fast, composite = _FAST_PATHS[kind], kind.forward

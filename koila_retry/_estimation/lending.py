@@ -750,7 +750,7 @@ class Owned:
         """Lend this thread meta copies of every tensor held, under ``recorder``; return what ends the loan."""
         # Under FSDP2 (sharding), sharded tensors are lent as one rank's shard. The loan holds the
         # estimate lock until it ends, on this thread.
-        self._refuse_lazy()
+        self._refuse_unrunnable()
         loan = Loan(target)
         loan.mode.reads = ValueReads(recorder.placeholder)  # the reads that never reach the recorder
         loan.hold()
@@ -806,11 +806,17 @@ class Owned:
 
         return end
 
-    def _refuse_lazy(self) -> None:
-        """Raise a ValueError naming the first module whose parameters or buffers are not made yet."""
+    def _refuse_unrunnable(self) -> None:
+        """Raise an error naming the first module that a meta run cannot run: scripted, or not made yet (lazy)."""
         # A lazy module makes them in its first forward, from the input's shape: a run on meta copies
         # has nothing to copy, and PyTorch's own error names neither the module nor a way out.
         for module in self.modules:
+            if isinstance(module, torch.jit.ScriptModule):  # its code reads no lent tensor: torch's error names none
+                raise TypeError(
+                    f"{_name_of(module, self.modules)} is a TorchScript module (torch.jit.script or trace), whose "
+                    "compiled code cannot run on meta tensors: estimate the model before scripting or tracing it, "
+                    "or, under koila.accumulate, pass initial= a batch size"
+                )
             for key, tensor in (*module._parameters.items(), *module._buffers.items()):
                 if tensor is not None and torch.nn.parameter.is_lazy(tensor):
                     raise ValueError(
