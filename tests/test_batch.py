@@ -879,6 +879,10 @@ def test_a_module_with_a_call_of_its_own_is_decorated_by_that_call() -> None:
             return x.sum()
 
     assert koila.batch(Sliced(), initial=2)(torch.ones(10)) == 2
+    # Compiled, or in a wrapper that forwards to it: by that call too (refused as taking no size, probe 76I).
+    compiled = koila.batch(torch.compile(Sliced(), backend="eager"), initial=2)
+    assert str(inspect.signature(compiled)) == "(x: 'torch.Tensor') -> 'torch.Tensor'"
+    assert compiled(torch.ones(10)) == 2
 
 
 def test_positional_only_parameter_cannot_be_named() -> None:

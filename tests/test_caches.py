@@ -792,6 +792,42 @@ def test_callables_with_an_eq_of_their_own_are_told_apart_as_a_dict_tells_them(e
     assert (failing.stats.ooms, fitting.stats.ooms) == (2, 0)  # the second call of each found its own size
 
 
+def test_the_latest_key_of_a_function_or_its_identity_is_remembered_as_it_is() -> None:
+    # As it is, a repeat is matched by tuple ==; as a _DictKey, by hash and == on every hit (twice the cost).
+    cache = koila.StackMemoryCache()
+    cpu = torch.device("cpu")
+    for function in (_doubled, function_identity(_doubled)):
+        key = (function, cpu, 30, "file.py", "main", 42)
+        cache[key] = 8
+        assert cache.lookup(key[:1] + key[1:]) == 8  # equal, not the same tuple
+        assert type(cache._recent[0][0]) is tuple  # type: ignore[index]
+
+
+def test_callables_behind_a_context_decorator_are_keyed_by_what_each_wraps() -> None:
+    # torch.no_grad()(module) and the like ran one wrapper: every one shared its key (probe 76I).
+    class Fails(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if len(x) > 2:
+                raise make_oom()
+            return x * 2
+
+    rows: list[int] = []
+
+    class Fits(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows.append(len(x))
+            return x + 1
+
+    cache = koila.GlobalCache()
+    x = torch.ones(16, 3)
+    koila.chunked(torch.inference_mode()(Fails()), x, initial=16, cache=cache)
+    koila.chunked(torch.inference_mode()(Fits()), x, initial=16, cache=cache)
+    assert rows == [16]
+    assert [key[2] for key in cache] == [
+        "test_callables_behind_a_context_decorator_are_keyed_by_what_each_wraps.<locals>.Fails.forward"
+    ]
+
+
 def _doubled(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 

@@ -668,6 +668,21 @@ def test_a_deep_copy_reads_the_file_again_and_holds_nothing_of_the_original(tmp_
     assert _content(path)["bounds"] == {"k": 2}
 
 
+def test_a_deep_copy_of_a_subclass_with_its_own_init_keeps_its_state(tmp_path: Path) -> None:
+    # Made again through the class, as a pickle is, it called ProjectCache(path, maxsize, key=...) (probe 76I).
+    class ProjectCache(koila.DiskCache):
+        def __init__(self, project: str) -> None:
+            self.project = project
+            super().__init__(tmp_path / f"{project}.json")
+
+    cache = ProjectCache("bert")
+    cache["k"] = 4
+    cache.note = "set after"  # type: ignore[attr-defined]
+    other = copy.deepcopy(cache)
+    assert type(other) is ProjectCache
+    assert (other.project, other.note, dict(other.items())) == ("bert", "set after", {"k": 4})  # type: ignore[attr-defined]
+
+
 def test_a_path_of_bytes_is_refused_through_a_path_like_too(tmp_path: Path) -> None:
     # A plain bytes path was refused; one through os.PathLike was taken, and no store could write it.
     class BytesPath:

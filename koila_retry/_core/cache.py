@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 from types import FrameType
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import cachetools
 import torch
@@ -188,9 +188,9 @@ def _runs(function: object) -> object:
             original := getattr(function, "_torchdynamo_inline", None), types.FunctionType
         ):
             function = original  # the Python function scripted: each class's __qualname__ is ScriptFunction's
-        elif isinstance(wrapped := getattr(function, "__wrapped__", None), types.FunctionType | types.MethodType):
-            # Every @torch.no_grad() function runs the same wrapper, whose code would name them
-            # all alike (and give them one size in a GlobalCache).
+        elif callable(wrapped := getattr(function, "__wrapped__", None)) and wrapped is not function:
+            # Every @torch.no_grad() function runs the same wrapper, whose code would name them all alike
+            # (and give them one size in a GlobalCache); so does torch.no_grad()(module), or of any callable.
             function = wrapped
         else:
             break
@@ -299,8 +299,10 @@ class _DictKey:
 
 
 def _by_identity(function: object) -> bool:
-    """Return whether == compares ``function`` as a dict finds it: a function's, or a :class:`MethodRef`."""
+    """Return whether == compares ``function`` as a dict finds it: a function, a :class:`MethodRef`, an identity."""
     kind = type(function)
+    if kind is tuple:  # function_identity's (filename, line, name): chunked's, accumulate's and range's keys
+        return all(type(part) is str or type(part) is int for part in cast(tuple[object, ...], function))
     return kind.__eq__ is object.__eq__ or kind is MethodRef or kind is types.MethodType
 
 

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -115,6 +115,11 @@ class DiskCache(SizeCache):
         self._held_warned = False  # of a lock another process held for long
         self._pending: list[Callable[[_Entries], object]] = []  # the changes such a lock kept from the file
         self._made = False  # see _warn
+        self._load(maxsize)
+        self._made = True
+
+    def _load(self, maxsize: int) -> None:
+        """Take the sizes and bounds of the file into memory, kept by ``maxsize``; from now on write bounds to it."""
         stored = self._read(self.path)
         if stored is not None:
             for text, size in list(stored.items())[-maxsize:]:
@@ -129,7 +134,6 @@ class DiskCache(SizeCache):
         # With refine=True, the smallest size that failed is kept in the file too, so that the next
         # run does not start below it without knowing what lies between.
         self.bounds.changed = self._bound_changed
-        self._made = True
 
     def key(
         self, function: object, caller: FrameType | None, device: torch.device, sample: Hashable = None
@@ -300,8 +304,12 @@ class DiskCache(SizeCache):
         return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DiskCache:
-        # As pickled: made again from the file (the copy of an in-memory cache would write through this one).
-        clone = memo[id(self)] = _reopened(type(self), self.path, self.cache_info().maxsize, self.key_function)
+        # A subclass's own state copied deep, as any cache's; the sizes and bounds read from the file again,
+        # as a pickle's are (copied from memory, its bounds would write through this cache, kept alive).
+        clone = cast(DiskCache, super().__deepcopy__(memo))
+        clone.bounds.changed = None
+        SizeCache.cache_clear(clone)  # in memory only: the file is the copy's too
+        clone._load(clone.cache_info().maxsize)
         return clone
 
 

@@ -210,8 +210,8 @@ def call_signature(fn: Callable[..., Any]) -> inspect.Signature:
         # A module's call is (*args, **kwargs), whatever its forward takes, which it passes them to:
         # through torch.compile's and DataParallel's, unless the module's class has a call of its own.
         inner = innermost(fn)
-        if type(inner).__call__ is torch.nn.Module.__call__:
-            return inspect.signature(inner.forward)
+        # A call of its class's own (which the wrapper calls in the end) takes what its signature says.
+        return inspect.signature(inner.forward if type(inner).__call__ is torch.nn.Module.__call__ else inner)
     return inspect.signature(fn)
 
 
