@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import UserDict
+from array import array
+from collections import UserDict, deque
 from typing import Any
 
 import pytest
@@ -98,6 +99,73 @@ def test_lists_nested_dicts_and_dataclass_fields_the_step_changed_are_put_back()
     assert record.extra == {"weight": 3.0, "rows": x}
 
 
+@pytest.mark.parametrize(("rows", "fits"), [(17, 8), (8, 2)])
+def test_per_row_records_a_failed_attempt_changed_are_put_back(rows: int, fits: int) -> None:
+    # A detection batch, one dict per row: a failed split attempt changed the caller's records, and more than
+    # 16 of them were not looked into at all; the boxes were scaled again at each attempt (probe 76H).
+    model = _model()
+    x = torch.randn(rows, 4, dtype=torch.float64)
+    records = [{"boxes": torch.full((2,), float(row), dtype=torch.float64)} for row in range(rows)]
+
+    def loss_of(x: torch.Tensor, records: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        boxes = torch.stack([record["boxes"].sum() for record in records])
+        return ((model(x)[:, 0] - boxes) ** 2).mean()
+
+    (loss_of(x, [{"boxes": record["boxes"] * 2} for record in records])).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    injector = oom_above(fits)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, records: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        for record in records:
+            record["boxes"] = record["boxes"] * 2  # an augmentation written back into the record
+        injector(len(x))
+        return loss_of(x, records)
+
+    step(x, records)
+    assert step.stats.batch_size == fits
+    for mine, theirs in zip([p.grad for p in model.parameters()], expected, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    assert all(torch.equal(record["boxes"], torch.full((2,), 2.0 * row)) for row, record in enumerate(records))
+
+
+class _Refusing(UserDict[str, Any]):
+    """A mapping that refuses update() and pop(), as a transformers ModelOutput does."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("You cannot use ``update`` on this instance.")
+
+    def pop(self, *args: Any) -> Any:
+        raise RuntimeError("You cannot use ``pop`` on this instance.")
+
+
+def test_containers_that_refuse_to_be_put_back_or_were_not_changed_are_left_alone() -> None:
+    # A ModelOutput (the teacher's, in distillation) was cleared and then refused update(): the out-of-memory
+    # error became that error, and the object was left empty; a deque refused slices (probe 76H).
+    model = _model()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))
+    teacher = _Refusing()
+    teacher.data["logits"] = torch.zeros(8, 2, dtype=torch.float64)
+    recent, samples = deque([0.5, 0.7], maxlen=4), array("d", [1.0, 2.0])
+    fits = oom_above(4)
+
+    @koila.accumulate
+    def step(x: torch.Tensor, y: torch.Tensor, teacher: Any, extra: dict[str, Any]) -> torch.Tensor:
+        fits(len(x))
+        return F.cross_entropy(model(x) + teacher["logits"], y) * extra["recent"][0] * extra["samples"][0]
+
+    step(x, y, teacher, {"recent": recent, "samples": samples, "rows": x})
+    assert step.stats.batch_size == 4
+    assert list(teacher) == ["logits"]
+    assert (list(recent), list(samples)) == ([0.5, 0.7], [1.0, 2.0])
+    kept = Contents(recent, samples, teacher)
+    recent.append(0.9)
+    samples.append(3.0)
+    kept.restore()  # each as well as it allows: the deque and the array through clear() and extend()
+    assert (list(recent), list(samples)) == ([0.5, 0.7], [1.0, 2.0])
+
+
 def test_contents_put_back_mappings_sequences_and_attributes_in_their_order() -> None:
     inner = {"a": 1, "b": [1, 2]}
     encoded = UserDict({"ids": torch.ones(2), "inner": inner})
@@ -112,11 +180,13 @@ def test_contents_put_back_mappings_sequences_and_attributes_in_their_order() ->
     assert inner == {"a": 1, "b": [1, 2]}
 
 
-def test_a_long_list_is_taken_whole_and_its_items_are_not_looked_into() -> None:
-    records = [{"id": row} for row in range(100)]  # one per row
-    kept = Contents(records)
+def test_a_long_list_of_values_is_taken_whole_and_one_of_records_record_by_record() -> None:
+    values = list(range(100))  # one per row
+    records = [{"id": row} for row in range(100)]
+    kept = Contents({"values": values, "records": records})
+    values.pop()
     records[0]["id"] = -1
     records.pop()
     kept.restore()
-    assert len(records) == 100
-    assert records[0] == {"id": -1}  # left as changed: a record's own items are the step's to change
+    assert values == list(range(100))
+    assert records == [{"id": row} for row in range(100)]

@@ -755,6 +755,25 @@ def test_a_sparse_coo_boolean_of_the_whole_micro_batch_is_joined_as_whether_any_
     assert torch.equal(seen.to_dense(), counts.sum(0) > 0)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
+def test_a_sparse_csr_value_beside_the_loss_that_cannot_be_added_up_is_refused_by_layout(dtype: torch.dtype) -> None:
+    layer = torch.nn.Linear(6, 2)
+    x, y = torch.rand(8, 6), torch.randint(0, 2, (8,))
+    before = [p.grad for p in layer.parameters()]
+
+    @koila.accumulate(initial=4)
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = (x.sum(0, keepdim=True) > 0.5).to(dtype).to_sparse_csr()
+        return torch.nn.functional.cross_entropy(layer(x), y), seen
+
+    with pytest.raises(
+        ValueError, match=r"^a sparse_csr tensor of torch\.\w+ returned beside the loss cannot be added"
+    ):
+        step(x, y)
+    assert [p.grad for p in layer.parameters()] == before
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
 def test_a_nested_tensor_to_split_is_refused_with_what_to_pass_instead(layout: torch.layout) -> None:

@@ -1,8 +1,10 @@
-"""What a batch's containers hold, to put back after a run of the whole batch that may have changed them.
+"""What a batch's containers hold, to put back after an attempt that may have changed them.
 
 A step may change the batch it is given (``labels = batch.pop("labels")``, ``batch[0] = augment(batch[0])``):
 an attempt that fails must not leave the retry a batch it changed. Where the retry's caller also sees the
-batch (a trainer's later hooks), the containers are put back as they were, not copied.
+batch (a trainer's later hooks), the containers are put back as they were, not copied. Putting back is
+done as well as each container allows, and never raises: the error that ended the attempt is the one to
+see (a ``ModelOutput`` refuses ``update``, a ``deque`` slices).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import torch
 
 __all__ = ["Contents"]
 
-# A list longer than this is of records, one per row (strings, dicts): its items are not looked into.
+# A list longer than this is of values, one per row (strings, numbers): looked into only if it holds containers
+# (records, one dict per row), whose every one is then taken.
 _ITEMS = 16
 # Deeper than any batch is nested.
 _DEPTH = 8
 _MAPPING, _SEQUENCE, _ATTRIBUTES = 0, 1, 2
+_MISSING = object()
 
 
 class Contents:
@@ -39,7 +43,7 @@ class Contents:
         if kind is dict or (isinstance(value, MutableMapping) and kind is not list):
             items: Any = dict(value)
             self.kept.append((value, _MAPPING, items))
-            children = items.values()
+            children = list(items.values())
         elif kind is list or isinstance(value, MutableSequence):
             items = list(value)
             self.kept.append((value, _SEQUENCE, items))
@@ -49,19 +53,54 @@ class Contents:
         elif hasattr(kind, "__dataclass_fields__") and isinstance(getattr(value, "__dict__", None), dict):
             items = dict(vars(value))
             self.kept.append((value, _ATTRIBUTES, items))
-            children = items.values()
+            children = list(items.values())
         else:
             return
-        if len(children) <= _ITEMS:
+        if len(children) <= _ITEMS or (children and isinstance(children[0], (dict, list, MutableMapping))):
             for child in children:
                 self._take(child, depth - 1)
 
     def restore(self) -> None:
-        """Put every container's items back as they were taken."""
+        """Put back the items of every container whose items changed; one that refuses is left as it is."""
         for container, kind, items in self.kept:
-            if kind == _SEQUENCE:
-                container[:] = items
-            else:
-                held = container if kind == _MAPPING else vars(container)
-                held.clear()
-                held.update(items)
+            try:
+                if kind == _SEQUENCE:
+                    _put_back_sequence(container, items)
+                else:
+                    _put_back_mapping(container if kind == _MAPPING else vars(container), items)
+            except Exception:  # a container that cannot take its items back stays as the step left it
+                continue
+
+
+def _put_back_mapping(held: Any, items: dict[Any, Any]) -> None:
+    if len(held) == len(items) and all(held.get(key, _MISSING) is value for key, value in items.items()):
+        return
+    if type(held) is dict:  # in its order
+        held.clear()
+        held.update(items)
+        return
+    if held.keys() != items.keys():  # every key again, in its order
+        for key in list(held):
+            del held[key]
+    for key, value in items.items():
+        if held.get(key, _MISSING) is not value:
+            held[key] = value
+
+
+def _put_back_sequence(held: Any, items: list[Any]) -> None:
+    if len(held) == len(items) and all(map(_same, held, items)):
+        return
+    try:
+        held[:] = items
+        return
+    except TypeError:  # a deque takes no slices; an array, slices of arrays only
+        pass
+    try:
+        del held[:]
+    except TypeError:
+        held.clear()
+    held.extend(items)
+
+
+def _same(first: object, second: object) -> bool:
+    return first is second

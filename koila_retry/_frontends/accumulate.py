@@ -755,8 +755,9 @@ class _Accumulator:
             if failed is not None:  # the whole batch failed already, outside: this attempt is that failure
                 raise Replayed(*failed)
         results = Results(self, size, split.tensors if size < rows else None)
-        # The whole batch runs on the caller's containers: one the step changes (batch.pop("labels")) is put back.
-        kept = split.contents() if size >= rows else None
+        # The whole batch runs on the caller's containers, and each piece on the per-row records they hold: what
+        # a failed attempt changed there (batch.pop("labels"), a record's boxes) is put back.
+        kept = split.contents()
         try:
             # An argument made by a graph outside the step (``step(encoder(x), y)``) is backed through by
             # every micro-batch and retry: that graph must outlive each backward (freed with the arguments).
