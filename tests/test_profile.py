@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 import subprocess
@@ -553,6 +554,48 @@ def test_fake_equals_real_at_any_shape(rows: int, channels: int, by: str) -> Non
     fake = koila.profile(step, x, y, by=by, fake=True)
     real = koila.profile(step, x, y, by=by)
     assert (fake.rows, fake.start, fake.peak) == (real.rows, real.start, real.peak)
+
+
+def test_fake_casts_under_autocast_and_steps_every_optimizer_as_the_estimate_does() -> None:
+    # Fake ignored autocast (its peak a third low) and crashed on NAdam's products (ZeroDivisionError) and a
+    # fused optimizer's first step, which the estimate serves (probe 76J).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+
+    def infer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().sum()
+
+    assert koila.profile(infer, x, fake=True).peak == koila.profile(infer, x).peak
+    for optimizer in (torch.optim.NAdam(model.parameters()), torch.optim.Adam(model.parameters(), fused=True)):
+        step = training_step(model, optimizer)
+        fake = koila.profile(step, x, torch.randint(0, 64, (8,)), fake=True)
+        assert fake.peak > 0
+        assert optimizer.state == {}  # the meta run's state was lent, not kept
+
+
+@dataclasses.dataclass
+class _Hidden:
+    states: torch.Tensor
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> _Hidden:
+        return _Hidden(self.proj(x).relu())
+
+
+def test_a_module_that_returns_a_dataclass_has_its_backward_figures() -> None:
+    # pytree took the dataclass whole: no tensor of it was watched, and the backward showed "-" (probe 76J).
+    encoder, head = _Encoder(), nn.Linear(16, 1)
+    found = by_name(koila.profile(lambda x: head(encoder(x).states).sum().backward(), torch.randn(8, 16)))
+    assert sorted(found) == ["encoder", "encoder.proj", "head"]
+    assert found["encoder"].backward_peak is not None
+    assert found["encoder.proj"].backward_peak is not None
 
 
 def test_fake_uses_no_memory_for_a_big_call() -> None:

@@ -8,6 +8,7 @@ real CPU run's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -35,8 +36,10 @@ from koila_retry._core.memory import DeviceLike, resolve_device
 from koila_retry._diagnostics.counting import Scope, StorageCounter, Tally, storage_of
 from koila_retry._diagnostics.report import require_present
 from koila_retry._diagnostics.table import html_table, text_table
+from koila_retry._estimation.autocast import autocast_like
 from koila_retry._estimation.lending import Owned
 from koila_retry._estimation.recorder import META
+from koila_retry._estimation.steps import follow_steps
 
 __all__ = ["LineRow", "MemoryProfile", "ModuleRow", "profile"]
 
@@ -479,10 +482,13 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     return hook
 
 
-def _grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
+def _grad_tensors(tree: Any, depth: int = 8) -> Iterator[torch.Tensor]:
     for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            yield leaf
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                yield leaf
+        elif depth and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # pytree takes it whole
+            yield from _grad_tensors([getattr(leaf, field.name, None) for field in dataclasses.fields(leaf)], depth - 1)
 
 
 # --- by line ---------------------------------------------------------------------
@@ -694,13 +700,18 @@ def _run(
     meta_args, meta_kwargs = _remade_on_meta(args, kwargs)
     rng = torch.get_rng_state()
     undo: Callable[[], None] | None = None
+    handles: list[RemovableHandle] = []
     with compiled_code_runs_eagerly(), META, counter:
         try:
             undo = owned.lend(counter)
             counter.adopt(_argument_tensors(meta_args, meta_kwargs))
             start = counter.live
+            # As the estimate runs it: each optimizer's step prepared for meta tensors (a fused one unfused,
+            # NAdam's products read), and autocast's casts made as on the device.
+            handles += follow_steps(counter, owned.optimizers, lambda: None)
             try:
-                _call(fn, meta_args, meta_kwargs, counter, profiler)
+                with autocast_like(counter.device, counter.note_inexact):
+                    _call(fn, meta_args, meta_kwargs, counter, profiler)
             except Exception as error:
                 if sys.version_info >= (3, 11):
                     error.add_note(
@@ -710,6 +721,8 @@ def _run(
             finally:
                 del meta_args, meta_kwargs
         finally:
+            for handle in handles:
+                handle.remove()
             if undo is not None:
                 undo()
             torch.set_rng_state(rng)

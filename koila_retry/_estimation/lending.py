@@ -814,17 +814,18 @@ class Owned:
             if isinstance(module, torch.jit.ScriptModule):  # its code reads no lent tensor: torch's error names none
                 raise TypeError(
                     f"{_name_of(module, self.modules)} is a TorchScript module (torch.jit.script or trace), whose "
-                    "compiled code cannot run on meta tensors: estimate the model before scripting or tracing it, "
-                    "or, under koila.accumulate, pass initial= a batch size"
+                    "compiled code cannot run on meta tensors: estimate it (or profile it with fake=True) before "
+                    "scripting or tracing it, profile it with fake=False, or, under koila.accumulate, pass initial= "
+                    "a batch size"
                 )
             for key, tensor in (*module._parameters.items(), *module._buffers.items()):
                 if tensor is not None and torch.nn.parameter.is_lazy(tensor):
                     raise ValueError(
                         f"{_name_of(module, self.modules)} has {key!r} not initialised yet (a lazy module, like "
                         "nn.LazyLinear, makes its parameters in its first call), and a run on meta tensors cannot "
-                        "make them: run the model once on a real batch before estimating its memory (a lazy "
-                        "module the call never runs needs a call of its own), or, under koila.accumulate, pass "
-                        "initial= a batch size"
+                        "make them: run the model once on a real batch before estimating its memory or profiling it "
+                        "with fake=True (a lazy module the call never runs needs a call of its own), or, under "
+                        "koila.accumulate, pass initial= a batch size"
                     )
 
     def gradients_and_state(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from koila_retry._common.tensors import tensors_in
-from koila_retry._common.tracking import LiveStorageTracker
+from koila_retry._common.tracking import LiveStorageTracker, sparse_parts
 from koila_retry._estimation.autocast import settle
 from koila_retry._estimation.fit import CATEGORIES, Moment
 
@@ -217,6 +217,10 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
             out = _on_the_unreduced_loss(out, args)
         fresh = False
         for tensor in tensors_in(out):
+            if tensor.layout is not torch.strided:  # a sparse gradient (Embedding(sparse=True)): its parts' memory
+                for _, part in sparse_parts(tensor) or ():
+                    fresh = self._fresh(part.untyped_storage(), seen) or fresh
+                continue
             storage = tensor.untyped_storage()
             key = id(storage)
             if key not in seen and key not in self._storages:
@@ -231,6 +235,15 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         if rule is not None and isinstance(out, torch.Tensor):
             self.truths.remember(out, rule, args)
         return out
+
+    def _fresh(self, storage: torch.UntypedStorage, seen: set[int]) -> bool:
+        """Count ``storage`` if it is new; return whether it was."""
+        key = id(storage)
+        if key in seen or key in self._storages:
+            return False
+        seen.add(key)
+        self._add(storage)
+        return True
 
     def placeholder(self, tensor: torch.Tensor) -> Any:
         """Return what ``tensor``'s values read as, and note the read; see ``reads.py`` for reads of many."""
@@ -622,7 +635,10 @@ def _on_meta(tree: Any, seen: set[int], func: Any) -> Any:
     """Return an operator's arguments with every tensor on the meta device; note their storages."""
     if isinstance(tree, torch.Tensor):
         if tree.device.type == "meta":
-            seen.add(id(tree.untyped_storage()))
+            if tree.layout is torch.strided:
+                seen.add(id(tree.untyped_storage()))
+            else:  # a sparse one (a sparse gradient): its parts hold the memory
+                seen.update(id(part.untyped_storage()) for _, part in sparse_parts(tree) or ())
             return tree
         if tree.requires_grad:
             raise RuntimeError(
