@@ -190,3 +190,23 @@ def test_a_long_list_of_values_is_taken_whole_and_one_of_records_record_by_recor
     kept.restore()
     assert values == list(range(100))
     assert records == [{"id": row} for row in range(100)]
+
+
+@dataclasses.dataclass
+class _Object:
+    weight: float
+
+
+def test_long_lists_of_tuples_and_dataclasses_are_looked_into_and_shared_items_taken_once() -> None:
+    # Only a long list whose first item was a dict or list was looked into (probe 76L).
+    pairs = [(row, {"weight": 1.0}) for row in range(20)]
+    objects = [_Object(1.0) for _ in range(20)]
+    labels = {"names": ["a", "b"]}
+    kept = Contents([{"labels": labels, "pairs": pairs}, {"labels": labels, "objects": objects}])
+    assert sum(1 for container, _, _ in kept.kept if container is labels) == 1
+    for _, held in pairs:
+        held["weight"] *= 2
+    for each in objects:
+        each.weight *= 2
+    kept.restore()
+    assert {held["weight"] for _, held in pairs} == {each.weight for each in objects} == {1.0}

@@ -668,19 +668,24 @@ def test_a_deep_copy_reads_the_file_again_and_holds_nothing_of_the_original(tmp_
     assert _content(path)["bounds"] == {"k": 2}
 
 
-def test_a_deep_copy_of_a_subclass_with_its_own_init_keeps_its_state(tmp_path: Path) -> None:
-    # Made again through the class, as a pickle is, it called ProjectCache(path, maxsize, key=...) (probe 76I).
-    class ProjectCache(koila.DiskCache):
-        def __init__(self, project: str) -> None:
-            self.project = project
-            super().__init__(tmp_path / f"{project}.json")
+class _ProjectCache(koila.DiskCache):
+    """A cache whose __init__ takes other arguments than DiskCache's."""
 
-    cache = ProjectCache("bert")
+    def __init__(self, folder: Path, project: str) -> None:
+        self.project = project
+        super().__init__(folder / f"{project}.json")
+
+
+def test_a_subclass_with_its_own_init_is_copied_and_pickled_with_its_state(tmp_path: Path) -> None:
+    # Made again through the class, as DiskCache is, it was called with (path, maxsize, key=...) (probe 76I, 76L).
+    cache = _ProjectCache(tmp_path, "bert")
     cache["k"] = 4
     cache.note = "set after"  # type: ignore[attr-defined]
-    other = copy.deepcopy(cache)
-    assert type(other) is ProjectCache
-    assert (other.project, other.note, dict(other.items())) == ("bert", "set after", {"k": 4})  # type: ignore[attr-defined]
+    for other in (copy.copy(cache), copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert type(other) is _ProjectCache
+        assert (other.project, other.note, dict(other.items())) == ("bert", "set after", {"k": 4})  # type: ignore[attr-defined]
+        _ProjectCache(tmp_path, "bert")["j"] = 8  # another process's: each copy reads the file at its making
+    assert dict(copy.copy(cache).items()) == {"k": 4, "j": 8}
 
 
 def test_a_path_of_bytes_is_refused_through_a_path_like_too(tmp_path: Path) -> None:

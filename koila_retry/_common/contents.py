@@ -16,9 +16,10 @@ import torch
 
 __all__ = ["Contents"]
 
-# A list longer than this is of values, one per row (strings, numbers): looked into only if it holds containers
-# (records, one dict per row), whose every one is then taken.
+# A list longer than this is of values, one per row (strings, numbers): looked into only if its first item is not
+# one (records, one dict, tuple or dataclass per row), whose every one is then taken.
 _ITEMS = 16
+_VALUES = (str, bytes, int, float, bool, type(None), torch.Tensor)
 # Deeper than any batch is nested.
 _DEPTH = 8
 _MAPPING, _SEQUENCE, _ATTRIBUTES = 0, 1, 2
@@ -28,17 +29,20 @@ _MISSING = object()
 class Contents:
     """The items of every mutable container in some values (lists, dicts, mappings, dataclasses), as they are now."""
 
-    __slots__ = ("kept",)
+    __slots__ = ("kept", "seen")
 
     def __init__(self, *values: Any) -> None:
         self.kept: list[tuple[Any, int, Any]] = []
+        self.seen: set[int] = set()  # a container held in several places (a label map in every record) once
         for value in values:
             self._take(value, _DEPTH)
+        self.seen = set()
 
     def _take(self, value: Any, depth: int) -> None:
         kind = type(value)
-        if kind is torch.Tensor or kind is int or kind is str or depth == 0:
+        if kind is torch.Tensor or kind is int or kind is str or depth == 0 or id(value) in self.seen:
             return
+        self.seen.add(id(value))
         children: Any
         if kind is dict or (isinstance(value, MutableMapping) and kind is not list):
             items: Any = dict(value)
@@ -56,7 +60,7 @@ class Contents:
             children = list(items.values())
         else:
             return
-        if len(children) <= _ITEMS or (children and isinstance(children[0], (dict, list, MutableMapping))):
+        if len(children) <= _ITEMS or not isinstance(children[0], _VALUES):
             for child in children:
                 self._take(child, depth - 1)
 

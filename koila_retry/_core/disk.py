@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from types import FrameType
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 
@@ -301,16 +301,23 @@ class DiskCache(SizeCache):
     def __reduce__(self) -> tuple[Any, ...]:
         # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
         # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
-        return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
+        if type(self).__init__ is DiskCache.__init__:
+            return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
+        # An __init__ of a subclass's own may take other arguments: made as objects are, from its state.
+        return (_new, (type(self),), self.__getstate__())
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> DiskCache:
-        # A subclass's own state copied deep, as any cache's; the sizes and bounds read from the file again,
-        # as a pickle's are (copied from memory, its bounds would write through this cache, kept alive).
-        clone = cast(DiskCache, super().__deepcopy__(memo))
-        clone.bounds.changed = None
-        SizeCache.cache_clear(clone)  # in memory only: the file is the copy's too
-        clone._load(clone.cache_info().maxsize)
-        return clone
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        # A copy's or an unpickled subclass's (see __reduce__), and a deep copy's: the sizes and bounds read from
+        # the file again (copied from memory, its bounds would write through the original, kept alive).
+        super().__setstate__(saved)
+        self.bounds.changed = None
+        self._pending = []
+        SizeCache.cache_clear(self)  # in memory only: the file is the copy's too
+        self._load(self.cache_info().maxsize)
+
+
+def _new(kind: type[DiskCache]) -> DiskCache:
+    return kind.__new__(kind)  # its state given after (__setstate__)
 
 
 def _reopened(kind: type[DiskCache], path: str, maxsize: int, key: KeyFunction) -> DiskCache:
