@@ -210,3 +210,9 @@ def test_long_lists_of_tuples_and_dataclasses_are_looked_into_and_shared_items_t
         each.weight *= 2
     kept.restore()
     assert {held["weight"] for _, held in pairs} == {each.weight for each in objects} == {1.0}
+    marked = [None, *({"box": 1.0} for _ in range(20))]  # None: an ignored object (probe 76M)
+    kept = Contents(marked)
+    for each in marked[1:]:
+        each["box"] *= 2  # type: ignore[index]
+    kept.restore()
+    assert {each["box"] for each in marked[1:]} == {1.0}  # type: ignore[index]

@@ -676,6 +676,25 @@ class _ProjectCache(koila.DiskCache):
         super().__init__(folder / f"{project}.json")
 
 
+class _Guarded(koila.DiskCache):
+    """A cache with DiskCache's arguments and a lock of its own, which its state could not pickle."""
+
+    def __init__(self, path: Path, maxsize: int = 256, *, key: Any = None) -> None:
+        super().__init__(path, maxsize, key=key)
+        self.guard = threading.Lock()
+
+
+def test_a_subclass_that_takes_disk_caches_arguments_is_pickled_by_them(tmp_path: Path) -> None:
+    # Pickled from its state since it has an __init__ of its own, its lock made that a TypeError (probe 76M).
+    cache = _Guarded(tmp_path / "sizes.json", 8)
+    cache["k"] = 4
+    other = pickle.loads(pickle.dumps(cache))
+    assert (type(other), other.cache_info().maxsize, dict(other.items())) == (_Guarded, 8, {"k": 4})
+    mine = _ProjectCache(tmp_path, "bert")
+    mine._pending.append(lambda entries: None)  # a change a held lock kept from the file: this process's own
+    assert pickle.loads(pickle.dumps(mine))._pending == []
+
+
 def test_a_subclass_with_its_own_init_is_copied_and_pickled_with_its_state(tmp_path: Path) -> None:
     # Made again through the class, as DiskCache is, it was called with (path, maxsize, key=...) (probe 76I, 76L).
     cache = _ProjectCache(tmp_path, "bert")

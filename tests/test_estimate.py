@@ -1436,9 +1436,9 @@ def test_a_sparse_input_is_noted_as_counted_dense() -> None:
 
 
 @pytest.mark.parametrize("before", ["none", "sparse"])
-def test_a_step_with_sparse_gradients_is_estimated_by_their_parts(before: str) -> None:
+def test_a_step_with_sparse_gradients_is_estimated_with_a_note_that_it_runs_low(before: str) -> None:
     # Embedding(sparse=True) made a sparse gradient on meta, whose storage the recorder asked for: estimate
-    # raised NotImplementedError, and initial="auto" warned and ran the whole batch (probe 76K).
+    # raised NotImplementedError (probe 76K). Its backward and optimizer step are not followed (76M): noted.
     torch.manual_seed(0)
     embedding, head = nn.Embedding(1000, 16, sparse=True), nn.Linear(16, 2)
     optimizer = torch.optim.SparseAdam(list(embedding.parameters()))
@@ -1451,17 +1451,10 @@ def test_a_step_with_sparse_gradients_is_estimated_by_their_parts(before: str) -
 
     step(ids, labels)
     found = koila.estimate(step, ids, labels)
-    assert found.notes == ()
-    # Every row's 8 ids make a row of the sparse gradient's values, 16 floats each.
-    assert found.peak(128) - found.peak(64) >= 64 * 8 * 16 * 4
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        auto = koila.accumulate(initial="auto")(
-            lambda ids, labels: F.cross_entropy(head(embedding(ids).mean(1)), labels)
-        )
-        with simulated_device("64MiB"):
-            auto(ids, labels)
-    assert auto.stats.batch_size == 64
+    (note,) = found.notes
+    assert note.startswith("a sparse tensor the call made (a sparse gradient, say): counted by its indices")
+    assert "give initial= a size" in note
+    assert found.peak(128) > found.peak(64) > 0
 
 
 def test_proxies_kept_for_dropped_handles_go_at_the_next_estimate() -> None:

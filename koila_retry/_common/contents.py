@@ -60,7 +60,8 @@ class Contents:
             children = list(items.values())
         else:
             return
-        if len(children) <= _ITEMS or not isinstance(children[0], _VALUES):
+        # Decided by its first item that is not None (a None may mark an ignored row's entry).
+        if len(children) <= _ITEMS or not isinstance(next((c for c in children if c is not None), None), _VALUES):
             for child in children:
                 self._take(child, depth - 1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import inspect
 import json
 import os
 import re
@@ -301,10 +302,14 @@ class DiskCache(SizeCache):
     def __reduce__(self) -> tuple[Any, ...]:
         # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
         # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
-        if type(self).__init__ is DiskCache.__init__:
-            return (_reopened, (type(self), self.path, self.cache_info().maxsize, self.key_function))
-        # An __init__ of a subclass's own may take other arguments: made as objects are, from its state.
-        return (_new, (type(self),), self.__getstate__())
+        maxsize = self.cache_info().maxsize
+        if _made_as_disk_cache(type(self), self.path, maxsize, self.key_function):
+            return (_reopened, (type(self), self.path, maxsize, self.key_function))
+        # An __init__ of a subclass's own that takes other arguments: made as objects are, from its state (less the
+        # changes a held lock kept from the file, this process's own).
+        saved = self.__getstate__()
+        saved["state"]["_pending"] = []
+        return (_new, (type(self),), saved)
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # A copy's or an unpickled subclass's (see __reduce__), and a deep copy's: the sizes and bounds read from
@@ -314,6 +319,17 @@ class DiskCache(SizeCache):
         self._pending = []
         SizeCache.cache_clear(self)  # in memory only: the file is the copy's too
         self._load(self.cache_info().maxsize)
+
+
+def _made_as_disk_cache(kind: type[DiskCache], path: str, maxsize: int, key: KeyFunction) -> bool:
+    """Return whether ``kind(path, maxsize, key=key)`` is a call its ``__init__`` takes."""
+    if kind.__init__ is DiskCache.__init__:
+        return True
+    try:
+        inspect.signature(kind).bind(path, maxsize, key=key)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _new(kind: type[DiskCache]) -> DiskCache:
