@@ -13,8 +13,9 @@ reasons: memory is released after leaving the ``except`` block and never
 collected when nothing fails, more errors count as out of memory, giving up
 raises :class:`koila_retry.BatchSizeExhausted` (a ``RuntimeError`` with
 accelerate's message first), a ``reduce_batch_size_fn`` must shrink the size,
-an iterator argument is refused at a retry, and the ranks of a distributed job agree. For sizes that are powers of two,
-use :func:`koila_retry.batch` with a :class:`koila_retry.GlobalCache`.
+an iterator argument is refused at a retry, and the ranks of a distributed job
+agree. For sizes that are powers of two, use :func:`koila_retry.batch` with a
+:class:`koila_retry.GlobalCache`.
 
 .. versionadded:: 0.1.0
 """

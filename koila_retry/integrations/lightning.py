@@ -235,7 +235,7 @@ class _Delivery(torch.autograd.Function):
 
 # A step that ran whole, until the loop's backward: its loss, batch, parameters, the gradients set
 # aside as it began (none where they were released), back in .grad until that backward (see _whole),
-# and accumulate_grad_batches.
+# accumulate_grad_batches, and what the batch's containers held as it began.
 _Pending = tuple[torch.Tensor, tuple[Any, ...], Any, list[torch.nn.Parameter], list[torch.Tensor | None], int, Contents]
 
 
