@@ -695,6 +695,26 @@ def test_a_subclass_that_takes_disk_caches_arguments_is_pickled_by_them(tmp_path
     assert pickle.loads(pickle.dumps(mine))._pending == []
 
 
+class _Named(koila.DiskCache):
+    """A cache whose __init__ binds DiskCache's call, its first argument a name, not a path."""
+
+    folder = Path()
+
+    def __init__(self, name: str, maxsize: int = 256, *, key: Any = None, tag: str = "default") -> None:
+        super().__init__(self.folder / f"{name}.json", maxsize, key=key)
+        self.tag = tag
+
+
+def test_a_subclass_whose_arguments_mean_something_else_is_made_from_its_state(tmp_path: Path) -> None:
+    # Made again as _Named(path, maxsize, key=...) because that call binds, it opened "<path>.json.json",
+    # and lost its tag (probe 76N).
+    _Named.folder = tmp_path
+    cache = _Named("bert", 8, tag="run-42")
+    cache["k"] = 4
+    for other in (pickle.loads(pickle.dumps(cache)), copy.copy(cache)):
+        assert (other.path, other.tag, dict(other.items())) == (cache.path, "run-42", {"k": 4})
+
+
 def test_a_subclass_with_its_own_init_is_copied_and_pickled_with_its_state(tmp_path: Path) -> None:
     # Made again through the class, as DiskCache is, it was called with (path, maxsize, key=...) (probe 76I, 76L).
     cache = _ProjectCache(tmp_path, "bert")

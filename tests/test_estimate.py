@@ -1452,9 +1452,17 @@ def test_a_step_with_sparse_gradients_is_estimated_with_a_note_that_it_runs_low(
     step(ids, labels)
     found = koila.estimate(step, ids, labels)
     (note,) = found.notes
-    assert note.startswith("a sparse tensor the call made (a sparse gradient, say): counted by its indices")
+    assert note.startswith("a sparse gradient: counted by its indices and values, but the backward")
     assert "give initial= a size" in note
     assert found.peak(128) > found.peak(64) > 0
+
+    def adjacent(x: torch.Tensor) -> torch.Tensor:  # a sparse tensor of the forward's, counted as it is (76N)
+        rows = torch.arange(len(x)).repeat(2, 1)
+        adjacency = torch.sparse_coo_tensor(rows, torch.ones(len(x)), (len(x), len(x)))
+        return x * adjacency.shape[0]
+
+    with torch.no_grad():
+        assert koila.estimate(adjacent, torch.randn(64, 8)).notes == ()
 
 
 def test_proxies_kept_for_dropped_handles_go_at_the_next_estimate() -> None:

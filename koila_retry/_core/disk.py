@@ -303,10 +303,10 @@ class DiskCache(SizeCache):
         # Its path, size and key: another process (mp.spawn's, a DataLoader worker's) reads the file again,
         # and a copy is a cache of its own. Its lock and what it holds in memory are this process's.
         maxsize = self.cache_info().maxsize
-        if _made_as_disk_cache(type(self), self.path, maxsize, self.key_function):
+        if _made_as_disk_cache(type(self)):
             return (_reopened, (type(self), self.path, maxsize, self.key_function))
-        # An __init__ of a subclass's own that takes other arguments: made as objects are, from its state (less the
-        # changes a held lock kept from the file, this process's own).
+        # A subclass's own __init__ that takes other arguments (or __new__, or metaclass): made as objects are, from
+        # its state (less the changes a held lock kept from the file, this process's own).
         saved = self.__getstate__()
         saved["state"]["_pending"] = []
         return (_new, (type(self),), saved)
@@ -321,15 +321,27 @@ class DiskCache(SizeCache):
         self._load(self.cache_info().maxsize)
 
 
-def _made_as_disk_cache(kind: type[DiskCache], path: str, maxsize: int, key: KeyFunction) -> bool:
-    """Return whether ``kind(path, maxsize, key=key)`` is a call its ``__init__`` takes."""
+def _made_as_disk_cache(kind: type[DiskCache]) -> bool:
+    """Return whether ``kind`` is made as ``DiskCache`` is: ``kind(path, maxsize, key=key)``, meaning the same."""
     if kind.__init__ is DiskCache.__init__:
         return True
+    # By the names and kinds of its parameters: that a call binds says nothing of what its arguments mean.
+    if kind.__new__ is not DiskCache.__new__ or type(kind).__call__ is not type(DiskCache).__call__:
+        return False
     try:
-        inspect.signature(kind).bind(path, maxsize, key=key)
+        parameters = inspect.signature(kind.__init__).parameters.values()
     except (TypeError, ValueError):
         return False
-    return True
+    return [(p.name, p.kind) for p in parameters] == _DISK_CACHES_INIT
+
+
+# What DiskCache.__init__ takes, by name and kind.
+_DISK_CACHES_INIT = [
+    ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ("path", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ("maxsize", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ("key", inspect.Parameter.KEYWORD_ONLY),
+]
 
 
 def _new(kind: type[DiskCache]) -> DiskCache:

@@ -139,8 +139,8 @@ def inexact_operators(device: torch.device) -> dict[Any, str]:
 
 # What a run on meta tensors misses of a step with sparse gradients: their backward and optimizer step (76M).
 _SPARSE_MADE = (
-    "counted by its indices and values, but the backward and optimizer step around a sparse gradient are not "
-    "followed, and the estimate runs low (by half, for an embedding's step): give initial= a size, not 'auto'"
+    "counted by its indices and values, but the backward and optimizer step around it are not followed, and the "
+    "estimate runs low (by half, for an embedding's step): give initial= a size, not 'auto'"
 )
 
 
@@ -224,7 +224,8 @@ class Recorder(LiveStorageTracker):  # type: ignore[no-untyped-call]
         fresh = False
         for tensor in tensors_in(out):
             if tensor.layout is not torch.strided:  # a sparse gradient (Embedding(sparse=True)): its parts' memory
-                self.note_inexact("a sparse tensor the call made (a sparse gradient, say)", _SPARSE_MADE)
+                if self.in_step or torch._C._current_graph_task_id() != -1:  # not a forward's (a graph's adjacency)
+                    self.note_inexact("a sparse gradient", _SPARSE_MADE)
                 for _, part in sparse_parts(tensor) or ():
                     fresh = self._fresh(part.untyped_storage(), seen) or fresh
                 continue
