@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``examples/<script>`` with the package importable; return it once it ended with status 0."""
+def _run_example(script: str, *args: str, status: int = 0) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` with the package importable; return it once it ended with ``status``."""
     completed = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
@@ -28,7 +28,7 @@ def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         timeout=240,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    assert completed.returncode == 0, completed.stderr
+    assert completed.returncode == status, completed.stderr
     return completed
 
 
@@ -148,14 +148,7 @@ def test_the_readmes_install_section_names_every_example_that_needs_another_extr
 )
 def test_an_example_refuses_a_count_below_one_with_a_usage_error(script: str, flag: str) -> None:
     # A traceback (--rows 0, --epochs 0), or a check that passed because nothing ran (--steps 0).
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), flag, "0"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert completed.returncode == 2, completed.stderr
+    completed = _run_example(script, flag, "0", status=2)
     assert f"{flag}" in completed.stderr
     assert "must be >= 1" in completed.stderr
     assert "Traceback" not in completed.stderr
@@ -175,28 +168,14 @@ def test_an_example_refuses_a_count_below_one_with_a_usage_error(script: str, fl
 def test_an_example_refuses_a_memory_it_cannot_read_with_a_usage_error(script: str, memory: str, said: str) -> None:
     # A ValueError's traceback, or the simulated device's out-of-memory error's (probe 76G).
     flag = ["--memory" + memory] if memory.startswith("=") else ["--memory", memory]
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *flag],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert completed.returncode == 2, completed.stderr
+    completed = _run_example(script, *flag, status=2)
     assert said in completed.stderr
     assert "Traceback" not in completed.stderr
 
 
 @pytest.mark.slow
 def test_an_example_given_too_little_memory_for_its_model_says_so_in_a_line() -> None:
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_with_accumulation.py"), "--memory", "100KiB", "--epochs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert completed.returncode == 1, completed.stderr
+    completed = _run_example("train_with_accumulation.py", "--memory", "100KiB", "--epochs", "1", status=1)
     assert completed.stderr.startswith("error: CUDA out of memory. Tried to allocate")
     assert completed.stderr.rstrip().endswith("(try a larger --memory)")
     assert "Traceback" not in completed.stderr

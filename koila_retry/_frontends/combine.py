@@ -552,21 +552,18 @@ class _Total:
         self.sum: torch.Tensor | None = None
         self.add(value, weight)
 
-    def add(self, value: torch.Tensor, weight: float) -> None:
+    def add(self, value: torch.Tensor, weight: float, compressed: bool = False) -> None:
         """Add one micro-batch's value: a count as it is, one to weigh times ``weight``."""
-        if value.layout is torch.strided or value.layout is torch.sparse_coo:
-            self._add(value, weight)
+        if not compressed and value.layout is not torch.strided and value.layout is not torch.sparse_coo:
+            try:  # a compressed layout (CSR, CSC...), of which torch adds few dtypes
+                self.add(value, weight, compressed=True)
+            except (RuntimeError, NotImplementedError) as error:
+                raise ValueError(
+                    f"a {str(value.layout).removeprefix('torch.')} tensor of {value.dtype} returned beside the loss "
+                    f"cannot be added up over micro-batches ({str(error).splitlines()[0]}): return it dense, or as "
+                    "sparse COO (.to_sparse())"
+                ) from None
             return
-        try:  # a compressed layout (CSR, CSC...): torch adds few of its dtypes
-            self._add(value, weight)
-        except (RuntimeError, NotImplementedError) as error:
-            raise ValueError(
-                f"a {str(value.layout).removeprefix('torch.')} tensor of {value.dtype} returned beside the loss cannot "
-                f"be added up over micro-batches ({str(error).splitlines()[0]}): return it dense, or as sparse COO "
-                "(.to_sparse())"
-            ) from None
-
-    def _add(self, value: torch.Tensor, weight: float) -> None:
         total = self.sum
         if self.kind == _COUNT:  # in its own type, as the whole batch's count; booleans: whether any is true
             if total is None:

@@ -242,7 +242,7 @@ class Results:
                 continue
             if _reads_from(leaf, view):
                 kept[index] = leaf.clone()
-            elif leaf.device != view.device and not leaf.is_contiguous():  # copy_ would make it contiguous there
+            elif leaf.device != view.device and not leaf.is_contiguous():  # as copy_ would there (not run on a GPU)
                 kept[index] = leaf.contiguous()
         if all(map(operator.is_, kept, leaves)):
             return result
