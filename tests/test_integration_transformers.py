@@ -215,14 +215,15 @@ def test_a_batch_whose_tensors_do_not_share_rows_runs_whole_and_gives_up_saying_
     failing.register_forward_pre_hook(lambda module, args, kwargs: _fails_above(4, kwargs), with_kwargs=True)
     before = [parameter.detach().clone() for parameter in failing.parameters()]
     trainer = adapt(_patch_trainer(tmp_path / "failing", failing))
-    with pytest.raises(
-        BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of the training step: every"
-    ) as caught:
+    step = r"^adapt\(\) cannot split the batch of _PatchTrainer\.training_step, a dict: every"
+    with pytest.raises(BatchSizeExhausted, match=step) as caught:
         trainer.train()
     assert isinstance(caught.value.__cause__, BatchSizeExhausted)
     assert "pixel_values'] has 16" in str(caught.value)
     assert all(torch.equal(mine, was) for mine, was in zip(failing.parameters(), before, strict=True))
-    with pytest.raises(BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of the prediction step"):
+    with pytest.raises(
+        BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of _PatchTrainer\.prediction_step"
+    ):
         trainer.evaluate()
 
 

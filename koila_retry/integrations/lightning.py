@@ -45,7 +45,7 @@ from koila_retry._core.stats import OOMEvent
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
-from koila_retry.exceptions import BatchSizeExhausted
+from koila_retry._frontends.whole import Whole, unsplittable
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
 from koila_retry.integrations._lightning_module import ABSENT, holds_a_wrapper, leave_out, let_go, trainable
 from koila_retry.integrations._lightning_strategies import (
@@ -271,10 +271,8 @@ class _Step:
         self.owner: tuple[type, str | None] | None = None  # the module class and its micro-batches' backward
         self.run: Batched[..., Any] = cast("Batched[..., Any]", _unset)
         # Runs a batch that cannot be split, whole (see _call).
-        self.unsplit: Batched[..., Any] = cast("Batched[..., Any]", _unset)
-        self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # that batch's arguments, while it runs
+        self.unsplit = Whole(_unset, name, lambda whole: cast("Batched[..., Any]", _unset), "", "")
         self.given: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})  # a splittable batch's, while it runs
-        self.stand_in: torch.Tensor | None = None
         # Of the step running, as accumulate splits its batch (1 for one it cannot split), counted
         # only once a micro-batch needs it (0 until then): a batch that runs whole needs no count.
         self.rows = 0
@@ -328,7 +326,7 @@ class _Step:
         self.module = self.trainer = None
         self.target, self.saved = _unset, ABSENT
         self.logs.detach()
-        self.stand_in = self.scale = self.whole = self.others = self.held = None
+        self.scale = self.whole = self.others = self.unsplit.stand_in = None
         self.given, self.rows, self.batch_idx = ((), {}), 0, None
 
     def installed(self) -> tuple[pl.Trainer, pl.LightningModule]:
@@ -336,7 +334,7 @@ class _Step:
             raise RuntimeError(f"OOMRecovery: {self.name} is not installed on a module (setup was not called)")
         return self.trainer, self.module
 
-    def _decorated(self, name: str, how: str | None) -> tuple[Batched[..., Any], Batched[..., Any]]:
+    def _decorated(self, name: str, how: str | None) -> tuple[Batched[..., Any], Whole]:
         """Return the step as ``koila.accumulate`` runs it, named after the module's own, and as it runs whole."""
         if self.train:
 
@@ -366,11 +364,7 @@ class _Step:
                     return torch.zeros(())
                 return torch.zeros(()), output  # no loss: accumulate only splits and joins
 
-        def whole(stand_in: torch.Tensor) -> Any:
-            args, kwargs = self.held or ((), {})
-            return part(*args, **kwargs)
-
-        part.__qualname__ = part.__name__ = whole.__qualname__ = whole.__name__ = name
+        part.__qualname__ = part.__name__ = name
         options = dict(self.options)
         initial = options.pop("initial")
         # Every step's: a validation step that logs the same sum as the training step's loss adds it up too.
@@ -396,7 +390,7 @@ class _Step:
             replay=self._replayed,
             options=cast(Options, options),
         )
-        return decorate(part), decorate(whole)
+        return decorate(part), Whole(part, name, decorate, "OOMRecovery", "the data loader's collate_fn")
 
     def _replayed(self) -> tuple[str, str] | None:
         """Return, once, the message and place of the error with which the step that ran whole ran out of memory."""
@@ -424,7 +418,7 @@ class _Step:
 
     def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Return the rows of a micro-batch, as ``accumulate`` split them, or ``WHOLE`` for the batch as given."""
-        if self.held is not None:
+        if self.unsplit.held is not None:
             return WHOLE
         # The whole batch is the step's own arguments, not remade: no need to count its rows.
         given_args, given_kwargs = self.given
@@ -447,7 +441,7 @@ class _Step:
         try:
             return self.run(*args, **kwargs)
         except (TypeError, ValueError):
-            reason = _unsplittable(args, kwargs)
+            reason = unsplittable(args, kwargs, "OOMRecovery")
             if reason is None:  # splittable: the step's own error, or a batch of 0 rows, which accumulate refuses
                 # Nothing to split: run whole, as without the callback, on one device; under DDP or FSDP2 the
                 # other ranks' steps run through accumulate, and a rank running whole would not match them.
@@ -456,36 +450,9 @@ class _Step:
                 reason = ""
         finally:
             self.given = ((), {})
-        device = module.device
-        if self.stand_in is None or self.stand_in.device != device:
-            with torch.inference_mode(False):  # made in a validation loop, kept for training steps too
-                self.stand_in = torch.zeros(1, device=device)  # the one row accumulate sees
-        self.rows, self.held = 1, (args, kwargs)
-        try:
-            return self.unsplit(self.stand_in)
-        except BatchSizeExhausted as error:
-            batch = args[0] if args else next(iter(kwargs.values()), None)
-            step = f"{type(module).__qualname__}.{self.name}"
-            message = (
-                f"OOMRecovery cannot split the batch of {step}, a {type(batch).__qualname__}: {reason}. It ran "
-                "whole, as without OOMRecovery, and ran out of memory. To let OOMRecovery run it in micro-batches, "
-                "make the batch a dataclass, a tuple, list, dict or named tuple (nested as deep as needed) of "
-                "tensors that share their rows along dim 0, for instance in the data loader's collate_fn (see the "
-                "docs: Batches, which tensors are split)."
-            )
-            if not reason:
-                message = (
-                    f"The batch of {step} has 0 rows: OOMRecovery ran it whole, as without OOMRecovery, "
-                    "and it ran out of memory."
-                )
-            raise BatchSizeExhausted(
-                f"{message}\n{error}",
-                batch_size=error.batch_size,
-                attempts=error.attempts,
-                diagnosis=error.diagnosis,
-            ) from error
-        finally:
-            self.held = None
+        self.rows = 1
+        batch = args[0] if args else next(iter(kwargs.values()), None)
+        return self.unsplit(module.device, batch, args, kwargs, reason)
 
     def _released(self, trainer: pl.Trainer, module: pl.LightningModule) -> set[int]:
         """Return the ids of the parameters whose ``.grad`` Lightning sets to ``None`` right after this step."""
@@ -852,15 +819,6 @@ def _no_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             except (TypeError, ValueError):
                 return False  # cannot be split: runs whole, as accumulate would run it
     return bool(kwargs) and _no_rows(tuple(kwargs.values()), {})
-
-
-def _unsplittable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Return why ``accumulate`` cannot split a step's batch (a class of its own, tensors of unequal rows), or None."""
-    try:
-        Split(args, kwargs, 0, "OOMRecovery")
-    except (TypeError, ValueError) as error:
-        return str(error)
-    return None
 
 
 class _Skipped(Exception):

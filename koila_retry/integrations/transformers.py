@@ -37,10 +37,10 @@ from koila_retry._core.stats import Stats
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
+from koila_retry._frontends.whole import Whole, unsplittable
 from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, generated_pad, how_joined, not_per_row
 from koila_retry.integrations._transformers_losses import IGNORED, ROWS, SUM, Inexact, shifts_labels, weighing_of
 from koila_retry.integrations._transformers_packed import apart, joined
-from koila_retry.integrations._transformers_whole import Whole, unsplittable
 
 # At run time too: typing.get_type_hints() reads the options' annotations.
 if sys.version_info >= (3, 11):
@@ -356,7 +356,7 @@ class _Training(_Bound):
         self.summed = accumulator(reduction="sum", **shared)(training_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(training_step)
         self.by_rows = accumulator(**shared)(training_step)
-        self.unsplit = Whole(training_step, "training step", shared)
+        self.unsplit = Whole(training_step, self.name, accumulator(**shared), "adapt()", "the data collator")
         # With its own backward (see _whole), unless a size was cached. An override's first step run so is
         # checked as accumulate would check it (see _checked): that it backs through accelerator.backward, once.
         self.kept.trusting = not self.by_rows.cache_info().currsize
@@ -387,12 +387,13 @@ class _Training(_Bound):
             try:
                 returned = step(model, inputs, count)[1]
             except (TypeError, ValueError):  # from Split, before anything ran, or the step's own
-                reason = unsplittable(model, inputs, count)
+                reason = unsplittable((model, inputs, count), {}, "adapt")
                 if reason is None:
                     raise
             if reason is not None:  # outside the handler, whose error is gone: the step runs whole
                 step = self.unsplit.run
-                returned = self.unsplit(reason, self.trainer.args.device, model, inputs, count)[1]
+                device = self.trainer.args.device
+                returned = self.unsplit(device, inputs, (model, inputs, count), {}, reason)[1]
         finally:
             self.whole = self.inputs = self.unseen = None
         if not self.checked:  # an override that passed accumulate's checks: as the trainer runs it from now on
@@ -706,7 +707,9 @@ class _Prediction(_Bound):
         self.summed = accumulator(reduction="sum", **shared)(prediction_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(prediction_step)
         self.by_rows = accumulator(**shared)(prediction_step)
-        self.unsplit = Whole(prediction_step, "prediction step", shared)
+        self.unsplit = Whole(
+            prediction_step, prediction_step.__qualname__, accumulator(**shared), "adapt()", "the data collator"
+        )
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
     def __call__(
@@ -758,14 +761,13 @@ class _Prediction(_Bound):
             try:
                 found = step(model, inputs, prediction_loss_only, ignore_keys, where)
             except (TypeError, ValueError):  # as in training
-                reason = unsplittable(model, inputs, prediction_loss_only, ignore_keys, where)
+                reason = unsplittable((model, inputs, prediction_loss_only, ignore_keys, where), {}, "adapt")
                 if reason is None:
                     raise
             if reason is not None:
                 step = self.unsplit.run
-                found = self.unsplit(
-                    reason, trainer.args.device, model, inputs, prediction_loss_only, ignore_keys, where
-                )
+                given = (model, inputs, prediction_loss_only, ignore_keys, where)
+                found = self.unsplit(trainer.args.device, inputs, given, {}, reason)
         loss = None if self.lossless else found["loss"]
         try:
             logits = self.aside.restored(LOGITS, found.get("logits"))
