@@ -289,12 +289,29 @@ GROWTHS = [
     ("a probe under max_attempts=2", replace(RULES, max_attempts=2), state(128), True, 256),
 ]
 
+FAILED_GROWTHS = [
+    # (id, state, failed, size): refine's bound, the smallest size that failed under the key
+    ("first at a size that failed below the next power of two", state(168), 176, 176),
+    ("past a bound at the next power of two", state(128), 256, 256),
+    ("past a bound above it", state(128), 300, 256),
+    ("past a bound at the size itself", state(128), 128, 256),
+    ("no bound", state(128), None, 256),
+]
+
 
 @pytest.mark.parametrize(
     ("rules", "before", "due", "size"), [row[1:] for row in GROWTHS], ids=[row[0] for row in GROWTHS]
 )
 def test_the_growth_table(rules: Rules, before: State, due: bool, size: int) -> None:
     assert decision.grown(rules, before, due) == size
+
+
+@pytest.mark.parametrize(
+    ("before", "failed", "size"), [row[1:] for row in FAILED_GROWTHS], ids=[row[0] for row in FAILED_GROWTHS]
+)
+def test_the_growth_table_with_a_size_that_failed(before: State, failed: int | None, size: int) -> None:
+    assert decision.grown(RULES, before, True, failed) == size
+    assert decision.grown(RULES, before, False, failed) == before.size
 
 
 def test_a_schedule_grows_by_its_own_rule_and_must_grow() -> None:

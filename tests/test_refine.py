@@ -394,6 +394,37 @@ def test_a_refine_probe_is_no_growth_probe_so_growing_back_keeps_its_wait() -> N
 
 
 @pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_growing_back_climbs_past_a_size_that_failed_while_memory_was_short(kind: str, tmp_path: Path) -> None:
+    """Refined during a dip to 168 (176 failed), the size stayed 168 once 200 fitted again: each growth
+    probe went to 256, failed, and left 176 the bound, so refine never searched above it (probe 77C)."""
+    limit, tried = [200], []
+    cache = koila.GlobalCache() if kind == "memory" else koila.DiskCache(tmp_path / "sizes.json")
+
+    def step(batch_size: int) -> int:
+        tried.append(batch_size)
+        if batch_size > limit[0]:
+            raise make_oom()
+        return batch_size
+
+    def run(calls: int) -> list[int]:
+        # A DiskCache is read again, as by the next run of the script.
+        used = cache if kind == "memory" else koila.DiskCache(tmp_path / "sizes.json")
+        wrapped = koila.batch(initial=256, refine=True, grow=True, grow_after=2, cache=used)(step)
+        return [wrapped() for _ in range(calls)]
+
+    assert run(8)[-1] == 200
+    limit[0] = 170
+    assert run(8)[-1] == 168
+    limit[0] = 200
+    tried.clear()
+    sizes = run(30)
+    assert sizes[-10:] == [200] * 10
+    assert tried[0] == 168
+    assert 176 in tried  # the size that failed in the dip is probed before any power of two above it
+    assert tried.index(176) < tried.index(256)
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_deleting_a_key_forgets_what_refine_learnt_of_it(kind: str, tmp_path: Path) -> None:
     """``del cache[key]`` dropped the size and kept the bound: a search afresh stayed below an old failure."""
     cache = koila.GlobalCache() if kind == "memory" else koila.DiskCache(tmp_path / "sizes.json")

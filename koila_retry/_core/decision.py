@@ -206,12 +206,19 @@ def settled(rules: Rules, cached: int | None, rows: int) -> int:
     return state.size if state.cached == state.size else 0
 
 
-def grown(rules: Rules, state: State, due: bool) -> int:
-    """Return the size to start a call or a step at: the state's, or the probe above it when ``due``."""
+def grown(rules: Rules, state: State, due: bool, failed: int | None = None) -> int:
+    """Return the size to start a call or a step at: the state's, or the probe above it when ``due``.
+
+    ``failed``: the smallest size that failed under the key (refine's bound), if any.
+    """
     size = state.size
     if not due or size >= state.ceiling or not can_probe(rules, state):
         return size
     probe = grow_by(rules.schedule, size, rules.name)
+    if failed is not None and size < failed < probe:
+        # It failed while memory was short. Past it, a probe that fails leaves it the bound, and
+        # refine never searches above it again; at it, one that fits lifts the bound.
+        probe = failed
     # Without an initial of its own, the call's rows are no cap: a probe above them runs
     # them as a short step, which proves nothing about the probe (and lifts nothing).
     return probe if rules.initial is None else min(probe, state.ceiling)

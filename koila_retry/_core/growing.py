@@ -89,7 +89,10 @@ class Growing(Strategy):
     def start(self, course: Course, first: bool) -> None:
         state, name = course.state, course.owner.name
         streak = self.streaks.update(course.key, decision.started_growing) if state.size < state.ceiling else None
-        size = decision.grown(course.owner.rules, state, decision.due(streak))
+        due, failed = decision.due(streak), None
+        if due and course.key is not None:
+            failed = decision.bound_rows(course.owner.cache.bounds.get(course.key), course.call.per_sample)
+        size = decision.grown(course.owner.rules, state, due, failed)
         state.probe_from = state.size if size != state.size else None
         state.growing = size != state.size  # refine's probe, which may start instead, is none of growth's
         if size != state.size:
