@@ -607,3 +607,42 @@ def test_another_thread_saves_and_copies_the_model_while_the_estimate_holds_it()
             assert type(module._forward_hooks) is OrderedDict
         copied = made_copy.state_dict()
         assert all(torch.equal(copied[key], value) for key, value in expected.items())
+
+
+@pytest.mark.parametrize("second", ["profile", "estimate"])
+def test_overlapping_runs_keep_the_collector_paused_until_the_last_ends(second: str) -> None:
+    # Each run saved and restored the collector itself: one that began while another held it paused saw it
+    # off, and the first to end started it in the middle of the other's run; in another order it was left
+    # off for the rest of the process (probe 77E).
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    first_in, first_may_end, first_out, second_in = (threading.Event() for _ in range(4))
+    during: list[bool] = []
+
+    def held(x: torch.Tensor) -> torch.Tensor:
+        first_in.set()
+        assert first_may_end.wait(WAIT)
+        return model(x).sum()
+
+    def overlapping(x: torch.Tensor) -> torch.Tensor:
+        if not second_in.is_set():  # an estimate runs it more than once
+            second_in.set()
+            assert first_out.wait(WAIT)
+            during.append(gc.isenabled())
+        return model(x).sum()
+
+    def run_first() -> None:
+        koila.profile(held, x)
+        first_out.set()
+
+    run_second = {"profile": koila.profile, "estimate": koila.estimate}[second]
+    assert gc.isenabled()
+    threads = [threading.Thread(target=run_first), threading.Thread(target=run_second, args=(overlapping, x))]
+    threads[0].start()
+    assert first_in.wait(WAIT)
+    threads[1].start()
+    assert second_in.wait(WAIT)
+    first_may_end.set()
+    for thread in threads:
+        thread.join(WAIT)
+    assert during == [False]  # the first run ended, the second still runs: no collection yet
+    assert gc.isenabled()

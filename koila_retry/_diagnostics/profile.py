@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import importlib
 import inspect
 import linecache
@@ -28,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from koila_retry._common.callables import seen_through
+from koila_retry._common.collector import collector_paused
 from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._common.units import format_bytes
 from koila_retry._common.walk import call_references, reachable
@@ -858,15 +858,12 @@ def profile(
     # A collection in the middle would free cyclic garbage at a moment of its own choosing, which
     # would differ from run to run, and was seen to fire weak-reference callbacks of meta storages
     # still in use: the figures follow reference counts alone.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        start = _run(fn, args, kwargs, owned, counter, profiler)
-    finally:
-        profiler.detach()
-        counter.clear()
-        if collecting:
-            gc.enable()
+    with collector_paused():
+        try:
+            start = _run(fn, args, kwargs, owned, counter, profiler)
+        finally:
+            profiler.detach()
+            counter.clear()
     rows: list[Any] = profiler.rows()
     named = fn.func if isinstance(fn, functools.partial) else fn
     name = getattr(named, "__qualname__", None) or type(named).__name__

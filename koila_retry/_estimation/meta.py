@@ -6,17 +6,15 @@ its duration (``lending``), and a random generator the call seeds anew is put ba
 
 from __future__ import annotations
 
-import gc
 import math
-import os
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from koila_retry._common.batches import Split
+from koila_retry._common.collector import collector_paused
 from koila_retry._common.dynamo import compiled_code_runs_eagerly
 from koila_retry._estimation.attention import device_kernels
 from koila_retry._estimation.autocast import autocast_like
@@ -39,13 +37,7 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
     # storages still in use (PyTorch keeps their Python objects alive for them, and a
     # collection of an earlier run's garbage can clear the references): none runs. The
     # collector is the process's: other threads' garbage waits for the estimate too.
-    collecting = gc.isenabled()
-    gc.disable()
-    thread = threading.get_ident()
-    outermost = thread not in _PAUSED  # an estimate inside an estimate leaves the outer one's record (75L)
-    if outermost:
-        _PAUSED[thread] = collecting
-    try:
+    with collector_paused():
         if chosen is None:
             base = max(rows, 2)
             runs = [run(base), run(2 * base)]
@@ -64,29 +56,7 @@ def run_at_sizes(run: Callable[[int], Run], rows: int, chosen: list[int] | None)
                 runs = [one, *runs, run(large), run(2 * large)]
         else:
             runs = [run(size) for size in chosen]
-    finally:
-        if outermost:
-            _PAUSED.pop(thread, None)
-        if collecting:
-            gc.enable()
     return runs
-
-
-# The threads whose runs paused the collector, and whether it ran before: a child forked meanwhile by
-# another thread has not those threads, and their runs never end there to start it again (probe 75E).
-_PAUSED: dict[int, bool] = {}
-
-
-def _restarted_in_child() -> None:
-    me = threading.get_ident()
-    if any(collecting for thread, collecting in _PAUSED.items() if thread != me):
-        gc.enable()
-    for thread in [thread for thread in _PAUSED if thread != me]:
-        del _PAUSED[thread]
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_restarted_in_child)
 
 
 def _large_size(one: Run, base: Run) -> int:
