@@ -13,16 +13,30 @@ trainer pads its batches (see ``pad`` in :class:`Aside`; :func:`generated_pad` f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
+from koila_retry._common.batches import Split
 from koila_retry._common.results import flatten
 from koila_retry._frontends.combine import padded_cat, padded_shape
 
-__all__ = ["LABELS", "LOGITS", "Aside", "generated_pad", "how_joined", "not_per_row"]
+__all__ = [
+    "LABELS",
+    "LOGITS",
+    "Aside",
+    "batch_rows",
+    "generated_pad",
+    "generation_state",
+    "how_joined",
+    "not_per_row",
+    "one_per_row",
+    "put_back",
+    "several_per_row",
+]
 
 LOGITS, LABELS = "logits", "labels"
 
@@ -186,3 +200,45 @@ def generated_pad(trainer: Any, generating: dict[str, Any]) -> float | None:
         return cast(float, padded(torch.zeros((1, 0), dtype=torch.long), 1).item())
     except ValueError:  # none: the chunks' tokens are not joined (torch.cat's error)
         return None
+
+
+def generation_state(trainer: Any) -> dict[str, Any] | None:
+    """Return a copy of the state of the generation config a ``Seq2SeqTrainer`` generates by, or ``None``."""
+    # Its prediction step changes the config after its first generate (max_length filled in from the
+    # defaults): a retry, or a chunk after the first, would generate by another config than the batch's.
+    if not getattr(trainer.args, "predict_with_generate", False):
+        return None
+    state = getattr(getattr(trainer.model, "generation_config", None), "__dict__", None)
+    return copy.deepcopy(state) if isinstance(state, dict) else None
+
+
+def put_back(trainer: Any, state: dict[str, Any]) -> None:
+    """Give the trainer's model's generation config the state :func:`generation_state` copied."""
+    held = vars(trainer.model.generation_config)
+    held.clear()
+    held.update(copy.deepcopy(state))
+
+
+def batch_rows(args: tuple[Any, ...]) -> int | None:
+    """The rows that accumulate splits a prediction step's arguments into, or ``None`` where it cannot split them."""
+    inputs = args[1]
+    if isinstance(inputs, Mapping):  # the usual batch: its first tensor that does not broadcast
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != 1:
+                return int(value.shape[0])
+    try:  # as accumulate finds them
+        return Split(args, {}, 0, "koila_retry.integrations.transformers.adapt").rows
+    except (ValueError, TypeError, RuntimeError, AttributeError):  # accumulate raises its own error
+        return None
+
+
+def one_per_row(value: Any, rows: int) -> bool:
+    """Whether ``value`` is a tensor of one entry per row of ``rows`` along its first dimension."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+
+
+def several_per_row(tokens: Any, rows: int | None) -> bool:
+    """Whether ``tokens`` hold several sequences for each of ``rows`` rows, one after another."""
+    if not isinstance(tokens, torch.Tensor) or not rows or tokens.dim() < 2:
+        return False
+    return tokens.shape[0] != rows and tokens.shape[0] % rows == 0

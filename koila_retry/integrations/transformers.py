@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from koila_retry._common.batches import Split, shallow_copy
+from koila_retry._common.batches import shallow_copy
 from koila_retry._common.places import levels_to_caller, replayable
 from koila_retry._common.results import flatten
 from koila_retry._common.tensors import set_grads
@@ -38,7 +38,19 @@ from koila_retry._frontends import own_backward
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry._frontends.whole import Whole, unsplittable
-from koila_retry.integrations._transformers_joins import LABELS, LOGITS, Aside, generated_pad, how_joined, not_per_row
+from koila_retry.integrations._transformers_joins import (
+    LABELS,
+    LOGITS,
+    Aside,
+    batch_rows,
+    generated_pad,
+    generation_state,
+    how_joined,
+    not_per_row,
+    one_per_row,
+    put_back,
+    several_per_row,
+)
 from koila_retry.integrations._transformers_losses import IGNORED, ROWS, SUM, Inexact, shifts_labels, weighing_of
 from koila_retry.integrations._transformers_packed import apart, joined
 
@@ -664,13 +676,18 @@ class _Prediction(_Bound):
         self.padded = self.warned_padded = False  # whether the step's parts were padded with -100 (see pad)
         self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
         self.generating: dict[str, Any] = {}  # a Seq2SeqTrainer's gen_kwargs given to the call
+        self.generation: dict[str, Any] | None = None  # its model's generation config as the call began
+        self.grad_mode = False  # the call's, under which the step runs (accumulate runs it under no_grad)
 
         def prediction_step(
             model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any, where: torch.Tensor | None
         ) -> dict[str, Any]:
             try:
                 ran = joined(inputs, self.packed)
-                found = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys, **self.generating)
+                if self.generation is not None:  # as the batch began, in each attempt and chunk
+                    put_back(trainer, self.generation)
+                with torch.set_grad_enabled(self.grad_mode):  # the trainer's: an override may take gradients
+                    found = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys, **self.generating)
                 loss, logits, labels = found
             except BaseException:
                 self.aside.drop()  # before the memory of the failed attempt is released
@@ -716,7 +733,8 @@ class _Prediction(_Bound):
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **generating: Any
     ) -> tuple[Any, Any, Any]:
         trainer, kept = self.trainer, self.kept
-        self.generating = generating
+        self.generating, self.generation = generating, generation_state(trainer)
+        self.grad_mode = torch.is_grad_enabled()
         kept.failure = None
         # In one process, as the trainer runs it: a prediction step writes no gradient, so an error
         # leaves nothing to undo. Under DDP every rank runs through accumulate, whose ranks agree.
@@ -751,7 +769,7 @@ class _Prediction(_Bound):
             _swapped(trainer, "_get_num_items_in_batch", shared) if self.count is not None else contextlib.nullcontext()
         )
         self.folds = None
-        total = _batch_rows((model, inputs, prediction_loss_only, ignore_keys))
+        total = batch_rows((model, inputs, prediction_loss_only, ignore_keys))
         self.total = total or 0
         self.aside.start()
         self.padded = False
@@ -774,7 +792,7 @@ class _Prediction(_Bound):
             labels = self.aside.restored(LABELS, found.get("labels"))
         finally:  # the last batch's labels would live till the next split step
             self.aside.joined = {}
-        if total and step.stats.batch_size < total:
+        if reason is None and total and step.stats.batch_size < total:  # split: not a batch run whole
             self.inexact.check(inputs, "prediction step", step is self.summed, lossless=loss is None)
             if not self.rows_checked and (logits is not None or labels is not None):
                 self._averaged(logits, labels, total)
@@ -808,9 +826,9 @@ class _Prediction(_Bound):
         leaves, spec = flatten(logits)
         if self.folds is None:
             if getattr(self.trainer.args, "predict_with_generate", False):
-                self.folds = {0: len(logits) // rows} if _several_per_row(logits, rows) else {}
+                self.folds = {0: len(logits) // rows} if several_per_row(logits, rows) else {}
             else:
-                tokens = {value.shape[1] for value in inputs.values() if _per_row(value, rows) and value.dim() > 1}
+                tokens = {value.shape[1] for value in inputs.values() if one_per_row(value, rows) and value.dim() > 1}
                 self.folds = {
                     index: leaf.shape[0] // rows
                     for index, leaf in enumerate(leaves)
@@ -870,28 +888,3 @@ class _Prediction(_Bound):
             UserWarning,
             stacklevel=levels_to_caller(),
         )
-
-
-def _batch_rows(args: tuple[Any, ...]) -> int | None:
-    """The rows that accumulate splits a prediction step's arguments into, or ``None`` where it cannot split them."""
-    inputs = args[1]
-    if isinstance(inputs, Mapping):  # the usual batch: its first tensor that does not broadcast
-        for value in inputs.values():
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != 1:
-                return int(value.shape[0])
-    try:  # as accumulate finds them
-        return Split(args, {}, 0, NAME).rows
-    except (ValueError, TypeError, RuntimeError, AttributeError):  # accumulate raises its own error
-        return None
-
-
-def _per_row(value: Any, rows: int) -> bool:
-    """Whether ``value`` is a tensor of one entry per row of ``rows`` along its first dimension."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
-
-
-def _several_per_row(tokens: Any, rows: int | None) -> bool:
-    """Whether ``tokens`` hold several sequences for each of ``rows`` rows, one after another."""
-    if not isinstance(tokens, torch.Tensor) or not rows or tokens.dim() < 2:
-        return False
-    return tokens.shape[0] != rows and tokens.shape[0] % rows == 0
