@@ -541,13 +541,34 @@ def test_a_plain_causal_lm_that_names_its_loss_is_weighed_by_its_shifted_labels(
     assert_same_training(trainer, reference)
 
 
-def test_a_plain_module_whose_loss_nothing_names_is_warned_of_when_split(tmp_path: Path) -> None:
-    """Its labels are counted as they are, as a token classifier's loss averages over them: a causal LM's is not."""
-    trainer = adapt(make_trainer(tmp_path, model=PlainLM()))
-    with simulated_device("150KiB"), pytest.warns(UserWarning, match="holds no Hugging Face model") as caught:
+class _OwnConfig(transformers.PretrainedConfig):  # type: ignore[misc]
+    model_type = "own-lm"
+
+
+class _OwnPretrained(transformers.PreTrainedModel):  # type: ignore[misc]
+    """A causal LM of the user's own on PreTrainedModel alone: neither a loss type nor an architecture tells."""
+
+    config_class = _OwnConfig
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config or _OwnConfig())
+        self.lm = PlainLM()
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> dict[str, torch.Tensor]:
+        return cast("dict[str, torch.Tensor]", self.lm(input_ids, attention_mask, labels))
+
+
+@pytest.mark.parametrize("model", [PlainLM, _OwnPretrained])
+def test_a_model_whose_loss_nothing_names_is_warned_of_when_split(tmp_path: Path, model: Any) -> None:
+    """Its labels are counted as they are, as a token classifier's loss averages over them: a causal LM's is not.
+
+    A PreTrainedModel of the user's own was taken for one of unshifted labels, silently (probe 77F).
+    """
+    trainer = adapt(make_trainer(tmp_path, model=model()))
+    with simulated_device("150KiB"), pytest.warns(UserWarning, match="whose loss type nothing tells") as caught:
         trainer.train()
     assert trainer.training_step.stats.batch_size < 8
-    assert len([w for w in caught if "holds no Hugging Face model" in str(w.message)]) == 1
+    assert len([w for w in caught if "whose loss type nothing tells" in str(w.message)]) == 1
     assert "loss_type = 'ForCausalLM'" in str(caught[0].message)
 
 

@@ -62,8 +62,9 @@ class Weighing:
                 "ignored entries (-100), and weighs its micro-batches by rows: that is exact only if every "
                 "row counts as many items. For a loss that is a mean over tokens, pass weight= to "
                 "koila.accumulate, such as weight=lambda batch: (batch['labels'][:, 1:] != -100).sum() for a causal "
-                "language model (see the docs: Training Hugging Face models); Lightning's OOMRecovery weighs by "
-                "rows only (see the docs: Trainers). This warning is shown once.",
+                "language model (see the docs: Training Hugging Face models). Hugging Face's adapt() counts the "
+                "items of a batch that is a mapping with its labels under 'labels', as the trainer counts them; "
+                "Lightning's OOMRecovery weighs by rows only (see the docs: Trainers). This warning is shown once.",
                 UserWarning,
                 stacklevel=levels_to_caller(),
             )

@@ -126,9 +126,10 @@ def _precision(model: Any) -> torch.dtype:
 
 
 def _warn_unshifted(model: Any) -> None:
-    """Warn that a split step counts the labels of a model that holds no Hugging Face model as they are."""
+    """Warn that a split step counts the labels of a model whose loss type nothing tells as they are."""
     warn_or_log(
-        f"adapt split a step of a {type(model).__name__}, which holds no Hugging Face model, and weighs its "
+        f"adapt split a step of a {type(model).__name__}, whose loss type nothing tells (it sets no loss_type and "
+        "derives from no Hugging Face architecture), and weighs its "
         "micro-batches by their labels that are not -100, as they are: right for a loss over every label (a "
         "token classifier's), not for a causal language model's, which predicts each label from the tokens "
         "before it and averages over all but the first (a micro-batch of one-token rows counts none: its loss "
@@ -212,7 +213,16 @@ def shifts_labels(trainer: Any, transformers: ModuleType) -> bool | None:
     models = _outermost(model, transformers.PreTrainedModel)
     if not models and getattr(model, "loss_type", None) is None:
         return None
+    if models and all(map(_unknown, models)):  # classes of the user's own on PreTrainedModel alone
+        return None
     return all(_causal(model) for model in models or [model])
+
+
+def _unknown(model: Any) -> bool:
+    """Whether nothing tells what a Hugging Face model's loss is: no loss type, and no architecture it derives from."""
+    if getattr(model, "loss_type", None) is not None:
+        return False
+    return not any(kind.__module__.startswith("transformers.models.") for kind in type(model).__mro__)
 
 
 def _takes_return_loss(kind: Any) -> bool:
