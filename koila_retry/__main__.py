@@ -65,6 +65,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         int: the exit status.
     """
+    for stream in (sys.stdout, sys.stderr):  # a class name the terminal's encoding lacks is escaped, not an error
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    try:
+        try:
+            status = _main(argv)
+        finally:  # after --help's exit too: a reader gone shows here, not as an error ignored at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (``| head -1``): the rest goes nowhere, and the status is a shell's
+        # for a writer that a broken pipe ended (128 + SIGPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     prog = _prog()
     parser = argparse.ArgumentParser(prog=prog, description="koila-retry: OOM becomes a smaller batch.")
     parser.add_argument("--version", action="version", version=f"koila-retry {__version__}")

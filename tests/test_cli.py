@@ -928,3 +928,74 @@ def test_estimate_in_a_subprocess_imports_from_the_current_directory(models_fold
     assert result.stdout.startswith("model Sequential (19.21 K parameters, float32), mode train, optimizer adamw")
     assert "in 1.00 GiB (with a 10% margin): " in result.stdout.splitlines()[-1]
     assert largest(result.stdout) > 64
+
+
+OWN_OUTPUTS = """
+import dataclasses
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class WithOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return Output(hidden.relu(), hidden)
+
+
+class \u6a21\u578b(nn.Linear):
+    def __init__(self):
+        super().__init__(8, 8)
+"""
+
+
+@pytest.fixture
+def own_outputs(tmp_path: Path) -> Path:
+    path = tmp_path / "own_outputs.py"
+    path.write_text(OWN_OUTPUTS, encoding="utf-8")
+    return path
+
+
+def test_a_model_that_returns_a_dataclass_is_trained_on_its_floating_tensors(
+    own_outputs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Only mappings, lists and tuples were looked into: "no floating-point tensor to take a loss of" (probe 77B).
+    status, out, err = estimate_cli(capsys, f"{own_outputs}:WithOutput", "--input", "8", "--memory", "1MiB")
+    assert (status, err) == (0, "")
+    assert LARGEST.search(out)
+
+
+def test_a_class_name_the_output_s_encoding_lacks_is_escaped(own_outputs: Path) -> None:
+    # print() raised UnicodeEncodeError under a latin-1 stdout, a traceback and exit status 1 (probe 77B).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "latin-1"}
+    args = ["estimate", f"{own_outputs}:\u6a21\u578b", "--input", "8", "--memory", "1MiB"]
+    done = subprocess.run(
+        [sys.executable, "-m", "koila_retry", *args], capture_output=True, env=env, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"model \\u6a21\\u578b (" in done.stdout
+
+
+def test_a_reader_that_stops_reading_ends_the_demo_quietly() -> None:
+    # print() into the closed pipe of `| head -1` raised BrokenPipeError: a traceback and exit status 1 (probe 77B).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "koila_retry", "demo"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    ) as process:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        assert process.stdout.readline().startswith(b"Training a 3-layer MLP")
+        process.stdout.close()
+        errors = process.stderr.read()
+        assert process.wait(timeout=240) == 141
+    assert errors == b""

@@ -763,3 +763,15 @@ def test_import_has_no_side_effects() -> None:
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["None", "0", "0", "0"]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_fake_profile_counts_a_sparse_argument_as_its_dense_tensor(layout: str) -> None:
+    # Meta has no kernels for sparse operands: profile(fake=True) raised PyTorch's NotImplementedError, where
+    # koila.estimate counts the dense tensor (probe 77B).
+    weight = torch.randn(64, 32)
+    dense = torch.randn(16, 64).relu()
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    found = koila.profile(lambda x: torch.sparse.mm(x, weight), sparse, fake=True)
+    assert found.peak >= dense.nbytes + 16 * 32 * 4  # the input counted dense, and the result

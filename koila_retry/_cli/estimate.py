@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -517,6 +518,9 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
     elif isinstance(out, (list, tuple)):
         for value in out:
             yield from _tensors(value)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):  # a model's output of its own
+        for found in dataclasses.fields(out):
+            yield from _tensors(getattr(out, found.name))
 
 
 # --- the output -----------------------------------------------------------------------

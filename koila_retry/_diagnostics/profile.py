@@ -607,7 +607,9 @@ def _remade_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         if not isinstance(leaf, torch.Tensor):
             continue
         storage = storage_of(leaf)
-        if storage is not None:
+        if leaf.layout is not torch.strided:  # meta has no kernels for sparse operands: the dense size, as estimate
+            meta = torch.empty(leaf.shape, dtype=leaf.dtype, device=META)
+        elif storage is not None:
             shared = storages.get(id(storage))
             if shared is None:
                 shared = torch.UntypedStorage(storage.nbytes(), device=META)  # type: ignore[no-untyped-call]
