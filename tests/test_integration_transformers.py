@@ -219,7 +219,8 @@ def test_a_batch_whose_tensors_do_not_share_rows_runs_whole_and_gives_up_saying_
     with pytest.raises(BatchSizeExhausted, match=step) as caught:
         trainer.train()
     assert isinstance(caught.value.__cause__, BatchSizeExhausted)
-    assert "pixel_values'] has 16" in str(caught.value)
+    assert "the tensor inputs['pixel_values'] has 16" in str(caught.value)
+    assert "share their rows along dim 0 (one entry per example), in the data collator" in str(caught.value)
     assert all(torch.equal(mine, was) for mine, was in zip(failing.parameters(), before, strict=True))
     with pytest.raises(
         BatchSizeExhausted, match=r"^adapt\(\) cannot split the batch of _PatchTrainer\.prediction_step"

@@ -424,6 +424,58 @@ def test_growing_back_climbs_past_a_size_that_failed_while_memory_was_short(kind
     assert tried.index(176) < tried.index(256)
 
 
+class _Clock:
+    """Seconds that pass as the steps say: each call costs a fixed 50 ms and 1 ms a row."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_growth_probe_to_the_size_that_failed_is_not_weighed_by_grow_gain() -> None:
+    """Its few rows more ran hardly faster: grow_gain stopped growth for good at 168, where 256 fits (probe 77G)."""
+    clock, limit, tried = _Clock(), [200], []
+
+    def step(batch_size: int) -> int:
+        tried.append(batch_size)
+        if batch_size > limit[0]:
+            raise make_oom()
+        clock.now += 0.05 + batch_size / 1000
+        return batch_size
+
+    options: Any = {"refine": True, "grow": True, "grow_after": 2, "grow_gain": 0.05, "clock": clock}
+    wrapped = koila.batch(initial=256, cache=koila.GlobalCache(), **options)(step)
+    [wrapped() for _ in range(8)]
+    limit[0] = 170
+    assert [wrapped() for _ in range(8)][-1] == 168
+    limit[0] = 1000
+    tried.clear()
+    assert [wrapped() for _ in range(20)][-5:] == [256] * 5
+    assert tried.index(176) < tried.index(256)
+
+
+def test_a_bound_refine_left_in_a_file_steers_no_growth_without_refine(tmp_path: Path) -> None:
+    """A run without refine read the bound a refining run left, probed it, and grow_gain stopped growth (probe 77G)."""
+    clock, limit = _Clock(), [100]
+
+    def step(batch_size: int) -> int:
+        if batch_size > limit[0]:
+            raise make_oom()
+        clock.now += 0.05 + batch_size / 1000
+        return batch_size
+
+    path = tmp_path / "sizes.json"
+    refining = koila.batch(initial=256, refine=True, cache=koila.DiskCache(path))(step)
+    [refining() for _ in range(8)]
+    assert json.loads(path.read_text())["bounds"]
+    limit[0] = 1000
+    options: Any = {"grow": True, "grow_after": 2, "grow_gain": 0.05, "clock": clock}
+    growing = koila.batch(initial=256, cache=koila.DiskCache(path), **options)(step)
+    assert [growing() for _ in range(12)][-3:] == [256] * 3
+
+
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_deleting_a_key_forgets_what_refine_learnt_of_it(kind: str, tmp_path: Path) -> None:
     """``del cache[key]`` dropped the size and kept the bound: a search afresh stayed below an old failure."""

@@ -29,7 +29,7 @@ class _Patches:
 
 
 def _whole(step: Any) -> Whole:
-    return Whole(step, "Module.training_step", koila.accumulate(initial=8), "OOMRecovery", "the collate_fn")
+    return Whole(step, "Module.training_step", koila.accumulate(initial=8), "OOMRecovery", "make it rows")
 
 
 def test_a_batch_of_unequal_rows_is_unsplittable_and_a_plain_one_is_not() -> None:
@@ -72,7 +72,7 @@ def test_giving_up_says_why_it_ran_whole_and_keeps_nothing_of_the_call() -> None
     assert message.startswith(
         "OOMRecovery cannot split the batch of Module.training_step, a _Patches: patches are not rows."
     )
-    assert "for instance in the collate_fn" in message
+    assert "To let OOMRecovery run it in micro-batches, make it rows (see the docs: Batches" in message
     assert isinstance(caught.value.__cause__, BatchSizeExhausted)
     assert weight.grad is None
     assert whole.held is None

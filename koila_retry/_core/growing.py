@@ -89,12 +89,13 @@ class Growing(Strategy):
     def start(self, course: Course, first: bool) -> None:
         state, name = course.state, course.owner.name
         streak = self.streaks.update(course.key, decision.started_growing) if state.size < state.ceiling else None
-        due, failed = decision.due(streak), None
-        if due and course.key is not None:
+        rules, due, failed = course.owner.rules, decision.due(streak), None
+        if due and rules.refine and course.key is not None:  # refine's bound: only refine moves it
             failed = decision.bound_rows(course.owner.cache.bounds.get(course.key), course.call.per_sample)
-        size = decision.grown(course.owner.rules, state, due, failed)
+        size = decision.grown(rules, state, due, failed)
         state.probe_from = state.size if size != state.size else None
         state.growing = size != state.size  # refine's probe, which may start instead, is none of growth's
+        state.bounded = state.growing and size == failed
         if size != state.size:
             wait = None if streak is None else streak[1]
             logger.info("%s: succeeded %s times in a row at batch size %d; trying %d", name, wait, state.size, size)

@@ -34,9 +34,9 @@ class Whole:
     """Run ``step`` whole through ``accumulate`` (as ``decorate`` makes it), named ``name``, for ``tool``."""
 
     def __init__(
-        self, step: Callable[..., Any], name: str, decorate: Callable[..., Batched[..., Any]], tool: str, where: str
+        self, step: Callable[..., Any], name: str, decorate: Callable[..., Batched[..., Any]], tool: str, advice: str
     ) -> None:
-        self.name, self.tool, self.where = name, tool, where  # where a user would make the batch
+        self.name, self.tool, self.advice = name, tool, advice  # how a user makes a batch the tool can split
         self.held: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the step's arguments, while it runs
         self.stand_in: torch.Tensor | None = None
 
@@ -61,10 +61,8 @@ class Whole:
             tool = self.tool
             message = (
                 f"{tool} cannot split the batch of {self.name}, a {type(batch).__qualname__}: {reason}. It ran "
-                f"whole, as without {tool}, and ran out of memory. To let {tool} run it in micro-batches, make the "
-                "batch a dataclass, a tuple, list, dict or named tuple (nested as deep as needed) of tensors that "
-                f"share their rows along dim 0 (one entry per example), for instance in {self.where} (see the docs: "
-                "Batches, which tensors are split)."
+                f"whole, as without {tool}, and ran out of memory. To let {tool} run it in micro-batches, "
+                f"{self.advice} (see the docs: Batches, which tensors are split)."
                 if reason
                 else f"The batch of {self.name} has 0 rows: {tool} ran it whole, as without {tool}, and it ran out "
                 "of memory."

@@ -390,7 +390,11 @@ class _Step:
             replay=self._replayed,
             options=cast(Options, options),
         )
-        return decorate(part), Whole(part, name, decorate, "OOMRecovery", "the data loader's collate_fn")
+        advice = (
+            "make the batch a dataclass, a tuple, list, dict or named tuple (nested as deep as needed) of tensors "
+            "that share their rows along dim 0 (one entry per example), for instance in the data loader's collate_fn"
+        )
+        return decorate(part), Whole(part, name, decorate, "OOMRecovery", advice)
 
     def _replayed(self) -> tuple[str, str] | None:
         """Return, once, the message and place of the error with which the step that ran whole ran out of memory."""

@@ -65,6 +65,8 @@ __all__ = ["adapt"]
 T = TypeVar("T")
 
 NAME = "koila_retry.integrations.transformers.adapt"
+# What a step whose batch cannot be split says to change (a batch stays a mapping: the model takes **inputs).
+_ADVICE = "make the tensors of the batch share their rows along dim 0 (one entry per example), in the data collator"
 # Set on an adapted trainer: its original steps, so that adapting twice is refused.
 MARK = "koila_adapted_steps"
 # Stands for an argument the caller did not pass.
@@ -368,7 +370,7 @@ class _Training(_Bound):
         self.summed = accumulator(reduction="sum", **shared)(training_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(training_step)
         self.by_rows = accumulator(**shared)(training_step)
-        self.unsplit = Whole(training_step, self.name, accumulator(**shared), "adapt()", "the data collator")
+        self.unsplit = Whole(training_step, self.name, accumulator(**shared), "adapt()", _ADVICE)
         # With its own backward (see _whole), unless a size was cached. An override's first step run so is
         # checked as accumulate would check it (see _checked): that it backs through accelerator.backward, once.
         self.kept.trusting = not self.by_rows.cache_info().currsize
@@ -399,7 +401,7 @@ class _Training(_Bound):
             try:
                 returned = step(model, inputs, count)[1]
             except (TypeError, ValueError):  # from Split, before anything ran, or the step's own
-                reason = unsplittable((model, inputs, count), {}, "adapt")
+                reason = unsplittable((), {"inputs": inputs}, "adapt")
                 if reason is None:
                     raise
             if reason is not None:  # outside the handler, whose error is gone: the step runs whole
@@ -724,9 +726,7 @@ class _Prediction(_Bound):
         self.summed = accumulator(reduction="sum", **shared)(prediction_step)
         self.weighted = accumulator(weight=self.weighing.weight(trainer), **shared)(prediction_step)
         self.by_rows = accumulator(**shared)(prediction_step)
-        self.unsplit = Whole(
-            prediction_step, prediction_step.__qualname__, accumulator(**shared), "adapt()", "the data collator"
-        )
+        self.unsplit = Whole(prediction_step, prediction_step.__qualname__, accumulator(**shared), "adapt()", _ADVICE)
         self.kept.trusting = not self.by_rows.cache_info().currsize
 
     def __call__(
@@ -779,7 +779,7 @@ class _Prediction(_Bound):
             try:
                 found = step(model, inputs, prediction_loss_only, ignore_keys, where)
             except (TypeError, ValueError):  # as in training
-                reason = unsplittable((model, inputs, prediction_loss_only, ignore_keys, where), {}, "adapt")
+                reason = unsplittable((), {"inputs": inputs}, "adapt")
                 if reason is None:
                     raise
             if reason is not None:
