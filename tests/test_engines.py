@@ -552,3 +552,31 @@ def test_an_engine_backward_that_koila_cannot_see_start_is_refused_before_it_wri
     assert calls == [1], "refused in the first micro-batch's backward, whatever memory there is"
     for parameter, gradient in zip(model.parameters(), before, strict=True):
         assert torch.equal(parameter.grad, gradient)
+
+
+@pytest.mark.parametrize("gives_up", [False, True])
+def test_a_grad_scaler_that_ran_out_of_memory_making_its_state_makes_it_again(gives_up: bool) -> None:
+    # GradScaler makes its scale, then its growth tracker, at its first scale(): an out-of-memory error
+    # between the two left a scale without a tracker, which no later scale() made, and scaler.step()
+    # asserted, after a call that succeeded or after the next batch's (probe 77I).
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @koila.accumulate(cache=koila.NoCache(), scaler=scaler, minimum=64 if gives_up else 1)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).norm()  # keeps only its output and the loss: the scaler's 8 bytes decide
+
+    batch, next_batch = torch.randn(64, 8), torch.randn(8, 8)
+    with simulated_device(264):  # the output of 64 rows, the loss and a scale fit; the tracker does not
+        if gives_up:
+            with pytest.raises(koila.BatchSizeExhausted):
+                step(batch)
+            step(next_batch)  # the loop's next batch
+        else:
+            step(batch)
+            assert step.stats.batch_size < 64
+    assert scaler._growth_tracker is not None
+    scaler.step(optimizer)
+    scaler.update()

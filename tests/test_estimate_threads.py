@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import pickle
 import threading
 import weakref
@@ -645,4 +646,54 @@ def test_overlapping_runs_keep_the_collector_paused_until_the_last_ends(second: 
     for thread in threads:
         thread.join(WAIT)
     assert during == [False]  # the first run ended, the second still runs: no collection yet
+    assert gc.isenabled()
+
+
+def test_a_child_forked_inside_a_profile_collects_garbage() -> None:
+    # The child kept the pause of the run it was forked in, which never ends there (a data loader's worker
+    # forked inside a profiled step): its collector stayed off for life (probe 77H).
+    read, write = os.pipe()
+
+    def forks(x: torch.Tensor) -> torch.Tensor:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.waitpid(child, 0)
+        return x.sum()
+
+    assert gc.isenabled()
+    koila.profile(forks, torch.ones(2))
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    assert gc.isenabled()
+
+
+def test_the_collector_runs_again_before_the_last_pause_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Let go first, then started: a child forked between the two found no pause and the collector off (probe 77H).
+    from koila_retry._common import collector
+
+    held: list[dict[int, int]] = []
+    enable = gc.enable
+    monkeypatch.setattr(gc, "enable", lambda: (held.append(dict(collector._pauses)), enable())[1])
+    with collector.collector_paused():
+        pass
+    assert held == [{threading.get_ident(): 1}]
+    assert gc.isenabled()
+
+
+def test_a_pause_taken_while_the_pauses_are_counted_waits_for_nothing() -> None:
+    # A finalizer that runs an estimate, collected while this thread counts a pause, waited on itself (probe 77H).
+    from koila_retry._common import collector
+
+    done = threading.Event()
+
+    def nested() -> None:
+        with collector._lock, collector.collector_paused():
+            done.set()
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    assert done.wait(WAIT)
     assert gc.isenabled()

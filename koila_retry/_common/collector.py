@@ -19,7 +19,8 @@ from koila_retry._common.forks import locks_renewed_in_child
 
 __all__ = ["collector_paused"]
 
-_lock = threading.Lock()
+# Reentrant: a finalizer that runs an estimate may be collected while this thread holds it.
+_lock = threading.RLock()
 _pauses: dict[int, int] = {}  # by thread, how many of its runs hold the collector paused
 _was_on = [False]  # whether it ran before the first of them
 
@@ -41,18 +42,22 @@ def collector_paused() -> Iterator[None]:
 
 
 def _let_go(thread: int) -> None:
-    left = _pauses.pop(thread, 0) - 1
+    left = _pauses.get(thread, 0) - 1
     if left > 0:
         _pauses[thread] = left
-    if not _pauses and _was_on[0]:
-        gc.enable()
+        return
+    if len(_pauses) - (thread in _pauses) == 0 and _was_on[0]:
+        gc.enable()  # before the last pause goes: a child forked in between finds one, and starts it again
+    _pauses.pop(thread, None)
 
 
 def _after_fork_in_child() -> None:
-    # Only the thread that forked lives on: the others' runs never end here to start the collector again.
-    for thread in [thread for thread in _pauses if thread != threading.get_ident()]:
-        _pauses[thread] = 1
-        _let_go(thread)
+    # Only the thread that forked lives on, and the child seldom returns through its run (a data loader's
+    # worker): no pause held in the parent ends here, and none starts the collector again.
+    if _pauses:
+        _pauses.clear()
+        if _was_on[0]:
+            gc.enable()
 
 
 locks_renewed_in_child(globals(), "_lock")  # another thread may have held it

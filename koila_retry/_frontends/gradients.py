@@ -136,7 +136,24 @@ class Scaled:
         self.scale = scale
 
     def __call__(self, loss: torch.Tensor, retain: bool) -> None:
-        self.scale(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+        self.scaled(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``scale(loss)``."""
+        try:
+            return self.scale(loss)
+        except BaseException:
+            _made_again(self.scale)
+            raise
+
+
+def _made_again(scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Let a GradScaler that ran out of memory while it made its state make it again at its next ``scale()``."""
+    # It makes its scale, then its growth tracker, on first use: an error between the two left a scale
+    # without a tracker, which no later scale() makes, and scaler.step() asserted on it (probe 77I).
+    scaler = getattr(scale, "__self__", None)
+    if getattr(scaler, "_scale", None) is not None and getattr(scaler, "_growth_tracker", 0) is None:
+        scaler._scale = None  # type: ignore[union-attr]
 
 
 class Gradients:
@@ -208,7 +225,7 @@ class Gradients:
         # which would send every call the backward makes through Python.
         if run is plain_backward or type(run) is Scaled:
             if run is not plain_backward:
-                loss = cast(Scaled, run).scale(loss)
+                loss = cast(Scaled, run).scaled(loss)
             if self.direct and self._expose(loss):
                 torch.autograd.backward(loss, retain_graph=retain)
                 return

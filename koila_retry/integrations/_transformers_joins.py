@@ -202,21 +202,24 @@ def generated_pad(trainer: Any, generating: dict[str, Any]) -> float | None:
         return None
 
 
-def generation_state(trainer: Any) -> dict[str, Any] | None:
-    """Return a copy of the state of the generation config a ``Seq2SeqTrainer`` generates by, or ``None``."""
+def generation_state(trainer: Any) -> tuple[Any, dict[str, Any]] | None:
+    """Return the generation config a ``Seq2SeqTrainer`` generates by, and a copy of its state; or ``None``."""
     # Its prediction step changes the config after its first generate (max_length filled in from the
     # defaults): a retry, or a chunk after the first, would generate by another config than the batch's.
     if not getattr(trainer.args, "predict_with_generate", False):
         return None
-    state = getattr(getattr(trainer.model, "generation_config", None), "__dict__", None)
-    return copy.deepcopy(state) if isinstance(state, dict) else None
+    config = getattr(trainer.model, "generation_config", None)
+    state = getattr(config, "__dict__", None)
+    return (config, copy.deepcopy(state)) if isinstance(state, dict) else None
 
 
-def put_back(trainer: Any, state: dict[str, Any]) -> None:
-    """Give the trainer's model's generation config the state :func:`generation_state` copied."""
-    held = vars(trainer.model.generation_config)
-    held.clear()
-    held.update(copy.deepcopy(state))
+def put_back(trainer: Any, held: tuple[Any, dict[str, Any]]) -> None:
+    """Give the trainer's model the generation config :func:`generation_state` found, with the state it had."""
+    config, state = held
+    if trainer.model.generation_config is not config:  # a step of the user's swapped in a config of its own
+        trainer.model.generation_config = config
+    vars(config).clear()
+    vars(config).update(copy.deepcopy(state))
 
 
 def batch_rows(args: tuple[Any, ...]) -> int | None:

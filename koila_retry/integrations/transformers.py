@@ -678,7 +678,7 @@ class _Prediction(_Bound):
         self.padded = self.warned_padded = False  # whether the step's parts were padded with -100 (see pad)
         self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
         self.generating: dict[str, Any] = {}  # a Seq2SeqTrainer's gen_kwargs given to the call
-        self.generation: dict[str, Any] | None = None  # its model's generation config as the call began
+        self.generation: tuple[Any, dict[str, Any]] | None = None  # its model's generation config, as the call began
         self.grad_mode = False  # the call's, under which the step runs (accumulate runs it under no_grad)
 
         def prediction_step(
