@@ -580,3 +580,22 @@ def test_a_grad_scaler_that_ran_out_of_memory_making_its_state_makes_it_again(gi
     assert scaler._growth_tracker is not None
     scaler.step(optimizer)
     scaler.update()
+
+
+def test_an_engine_that_takes_no_retain_graph_is_refused_saying_why_where_it_needs_it() -> None:
+    # An argument that carries a graph from before the call needs retain_graph=True on each backward: a
+    # backward= that takes only the loss failed with Python's "unexpected keyword argument" (probe 77I).
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(4, 4).double(), nn.Linear(4, 1).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+
+    @koila.accumulate(backward=lambda loss: loss.backward(), cache=koila.NoCache())
+    def step(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(head(h), y)
+
+    step(encoder(x).detach(), y)  # no graph before the call: the loss alone
+    before = [parameter.grad.clone() for parameter in head.parameters()]
+    with pytest.raises(TypeError, match=r"takes no retain_graph: an argument of this call carries a graph"):
+        step(encoder(x), y)
+    assert all(torch.equal(p.grad, was) for p, was in zip(head.parameters(), before, strict=True))
+    assert all(p.grad is None for p in encoder.parameters())

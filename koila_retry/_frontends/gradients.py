@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
 import threading
 import weakref
@@ -80,13 +81,25 @@ Backward = Callable[[torch.Tensor, bool], None]
 def backward_of(engine: Callable[..., Any] | None, scaler: Any) -> Backward:
     """Return what runs each backward of a step, chosen once, when it is decorated."""
     if engine is not None:
+        try:
+            parameters = inspect.signature(engine).parameters.values()
+            retains = any(p.name == "retain_graph" or p.kind is p.VAR_KEYWORD for p in parameters)
+        except (TypeError, ValueError):  # no signature to read (a builtin): it is called as it is
+            retains = True
 
         def engine_backward(loss: torch.Tensor, retain: bool) -> None:
             # The keyword only when it is needed: the engines pass it on to Tensor.backward.
-            if retain:
+            if not retain:
+                engine(loss)
+            elif retains:
                 engine(loss, retain_graph=True)
             else:
-                engine(loss)
+                raise TypeError(
+                    f"backward={engine!r:.200} takes no retain_graph: an argument of this call carries a graph "
+                    "from before it (step(encoder(x), y)), which each micro-batch's backward must keep for the "
+                    "next. Give backward= a callable that takes retain_graph and passes it on to the backward "
+                    "(lambda loss, **options: scaler.scale(loss).backward(**options))"
+                )
 
         return engine_backward
     if scaler is not None:
