@@ -301,3 +301,31 @@ def test_a_child_forked_after_an_estimate_of_its_own_kind_starts_clean(case: str
     out = _run(setup, child, "may_go_on.set()\nthread.join()")
     assert "child True True" in out
     assert "child exit status 0" in out
+
+
+def test_a_fork_while_another_thread_holds_a_simulated_device_s_lock_leaves_the_child_its_tensors() -> None:
+    # The device's lock was not made anew in the child: a tensor of the parent's freed there waited for ever
+    # on the lock another thread held at the fork (probe 77D).
+    setup = """
+        import os, threading, torch
+        from koila_retry.testing import simulated_device
+
+        held, may_go_on = threading.Event(), threading.Event()
+        device = simulated_device("1GiB")
+        device.__enter__()
+        kept = [torch.ones(16)]  # counted by the device, freed in the child
+
+        def hold():
+            with device._tracker._lock:  # as a storage that dies in this thread takes it
+                held.set()
+                may_go_on.wait()
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        assert held.wait(60)
+    """
+    child = """kept.clear()
+    print("child freed", flush=True)"""
+    out = _run(setup, child, "may_go_on.set()\nthread.join()\ndevice.__exit__(None, None, None)")
+    assert "child freed" in out
+    assert "child exit status 0" in out

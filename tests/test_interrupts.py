@@ -22,6 +22,7 @@ import koila_retry as koila
 from koila_retry._estimation.auto import _Memo
 from koila_retry._frontends import own_backward
 from koila_retry._frontends.in_flight import IN_FLIGHT, InFlight
+from koila_retry.testing import oom_above
 
 _GENERATOR = 0x20  # inspect.CO_GENERATOR: a generator resumed to close it cannot raise (unraisable)
 
@@ -374,3 +375,52 @@ def test_an_interrupt_as_an_auto_estimate_is_let_go_of_leaves_waiting_threads_fr
     waiter.join(120)  # a hang, not a time: it waits for ever without the fix
     assert not waiter.is_alive()
     assert results
+
+
+def _interrupted_after(function: str, call: str, when: Callable[[FrameType], bool] = lambda frame: True) -> Any:
+    """A profile function that raises KeyboardInterrupt once, as a Ctrl-C would, as ``call`` returns to ``function``."""
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        named = event == "c_return" and frame.f_code.co_name == function and getattr(arg, "__name__", "") == call
+        if named and when(frame):
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    return profile
+
+
+def test_a_ctrl_c_while_an_estimate_lends_the_model_leaves_it_its_own_tensors() -> None:
+    # The proxy of an owner's parameters was set before its record: interrupted in between, the loan's end
+    # put nothing back, and the model kept meta parameters in this thread for good (probe 77D).
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 2), torch.randn(16, 4)
+    weight = model.weight
+    sys.setprofile(_interrupted_after("lend", "append", lambda frame: frame.f_locals.get("name") == "_parameters"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            koila.chunked(model, x, initial="auto", cache=koila.NoCache())
+    finally:
+        sys.setprofile(None)
+    assert type(vars(model)["_parameters"]) is dict
+    assert model.weight is weight
+    assert torch.equal(koila.chunked(model, x, initial="auto", cache=koila.NoCache()), model(x))
+
+
+def test_a_ctrl_c_while_a_batch_is_put_back_leaves_it_whole() -> None:
+    # The dict was cleared and then refilled, two calls: interrupted in between, the caller's batch was empty.
+    model, fits = torch.nn.Linear(4, 2), oom_above(4)
+
+    @koila.accumulate(cache=koila.NoCache())
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch.pop("labels")
+        fits(len(labels))
+        return F.cross_entropy(model(batch["x"]), labels)
+
+    batch = {"x": torch.randn(8, 4), "labels": torch.randint(0, 2, (8,))}
+    sys.setprofile(_interrupted_after("_put_back_mapping", "clear"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(batch)
+    finally:
+        sys.setprofile(None)
+    assert list(batch) == ["x", "labels"]

@@ -80,16 +80,20 @@ class Contents:
 def _put_back_mapping(held: Any, items: dict[Any, Any]) -> None:
     if len(held) == len(items) and all(held.get(key, _MISSING) is value for key, value in items.items()):
         return
-    if type(held) is dict:  # in its order
-        held.clear()
-        held.update(items)
+    if type(held) is dict:  # in its order; refilled even if a Ctrl-C comes between the two calls
+        try:
+            held.clear()
+        finally:
+            held.update(items)
         return
-    if held.keys() != items.keys():  # every key again, in its order
-        for key in list(held):
-            del held[key]
-    for key, value in items.items():
-        if held.get(key, _MISSING) is not value:
-            held[key] = value
+    try:
+        if held.keys() != items.keys():  # every key again, in its order
+            for key in list(held):
+                del held[key]
+    finally:
+        for key, value in items.items():
+            if held.get(key, _MISSING) is not value:
+                held[key] = value
 
 
 def _put_back_sequence(held: Any, items: list[Any]) -> None:
@@ -101,10 +105,13 @@ def _put_back_sequence(held: Any, items: list[Any]) -> None:
     except TypeError:  # a deque takes no slices; an array, slices of arrays only
         pass
     try:
-        del held[:]
-    except TypeError:
-        held.clear()
-    held.extend(items)
+        try:
+            del held[:]
+        except TypeError:
+            held.clear()
+    finally:  # refilled even if a Ctrl-C comes after the clearing, and not where the clearing failed
+        if not len(held):
+            held.extend(items)
 
 
 def _same(first: object, second: object) -> bool:

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
-from koila_retry._common.forks import locks_renewed_in_child
+from koila_retry._common.forks import locks_renewed_in_child, renewed_in_child
 
 # Called with (bytes about to become live, bytes live now) before new storages are
 # counted; raising refuses the allocation.
@@ -39,6 +39,8 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._sizes: dict[int, int] = {}  # bytes counted for each live storage, which a resize changes
         # Re-entrant: the collector may free a tracked storage, and run its forget(), while this thread holds it.
         self._lock = threading.RLock()
+        # A thread of the parent may have held it at a fork: a storage that dies in the child takes it (probe 77D).
+        renewed_in_child(self, _new_rlock)
         self.live = 0
         self.peak = 0
         # The peak before the last operator that raised it, and the ids of the storages it counted: a
@@ -513,3 +515,7 @@ def following_storages(tracker: LiveStorageTracker) -> Any:
         yield
     finally:
         _followers.trackers.remove(tracker)
+
+
+def _new_rlock(tracker: Any) -> None:
+    tracker._lock = threading.RLock()

@@ -446,18 +446,19 @@ class Loan:
         for owner in owners:
             attributes = vars(owner)
             saved = dict(attributes)
-            proxies = []
+            proxies: list[Lent] = []
+            # A parametrized module's class is its own, and parametrizing another tensor (or removing one)
+            # in the run changes that class: its attributes are put back too (probe 75H). Recorded before
+            # any proxy is set: a Ctrl-C in between leaves end() what to put back (probe 77D).
+            own_class = dict(vars(type(owner))) if _parametrized(owner) else None
+            self.installed.append(_Installed(owner, saved, proxies, type(owner), own_class))
             for name, value in saved.items():
                 # A proxy this thread borrows already (an estimate inside an estimate) is lent on in turn.
                 seen = _seen(value)
                 if type(seen) in _PROXIES:
                     proxy = _proxy(value, self._copied(seen, _DEPTH), self.thread)
+                    proxies.append(proxy)  # first: retired with the others, set or not
                     attributes[name] = proxy
-                    proxies.append(proxy)
-            # A parametrized module's class is its own, and parametrizing another tensor (or removing one)
-            # in the run changes that class: its attributes are put back too (probe 75H).
-            own_class = dict(vars(type(owner))) if _parametrized(owner) else None
-            self.installed.append(_Installed(owner, saved, proxies, type(owner), own_class))
         # The copies now live as long as the borrower's containers hold them, as the real ones do.
         self.mode.table = {key: (tensor, weakref.ref(meta)) for key, (tensor, meta) in self._copies.items()}
         self._copies.clear()
