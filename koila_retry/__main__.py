@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import re
@@ -65,21 +67,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         int: the exit status.
     """
-    for stream in (sys.stdout, sys.stderr):  # a class name the terminal's encoding lacks is escaped, not an error
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(errors="backslashreplace")
+    # A class name the terminal's encoding lacks is escaped, not an error; the caller's setting is put back.
+    streams = [(stream, stream.errors) for stream in (sys.stdout, sys.stderr) if isinstance(stream, io.TextIOWrapper)]
+    for stream, _ in streams:
+        stream.reconfigure(errors="backslashreplace")
     try:
         try:
-            status = _main(argv)
+            return _main(argv)
         finally:  # after --help's exit too: a reader gone shows here, not as an error ignored at exit
-            sys.stdout.flush()
+            if sys.stdout is not None:  # none at all: pythonw, or a closed descriptor
+                sys.stdout.flush()
     except BrokenPipeError:
         # The reader stopped reading (``| head -1``): the rest goes nowhere, and the status is a shell's
         # for a writer that a broken pipe ended (128 + SIGPIPE).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream with no descriptor: none to move
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    return status
+    finally:
+        for stream, errors in streams:
+            with contextlib.suppress(OSError, ValueError):  # a broken or closed stream's flush
+                stream.reconfigure(errors=errors)
 
 
 def _main(argv: Sequence[str] | None) -> int:

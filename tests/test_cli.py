@@ -956,6 +956,32 @@ class WithOutput(nn.Module):
 class \u6a21\u578b(nn.Linear):
     def __init__(self):
         super().__init__(8, 8)
+
+
+@dataclasses.dataclass(eq=False)
+class Partial:
+    logits: torch.Tensor
+    aux: torch.Tensor = dataclasses.field(init=False)  # set in some modes only
+    parent: object = None
+
+
+class WithPartial(nn.Linear):
+    def __init__(self):
+        super().__init__(8, 8)
+
+    def forward(self, x):
+        out = Partial(super().forward(x))
+        out.parent = out  # an output that holds itself
+        return out
+
+
+class Chatty(nn.Linear):
+    def __init__(self):
+        super().__init__(8, 8)
+
+    def forward(self, x):
+        print("forward", tuple(x.shape), "-" * 4000)
+        return super().forward(x)
 """
 
 
@@ -999,3 +1025,48 @@ def test_a_reader_that_stops_reading_ends_the_demo_quietly() -> None:
         errors = process.stderr.read()
         assert process.wait(timeout=240) == 141
     assert errors == b""
+
+
+def test_a_dataclass_output_with_a_field_never_set_or_holding_itself_is_trained_on_its_tensors(
+    own_outputs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # getattr of a field declared init=False and never set raised AttributeError; one that held its output
+    # recursed for ever (probe 77K).
+    status, out, err = estimate_cli(capsys, f"{own_outputs}:WithPartial", "--input", "8", "--memory", "1MiB")
+    assert (status, err) == (0, "")
+    assert LARGEST.search(out)
+
+
+def test_a_model_that_prints_to_a_reader_that_stops_reading_ends_quietly(own_outputs: Path) -> None:
+    # The model's own print into the closed pipe was taken for the model's failure: "error: the estimate
+    # failed: BrokenPipeError", status 1 (probe 77K).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    args = ["estimate", f"{own_outputs}:Chatty", "--input", "8", "--memory", "1MiB"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "koila_retry", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    ) as process:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        assert process.stdout.readline().startswith(b"forward")
+        process.stdout.close()
+        errors = process.stderr.read()
+        assert process.wait(timeout=240) == 141
+    assert errors == b""
+
+
+def test_no_stdout_at_all_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pythonw, or a closed descriptor: the flush after the command raised AttributeError on None (probe 77K).
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+
+
+def test_a_broken_pipe_under_a_stdout_with_no_descriptor_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pointing stdout at /dev/null asked a StringIO for its descriptor: io.UnsupportedOperation (probe 77K).
+    def broken(argv: object) -> int:
+        raise BrokenPipeError
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(cli, "_main", broken)
+    assert cli.main(["demo"]) == 141

@@ -184,6 +184,12 @@ def test_only_a_growth_probe_is_weighed_by_grow_gain() -> None:
     assert hardly == Done(64, False, True, True, True, too_slow=True)
     # A refine probe searches for what fits, not for speed: it stays, and growing back goes on.
     assert decision.decide(rules, state(96, probe_from=64), OK, gain=0.01) == Done(96, False, True, True, False)
+    # A growth probe to refine's smallest size that failed, a few rows up, here or on another rank: not weighed,
+    # or growth stopped for good where the next size up fits and runs faster (probes 77G, 77K).
+    bound = decision.decide(rules, state(176, probe_from=168, growing=True), OK, gain=0.01)
+    assert bound == Done(176, False, True, True, True)
+    capped = decision.decide(rules, state(512, ceiling=512, probe_from=300, growing=True), OK, gain=0.01)
+    assert capped.too_slow  # up to the ceiling, the whole step up there is
 
 
 FIRSTS = [

@@ -697,3 +697,26 @@ def test_a_pause_taken_while_the_pauses_are_counted_waits_for_nothing() -> None:
     thread.start()
     assert done.wait(WAIT)
     assert gc.isenabled()
+
+
+def test_a_pause_that_begins_and_ends_as_the_last_is_let_go_leaves_the_collector_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pause taken by this thread between the collector's start and the last pause's going (a signal's
+    # handler that runs an estimate) stopped it, and nothing started it again (probe 77L).
+    from koila_retry._common import collector
+
+    enable, nested = gc.enable, []
+
+    def enable_then_pause() -> None:
+        enable()
+        if not nested:
+            nested.append(True)
+            with collector.collector_paused():
+                pass
+
+    monkeypatch.setattr(gc, "enable", enable_then_pause)
+    with collector.collector_paused():
+        pass
+    assert nested == [True]
+    assert gc.isenabled()

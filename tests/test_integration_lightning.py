@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import default_collate
 
 import koila_retry as koila
@@ -2220,3 +2221,38 @@ def test_a_step_that_writes_grad_itself_before_its_own_zero_grad_trains_as_witho
     trainer(max_steps=3).fit(reference, loader(rows=192))
     trainer(OOMRecovery(), max_steps=3).fit(model, loader(rows=192))
     assert_same_parameters(model, reference, rtol=0, atol=0)
+
+
+class _OOMAtGrowthTracker(TorchDispatchMode):
+    """Runs out of memory once, as GradScaler makes its growth tracker (its int32 full) after its scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fired = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.fired and func is torch.ops.aten.full.default and kwargs.get("dtype") == torch.int32:
+            self.fired += 1
+            raise make_oom()
+        return func(*args, **kwargs)
+
+
+def test_a_grad_scaler_half_made_by_the_loop_s_own_backward_is_made_again() -> None:
+    # Lightning's backward of the whole batch ran out of memory between the scaler's scale and its tracker:
+    # the micro-batches ran, and the optimizer step asserted on the missing tracker (probe 77L).
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    events: list[Any] = []
+    failing = _OOMAtGrowthTracker()
+    try:
+        with failing:
+            trainer(OOMRecovery(on_oom=events.append), plugins=[precision]).fit(Float32MLP(), loader(rows=128))
+    except (RuntimeError, ValueError) as error:  # pragma: no cover - depends on the CPU build
+        if "float16" not in str(error).lower() and "half" not in str(error).lower():
+            raise
+        pytest.skip(f"float16 autocast does not train on this CPU build of torch: {error}")
+    assert failing.fired == 1
+    assert len(events) == 1
+    assert precision.scaler._growth_tracker is not None

@@ -245,6 +245,8 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
                 # Every step after the first holds the optimizer's state from its start: estimate one of those.
                 try:
                     _warm_up(step, inputs)
+                except BrokenPipeError:
+                    raise
                 except Exception:
                     # Only the estimate's own run takes tensors the model makes or moves on the CPU to meta
                     # (.cpu(), a new CPU tensor): estimate two steps there, the second holding the first's state.
@@ -260,6 +262,8 @@ def _run(args: argparse.Namespace, shapes: list[tuple[int, ...]], dtypes: list[t
             raise Failure(
                 _exited("running the model", exc, "on meta tensors: its forward must return, not exit")
             ) from None
+        except BrokenPipeError:  # the model's own prints' reader stopped reading: see main
+            raise
         except Exception as exc:
             message = _one_line(str(exc))
             hint = ""
@@ -393,6 +397,8 @@ def _import(module: str) -> Any:
         except SystemExit as exc:
             del sys.modules[name]
             raise Failure(_exited(f"importing {module}", exc, _GUARD)) from None
+        except BrokenPipeError:  # the model's own prints' reader stopped reading: see main
+            raise
         except Exception as exc:
             del sys.modules[name]
             raise Failure(_raised(f"importing {module}", exc)) from None
@@ -407,6 +413,8 @@ def _import(module: str) -> Any:
                 f"no module named {exc.name!r} (looked in the current directory and on sys.path)", status=2
             ) from None
         raise Failure(_raised(f"importing {module}", exc)) from None
+    except BrokenPipeError:  # the model's own prints' reader stopped reading: see main
+        raise
     except Exception as exc:
         raise Failure(_raised(f"importing {module}", exc)) from None
 
@@ -431,6 +439,8 @@ def _build(target: Target, dtype: torch.dtype) -> nn.Module:
         raise Failure(
             _exited(f"{target.text}()", exc, "instead of building the model: a factory must return the model")
         ) from None
+    except BrokenPipeError:  # the model's own prints' reader stopped reading: see main
+        raise
     except Exception as exc:
         raise Failure(_raised(f"{target.text}()", exc)) from None
     if not isinstance(model, nn.Module):
@@ -438,6 +448,8 @@ def _build(target: Target, dtype: torch.dtype) -> nn.Module:
     try:
         # Whatever the factory made elsewhere moves to the meta device too: nothing is held as data.
         return model.to(device=_META, dtype=dtype)
+    except BrokenPipeError:  # the model's own prints' reader stopped reading: see main
+        raise
     except Exception as exc:
         raise Failure(_raised("moving the model to the meta device", exc)) from None
 
@@ -509,18 +521,20 @@ def _loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
+def _tensors(out: Any, depth: int = 16) -> Iterator[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         yield out
+    elif depth == 0:  # deeper than any output is nested: one that holds itself
+        return
     elif isinstance(out, Mapping):
         for value in out.values():
-            yield from _tensors(value)
+            yield from _tensors(value, depth - 1)
     elif isinstance(out, (list, tuple)):
         for value in out:
-            yield from _tensors(value)
+            yield from _tensors(value, depth - 1)
     elif dataclasses.is_dataclass(out) and not isinstance(out, type):  # a model's output of its own
         for found in dataclasses.fields(out):
-            yield from _tensors(getattr(out, found.name))
+            yield from _tensors(getattr(out, found.name, None), depth - 1)  # a field never set: none
 
 
 # --- the output -----------------------------------------------------------------------

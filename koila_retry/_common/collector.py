@@ -49,6 +49,8 @@ def _let_go(thread: int) -> None:
     if len(_pauses) - (thread in _pauses) == 0 and _was_on[0]:
         gc.enable()  # before the last pause goes: a child forked in between finds one, and starts it again
     _pauses.pop(thread, None)
+    if not _pauses and _was_on[0]:  # again: a pause that began and ended in between (a signal's handler) stopped it
+        gc.enable()
 
 
 def _after_fork_in_child() -> None:

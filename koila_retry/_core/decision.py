@@ -92,9 +92,6 @@ class State:
     # Whether a probe above probe_from is growth's (grow=True): only a growth probe moves growing back
     # (its streak, grow_gain); refine's searches below a size that failed. Set at each start.
     growing: bool = False
-    # Whether that growth probe goes to refine's smallest size that failed, a few rows up: it looks for
-    # memory that came back, and grow_gain, which would judge its few rows too slow, does not weigh it.
-    bounded: bool = False
     measures: int = 0  # how many more successful runs are measured for the estimate's correction
     estimated: bool = False  # size is an estimate's (initial="auto"), the cache holding none
     corrected: bool = False  # a measured run has corrected the size in this call
@@ -272,7 +269,7 @@ def decide(
         if state.rows is not None and not rules.keep_last:
             # A short last step proves nothing about its full size: nothing is stored.
             return Done(None, False, conclusive=False, reduced=False, probe=probe)
-        if grew and rules.grow_gain is not None and gain is not None and gain < rules.grow_gain and not state.bounded:
+        if grew and rules.grow_gain is not None and gain is not None and gain < rules.grow_gain and _full(rules, state):
             # It fits, but runs hardly faster: keep the size below, and stop growing.
             below = cast(int, state.probe_from)
             store = below if state.cached != below else None
@@ -297,6 +294,14 @@ def decide(
         return GiveUp("ranks", grew) if agreed is None else Try(max(agreed, state.floor), grew)
     step = _after_oom(rules, state, size, probing, grew, hint)
     return GiveUp("iterator", step.probe) if reused and isinstance(step, Try) else step
+
+
+def _full(rules: Rules, state: State) -> bool:
+    """Return whether a growth probe went the whole step up, not only to refine's smallest size that failed."""
+    # That one, a few rows up (on any rank, when ranks agree), looks for memory that came back: grow_gain,
+    # which would judge its few rows too slow, does not weigh it.
+    full = grow_by(rules.schedule, cast(int, state.probe_from), rules.name)
+    return state.size >= (full if rules.initial is None else min(full, state.ceiling))
 
 
 def _after_oom(rules: Rules, state: State, size: int, probing: bool, grew: bool, hint: int | None) -> Try | GiveUp:

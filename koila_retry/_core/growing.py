@@ -95,7 +95,6 @@ class Growing(Strategy):
         size = decision.grown(rules, state, due, failed)
         state.probe_from = state.size if size != state.size else None
         state.growing = size != state.size  # refine's probe, which may start instead, is none of growth's
-        state.bounded = state.growing and size == failed
         if size != state.size:
             wait = None if streak is None else streak[1]
             logger.info("%s: succeeded %s times in a row at batch size %d; trying %d", name, wait, state.size, size)

@@ -81,7 +81,7 @@ class _Tracker(ThreadTracker):
         return torch._C._current_graph_task_id() == -1
 
 
-_SPARSE = "counted as the dense tensor it stands for, far above its non-zeros: give initial= a size, not 'auto'"
+_SPARSE = "counted as the dense tensor it stands for, not by its non-zeros: give initial= a size, not 'auto'"
 
 
 def _on_meta_device(tensor: torch.Tensor, shape: list[int]) -> torch.Tensor:

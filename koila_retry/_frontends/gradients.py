@@ -36,6 +36,7 @@ __all__ = [
     "Gradients",
     "Scaled",
     "backward_of",
+    "made_again",
     "plain_backward",
 ]
 # The autograd node that writes a leaf's ``.grad``.
@@ -103,7 +104,7 @@ def backward_of(engine: Callable[..., Any] | None, scaler: Any) -> Backward:
 
         return engine_backward
     if scaler is not None:
-        return Scaled(scaler.scale)
+        return Scaled(scaler)
     return plain_backward
 
 
@@ -143,30 +144,27 @@ def plain_backward(loss: torch.Tensor, retain: bool) -> None:
 class Scaled:
     """Run the backward of a gradient scaler's ``scale(loss)``."""
 
-    __slots__ = ("scale",)
+    __slots__ = ("scale", "scaler")
 
-    def __init__(self, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.scale = scale
+    def __init__(self, scaler: Any) -> None:
+        self.scaler, self.scale = scaler, scaler.scale
 
     def __call__(self, loss: torch.Tensor, retain: bool) -> None:
         self.scaled(loss).backward(retain_graph=retain)  # type: ignore[no-untyped-call]
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """Return ``scale(loss)``."""
-        try:
-            return self.scale(loss)
-        except BaseException:
-            _made_again(self.scale)
-            raise
+        made_again(self.scaler)
+        return cast(torch.Tensor, self.scale(loss))
 
 
-def _made_again(scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Let a GradScaler that ran out of memory while it made its state make it again at its next ``scale()``."""
-    # It makes its scale, then its growth tracker, on first use: an error between the two left a scale
-    # without a tracker, which no later scale() makes, and scaler.step() asserted on it (probe 77I).
-    scaler = getattr(scale, "__self__", None)
+def made_again(scaler: Any) -> None:
+    """Let a GradScaler that ran out of memory while it made its state make it again at this ``scale()``."""
+    # It makes its scale, then its growth tracker, on first use: an error between the two (in a step's
+    # backward, or in a trainer's own) left a scale without a tracker, which no later scale() made, and
+    # scaler.step() asserted on it (probes 77I, 77L).
     if getattr(scaler, "_scale", None) is not None and getattr(scaler, "_growth_tracker", 0) is None:
-        scaler._scale = None  # type: ignore[union-attr]
+        scaler._scale = None
 
 
 class Gradients:

@@ -202,22 +202,25 @@ def generated_pad(trainer: Any, generating: dict[str, Any]) -> float | None:
         return None
 
 
-def generation_state(trainer: Any) -> tuple[Any, dict[str, Any]] | None:
-    """Return the generation config a ``Seq2SeqTrainer`` generates by, and a copy of its state; or ``None``."""
+def generation_state(trainer: Any) -> tuple[Any, Any, dict[str, Any]] | None:
+    """Return the model a ``Seq2SeqTrainer`` generates with, its generation config and that config's state; or None."""
     # Its prediction step changes the config after its first generate (max_length filled in from the
     # defaults): a retry, or a chunk after the first, would generate by another config than the batch's.
     if not getattr(trainer.args, "predict_with_generate", False):
         return None
-    config = getattr(trainer.model, "generation_config", None)
+    model = trainer.model
+    config = getattr(model, "generation_config", None)
     state = getattr(config, "__dict__", None)
-    return (config, copy.deepcopy(state)) if isinstance(state, dict) else None
+    return (model, config, copy.deepcopy(state)) if isinstance(state, dict) else None
 
 
-def put_back(trainer: Any, held: tuple[Any, dict[str, Any]]) -> None:
-    """Give the trainer's model the generation config :func:`generation_state` found, with the state it had."""
-    config, state = held
-    if trainer.model.generation_config is not config:  # a step of the user's swapped in a config of its own
-        trainer.model.generation_config = config
+def put_back(held: tuple[Any, Any, dict[str, Any]]) -> None:
+    """Give the model :func:`generation_state` found its generation config back, with the state it had."""
+    model, config, state = held
+    # A step of the user's may have swapped in a config of its own, or another model (an average's): the
+    # model is given back its own, and another model keeps its own.
+    if model.generation_config is not config:
+        model.generation_config = config
     vars(config).clear()
     vars(config).update(copy.deepcopy(state))
 

@@ -44,6 +44,7 @@ from koila_retry._core.sharded import as_sharded
 from koila_retry._core.stats import OOMEvent
 from koila_retry._frontends.accumulate import accumulator
 from koila_retry._frontends.batch import Batched
+from koila_retry._frontends.gradients import made_again
 from koila_retry._frontends.other_leaves import OtherLeaves, added_back
 from koila_retry._frontends.whole import Whole, unsplittable
 from koila_retry.integrations._lightning_logging import WHOLE, Logs
@@ -404,6 +405,7 @@ class _Step:
     def _scaled(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run one micro-batch's backward of the loss scaled by AMP's gradient scaler."""
         scaler = self.installed()[0].precision_plugin.scaler  # type: ignore[attr-defined]
+        made_again(scaler)  # half made by the loop's own backward, which ran out of memory
         if self.scale is None:
             self.scale = scaler.scale(torch.ones((), device=loss.device))
         scaler.scale(loss).backward(**kwargs)
@@ -414,6 +416,7 @@ class _Step:
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
+            made_again(scaler)
             if self.scale is None:
                 self.scale = scaler.scale(torch.ones((), device=loss.device))
             loss = scaler.scale(loss)

@@ -401,7 +401,7 @@ class _Training(_Bound):
             try:
                 returned = step(model, inputs, count)[1]
             except (TypeError, ValueError):  # from Split, before anything ran, or the step's own
-                reason = unsplittable((), {"inputs": inputs}, "adapt")
+                reason = unsplittable((), {"inputs": inputs, "num_items_in_batch": count}, "adapt")
                 if reason is None:
                     raise
             if reason is not None:  # outside the handler, whose error is gone: the step runs whole
@@ -678,7 +678,7 @@ class _Prediction(_Bound):
         self.padded = self.warned_padded = False  # whether the step's parts were padded with -100 (see pad)
         self.packed: dict[str, Any] = {}  # a packed row's sequence boundaries (see apart)
         self.generating: dict[str, Any] = {}  # a Seq2SeqTrainer's gen_kwargs given to the call
-        self.generation: tuple[Any, dict[str, Any]] | None = None  # its model's generation config, as the call began
+        self.generation: tuple[Any, Any, dict[str, Any]] | None = None  # its model's generation config, as it began
         self.grad_mode = False  # the call's, under which the step runs (accumulate runs it under no_grad)
 
         def prediction_step(
@@ -687,7 +687,7 @@ class _Prediction(_Bound):
             try:
                 ran = joined(inputs, self.packed)
                 if self.generation is not None:  # as the batch began, in each attempt and chunk
-                    put_back(trainer, self.generation)
+                    put_back(self.generation)
                 with torch.set_grad_enabled(self.grad_mode):  # the trainer's: an override may take gradients
                     found = self.original(model, ran, prediction_loss_only, ignore_keys=ignore_keys, **self.generating)
                 loss, logits, labels = found
@@ -779,7 +779,7 @@ class _Prediction(_Bound):
             try:
                 found = step(model, inputs, prediction_loss_only, ignore_keys, where)
             except (TypeError, ValueError):  # as in training
-                reason = unsplittable((), {"inputs": inputs}, "adapt")
+                reason = unsplittable((), {"inputs": inputs}, "adapt")  # where: one row per row of them
                 if reason is None:
                     raise
             if reason is not None:
